@@ -1,0 +1,455 @@
+// Binding conventions shared by every family and backend (CPU and CUDA).
+//
+// Every exported function checks its arguments here before touching memory: the last line of
+// defence behind flashkda_ext/validation.py. A failed check raises a Python ValueError whose
+// message names the module, the function, the argument, what was expected and what was received.
+// The supported set (head dims, value heads, group sizes, state dtype) is read from the FKDA_*
+// macros that the JIT renders from the module record and jit/supported.json, never from literals.
+#pragma once
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+#include <tvm/ffi/string.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <vector>
+
+// The JIT renders all of these; a hand build that forgets one should fail here, loudly.
+#if !defined(FKDA_MODULE_NAME) || !defined(FKDA_FAMILY) || !defined(FKDA_THREADS) ||              \
+    !defined(FKDA_SMEM_BYTES) || !defined(FKDA_MIN_BLOCKS) || !defined(FKDA_CLUSTER_X) ||           \
+    !defined(FKDA_CLUSTER_Y) || !defined(FKDA_CLUSTER_Z) || !defined(FKDA_PERSISTENT_K) ||          \
+    !defined(FKDA_STATE_BF16) || !defined(FKDA_SLOT_OFFSET_BITS) || !defined(FKDA_HEAD_DIM_K) ||    \
+    !defined(FKDA_HEAD_DIM_V) || !defined(FKDA_SUPPORTED_VALUE_HEADS) ||                            \
+    !defined(FKDA_NUM_SUPPORTED_VALUE_HEADS) || !defined(FKDA_SUPPORTED_GROUP_SIZES) ||             \
+    !defined(FKDA_NUM_SUPPORTED_GROUP_SIZES)
+#error "flashkda_ext: a FKDA_* macro is missing; build modules through flashkda_ext.jit (see docs/architecture.md)"
+#endif
+
+// Raise a ValueError prefixed with "<module>::<fn>: ". Use as FKDA_FAIL(fn) << "details".
+#define FKDA_FAIL(fn) TVM_FFI_THROW(ValueError) << FKDA_MODULE_NAME << "::" << (fn) << ": "
+// Ad-hoc contract in a binding; the message should still name the argument and both values.
+#define FKDA_CHECK(cond, fn) \
+  if (TVM_FFI_PREDICT_FALSE(!(cond))) FKDA_FAIL(fn)
+
+namespace fkda {
+
+using tvm::ffi::TensorView;
+using OptTensor = tvm::ffi::Optional<tvm::ffi::TensorView>;
+
+// ---------------------------------------------------------------------------------------------
+// Enumerations of the module ABI (docs/architecture.md, "Module ABI").
+
+enum class GateMode : int64_t { kSoftplus = 0, kBounded = 1, kLog = 2 };
+constexpr int64_t kNumGateModes = 3;
+
+inline const char* gate_mode_name(GateMode m) {
+  switch (m) {
+    case GateMode::kSoftplus: return "softplus";
+    case GateMode::kBounded: return "bounded";
+    case GateMode::kLog: return "log";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data types.
+
+constexpr DLDataType kF32{kDLFloat, 32, 1};
+constexpr DLDataType kF64{kDLFloat, 64, 1};
+constexpr DLDataType kF16{kDLFloat, 16, 1};
+constexpr DLDataType kBF16{kDLBfloat, 16, 1};
+constexpr DLDataType kI32{kDLInt, 32, 1};
+constexpr DLDataType kI64{kDLInt, 64, 1};
+constexpr DLDataType kU8{kDLUInt, 8, 1};
+
+inline bool same_dtype(DLDataType a, DLDataType b) {
+  return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;
+}
+
+inline std::string dtype_name(DLDataType t) {
+  std::string base;
+  switch (t.code) {
+    case kDLFloat: base = "float"; break;
+    case kDLBfloat: base = "bfloat"; break;
+    case kDLInt: base = "int"; break;
+    case kDLUInt: base = "uint"; break;
+    case kDLBool: base = "bool"; break;
+    default: base = "code" + std::to_string(static_cast<int>(t.code)) + "_"; break;
+  }
+  std::string s = base + std::to_string(static_cast<int>(t.bits));
+  if (t.lanes != 1) s += "x" + std::to_string(static_cast<int>(t.lanes));
+  return s;
+}
+
+inline std::string device_type_name(DLDeviceType t) {
+  switch (t) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda";
+    case kDLCUDAHost: return "cuda_host";
+    case kDLCUDAManaged: return "cuda_managed";
+    default: return "device_type" + std::to_string(static_cast<int>(t));
+  }
+}
+
+inline std::string device_name(DLDevice d) {
+  return device_type_name(d.device_type) + ":" + std::to_string(d.device_id);
+}
+
+template <typename Seq>
+std::string list_str(const Seq& xs) {
+  std::ostringstream os;
+  os << "[";
+  bool first = true;
+  for (const auto& x : xs) {
+    os << (first ? "" : ", ") << x;
+    first = false;
+  }
+  os << "]";
+  return os.str();
+}
+
+inline std::string shape_str(const TensorView& t) {
+  std::vector<int64_t> s(t.ndim());
+  for (int i = 0; i < t.ndim(); ++i) s[i] = t.size(i);
+  return list_str(s);
+}
+
+// First element, honouring DLPack's byte_offset.
+template <typename T>
+inline T* data_ptr(const TensorView& t) {
+  return static_cast<T*>(static_cast<void*>(static_cast<char*>(t.data_ptr()) + t.byte_offset()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Argument checks. One Checker per exported call; `fn` is the exported function's name.
+
+// A named dimension of an expected shape; value < 0 means "any".
+struct Dim {
+  const char* label;
+  int64_t value;
+};
+
+class Checker {
+ public:
+  explicit Checker(const char* fn) : fn_(fn) {}
+  const char* fn() const { return fn_; }
+
+  void device_type(const TensorView& t, const char* name, DLDeviceType type) const {
+    if (t.device().device_type != type) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must be a " << device_type_name(type)
+                     << " tensor, got one on " << device_name(t.device());
+    }
+  }
+
+  // t lives on exactly the same device as ref (type and id).
+  void same_device(const TensorView& t, const char* name, const TensorView& ref,
+                   const char* ref_name) const {
+    DLDevice a = t.device(), b = ref.device();
+    if (a.device_type != b.device_type || a.device_id != b.device_id) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must be on the same device as '" << ref_name
+                     << "' (" << device_name(b) << "), got " << device_name(a);
+    }
+  }
+
+  void dtype(const TensorView& t, const char* name, std::initializer_list<DLDataType> allowed) const {
+    for (DLDataType a : allowed)
+      if (same_dtype(t.dtype(), a)) return;
+    std::vector<std::string> names;
+    for (DLDataType a : allowed) names.push_back(dtype_name(a));
+    FKDA_FAIL(fn_) << "argument '" << name << "' must have dtype "
+                   << (names.size() == 1 ? names[0] : "one of " + list_str(names)) << ", got "
+                   << dtype_name(t.dtype());
+  }
+
+  void same_dtype_as(const TensorView& t, const char* name, const TensorView& ref,
+                     const char* ref_name) const {
+    if (!same_dtype(t.dtype(), ref.dtype())) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must have the dtype of '" << ref_name << "' ("
+                     << dtype_name(ref.dtype()) << "), got " << dtype_name(t.dtype());
+    }
+  }
+
+  void ndim(const TensorView& t, const char* name, int expected, const char* layout) const {
+    if (t.ndim() != expected) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must have " << expected << " dims " << layout
+                     << ", got " << t.ndim() << " dims with shape " << shape_str(t);
+    }
+  }
+
+  // Exact shape with named dims, e.g. {{"rows", 3}, {"H", 2}, {"K", 64}}.
+  void shape(const TensorView& t, const char* name, std::initializer_list<Dim> dims) const {
+    bool ok = t.ndim() == static_cast<int>(dims.size());
+    int i = 0;
+    for (const Dim& d : dims) {
+      if (ok && d.value >= 0 && t.size(i) != d.value) ok = false;
+      ++i;
+    }
+    if (ok) return;
+    std::ostringstream want;
+    want << "[";
+    i = 0;
+    for (const Dim& d : dims) {
+      want << (i++ ? ", " : "") << d.label;
+      if (d.value >= 0) want << "=" << d.value;
+    }
+    want << "]";
+    FKDA_FAIL(fn_) << "argument '" << name << "' must have shape " << want.str() << ", got "
+                   << shape_str(t);
+  }
+
+  // Compact row-major (dims of size 1 may carry any stride, as DLPack producers normalise them).
+  void contiguous(const TensorView& t, const char* name) const {
+    if (t.IsContiguous()) return;
+    std::vector<int64_t> st(t.ndim());
+    for (int i = 0; i < t.ndim(); ++i) st[i] = t.stride(i);
+    FKDA_FAIL(fn_) << "argument '" << name << "' must be contiguous (row-major), got shape "
+                   << shape_str(t) << " with strides " << list_str(st);
+  }
+
+  void aligned(const TensorView& t, const char* name, int64_t bytes) const {
+    auto addr = reinterpret_cast<std::uintptr_t>(data_ptr<char>(t));
+    if (t.numel() > 0 && addr % static_cast<std::uintptr_t>(bytes) != 0) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must be " << bytes
+                     << "-byte aligned, got address offset " << (addr % bytes) << " mod " << bytes;
+    }
+  }
+
+  // Element offsets of the whole tensor must fit a signed index of `bits` bits.
+  void offsets_fit(const TensorView& t, const char* name, int bits) const {
+    if (bits >= 64) return;
+    const int64_t limit = (int64_t{1} << (bits - 1)) - 1;
+    if (t.numel() > limit) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' has " << t.numel()
+                     << " elements, more than this module's " << bits
+                     << "-bit slot offsets address (max " << limit
+                     << "); use a module with 64-bit offsets";
+    }
+  }
+
+  // ---- scalars -------------------------------------------------------------------------------
+
+  GateMode gate_mode(int64_t mode) const {
+    if (mode < 0 || mode >= kNumGateModes) {
+      FKDA_FAIL(fn_) << "argument 'gate_mode' must be 0 (softplus), 1 (bounded) or 2 (log), got "
+                     << mode;
+    }
+    return static_cast<GateMode>(mode);
+  }
+
+  // lower_bound matters only for the bounded gate, where it must be finite and < 0.
+  void lower_bound(GateMode mode, double lb) const {
+    if (mode == GateMode::kBounded && !(std::isfinite(lb) && lb < 0.0)) {
+      FKDA_FAIL(fn_) << "argument 'lower_bound' must be finite and < 0 with the bounded gate, got "
+                     << lb;
+    }
+  }
+
+  // A_log float32 [HV] and dt_bias float32 [HV*K] or [HV, K], on ref's device. softplus needs
+  // both; log takes neither (it is the decay itself); bounded takes each optionally (absent = 0),
+  // the same rule as flashkda_ext/validation.py and the reference.
+  void gate_params(GateMode mode, const OptTensor& A_log, const OptTensor& dt_bias, int64_t HV,
+                   int64_t K, const TensorView& ref, const char* ref_name) const {
+    if (mode == GateMode::kSoftplus && (!A_log.has_value() || !dt_bias.has_value())) {
+      FKDA_FAIL(fn_) << "argument '" << (A_log.has_value() ? "dt_bias" : "A_log")
+                     << "' is required by the softplus gate (gate_mode 0), got None";
+    }
+    if (mode == GateMode::kLog && (A_log.has_value() || dt_bias.has_value())) {
+      FKDA_FAIL(fn_) << "argument '" << (A_log.has_value() ? "A_log" : "dt_bias")
+                     << "' must be None with the log gate (gate_mode 2: g is the log decay), got a tensor";
+    }
+    if (A_log.has_value()) {
+      const TensorView& a = A_log.value();
+      same_device(a, "A_log", ref, ref_name);
+      dtype(a, "A_log", {kF32});
+      shape(a, "A_log", {{"HV", HV}});
+      contiguous(a, "A_log");
+    }
+    if (dt_bias.has_value()) {
+      const TensorView& b = dt_bias.value();
+      same_device(b, "dt_bias", ref, ref_name);
+      dtype(b, "dt_bias", {kF32});
+      if (b.ndim() == 2) {
+        shape(b, "dt_bias", {{"HV", HV}, {"K", K}});
+      } else {
+        shape(b, "dt_bias", {{"HV*K", HV * K}});
+      }
+      contiguous(b, "dt_bias");
+    }
+  }
+
+  void positive_finite(double x, const char* name) const {
+    if (!(std::isfinite(x) && x > 0.0)) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must be finite and > 0, got " << x;
+    }
+  }
+
+  void non_negative(int64_t x, const char* name) const {
+    if (x < 0) FKDA_FAIL(fn_) << "argument '" << name << "' must be >= 0, got " << x;
+  }
+
+  // ---- the supported set, from the FKDA_* macros ---------------------------------------------
+
+  void head_dims(int64_t K, int64_t V) const {
+    if (K <= 0 || V <= 0) {
+      FKDA_FAIL(fn_) << "head dims must be > 0, got K=" << K << ", V=" << V;
+    }
+    if (FKDA_HEAD_DIM_K != 0 && K != FKDA_HEAD_DIM_K) {
+      FKDA_FAIL(fn_) << "key head dim K must be " << FKDA_HEAD_DIM_K << " for this module, got " << K;
+    }
+    if (FKDA_HEAD_DIM_V != 0 && V != FKDA_HEAD_DIM_V) {
+      FKDA_FAIL(fn_) << "value head dim V must be " << FKDA_HEAD_DIM_V << " for this module, got "
+                     << V;
+    }
+  }
+
+  // HV must be a supported value-head count and a multiple of H with a supported group size.
+  void heads(int64_t H, int64_t HV) const {
+    if (H <= 0 || HV <= 0 || HV % H != 0) {
+      FKDA_FAIL(fn_) << "value heads HV must be a positive multiple of key heads H, got H=" << H
+                     << ", HV=" << HV;
+    }
+    // Arrays are one longer than their list so an empty brace list ({} = any) stays valid C++.
+    static constexpr int64_t kHeads[FKDA_NUM_SUPPORTED_VALUE_HEADS + 1] = FKDA_SUPPORTED_VALUE_HEADS;
+    static constexpr int64_t kGroups[FKDA_NUM_SUPPORTED_GROUP_SIZES + 1] = FKDA_SUPPORTED_GROUP_SIZES;
+    if (!in_list(HV, kHeads, FKDA_NUM_SUPPORTED_VALUE_HEADS)) {
+      FKDA_FAIL(fn_) << "value heads HV must be one of "
+                     << list_of(kHeads, FKDA_NUM_SUPPORTED_VALUE_HEADS) << " for this module, got "
+                     << HV;
+    }
+    if (!in_list(HV / H, kGroups, FKDA_NUM_SUPPORTED_GROUP_SIZES)) {
+      FKDA_FAIL(fn_) << "group size HV/H must be one of "
+                     << list_of(kGroups, FKDA_NUM_SUPPORTED_GROUP_SIZES)
+                     << " for this module, got HV/H=" << HV << "/" << H << "=" << HV / H;
+    }
+  }
+
+  // FKDA_STATE_BF16: 0 = float32 only, 1 = bfloat16 only, -1 = any of `any_of`.
+  void state_dtype(const TensorView& t, const char* name,
+                   std::initializer_list<DLDataType> any_of) const {
+    if (FKDA_STATE_BF16 == 1) {
+      dtype(t, name, {kBF16});
+    } else if (FKDA_STATE_BF16 == 0) {
+      dtype(t, name, {kF32});
+    } else {
+      dtype(t, name, any_of);
+    }
+  }
+
+  // ---- host-side index checks (only where the indices live in host memory) -------------------
+
+  // Every index in [*, slots): negative ones are padding; a padding index is never dereferenced.
+  void slot_indices_host(const TensorView& idx, const char* name, int64_t slots) const {
+    const int32_t* p = data_ptr<int32_t>(idx);
+    const int64_t n = idx.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      if (p[i] >= slots) {
+        FKDA_FAIL(fn_) << "argument '" << name << "': index " << name << "[" << i << "] = " << p[i]
+                       << " is out of range for a pool of " << slots
+                       << " slots (expected < " << slots << "; negative = padding)";
+      }
+    }
+  }
+
+  // cu_seqlens (int32 or int64, host memory): starts at 0, non-decreasing, ends at T.
+  std::vector<int64_t> cu_seqlens_host(const TensorView& cu, const char* name, int64_t T) const {
+    const int64_t n = cu.numel();
+    std::vector<int64_t> off(n);
+    if (same_dtype(cu.dtype(), kI32)) {
+      const int32_t* p = data_ptr<int32_t>(cu);
+      for (int64_t i = 0; i < n; ++i) off[i] = p[i];
+    } else {
+      const int64_t* p = data_ptr<int64_t>(cu);
+      for (int64_t i = 0; i < n; ++i) off[i] = p[i];
+    }
+    if (n < 1 || off[0] != 0) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must start at 0, got "
+                     << (n < 1 ? std::string("an empty tensor") : std::to_string(off[0]));
+    }
+    for (int64_t i = 1; i < n; ++i) {
+      if (off[i] < off[i - 1]) {
+        FKDA_FAIL(fn_) << "argument '" << name << "' must be non-decreasing, got " << name << "["
+                       << i - 1 << "] = " << off[i - 1] << " > " << name << "[" << i
+                       << "] = " << off[i];
+      }
+    }
+    if (off[n - 1] != T) {
+      FKDA_FAIL(fn_) << "argument '" << name << "' must end at the token count T = " << T
+                     << ", got " << name << "[" << n - 1 << "] = " << off[n - 1];
+    }
+    return off;
+  }
+
+ private:
+  static bool in_list(int64_t x, const int64_t* xs, int64_t n) {
+    if (n == 0) return true;  // empty list = any
+    for (int64_t i = 0; i < n; ++i)
+      if (xs[i] == x) return true;
+    return false;
+  }
+  static std::string list_of(const int64_t* xs, int64_t n) {
+    return list_str(std::vector<int64_t>(xs, xs + n));
+  }
+
+  const char* fn_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// fkda_contract(): the macros this module was compiled with, as JSON keyed by macro name, so tests
+// can prove the binding, the module record and jit/supported.json agree.
+
+namespace detail {
+inline std::string json_string(const char* s) {
+  std::string out = "\"";
+  for (const char* c = s; *c; ++c) {
+    if (*c == '"' || *c == '\\') out += '\\';
+    out += *c;
+  }
+  return out + "\"";
+}
+inline std::string json_list(const int64_t* xs, int64_t n) {
+  std::string s = "[";
+  for (int64_t i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(xs[i]);
+  return s + "]";
+}
+}  // namespace detail
+
+inline tvm::ffi::String contract_json() {
+  static constexpr int64_t kHeads[FKDA_NUM_SUPPORTED_VALUE_HEADS + 1] = FKDA_SUPPORTED_VALUE_HEADS;
+  static constexpr int64_t kGroups[FKDA_NUM_SUPPORTED_GROUP_SIZES + 1] = FKDA_SUPPORTED_GROUP_SIZES;
+  std::ostringstream os;
+  os << "{"
+     << "\"FKDA_MODULE_NAME\":" << detail::json_string(FKDA_MODULE_NAME) << ","
+     << "\"FKDA_FAMILY\":" << detail::json_string(FKDA_FAMILY) << ","
+     << "\"FKDA_THREADS\":" << static_cast<int64_t>(FKDA_THREADS) << ","
+     << "\"FKDA_SMEM_BYTES\":" << static_cast<int64_t>(FKDA_SMEM_BYTES) << ","
+     << "\"FKDA_MIN_BLOCKS\":" << static_cast<int64_t>(FKDA_MIN_BLOCKS) << ","
+     << "\"FKDA_CLUSTER_X\":" << static_cast<int64_t>(FKDA_CLUSTER_X) << ","
+     << "\"FKDA_CLUSTER_Y\":" << static_cast<int64_t>(FKDA_CLUSTER_Y) << ","
+     << "\"FKDA_CLUSTER_Z\":" << static_cast<int64_t>(FKDA_CLUSTER_Z) << ","
+     << "\"FKDA_PERSISTENT_K\":" << static_cast<int64_t>(FKDA_PERSISTENT_K) << ","
+     << "\"FKDA_STATE_BF16\":" << static_cast<int64_t>(FKDA_STATE_BF16) << ","
+     << "\"FKDA_SLOT_OFFSET_BITS\":" << static_cast<int64_t>(FKDA_SLOT_OFFSET_BITS) << ","
+     << "\"FKDA_HEAD_DIM_K\":" << static_cast<int64_t>(FKDA_HEAD_DIM_K) << ","
+     << "\"FKDA_HEAD_DIM_V\":" << static_cast<int64_t>(FKDA_HEAD_DIM_V) << ","
+     << "\"FKDA_SUPPORTED_VALUE_HEADS\":"
+     << detail::json_list(kHeads, FKDA_NUM_SUPPORTED_VALUE_HEADS) << ","
+     << "\"FKDA_NUM_SUPPORTED_VALUE_HEADS\":"
+     << static_cast<int64_t>(FKDA_NUM_SUPPORTED_VALUE_HEADS) << ","
+     << "\"FKDA_SUPPORTED_GROUP_SIZES\":"
+     << detail::json_list(kGroups, FKDA_NUM_SUPPORTED_GROUP_SIZES) << ","
+     << "\"FKDA_NUM_SUPPORTED_GROUP_SIZES\":"
+     << static_cast<int64_t>(FKDA_NUM_SUPPORTED_GROUP_SIZES) << "}";
+  return tvm::ffi::String(os.str());
+}
+
+}  // namespace fkda
+
+// Each module's binding source exports its contract exactly once.
+#define FKDA_EXPORT_CONTRACT() TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, ::fkda::contract_json)

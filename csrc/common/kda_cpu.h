@@ -1,0 +1,102 @@
+// The math of one KDA token (DESIGN.md section 2) for the CPU backend, in double precision.
+//
+// State storage is [.., V, K] (key index last): each of the V value columns of the K x V state is
+// one contiguous row of K elements, so a step walks rows j = 0..V-1 and each row is independent.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "binding.h"
+#include "host_dtype.h"
+
+namespace fkda {
+namespace cpu {
+
+constexpr double kL2NormEps = 1e-6;         // inside the sqrt, as every KDA implementation does
+constexpr double kSoftplusThreshold = 20.0;  // softplus(x) = x above it
+
+inline double softplus(double x) { return x > kSoftplusThreshold ? x : std::log1p(std::exp(x)); }
+inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// x <- factor * x / sqrt(sum x^2 + eps)
+inline void l2norm_scale(double* x, int64_t n, double factor) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const double r = factor / std::sqrt(ss + kL2NormEps);
+  for (int64_t i = 0; i < n; ++i) x[i] *= r;
+}
+
+// Gate parameters, checked by Checker::gate_params; pointers are null when absent.
+struct Gate {
+  GateMode mode;
+  double lower_bound;
+  const float* A_log;    // [HV]
+  const float* dt_bias;  // [HV*K]
+
+  // decay[i] = exp(g_i) for value head hv, from the raw gate row g_raw[K].
+  void decay(const double* g_raw, int64_t hv, int64_t K, double* decay_out) const {
+    const double a = A_log ? std::exp(static_cast<double>(A_log[hv])) : 1.0;
+    for (int64_t i = 0; i < K; ++i) {
+      const double b = dt_bias ? static_cast<double>(dt_bias[hv * K + i]) : 0.0;
+      double g;
+      switch (mode) {
+        case GateMode::kSoftplus: g = -a * softplus(g_raw[i] + b); break;
+        case GateMode::kBounded: g = lower_bound * sigmoid(a * (g_raw[i] + b)); break;
+        default: g = g_raw[i]; break;
+      }
+      decay_out[i] = std::exp(g);
+    }
+  }
+};
+
+inline Gate make_gate(GateMode mode, double lower_bound, const OptTensor& A_log,
+                      const OptTensor& dt_bias) {
+  return Gate{mode, lower_bound, A_log.has_value() ? data_ptr<const float>(A_log.value()) : nullptr,
+              dt_bias.has_value() ? data_ptr<const float>(dt_bias.value()) : nullptr};
+}
+
+// One delta-rule step of one (row, value head) on state rows S[V][K] of storage type TS:
+//   S = S * decay[key];  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q (after the update).
+// q is scaled and normalised, k normalised. Each row is rounded to TS once, after the update.
+template <typename TS>
+inline void delta_step(TS* S, int64_t K, int64_t V, const double* q, const double* k,
+                       const double* decay, double beta, const double* v, double* o, double* row) {
+  for (int64_t j = 0; j < V; ++j) {
+    TS* s = S + j * K;
+    double pred = 0.0;
+    for (int64_t i = 0; i < K; ++i) {
+      row[i] = to_double(s[i]) * decay[i];
+      pred += row[i] * k[i];
+    }
+    const double u = beta * (v[j] - pred);
+    double acc = 0.0;
+    for (int64_t i = 0; i < K; ++i) {
+      row[i] += k[i] * u;
+      acc += row[i] * q[i];
+      s[i] = from_double<TS>(row[i]);
+    }
+    o[j] = acc;
+  }
+}
+
+// Call f(T{}) with the state storage type of `kind`: float32, float64 or bfloat16.
+template <typename F>
+inline void with_state_type(FloatKind kind, F&& f) {
+  switch (kind) {
+    case FloatKind::kF32: f(float{}); break;
+    case FloatKind::kF64: f(double{}); break;
+    case FloatKind::kBF16: f(bf16_t{}); break;
+    default: break;
+  }
+}
+
+inline FloatSpan span_of(const TensorView& t) {
+  return FloatSpan{data_ptr<void>(t), float_kind(t.dtype())};
+}
+
+inline bool is_padding(int64_t index, bool null_slot0) { return index < 0 || (null_slot0 && index == 0); }
+
+}  // namespace cpu
+}  // namespace fkda

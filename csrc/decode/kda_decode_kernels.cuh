@@ -1,0 +1,509 @@
+// KDA decode step on a state pool [slots, HV, V, K] (K contiguous), sm_90a.
+//
+// Work split: a V-row of the state (one value column, all K keys) evolves independently of every
+// other V-row given the token's q, k, g, beta, v (decay, dot with k, rank-one update, dot with q).
+// So each warp owns whole V-rows: LPR lanes cover one V-row (16-byte loads along K, coalesced),
+// 32/LPR V-rows per warp instruction, PASSES such groups per warp. Per-row reductions are
+// LPR-lane shuffle trees (fixed order: deterministic). Every warp recomputes the token's
+// normalised q/k and decay for its own keys (cheap, L1-resident), so warps never synchronise.
+//
+// Schedules (chosen by FKDA_PARAM_SCHEDULE, see README.md):
+//   0 tile        grid = rows*HV*(V/V_TILE) CTAs, each one (row, head, V-tile); cluster variant
+//                 (FKDA_CLUSTER_X = 2) shares the token prep of the pair through DSMEM
+//   1 persistent  grid = min(tiles, PERSISTENT_K * SMs), grid-stride, next tile's loads in flight
+//   2 sequential  grid = HV*(V/V_TILE); each warp walks all rows in order (repeated slots safe),
+//                 next row prefetched, forwarded in registers when it hits the same slot
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace fkda_decode {
+
+namespace cg = cooperative_groups;
+using bf16 = __nv_bfloat16;
+
+struct DecodeParams {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const bf16* g;
+  const bf16* beta;
+  const float* A_log;    // [HV] or nullptr (= 0)
+  const float* dt_bias;  // [HV*K] or nullptr (= 0)
+  void* state;           // pool base
+  const int32_t* idx;    // [rows]
+  bf16* out;             // [rows, HV, V] contiguous
+  int64_t q_row_stride, k_row_stride, v_row_stride, g_row_stride, beta_row_stride;  // elements
+  int64_t slot_stride;   // elements between slots
+  int64_t num_slots;
+  int rows, H, HV, group;
+  int gate_mode;         // 0 softplus, 1 bounded, 2 log
+  float lower_bound, scale;
+  int beta_is_logit, null_slot0;
+};
+
+// ---- small helpers ---------------------------------------------------------------------------
+
+template <int N>
+struct BfVec;  // N bf16 in one load
+template <>
+struct BfVec<4> { uint2 raw; };
+template <>
+struct BfVec<8> { uint4 raw; };
+
+template <int N>
+__device__ __forceinline__ BfVec<N> load_bf(const bf16* p) {
+  BfVec<N> r;
+  if constexpr (N == 4) r.raw = __ldg(reinterpret_cast<const uint2*>(p));
+  else r.raw = __ldg(reinterpret_cast<const uint4*>(p));
+  return r;
+}
+
+template <int N>
+__device__ __forceinline__ void unpack_bf(const BfVec<N>& b, float* f) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&b.raw);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+    float2 x = __bfloat1622float2(h);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+__device__ __forceinline__ float bf_to_f(bf16 x) { return __bfloat162float(x); }
+
+template <int LPR>
+__device__ __forceinline__ float group_sum(float x) {
+  // butterfly inside aligned groups of LPR lanes; every lane ends with the same sum
+#pragma unroll
+  for (int off = LPR / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// State chunk: 16 bytes = 4 fp32 or 8 bf16 keys.
+template <bool kBf16>
+struct StateTraits {
+  static constexpr int VEC = kBf16 ? 8 : 4;
+  __device__ static void unpack(const uint4& c, float* f) {
+    if constexpr (kBf16) {
+      BfVec<8> b;
+      b.raw = c;
+      unpack_bf<8>(b, f);
+    } else {
+      f[0] = __uint_as_float(c.x); f[1] = __uint_as_float(c.y);
+      f[2] = __uint_as_float(c.z); f[3] = __uint_as_float(c.w);
+    }
+  }
+  __device__ static uint4 pack(const float* f) {
+    uint4 c;
+    if constexpr (kBf16) {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // round to nearest even
+        w[i] = *reinterpret_cast<uint32_t*>(&h);
+      }
+      c = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+      c = make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                     __float_as_uint(f[3]));
+    }
+    return c;
+  }
+};
+
+// Streaming loads/stores: the pool is touched once per call, keep it from evicting inputs in L2.
+// kCoherent (sequential schedule) uses plain ld/st so a thread's later load of a slot it stored
+// earlier is ordered by program order on the ordinary path.
+template <bool kCoherent>
+__device__ __forceinline__ uint4 load_state(const uint4* p) {
+  if constexpr (kCoherent) return *p;
+  else return __ldcs(p);
+}
+template <bool kCoherent>
+__device__ __forceinline__ void store_state(uint4* p, const uint4& c) {
+  if constexpr (kCoherent) *p = c;
+  else __stcs(p, c);
+}
+
+// ---- the per-warp tile -----------------------------------------------------------------------
+
+template <bool kBf16, int LPR, int ROWS_PER_WARP, typename OffT, bool kCoherent>
+struct WarpTile {
+  static constexpr int K = FKDA_HEAD_DIM_K;
+  static constexpr int V = FKDA_HEAD_DIM_V;
+  static constexpr int VEC = StateTraits<kBf16>::VEC;
+  static constexpr int KPL = K / LPR;        // keys per lane
+  static constexpr int CHUNKS = KPL / VEC;   // 16-byte state loads per lane per V-row
+  static constexpr int RPW = 32 / LPR;       // V-rows per warp instruction
+  static constexpr int PASSES = ROWS_PER_WARP / RPW;
+  static_assert(K % (LPR * VEC) == 0 && CHUNKS >= 1, "K must tile by LPR*VEC");
+  static_assert(ROWS_PER_WARP % RPW == 0 && PASSES >= 1, "rows per warp must tile by 32/LPR");
+  static_assert(VEC % 4 == 0, "dt_bias loads are float4");
+
+  // key of (chunk i, element e) for lane column c: each chunk is LPR*16 contiguous bytes per V-row
+  __device__ static int key_of(int i, int c) { return i * (LPR * VEC) + c * VEC; }
+
+  // Everything one lane needs for one (row, head, warp's V-rows), loaded but not yet used.
+  struct Item {
+    uint4 s[PASSES][CHUNKS];
+    BfVec<VEC> qr[CHUNKS], kr[CHUNKS], gr[CHUNKS];
+    float4 dt[CHUNKS][VEC / 4];
+    bf16 vr[PASSES];
+    bf16 beta_raw;
+    float a_log;
+  };
+
+  __device__ static bool is_pad(const DecodeParams& p, int32_t slot) {
+    return slot < 0 || (p.null_slot0 && slot == 0) || slot >= p.num_slots;
+  }
+
+  __device__ static OffT slot_base(const DecodeParams& p, int32_t slot, int hv, int vrow0) {
+    return static_cast<OffT>(slot) * static_cast<OffT>(p.slot_stride) +
+           static_cast<OffT>((hv * V + vrow0) * K);
+  }
+
+  // Token inputs only (q, k, g, dt_bias, v, beta): independent of the slot.
+  __device__ static void load_inputs(const DecodeParams& p, Item& it, int row, int hv, int vrow0,
+                                     int lane) {
+    const int c = lane % LPR, r = lane / LPR;
+    const int h = hv / p.group;
+    const bf16* qp = p.q + row * p.q_row_stride + h * K;
+    const bf16* kp = p.k + row * p.k_row_stride + h * K;
+    const bf16* gp = p.g + row * p.g_row_stride + hv * K;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      const int key = key_of(i, c);
+      it.qr[i] = load_bf<VEC>(qp + key);
+      it.kr[i] = load_bf<VEC>(kp + key);
+      it.gr[i] = load_bf<VEC>(gp + key);
+#pragma unroll
+      for (int j = 0; j < VEC / 4; ++j) {
+        it.dt[i][j] = p.dt_bias ? __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * K + key) + j)
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    const bf16* vp = p.v + row * p.v_row_stride + hv * V + vrow0 + r;
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps) it.vr[ps] = vp[ps * RPW];
+    it.beta_raw = p.beta[row * p.beta_row_stride + hv];
+    it.a_log = p.A_log ? __ldg(p.A_log + hv) : 0.f;
+  }
+
+  __device__ static void load_state_regs(const DecodeParams& p, Item& it, OffT base, int lane) {
+    const int c = lane % LPR, r = lane / LPR;
+    const uint8_t* sb = reinterpret_cast<const uint8_t*>(p.state);
+    constexpr int ESZ = kBf16 ? 2 : 4;
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) {
+        const OffT e = base + static_cast<OffT>((ps * RPW + r) * K + key_of(i, c));
+        it.s[ps][i] = load_state<kCoherent>(reinterpret_cast<const uint4*>(sb + e * ESZ));
+      }
+    }
+  }
+
+  // Normalised q (scaled), k, per-key decay exp(g), beta: for this lane's keys.
+  struct Prep {
+    float qn[KPL], kn[KPL], dec[KPL];
+    float beta;
+  };
+
+  __device__ static void prepare(const DecodeParams& p, const Item& it, Prep& pr) {
+    float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      unpack_bf<VEC>(it.qr[i], &pr.qn[i * VEC]);
+      unpack_bf<VEC>(it.kr[i], &pr.kn[i * VEC]);
+    }
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      ssq = fmaf(pr.qn[e], pr.qn[e], ssq);
+      ssk = fmaf(pr.kn[e], pr.kn[e], ssk);
+    }
+    ssq = group_sum<LPR>(ssq);
+    ssk = group_sum<LPR>(ssk);
+    const float qs = p.scale / sqrtf(ssq + 1e-6f);
+    const float ks = 1.f / sqrtf(ssk + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      pr.qn[e] *= qs;
+      pr.kn[e] *= ks;
+    }
+    const float a = expf(it.a_log);
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      float graw[VEC];
+      unpack_bf<VEC>(it.gr[i], graw);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const float4 d4 = it.dt[i][e / 4];
+        const float dt = (e % 4 == 0) ? d4.x : (e % 4 == 1) ? d4.y : (e % 4 == 2) ? d4.z : d4.w;
+        float gl;
+        if (p.gate_mode == 2) {
+          gl = graw[e];
+        } else if (p.gate_mode == 0) {
+          const float x = graw[e] + dt;
+          gl = -a * (x > 20.f ? x : log1pf(expf(x)));
+        } else {
+          const float x = a * (graw[e] + dt);
+          gl = p.lower_bound / (1.f + expf(-x));
+        }
+        pr.dec[i * VEC + e] = expf(gl);
+      }
+    }
+    const float b = bf_to_f(it.beta_raw);
+    pr.beta = p.beta_is_logit ? 1.f / (1.f + expf(-b)) : b;
+  }
+
+  // The step on this lane's state registers; writes updated chunks back into it.s.
+  __device__ static void compute(const DecodeParams& p, Item& it, const Prep& pr, int row, int hv,
+                                 int vrow0, int lane) {
+    const int c = lane % LPR, r = lane / LPR;
+    bf16* op = p.out + (static_cast<int64_t>(row) * p.HV + hv) * V + vrow0 + r;
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps) {
+      float s[KPL];
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(it.s[ps][i], &s[i * VEC]);
+      float kv = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        s[e] *= pr.dec[e];
+        kv = fmaf(s[e], pr.kn[e], kv);
+      }
+      kv = group_sum<LPR>(kv);
+      const float u = pr.beta * (bf_to_f(it.vr[ps]) - kv);
+      float o = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        s[e] = fmaf(pr.kn[e], u, s[e]);
+        o = fmaf(s[e], pr.qn[e], o);
+      }
+      o = group_sum<LPR>(o);
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) it.s[ps][i] = StateTraits<kBf16>::pack(&s[i * VEC]);
+      if (c == 0) op[ps * RPW] = __float2bfloat16_rn(o);
+    }
+  }
+
+  __device__ static void store_state_regs(const DecodeParams& p, const Item& it, OffT base,
+                                          int lane) {
+    const int c = lane % LPR, r = lane / LPR;
+    uint8_t* sb = reinterpret_cast<uint8_t*>(p.state);
+    constexpr int ESZ = kBf16 ? 2 : 4;
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps) {
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) {
+        const OffT e = base + static_cast<OffT>((ps * RPW + r) * K + key_of(i, c));
+        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e * ESZ), it.s[ps][i]);
+      }
+    }
+  }
+
+  __device__ static void write_zeros(const DecodeParams& p, int row, int hv, int vrow0, int lane) {
+    const int c = lane % LPR, r = lane / LPR;
+    bf16* op = p.out + (static_cast<int64_t>(row) * p.HV + hv) * V + vrow0 + r;
+    if (c == 0) {
+#pragma unroll
+      for (int ps = 0; ps < PASSES; ++ps) op[ps * RPW] = __float2bfloat16_rn(0.f);
+    }
+  }
+};
+
+// ---- schedule 0: one CTA per (row, head, V-tile) ---------------------------------------------
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_decode_tile_kernel(const DecodeParams p) {
+  constexpr int WARPS = THREADS / 32;
+  static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
+  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  constexpr int NVT = T::V / V_TILE;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile = blockIdx.x;
+  const int item = tile / NVT, vt = tile % NVT;
+  const int row = item / p.HV, hv = item % p.HV;
+  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  const int32_t slot = __ldg(p.idx + row);
+  typename T::Item it;
+  T::load_inputs(p, it, row, hv, vrow0, lane);  // independent of the slot: issued with idx
+  if (T::is_pad(p, slot)) {
+    T::write_zeros(p, row, hv, vrow0, lane);
+    return;
+  }
+  const OffT base = T::slot_base(p, slot, hv, vrow0);
+  T::load_state_regs(p, it, base, lane);
+  typename T::Prep pr;
+  T::prepare(p, it, pr);
+  T::compute(p, it, pr, row, hv, vrow0, lane);
+  T::store_state_regs(p, it, base, lane);
+}
+
+// ---- schedule 0 with a 2-CTA cluster: the pair splits the token prep --------------------------
+// Each CTA of the pair computes the decay exp(g) for half the keys (the expensive part of prep:
+// transcendental per key) and writes it into both CTAs' shared memory; q/k normalisation stays
+// per warp (two shuffles). One cluster barrier; the state loads are in flight across it.
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_decode_tile_cluster_kernel(const DecodeParams p) {
+  constexpr int WARPS = THREADS / 32;
+  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  constexpr int K = T::K;
+  constexpr int NVT = T::V / V_TILE;
+  static_assert(NVT % 2 == 0, "a cluster pair must cover V-tiles of one item");
+  __shared__ float s_dec[K];
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile = blockIdx.x;
+  const int item = tile / NVT, vt = tile % NVT;
+  const int row = item / p.HV, hv = item % p.HV;
+  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  const int32_t slot = __ldg(p.idx + row);
+  const bool pad = T::is_pad(p, slot);
+  typename T::Item it;
+  T::load_inputs(p, it, row, hv, vrow0, lane);
+  const OffT base = pad ? OffT(0) : T::slot_base(p, slot, hv, vrow0);
+  if (!pad) T::load_state_regs(p, it, base, lane);
+  // this CTA's half of the keys: one key per thread while threads cover it
+  float* peer = cluster.map_shared_rank(s_dec, rank ^ 1u);
+  for (int key = rank * (K / 2) + threadIdx.x; key < (rank + 1) * (K / 2); key += THREADS) {
+    const float graw = bf_to_f(p.g[row * p.g_row_stride + hv * K + key]);
+    const float dt = p.dt_bias ? p.dt_bias[hv * K + key] : 0.f;
+    const float a = p.A_log ? expf(p.A_log[hv]) : 1.f;
+    float gl;
+    if (p.gate_mode == 2) gl = graw;
+    else if (p.gate_mode == 0) {
+      const float x = graw + dt;
+      gl = -a * (x > 20.f ? x : log1pf(expf(x)));
+    } else {
+      gl = p.lower_bound / (1.f + expf(-(a * (graw + dt))));
+    }
+    const float d = expf(gl);
+    s_dec[key] = d;
+    peer[key] = d;
+  }
+  cluster.sync();  // both halves written into both CTAs
+  if (!pad) {
+    typename T::Prep pr;
+    T::prepare(p, it, pr);  // q/k norms and beta (its decay is overwritten below)
+    const int c = lane % LPR;
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i) {
+#pragma unroll
+      for (int e = 0; e < T::VEC; ++e) pr.dec[i * T::VEC + e] = s_dec[T::key_of(i, c) + e];
+    }
+    T::compute(p, it, pr, row, hv, vrow0, lane);
+    T::store_state_regs(p, it, base, lane);
+  } else {
+    T::write_zeros(p, row, hv, vrow0, lane);
+  }
+}
+
+// ---- schedule 1: persistent grid-stride over tiles, next tile in flight -----------------------
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_decode_persistent_kernel(const DecodeParams p, int num_tiles) {
+  constexpr int WARPS = THREADS / 32;
+  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  constexpr int NVT = T::V / V_TILE;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int t = blockIdx.x;
+  if (t >= num_tiles) return;
+  auto row_of = [&](int tt) { return (tt / NVT) / p.HV; };
+  auto hv_of = [&](int tt) { return (tt / NVT) % p.HV; };
+  auto vrow_of = [&](int tt) { return (tt % NVT) * V_TILE + warp * (V_TILE / WARPS); };
+  int slot = __ldg(p.idx + row_of(t));
+  int t1 = t + gridDim.x;
+  int slot1 = t1 < num_tiles ? __ldg(p.idx + row_of(t1)) : -1;  // one tile ahead of the loads
+  typename T::Item cur;
+  T::load_inputs(p, cur, row_of(t), hv_of(t), vrow_of(t), lane);
+  if (!T::is_pad(p, slot)) T::load_state_regs(p, cur, T::slot_base(p, slot, hv_of(t), vrow_of(t)), lane);
+  while (true) {
+    const int t2 = t1 + gridDim.x;
+    const int slot2 = t2 < num_tiles ? __ldg(p.idx + row_of(t2)) : -1;
+    typename T::Item nxt;
+    if (t1 < num_tiles) {
+      T::load_inputs(p, nxt, row_of(t1), hv_of(t1), vrow_of(t1), lane);
+      if (!T::is_pad(p, slot1))
+        T::load_state_regs(p, nxt, T::slot_base(p, slot1, hv_of(t1), vrow_of(t1)), lane);
+    }
+    const int row = row_of(t), hv = hv_of(t), vrow0 = vrow_of(t);
+    if (T::is_pad(p, slot)) {
+      T::write_zeros(p, row, hv, vrow0, lane);
+    } else {
+      typename T::Prep pr;
+      T::prepare(p, cur, pr);
+      T::compute(p, cur, pr, row, hv, vrow0, lane);
+      T::store_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+    }
+    if (t1 >= num_tiles) break;
+    cur = nxt;
+    t = t1;
+    slot = slot1;
+    t1 = t2;
+    slot1 = slot2;
+  }
+}
+
+// ---- schedule 2: sequential over rows per (head, V-tile): exact for repeated slots ------------
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_decode_seq_kernel(const DecodeParams p) {
+  constexpr int WARPS = THREADS / 32;
+  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, true>;
+  constexpr int NVT = T::V / V_TILE;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hv = blockIdx.x / NVT, vt = blockIdx.x % NVT;
+  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  if (p.rows <= 0) return;
+  int slot = __ldg(p.idx + 0);
+  int slot1 = p.rows > 1 ? __ldg(p.idx + 1) : -1;
+  typename T::Item cur;
+  T::load_inputs(p, cur, 0, hv, vrow0, lane);
+  if (!T::is_pad(p, slot)) T::load_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+  for (int row = 0; row < p.rows; ++row) {
+    const bool has_next = row + 1 < p.rows;
+    const int slot2 = row + 2 < p.rows ? __ldg(p.idx + row + 2) : -1;
+    const bool pad = T::is_pad(p, slot);
+    // the next row hits the slot this row is about to update: take it from registers instead.
+    // Any other earlier store to its slot was issued by this thread before this load.
+    const bool forward = has_next && !pad && slot1 == slot;
+    typename T::Item nxt;
+    if (has_next) {
+      T::load_inputs(p, nxt, row + 1, hv, vrow0, lane);
+      if (!forward && !T::is_pad(p, slot1))
+        T::load_state_regs(p, nxt, T::slot_base(p, slot1, hv, vrow0), lane);
+    }
+    if (pad) {
+      T::write_zeros(p, row, hv, vrow0, lane);
+    } else {
+      typename T::Prep pr;
+      T::prepare(p, cur, pr);
+      T::compute(p, cur, pr, row, hv, vrow0, lane);
+      T::store_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+      if (forward) {
+#pragma unroll
+        for (int ps = 0; ps < T::PASSES; ++ps)
+#pragma unroll
+          for (int i = 0; i < T::CHUNKS; ++i) nxt.s[ps][i] = cur.s[ps][i];
+      }
+    }
+    if (!has_next) break;
+    cur = nxt;
+    slot = slot1;
+    slot1 = slot2;
+  }
+}
+
+}  // namespace fkda_decode

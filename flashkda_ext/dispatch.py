@@ -1,0 +1,56 @@
+"""Route selection: host-known call metadata -> the module that serves it.
+
+The rules are data (jit/routes/<family>.json, format in docs/architecture.md); this file only
+evaluates them. Selection never looks at device memory, so it never synchronizes.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+from . import jit
+
+
+def rule_matches(when: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
+    """True when every condition of a rule's `when` holds for `meta`."""
+    for key, want in when.items():
+        if key.endswith("_min") or key.endswith("_max"):
+            field = key[:-4]
+            have = meta.get(field)
+            if have is None:
+                return False  # a band on an unknown value never holds: stay on the fallback
+            if key.endswith("_min") and not have >= want:
+                return False
+            if key.endswith("_max") and not have <= want:
+                return False
+        elif isinstance(want, list):
+            if meta.get(key) not in want:
+                return False
+        elif meta.get(key) != want:
+            return False
+    return True
+
+
+def select_rule(family: str, meta: Mapping[str, Any]) -> dict:
+    """The first rule of the family whose conditions hold, with its module name formatted."""
+    for rule in jit.routes_for(family):
+        if rule_matches(rule.get("when", {}), meta):
+            chosen = dict(rule)
+            chosen["module"] = rule["module"].format(**meta)
+            return chosen
+    raise LookupError(f"{family}: no route matches {dict(meta)}; the routes file must end with a fallback")
+
+
+@functools.lru_cache(maxsize=512)
+def _function_for(family: str, meta_items: tuple):
+    rule = select_rule(family, dict(meta_items))
+    return jit.load_module(rule["module"])[family]
+
+
+def function(family: str, meta: Mapping[str, Any]):
+    """The TVM-FFI function that serves this call (module loaded or built once per process)."""
+    return _function_for(family, tuple(sorted(meta.items())))
+
+
+def module_name(family: str, meta: Mapping[str, Any]) -> str:
+    return select_rule(family, meta)["module"]

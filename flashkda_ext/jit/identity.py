@@ -1,0 +1,83 @@
+"""Module identity: what a build depends on, hashed.
+
+sha256 over canonical JSON of: the record, the bytes of every file in its include closure (paths
+relative to csrc/), the rendered macro header, the compile and link flags, the arch, the compiler
+version strings and tvm_ffi.__version__. No absolute path enters, so two checkouts agree.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from . import roots, toolchain
+from .macros import render_header
+
+IDENTITY_SCHEME = 1  # bump when the builder changes how artifacts are produced
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def include_closure(sources: List[str], csrc: Path) -> List[str]:
+    """Sources plus every project header reached by #include "..." (relative to the including file,
+    then to csrc/), as sorted paths relative to csrc/. Quoted includes found nowhere under csrc/
+    (e.g. the generated fkda_macros.h) are not project files and are skipped."""
+    csrc = csrc.resolve()
+    seen: Dict[str, Path] = {}
+    todo = [csrc / s for s in sources]
+    while todo:
+        p = todo.pop().resolve()
+        try:
+            rel = str(p.relative_to(csrc))
+        except ValueError:
+            continue
+        if rel in seen or not p.is_file():
+            continue
+        seen[rel] = p
+        text = p.read_text(errors="replace")
+        for inc in _INCLUDE_RE.findall(text):
+            for base in (p.parent, csrc):
+                cand = base / inc
+                if cand.is_file():
+                    todo.append(cand)
+                    break
+    return sorted(seen)
+
+
+def _tvm_ffi_version() -> str:
+    import tvm_ffi
+    return tvm_ffi.__version__
+
+
+def identity_inputs(record: dict, arch: str, root=None, *, compiler: Optional[dict] = None,
+                    tvm_ffi_version: Optional[str] = None) -> dict:
+    """Everything the identity hashes. compiler: version strings (default: the local toolchain's)."""
+    csrc = roots.csrc_dir(root)
+    files = {}
+    for rel in include_closure(record["sources"], csrc):
+        files[rel] = hashlib.sha256((csrc / rel).read_bytes()).hexdigest()
+    return {
+        "scheme": IDENTITY_SCHEME,
+        "record": json.loads(canonical_json(record)),
+        "files": files,
+        "macros": render_header(record, root),
+        "flags": toolchain.compile_flags(record, arch),
+        "arch": arch,
+        "compiler": compiler if compiler is not None else toolchain.versions(record["backend"]),
+        "tvm_ffi": tvm_ffi_version if tvm_ffi_version is not None else _tvm_ffi_version(),
+    }
+
+
+def identity_of(inputs: dict) -> str:
+    return hashlib.sha256(canonical_json(inputs).encode()).hexdigest()
+
+
+def module_identity(record: dict, arch: str, root=None, *, compiler: Optional[dict] = None,
+                    tvm_ffi_version: Optional[str] = None) -> str:
+    return identity_of(identity_inputs(record, arch, root, compiler=compiler,
+                                       tvm_ffi_version=tvm_ffi_version))

@@ -1,0 +1,160 @@
+"""The public ops: validate, trace, route, call the TVM-FFI function (destination-passing).
+
+Each op is the same four steps (docs/architecture.md): validation.check_* raises before anything is
+launched; trace.emit writes the call's definition and workload first when tracing is on; dispatch
+picks the module from host-known metadata; the module's function fills the outputs given to it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch, jit, trace, validation
+
+
+def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.reshape(-1)
+
+
+def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None, lower_bound=None,
+               gate="softplus", scale=None, beta_is_logit=True, slot_mode="unique", null_slot0=False,
+               out=None):
+    """One recurrent KDA step per row on a state pool, updated in place.
+
+    q, k [rows, H, K]; v [rows, HV, V]; g [rows, HV, K] (raw gate); beta [rows, HV];
+    state [slots, HV, V, K] fp32 or bf16 (updated in place); state_indices int32 [rows]
+    (negative = padding row: zero output, no state touched). Returns out [rows, HV, V] (v's dtype).
+    slot_mode declares what state_indices may hold: "unique", "padded" (negatives) or "repeated"
+    (rows sharing a slot are applied in row order). See docs/api.md.
+    """
+    call = validation.check_kda_decode(
+        q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
+        slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    if out is None:
+        out = torch.empty((call.rows, call.value_heads, call.head_dim_v), dtype=v.dtype, device=v.device)
+    if trace.enabled():
+        trace.emit("kda_decode", call, dict(
+            q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out))
+    fn = dispatch.function("kda_decode", call.route_meta())
+    fn(q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, out, call.gate_mode,
+       call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    return out
+
+
+def _prefill_workspace(module, call, device, workspace):
+    """Scratch memory the CUDA prefill needs; a caller-given buffer makes the call graph-capturable."""
+    if not module.implements_function("kda_prefill_workspace_bytes"):
+        return workspace
+    need = int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs, call.value_heads))
+    if workspace is not None:
+        if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
+            raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
+                             f"got {validation.dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
+        return workspace
+    return torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+
+
+def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
+    """Bytes of scratch the CUDA prefill needs for these shapes (0 on CPU): preallocate it once
+    and pass it as `workspace=` to capture kda_prefill in a CUDA graph."""
+    if q.device.type != "cuda":
+        return 0
+    B, T, _, _ = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = "f32"
+    meta = {"device": "cuda", "num_seqs": N, "value_heads": v.shape[2], "total_tokens": B * T,
+            "max_seqlen": None, "work_items": N * v.shape[2], "state": state, "offset": "o32",
+            "gate": "softplus", "checkpoints": False}
+    module = jit.load_module(dispatch.module_name("kda_prefill", meta))
+    if not module.implements_function("kda_prefill_workspace_bytes"):
+        return 0
+    return int(module["kda_prefill_workspace_bytes"](B * T, N, v.shape[2]))
+
+
+def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                scale=None, beta_is_logit=True, cu_seqlens=None, initial_state=None, state=None,
+                state_indices=None, output_final_state=True, final_state=None, checkpoint_every=0,
+                checkpoints=None, max_seqlen=None, null_slot0=False, workspace=None, out=None):
+    """Chunked KDA over (packed, variable-length) input.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (raw gate); beta [B, T, HV].
+    Packed input: B = 1 and cu_seqlens [N+1]. Initial state dense [N, HV, V, K] (initial_state) or
+    pool mode (state pool + state_indices [N]: read and written in place). Returns (out, final_state),
+    or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
+    """
+    call = validation.check_kda_prefill(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+        beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
+        state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
+        checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
+        null_slot0=null_slot0, out=out)
+    device = q.device
+    B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
+    rule = dispatch.select_rule("kda_prefill", call.route_meta())
+    module = jit.load_module(rule["module"])
+    chunk = int(jit.get_record(rule["module"]).get("params", {}).get("CHUNK", 1))
+    if call.checkpoint_every % chunk != 0:
+        raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
+                         f"{rule['module']}, got {call.checkpoint_every}")
+
+    if out is None:
+        out = torch.empty((B, T, HV, V), dtype=v.dtype, device=device)
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    sdtype = getattr(torch, call.state_dtype) if call.state_dtype else torch.float32
+    if call.state_mode == "pool":
+        init, final = state, state
+    else:
+        init = initial_state
+        if call.output_final_state and final_state is None:
+            final_state = torch.empty((call.num_seqs, HV, V, K), dtype=sdtype, device=device)
+        final = final_state if call.output_final_state else None
+    if call.checkpoint_every > 0 and checkpoints is None:
+        # Slots past a sequence's own count stay NaN: never read as a state by mistake.
+        checkpoints = torch.full((call.num_seqs, call.checkpoint_slots, HV, V, K), float("nan"),
+                                 dtype=sdtype, device=device)
+    ws = _prefill_workspace(module, call, device, workspace)
+    if trace.enabled():
+        trace.emit("kda_prefill", call, dict(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            scale=call.scale, cu_seqlens=cu_seqlens, initial_state=init, state_indices=state_indices,
+            final_state=final, checkpoints=checkpoints, out=out))
+    as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B sequences -> one packed row
+    module["kda_prefill"](as1(q), as1(k), as1(v), as1(g), as1(beta), A_log, _flat(dt_bias), cu_seqlens,
+                          init, final, state_indices, checkpoints, as1(out), ws, call.gate_mode,
+                          call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0,
+                          call.checkpoint_every)
+    result_state = state if call.state_mode == "pool" else final
+    if call.checkpoint_every > 0:
+        return out, result_state, checkpoints
+    return out, result_state
+
+
+def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                     norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
+                     slot_mode="unique", null_slot0=False, out=None):
+    """Conv update + SiLU + gate + l2norm + recurrent step + gated RMSNorm in one launch.
+
+    x [rows, 3*H*D] (q|k|v before the conv); conv_weight [3*H*D, 4]; conv_state [slots, 3*H*D, 3]
+    (in place); g [rows, H, D]; beta [rows, H]; state [slots, H, D, D] (in place); output_gate
+    [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
+    """
+    call = validation.check_fused_kda_decode(
+        x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+        norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+        slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    if out is None:
+        out = torch.empty((call.rows, call.num_heads, call.head_dim), dtype=x.dtype, device=x.device)
+    if trace.enabled():
+        trace.emit("fused_kda_decode", call, dict(
+            x=x, conv_weight=conv_weight, conv_state=conv_state, g=g, beta=beta, A_log=A_log,
+            dt_bias=dt_bias, state_indices=state_indices, state=state, output_gate=output_gate,
+            norm_weight=norm_weight, lower_bound=lower_bound, scale=call.scale, norm_eps=norm_eps,
+            out=out))
+    fn = dispatch.function("fused_kda_decode", call.route_meta())
+    fn(x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state, output_gate,
+       norm_weight, out, call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    return out

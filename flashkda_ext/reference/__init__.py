@@ -1,0 +1,13 @@
+"""The PyTorch reference of KDA: the living spec (docs/semantics.md states it in words).
+
+Plain, readable torch; any K and V; computes in the dtype asked for (float64 by default).
+"""
+from .chunked import kda_chunked
+from .decode import causal_conv_update, fused_kda_decode_step, kda_decode_step, rmsnorm
+from .gates import GATE_MODES, gate_log_decay, l2norm, softplus
+from .prefill import kda_recurrent
+
+__all__ = [
+    "GATE_MODES", "causal_conv_update", "fused_kda_decode_step", "gate_log_decay", "kda_chunked",
+    "kda_decode_step", "kda_recurrent", "l2norm", "rmsnorm", "softplus",
+]

@@ -1,0 +1,561 @@
+"""Argument validation shared by every public op.
+
+Every rule raises before anything is launched: TypeError for a wrong kind of value, ValueError for a
+wrong shape, dtype, device, layout or range, each naming the argument, what was expected and what was
+received. What a backend supports (head dims, head counts, dtypes, gates, slot modes) is read from
+jit/supported.json through flashkda_ext.supported, the same file the binding macros and the trace
+constraints are rendered from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import supported as _supported
+
+GATES = ("softplus", "bounded", "log")
+GATE_MODE = {"softplus": 0, "bounded": 1, "log": 2}
+SLOT_MODES = ("unique", "padded", "repeated")
+INT32_MAX = 2**31 - 1
+
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# small rules
+
+
+def _tensor(name: str, x, *, optional: bool = False) -> Optional[torch.Tensor]:
+    if x is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: expected a torch.Tensor, got None")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {what} = {list(expected)}, got {list(x.shape)}")
+
+
+def _ndim(name: str, x: torch.Tensor, ndim: int, what: str) -> None:
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor {what}, got shape {list(x.shape)}")
+
+
+def _contiguous(name: str, x: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (row-major strides), got shape "
+                         f"{list(x.shape)} with strides {list(x.stride())}; call .contiguous() first")
+
+
+def _same_device(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got {x.device}")
+
+
+def _dtype_in(name: str, x: torch.Tensor, allowed, what: str = "") -> None:
+    if allowed is not None and dtype_name(x.dtype) not in allowed:
+        raise ValueError(f"{name}: expected dtype in {list(allowed)}{what}, got {dtype_name(x.dtype)}")
+
+
+def _aligned(name: str, x: torch.Tensor, backend: str) -> None:
+    # CUDA kernels use 16-byte vector accesses; a sliced view can start off that boundary.
+    # Meta tensors (shape-only checks, e.g. from the JAX wrappers) have no address to check.
+    if backend == "cuda" and x.device.type != "meta" and x.numel() > 0 and x.data_ptr() % 16 != 0:
+        raise ValueError(f"{name}: expected a data pointer aligned to 16 bytes, got address "
+                         f"{x.data_ptr():#x} (offset view?); pass a fresh contiguous tensor")
+
+
+def _in_set(name: str, value, allowed, what: str) -> None:
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}: {what} {value} is not supported here; expected one of {list(allowed)}")
+
+
+def _choice(name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def backend_of(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return "cuda"
+    raise ValueError(f"q: expected a tensor on a CPU or CUDA device, got {device}")
+
+
+def _resolve_scale(scale, head_dim_k: int) -> float:
+    if scale is None:
+        return head_dim_k ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a finite value > 0, got {scale}")
+    return float(scale)
+
+
+def _gate_args(gate, A_log, dt_bias, lower_bound, value_heads: int, head_dim_k: int,
+               device: torch.device, backend: str) -> float:
+    """Checks the gate mode and its parameters; returns lower_bound as a float (0.0 when unused)."""
+    _choice("gate", gate, GATES)
+    A_log = _tensor("A_log", A_log, optional=True)
+    dt_bias = _tensor("dt_bias", dt_bias, optional=True)
+    if gate == "softplus" and (A_log is None or dt_bias is None):
+        missing = "A_log" if A_log is None else "dt_bias"
+        raise ValueError(f"{missing}: required by gate='softplus' (g = -exp(A_log) * softplus(g + dt_bias)), got None")
+    if gate == "log" and (A_log is not None or dt_bias is not None):
+        extra = "A_log" if A_log is not None else "dt_bias"
+        raise ValueError(f"{extra}: gate='log' takes g as the final log decay; expected None, got a tensor")
+    if A_log is not None:
+        _same_device("A_log", A_log, device)
+        _dtype_in("A_log", A_log, ("float32",))
+        _shape("A_log", A_log, (value_heads,), "[HV]")
+        _contiguous("A_log", A_log)
+    if dt_bias is not None:
+        _same_device("dt_bias", dt_bias, device)
+        _dtype_in("dt_bias", dt_bias, ("float32",))
+        if tuple(dt_bias.shape) not in ((value_heads * head_dim_k,), (value_heads, head_dim_k)):
+            raise ValueError(f"dt_bias: expected shape [HV*K] = [{value_heads * head_dim_k}] or "
+                             f"[HV, K] = [{value_heads}, {head_dim_k}], got {list(dt_bias.shape)}")
+        _contiguous("dt_bias", dt_bias)
+    if gate == "bounded":
+        if lower_bound is None:
+            raise ValueError("lower_bound: required by gate='bounded' (a float < 0), got None")
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
+        if not math.isfinite(lower_bound) or lower_bound >= 0:
+            raise ValueError(f"lower_bound: expected a finite value < 0, got {lower_bound}")
+        return float(lower_bound)
+    if lower_bound is not None:
+        raise ValueError(f"lower_bound: only used by gate='bounded'; expected None with gate={gate!r}, "
+                         f"got {lower_bound}")
+    return 0.0
+
+
+def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
+                    num_heads: int, value_heads: int, input_dtype: str,
+                    state_dtype: Optional[str], gate: str, slot_mode: Optional[str]) -> None:
+    sup = _supported.supported(family, backend)
+    where = f" by the {backend} backend of {family}"
+    _in_set("q", head_dim_k, sup["head_dims_k"], "head dim K =")
+    _in_set("v", head_dim_v, sup["head_dims_v"], "head dim V =")
+    _in_set("v", value_heads, sup["value_heads"], "value head count HV =")
+    _in_set("v", value_heads // num_heads, sup["group_sizes"], "group size HV/H =")
+    if sup["input_dtypes"] is not None and input_dtype not in sup["input_dtypes"]:
+        raise ValueError(f"q: expected dtype in {sup['input_dtypes']}{where}, got {input_dtype}")
+    if state_dtype is not None and sup["state_dtypes"] is not None and state_dtype not in sup["state_dtypes"]:
+        raise ValueError(f"state: expected dtype in {sup['state_dtypes']}{where}, got {state_dtype}")
+    _in_set("gate", gate, sup["gates"], "gate")
+    if slot_mode is not None:
+        _in_set("slot_mode", slot_mode, sup["slot_modes"], "slot mode")
+
+
+def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str):
+    """Shapes of q, k [*lead, H, K], v [*lead, HV, V], g [*lead, HV, K], beta [*lead, HV]."""
+    q = _tensor("q", q)
+    k = _tensor("k", k)
+    v = _tensor("v", v)
+    g = _tensor("g", g)
+    beta = _tensor("beta", beta)
+    nl = len(lead)
+    _ndim("q", q, nl + 2, f"[{lead_names}, H, K]")
+    device = q.device
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _same_device(name, x, device)
+    num_heads, head_dim_k = q.shape[nl], q.shape[nl + 1]
+    _shape("k", k, tuple(q.shape), f"[{lead_names}, H, K] (same as q)")
+    _ndim("v", v, nl + 2, f"[{lead_names}, HV, V]")
+    if tuple(v.shape[:nl]) != tuple(q.shape[:nl]):
+        raise ValueError(f"v: expected leading dims [{lead_names}] = {list(q.shape[:nl])} (as q), got {list(v.shape)}")
+    value_heads, head_dim_v = v.shape[nl], v.shape[nl + 1]
+    if num_heads == 0 or value_heads == 0 or head_dim_k == 0 or head_dim_v == 0:
+        raise ValueError(f"q/v: head counts and head dims must be > 0, got q {list(q.shape)}, v {list(v.shape)}")
+    if value_heads % num_heads != 0:
+        raise ValueError(f"v: value heads HV = {value_heads} must be a multiple of the q/k heads H = {num_heads}")
+    _shape("g", g, tuple(q.shape[:nl]) + (value_heads, head_dim_k), f"[{lead_names}, HV, K]")
+    _shape("beta", beta, tuple(q.shape[:nl]) + (value_heads,), f"[{lead_names}, HV]")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _contiguous(name, x)
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: expected the dtype of q ({dtype_name(q.dtype)}), got {dtype_name(x.dtype)}")
+    return device, num_heads, head_dim_k, value_heads, head_dim_v
+
+
+def _out(out, expected_shape: tuple, what: str, dtype: torch.dtype, device, backend: str):
+    if out is None:
+        return None
+    out = _tensor("out", out)
+    _same_device("out", out, device)
+    _shape("out", out, expected_shape, what)
+    if out.dtype != dtype:
+        raise ValueError(f"out: expected dtype {dtype_name(dtype)} (the dtype of v), got {dtype_name(out.dtype)}")
+    _contiguous("out", out)
+    _aligned("out", out, backend)
+    return out
+
+
+def _pool(name: str, state, value_heads: int, head_dim_v: int, head_dim_k: int, device, backend: str) -> int:
+    state = _tensor(name, state)
+    _same_device(name, state, device)
+    _ndim(name, state, 4, "[slots, HV, V, K]")
+    if tuple(state.shape[1:]) != (value_heads, head_dim_v, head_dim_k):
+        raise ValueError(f"{name}: expected shape [slots, HV, V, K] = [slots, {value_heads}, {head_dim_v}, "
+                         f"{head_dim_k}], got {list(state.shape)}")
+    _contiguous(name, state)
+    _aligned(name, state, backend)
+    return state.shape[0]
+
+
+def _indices(name: str, idx, length: int, device, what: str) -> None:
+    idx = _tensor(name, idx)
+    _same_device(name, idx, device)
+    if idx.dtype != torch.int32:
+        raise ValueError(f"{name}: expected dtype int32, got {dtype_name(idx.dtype)}")
+    _shape(name, idx, (length,), what)
+    _contiguous(name, idx)
+
+
+def _check_backend(backend: Optional[str], device: torch.device) -> str:
+    if backend is None:
+        return backend_of(device)
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"backend: expected 'cpu', 'cuda' or None, got {backend!r}")
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+# the calls
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    backend: str
+    rows: int
+    num_heads: int
+    value_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    slots: int
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    beta_is_logit: bool
+    slot_mode: str
+    null_slot0: bool
+    offset_bits: int
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "rows": self.rows, "value_heads": self.value_heads,
+                "work_items": self.rows * self.value_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "slot_mode": self.slot_mode, "gate": self.gate}
+
+
+def _state_tag(state_dtype: Optional[str]) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float64": "f64", None: "none"}[state_dtype]
+
+
+def _offset_bits(*tensors) -> int:
+    # Element offsets into any state-shaped tensor must fit the kernel's offset type.
+    return 64 if any(t is not None and t.numel() > INT32_MAX for t in tensors) else 32
+
+
+def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None,
+                     lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
+                     slot_mode="unique", null_slot0=False, out=None, backend=None) -> DecodeCall:
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("rows",), lead_names="rows")
+    backend = _check_backend(backend, device)
+    rows = q.shape[0]
+    _choice("slot_mode", slot_mode, SLOT_MODES)
+    _bool("beta_is_logit", beta_is_logit)
+    _bool("null_slot0", null_slot0)
+    slots = _pool("state", state, HV, V, K, device, backend)
+    _indices("state_indices", state_indices, rows, device, "[rows]")
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
+    _supported_dims("kda_decode", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
+                    gate, slot_mode)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _aligned(name, x, backend)
+    _out(out, (rows, HV, V), "[rows, HV, V]", v.dtype, device, backend)
+    return DecodeCall(backend, rows, H, HV, K, V, slots, dtype_name(q.dtype), dtype_name(state.dtype),
+                      gate, GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, slot_mode,
+                      null_slot0, _offset_bits(state))
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    backend: str
+    batch: int
+    seqlen: int
+    num_seqs: int
+    total_tokens: int
+    num_heads: int
+    value_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    input_dtype: str
+    state_dtype: Optional[str]      # None when no state tensor is read or written
+    state_mode: str                 # "none", "dense" or "pool"
+    slots: int                      # pool slots (pool mode) else num_seqs
+    output_final_state: bool
+    checkpoint_every: int
+    checkpoint_slots: int
+    max_seqlen: Optional[int]
+    cu_seqlens_dtype: Optional[str]
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    beta_is_logit: bool
+    null_slot0: bool
+    offset_bits: int
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
+                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype or "float32"),
+                "offset": f"o{self.offset_bits}", "gate": self.gate,
+                "checkpoints": self.checkpoint_every > 0}
+
+
+def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                      scale=None, beta_is_logit=True, cu_seqlens=None, initial_state=None, state=None,
+                      state_indices=None, output_final_state=True, final_state=None, checkpoint_every=0,
+                      checkpoints=None, max_seqlen=None, null_slot0=False, out=None, backend=None,
+                      chunk_multiple: int = 1) -> PrefillCall:
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("B", "T"), lead_names="B, T")
+    backend = _check_backend(backend, device)
+    B, T = q.shape[0], q.shape[1]
+    _bool("beta_is_logit", beta_is_logit)
+    _bool("output_final_state", output_final_state)
+    _bool("null_slot0", null_slot0)
+
+    cu_dtype = None
+    if cu_seqlens is not None:
+        cu_seqlens = _tensor("cu_seqlens", cu_seqlens)
+        _same_device("cu_seqlens", cu_seqlens, device)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens: expected dtype int32 or int64, got {dtype_name(cu_seqlens.dtype)}")
+        _ndim("cu_seqlens", cu_seqlens, 1, "[N+1]")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens: expected at least 2 offsets [N+1] with N >= 1, got {list(cu_seqlens.shape)}")
+        _contiguous("cu_seqlens", cu_seqlens)
+        if B != 1:
+            raise ValueError(f"q: packed variable-length input (cu_seqlens given) needs batch B = 1, got B = {B}")
+        if cu_seqlens.device.type == "cpu":
+            # Only host-side offsets are inspected; device offsets are checked by the binding.
+            cs = cu_seqlens.tolist()
+            if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+                raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T}, got {cs}")
+        N = cu_seqlens.shape[0] - 1
+        cu_dtype = dtype_name(cu_seqlens.dtype)
+    else:
+        N = B
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0 or max_seqlen > T:
+            raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
+    elif cu_seqlens is None:
+        max_seqlen = T
+
+    state_mode, slots, state_dtype = "none", N, None
+    if state is not None or state_indices is not None:
+        if state is None or state_indices is None:
+            missing = "state" if state is None else "state_indices"
+            raise ValueError(f"{missing}: pool mode needs both state (the pool) and state_indices, got None")
+        if initial_state is not None or final_state is not None:
+            extra = "initial_state" if initial_state is not None else "final_state"
+            raise ValueError(f"{extra}: pool mode (state + state_indices) reads and writes the pool in place; "
+                             f"expected None, got a tensor")
+        slots = _pool("state", state, HV, V, K, device, backend)
+        _indices("state_indices", state_indices, N, device, "[N] (one slot per sequence)")
+        state_mode, state_dtype = "pool", dtype_name(state.dtype)
+    else:
+        if null_slot0:
+            raise ValueError("null_slot0: only meaningful in pool mode (state + state_indices); expected False")
+        if initial_state is not None:
+            n0 = _pool("initial_state", initial_state, HV, V, K, device, backend)
+            if n0 != N:
+                raise ValueError(f"initial_state: expected shape [N, HV, V, K] with N = {N} sequences, "
+                                 f"got {list(initial_state.shape)}")
+            state_mode, state_dtype = "dense", dtype_name(initial_state.dtype)
+        if final_state is not None:
+            if not output_final_state:
+                raise ValueError("final_state: given but output_final_state=False; expected None")
+            n1 = _pool("final_state", final_state, HV, V, K, device, backend)
+            if n1 != N:
+                raise ValueError(f"final_state: expected shape [N, HV, V, K] with N = {N} sequences, "
+                                 f"got {list(final_state.shape)}")
+            if state_dtype is not None and dtype_name(final_state.dtype) != state_dtype:
+                raise ValueError(f"final_state: expected the dtype of initial_state ({state_dtype}), "
+                                 f"got {dtype_name(final_state.dtype)}")
+            state_mode, state_dtype = "dense", dtype_name(final_state.dtype)
+        elif output_final_state:
+            state_mode = "dense"
+            state_dtype = state_dtype or "float32"
+
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
+    ckpt_slots = 0
+    if checkpoint_every > 0:
+        if checkpoint_every % chunk_multiple != 0:
+            raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk_multiple} on "
+                             f"the {backend} backend, got {checkpoint_every}")
+        longest = max_seqlen if max_seqlen is not None else T
+        need = longest // checkpoint_every
+        if checkpoints is not None:
+            checkpoints = _tensor("checkpoints", checkpoints)
+            _same_device("checkpoints", checkpoints, device)
+            _ndim("checkpoints", checkpoints, 5, "[N, C, HV, V, K]")
+            if (checkpoints.shape[0], *checkpoints.shape[2:]) != (N, HV, V, K) or checkpoints.shape[1] < need:
+                raise ValueError(f"checkpoints: expected shape [N, C, HV, V, K] = [{N}, >= {need}, {HV}, {V}, {K}] "
+                                 f"(C >= longest sequence // checkpoint_every), got {list(checkpoints.shape)}")
+            _contiguous("checkpoints", checkpoints)
+            _aligned("checkpoints", checkpoints, backend)
+            if state_dtype is not None and dtype_name(checkpoints.dtype) != state_dtype:
+                raise ValueError(f"checkpoints: expected the state dtype {state_dtype}, got {dtype_name(checkpoints.dtype)}")
+            state_dtype = state_dtype or dtype_name(checkpoints.dtype)
+            ckpt_slots = checkpoints.shape[1]
+        else:
+            ckpt_slots = need
+            state_dtype = state_dtype or "float32"
+    elif checkpoints is not None:
+        raise ValueError("checkpoints: given but checkpoint_every = 0; expected None")
+
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
+    _supported_dims("kda_prefill", backend, K, V, H, HV, dtype_name(q.dtype), state_dtype, gate,
+                    "padded" if state_mode == "pool" else None)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _aligned(name, x, backend)
+    _out(out, (B, T, HV, V), "[B, T, HV, V]", v.dtype, device, backend)
+    ckpt_numel = N * ckpt_slots * HV * V * K
+    offset_bits = 64 if max(slots * HV * V * K, ckpt_numel, T * HV * max(K, V)) > INT32_MAX else 32
+    return PrefillCall(backend, B, T, N, B * T, H, HV, K, V, dtype_name(q.dtype), state_dtype, state_mode,
+                       slots, output_final_state, checkpoint_every, ckpt_slots, max_seqlen, cu_dtype, gate,
+                       GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, null_slot0, offset_bits)
+
+
+@dataclass(frozen=True)
+class FusedDecodeCall:
+    backend: str
+    rows: int
+    num_heads: int
+    head_dim: int
+    slots: int
+    conv_slots: int
+    input_dtype: str
+    state_dtype: str
+    conv_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    norm_eps: float
+    slot_mode: str
+    null_slot0: bool
+    offset_bits: int
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_heads
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "rows": self.rows, "value_heads": self.num_heads,
+                "work_items": self.rows * self.num_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "slot_mode": self.slot_mode, "gate": self.gate}
+
+
+def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                           output_gate, norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5,
+                           scale=None, slot_mode="unique", null_slot0=False, out=None,
+                           backend=None) -> FusedDecodeCall:
+    x = _tensor("x", x)
+    device = x.device
+    backend = _check_backend(backend, device)
+    _ndim("x", x, 2, "[rows, 3*H*D]")
+    g = _tensor("g", g)
+    _same_device("g", g, device)
+    _ndim("g", g, 3, "[rows, H, D]")
+    rows, H, D = g.shape
+    if H == 0 or D == 0:
+        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
+    _shape("x", x, (rows, 3 * H * D), "[rows, 3*H*D] (q|k|v before the conv)")
+    C = 3 * H * D
+    for name, t in (("x", x), ("g", g)):
+        _contiguous(name, t)
+    if g.dtype != x.dtype:
+        raise ValueError(f"g: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(g.dtype)}")
+    beta = _tensor("beta", beta)
+    _same_device("beta", beta, device)
+    _shape("beta", beta, (rows, H), "[rows, H]")
+    _contiguous("beta", beta)
+    if beta.dtype != x.dtype:
+        raise ValueError(f"beta: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(beta.dtype)}")
+    conv_weight = _tensor("conv_weight", conv_weight)
+    _same_device("conv_weight", conv_weight, device)
+    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    _contiguous("conv_weight", conv_weight)
+    if conv_weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
+                         f"got {dtype_name(conv_weight.dtype)}")
+    conv_state = _tensor("conv_state", conv_state)
+    _same_device("conv_state", conv_state, device)
+    _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, 3]")
+    if tuple(conv_state.shape[1:]) != (C, 3):
+        raise ValueError(f"conv_state: expected shape [slots, 3*H*D, 3] = [slots, {C}, 3], got {list(conv_state.shape)}")
+    _contiguous("conv_state", conv_state)
+    if conv_state.dtype != x.dtype:
+        raise ValueError(f"conv_state: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(conv_state.dtype)}")
+    slots = _pool("state", state, H, D, D, device, backend)
+    if conv_state.shape[0] != slots:
+        raise ValueError(f"conv_state: expected {slots} slots (as state), got {conv_state.shape[0]}")
+    _indices("state_indices", state_indices, rows, device, "[rows]")
+    output_gate = _tensor("output_gate", output_gate)
+    _same_device("output_gate", output_gate, device)
+    _shape("output_gate", output_gate, (rows, H, D), "[rows, H, D]")
+    _contiguous("output_gate", output_gate)
+    if output_gate.dtype != x.dtype:
+        raise ValueError(f"output_gate: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(output_gate.dtype)}")
+    norm_weight = _tensor("norm_weight", norm_weight)
+    _same_device("norm_weight", norm_weight, device)
+    _shape("norm_weight", norm_weight, (D,), "[D]")
+    _dtype_in("norm_weight", norm_weight, ("float32",))
+    _contiguous("norm_weight", norm_weight)
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    _choice("slot_mode", slot_mode, SLOT_MODES)
+    _bool("null_slot0", null_slot0)
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
+    _supported_dims("fused_kda_decode", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
+                    gate, slot_mode)
+    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
+        _aligned(name, t, backend)
+    _out(out, (rows, H, D), "[rows, H, D]", x.dtype, device, backend)
+    return FusedDecodeCall(backend, rows, H, D, slots, conv_state.shape[0], dtype_name(x.dtype),
+                           dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
+                           _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
+                           _offset_bits(state, conv_state))
