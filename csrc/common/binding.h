@@ -402,7 +402,8 @@ class Checker {
 
 // ---------------------------------------------------------------------------------------------
 // fkda_contract(): the macros this module was compiled with, as JSON keyed by macro name, so tests
-// can prove the binding, the module record and jit/supported.json agree.
+// can prove the binding, the module record and jit/supported.json agree. Without the JIT's
+// FKDA_CONTRACT_JSON (a hand build) it is assembled from the macros the binding reads.
 
 namespace detail {
 inline std::string json_string(const char* s) {
@@ -421,6 +422,10 @@ inline std::string json_list(const int64_t* xs, int64_t n) {
 }  // namespace detail
 
 inline tvm::ffi::String contract_json() {
+#ifdef FKDA_CONTRACT_JSON
+  // The JIT renders the whole contract (FKDA_PARAM_* included) beside the individual macros.
+  return tvm::ffi::String(FKDA_CONTRACT_JSON);
+#else
   static constexpr int64_t kHeads[FKDA_NUM_SUPPORTED_VALUE_HEADS + 1] = FKDA_SUPPORTED_VALUE_HEADS;
   static constexpr int64_t kGroups[FKDA_NUM_SUPPORTED_GROUP_SIZES + 1] = FKDA_SUPPORTED_GROUP_SIZES;
   std::ostringstream os;
@@ -447,6 +452,7 @@ inline tvm::ffi::String contract_json() {
      << "\"FKDA_NUM_SUPPORTED_GROUP_SIZES\":"
      << static_cast<int64_t>(FKDA_NUM_SUPPORTED_GROUP_SIZES) << "}";
   return tvm::ffi::String(os.str());
+#endif
 }
 
 }  // namespace fkda

@@ -14,7 +14,6 @@
 
 #include <climits>
 #include <cstdint>
-#include <sstream>
 #include <string>
 
 #if !defined(FKDA_THREADS) || !defined(FKDA_MIN_BLOCKS) || !defined(FKDA_CLUSTER_X) ||            \
@@ -22,7 +21,7 @@
     !defined(FKDA_HEAD_DIM_K) || !defined(FKDA_HEAD_DIM_V) || !defined(FKDA_PARAM_SCHEDULE) ||     \
     !defined(FKDA_PARAM_V_TILE) || !defined(FKDA_PARAM_LANES_PER_ROW) ||                           \
     !defined(FKDA_SMEM_BYTES) || !defined(FKDA_NUM_SUPPORTED_VALUE_HEADS) ||                       \
-    !defined(FKDA_NUM_SUPPORTED_GROUP_SIZES)
+    !defined(FKDA_NUM_SUPPORTED_GROUP_SIZES) || !defined(FKDA_CONTRACT_JSON)
 #error "kda_decode.cu is built from a module record: its macros (docs/architecture.md) are missing"
 #endif
 
@@ -109,7 +108,7 @@ bool group_supported(int64_t gs) {
 #endif
 }
 
-int sm_count(int device) {
+[[maybe_unused]] int sm_count(int device) {
   // cached per device: the attribute query is a driver call per launch otherwise
   static int cache[64] = {0};
   if (device >= 0 && device < 64 && cache[device] > 0) return cache[device];
@@ -280,32 +279,9 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 #endif
 }
 
-#define FKDA_STR2(x) #x
-#define FKDA_STR(x) FKDA_STR2(x)
-
-// The macros this module was compiled with, as JSON (tests compare them with jit/supported.json).
-tvm::ffi::String fkda_contract() {
-  std::ostringstream os;
-  os << "{\"module\": \"" << FKDA_MODULE_NAME << "\", \"family\": \"" << FKDA_FAMILY << "\""
-     << ", \"threads\": " << FKDA_THREADS << ", \"smem_bytes\": " << FKDA_SMEM_BYTES
-     << ", \"min_blocks\": " << FKDA_MIN_BLOCKS << ", \"cluster\": [" << FKDA_CLUSTER_X << ", "
-     << FKDA_CLUSTER_Y << ", " << FKDA_CLUSTER_Z << "], \"persistent_k\": " << FKDA_PERSISTENT_K
-     << ", \"state_bf16\": " << FKDA_STATE_BF16 << ", \"slot_offset_bits\": " << FKDA_SLOT_OFFSET_BITS
-     << ", \"head_dim_k\": " << FKDA_HEAD_DIM_K << ", \"head_dim_v\": " << FKDA_HEAD_DIM_V
-     << ", \"supported_value_heads\": [";
-  {
-    std::string s = FKDA_STR(FKDA_SUPPORTED_VALUE_HEADS);
-    os << s.substr(1, s.size() - 2);  // brace list -> JSON list
-  }
-  os << "], \"supported_group_sizes\": [";
-  {
-    std::string s = FKDA_STR(FKDA_SUPPORTED_GROUP_SIZES);
-    os << s.substr(1, s.size() - 2);
-  }
-  os << "], \"params\": {\"schedule\": " << FKDA_PARAM_SCHEDULE << ", \"v_tile\": " << FKDA_PARAM_V_TILE
-     << ", \"lanes_per_row\": " << FKDA_PARAM_LANES_PER_ROW << "}}";
-  return tvm::ffi::String(os.str());
-}
+// The macros this module was compiled with, as JSON (rendered by flashkda_ext.jit.macros);
+// tests compare them with jit/supported.json.
+tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }
 
 }  // namespace
 

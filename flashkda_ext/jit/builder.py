@@ -203,6 +203,7 @@ def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache
     art = artifact_name(name, identity)
     (cache / ".tmp").mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=art + "-", dir=cache / ".tmp"))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the artifact dir should be readable
     t0 = time.perf_counter()
     try:
         (tmp / "fkda_macros.h").write_text(inputs["macros"])

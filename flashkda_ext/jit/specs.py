@@ -220,7 +220,9 @@ class Registry:
                              f"not {fam}/{d}")
             if set(when) <= {"device"}:
                 fallback_for.update(devices)
-        missing = [b for b in backends if b not in fallback_for]
+        # every backend that has modules of this family must be reachable by a fallback
+        served = {r["backend"] for r in self.records.values() if r["family"] == fam}
+        missing = [b for b in sorted(served) if b not in fallback_for]
         if missing:
             raise SpecError(fname, None, f"no always-true fallback rule (when == {{\"device\": d}}) "
                                          f"for device(s) {missing}")

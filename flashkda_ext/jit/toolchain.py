@@ -41,6 +41,12 @@ def find_cxx() -> str:
 
 
 def find_nvcc() -> str:
+    env = os.environ.get("NVCC")
+    if env:
+        found = shutil.which(env)
+        if found:
+            return found
+        raise ToolchainError(f"NVCC={env!r} is not an executable; unset NVCC or point it at nvcc")
     cands = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):

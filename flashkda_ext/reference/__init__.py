@@ -2,12 +2,14 @@
 
 Plain, readable torch; any K and V; computes in the dtype asked for (float64 by default).
 """
-from .chunked import kda_chunked
+from .chunked import chunk_step, kda_chunked
 from .decode import causal_conv_update, fused_kda_decode_step, kda_decode_step, rmsnorm
-from .gates import GATE_MODES, gate_log_decay, l2norm, softplus
-from .prefill import kda_recurrent
+from .gates import GATE_MODES, gate_log_decay, l2norm, prepare_token_inputs, softplus
+from .prefill import is_padding, kda_recurrent
+from .step import delta_step
 
 __all__ = [
-    "GATE_MODES", "causal_conv_update", "fused_kda_decode_step", "gate_log_decay", "kda_chunked",
-    "kda_decode_step", "kda_recurrent", "l2norm", "rmsnorm", "softplus",
+    "GATE_MODES", "causal_conv_update", "chunk_step", "delta_step", "fused_kda_decode_step",
+    "gate_log_decay", "is_padding", "kda_chunked", "kda_decode_step", "kda_recurrent", "l2norm",
+    "prepare_token_inputs", "rmsnorm", "softplus",
 ]

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Prebuild the AOT-whitelisted JIT modules into a directory the loader prefers.
+
+    python aot.py --arch 9.0a --out DIR [--jobs N] [--only PATTERN] [--list]
+
+Builds every record with "aot": true whose arches include a named arch (CPU modules always, for
+'host'), through the same identity-named build as JIT (the JIT cache is reused), copies each .so into
+DIR and writes DIR/manifest.json. Point FLASHKDA_EXT_AOT_DIR at DIR (or ship it as flashkda_ext/_aot)
+and the loader uses an artifact whenever its identity matches the current sources and specs.
+Exits non-zero, naming every module that failed.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import fnmatch
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from flashkda_ext.jit import all_records, ensure_built
+from flashkda_ext.jit.builder import sha256_file
+from flashkda_ext.jit.checks import resource_problems
+from flashkda_ext.jit.toolchain import normalize_arch
+
+MANIFEST_FORMAT = 1
+
+
+def select(records, arches, patterns):
+    """[(record, arch)] to build, in spec order."""
+    out = []
+    for rec in records:
+        if not rec["aot"]:
+            continue
+        if patterns and not any(fnmatch.fnmatchcase(rec["name"], p) for p in patterns):
+            continue
+        if rec["backend"] == "cpu":
+            out.append((rec, "host"))
+        else:
+            out += [(rec, a) for a in rec["arches"] if a in arches]
+    return out
+
+
+def load_manifest(out_dir: Path) -> dict:
+    path = out_dir / "manifest.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("format") == MANIFEST_FORMAT:
+                return data
+        except ValueError:
+            pass
+    return {"format": MANIFEST_FORMAT, "modules": []}
+
+
+def build_one(rec, arch, out_dir: Path, root, cache, jobs_per_build):
+    res = ensure_built(rec["name"], arch, root=root, cache=cache, jobs=jobs_per_build)
+    fname = f"{rec['name']}.{arch}.{res.identity[:16]}.so"
+    tmp = out_dir / (fname + ".tmp")
+    shutil.copyfile(res.path, tmp)
+    os.replace(tmp, out_dir / fname)
+    problems = []
+    ptxas = res.path.parent / "ptxas.log"
+    if rec["backend"] == "cuda" and ptxas.is_file():
+        problems = resource_problems(rec, ptxas.read_text())
+        shutil.copyfile(ptxas, out_dir / (fname[:-3] + ".ptxas.log"))
+    entry = {"name": rec["name"], "arch": arch, "identity": res.identity, "file": fname,
+             "sha256": sha256_file(out_dir / fname), "compiler": res.compiler}
+    return entry, res, problems
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", action="append", default=[],
+                    help="target arch, e.g. 9.0a or sm_90a (repeat or comma-separate); "
+                         "'host'/'cpu' alone builds only CPU modules")
+    ap.add_argument("--out", help="output directory (created if missing)")
+    ap.add_argument("--jobs", type=int, default=1, help="modules built in parallel (default 1)")
+    ap.add_argument("--only", action="append", default=[],
+                    help="fnmatch pattern of module names (repeat or comma-separate)")
+    ap.add_argument("--list", action="store_true", help="list what would be built, build nothing")
+    ap.add_argument("--root", help="data root holding csrc/ and jit/ (default: the package's)")
+    ap.add_argument("--cache", help="build cache (default: $FLASHKDA_EXT_CACHE_DIR)")
+    args = ap.parse_args(argv)
+
+    arches = {normalize_arch(a) for spec in args.arch for a in spec.split(",") if a}
+    patterns = [p for spec in args.only for p in spec.split(",") if p]
+    records = all_records(args.root)
+    if not arches:
+        if not args.list:
+            ap.error("--arch is required (e.g. --arch 9.0a, or --arch host for CPU modules only)")
+        arches = {a for r in records for a in r["arches"]}
+    only_host = arches == {"host"}
+    todo = [(r, a) for r, a in select(records, arches, patterns)
+            if not (only_host and r["backend"] != "cpu")]
+
+    if args.list:
+        for rec, arch in todo:
+            print(f"{rec['name']}\t{rec['backend']}\t{arch}\t{rec['family']}")
+        return 0
+    if not args.out:
+        ap.error("--out DIR is required")
+    if not todo:
+        print("aot: nothing matches (check --arch / --only and the records' aot flags)",
+              file=sys.stderr)
+        return 1
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(out_dir)
+    jobs = max(1, args.jobs)
+    # parallel module builds share the cores: give each ninja its slice unless MAX_JOBS says otherwise
+    per_build = None if jobs == 1 else max(1, (os.cpu_count() or 1) // jobs)
+    failures = []
+    done = 0
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = {pool.submit(build_one, r, a, out_dir, args.root, args.cache, per_build): (r, a)
+                for r, a in todo}
+        for fut in cf.as_completed(futs):
+            rec, arch = futs[fut]
+            done += 1
+            tag = f"[{done}/{len(todo)}] {rec['name']} ({arch})"
+            try:
+                entry, res, problems = fut.result()
+            except Exception as e:  # report every failure, keep building the rest
+                failures.append((rec["name"], arch, str(e)))
+                print(f"{tag} FAILED: {str(e).splitlines()[0]}", flush=True)
+                continue
+            manifest["modules"] = [m for m in manifest["modules"]
+                                   if not (m["name"] == entry["name"] and m["arch"] == arch)]
+            manifest["modules"].append(entry)
+            state = f"built in {res.seconds:.1f} s" if res.built else "cached"
+            print(f"{tag} {state} -> {entry['file']}", flush=True)
+            for p in problems:
+                failures.append((rec["name"], arch, p))
+                print(f"{tag} RESOURCE CHECK FAILED: {p}", flush=True)
+
+    import tvm_ffi
+    manifest["tvm_ffi"] = tvm_ffi.__version__
+    manifest["modules"].sort(key=lambda m: (m["name"], m["arch"]))
+    tmp = out_dir / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out_dir / "manifest.json")
+    print(f"aot: {len(todo) - len({(n, a) for n, a, _ in failures})}/{len(todo)} modules ok in "
+          f"{time.perf_counter() - t0:.1f} s; manifest {out_dir / 'manifest.json'}", flush=True)
+    if failures:
+        print("aot: FAILED modules:", file=sys.stderr)
+        for name, arch, err in failures:
+            print(f"  {name} ({arch}):\n    " + "\n    ".join(err.splitlines()[-40:]),
+                  file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+// CPU backend, family fused_kda_decode: per row, the width-4 causal depthwise conv over the packed
+// q|k|v projection with its cache (in place), SiLU, the KDA step on the state pool (in place), and
+// the gated RMSNorm: out = rmsnorm(o) * norm_weight * sigmoid(output_gate). Value heads = key heads
+// (group size 1) and K = V = D.
+#include <cmath>
+#include <vector>
+
+#include "../common/kda_cpu.h"
+
+namespace {
+
+using fkda::Checker;
+using fkda::OptTensor;
+using fkda::TensorView;
+namespace cpu = fkda::cpu;
+
+constexpr int64_t kConvWidth = 4;  // the conv cache keeps kConvWidth - 1 previous inputs
+
+void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g,
+                      TensorView beta, OptTensor A_log, OptTensor dt_bias, TensorView state_indices,
+                      TensorView state, TensorView output_gate, TensorView norm_weight, TensorView out,
+                      int64_t gate_mode, double lower_bound, double scale, double norm_eps,
+                      bool null_slot0) {
+  const Checker c("fused_kda_decode");
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{x, "x"},
+                                {conv_weight, "conv_weight"}, {conv_state, "conv_state"}, {g, "g"},
+                                {beta, "beta"}, {state_indices, "state_indices"}, {state, "state"},
+                                {output_gate, "output_gate"}, {norm_weight, "norm_weight"}, {out, "out"}}) {
+    c.device_type(t, name, kDLCPU);
+    c.contiguous(t, name);
+  }
+  c.ndim(g, "g", 3, "[rows, H, D]");
+  const int64_t rows = g.size(0), H = g.size(1), D = g.size(2), HD = H * D, C = 3 * HD;
+  c.head_dims(D, D);
+  c.heads(H, H);
+  c.shape(x, "x", {{"rows", rows}, {"3*H*D", C}});
+  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"4", kConvWidth}});
+  c.ndim(state, "state", 4, "[slots, H, D, D]");
+  const int64_t slots = state.size(0);
+  c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
+  c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"3", kConvWidth - 1}});
+  c.shape(beta, "beta", {{"rows", rows}, {"H", H}});
+  c.shape(state_indices, "state_indices", {{"rows", rows}});
+  c.shape(output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}});
+  c.shape(norm_weight, "norm_weight", {{"D", D}});
+  c.shape(out, "out", {{"rows", rows}, {"H", H}, {"D", D}});
+
+  c.dtype(x, "x", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
+  c.same_dtype_as(g, "g", x, "x");
+  c.same_dtype_as(beta, "beta", x, "x");
+  c.same_dtype_as(output_gate, "output_gate", x, "x");
+  c.same_dtype_as(conv_state, "conv_state", x, "x");
+  c.same_dtype_as(out, "out", x, "x");
+  if (!fkda::same_dtype(conv_weight.dtype(), fkda::kF32)) c.same_dtype_as(conv_weight, "conv_weight", x, "x");
+  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
+  c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
+  c.dtype(state_indices, "state_indices", {fkda::kI32});
+  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
+
+  const fkda::GateMode mode = c.gate_mode(gate_mode);
+  c.lower_bound(mode, lower_bound);
+  c.gate_params(mode, A_log, dt_bias, H, D, x, "x");
+  c.positive_finite(scale, "scale");
+  c.positive_finite(norm_eps, "norm_eps");
+  c.slot_indices_host(state_indices, "state_indices", slots);
+
+  const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
+  const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight),
+                        cs = cpu::span_of(conv_state), gs = cpu::span_of(g), bs = cpu::span_of(beta),
+                        ogs = cpu::span_of(output_gate), os = cpu::span_of(out);
+  const float* nw = fkda::data_ptr<const float>(norm_weight);
+  const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
+
+  std::vector<double> xrow(C), w(C * kConvWidth), win(C * (kConvWidth - 1)), y(C), decay(D),
+      graw(D), orow(D), gate_row(D), row(D);
+  ws.load(0, C * kConvWidth, w.data());
+  cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
+    using TS = decltype(tag);
+    TS* pool = fkda::data_ptr<TS>(state);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (cpu::is_padding(idx[r], null_slot0)) {
+        os.fill_zero(r * HD, HD);
+        continue;
+      }
+      const int64_t slot = idx[r];
+      // conv over [cache oldest..newest, x], SiLU; then the cache shifts left and keeps x last.
+      xs.load(r * C, C, xrow.data());
+      cs.load(slot * C * (kConvWidth - 1), C * (kConvWidth - 1), win.data());
+      for (int64_t ch = 0; ch < C; ++ch) {
+        const double* wc = w.data() + ch * kConvWidth;
+        double* sc = win.data() + ch * (kConvWidth - 1);
+        double acc = wc[kConvWidth - 1] * xrow[ch];
+        for (int64_t t = 0; t < kConvWidth - 1; ++t) acc += wc[t] * sc[t];
+        y[ch] = acc * cpu::sigmoid(acc);
+        for (int64_t t = 0; t + 1 < kConvWidth - 1; ++t) sc[t] = sc[t + 1];
+        sc[kConvWidth - 2] = xrow[ch];
+      }
+      cs.store(slot * C * (kConvWidth - 1), C * (kConvWidth - 1), win.data());
+
+      double* q = y.data();
+      double* k = y.data() + HD;
+      const double* v = y.data() + 2 * HD;
+      TS* slot_state = pool + slot * H * D * D;
+      for (int64_t h = 0; h < H; ++h) {
+        cpu::l2norm_scale(q + h * D, D, scale);
+        cpu::l2norm_scale(k + h * D, D, 1.0);
+        gs.load((r * H + h) * D, D, graw.data());
+        gate.decay(graw.data(), h, D, decay.data());
+        const double b = cpu::sigmoid(bs.get(r * H + h));
+        cpu::delta_step(slot_state + h * D * D, D, D, q + h * D, k + h * D, decay.data(), b,
+                        v + h * D, orow.data(), row.data());
+        double ms = 0.0;
+        for (int64_t i = 0; i < D; ++i) ms += orow[i] * orow[i];
+        const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + norm_eps);
+        ogs.load((r * H + h) * D, D, gate_row.data());
+        for (int64_t i = 0; i < D; ++i) {
+          orow[i] = orow[i] * inv_rms * static_cast<double>(nw[i]) * cpu::sigmoid(gate_row[i]);
+        }
+        os.store((r * H + h) * D, D, orow.data());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_decode, fused_kda_decode);
+FKDA_EXPORT_CONTRACT();

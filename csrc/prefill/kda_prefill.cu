@@ -1,0 +1,236 @@
+// TVM-FFI binding of the sm_90a prefill kernels (family kda_prefill, docs/architecture.md).
+//
+// Exports: kda_prefill (the family ABI), kda_prefill_workspace_bytes(total_tokens, num_seqs,
+// value_heads) -> bytes of the optional workspace argument, fkda_contract().
+// FKDA_PARAM_VT: the value-column tile of the state pass (16, 32 or 64); 0 picks it from
+// sequences x heads at run time (more CTAs per sequence when there are few sequences x heads).
+#include <cuda_runtime.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include "../common/binding.h"
+#include "kda_prefill_kernels.cuh"
+
+#ifndef FKDA_PARAM_VT
+#define FKDA_PARAM_VT 0
+#endif
+
+namespace {
+
+using namespace fkda;
+using fkda_prefill::bf16;
+
+#if FKDA_STATE_BF16 == 1
+using StateT = __nv_bfloat16;
+#else
+using StateT = float;
+#endif
+
+int g_vt_override = 0;  // set by kda_prefill_tune (benchmarks only); 0 = module default
+
+#define FKDA_CUDA_OK(expr, fn)                                                             \
+  do {                                                                                     \
+    cudaError_t err_ = (expr);                                                             \
+    if (err_ != cudaSuccess) FKDA_FAIL(fn) << #expr << " failed: " << cudaGetErrorString(err_); \
+  } while (0)
+
+template <int VT>
+void launch_state(const fkda_prefill::StateArgs& sa, int N, int HV, cudaStream_t stream,
+                  const char* fn) {
+  using SM = fkda_prefill::StateSmem<VT>;
+  auto kern = fkda_prefill::kda_state_kernel<VT, StateT>;
+  static bool attr_set = false;  // per process; every device gets the same limit request
+  if (!attr_set) {
+    FKDA_CUDA_OK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SM::kTotal), fn);
+    attr_set = true;
+  }
+  dim3 grid(fkda_prefill::kV / VT, HV, N);
+  kern<<<grid, 128, SM::kTotal, stream>>>(sa);
+}
+
+int pick_vt(int64_t N, int64_t HV) {
+  int vt = g_vt_override ? g_vt_override : FKDA_PARAM_VT;
+  if (vt) return vt;
+  // Enough CTAs for 132 SMs first; then wider tiles (fewer repeated K-side loads).
+  const int64_t items = N * HV;
+  if (items * 8 <= 264) return 16;
+  if (items * 4 <= 264) return 32;
+  return 64;
+}
+
+void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
+                 OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
+                 OptTensor initial_state, OptTensor final_state, OptTensor state_indices,
+                 OptTensor checkpoints, TensorView out, OptTensor workspace, int64_t gate_mode,
+                 double lower_bound, double scale, bool beta_is_logit, bool null_slot0,
+                 int64_t checkpoint_every) {
+  const char* fn = "kda_prefill";
+  Checker ck(fn);
+  ck.device_type(q, "q", kDLCUDA);
+  ck.ndim(q, "q", 4, "[1, T, H, K]");
+  const int64_t T = q.size(1), H = q.size(2), K = q.size(3);
+  ck.ndim(v, "v", 4, "[1, T, HV, V]");
+  const int64_t HV = v.size(2), V = v.size(3);
+  ck.head_dims(K, V);
+  ck.heads(H, HV);
+  ck.shape(q, "q", {{"B", 1}, {"T", T}, {"H", H}, {"K", K}});
+  ck.shape(k, "k", {{"B", 1}, {"T", T}, {"H", H}, {"K", K}});
+  ck.shape(v, "v", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
+  ck.shape(g, "g", {{"B", 1}, {"T", T}, {"HV", HV}, {"K", K}});
+  ck.shape(beta, "beta", {{"B", 1}, {"T", T}, {"HV", HV}});
+  ck.shape(out, "out", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
+  struct NamedT { const TensorView* t; const char* name; };
+  for (NamedT x : {NamedT{&q, "q"}, NamedT{&k, "k"}, NamedT{&v, "v"}, NamedT{&g, "g"},
+                   NamedT{&beta, "beta"}, NamedT{&out, "out"}}) {
+    ck.same_device(*x.t, x.name, q, "q");
+    ck.dtype(*x.t, x.name, {kBF16});
+    ck.contiguous(*x.t, x.name);
+    ck.aligned(*x.t, x.name, 16);
+  }
+  const GateMode gm = ck.gate_mode(gate_mode);
+  ck.lower_bound(gm, lower_bound);
+  ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
+  ck.positive_finite(scale, "scale");
+  ck.same_device(cu_seqlens, "cu_seqlens", q, "q");
+  ck.dtype(cu_seqlens, "cu_seqlens", {kI32, kI64});
+  ck.ndim(cu_seqlens, "cu_seqlens", 1, "[N+1]");
+  ck.contiguous(cu_seqlens, "cu_seqlens");
+  const int64_t N = cu_seqlens.size(0) - 1;
+  FKDA_CHECK(N >= 1, fn) << "argument 'cu_seqlens' must hold at least 2 offsets, got " << N + 1;
+  FKDA_CHECK(N <= 65535, fn) << "at most 65535 sequences per call, got " << N;
+
+  const bool pool = state_indices.has_value();
+  int64_t slots = N;
+  if (pool) {
+    const TensorView& si = state_indices.value();
+    ck.same_device(si, "state_indices", q, "q");
+    ck.dtype(si, "state_indices", {kI32});
+    ck.shape(si, "state_indices", {{"N", N}});
+    ck.contiguous(si, "state_indices");
+    FKDA_CHECK(initial_state.has_value() || final_state.has_value(), fn)
+        << "argument 'state_indices' needs the pool as initial_state and/or final_state";
+    slots = (initial_state.has_value() ? initial_state.value() : final_state.value()).size(0);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const OptTensor& st = i ? final_state : initial_state;
+    const char* name = i ? "final_state" : "initial_state";
+    if (!st.has_value()) continue;
+    const TensorView& t = st.value();
+    ck.same_device(t, name, q, "q");
+    ck.state_dtype(t, name, {kF32, kBF16});
+    ck.shape(t, name, {{pool ? "slots" : "N", slots}, {"HV", HV}, {"V", V}, {"K", K}});
+    ck.contiguous(t, name);
+  }
+  int64_t ckpt_count = 0;
+  if (checkpoints.has_value()) {
+    const TensorView& t = checkpoints.value();
+    ck.same_device(t, "checkpoints", q, "q");
+    ck.state_dtype(t, "checkpoints", {kF32, kBF16});
+    ck.ndim(t, "checkpoints", 5, "[N, C, HV, V, K]");
+    ckpt_count = t.size(1);
+    ck.shape(t, "checkpoints", {{"N", N}, {"C", ckpt_count}, {"HV", HV}, {"V", V}, {"K", K}});
+    ck.contiguous(t, "checkpoints");
+    FKDA_CHECK(checkpoint_every > 0 && checkpoint_every % fkda_prefill::kC == 0, fn)
+        << "argument 'checkpoint_every' must be a positive multiple of the chunk ("
+        << fkda_prefill::kC << ") when checkpoints are given, got " << checkpoint_every;
+  }
+  const int64_t need = fkda_prefill::workspace_bytes(T, N, HV);
+  if (workspace.has_value()) {
+    const TensorView& w = workspace.value();
+    ck.same_device(w, "workspace", q, "q");
+    ck.dtype(w, "workspace", {kU8});
+    ck.contiguous(w, "workspace");
+    ck.aligned(w, "workspace", 256);
+    FKDA_CHECK(w.numel() >= need, fn) << "argument 'workspace' must hold at least " << need
+                                      << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
+  }
+
+  const int dev = q.device().device_id;
+  int cur = -1;
+  FKDA_CUDA_OK(cudaGetDevice(&cur), fn);
+  if (cur != dev) FKDA_CUDA_OK(cudaSetDevice(dev), fn);
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev));
+
+  uint8_t* ws = nullptr;
+  bool own_ws = false;
+  if (workspace.has_value()) {
+    ws = data_ptr<uint8_t>(workspace.value());
+  } else if (need > 0) {
+    // Stream-ordered, so this stays capturable in a CUDA graph (as a memory node).
+    FKDA_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), fn);
+    own_ws = true;
+  }
+
+  const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
+  if (T > 0) {
+    fkda_prefill::PrepArgs pa;
+    pa.q = data_ptr<bf16>(q);
+    pa.k = data_ptr<bf16>(k);
+    pa.v = data_ptr<bf16>(v);
+    pa.g = data_ptr<bf16>(g);
+    pa.beta = data_ptr<bf16>(beta);
+    pa.A_log = A_log.has_value() ? data_ptr<float>(A_log.value()) : nullptr;
+    pa.dt_bias = dt_bias.has_value() ? data_ptr<float>(dt_bias.value()) : nullptr;
+    pa.cu = data_ptr<void>(cu_seqlens);
+    pa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
+    pa.N = static_cast<int>(N);
+    pa.H = static_cast<int>(H);
+    pa.HV = static_cast<int>(HV);
+    pa.gate = static_cast<int>(gate_mode);
+    pa.lower_bound = static_cast<float>(lower_bound);
+    pa.scale = static_cast<float>(scale);
+    pa.beta_logit = beta_is_logit ? 1 : 0;
+    pa.ws = ws;
+    static bool prep_attr = false;
+    if (!prep_attr) {
+      FKDA_CUDA_OK(cudaFuncSetAttribute(fkda_prefill::kda_prep_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        fkda_prefill::kPrepSmem), fn);
+      prep_attr = true;
+    }
+    FKDA_CHECK(slots_chunks <= 0x7fffffff, fn) << "too many chunks: " << slots_chunks;
+    dim3 grid(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV));
+    fkda_prefill::kda_prep_kernel<<<grid, fkda_prefill::kPrepThreads, fkda_prefill::kPrepSmem,
+                                    stream>>>(pa);
+  }
+
+  fkda_prefill::StateArgs sa;
+  sa.ws = ws;
+  sa.cu = data_ptr<void>(cu_seqlens);
+  sa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
+  sa.N = static_cast<int>(N);
+  sa.HV = static_cast<int>(HV);
+  sa.init = initial_state.has_value() ? data_ptr<void>(initial_state.value()) : nullptr;
+  sa.fin = final_state.has_value() ? data_ptr<void>(final_state.value()) : nullptr;
+  sa.idx = pool ? data_ptr<int32_t>(state_indices.value()) : nullptr;
+  sa.null_slot0 = null_slot0 ? 1 : 0;
+  sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
+  sa.ckpt_count = ckpt_count;
+  sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
+  sa.out = data_ptr<bf16>(out);
+  switch (pick_vt(N, HV)) {
+    case 16: launch_state<16>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
+    case 32: launch_state<32>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
+    default: launch_state<64>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
+  }
+  FKDA_CUDA_OK(cudaGetLastError(), fn);
+  if (own_ws) FKDA_CUDA_OK(cudaFreeAsync(ws, stream), fn);
+  if (cur != dev) cudaSetDevice(cur);
+}
+
+int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
+  return fkda_prefill::workspace_bytes(total_tokens, num_seqs, value_heads);
+}
+
+// Benchmarks only: force the state pass V tile (16/32/64), 0 = module default; returns old.
+int64_t kda_prefill_tune(int64_t vt) {
+  const int64_t old = g_vt_override;
+  if (vt == 0 || vt == 16 || vt == 32 || vt == 64) g_vt_override = static_cast<int>(vt);
+  return old;
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_tune, kda_prefill_tune);
+FKDA_EXPORT_CONTRACT();

@@ -1,0 +1,798 @@
+// KDA prefill on sm_90a: the chunked (WY / UT) form of docs DESIGN.md 2b, in two kernels.
+//
+//   kda_prep_kernel   grid (chunk slots, HV), 256 threads. Everything that is independent across
+//                     chunks: gate + cumsum, l2norm, L and Aqk, T = (I+L)^-1 Diag(beta), W, U,
+//                     Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
+//   kda_state_kernel  grid (V tiles, HV, N), 128 threads. The ordered part: the fp32 state tile
+//                     lives in registers across the sequence's chunks; three small GEMMs a chunk.
+//
+// Chunk slots: sequence n owns slots floor(cu[n]/64) + n + c, c < ceil(len_n/64). These never
+// overlap and are < floor(T/64) + N, so a CTA finds its (sequence, chunk) by a binary search of
+// cu_seqlens on the device (no host copy) and slots in the gaps exit at once.
+//
+// Numerics: G is kept in log2 units, relative to the chunk start, so every exponent taken is of
+// a non-positive number (exp(G_i - G_j), j <= i), whatever the gate: no inf, underflow to 0 only
+// where the true value is below fp32 range. The tensor-core form of the strictly-lower blocks of
+// L and Aqk uses, for row block I, the anchor a = 16 I - 1 (last row before the block):
+// exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j) with both factors <= 1 (i > a >= j).
+// The 16x16 diagonal blocks use the elementwise form in fp32.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace fkda_prefill {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kC = 64;   // chunk
+constexpr int kK = 128;  // key head dim
+constexpr int kV = 128;  // value head dim
+
+constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows hit distinct banks)
+constexpr int kLdG = kK + 4;       // fp32 rows of G
+constexpr int kLdM = kC + 1;       // fp32 64x64 matrices (L, Aqk, X)
+constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
+constexpr int kLdOp = 2 * kK + 8;  // bf16 [beta exp(G) K | beta V] rows
+constexpr int kLdP = 3 * 16 + 1;   // fp32 partial products of the blocked inverse
+
+// One workspace slot per (chunk slot, value head).
+constexpr size_t kWsW = 0;
+constexpr size_t kWsU = kWsW + size_t(kC) * kK * 2;
+constexpr size_t kWsQg = kWsU + size_t(kC) * kV * 2;
+constexpr size_t kWsKd = kWsQg + size_t(kC) * kK * 2;
+constexpr size_t kWsA = kWsKd + size_t(kC) * kK * 2;
+constexpr size_t kWsGc = kWsA + size_t(kC) * kC * 2;
+constexpr size_t kSlotBytes = kWsGc + size_t(kK) * 4;
+
+inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
+  return total_tokens / kC + num_seqs;
+}
+inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
+  return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes);
+}
+
+// ---- prep kernel shared memory map (bytes) -----------------------------------------------------
+constexpr int kPrepThreads = 256;
+constexpr int kOffG = 0;                              // fp32 [64][kLdG]; later the W|U staging
+constexpr int kOffQ = kOffG + kC * kLdG * 4;          // bf16 [64][kLdB] scaled l2norm q
+constexpr int kOffK = kOffQ + kC * kLdB * 2;          // bf16 [64][kLdB] l2norm k
+constexpr int kOffV = kOffK + kC * kLdB * 2;          // bf16 [64][kLdB] v
+constexpr int kOffL = kOffV + kC * kLdB * 2;          // fp32 [64][kLdM] L (beta folded in)
+constexpr int kOffA = kOffL + kC * kLdM * 4;          // fp32 [64][kLdM] Aqk
+constexpr int kOffX = kOffA + kC * kLdM * 4;          // fp32 [64][kLdM] (I+L)^-1
+constexpr int kOffP = kOffX + kC * kLdM * 4;          // fp32 [16][kLdP]
+constexpr int kOffXb = kOffP + 16 * kLdP * 4;         // bf16 [64][kLdX]
+constexpr int kOffBeta = kOffXb + kC * kLdX * 2;      // fp32 [64]
+constexpr int kOffTot = kOffBeta + kC * 4;            // fp32 [128]
+constexpr int kOffR1 = kOffTot + kK * 4;              // off-diagonal operands, later [64][kLdOp]
+constexpr int kPrepSmem = kOffR1 + 192 * kLdB * 2;
+static_assert(kOffR1 % 16 == 0 && kOffXb % 16 == 0 && kOffQ % 16 == 0, "16 B alignment");
+static_assert(64 * kLdOp * 2 <= 192 * kLdB * 2, "Bop fits the operand region");
+static_assert(64 * kLdOp * 2 <= kC * kLdG * 4, "W|U staging fits the G region");
+
+// ---- state kernel shared memory map --------------------------------------------------------------
+template <int VT>
+struct StateSmem {
+  static constexpr int kLdU = VT + 8;
+  static constexpr int kW = 0;
+  static constexpr int kQg = kW + kC * kLdB * 2;
+  static constexpr int kKd = kQg + kC * kLdB * 2;
+  static constexpr int kA = kKd + kC * kLdB * 2;
+  static constexpr int kU = kA + kC * kLdX * 2;
+  static constexpr int kGc = kU + kC * kLdU * 2;
+  static constexpr int kStage = kGc + kK * 4;
+  static constexpr int kSb = 2 * kStage;          // bf16 [128][kLdU] state for the B operand
+  static constexpr int kVp = kSb + kK * kLdU * 2;  // bf16 [64][kLdU] V'
+  static constexpr int kTotal = kVp + kC * kLdU * 2;
+  static_assert(kStage % 16 == 0 && kU % 16 == 0 && kGc % 16 == 0, "16 B alignment");
+};
+
+// ---- small PTX helpers ---------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+// D += A (16x16, row) * B (16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Fragment loaders (mma m16n8k16 layouts). A 16x16 tile from a row-major [m][k] array:
+__device__ __forceinline__ void load_a(uint32_t* a, const bf16* base, int ld, int m0, int k0,
+                                       int lane) {
+  ldsm_x4(a, base + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 8);
+}
+// A 16x16 tile whose storage is transposed ([k][m] row-major):
+__device__ __forceinline__ void load_a_t(uint32_t* a, const bf16* base, int ld, int m0, int k0,
+                                         int lane) {
+  ldsm_x4_t(a, base + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
+}
+// B for two n8 tiles (k16 x n16) from a [k][n] row-major array: b[0..1] tile n0, b[2..3] n0+8.
+__device__ __forceinline__ void load_b_kn(uint32_t* b, const bf16* base, int ld, int k0, int n0,
+                                          int lane) {
+  ldsm_x4_t(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+}
+// B for two n8 tiles from an [n][k] row-major array.
+__device__ __forceinline__ void load_b_nk(uint32_t* b, const bf16* base, int ld, int n0, int k0,
+                                          int lane) {
+  ldsm_x4(b, base + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 x = __bfloat1622float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 u;
+  u.x = pack_bf16(f[0], f[1]);
+  u.y = pack_bf16(f[2], f[3]);
+  u.z = pack_bf16(f[4], f[5]);
+  u.w = pack_bf16(f[6], f[7]);
+  return u;
+}
+
+__device__ __forceinline__ int64_t load_cu(const void* cu, int cu64, int64_t i) {
+  return cu64 ? static_cast<const int64_t*>(cu)[i] : int64_t(static_cast<const int32_t*>(cu)[i]);
+}
+// Largest n with floor(cu[n]/64) + n <= slot (that key is strictly increasing in n).
+__device__ __forceinline__ int find_seq(const void* cu, int cu64, int N, int64_t slot) {
+  int lo = 0, hi = N - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (load_cu(cu, cu64, mid) / kC + mid <= slot) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct PrepArgs {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const bf16* g;
+  const bf16* beta;
+  const float* A_log;    // may be null
+  const float* dt_bias;  // may be null
+  const void* cu;
+  int cu64;
+  int N, H, HV;
+  int gate;  // 0 softplus, 1 bounded, 2 log
+  float lower_bound;
+  float scale;
+  int beta_logit;
+  uint8_t* ws;
+};
+
+__global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  float* Gs = reinterpret_cast<float*>(smem + kOffG);
+  bf16* Qs = reinterpret_cast<bf16*>(smem + kOffQ);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + kOffK);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + kOffV);
+  float* Lm = reinterpret_cast<float*>(smem + kOffL);
+  float* Am = reinterpret_cast<float*>(smem + kOffA);
+  float* Xm = reinterpret_cast<float*>(smem + kOffX);
+  float* Pt = reinterpret_cast<float*>(smem + kOffP);
+  bf16* Xb = reinterpret_cast<bf16*>(smem + kOffXb);
+  float* betas = reinterpret_cast<float*>(smem + kOffBeta);
+  float* tot = reinterpret_cast<float*>(smem + kOffTot);
+  bf16* OpL = reinterpret_cast<bf16*>(smem + kOffR1);
+  bf16* OpR = OpL + 96 * kLdB;
+  bf16* Bop = reinterpret_cast<bf16*>(smem + kOffR1);
+  bf16* Ost = reinterpret_cast<bf16*>(smem + kOffG);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t slot = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int n = find_seq(a.cu, a.cu64, a.N, slot);
+  const int64_t bos = load_cu(a.cu, a.cu64, n);
+  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  const int64_t c = slot - (bos / kC + n);
+  if (c * kC >= len) return;  // a gap slot (or an empty sequence): nothing to prepare
+  const int64_t t0 = bos + c * kC;
+  const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
+  const int hk = hv / (a.HV / a.H);
+  const int HV = a.HV;
+
+  // ---- 1. loads: q, k (l2norm), v, beta, gate + cumsum. Rows >= nt are zeros (g = 0: no decay).
+#pragma unroll 2
+  for (int rr = 0; rr < 8; ++rr) {
+    const int r = warp * 8 + rr;
+    float qf[4] = {0.f, 0.f, 0.f, 0.f}, kf[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < nt) {
+      const size_t off = (size_t(t0 + r) * a.H + hk) * kK + lane * 4;
+      uint2 qu = *reinterpret_cast<const uint2*>(a.q + off);
+      uint2 ku = *reinterpret_cast<const uint2*>(a.k + off);
+      const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(&qu);
+      const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&ku);
+      float2 x;
+      x = __bfloat1622float2(qh[0]); qf[0] = x.x; qf[1] = x.y;
+      x = __bfloat1622float2(qh[1]); qf[2] = x.x; qf[3] = x.y;
+      x = __bfloat1622float2(kh[0]); kf[0] = x.x; kf[1] = x.y;
+      x = __bfloat1622float2(kh[1]); kf[2] = x.x; kf[3] = x.y;
+    }
+    float sq = qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3];
+    float sk = kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float nq = rsqrtf(sq + 1e-6f) * a.scale, nk = rsqrtf(sk + 1e-6f);
+    uint2 qo, ko;
+    qo.x = pack_bf16(qf[0] * nq, qf[1] * nq);
+    qo.y = pack_bf16(qf[2] * nq, qf[3] * nq);
+    ko.x = pack_bf16(kf[0] * nk, kf[1] * nk);
+    ko.y = pack_bf16(kf[2] * nk, kf[3] * nk);
+    *reinterpret_cast<uint2*>(Qs + r * kLdB + lane * 4) = qo;
+    *reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4) = ko;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = tid + i * kPrepThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (r < nt) u = *reinterpret_cast<const uint4*>(a.v + (size_t(t0 + r) * HV + hv) * kV + c8);
+    *reinterpret_cast<uint4*>(Vs + r * kLdB + c8) = u;
+  }
+  if (tid < kC) {
+    float b = 0.f;
+    if (tid < nt) {
+      b = __bfloat162float(a.beta[size_t(t0 + tid) * HV + hv]);
+      if (a.beta_logit) b = 1.f / (1.f + __expf(-b));
+    }
+    betas[tid] = b;
+  }
+  {
+    const int d = tid & (kK - 1), half = tid >> 7;
+    const float dtb = a.dt_bias ? a.dt_bias[hv * kK + d] : 0.f;
+    const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+    constexpr float kLog2e = 1.4426950408889634f;
+    float gl[32];
+    float run = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int r = half * 32 + i;
+      float val = 0.f;
+      if (r < nt) {
+        const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
+        if (a.gate == 0) {
+          const float x = raw + dtb;
+          const float sp = x > 20.f ? x : log1pf(__expf(x));
+          val = -ea * sp;
+        } else if (a.gate == 1) {
+          val = a.lower_bound / (1.f + __expf(-ea * (raw + dtb)));
+        } else {
+          val = raw;
+        }
+      }
+      run += val * kLog2e;
+      gl[i] = run;
+    }
+    if (half == 0) tot[d] = run;
+    __syncthreads();
+    const float base = half ? tot[d] : 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) Gs[(half * 32 + i) * kLdG + d] = gl[i] + base;
+  }
+  __syncthreads();
+
+  // ---- 2a. diagonal 16x16 blocks of L and Aqk, elementwise in fp32.
+  {
+    const int blk = tid >> 6, il = (tid >> 2) & 15, dq = tid & 3;
+    const int jmax = (warp & 1) * 8 + 7;  // the largest row of this warp: warp-uniform loop bound
+    const int i = blk * 16 + il;
+    float sL[16], sA[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) { sL[j] = 0.f; sA[j] = 0.f; }
+#pragma unroll 1
+    for (int dc = 0; dc < 4; ++dc) {
+      const int d0 = dq * 32 + dc * 8;
+      float qi[8], ki[8], gi[8];
+      unpack8(*reinterpret_cast<const uint4*>(Qs + i * kLdB + d0), qi);
+      unpack8(*reinterpret_cast<const uint4*>(Ks + i * kLdB + d0), ki);
+      {
+        float4 g0 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0);
+        float4 g1 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0 + 4);
+        gi[0] = g0.x; gi[1] = g0.y; gi[2] = g0.z; gi[3] = g0.w;
+        gi[4] = g1.x; gi[5] = g1.y; gi[6] = g1.z; gi[7] = g1.w;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        if (jj <= jmax) {
+          const int j = blk * 16 + jj;
+          float kj[8];
+          unpack8(*reinterpret_cast<const uint4*>(Ks + j * kLdB + d0), kj);
+          float4 g0 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0);
+          float4 g1 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0 + 4);
+          const float gj[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+          if (jj <= il) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              const float ex = ex2(gi[e] - gj[e]);
+              sL[jj] = fmaf(ki[e] * kj[e], ex, sL[jj]);
+              sA[jj] = fmaf(qi[e] * kj[e], ex, sA[jj]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 1);
+      sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 2);
+      sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 1);
+      sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 2);
+    }
+    if (dq == 0) {
+      const float bi = betas[i];
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        Lm[i * kLdM + blk * 16 + jj] = jj < il ? bi * sL[jj] : 0.f;
+        Am[i * kLdM + blk * 16 + jj] = jj <= il ? sA[jj] : 0.f;
+      }
+    }
+  }
+
+  // ---- 2b. operands of the strictly-lower blocks: rows of block I against columns < 16 I,
+  // anchored at row a = 16 I - 1. OpL: per I, 16 rows of k then 16 of q, times exp(G_i - G_a).
+  // OpR: per I (from row 8 I (I-1)), rows j < 16 I of k, times exp(G_a - G_j).
+  for (int it = tid; it < 192 * 16; it += kPrepThreads) {
+    const int rr = it >> 4, d0 = (it & 15) * 8;
+    int src, anc;
+    bool right;
+    const bf16* S = Ks;
+    if (rr < 96) {
+      const int I = rr / 32 + 1;
+      src = 16 * I + (rr & 15);
+      anc = 16 * I - 1;
+      if ((rr >> 4) & 1) S = Qs;
+      right = false;
+    } else {
+      const int r2 = rr - 96;
+      const int I = r2 < 16 ? 1 : (r2 < 48 ? 2 : 3);
+      src = r2 - 8 * I * (I - 1);
+      anc = 16 * I - 1;
+      right = true;
+    }
+    float x[8];
+    unpack8(*reinterpret_cast<const uint4*>(S + src * kLdB + d0), x);
+    const float* gs = Gs + src * kLdG + d0;
+    const float* ga = Gs + anc * kLdG + d0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] *= right ? ex2(ga[e] - gs[e]) : ex2(gs[e] - ga[e]);
+    *reinterpret_cast<uint4*>(OpL + rr * kLdB + d0) = pack8(x);
+  }
+  __syncthreads();
+
+  // ---- 2c. strictly-lower blocks on tensor cores: 12 tasks of 16x16 (I, k-or-q, column block).
+  for (int t = warp; t < 12; t += 8) {
+    int I, rem;
+    if (t < 2) { I = 1; rem = t; } else if (t < 6) { I = 2; rem = t - 2; } else { I = 3; rem = t - 6; }
+    const int mt = rem / I, nb = rem % I;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const bf16* Ab = OpL + ((I - 1) * 32 + mt * 16) * kLdB;
+    const bf16* Bb = OpR + (8 * I * (I - 1) + nb * 16) * kLdB;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t af[4], bfr[4];
+      load_a(af, Ab, kLdB, 0, ks * 16, lane);
+      load_b_nk(bfr, Bb, kLdB, 0, ks * 16, lane);
+      mma_bf16(acc[0], af, bfr);
+      mma_bf16(acc[1], af, bfr + 2);
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * I + g + 8 * h, col = nb * 16 + nn * 8 + 2 * tq;
+        if (mt == 0) {
+          const float bi = betas[row];
+          Lm[row * kLdM + col] = bi * acc[nn][2 * h];
+          Lm[row * kLdM + col + 1] = bi * acc[nn][2 * h + 1];
+        } else {
+          Am[row * kLdM + col] = acc[nn][2 * h];
+          Am[row * kLdM + col + 1] = acc[nn][2 * h + 1];
+        }
+      }
+  }
+  __syncthreads();
+
+  // ---- 3. X = (I + L)^-1: diagonal blocks by forward substitution, then block rows.
+  if (tid < 64) {
+    const int blk = tid >> 4, cc = tid & 15;
+    const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float s = (i == cc) ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s = fmaf(-Lb[i * kLdM + j], x[j], s);
+      x[i] = s;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int I = 1; I < 4; ++I) {
+    for (int e = tid; e < I * 256; e += kPrepThreads) {
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      const float* lr = Lm + (I * 16 + r) * kLdM;
+      float s = 0.f;
+      for (int kk = J * 16; kk < I * 16; ++kk) s = fmaf(lr[kk], Xm[kk * kLdM + J * 16 + cc], s);
+      Pt[r * kLdP + J * 16 + cc] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < I * 256; e += kPrepThreads) {
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
+      float s = 0.f;
+      for (int m = 0; m <= r; ++m) s = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s);
+      Xm[(I * 16 + r) * kLdM + J * 16 + cc] = s;
+    }
+    __syncthreads();
+  }
+
+  uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
+  // ---- 4. X -> bf16, Aqk -> workspace, B operand [beta exp(G) K | beta V], Qg, Kd, exp(G_C).
+  for (int e = tid; e < kC * kC / 2; e += kPrepThreads) {
+    const int r = e >> 5, c2 = (e & 31) * 2;
+    const float x0 = c2 <= r ? Xm[r * kLdM + c2] : 0.f;
+    const float x1 = c2 + 1 <= r ? Xm[r * kLdM + c2 + 1] : 0.f;
+    *reinterpret_cast<uint32_t*>(Xb + r * kLdX + c2) = pack_bf16(x0, x1);
+    const float a0 = c2 <= r ? Am[r * kLdM + c2] : 0.f;
+    const float a1 = c2 + 1 <= r ? Am[r * kLdM + c2 + 1] : 0.f;
+    reinterpret_cast<uint32_t*>(ws + kWsA)[e] = pack_bf16(a0, a1);
+  }
+  for (int e = tid; e < kC * 32; e += kPrepThreads) {
+    const int r = e >> 5, c8 = (e & 31) * 8;
+    const float b = betas[r];
+    float x[8];
+    if (c8 < kK) {
+      unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), x);
+      const float* gr = Gs + r * kLdG + c8;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] *= b * ex2(gr[i]);
+    } else {
+      unpack8(*reinterpret_cast<const uint4*>(Vs + r * kLdB + c8 - kK), x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] *= b;
+    }
+    *reinterpret_cast<uint4*>(Bop + r * kLdOp + c8) = pack8(x);
+  }
+  for (int e = tid; e < kC * 16; e += kPrepThreads) {
+    const int r = e >> 4, c8 = (e & 15) * 8;
+    const float* gr = Gs + r * kLdG + c8;
+    const float* gl = Gs + (kC - 1) * kLdG + c8;
+    float x[8], y[8];
+    unpack8(*reinterpret_cast<const uint4*>(Qs + r * kLdB + c8), x);
+    unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] *= ex2(gr[i]);
+      y[i] *= ex2(gl[i] - gr[i]);
+    }
+    reinterpret_cast<uint4*>(ws + kWsQg)[e] = pack8(x);
+    reinterpret_cast<uint4*>(ws + kWsKd)[e] = pack8(y);
+  }
+  if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
+  __syncthreads();
+
+  // ---- 5. [W | U] = X [beta exp(G) K | beta V]; X is lower triangular: k-steps 0..mt.
+  {
+    const int mt = warp & 3, nh = warp >> 2;
+    float acc[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int ks = 0; ks <= mt; ++ks) {
+      uint32_t af[4];
+      load_a(af, Xb, kLdX, mt * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t bfr[4];
+        load_b_kn(bfr, Bop, kLdOp, ks * 16, nh * kK + np * 16, lane);
+        mma_bf16(acc[2 * np], af, bfr);
+        mma_bf16(acc[2 * np + 1], af, bfr + 2);
+      }
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nn = 0; nn < 16; ++nn) {
+      const int col = nh * kK + nn * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(Ost + (mt * 16 + g) * kLdOp + col) =
+          pack_bf16(acc[nn][0], acc[nn][1]);
+      *reinterpret_cast<uint32_t*>(Ost + (mt * 16 + g + 8) * kLdOp + col) =
+          pack_bf16(acc[nn][2], acc[nn][3]);
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < kC * 32; e += kPrepThreads) {
+    const int r = e >> 5, c8 = (e & 31) * 8;
+    const uint4 u = *reinterpret_cast<const uint4*>(Ost + r * kLdOp + c8);
+    if (c8 < kK) reinterpret_cast<uint4*>(ws + kWsW)[r * 16 + (c8 >> 3)] = u;
+    else reinterpret_cast<uint4*>(ws + kWsU)[r * 16 + ((c8 - kK) >> 3)] = u;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+struct StateArgs {
+  const uint8_t* ws;
+  const void* cu;
+  int cu64;
+  int N, HV;
+  const void* init;         // [slots or N, HV, V, K] or null
+  void* fin;                // may alias init (pool in place)
+  const int32_t* idx;       // pool indices or null
+  int null_slot0;
+  void* ckpt;               // [N, Cc, HV, V, K] or null
+  int64_t ckpt_count;
+  int64_t ckpt_every;
+  bf16* out;                // [T, HV, V]
+};
+
+template <typename ST>
+__device__ __forceinline__ float ld_state(const ST* p);
+template <>
+__device__ __forceinline__ float ld_state<float>(const float* p) { return *p; }
+template <>
+__device__ __forceinline__ float ld_state<bf16>(const bf16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void st_state(float* p, float x) { *p = x; }
+__device__ __forceinline__ void st_state(bf16* p, float x) { *p = __float2bfloat16(x); }
+
+// Register state tile of a warp: rows d = 32 w + 16 mt + g (+8), columns v = 8 nt + 2 tq (+1).
+template <int VT, typename ST>
+__device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][VT / 8][4], int w,
+                                                 int lane, int v0) {
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
+        st_state(base + size_t(vv) * kK + d, s[mt][nt][e]);
+      }
+}
+
+template <int VT>
+__device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid) {
+  using SM = StateSmem<VT>;
+  // W, Qg, Kd: 3 x 64 rows x 16 vectors
+  for (int e = tid; e < 3 * kC * 16; e += 128) {
+    const int m = e / (kC * 16), rem = e % (kC * 16), r = rem >> 4, c = rem & 15;
+    const size_t src = (m == 0 ? kWsW : (m == 1 ? kWsQg : kWsKd)) + size_t(r) * kK * 2 + c * 16;
+    const int dst = (m == 0 ? SM::kW : (m == 1 ? SM::kQg : SM::kKd)) + r * kLdB * 2 + c * 16;
+    cp_async16(st + dst, ws + src);
+  }
+  for (int e = tid; e < kC * 8; e += 128) {
+    const int r = e >> 3, c = e & 7;
+    cp_async16(st + SM::kA + r * kLdX * 2 + c * 16, ws + kWsA + size_t(r) * kC * 2 + c * 16);
+  }
+  constexpr int kUv = VT / 8;  // 16 B vectors per U row of the tile
+  for (int e = tid; e < kC * kUv; e += 128) {
+    const int r = e / kUv, c = e % kUv;
+    cp_async16(st + SM::kU + r * SM::kLdU * 2 + c * 16,
+               ws + kWsU + size_t(r) * kV * 2 + size_t(vt) * VT * 2 + c * 16);
+  }
+  if (tid < kK / 4) cp_async16(st + SM::kGc + tid * 16, ws + kWsGc + tid * 16);
+  cp_async_commit();
+}
+
+template <int VT, typename ST>
+__global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
+  using SM = StateSmem<VT>;
+  constexpr int NT = VT / 8, NP = VT / 16, LDU = SM::kLdU;
+  extern __shared__ __align__(128) uint8_t smem[];
+  bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb);
+  bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int vt = blockIdx.x, hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int v0 = vt * VT;
+
+  const int64_t bos = load_cu(a.cu, a.cu64, n);
+  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  const int64_t base = bos / kC + n;
+  const int64_t nch = (len + kC - 1) / kC;
+  int64_t slot = n;
+  bool pad = false;
+  if (a.idx) {
+    const int s = a.idx[n];
+    pad = s < 0 || (a.null_slot0 && s == 0);
+    slot = s;
+  }
+
+  float s[2][NT][4];
+  if (a.init && !pad) {
+    const ST* src = static_cast<const ST*>(a.init) + (size_t(slot) * HV + hv) * kV * kK;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
+          s[mt][nt][e] = ld_state(src + size_t(vv) * kK + d);
+        }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+  }
+
+  if (nch > 0) {
+    issue_chunk<VT>(smem, a.ws + (size_t(base) * HV + hv) * kSlotBytes, vt, tid);
+    // The bf16 copy of the state that feeds the B operand of V' = U - W S and O = Qg S.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * LDU + nt * 8 + 2 * tq) =
+              pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+  }
+
+  for (int64_t c = 0; c < nch; ++c) {
+    uint8_t* st = smem + (c & 1) * SM::kStage;
+    cp_async_wait_all();
+    __syncthreads();  // chunk c visible; every warp is done with chunk c-1 (its stage is free)
+    if (c + 1 < nch)
+      issue_chunk<VT>(smem + ((c + 1) & 1) * SM::kStage,
+                      a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid);
+    const bf16* Ws = reinterpret_cast<const bf16*>(st + SM::kW);
+    const bf16* Qg = reinterpret_cast<const bf16*>(st + SM::kQg);
+    const bf16* Kd = reinterpret_cast<const bf16*>(st + SM::kKd);
+    const bf16* As = reinterpret_cast<const bf16*>(st + SM::kA);
+    const bf16* Us = reinterpret_cast<const bf16*>(st + SM::kU);
+    const float* gc = reinterpret_cast<const float*>(st + SM::kGc);
+
+    // V' = U - W S and O = Qg S: rows 16 w of the chunk.
+    float a1[NT][4], a2[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a1[nt][e] = a2[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kK / 16; ++ks) {
+      uint32_t aw[4], aq[4];
+      load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
+      load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < NP; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
+        mma_bf16(a1[2 * np], aw, bb);
+        mma_bf16(a1[2 * np + 1], aw, bb + 2);
+        mma_bf16(a2[2 * np], aq, bb);
+        mma_bf16(a2[2 * np + 1], aq, bb + 2);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
+        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + row * LDU + col));
+        *reinterpret_cast<uint32_t*>(Vp + row * LDU + col) =
+            pack_bf16(u.x - a1[nt][2 * h], u.y - a1[nt][2 * h + 1]);
+      }
+    __syncthreads();  // V' complete
+
+    // O += Aqk V' (Aqk lower triangular: k-steps 0..w), then store valid rows.
+    for (int ks = 0; ks <= w; ++ks) {
+      uint32_t aa[4];
+      load_a(aa, As, kLdX, w * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < NP; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+        mma_bf16(a2[2 * np], aa, bb);
+        mma_bf16(a2[2 * np + 1], aa, bb + 2);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = w * 16 + g + 8 * h;
+      if (c * kC + row < len) {
+        bf16* o = a.out + (size_t(bos + c * kC + row) * HV + hv) * kV + v0;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * tq) = pack_bf16(a2[nt][2 * h], a2[nt][2 * h + 1]);
+      }
+    }
+
+    // S = Diag(exp(G_C)) S + Kd^T V'.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const float g0 = gc[w * 32 + mt * 16 + g], g1 = gc[w * 32 + mt * 16 + g + 8];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[mt][nt][0] *= g0; s[mt][nt][1] *= g0;
+        s[mt][nt][2] *= g1; s[mt][nt][3] *= g1;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < kC / 16; ++ks) {
+      uint32_t ak[2][4];
+      load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
+      load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < NP; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(s[mt][2 * np], ak[mt], bb);
+          mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
+        }
+      }
+    }
+    // Every warp read Sb before the V' barrier above, so it can be overwritten now.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * LDU + nt * 8 + 2 * tq) =
+              pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+
+    if (a.ckpt) {
+      const int64_t done = (c + 1) * kC;  // checkpoints fall on whole chunks (every % 64 == 0)
+      if (done <= len && done % a.ckpt_every == 0) {
+        const int64_t m = done / a.ckpt_every - 1;
+        if (m < a.ckpt_count) {
+          ST* dst = static_cast<ST*>(a.ckpt) + ((size_t(n) * a.ckpt_count + m) * HV + hv) * kV * kK;
+          store_state_tile<VT, ST>(dst, s, w, lane, v0);
+        }
+      }
+    }
+  }
+
+  if (a.fin && !pad) {
+    ST* dst = static_cast<ST*>(a.fin) + (size_t(slot) * HV + hv) * kV * kK;
+    store_state_tile<VT, ST>(dst, s, w, lane, v0);
+  }
+}
+
+}  // namespace fkda_prefill

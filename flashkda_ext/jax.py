@@ -1,0 +1,446 @@
+"""JAX front end: the same compiled TVM-FFI modules as the torch ops, called through XLA's FFI.
+
+    import flashkda_ext.jax as kda_jax
+    out, new_state = kda_jax.kda_decode(q, k, v, g, beta, state=pool, state_indices=idx, ...)
+
+Each op takes and returns jax arrays and works eagerly and under jax.jit. Per call:
+
+1. Arguments are checked in Python by flashkda_ext.validation (shape-only torch "meta" tensors stand
+   in for the jax arrays), so a bad call raises the same ValueError/TypeError naming the argument as
+   the torch op, before anything reaches XLA.
+2. The route is picked from host-known metadata (flashkda_ext.dispatch), and the module's function
+   is registered once per process as an XLA FFI target through jax-tvm-ffi: CPU arrays get the CPU
+   backend module, CUDA arrays the CUDA module. XLA hands the target its stream.
+3. jax.ffi.ffi_call runs it. Pools updated in place (decode state, conv cache, prefill state pool,
+   checkpoints) are declared as input/output aliases, so XLA writes them in place when the input
+   buffer is donated. Eager calls donate them by default (donate=True: the input arrays are consumed,
+   as an in-place update would); under your own jax.jit, donate the pools with donate_argnums.
+
+The module functions take outputs as arguments in a fixed order, with optional tensors passed as
+None (docs/architecture.md), while an XLA FFI target receives all operands, then all results, then
+attributes. A small adapter (one per module and argument layout) puts them back in the ABI order.
+
+Needs jax and jax-tvm-ffi: pip install "flashkda_ext[jax]".
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+try:
+    import jax
+    import jax.numpy as jnp
+    import jax_tvm_ffi
+except ImportError as _err:  # pragma: no cover - exercised by the import test in a subprocess
+    raise ImportError(
+        "flashkda_ext.jax needs jax and jax-tvm-ffi; install them with "
+        "`pip install \"flashkda_ext[jax]\"` (jax>=0.7.2, jax-tvm-ffi>=0.1.3). "
+        f"Import failed with: {_err}") from _err
+
+import numpy as np
+import torch
+import tvm_ffi
+
+from . import dispatch, jit, validation
+
+__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "registered_targets"]
+
+# The ABI order of each family's TVM-FFI function (docs/architecture.md): tensors, then attributes.
+_ABI = {
+    "kda_decode": ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state", "state_indices", "out"),
+    "kda_prefill": ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state",
+                    "final_state", "state_indices", "checkpoints", "out", "workspace"),
+    "fused_kda_decode": ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias",
+                         "state_indices", "state", "output_gate", "norm_weight", "out"),
+}
+_ATTRS = {
+    "kda_decode": ("gate_mode", "lower_bound", "scale", "beta_is_logit", "null_slot0"),
+    "kda_prefill": ("gate_mode", "lower_bound", "scale", "beta_is_logit", "null_slot0",
+                    "checkpoint_every"),
+    "fused_kda_decode": ("gate_mode", "lower_bound", "scale", "norm_eps", "null_slot0"),
+}
+# Families whose kernels may be captured into a CUDA graph (XLA command buffer) as they are:
+# decode launches only, no host sync, no allocation. Prefill is capturable only when the module
+# takes its scratch as a workspace argument, which this wrapper then allocates as an XLA result.
+_GRAPH_SAFE = {"kda_decode": True, "fused_kda_decode": True, "kda_prefill": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# arrays -> shape-only torch tensors for the shared validation
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _as_array(name: str, x, *, optional: bool = False):
+    """None (when optional), a jax.Array or tracer as is, a numpy array as a jax array."""
+    if x is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: expected a jax.Array, got None")
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    raise TypeError(f"{name}: expected a jax.Array (or numpy array), got {type(x).__name__}")
+
+
+def _torch_dtype(name: str, dtype) -> torch.dtype:
+    dname = jnp.dtype(dtype).name
+    tdtype = getattr(torch, dname, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise ValueError(f"{name}: dtype {dname} has no counterpart among the supported dtypes")
+    return tdtype
+
+
+def _meta(name: str, x):
+    """A torch meta tensor with x's shape and dtype (no memory), or None."""
+    if x is None:
+        return None
+    return torch.empty(tuple(x.shape), dtype=_torch_dtype(name, x.dtype), device="meta")
+
+
+_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+
+def _platform(platform: Optional[str], named_arrays) -> str:
+    """'cpu' or 'cuda': given, else the device of the first concrete array, else JAX's default
+    backend (inside jax.jit the arrays are tracers and carry no device)."""
+    if platform is not None:
+        if platform not in ("cpu", "cuda", "gpu"):
+            raise ValueError(f"platform: expected 'cpu', 'cuda' or None, got {platform!r}")
+        return _PLATFORMS[platform]
+    for name, x in named_arrays:
+        if x is not None and not _is_tracer(x):
+            plat = next(iter(x.devices())).platform
+            if plat not in _PLATFORMS:
+                raise ValueError(f"{name}: expected an array on a CPU or CUDA device, got platform {plat}")
+            return _PLATFORMS[plat]
+    plat = jax.default_backend()
+    if plat not in _PLATFORMS:
+        raise ValueError(f"platform: JAX's default backend {plat!r} is neither CPU nor CUDA; pass platform=")
+    return _PLATFORMS[plat]
+
+
+def _check_offsets_on_host(cu_seqlens, T: int) -> None:
+    """The value check the torch op makes on host offsets, for concrete CPU arrays only."""
+    if cu_seqlens is None or _is_tracer(cu_seqlens):
+        return
+    if next(iter(cu_seqlens.devices())).platform != "cpu":
+        return  # device offsets are the binding's to check (no device-to-host copy here)
+    cs = [int(c) for c in np.asarray(cu_seqlens)]
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T}, got {cs}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FFI targets: one per (platform, module, family, argument layout), registered once per process
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call: hashable, so it is a jit static argument."""
+    family: str
+    platform: str                 # "cpu" or "cuda"
+    module: str                   # module name chosen by the route
+    operands: tuple               # names of the operands given to ffi_call, in order
+    results: tuple                # (name, shape, dtype name, aliased operand name or None)
+    attrs: tuple                  # ((name, value), ...) in the family's attribute order
+    cuda_graph: bool              # allow XLA to capture the call into a command buffer
+
+
+_TARGETS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _abi_order(plan: _Plan) -> tuple:
+    """For each ABI tensor slot: the index of the buffer among operands + results, or None.
+    An aliased operand is the same buffer as its result: both names point at the result."""
+    n_in = len(plan.operands)
+    where = {name: i for i, name in enumerate(plan.operands)}
+    for j, (name, _shape, _dtype, alias) in enumerate(plan.results):
+        where[name] = n_in + j
+        if alias is not None:
+            where[alias] = n_in + j
+    return tuple(where.get(name) for name in _ABI[plan.family])
+
+
+def _make_adapter(fn, order: tuple, n_buffers: int):
+    """A TVM-FFI function taking (operands..., results..., attributes...) as jax-tvm-ffi passes
+    them, calling fn with the ABI's order (None where an optional tensor is absent)."""
+    def adapter(*xs):
+        fn(*[None if i is None else xs[i] for i in order], *xs[n_buffers:])
+    return tvm_ffi.convert(adapter)
+
+
+def _target(plan: _Plan) -> str:
+    order = _abi_order(plan)
+    n_buffers = len(plan.operands) + len(plan.results)
+    attr_names = tuple(a for a, _ in plan.attrs)
+    key = (plan.platform, plan.module, plan.family, order, n_buffers, attr_names, plan.cuda_graph)
+    with _LOCK:
+        name = _TARGETS.get(key)
+        if name is not None:
+            return name
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        name = f"flashkda_ext.{plan.module}.{plan.family}.{digest}"
+        fn = jit.load_module(plan.module)[plan.family]
+        adapter = _make_adapter(fn, order, n_buffers)
+        jax_tvm_ffi.register_ffi_target(
+            name, adapter, ["args", "rets"] + [f"attrs.{a}" for a in attr_names],
+            platform="gpu" if plan.platform == "cuda" else "cpu", allow_cuda_graph=plan.cuda_graph)
+        _TARGETS[key] = name
+        return name
+
+
+def registered_targets() -> list:
+    """Names of the XLA FFI targets this process has registered (one per module and layout)."""
+    with _LOCK:
+        return sorted(_TARGETS.values())
+
+
+def _attr(value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return np.int64(value)
+    return np.float64(value)
+
+
+def _ffi(plan: _Plan, arrays: dict) -> tuple:
+    """The ffi_call itself (traced): returns the results in plan.results order."""
+    name = _target(plan)
+    shapes = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _n, shape, dtype, _a in plan.results)
+    aliases = {plan.operands.index(alias): j for j, (_n, _s, _d, alias) in enumerate(plan.results)
+               if alias is not None}
+    call = jax.ffi.ffi_call(name, shapes, input_output_aliases=aliases)
+    return tuple(call(*[arrays[n] for n in plan.operands], **{a: _attr(v) for a, v in plan.attrs}))
+
+
+def _run(impl, plan: _Plan, args: tuple, donate: tuple, eager: bool):
+    """Inside a trace, call impl directly (donation is the enclosing jit's business); eagerly,
+    through a jit that donates the in-place pools (positions in args) when asked."""
+    if not eager:
+        return impl(plan, *args)
+    return _eager_jit(impl, donate)(plan, *args)
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_jit(impl, donate: tuple):
+    return jax.jit(impl, static_argnums=0, donate_argnums=tuple(i + 1 for i in donate))
+
+
+def _donate_positions(args: tuple, positions, donate: bool) -> tuple:
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate: expected a bool, got {type(donate).__name__}")
+    if not donate:
+        return ()
+    return tuple(i for i in positions if args[i] is not None)
+
+
+def _any_tracer(arrays) -> bool:
+    return any(x is not None and _is_tracer(x) for x in arrays)
+
+
+def _dtype_str(x) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_decode
+
+
+def _decode_impl(plan, q, k, v, g, beta, A_log, dt_bias, state_indices, state):
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log,
+                  dt_bias=None if dt_bias is None else dt_bias.reshape(-1),
+                  state_indices=state_indices, state=state)
+    out, new_state = _ffi(plan, arrays)
+    return out, new_state
+
+
+def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None, lower_bound=None,
+               gate="softplus", scale=None, beta_is_logit=True, slot_mode="unique", null_slot0=False,
+               donate=True, platform=None):
+    """One recurrent KDA step per row on a state pool. Returns (out, new_state).
+
+    Shapes, dtypes and options as flashkda_ext.kda_decode: q, k [rows, H, K]; v [rows, HV, V];
+    g [rows, HV, K]; beta [rows, HV]; state [slots, HV, V, K]; state_indices int32 [rows].
+    new_state is the pool after the step, written in place of `state` (eagerly, `state` is donated
+    unless donate=False; under jax.jit, donate it on your jit). platform: "cpu"/"cuda" to override
+    the device inferred from the arrays (needed only inside jax.jit off the default backend).
+    """
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices", "state")
+    vals = (q, k, v, g, beta, A_log, dt_bias, state_indices, state)
+    optional = {"A_log", "dt_bias"}
+    args = tuple(_as_array(n, x, optional=n in optional) for n, x in zip(names, vals))
+    q, k, v, g, beta, A_log, dt_bias, state_indices, state = args
+    plat = _platform(platform, zip(names, args))
+    call = validation.check_kda_decode(
+        _meta("q", q), _meta("k", k), _meta("v", v), _meta("g", g), _meta("beta", beta),
+        state=_meta("state", state), state_indices=_meta("state_indices", state_indices),
+        A_log=_meta("A_log", A_log), dt_bias=_meta("dt_bias", dt_bias), lower_bound=lower_bound,
+        gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
+        null_slot0=null_slot0, backend=plat)
+    module = dispatch.module_name("kda_decode", call.route_meta())
+    operands = tuple(n for n, x in zip(names, args) if x is not None)
+    plan = _Plan(
+        family="kda_decode", platform=plat, module=module, operands=operands,
+        results=(("out", (call.rows, call.value_heads, call.head_dim_v), _dtype_str(v), None),
+                 ("state", tuple(state.shape), _dtype_str(state), "state")),
+        attrs=(("gate_mode", call.gate_mode), ("lower_bound", call.lower_bound), ("scale", call.scale),
+               ("beta_is_logit", call.beta_is_logit), ("null_slot0", call.null_slot0)),
+        cuda_graph=_GRAPH_SAFE["kda_decode"])
+    donated = _donate_positions(args, (8,), donate)
+    return _run(_decode_impl, plan, args, donated, eager=not _any_tracer(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_prefill
+
+
+def _prefill_impl(plan, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices,
+                  state, checkpoints):
+    B, T = q.shape[0], q.shape[1]
+    packed = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B rows -> one packed row
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(0, (B + 1) * T, T, dtype=jnp.int32)
+    results = {n: (shape, dtype) for n, shape, dtype, _a in plan.results}
+    if "checkpoints" in results and checkpoints is None:
+        # Slots past a sequence's own count stay NaN, as with the torch op.
+        shape, dtype = results["checkpoints"]
+        checkpoints = jnp.full(shape, jnp.nan, dtype=jnp.dtype(dtype))
+    arrays = dict(q=packed(q), k=packed(k), v=packed(v), g=packed(g), beta=packed(beta), A_log=A_log,
+                  dt_bias=None if dt_bias is None else dt_bias.reshape(-1), cu_seqlens=cu_seqlens,
+                  initial_state=state if state is not None else initial_state,
+                  state_indices=state_indices, checkpoints=checkpoints)
+    got = dict(zip((r[0] for r in plan.results), _ffi(plan, arrays)))
+    out = got["out"].reshape(q.shape[:2] + got["out"].shape[2:])
+    final = got.get("final_state")
+    if "checkpoints" in got:
+        return out, final, got["checkpoints"]
+    return out, final
+
+
+def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                scale=None, beta_is_logit=True, cu_seqlens=None, initial_state=None, state=None,
+                state_indices=None, output_final_state=True, checkpoint_every=0, checkpoints=None,
+                max_seqlen=None, null_slot0=False, donate=True, platform=None):
+    """Chunked KDA over (packed, variable-length) input. Returns (out, final_state), or
+    (out, final_state, checkpoints) when checkpoint_every > 0.
+
+    Shapes, dtypes and options as flashkda_ext.kda_prefill. Dense mode: initial_state [N, HV, V, K]
+    (or None for zeros) and a fresh final_state (None when output_final_state=False). Pool mode:
+    state [slots, HV, V, K] + state_indices [N]: final_state is the pool, written in place of
+    `state`. Given checkpoints are written in place too. Eagerly the pool and given checkpoints are
+    donated unless donate=False; under jax.jit, donate them on your jit. The CUDA prefill's scratch
+    workspace is allocated by XLA as an extra result (so the call stays capturable).
+    """
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state",
+             "state_indices", "state", "checkpoints")
+    vals = (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices, state, checkpoints)
+    required = {"q", "k", "v", "g", "beta"}
+    args = tuple(_as_array(n, x, optional=n not in required) for n, x in zip(names, vals))
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices, state, checkpoints = args
+    plat = _platform(platform, zip(names, args))
+    call = validation.check_kda_prefill(
+        _meta("q", q), _meta("k", k), _meta("v", v), _meta("g", g), _meta("beta", beta),
+        A_log=_meta("A_log", A_log), dt_bias=_meta("dt_bias", dt_bias), lower_bound=lower_bound,
+        gate=gate, scale=scale, beta_is_logit=beta_is_logit, cu_seqlens=_meta("cu_seqlens", cu_seqlens),
+        initial_state=_meta("initial_state", initial_state), state=_meta("state", state),
+        state_indices=_meta("state_indices", state_indices), output_final_state=output_final_state,
+        checkpoint_every=checkpoint_every, checkpoints=_meta("checkpoints", checkpoints),
+        max_seqlen=max_seqlen, null_slot0=null_slot0, backend=plat)
+    _check_offsets_on_host(cu_seqlens, call.seqlen)
+    rule = dispatch.select_rule("kda_prefill", call.route_meta())
+    module_name = rule["module"]
+    chunk = int(jit.get_record(module_name).get("params", {}).get("CHUNK", 1))
+    if call.checkpoint_every % chunk != 0:
+        raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
+                         f"{module_name}, got {call.checkpoint_every}")
+
+    B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
+    sdtype = call.state_dtype or "float32"
+    # Operands in ABI order; in pool mode the pool travels in the initial_state slot.
+    operands = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") if
+                dict(zip(names, args))[n] is not None]
+    operands.append("cu_seqlens")
+    if call.state_mode == "pool" or initial_state is not None:
+        operands.append("initial_state")
+    if state_indices is not None:
+        operands.append("state_indices")
+    results = [("out", (1, B * T, HV, V), _dtype_str(v), None)]
+    if call.state_mode == "pool":
+        results.append(("final_state", tuple(state.shape), _dtype_str(state), "initial_state"))
+    elif call.output_final_state:
+        results.append(("final_state", (call.num_seqs, HV, V, K), sdtype, None))
+    if call.checkpoint_every > 0:
+        operands.append("checkpoints")   # the given buffer, or NaNs made inside the trace
+        results.append(("checkpoints", (call.num_seqs, call.checkpoint_slots, HV, V, K), sdtype,
+                        "checkpoints"))
+    graph_safe = _GRAPH_SAFE["kda_prefill"]
+    module = jit.load_module(module_name)
+    if module.implements_function("kda_prefill_workspace_bytes"):
+        need = int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs, HV))
+        results.append(("workspace", (max(need, 1),), "uint8", None))
+        graph_safe = True  # scratch comes from XLA, not from an allocation inside the call
+    plan = _Plan(
+        family="kda_prefill", platform=plat, module=module_name, operands=tuple(operands),
+        results=tuple(results),
+        attrs=(("gate_mode", call.gate_mode), ("lower_bound", call.lower_bound), ("scale", call.scale),
+               ("beta_is_logit", call.beta_is_logit), ("null_slot0", call.null_slot0),
+               ("checkpoint_every", call.checkpoint_every)),
+        cuda_graph=graph_safe)
+    donated = _donate_positions(args, (10, 11), donate)
+    return _run(_prefill_impl, plan, args, donated, eager=not _any_tracer(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_kda_decode
+
+
+def _fused_impl(plan, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                output_gate, norm_weight):
+    arrays = dict(x=x, conv_weight=conv_weight, conv_state=conv_state, g=g, beta=beta, A_log=A_log,
+                  dt_bias=None if dt_bias is None else dt_bias.reshape(-1), state_indices=state_indices,
+                  state=state, output_gate=output_gate, norm_weight=norm_weight)
+    out, new_conv_state, new_state = _ffi(plan, arrays)
+    return out, new_conv_state, new_state
+
+
+def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                     norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
+                     slot_mode="unique", null_slot0=False, donate=True, platform=None):
+    """Conv update + SiLU + gate + l2norm + recurrent step + gated RMSNorm in one launch.
+    Returns (out, new_conv_state, new_state).
+
+    Shapes, dtypes and options as flashkda_ext.fused_kda_decode. new_conv_state and new_state are
+    written in place of conv_state and state (eagerly both are donated unless donate=False; under
+    jax.jit, donate them on your jit).
+    """
+    names = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices", "state",
+             "output_gate", "norm_weight")
+    vals = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+            norm_weight)
+    optional = {"A_log", "dt_bias"}
+    args = tuple(_as_array(n, a, optional=n in optional) for n, a in zip(names, vals))
+    x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate, norm_weight = args
+    plat = _platform(platform, zip(names, args))
+    call = validation.check_fused_kda_decode(
+        *(_meta(n, a) for n, a in zip(names, args)), lower_bound=lower_bound, gate=gate,
+        norm_eps=norm_eps, scale=scale, slot_mode=slot_mode, null_slot0=null_slot0, backend=plat)
+    module = dispatch.module_name("fused_kda_decode", call.route_meta())
+    plan = _Plan(
+        family="fused_kda_decode", platform=plat, module=module,
+        operands=tuple(n for n, a in zip(names, args) if a is not None),
+        results=(("out", (call.rows, call.num_heads, call.head_dim), _dtype_str(x), None),
+                 ("conv_state", tuple(conv_state.shape), _dtype_str(conv_state), "conv_state"),
+                 ("state", tuple(state.shape), _dtype_str(state), "state")),
+        attrs=(("gate_mode", call.gate_mode), ("lower_bound", call.lower_bound), ("scale", call.scale),
+               ("norm_eps", call.norm_eps), ("null_slot0", call.null_slot0)),
+        cuda_graph=_GRAPH_SAFE["fused_kda_decode"])
+    donated = _donate_positions(args, (2, 8), donate)
+    return _run(_fused_impl, plan, args, donated, eager=not _any_tracer(args))

@@ -1,0 +1,449 @@
+"""Trace emission: flashinfer-bench Definitions and Workloads for the public ops' calls.
+
+With FLASHKDA_EXT_TRACE_DIR set (read at import; ``refresh()`` reads it again), or inside
+``with flashkda_ext.trace.tracing(dir):``, every public call writes, before its launch:
+
+* ``<dir>/<definition>.json`` once per process and definition name (names encode every const axis
+  and fixed property, so one name is one definition), and
+* one line appended to ``<dir>/<definition>.workloads.jsonl``: the var axes, scalars as values,
+  tensors as ``random``; integer index tensors (state_indices, cu_seqlens) that already live in
+  host memory are saved to ``<dir>/safetensors/<uuid>.safetensors`` (for CUDA tensors only with
+  ``save_indices=True`` / FLASHKDA_EXT_TRACE_INDICES=1, since that copy synchronises).
+
+Everything is built from the templates in trace_templates/ (data) and the supported set in
+jit/supported.json; nothing here knows a head count or a dtype list. Tracing never changes results
+and never raises into the caller: a failure warns once per process and the call goes on.
+docs/trace-format.md describes the output.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import struct
+import threading
+import uuid as _uuid
+import warnings
+from typing import Any, Dict, Iterator, List, Mapping, Optional
+
+from . import paths
+from .trace_consumer import safe_eval
+
+ENV_DIR = "FLASHKDA_EXT_TRACE_DIR"
+ENV_INDICES = "FLASHKDA_EXT_TRACE_INDICES"
+OPS = ("kda_decode", "kda_prefill", "fused_kda_decode")
+
+# flashinfer-bench's dtype names (the definition schema holds the same list; a test checks it)
+FIB_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1",
+              "int64", "int32", "int16", "int8", "bool")
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", None: "none"}
+_ST_CODES = {"int32": "I32", "int64": "I64"}
+
+# The one flag ops.py reads on every call: enabled() must stay a global lookup.
+_dir: Optional[str] = None
+_save_indices: bool = False
+_lock = threading.Lock()
+_written: set = set()          # (directory, definition name) already written by this process
+_warned: set = set()           # warning kinds already shown
+
+
+def enabled() -> bool:
+    return _dir is not None
+
+
+def directory() -> Optional[str]:
+    return _dir
+
+
+def refresh() -> None:
+    """Re-read FLASHKDA_EXT_TRACE_DIR and FLASHKDA_EXT_TRACE_INDICES."""
+    global _dir, _save_indices
+    _dir = os.environ.get(ENV_DIR) or None
+    _save_indices = os.environ.get(ENV_INDICES, "") not in ("", "0")
+
+
+refresh()
+
+
+@contextlib.contextmanager
+def tracing(dir: "os.PathLike[str] | str", *, save_indices: bool = False) -> Iterator[str]:
+    """Trace every public call inside the block to `dir` (created on first write)."""
+    global _dir, _save_indices
+    previous = (_dir, _save_indices)
+    _dir, _save_indices = os.fspath(dir), bool(save_indices)
+    try:
+        yield _dir
+    finally:
+        _dir, _save_indices = previous
+
+
+# ---------------------------------------------------------------------------------------------
+# templates
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(name: str) -> dict:
+    with open(paths.trace_templates_dir() / "schema" / f"{name}.schema.json") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=None)
+def load_template(op: str) -> dict:
+    """The template of a public op, checked against trace_templates/schema/template.schema.json."""
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
+    path = paths.trace_templates_dir() / f"{op}.json"
+    with open(path) as f:
+        template = json.load(f)
+    _check(template, "template", str(path))
+    return template
+
+
+@functools.lru_cache(maxsize=None)
+def _source(rel: str) -> str:
+    with open(paths.trace_templates_dir() / rel) as f:
+        return f.read()
+
+
+def _check(doc: Any, schema: str, what: str) -> None:
+    import jsonschema
+    errors = sorted(jsonschema.Draft202012Validator(_schema(schema)).iter_errors(doc),
+                    key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        e = errors[0]
+        where = "/".join(map(str, e.absolute_path)) or "(top level)"
+        raise ValueError(f"{what}: at {where}: {e.message}")
+
+
+def validate_definition(definition: dict) -> None:
+    """Raise ValueError unless `definition` is a valid flashinfer-bench Definition (our schema plus
+    the checks JSON Schema cannot say: declared axes, disjoint names, a top-level run())."""
+    _check(definition, "definition", f"definition {definition.get('name')!r}")
+    import ast
+    axes = definition["axes"]
+    for kind in ("inputs", "outputs"):
+        for name, spec in definition[kind].items():
+            for axis in spec["shape"] or []:
+                if axis not in axes:
+                    raise ValueError(f"{definition['name']}: {kind[:-1]} {name} uses undeclared axis {axis}")
+    both = set(definition["inputs"]) & set(definition["outputs"])
+    if both:
+        raise ValueError(f"{definition['name']}: names used as input and output: {sorted(both)}")
+    tree = ast.parse(definition["reference"])
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body):
+        raise ValueError(f"{definition['name']}: reference defines no top-level run()")
+    for c in definition.get("constraints") or []:
+        ast.parse(c, mode="eval")
+
+
+def validate_workload_line(line: dict, definition: Optional[dict] = None) -> None:
+    """Raise ValueError unless `line` is a valid workload line (and, given its definition, binds
+    exactly its var axes and names only its inputs, scalars for scalar inputs)."""
+    _check(line, "workload", f"workload line of {line.get('definition')!r}")
+    if definition is None:
+        return
+    wl = line["workload"]
+    var = {a for a, ax in definition["axes"].items() if ax["type"] == "var"}
+    if set(wl["axes"]) != var:
+        raise ValueError(f"{definition['name']}: workload binds axes {sorted(wl['axes'])}, "
+                         f"the definition's var axes are {sorted(var)}")
+    if set(wl["inputs"]) != set(definition["inputs"]):
+        raise ValueError(f"{definition['name']}: workload inputs {sorted(wl['inputs'])} differ from "
+                         f"the definition's {sorted(definition['inputs'])}")
+    for name, src in wl["inputs"].items():
+        if (definition["inputs"][name]["shape"] is None) != (src["type"] == "scalar"):
+            raise ValueError(f"{definition['name']}: input {name} is {src['type']} in the workload")
+
+
+# ---------------------------------------------------------------------------------------------
+# facts: what a template may read about one call
+
+
+def _dtype(x) -> Optional[str]:
+    if x is None:
+        return None
+    return str(x.dtype).replace("torch.", "")
+
+
+_OP_DEFAULTS = {
+    "kda_decode": dict(A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None,
+                       beta_is_logit=True, slot_mode="unique", null_slot0=False),
+    "kda_prefill": dict(A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None,
+                        beta_is_logit=True, cu_seqlens=None, initial_state=None, state=None,
+                        state_indices=None, output_final_state=True, final_state=None,
+                        checkpoint_every=0, checkpoints=None, max_seqlen=None, null_slot0=False),
+    "fused_kda_decode": dict(lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
+                             slot_mode="unique", null_slot0=False),
+}
+
+
+def _resolved_scale(scale, head_dim: int) -> float:
+    return float(head_dim) ** -0.5 if scale is None else float(scale)
+
+
+def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str, Any]:
+    """The call's facts from the public op's arguments alone (no validation): the same keys and
+    values validation.check_<op> puts in its call (a test checks they agree), so constraints can be
+    evaluated for calls that validation rejects too."""
+    a = {**_OP_DEFAULTS[op], **args}
+    lb = a["lower_bound"]
+    common = dict(backend=backend, gate=a["gate"], null_slot0=bool(a["null_slot0"]),
+                  lower_bound=0.0 if lb is None else float(lb))
+    if op == "kda_decode":
+        q, v, state = a["q"], a["v"], a["state"]
+        return dict(common, rows=q.shape[0], num_heads=q.shape[1], head_dim_k=q.shape[2],
+                    value_heads=v.shape[1], head_dim_v=v.shape[2], slots=state.shape[0],
+                    input_dtype=_dtype(q), state_dtype=_dtype(state), slot_mode=a["slot_mode"],
+                    beta_is_logit=bool(a["beta_is_logit"]), scale=_resolved_scale(a["scale"], q.shape[2]))
+    if op == "fused_kda_decode":
+        g, state = a["g"], a["state"]
+        return dict(common, rows=g.shape[0], num_heads=g.shape[1], head_dim=g.shape[2],
+                    slots=state.shape[0], input_dtype=_dtype(a["x"]), state_dtype=_dtype(state),
+                    slot_mode=a["slot_mode"], norm_eps=float(a["norm_eps"]),
+                    scale=_resolved_scale(a["scale"], g.shape[2]))
+    q, v = a["q"], a["v"]
+    B, T = q.shape[0], q.shape[1]
+    cu = a["cu_seqlens"]
+    N = B if cu is None else cu.shape[0] - 1
+    init, final, ckpt = a["initial_state"], a["final_state"], a["checkpoints"]
+    if a["state"] is not None:
+        mode, sdtype, slots = "pool", _dtype(a["state"]), a["state"].shape[0]
+    else:
+        slots = N
+        sdtype = _dtype(init) or _dtype(final) or ("float32" if a["output_final_state"] else None)
+        mode = "dense" if (init is not None or final is not None or a["output_final_state"]) else "none"
+    every = int(a["checkpoint_every"])
+    ckpt_slots = 0
+    if every > 0:
+        sdtype = sdtype or _dtype(ckpt) or "float32"
+        longest = a["max_seqlen"] if a["max_seqlen"] is not None else T
+        ckpt_slots = ckpt.shape[1] if ckpt is not None else longest // every
+    return dict(common, batch=B, seqlen=T, num_seqs=N, total_tokens=B * T, num_heads=q.shape[2],
+                head_dim_k=q.shape[3], value_heads=v.shape[2], head_dim_v=v.shape[3],
+                input_dtype=_dtype(q), state_dtype=sdtype, state_mode=mode, slots=slots,
+                output_final_state=bool(a["output_final_state"]), checkpoint_every=every,
+                checkpoint_slots=ckpt_slots, cu_seqlens_dtype=_dtype(cu),
+                beta_is_logit=bool(a["beta_is_logit"]), scale=_resolved_scale(a["scale"], q.shape[3]))
+
+
+def facts(op: str, call: Any, inputs: Mapping[str, Any]) -> Dict[str, Any]:
+    """Facts of a validated call: the call's fields (authoritative), plus what only the arguments
+    say (which optional inputs were given), plus short names for the definition name."""
+    f = dataclasses.asdict(call) if dataclasses.is_dataclass(call) else dict(call)
+    f["has_A_log"] = inputs.get("A_log") is not None
+    f["has_dt_bias"] = inputs.get("dt_bias") is not None
+    if op == "kda_prefill":
+        f["varlen"] = f.get("cu_seqlens_dtype") is not None
+        # ops.py hands the pool in as initial_state in pool mode; only dense mode reads this flag
+        f["has_initial_state"] = inputs.get("initial_state") is not None
+        f["slot_mode"] = "padded" if f["state_mode"] == "pool" else None
+    if op == "fused_kda_decode":
+        f["conv_weight_dtype"] = _dtype(inputs["conv_weight"])
+        f["conv_weight_short"] = _SHORT.get(f["conv_weight_dtype"], f["conv_weight_dtype"])
+    f["state_short"] = _SHORT.get(f.get("state_dtype"), f.get("state_dtype"))
+    f["input_short"] = _SHORT.get(f["input_dtype"], f["input_dtype"])
+    return f
+
+
+def args_facts(op: str, args: Mapping[str, Any], backend: str) -> Dict[str, Any]:
+    """facts() for arguments that were never validated (the agreement sweep uses this)."""
+    return facts(op, facts_from_args(op, args, backend), args)
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+
+
+def _when(entry: Mapping[str, Any], f: Mapping[str, Any]) -> bool:
+    return "when" not in entry or bool(safe_eval(entry["when"], f))
+
+
+def _supported_set(family: str, backend: str) -> Dict[str, Optional[list]]:
+    from . import supported
+    sup = supported.supported(family, backend)
+    if sup is None:
+        raise ValueError(f"jit/supported.json has no entry for {family} on {backend}")
+    return sup
+
+
+def render_constraints(template: dict, f: Mapping[str, Any]) -> List[str]:
+    sup = _supported_set(template["family"], f["backend"])
+    out = []
+    for c in template["constraints"]:
+        if not _when(c, f):
+            continue
+        if "expr" in c:
+            out.append(c["expr"])
+            continue
+        allowed = sup[c["supported"]]
+        if allowed is None:          # 'any': nothing to say
+            continue
+        listed = "(" + ", ".join(repr(x) for x in allowed) + ("," if len(allowed) == 1 else "") + ")"
+        subject = c["axis_expr"] if "axis_expr" in c else repr(f[c["fact"]])
+        out.append(f"{subject} in {listed}")
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _render_reference(op: str, constants: tuple, params: tuple, name: str) -> str:
+    t = load_template(op)
+    ref = t["reference"]
+    lines = [f"# Reference of {name}, emitted by flashkda_ext.trace from trace_templates/{op}.json.",
+             "# Self-contained (torch only). run(...) takes the definition's inputs in order and",
+             "# returns its outputs in order; it never modifies its inputs (in-place outputs are",
+             "# returned as updated copies).",
+             "import torch", ""]
+    lines += [f"{k} = {v!r}" for k, v in constants]
+    body = "\n\n".join(_source(p).strip("\n") for p in ref["files"])
+    call = ", ".join(f"{p}={p}" for p in params)
+    run = f"def run({', '.join(params)}):\n    return {ref['entry']}({call})\n"
+    return "\n".join(lines) + "\n\n\n" + body + "\n\n\n" + run
+
+
+def build_definition(op: str, f: Mapping[str, Any]) -> dict:
+    """The flashinfer-bench Definition of a call with facts `f` (not validated here)."""
+    t = load_template(op)
+    fmt = lambda s: s.format_map(f)  # noqa: E731
+    name = "_".join(fmt(p["format"]) for p in t["name"] if _when(p, f))
+    axes = {}
+    for axis, spec in t["axes"].items():
+        if not _when(spec, f):
+            continue
+        entry = {"type": spec["type"]}
+        if spec["type"] == "const":
+            entry["value"] = int(safe_eval(spec["value"], f))
+        entry["description"] = spec["description"]
+        axes[axis] = entry
+
+    def tensors(entries):
+        out = {}
+        for e in entries:
+            if not _when(e, f):
+                continue
+            desc = fmt(e["description"])
+            if "aliases" in e:
+                desc += (f" (in-place: the op writes this into input '{e['aliases']}'; a reference "
+                         f"returns it as a new tensor)")
+            out[e["name"]] = {"shape": e["shape"], "dtype": fmt(e["dtype"]), "description": desc}
+        return out
+
+    inputs, outputs = tensors(t["inputs"]), tensors(t["outputs"])
+    tags = [fmt(tag["format"]) for tag in t["tags"] if _when(tag, f)]
+    tags += [f"inplace:{e['name']}={e['aliases']}" for e in t["outputs"] if "aliases" in e and e["name"] in outputs]
+    constants = tuple((k, safe_eval(v, f)) for k, v in t["reference"]["constants"].items())
+    return {
+        "name": name,
+        "op_type": t["op_type"],
+        "description": fmt(t["description"]),
+        "tags": tags,
+        "axes": axes,
+        "inputs": inputs,
+        "outputs": outputs,
+        "constraints": render_constraints(t, f),
+        "reference": _render_reference(op, constants, tuple(inputs), name),
+    }
+
+
+def _host_readable(x) -> bool:
+    if x.device.type == "cpu":
+        return True
+    if not _save_indices or x.device.type != "cuda":
+        return False
+    import torch
+    return not torch.cuda.is_current_stream_capturing()   # a copy would break graph capture
+
+
+def _write_safetensors(path: str, tensors: Mapping[str, Any]) -> None:
+    header, blobs, offset = {}, [], 0
+    for key, t in tensors.items():
+        raw = t.detach().to("cpu").contiguous().numpy().tobytes()
+        header[key] = {"dtype": _ST_CODES[_dtype(t)], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    os.replace(tmp, path)
+
+
+def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapping[str, Any],
+                   trace_dir: Optional[str] = None) -> dict:
+    """One workload line; index tensors are saved under trace_dir when they can be read cheaply."""
+    t = load_template(op)
+    uid = str(_uuid.uuid4())
+    axes = {a: int(safe_eval(t["axes"][a]["bind"], f))
+            for a, ax in definition["axes"].items() if ax["type"] == "var"}
+    sources, saved = {}, {}
+    for e in t["inputs"]:
+        name = e["name"]
+        if name not in definition["inputs"]:
+            continue
+        if e["shape"] is None:
+            value = safe_eval(e["scalar"], f)
+            sources[name] = {"type": "scalar", "value": int(value) if e["dtype"].startswith("int") else float(value)}
+        elif e.get("index") and trace_dir is not None and inputs.get(name) is not None \
+                and _host_readable(inputs[name]):
+            saved[name] = inputs[name]
+            sources[name] = {"type": "safetensors", "path": f"safetensors/{uid}.safetensors", "tensor_key": name}
+        else:
+            sources[name] = {"type": "random"}
+    if saved:
+        os.makedirs(os.path.join(trace_dir, "safetensors"), exist_ok=True)
+        _write_safetensors(os.path.join(trace_dir, "safetensors", f"{uid}.safetensors"), saved)
+    return {"definition": definition["name"],
+            "workload": {"uuid": uid, "axes": axes, "inputs": sources},
+            "solution": None, "evaluation": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# emission
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind in _warned:
+        return
+    _warned.add(kind)
+    warnings.warn(f"flashkda_ext.trace: {message}", RuntimeWarning, stacklevel=3)
+
+
+def emit(op: str, call: Any, inputs: Mapping[str, Any]) -> Optional[str]:
+    """Write the call's definition (once per process) and one workload line. Never raises; returns
+    the definition name, or None when nothing was written."""
+    trace_dir = _dir
+    if trace_dir is None:
+        return None
+    try:
+        f = facts(op, call, inputs)
+        definition = build_definition(op, f)
+        odd = sorted({s["dtype"] for s in {**definition["inputs"], **definition["outputs"]}.values()}
+                     - set(FIB_DTYPES))
+        if odd:
+            _warn_once("dtype", f"calls with dtype(s) {odd} are not traced: flashinfer-bench's format "
+                                f"has no name for them (first: {definition['name']})")
+            return None
+        name = definition["name"]
+        with _lock:
+            os.makedirs(trace_dir, exist_ok=True)
+            if (trace_dir, name) not in _written:
+                validate_definition(definition)
+                path = os.path.join(trace_dir, f"{name}.json")
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as fh:
+                    json.dump(definition, fh, indent=2)
+                    fh.write("\n")
+                os.replace(tmp, path)
+                _written.add((trace_dir, name))
+            line = json.dumps(build_workload(op, f, definition, inputs, trace_dir), separators=(",", ":"))
+            # one write per line, flushed on close, so a crash in the launch that follows keeps it
+            with open(os.path.join(trace_dir, f"{name}.workloads.jsonl"), "a") as fh:
+                fh.write(line + "\n")
+        return name
+    except Exception as e:  # noqa: BLE001 - tracing must never break the user's call
+        _warn_once("error", f"tracing failed for a call, which ran untraced; later failures are not reported "
+                            f"({type(e).__name__}: {e})")
+        return None

@@ -1,0 +1,299 @@
+"""GPU tests of the CUDA kda_decode modules (csrc/decode) against the PyTorch reference.
+
+Every module record of jit/modules/decode_cuda.json (so every route's module) x fp32/bf16 state
+x slot modes. Fresh random inputs each case; outputs NaN-poisoned first; every pool slot not
+addressed stays bitwise unchanged; padding rows are exact zeros; repeated slots apply in row order;
+bitwise determinism; CUDA-graph replay == eager bitwise; non-default streams; 64-bit slot offsets on
+a pool of more than 2^31 elements.
+
+Modules load through flashkda_ext.jit.load_module; FKDA_DECODE_PREBUILT=<dir> loads <dir>/<name>.so
+instead (bring-up builds).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = json.loads((ROOT / "jit/modules/decode_cuda.json").read_text())["modules"]
+GATES = {"softplus": 0, "bounded": 1, "log": 2}
+K = V = 128
+
+
+def _reference():
+    try:
+        from flashkda_ext import reference
+        return reference
+    except Exception:  # package init not importable on its own (bring-up): load the subpackage alone
+        if "flashkda_ext" not in sys.modules or not hasattr(sys.modules["flashkda_ext"], "__path__"):
+            stub = types.ModuleType("flashkda_ext")
+            stub.__path__ = [str(ROOT / "flashkda_ext")]
+            sys.modules["flashkda_ext"] = stub
+        import importlib
+        return importlib.import_module("flashkda_ext.reference")
+
+
+REF = _reference()
+_MODS = {}
+
+
+def load(name):
+    if name not in _MODS:
+        pre = os.environ.get("FKDA_DECODE_PREBUILT")
+        if pre:
+            import tvm_ffi
+            _MODS[name] = tvm_ffi.load_module(str(Path(pre) / f"{name}.so"))
+        else:
+            from flashkda_ext.jit import load_module
+            _MODS[name] = load_module(name)
+    return _MODS[name]
+
+
+def make_inputs(rows, H, HV, gate, gen, device="cuda"):
+    f = dict(device=device, dtype=torch.bfloat16)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)
+    q = r(rows, H, K).to(torch.bfloat16)
+    k = r(rows, H, K).to(torch.bfloat16)
+    v = r(rows, HV, V).to(torch.bfloat16)
+    if gate == "log":
+        g = (-torch.nn.functional.softplus(r(rows, HV, K))).to(torch.bfloat16)
+    else:
+        g = (r(rows, HV, K) - 1.0).to(torch.bfloat16)
+    beta = r(rows, HV).to(torch.bfloat16)
+    A_log = (torch.rand(HV, generator=gen, device=device) * 2.5 - 2.0).float()
+    dt_bias = (r(HV * K) * 0.5).float()
+    del f
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+def make_pool(slots, HV, dtype, gen):
+    return (torch.randn(slots, HV, V, K, generator=gen, device="cuda") * 0.5).to(dtype)
+
+
+def call(name, q, k, v, g, beta, A_log, dt_bias, pool, idx, out, gate, lb=-5.0, scale=None,
+         beta_is_logit=True, null_slot0=False):
+    scale = K ** -0.5 if scale is None else scale
+    load(name)["kda_decode"](q, k, v, g, beta, A_log, dt_bias, pool, idx, out, GATES[gate],
+                             float(lb), float(scale), bool(beta_is_logit), bool(null_slot0))
+
+
+def reference(q, k, v, g, beta, A_log, dt_bias, pool, idx, gate, lb=-5.0, scale=None,
+              beta_is_logit=True, null_slot0=False, sequential=False):
+    """(out fp64 [rows,HV,V], dict slot -> new state in pool dtype) without cloning the pool."""
+    kw = dict(gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lb if gate == "bounded" else None,
+              scale=scale, beta_is_logit=beta_is_logit)
+    rows = q.shape[0]
+    il = idx.tolist()
+    is_pad = lambda i: i < 0 or (null_slot0 and i == 0)
+    if sequential:  # the package reference, on just the slots used (the pool may be huge)
+        used = sorted({i for i in il if not is_pad(i)})
+        remap = {s: j for j, s in enumerate(used)}
+        small = pool[used].clone()
+        sidx = torch.tensor([-1 if is_pad(i) else remap[i] for i in il], dtype=torch.int32)
+        out, new = REF.kda_decode_step(q, k, v, g, beta, state=small, state_indices=sidx,
+                                       null_slot0=False, dtype=torch.float64, **kw)
+        return out, {s: new[remap[s]] for s in used}
+    valid = [r for r in range(rows) if not is_pad(il[r])]
+    HV = v.shape[1]
+    out = torch.zeros(rows, HV, V, dtype=torch.float64, device=q.device)
+    states = {}
+    if valid:
+        vi = torch.tensor(valid, device=q.device)
+        qn, kn, vv, gl, bb = REF.gates.prepare_token_inputs(
+            q[vi], k[vi], v[vi], g[vi], beta[vi], dtype=torch.float64, **kw)
+        S = pool[[il[r] for r in valid]].to(torch.float64)
+        n = len(valid)
+        o, S = REF.step.delta_step(S.reshape(n * HV, V, K), qn.reshape(n * HV, K), kn.reshape(n * HV, K),
+                                   vv.reshape(n * HV, V), gl.reshape(n * HV, K), bb.reshape(n * HV))
+        out[vi] = o.reshape(n, HV, V)
+        S = S.reshape(n, HV, V, K).to(pool.dtype)
+        for j, r in enumerate(valid):
+            states[il[r]] = S[j]
+    return out, states
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def check_against_reference(name, rows, H, HV, gate, slot_mode, seed, slots=64, null_slot0=False,
+                            beta_is_logit=True):
+    rec = next(r for r in RECORDS if r["name"] == name)
+    sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, gate, gen)
+    if not beta_is_logit:
+        beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
+    pool = make_pool(slots, HV, sdt, gen)
+    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed)).tolist()
+    if slot_mode == "unique":
+        il = perm[:rows]
+    elif slot_mode == "padded":
+        il = [perm[r] if r % 3 != 1 else -1 - (r % 5) for r in range(rows)]
+        if null_slot0 and rows > 2:
+            il[2] = 0
+    else:  # repeated: a few slots reused, in interleaved order, plus padding
+        il = [perm[(r * 7) % max(1, rows // 3 + 1)] if r % 5 != 4 else -1 for r in range(rows)]
+    idx = torch.tensor(il, dtype=torch.int32, device="cuda")
+    before = pool.clone()
+    out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ref_out, ref_states = reference(q, k, v, g, beta, A_log, dt_bias, pool, idx.cpu(), gate,
+                                    beta_is_logit=beta_is_logit, null_slot0=null_slot0,
+                                    sequential=(slot_mode == "repeated"))
+    call(name, q, k, v, g, beta, A_log, dt_bias if gate != "log" else None, pool, idx, out, gate,
+         beta_is_logit=beta_is_logit, null_slot0=null_slot0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all(), "output not fully written"
+    pad = [r for r in range(rows) if il[r] < 0 or (null_slot0 and il[r] == 0)]
+    if pad:
+        assert (out[pad].float() == 0).all(), "padding rows must be exact zeros"
+    e = rel_l2(out.float(), ref_out)
+    assert e < 1.2e-2, f"{name} {gate} {slot_mode}: output rel L2 {e:.3e}"
+    touched = set(ref_states)
+    for s, st in ref_states.items():
+        es = rel_l2(pool[s].float(), st.double())
+        tol = 2e-5 if sdt == torch.float32 else 4e-3
+        assert es < tol, f"{name} slot {s}: state rel L2 {es:.3e}"
+    untouched = [s for s in range(slots) if s not in touched]
+    if untouched:
+        assert torch.equal(bits(pool[untouched]), bits(before[untouched])), "untouched slot modified"
+    return e
+
+
+NAMES = [r["name"] for r in RECORDS]
+FAST = [r["name"] for r in RECORDS if r["abi"] != "sequential"]
+SEQ = [r["name"] for r in RECORDS if r["abi"] == "sequential"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", [
+    dict(rows=1, H=8, HV=8, gate="softplus", slot_mode="unique"),
+    dict(rows=13, H=4, HV=16, gate="bounded", slot_mode="padded"),
+    dict(rows=40, H=16, HV=16, gate="log", slot_mode="unique", beta_is_logit=False),
+    dict(rows=9, H=2, HV=8, gate="softplus", slot_mode="padded", null_slot0=True),
+])
+def test_matches_reference(name, case):
+    case = dict(case)
+    check_against_reference(name, case.pop("rows"), case.pop("H"), case.pop("HV"), case.pop("gate"),
+                            case.pop("slot_mode"), seed=hash((name, str(case))) % 10000, **case)
+
+
+@pytest.mark.parametrize("name", SEQ)
+@pytest.mark.parametrize("rows,gate", [(2, "softplus"), (17, "bounded"), (33, "log")])
+def test_repeated_slots_sequential(name, rows, gate):
+    check_against_reference(name, rows, 8, 8, gate, "repeated", seed=rows)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_graph_and_stream(name):
+    rec = next(r for r in RECORDS if r["name"] == name)
+    sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows, H, HV, slots = 37, 8, 16, 96
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen)
+    pool0 = make_pool(slots, HV, sdt, gen)
+    idx = torch.randperm(slots, device="cuda")[:rows].to(torch.int32)
+    idx[5] = -1
+    results = []
+    for _ in range(2):  # eager twice: bitwise identical
+        pool = pool0.clone()
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(name, q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "softplus")
+        results.append((out, pool))
+    torch.cuda.synchronize()
+    assert torch.equal(bits(results[0][0]), bits(results[1][0]))
+    assert torch.equal(bits(results[0][1]), bits(results[1][1]))
+    # graph capture (fails if the kernel went to another stream than the capturing one) and replay
+    pool = pool0.clone()
+    out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            call(name, q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "softplus")
+    torch.cuda.synchronize()
+    pool.copy_(pool0)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(results[0][0])), "graph replay != eager (out)"
+    assert torch.equal(bits(pool), bits(results[0][1])), "graph replay != eager (state)"
+    # non-default stream: the inputs arrive on that stream behind a long sleep; a launch on any
+    # other stream would read the stale (NaN) inputs
+    qs = torch.full_like(q, float("nan"))
+    pool = pool0.clone()
+    out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)
+        qs.copy_(q)
+        call(name, qs, k, v, g, beta, A_log, dt_bias, pool, idx, out, "softplus")
+    s.synchronize()
+    assert torch.equal(bits(out), bits(results[0][0])), "wrong stream"
+    assert torch.equal(bits(pool), bits(results[0][1])), "wrong stream (state)"
+
+
+def test_o32_rejects_large_pool_and_o64_handles_it():
+    """A bf16 pool of more than 2^31 elements: the o32 twin refuses it, the o64 twin updates slots
+    past the 2^31-element boundary correctly."""
+    HV, H = 8, 8
+    per_slot = HV * V * K
+    slots = (2 ** 31) // per_slot + 16
+    assert slots * per_slot > 2 ** 31
+    try:
+        pool = torch.empty(slots, HV, V, K, dtype=torch.bfloat16, device="cuda")
+    except RuntimeError:
+        pytest.skip("not enough GPU memory")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hi = [slots - 1, slots - 5, slots - 9, 3, (2 ** 31) // per_slot + 1]
+    probe = sorted(set(hi + [slots - 2, slots - 3, 2, 4]))
+    pool[probe] = make_pool(len(probe), HV, torch.bfloat16, gen)
+    rows = len(hi)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "bounded", gen)
+    idx = torch.tensor(hi, dtype=torch.int32, device="cuda")
+    before = pool[probe].clone()
+    ref_out, ref_states = reference(q, k, v, g, beta, A_log, dt_bias, pool, idx.cpu(), "bounded")
+    for rec in RECORDS:
+        if rec["state_dtype"] != "bfloat16":
+            continue
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if rec["slot_offset_bits"] == 32:
+            with pytest.raises(Exception, match="int32|o64"):
+                call(rec["name"], q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "bounded")
+            continue
+        pool[probe] = before
+        call(rec["name"], q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "bounded")
+        torch.cuda.synchronize()
+        assert rel_l2(out.float(), ref_out) < 1.2e-2, rec["name"]
+        for s, st in ref_states.items():
+            assert rel_l2(pool[s].float(), st.double()) < 4e-3, (rec["name"], s)
+        for j, s in enumerate(probe):
+            if s not in ref_states:
+                assert torch.equal(bits(pool[s]), bits(before[j])), (rec["name"], s)
+    del pool
+    torch.cuda.empty_cache()
+
+
+def test_contract_matches_supported():
+    sup = json.loads((ROOT / "jit/supported.json").read_text())["families"]["kda_decode"]["cuda"]
+    for rec in RECORDS:
+        c = json.loads(load(rec["name"])["fkda_contract"]())
+        assert c["FKDA_SUPPORTED_VALUE_HEADS"] == sup["value_heads"]
+        assert c["FKDA_HEAD_DIM_K"] == sup["head_dims_k"][0] and c["FKDA_HEAD_DIM_V"] == sup["head_dims_v"][0]
+        assert c["FKDA_THREADS"] == rec["threads"] and c["FKDA_SLOT_OFFSET_BITS"] == rec["slot_offset_bits"]
+        assert c["FKDA_STATE_BF16"] == (1 if rec["state_dtype"] == "bfloat16" else 0)

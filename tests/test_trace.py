@@ -1,0 +1,537 @@
+"""Trace emission (flashkda_ext.trace): schemas, templates, emitted definitions and workloads,
+references that run standalone, the consumer, and tracing's promises (never raises, written before
+the launch, no effect on results)."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import jsonschema
+import pytest
+import torch
+
+import flashkda_ext
+from flashkda_ext import ops, reference, trace, trace_consumer, validation
+from flashkda_ext.paths import trace_templates_dir
+
+SCHEMAS = ("definition", "workload", "template")
+
+
+# ---------------------------------------------------------------------------------------------
+# small cases: public-op keyword arguments for one call
+
+
+def _gate_args(gate, HV, K, gen, flat_dt=True):
+    a = {"gate": gate}
+    if gate in ("softplus", "bounded"):
+        a["A_log"] = torch.randn(HV, generator=gen) * 0.5
+        a["dt_bias"] = torch.randn(HV * K if flat_dt else (HV, K), generator=gen)
+    if gate == "bounded":
+        a["lower_bound"] = -5.0
+    return a
+
+
+def decode_case(*, H=2, HV=4, K=8, V=6, rows=5, slots=7, dtype=torch.float32, state_dtype=torch.float32,
+                gate="softplus", slot_mode="unique", null_slot0=False, beta_is_logit=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    g = r(rows, HV, K)
+    if gate == "log":
+        g = -torch.nn.functional.softplus(g.float()).to(dtype)
+    beta = r(rows, HV) if beta_is_logit else torch.rand(rows, HV, generator=gen).to(dtype)
+    idx = {"unique": [1, 4, 0, 6, 2], "padded": [3, -1, 0, -1, 5], "repeated": [2, 2, -1, 5, 2]}[slot_mode][:rows]
+    a = dict(q=r(rows, H, K), k=r(rows, H, K), v=r(rows, HV, V), g=g, beta=beta,
+             state=(torch.randn(slots, HV, V, K, generator=gen) * 0.1).to(state_dtype),
+             state_indices=torch.tensor(idx, dtype=torch.int32), slot_mode=slot_mode,
+             null_slot0=null_slot0, beta_is_logit=beta_is_logit, **_gate_args(gate, HV, K, gen))
+    return a
+
+
+def prefill_case(*, H=2, HV=4, K=8, V=6, lens=(3, 0, 5), dtype=torch.float32, state_dtype=torch.float32,
+                 gate="softplus", mode="dense", varlen=True, final=True, checkpoint_every=0,
+                 cu_dtype=torch.int32, null_slot0=False, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    N = len(lens)
+    if varlen:
+        B, T = 1, sum(lens)
+    else:
+        B, T = N, lens[0]
+    a = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             output_final_state=final, checkpoint_every=checkpoint_every, **_gate_args(gate, HV, K, gen))
+    if gate == "log":
+        a["g"] = -torch.nn.functional.softplus(a["g"].float()).to(dtype)
+    if varlen:
+        offs = [0]
+        for n in lens:
+            offs.append(offs[-1] + n)
+        a["cu_seqlens"] = torch.tensor(offs, dtype=cu_dtype)
+    if mode == "dense":
+        a["initial_state"] = (torch.randn(N, HV, V, K, generator=gen) * 0.1).to(state_dtype)
+    elif mode == "pool":
+        a["state"] = (torch.randn(N + 3, HV, V, K, generator=gen) * 0.1).to(state_dtype)
+        a["state_indices"] = torch.tensor([4, -1, 0, 2, 1][:N], dtype=torch.int32)
+        a["null_slot0"] = null_slot0
+    return a
+
+
+def fused_case(*, H=2, D=8, rows=4, slots=6, dtype=torch.float32, state_dtype=torch.float32, gate="softplus",
+               slot_mode="unique", null_slot0=False, conv_dtype=None, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    C = 3 * H * D
+    idx = {"unique": [1, 4, 0, 5], "padded": [3, -1, 0, 5], "repeated": [2, 2, -1, 2]}[slot_mode][:rows]
+    ga = _gate_args(gate, H, D, gen)
+    a = dict(x=r(rows, C), conv_weight=(torch.randn(C, 4, generator=gen) * 0.5).to(conv_dtype or dtype),
+             conv_state=r(slots, C, 3), g=r(rows, H, D), beta=r(rows, H), A_log=ga.pop("A_log", None),
+             dt_bias=ga.pop("dt_bias", None), state_indices=torch.tensor(idx, dtype=torch.int32),
+             state=(torch.randn(slots, H, D, D, generator=gen) * 0.1).to(state_dtype),
+             output_gate=r(rows, H, D), norm_weight=torch.rand(D, generator=gen) + 0.5,
+             slot_mode=slot_mode, null_slot0=null_slot0, **ga)
+    if gate == "log":
+        a["g"] = -torch.nn.functional.softplus(a["g"].float()).to(dtype)
+    return a
+
+
+CHECK = {"kda_decode": validation.check_kda_decode, "kda_prefill": validation.check_kda_prefill,
+         "fused_kda_decode": validation.check_fused_kda_decode}
+CASE = {"kda_decode": decode_case, "kda_prefill": prefill_case, "fused_kda_decode": fused_case}
+
+VARIANTS = [
+    ("kda_decode", {}),
+    ("kda_decode", {"gate": "bounded", "slot_mode": "padded", "dtype": torch.bfloat16}),
+    ("kda_decode", {"gate": "log", "slot_mode": "repeated", "state_dtype": torch.bfloat16}),
+    ("kda_decode", {"H": 4, "HV": 4, "K": 6, "V": 6, "null_slot0": True, "slot_mode": "padded"}),
+    ("kda_decode", {"beta_is_logit": False, "dtype": torch.float16}),
+    ("kda_prefill", {}),
+    ("kda_prefill", {"mode": "pool", "gate": "bounded"}),
+    ("kda_prefill", {"mode": "pool", "null_slot0": True, "final": False}),
+    ("kda_prefill", {"mode": "none", "final": False, "gate": "log"}),
+    ("kda_prefill", {"mode": "none", "final": True, "checkpoint_every": 2}),
+    ("kda_prefill", {"mode": "dense", "checkpoint_every": 2, "cu_dtype": torch.int64,
+                     "state_dtype": torch.bfloat16, "dtype": torch.bfloat16}),
+    ("kda_prefill", {"varlen": False, "lens": (4, 4), "mode": "dense"}),
+    ("fused_kda_decode", {}),
+    ("fused_kda_decode", {"gate": "bounded", "slot_mode": "padded", "dtype": torch.bfloat16,
+                          "conv_dtype": torch.float32}),
+    ("fused_kda_decode", {"gate": "log", "slot_mode": "repeated", "state_dtype": torch.bfloat16,
+                          "null_slot0": True}),
+]
+IDS = [f"{op}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'base'}" for op, kw in VARIANTS]
+
+_OPTIONS = {"gate", "slot_mode", "null_slot0", "beta_is_logit", "output_final_state", "checkpoint_every"}
+
+
+def traced(op, args, tmp_path):
+    """Validate like the op, emit; returns (definition, [workload lines])."""
+    call = CHECK[op](**args)
+    with trace.tracing(tmp_path):
+        name = trace.emit(op, call, args)
+    assert name is not None
+    d = json.loads((tmp_path / f"{name}.json").read_text())
+    lines = [json.loads(s) for s in (tmp_path / f"{name}.workloads.jsonl").read_text().splitlines()]
+    return d, lines
+
+
+def reference_inputs(d, args, line, trace_dir):
+    """The emitted run()'s arguments for this call, shaped as the definition says."""
+    axes = trace_consumer.axis_values(d, line["workload"]["axes"])
+    out = {}
+    for name, spec in d["inputs"].items():
+        src = line["workload"]["inputs"][name]
+        if src["type"] == "scalar":
+            out[name] = src["value"]
+        else:
+            x = args[name]
+            out[name] = x.reshape([axes[a] for a in spec["shape"]])
+            if src["type"] == "safetensors":
+                saved = trace_consumer.read_safetensors(os.path.join(trace_dir, src["path"]), src["tensor_key"])
+                assert torch.equal(saved, x)
+    return out
+
+
+def package_reference(op, a):
+    """flashkda_ext.reference in float32, outputs in the definition's order and dtypes."""
+    opts = dict(gate=a["gate"], A_log=a.get("A_log"), dt_bias=a.get("dt_bias"),
+                lower_bound=a.get("lower_bound"), null_slot0=a.get("null_slot0", False), dtype=torch.float32)
+    if op == "kda_decode":
+        out, pool = reference.kda_decode_step(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"],
+                                              state_indices=a["state_indices"],
+                                              beta_is_logit=a["beta_is_logit"], **opts)
+        return [out, pool]
+    if op == "fused_kda_decode":
+        opts.pop("A_log"), opts.pop("dt_bias")
+        opts.update(norm_eps=a.get("norm_eps", 1e-5))
+        out, conv, pool = reference.fused_kda_decode_step(
+            a["x"], a["conv_weight"], a["conv_state"], a["g"], a["beta"], a["A_log"], a["dt_bias"],
+            a["state_indices"], a["state"], a["output_gate"], a["norm_weight"], **opts)
+        return [out, conv, pool]
+    pool = a.get("state")
+    out, final, ckpt = reference.kda_recurrent(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], cu_seqlens=a.get("cu_seqlens"),
+        initial_state=pool if pool is not None else a.get("initial_state"),
+        state_indices=a.get("state_indices"), output_final_state=a["output_final_state"],
+        checkpoint_every=a["checkpoint_every"], **opts)
+    res = [out]
+    if a["output_final_state"]:
+        res.append(final)
+    if a["checkpoint_every"]:
+        # the op allocates C = checkpoint_slots entries (longest possible sequence // e): NaN-pad
+        C = validation.check_kda_prefill(**a).checkpoint_slots
+        pad = torch.full((ckpt.shape[0], C - ckpt.shape[1]) + tuple(ckpt.shape[2:]), float("nan"))
+        res.append(torch.cat([ckpt, pad], dim=1))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# schemas and templates
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_schema_files_are_valid_json_schema(name):
+    schema = json.loads((trace_templates_dir() / "schema" / f"{name}.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_definition_schema_dtypes_are_flashinfer_bench_names():
+    schema = json.loads((trace_templates_dir() / "schema" / "definition.schema.json").read_text())
+    assert tuple(schema["$defs"]["dtype"]["enum"]) == trace.FIB_DTYPES
+    assert "float64" not in trace.FIB_DTYPES and "unknown" not in trace.FIB_DTYPES
+
+
+@pytest.mark.parametrize("op", trace.OPS)
+def test_template_validates_and_names_real_files(op):
+    t = trace.load_template(op)            # validates against template.schema.json
+    assert t["op"] == op and hasattr(flashkda_ext, op)
+    for rel in t["reference"]["files"]:
+        assert (trace_templates_dir() / rel).is_file()
+    # every tensor axis is declared; no input/output name clash
+    for e in t["inputs"] + t["outputs"]:
+        assert all(a in t["axes"] for a in e["shape"] or [])
+    assert not {e["name"] for e in t["inputs"]} & {e["name"] for e in t["outputs"]}
+    # inputs follow the public op's argument order, so run(*inputs) reads like the op
+    import inspect
+    params = list(inspect.signature(getattr(flashkda_ext, op)).parameters)
+    names = [e["name"] for e in t["inputs"] if e["name"] in params]
+    assert names == sorted(names, key=params.index)
+
+
+def test_template_schema_rejects_a_broken_template():
+    t = json.loads(json.dumps(trace.load_template("kda_decode")))
+    t["constraints"].append({"supported": "head_count"})          # unknown key, no subject
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(t, json.loads((trace_templates_dir() / "schema" / "template.schema.json").read_text()))
+
+
+def test_definition_checks_reject_bad_definitions(tmp_path):
+    d, lines = traced("kda_decode", decode_case(), tmp_path)
+    trace.validate_definition(d)
+    for mutate in (lambda x: x["inputs"]["q"].update(dtype="float64"),
+                   lambda x: x["inputs"]["q"].update(dtype="unknown"),
+                   lambda x: x["outputs"].update(state=x["outputs"].pop("state_out")),   # reuses an input name
+                   lambda x: x["inputs"]["q"].update(shape=["rows", "heads_nowhere", "head_dim_k"]),
+                   lambda x: x.update(reference="def not_run():\n    pass\n"),
+                   lambda x: x["axes"]["num_heads"].update(value=0)):
+        bad = json.loads(json.dumps(d))
+        mutate(bad)
+        with pytest.raises(ValueError):
+            trace.validate_definition(bad)
+    bad_line = json.loads(json.dumps(lines[0]))
+    bad_line["workload"]["axes"].pop("rows")
+    with pytest.raises(ValueError):
+        trace.validate_workload_line(bad_line, d)
+    bad_line = json.loads(json.dumps(lines[0]))
+    bad_line["workload"]["inputs"]["scale"] = {"type": "random"}
+    with pytest.raises(ValueError):
+        trace.validate_workload_line(bad_line, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# emission
+
+
+@pytest.mark.parametrize("op,kw", VARIANTS, ids=IDS)
+def test_emitted_definition_and_workload_validate(op, kw, tmp_path):
+    args = CASE[op](**kw)
+    d, lines = traced(op, args, tmp_path)
+    trace.validate_definition(d)
+    assert len(lines) == 1
+    trace.validate_workload_line(lines[0], d)
+    assert lines[0]["definition"] == d["name"]
+    # the recorded call satisfies its own definition's constraints
+    assert trace_consumer.check_call(d, lines[0]["workload"]["axes"]) == []
+    # the shapes of the actual call bind to the same var axes the workload recorded
+    shapes = {n: reference_inputs(d, args, lines[0], tmp_path)[n].shape
+              for n, s in d["inputs"].items() if s["shape"] is not None}
+    assert trace_consumer.bind_axes(d, shapes) == {
+        a: v for a, v in lines[0]["workload"]["axes"].items()
+        if any(a in (s["shape"] or []) for s in d["inputs"].values())}
+    # const axes are in the name; in-place outputs are marked
+    for axis in ("num_heads", "head_dim_k", "head_dim"):
+        if axis in d["axes"]:
+            assert str(d["axes"][axis]["value"]) in d["name"]
+    for out, spec in d["outputs"].items():
+        if out.endswith("_out"):
+            src = out[: -len("_out")]
+            assert src in d["inputs"] and f"inplace:{out}={src}" in d["tags"]
+            assert "in-place" in spec["description"]
+
+
+@pytest.mark.parametrize("op,kw", VARIANTS, ids=IDS)
+def test_emitted_reference_runs_standalone_and_matches_package_reference(op, kw, tmp_path):
+    args = CASE[op](**kw)
+    d, lines = traced(op, args, tmp_path)
+    import ast
+    imported = {a.name.split(".")[0] for n in ast.walk(ast.parse(d["reference"]))
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in getattr(n, "names", [])}
+    imported |= {n.module.split(".")[0] for n in ast.walk(ast.parse(d["reference"]))
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported == {"torch"}                        # self-contained: torch only
+    namespace = {}
+    exec(compile(d["reference"], "<emitted reference>", "exec"), namespace)  # fresh namespace
+    run_inputs = reference_inputs(d, args, lines[0], tmp_path)
+    before = {n: x.clone() for n, x in run_inputs.items() if torch.is_tensor(x)}
+    got = namespace["run"](**run_inputs)
+    got = list(got) if isinstance(got, tuple) else [got]
+    for n, x in before.items():                          # run() leaves its inputs alone
+        assert torch.equal(run_inputs[n], x), n
+    want = package_reference(op, args)
+    assert len(got) == len(want) == len(d["outputs"])
+    axes = trace_consumer.axis_values(d, lines[0]["workload"]["axes"])
+    for (name, spec), x, y in zip(d["outputs"].items(), got, want):
+        assert list(x.shape) == [axes[a] for a in spec["shape"]], name
+        assert str(x.dtype) == f"torch.{spec['dtype']}", name
+        tol = 2e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-5
+        torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol, equal_nan=True, msg=name)
+        assert torch.isfinite(x.float()).any() or x.numel() == 0
+
+
+def test_definition_written_once_per_name_workloads_appended(tmp_path):
+    args = decode_case()
+    call = CHECK["kda_decode"](**args)
+    with trace.tracing(tmp_path):
+        n1 = trace.emit("kda_decode", call, args)
+        os.remove(tmp_path / f"{n1}.json")             # not rewritten: deduplicated per process
+        n2 = trace.emit("kda_decode", call, args)
+        other = decode_case(rows=3)                    # same definition, another workload
+        n3 = trace.emit("kda_decode", CHECK["kda_decode"](**other), other)
+    assert n1 == n2 == n3
+    assert not (tmp_path / f"{n1}.json").exists()
+    lines = [json.loads(s) for s in (tmp_path / f"{n1}.workloads.jsonl").read_text().splitlines()]
+    assert [ln["workload"]["axes"]["rows"] for ln in lines] == [5, 5, 3]
+    assert len({ln["workload"]["uuid"] for ln in lines}) == 3
+
+
+def test_names_identify_definitions(tmp_path):
+    """One name, one definition; different definitions, different names."""
+    seen = {}
+    for op, kw in VARIANTS + [("kda_decode", {"gate": "bounded"}), ("kda_decode", {"HV": 2}),
+                              ("kda_prefill", {"mode": "pool"}), ("kda_prefill", {"final": False}),
+                              ("kda_prefill", {"mode": "none", "final": False}),
+                              ("fused_kda_decode", {"dtype": torch.float16, "conv_dtype": torch.float32})]:
+        args = CASE[op](**kw)
+        d = trace.build_definition(op, trace.facts(op, CHECK[op](**args), args))
+        body = json.dumps({k: v for k, v in d.items() if k != "name"}, sort_keys=True)
+        assert seen.setdefault(d["name"], body) == body, d["name"]
+    bodies = list(seen.values())
+    assert len(set(bodies)) == len(bodies)
+    assert "kda_decode_h2_hv4_dk8_dv6_f32state_f32in_cpu" in seen
+
+
+def test_example_name_shape():
+    # the issue's example name: a CUDA call, H = HV = 32, K = V = 128, fp32 state, defaults
+    q = torch.empty(4, 32, 128, dtype=torch.bfloat16, device="meta")
+    args = dict(q=q, k=q, v=q, g=q, beta=torch.empty(4, 32, dtype=torch.bfloat16, device="meta"),
+                state=torch.empty(9, 32, 128, 128, device="meta"),
+                state_indices=torch.empty(4, dtype=torch.int32, device="meta"),
+                A_log=torch.empty(32, device="meta"), dt_bias=torch.empty(32 * 128, device="meta"))
+    call = validation.check_kda_decode(**args, backend="cuda")
+    d = trace.build_definition("kda_decode", trace.facts("kda_decode", call, args))
+    assert d["name"] == "kda_decode_h32_d128_f32state"
+    assert "num_v_heads in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)" in d["constraints"]
+
+
+# ---------------------------------------------------------------------------------------------
+# tracing's promises
+
+
+def test_enabled_follows_env_and_context(tmp_path, monkeypatch):
+    monkeypatch.delenv(trace.ENV_DIR, raising=False)
+    trace.refresh()
+    assert not trace.enabled()
+    with trace.tracing(tmp_path / "a") as d:
+        assert trace.enabled() and d == str(tmp_path / "a")
+        with trace.tracing(tmp_path / "b"):
+            assert trace.directory() == str(tmp_path / "b")
+        assert trace.directory() == str(tmp_path / "a")
+    assert not trace.enabled()
+    monkeypatch.setenv(trace.ENV_DIR, str(tmp_path / "env"))
+    trace.refresh()
+    try:
+        assert trace.directory() == str(tmp_path / "env")
+    finally:
+        monkeypatch.delenv(trace.ENV_DIR)
+        trace.refresh()
+    assert not trace.enabled()
+
+
+def test_emit_is_a_noop_when_disabled(tmp_path):
+    assert not trace.enabled()
+    args = decode_case()
+    assert trace.emit("kda_decode", CHECK["kda_decode"](**args), args) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_warns_once_and_never_raises(tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")                             # makedirs under a file fails
+    monkeypatch.setattr(trace, "_warned", set())
+    args = decode_case()
+    call = CHECK["kda_decode"](**args)
+    with trace.tracing(blocker / "sub"):
+        with pytest.warns(RuntimeWarning, match="tracing failed"):
+            assert trace.emit("kda_decode", call, args) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")             # a second failure stays silent
+            assert trace.emit("kda_decode", call, args) is None
+            assert trace.emit("kda_decode", object(), {}) is None   # garbage in: still no raise
+
+
+def test_float64_calls_are_skipped_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace, "_warned", set())
+    args = decode_case(dtype=torch.float64)
+    call = CHECK["kda_decode"](**args)
+    with trace.tracing(tmp_path):
+        with pytest.warns(RuntimeWarning, match="float64"):
+            assert trace.emit("kda_decode", call, args) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert trace.emit("kda_decode", call, args) is None
+    assert not any(p.suffix == ".json" for p in tmp_path.iterdir())
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _crash(*_a, **_k):
+    raise _Boom("launch crashed")
+
+
+@pytest.mark.parametrize("op", trace.OPS)
+def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatch):
+    """The trace is written before the launch: make the launch itself fail."""
+    monkeypatch.setattr(ops.dispatch, "function", lambda *a, **k: _crash)
+    monkeypatch.setattr(ops.dispatch, "select_rule", lambda *a, **k: {"module": "crash"})
+
+    class _Module:
+        def implements_function(self, name):
+            return False
+
+        def __getitem__(self, name):
+            return _crash
+
+    monkeypatch.setattr(ops.jit, "load_module", lambda *a, **k: _Module())
+    monkeypatch.setattr(ops.jit, "get_record", lambda *a, **k: {"params": {}})
+    args = CASE[op]()
+    with trace.tracing(tmp_path):
+        with pytest.raises(_Boom):
+            getattr(flashkda_ext, op)(**args)
+    files = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".jsonl")
+    assert len(files) == 1
+    line = json.loads((tmp_path / files[0]).read_text().splitlines()[0])
+    d = json.loads((tmp_path / files[0].replace(".workloads.jsonl", ".json")).read_text())
+    trace.validate_definition(d)
+    trace.validate_workload_line(line, d)
+
+
+def _cpu_backend_works():
+    try:
+        flashkda_ext.kda_decode(**decode_case())
+        return True
+    except (KeyError, FileNotFoundError):
+        return False
+
+
+@pytest.mark.parametrize("op,kw", VARIANTS, ids=IDS)
+def test_public_ops_traced_on_cpu_identical_results(op, kw, tmp_path):
+    if not _cpu_backend_works():
+        pytest.skip("CPU backend routes/modules not in this tree yet")
+    fn = getattr(flashkda_ext, op)
+    plain_args, traced_args = CASE[op](**kw), CASE[op](**kw)
+    plain = fn(**plain_args)
+    with trace.tracing(tmp_path):
+        got = fn(**traced_args)
+    plain = plain if isinstance(plain, tuple) else (plain,)
+    got = got if isinstance(got, tuple) else (got,)
+    for x, y in zip(plain, got):
+        assert (x is None and y is None) or torch.equal(x, y)
+    for name in ("state", "conv_state", "initial_state"):   # in-place caches agree too
+        if plain_args.get(name) is not None:
+            assert torch.equal(plain_args[name], traced_args[name])
+    (def_file,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    d = json.loads(def_file.read_text())
+    trace.validate_definition(d)
+    for s in (tmp_path / f"{d['name']}.workloads.jsonl").read_text().splitlines():
+        trace.validate_workload_line(json.loads(s), d)
+
+
+# ---------------------------------------------------------------------------------------------
+# the consumer
+
+
+def test_consumer_checks_calls_and_replays_workloads(tmp_path):
+    for op, kw in VARIANTS:
+        args = CASE[op](**kw)
+        call = CHECK[op](**args)
+        with trace.tracing(tmp_path):
+            trace.emit(op, call, args)
+    definitions, workloads = trace_consumer.load_trace_dir(str(tmp_path))
+    assert len(definitions) == len(VARIANTS) and set(workloads) == set(definitions)
+    for name, d in definitions.items():
+        line = workloads[name][0]
+        assert trace_consumer.check_call(d, line["workload"]["axes"]) == []
+        inputs = trace_consumer.make_inputs(d, line, str(tmp_path), seed=3)
+        assert list(inputs) == list(d["inputs"])
+        outs = trace_consumer.load_reference(d)(**inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        axes = trace_consumer.axis_values(d, line["workload"]["axes"])
+        for (oname, spec), x in zip(d["outputs"].items(), outs):
+            assert list(x.shape) == [axes[a] for a in spec["shape"]], (name, oname)
+        # regenerated inputs are calls the op's validation accepts
+        op = next(o for o in trace.OPS if name.startswith(o))
+        kw = {n: v for n, v in inputs.items() if n != "checkpoint_every"} if op != "kda_prefill" else dict(inputs)
+        if "slot_mode:repeated" in d["tags"]:
+            kw["slot_mode"] = "repeated"
+        elif "slot_mode:padded" in d["tags"]:
+            kw["slot_mode"] = "padded"
+        for tag, (k, v) in {"gate:bounded": ("gate", "bounded"), "gate:log": ("gate", "log"),
+                            "null_slot0": ("null_slot0", True),
+                            "domain:beta=probability": ("beta_is_logit", False)}.items():
+            if tag in d["tags"]:
+                kw[k] = v
+        if op == "kda_prefill" and "final_state" not in d["outputs"] and "state_out" not in d["outputs"]:
+            kw["output_final_state"] = False
+        CHECK[op](**kw)
+
+
+def test_consumer_flags_violations_and_refuses_code(tmp_path):
+    d, lines = traced("kda_prefill", prefill_case(), tmp_path)
+    axes = dict(lines[0]["workload"]["axes"])
+    assert trace_consumer.check_call(d, axes) == []
+    assert trace_consumer.check_call(d, dict(axes, batch=2)) == ["batch == 1"]
+    assert "num_seqs_p1 == num_seqs + 1" in trace_consumer.check_call(d, dict(axes, num_seqs_p1=9))
+    with pytest.raises(ValueError):
+        trace_consumer.check_call(d, {k: v for k, v in axes.items() if k != "batch"})
+    for evil in ("__import__('os').system('true')", "().__class__", "[x for x in (1,)]",
+                 "open('f')", "rows ** 10 ** 10"):
+        with pytest.raises(ValueError):
+            trace_consumer.safe_eval(evil, {"rows": 1})
+    assert trace_consumer.safe_eval("rows in (1, 2) and not x", {"rows": 2, "x": False}) is True
+
+
+def test_consumer_cli(tmp_path, capsys):
+    traced("fused_kda_decode", fused_case(), tmp_path)
+    assert trace_consumer.main([str(tmp_path), "--run-reference"]) == 0
+    assert "reference ran" in capsys.readouterr().out

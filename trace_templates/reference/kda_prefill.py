@@ -1,0 +1,63 @@
+# KDA prefill, token by token. Fragment appended after kda_common.py; the emitted reference also
+# defines STATE_MODE ("none", "dense", "pool"), STATE_DTYPE and OUTPUT_FINAL_STATE.
+
+
+def kda_prefill_reference(q, k, v, g, beta, A_log=None, dt_bias=None, cu_seqlens=None,
+                          initial_state=None, state=None, state_indices=None, lower_bound=None,
+                          scale=None, checkpoint_every=0, checkpoint_slots=None):
+    """Returns the outputs in the definition's order: out, then final_state (dense) or state_out
+    (pool) when OUTPUT_FINAL_STATE, then checkpoints when checkpoint_every > 0."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    qn, kn, vv, gl, bb = _prepare(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
+    work = vv.dtype
+    if cu_seqlens is None:
+        segments = [(b, 0, T) for b in range(B)]
+    else:
+        offsets = [int(x) for x in cu_seqlens.tolist()]
+        segments = [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:])]
+    N = len(segments)
+    indices = state_indices.tolist() if STATE_MODE == "pool" else None
+
+    out = torch.zeros(B, T, HV, V, dtype=work, device=v.device)
+    finals, per_seq_ckpts = [], []
+    for n, (b, s, e) in enumerate(segments):
+        if STATE_MODE == "pool" and not _is_padding(indices[n]):
+            S = _work(state[indices[n]]).clone()
+        elif STATE_MODE == "dense" and initial_state is not None:
+            S = _work(initial_state[n]).clone()
+        else:
+            S = torch.zeros(HV, V, K, dtype=work, device=v.device)
+        ckpts = []
+        for t in range(s, e):
+            out[b, t], S = _step(S, qn[b, t], kn[b, t], vv[b, t], gl[b, t], bb[b, t])
+            if checkpoint_every and (t - s + 1) % checkpoint_every == 0:
+                ckpts.append(S.clone())
+        finals.append(S)
+        per_seq_ckpts.append(ckpts)
+
+    results = [out.to(v.dtype)]
+    if OUTPUT_FINAL_STATE and STATE_MODE == "pool":
+        pool = state.clone()
+        for n, S in enumerate(finals):
+            if not _is_padding(indices[n]):
+                pool[indices[n]] = S.to(pool.dtype)
+        results.append(pool)
+    elif OUTPUT_FINAL_STATE and STATE_MODE == "dense":
+        final = torch.zeros(N, HV, V, K, dtype=getattr(torch, STATE_DTYPE), device=v.device)
+        for n, S in enumerate(finals):
+            final[n] = S
+        results.append(final)
+    if checkpoint_every:
+        C = checkpoint_slots
+        if C is None:
+            C = max([(e - s) // checkpoint_every for _, s, e in segments], default=0)
+        ckpt = torch.full((N, C, HV, V, K), float("nan"), dtype=getattr(torch, STATE_DTYPE),
+                          device=v.device)
+        for n, states in enumerate(per_seq_ckpts):
+            for c, S in enumerate(states):
+                ckpt[n, c] = S
+        results.append(ckpt)
+    return results[0] if len(results) == 1 else tuple(results)
