@@ -41,6 +41,11 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
+# A checkout without `pip install -e .`: let the scripts import the package from the repository.
+_REPO = Path(__file__).resolve().parent.parent
+if (_REPO / "flashkda_ext" / "__init__.py").is_file() and str(_REPO) not in sys.path:
+    sys.path.append(str(_REPO))
+
 MODES = ("graph", "eager", "wall")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -60,6 +65,7 @@ class Config:
     flush_bytes: int = 0       # 0: max(2 x L2, 256 MiB) on a GPU, 4 MiB on a CPU
     copy_bytes: int = 0        # 0: 2 GiB on a GPU, 16 MiB on a CPU
     out_dir: Path = DEFAULT_OUT
+    out_file: Optional[str] = None   # results file name (default <benchmark>.json); --out x.json sets it
     plot: bool = True
     progress: bool = True
     quick: bool = False
@@ -82,7 +88,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cold-l2", action="store_true", help="do not flush L2 between runs")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", default=None, help=f"results folder (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None, help=f"results folder (default {DEFAULT_OUT}), or a .json file")
     p.add_argument("--no-fla", action="store_true", help="leave the fla (Triton) peer out")
 
 
@@ -113,7 +119,11 @@ def config_from_args(args) -> Config:
     cfg.plot = not args.no_plot
     cfg.progress = not args.no_progress
     if args.out:
-        cfg.out_dir = Path(args.out)
+        out = Path(args.out)
+        if out.suffix == ".json":   # the older per-script convention: --out results.json
+            cfg.out_dir, cfg.out_file = out.parent if str(out.parent) else Path("."), out.name
+        else:
+            cfg.out_dir = out
     return cfg
 
 
@@ -489,10 +499,10 @@ class Run:
         doc = {"benchmark": self.name, "meta": self.meta, "copy_ceiling": self.ceiling,
                "baseline": self.baseline, "primary_mode": self.primary_mode,
                "summary": self.summary(), "cases": self.results}
-        path = self.cfg.out_dir / f"{self.name}.json"
+        path = self.cfg.out_dir / (self.cfg.out_file or f"{self.name}.json")
         path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         if self.cfg.plot:
-            png = plot(doc, self.cfg.out_dir / f"{self.name}.png")
+            png = plot(doc, path.with_suffix(".png"))
             if png is not None:
                 print(f"plot: {png}")
         print(format_table(doc))

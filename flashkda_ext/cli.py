@@ -5,7 +5,7 @@
                                              every route this machine can run, against the reference
     flashkda-ext build [GLOB ...] [--all] [--arch A] [--force] [--aot DIR] [--list]
     flashkda-ext trace list | trace dump OP [--heads H] [--value-heads HV] [--head-dim D] ...
-    flashkda-ext bench decode|prefill|fused|trace|all [--quick] [script flags ...]
+    flashkda-ext bench decode|prefill|fused|overhead|trace|jax|all [--quick] [script flags ...]
 
 `selftest` is the main job (README): on a machine without a GPU it runs the CPU backend through
 TVM-FFI against flashkda_ext.reference and compile-checks one CUDA module when nvcc is present; on a
@@ -321,24 +321,30 @@ LOWER_BOUND = -5.0
 
 
 class _Rand:
+    """Seeded random tensors drawn on the target device (a multi-GiB pool is cheap on a GPU)."""
+
     def __init__(self, seed: int, device):
         import torch
 
-        self.gen = torch.Generator().manual_seed(seed)
-        self.device = device
         self.torch = torch
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.host_gen = torch.Generator().manual_seed(seed + 1)
 
     def randn(self, *shape, dtype="float32", scale=1.0):
         t = self.torch
-        return (t.randn(*shape, generator=self.gen, dtype=t.float64) * scale).to(getattr(t, dtype)).to(self.device)
+        work = t.float64 if dtype == "float64" else t.float32
+        x = t.randn(*shape, generator=self.gen, dtype=work, device=self.device)
+        return (x * scale).to(getattr(t, dtype))
 
     def rand(self, *shape, lo=0.0, hi=1.0, dtype="float32"):
         t = self.torch
-        x = lo + (hi - lo) * t.rand(*shape, generator=self.gen, dtype=t.float64)
-        return x.to(getattr(t, dtype)).to(self.device)
+        work = t.float64 if dtype == "float64" else t.float32
+        x = lo + (hi - lo) * t.rand(*shape, generator=self.gen, dtype=work, device=self.device)
+        return x.to(getattr(t, dtype))
 
     def perm(self, n):
-        return self.torch.randperm(n, generator=self.gen)
+        return self.torch.randperm(n, generator=self.host_gen)
 
 
 def _gate_args(rnd: _Rand, s: Spec, lead: tuple, HV: int, K: int):
@@ -389,8 +395,9 @@ def _touched_mask(idx, slots: int, null_slot0: bool):
 
 
 def _untouched_equal(before, after, touched) -> bool:
-    keep = (~touched).to(before.device)
-    return bool((before[keep] == after[keep]).all().item()) if keep.any() else True
+    """True when every slot outside `touched` is bitwise unchanged (one bool per slot: no pool copy)."""
+    changed = (before != after).reshape(before.shape[0], -1).any(dim=1)
+    return not bool((changed & ~touched.to(changed.device)).any().item())
 
 
 def _route(family: str, call) -> Tuple[str, str]:
@@ -567,7 +574,7 @@ def run_prefill(s: Spec, seed: int) -> Outcome:
         mask = torch.isfinite(want[:, :n].to(torch.float64))
         err = max_rel_err(torch.where(mask, got[:, :n].to(torch.float64), 0.0), torch.where(mask, want[:, :n], 0.0))
         o.state_err = max(o.state_err, err)
-    o.tol = tolerance(getattr(torch, s.dtype), getattr(torch, s.state_dtype))
+    o.tol = tolerance(getattr(torch, s.dtype), final.dtype)
     return _finish(o, problems)
 
 
@@ -633,8 +640,17 @@ def _meta_tensors_decode(rows, H, HV, K, V, slots, dtype, state_dtype, gate):
             torch.empty(rows, dtype=torch.int32, **m), kw)
 
 
-def _cuda_candidates(family: str, quick: bool) -> List[Spec]:
-    """Candidate CUDA specs, cheapest first, over the supported set (jit/supported.json)."""
+INT32_MAX = 2**31 - 1
+
+
+def _big_slots(HV: int, V: int, K: int) -> int:
+    """The fewest pool slots whose element offsets pass int32 (routes to the o64 twins)."""
+    return INT32_MAX // (HV * V * K) + 2
+
+
+def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = None) -> List[Spec]:
+    """Candidate CUDA specs over the supported set (jit/supported.json), including pools past 2^31
+    elements (64-bit offsets) when big_pool_bytes (free memory / 4) allows them."""
     from . import supported
 
     sup = supported.supported(family, "cuda")
@@ -660,12 +676,20 @@ def _cuda_candidates(family: str, quick: bool) -> List[Spec]:
                     continue
                 for st in states:
                     for mode in modes:
+                        if mode != "unique" and rows < 3:
+                            continue  # padding and repeats need a few rows to show up
                         gate = gates[i % len(gates)]
                         i += 1
+                        vv = V if family == "kda_decode" else K
+                        hh = hv // group if family == "kda_decode" else hv
                         out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                        H=hv // group if family == "kda_decode" else hv, HV=hv, K=K,
-                                        V=V if family == "kda_decode" else K, rows=rows,
-                                        slots=max(2 * rows, 16), slot_mode=mode))
+                                        H=hh, HV=hv, K=K, V=vv, rows=rows, slots=max(rows + 2, 16),
+                                        slot_mode=mode))
+                        big = _big_slots(hv, vv, K)
+                        if rows <= 1024 and big_pool_bytes and big * hv * vv * K * (2 if st == "bfloat16" else 4) \
+                                <= big_pool_bytes:
+                            out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                            H=hh, HV=hv, K=K, V=vv, rows=rows, slots=big, slot_mode=mode))
     else:
         shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
                   (4096,), (4 * [4096]), (8192,), (16384,)]
@@ -687,13 +711,21 @@ def _cuda_candidates(family: str, quick: bool) -> List[Spec]:
                                                 H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=pool,
                                                 slots=len(lens) + 2, checkpoint_every=ckpt,
                                                 max_seqlen_hint=hint))
+                                big = _big_slots(hv, V, K)
+                                if pool and sum(lens) <= 256 and big_pool_bytes and \
+                                        big * hv * V * K * (2 if st == "bfloat16" else 4) <= big_pool_bytes:
+                                    out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                                    H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=True,
+                                                    slots=big, checkpoint_every=ckpt, max_seqlen_hint=hint))
     return out
 
 
 def _spec_cost(s: Spec) -> int:
+    """Work of the case plus the size of its pool (the reference and the checks touch both)."""
+    per = s.HV * s.V * s.K
     if s.family == "kda_prefill":
-        return sum(s.lengths) * s.HV + len(s.lengths)
-    return s.rows * s.HV
+        return 20 * sum(s.lengths) * per + (s.slots if s.pool else len(s.lengths)) * per
+    return 20 * s.rows * per + s.slots * per
 
 
 def _spec_meta(s: Spec):
@@ -706,7 +738,7 @@ def _spec_meta(s: Spec):
         q, k, v, g, beta, state, idx, kw = _meta_tensors_decode(s.rows, s.H, s.HV, s.K, s.V, s.slots, s.dtype,
                                                                   s.state_dtype, s.gate)
         call = validation.check_kda_decode(q, k, v, g, beta, state=state, state_indices=idx, backend="cuda",
-                                           slot_mode=s.slot_mode, **kw)
+                                           slot_mode=s.slot_mode, gate=s.gate, **kw)
     elif s.family == "fused_kda_decode":
         m = dict(device="meta")
         dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
@@ -745,15 +777,15 @@ def _spec_meta(s: Spec):
     return _route(s.family, call)
 
 
-def cuda_specs(quick: bool) -> Tuple[List[Spec], List[str]]:
+def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[Spec], List[str]]:
     """One spec per reachable (rule, module), the cheapest that selects it; and the CUDA rules or
-    modules no candidate reached (reported, e.g. o64 twins that need a pool over 2^31 elements)."""
+    modules no candidate reached (reported, e.g. o64 twins when memory is short)."""
     from . import jit
 
     chosen: List[Spec] = []
     unreached: List[str] = []
     for fam in FAMILIES:
-        cands = sorted(_cuda_candidates(fam, quick), key=_spec_cost)
+        cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes), key=_spec_cost)
         seen: Dict[Tuple[str, str], Spec] = {}
         for s in cands:
             try:
@@ -762,6 +794,7 @@ def cuda_specs(quick: bool) -> Tuple[List[Spec], List[str]]:
                 continue
             if (rule, module) not in seen:
                 s.name = _spec_label(s)
+                s.extra["module"] = module
                 seen[(rule, module)] = s
         chosen += list(seen.values())
         try:
@@ -792,8 +825,11 @@ def _spec_label(s: Spec) -> str:
         else:
             shape = "+".join(map(str, lens))
         extra = (" pool" if s.pool else "") + (f" ckpt={s.checkpoint_every}" if s.checkpoint_every else "")
+        if s.pool and s.slots * s.HV * s.V * s.K > INT32_MAX:
+            extra += f" slots={s.slots}"
         return f"T={shape} HV={s.HV} {st} {s.gate}{extra}"
-    return f"rows={s.rows} HV={s.HV} {st} {s.gate} {s.slot_mode}"
+    big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
+    return f"rows={s.rows} HV={s.HV} {st} {s.gate} {s.slot_mode}{big}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -859,6 +895,35 @@ def compile_check(fresh: bool) -> Outcome:
 # selftest: driver
 
 
+def prebuild(names: List[str], workers: Optional[int] = None) -> Dict[str, str]:
+    """Build (or find cached) modules in parallel threads, each nvcc/g++ a process of its own;
+    returns {name: error} for those that failed (their cases then report the error themselves)."""
+    import concurrent.futures as cf
+
+    from . import jit
+
+    names = sorted(set(names))
+    if not names:
+        return {}
+    workers = workers or max(1, min(len(names), os.cpu_count() or 1))
+    failed: Dict[str, str] = {}
+    t0 = time.perf_counter()
+    print(f"building {len(names)} modules ({workers} in parallel; cached ones load at once) ...", flush=True)
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        futs = {pool.submit(jit.ensure_built, n, None, jobs=1): n for n in names}
+        for k, fut in enumerate(cf.as_completed(futs)):
+            n = futs[fut]
+            try:
+                res = fut.result()
+                state = f"built in {res.seconds:.1f} s" if res.built else "cached"
+            except Exception as e:  # noqa: BLE001
+                failed[n] = _first_line(e)
+                state = f"FAILED: {failed[n][:120]}"
+            print(f"  [{k + 1}/{len(names)}] {n}: {state}", flush=True)
+    print(f"modules ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    return failed
+
+
 def cmd_selftest(args) -> int:
     import torch
 
@@ -879,13 +944,15 @@ def cmd_selftest(args) -> int:
                                     detail="no CPU module of this family in jit/modules"))
     unreached: List[str] = []
     if torch.cuda.is_available() and not args.cpu_only:
-        cs, unreached = cuda_specs(args.quick)
+        free = torch.cuda.mem_get_info()[0]
+        cs, unreached = cuda_specs(args.quick, big_pool_bytes=None if args.quick else free // 5)
         specs += cs
     if args.only:
         pats = args.only
         specs = [s for s in specs if any(fnmatch.fnmatchcase(f"{s.family}:{s.name}", p)
                                          or fnmatch.fnmatchcase(s.family, p) for p in pats)]
         outcomes = [o for o in outcomes if any(fnmatch.fnmatchcase(o.family, p) for p in pats)]
+    prebuild([s.extra["module"] for s in specs if "module" in s.extra])
     for i, s in enumerate(specs):
         label = f"[{i + 1}/{len(specs)}] {s.family} {s.device} {s.name}"
         print(label + " ...", end="", flush=True)
@@ -976,21 +1043,34 @@ def cmd_build(args) -> int:
             cmd += ["--jobs", str(args.jobs)]
         print("+ " + " ".join(cmd), flush=True)
         return subprocess.call(cmd)
+    import concurrent.futures as cf
+
     failures = 0
     t0 = time.perf_counter()
-    for i, rec in enumerate(chosen):
-        tag = f"[{i + 1}/{len(chosen)}] {rec['name']} ({rec['backend']})"
-        print(f"{tag} ...", end="", flush=True)
-        try:
-            arch = None if rec["backend"] == "cpu" else args.arch
-            res = jit.ensure_built(rec["name"], arch, jobs=args.jobs, force=args.force)
-            state = f"built in {res.seconds:.1f} s" if res.built else "cached"
-            print(f" {state} ({res.arch}) -> {res.path}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            failures += 1
-            print(f" FAILED: {_first_line(e)}", flush=True)
-            if args.verbose:
-                print(str(e))
+    workers = max(1, args.parallel or 1)
+
+    def one(rec):
+        arch = None if rec["backend"] == "cpu" else args.arch
+        return jit.ensure_built(rec["name"], arch, jobs=args.jobs, force=args.force)
+
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        futs = {pool.submit(one, rec): rec for rec in chosen}
+        if workers == 1:
+            print(f"building {len(chosen)} module(s) ...", flush=True)
+        else:
+            print(f"building {len(chosen)} module(s), {workers} in parallel ...", flush=True)
+        for i, fut in enumerate(cf.as_completed(futs)):
+            rec = futs[fut]
+            tag = f"[{i + 1}/{len(chosen)}] {rec['name']} ({rec['backend']})"
+            try:
+                res = fut.result()
+                state = f"built in {res.seconds:.1f} s" if res.built else "cached"
+                print(f"{tag} {state} ({res.arch}) -> {res.path}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"{tag} FAILED: {_first_line(e)}", flush=True)
+                if args.verbose:
+                    print(str(e))
     print(f"build: {len(chosen) - failures}/{len(chosen)} ok in {time.perf_counter() - t0:.1f} s")
     return 1 if failures else 0
 
@@ -1083,7 +1163,10 @@ def cmd_trace(args) -> int:
 # bench
 
 BENCH_SCRIPTS = {"decode": "bench_decode.py", "prefill": "bench_prefill.py", "fused": "bench_fused_decode.py",
-                 "trace": "bench_trace.py", "all": "run_all.py"}
+                 "overhead": "bench_overhead.py", "trace": "bench_trace_overhead.py",
+                 "jax": "bench_jax_overhead.py", "all": "run_all.py"}
+# scripts with their own small CLI: --quick is not theirs to take
+_NO_QUICK = {"trace", "jax"}
 
 
 def benchmarks_dir() -> Optional[Path]:
@@ -1103,7 +1186,8 @@ def cmd_bench(args, extra: List[str]) -> int:
     if not script.is_file():
         print(f"bench: {script} is not there yet", file=sys.stderr)
         return 2
-    cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else []) + extra
+    quick = ["--quick"] if args.quick and args.which not in _NO_QUICK else []
+    cmd = [sys.executable, str(script)] + quick + extra
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -1136,7 +1220,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=["cpu", "cuda"], default=None)
     s.add_argument("--arch", default=None, help="CUDA arch (e.g. 9.0a); default: this GPU's, else the record's first")
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
-    s.add_argument("--jobs", type=int, default=None, help="ninja jobs (or modules in parallel with --aot)")
+    s.add_argument("--jobs", type=int, default=None, help="ninja jobs per module (modules in parallel with --aot)")
+    s.add_argument("--parallel", type=int, default=1, help="modules built at the same time (default 1)")
     s.add_argument("--aot", default=None, metavar="DIR", help="build into an AOT directory through aot.py")
     s.add_argument("--list", action="store_true", help="list the matching modules, build nothing")
     s.add_argument("-v", "--verbose", action="store_true")
@@ -1165,13 +1250,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--check", action="store_true", help="validate against the definition schema")
     d.add_argument("--out", default=None, help="write to this file")
 
-    s = sub.add_parser("bench", help="run a benchmark script of benchmarks/ (extra flags are passed on)")
+    # no -h of its own: `bench decode --help` shows the script's flags
+    s = sub.add_parser("bench", add_help=False,
+                       help="run a benchmark script of benchmarks/ (other flags, --help too, go to the script)")
     s.add_argument("which", choices=list(BENCH_SCRIPTS))
     s.add_argument("--quick", action="store_true")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `flashkda-ext trace dump ... | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] == "bench":

@@ -89,9 +89,15 @@ def _as_array(name: str, x, *, optional: bool = False):
     raise TypeError(f"{name}: expected a jax.Array (or numpy array), got {type(x).__name__}")
 
 
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
+
+
 def _torch_dtype(name: str, dtype) -> torch.dtype:
     dname = jnp.dtype(dtype).name
-    tdtype = getattr(torch, dname, None)
+    tdtype = _TORCH_DTYPES.get(dname)
+    if tdtype is None:
+        tdtype = getattr(torch, dname, None)
     if not isinstance(tdtype, torch.dtype):
         raise ValueError(f"{name}: dtype {dname} has no counterpart among the supported dtypes")
     return tdtype
@@ -109,7 +115,8 @@ _PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
 
 def _platform(platform: Optional[str], named_arrays) -> str:
     """'cpu' or 'cuda': given, else the device of the first concrete array, else JAX's default
-    backend (inside jax.jit the arrays are tracers and carry no device)."""
+    device (jax.default_device / jax_default_device), else its default backend (inside jax.jit
+    the arrays are tracers and carry no device)."""
     if platform is not None:
         if platform not in ("cpu", "cuda", "gpu"):
             raise ValueError(f"platform: expected 'cpu', 'cuda' or None, got {platform!r}")
@@ -120,7 +127,11 @@ def _platform(platform: Optional[str], named_arrays) -> str:
             if plat not in _PLATFORMS:
                 raise ValueError(f"{name}: expected an array on a CPU or CUDA device, got platform {plat}")
             return _PLATFORMS[plat]
-    plat = jax.default_backend()
+    default = jax.config.jax_default_device       # jax.default_device(...) or the config option
+    if default is not None:
+        plat = default if isinstance(default, str) else default.platform
+    else:
+        plat = jax.default_backend()
     if plat not in _PLATFORMS:
         raise ValueError(f"platform: JAX's default backend {plat!r} is neither CPU nor CUDA; pass platform=")
     return _PLATFORMS[plat]
@@ -177,7 +188,27 @@ def _make_adapter(fn, order: tuple, n_buffers: int):
     return tvm_ffi.convert(adapter)
 
 
+@functools.lru_cache(maxsize=1024)
+def _module_for(family: str, meta_items: tuple) -> str:
+    """The route's module for host-known metadata (selection is pure: cached per process)."""
+    return dispatch.module_name(family, dict(meta_items))
+
+
+def _route(family: str, call) -> str:
+    return _module_for(family, tuple(sorted(call.route_meta().items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_module_info(module_name: str):
+    """(chunk size, the module or None when it takes no workspace) of a prefill module."""
+    chunk = int(jit.get_record(module_name).get("params", {}).get("CHUNK", 1))
+    module = jit.load_module(module_name)
+    return chunk, (module if module.implements_function("kda_prefill_workspace_bytes") else None)
+
+
+@functools.lru_cache(maxsize=1024)
 def _target(plan: _Plan) -> str:
+    """The registered FFI target serving plan (registered on first use)."""
     order = _abi_order(plan)
     n_buffers = len(plan.operands) + len(plan.results)
     attr_names = tuple(a for a, _ in plan.attrs)
@@ -285,7 +316,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         A_log=_meta("A_log", A_log), dt_bias=_meta("dt_bias", dt_bias), lower_bound=lower_bound,
         gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
         null_slot0=null_slot0, backend=plat)
-    module = dispatch.module_name("kda_decode", call.route_meta())
+    module = _route("kda_decode", call)
     operands = tuple(n for n, x in zip(names, args) if x is not None)
     plan = _Plan(
         family="kda_decode", platform=plat, module=module, operands=operands,
@@ -355,9 +386,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         checkpoint_every=checkpoint_every, checkpoints=_meta("checkpoints", checkpoints),
         max_seqlen=max_seqlen, null_slot0=null_slot0, backend=plat)
     _check_offsets_on_host(cu_seqlens, call.seqlen)
-    rule = dispatch.select_rule("kda_prefill", call.route_meta())
-    module_name = rule["module"]
-    chunk = int(jit.get_record(module_name).get("params", {}).get("CHUNK", 1))
+    module_name = _route("kda_prefill", call)
+    chunk, ws_module = _prefill_module_info(module_name)
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{module_name}, got {call.checkpoint_every}")
@@ -382,9 +412,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         results.append(("checkpoints", (call.num_seqs, call.checkpoint_slots, HV, V, K), sdtype,
                         "checkpoints"))
     graph_safe = _GRAPH_SAFE["kda_prefill"]
-    module = jit.load_module(module_name)
-    if module.implements_function("kda_prefill_workspace_bytes"):
-        need = int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs, HV))
+    if ws_module is not None:
+        need = int(ws_module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs, HV))
         results.append(("workspace", (max(need, 1),), "uint8", None))
         graph_safe = True  # scratch comes from XLA, not from an allocation inside the call
     plan = _Plan(
@@ -432,7 +461,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     call = validation.check_fused_kda_decode(
         *(_meta(n, a) for n, a in zip(names, args)), lower_bound=lower_bound, gate=gate,
         norm_eps=norm_eps, scale=scale, slot_mode=slot_mode, null_slot0=null_slot0, backend=plat)
-    module = dispatch.module_name("fused_kda_decode", call.route_meta())
+    module = _route("fused_kda_decode", call)
     plan = _Plan(
         family="fused_kda_decode", platform=plat, module=module,
         operands=tuple(n for n, a in zip(names, args) if a is not None),

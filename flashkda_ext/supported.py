@@ -10,9 +10,8 @@ import functools
 import json
 from typing import Dict, List, Optional
 
-import jsonschema
-
 from .jit import roots
+from .jit.schema_check import validate
 
 FAMILIES = ("kda_decode", "kda_prefill", "fused_kda_decode")
 BACKENDS = ("cpu", "cuda")
@@ -27,11 +26,10 @@ def _load(root_key: str) -> dict:
         data = json.load(f)
     with open(roots.schema_dir() / "supported.schema.json") as f:
         schema = json.load(f)
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(data),
-                    key=lambda e: list(map(str, e.absolute_path)))
+    errors = validate(schema, data)
     if errors:
         e = errors[0]
-        where = "/".join(map(str, e.absolute_path)) or "(top level)"
+        where = "/".join(map(str, e.path)) or "(top level)"
         raise ValueError(f"{path}: at {where}: {e.message} (rule: {e.validator})")
     return data
 

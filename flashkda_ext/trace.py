@@ -7,7 +7,7 @@ With FLASHKDA_EXT_TRACE_DIR set (read at import; ``refresh()`` reads it again), 
   and fixed property, so one name is one definition), and
 * one line appended to ``<dir>/<definition>.workloads.jsonl``: the var axes, scalars as values,
   tensors as ``random``; integer index tensors (state_indices, cu_seqlens) that already live in
-  host memory are saved to ``<dir>/safetensors/<uuid>.safetensors`` (for CUDA tensors only with
+  host memory are saved to ``<dir>/safetensors/<content hash>.safetensors`` (CUDA tensors only with
   ``save_indices=True`` / FLASHKDA_EXT_TRACE_INDICES=1, since that copy synchronises).
 
 Everything is built from the templates in trace_templates/ (data) and the supported set in
@@ -26,7 +26,7 @@ import struct
 import threading
 import uuid as _uuid
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 from . import paths
 from .trace_consumer import safe_eval
@@ -231,7 +231,10 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
 def facts(op: str, call: Any, inputs: Mapping[str, Any]) -> Dict[str, Any]:
     """Facts of a validated call: the call's fields (authoritative), plus what only the arguments
     say (which optional inputs were given), plus short names for the definition name."""
-    f = dataclasses.asdict(call) if dataclasses.is_dataclass(call) else dict(call)
+    if dataclasses.is_dataclass(call):
+        f = {fld.name: getattr(call, fld.name) for fld in dataclasses.fields(call)}   # asdict is slow
+    else:
+        f = dict(call)
     f["has_A_log"] = inputs.get("A_log") is not None
     f["has_dt_bias"] = inputs.get("dt_bias") is not None
     if op == "kda_prefill":
@@ -268,22 +271,23 @@ def _supported_set(family: str, backend: str) -> Dict[str, Optional[list]]:
     return sup
 
 
-def render_constraints(template: dict, f: Mapping[str, Any]) -> List[str]:
+def render_constraints(template: dict, f: Mapping[str, Any], *, sources: bool = False) -> list:
+    """The definition's constraints; with sources=True, (constraint, supported.json key or None)."""
     sup = _supported_set(template["family"], f["backend"])
     out = []
     for c in template["constraints"]:
         if not _when(c, f):
             continue
         if "expr" in c:
-            out.append(c["expr"])
+            out.append((c["expr"], None))
             continue
         allowed = sup[c["supported"]]
         if allowed is None:          # 'any': nothing to say
             continue
         listed = "(" + ", ".join(repr(x) for x in allowed) + ("," if len(allowed) == 1 else "") + ")"
         subject = c["axis_expr"] if "axis_expr" in c else repr(f[c["fact"]])
-        out.append(f"{subject} in {listed}")
-    return out
+        out.append((f"{subject} in {listed}", c["supported"]))
+    return out if sources else [expr for expr, _ in out]
 
 
 @functools.lru_cache(maxsize=256)
@@ -302,8 +306,56 @@ def _render_reference(op: str, constants: tuple, params: tuple, name: str) -> st
     return "\n".join(lines) + "\n\n\n" + body + "\n\n\n" + run
 
 
+def _names_in(template_part: Any, out: set) -> None:
+    """Fact names a template part reads (expressions and format fields), except var-axis binds and
+    workload scalars, which never change the definition."""
+    import ast
+    import string
+    if isinstance(template_part, dict):
+        for k, v in template_part.items():
+            if k in ("bind", "scalar", "axis_expr") or (k == "expr" and "supported" not in template_part):
+                continue
+            if k in ("when", "value") and isinstance(v, str):
+                out |= {n.id for n in ast.walk(ast.parse(v, mode="eval")) if isinstance(n, ast.Name)}
+            elif k == "fact":
+                out.add(v)
+            else:
+                _names_in(v, out)
+    elif isinstance(template_part, list):
+        for v in template_part:
+            _names_in(v, out)
+    elif isinstance(template_part, str):
+        for _, field, _, _ in string.Formatter().parse(template_part):
+            if field:
+                out.add(field.split(".")[0].split("[")[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _definition_keys(op: str) -> tuple:
+    t = load_template(op)
+    names = {"backend"}                      # picks the supported set
+    _names_in({k: v for k, v in t.items() if k != "reference"}, names)
+    for expr in t["reference"]["constants"].values():
+        _names_in({"when": expr}, names)
+    return tuple(sorted(names))
+
+
+_definitions: Dict[tuple, dict] = {}
+
+
 def build_definition(op: str, f: Mapping[str, Any]) -> dict:
-    """The flashinfer-bench Definition of a call with facts `f` (not validated here)."""
+    """The flashinfer-bench Definition of a call with facts `f` (not validated here). Cached on the
+    facts the template reads for it; the returned dict is shared: do not modify it."""
+    key = (op,) + tuple((k, f.get(k)) for k in _definition_keys(op))
+    d = _definitions.get(key)
+    if d is None:
+        if len(_definitions) > 1024:
+            _definitions.clear()
+        d = _definitions[key] = _build_definition(op, f)
+    return d
+
+
+def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
     t = load_template(op)
     fmt = lambda s: s.format_map(f)  # noqa: E731
     name = "_".join(fmt(p["format"]) for p in t["name"] if _when(p, f))
@@ -355,7 +407,7 @@ def _host_readable(x) -> bool:
     return not torch.cuda.is_current_stream_capturing()   # a copy would break graph capture
 
 
-def _write_safetensors(path: str, tensors: Mapping[str, Any]) -> None:
+def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
     header, blobs, offset = {}, [], 0
     for key, t in tensors.items():
         raw = t.detach().to("cpu").contiguous().numpy().tobytes()
@@ -365,10 +417,22 @@ def _write_safetensors(path: str, tensors: Mapping[str, Any]) -> None:
         offset += len(raw)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-    os.replace(tmp, path)
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def _save_index_tensors(trace_dir: str, tensors: Mapping[str, Any]) -> str:
+    """Content-addressed: a decode loop that reuses its indices writes one file, not one per step."""
+    import hashlib
+    data = _safetensors_bytes(tensors)
+    rel = f"safetensors/{hashlib.sha1(data).hexdigest()[:20]}.safetensors"
+    path = os.path.join(trace_dir, rel)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    return rel
 
 
 def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapping[str, Any],
@@ -389,12 +453,13 @@ def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapp
         elif e.get("index") and trace_dir is not None and inputs.get(name) is not None \
                 and _host_readable(inputs[name]):
             saved[name] = inputs[name]
-            sources[name] = {"type": "safetensors", "path": f"safetensors/{uid}.safetensors", "tensor_key": name}
+            sources[name] = {"type": "safetensors", "path": None, "tensor_key": name}
         else:
             sources[name] = {"type": "random"}
     if saved:
-        os.makedirs(os.path.join(trace_dir, "safetensors"), exist_ok=True)
-        _write_safetensors(os.path.join(trace_dir, "safetensors", f"{uid}.safetensors"), saved)
+        rel = _save_index_tensors(trace_dir, saved)
+        for name in saved:
+            sources[name]["path"] = rel
     return {"definition": definition["name"],
             "workload": {"uuid": uid, "axes": axes, "inputs": sources},
             "solution": None, "evaluation": None}

@@ -46,6 +46,11 @@ def _compile(expr: str):
                              f"(only names, constants, arithmetic, comparisons and boolean logic)")
         if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, str, bool, type(None))):
             raise ValueError(f"expression {expr!r}: constant {node.value!r} is not allowed")
+        if isinstance(node, ast.BinOp) and any(
+                isinstance(x, (ast.Tuple, ast.List)) or (isinstance(x, ast.Constant) and isinstance(x.value, str))
+                for x in (node.left, node.right)):
+            # arithmetic is for numbers: 'x' * 10**9 would be a memory bomb, not a constraint
+            raise ValueError(f"expression {expr!r}: arithmetic on strings or sequences is not allowed")
         if isinstance(node, ast.Name):
             names.add(node.id)
     return compile(tree, "<constraint>", "eval"), frozenset(names)

@@ -48,9 +48,11 @@ def gate_inputs(rnd, gate, lead, HV, K, dtype):
 
 
 def tol(dtype):
-    """(rtol, atol) for a result stored in `dtype` vs the float64 reference."""
-    return {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5),
-            torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}[dtype]
+    """(rtol, atol) for a result stored in `dtype` vs the float64 reference: a little over half an
+    ulp for one rounding to nearest even (so truncation fails), a bit more for bf16, whose state
+    roundings in a chain of steps may land one ulp apart."""
+    return {torch.float64: (1e-10, 1e-10), torch.float32: (2e-6, 1e-6),
+            torch.float16: (6e-4, 1e-5), torch.bfloat16: (6e-3, 1e-4)}[dtype]
 
 
 def assert_close(got, want, dtype, what, seed):
@@ -113,12 +115,13 @@ def test_decode_matches_reference(mods, gate, state_dtype, in_dtype, null_slot0)
                                                    (torch.float32, torch.float64)])
 def test_decode_other_dtypes_and_beta_given(mods, in_dtype, state_dtype):
     rnd = Rand()
-    x = decode_case(rnd, "bounded", in_dtype, rows=5, H=1, HV=3, K=10, V=6, slots=6)
-    x["beta"] = rnd.rand(5, 3, dtype=in_dtype, lo=0.05, hi=0.95)  # beta given directly, not a logit
-    x["A_log"] = None                                               # bounded: A_log optional (= 0)
-    idx = torch.tensor([2, 5, -1, 0, 2], dtype=torch.int32)
+    rows = 24  # enough outputs that a rounding that is not to nearest even shows
+    x = decode_case(rnd, "bounded", in_dtype, rows=rows, H=1, HV=3, K=10, V=6, slots=6)
+    x["beta"] = rnd.rand(rows, 3, dtype=in_dtype, lo=0.05, hi=0.95)  # beta given, not a logit
+    x["A_log"] = None                                                  # bounded: A_log optional (= 0)
+    idx = torch.randint(-2, 6, (rows,), generator=rnd.gen, dtype=torch.int32)
     pool0 = rnd.randn(6, 3, 6, 10, dtype=state_dtype, scale=0.5)
-    pool, out = pool0.clone(), torch.full((5, 3, 6), float("nan"), dtype=in_dtype)
+    pool, out = pool0.clone(), torch.full((rows, 3, 6), float("nan"), dtype=in_dtype)
     call_decode(mods["kda_decode"]["kda_decode"], x, pool, idx, out, "bounded", 0.3, False, False)
     want_out, want_pool = kda_decode_step(**x, state=pool0, state_indices=idx, gate="bounded",
                                           lower_bound=LOWER_BOUND, scale=0.3, beta_is_logit=False)

@@ -143,11 +143,11 @@ def test_eager_call_donates_pool_unless_asked_not_to(gen):
     d = decode_inputs(gen, rows=2, slots=3, gate="log")
     jd = jaxify(d)
     addr = jd["state"].unsafe_buffer_pointer()
-    _, new_state = jax_decode(jd)
+    _, new_state = jax_decode(jd, gate="log")
     assert jd["state"].is_deleted() and new_state.unsafe_buffer_pointer() == addr
 
     jd = jaxify(d)
-    _, kept = jax_decode(jd, donate=False)
+    _, kept = jax_decode(jd, gate="log", donate=False)
     assert not jd["state"].is_deleted()
     assert torch.equal(to_torch(jd["state"]), d["state"])          # the input pool is unchanged
     assert not torch.equal(to_torch(kept), d["state"])
@@ -205,7 +205,10 @@ def test_prefill_dense_with_checkpoints(gen, mode):
     assert torch.equal(to_torch(ck).nan_to_num(), t_ck.nan_to_num())
     torch.testing.assert_close(to_torch(out).double(), r_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(to_torch(final).double(), r_final, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(to_torch(ck).double(), r_ck, rtol=1e-4, atol=1e-4, equal_nan=True)
+    # the op sizes C from T (max_seqlen unknown), the reference from the longest sequence
+    c = r_ck.shape[1]
+    torch.testing.assert_close(to_torch(ck)[:, :c].double(), r_ck, rtol=1e-4, atol=1e-4, equal_nan=True)
+    assert to_torch(ck)[:, c:].isnan().all()
     assert not torch.equal(to_torch(jrest["initial_state"]), t_final)   # dense: initial untouched
 
 
@@ -373,3 +376,36 @@ def test_import_error_names_what_to_install(monkeypatch):
         importlib.import_module("flashkda_ext.jax")
     msg = str(info.value)
     assert "jax-tvm-ffi" in msg and "pip install" in msg and "flashkda_ext[jax]" in msg
+
+
+def test_platform_selects_the_backend_rules(gen):
+    """platform= picks the backend whose supported set validates the call: K = 16 is fine on the
+    CPU backend and refused by the CUDA one (head dim 128 only) before anything is built."""
+    jd = jaxify(decode_inputs(gen, rows=2, slots=3, gate="softplus"))
+    del jd["lower_bound"]
+    with pytest.raises(ValueError, match="head dim K = 16"):
+        jax_decode(jd, platform="cuda")
+    assert not jd["state"].is_deleted()
+    with jax.default_device(jax.devices("cpu")[0]):
+        out, _ = jax.jit(lambda a: jax_decode(a))({n: x for n, x in jd.items()})
+    assert out.shape == (2, HV, V)
+
+
+def test_compiled_program_copies_the_pool_only_without_donation(gen):
+    """The FFI call aliases the pool: with donation XLA compiles no copy of it; without donation
+    (the input must survive) exactly one copy of the pool appears."""
+    d = decode_inputs(gen, rows=3, slots=6, gate="softplus")
+    jd = jaxify(d)
+    consts = {n: jd[n] for n in ("state_indices", "A_log", "dt_bias")}
+
+    def f(pool, q, k, v, g, beta):
+        return kj.kda_decode(q, k, v, g, beta, state=pool, **consts)
+
+    args = [jd[n] for n in ("state", "q", "k", "v", "g", "beta")]
+    pool_type = f"f32[6,{HV},{V},{K}]"
+    copies = {}
+    for donate in ((0,), ()):
+        hlo = jax.jit(f, donate_argnums=donate).lower(*args).compile().as_text()
+        assert "custom-call" in hlo
+        copies[donate] = sum(1 for line in hlo.splitlines() if f"= {pool_type}" in line and " copy(" in line)
+    assert copies == {(0,): 0, (): 1}

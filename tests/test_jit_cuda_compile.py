@@ -1,6 +1,5 @@
 """Compile-only of a small CUDA module from its spec with the local nvcc (no GPU needed): the
 -gencode target, the saved -Xptxas -v report and the resource check on it."""
-import shutil
 
 import pytest
 

@@ -180,3 +180,35 @@ def test_data_root_env(tmp_path, monkeypatch):
     root = testing.make_tree(tmp_path)
     monkeypatch.setenv("FLASHKDA_EXT_DATA_ROOT", str(root))
     assert [r["name"] for r in all_records()] == ["toy_cpu"]
+
+
+_BAD_RECORDS = [{"threads": None}, {"backend": "tpu"}, {"params": {"tile": 1.5}}, {"extra": 1},
+                {"cluster": [1, 1]}, {"threads": 0}, {"name": "Bad-Name"}, {"arches": []},
+                {"sources": ["a.cc", "a.cc"]}, {"slot_offset_bits": 16}, {"aot": 1},
+                {"params": {"1x": 2}}, {"description": ""}]
+
+
+@pytest.mark.parametrize("change", _BAD_RECORDS, ids=[next(iter(c)) + str(i) for i, c in
+                                                       enumerate(_BAD_RECORDS)])
+def test_builtin_schema_checker_agrees_with_jsonschema(change):
+    # the fallback used where jsonschema is not installed must give the same verdicts
+    from flashkda_ext.jit.schema_check import validate
+    schema = json.loads((paths.jit_dir() / "schema" / "modules.schema.json").read_text())
+    rec = testing.cpu_record(**change)
+    rec = {k: v for k, v in rec.items() if v is not None}
+    doc = {"description": "d", "modules": [rec]}
+    ref = validate(schema, doc, use_jsonschema=True)
+    mine = validate(schema, doc, use_jsonschema=False)
+    assert ref and [(p.path, p.validator) for p in mine] == [(p.path, p.validator) for p in ref]
+    assert mine[0].message == ref[0].message
+    good = {"description": "d", "modules": [testing.cpu_record()]}
+    assert validate(schema, good, use_jsonschema=False) == []
+
+
+def test_builtin_schema_checker_accepts_repository_files():
+    from flashkda_ext.jit.schema_check import validate
+    for kind, pattern in (("modules", "modules/*.json"), ("routes", "routes/*.json"),
+                          ("supported", "supported.json")):
+        schema = json.loads((paths.jit_dir() / "schema" / f"{kind}.schema.json").read_text())
+        for p in sorted(paths.jit_dir().glob(pattern)):
+            assert validate(schema, json.loads(p.read_text()), use_jsonschema=False) == [], p

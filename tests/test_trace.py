@@ -33,7 +33,7 @@ def _gate_args(gate, HV, K, gen, flat_dt=True):
 
 
 def decode_case(*, H=2, HV=4, K=8, V=6, rows=5, slots=7, dtype=torch.float32, state_dtype=torch.float32,
-                gate="softplus", slot_mode="unique", null_slot0=False, beta_is_logit=True, seed=0):
+                gate="softplus", slot_mode="unique", null_slot0=False, beta_is_logit=True, bare=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
     g = r(rows, HV, K)
@@ -45,6 +45,8 @@ def decode_case(*, H=2, HV=4, K=8, V=6, rows=5, slots=7, dtype=torch.float32, st
              state=(torch.randn(slots, HV, V, K, generator=gen) * 0.1).to(state_dtype),
              state_indices=torch.tensor(idx, dtype=torch.int32), slot_mode=slot_mode,
              null_slot0=null_slot0, beta_is_logit=beta_is_logit, **_gate_args(gate, HV, K, gen))
+    if bare:                        # the bounded gate's A_log and dt_bias are optional
+        del a["A_log"], a["dt_bias"]
     return a
 
 
@@ -104,6 +106,7 @@ VARIANTS = [
     ("kda_decode", {"gate": "log", "slot_mode": "repeated", "state_dtype": torch.bfloat16}),
     ("kda_decode", {"H": 4, "HV": 4, "K": 6, "V": 6, "null_slot0": True, "slot_mode": "padded"}),
     ("kda_decode", {"beta_is_logit": False, "dtype": torch.float16}),
+    ("kda_decode", {"gate": "bounded", "bare": True}),
     ("kda_prefill", {}),
     ("kda_prefill", {"mode": "pool", "gate": "bounded"}),
     ("kda_prefill", {"mode": "pool", "null_slot0": True, "final": False}),
@@ -267,6 +270,9 @@ def test_emitted_definition_and_workload_validate(op, kw, tmp_path):
     assert trace_consumer.bind_axes(d, shapes) == {
         a: v for a, v in lines[0]["workload"]["axes"].items()
         if any(a in (s["shape"] or []) for s in d["inputs"].values())}
+    # every axis is used by some tensor (so the workload can bind it)
+    used = {a for spec in {**d["inputs"], **d["outputs"]}.values() for a in spec["shape"] or []}
+    assert used == set(d["axes"])
     # const axes are in the name; in-place outputs are marked
     for axis in ("num_heads", "head_dim_k", "head_dim"):
         if axis in d["axes"]:
@@ -337,6 +343,21 @@ def test_names_identify_definitions(tmp_path):
     bodies = list(seen.values())
     assert len(set(bodies)) == len(bodies)
     assert "kda_decode_h2_hv4_dk8_dv6_f32state_f32in_cpu" in seen
+
+
+def test_definition_cache_is_keyed_on_everything_the_template_reads():
+    for op, kw in VARIANTS:
+        args = CASE[op](**kw)
+        f = trace.facts(op, CHECK[op](**args), args)
+        assert trace.build_definition(op, f) == trace._build_definition(op, f)
+        # var-axis facts and workload scalars do not change the definition ...
+        g = dict(f, rows=99, slots=98, seqlen=97, scale=0.5, lower_bound=-1.5)
+        assert trace.build_definition(op, g) is trace.build_definition(op, f)
+        # ... every other fact the template reads does
+        for key in trace._definition_keys(op):
+            assert key in f, (op, key)
+        h = dict(f, gate="log" if f["gate"] != "log" else "bounded")
+        assert trace.build_definition(op, h)["name"] != trace.build_definition(op, f)["name"]
 
 
 def test_example_name_shape():
@@ -446,18 +467,18 @@ def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatc
     trace.validate_workload_line(line, d)
 
 
-def _cpu_backend_works():
+def _has_routes(op):
     try:
-        flashkda_ext.kda_decode(**decode_case())
+        ops.jit.routes_for(op)
         return True
-    except (KeyError, FileNotFoundError):
+    except KeyError:
         return False
 
 
 @pytest.mark.parametrize("op,kw", VARIANTS, ids=IDS)
 def test_public_ops_traced_on_cpu_identical_results(op, kw, tmp_path):
-    if not _cpu_backend_works():
-        pytest.skip("CPU backend routes/modules not in this tree yet")
+    if not _has_routes(op):
+        pytest.skip(f"no jit/routes/{op}.json in this tree yet")
     fn = getattr(flashkda_ext, op)
     plain_args, traced_args = CASE[op](**kw), CASE[op](**kw)
     plain = fn(**plain_args)
@@ -501,7 +522,9 @@ def test_consumer_checks_calls_and_replays_workloads(tmp_path):
             assert list(x.shape) == [axes[a] for a in spec["shape"]], (name, oname)
         # regenerated inputs are calls the op's validation accepts
         op = next(o for o in trace.OPS if name.startswith(o))
-        kw = {n: v for n, v in inputs.items() if n != "checkpoint_every"} if op != "kda_prefill" else dict(inputs)
+        kw = {n: v for n, v in inputs.items() if n != "checkpoint_slots"}
+        if op == "fused_kda_decode":
+            kw.setdefault("A_log", None), kw.setdefault("dt_bias", None)
         if "slot_mode:repeated" in d["tags"]:
             kw["slot_mode"] = "repeated"
         elif "slot_mode:padded" in d["tags"]:
@@ -525,7 +548,8 @@ def test_consumer_flags_violations_and_refuses_code(tmp_path):
     with pytest.raises(ValueError):
         trace_consumer.check_call(d, {k: v for k, v in axes.items() if k != "batch"})
     for evil in ("__import__('os').system('true')", "().__class__", "[x for x in (1,)]",
-                 "open('f')", "rows ** 10 ** 10"):
+                 "open('f')", "rows ** 10 ** 10", "'x' * 1000000000", "(1,) * 1000000000",
+                 "rows.__class__", "{'a': 1}['a']"):
         with pytest.raises(ValueError):
             trace_consumer.safe_eval(evil, {"rows": 1})
     assert trace_consumer.safe_eval("rows in (1, 2) and not x", {"rows": 2, "x": False}) is True
@@ -535,3 +559,57 @@ def test_consumer_cli(tmp_path, capsys):
     traced("fused_kda_decode", fused_case(), tmp_path)
     assert trace_consumer.main([str(tmp_path), "--run-reference"]) == 0
     assert "reference ran" in capsys.readouterr().out
+
+
+def test_device_index_tensors_are_not_copied_by_default(tmp_path):
+    """Only host-resident index tensors are saved; others (here: meta, on a GPU: cuda) stay random."""
+    q = torch.empty(2, 2, 8, device="meta")
+    args = dict(q=q, k=q, v=q, g=q, beta=torch.empty(2, 2, device="meta"), state=torch.empty(3, 2, 8, 8, device="meta"),
+                state_indices=torch.empty(2, dtype=torch.int32, device="meta"), A_log=torch.empty(2, device="meta"),
+                dt_bias=torch.empty(16, device="meta"))
+    call = validation.check_kda_decode(**args, backend="cpu")
+    with trace.tracing(tmp_path, save_indices=True):
+        name = trace.emit("kda_decode", call, args)
+    line = json.loads((tmp_path / f"{name}.workloads.jsonl").read_text())
+    assert line["workload"]["inputs"]["state_indices"] == {"type": "random"}
+    assert not (tmp_path / "safetensors").exists()
+
+
+def test_host_index_tensors_are_saved_once_per_content(tmp_path):
+    args = decode_case(slot_mode="padded")
+    call = CHECK["kda_decode"](**args)
+    with trace.tracing(tmp_path):
+        for _ in range(3):
+            name = trace.emit("kda_decode", call, args)
+        other = dict(args, state_indices=torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32))
+        trace.emit("kda_decode", CHECK["kda_decode"](**other), other)
+    lines = [json.loads(s) for s in (tmp_path / f"{name}.workloads.jsonl").read_text().splitlines()]
+    paths = [ln["workload"]["inputs"]["state_indices"]["path"] for ln in lines]
+    assert len(set(paths[:3])) == 1 and paths[3] != paths[0]
+    assert len(list((tmp_path / "safetensors").iterdir())) == 2
+    got = trace_consumer.read_safetensors(str(tmp_path / paths[3]), "state_indices")
+    assert torch.equal(got, other["state_indices"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_index_tensors_saved_only_when_asked_and_never_during_capture(tmp_path):
+    dev = "cuda"
+    args = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in decode_case(slot_mode="padded").items()}
+    call = validation.check_kda_decode(**args, backend="cpu")   # emission only: no kernel needed
+    with trace.tracing(tmp_path / "off"):
+        name = trace.emit("kda_decode", call, args)
+    line = json.loads((tmp_path / "off" / f"{name}.workloads.jsonl").read_text())
+    assert line["workload"]["inputs"]["state_indices"] == {"type": "random"}
+    with trace.tracing(tmp_path / "on", save_indices=True):
+        trace.emit("kda_decode", call, args)
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.simplefilter("error")                   # no failure, so no warning
+            with torch.cuda.graph(graph, stream=stream):
+                trace.emit("kda_decode", call, args)
+                args["out"] = args["q"].new_zeros(1)         # something to capture
+    lines = [json.loads(s) for s in (tmp_path / "on" / f"{name}.workloads.jsonl").read_text().splitlines()]
+    assert lines[0]["workload"]["inputs"]["state_indices"]["type"] == "safetensors"
+    assert lines[1]["workload"]["inputs"]["state_indices"] == {"type": "random"}

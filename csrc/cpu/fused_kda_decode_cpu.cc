@@ -34,11 +34,11 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.head_dims(D, D);
   c.heads(H, H);
   c.shape(x, "x", {{"rows", rows}, {"3*H*D", C}});
-  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"4", kConvWidth}});
+  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
   c.ndim(state, "state", 4, "[slots, H, D, D]");
   const int64_t slots = state.size(0);
   c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
-  c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"3", kConvWidth - 1}});
+  c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}});
   c.shape(beta, "beta", {{"rows", rows}, {"H", H}});
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.shape(output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}});
@@ -51,7 +51,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.same_dtype_as(output_gate, "output_gate", x, "x");
   c.same_dtype_as(conv_state, "conv_state", x, "x");
   c.same_dtype_as(out, "out", x, "x");
-  if (!fkda::same_dtype(conv_weight.dtype(), fkda::kF32)) c.same_dtype_as(conv_weight, "conv_weight", x, "x");
+  c.dtype(conv_weight, "conv_weight", {x.dtype(), fkda::kF32});  // x's dtype or float32
   c.dtype(norm_weight, "norm_weight", {fkda::kF32});
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});

@@ -26,6 +26,7 @@ using StateT = float;
 #endif
 
 int g_vt_override = 0;  // set by kda_prefill_tune (benchmarks only); 0 = module default
+int g_skip = 0;         // benchmarks only: bit 0 skips the prep kernel, bit 1 the state pass
 
 #define FKDA_CUDA_OK(expr, fn)                                                             \
   do {                                                                                     \
@@ -52,8 +53,8 @@ int pick_vt(int64_t N, int64_t HV) {
   if (vt) return vt;
   // Enough CTAs for 132 SMs first; then wider tiles (fewer repeated K-side loads).
   const int64_t items = N * HV;
-  if (items * 8 <= 264) return 16;
-  if (items * 4 <= 264) return 32;
+  if (items <= 16) return 16;
+  if (items <= 40) return 32;
   return 64;
 }
 
@@ -161,7 +162,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   }
 
   const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
-  if (T > 0) {
+  if (T > 0 && !(g_skip & 1)) {
     fkda_prefill::PrepArgs pa;
     pa.q = data_ptr<bf16>(q);
     pa.k = data_ptr<bf16>(k);
@@ -207,7 +208,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.ckpt_count = ckpt_count;
   sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
   sa.out = data_ptr<bf16>(out);
-  switch (pick_vt(N, HV)) {
+  if (!(g_skip & 2)) switch (pick_vt(N, HV)) {
     case 16: launch_state<16>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
     case 32: launch_state<32>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
     default: launch_state<64>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
@@ -228,9 +229,17 @@ int64_t kda_prefill_tune(int64_t vt) {
   return old;
 }
 
+// Benchmarks only: time the two kernels apart (bit 0 skips prep, bit 1 the state pass).
+int64_t kda_prefill_skip(int64_t mask) {
+  const int64_t old = g_skip;
+  g_skip = static_cast<int>(mask & 3);
+  return old;
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_tune, kda_prefill_tune);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_skip, kda_prefill_skip);
 FKDA_EXPORT_CONTRACT();

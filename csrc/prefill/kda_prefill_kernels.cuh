@@ -1,6 +1,6 @@
 // KDA prefill on sm_90a: the chunked (WY / UT) form of docs DESIGN.md 2b, in two kernels.
 //
-//   kda_prep_kernel   grid (chunk slots, HV), 256 threads. Everything that is independent across
+//   kda_prep_kernel   grid (chunk slots, HV), 512 threads. Everything that is independent across
 //                     chunks: gate + cumsum, l2norm, L and Aqk, T = (I+L)^-1 Diag(beta), W, U,
 //                     Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
 //   kda_state_kernel  grid (V tiles, HV, N), 128 threads. The ordered part: the fp32 state tile
@@ -54,7 +54,7 @@ inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t v
 }
 
 // ---- prep kernel shared memory map (bytes) -----------------------------------------------------
-constexpr int kPrepThreads = 256;
+constexpr int kPrepThreads = 512;
 constexpr int kOffG = 0;                              // fp32 [64][kLdG]; later the W|U staging
 constexpr int kOffQ = kOffG + kC * kLdG * 4;          // bf16 [64][kLdB] scaled l2norm q
 constexpr int kOffK = kOffQ + kC * kLdB * 2;          // bf16 [64][kLdB] l2norm k
@@ -65,8 +65,8 @@ constexpr int kOffX = kOffA + kC * kLdM * 4;          // fp32 [64][kLdM] (I+L)^-
 constexpr int kOffP = kOffX + kC * kLdM * 4;          // fp32 [16][kLdP]
 constexpr int kOffXb = kOffP + 16 * kLdP * 4;         // bf16 [64][kLdX]
 constexpr int kOffBeta = kOffXb + kC * kLdX * 2;      // fp32 [64]
-constexpr int kOffTot = kOffBeta + kC * 4;            // fp32 [128]
-constexpr int kOffR1 = kOffTot + kK * 4;              // off-diagonal operands, later [64][kLdOp]
+constexpr int kOffTot = kOffBeta + kC * 4;            // fp32 [4][128] partial gate sums
+constexpr int kOffR1 = kOffTot + 4 * kK * 4;             // off-diagonal operands, later [64][kLdOp]
 constexpr int kPrepSmem = kOffR1 + 192 * kLdB * 2;
 static_assert(kOffR1 % 16 == 0 && kOffXb % 16 == 0 && kOffQ % 16 == 0, "16 B alignment");
 static_assert(64 * kLdOp * 2 <= 192 * kLdB * 2, "Bop fits the operand region");
@@ -75,6 +75,8 @@ static_assert(64 * kLdOp * 2 <= kC * kLdG * 4, "W|U staging fits the G region");
 // ---- state kernel shared memory map --------------------------------------------------------------
 template <int VT>
 struct StateSmem {
+  // Ring depth: chunk c+NS-1 is loading while chunk c is used (3 deep where shared memory allows).
+  static constexpr int NS = VT <= 32 ? 3 : 2;
   static constexpr int kLdU = VT + 8;
   static constexpr int kW = 0;
   static constexpr int kQg = kW + kC * kLdB * 2;
@@ -83,7 +85,7 @@ struct StateSmem {
   static constexpr int kU = kA + kC * kLdX * 2;
   static constexpr int kGc = kU + kC * kLdU * 2;
   static constexpr int kStage = kGc + kK * 4;
-  static constexpr int kSb = 2 * kStage;          // bf16 [128][kLdU] state for the B operand
+  static constexpr int kSb = NS * kStage;          // bf16 [128][kLdU] state for the B operand
   static constexpr int kVp = kSb + kK * kLdU * 2;  // bf16 [64][kLdU] V'
   static constexpr int kTotal = kVp + kC * kLdU * 2;
   static_assert(kStage % 16 == 0 && kU % 16 == 0 && kGc % 16 == 0, "16 B alignment");
@@ -120,8 +122,9 @@ __device__ __forceinline__ void cp_async16(void* s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Fragment loaders (mma m16n8k16 layouts). A 16x16 tile from a row-major [m][k] array:
@@ -230,9 +233,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
   const int HV = a.HV;
 
   // ---- 1. loads: q, k (l2norm), v, beta, gate + cumsum. Rows >= nt are zeros (g = 0: no decay).
-#pragma unroll 2
-  for (int rr = 0; rr < 8; ++rr) {
-    const int r = warp * 8 + rr;
+#pragma unroll
+  for (int rr = 0; rr < 4; ++rr) {
+    const int r = warp * 4 + rr;
     float qf[4] = {0.f, 0.f, 0.f, 0.f}, kf[4] = {0.f, 0.f, 0.f, 0.f};
     if (r < nt) {
       const size_t off = (size_t(t0 + r) * a.H + hk) * kK + lane * 4;
@@ -263,7 +266,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
     *reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4) = ko;
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 2; ++i) {
     const int idx = tid + i * kPrepThreads, r = idx >> 4, c8 = (idx & 15) * 8;
     uint4 u = make_uint4(0, 0, 0, 0);
     if (r < nt) u = *reinterpret_cast<const uint4*>(a.v + (size_t(t0 + r) * HV + hv) * kV + c8);
@@ -278,15 +281,15 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
     betas[tid] = b;
   }
   {
-    const int d = tid & (kK - 1), half = tid >> 7;
+    const int d = tid & (kK - 1), qtr = tid >> 7;
     const float dtb = a.dt_bias ? a.dt_bias[hv * kK + d] : 0.f;
     const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
     constexpr float kLog2e = 1.4426950408889634f;
-    float gl[32];
+    float gl[16];
     float run = 0.f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int r = half * 32 + i;
+    for (int i = 0; i < 16; ++i) {
+      const int r = qtr * 16 + i;
       float val = 0.f;
       if (r < nt) {
         const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
@@ -303,25 +306,26 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
       run += val * kLog2e;
       gl[i] = run;
     }
-    if (half == 0) tot[d] = run;
+    tot[qtr * kK + d] = run;
     __syncthreads();
-    const float base = half ? tot[d] : 0.f;
+    float base = 0.f;
+    for (int j = 0; j < qtr; ++j) base += tot[j * kK + d];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) Gs[(half * 32 + i) * kLdG + d] = gl[i] + base;
+    for (int i = 0; i < 16; ++i) Gs[(qtr * 16 + i) * kLdG + d] = gl[i] + base;
   }
   __syncthreads();
 
   // ---- 2a. diagonal 16x16 blocks of L and Aqk, elementwise in fp32.
   {
-    const int blk = tid >> 6, il = (tid >> 2) & 15, dq = tid & 3;
-    const int jmax = (warp & 1) * 8 + 7;  // the largest row of this warp: warp-uniform loop bound
+    const int blk = tid >> 7, il = (tid >> 3) & 15, dq = tid & 7;
+    const int jmax = (warp & 3) * 4 + 3;  // the largest row of this warp: warp-uniform loop bound
     const int i = blk * 16 + il;
     float sL[16], sA[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) { sL[j] = 0.f; sA[j] = 0.f; }
 #pragma unroll 1
-    for (int dc = 0; dc < 4; ++dc) {
-      const int d0 = dq * 32 + dc * 8;
+    for (int dc = 0; dc < 2; ++dc) {
+      const int d0 = dq * 16 + dc * 8;
       float qi[8], ki[8], gi[8];
       unpack8(*reinterpret_cast<const uint4*>(Qs + i * kLdB + d0), qi);
       unpack8(*reinterpret_cast<const uint4*>(Ks + i * kLdB + d0), ki);
@@ -343,9 +347,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
           if (jj <= il) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-              const float ex = ex2(gi[e] - gj[e]);
-              sL[jj] = fmaf(ki[e] * kj[e], ex, sL[jj]);
-              sA[jj] = fmaf(qi[e] * kj[e], ex, sA[jj]);
+              const float kx = kj[e] * ex2(gi[e] - gj[e]);
+              sL[jj] = fmaf(ki[e], kx, sL[jj]);
+              sA[jj] = fmaf(qi[e], kx, sA[jj]);
             }
           }
         }
@@ -353,10 +357,13 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
     }
 #pragma unroll
     for (int jj = 0; jj < 16; ++jj) {
-      sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 1);
-      sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 2);
-      sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 1);
-      sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 2);
+      if (jj <= jmax) {  // warp-uniform
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+          sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], o);
+          sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], o);
+        }
+      }
     }
     if (dq == 0) {
       const float bi = betas[i];
@@ -400,7 +407,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
   __syncthreads();
 
   // ---- 2c. strictly-lower blocks on tensor cores: 12 tasks of 16x16 (I, k-or-q, column block).
-  for (int t = warp; t < 12; t += 8) {
+  for (int t = warp; t < 12; t += kPrepThreads / 32) {
     int I, rem;
     if (t < 2) { I = 1; rem = t; } else if (t < 6) { I = 2; rem = t - 2; } else { I = 3; rem = t - 6; }
     const int mt = rem / I, nb = rem % I;
@@ -449,22 +456,39 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
     for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
   }
   __syncthreads();
-#pragma unroll 1
+#pragma unroll
   for (int I = 1; I < 4; ++I) {
-    for (int e = tid; e < I * 256; e += kPrepThreads) {
-      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const float* lr = Lm + (I * 16 + r) * kLdM;
-      float s = 0.f;
-      for (int kk = J * 16; kk < I * 16; ++kk) s = fmaf(lr[kk], Xm[kk * kLdM + J * 16 + cc], s);
-      Pt[r * kLdP + J * 16 + cc] = s;
+    // P_IJ = sum_{K=J}^{I-1} L_IK X_KJ, then X_IJ = -X_II P_IJ (X_II's upper triangle is 0).
+#pragma unroll
+    for (int rep = 0; rep < (I * 256 + kPrepThreads - 1) / kPrepThreads; ++rep) {
+      const int e = tid + rep * kPrepThreads;
+      if (e < I * 256) {
+        const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+        const float* lr = Lm + (I * 16 + r) * kLdM;
+        float s = 0.f;
+#pragma unroll
+        for (int KB = 0; KB < I; ++KB) {
+          if (KB >= J) {
+#pragma unroll
+            for (int kk = 0; kk < 16; ++kk)
+              s = fmaf(lr[KB * 16 + kk], Xm[(KB * 16 + kk) * kLdM + J * 16 + cc], s);
+          }
+        }
+        Pt[r * kLdP + J * 16 + cc] = s;
+      }
     }
     __syncthreads();
-    for (int e = tid; e < I * 256; e += kPrepThreads) {
-      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
-      float s = 0.f;
-      for (int m = 0; m <= r; ++m) s = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s);
-      Xm[(I * 16 + r) * kLdM + J * 16 + cc] = s;
+#pragma unroll
+    for (int rep = 0; rep < (I * 256 + kPrepThreads - 1) / kPrepThreads; ++rep) {
+      const int e = tid + rep * kPrepThreads;
+      if (e < I * 256) {
+        const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+        const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
+        float s = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) s = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s);
+        Xm[(I * 16 + r) * kLdM + J * 16 + cc] = s;
+      }
     }
     __syncthreads();
   }
@@ -516,25 +540,25 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
 
   // ---- 5. [W | U] = X [beta exp(G) K | beta V]; X is lower triangular: k-steps 0..mt.
   {
-    const int mt = warp & 3, nh = warp >> 2;
-    float acc[16][4];
+    const int mt = warp & 3, nq = warp >> 2;
+    float acc[8][4];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     for (int ks = 0; ks <= mt; ++ks) {
       uint32_t af[4];
       load_a(af, Xb, kLdX, mt * 16, ks * 16, lane);
 #pragma unroll
-      for (int np = 0; np < 8; ++np) {
+      for (int np = 0; np < 4; ++np) {
         uint32_t bfr[4];
-        load_b_kn(bfr, Bop, kLdOp, ks * 16, nh * kK + np * 16, lane);
+        load_b_kn(bfr, Bop, kLdOp, ks * 16, nq * 64 + np * 16, lane);
         mma_bf16(acc[2 * np], af, bfr);
         mma_bf16(acc[2 * np + 1], af, bfr + 2);
       }
     }
     const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
-    for (int nn = 0; nn < 16; ++nn) {
-      const int col = nh * kK + nn * 8 + 2 * tq;
+    for (int nn = 0; nn < 8; ++nn) {
+      const int col = nq * 64 + nn * 8 + 2 * tq;
       *reinterpret_cast<uint32_t*>(Ost + (mt * 16 + g) * kLdOp + col) =
           pack_bf16(acc[nn][0], acc[nn][1]);
       *reinterpret_cast<uint32_t*>(Ost + (mt * 16 + g + 8) * kLdOp + col) =
@@ -612,7 +636,6 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
                ws + kWsU + size_t(r) * kV * 2 + size_t(vt) * VT * 2 + c * 16);
   }
   if (tid < kK / 4) cp_async16(st + SM::kGc + tid * 16, ws + kWsGc + tid * 16);
-  cp_async_commit();
 }
 
 template <int VT, typename ST>
@@ -659,8 +682,13 @@ __global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
   }
 
+  constexpr int NS = SM::NS;
   if (nch > 0) {
-    issue_chunk<VT>(smem, a.ws + (size_t(base) * HV + hv) * kSlotBytes, vt, tid);
+#pragma unroll
+    for (int i = 0; i < NS - 1; ++i) {
+      if (i < nch) issue_chunk<VT>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt, tid);
+      cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
+    }
     // The bf16 copy of the state that feeds the B operand of V' = U - W S and O = Qg S.
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -672,13 +700,19 @@ __global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
               pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
   }
 
+  int stage = 0;
   for (int64_t c = 0; c < nch; ++c) {
-    uint8_t* st = smem + (c & 1) * SM::kStage;
-    cp_async_wait_all();
+    uint8_t* st = smem + stage * SM::kStage;
+    cp_async_wait<NS - 2>();
     __syncthreads();  // chunk c visible; every warp is done with chunk c-1 (its stage is free)
-    if (c + 1 < nch)
-      issue_chunk<VT>(smem + ((c + 1) & 1) * SM::kStage,
-                      a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid);
+    {
+      const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
+      if (c + NS - 1 < nch)
+        issue_chunk<VT>(smem + ns * SM::kStage,
+                        a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid);
+      cp_async_commit();
+    }
+    stage = stage + 1 == NS ? 0 : stage + 1;
     const bf16* Ws = reinterpret_cast<const bf16*>(st + SM::kW);
     const bf16* Qg = reinterpret_cast<const bf16*>(st + SM::kQg);
     const bf16* Kd = reinterpret_cast<const bf16*>(st + SM::kKd);

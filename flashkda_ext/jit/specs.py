@@ -15,12 +15,11 @@ import math
 import os
 import string
 from pathlib import Path
-from typing import Dict, List, Optional
-
-import jsonschema
+from typing import Dict, List
 
 from . import roots
 from .errors import SpecError
+from .schema_check import validate
 from .toolchain import FORBIDDEN_FLAG_PREFIXES
 
 # Host-known route metadata per family (docs/architecture.md, "Routes").
@@ -43,9 +42,9 @@ MAX_THREADS_PER_SM = 2048
 
 
 @functools.lru_cache(maxsize=4)
-def _schema(kind: str) -> jsonschema.Draft202012Validator:
+def _schema(kind: str) -> dict:
     with open(roots.schema_dir() / f"{kind}.schema.json") as f:
-        return jsonschema.Draft202012Validator(json.load(f))
+        return json.load(f)
 
 
 def _read_json(path: Path):
@@ -57,11 +56,11 @@ def _read_json(path: Path):
 
 
 def _schema_check(kind: str, path: Path, data, list_key: str) -> None:
-    errors = sorted(_schema(kind).iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = validate(_schema(kind), data)
     if not errors:
         return
     e = errors[0]
-    p = list(e.absolute_path)
+    p = list(e.path)
     record = None
     field = p
     if len(p) >= 2 and p[0] == list_key and isinstance(p[1], int):

@@ -131,11 +131,13 @@ def bits(t):
 
 
 def check_against_reference(name, rows, H, HV, gate, slot_mode, seed, slots=64, null_slot0=False,
-                            beta_is_logit=True):
+                            beta_is_logit=True, gate_params=True):
     rec = next(r for r in RECORDS if r["name"] == name)
     sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, gate, gen)
+    if gate == "log" or not gate_params:  # log takes neither; bounded may omit both (= 0)
+        A_log = dt_bias = None
     if not beta_is_logit:
         beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
     pool = make_pool(slots, HV, sdt, gen)
@@ -154,7 +156,7 @@ def check_against_reference(name, rows, H, HV, gate, slot_mode, seed, slots=64, 
     ref_out, ref_states = reference(q, k, v, g, beta, A_log, dt_bias, pool, idx.cpu(), gate,
                                     beta_is_logit=beta_is_logit, null_slot0=null_slot0,
                                     sequential=(slot_mode == "repeated"))
-    call(name, q, k, v, g, beta, A_log, dt_bias if gate != "log" else None, pool, idx, out, gate,
+    call(name, q, k, v, g, beta, A_log, dt_bias, pool, idx, out, gate,
          beta_is_logit=beta_is_logit, null_slot0=null_slot0)
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all(), "output not fully written"
@@ -185,6 +187,7 @@ SEQ = [r["name"] for r in RECORDS if r["abi"] == "sequential"]
     dict(rows=13, H=4, HV=16, gate="bounded", slot_mode="padded"),
     dict(rows=40, H=16, HV=16, gate="log", slot_mode="unique", beta_is_logit=False),
     dict(rows=9, H=2, HV=8, gate="softplus", slot_mode="padded", null_slot0=True),
+    dict(rows=5, H=1, HV=32, gate="bounded", slot_mode="unique", gate_params=False),
 ])
 def test_matches_reference(name, case):
     case = dict(case)

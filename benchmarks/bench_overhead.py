@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Host overhead of the public ops: validation + routing, and trace emission when enabled.
+
+Arms per case, same inputs, interleaved A B B A (harness.py):
+
+  direct   the module's TVM-FFI function called with prepared arguments (no validation, no routing)
+  op       the public op (flashkda_ext.kda_decode / fused_kda_decode / kda_prefill), tracing off
+  traced   the public op inside flashkda_ext.trace.tracing(dir): definition once, a workload line
+           per call (what FLASHKDA_EXT_TRACE_DIR costs a serving loop)
+
+The interesting numbers are differences of wall time (host-inclusive): op - direct is the price of
+validation and dispatch, traced - op the price of tracing. Speedups are quoted against "op", so the
+"direct" column reads as op/direct and "traced" as op/traced (below 1: slower than the op).
+Runs on a CPU (the CPU backend) as well as on a GPU (small shapes: overhead dominates).
+
+    python benchmarks/bench_overhead.py [--quick] [--dry-run]
+
+(benchmarks/bench_trace_overhead.py times the disabled-tracing check itself against its 1 us budget;
+benchmarks/bench_jax_overhead.py the JAX front end.)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_args(p)
+    p.add_argument("--name", default="host_overhead")
+    return p.parse_args(argv)
+
+
+def _flat(x):
+    return None if x is None else x.reshape(-1)
+
+
+def decode_case(rows, H, D, cfg, gen, trace_dir):
+    import flashkda_ext as fk
+    from flashkda_ext import dispatch, trace, validation
+
+    dev = torch.device(cfg.device)
+    dt = torch.bfloat16
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype=dt, device=dev)  # noqa: E731
+    q, k, v, g, beta = r(rows, H, D), r(rows, H, D), r(rows, H, D), r(rows, H, D), r(rows, H)
+    A_log = torch.randn(H, generator=gen).to(dev)
+    dt_bias = torch.randn(H * D, generator=gen).to(dev)
+    slots = max(64, 2 * rows)
+    state = (torch.randn(slots, H, D, D, generator=gen) * 0.1).to(dev)
+    idx = harness.random_unique_slots(rows, slots, dev, generator=gen)
+    out = torch.empty(rows, H, D, dtype=dt, device=dev)
+    kw = dict(state=state, state_indices=idx, A_log=A_log, dt_bias=dt_bias, out=out)
+    call = validation.check_kda_decode(q, k, v, g, beta, **kw)
+    fn = dispatch.function("kda_decode", call.route_meta())
+    flat_bias = _flat(dt_bias)
+
+    def direct():
+        fn(q, k, v, g, beta, A_log, flat_bias, state, idx, out, call.gate_mode, call.lower_bound, call.scale,
+           call.beta_is_logit, call.null_slot0)
+
+    def op():
+        fk.kda_decode(q, k, v, g, beta, **kw)
+
+    def traced():
+        with trace.tracing(trace_dir):
+            fk.kda_decode(q, k, v, g, beta, **kw)
+
+    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("traced", traced, graph=False)]
+    return harness.Case(f"kda_decode_r{rows}_h{H}_d{D}", dict(op="kda_decode", rows=rows, heads=H, head_dim=D), arms)
+
+
+def fused_case(rows, H, D, cfg, gen, trace_dir):
+    import flashkda_ext as fk
+    from flashkda_ext import dispatch, trace, validation
+
+    dev = torch.device(cfg.device)
+    dt = torch.bfloat16
+    C = 3 * H * D
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype=dt, device=dev)  # noqa: E731
+    x, w, g, beta, og = r(rows, C), r(C, 4), r(rows, H, D), r(rows, H), r(rows, H, D)
+    slots = max(64, 2 * rows)
+    conv_state = r(slots, C, 3)
+    A_log = torch.randn(H, generator=gen).to(dev)
+    dt_bias = torch.randn(H * D, generator=gen).to(dev)
+    state = (torch.randn(slots, H, D, D, generator=gen) * 0.1).to(dev)
+    nw = torch.ones(D, device=dev)
+    idx = harness.random_unique_slots(rows, slots, dev, generator=gen)
+    out = torch.empty(rows, H, D, dtype=dt, device=dev)
+    args = (x, w, conv_state, g, beta, A_log, dt_bias, idx, state, og, nw)
+    call = validation.check_fused_kda_decode(*args, out=out)
+    fn = dispatch.function("fused_kda_decode", call.route_meta())
+
+    def direct():
+        fn(x, w, conv_state, g, beta, A_log, dt_bias, idx, state, og, nw, out, call.gate_mode, call.lower_bound,
+           call.scale, call.norm_eps, call.null_slot0)
+
+    def op():
+        fk.fused_kda_decode(*args, out=out)
+
+    def traced():
+        with trace.tracing(trace_dir):
+            fk.fused_kda_decode(*args, out=out)
+
+    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("traced", traced, graph=False)]
+    return harness.Case(f"fused_r{rows}_h{H}_d{D}", dict(op="fused_kda_decode", rows=rows, heads=H, head_dim=D),
+                        arms)
+
+
+def prefill_case(lengths, H, D, cfg, gen, trace_dir):
+    import flashkda_ext as fk
+    from flashkda_ext import trace
+
+    dev = torch.device(cfg.device)
+    dt = torch.bfloat16
+    T = sum(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype=dt, device=dev)  # noqa: E731
+    q, k, v, g, beta = r(1, T, H, D), r(1, T, H, D), r(1, T, H, D), r(1, T, H, D), r(1, T, H)
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device=dev)
+    A_log = torch.randn(H, generator=gen).to(dev)
+    dt_bias = torch.randn(H * D, generator=gen).to(dev)
+    init = (torch.randn(len(lengths), H, D, D, generator=gen) * 0.1).to(dev)
+    final = torch.empty_like(init)
+    out = torch.empty(1, T, H, D, dtype=dt, device=dev)
+    ws = None
+    if cfg.is_cuda:
+        nbytes = fk.prefill_workspace_bytes(q, v, cu_seqlens=cu)
+        ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, initial_state=init, final_state=final,
+              max_seqlen=max(lengths), out=out, workspace=ws)
+
+    def op():
+        fk.kda_prefill(q, k, v, g, beta, **kw)
+
+    def traced():
+        with trace.tracing(trace_dir):
+            fk.kda_prefill(q, k, v, g, beta, **kw)
+
+    arms = [harness.Arm("op", op), harness.Arm("traced", traced, graph=False)]
+    name = f"kda_prefill_{len(lengths)}x{lengths[0]}_h{H}_d{D}"
+    return harness.Case(name, dict(op="kda_prefill", lengths=list(lengths), heads=H, head_dim=D), arms)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    cfg = harness.config_from_args(args)
+    if cfg.is_cuda:
+        D, H = 128, 16
+        rows_list = [1, 64] if cfg.quick else [1, 8, 64, 512]
+        prefill_lengths = [(64,) * 4] if cfg.quick else [(64,) * 4, (256,) * 16]
+    else:
+        D, H = (8, 2) if args.dry_run else (32, 4)
+        rows_list = [1, 4] if (cfg.quick or args.dry_run) else [1, 8, 64]
+        prefill_lengths = [(8, 8)]
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="fkda-trace-bench-") as trace_dir:
+        run = harness.Run(args.name, cfg, baseline="op", primary_mode="wall",
+                          extra_meta={"what": "host overhead: direct FFI call vs public op vs traced op"})
+        builders = [(decode_case, r) for r in rows_list] + [(fused_case, r) for r in rows_list[:2]] + \
+                   [(prefill_case, lens) for lens in prefill_lengths]
+        run.start(len(builders))
+        for build, size in builders:
+            case = build(size, H, D, cfg, gen, trace_dir)
+            rec = run.add(case)
+            t = {a: rec["arms"][a]["time_us"].get("wall", {}).get("median") for a in rec["arms"]}
+            if t.get("op") and t.get("direct"):
+                rec["notes"]["validate_dispatch_us"] = t["op"] - t["direct"]
+            if t.get("op") and t.get("traced"):
+                rec["notes"]["trace_us"] = t["traced"] - t["op"]
+        run.finish()
+        for rec in run.results:
+            n = rec["notes"]
+            parts = [f"{k} {v:.1f} us" for k, v in n.items() if isinstance(v, float)]
+            if parts:
+                print(f"{rec['name']}: " + ", ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

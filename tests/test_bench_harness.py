@@ -1,0 +1,176 @@
+"""The benchmark harness and scripts, on a CPU: their logic (interleaving, statistics, error capture,
+JSON and table output) and a dry run of each script, so the GPU runs do not fail on a typo."""
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+harness = importlib.import_module("harness")
+
+
+def cpu_cfg(tmp_path, **kw):
+    cfg = harness.Config(device="cpu", warmup=1, reps=4, rounds=2, modes=("wall",), out_dir=tmp_path,
+                         plot=False, progress=False, quick=True, copy_bytes=1 << 20, flush_bytes=1 << 20)
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_interleaving_alternates():
+    assert harness.interleaved_order(["a", "b", "c"], 4) == [["a", "b", "c"], ["c", "b", "a"],
+                                                              ["a", "b", "c"], ["c", "b", "a"]]
+
+
+def test_summarize_and_geomean():
+    s = harness.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert s["median"] == 3.0 and s["min"] == 1.0 and s["n"] == 5 and s["p10"] <= s["median"] <= s["p90"]
+    assert harness.summarize([])["median"] is None
+    assert math.isclose(harness.geomean([2.0, 8.0]), 4.0)
+    assert harness.geomean([None, 0, -1]) is None
+
+
+def test_measure_records_every_arm_and_keeps_going_after_an_error(tmp_path):
+    calls = {"a": 0, "b": 0}
+
+    def a():
+        calls["a"] += 1
+
+    def b():
+        calls["b"] += 1
+        sum(range(2000))
+
+    def broken():
+        raise RuntimeError("boom")
+
+    timer = harness.Timer(cpu_cfg(tmp_path))
+    res = timer.measure([harness.Arm("a", a), harness.Arm("b", b), harness.Arm("broken", broken)])
+    assert res["a"]["wall"]["n"] == 4 and res["b"]["wall"]["n"] == 4
+    assert res["a"]["wall"]["median"] > 0
+    assert "boom" in res["broken"]["wall"]["error"]
+    assert calls["a"] == 1 + 4 and calls["b"] == 1 + 4  # warm-up + samples
+
+
+def test_graph_mode_on_cpu_is_an_error_entry(tmp_path):
+    timer = harness.Timer(cpu_cfg(tmp_path, modes=("graph", "wall")))
+    res = timer.measure([harness.Arm("a", lambda: None)])
+    assert "error" in res["a"]["graph"] and res["a"]["wall"]["n"] == 4
+
+
+def test_run_writes_json_table_speedups(tmp_path, capsys):
+    cfg = cpu_cfg(tmp_path)
+    run = harness.Run("unit", cfg, baseline="slow")
+    run.start(2)
+    x = torch.randn(256, 256)
+    for n in (1, 2):
+        run.add(harness.Case(f"case{n}", {"n": n},
+                             [harness.Arm("fast", lambda: x.sum()),
+                              harness.Arm("slow", lambda: [x @ x for _ in range(3)])],
+                             bytes=x.numel() * 4))
+    path = run.finish()
+    doc = json.loads(path.read_text())
+    assert doc["copy_ceiling"]["GBps"] > 0
+    assert [c["name"] for c in doc["cases"]] == ["case1", "case2"]
+    c = doc["cases"][0]
+    assert c["speedup"]["fast"]["wall"] > 0
+    assert c["arms"]["fast"]["bandwidth"]["wall"]["pct_copy"] > 0
+    assert doc["summary"]["fast"]["wall"]["cases"] == 2
+    assert doc["meta"]["torch"] == torch.__version__
+    out = capsys.readouterr().out
+    assert "case1" in out and "fast vs slow" in out
+
+
+def test_out_json_path_is_honoured(tmp_path):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    harness.add_common_args(p)
+    cfg = harness.config_from_args(p.parse_args(["--dry-run", "--out", str(tmp_path / "x.json")]))
+    assert cfg.device == "cpu" and cfg.modes == ("wall",)
+    assert cfg.out_dir == tmp_path and cfg.out_file == "x.json"
+
+
+def test_torch_step_matches_reference():
+    """The stand-in recurrent step of the unfused arm (used without fla) is the KDA step."""
+    from flashkda_ext.reference import kda_decode_step
+
+    g = torch.Generator().manual_seed(0)
+    rows, H, HV, K, V, slots = 3, 2, 4, 8, 6, 7
+    q, k = torch.randn(rows, H, K, generator=g), torch.randn(rows, H, K, generator=g)
+    v = torch.randn(rows, HV, V, generator=g)
+    glog = -torch.rand(rows, HV, K, generator=g)
+    beta = torch.randn(rows, HV, generator=g)
+    pool = torch.randn(slots, HV, V, K, generator=g, dtype=torch.float64)
+    idx = torch.tensor([4, 0, 6], dtype=torch.int32)
+    ref_out, ref_pool = kda_decode_step(q, k, v, glog, beta, state=pool, state_indices=idx, gate="log")
+    mine = pool.clone()
+    out = harness.torch_decode_step(q.double(), k.double(), v.double(), glog.double(), torch.sigmoid(beta.double()),
+                                    state=mine, state_indices=idx)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, ref_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_gate_matches_reference():
+    from flashkda_ext.reference import gate_log_decay
+
+    g = torch.randn(3, 2, 4)
+    A_log, dt_bias = torch.randn(2), torch.randn(8)
+    for gate, lb in (("softplus", None), ("bounded", -5.0)):
+        want = gate_log_decay(g.double(), gate, A_log=A_log.double(), dt_bias=dt_bias.double(), lower_bound=lb)
+        got = harness.torch_gate(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lb)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _script(name):
+    return importlib.import_module(name)
+
+
+def test_fused_decode_dry_run(tmp_path):
+    mod = _script("bench_fused_decode")
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "fused_decode.json").read_text())
+    assert doc["cases"], "no cases ran"
+    for c in doc["cases"]:
+        assert set(c["arms"]) == {"fused", "unfused_torch", "step"}
+        for arm in c["arms"].values():
+            assert arm["time_us"]["wall"]["median"] > 0, arm
+        # the fused op and the unfused sequence compute the same function
+        assert c["notes"]["rel_l2_fused_vs_unfused"] < 2e-2
+        assert c["fused_over_step"]["wall"] > 0
+
+
+def test_overhead_dry_run(tmp_path):
+    mod = _script("bench_overhead")
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "host_overhead.json").read_text())
+    ops = {c["params"]["op"] for c in doc["cases"]}
+    assert ops == {"kda_decode", "fused_kda_decode", "kda_prefill"}
+    assert all("error" not in a["time_us"]["wall"] for c in doc["cases"] for a in c["arms"].values())
+
+
+def test_run_all_dry_run_writes_summary(tmp_path):
+    mod = _script("run_all")
+    rc = mod.main(["--dry-run", "--only", "fused", "--out", str(tmp_path), "--no-progress", "--no-plot"])
+    assert rc == 0
+    md = (tmp_path / "summary.md").read_text()
+    assert "## fused" in md and "Copy ceiling" in md
+
+
+@pytest.mark.parametrize("name", ["bench_decode", "bench_prefill"])
+def test_family_scripts_dry_run(name, tmp_path):
+    """The decode and prefill scripts accept the harness flags and dry-run on a CPU."""
+    if not (BENCH / f"{name}.py").is_file():
+        pytest.skip(f"{name}.py not there")
+    mod = _script(name)
+    src = (BENCH / f"{name}.py").read_text()
+    if "harness" not in src:
+        pytest.skip(f"{name}.py does not use the harness yet")
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)]) in (0, None)
+    assert list(tmp_path.glob("*.json"))

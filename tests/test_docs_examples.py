@@ -1,0 +1,73 @@
+"""Every ```python block of README.md and docs/*.md runs, so no example rots.
+
+Blocks of one file run in order in one namespace (a later block may use names an earlier one made),
+each in a fresh namespace per file. A block is skipped only when it says so on its first line:
+`# gpu-only` (runs when CUDA is available) or when it imports jax and jax is not installed.
+"""
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+JAX_IMPORT = re.compile(r"^\s*(import jax\b|from jax\b|import flashkda_ext\.jax\b|from flashkda_ext(\.jax)? import jax\b"
+                        r"|from flashkda_ext\.jax\b)", re.M)
+
+
+def doc_files():
+    files = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    return [f for f in files if f.is_file()]
+
+
+def python_blocks(text: str):
+    """[(line number of the block's first code line, code)]."""
+    out = []
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start(1)) + 1
+        out.append((line, m.group(1)))
+    return out
+
+
+def skip_reason(code: str):
+    first = code.lstrip().splitlines()[0].strip().lower() if code.strip() else ""
+    if first.startswith("# gpu-only") and not torch.cuda.is_available():
+        return "marked gpu-only and no GPU here"
+    if JAX_IMPORT.search(code) and (importlib.util.find_spec("jax") is None
+                                    or importlib.util.find_spec("jax_tvm_ffi") is None):
+        return "uses jax, which is not installed"
+    return None
+
+
+def test_fence_parser():
+    text = "a\n```python\nx = 1\n```\n```bash\nls\n```\n```python\n# gpu-only\ny = 2\n```\n"
+    blocks = python_blocks(text)
+    assert [b[1] for b in blocks] == ["x = 1\n", "# gpu-only\ny = 2\n"]
+    assert blocks[0][0] == 3
+    assert skip_reason(blocks[1][1]) == (None if torch.cuda.is_available() else "marked gpu-only and no GPU here")
+    assert skip_reason("import numpy\n") is None
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_examples(path, tmp_path, monkeypatch):
+    blocks = python_blocks(path.read_text())
+    if not blocks:
+        pytest.skip("no python blocks")
+    monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
+    ns = {"__name__": f"doc_{path.stem}"}
+    ran, skipped = 0, []
+    for line, code in blocks:
+        why = skip_reason(code)
+        if why:
+            skipped.append(f"line {line}: {why}")
+            continue
+        try:
+            exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), ns)
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"{path.relative_to(ROOT)}, python block at line {line} failed: "
+                                 f"{type(e).__name__}: {e}") from e
+        ran += 1
+    if not ran:
+        pytest.skip("; ".join(skipped))
