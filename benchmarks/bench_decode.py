@@ -283,6 +283,27 @@ def main():
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print("accuracy", json.dumps(acc))
     print("summary", json.dumps(summary))
+    print(markdown(points, copy_tbps))
+
+
+def markdown(points, copy_tbps):
+    """A compact table per state dtype: best of ours (graph us, % of copy) and fla, per point."""
+    lines = [f"copy bandwidth {copy_tbps:.2f} TB/s (read + write)"]
+    for sname in sorted({p["state"] for p in points}):
+        lines += ["", f"state {sname}: graph us (eager us) ours [module] | fla | speedup graph / eager | ours % of copy",
+                  "", "| HV | rows | ours | fla | x graph | x eager | % copy |", "|---|---|---|---|---|---|---|"]
+        for p in points:
+            if p["state"] != sname:
+                continue
+            ours = {n: r for n, r in p["results"].items() if n != "fla"}
+            n, r = min(ours.items(), key=lambda kv: kv[1]["graph_us"])
+            f = p["results"].get("fla")
+            stem = n.replace("decode_", "").rsplit("_", 2)[0]
+            lines.append(f"| {p['heads']} | {p['rows']} | {r['graph_us']:.1f} ({r['eager_us']:.0f}) {stem} | "
+                         + (f"{f['graph_us']:.1f} ({f['eager_us']:.0f}) | {f['graph_us'] / r['graph_us']:.2f} | "
+                            f"{f['eager_us'] / r['eager_us']:.2f}" if f else "- | - | -")
+                         + f" | {r['pct_copy']:.0f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

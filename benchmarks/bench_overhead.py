@@ -166,7 +166,12 @@ def main(argv=None) -> int:
                    [(prefill_case, lens) for lens in prefill_lengths]
         run.start(len(builders))
         for build, size in builders:
-            case = build(size, H, D, cfg, gen, trace_dir)
+            try:
+                case = build(size, H, D, cfg, gen, trace_dir)
+            except Exception as e:  # noqa: BLE001  e.g. a family with no route on this device yet
+                print(f"skipped {build.__name__}({size}): {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                run.skipped.append({"case": f"{build.__name__}({size})", "error": f"{type(e).__name__}: {e}"[:400]})
+                continue
             rec = run.add(case)
             t = {a: rec["arms"][a]["time_us"].get("wall", {}).get("median") for a in rec["arms"]}
             if t.get("op") and t.get("direct"):

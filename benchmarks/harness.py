@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -255,11 +255,13 @@ class Arm:
 
     graph: whether fn may be captured in a CUDA graph (False for a path that syncs or allocates
     on the host per call). bytes: memory traffic of one call, for GB/s and % of copy bandwidth
-    (defaults to the case's)."""
+    (defaults to the case's). calls: when fn runs M calls back to back (M rotated input sets that
+    together overflow L2, the other way to keep L2 cold), every time is divided by M."""
     name: str
     fn: Callable[[], object]
     graph: bool = True
     bytes: Optional[int] = None
+    calls: int = 1   # fn runs this many calls (e.g. one per rotated input set): times are per call
 
 
 class Timer:
@@ -328,8 +330,20 @@ class Timer:
         torch.cuda.synchronize(self.device)
         return g
 
-    def measure(self, arms: Sequence[Arm]) -> Dict[str, dict]:
-        """{arm: {mode: summary (us) or {"error": why}}}, arms interleaved A B B A over the rounds."""
+    def measure(self, arms: Sequence[Arm], *, flush: Optional[bool] = None,
+                reps: Optional[int] = None) -> Dict[str, dict]:
+        """{arm: {mode: summary (us per call) or {"error": why}}}, arms interleaved A B B A over the
+        rounds. flush=False skips the L2 flush for this measurement (inputs rotated instead);
+        reps overrides the configured sample count (fewer for multi-millisecond cases)."""
+        saved_flush = self._flush
+        if flush is False:
+            self._flush = None
+        try:
+            return self._measure(arms, reps or self.cfg.reps)
+        finally:
+            self._flush = saved_flush
+
+    def _measure(self, arms: Sequence[Arm], reps: int) -> Dict[str, dict]:
         cfg = self.cfg
         runners: Dict[str, Dict[str, Callable]] = {a.name: {} for a in arms}
         errors: Dict[str, Dict[str, str]] = {a.name: {} for a in arms}
@@ -357,7 +371,7 @@ class Timer:
                 else:
                     runners[a.name][m] = a.fn
         samples: Dict[str, Dict[str, List[float]]] = {a.name: {m: [] for m in cfg.modes} for a in arms}
-        per_round = max(1, math.ceil(cfg.reps / cfg.rounds))
+        per_round = max(1, math.ceil(reps / cfg.rounds))
         for order in interleaved_order([a.name for a in arms], cfg.rounds):
             for name in order:
                 for m, run in runners[name].items():
@@ -377,7 +391,7 @@ class Timer:
                 if m in errors[a.name]:
                     res[m] = {"error": errors[a.name][m]}
                 else:
-                    res[m] = summarize(samples[a.name][m])
+                    res[m] = summarize([t / max(1, a.calls) for t in samples[a.name][m]])
             out[a.name] = res
         return out
 
@@ -414,6 +428,8 @@ class Case:
     bytes: Optional[int] = None        # memory traffic of one call (per arm override in Arm.bytes)
     flops: Optional[float] = None
     notes: dict = field(default_factory=dict)
+    flush: bool = True                 # False: no L2 flush (the arms rotate input sets instead)
+    reps: Optional[int] = None         # samples per arm and mode for this case (default: the config's)
 
 
 class Run:
@@ -435,15 +451,19 @@ class Run:
             self.meta.update(extra_meta)
         self.ceiling = self.timer.copy_bandwidth()
         self.results: List[dict] = []
+        self.extra: dict = {}          # more top-level JSON fields (e.g. an accuracy table)
+        self.skipped: List[dict] = []  # cases that could not be set up: {"case", "error"}
         self._progress: Optional[Progress] = None
 
     def start(self, total_cases: int) -> None:
         self._progress = Progress(total_cases, self.name, self.cfg.progress)
 
     def add(self, case: Case) -> dict:
-        timings = self.timer.measure(case.arms)
+        timings = self.timer.measure(case.arms, flush=case.flush,
+                                     reps=min(case.reps, self.cfg.reps) if case.reps else None)
         rec = {"name": case.name, "params": case.params, "bytes": case.bytes, "flops": case.flops,
-               "notes": case.notes, "arms": {}}
+               "notes": case.notes, "cold_l2": "flush" if case.flush and self.cfg.cold_l2 else
+               ("rotated inputs" if any(a.calls > 1 for a in case.arms) else "warm"), "arms": {}}
         for a in case.arms:
             t = timings[a.name]
             nbytes = a.bytes if a.bytes is not None else case.bytes
@@ -498,7 +518,7 @@ class Run:
         self.cfg.out_dir.mkdir(parents=True, exist_ok=True)
         doc = {"benchmark": self.name, "meta": self.meta, "copy_ceiling": self.ceiling,
                "baseline": self.baseline, "primary_mode": self.primary_mode,
-               "summary": self.summary(), "cases": self.results}
+               "summary": self.summary(), **self.extra, "skipped": self.skipped, "cases": self.results}
         path = self.cfg.out_dir / (self.cfg.out_file or f"{self.name}.json")
         path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         if self.cfg.plot:
@@ -557,13 +577,22 @@ def format_table(doc: dict) -> str:
              for r in rows]
     ceil = doc["copy_ceiling"]
     gpu = doc["meta"].get("gpu") or "CPU (dry run)"
-    lines.insert(0, f"{doc['benchmark']} on {gpu}: copy ceiling {ceil['GBps']:.0f} GB/s; times in us "
-                    f"(median, {'cold L2' if doc['meta']['config']['cold_l2'] else 'warm L2'})")
+    kinds = sorted({c.get("cold_l2", "flush") for c in cases})
+    l2 = "cold L2: " + " / ".join(kinds) if doc["meta"]["config"]["cold_l2"] or "rotated inputs" in kinds \
+        else "warm L2"
+    lines.insert(0, f"{doc['benchmark']} on {gpu}: copy ceiling {ceil['GBps']:.0f} GB/s; times in us per call "
+                    f"(median, {l2})")
     for a, per in doc.get("summary", {}).items():
         parts = [f"{m} geomean {v['geomean']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f}, {v['cases']} cases)"
                  for m, v in per.items()]
         if parts:
             lines.append(f"{a} vs {base}: " + "; ".join(parts))
+    for sk in doc.get("skipped", []):
+        lines.append(f"skipped {sk['case']}: {sk['error'][:160]}")
+    errs = sorted({f"{a}:{m}: {s['error'][:120]}" for c in cases for a, arm in c["arms"].items()
+                   for m, s in arm["time_us"].items() if "error" in s})
+    for e in errs[:10]:
+        lines.append(f"error {e}")
     return "\n".join(lines)
 
 

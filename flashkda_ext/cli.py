@@ -934,14 +934,18 @@ def cmd_selftest(args) -> int:
     print(f"flashkda_ext selftest: seed {seed} (rerun with --seed {seed}); "
           f"torch {torch.__version__}, {'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
     specs: List[Spec] = []
-    cpu_families = {r["family"] for r in _try(jit.all_records, []) if r["backend"] == "cpu"}
+    try:
+        records = jit.all_records()
+        why_none = "no CPU module of this family in jit/modules"
+    except Exception as e:  # noqa: BLE001  a broken spec file: say so in every row
+        records, why_none = [], f"{type(e).__name__}: {_first_line(e)[:200]}"
+    cpu_families = {r["family"] for r in records if r["backend"] == "cpu"}
     outcomes: List[Outcome] = []
     for s in cpu_specs():
         if s.family in cpu_families:
             specs.append(s)
         else:
-            outcomes.append(Outcome(s.family, s.name, "cpu", status="FAIL",
-                                    detail="no CPU module of this family in jit/modules"))
+            outcomes.append(Outcome(s.family, s.name, "cpu", status="FAIL", detail=why_none))
     unreached: List[str] = []
     if torch.cuda.is_available() and not args.cpu_only:
         free = torch.cuda.mem_get_info()[0]
@@ -952,7 +956,9 @@ def cmd_selftest(args) -> int:
         specs = [s for s in specs if any(fnmatch.fnmatchcase(f"{s.family}:{s.name}", p)
                                          or fnmatch.fnmatchcase(s.family, p) for p in pats)]
         outcomes = [o for o in outcomes if any(fnmatch.fnmatchcase(o.family, p) for p in pats)]
-    prebuild([s.extra["module"] for s in specs if "module" in s.extra])
+    cpu_modules = [r["name"] for r in records
+                   if r["backend"] == "cpu" and any(s.family == r["family"] and s.device == "cpu" for s in specs)]
+    prebuild([s.extra["module"] for s in specs if "module" in s.extra] + cpu_modules)
     for i, s in enumerate(specs):
         label = f"[{i + 1}/{len(specs)}] {s.family} {s.device} {s.name}"
         print(label + " ...", end="", flush=True)

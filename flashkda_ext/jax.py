@@ -34,7 +34,7 @@ try:
     import jax
     import jax.numpy as jnp
     import jax_tvm_ffi
-except ImportError as _err:  # pragma: no cover - exercised by the import test in a subprocess
+except ImportError as _err:  # tests/test_jax.py hides jax_tvm_ffi to check this message
     raise ImportError(
         "flashkda_ext.jax needs jax and jax-tvm-ffi; install them with "
         "`pip install \"flashkda_ext[jax]\"` (jax>=0.7.2, jax-tvm-ffi>=0.1.3). "
@@ -201,7 +201,8 @@ def _route(family: str, call) -> str:
 @functools.lru_cache(maxsize=None)
 def _prefill_module_info(module_name: str):
     """(chunk size, the module or None when it takes no workspace) of a prefill module."""
-    chunk = int(jit.get_record(module_name).get("params", {}).get("CHUNK", 1))
+    params = jit.get_record(module_name).get("params", {})
+    chunk = int(params.get("CHUNK", params.get("chunk", 1)))
     module = jit.load_module(module_name)
     return chunk, (module if module.implements_function("kda_prefill_workspace_bytes") else None)
 
@@ -232,6 +233,11 @@ def registered_targets() -> list:
     """Names of the XLA FFI targets this process has registered (one per module and layout)."""
     with _LOCK:
         return sorted(_TARGETS.values())
+
+
+def _attrs(family: str, call) -> tuple:
+    """The scalar arguments of the family's ABI, in order, from the validated call."""
+    return tuple((name, getattr(call, name)) for name in _ATTRS[family])
 
 
 def _attr(value):
@@ -322,9 +328,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         family="kda_decode", platform=plat, module=module, operands=operands,
         results=(("out", (call.rows, call.value_heads, call.head_dim_v), _dtype_str(v), None),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
-        attrs=(("gate_mode", call.gate_mode), ("lower_bound", call.lower_bound), ("scale", call.scale),
-               ("beta_is_logit", call.beta_is_logit), ("null_slot0", call.null_slot0)),
-        cuda_graph=_GRAPH_SAFE["kda_decode"])
+        attrs=_attrs("kda_decode", call), cuda_graph=_GRAPH_SAFE["kda_decode"])
     donated = _donate_positions(args, (8,), donate)
     return _run(_decode_impl, plan, args, donated, eager=not _any_tracer(args))
 
@@ -419,10 +423,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     plan = _Plan(
         family="kda_prefill", platform=plat, module=module_name, operands=tuple(operands),
         results=tuple(results),
-        attrs=(("gate_mode", call.gate_mode), ("lower_bound", call.lower_bound), ("scale", call.scale),
-               ("beta_is_logit", call.beta_is_logit), ("null_slot0", call.null_slot0),
-               ("checkpoint_every", call.checkpoint_every)),
-        cuda_graph=graph_safe)
+        attrs=_attrs("kda_prefill", call), cuda_graph=graph_safe)
     donated = _donate_positions(args, (10, 11), donate)
     return _run(_prefill_impl, plan, args, donated, eager=not _any_tracer(args))
 
@@ -468,8 +469,6 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
         results=(("out", (call.rows, call.num_heads, call.head_dim), _dtype_str(x), None),
                  ("conv_state", tuple(conv_state.shape), _dtype_str(conv_state), "conv_state"),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
-        attrs=(("gate_mode", call.gate_mode), ("lower_bound", call.lower_bound), ("scale", call.scale),
-               ("norm_eps", call.norm_eps), ("null_slot0", call.null_slot0)),
-        cuda_graph=_GRAPH_SAFE["fused_kda_decode"])
+        attrs=_attrs("fused_kda_decode", call), cuda_graph=_GRAPH_SAFE["fused_kda_decode"])
     donated = _donate_positions(args, (2, 8), donate)
     return _run(_fused_impl, plan, args, donated, eager=not _any_tracer(args))

@@ -14,7 +14,17 @@ from . import dispatch, jit, trace, validation
 
 
 def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if x is None else x.reshape(-1)
+    return x if x is None or x.dim() == 1 else x.reshape(-1)
+
+
+def _route_fn(family: str, call):
+    """The call's TVM-FFI function, kept on the (memoized) call object so a steady serving loop
+    pays for route selection once."""
+    fn = call.__dict__.get("_fn")
+    if fn is None:
+        fn = dispatch.function(family, call.route_meta())
+        object.__setattr__(call, "_fn", fn)
+    return fn
 
 
 def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None, lower_bound=None,
@@ -38,7 +48,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         trace.emit("kda_decode", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out))
-    fn = dispatch.function("kda_decode", call.route_meta())
+    fn = _route_fn("kda_decode", call)
     fn(q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, out, call.gate_mode,
        call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     return out
@@ -94,7 +104,6 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     device = q.device
     B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
     rule = dispatch.select_rule("kda_prefill", call.route_meta())
-    module = jit.load_module(rule["module"])
     chunk = int(jit.get_record(rule["module"]).get("params", {}).get("CHUNK", 1))
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
@@ -116,12 +125,13 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         # Slots past a sequence's own count stay NaN: never read as a state by mistake.
         checkpoints = torch.full((call.num_seqs, call.checkpoint_slots, HV, V, K), float("nan"),
                                  dtype=sdtype, device=device)
-    ws = _prefill_workspace(module, call, device, workspace)
-    if trace.enabled():
+    if trace.enabled():  # before the module is built or launched: a crashing call leaves its trace
         trace.emit("kda_prefill", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu_seqlens, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=checkpoints, out=out))
+    module = jit.load_module(rule["module"])
+    ws = _prefill_workspace(module, call, device, workspace)
     as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B sequences -> one packed row
     module["kda_prefill"](as1(q), as1(k), as1(v), as1(g), as1(beta), A_log, _flat(dt_bias), cu_seqlens,
                           init, final, state_indices, checkpoints, as1(out), ws, call.gate_mode,
@@ -154,7 +164,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             dt_bias=dt_bias, state_indices=state_indices, state=state, output_gate=output_gate,
             norm_weight=norm_weight, lower_bound=lower_bound, scale=call.scale, norm_eps=norm_eps,
             out=out))
-    fn = dispatch.function("fused_kda_decode", call.route_meta())
+    fn = _route_fn("fused_kda_decode", call)
     fn(x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state, output_gate,
        norm_weight, out, call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
     return out

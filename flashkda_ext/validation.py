@@ -8,6 +8,7 @@ constraints are rendered from.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -155,10 +156,19 @@ def _gate_args(gate, A_log, dt_bias, lower_bound, value_heads: int, head_dim_k: 
     return 0.0
 
 
+@functools.lru_cache(maxsize=64)
+def _supported_set(family: str, backend: str) -> dict:
+    # Read once per process: the file is data shipped with the package, not a runtime setting.
+    sup = _supported.supported(family, backend)
+    if sup is None:
+        raise ValueError(f"{family}: the {backend} backend is not supported (no entry in jit/supported.json)")
+    return sup
+
+
 def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
                     num_heads: int, value_heads: int, input_dtype: str,
                     state_dtype: Optional[str], gate: str, slot_mode: Optional[str]) -> None:
-    sup = _supported.supported(family, backend)
+    sup = _supported_set(family, backend)
     where = f" by the {backend} backend of {family}"
     _in_set("q", head_dim_k, sup["head_dims_k"], "head dim K =")
     _in_set("v", head_dim_v, sup["head_dims_v"], "head dim V =")
@@ -247,6 +257,49 @@ def _check_backend(backend: Optional[str], device: torch.device) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# memo: a serving loop calls with the same shapes every step, so the verdict of a full check is
+# reused for the next call whose tensors have the same shape, dtype, device, contiguity and 16-byte
+# alignment and whose other arguments are equal (same type too: True is not 1). Anything the key
+# cannot capture (values inside a host tensor, unhashable arguments, tensor subclasses) takes the
+# full check every time.
+
+_MEMO_LIMIT = 512
+
+
+def _arg_key(name, x):
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return (type(x), x)
+    if type(x) is torch.Tensor:
+        if name == "cu_seqlens" and x.device.type == "cpu":
+            raise TypeError  # its offsets are checked by value
+        return (x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15 if x.device.type != "meta" else 0)
+    raise TypeError
+
+
+def _memoized(check):
+    cache: dict = {}
+
+    @functools.wraps(check)
+    def wrapper(*args, **kwargs):
+        try:
+            key = (tuple(_arg_key(None, a) for a in args),
+                   tuple((n, _arg_key(n, a)) for n, a in kwargs.items()))
+            hit = cache.get(key)
+        except TypeError:
+            return check(*args, **kwargs)
+        if hit is not None:
+            return hit
+        call = check(*args, **kwargs)
+        if len(cache) >= _MEMO_LIMIT:
+            cache.clear()
+        cache[key] = call
+        return call
+
+    wrapper.cache_clear = cache.clear
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------
 # the calls
 
 
@@ -285,6 +338,7 @@ def _offset_bits(*tensors) -> int:
     return 64 if any(t is not None and t.numel() > INT32_MAX for t in tensors) else 32
 
 
+@_memoized
 def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None,
                      lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
                      slot_mode="unique", null_slot0=False, out=None, backend=None) -> DecodeCall:
@@ -343,6 +397,7 @@ class PrefillCall:
                 "checkpoints": self.checkpoint_every > 0}
 
 
+@_memoized
 def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
                       scale=None, beta_is_logit=True, cu_seqlens=None, initial_state=None, state=None,
                       state_indices=None, output_final_state=True, final_state=None, checkpoint_every=0,
@@ -489,6 +544,7 @@ class FusedDecodeCall:
                 "offset": f"o{self.offset_bits}", "slot_mode": self.slot_mode, "gate": self.gate}
 
 
+@_memoized
 def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
                            output_gate, norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5,
                            scale=None, slot_mode="unique", null_slot0=False, out=None,

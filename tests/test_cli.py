@@ -146,3 +146,18 @@ def test_bench_runs_the_script(capfd):
     assert cli.main(["bench", "fused", "--help"]) == 0
     out = capfd.readouterr().out
     assert "bench_fused_decode.py" in out and "--dry-run" in out
+
+
+@pytest.mark.parametrize("op,extra", [
+    ("kda_decode", ["--gate", "bounded", "--state-dtype", "bfloat16", "--slot-mode", "padded"]),
+    ("kda_prefill", ["--gate", "log", "--checkpoint-every", "64"]),
+    ("fused_kda_decode", ["--heads", "16", "--backend", "cpu", "--input-dtype", "float32"]),
+])
+def test_trace_dump_every_op(op, extra, tmp_path):
+    from flashkda_ext import trace
+
+    out = tmp_path / "d.json"
+    assert cli.main(["trace", "dump", op, *extra, "--check", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    trace.validate_definition(d)
+    assert d["name"].startswith(op)

@@ -5,6 +5,7 @@ each in a fresh namespace per file. A block is skipped only when it says so on i
 `# gpu-only` (runs when CUDA is available) or when it imports jax and jax is not installed.
 """
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -56,6 +57,8 @@ def test_doc_examples(path, tmp_path, monkeypatch):
     if not blocks:
         pytest.skip("no python blocks")
     monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
+    # examples that start `python -m flashkda_ext` find this checkout even without `pip install -e`
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     ns = {"__name__": f"doc_{path.stem}"}
     ran, skipped = 0, []
     for line, code in blocks:
@@ -71,3 +74,20 @@ def test_doc_examples(path, tmp_path, monkeypatch):
         ran += 1
     if not ran:
         pytest.skip("; ".join(skipped))
+
+
+def test_api_reference_covers_every_public_op_and_argument():
+    """docs/api.md has a section per public op and names every one of its parameters, so an
+    argument added to an op without documentation fails here."""
+    import inspect
+
+    import flashkda_ext
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    for name in flashkda_ext.__all__:
+        if name.startswith("__"):
+            continue
+        assert f"## {name}" in text, f"docs/api.md has no section for {name}"
+        section = text.split(f"## {name}", 1)[1].split("\n## ", 1)[0]
+        for param in inspect.signature(getattr(flashkda_ext, name)).parameters:
+            assert f"`{param}`" in section, f"docs/api.md: {name} does not document argument {param!r}"

@@ -101,6 +101,7 @@ def test_decode_matches_reference_and_torch(gen, gate, mode):
 def test_decode_padding_repeats_null_slot0_bf16(gen):
     # padding row (-1), two rows sharing slot 2 (applied in row order), slot 0 as the null block
     d = decode_inputs(gen, rows=5, slots=4, gate="softplus", dtype=torch.bfloat16, indices=[2, -1, 2, 0, 3])
+    d["state"] = d["state"].to(torch.bfloat16)                  # a bf16 pool too
     kw = dict(slot_mode="repeated", null_slot0=True)
     t_out, t_state = torch_decode(d, **kw)
     out, state = jax.jit(lambda a: jax_decode(a, **kw))(jaxify(d))
@@ -112,7 +113,8 @@ def test_decode_padding_repeats_null_slot0_bf16(gen):
         d["q"], d["k"], d["v"], d["g"], d["beta"], state=d["state"], state_indices=d["state_indices"],
         A_log=d["A_log"], dt_bias=d["dt_bias"], null_slot0=True)
     torch.testing.assert_close(to_torch(out).double(), r_out, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(to_torch(state).double(), r_state.double(), rtol=1e-4, atol=1e-4)
+    assert state.dtype == jnp.bfloat16
+    torch.testing.assert_close(to_torch(state).double(), r_state.double(), rtol=1e-2, atol=1e-2)
 
 
 def test_decode_steps_chain_under_jit_with_donation(gen):
@@ -409,3 +411,21 @@ def test_compiled_program_copies_the_pool_only_without_donation(gen):
         assert "custom-call" in hlo
         copies[donate] = sum(1 for line in hlo.splitlines() if f"= {pool_type}" in line and " copy(" in line)
     assert copies == {(0,): 0, (): 1}
+
+
+def test_prefill_given_checkpoints_written_in_place(gen):
+    lens = [4, 7]
+    d = prefill_inputs(gen, lens, "log")
+    d.pop("lower_bound")
+    pos, rest = split(d)
+    sentinel = torch.full((2, 5, HV, V, K), 7.0)            # C >= T // 2 = 5
+    t_ck = sentinel.clone()
+    t_out, t_final, _ = fk.kda_prefill(*pos, **rest, gate="log", checkpoint_every=2, checkpoints=t_ck)
+    jpos, jrest = split(jaxify(d))
+    jck = to_jax(sentinel)
+    addr = jck.unsafe_buffer_pointer()
+    out, final, ck = kj.kda_prefill(*jpos, **jrest, gate="log", checkpoint_every=2, checkpoints=jck)
+    assert jck.is_deleted() and ck.unsafe_buffer_pointer() == addr
+    assert torch.equal(to_torch(ck), t_ck) and torch.equal(to_torch(out), t_out)
+    assert torch.equal(to_torch(final), t_final)
+    assert torch.all(to_torch(ck)[0, 2:] == 7.0) and torch.all(to_torch(ck)[1, 3:] == 7.0)   # past each count

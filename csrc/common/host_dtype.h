@@ -85,14 +85,14 @@ template <>
 inline f16_t from_double<f16_t>(double x) { return f16_t{float_to_f16(static_cast<float>(x))}; }
 
 // Floating dtypes the CPU backend reads and writes, chosen at run time from a DLDataType.
-enum class FloatKind { kF32, kF64, kBF16, kF16, kOther };
+enum class FloatKind { kFloat32, kFloat64, kBFloat16, kFloat16, kOther };
 
 inline FloatKind float_kind(DLDataType t) {
   if (t.lanes != 1) return FloatKind::kOther;
-  if (t.code == kDLFloat && t.bits == 32) return FloatKind::kF32;
-  if (t.code == kDLFloat && t.bits == 64) return FloatKind::kF64;
-  if (t.code == kDLFloat && t.bits == 16) return FloatKind::kF16;
-  if (t.code == kDLBfloat && t.bits == 16) return FloatKind::kBF16;
+  if (t.code == kDLFloat && t.bits == 32) return FloatKind::kFloat32;
+  if (t.code == kDLFloat && t.bits == 64) return FloatKind::kFloat64;
+  if (t.code == kDLFloat && t.bits == 16) return FloatKind::kFloat16;
+  if (t.code == kDLBfloat && t.bits == 16) return FloatKind::kBFloat16;
   return FloatKind::kOther;
 }
 
@@ -100,10 +100,10 @@ inline FloatKind float_kind(DLDataType t) {
 template <typename F>
 inline void with_float_type(FloatKind kind, F&& f) {
   switch (kind) {
-    case FloatKind::kF32: f(float{}); break;
-    case FloatKind::kF64: f(double{}); break;
-    case FloatKind::kBF16: f(bf16_t{}); break;
-    case FloatKind::kF16: f(f16_t{}); break;
+    case FloatKind::kFloat32: f(float{}); break;
+    case FloatKind::kFloat64: f(double{}); break;
+    case FloatKind::kBFloat16: f(bf16_t{}); break;
+    case FloatKind::kFloat16: f(f16_t{}); break;
     default: break;
   }
 }
@@ -115,10 +115,10 @@ struct FloatSpan {
 
   double get(int64_t i) const {
     switch (kind) {
-      case FloatKind::kF32: return static_cast<const float*>(base)[i];
-      case FloatKind::kF64: return static_cast<const double*>(base)[i];
-      case FloatKind::kBF16: return to_double(static_cast<const bf16_t*>(base)[i]);
-      case FloatKind::kF16: return to_double(static_cast<const f16_t*>(base)[i]);
+      case FloatKind::kFloat32: return static_cast<const float*>(base)[i];
+      case FloatKind::kFloat64: return static_cast<const double*>(base)[i];
+      case FloatKind::kBFloat16: return to_double(static_cast<const bf16_t*>(base)[i]);
+      case FloatKind::kFloat16: return to_double(static_cast<const f16_t*>(base)[i]);
       default: return std::nan("");
     }
   }

@@ -85,9 +85,9 @@ inline void delta_step(TS* S, int64_t K, int64_t V, const double* q, const doubl
 template <typename F>
 inline void with_state_type(FloatKind kind, F&& f) {
   switch (kind) {
-    case FloatKind::kF32: f(float{}); break;
-    case FloatKind::kF64: f(double{}); break;
-    case FloatKind::kBF16: f(bf16_t{}); break;
+    case FloatKind::kFloat32: f(float{}); break;
+    case FloatKind::kFloat64: f(double{}); break;
+    case FloatKind::kBFloat16: f(bf16_t{}); break;
     default: break;
   }
 }

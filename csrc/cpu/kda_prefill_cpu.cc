@@ -150,7 +150,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const fkda::FloatSpan qs = cpu::span_of(q), ks = cpu::span_of(k), vs = cpu::span_of(v),
                         gs = cpu::span_of(g), bs = cpu::span_of(beta), os = cpu::span_of(out);
   const int64_t group = HV / H, VK = V * K;
-  const fkda::FloatKind skind = state_ref ? fkda::float_kind(state_ref->dtype()) : fkda::FloatKind::kF32;
+  const fkda::FloatKind skind = state_ref ? fkda::float_kind(state_ref->dtype()) : fkda::FloatKind::kFloat32;
 
   std::vector<double> S(VK), qn(K), kn(K), decay(K), graw(K), vrow(V), orow(V), row(K);
   cpu::with_state_type(skind, [&](auto tag) {

@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace fkda_decode {
 
 namespace cg = cooperative_groups;
@@ -137,6 +139,7 @@ struct WarpTile {
   static constexpr int K = FKDA_HEAD_DIM_K;
   static constexpr int V = FKDA_HEAD_DIM_V;
   static constexpr int VEC = StateTraits<kBf16>::VEC;
+  using Elem = std::conditional_t<kBf16, bf16, float>;
   static constexpr int KPL = K / LPR;        // keys per lane
   static constexpr int CHUNKS = KPL / VEC;   // 16-byte state loads per lane per V-row
   static constexpr int RPW = 32 / LPR;       // V-rows per warp instruction
@@ -196,14 +199,14 @@ struct WarpTile {
 
   __device__ static void load_state_regs(const DecodeParams& p, Item& it, OffT base, int lane) {
     const int c = lane % LPR, r = lane / LPR;
-    const uint8_t* sb = reinterpret_cast<const uint8_t*>(p.state);
-    constexpr int ESZ = kBf16 ? 2 : 4;
+    // typed pointer arithmetic: the element offset (OffT) is scaled to bytes in 64 bits
+    const Elem* sb = static_cast<const Elem*>(p.state) + base;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
-        const OffT e = base + static_cast<OffT>((ps * RPW + r) * K + key_of(i, c));
-        it.s[ps][i] = load_state<kCoherent>(reinterpret_cast<const uint4*>(sb + e * ESZ));
+        const int e = (ps * RPW + r) * K + key_of(i, c);
+        it.s[ps][i] = load_state<kCoherent>(reinterpret_cast<const uint4*>(sb + e));
       }
     }
   }
@@ -295,14 +298,13 @@ struct WarpTile {
   __device__ static void store_state_regs(const DecodeParams& p, const Item& it, OffT base,
                                           int lane) {
     const int c = lane % LPR, r = lane / LPR;
-    uint8_t* sb = reinterpret_cast<uint8_t*>(p.state);
-    constexpr int ESZ = kBf16 ? 2 : 4;
+    Elem* sb = static_cast<Elem*>(p.state) + base;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
-        const OffT e = base + static_cast<OffT>((ps * RPW + r) * K + key_of(i, c));
-        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e * ESZ), it.s[ps][i]);
+        const int e = (ps * RPW + r) * K + key_of(i, c);
+        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e), it.s[ps][i]);
       }
     }
   }

@@ -2,8 +2,9 @@
 //
 // Exports: kda_prefill (the family ABI), kda_prefill_workspace_bytes(total_tokens, num_seqs,
 // value_heads) -> bytes of the optional workspace argument, fkda_contract().
-// FKDA_PARAM_VT: the value-column tile of the state pass (16, 32 or 64); 0 picks it from
-// sequences x heads at run time (more CTAs per sequence when there are few sequences x heads).
+// FKDA_PARAM_VT: the value-column tile of the state pass (16, 32 or 64: one module per tile, picked
+// by jit/routes/kda_prefill.json from sequences x heads); 0 picks it at run time (benchmarks).
+// FKDA_PARAM_PREP_WIDE: 0 = the 256-thread prep kernel (two CTAs per SM), 1 = the 512-thread one.
 #include <cuda_runtime.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
@@ -12,6 +13,21 @@
 
 #ifndef FKDA_PARAM_VT
 #define FKDA_PARAM_VT 0
+#endif
+#ifndef FKDA_PARAM_PREP_WIDE
+#define FKDA_PARAM_PREP_WIDE 0
+#endif
+#if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
+#error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"
+#endif
+// The module record states the state pass launch shape; keep it and the kernels in step.
+static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
+#ifdef FKDA_PARAM_CHUNK
+static_assert(FKDA_PARAM_CHUNK == fkda_prefill::kC, "the kernels are written for chunk 64");
+#endif
+#if FKDA_PARAM_VT != 0
+static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT>::kTotal,
+              "module record 'smem_bytes' must equal the state pass shared memory of its V tile");
 #endif
 
 namespace {
@@ -26,6 +42,8 @@ using StateT = float;
 #endif
 
 int g_vt_override = 0;  // set by kda_prefill_tune (benchmarks only); 0 = module default
+int g_prep_wide = FKDA_PARAM_PREP_WIDE;  // 1: the 512-thread prep (one CTA per SM); 0: 256 threads, two per SM
+int g_tma = 1;          // 1: the state pass moves chunks with bulk copies (TMA); 0: cp.async
 int g_skip = 0;         // benchmarks only: bit 0 skips the prep kernel, bit 1 the state pass
 
 #define FKDA_CUDA_OK(expr, fn)                                                             \
@@ -186,12 +204,20 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
       FKDA_CUDA_OK(cudaFuncSetAttribute(fkda_prefill::kda_prep_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         fkda_prefill::kPrepSmem), fn);
+      FKDA_CUDA_OK(cudaFuncSetAttribute(fkda_prefill::kda_prep_lite_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        fkda_prefill::kLiteSmem), fn);
       prep_attr = true;
     }
     FKDA_CHECK(slots_chunks <= 0x7fffffff, fn) << "too many chunks: " << slots_chunks;
     dim3 grid(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV));
-    fkda_prefill::kda_prep_kernel<<<grid, fkda_prefill::kPrepThreads, fkda_prefill::kPrepSmem,
-                                    stream>>>(pa);
+    if (g_prep_wide) {
+      fkda_prefill::kda_prep_kernel<<<grid, fkda_prefill::kPrepThreads, fkda_prefill::kPrepSmem,
+                                      stream>>>(pa);
+    } else {
+      fkda_prefill::kda_prep_lite_kernel<<<grid, fkda_prefill::kLiteThreads,
+                                           fkda_prefill::kLiteSmem, stream>>>(pa);
+    }
   }
 
   fkda_prefill::StateArgs sa;
@@ -208,11 +234,16 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.ckpt_count = ckpt_count;
   sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
   sa.out = data_ptr<bf16>(out);
+  sa.tma = g_tma;
+#if FKDA_PARAM_VT != 0
+  if (!(g_skip & 2)) launch_state<FKDA_PARAM_VT>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn);
+#else
   if (!(g_skip & 2)) switch (pick_vt(N, HV)) {
     case 16: launch_state<16>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
     case 32: launch_state<32>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
     default: launch_state<64>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
   }
+#endif
   FKDA_CUDA_OK(cudaGetLastError(), fn);
   if (own_ws) FKDA_CUDA_OK(cudaFreeAsync(ws, stream), fn);
   if (cur != dev) cudaSetDevice(cur);
@@ -222,10 +253,24 @@ int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int6
   return fkda_prefill::workspace_bytes(total_tokens, num_seqs, value_heads);
 }
 
-// Benchmarks only: force the state pass V tile (16/32/64), 0 = module default; returns old.
+// Benchmarks only: force the state pass V tile (16/32/64) of a VT=0 module; returns the old one.
 int64_t kda_prefill_tune(int64_t vt) {
   const int64_t old = g_vt_override;
   if (vt == 0 || vt == 16 || vt == 32 || vt == 64) g_vt_override = static_cast<int>(vt);
+  return old;
+}
+
+// Benchmarks only: pick the prep kernel (1: 512 threads, one CTA per SM; 0: 256 threads, two).
+int64_t kda_prefill_prep_wide(int64_t wide) {
+  const int64_t old = g_prep_wide;
+  g_prep_wide = wide ? 1 : 0;
+  return old;
+}
+
+// Benchmarks only: 1 = bulk copies (TMA) in the state pass, 0 = cp.async.
+int64_t kda_prefill_tma(int64_t on) {
+  const int64_t old = g_tma;
+  g_tma = on ? 1 : 0;
   return old;
 }
 
@@ -242,4 +287,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_tune, kda_prefill_tune);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_skip, kda_prefill_skip);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_tma, kda_prefill_tma);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_prep_wide, kda_prefill_prep_wide);
 FKDA_EXPORT_CONTRACT();

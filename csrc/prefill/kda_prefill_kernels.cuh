@@ -37,14 +37,24 @@ constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
 constexpr int kLdOp = 2 * kK + 8;  // bf16 [beta exp(G) K | beta V] rows
 constexpr int kLdP = 3 * 16 + 1;   // fp32 partial products of the blocked inverse
 
-// One workspace slot per (chunk slot, value head).
+// One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
+// shared memory (padded rows), so it moves with one bulk copy: [W | Qg | Kd] bf16 [64][kLdB],
+// Aqk bf16 [64][kLdX], exp(G_C) fp32 [128], then U in 16-column blocks bf16 [8][64][kLdU16]
+// (a V tile of the state pass is a run of whole blocks).
+constexpr int kLdU16 = 16 + 8;
 constexpr size_t kWsW = 0;
-constexpr size_t kWsU = kWsW + size_t(kC) * kK * 2;
-constexpr size_t kWsQg = kWsU + size_t(kC) * kV * 2;
-constexpr size_t kWsKd = kWsQg + size_t(kC) * kK * 2;
-constexpr size_t kWsA = kWsKd + size_t(kC) * kK * 2;
-constexpr size_t kWsGc = kWsA + size_t(kC) * kC * 2;
-constexpr size_t kSlotBytes = kWsGc + size_t(kK) * 4;
+constexpr size_t kWsQg = kWsW + size_t(kC) * kLdB * 2;
+constexpr size_t kWsKd = kWsQg + size_t(kC) * kLdB * 2;
+constexpr size_t kWsA = kWsKd + size_t(kC) * kLdB * 2;
+constexpr size_t kWsGc = kWsA + size_t(kC) * kLdX * 2;
+constexpr size_t kWsU = kWsGc + size_t(kK) * 4;
+constexpr size_t kUBlockBytes = size_t(kC) * kLdU16 * 2;
+constexpr size_t kSlotBytes = kWsU + (kV / 16) * kUBlockBytes;
+static_assert(kWsU % 16 == 0 && kSlotBytes % 128 == 0, "bulk copies need 16 B alignment");
+// Element offset of U[row][col] inside the U area.
+__host__ __device__ constexpr int u_off(int row, int col) {
+  return (col >> 4) * (kC * kLdU16) + row * kLdU16 + (col & 15);
+}
 
 inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return total_tokens / kC + num_seqs;
@@ -77,18 +87,17 @@ template <int VT>
 struct StateSmem {
   // Ring depth: chunk c+NS-1 is loading while chunk c is used (3 deep where shared memory allows).
   static constexpr int NS = VT <= 32 ? 3 : 2;
-  static constexpr int kLdU = VT + 8;
-  static constexpr int kW = 0;
-  static constexpr int kQg = kW + kC * kLdB * 2;
-  static constexpr int kKd = kQg + kC * kLdB * 2;
-  static constexpr int kA = kKd + kC * kLdB * 2;
-  static constexpr int kU = kA + kC * kLdX * 2;
-  static constexpr int kGc = kU + kC * kLdU * 2;
-  static constexpr int kStage = kGc + kK * 4;
+  static constexpr int kLdU = VT + 8;                  // Sb and V' rows
+  static constexpr int kW = int(kWsW), kQg = int(kWsQg), kKd = int(kWsKd), kA = int(kWsA);
+  static constexpr int kGc = int(kWsGc), kU = int(kWsU);
+  static constexpr int kSide = int(kWsU);             // bytes of [W | Qg | Kd | A | gC]
+  static constexpr int kUBytes = (VT / 16) * int(kUBlockBytes);
+  static constexpr int kStage = kSide + kUBytes;
   static constexpr int kSb = NS * kStage;          // bf16 [128][kLdU] state for the B operand
   static constexpr int kVp = kSb + kK * kLdU * 2;  // bf16 [64][kLdU] V'
-  static constexpr int kTotal = kVp + kC * kLdU * 2;
-  static_assert(kStage % 16 == 0 && kU % 16 == 0 && kGc % 16 == 0, "16 B alignment");
+  static constexpr int kBar = kVp + kC * kLdU * 2; // NS mbarriers
+  static constexpr int kTotal = kBar + NS * 8;
+  static_assert(kStage % 16 == 0 && kBar % 8 == 0, "alignment");
 };
 
 // ---- small PTX helpers ---------------------------------------------------------------------------
@@ -502,7 +511,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
     *reinterpret_cast<uint32_t*>(Xb + r * kLdX + c2) = pack_bf16(x0, x1);
     const float a0 = c2 <= r ? Am[r * kLdM + c2] : 0.f;
     const float a1 = c2 + 1 <= r ? Am[r * kLdM + c2 + 1] : 0.f;
-    reinterpret_cast<uint32_t*>(ws + kWsA)[e] = pack_bf16(a0, a1);
+    reinterpret_cast<uint32_t*>(ws + kWsA)[r * (kLdX / 2) + (c2 >> 1)] = pack_bf16(a0, a1);
   }
   for (int e = tid; e < kC * 32; e += kPrepThreads) {
     const int r = e >> 5, c8 = (e & 31) * 8;
@@ -532,8 +541,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
       x[i] *= ex2(gr[i]);
       y[i] *= ex2(gl[i] - gr[i]);
     }
-    reinterpret_cast<uint4*>(ws + kWsQg)[e] = pack8(x);
-    reinterpret_cast<uint4*>(ws + kWsKd)[e] = pack8(y);
+    reinterpret_cast<uint4*>(ws + kWsQg)[r * (kLdB / 8) + (c8 >> 3)] = pack8(x);
+    reinterpret_cast<uint4*>(ws + kWsKd)[r * (kLdB / 8) + (c8 >> 3)] = pack8(y);
   }
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
   __syncthreads();
@@ -569,8 +578,390 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
   for (int e = tid; e < kC * 32; e += kPrepThreads) {
     const int r = e >> 5, c8 = (e & 31) * 8;
     const uint4 u = *reinterpret_cast<const uint4*>(Ost + r * kLdOp + c8);
-    if (c8 < kK) reinterpret_cast<uint4*>(ws + kWsW)[r * 16 + (c8 >> 3)] = u;
-    else reinterpret_cast<uint4*>(ws + kWsU)[r * 16 + ((c8 - kK) >> 3)] = u;
+    if (c8 < kK) reinterpret_cast<uint4*>(ws + kWsW)[r * (kLdB / 8) + (c8 >> 3)] = u;
+    else reinterpret_cast<uint4*>(ws + kWsU)[u_off(r, c8 - kK) >> 3] = u;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same preparation in 256 threads and 108 KB of shared memory, so two CTAs share an SM and
+// hide each other's latency (the 512-thread kernel above runs one CTA per SM). Differences: v is
+// held in registers until it is needed, Aqk goes straight to the workspace, the strictly-lower
+// blocks are done one row block at a time (the operand region is a third of the size), and each
+// region is reused once its contents are dead:
+//   [G fp32] -> [X fp32 | P | X bf16]     [q | k] -> [beta V | -]     [L fp32]     [operands] -> [beta exp(G) k]
+constexpr int kLiteThreads = 256;
+constexpr int kLOffG = 0;
+constexpr int kLOffX = 0;                                 // after G is dead
+constexpr int kLOffP = kLOffX + kC * kLdM * 4;
+constexpr int kLOffXb = kLOffP + 16 * kLdP * 4;
+constexpr int kLOffQ = kLOffG + kC * kLdG * 4;            // later beta V
+constexpr int kLOffK = kLOffQ + kC * kLdB * 2;
+constexpr int kLOffL = kLOffK + kC * kLdB * 2;
+constexpr int kLOffOp = kLOffL + kC * kLdM * 4;           // 80 rows of operands, later beta exp(G) k
+constexpr int kLOffBeta = kLOffOp + 80 * kLdB * 2;
+constexpr int kLOffTot = kLOffBeta + kC * 4;
+constexpr int kLiteSmem = kLOffTot + 2 * kK * 4;
+static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
+static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
+static_assert(kLiteSmem <= 113 * 1024, "two CTAs per SM");
+
+__global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const PrepArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  float* Gs = reinterpret_cast<float*>(smem + kLOffG);
+  float* Xm = reinterpret_cast<float*>(smem + kLOffX);
+  float* Pt = reinterpret_cast<float*>(smem + kLOffP);
+  bf16* Xb = reinterpret_cast<bf16*>(smem + kLOffXb);
+  bf16* Qs = reinterpret_cast<bf16*>(smem + kLOffQ);
+  bf16* Bu = Qs;  // beta V, once q is dead
+  bf16* Ks = reinterpret_cast<bf16*>(smem + kLOffK);
+  float* Lm = reinterpret_cast<float*>(smem + kLOffL);
+  bf16* Op = reinterpret_cast<bf16*>(smem + kLOffOp);
+  bf16* Bw = Op;  // beta exp(G) k, once the operands are dead
+  float* betas = reinterpret_cast<float*>(smem + kLOffBeta);
+  float* tot = reinterpret_cast<float*>(smem + kLOffTot);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t slot = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int n = find_seq(a.cu, a.cu64, a.N, slot);
+  const int64_t bos = load_cu(a.cu, a.cu64, n);
+  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  const int64_t c = slot - (bos / kC + n);
+  if (c * kC >= len) return;  // a gap slot (or an empty sequence)
+  const int64_t t0 = bos + c * kC;
+  const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
+  const int hk = hv / (a.HV / a.H);
+  const int HV = a.HV;
+  uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
+  bf16* Aw = reinterpret_cast<bf16*>(ws + kWsA);
+
+  // ---- 1. loads (rows >= nt are zeros; g = 0 there: no decay).
+  uint4 vreg[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+    vreg[i] = make_uint4(0, 0, 0, 0);
+    if (r < nt) vreg[i] = *reinterpret_cast<const uint4*>(a.v + (size_t(t0 + r) * HV + hv) * kV + c8);
+  }
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    const int r = warp * 8 + rr;
+    float qf[4] = {0.f, 0.f, 0.f, 0.f}, kf[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < nt) {
+      const size_t off = (size_t(t0 + r) * a.H + hk) * kK + lane * 4;
+      uint2 qu = *reinterpret_cast<const uint2*>(a.q + off);
+      uint2 ku = *reinterpret_cast<const uint2*>(a.k + off);
+      const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(&qu);
+      const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&ku);
+      float2 x;
+      x = __bfloat1622float2(qh[0]); qf[0] = x.x; qf[1] = x.y;
+      x = __bfloat1622float2(qh[1]); qf[2] = x.x; qf[3] = x.y;
+      x = __bfloat1622float2(kh[0]); kf[0] = x.x; kf[1] = x.y;
+      x = __bfloat1622float2(kh[1]); kf[2] = x.x; kf[3] = x.y;
+    }
+    float sq = qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3];
+    float sk = kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float nq = rsqrtf(sq + 1e-6f) * a.scale, nk = rsqrtf(sk + 1e-6f);
+    uint2 qo, ko;
+    qo.x = pack_bf16(qf[0] * nq, qf[1] * nq);
+    qo.y = pack_bf16(qf[2] * nq, qf[3] * nq);
+    ko.x = pack_bf16(kf[0] * nk, kf[1] * nk);
+    ko.y = pack_bf16(kf[2] * nk, kf[3] * nk);
+    *reinterpret_cast<uint2*>(Qs + r * kLdB + lane * 4) = qo;
+    *reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4) = ko;
+  }
+  if (tid < kC) {
+    float b = 0.f;
+    if (tid < nt) {
+      b = __bfloat162float(a.beta[size_t(t0 + tid) * HV + hv]);
+      if (a.beta_logit) b = 1.f / (1.f + __expf(-b));
+    }
+    betas[tid] = b;
+  }
+  {
+    const int d = tid & (kK - 1), half = tid >> 7;
+    const float dtb = a.dt_bias ? a.dt_bias[hv * kK + d] : 0.f;
+    const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+    constexpr float kLog2e = 1.4426950408889634f;
+    float gl[32];
+    float run = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int r = half * 32 + i;
+      float val = 0.f;
+      if (r < nt) {
+        const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
+        if (a.gate == 0) {
+          const float x = raw + dtb;
+          const float sp = x > 20.f ? x : log1pf(__expf(x));
+          val = -ea * sp;
+        } else if (a.gate == 1) {
+          val = a.lower_bound / (1.f + __expf(-ea * (raw + dtb)));
+        } else {
+          val = raw;
+        }
+      }
+      run += val * kLog2e;
+      gl[i] = run;
+    }
+    tot[half * kK + d] = run;
+    __syncthreads();
+    const float base = half ? tot[d] : 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) Gs[(half * 32 + i) * kLdG + d] = gl[i] + base;
+  }
+  __syncthreads();
+
+  // ---- 2. Qg, Kd, exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
+  for (int e = tid; e < kC * 16; e += kLiteThreads) {
+    const int r = e >> 4, c8 = (e & 15) * 8;
+    const float* gr = Gs + r * kLdG + c8;
+    const float* gl = Gs + (kC - 1) * kLdG + c8;
+    float x[8], y[8];
+    unpack8(*reinterpret_cast<const uint4*>(Qs + r * kLdB + c8), x);
+    unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] *= ex2(gr[i]);
+      y[i] *= ex2(gl[i] - gr[i]);
+    }
+    reinterpret_cast<uint4*>(ws + kWsQg)[r * (kLdB / 8) + (c8 >> 3)] = pack8(x);
+    reinterpret_cast<uint4*>(ws + kWsKd)[r * (kLdB / 8) + (c8 >> 3)] = pack8(y);
+  }
+  if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
+  if (tid < 192) {
+    // blocks (I, J), J > I: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3); 16 rows x 2 vectors each
+    const int p = tid >> 5, rr = (tid >> 1) & 15, h = tid & 1;
+    const int I = p < 3 ? 0 : (p < 5 ? 1 : 2);
+    const int J = p < 3 ? p + 1 : (p < 5 ? p - 1 : 3);
+    *reinterpret_cast<uint4*>(Aw + (16 * I + rr) * kLdX + 16 * J + 8 * h) = make_uint4(0, 0, 0, 0);
+  }
+
+  // ---- 3. diagonal 16x16 blocks of L and Aqk, elementwise in fp32.
+  {
+    const int blk = tid >> 6, il = (tid >> 2) & 15, dq = tid & 3;
+    const int jmax = (warp & 1) * 8 + 7;  // warp-uniform loop bound
+    const int i = blk * 16 + il;
+    float sL[16], sA[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) { sL[j] = 0.f; sA[j] = 0.f; }
+#pragma unroll 1
+    for (int dc = 0; dc < 4; ++dc) {
+      const int d0 = dq * 32 + dc * 8;
+      float qi[8], ki[8], gi[8];
+      unpack8(*reinterpret_cast<const uint4*>(Qs + i * kLdB + d0), qi);
+      unpack8(*reinterpret_cast<const uint4*>(Ks + i * kLdB + d0), ki);
+      {
+        float4 g0 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0);
+        float4 g1 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0 + 4);
+        gi[0] = g0.x; gi[1] = g0.y; gi[2] = g0.z; gi[3] = g0.w;
+        gi[4] = g1.x; gi[5] = g1.y; gi[6] = g1.z; gi[7] = g1.w;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        if (jj <= jmax) {
+          const int j = blk * 16 + jj;
+          float kj[8];
+          unpack8(*reinterpret_cast<const uint4*>(Ks + j * kLdB + d0), kj);
+          float4 g0 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0);
+          float4 g1 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0 + 4);
+          const float gj[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+          if (jj <= il) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              const float kx = kj[e] * ex2(gi[e] - gj[e]);
+              sL[jj] = fmaf(ki[e], kx, sL[jj]);
+              sA[jj] = fmaf(qi[e], kx, sA[jj]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {
+      if (jj <= jmax) {  // warp-uniform
+        sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 1);
+        sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 2);
+        sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 1);
+        sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 2);
+      }
+    }
+    if (dq == 0) {
+      const float bi = betas[i];
+      float av[16];
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        Lm[i * kLdM + blk * 16 + jj] = jj < il ? bi * sL[jj] : 0.f;
+        av[jj] = jj <= il ? sA[jj] : 0.f;
+      }
+      uint4* dst = reinterpret_cast<uint4*>(Aw + i * kLdX + blk * 16);
+      dst[0] = pack8(av);
+      dst[1] = pack8(av + 8);
+    }
+  }
+
+  // ---- 4. strictly-lower blocks, one row block I at a time (anchor a = 16 I - 1).
+  // Op rows 0..15: k_I exp(G_i - G_a); 16..31: q_I exp(G_i - G_a); 32..: k_j exp(G_a - G_j), j < 16 I.
+#pragma unroll 1
+  for (int I = 3; I >= 1; --I) {
+    const int rows = 32 + 16 * I, anc = 16 * I - 1;
+    for (int it = tid; it < rows * 16; it += kLiteThreads) {
+      const int rr = it >> 4, d0 = (it & 15) * 8;
+      const bool right = rr >= 32;
+      const int src = right ? rr - 32 : 16 * I + (rr & 15);
+      const bf16* S = (!right && rr >= 16) ? Qs : Ks;
+      float x[8];
+      unpack8(*reinterpret_cast<const uint4*>(S + src * kLdB + d0), x);
+      const float* gs = Gs + src * kLdG + d0;
+      const float* ga = Gs + anc * kLdG + d0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] *= right ? ex2(ga[e] - gs[e]) : ex2(gs[e] - ga[e]);
+      *reinterpret_cast<uint4*>(Op + rr * kLdB + d0) = pack8(x);
+    }
+    __syncthreads();
+    if (warp < 2 * I) {
+      const int mt = warp / I, nb = warp % I;
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const bf16* Ab = Op + mt * 16 * kLdB;
+      const bf16* Bb = Op + (32 + nb * 16) * kLdB;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        uint32_t af[4], bfr[4];
+        load_a(af, Ab, kLdB, 0, ks * 16, lane);
+        load_b_nk(bfr, Bb, kLdB, 0, ks * 16, lane);
+        mma_bf16(acc[0], af, bfr);
+        mma_bf16(acc[1], af, bfr + 2);
+      }
+      const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * I + g + 8 * h, col = nb * 16 + nn * 8 + 2 * tq;
+          if (mt == 0) {
+            const float bi = betas[row];
+            Lm[row * kLdM + col] = bi * acc[nn][2 * h];
+            Lm[row * kLdM + col + 1] = bi * acc[nn][2 * h + 1];
+          } else {
+            *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(acc[nn][2 * h], acc[nn][2 * h + 1]);
+          }
+        }
+    }
+    __syncthreads();
+  }
+
+  // ---- 5. B operands: beta V (into q's region), beta exp(G) k (into the operand region).
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+    float x[8];
+    unpack8(vreg[i], x);
+    const float b = betas[r];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] *= b;
+    *reinterpret_cast<uint4*>(Bu + r * kLdB + c8) = pack8(x);
+  }
+  for (int e = tid; e < kC * 16; e += kLiteThreads) {
+    const int r = e >> 4, c8 = (e & 15) * 8;
+    const float b = betas[r];
+    float x[8];
+    unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), x);
+    const float* gr = Gs + r * kLdG + c8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] *= b * ex2(gr[i]);
+    *reinterpret_cast<uint4*>(Bw + r * kLdB + c8) = pack8(x);
+  }
+  __syncthreads();  // G and k are dead from here: X lives where G was
+
+  // ---- 6. X = (I + L)^-1 (same blocked scheme as the 512-thread kernel).
+  if (tid < 64) {
+    const int blk = tid >> 4, cc = tid & 15;
+    const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float s = (i == cc) ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s = fmaf(-Lb[i * kLdM + j], x[j], s);
+      x[i] = s;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int I = 1; I < 4; ++I) {
+#pragma unroll
+    for (int rep = 0; rep < I; ++rep) {
+      const int e = tid + rep * kLiteThreads;
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      const float* lr = Lm + (I * 16 + r) * kLdM;
+      float s = 0.f;
+#pragma unroll
+      for (int KB = 0; KB < I; ++KB) {
+        if (KB >= J) {
+#pragma unroll
+          for (int kk = 0; kk < 16; ++kk)
+            s = fmaf(lr[KB * 16 + kk], Xm[(KB * 16 + kk) * kLdM + J * 16 + cc], s);
+        }
+      }
+      Pt[r * kLdP + J * 16 + cc] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int rep = 0; rep < I; ++rep) {
+      const int e = tid + rep * kLiteThreads;
+      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
+      const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) s = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s);
+      Xm[(I * 16 + r) * kLdM + J * 16 + cc] = s;
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < kC * kC / 2; e += kLiteThreads) {
+    const int r = e >> 5, c2 = (e & 31) * 2;
+    const float x0 = c2 <= r ? Xm[r * kLdM + c2] : 0.f;
+    const float x1 = c2 + 1 <= r ? Xm[r * kLdM + c2 + 1] : 0.f;
+    *reinterpret_cast<uint32_t*>(Xb + r * kLdX + c2) = pack_bf16(x0, x1);
+  }
+  __syncthreads();
+
+  // ---- 7. W = X (beta exp(G) k), U = X (beta V); stored straight from the fragments.
+  {
+    const int mt = warp & 3, which = warp >> 2;
+    const bf16* Bsrc = which ? Bu : Bw;
+    bf16* dst = reinterpret_cast<bf16*>(ws + (which ? kWsU : kWsW));
+    float acc[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int ks = 0; ks <= mt; ++ks) {
+      uint32_t af[4];
+      load_a(af, Xb, kLdX, mt * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t bfr[4];
+        load_b_kn(bfr, Bsrc, kLdB, ks * 16, np * 16, lane);
+        mma_bf16(acc[2 * np], af, bfr);
+        mma_bf16(acc[2 * np + 1], af, bfr + 2);
+      }
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nn = 0; nn < 16; ++nn) {
+      const int col = nn * 8 + 2 * tq, r0 = mt * 16 + g, r1 = r0 + 8;
+      const int o0 = which ? u_off(r0, col) : r0 * kLdB + col;
+      const int o1 = which ? u_off(r1, col) : r1 * kLdB + col;
+      *reinterpret_cast<uint32_t*>(dst + o0) = pack_bf16(acc[nn][0], acc[nn][1]);
+      *reinterpret_cast<uint32_t*>(dst + o1) = pack_bf16(acc[nn][2], acc[nn][3]);
+    }
   }
 }
 
@@ -585,6 +976,7 @@ struct StateArgs {
   const int32_t* idx;       // pool indices or null
   int null_slot0;
   void* ckpt;               // [N, Cc, HV, V, K] or null
+  int tma;                  // 1: bulk copies on mbarriers; 0: cp.async
   int64_t ckpt_count;
   int64_t ckpt_every;
   bf16* out;                // [T, HV, V]
@@ -615,27 +1007,50 @@ __device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][V
       }
 }
 
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// Chunk data for one V tile: [W | Qg | Kd | A | gC] and the tile's U blocks, both contiguous in the
+// workspace. tma: thread 0 issues two bulk copies on the stage's mbarrier; else every thread
+// issues 16 B cp.async (one commit group per chunk).
 template <int VT>
-__device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid) {
+__device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid, bool tma,
+                                            uint64_t* bar) {
   using SM = StateSmem<VT>;
-  // W, Qg, Kd: 3 x 64 rows x 16 vectors
-  for (int e = tid; e < 3 * kC * 16; e += 128) {
-    const int m = e / (kC * 16), rem = e % (kC * 16), r = rem >> 4, c = rem & 15;
-    const size_t src = (m == 0 ? kWsW : (m == 1 ? kWsQg : kWsKd)) + size_t(r) * kK * 2 + c * 16;
-    const int dst = (m == 0 ? SM::kW : (m == 1 ? SM::kQg : SM::kKd)) + r * kLdB * 2 + c * 16;
-    cp_async16(st + dst, ws + src);
+  const uint8_t* usrc = ws + kWsU + size_t(vt) * SM::kUBytes;
+  if (tma) {
+    if (tid == 0) {
+      mbar_expect_tx(bar, SM::kSide + SM::kUBytes);
+      bulk_g2s(st, ws, SM::kSide, bar);
+      bulk_g2s(st + SM::kU, usrc, SM::kUBytes, bar);
+    }
+  } else {
+    for (int e = tid; e < SM::kSide / 16; e += 128) cp_async16(st + e * 16, ws + size_t(e) * 16);
+    for (int e = tid; e < SM::kUBytes / 16; e += 128) cp_async16(st + SM::kU + e * 16, usrc + size_t(e) * 16);
   }
-  for (int e = tid; e < kC * 8; e += 128) {
-    const int r = e >> 3, c = e & 7;
-    cp_async16(st + SM::kA + r * kLdX * 2 + c * 16, ws + kWsA + size_t(r) * kC * 2 + c * 16);
-  }
-  constexpr int kUv = VT / 8;  // 16 B vectors per U row of the tile
-  for (int e = tid; e < kC * kUv; e += 128) {
-    const int r = e / kUv, c = e % kUv;
-    cp_async16(st + SM::kU + r * SM::kLdU * 2 + c * 16,
-               ws + kWsU + size_t(r) * kV * 2 + size_t(vt) * VT * 2 + c * 16);
-  }
-  if (tid < kK / 4) cp_async16(st + SM::kGc + tid * 16, ws + kWsGc + tid * 16);
 }
 
 template <int VT, typename ST>
@@ -683,10 +1098,22 @@ __global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
   }
 
   constexpr int NS = SM::NS;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + SM::kBar);
+  const bool tma = a.tma != 0;
+  if (tma) {
+    if (tid == 0) {
+#pragma unroll
+      for (int i = 0; i < NS; ++i) mbar_init(bars + i, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
   if (nch > 0) {
 #pragma unroll
     for (int i = 0; i < NS - 1; ++i) {
-      if (i < nch) issue_chunk<VT>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt, tid);
+      if (i < nch)
+        issue_chunk<VT>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
+                        tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
     // The bf16 copy of the state that feeds the B operand of V' = U - W S and O = Qg S.
@@ -701,17 +1128,21 @@ __global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
   }
 
   int stage = 0;
+  uint32_t parity = 0;  // of the current use of each stage's mbarrier (flips after NS chunks)
   for (int64_t c = 0; c < nch; ++c) {
     uint8_t* st = smem + stage * SM::kStage;
-    cp_async_wait<NS - 2>();
+    if (tma) mbar_wait(bars + stage, parity);
+    else cp_async_wait<NS - 2>();
     __syncthreads();  // chunk c visible; every warp is done with chunk c-1 (its stage is free)
     {
       const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
       if (c + NS - 1 < nch)
         issue_chunk<VT>(smem + ns * SM::kStage,
-                        a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid);
+                        a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
+                        bars + ns);
       cp_async_commit();
     }
+    if (stage == NS - 1) parity ^= 1u;
     stage = stage + 1 == NS ? 0 : stage + 1;
     const bf16* Ws = reinterpret_cast<const bf16*>(st + SM::kW);
     const bf16* Qg = reinterpret_cast<const bf16*>(st + SM::kQg);
@@ -746,7 +1177,7 @@ __global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
-        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + row * LDU + col));
+        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
         *reinterpret_cast<uint32_t*>(Vp + row * LDU + col) =
             pack_bf16(u.x - a1[nt][2 * h], u.y - a1[nt][2 * h + 1]);
       }

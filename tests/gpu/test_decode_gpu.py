@@ -292,6 +292,45 @@ def test_o32_rejects_large_pool_and_o64_handles_it():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16])
+def test_o32_largest_pool(sdt):
+    """The largest pool o32 modules take (just under 2^31 elements): byte offsets pass 2^32 in fp32
+    and 2^31 in bf16, element offsets do not. Last slots updated right, neighbours untouched."""
+    HV, H = 8, 4
+    per_slot = HV * V * K
+    slots = (2 ** 31 - 1) // per_slot
+    try:
+        pool = torch.empty(slots, HV, V, K, dtype=sdt, device="cuda")
+    except RuntimeError:
+        pytest.skip("not enough GPU memory")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    hi = [slots - 1, slots - 3, slots // 2 + 1, 1]
+    probe = sorted(set(hi + [slots - 2, slots // 2, slots // 2 + 2, 0, 2]))
+    pool[probe] = make_pool(len(probe), HV, sdt, gen)
+    before = pool[probe].clone()
+    rows = len(hi)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen)
+    idx = torch.tensor(hi, dtype=torch.int32, device="cuda")
+    ref_out, ref_states = reference(q, k, v, g, beta, A_log, dt_bias, pool, idx.cpu(), "softplus")
+    dname = "float32" if sdt == torch.float32 else "bfloat16"
+    for rec in RECORDS:
+        if rec["state_dtype"] != dname or rec["slot_offset_bits"] != 32:
+            continue
+        pool[probe] = before
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(rec["name"], q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "softplus")
+        torch.cuda.synchronize()
+        assert rel_l2(out.float(), ref_out) < 1.2e-2, rec["name"]
+        for s, st in ref_states.items():
+            tol = 2e-5 if sdt == torch.float32 else 4e-3
+            assert rel_l2(pool[s].float(), st.double()) < tol, (rec["name"], s)
+        for j, s in enumerate(probe):
+            if s not in ref_states:
+                assert torch.equal(bits(pool[s]), bits(before[j])), (rec["name"], s)
+    del pool
+    torch.cuda.empty_cache()
+
+
 def test_contract_matches_supported():
     sup = json.loads((ROOT / "jit/supported.json").read_text())["families"]["kda_decode"]["cuda"]
     for rec in RECORDS:
