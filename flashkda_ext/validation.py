@@ -410,6 +410,9 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
     _bool("output_final_state", output_final_state)
     _bool("null_slot0", null_slot0)
 
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0 or max_seqlen > T:
+            raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
     cu_dtype = None
     if cu_seqlens is not None:
         cu_seqlens = _tensor("cu_seqlens", cu_seqlens)
@@ -427,14 +430,16 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             cs = cu_seqlens.tolist()
             if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
                 raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T}, got {cs}")
+            host_longest = max(b - a for a, b in zip(cs, cs[1:]))
+            if max_seqlen is not None and max_seqlen < host_longest:
+                raise ValueError(f"max_seqlen: expected >= the longest sequence in cu_seqlens ({host_longest}), "
+                                 f"got {max_seqlen}")
+            max_seqlen = host_longest if max_seqlen is None else max_seqlen
         N = cu_seqlens.shape[0] - 1
         cu_dtype = dtype_name(cu_seqlens.dtype)
     else:
         N = B
-    if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0 or max_seqlen > T:
-            raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
-    elif cu_seqlens is None:
+    if cu_seqlens is None and max_seqlen is None:
         max_seqlen = T
 
     state_mode, slots, state_dtype = "none", N, None
