@@ -89,17 +89,19 @@ def _as_array(name: str, x, *, optional: bool = False):
     raise TypeError(f"{name}: expected a jax.Array (or numpy array), got {type(x).__name__}")
 
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
+_TORCH_DTYPES = {np.dtype(name): getattr(torch, name) for name in
+                 ("float32", "bfloat16", "float16", "float64", "int32", "int64", "uint8")
+                 if name != "bfloat16"}
+_TORCH_DTYPES[np.dtype(jnp.bfloat16)] = torch.bfloat16
 
 
 def _torch_dtype(name: str, dtype) -> torch.dtype:
-    dname = jnp.dtype(dtype).name
-    tdtype = _TORCH_DTYPES.get(dname)
+    tdtype = _TORCH_DTYPES.get(dtype)
     if tdtype is None:
+        dname = jnp.dtype(dtype).name
         tdtype = getattr(torch, dname, None)
-    if not isinstance(tdtype, torch.dtype):
-        raise ValueError(f"{name}: dtype {dname} has no counterpart among the supported dtypes")
+        if not isinstance(tdtype, torch.dtype):
+            raise ValueError(f"{name}: dtype {dname} has no counterpart among the supported dtypes")
     return tdtype
 
 
@@ -284,7 +286,7 @@ def _any_tracer(arrays) -> bool:
 
 
 def _dtype_str(x) -> str:
-    return jnp.dtype(x.dtype).name
+    return x.dtype.name
 
 
 # ---------------------------------------------------------------------------------------------

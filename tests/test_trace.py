@@ -440,8 +440,21 @@ def _crash(*_a, **_k):
     raise _Boom("launch crashed")
 
 
+@pytest.fixture
+def fresh_memos():
+    """Validation verdicts (and the route function kept on them) are memoized per process: a test
+    that patches the launch path starts and ends with empty memos, so it neither sees nor leaks one."""
+    checks = (ops.validation.check_kda_decode, ops.validation.check_kda_prefill,
+              ops.validation.check_fused_kda_decode)
+    for check in checks:
+        check.cache_clear()
+    yield
+    for check in checks:
+        check.cache_clear()
+
+
 @pytest.mark.parametrize("op", trace.OPS)
-def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatch):
+def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatch, fresh_memos):
     """The trace is written before the launch: make the launch itself fail."""
     monkeypatch.setattr(ops.dispatch, "function", lambda *a, **k: _crash)
     monkeypatch.setattr(ops.dispatch, "select_rule", lambda *a, **k: {"module": "crash"})

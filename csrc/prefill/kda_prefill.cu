@@ -44,6 +44,7 @@ using StateT = float;
 int g_vt_override = 0;  // set by kda_prefill_tune (benchmarks only); 0 = module default
 int g_prep_wide = FKDA_PARAM_PREP_WIDE;  // 1: the 512-thread prep (one CTA per SM); 0: 256 threads, two per SM
 int g_tma = 1;          // 1: the state pass moves chunks with bulk copies (TMA); 0: cp.async
+int g_diag_mma = 1;     // lite prep: diagonal blocks on tensor cores where the gate range allows
 int g_skip = 0;         // benchmarks only: bit 0 skips the prep kernel, bit 1 the state pass
 
 #define FKDA_CUDA_OK(expr, fn)                                                             \
@@ -198,6 +199,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.lower_bound = static_cast<float>(lower_bound);
     pa.scale = static_cast<float>(scale);
     pa.beta_logit = beta_is_logit ? 1 : 0;
+    pa.diag_mma = g_diag_mma;
     pa.ws = ws;
     static bool prep_attr = false;
     if (!prep_attr) {
@@ -274,6 +276,13 @@ int64_t kda_prefill_tma(int64_t on) {
   return old;
 }
 
+// Benchmarks only: 1 = diagonal blocks on tensor cores where safe (default), 0 = always elementwise.
+int64_t kda_prefill_diag_mma(int64_t on) {
+  const int64_t old = g_diag_mma;
+  g_diag_mma = on ? 1 : 0;
+  return old;
+}
+
 // Benchmarks only: time the two kernels apart (bit 0 skips prep, bit 1 the state pass).
 int64_t kda_prefill_skip(int64_t mask) {
   const int64_t old = g_skip;
@@ -287,6 +296,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_tune, kda_prefill_tune);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_skip, kda_prefill_skip);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_diag_mma, kda_prefill_diag_mma);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_tma, kda_prefill_tma);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_prep_wide, kda_prefill_prep_wide);
 FKDA_EXPORT_CONTRACT();

@@ -207,6 +207,7 @@ struct PrepArgs {
   float lower_bound;
   float scale;
   int beta_logit;
+  int diag_mma;  // lite prep: 1 = diagonal blocks on tensor cores where the gate range allows
   uint8_t* ws;
 };
 
@@ -304,7 +305,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArg
         const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
         if (a.gate == 0) {
           const float x = raw + dtb;
-          const float sp = x > 20.f ? x : log1pf(__expf(x));
+          // softplus; fast exp/log are ample for a bf16 input (x < -15: log(1+e^x) = e^x to fp32)
+          const float sp = x > 20.f ? x : (x < -15.f ? __expf(x) : __logf(1.f + __expf(x)));
           val = -ea * sp;
         } else if (a.gate == 1) {
           val = a.lower_bound / (1.f + __expf(-ea * (raw + dtb)));
@@ -598,13 +600,14 @@ constexpr int kLOffXb = kLOffP + 16 * kLdP * 4;
 constexpr int kLOffQ = kLOffG + kC * kLdG * 4;            // later beta V
 constexpr int kLOffK = kLOffQ + kC * kLdB * 2;
 constexpr int kLOffL = kLOffK + kC * kLdB * 2;
-constexpr int kLOffOp = kLOffL + kC * kLdM * 4;           // 80 rows of operands, later beta exp(G) k
-constexpr int kLOffBeta = kLOffOp + 80 * kLdB * 2;
+constexpr int kLOffOp = kLOffL + kC * kLdM * 4;           // 96 rows of operands, later beta exp(G) k
+constexpr int kLOffBeta = kLOffOp + 96 * kLdB * 2;
 constexpr int kLOffTot = kLOffBeta + kC * 4;
-constexpr int kLiteSmem = kLOffTot + 2 * kK * 4;
+constexpr int kLOffSafe = kLOffTot + 2 * kK * 4;         // int [4]: diagonal block I on tensor cores
+constexpr int kLiteSmem = kLOffSafe + 16;
 static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
 static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
-static_assert(kLiteSmem <= 113 * 1024, "two CTAs per SM");
+static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 
 __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -620,6 +623,7 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
   bf16* Bw = Op;  // beta exp(G) k, once the operands are dead
   float* betas = reinterpret_cast<float*>(smem + kLOffBeta);
   float* tot = reinterpret_cast<float*>(smem + kLOffTot);
+  int* safe = reinterpret_cast<int*>(smem + kLOffSafe);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t slot = blockIdx.x;
@@ -699,7 +703,8 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
         const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
         if (a.gate == 0) {
           const float x = raw + dtb;
-          const float sp = x > 20.f ? x : log1pf(__expf(x));
+          // softplus; fast exp/log are ample for a bf16 input (x < -15: log(1+e^x) = e^x to fp32)
+          const float sp = x > 20.f ? x : (x < -15.f ? __expf(x) : __logf(1.f + __expf(x)));
           val = -ea * sp;
         } else if (a.gate == 1) {
           val = a.lower_bound / (1.f + __expf(-ea * (raw + dtb)));
@@ -715,6 +720,18 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
     const float base = half ? tot[d] : 0.f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) Gs[(half * 32 + i) * kLdG + d] = gl[i] + base;
+  }
+  __syncthreads();
+  // A diagonal block I goes on tensor cores with the anchor m = 16 I + 7 when every factor
+  // exp2(+-(G - G_m)) inside it stays below 2^100 (always for the bounded gate; softplus decays of
+  // more than ~9 nats a step fall back to the elementwise form).
+#pragma unroll
+  for (int I = 0; I < 4; ++I) {
+    const int d = tid & (kK - 1);
+    const float gm = Gs[(16 * I + 7) * kLdG + d];
+    const float r = fmaxf(Gs[(16 * I) * kLdG + d] - gm, gm - Gs[(16 * I + 15) * kLdG + d]);
+    const int bad = __syncthreads_or(!(r <= 100.f) || !a.diag_mma);
+    if (tid == 0) safe[I] = !bad;
   }
   __syncthreads();
 
@@ -743,8 +760,8 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
     *reinterpret_cast<uint4*>(Aw + (16 * I + rr) * kLdX + 16 * J + 8 * h) = make_uint4(0, 0, 0, 0);
   }
 
-  // ---- 3. diagonal 16x16 blocks of L and Aqk, elementwise in fp32.
-  {
+  // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
+  if (!safe[tid >> 6]) {  // warp-uniform
     const int blk = tid >> 6, il = (tid >> 2) & 15, dq = tid & 3;
     const int jmax = (warp & 1) * 8 + 7;  // warp-uniform loop bound
     const int i = blk * 16 + il;
@@ -806,11 +823,15 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
     }
   }
 
-  // ---- 4. strictly-lower blocks, one row block I at a time (anchor a = 16 I - 1).
-  // Op rows 0..15: k_I exp(G_i - G_a); 16..31: q_I exp(G_i - G_a); 32..: k_j exp(G_a - G_j), j < 16 I.
+  // ---- 4. lower blocks, one row block I at a time. Anchor a = 16 I + 7 with the diagonal block
+  // included when it is safe (see above), else a = 16 I - 1 (every factor <= 1) without it.
+  // Op rows 0..15: k_I exp(G_i - G_a); 16..31: q_I exp(G_i - G_a); 32..: k_j exp(G_a - G_j), j < ncol.
 #pragma unroll 1
-  for (int I = 3; I >= 1; --I) {
-    const int rows = 32 + 16 * I, anc = 16 * I - 1;
+  for (int I = 3; I >= 0; --I) {
+    const bool dg = safe[I] != 0;
+    const int nbc = dg ? I + 1 : I;  // column blocks
+    if (nbc == 0) continue;          // CTA-uniform
+    const int rows = 32 + 16 * nbc, anc = dg ? 16 * I + 7 : 16 * I - 1;
     for (int it = tid; it < rows * 16; it += kLiteThreads) {
       const int rr = it >> 4, d0 = (it & 15) * 8;
       const bool right = rr >= 32;
@@ -825,8 +846,8 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
       *reinterpret_cast<uint4*>(Op + rr * kLdB + d0) = pack8(x);
     }
     __syncthreads();
-    if (warp < 2 * I) {
-      const int mt = warp / I, nb = warp % I;
+    if (warp < 2 * nbc) {
+      const int mt = warp / nbc, nb = warp % nbc;
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       const bf16* Ab = Op + mt * 16 * kLdB;
       const bf16* Bb = Op + (32 + nb * 16) * kLdB;
@@ -844,12 +865,19 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = 16 * I + g + 8 * h, col = nb * 16 + nn * 8 + 2 * tq;
+          // In the diagonal block keep j < i (L) / j <= i (Aqk); above it the factors may overflow:
+          // select, never multiply, so inf/NaN there cannot leak.
+          float x0 = acc[nn][2 * h], x1 = acc[nn][2 * h + 1];
           if (mt == 0) {
             const float bi = betas[row];
-            Lm[row * kLdM + col] = bi * acc[nn][2 * h];
-            Lm[row * kLdM + col + 1] = bi * acc[nn][2 * h + 1];
+            x0 = col < row ? bi * x0 : 0.f;
+            x1 = col + 1 < row ? bi * x1 : 0.f;
+            Lm[row * kLdM + col] = x0;
+            Lm[row * kLdM + col + 1] = x1;
           } else {
-            *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(acc[nn][2 * h], acc[nn][2 * h + 1]);
+            x0 = col <= row ? x0 : 0.f;
+            x1 = col + 1 <= row ? x1 : 0.f;
+            *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(x0, x1);
           }
         }
     }
