@@ -139,15 +139,30 @@ def _platform(platform: Optional[str], named_arrays) -> str:
     return _PLATFORMS[plat]
 
 
-def _check_offsets_on_host(cu_seqlens, T: int) -> None:
-    """The value check the torch op makes on host offsets, for concrete CPU arrays only."""
-    if cu_seqlens is None or _is_tracer(cu_seqlens):
-        return
+def _host_offsets(cu_seqlens):
+    """The offsets as a list when cu_seqlens is a concrete 1-D integer array on the CPU (values the
+    torch op inspects too), else None: device offsets are never copied to the host."""
+    if cu_seqlens is None or _is_tracer(cu_seqlens) or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        return None
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        return None
     if next(iter(cu_seqlens.devices())).platform != "cpu":
-        return  # device offsets are the binding's to check (no device-to-host copy here)
-    cs = [int(c) for c in np.asarray(cu_seqlens)]
-    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        return None
+    return [int(c) for c in np.asarray(cu_seqlens)]
+
+
+def _offsets_valid(cs, T) -> bool:
+    return cs[0] == 0 and cs[-1] == T and all(b >= a for a, b in zip(cs, cs[1:]))
+
+
+def _check_host_offsets(cs, T: int, max_seqlen) -> None:
+    """The value checks the torch op makes on host offsets (same messages)."""
+    if not _offsets_valid(cs, T):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T}, got {cs}")
+    longest = max(b - a for a, b in zip(cs, cs[1:]))
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen: expected >= the longest sequence in cu_seqlens ({longest}), "
+                         f"got {max_seqlen}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,6 +398,11 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     args = tuple(_as_array(n, x, optional=n not in required) for n, x in zip(names, vals))
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices, state, checkpoints = args
     plat = _platform(platform, zip(names, args))
+    # Host offsets give the longest sequence (sizes the checkpoints, feeds the route), as in torch.
+    cs = _host_offsets(cu_seqlens)
+    route_max = max_seqlen
+    if cs is not None and max_seqlen is None and q.ndim == 4 and _offsets_valid(cs, q.shape[1]):
+        route_max = max(b - a for a, b in zip(cs, cs[1:]))
     call = validation.check_kda_prefill(
         _meta("q", q), _meta("k", k), _meta("v", v), _meta("g", g), _meta("beta", beta),
         A_log=_meta("A_log", A_log), dt_bias=_meta("dt_bias", dt_bias), lower_bound=lower_bound,
@@ -390,8 +410,9 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         initial_state=_meta("initial_state", initial_state), state=_meta("state", state),
         state_indices=_meta("state_indices", state_indices), output_final_state=output_final_state,
         checkpoint_every=checkpoint_every, checkpoints=_meta("checkpoints", checkpoints),
-        max_seqlen=max_seqlen, null_slot0=null_slot0, backend=plat)
-    _check_offsets_on_host(cu_seqlens, call.seqlen)
+        max_seqlen=route_max, null_slot0=null_slot0, backend=plat)
+    if cs is not None:
+        _check_host_offsets(cs, call.seqlen, max_seqlen)
     module_name = _route("kda_prefill", call)
     chunk, ws_module = _prefill_module_info(module_name)
     if call.checkpoint_every % chunk != 0:

@@ -200,7 +200,8 @@ def test_prefill_dense_with_checkpoints(gen, mode):
     if mode == "eager":
         out, final, ck = kj.kda_prefill(*jpos, **jrest, **kw)
     else:
-        out, final, ck = jax.jit(lambda p, r: kj.kda_prefill(*p, **r, **kw))(jpos, jrest)
+        # traced offsets have no host values: max_seqlen (static) sizes the checkpoints as torch does
+        out, final, ck = jax.jit(lambda p, r: kj.kda_prefill(*p, **r, **kw, max_seqlen=max(lens)))(jpos, jrest)
     assert out.shape == (1, sum(lens), HV, V) and ck.shape == t_ck.shape
     assert torch.equal(to_torch(out), t_out) and torch.equal(to_torch(final), t_final)
     assert torch.equal(to_torch(ck).isnan(), t_ck.isnan())           # untouched slots stay NaN
@@ -347,6 +348,8 @@ def test_prefill_errors_name_the_argument(gen):
     pos, rest = split(d)
     with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets"):
         kj.kda_prefill(*pos, **dict(rest, cu_seqlens=jnp.array([0, 5, 4], jnp.int32)))
+    with pytest.raises(ValueError, match=r"max_seqlen: expected >= the longest sequence in cu_seqlens \(4\)"):
+        kj.kda_prefill(*pos, **rest, max_seqlen=3)
     with pytest.raises(ValueError, match="initial_state"):
         kj.kda_prefill(*pos, **rest, initial_state=jnp.zeros((3, HV, V, K)))
     with pytest.raises(ValueError, match="state_indices"):
