@@ -211,6 +211,8 @@ def main():
     ap.add_argument("--modules", default="", help="comma list of module stems (e.g. split4,row); "
                     "default: the routed module only")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--max-calls", type=int, default=128, help="calls per timed graph (cap)")
+    ap.add_argument("--quiet", action="store_true", help="no per-point lines")
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--heads", default="")
     ap.add_argument("--rows", default="")
@@ -236,31 +238,33 @@ def main():
                 case = make_case(rows, HV, gen)
                 out = torch.empty(rows, HV, V, dtype=torch.bfloat16, device="cuda")
                 traffic = rows * HV * V * K * esz * 2
-                M = max(2, min(128, math.ceil(256e6 / traffic)))
-                reps = 5 if traffic * M > 1e9 else 10
+                M = max(2, min(args.max_calls, math.ceil(256e6 / traffic)))
+                reps = 5 if traffic * M > 1e9 else 8
                 idxs = [torch.randperm(SLOTS, device="cuda", generator=gen)[:rows].to(torch.int32) for _ in range(M)]
+                offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"  # as the dispatcher decides
                 meta = dict(device="cuda", rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
-                            offset="o32", slot_mode="unique", gate="softplus")
-                names = [f"decode_{s}_{sname}_o32" for s in stems] if stems else [route(meta)[0]]
+                            offset=offset, slot_mode="unique", gate="softplus")
+                names = [f"decode_{s}_{sname}_{offset}" for s in stems] if stems else [route(meta)[0]]
                 rec = dict(state=sname, heads=HV, rows=rows, work_items=rows * HV, state_bytes=traffic,
                            calls_per_graph=M, results={})
                 for name in names:
                     calls = [ours_call(name, case, pool, i, out) for i in idxs]
                     tg = time_graph(calls, reps)
-                    te = time_eager(calls, max(3, reps // 2))
+                    te = time_eager(calls, 3)
                     rec["results"][name] = dict(graph_us=tg, eager_us=te, tbps=traffic / tg / 1e6,
                                                 pct_copy=100 * traffic / tg / 1e6 / copy_tbps)
                 if fla is not None:
                     calls = [fla_call(fla, case, pool, i, out) for i in idxs]
                     tg = time_graph(calls, reps)
-                    te = time_eager(calls, max(3, reps // 2))
+                    te = time_eager(calls, 3)
                     rec["results"]["fla"] = dict(graph_us=tg, eager_us=te, tbps=traffic / tg / 1e6,
                                                  pct_copy=100 * traffic / tg / 1e6 / copy_tbps)
                 points.append(rec)
-                line = " ".join(f"{n.replace('decode_', '').replace('_' + sname + '_o32', '')}="
+                line = " ".join(f"{n.replace('decode_', '').replace('_' + sname + '_' + offset, '')}="
                                 f"{r['graph_us']:.1f}/{r['eager_us']:.0f}us({r['pct_copy']:.0f}%)"
                                 for n, r in rec["results"].items())
-                print(f"{sname} HV={HV} rows={rows}: {line}", flush=True)
+                if not args.quiet:
+                    print(f"{sname} HV={HV} rows={rows}: {line}", flush=True)
             del pool
             torch.cuda.empty_cache()
     acc = accuracy(fla)
@@ -298,7 +302,7 @@ def markdown(points, copy_tbps):
             ours = {n: r for n, r in p["results"].items() if n != "fla"}
             n, r = min(ours.items(), key=lambda kv: kv[1]["graph_us"])
             f = p["results"].get("fla")
-            stem = n.replace("decode_", "").rsplit("_", 2)[0]
+            stem = n.replace("decode_", "").rsplit("_", 2)[0] + ("" if n.endswith("o32") or n == "fla" else "/o64")
             lines.append(f"| {p['heads']} | {p['rows']} | {r['graph_us']:.1f} ({r['eager_us']:.0f}) {stem} | "
                          + (f"{f['graph_us']:.1f} ({f['eager_us']:.0f}) | {f['graph_us'] / r['graph_us']:.2f} | "
                             f"{f['eager_us'] / r['eager_us']:.2f}" if f else "- | - | -")

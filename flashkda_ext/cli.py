@@ -786,6 +786,8 @@ def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[
     unreached: List[str] = []
     for fam in FAMILIES:
         cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes), key=_spec_cost)
+        if quick:  # no multi-GiB pools: the 64-bit-offset twins are left to the full run
+            cands = [c for c in cands if c.slots * c.HV * c.V * c.K <= INT32_MAX]
         seen: Dict[Tuple[str, str], Spec] = {}
         for s in cands:
             try:

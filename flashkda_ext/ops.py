@@ -104,7 +104,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     device = q.device
     B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
     rule = dispatch.select_rule("kda_prefill", call.route_meta())
-    chunk = int(jit.get_record(rule["module"]).get("params", {}).get("CHUNK", 1))
+    chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{rule['module']}, got {call.checkpoint_every}")

@@ -188,7 +188,8 @@ def _contract_accepts(c, H, HV, K, V, state_dtype):
     if c["FKDA_NUM_SUPPORTED_GROUP_SIZES"] and HV // H not in c["FKDA_SUPPORTED_GROUP_SIZES"]:
         return False
     want = {0: "float32", 1: "bfloat16"}.get(c["FKDA_STATE_BF16"])
-    return want is None or want == state_dtype
+    # A prefill with no state tensor at all is routed to the fp32-state modules (ops.kda_prefill).
+    return want is None or want == (state_dtype or "float32")
 
 
 def _records(op, backend):

@@ -1,6 +1,7 @@
 // TVM-FFI binding of the family kda_decode on sm_90a (contract: docs/architecture.md).
 // One source builds every decode module; the module record's macros pick the schedule:
-//   FKDA_PARAM_SCHEDULE        0 tile (cluster when FKDA_CLUSTER_X == 2), 1 persistent, 2 sequential
+//   FKDA_PARAM_SCHEDULE        0 tile (cluster when FKDA_CLUSTER_X == 2), 1 persistent (registers),
+//                              2 sequential, 3 persistent stream (cp.async ring, FKDA_PARAM_STAGES deep)
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (8 or 16)
 #include <cuda_runtime.h>
@@ -29,12 +30,19 @@ constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
 using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
 static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
 static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA decode modules fix the state dtype");
-static_assert(FKDA_PARAM_SCHEDULE >= 0 && FKDA_PARAM_SCHEDULE <= 2, "schedule");
+static_assert(FKDA_PARAM_SCHEDULE >= 0 && FKDA_PARAM_SCHEDULE <= 3, "schedule");
 static_assert(FKDA_CLUSTER_X == 1 || (FKDA_CLUSTER_X == 2 && FKDA_PARAM_SCHEDULE == 0),
               "clusters only in the tile schedule, pairs only");
 static_assert(FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "cluster y/z");
-static_assert(FKDA_PARAM_SCHEDULE != 1 || FKDA_PERSISTENT_K > 0, "persistent schedule needs k > 0");
-static_assert(FKDA_SMEM_BYTES == 0, "decode kernels use static shared memory only");
+static_assert((FKDA_PARAM_SCHEDULE != 1 && FKDA_PARAM_SCHEDULE != 3) || FKDA_PERSISTENT_K > 0,
+              "persistent schedules need k > 0");
+#if FKDA_PARAM_SCHEDULE == 3
+// the cp.async ring: STAGES x (V_TILE rows x K keys) of state per CTA
+static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_STAGES * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
+              "smem_bytes must equal stages * v_tile * K * state element size");
+#else
+static_assert(FKDA_SMEM_BYTES == 0, "only the stream schedule uses dynamic shared memory");
+#endif
 
 #define FKDA_KERNEL_ARGS kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT
 
@@ -148,6 +156,9 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   p.beta_is_logit = beta_is_logit ? 1 : 0;
   p.null_slot0 = null_slot0 ? 1 : 0;
 
+  if (rows * HV * kNumVT > INT32_MAX / 2) {  // tile indices are int in the kernels
+    FKDA_FAIL(c.fn()) << "rows * HV = " << rows * HV << " is too large for one call";
+  }
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);
   const int64_t tiles = rows * HV * kNumVT;
@@ -161,6 +172,11 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 #endif
 #elif FKDA_PARAM_SCHEDULE == 1
   ctx.launch("kda_decode_persistent_kernel", kda_decode_persistent_kernel<FKDA_KERNEL_ARGS>,
+             dim3(static_cast<unsigned>(ctx.grid(tiles))), block, FKDA_SMEM_BYTES, p,
+             static_cast<int>(tiles));
+#elif FKDA_PARAM_SCHEDULE == 3
+  ctx.launch("kda_decode_stream_kernel",
+             kda_decode_stream_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STAGES>,
              dim3(static_cast<unsigned>(ctx.grid(tiles))), block, FKDA_SMEM_BYTES, p,
              static_cast<int>(tiles));
 #else

@@ -121,14 +121,20 @@ struct StateTraits {
 // Streaming loads/stores: the pool is touched once per call, keep it from evicting inputs in L2.
 // kCoherent (sequential schedule) uses plain ld/st so a thread's later load of a slot it stored
 // earlier is ordered by program order on the ordinary path.
+// FKDA_PARAM_EVICT_FIRST = 0 turns the streaming hints off (plain ld/st) for comparison.
+#if defined(FKDA_PARAM_EVICT_FIRST) && FKDA_PARAM_EVICT_FIRST == 0
+constexpr bool kStreamingHints = false;
+#else
+constexpr bool kStreamingHints = true;
+#endif
 template <bool kCoherent>
 __device__ __forceinline__ uint4 load_state(const uint4* p) {
-  if constexpr (kCoherent) return *p;
+  if constexpr (kCoherent || !kStreamingHints) return *p;
   else return __ldcs(p);
 }
 template <bool kCoherent>
 __device__ __forceinline__ void store_state(uint4* p, const uint4& c) {
-  if constexpr (kCoherent) *p = c;
+  if constexpr (kCoherent || !kStreamingHints) *p = c;
   else __stcs(p, c);
 }
 
@@ -455,6 +461,96 @@ kda_decode_persistent_kernel(const DecodeParams p, int num_tiles) {
     t1 = t2;
     slot1 = slot2;
   }
+}
+
+// ---- schedule 3: persistent stream with a cp.async ring in shared memory -----------------------
+// Like schedule 1, but the state of the next STAGES-1 tiles is in flight through cp.async into a
+// per-thread ring (each thread copies exactly the 16-byte chunks it later reads, so no barrier is
+// needed, only cp.async.wait_group). The slot index runs one tile further ahead in a register and
+// the token inputs one tile ahead, so no dependent global load sits on the tile's critical path.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int STAGES>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_decode_stream_kernel(const DecodeParams p, int num_tiles) {
+  constexpr int WARPS = THREADS / 32;
+  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  using Elem = typename T::Elem;
+  constexpr int K = T::K;
+  constexpr int NVT = T::V / V_TILE;
+  constexpr int CPT = T::PASSES * T::CHUNKS;  // 16-byte chunks per thread per tile
+  static_assert(STAGES >= 2, "ring depth");
+  extern __shared__ uint4 ring[];              // [STAGES][CPT][THREADS]
+  __shared__ int s_slot[STAGES][THREADS];      // slot of the tile in each stage, per thread
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int c = lane % LPR, r = lane / LPR;
+  auto tile_at = [&](int j) { return static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x); };
+  auto row_of = [&](int tt) { return (tt / NVT) / p.HV; };
+  auto hv_of = [&](int tt) { return (tt / NVT) % p.HV; };
+  auto vrow_of = [&](int tt) { return (tt % NVT) * V_TILE + warp * (V_TILE / WARPS); };
+  auto slot_of = [&](int tt) { return tt < num_tiles ? __ldg(p.idx + row_of(tt)) : -1; };
+  // issue the state copies of tile tt (slot known) into ring stage st
+  auto issue = [&](int tt, int slot, int st) {
+    s_slot[st][tid] = slot;
+    if (tt < num_tiles && !T::is_pad(p, slot)) {
+      const Elem* sb = static_cast<const Elem*>(p.state) + T::slot_base(p, slot, hv_of(tt), vrow_of(tt));
+#pragma unroll
+      for (int ps = 0; ps < T::PASSES; ++ps) {
+#pragma unroll
+        for (int i = 0; i < T::CHUNKS; ++i) {
+          const int e = (ps * T::RPW + r) * K + T::key_of(i, c);
+          cp_async16(&ring[(st * CPT + ps * T::CHUNKS + i) * THREADS + tid], sb + e);
+        }
+      }
+    }
+    cp_async_commit();  // one group per tile, empty or not, so the wait count stays uniform
+  };
+  if (tile_at(0) >= num_tiles) return;
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    const int tt = tile_at(j);
+    issue(tt, slot_of(tt), j);
+  }
+  int slot_ahead = slot_of(tile_at(STAGES - 1));
+  typename T::Item cur;
+  T::load_inputs(p, cur, row_of(tile_at(0)), hv_of(tile_at(0)), vrow_of(tile_at(0)), lane);
+  for (int j = 0;; ++j) {
+    const int t = tile_at(j);
+    if (t >= num_tiles) break;
+    const int st = j % STAGES;
+    issue(tile_at(j + STAGES - 1), slot_ahead, (j + STAGES - 1) % STAGES);
+    slot_ahead = slot_of(tile_at(j + STAGES));
+    typename T::Item nxt;
+    const int t1 = tile_at(j + 1);
+    if (t1 < num_tiles) T::load_inputs(p, nxt, row_of(t1), hv_of(t1), vrow_of(t1), lane);
+    const int row = row_of(t), hv = hv_of(t), vrow0 = vrow_of(t);
+    const int slot = s_slot[st][tid];
+    cp_async_wait<STAGES - 1>();  // this thread's copies of tile j have landed
+    if (T::is_pad(p, slot)) {
+      T::write_zeros(p, row, hv, vrow0, lane);
+    } else {
+#pragma unroll
+      for (int ps = 0; ps < T::PASSES; ++ps)
+#pragma unroll
+        for (int i = 0; i < T::CHUNKS; ++i) cur.s[ps][i] = ring[(st * CPT + ps * T::CHUNKS + i) * THREADS + tid];
+      typename T::Prep pr;
+      T::prepare(p, cur, pr);
+      T::compute(p, cur, pr, row, hv, vrow0, lane);
+      T::store_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+    }
+    cur = nxt;
+  }
+  cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 }
 
 // ---- schedule 2: sequential over rows per (head, V-tile): exact for repeated slots ------------

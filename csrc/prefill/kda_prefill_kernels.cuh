@@ -1,10 +1,11 @@
 // KDA prefill on sm_90a: the chunked (WY / UT) form of docs DESIGN.md 2b, in two kernels.
 //
-//   kda_prep_kernel   grid (chunk slots, HV), 512 threads. Everything that is independent across
-//                     chunks: gate + cumsum, l2norm, L and Aqk, T = (I+L)^-1 Diag(beta), W, U,
-//                     Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
-//   kda_state_kernel  grid (V tiles, HV, N), 128 threads. The ordered part: the fp32 state tile
-//                     lives in registers across the sequence's chunks; three small GEMMs a chunk.
+//   kda_prep_lite_kernel  grid (chunk slots, HV), 256 threads, 2 CTAs/SM. Everything independent
+//                         across chunks: gate + cumsum, l2norm, L and Aqk, (I+L)^-1, W, U,
+//                         Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
+//   kda_state_kernel      grid (V tiles, HV, N), 128 threads. The ordered part: the fp32 state tile
+//                         lives in registers across the sequence's chunks; three small GEMMs a
+//                         chunk; chunks arrive by bulk copies (TMA) into a 2-3 deep ring.
 //
 // Chunk slots: sequence n owns slots floor(cu[n]/64) + n + c, c < ceil(len_n/64). These never
 // overlap and are < floor(T/64) + N, so a CTA finds its (sequence, chunk) by a binary search of
@@ -15,7 +16,8 @@
 // where the true value is below fp32 range. The tensor-core form of the strictly-lower blocks of
 // L and Aqk uses, for row block I, the anchor a = 16 I - 1 (last row before the block):
 // exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j) with both factors <= 1 (i > a >= j).
-// The 16x16 diagonal blocks use the elementwise form in fp32.
+// The 16x16 diagonal blocks use the elementwise form in fp32, or (FKDA_PARAM_DIAG_MMA) tensor
+// cores with a mid-block anchor when the block's gate range keeps every factor below 2^100.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,7 +36,6 @@ constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows h
 constexpr int kLdG = kK + 4;       // fp32 rows of G
 constexpr int kLdM = kC + 1;       // fp32 64x64 matrices (L, Aqk, X)
 constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
-constexpr int kLdOp = 2 * kK + 8;  // bf16 [beta exp(G) K | beta V] rows
 constexpr int kLdP = 3 * 16 + 1;   // fp32 partial products of the blocked inverse
 
 // One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
@@ -62,25 +63,6 @@ inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
 inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
   return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes);
 }
-
-// ---- prep kernel shared memory map (bytes) -----------------------------------------------------
-constexpr int kPrepThreads = 512;
-constexpr int kOffG = 0;                              // fp32 [64][kLdG]; later the W|U staging
-constexpr int kOffQ = kOffG + kC * kLdG * 4;          // bf16 [64][kLdB] scaled l2norm q
-constexpr int kOffK = kOffQ + kC * kLdB * 2;          // bf16 [64][kLdB] l2norm k
-constexpr int kOffV = kOffK + kC * kLdB * 2;          // bf16 [64][kLdB] v
-constexpr int kOffL = kOffV + kC * kLdB * 2;          // fp32 [64][kLdM] L (beta folded in)
-constexpr int kOffA = kOffL + kC * kLdM * 4;          // fp32 [64][kLdM] Aqk
-constexpr int kOffX = kOffA + kC * kLdM * 4;          // fp32 [64][kLdM] (I+L)^-1
-constexpr int kOffP = kOffX + kC * kLdM * 4;          // fp32 [16][kLdP]
-constexpr int kOffXb = kOffP + 16 * kLdP * 4;         // bf16 [64][kLdX]
-constexpr int kOffBeta = kOffXb + kC * kLdX * 2;      // fp32 [64]
-constexpr int kOffTot = kOffBeta + kC * 4;            // fp32 [4][128] partial gate sums
-constexpr int kOffR1 = kOffTot + 4 * kK * 4;             // off-diagonal operands, later [64][kLdOp]
-constexpr int kPrepSmem = kOffR1 + 192 * kLdB * 2;
-static_assert(kOffR1 % 16 == 0 && kOffXb % 16 == 0 && kOffQ % 16 == 0, "16 B alignment");
-static_assert(64 * kLdOp * 2 <= 192 * kLdB * 2, "Bop fits the operand region");
-static_assert(64 * kLdOp * 2 <= kC * kLdG * 4, "W|U staging fits the G region");
 
 // ---- state kernel shared memory map --------------------------------------------------------------
 template <int VT>
@@ -211,386 +193,12 @@ struct PrepArgs {
   uint8_t* ws;
 };
 
-__global__ void __launch_bounds__(kPrepThreads, 1) kda_prep_kernel(const PrepArgs a) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  float* Gs = reinterpret_cast<float*>(smem + kOffG);
-  bf16* Qs = reinterpret_cast<bf16*>(smem + kOffQ);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + kOffK);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + kOffV);
-  float* Lm = reinterpret_cast<float*>(smem + kOffL);
-  float* Am = reinterpret_cast<float*>(smem + kOffA);
-  float* Xm = reinterpret_cast<float*>(smem + kOffX);
-  float* Pt = reinterpret_cast<float*>(smem + kOffP);
-  bf16* Xb = reinterpret_cast<bf16*>(smem + kOffXb);
-  float* betas = reinterpret_cast<float*>(smem + kOffBeta);
-  float* tot = reinterpret_cast<float*>(smem + kOffTot);
-  bf16* OpL = reinterpret_cast<bf16*>(smem + kOffR1);
-  bf16* OpR = OpL + 96 * kLdB;
-  bf16* Bop = reinterpret_cast<bf16*>(smem + kOffR1);
-  bf16* Ost = reinterpret_cast<bf16*>(smem + kOffG);
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t slot = blockIdx.x;
-  const int hv = blockIdx.y;
-  const int n = find_seq(a.cu, a.cu64, a.N, slot);
-  const int64_t bos = load_cu(a.cu, a.cu64, n);
-  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
-  const int64_t c = slot - (bos / kC + n);
-  if (c * kC >= len) return;  // a gap slot (or an empty sequence): nothing to prepare
-  const int64_t t0 = bos + c * kC;
-  const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
-  const int hk = hv / (a.HV / a.H);
-  const int HV = a.HV;
-
-  // ---- 1. loads: q, k (l2norm), v, beta, gate + cumsum. Rows >= nt are zeros (g = 0: no decay).
-#pragma unroll
-  for (int rr = 0; rr < 4; ++rr) {
-    const int r = warp * 4 + rr;
-    float qf[4] = {0.f, 0.f, 0.f, 0.f}, kf[4] = {0.f, 0.f, 0.f, 0.f};
-    if (r < nt) {
-      const size_t off = (size_t(t0 + r) * a.H + hk) * kK + lane * 4;
-      uint2 qu = *reinterpret_cast<const uint2*>(a.q + off);
-      uint2 ku = *reinterpret_cast<const uint2*>(a.k + off);
-      const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(&qu);
-      const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&ku);
-      float2 x;
-      x = __bfloat1622float2(qh[0]); qf[0] = x.x; qf[1] = x.y;
-      x = __bfloat1622float2(qh[1]); qf[2] = x.x; qf[3] = x.y;
-      x = __bfloat1622float2(kh[0]); kf[0] = x.x; kf[1] = x.y;
-      x = __bfloat1622float2(kh[1]); kf[2] = x.x; kf[3] = x.y;
-    }
-    float sq = qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3];
-    float sk = kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    const float nq = rsqrtf(sq + 1e-6f) * a.scale, nk = rsqrtf(sk + 1e-6f);
-    uint2 qo, ko;
-    qo.x = pack_bf16(qf[0] * nq, qf[1] * nq);
-    qo.y = pack_bf16(qf[2] * nq, qf[3] * nq);
-    ko.x = pack_bf16(kf[0] * nk, kf[1] * nk);
-    ko.y = pack_bf16(kf[2] * nk, kf[3] * nk);
-    *reinterpret_cast<uint2*>(Qs + r * kLdB + lane * 4) = qo;
-    *reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4) = ko;
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int idx = tid + i * kPrepThreads, r = idx >> 4, c8 = (idx & 15) * 8;
-    uint4 u = make_uint4(0, 0, 0, 0);
-    if (r < nt) u = *reinterpret_cast<const uint4*>(a.v + (size_t(t0 + r) * HV + hv) * kV + c8);
-    *reinterpret_cast<uint4*>(Vs + r * kLdB + c8) = u;
-  }
-  if (tid < kC) {
-    float b = 0.f;
-    if (tid < nt) {
-      b = __bfloat162float(a.beta[size_t(t0 + tid) * HV + hv]);
-      if (a.beta_logit) b = 1.f / (1.f + __expf(-b));
-    }
-    betas[tid] = b;
-  }
-  {
-    const int d = tid & (kK - 1), qtr = tid >> 7;
-    const float dtb = a.dt_bias ? a.dt_bias[hv * kK + d] : 0.f;
-    const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-    constexpr float kLog2e = 1.4426950408889634f;
-    float gl[16];
-    float run = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = qtr * 16 + i;
-      float val = 0.f;
-      if (r < nt) {
-        const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
-        if (a.gate == 0) {
-          const float x = raw + dtb;
-          // softplus; fast exp/log are ample for a bf16 input (x < -15: log(1+e^x) = e^x to fp32)
-          const float sp = x > 20.f ? x : (x < -15.f ? __expf(x) : __logf(1.f + __expf(x)));
-          val = -ea * sp;
-        } else if (a.gate == 1) {
-          val = a.lower_bound / (1.f + __expf(-ea * (raw + dtb)));
-        } else {
-          val = raw;
-        }
-      }
-      run += val * kLog2e;
-      gl[i] = run;
-    }
-    tot[qtr * kK + d] = run;
-    __syncthreads();
-    float base = 0.f;
-    for (int j = 0; j < qtr; ++j) base += tot[j * kK + d];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) Gs[(qtr * 16 + i) * kLdG + d] = gl[i] + base;
-  }
-  __syncthreads();
-
-  // ---- 2a. diagonal 16x16 blocks of L and Aqk, elementwise in fp32.
-  {
-    const int blk = tid >> 7, il = (tid >> 3) & 15, dq = tid & 7;
-    const int jmax = (warp & 3) * 4 + 3;  // the largest row of this warp: warp-uniform loop bound
-    const int i = blk * 16 + il;
-    float sL[16], sA[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) { sL[j] = 0.f; sA[j] = 0.f; }
-#pragma unroll 1
-    for (int dc = 0; dc < 2; ++dc) {
-      const int d0 = dq * 16 + dc * 8;
-      float qi[8], ki[8], gi[8];
-      unpack8(*reinterpret_cast<const uint4*>(Qs + i * kLdB + d0), qi);
-      unpack8(*reinterpret_cast<const uint4*>(Ks + i * kLdB + d0), ki);
-      {
-        float4 g0 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0);
-        float4 g1 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0 + 4);
-        gi[0] = g0.x; gi[1] = g0.y; gi[2] = g0.z; gi[3] = g0.w;
-        gi[4] = g1.x; gi[5] = g1.y; gi[6] = g1.z; gi[7] = g1.w;
-      }
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        if (jj <= jmax) {
-          const int j = blk * 16 + jj;
-          float kj[8];
-          unpack8(*reinterpret_cast<const uint4*>(Ks + j * kLdB + d0), kj);
-          float4 g0 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0);
-          float4 g1 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0 + 4);
-          const float gj[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-          if (jj <= il) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              const float kx = kj[e] * ex2(gi[e] - gj[e]);
-              sL[jj] = fmaf(ki[e], kx, sL[jj]);
-              sA[jj] = fmaf(qi[e], kx, sA[jj]);
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      if (jj <= jmax) {  // warp-uniform
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-          sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], o);
-          sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], o);
-        }
-      }
-    }
-    if (dq == 0) {
-      const float bi = betas[i];
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        Lm[i * kLdM + blk * 16 + jj] = jj < il ? bi * sL[jj] : 0.f;
-        Am[i * kLdM + blk * 16 + jj] = jj <= il ? sA[jj] : 0.f;
-      }
-    }
-  }
-
-  // ---- 2b. operands of the strictly-lower blocks: rows of block I against columns < 16 I,
-  // anchored at row a = 16 I - 1. OpL: per I, 16 rows of k then 16 of q, times exp(G_i - G_a).
-  // OpR: per I (from row 8 I (I-1)), rows j < 16 I of k, times exp(G_a - G_j).
-  for (int it = tid; it < 192 * 16; it += kPrepThreads) {
-    const int rr = it >> 4, d0 = (it & 15) * 8;
-    int src, anc;
-    bool right;
-    const bf16* S = Ks;
-    if (rr < 96) {
-      const int I = rr / 32 + 1;
-      src = 16 * I + (rr & 15);
-      anc = 16 * I - 1;
-      if ((rr >> 4) & 1) S = Qs;
-      right = false;
-    } else {
-      const int r2 = rr - 96;
-      const int I = r2 < 16 ? 1 : (r2 < 48 ? 2 : 3);
-      src = r2 - 8 * I * (I - 1);
-      anc = 16 * I - 1;
-      right = true;
-    }
-    float x[8];
-    unpack8(*reinterpret_cast<const uint4*>(S + src * kLdB + d0), x);
-    const float* gs = Gs + src * kLdG + d0;
-    const float* ga = Gs + anc * kLdG + d0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] *= right ? ex2(ga[e] - gs[e]) : ex2(gs[e] - ga[e]);
-    *reinterpret_cast<uint4*>(OpL + rr * kLdB + d0) = pack8(x);
-  }
-  __syncthreads();
-
-  // ---- 2c. strictly-lower blocks on tensor cores: 12 tasks of 16x16 (I, k-or-q, column block).
-  for (int t = warp; t < 12; t += kPrepThreads / 32) {
-    int I, rem;
-    if (t < 2) { I = 1; rem = t; } else if (t < 6) { I = 2; rem = t - 2; } else { I = 3; rem = t - 6; }
-    const int mt = rem / I, nb = rem % I;
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const bf16* Ab = OpL + ((I - 1) * 32 + mt * 16) * kLdB;
-    const bf16* Bb = OpR + (8 * I * (I - 1) + nb * 16) * kLdB;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t af[4], bfr[4];
-      load_a(af, Ab, kLdB, 0, ks * 16, lane);
-      load_b_nk(bfr, Bb, kLdB, 0, ks * 16, lane);
-      mma_bf16(acc[0], af, bfr);
-      mma_bf16(acc[1], af, bfr + 2);
-    }
-    const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * I + g + 8 * h, col = nb * 16 + nn * 8 + 2 * tq;
-        if (mt == 0) {
-          const float bi = betas[row];
-          Lm[row * kLdM + col] = bi * acc[nn][2 * h];
-          Lm[row * kLdM + col + 1] = bi * acc[nn][2 * h + 1];
-        } else {
-          Am[row * kLdM + col] = acc[nn][2 * h];
-          Am[row * kLdM + col + 1] = acc[nn][2 * h + 1];
-        }
-      }
-  }
-  __syncthreads();
-
-  // ---- 3. X = (I + L)^-1: diagonal blocks by forward substitution, then block rows.
-  if (tid < 64) {
-    const int blk = tid >> 4, cc = tid & 15;
-    const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float s = (i == cc) ? 1.f : 0.f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s = fmaf(-Lb[i * kLdM + j], x[j], s);
-      x[i] = s;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int I = 1; I < 4; ++I) {
-    // P_IJ = sum_{K=J}^{I-1} L_IK X_KJ, then X_IJ = -X_II P_IJ (X_II's upper triangle is 0).
-#pragma unroll
-    for (int rep = 0; rep < (I * 256 + kPrepThreads - 1) / kPrepThreads; ++rep) {
-      const int e = tid + rep * kPrepThreads;
-      if (e < I * 256) {
-        const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-        const float* lr = Lm + (I * 16 + r) * kLdM;
-        float s = 0.f;
-#pragma unroll
-        for (int KB = 0; KB < I; ++KB) {
-          if (KB >= J) {
-#pragma unroll
-            for (int kk = 0; kk < 16; ++kk)
-              s = fmaf(lr[KB * 16 + kk], Xm[(KB * 16 + kk) * kLdM + J * 16 + cc], s);
-          }
-        }
-        Pt[r * kLdP + J * 16 + cc] = s;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int rep = 0; rep < (I * 256 + kPrepThreads - 1) / kPrepThreads; ++rep) {
-      const int e = tid + rep * kPrepThreads;
-      if (e < I * 256) {
-        const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-        const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
-        float s = 0.f;
-#pragma unroll
-        for (int m = 0; m < 16; ++m) s = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s);
-        Xm[(I * 16 + r) * kLdM + J * 16 + cc] = s;
-      }
-    }
-    __syncthreads();
-  }
-
-  uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
-  // ---- 4. X -> bf16, Aqk -> workspace, B operand [beta exp(G) K | beta V], Qg, Kd, exp(G_C).
-  for (int e = tid; e < kC * kC / 2; e += kPrepThreads) {
-    const int r = e >> 5, c2 = (e & 31) * 2;
-    const float x0 = c2 <= r ? Xm[r * kLdM + c2] : 0.f;
-    const float x1 = c2 + 1 <= r ? Xm[r * kLdM + c2 + 1] : 0.f;
-    *reinterpret_cast<uint32_t*>(Xb + r * kLdX + c2) = pack_bf16(x0, x1);
-    const float a0 = c2 <= r ? Am[r * kLdM + c2] : 0.f;
-    const float a1 = c2 + 1 <= r ? Am[r * kLdM + c2 + 1] : 0.f;
-    reinterpret_cast<uint32_t*>(ws + kWsA)[r * (kLdX / 2) + (c2 >> 1)] = pack_bf16(a0, a1);
-  }
-  for (int e = tid; e < kC * 32; e += kPrepThreads) {
-    const int r = e >> 5, c8 = (e & 31) * 8;
-    const float b = betas[r];
-    float x[8];
-    if (c8 < kK) {
-      unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), x);
-      const float* gr = Gs + r * kLdG + c8;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] *= b * ex2(gr[i]);
-    } else {
-      unpack8(*reinterpret_cast<const uint4*>(Vs + r * kLdB + c8 - kK), x);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] *= b;
-    }
-    *reinterpret_cast<uint4*>(Bop + r * kLdOp + c8) = pack8(x);
-  }
-  for (int e = tid; e < kC * 16; e += kPrepThreads) {
-    const int r = e >> 4, c8 = (e & 15) * 8;
-    const float* gr = Gs + r * kLdG + c8;
-    const float* gl = Gs + (kC - 1) * kLdG + c8;
-    float x[8], y[8];
-    unpack8(*reinterpret_cast<const uint4*>(Qs + r * kLdB + c8), x);
-    unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), y);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[i] *= ex2(gr[i]);
-      y[i] *= ex2(gl[i] - gr[i]);
-    }
-    reinterpret_cast<uint4*>(ws + kWsQg)[r * (kLdB / 8) + (c8 >> 3)] = pack8(x);
-    reinterpret_cast<uint4*>(ws + kWsKd)[r * (kLdB / 8) + (c8 >> 3)] = pack8(y);
-  }
-  if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
-  __syncthreads();
-
-  // ---- 5. [W | U] = X [beta exp(G) K | beta V]; X is lower triangular: k-steps 0..mt.
-  {
-    const int mt = warp & 3, nq = warp >> 2;
-    float acc[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    for (int ks = 0; ks <= mt; ++ks) {
-      uint32_t af[4];
-      load_a(af, Xb, kLdX, mt * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bfr[4];
-        load_b_kn(bfr, Bop, kLdOp, ks * 16, nq * 64 + np * 16, lane);
-        mma_bf16(acc[2 * np], af, bfr);
-        mma_bf16(acc[2 * np + 1], af, bfr + 2);
-      }
-    }
-    const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int nn = 0; nn < 8; ++nn) {
-      const int col = nq * 64 + nn * 8 + 2 * tq;
-      *reinterpret_cast<uint32_t*>(Ost + (mt * 16 + g) * kLdOp + col) =
-          pack_bf16(acc[nn][0], acc[nn][1]);
-      *reinterpret_cast<uint32_t*>(Ost + (mt * 16 + g + 8) * kLdOp + col) =
-          pack_bf16(acc[nn][2], acc[nn][3]);
-    }
-  }
-  __syncthreads();
-  for (int e = tid; e < kC * 32; e += kPrepThreads) {
-    const int r = e >> 5, c8 = (e & 31) * 8;
-    const uint4 u = *reinterpret_cast<const uint4*>(Ost + r * kLdOp + c8);
-    if (c8 < kK) reinterpret_cast<uint4*>(ws + kWsW)[r * (kLdB / 8) + (c8 >> 3)] = u;
-    else reinterpret_cast<uint4*>(ws + kWsU)[u_off(r, c8 - kK) >> 3] = u;
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
-// The same preparation in 256 threads and 108 KB of shared memory, so two CTAs share an SM and
-// hide each other's latency (the 512-thread kernel above runs one CTA per SM). Differences: v is
-// held in registers until it is needed, Aqk goes straight to the workspace, the strictly-lower
-// blocks are done one row block at a time (the operand region is a third of the size), and each
-// region is reused once its contents are dead:
+// The chunk preparation: 256 threads and ~110 KB of shared memory, so two CTAs share an SM and
+// hide each other's latency (a 512-thread, 200 KB, one-CTA-per-SM version measured 1.1-1.4x slower
+// on an H200). v is held in registers until it is needed, Aqk goes straight to the workspace, the
+// lower blocks of L / Aqk are done one row block at a time, and each region is reused once its
+// contents are dead:
 //   [G fp32] -> [X fp32 | P | X bf16]     [q | k] -> [beta V | -]     [L fp32]     [operands] -> [beta exp(G) k]
 constexpr int kLiteThreads = 256;
 constexpr int kLOffG = 0;
@@ -907,7 +515,8 @@ __global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const Pr
   }
   __syncthreads();  // G and k are dead from here: X lives where G was
 
-  // ---- 6. X = (I + L)^-1 (same blocked scheme as the 512-thread kernel).
+  // ---- 6. X = (I + L)^-1: 16x16 diagonal blocks by forward substitution, then block rows
+  // X_IJ = -X_II sum_{K=J}^{I-1} L_IK X_KJ, all in fp32.
   if (tid < 64) {
     const int blk = tid >> 4, cc = tid & 15;
     const float* Lb = Lm + blk * 16 * kLdM + blk * 16;

@@ -1,0 +1,142 @@
+// TVM-FFI binding of the family fused_kda_decode on sm_90a (contract: docs/architecture.md).
+// One source builds every fused decode module; the module record's macros pick the schedule:
+//   FKDA_PARAM_SCHEDULE        0 tile (one (row, head) per cluster of FKDA_CLUSTER_X CTAs),
+//                              2 sequential (one head per cluster, rows in order: repeated slots)
+//   FKDA_PARAM_V_TILE          V-rows per CTA (= D / FKDA_CLUSTER_X)
+//   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/binding.h"
+#include "common/cuda_launch.h"
+
+#if !defined(FKDA_PARAM_SCHEDULE) || !defined(FKDA_PARAM_V_TILE) || !defined(FKDA_PARAM_LANES_PER_ROW) || \
+    !defined(FKDA_CONTRACT_JSON)
+#error "fused_kda_decode.cu is built from a module record: FKDA_PARAM_SCHEDULE/V_TILE/LANES_PER_ROW missing"
+#endif
+
+#include "fused_kda_decode_kernels.cuh"
+
+namespace {
+
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+using namespace fkda_fused;
+
+constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
+using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
+static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
+static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA modules fix the state dtype");
+static_assert(FKDA_PARAM_SCHEDULE == 0 || FKDA_PARAM_SCHEDULE == 2, "schedule: 0 tile, 2 sequential");
+static_assert(FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "1-D clusters only");
+static_assert(FKDA_PARAM_V_TILE * FKDA_CLUSTER_X == FKDA_HEAD_DIM_V, "a cluster covers all V-rows");
+static_assert(FKDA_PERSISTENT_K == 0, "no persistent schedule here");
+static_assert(FKDA_SMEM_BYTES == 0, "fused decode kernels use static shared memory only");
+
+#define FKDA_KERNEL_ARGS kStateBf16, FKDA_CLUSTER_X, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT
+
+using fkda::Checker;
+
+void check_bf16_input(const Checker& c, const TensorView& t, const char* name,
+                      std::initializer_list<fkda::Dim> dims, const TensorView& ref) {
+  fkda::check_cuda_device(c, t, name, ref, "out");
+  c.shape(t, name, dims);
+  c.dtype(t, name, {fkda::kBF16});
+  c.contiguous(t, name);
+}
+
+void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g,
+                      TensorView beta, Optional<TensorView> A_log, Optional<TensorView> dt_bias,
+                      TensorView state_indices, TensorView state, TensorView output_gate,
+                      TensorView norm_weight, TensorView out, int64_t gate_mode, double lower_bound,
+                      double scale, double norm_eps, bool null_slot0) {
+  constexpr int64_t D = FKDA_HEAD_DIM_K;
+  static_assert(FKDA_HEAD_DIM_K == 128 && FKDA_HEAD_DIM_V == 128,
+                "the fused decode kernels are written for D = 128");
+  const Checker c("fused_kda_decode");
+  c.device_type(out, "out", kDLCUDA);
+  c.ndim(g, "g", 3, "[rows, H, D]");
+  const int64_t rows = g.size(0), H = g.size(1), HD = H * g.size(2), C = 3 * HD;
+  c.head_dims(g.size(2), g.size(2));
+  c.heads(H, H);
+  if (rows >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 rows per call, got " << rows;
+  check_bf16_input(c, g, "g", {{"rows", rows}, {"H", H}, {"D", D}}, out);
+  check_bf16_input(c, x, "x", {{"rows", rows}, {"3*H*D", C}}, out);
+  check_bf16_input(c, beta, "beta", {{"rows", rows}, {"H", H}}, out);
+  check_bf16_input(c, output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}}, out);
+  check_bf16_input(c, out, "out", {{"rows", rows}, {"H", H}, {"D", D}}, out);
+  fkda::check_cuda_device(c, conv_weight, "conv_weight", out, "out");
+  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
+  c.dtype(conv_weight, "conv_weight", {fkda::kBF16, fkda::kF32});
+  c.contiguous(conv_weight, "conv_weight");
+  const bool w_f32 = fkda::same_dtype(conv_weight.dtype(), fkda::kF32);
+  fkda::check_cuda_device(c, norm_weight, "norm_weight", out, "out");
+  c.shape(norm_weight, "norm_weight", {{"D", D}});
+  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
+  c.contiguous(norm_weight, "norm_weight");
+  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
+  c.shape(state_indices, "state_indices", {{"rows", rows}});
+  c.dtype(state_indices, "state_indices", {fkda::kI32});
+  c.contiguous(state_indices, "state_indices");
+  fkda::check_cuda_device(c, state, "state", out, "out");
+  c.ndim(state, "state", 4, "[slots, H, D, D]");
+  const int64_t slots = state.size(0);
+  c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
+  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
+  c.contiguous(state, "state");
+  c.aligned(state, "state", 16);
+  check_bf16_input(c, conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}},
+                   out);
+  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
+  const fkda::GateMode mode = c.gate_mode(gate_mode);
+  c.lower_bound(mode, lower_bound);
+  c.gate_params(mode, A_log, dt_bias, H, D, out, "out");
+  c.positive_finite(scale, "scale");
+  c.positive_finite(norm_eps, "norm_eps");
+  if (rows == 0) return;
+
+  FusedParams p;
+  p.x = fkda::data_ptr<const bf16>(x);
+  p.conv_weight = fkda::data_ptr<const void>(conv_weight);
+  p.conv_state = fkda::data_ptr<bf16>(conv_state);
+  p.g = fkda::data_ptr<const bf16>(g);
+  p.beta = fkda::data_ptr<const bf16>(beta);
+  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
+  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
+  p.idx = fkda::data_ptr<const int32_t>(state_indices);
+  p.state = fkda::data_ptr<void>(state);
+  p.output_gate = fkda::data_ptr<const bf16>(output_gate);
+  p.norm_weight = fkda::data_ptr<const float>(norm_weight);
+  p.out = fkda::data_ptr<bf16>(out);
+  p.num_slots = slots;
+  p.rows = static_cast<int>(rows);
+  p.H = static_cast<int>(H);
+  p.gate_mode = static_cast<int>(gate_mode);
+  p.lower_bound = static_cast<float>(lower_bound);
+  p.scale = static_cast<float>(scale);
+  p.norm_eps = static_cast<float>(norm_eps);
+  p.null_slot0 = null_slot0 ? 1 : 0;
+  p.w_f32 = w_f32 ? 1 : 0;
+
+  const fkda::cuda::LaunchContext ctx(out);
+  const dim3 block(FKDA_THREADS);
+#if FKDA_PARAM_SCHEDULE == 0
+  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS>,
+             dim3(static_cast<unsigned>(rows * H * FKDA_CLUSTER_X)), block, FKDA_SMEM_BYTES, p);
+#else
+  ctx.launch("fused_kda_decode_seq_kernel", fused_kda_decode_seq_kernel<FKDA_KERNEL_ARGS>,
+             dim3(static_cast<unsigned>(H * FKDA_CLUSTER_X)), block, FKDA_SMEM_BYTES, p);
+#endif
+}
+
+// The macros this module was compiled with, as JSON (rendered by flashkda_ext.jit.macros).
+tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_decode, fused_kda_decode);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

@@ -1,0 +1,308 @@
+// Fused KDA decode on a state pool, sm_90a: per (row, head) the width-4 causal conv over the
+// head's q, k, v channels (with the conv cache), SiLU, the gate, l2norm, the recurrent step over
+// the [V, K] state and the gated RMSNorm epilogue, in one launch (contract: docs/architecture.md).
+//
+// Work split (see README.md): a cluster of CL CTAs covers one (row, head); CTA `rank` owns the
+// V-rows [rank*V_TILE, (rank+1)*V_TILE) of the state (V_TILE = V / CL) and 1/CL of the prologue
+// items (the 3*D conv channels of the head, then the D gate keys). Each prologue item is computed
+// by exactly one thread of the cluster, which also writes that channel's conv-cache shift, and
+// broadcast into every CTA's shared memory (DSMEM when CL > 1). After one cluster barrier each warp
+// runs the step on its V-rows exactly as the plain decode does (16 lanes per V-row, 16-byte state
+// accesses, shuffle-tree reductions in a fixed order). The RMSNorm needs sum(o^2) over all V rows:
+// each warp's partial goes into every CTA's shared memory, a second barrier, and every CTA sums
+// the CL*WARPS partials in the same fixed order (bitwise deterministic, identical in every CTA).
+//
+// Schedules (FKDA_PARAM_SCHEDULE): 0 tile: grid = rows*H*CL, one (row, head) per cluster;
+// 2 sequential: grid = H*CL, each cluster walks every row in order (rows sharing a slot apply in
+// row order: every state element and every conv channel is always read and written by the same
+// thread, so program order orders them; shared memory reuse is ordered by the two barriers of
+// each row, the partial-sum buffer alternates between two halves).
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+// the small device helpers of the plain decode (BfVec/unpack_bf, group_sum, StateTraits,
+// load_state/store_state): shared, not copied
+#include "decode/kda_decode_kernels.cuh"
+
+namespace fkda_fused {
+
+namespace cg = cooperative_groups;
+using fkda_decode::bf16;
+using fkda_decode::bf_to_f;
+using fkda_decode::group_sum;
+using fkda_decode::load_state;
+using fkda_decode::StateTraits;
+using fkda_decode::store_state;
+
+constexpr int kConvWidth = 4;  // the cache keeps kConvWidth - 1 = 3 previous inputs
+
+struct FusedParams {
+  const bf16* x;             // [rows, 3*H*D] contiguous
+  const void* conv_weight;   // [3*H*D, 4] bf16 or f32 (w_f32)
+  bf16* conv_state;          // [slots, 3*H*D, 3] contiguous, in place
+  const bf16* g;             // [rows, H, D] contiguous
+  const bf16* beta;          // [rows, H] contiguous (a logit)
+  const float* A_log;        // [H] or nullptr (= 0)
+  const float* dt_bias;      // [H*D] or nullptr (= 0)
+  const int32_t* idx;        // [rows]
+  void* state;               // [slots, H, D, D] contiguous, in place
+  const bf16* output_gate;   // [rows, H, D] contiguous
+  const float* norm_weight;  // [D]
+  bf16* out;                 // [rows, H, D] contiguous
+  int64_t num_slots;
+  int rows, H;
+  int gate_mode;             // 0 softplus, 1 bounded, 2 log
+  float lower_bound, scale, norm_eps;
+  int null_slot0, w_f32;
+};
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+
+__device__ __forceinline__ float log_decay(const FusedParams& p, float graw, float dt, float a) {
+  if (p.gate_mode == 2) return graw;
+  if (p.gate_mode == 0) {
+    const float x = graw + dt;
+    return -a * (x > 20.f ? x : log1pf(expf(x)));
+  }
+  return p.lower_bound * sigmoidf_(a * (graw + dt));
+}
+
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent>
+struct FusedCta {
+  static constexpr int D = FKDA_HEAD_DIM_K;
+  static_assert(FKDA_HEAD_DIM_K == FKDA_HEAD_DIM_V, "fused decode: K = V = D");
+  static constexpr int LPR = FKDA_PARAM_LANES_PER_ROW;  // lanes sharing one V-row
+  static constexpr int VEC = StateTraits<kBf16>::VEC;
+  using Elem = std::conditional_t<kBf16, bf16, float>;
+  static constexpr int KPL = D / LPR;
+  static constexpr int CHUNKS = KPL / VEC;
+  static constexpr int RPW = 32 / LPR;
+  static constexpr int WARPS = THREADS / 32;
+  static constexpr int ROWS_PER_WARP = V_TILE / WARPS;
+  static constexpr int PASSES = ROWS_PER_WARP / RPW;
+  static constexpr int NI = 4 * D;          // prologue items: q, k, v channels, gate keys
+  static constexpr int IPC = NI / CL;       // items per CTA
+  static constexpr int NRED = CL * WARPS;   // RMSNorm partials
+  static_assert(V_TILE * CL == D, "the cluster covers all V-rows");
+  static_assert(V_TILE % WARPS == 0 && ROWS_PER_WARP % RPW == 0 && PASSES >= 1, "V tile split");
+  static_assert(D % (LPR * VEC) == 0 && CHUNKS >= 1, "K must tile by LPR*VEC");
+  static_assert(NI % CL == 0, "prologue split");
+  static_assert(PASSES <= LPR, "one writer lane per pass");
+
+  struct Smem {
+    float in[NI];         // silu(conv) of q | k | v channels, then exp(g) per key
+    float red[2][NRED];   // per-warp sum(o^2), two halves (sequential schedule alternates)
+  };
+
+  __device__ static int key_of(int i, int c) { return i * (LPR * VEC) + c * VEC; }
+
+  __device__ static bool is_pad(const FusedParams& p, int32_t slot) {
+    return slot < 0 || (p.null_slot0 && slot == 0) || slot >= p.num_slots;
+  }
+
+  __device__ static void cluster_sync() {
+    if constexpr (CL > 1) cg::this_cluster().sync();
+    else __syncthreads();
+  }
+
+  // Store v into this CTA's smem word and the same word of every other CTA of the cluster.
+  __device__ static void broadcast(float* local, float v, unsigned rank) {
+    if constexpr (CL > 1) {
+      cg::cluster_group cluster = cg::this_cluster();
+#pragma unroll
+      for (int r = 0; r < CL; ++r) {
+        float* dst = (static_cast<unsigned>(r) == rank) ? local : cluster.map_shared_rank(local, r);
+        *dst = v;
+      }
+    } else {
+      (void)rank;
+      *local = v;
+    }
+  }
+
+  __device__ static void write_zeros(const FusedParams& p, int row, int h, unsigned rank) {
+    bf16* op = p.out + (static_cast<int64_t>(row) * p.H + h) * D + rank * V_TILE;
+    for (int j = threadIdx.x; j < V_TILE; j += THREADS) op[j] = __float2bfloat16_rn(0.f);
+  }
+
+  // One prologue item j (0 <= j < NI): the conv channel or the gate key's decay. Conv items also
+  // shift that channel's cache (this thread is the only one that touches it in this launch).
+  __device__ static float prologue_item(const FusedParams& p, int row, int h, int32_t slot, int j) {
+    const int64_t HD = static_cast<int64_t>(p.H) * D, C = 3 * HD;
+    if (j < 3 * D) {
+      const int part = j / D, i = j % D;
+      const int64_t ch = part * HD + static_cast<int64_t>(h) * D + i;
+      const bf16 xb = p.x[static_cast<int64_t>(row) * C + ch];
+      bf16* cs = p.conv_state + static_cast<OffT>(slot) * static_cast<OffT>(C * 3) +
+                 static_cast<OffT>(ch * 3);
+      const bf16 s0 = cs[0], s1 = cs[1], s2 = cs[2];
+      float w0, w1, w2, w3;
+      // scalar loads: any 2- or 4-byte aligned weight tensor (a few bytes per channel)
+      if (p.w_f32) {
+        const float* w = static_cast<const float*>(p.conv_weight) + ch * kConvWidth;
+        w0 = __ldg(w); w1 = __ldg(w + 1); w2 = __ldg(w + 2); w3 = __ldg(w + 3);
+      } else {
+        const bf16* w = static_cast<const bf16*>(p.conv_weight) + ch * kConvWidth;
+        w0 = bf_to_f(w[0]); w1 = bf_to_f(w[1]); w2 = bf_to_f(w[2]); w3 = bf_to_f(w[3]);
+      }
+      float acc = w0 * bf_to_f(s0);
+      acc = fmaf(w1, bf_to_f(s1), acc);
+      acc = fmaf(w2, bf_to_f(s2), acc);
+      acc = fmaf(w3, bf_to_f(xb), acc);
+      cs[0] = s1;  // shift left, keep x last (bit copies)
+      cs[1] = s2;
+      cs[2] = xb;
+      return acc * sigmoidf_(acc);  // SiLU
+    }
+    const int key = j - 3 * D;
+    const float graw = bf_to_f(p.g[(static_cast<int64_t>(row) * p.H + h) * D + key]);
+    const float dt = p.dt_bias ? __ldg(p.dt_bias + h * D + key) : 0.f;
+    const float a = p.A_log ? expf(__ldg(p.A_log + h)) : 1.f;
+    return expf(log_decay(p, graw, dt, a));
+  }
+
+  // The whole (row, head) for this CTA. `half` picks the partial-sum buffer.
+  __device__ static void run(const FusedParams& p, Smem& sm, int row, int h, unsigned rank, int half) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int c = lane % LPR, r = lane / LPR;
+    const int32_t slot = p.idx[row];
+    const int vrow0 = rank * V_TILE + warp * ROWS_PER_WARP;
+    // state loads first: the prologue runs while they are in flight
+    const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
+                      static_cast<OffT>((h * D + vrow0) * D);
+    Elem* sb = static_cast<Elem*>(p.state) + base;
+    uint4 s[PASSES][CHUNKS];
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps)
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i)
+        s[ps][i] = load_state<kCoherent>(
+            reinterpret_cast<const uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)));
+
+    for (int j = rank * IPC + threadIdx.x; j < (rank + 1) * IPC; j += THREADS)
+      broadcast(&sm.in[j], prologue_item(p, row, h, slot, j), rank);
+    const float b = sigmoidf_(bf_to_f(p.beta[static_cast<int64_t>(row) * p.H + h]));
+    // epilogue operands: lane c < PASSES of each group writes the output of pass c (loaded early)
+    const int64_t orow = (static_cast<int64_t>(row) * p.H + h) * D;
+    const int my_vr = vrow0 + c * RPW + r;
+    const bool writer = c < PASSES;
+    const float nw = writer ? __ldg(p.norm_weight + my_vr) : 0.f;
+    const float og = writer ? bf_to_f(p.output_gate[orow + my_vr]) : 0.f;
+    cluster_sync();  // #1: the prologue is in every CTA's shared memory
+
+    float qn[KPL], kn[KPL], dec[KPL];
+    float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int key = key_of(i, c) + e;
+        qn[i * VEC + e] = sm.in[key];
+        kn[i * VEC + e] = sm.in[D + key];
+        dec[i * VEC + e] = sm.in[3 * D + key];
+      }
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      ssq = fmaf(qn[e], qn[e], ssq);
+      ssk = fmaf(kn[e], kn[e], ssk);
+    }
+    ssq = group_sum<LPR>(ssq);
+    ssk = group_sum<LPR>(ssk);
+    const float qs = p.scale / sqrtf(ssq + 1e-6f);
+    const float ks = 1.f / sqrtf(ssk + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      qn[e] *= qs;
+      kn[e] *= ks;
+    }
+
+    float mine = 0.f;  // o of pass c (lanes c < PASSES)
+    float part = 0.f;
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps) {
+      float st[KPL];
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(s[ps][i], &st[i * VEC]);
+      float kv = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        st[e] *= dec[e];
+        kv = fmaf(st[e], kn[e], kv);
+      }
+      kv = group_sum<LPR>(kv);
+      const float u = b * (sm.in[2 * D + vrow0 + ps * RPW + r] - kv);
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        st[e] = fmaf(kn[e], u, st[e]);
+        acc = fmaf(st[e], qn[e], acc);
+      }
+      const float o = group_sum<LPR>(acc);
+      part = fmaf(o, o, part);
+      if (c == ps) mine = o;
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i) s[ps][i] = StateTraits<kBf16>::pack(&st[i * VEC]);
+    }
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ++ps)
+#pragma unroll
+      for (int i = 0; i < CHUNKS; ++i)
+        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)),
+                               s[ps][i]);
+    // the warp's sum(o^2): groups hold their V-rows' o in every lane; add the groups in lane order
+#pragma unroll
+    for (int off = LPR; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    if (lane == 0) broadcast(&sm.red[half][rank * WARPS + warp], part, rank);
+    cluster_sync();  // #2: every partial everywhere
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < NRED; ++i) total += sm.red[half][i];
+    const float inv = 1.f / sqrtf(total / static_cast<float>(D) + p.norm_eps);
+    if (writer) p.out[orow + my_vr] = __float2bfloat16_rn(mine * inv * nw * sigmoidf_(og));
+  }
+};
+
+// ---- schedule 0: one (row, head) per cluster of CL CTAs ------------------------------------------
+
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+fused_kda_decode_tile_kernel(const FusedParams p) {
+  using T = FusedCta<kBf16, CL, V_TILE, THREADS, OffT, false>;
+  __shared__ typename T::Smem sm;
+  const int item = blockIdx.x / CL;
+  const unsigned rank = blockIdx.x % CL;  // 1-D clusters of CL consecutive CTAs
+  const int row = item / p.H, h = item % p.H;
+  if (T::is_pad(p, __ldg(p.idx + row))) {  // uniform across the cluster: no barrier is skipped
+    T::write_zeros(p, row, h, rank);
+    return;
+  }
+  T::run(p, sm, row, h, rank, 0);
+}
+
+// ---- schedule 2: one head per cluster, every row in order (repeated slots) -----------------------
+
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+fused_kda_decode_seq_kernel(const FusedParams p) {
+  using T = FusedCta<kBf16, CL, V_TILE, THREADS, OffT, true>;
+  __shared__ typename T::Smem sm;
+  const int h = blockIdx.x / CL;
+  const unsigned rank = blockIdx.x % CL;
+  int done = 0;  // processed rows: picks the partial-sum half
+  for (int row = 0; row < p.rows; ++row) {
+    if (T::is_pad(p, p.idx[row])) {
+      T::write_zeros(p, row, h, rank);
+      continue;
+    }
+    T::run(p, sm, row, h, rank, done & 1);
+    ++done;
+  }
+}
+
+}  // namespace fkda_fused

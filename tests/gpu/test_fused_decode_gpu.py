@@ -1,0 +1,457 @@
+"""GPU tests of the CUDA fused_kda_decode modules (csrc/fused_decode) against the PyTorch reference.
+
+Every module record of jit/modules/fused_decode_cuda.json (so every route's module) x fp32/bf16
+state x slot modes x conv weight dtypes. Fresh random inputs each case (never zeros); outputs
+NaN-poisoned first and checked fully written; both caches: every slot not addressed stays bitwise
+unchanged, the conv cache of an addressed slot equals the reference bitwise (it is a shift of bf16
+values), padding rows give exact zeros and touch neither cache; repeated slots apply in row order
+(sequential modules); bitwise determinism; CUDA-graph replay == eager bitwise; non-default streams;
+64-bit slot offsets on a pool of more than 2^31 elements; the public op's routes end to end.
+
+FKDA_FUSED_TEST_DEVICE=cpu runs the same harness against cpu_fused_kda_decode (a dry run of the
+harness itself on a machine without a GPU; the CUDA-only tests skip).
+
+`python tests/gpu/test_fused_decode_gpu.py bench` prints a quick CUDA-graph timing table: the fused
+op vs the plain kda_decode step at the same shape, and vs the unfused sequence (torch conv update +
+SiLU, kda_decode, torch gated RMSNorm).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+DEVICE = os.environ.get("FKDA_FUSED_TEST_DEVICE", "cuda")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from flashkda_ext import reference as REF  # noqa: E402
+
+RECORDS = json.loads((ROOT / "jit/modules/fused_decode_cuda.json").read_text())["modules"]
+GATES = {"softplus": 0, "bounded": 1, "log": 2}
+D = 128
+CUDA_ONLY = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA-only check")
+
+if DEVICE == "cuda":
+    # (module, state dtype, abi)
+    CASES = [(r["name"], r["state_dtype"], r["abi"]) for r in RECORDS]
+else:  # dry run of the harness on the CPU backend (sequential semantics, any state dtype)
+    CASES = [("cpu_fused_kda_decode", "float32", "sequential"),
+             ("cpu_fused_kda_decode", "bfloat16", "sequential")]
+IDS = [f"{n}-{s}" for n, s, _ in CASES]
+SDT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_MODS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild():
+    """Build every module of the file in parallel first (JIT builds are file-locked and
+    independent), so the tests do not pay for one nvcc run after another."""
+    if DEVICE != "cuda" or os.environ.get("FLASHKDA_EXT_DISABLE_JIT") == "1":
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashkda_ext import jit
+    names = sorted({n for n, _, _ in CASES})
+    with ThreadPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1)) as ex:
+        list(ex.map(jit.build_module, names))
+
+
+def load(name):
+    if name not in _MODS:
+        from flashkda_ext.jit import load_module
+        _MODS[name] = load_module(name)
+    return _MODS[name]
+
+
+def make_inputs(rows, H, gate, gen, w_f32=False):
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEVICE)
+    bf = torch.bfloat16
+    HD = H * D
+    inp = dict(
+        x=r(rows, 3 * HD).to(bf),
+        conv_weight=(r(3 * HD, 4) * 0.5).to(torch.float32 if w_f32 else bf),
+        g=((-torch.nn.functional.softplus(r(rows, H, D))) if gate == "log" else (r(rows, H, D) - 1.0)).to(bf),
+        beta=r(rows, H).to(bf),
+        A_log=(torch.rand(H, generator=gen, device=DEVICE) * 2.5 - 2.0).float(),
+        dt_bias=(r(H * D) * 0.5).float(),
+        output_gate=r(rows, H, D).to(bf),
+        norm_weight=(1.0 + 0.2 * r(D)).float(),
+    )
+    if gate == "log":
+        inp["A_log"] = inp["dt_bias"] = None
+    return inp
+
+
+def make_pools(slots, H, sdt, gen):
+    state = (torch.randn(slots, H, D, D, generator=gen, device=DEVICE) * 0.5).to(sdt)
+    conv = torch.randn(slots, 3 * H * D, 3, generator=gen, device=DEVICE).to(torch.bfloat16)
+    return conv, state
+
+
+def is_pad(i, null_slot0):
+    return i < 0 or (null_slot0 and i == 0)
+
+
+def call(name, inp, conv, state, idx, out, gate, lb=-5.0, scale=None, eps=1e-5, null_slot0=False):
+    scale = D ** -0.5 if scale is None else scale
+    load(name)["fused_kda_decode"](
+        inp["x"], inp["conv_weight"], conv, inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], idx,
+        state, inp["output_gate"], inp["norm_weight"], out, GATES[gate], float(lb), float(scale),
+        float(eps), bool(null_slot0))
+
+
+def reference(inp, conv, state, il, gate, lb=-5.0, eps=1e-5, null_slot0=False):
+    """(out fp64 [rows,H,D], {slot: new conv rows}, {slot: new state}) on the used slots only
+    (so a huge pool is never cloned); rows run in order, so repeats are sequential."""
+    used = sorted({i for i in il if not is_pad(i, null_slot0)})
+    remap = {s: j for j, s in enumerate(used)}
+    sidx = torch.tensor([-1 if is_pad(i, null_slot0) else remap[i] for i in il], dtype=torch.int32)
+    out, new_conv, new_state = REF.fused_kda_decode_step(
+        inp["x"], inp["conv_weight"], conv[used].clone(), inp["g"], inp["beta"], inp["A_log"],
+        inp["dt_bias"], sidx, state[used].clone(), inp["output_gate"], inp["norm_weight"], gate=gate,
+        lower_bound=lb if gate == "bounded" else None, norm_eps=eps, scale=None, null_slot0=False,
+        dtype=torch.float64)
+    return out, {s: new_conv[remap[s]] for s in used}, {s: new_state[remap[s]] for s in used}
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def slot_list(rows, slots, slot_mode, seed, null_slot0=False):
+    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed)).tolist()
+    if slot_mode == "unique":
+        il = perm[:rows]
+    elif slot_mode == "padded":
+        il = [perm[r] if r % 3 != 1 else -1 - (r % 5) for r in range(rows)]
+        if null_slot0 and rows > 2:
+            il[2] = 0
+    else:  # repeated: a few slots reused in interleaved order, plus padding
+        il = [perm[(r * 7) % max(1, rows // 3 + 1)] if r % 5 != 4 else -1 for r in range(rows)]
+    return il
+
+
+def check_against_reference(name, sdt_name, rows, H, gate, slot_mode, seed, slots=48, null_slot0=False,
+                            w_f32=False, eps=1e-5):
+    sdt = SDT[sdt_name]
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    inp = make_inputs(rows, H, gate, gen, w_f32=w_f32)
+    conv, state = make_pools(slots, H, sdt, gen)
+    il = slot_list(rows, slots, slot_mode, seed, null_slot0)
+    idx = torch.tensor(il, dtype=torch.int32, device=DEVICE)
+    conv0, state0 = conv.clone(), state.clone()
+    ref_out, ref_conv, ref_state = reference(inp, conv, state, il, gate, eps=eps, null_slot0=null_slot0)
+    assert torch.equal(bits(state), bits(state0)) and torch.equal(bits(conv), bits(conv0))
+    out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    call(name, inp, conv, state, idx, out, gate, eps=eps, null_slot0=null_slot0)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all(), f"{name}: output not fully written"
+    pad = [r for r in range(rows) if is_pad(il[r], null_slot0)]
+    valid = [r for r in range(rows) if r not in pad]
+    if pad:
+        assert (out[pad].float() == 0).all(), f"{name}: padding rows must be exact zeros"
+    e = rel_l2(out.float(), ref_out)
+    assert e < 1.2e-2, f"{name} {gate} {slot_mode}: output rel L2 {e:.3e}"
+    for r in valid:  # no single row hides behind the aggregate
+        er = rel_l2(out[r].float(), ref_out[r])
+        assert er < 2.5e-2, f"{name} {gate} {slot_mode}: row {r} output rel L2 {er:.3e}"
+    tol = 2e-5 if sdt == torch.float32 else 4e-3
+    for s in ref_state:
+        es = rel_l2(state[s].float(), ref_state[s])
+        assert es < tol, f"{name} slot {s}: state rel L2 {es:.3e}"
+        assert torch.equal(bits(conv[s]), bits(ref_conv[s])), f"{name} slot {s}: conv cache differs"
+    untouched = [s for s in range(slots) if s not in ref_state]
+    assert untouched, "test needs untouched slots"
+    assert torch.equal(bits(state[untouched]), bits(state0[untouched])), f"{name}: untouched state slot modified"
+    assert torch.equal(bits(conv[untouched]), bits(conv0[untouched])), f"{name}: untouched conv slot modified"
+    return e
+
+
+@pytest.mark.parametrize("name,sdt,abi", CASES, ids=IDS)
+@pytest.mark.parametrize("case", [
+    dict(rows=1, H=8, gate="softplus", slot_mode="unique"),
+    dict(rows=13, H=16, gate="bounded", slot_mode="padded"),
+    dict(rows=33, H=12, gate="log", slot_mode="unique", w_f32=True),
+    dict(rows=9, H=24, gate="softplus", slot_mode="padded", null_slot0=True, w_f32=True),
+    dict(rows=3, H=96, gate="bounded", slot_mode="unique", eps=1e-3),
+    dict(rows=5, H=64, gate="softplus", slot_mode="padded"),
+], ids=lambda c: f"r{c['rows']}h{c['H']}-{c['gate']}-{c['slot_mode']}")
+def test_matches_reference(name, sdt, abi, case):
+    case = dict(case)
+    check_against_reference(name, sdt, case.pop("rows"), case.pop("H"), case.pop("gate"),
+                            case.pop("slot_mode"), seed=hash((name, sdt, str(case))) % 10000, **case)
+
+
+@pytest.mark.parametrize("name,sdt,abi", [c for c in CASES if c[2] == "sequential"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[2] == "sequential"])
+@pytest.mark.parametrize("rows,H,gate", [(2, 8, "softplus"), (17, 16, "bounded"), (40, 32, "log")])
+def test_repeated_slots_sequential(name, sdt, abi, rows, H, gate):
+    check_against_reference(name, sdt, rows, H, gate, "repeated", seed=rows * 31 + H)
+
+
+def test_all_rows_padding():
+    name, sdt, _ = CASES[0]
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rows, H, slots = 6, 8, 8
+    inp = make_inputs(rows, H, "softplus", gen)
+    conv, state = make_pools(slots, H, SDT[sdt], gen)
+    conv0, state0 = conv.clone(), state.clone()
+    idx = torch.tensor([-1, -2, -1, -7, -1, -3], dtype=torch.int32, device=DEVICE)
+    out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    call(name, inp, conv, state, idx, out, "softplus")
+    assert (out.float() == 0).all()
+    assert torch.equal(bits(state), bits(state0)) and torch.equal(bits(conv), bits(conv0))
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("name,sdt,abi", CASES, ids=IDS)
+def test_deterministic_graph_and_stream(name, sdt, abi):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows, H, slots = 37, 16, 96
+    inp = make_inputs(rows, H, "softplus", gen)
+    conv0, state0 = make_pools(slots, H, SDT[sdt], gen)
+    idx = torch.randperm(slots, device="cuda")[:rows].to(torch.int32)
+    idx[5] = -1
+    results = []
+    for _ in range(2):  # eager twice: bitwise identical
+        conv, state = conv0.clone(), state0.clone()
+        out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(name, inp, conv, state, idx, out, "softplus")
+        results.append((out, conv, state))
+    torch.cuda.synchronize()
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(bits(a), bits(b)), f"{name}: not deterministic"
+    # graph capture on a side stream (a launch on another stream would break the capture), replay
+    conv, state = conv0.clone(), state0.clone()
+    out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            call(name, inp, conv, state, idx, out, "softplus")
+    torch.cuda.synchronize()
+    conv.copy_(conv0)
+    state.copy_(state0)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b, what in zip((out, conv, state), results[0], ("out", "conv_state", "state")):
+        assert torch.equal(bits(a), bits(b)), f"{name}: graph replay != eager ({what})"
+    # non-default stream: x arrives on that stream behind a long sleep; a launch on any other
+    # stream would read the stale (NaN) x
+    xs = torch.full_like(inp["x"], float("nan"))
+    conv, state = conv0.clone(), state0.clone()
+    out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)
+        xs.copy_(inp["x"])
+        call(name, dict(inp, x=xs), conv, state, idx, out, "softplus")
+    s.synchronize()
+    for a, b, what in zip((out, conv, state), results[0], ("out", "conv_state", "state")):
+        assert torch.equal(bits(a), bits(b)), f"{name}: wrong stream ({what})"
+
+
+@CUDA_ONLY
+def test_o32_rejects_large_pool_and_o64_handles_it():
+    """A bf16 state pool of more than 2^31 elements: o32 twins refuse it, o64 twins update slots
+    past the 2^31-element boundary correctly and leave their neighbours alone."""
+    H = 8
+    per_slot = H * D * D
+    slots = (2 ** 31) // per_slot + 16
+    try:
+        state = torch.empty(slots, H, D, D, dtype=torch.bfloat16, device="cuda")
+        conv = torch.empty(slots, 3 * H * D, 3, dtype=torch.bfloat16, device="cuda")
+    except RuntimeError:
+        pytest.skip("not enough GPU memory")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hi = [slots - 1, slots - 5, slots - 9, 3, (2 ** 31) // per_slot + 1]
+    probe = sorted(set(hi + [slots - 2, slots - 3, 2, 4]))
+    c0, s0 = make_pools(len(probe), H, torch.bfloat16, gen)
+    state[probe], conv[probe] = s0, c0
+    rows = len(hi)
+    inp = make_inputs(rows, H, "bounded", gen)
+    idx = torch.tensor(hi, dtype=torch.int32, device="cuda")
+    ref_out, ref_conv, ref_state = reference(inp, conv, state, hi, "bounded")
+    for rec in RECORDS:
+        if rec["state_dtype"] != "bfloat16":
+            continue
+        out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if rec["slot_offset_bits"] == 32:
+            with pytest.raises(Exception, match="64-bit|o64"):
+                call(rec["name"], inp, conv, state, idx, out, "bounded")
+            continue
+        state[probe], conv[probe] = s0, c0
+        call(rec["name"], inp, conv, state, idx, out, "bounded")
+        torch.cuda.synchronize()
+        assert rel_l2(out.float(), ref_out) < 1.2e-2, rec["name"]
+        for s in ref_state:
+            assert rel_l2(state[s].float(), ref_state[s]) < 4e-3, (rec["name"], s)
+            assert torch.equal(bits(conv[s]), bits(ref_conv[s])), (rec["name"], s)
+        for j, s in enumerate(probe):
+            if s not in ref_state:
+                assert torch.equal(bits(state[s]), bits(s0[j])), (rec["name"], s)
+                assert torch.equal(bits(conv[s]), bits(c0[j])), (rec["name"], s)
+    del state, conv
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("slot_mode", ["unique", "padded", "repeated"])
+@pytest.mark.parametrize("rows,H", [(1, 8), (8, 8), (20, 16), (40, 32), (100, 16)])
+def test_public_op_routes(slot_mode, rows, H):
+    """flashkda_ext.fused_kda_decode end to end: validation, route selection, module, result."""
+    import flashkda_ext
+    gen = torch.Generator(device=DEVICE).manual_seed(rows * 7 + H)
+    slots = 2 * rows + 8
+    inp = make_inputs(rows, H, "softplus", gen)
+    conv, state = make_pools(slots, H, torch.float32, gen)
+    il = slot_list(rows, slots, slot_mode, seed=rows + H)
+    if slot_mode == "padded" and all(i >= 0 for i in il):
+        il[0] = -1
+    idx = torch.tensor(il, dtype=torch.int32, device=DEVICE)
+    conv0, state0 = conv.clone(), state.clone()
+    ref_out, ref_conv, ref_state = reference(inp, conv, state, il, "softplus")
+    out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    flashkda_ext.fused_kda_decode(inp["x"], inp["conv_weight"], conv, inp["g"], inp["beta"], inp["A_log"],
+                                  inp["dt_bias"], idx, state, inp["output_gate"], inp["norm_weight"],
+                                  gate="softplus", slot_mode=slot_mode, out=out)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    assert rel_l2(out.float(), ref_out) < 1.2e-2
+    for s in ref_state:
+        assert rel_l2(state[s].float(), ref_state[s]) < 2e-5
+        assert torch.equal(bits(conv[s]), bits(ref_conv[s]))
+    untouched = [s for s in range(slots) if s not in ref_state]
+    assert torch.equal(bits(state[untouched]), bits(state0[untouched]))
+    assert torch.equal(bits(conv[untouched]), bits(conv0[untouched]))
+
+
+@CUDA_ONLY
+def test_contract_matches_supported():
+    sup = json.loads((ROOT / "jit/supported.json").read_text())["families"]["fused_kda_decode"]["cuda"]
+    for rec in RECORDS:
+        c = json.loads(load(rec["name"])["fkda_contract"]())
+        assert c["FKDA_SUPPORTED_VALUE_HEADS"] == sup["value_heads"]
+        assert c["FKDA_HEAD_DIM_K"] == sup["head_dims_k"][0] == D
+        assert c["FKDA_THREADS"] == rec["threads"] and c["FKDA_SLOT_OFFSET_BITS"] == rec["slot_offset_bits"]
+        assert c["FKDA_CLUSTER_X"] == rec["cluster"][0]
+        assert c["FKDA_STATE_BF16"] == (1 if rec["state_dtype"] == "bfloat16" else 0)
+
+
+@CUDA_ONLY
+def test_binding_rejects_unsupported_heads():
+    rec = RECORDS[0]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    H = 4  # not in the supported set
+    inp = make_inputs(2, H, "softplus", gen)
+    conv, state = make_pools(4, H, SDT[rec["state_dtype"]], gen)
+    idx = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    out = torch.empty(2, H, D, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="heads"):
+        call(rec["name"], inp, conv, state, idx, out, "softplus")
+
+
+# ---- quick benchmark (not a test) ---------------------------------------------------------------
+
+def _graph_time_us(fn, reps=20, iters=5):
+    """Median per-call time of fn captured `reps` times in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def bench():
+    """Every fused tile module, the routed fused op, the plain decode step (routed kda_decode at the
+    same shape) and the unfused sequence, CUDA-graph replay, us per step."""
+    import flashkda_ext
+    stems = [r["name"].rsplit("_", 2)[0] for r in RECORDS if r["abi"] != "sequential"]
+    stems = sorted(set(stems), key=stems.index)
+    print(f"# {torch.cuda.get_device_name()}: CUDA-graph replay, us per step (median); "
+          f"ratio = routed fused / plain decode")
+    print("state H rows | " + " | ".join(stems) + " | fused(route) | plain | unfused | ratio | unfused/fused")
+    shapes = [(16, r) for r in (1, 4, 16, 64, 256, 1024, 4096)] + [(64, r) for r in (1, 16, 64, 256, 1024)]
+    for sdt in (torch.float32, torch.bfloat16):
+        tag = "f32" if sdt == torch.float32 else "bf16"
+        for H, rows in shapes:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            slots = max(2 * rows, 256)
+            inp = make_inputs(rows, H, "softplus", gen)
+            conv, state = make_pools(slots, H, sdt, gen)
+            idx = torch.randperm(slots, device="cuda")[:rows].to(torch.int32)
+            out = torch.empty(rows, H, D, dtype=torch.bfloat16, device="cuda")
+            HD = H * D
+            q = torch.randn(rows, H, D, device="cuda").to(torch.bfloat16)
+            k, v = q.clone(), q.clone()
+            dout = torch.empty_like(out)
+            offs = "o64" if state.numel() > 2 ** 31 - 1 else "o32"
+
+            def module_fn(stem):
+                return lambda: call(f"{stem}_{tag}_{offs}", inp, conv, state, idx, out, "softplus")
+
+            def fused():
+                flashkda_ext.fused_kda_decode(inp["x"], inp["conv_weight"], conv, inp["g"], inp["beta"],
+                                              inp["A_log"], inp["dt_bias"], idx, state, inp["output_gate"],
+                                              inp["norm_weight"], gate="softplus", out=out)
+
+            def plain():
+                flashkda_ext.kda_decode(q, k, v, inp["g"], inp["beta"], state=state, state_indices=idx,
+                                        A_log=inp["A_log"], dt_bias=inp["dt_bias"], gate="softplus", out=dout)
+
+            w = inp["conv_weight"].float()
+
+            def unfused():
+                li = idx.long()
+                win = torch.cat([conv[li].float(), inp["x"].float()[..., None]], -1)
+                y = torch.nn.functional.silu((win * w).sum(-1)).to(torch.bfloat16)
+                conv[li] = win[..., 1:].to(torch.bfloat16)
+                qq, kk, vv = (y[:, i * HD:(i + 1) * HD].reshape(rows, H, D) for i in range(3))
+                flashkda_ext.kda_decode(qq, kk, vv, inp["g"], inp["beta"], state=state, state_indices=idx,
+                                        A_log=inp["A_log"], dt_bias=inp["dt_bias"], gate="softplus", out=dout)
+                o = dout.float()
+                o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5)
+                out.copy_((o * inp["norm_weight"] * torch.sigmoid(inp["output_gate"].float())).to(torch.bfloat16))
+
+            tm = [_graph_time_us(module_fn(st)) for st in stems]
+            tf, tp, tu = _graph_time_us(fused), _graph_time_us(plain), _graph_time_us(unfused)
+            print(f"{tag} {H} {rows} | " + " | ".join(f"{t:.2f}" for t in tm)
+                  + f" | {tf:.2f} | {tp:.2f} | {tu:.2f} | {tf / tp:.3f} | {tu / tf:.2f}", flush=True)
+            del conv, state
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["bench"]:
+        bench()
+    else:
+        sys.exit(pytest.main([__file__, "-q"] + sys.argv[1:]))
