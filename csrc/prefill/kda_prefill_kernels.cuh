@@ -200,7 +200,8 @@ struct PrepArgs {
 // lower blocks of L / Aqk are done one row block at a time, and each region is reused once its
 // contents are dead:
 //   [G fp32] -> [X fp32 | P | X bf16]     [q | k] -> [beta V | -]     [L fp32]     [operands] -> [beta exp(G) k]
-constexpr int kLiteThreads = 256;
+constexpr int kLiteThreads = FKDA_PARAM_PREP_THREADS;  // the prep kernel's launch shape (record params)
+static_assert(FKDA_PARAM_PREP_THREADS == 256, "the prep kernel is written for 8 warps (record param prep_threads)");
 constexpr int kLOffG = 0;
 constexpr int kLOffX = 0;                                 // after G is dead
 constexpr int kLOffP = kLOffX + kC * kLdM * 4;
@@ -217,7 +218,7 @@ static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was")
 static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 
-__global__ void __launch_bounds__(kLiteThreads, 2) kda_prep_lite_kernel(const PrepArgs a) {
+__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   float* Xm = reinterpret_cast<float*>(smem + kLOffX);
@@ -691,7 +692,7 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
 }
 
 template <int VT, typename ST>
-__global__ void __launch_bounds__(128, 1) kda_state_kernel(const StateArgs a) {
+__global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
   using SM = StateSmem<VT>;
   constexpr int NT = VT / 8, NP = VT / 16, LDU = SM::kLdU;
   extern __shared__ __align__(128) uint8_t smem[];
