@@ -260,6 +260,7 @@ def main():
                     rec["results"]["fla"] = dict(graph_us=tg, eager_us=te, tbps=traffic / tg / 1e6,
                                                  pct_copy=100 * traffic / tg / 1e6 / copy_tbps)
                 points.append(rec)
+                Path(args.out).write_text(json.dumps(dict(copy_tbps=copy_tbps, points=points, partial=True)))
                 line = " ".join(f"{n.replace('decode_', '').replace('_' + sname + '_' + offset, '')}="
                                 f"{r['graph_us']:.1f}/{r['eager_us']:.0f}us({r['pct_copy']:.0f}%)"
                                 for n, r in rec["results"].items())

@@ -89,10 +89,11 @@ struct FusedCta {
   static constexpr int NI = 4 * D;          // prologue items: q, k, v channels, gate keys
   static constexpr int IPC = NI / CL;       // items per CTA
   static constexpr int NRED = CL * WARPS;   // RMSNorm partials
+  static constexpr int IPT = IPC / THREADS; // prologue items per thread
   static_assert(V_TILE * CL == D, "the cluster covers all V-rows");
   static_assert(V_TILE % WARPS == 0 && ROWS_PER_WARP % RPW == 0 && PASSES >= 1, "V tile split");
   static_assert(D % (LPR * VEC) == 0 && CHUNKS >= 1, "K must tile by LPR*VEC");
-  static_assert(NI % CL == 0, "prologue split");
+  static_assert(NI % CL == 0 && IPC % THREADS == 0 && IPT >= 1, "prologue split");
   static_assert(PASSES <= LPR, "one writer lane per pass");
 
   struct Smem {
@@ -131,40 +132,63 @@ struct FusedCta {
     for (int j = threadIdx.x; j < V_TILE; j += THREADS) op[j] = __float2bfloat16_rn(0.f);
   }
 
-  // One prologue item j (0 <= j < NI): the conv channel or the gate key's decay. Conv items also
-  // shift that channel's cache (this thread is the only one that touches it in this launch).
-  __device__ static float prologue_item(const FusedParams& p, int row, int h, int32_t slot, int j) {
-    const int64_t HD = static_cast<int64_t>(p.H) * D, C = 3 * HD;
+  // One prologue item j (0 <= j < NI): a conv channel (q | k | v of head h) or a gate key.
+  // Split into loads and math so that every item of a thread has its loads in flight before the
+  // first conv-cache store (a store through a generic pointer would otherwise order the next
+  // item's loads after it).
+  struct Raw {
+    bf16 x, s0, s1, s2;      // conv: input and the cached three; gate: x = raw g
+    float w0, w1, w2, w3;    // conv: weights;                     gate: w0 = dt_bias, w1 = A_log
+  };
+
+  __device__ static int64_t conv_channel(const FusedParams& p, int h, int j) {
+    return (j / D) * (static_cast<int64_t>(p.H) * D) + static_cast<int64_t>(h) * D + (j % D);
+  }
+  __device__ static bf16* conv_row(const FusedParams& p, int32_t slot, int64_t ch) {
+    const int64_t C = 3 * static_cast<int64_t>(p.H) * D;
+    return p.conv_state + (static_cast<OffT>(slot) * static_cast<OffT>(C * 3) + static_cast<OffT>(ch * 3));
+  }
+
+  __device__ static void load_item(const FusedParams& p, int row, int h, int32_t slot, int j, Raw& in) {
     if (j < 3 * D) {
-      const int part = j / D, i = j % D;
-      const int64_t ch = part * HD + static_cast<int64_t>(h) * D + i;
-      const bf16 xb = p.x[static_cast<int64_t>(row) * C + ch];
-      bf16* cs = p.conv_state + static_cast<OffT>(slot) * static_cast<OffT>(C * 3) +
-                 static_cast<OffT>(ch * 3);
-      const bf16 s0 = cs[0], s1 = cs[1], s2 = cs[2];
-      float w0, w1, w2, w3;
+      const int64_t ch = conv_channel(p, h, j);
+      in.x = p.x[static_cast<int64_t>(row) * (3 * static_cast<int64_t>(p.H) * D) + ch];
+      const bf16* cs = conv_row(p, slot, ch);
+      in.s0 = cs[0];
+      in.s1 = cs[1];
+      in.s2 = cs[2];
       // scalar loads: any 2- or 4-byte aligned weight tensor (a few bytes per channel)
       if (p.w_f32) {
         const float* w = static_cast<const float*>(p.conv_weight) + ch * kConvWidth;
-        w0 = __ldg(w); w1 = __ldg(w + 1); w2 = __ldg(w + 2); w3 = __ldg(w + 3);
+        in.w0 = __ldg(w); in.w1 = __ldg(w + 1); in.w2 = __ldg(w + 2); in.w3 = __ldg(w + 3);
       } else {
         const bf16* w = static_cast<const bf16*>(p.conv_weight) + ch * kConvWidth;
-        w0 = bf_to_f(w[0]); w1 = bf_to_f(w[1]); w2 = bf_to_f(w[2]); w3 = bf_to_f(w[3]);
+        in.w0 = bf_to_f(__ldg(w)); in.w1 = bf_to_f(__ldg(w + 1));
+        in.w2 = bf_to_f(__ldg(w + 2)); in.w3 = bf_to_f(__ldg(w + 3));
       }
-      float acc = w0 * bf_to_f(s0);
-      acc = fmaf(w1, bf_to_f(s1), acc);
-      acc = fmaf(w2, bf_to_f(s2), acc);
-      acc = fmaf(w3, bf_to_f(xb), acc);
-      cs[0] = s1;  // shift left, keep x last (bit copies)
-      cs[1] = s2;
-      cs[2] = xb;
+    } else {
+      const int key = j - 3 * D;
+      in.x = __ldg(p.g + (static_cast<int64_t>(row) * p.H + h) * D + key);
+      in.w0 = p.dt_bias ? __ldg(p.dt_bias + h * D + key) : 0.f;
+      in.w1 = p.A_log ? __ldg(p.A_log + h) : 0.f;
+    }
+  }
+
+  // The item's value; a conv item also shifts its channel's cache (this thread is the only one
+  // that touches that channel in this launch).
+  __device__ static float finish_item(const FusedParams& p, int h, int32_t slot, int j, const Raw& in) {
+    if (j < 3 * D) {
+      float acc = in.w0 * bf_to_f(in.s0);
+      acc = fmaf(in.w1, bf_to_f(in.s1), acc);
+      acc = fmaf(in.w2, bf_to_f(in.s2), acc);
+      acc = fmaf(in.w3, bf_to_f(in.x), acc);
+      bf16* cs = conv_row(p, slot, conv_channel(p, h, j));
+      cs[0] = in.s1;  // shift left, keep x last (bit copies)
+      cs[1] = in.s2;
+      cs[2] = in.x;
       return acc * sigmoidf_(acc);  // SiLU
     }
-    const int key = j - 3 * D;
-    const float graw = bf_to_f(p.g[(static_cast<int64_t>(row) * p.H + h) * D + key]);
-    const float dt = p.dt_bias ? __ldg(p.dt_bias + h * D + key) : 0.f;
-    const float a = p.A_log ? expf(__ldg(p.A_log + h)) : 1.f;
-    return expf(log_decay(p, graw, dt, a));
+    return expf(log_decay(p, bf_to_f(in.x), in.w0, expf(in.w1)));  // A_log absent: exp(0) = 1
   }
 
   // The whole (row, head) for this CTA. `half` picks the partial-sum buffer.
@@ -185,16 +209,24 @@ struct FusedCta {
         s[ps][i] = load_state<kCoherent>(
             reinterpret_cast<const uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)));
 
-    for (int j = rank * IPC + threadIdx.x; j < (rank + 1) * IPC; j += THREADS)
-      broadcast(&sm.in[j], prologue_item(p, row, h, slot, j), rank);
-    const float b = sigmoidf_(bf_to_f(p.beta[static_cast<int64_t>(row) * p.H + h]));
-    // epilogue operands: lane c < PASSES of each group writes the output of pass c (loaded early)
+    // token scalars and epilogue operands, loaded before the prologue's conv-cache stores;
+    // lane c < PASSES of each group writes the output of pass c
+    const float b_raw = bf_to_f(__ldg(p.beta + static_cast<int64_t>(row) * p.H + h));
     const int64_t orow = (static_cast<int64_t>(row) * p.H + h) * D;
     const int my_vr = vrow0 + c * RPW + r;
     const bool writer = c < PASSES;
     const float nw = writer ? __ldg(p.norm_weight + my_vr) : 0.f;
-    const float og = writer ? bf_to_f(p.output_gate[orow + my_vr]) : 0.f;
+    const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
+    Raw raw[IPT];
+#pragma unroll
+    for (int it = 0; it < IPT; ++it) load_item(p, row, h, slot, rank * IPC + it * THREADS + threadIdx.x, raw[it]);
+#pragma unroll
+    for (int it = 0; it < IPT; ++it) {
+      const int j = rank * IPC + it * THREADS + threadIdx.x;
+      broadcast(&sm.in[j], finish_item(p, h, slot, j, raw[it]), rank);
+    }
     cluster_sync();  // #1: the prologue is in every CTA's shared memory
+    const float b = sigmoidf_(b_raw);
 
     float qn[KPL], kn[KPL], dec[KPL];
     float ssq = 0.f, ssk = 0.f;

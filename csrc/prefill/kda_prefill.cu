@@ -158,7 +158,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     ck.same_device(w, "workspace", q, "q");
     ck.dtype(w, "workspace", {kU8});
     ck.contiguous(w, "workspace");
-    ck.aligned(w, "workspace", 256);
+    ck.aligned(w, "workspace", 16);
     FKDA_CHECK(w.numel() >= need, fn) << "argument 'workspace' must hold at least " << need
                                       << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
   }
@@ -172,7 +172,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   uint8_t* ws = nullptr;
   bool own_ws = false;
   if (workspace.has_value()) {
-    ws = data_ptr<uint8_t>(workspace.value());
+    const uintptr_t p = reinterpret_cast<uintptr_t>(data_ptr<uint8_t>(workspace.value()));
+    const uintptr_t a = static_cast<uintptr_t>(fkda_prefill::kWorkspaceAlign);
+    ws = reinterpret_cast<uint8_t*>((p + a - 1) / a * a);  // within the slack workspace_bytes adds
   } else if (need > 0) {
     // Stream-ordered, so this stays capturable in a CUDA graph (as a memory node).
     FKDA_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), fn);

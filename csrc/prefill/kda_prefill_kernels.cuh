@@ -60,8 +60,11 @@ __host__ __device__ constexpr int u_off(int row, int col) {
 inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return total_tokens / kC + num_seqs;
 }
+// The binding rounds a caller's workspace pointer up to kWorkspaceAlign (bulk copies want it; XLA
+// only promises 128-byte buffers), so the size asked for carries that slack.
+constexpr int64_t kWorkspaceAlign = 256;
 inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
-  return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes);
+  return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes) + kWorkspaceAlign;
 }
 
 // ---- state kernel shared memory map --------------------------------------------------------------
