@@ -1,0 +1,105 @@
+"""Launch every CUDA module once on small, valid, random inputs: the workload compute-sanitizer
+(memcheck, racecheck, synccheck) runs over, one process for all routes.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_routes.py [--only GLOB]
+
+Each module is called straight through its TVM-FFI function (the module ABI of
+docs/architecture.md), so every route is covered whatever the routing bands say. Prints one line a
+module; exits non-zero if a call raises.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+
+import torch
+
+from flashkda_ext import jit, validation
+
+DEV = "cuda"
+D = 128
+
+
+def _r(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def _state_dtype(rec):
+    return torch.bfloat16 if rec["state_dtype"] == "bfloat16" else torch.float32
+
+
+def run_decode(fn, rec):
+    rows, H, HV, slots = 3, 2, 4, 6
+    idx = [1, 1, 4] if rec["abi"] == "sequential" else [1, -1, 4]
+    state = _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
+    out = torch.full((rows, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fn(_r(rows, H, D), _r(rows, H, D), _r(rows, HV, D), _r(rows, HV, D), _r(rows, HV),
+       _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
+       state, torch.tensor(idx, dtype=torch.int32, device=DEV), out,
+       validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)
+    return out
+
+
+def run_prefill(fn, rec, module):
+    lens, HV = [70, 0, 65], 2
+    T, N = sum(lens), len(lens)
+    cu = torch.tensor([0, 70, 70, T], dtype=torch.int32, device=DEV)
+    sdt = _state_dtype(rec)
+    init = _r(N, HV, D, D, dtype=sdt, scale=0.1)
+    final = torch.full_like(init, float("nan"))
+    ckpt = torch.full((N, 1, HV, D, D), float("nan"), dtype=sdt, device=DEV)
+    out = torch.full((1, T, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ws = None
+    if module.implements_function("kda_prefill_workspace_bytes"):
+        ws = torch.empty(int(module["kda_prefill_workspace_bytes"](T, N, HV)), dtype=torch.uint8, device=DEV)
+    fn(_r(1, T, HV, D), _r(1, T, HV, D), _r(1, T, HV, D), _r(1, T, HV, D), _r(1, T, HV),
+       None, None, cu, init, final, None, ckpt, out, ws,
+       validation.GATE_MODE["bounded"], -5.0, D ** -0.5, True, False, 64)
+    return out
+
+
+def run_fused(fn, rec):
+    rows, H, slots = 3, 8, 6
+    C = 3 * H * D
+    idx = [2, 2, 5] if rec["abi"] == "sequential" else [2, -1, 5]
+    out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fn(_r(rows, C), _r(C, 4, scale=0.5), _r(slots, C, 3), _r(rows, H, D), _r(rows, H),
+       _r(H, dtype=torch.float32, scale=0.3), _r(H * D, dtype=torch.float32, scale=0.3),
+       torch.tensor(idx, dtype=torch.int32, device=DEV), _r(slots, H, D, D, dtype=_state_dtype(rec), scale=0.1),
+       _r(rows, H, D), _r(D, dtype=torch.float32), out,
+       validation.GATE_MODE["softplus"], 0.0, D ** -0.5, 1e-5, False)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="*", help="glob over module names")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    failed = 0
+    for rec in jit.all_records():
+        if rec["backend"] != "cuda" or not fnmatch.fnmatch(rec["name"], args.only):
+            continue
+        try:
+            module = jit.load_module(rec["name"])
+            fn = module[rec["family"]]
+            if rec["family"] == "kda_decode":
+                out = run_decode(fn, rec)
+            elif rec["family"] == "kda_prefill":
+                out = run_prefill(fn, rec, module)
+            else:
+                out = run_fused(fn, rec)
+            torch.cuda.synchronize()
+            finite = bool(torch.isfinite(out.float()).all())
+            print(f"{rec['name']:32s} ok   finite={finite}", flush=True)
+            failed += 0 if finite else 1
+        except Exception as e:  # noqa: BLE001 - every route is reported, then the exit code says
+            failed += 1
+            print(f"{rec['name']:32s} FAIL {type(e).__name__}: {e}", flush=True)
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
