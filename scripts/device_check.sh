@@ -22,6 +22,6 @@ python3 -m flashkda_ext selftest > "$OUT/selftest.log" 2>&1
 echo "selftest rc=$? in $(( $(date +%s) - t0 )) s"; tail -12 "$OUT/selftest.log"
 for tool in memcheck racecheck synccheck; do
   t0=$(date +%s)
-  timeout 240 compute-sanitizer --tool $tool --error-exitcode 7 python3 scripts/sanitize_routes.py > "$OUT/sanitize_$tool.log" 2>&1
+  timeout 120 compute-sanitizer --tool $tool --error-exitcode 7 python3 scripts/sanitize_routes.py > "$OUT/sanitize_$tool.log" 2>&1
   echo "sanitizer $tool rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "ERROR SUMMARY|failed$|FAIL" "$OUT/sanitize_$tool.log" | head -5
 done
