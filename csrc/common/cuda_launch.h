@@ -79,13 +79,19 @@ inline int64_t grid_for(int64_t items, int device) {
 // The per-kernel attributes a launch needs, set once per (kernel, device) and raised when a later
 // launch asks for more dynamic shared memory. The caller holds the device guard.
 inline void prepare_kernel(const void* kernel, size_t smem, int device) {
-  if (smem <= kDefaultSmemLimit && kClusterSize <= kPortableClusterSize) return;
+  // Static shared memory alone is capped at 48 KiB by the compiler, so with no dynamic part and a
+  // portable cluster there is nothing to raise.
+  if (smem == 0 && kClusterSize <= kPortableClusterSize) return;
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, size_t> done;  // smem already allowed
   std::lock_guard<std::mutex> lock(mu);
   auto it = done.find({kernel, device});
   if (it != done.end() && it->second >= smem) return;
-  if (smem > kDefaultSmemLimit) {
+  // The 48 KiB default covers static + dynamic together: a kernel with 3 KiB static and exactly
+  // 48 KiB dynamic needs the opt-in although its dynamic part alone is within the default.
+  cudaFuncAttributes fa;
+  FKDA_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel), "cudaFuncGetAttributes");
+  if (smem + fa.sharedSizeBytes > kDefaultSmemLimit) {
     FKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)),
                     "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");

@@ -60,7 +60,6 @@ def load(name):
 
 
 def make_inputs(rows, H, HV, gate, gen, device="cuda"):
-    f = dict(device=device, dtype=torch.bfloat16)
     r = lambda *s: torch.randn(*s, generator=gen, device=device)
     q = r(rows, H, K).to(torch.bfloat16)
     k = r(rows, H, K).to(torch.bfloat16)
@@ -72,7 +71,6 @@ def make_inputs(rows, H, HV, gate, gen, device="cuda"):
     beta = r(rows, HV).to(torch.bfloat16)
     A_log = (torch.rand(HV, generator=gen, device=device) * 2.5 - 2.0).float()
     dt_bias = (r(HV * K) * 0.5).float()
-    del f
     return q, k, v, g, beta, A_log, dt_bias
 
 

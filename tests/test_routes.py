@@ -1,0 +1,101 @@
+"""Route bands on both sides of every boundary, from host-known metadata only (no GPU needed).
+
+Each (family, rule, band key) of jit/routes/*.json must appear in EDGES below: a band added to a
+routes file without its boundary cases here fails test_every_band_edge_is_covered."""
+import json
+
+import pytest
+
+from flashkda_ext import dispatch, jit
+from flashkda_ext.paths import jit_dir
+
+
+def decode_meta(**kw):
+    m = {"device": "cuda", "rows": 1, "value_heads": 16, "work_items": 16, "state": "f32", "offset": "o32",
+         "slot_mode": "unique", "gate": "softplus"}
+    m.update(kw)
+    m["work_items"] = m["rows"] * m["value_heads"]
+    return m
+
+
+def prefill_meta(**kw):
+    m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 4096, "max_seqlen": None,
+         "work_items": 16, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
+    m.update(kw)
+    m["work_items"] = m["num_seqs"] * m["value_heads"]
+    return m
+
+
+# (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it
+EDGES = {
+    ("kda_decode", "tiny", "work_items_max"): [
+        (decode_meta(rows=8, value_heads=16), "decode_split8_f32_o32"),        # 128 work items
+        (decode_meta(rows=129, value_heads=1), "decode_split8_f32_o32"),       # 129: fallback, same module
+        (decode_meta(rows=16, value_heads=8), "decode_split8_f32_o32"),        # 128 with 8 heads: tiny wins
+    ],
+    ("kda_decode", "hv8_row", "work_items_min"): [
+        (decode_meta(rows=32, value_heads=8), "decode_row_f32_o32"),           # 256
+        (decode_meta(rows=31, value_heads=8), "decode_split8_f32_o32"),        # 248
+        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_split8_bf16_o32"),
+        (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
+        (decode_meta(rows=4096, value_heads=8, offset="o64"), "decode_row_f32_o64"),
+    ],
+    ("fused_kda_decode", "tiny", "work_items_max"): [
+        (decode_meta(rows=8, value_heads=8), "fused_quad_f32_o32"),            # 64
+        (decode_meta(rows=9, value_heads=8), "fused_pair_f32_o32"),            # 72
+    ],
+    ("fused_kda_decode", "small", "work_items_max"): [
+        (decode_meta(rows=64, value_heads=16), "fused_pair_f32_o32"),          # 1024
+        (decode_meta(rows=43, value_heads=24), "fused_row_f32_o32"),           # 1032
+    ],
+    ("kda_prefill", "few_seq_heads", "work_items_max"): [
+        (prefill_meta(num_seqs=1, value_heads=16), "prefill_vt16_f32"),        # 16
+        (prefill_meta(num_seqs=17, value_heads=1), "prefill_vt32_f32"),        # 17
+    ],
+    ("kda_prefill", "some_seq_heads", "work_items_max"): [
+        (prefill_meta(num_seqs=5, value_heads=8), "prefill_vt32_f32"),         # 40
+        (prefill_meta(num_seqs=41, value_heads=1), "prefill_vt64_f32"),        # 41
+        (prefill_meta(num_seqs=41, value_heads=1, state="bf16"), "prefill_vt64_bf16"),
+    ],
+}
+
+
+@pytest.mark.parametrize("key", sorted(EDGES), ids=lambda k: "-".join(k))
+def test_band_edges(key):
+    family = key[0]
+    for meta, expected in EDGES[key]:
+        assert dispatch.module_name(family, meta) == expected, (key, meta)
+        assert jit.get_record(expected)["family"] == family
+
+
+def test_every_band_edge_is_covered():
+    bands = set()
+    for path in sorted(jit_dir().glob("routes/*.json")):
+        data = json.loads(path.read_text())
+        for rule in data["rules"]:
+            for cond in rule.get("when", {}):
+                if cond.endswith("_min") or cond.endswith("_max"):
+                    bands.add((data["family"], rule["name"], cond))
+    assert bands, "no bands found"
+    assert bands <= set(EDGES), f"bands without boundary cases: {sorted(bands - set(EDGES))}"
+
+
+@pytest.mark.parametrize("family", ["kda_decode", "fused_kda_decode"])
+def test_repeated_slots_always_take_the_sequential_route(family):
+    for rows in (1, 64, 4096):
+        name = dispatch.module_name(family, decode_meta(rows=rows, slot_mode="repeated"))
+        assert jit.get_record(name)["abi"] == "sequential", name
+
+
+@pytest.mark.parametrize("family", ["kda_decode", "kda_prefill", "fused_kda_decode"])
+def test_cpu_tensors_take_the_cpu_module(family):
+    meta = (prefill_meta if family == "kda_prefill" else decode_meta)(device="cpu")
+    assert jit.get_record(dispatch.module_name(family, meta))["backend"] == "cpu"
+
+
+def test_unknown_band_value_stays_on_the_fallback():
+    # a range condition on an unknown value never holds: the always-true fallback serves the call
+    meta = prefill_meta()
+    meta["work_items"] = None
+    rule = dispatch.select_rule("kda_prefill", meta)
+    assert rule["name"] == "fallback"
