@@ -74,12 +74,12 @@ def run_fused(fn, rec):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="*", help="glob over module names")
+    ap.add_argument("--only", default="*", help="comma list of globs over module names")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     failed = 0
     for rec in jit.all_records():
-        if rec["backend"] != "cuda" or not fnmatch.fnmatch(rec["name"], args.only):
+        if rec["backend"] != "cuda" or not any(fnmatch.fnmatch(rec["name"], p) for p in args.only.split(",")):
             continue
         try:
             module = jit.load_module(rec["name"])
