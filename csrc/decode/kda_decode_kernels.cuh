@@ -383,6 +383,9 @@ kda_decode_tile_cluster_kernel(const DecodeParams p) {
   if (!pad) T::load_state_regs(p, it, base, lane);
   // this CTA's half of the keys: one key per thread while threads cover it
   float* peer = cluster.map_shared_rank(s_dec, rank ^ 1u);
+  // The peer CTA may not have started yet: its shared memory is writable only after a cluster
+  // barrier both CTAs have reached (compute-sanitizer racecheck flagged the unsynced writes).
+  cluster.sync();
   for (int key = rank * (K / 2) + threadIdx.x; key < (rank + 1) * (K / 2); key += THREADS) {
     const float graw = bf_to_f(p.g[row * p.g_row_stride + hv * K + key]);
     const float dt = p.dt_bias ? p.dt_bias[hv * K + key] : 0.f;

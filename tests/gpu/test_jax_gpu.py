@@ -167,7 +167,8 @@ def test_prefill_equals_torch(gen, pool, mode):
 
     def torch_run():
         a = {n: x.clone() for n, x in d.items()}
-        out, final = fk.kda_prefill(*(a.pop(n) for n in pos), **a)
+        args = [a.pop(n) for n in pos]  # pop before the ** unpacking sees them
+        out, final = fk.kda_prefill(*args, **a)
         return out, final
 
     t_out, t_final = torch_run()
@@ -175,7 +176,8 @@ def test_prefill_equals_torch(gen, pool, mode):
     rerun_equal = torch.equal(t_out, t_out2) and torch.equal(t_final, t_final2)
     j = {n: to_jax(x) for n, x in d.items()}
     if mode == "eager":
-        out, final = kj.kda_prefill(*(j.pop(n) for n in pos), **j)
+        args = [j.pop(n) for n in pos]
+        out, final = kj.kda_prefill(*args, **j)
     else:
         out, final = jax.jit(lambda a: kj.kda_prefill(*(a[n] for n in pos),
                                                       **{n: x for n, x in a.items() if n not in pos}))(j)
