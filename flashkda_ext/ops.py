@@ -54,6 +54,18 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     return out
 
 
+def _prefill_route(call):
+    """(rule, module, chunk) for a prefill call, kept on the (memoized) call object: route selection
+    and spec lookups cost ~0.1 ms each, too much to repeat on every call of a serving loop."""
+    cached = call.__dict__.get("_route")
+    if cached is None:
+        rule = dispatch.select_rule("kda_prefill", call.route_meta())
+        chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
+        cached = (rule, jit.load_module(rule["module"]), chunk)
+        object.__setattr__(call, "_route", cached)
+    return cached
+
+
 def _prefill_workspace(module, call, device, workspace):
     """Scratch memory the CUDA prefill needs; a caller-given buffer makes the call graph-capturable."""
     if not module.implements_function("kda_prefill_workspace_bytes"):
@@ -103,8 +115,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         null_slot0=null_slot0, out=out)
     device = q.device
     B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
-    rule = dispatch.select_rule("kda_prefill", call.route_meta())
-    chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
+    rule, module, chunk = _prefill_route(call)
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{rule['module']}, got {call.checkpoint_every}")
@@ -125,12 +136,11 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         # Slots past a sequence's own count stay NaN: never read as a state by mistake.
         checkpoints = torch.full((call.num_seqs, call.checkpoint_slots, HV, V, K), float("nan"),
                                  dtype=sdtype, device=device)
-    if trace.enabled():  # before the module is built or launched: a crashing call leaves its trace
+    if trace.enabled():  # before the launch: a crashing call leaves its trace
         trace.emit("kda_prefill", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu_seqlens, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=checkpoints, out=out))
-    module = jit.load_module(rule["module"])
     ws = _prefill_workspace(module, call, device, workspace)
     as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B sequences -> one packed row
     module["kda_prefill"](as1(q), as1(k), as1(v), as1(g), as1(beta), A_log, _flat(dt_bias), cu_seqlens,
