@@ -266,14 +266,28 @@ def _check_backend(backend: Optional[str], device: torch.device) -> str:
 _MEMO_LIMIT = 512
 
 
-def _arg_key(name, x):
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return (type(x), x)
-    if type(x) is torch.Tensor:
-        if name == "cu_seqlens" and x.device.type == "cpu":
-            raise TypeError  # its offsets are checked by value
-        return (x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15 if x.device.type != "meta" else 0)
-    raise TypeError
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+_Tensor = torch.Tensor
+
+
+def _memo_key(args, kwargs):
+    """A hashable summary of the call, or None when some argument cannot be summarized."""
+    key = [tuple(kwargs)]
+    for name, x in (*((None, a) for a in args), *kwargs.items()):
+        tx = type(x)
+        if tx in _SCALAR_TYPES:
+            key.append((tx, x))
+        elif tx is _Tensor:
+            dev = x.device
+            if dev.type == "cuda":
+                key.append((x.shape, x.dtype, dev, x.is_contiguous(), x.data_ptr() & 15))
+            elif name == "cu_seqlens":
+                return None  # host offsets are checked by value
+            else:
+                key.append((x.shape, x.dtype, dev, x.is_contiguous()))
+        else:
+            return None
+    return tuple(key)
 
 
 def _memoized(check):
@@ -281,12 +295,10 @@ def _memoized(check):
 
     @functools.wraps(check)
     def wrapper(*args, **kwargs):
-        try:
-            key = (tuple(_arg_key(None, a) for a in args),
-                   tuple((n, _arg_key(n, a)) for n, a in kwargs.items()))
-            hit = cache.get(key)
-        except TypeError:
+        key = _memo_key(args, kwargs)
+        if key is None:
             return check(*args, **kwargs)
+        hit = cache.get(key)
         if hit is not None:
             return hit
         call = check(*args, **kwargs)
