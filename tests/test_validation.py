@@ -260,3 +260,33 @@ def test_fused_cuda_head_set():
     args = fused_args()
     with pytest.raises(ValueError, match="head dim K = 8"):
         call_fused(args, backend="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# the memo: a remembered verdict never hides a change that a full check would reject
+
+
+def test_memo_reuses_verdict_only_for_identical_call_signatures():
+    val.check_kda_decode.cache_clear()
+    args = decode_args()
+    first = call_decode(args)
+    assert call_decode(args) is first                       # same signature: the remembered verdict
+    assert call_decode(args, scale=0.5) is not first        # any scalar change is a new signature
+    with pytest.raises(TypeError, match="beta_is_logit"):
+        call_decode(args, beta_is_logit=1)                  # 1 is not True for the memo either
+    bad = dict(args, q=_t((ROWS, K, H)).transpose(1, 2))    # same shape, not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        call_decode(bad)
+    bad = dict(args, state=_t((SLOTS, HV, V, K), torch.float16))  # same shape, other dtype
+    with pytest.raises(ValueError, match="state"):
+        call_decode(bad)
+
+
+def test_memo_rechecks_host_offsets_by_value():
+    val.check_kda_prefill.cache_clear()
+    args = prefill_args()
+    call_prefill(args, cu_seqlens=torch.tensor([0, 4, T], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        call_prefill(args, cu_seqlens=torch.tensor([0, 8, 4, T], dtype=torch.int32))
+    with pytest.raises(ValueError, match="0 to T"):  # same shape and dtype as the accepted call
+        call_prefill(args, cu_seqlens=torch.tensor([0, 4, T - 1], dtype=torch.int32))
