@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -29,19 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 K = V = 128
 SLOTS = 8192
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
-_MODS = {}
-
-
 def load(name):
-    if name not in _MODS:
-        pre = os.environ.get("FKDA_DECODE_PREBUILT")
-        if pre:
-            import tvm_ffi
-            _MODS[name] = tvm_ffi.load_module(str(Path(pre) / f"{name}.so"))
-        else:
-            from flashkda_ext.jit import load_module
-            _MODS[name] = load_module(name)
-    return _MODS[name]
+    from flashkda_ext.jit import load_module  # built or loaded once per process
+    return load_module(name)
 
 
 def route(meta):

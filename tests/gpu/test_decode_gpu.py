@@ -12,7 +12,6 @@ instead (bring-up builds).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import types
 import zlib
@@ -44,19 +43,9 @@ def _reference():
 
 
 REF = _reference()
-_MODS = {}
-
-
 def load(name):
-    if name not in _MODS:
-        pre = os.environ.get("FKDA_DECODE_PREBUILT")
-        if pre:
-            import tvm_ffi
-            _MODS[name] = tvm_ffi.load_module(str(Path(pre) / f"{name}.so"))
-        else:
-            from flashkda_ext.jit import load_module
-            _MODS[name] = load_module(name)
-    return _MODS[name]
+    from flashkda_ext.jit import load_module  # built or loaded once per process
+    return load_module(name)
 
 
 def make_inputs(rows, H, HV, gate, gen, device="cuda"):
