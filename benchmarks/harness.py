@@ -478,9 +478,26 @@ class Run:
             rec["arms"][a.name] = arm_rec
         rec["speedup"] = self._speedups(rec)
         self.results.append(rec)
+        self._write(partial=True)   # a run cut short by a time limit keeps every finished case
         if self._progress is not None:
             self._progress.step(case.name)
         return rec
+
+    @property
+    def path(self) -> Path:
+        return self.cfg.out_dir / (self.cfg.out_file or f"{self.name}.json")
+
+    def document(self, partial: bool = False) -> dict:
+        return {"benchmark": self.name, "partial": partial, "meta": self.meta, "copy_ceiling": self.ceiling,
+                "baseline": self.baseline, "primary_mode": self.primary_mode,
+                "summary": self.summary(), **self.extra, "skipped": self.skipped, "cases": self.results}
+
+    def _write(self, partial: bool) -> Path:
+        self.cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.document(partial), indent=1, default=str) + "\n")
+        os.replace(tmp, self.path)
+        return self.path
 
     def _speedups(self, rec: dict) -> dict:
         if not self.baseline or self.baseline not in rec["arms"]:
@@ -515,12 +532,8 @@ class Run:
     def finish(self) -> Path:
         if self._progress is not None:
             self._progress.close()
-        self.cfg.out_dir.mkdir(parents=True, exist_ok=True)
-        doc = {"benchmark": self.name, "meta": self.meta, "copy_ceiling": self.ceiling,
-               "baseline": self.baseline, "primary_mode": self.primary_mode,
-               "summary": self.summary(), **self.extra, "skipped": self.skipped, "cases": self.results}
-        path = self.cfg.out_dir / (self.cfg.out_file or f"{self.name}.json")
-        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        path = self._write(partial=False)
+        doc = self.document()
         if self.cfg.plot:
             png = plot(doc, path.with_suffix(".png"))
             if png is not None:

@@ -74,8 +74,11 @@ def test_run_writes_json_table_speedups(tmp_path, capsys):
                              [harness.Arm("fast", lambda: x.sum()),
                               harness.Arm("slow", lambda: [x @ x for _ in range(3)])],
                              bytes=x.numel() * 4))
+        partial = json.loads(run.path.read_text())   # written after every case
+        assert partial["partial"] is True and len(partial["cases"]) == n
     path = run.finish()
     doc = json.loads(path.read_text())
+    assert doc["partial"] is False
     assert doc["copy_ceiling"]["GBps"] > 0
     assert [c["name"] for c in doc["cases"]] == ["case1", "case2"]
     c = doc["cases"][0]
