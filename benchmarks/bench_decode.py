@@ -2,32 +2,38 @@
 
 Grid: value heads {8,16,32,64} (H = HV) x rows 1..4096 (powers of two), pool of 8192 slots, random
 unique slots, fp32 and bf16 state, softplus gate. For each point: CUDA-graph replay time and eager
-time per call (host included), for the module the routes pick (or every listed module with
---modules), and for fla when importable. State traffic (bytes read + written) is reported in TB/s
-and as a share of the device-to-device copy bandwidth measured in the same run.
+time per call (device events, and host-inclusive wall time), for the module the routes pick (or every
+listed module with --modules), and for fla when importable. State traffic (bytes read + written) is
+reported in TB/s and as a share of the device-to-device copy bandwidth measured in the same run.
 
-Cold-ish L2: each timed graph holds M calls on M different random slot lists, M sized so one replay
-touches well over the 60 MB L2 (capped at 128), and the pool (8192 slots) is far larger than L2.
+Timing goes through benchmarks/harness.py (arms interleaved A B B A, medians, JSON + plot).
+Cold L2 by rotation: each timed run holds M calls on M different random slot lists, M sized so one run
+touches well over the 60 MB L2 (capped at 128), and the pool (8192 slots) is far larger than L2;
+times are per call.
 
     python benchmarks/bench_decode.py --out bench_decode.json [--quick] [--modules a,b]
-    FKDA_DECODE_PREBUILT=<dir> loads <dir>/<name>.so instead of building through flashkda_ext.jit.
+    python benchmarks/bench_decode.py --dry-run        # CPU backend, tiny shapes: checks the logic
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 K = V = 128
 SLOTS = 8192
+DEVICE = "cuda"
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
+
+
 def load(name):
     from flashkda_ext.jit import load_module  # built or loaded once per process
     return load_module(name)
@@ -64,13 +70,13 @@ def fla_fn():
 
 
 def make_case(rows, HV, gen):
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEVICE)  # noqa: E731
     q = r(rows, HV, K).bfloat16()
     k = r(rows, HV, K).bfloat16()
     v = r(rows, HV, V).bfloat16()
     g = (r(rows, HV, K) - 1.0).bfloat16()
     beta = r(rows, HV).bfloat16()
-    A_log = (torch.rand(HV, generator=gen, device="cuda") * 2.5 - 2.0).float()
+    A_log = (torch.rand(HV, generator=gen, device=DEVICE) * 2.5 - 2.0).float()
     dt_bias = (r(HV * K) * 0.5).float()
     return q, k, v, g, beta, A_log, dt_bias
 
@@ -91,61 +97,12 @@ def fla_call(fla, case, pool, idx, out):
                        use_beta_sigmoid_in_kernel=True, out=o4)
 
 
-def time_graph(calls, reps):
-    """Median per-call time (us) of a graph replaying len(calls) launches."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls[:2]:
-            c()  # warm-up (Triton compiles outside capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            for c in calls:
-                c()
-    torch.cuda.synchronize()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
-
-
-def time_eager(calls, reps):
-    """Median per-call wall time (us) of back-to-back eager calls, host included."""
-    calls[0]()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def sequence(calls):
+    """One timed run: the M calls back to back (M rotated slot lists)."""
+    def run():
         for c in calls:
             c()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6 / len(calls))
-    return statistics.median(times)
-
-
-def copy_bandwidth():
-    n = 1 << 30  # 1 Gi fp16 elements: 2 GiB each way
-    x = torch.empty(n, dtype=torch.float16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    y.copy_(x)
-    ts = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / statistics.median(ts) / 1e12
+    return run
 
 
 def accuracy(fla):
@@ -161,13 +118,14 @@ def accuracy(fla):
         sys.modules["flashkda_ext"] = stub
         REF = importlib.import_module("flashkda_ext.reference")
     res = {}
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    rows, HV = 64, 16
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rows, HV = (64, 16) if DEVICE == "cuda" else (4, 2)
+    slots = 256 if DEVICE == "cuda" else 16
     for sname, sdt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         case = make_case(rows, HV, gen)
         q, k, v, g, beta, A_log, dt_bias = case
-        pool0 = (torch.randn(256, HV, V, K, generator=gen, device="cuda") * 0.5).to(sdt)
-        idx = torch.randperm(256, device="cuda")[:rows].to(torch.int32)
+        pool0 = (torch.randn(slots, HV, V, K, generator=gen, device=DEVICE) * 0.5).to(sdt)
+        idx = torch.randperm(slots, device=DEVICE, generator=gen)[:rows].to(torch.int32)
         qn, kn, vv, gl, bb = REF.gates.prepare_token_inputs(
             q, k, v, g, beta, gate="softplus", A_log=A_log, dt_bias=dt_bias, lower_bound=None,
             scale=None, beta_is_logit=True, dtype=torch.float64)
@@ -175,8 +133,8 @@ def accuracy(fla):
         o_ref, S_ref = REF.step.delta_step(S0, qn.reshape(-1, K), kn.reshape(-1, K), vv.reshape(-1, V),
                                            gl.reshape(-1, K), bb.reshape(-1))
         o_ref, S_ref = o_ref.reshape(rows, HV, V), S_ref.reshape(rows, HV, V, K)
-        err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
-        meta = dict(device="cuda", rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
+        err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+        meta = dict(device=DEVICE, rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
                     offset="o32", slot_mode="unique", gate="softplus")
         name, _ = route(meta)
         entry = {}
@@ -184,121 +142,163 @@ def accuracy(fla):
             if who == "fla" and fla is None:
                 continue
             pool = pool0.clone()
-            out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device=DEVICE)
             (ours_call(name, case, pool, idx, out) if who == "ours" else fla_call(fla, case, pool, idx, out))()
-            torch.cuda.synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
             entry[who] = dict(out_rel_l2=err(out, o_ref), state_rel_l2=err(pool[idx.long()], S_ref))
         entry["module"] = name
         res[sname] = entry
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_decode.json")
-    ap.add_argument("--quick", action="store_true", help="rows {1,4,16,64,256,1024,4096} x heads {8,64}")
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_args(ap)   # --out (folder or .json), --quick, --no-fla, --dry-run, --reps, ...
     ap.add_argument("--modules", default="", help="comma list of module stems (e.g. split4,row); "
                     "default: the routed module only")
-    ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--max-calls", type=int, default=128, help="calls per timed graph (cap)")
     ap.add_argument("--quiet", action="store_true", help="no per-point lines")
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--heads", default="")
     ap.add_argument("--rows", default="")
-    args = ap.parse_args()
+    ap.add_argument("--name", default="decode", help="results file stem (when --out is a folder)")
+    return ap.parse_args(argv)
 
-    fla = None if args.no_fla else fla_fn()
-    dev = torch.cuda.get_device_properties(0)
-    copy_tbps = copy_bandwidth()
-    print(f"device {dev.name}, {dev.multi_processor_count} SMs; copy {copy_tbps:.3f} TB/s", flush=True)
-    heads = [int(x) for x in args.heads.split(",")] if args.heads else ([8, 64] if args.quick else [8, 16, 32, 64])
+
+def main(argv=None):
+    global K, V, SLOTS, DEVICE
+    args = parse(argv)
+    cfg = harness.config_from_args(args)
+    DEVICE = cfg.device
+    if not cfg.is_cuda:           # dry run: the CPU backend through the same module ABI
+        K = V = 16
+        SLOTS = 64
+    fla = None if (args.no_fla or not cfg.is_cuda) else fla_fn()
+    if cfg.is_cuda:
+        dev = torch.cuda.get_device_properties(0)
+        dev_name, sms = dev.name, dev.multi_processor_count
+    else:
+        dev_name, sms = "cpu", 0
+    dry = args.dry_run or not cfg.is_cuda
+    heads = [int(x) for x in args.heads.split(",")] if args.heads else (
+        [2] if dry else [8, 64] if args.quick else [8, 16, 32, 64])
     rows_list = [int(x) for x in args.rows.split(",")] if args.rows else (
-        [1, 4, 16, 64, 256, 1024, 4096] if args.quick else [2 ** i for i in range(13)])
+        [1, 3] if dry else [1, 4, 16, 64, 256, 1024, 4096] if args.quick else [2 ** i for i in range(13)])
+    states = args.states.split(",") if not (dry and args.states == "f32,bf16") else ["f32"]
     stems = [s for s in args.modules.split(",") if s]
-    points = []
-    for sname in args.states.split(","):
+    run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
+                      primary_mode="graph" if cfg.is_cuda else "wall",
+                      extra_meta={"slots": SLOTS, "gate": "softplus", "fla_used": fla is not None})
+    copy_tbps = run.ceiling["GBps"] / 1e3
+    print(f"device {dev_name}, {sms} SMs; copy {copy_tbps:.3f} TB/s", flush=True)
+    run.start(len(states) * len(heads) * len(rows_list))
+    for sname in states:
         sdt = torch.float32 if sname == "f32" else torch.bfloat16
         esz = 4 if sname == "f32" else 2
         for HV in heads:
-            gen = torch.Generator(device="cuda").manual_seed(HV)
-            pool = torch.empty(SLOTS, HV, V, K, dtype=sdt, device="cuda")
+            gen = torch.Generator(device=DEVICE).manual_seed(HV)
+            pool = torch.empty(SLOTS, HV, V, K, dtype=sdt, device=DEVICE)
             pool.normal_(generator=gen).mul_(0.5)
             for rows in rows_list:
                 case = make_case(rows, HV, gen)
-                out = torch.empty(rows, HV, V, dtype=torch.bfloat16, device="cuda")
+                out = torch.empty(rows, HV, V, dtype=torch.bfloat16, device=DEVICE)
                 traffic = rows * HV * V * K * esz * 2
-                M = max(2, min(args.max_calls, math.ceil(256e6 / traffic)))
+                M = max(2, min(args.max_calls, math.ceil(256e6 / traffic))) if cfg.is_cuda else 2
                 reps = 5 if traffic * M > 1e9 else 8
-                idxs = [torch.randperm(SLOTS, device="cuda", generator=gen)[:rows].to(torch.int32) for _ in range(M)]
+                idxs = [torch.randperm(SLOTS, device=DEVICE, generator=gen)[:rows].to(torch.int32)
+                        for _ in range(M)]
                 offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"  # as the dispatcher decides
-                meta = dict(device="cuda", rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
+                meta = dict(device=DEVICE, rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
                             offset=offset, slot_mode="unique", gate="softplus")
-                names = [f"decode_{s}_{sname}_{offset}" for s in stems] if stems else [route(meta)[0]]
-                rec = dict(state=sname, heads=HV, rows=rows, work_items=rows * HV, state_bytes=traffic,
-                           calls_per_graph=M, results={})
+                routed, rule = route(meta)
+                names = [f"decode_{s}_{sname}_{offset}" for s in stems] if stems else [routed]
+                arms = []
                 for name in names:
-                    calls = [ours_call(name, case, pool, i, out) for i in idxs]
-                    tg = time_graph(calls, reps)
-                    te = time_eager(calls, 3)
-                    rec["results"][name] = dict(graph_us=tg, eager_us=te, tbps=traffic / tg / 1e6,
-                                                pct_copy=100 * traffic / tg / 1e6 / copy_tbps)
+                    label = name.replace("decode_", "").replace(f"_{sname}_{offset}", "") if stems else "ours"
+                    arms.append(harness.Arm(label, sequence([ours_call(name, case, pool, i, out) for i in idxs]),
+                                            calls=M, bytes=traffic))
                 if fla is not None:
-                    calls = [fla_call(fla, case, pool, i, out) for i in idxs]
-                    tg = time_graph(calls, reps)
-                    te = time_eager(calls, 3)
-                    rec["results"]["fla"] = dict(graph_us=tg, eager_us=te, tbps=traffic / tg / 1e6,
-                                                 pct_copy=100 * traffic / tg / 1e6 / copy_tbps)
-                points.append(rec)
-                Path(args.out).write_text(json.dumps(dict(copy_tbps=copy_tbps, points=points, partial=True)))
-                line = " ".join(f"{n.replace('decode_', '').replace('_' + sname + '_' + offset, '')}="
-                                f"{r['graph_us']:.1f}/{r['eager_us']:.0f}us({r['pct_copy']:.0f}%)"
-                                for n, r in rec["results"].items())
+                    arms.append(harness.Arm("fla", sequence([fla_call(fla, case, pool, i, out) for i in idxs]),
+                                            calls=M, bytes=traffic))
+                params = dict(state=sname, heads=HV, rows=rows, work_items=rows * HV, state_bytes=traffic,
+                              calls_per_graph=M, module=routed, rule=rule, modules=names)
+                # fewer samples for multi-millisecond points (8, or 5 for big runs, at the default --reps)
+                case_reps = max(4, cfg.reps * reps // 10)
+                rec = run.add(harness.Case(f"{sname}_h{HV}_r{rows}", params, arms, bytes=traffic, flush=False,
+                                           reps=case_reps))
+                parts = []
+                for n, a in rec["arms"].items():
+                    t = a["time_us"]
+                    g_us = (t.get("graph") or {}).get("median")
+                    w_us = (t.get("wall") or {}).get("median")
+                    pct = (a.get("bandwidth", {}).get(run.primary_mode) or {}).get("pct_copy")
+                    parts.append(f"{n}={'-' if g_us is None else f'{g_us:.1f}'}/"
+                                 f"{'-' if w_us is None else f'{w_us:.0f}'}us"
+                                 f"({'-' if pct is None else f'{pct:.0f}'}%)")
                 if not args.quiet:
-                    print(f"{sname} HV={HV} rows={rows}: {line}", flush=True)
+                    print(f"{sname} HV={HV} rows={rows}: {' '.join(parts)}", flush=True)
             del pool
-            torch.cuda.empty_cache()
+            if cfg.is_cuda:
+                torch.cuda.empty_cache()
     acc = accuracy(fla)
     summary = {}
-    if fla is not None:
-        for sname in args.states.split(","):
+    if fla is not None:   # the original summary: best of our arms per point against fla
+        for sname in states:
             sg, se = [], []
-            for p in points:
-                if p["state"] != sname:
+            for p in run.results:
+                if p["params"]["state"] != sname or "fla" not in p["arms"]:
                     continue
-                best = min((r for n, r in p["results"].items() if n != "fla"), key=lambda r: r["graph_us"])
-                sg.append(p["results"]["fla"]["graph_us"] / best["graph_us"])
-                se.append(p["results"]["fla"]["eager_us"] / best["eager_us"])
+                ours = [a["time_us"] for n, a in p["arms"].items() if n != "fla"]
+                fl = p["arms"]["fla"]["time_us"]
+                best_g = min((t["graph"]["median"] for t in ours if (t.get("graph") or {}).get("median")), default=None)
+                best_w = min((t["wall"]["median"] for t in ours if (t.get("wall") or {}).get("median")), default=None)
+                if best_g and (fl.get("graph") or {}).get("median"):
+                    sg.append(fl["graph"]["median"] / best_g)
+                if best_w and (fl.get("wall") or {}).get("median"):
+                    se.append(fl["wall"]["median"] / best_w)
             if sg:
-                summary[sname] = dict(geomean_speedup_graph=math.exp(sum(map(math.log, sg)) / len(sg)),
-                                      min_speedup_graph=min(sg),
-                                      geomean_speedup_eager=math.exp(sum(map(math.log, se)) / len(se)))
-    doc = dict(device=dev.name, sms=dev.multi_processor_count, copy_tbps=copy_tbps, slots=SLOTS,
-               gate="softplus", points=points, accuracy=acc, summary=summary)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+                summary[sname] = dict(geomean_speedup_graph=harness.geomean(sg), min_speedup_graph=min(sg),
+                                      geomean_speedup_eager=harness.geomean(se) if se else None)
+    run.extra.update(device=dev_name, sms=sms, copy_tbps=copy_tbps, slots=SLOTS, gate="softplus",
+                     accuracy=acc, summary_by_state=summary)
+    run.finish()
     print("accuracy", json.dumps(acc))
     print("summary", json.dumps(summary))
-    print(markdown(points, copy_tbps))
+    print(markdown(run.results, copy_tbps, run.primary_mode))
+    return 0
 
 
-def markdown(points, copy_tbps):
-    """A compact table per state dtype: best of ours (graph us, % of copy) and fla, per point."""
+def markdown(results, copy_tbps, mode="graph"):
+    """A compact table per state dtype: best of ours (graph us, % of copy) and fla, per point.
+    "eager" here is the host-inclusive wall time per call (the harness's "wall" mode)."""
+    med = lambda t, m: (t.get(m) or {}).get("median")  # noqa: E731
     lines = [f"copy bandwidth {copy_tbps:.2f} TB/s (read + write)"]
-    for sname in sorted({p["state"] for p in points}):
-        lines += ["", f"state {sname}: graph us (eager us) ours [module] | fla | speedup graph / eager | ours % of copy",
-                  "", "| HV | rows | ours | fla | x graph | x eager | % copy |", "|---|---|---|---|---|---|---|"]
-        for p in points:
-            if p["state"] != sname:
+    for sname in sorted({p["params"]["state"] for p in results}):
+        lines += ["", f"state {sname}: {mode} us (eager us) ours [module] | fla | speedup {mode} / eager | "
+                      f"ours % of copy", "", "| HV | rows | ours | fla | x graph | x eager | % copy |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in results:
+            if p["params"]["state"] != sname:
                 continue
-            ours = {n: r for n, r in p["results"].items() if n != "fla"}
-            n, r = min(ours.items(), key=lambda kv: kv[1]["graph_us"])
-            f = p["results"].get("fla")
-            stem = n.replace("decode_", "").rsplit("_", 2)[0] + ("" if n.endswith("o32") or n == "fla" else "/o64")
-            lines.append(f"| {p['heads']} | {p['rows']} | {r['graph_us']:.1f} ({r['eager_us']:.0f}) {stem} | "
-                         + (f"{f['graph_us']:.1f} ({f['eager_us']:.0f}) | {f['graph_us'] / r['graph_us']:.2f} | "
-                            f"{f['eager_us'] / r['eager_us']:.2f}" if f else "- | - | -")
-                         + f" | {r['pct_copy']:.0f} |")
+            ours = {n: a for n, a in p["arms"].items() if n != "fla" and med(a["time_us"], mode)}
+            if not ours:
+                continue
+            n, a = min(ours.items(), key=lambda kv: med(kv[1]["time_us"], mode))
+            stem = p["params"]["module"].replace("decode_", "").rsplit("_", 2)[0] if n == "ours" else n
+            if p["params"]["module"].endswith("o64"):
+                stem += "/o64"
+            g, w = med(a["time_us"], mode), med(a["time_us"], "wall")
+            f = p["arms"].get("fla")
+            fg, fw = (med(f["time_us"], mode), med(f["time_us"], "wall")) if f else (None, None)
+            pct = (a.get("bandwidth", {}).get(mode) or {}).get("pct_copy")
+            lines.append(
+                f"| {p['params']['heads']} | {p['params']['rows']} | {g:.1f} ({'-' if w is None else f'{w:.0f}'}) {stem} | "
+                + (f"{fg:.1f} ({'-' if fw is None else f'{fw:.0f}'}) | {fg / g:.2f} | "
+                   f"{'-' if not (fw and w) else f'{fw / w:.2f}'}" if fg else "- | - | -")
+                + f" | {'-' if pct is None else f'{pct:.0f}'} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,43 +5,44 @@ tokens}, wrapper {4x64, 16x64, 64x64, 16x128, 16x256, 16 random lengths in 17..2
 16 (--heads), softplus and bounded (lower_bound -5) gates, fp32 initial and final state; plus the
 small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
 
-Timing: CUDA events around one call, a 256 MB buffer rewritten before each call (cold L2), median
-of --reps. The module is the one jit/routes/kda_prefill.json picks for the case (or --module), with a
-preallocated workspace (as a CUDA-graph capture would have). fla gets the same tensors: its state
-in the same [N, HV, V, K] layout (state_v_first=True), gates and l2norm in its kernels.
+Timing goes through benchmarks/harness.py: CUDA events around one call with L2 flushed before each
+call (cold L2), median of --reps, ours and fla interleaved A B B A; also the host-inclusive wall time
+("wall"), and CUDA-graph replay with --modes graph,eager,wall. The module is the one
+jit/routes/kda_prefill.json picks for the case (or --module), with a preallocated workspace (as a
+CUDA-graph capture would have). fla gets the same tensors: its state in the same [N, HV, V, K] layout
+(state_v_first=True), gates and l2norm in its kernels.
 
     python benchmarks/bench_prefill.py --out bench_prefill.json [--heads 16] [--quick] [--no-fla]
-    FKDA_PREFILL_PREBUILT=<dir> loads <dir>/<name>.so instead of building through flashkda_ext.jit.
+    python benchmarks/bench_prefill.py --dry-run       # CPU backend, tiny shapes: checks the logic
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 K = V = 128
+DEVICE = "cuda"
 GATES = {"softplus": 0, "bounded": 1}
 
 
 def load(name):
-    pre = os.environ.get("FKDA_PREFILL_PREBUILT")
-    if pre:
-        import tvm_ffi
-        return tvm_ffi.load_module(str(Path(pre) / f"{name}.so"))
     from flashkda_ext import jit
     return jit.load_module(name)
 
 
 def route_module(num_seqs, heads, total_tokens, gate):
     from flashkda_ext import dispatch
-    meta = dict(device="cuda", num_seqs=num_seqs, value_heads=heads, total_tokens=total_tokens, max_seqlen=None,
+    meta = dict(device=DEVICE, num_seqs=num_seqs, value_heads=heads, total_tokens=total_tokens, max_seqlen=None,
                 work_items=num_seqs * heads, state="f32", offset="o64", gate=gate, checkpoints=False)
     return dispatch.module_name("kda_prefill", meta)
 
@@ -63,6 +64,10 @@ def cases(heads, quick):
     return out[:6] if quick else out
 
 
+def dry_cases():
+    return [("H2 5+0+9", [5, 0, 9], 2), ("B1 T12 H1", [12], 1)]
+
+
 def make(lens, H, gate, dev):
     T = sum(lens)
     d = dict(q=torch.randn(1, T, H, K, device=dev).bfloat16(), k=torch.randn(1, T, H, K, device=dev).bfloat16(),
@@ -77,81 +82,102 @@ def make(lens, H, gate, dev):
     return d
 
 
-def timeit(fn, reps, flush):
-    ts = []
-    for i in range(reps + 2):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_prefill.json")
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_args(ap)   # --out (folder or .json), --reps, --quick, --no-fla, --dry-run, --modes, ...
     ap.add_argument("--heads", default="16,12")
     ap.add_argument("--gates", default="softplus,bounded")
-    ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-fla", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
+    ap.set_defaults(reps=12, modes="eager,wall")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    global K, V, DEVICE
+    args = parse(argv)
+    cfg = harness.config_from_args(args)
+    DEVICE = cfg.device
+    dry = args.dry_run or not cfg.is_cuda
+    if not cfg.is_cuda:           # dry run: the CPU backend through the same module ABI
+        K = V = 16
     import tvm_ffi
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     torch.manual_seed(0)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     chunk_kda = None
-    if not args.no_fla:
+    if not args.no_fla and cfg.is_cuda:
         try:
             from fla.ops.kda import chunk_kda
         except Exception as e:  # noqa: BLE001
             print("fla not importable:", repr(e)[:200])
+    case_list = dry_cases() if dry else cases([int(h) for h in args.heads.split(",")], args.quick)
+    gates = args.gates.split(",")
+    run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
+                      primary_mode="eager" if cfg.is_cuda else "wall",
+                      extra_meta={"fla_used": chunk_kda is not None, "state": "f32"})
+    run.start(len(gates) * len(case_list))
     rows = []
-    for gate in args.gates.split(","):
-        for name, lens, H in cases([int(h) for h in args.heads.split(",")], args.quick):
+    pm = run.primary_mode
+    for gate in gates:
+        for name, lens, H in case_list:
             d = make(lens, H, gate, dev)
             N, T = len(lens), sum(lens)
             mname = args.module or route_module(N, H, T, gate)
             mod = load(mname)
-            ws = torch.empty(mod["kda_prefill_workspace_bytes"](T, N, H), dtype=torch.uint8, device=dev)
+            ws = None
+            if mod.implements_function("kda_prefill_workspace_bytes"):
+                ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
             fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
 
-            def ours():
-                with tvm_ffi.use_torch_stream():
-                    mod["kda_prefill"](d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"],
-                                       d["init"], fin, None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
+            def ours(d=d, mod=mod, ws=ws, fin=fin, out=out, gate=gate):
+                args_ = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin,
+                         None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
+                if DEVICE == "cuda":
+                    with tvm_ffi.use_torch_stream():
+                        mod["kda_prefill"](*args_)
+                else:
+                    mod["kda_prefill"](*args_)
 
-            r = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname, ours_ms=timeit(ours, args.reps, flush))
+            arms = [harness.Arm("ours", ours)]
             if chunk_kda is not None:
                 kw = dict(scale=K ** -0.5, initial_state=d["init"], output_final_state=True, use_qk_l2norm_in_kernel=True,
                           use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=d["A_log"],
                           dt_bias=d["dt_bias"], state_v_first=True, cu_seqlens=d["cu"].long())
                 if gate == "bounded":
                     kw.update(safe_gate=True, lower_bound=-5.0)
-                r["fla_ms"] = timeit(lambda: chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], **kw), args.reps, flush)
-                r["speedup"] = r["fla_ms"] / r["ours_ms"]
+                arms.append(harness.Arm("fla", lambda d=d, kw=kw: chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"],
+                                                                              **kw)))
+            # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
+            nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * 4
+            params = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname)
+            rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes))
+            ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")
+            r = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname,
+                     ours_ms=None if ours_t is None else ours_t / 1e3)
+            if "fla" in rec["arms"]:
+                fla_t = rec["arms"]["fla"]["time_us"].get(pm, {}).get("median")
+                if fla_t is not None:
+                    r["fla_ms"] = fla_t / 1e3
+                    if ours_t:
+                        r["speedup"] = fla_t / ours_t
             rows.append(r)
             print(json.dumps(r), flush=True)
             del ws
     sp = [r["speedup"] for r in rows if "speedup" in r]
-    summary = dict(device=torch.cuda.get_device_name(), rows=rows,
-                   geomean_speedup=(float(torch.tensor(sp).log().mean().exp()) if sp else None),
-                   min_speedup=(min(sp) if sp else None), time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    Path(args.out).write_text(json.dumps(summary, indent=1))
+    run.extra.update(device=torch.cuda.get_device_name() if cfg.is_cuda else "cpu", rows=rows,
+                     geomean_speedup=harness.geomean(sp), min_speedup=(min(sp) if sp else None),
+                     time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    run.finish()
     print("\n%-22s %-9s %-18s %9s %9s %6s" % ("case", "gate", "module", "ours ms", "fla ms", "x"))
     for r in rows:
-        print("%-22s %-9s %-18s %9.4f %9s %6s" % (r["case"], r["gate"], r["module"], r["ours_ms"],
-                                                   "%.4f" % r["fla_ms"] if "fla_ms" in r else "-",
-                                                   "%.2f" % r["speedup"] if "speedup" in r else "-"))
+        print("%-22s %-9s %-18s %9s %9s %6s" % (r["case"], r["gate"], r["module"],
+                                                 "-" if r["ours_ms"] is None else "%.4f" % r["ours_ms"],
+                                                 "%.4f" % r["fla_ms"] if "fla_ms" in r else "-",
+                                                 "%.2f" % r["speedup"] if "speedup" in r else "-"))
     if sp:
-        print("geomean speedup over fla: %.2fx, min %.2fx" % (summary["geomean_speedup"], summary["min_speedup"]))
+        print("geomean speedup over fla: %.2fx, min %.2fx" % (harness.geomean(sp), min(sp)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
