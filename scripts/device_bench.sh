@@ -3,18 +3,7 @@
 # device check flagged, then times decode, prefill and fused decode against fla in one run. Every
 # stage is bounded; results (JSON + logs) go to $OUT (or ./device_out).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} || exit 1
-fi
-export PYTHONUNBUFFERED=1 FLASHKDA_EXT_CACHE_DIR=${FLASHKDA_EXT_CACHE_DIR:-/tmp/fkda_cache}
-stage() {
-  local name=$1 limit=$2; shift 2; local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc in $(( $(date +%s) - t0 )) s"
-}
+source "$(dirname "$0")/device_env.sh"
 stage build 90 python3 -m flashkda_ext build --parallel 16 --jobs 1 'decode_split8_*' 'decode_row_*' \
   decode_pair_f32_o32 'prefill_vt*' 'fused_*_o32'
 tail -1 "$OUT/build.log"

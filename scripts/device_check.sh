@@ -3,20 +3,9 @@
 # selftest and compute-sanitizer over the routes. Logs go to $OUT (or ./device_out). Usage:
 #   bash scripts/device_check.sh [pytest paths...]     (default: tests/gpu)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} || exit 1
-fi
-export PYTHONUNBUFFERED=1 FLASHKDA_EXT_CACHE_DIR=${FLASHKDA_EXT_CACHE_DIR:-/tmp/fkda_cache}
+source "$(dirname "$0")/device_env.sh"
 # one module of each schedule: racecheck and synccheck are slow, memcheck covers every module
 REPRESENTATIVE=${REPRESENTATIVE:-"decode_split8_f32_o32,decode_row_bf16_o64,decode_seq_f32_o32,decode_pair_f32_o32,decode_persist_f32_o32,decode_stream_f32_o32,prefill_vt16_f32,prefill_vt64_bf16,fused_*_f32_o32"}
-stage() {  # stage NAME SECONDS CMD...: bounded, logged, one summary line
-  local name=$1 limit=$2; shift 2; local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc in $(( $(date +%s) - t0 )) s"
-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage build 200 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
 tail -2 "$OUT/build.log"

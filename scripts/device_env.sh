@@ -1,0 +1,15 @@
+# Sourced by the device scripts: output folder, carried wheels (.whl/: tvm-ffi, jax-tvm-ffi, fla are
+# not in the device image), a JIT cache, and `stage NAME SECONDS CMD...`, which runs one bounded,
+# logged step and prints a one-line summary.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} || exit 1
+fi
+export PYTHONUNBUFFERED=1 FLASHKDA_EXT_CACHE_DIR=${FLASHKDA_EXT_CACHE_DIR:-/tmp/fkda_cache}
+stage() {
+  local name=$1 limit=$2; shift 2; local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc in $(( $(date +%s) - t0 )) s"
+}
