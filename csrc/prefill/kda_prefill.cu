@@ -224,6 +224,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.init = initial_state.has_value() ? data_ptr<void>(initial_state.value()) : nullptr;
   sa.fin = final_state.has_value() ? data_ptr<void>(final_state.value()) : nullptr;
   sa.idx = pool ? data_ptr<int32_t>(state_indices.value()) : nullptr;
+  sa.num_slots = slots;
   sa.null_slot0 = null_slot0 ? 1 : 0;
   sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
   sa.ckpt_count = ckpt_count;

@@ -615,6 +615,7 @@ struct StateArgs {
   const void* init;         // [slots or N, HV, V, K] or null
   void* fin;                // may alias init (pool in place)
   const int32_t* idx;       // pool indices or null
+  int64_t num_slots;        // pool slots: an index >= this is treated as padding (never out of bounds)
   int null_slot0;
   void* ckpt;               // [N, Cc, HV, V, K] or null
   int tma;                  // 1: bulk copies on mbarriers; 0: cp.async
@@ -713,7 +714,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   bool pad = false;
   if (a.idx) {
     const int s = a.idx[n];
-    pad = s < 0 || (a.null_slot0 && s == 0);
+    pad = s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0);
     slot = s;
   }
 
