@@ -190,6 +190,29 @@ def test_pool_in_place(rec):
 
 
 @pytest.mark.parametrize("rec", RECORDS, ids=[r["name"] for r in RECORDS])
+def test_pool_index_past_the_pool_is_padding(rec):
+    """An index >= slots cannot be rejected without a device sync: it must act as padding (zero
+    initial state, no write back), never address memory past the pool."""
+    mod = load(rec["name"])
+    st = sdtype(rec)
+    d = make([70, 64, 33], 2, 2, "bounded")
+    slots = 4
+    pool = (torch.randn(slots + 1, 2, V, K, device=DEV) * 0.5).to(st)  # the last slot is a guard
+    guard = pool[slots].clone()
+    view = pool[:slots]                                                 # what the kernel is given
+    before = view.clone()
+    ro, rf, _ = recurrence(d, "bounded", -5.0, view, idx=[3, -1, 1])
+    idx = torch.tensor([3, slots, 1], dtype=torch.int32, device=DEV)
+    o = call(mod, d, "bounded", init=view, fin=view, idx=idx)
+    torch.cuda.synchronize()
+    assert rel(o[0], ro) < TOL
+    assert rel(view[3], rf[0]) < TOL and rel(view[1], rf[2]) < TOL
+    for s in (0, 2):
+        assert torch.equal(view[s], before[s])
+    assert torch.equal(pool[slots], guard)
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=[r["name"] for r in RECORDS])
 def test_empty_sequences_copy_state(rec):
     mod = load(rec["name"])
     st = sdtype(rec)
