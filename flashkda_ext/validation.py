@@ -76,6 +76,21 @@ def _dtype_in(name: str, x: torch.Tensor, allowed, what: str = "") -> None:
         raise ValueError(f"{name}: expected dtype in {list(allowed)}{what}, got {dtype_name(x.dtype)}")
 
 
+def _same_dtype(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+    if x.dtype != ref.dtype:
+        raise ValueError(f"{name}: expected the dtype of {ref_name} ({dtype_name(ref.dtype)}), got {dtype_name(x.dtype)}")
+
+
+def _companion(name: str, x, ref: torch.Tensor, ref_name: str, shape: tuple, what: str) -> torch.Tensor:
+    """A tensor that must sit beside `ref`: same device and dtype, the given shape, contiguous."""
+    x = _tensor(name, x)
+    _same_device(name, x, ref.device)
+    _shape(name, x, shape, what)
+    _contiguous(name, x)
+    _same_dtype(name, x, ref, ref_name)
+    return x
+
+
 def _aligned(name: str, x: torch.Tensor, backend: str) -> None:
     # CUDA kernels use 16-byte vector accesses; a sliced view can start off that boundary.
     # Meta tensors (shape-only checks, e.g. from the JAX wrappers) have no address to check.
@@ -209,8 +224,7 @@ def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str):
     _shape("beta", beta, tuple(q.shape[:nl]) + (value_heads,), f"[{lead_names}, HV]")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _contiguous(name, x)
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}: expected the dtype of q ({dtype_name(q.dtype)}), got {dtype_name(x.dtype)}")
+        _same_dtype(name, x, q, "q")
     return device, num_heads, head_dim_k, value_heads, head_dim_v
 
 
@@ -580,14 +594,8 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     C = 3 * H * D
     for name, t in (("x", x), ("g", g)):
         _contiguous(name, t)
-    if g.dtype != x.dtype:
-        raise ValueError(f"g: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(g.dtype)}")
-    beta = _tensor("beta", beta)
-    _same_device("beta", beta, device)
-    _shape("beta", beta, (rows, H), "[rows, H]")
-    _contiguous("beta", beta)
-    if beta.dtype != x.dtype:
-        raise ValueError(f"beta: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(beta.dtype)}")
+    _same_dtype("g", g, x, "x")
+    beta = _companion("beta", beta, x, "x", (rows, H), "[rows, H]")
     conv_weight = _tensor("conv_weight", conv_weight)
     _same_device("conv_weight", conv_weight, device)
     _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
@@ -601,18 +609,12 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     if tuple(conv_state.shape[1:]) != (C, 3):
         raise ValueError(f"conv_state: expected shape [slots, 3*H*D, 3] = [slots, {C}, 3], got {list(conv_state.shape)}")
     _contiguous("conv_state", conv_state)
-    if conv_state.dtype != x.dtype:
-        raise ValueError(f"conv_state: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(conv_state.dtype)}")
+    _same_dtype("conv_state", conv_state, x, "x")
     slots = _pool("state", state, H, D, D, device, backend)
     if conv_state.shape[0] != slots:
         raise ValueError(f"conv_state: expected {slots} slots (as state), got {conv_state.shape[0]}")
     _indices("state_indices", state_indices, rows, device, "[rows]")
-    output_gate = _tensor("output_gate", output_gate)
-    _same_device("output_gate", output_gate, device)
-    _shape("output_gate", output_gate, (rows, H, D), "[rows, H, D]")
-    _contiguous("output_gate", output_gate)
-    if output_gate.dtype != x.dtype:
-        raise ValueError(f"output_gate: expected the dtype of x ({dtype_name(x.dtype)}), got {dtype_name(output_gate.dtype)}")
+    output_gate = _companion("output_gate", output_gate, x, "x", (rows, H, D), "[rows, H, D]")
     norm_weight = _tensor("norm_weight", norm_weight)
     _same_device("norm_weight", norm_weight, device)
     _shape("norm_weight", norm_weight, (D,), "[D]")
