@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -197,12 +198,45 @@ def _abi_order(plan: _Plan) -> tuple:
     return tuple(where.get(name) for name in _ABI[plan.family])
 
 
-def _make_adapter(fn, order: tuple, n_buffers: int):
-    """A TVM-FFI function taking (operands..., results..., attributes...) as jax-tvm-ffi passes
-    them, calling fn with the ABI's order (None where an optional tensor is absent)."""
+# The C++ reorder of the helper module "ffi_reorder" (csrc/jax/ffi_reorder.cc), loaded once:
+# {"fn": its TVM-FFI function, or None when the module could not be loaded}. Holding the function
+# keeps the helper's library loaded for as long as the wrappers it made (its code) may run.
+_REORDER: dict = {}
+
+
+def _cpp_reorder():
+    """ffi_reorder(fn, order, n_buffers) -> Function from the helper module, or None (warned once)."""
+    if "fn" not in _REORDER:
+        try:
+            _REORDER["fn"] = jit.load_module("ffi_reorder")["ffi_reorder"]
+        except Exception as err:  # noqa: BLE001  no host compiler, no AOT artifact, JIT disabled...
+            _REORDER["fn"] = None
+            warnings.warn(
+                "flashkda_ext.jax: the C++ argument reorder (module 'ffi_reorder') is unavailable, "
+                "so every XLA FFI call goes through a Python adapter (slower, takes the GIL): "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Build it with "
+                "`python -m flashkda_ext build ffi_reorder` or ship it in your AOT directory.",
+                RuntimeWarning, stacklevel=4)
+    return _REORDER["fn"]
+
+
+def _python_adapter(fn, order: tuple, n_buffers: int):
+    """The fallback of _make_adapter, used only when the C++ helper module cannot be loaded (no host
+    compiler and no AOT artifact for it): the same reordering, in Python, on every call."""
     def adapter(*xs):
         fn(*[None if i is None else xs[i] for i in order], *xs[n_buffers:])
     return tvm_ffi.convert(adapter)
+
+
+def _make_adapter(fn, order: tuple, n_buffers: int):
+    """(adapter, kind): a TVM-FFI function taking (operands..., results..., attributes...) as
+    jax-tvm-ffi passes them and calling fn in the ABI's order (None where an optional tensor is
+    absent; an aliased operand and its result are one buffer). kind "c++": the ffi_reorder helper
+    module's wrapper, so no Python runs per call; "python": the fallback adapter."""
+    make = _cpp_reorder()
+    if make is not None:
+        return make(fn, [-1 if i is None else i for i in order], n_buffers), "c++"
+    return _python_adapter(fn, order, n_buffers), "python"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -238,12 +272,16 @@ def _target(plan: _Plan) -> str:
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
         name = f"flashkda_ext.{plan.module}.{plan.family}.{digest}"
         fn = jit.load_module(plan.module)[plan.family]
-        adapter = _make_adapter(fn, order, n_buffers)
+        adapter, kind = _make_adapter(fn, order, n_buffers)
         jax_tvm_ffi.register_ffi_target(
             name, adapter, ["args", "rets"] + [f"attrs.{a}" for a in attr_names],
             platform="gpu" if plan.platform == "cuda" else "cpu", allow_cuda_graph=plan.cuda_graph)
         _TARGETS[key] = name
+        _ADAPTERS[name] = (kind, adapter)
         return name
+
+
+_ADAPTERS: dict = {}   # target name -> (adapter kind "c++" or "python", the registered function)
 
 
 def registered_targets() -> list:

@@ -2,6 +2,7 @@
 # One full GPU check on a lent H200 (device tool): builds every CUDA module, runs the GPU tests, the
 # selftest and compute-sanitizer over the routes. Logs go to $OUT (or ./device_out). Usage:
 #   bash scripts/device_check.sh [pytest paths...]     (default: tests/gpu)
+# SANITIZE=0 leaves the compute-sanitizer stages out (a quick re-check).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 # one module of each schedule: racecheck and synccheck are slow, memcheck covers every module
@@ -13,7 +14,9 @@ stage gpu_tests 240 python3 -m pytest -q -rfE -p no:cacheprovider "${@:-tests/gp
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
 stage selftest 60 python3 -m flashkda_ext selftest
 tail -14 "$OUT/selftest.log"
+if [ "${SANITIZE:-1}" = 1 ]; then
 stage memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
 stage racecheck 75 compute-sanitizer --tool racecheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
 stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
 for t in memcheck racecheck synccheck; do echo "-- $t"; grep -E "ERROR SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -4; done
+fi

@@ -115,6 +115,10 @@ __device__ __forceinline__ float ex2(float x) {
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g));
 }
+// 16 bytes, or zeros when bytes == 0 (nothing is read then; g must still be a mapped address).
+__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -154,6 +158,18 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
     f[2 * i] = x.x;
     f[2 * i + 1] = x.y;
   }
+}
+__device__ __forceinline__ void unpack4(const uint2& u, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  float2 x = __bfloat1622float2(h[0]), y = __bfloat1622float2(h[1]);
+  f[0] = x.x; f[1] = x.y; f[2] = y.x; f[3] = y.y;
+}
+__device__ __forceinline__ uint2 pack4(const float* f) {
+  return make_uint2(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]));
+}
+__device__ __forceinline__ void load4(const float* p, float* f) {
+  const float4 x = *reinterpret_cast<const float4*>(p);
+  f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
 }
 __device__ __forceinline__ uint4 pack8(const float* f) {
   uint4 u;
@@ -220,6 +236,8 @@ constexpr int kLiteSmem = kLOffSafe + 16;
 static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
 static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
+static_assert(96 * kLdB * 2 >= int((kV / 16) * kUBlockBytes) && kLdB * kC * 2 == int(kWsQg - kWsW),
+              "U is staged in the operand region, W in k's");
 
 __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -252,7 +270,10 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
   bf16* Aw = reinterpret_cast<bf16*>(ws + kWsA);
 
-  // ---- 1. loads (rows >= nt are zeros; g = 0 there: no decay).
+  // ---- 1. loads. q, k and the raw g go by cp.async straight into shared memory, all in flight at
+  // once (rows >= nt zero-filled); v waits in registers until step 5. The raw g sits in the operand
+  // region, which is free until step 4.
+  bf16* Graw = Op;
   uint4 vreg[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -260,37 +281,21 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     vreg[i] = make_uint4(0, 0, 0, 0);
     if (r < nt) vreg[i] = *reinterpret_cast<const uint4*>(a.v + (size_t(t0 + r) * HV + hv) * kV + c8);
   }
+  {
+    const size_t qk_row = size_t(a.H) * kK, g_row = size_t(HV) * kK;
+    const bf16* qb = a.q + (size_t(t0) * a.H + hk) * kK;
+    const bf16* kb = a.k + (size_t(t0) * a.H + hk) * kK;
+    const bf16* gb = a.g + (size_t(t0) * HV + hv) * kK;
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) {
-    const int r = warp * 8 + rr;
-    float qf[4] = {0.f, 0.f, 0.f, 0.f}, kf[4] = {0.f, 0.f, 0.f, 0.f};
-    if (r < nt) {
-      const size_t off = (size_t(t0 + r) * a.H + hk) * kK + lane * 4;
-      uint2 qu = *reinterpret_cast<const uint2*>(a.q + off);
-      uint2 ku = *reinterpret_cast<const uint2*>(a.k + off);
-      const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(&qu);
-      const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&ku);
-      float2 x;
-      x = __bfloat1622float2(qh[0]); qf[0] = x.x; qf[1] = x.y;
-      x = __bfloat1622float2(qh[1]); qf[2] = x.x; qf[3] = x.y;
-      x = __bfloat1622float2(kh[0]); kf[0] = x.x; kf[1] = x.y;
-      x = __bfloat1622float2(kh[1]); kf[2] = x.x; kf[3] = x.y;
+    for (int i = 0; i < 4; ++i) {
+      const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+      const int bytes = r < nt ? 16 : 0;
+      const size_t rs = r < nt ? size_t(r) : 0;  // row 0 of the chunk always exists
+      cp_async16_zfill(Qs + r * kLdB + c8, qb + rs * qk_row + c8, bytes);
+      cp_async16_zfill(Ks + r * kLdB + c8, kb + rs * qk_row + c8, bytes);
+      cp_async16_zfill(Graw + r * kLdB + c8, gb + rs * g_row + c8, bytes);
     }
-    float sq = qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3];
-    float sk = kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    const float nq = rsqrtf(sq + 1e-6f) * a.scale, nk = rsqrtf(sk + 1e-6f);
-    uint2 qo, ko;
-    qo.x = pack_bf16(qf[0] * nq, qf[1] * nq);
-    qo.y = pack_bf16(qf[2] * nq, qf[3] * nq);
-    ko.x = pack_bf16(kf[0] * nk, kf[1] * nk);
-    ko.y = pack_bf16(kf[2] * nk, kf[3] * nk);
-    *reinterpret_cast<uint2*>(Qs + r * kLdB + lane * 4) = qo;
-    *reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4) = ko;
+    cp_async_commit();
   }
   if (tid < kC) {
     float b = 0.f;
@@ -299,6 +304,30 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       if (a.beta_logit) b = 1.f / (1.f + __expf(-b));
     }
     betas[tid] = b;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // l2norm of q (times scale) and k in place: a warp per row, 4 elements a lane.
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    const int r = warp * 8 + rr;
+    float qf[4], kf[4];
+    uint2* qp = reinterpret_cast<uint2*>(Qs + r * kLdB + lane * 4);
+    uint2* kp = reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4);
+    unpack4(*qp, qf);
+    unpack4(*kp, kf);
+    float sq = qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3];
+    float sk = kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float nq = rsqrtf(sq + 1e-6f) * a.scale, nk = rsqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { qf[e] *= nq; kf[e] *= nk; }
+    *qp = pack4(qf);
+    *kp = pack4(kf);
   }
   {
     const int d = tid & (kK - 1), half = tid >> 7;
@@ -312,7 +341,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       const int r = half * 32 + i;
       float val = 0.f;
       if (r < nt) {
-        const float raw = __bfloat162float(a.g[(size_t(t0 + r) * HV + hv) * kK + d]);
+        const float raw = __bfloat162float(Graw[r * kLdB + d]);
         if (a.gate == 0) {
           const float x = raw + dtb;
           // softplus; fast exp/log are ample for a bf16 input (x < -15: log(1+e^x) = e^x to fp32)
@@ -348,20 +377,22 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   __syncthreads();
 
   // ---- 2. Qg, Kd, exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
-  for (int e = tid; e < kC * 16; e += kLiteThreads) {
-    const int r = e >> 4, c8 = (e & 15) * 8;
-    const float* gr = Gs + r * kLdG + c8;
-    const float* gl = Gs + (kC - 1) * kLdG + c8;
-    float x[8], y[8];
-    unpack8(*reinterpret_cast<const uint4*>(Qs + r * kLdB + c8), x);
-    unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), y);
+  // Elementwise passes give a thread columns c4..c4+3 and 64+c4..: 16-byte shared loads of G
+  // from 8 consecutive lanes then cover 128 contiguous bytes (no bank conflicts).
+  for (int e = tid; e < kC * 32; e += kLiteThreads) {
+    const int r = e >> 5, col = ((e >> 4) & 1) * 64 + (e & 15) * 4;
+    float x[4], y[4], gr[4], gl[4];
+    unpack4(*reinterpret_cast<const uint2*>(Qs + r * kLdB + col), x);
+    unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), y);
+    load4(Gs + r * kLdG + col, gr);
+    load4(Gs + (kC - 1) * kLdG + col, gl);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 4; ++i) {
       x[i] *= ex2(gr[i]);
       y[i] *= ex2(gl[i] - gr[i]);
     }
-    reinterpret_cast<uint4*>(ws + kWsQg)[r * (kLdB / 8) + (c8 >> 3)] = pack8(x);
-    reinterpret_cast<uint4*>(ws + kWsKd)[r * (kLdB / 8) + (c8 >> 3)] = pack8(y);
+    *reinterpret_cast<uint2*>(ws + kWsQg + (size_t(r) * kLdB + col) * 2) = pack4(x);
+    *reinterpret_cast<uint2*>(ws + kWsKd + (size_t(r) * kLdB + col) * 2) = pack4(y);
   }
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
   if (tid < 192) {
@@ -382,7 +413,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int j = 0; j < 16; ++j) { sL[j] = 0.f; sA[j] = 0.f; }
 #pragma unroll 1
     for (int dc = 0; dc < 4; ++dc) {
-      const int d0 = dq * 32 + dc * 8;
+      const int d0 = dc * 32 + dq * 8;  // the 4 lanes of a row read 64 contiguous bytes
       float qi[8], ki[8], gi[8];
       unpack8(*reinterpret_cast<const uint4*>(Qs + i * kLdB + d0), qi);
       unpack8(*reinterpret_cast<const uint4*>(Ks + i * kLdB + d0), ki);
@@ -444,18 +475,18 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const int nbc = dg ? I + 1 : I;  // column blocks
     if (nbc == 0) continue;          // CTA-uniform
     const int rows = 32 + 16 * nbc, anc = dg ? 16 * I + 7 : 16 * I - 1;
-    for (int it = tid; it < rows * 16; it += kLiteThreads) {
-      const int rr = it >> 4, d0 = (it & 15) * 8;
+    for (int it = tid; it < rows * 32; it += kLiteThreads) {
+      const int rr = it >> 5, d0 = ((it >> 4) & 1) * 64 + (it & 15) * 4;
       const bool right = rr >= 32;
       const int src = right ? rr - 32 : 16 * I + (rr & 15);
       const bf16* S = (!right && rr >= 16) ? Qs : Ks;
-      float x[8];
-      unpack8(*reinterpret_cast<const uint4*>(S + src * kLdB + d0), x);
-      const float* gs = Gs + src * kLdG + d0;
-      const float* ga = Gs + anc * kLdG + d0;
+      float x[4], gs[4], ga[4];
+      unpack4(*reinterpret_cast<const uint2*>(S + src * kLdB + d0), x);
+      load4(Gs + src * kLdG + d0, gs);
+      load4(Gs + anc * kLdG + d0, ga);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] *= right ? ex2(ga[e] - gs[e]) : ex2(gs[e] - ga[e]);
-      *reinterpret_cast<uint4*>(Op + rr * kLdB + d0) = pack8(x);
+      for (int e = 0; e < 4; ++e) x[e] *= right ? ex2(ga[e] - gs[e]) : ex2(gs[e] - ga[e]);
+      *reinterpret_cast<uint2*>(Op + rr * kLdB + d0) = pack4(x);
     }
     __syncthreads();
     if (warp < 2 * nbc) {
@@ -507,15 +538,15 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int e = 0; e < 8; ++e) x[e] *= b;
     *reinterpret_cast<uint4*>(Bu + r * kLdB + c8) = pack8(x);
   }
-  for (int e = tid; e < kC * 16; e += kLiteThreads) {
-    const int r = e >> 4, c8 = (e & 15) * 8;
+  for (int e = tid; e < kC * 32; e += kLiteThreads) {
+    const int r = e >> 5, col = ((e >> 4) & 1) * 64 + (e & 15) * 4;
     const float b = betas[r];
-    float x[8];
-    unpack8(*reinterpret_cast<const uint4*>(Ks + r * kLdB + c8), x);
-    const float* gr = Gs + r * kLdG + c8;
+    float x[4], gr[4];
+    unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), x);
+    load4(Gs + r * kLdG + col, gr);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= b * ex2(gr[i]);
-    *reinterpret_cast<uint4*>(Bw + r * kLdB + c8) = pack8(x);
+    for (int i = 0; i < 4; ++i) x[i] *= b * ex2(gr[i]);
+    *reinterpret_cast<uint2*>(Bw + r * kLdB + col) = pack4(x);
   }
   __syncthreads();  // G and k are dead from here: X lives where G was
 
@@ -575,11 +606,13 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();
 
-  // ---- 7. W = X (beta exp(G) k), U = X (beta V); stored straight from the fragments.
+  // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
+  // workspace layout (W where k was, U where beta exp(G) k was) and leave in coalesced 16-byte
+  // stores: fragment stores straight to global memory filled only half of each 32-byte sector.
   {
     const int mt = warp & 3, which = warp >> 2;
     const bf16* Bsrc = which ? Bu : Bw;
-    bf16* dst = reinterpret_cast<bf16*>(ws + (which ? kWsU : kWsW));
+    bf16* dst = which ? Op : Ks;
     float acc[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -595,6 +628,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       }
     }
     const int g = lane >> 2, tq = lane & 3;
+    __syncthreads();  // every warp is done reading beta exp(G) k before U overwrites it
 #pragma unroll
     for (int nn = 0; nn < 16; ++nn) {
       const int col = nn * 8 + 2 * tq, r0 = mt * 16 + g, r1 = r0 + 8;
@@ -603,6 +637,15 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       *reinterpret_cast<uint32_t*>(dst + o0) = pack_bf16(acc[nn][0], acc[nn][1]);
       *reinterpret_cast<uint32_t*>(dst + o1) = pack_bf16(acc[nn][2], acc[nn][3]);
     }
+  }
+  __syncthreads();
+  {
+    const uint4* sw = reinterpret_cast<const uint4*>(Ks);
+    const uint4* su = reinterpret_cast<const uint4*>(Op);
+    uint4* gw = reinterpret_cast<uint4*>(ws + kWsW);
+    uint4* gu = reinterpret_cast<uint4*>(ws + kWsU);
+    for (int i = tid; i < kC * kLdB / 8; i += kLiteThreads) gw[i] = sw[i];
+    for (int i = tid; i < int((kV / 16) * kUBlockBytes / 16); i += kLiteThreads) gu[i] = su[i];
   }
 }
 

@@ -26,8 +26,12 @@ def _int_list(values) -> Tuple[str, int]:
 def contract_values(record: dict, root=None) -> dict:
     """Macro name -> value (int, str or list of ints), in render order."""
     from .. import supported as _supported
+    from .specs import HELPER_FAMILIES
 
-    sup = _supported.supported(record["family"], record["backend"], root)
+    if record["family"] in HELPER_FAMILIES:  # no supported set: every list renders as "any"
+        sup = {"head_dims_k": None, "head_dims_v": None, "value_heads": None, "group_sizes": None}
+    else:
+        sup = _supported.supported(record["family"], record["backend"], root)
     if sup is None:
         raise ValueError(f"jit/supported.json has no entry for {record['family']}/{record['backend']}")
     vals = {

@@ -39,6 +39,9 @@ CLUSTER_ABIS = {"cluster_pair", "cluster_split"}
 MAX_CLUSTER = 16          # non-portable cluster size limit on Hopper
 MAX_SMEM_PER_SM = 233472  # 228 KiB on H100/H200
 MAX_THREADS_PER_SM = 2048
+# Helper families: modules with no kernel, loaded by name (never routed) and described by no
+# jit/supported.json entry. Host C++ only; their macros render as "any" (docs/jit.md).
+HELPER_FAMILIES = ("ffi_reorder",)
 
 
 @functools.lru_cache(maxsize=4)
@@ -90,9 +93,18 @@ def _check_record(rec: dict, fname: str, csrc: Path, root) -> None:
     fam, backend = rec["family"], rec["backend"]
     if rec["entry"] != fam:
         fail(f"entry must be the family's function name '{fam}', not '{rec['entry']}'")
-    sup = _supported.supported(fam, backend, root)
-    if sup is None:
-        fail(f"jit/supported.json has no entry for family '{fam}' backend '{backend}'")
+    helper = fam in HELPER_FAMILIES
+    if helper:
+        if backend != "cpu":
+            fail(f"'{fam}' is a helper family: its modules are host C++ (backend 'cpu'), "
+                 f"not '{backend}'")
+        if rec["state_dtype"] != "any" or rec["params"]:
+            fail(f"'{fam}' is a helper family: state_dtype must be 'any' and params empty")
+        sup = None
+    else:
+        sup = _supported.supported(fam, backend, root)
+        if sup is None:
+            fail(f"jit/supported.json has no entry for family '{fam}' backend '{backend}'")
     for src in rec["sources"]:
         p = (csrc / src)
         if ".." in Path(src).parts or not p.is_file():
@@ -132,12 +144,12 @@ def _check_record(rec: dict, fname: str, csrc: Path, root) -> None:
             fail(f"abi '{rec['abi']}' needs persistent_k > 0")
         if rec["abi"] in CLUSTER_ABIS and csize == 1:
             fail(f"abi '{rec['abi']}' needs a cluster of more than one CTA")
-    if rec["state_dtype"] != "any" and sup["state_dtypes"] is not None \
+    if sup is not None and rec["state_dtype"] != "any" and sup["state_dtypes"] is not None \
             and rec["state_dtype"] not in sup["state_dtypes"]:
         fail(f"state_dtype '{rec['state_dtype']}' is not in jit/supported.json "
              f"{fam}/{backend} state_dtypes {sup['state_dtypes']}")
     for key in ("head_dims_k", "head_dims_v"):
-        if sup[key] is not None and len(sup[key]) != 1:
+        if sup is not None and sup[key] is not None and len(sup[key]) != 1:
             fail(f"jit/supported.json {fam}/{backend} {key} must be 'any' or one value "
                  f"(FKDA_HEAD_DIM_* hold one), not {sup[key]}")
     for flag in rec["flags"]:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Hardware counters (Nsight Compute) for the prefill kernels on a lent H200: one warm call of each
+# shape, the chunk-preparation and the state-pass kernels, details plus per-source-line stalls
+# (the modules are built with -lineinfo). Reports and text go to $OUT.
+#   bash scripts/device_profile.sh ["--tokens 32768 --heads 16" ...]
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+SHAPES=("$@"); [ ${#SHAPES[@]} -eq 0 ] && SHAPES=("--tokens 32768 --heads 16")
+i=0
+for shape in "${SHAPES[@]}"; do
+  i=$((i + 1))
+  # shellcheck disable=SC2086
+  stage "ncu_$i" 150 ncu --clock-control none -k regex:'kda_prep|kda_state' --launch-skip 8 --launch-count 2 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section SourceCounters --import-source yes -f -o "$OUT/prefill_$i" python3 scripts/profile_prefill.py $shape
+  echo "   shape $i: $shape"
+  ncu -i "$OUT/prefill_$i.ncu-rep" --page details > "$OUT/prefill_${i}_details.txt" 2>&1
+  ncu -i "$OUT/prefill_$i.ncu-rep" --page source --csv --print-source cuda > "$OUT/prefill_${i}_source.csv" 2>&1
+  grep -E "kda_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
+    "$OUT/prefill_${i}_details.txt" | head -30
+done
