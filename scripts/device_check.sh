@@ -5,8 +5,9 @@
 # SANITIZE=0 leaves the compute-sanitizer stages out (a quick re-check).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-# one module of each schedule: racecheck and synccheck are slow, memcheck covers every module
-REPRESENTATIVE=${REPRESENTATIVE:-"decode_split8_f32_o32,decode_row_bf16_o64,decode_seq_f32_o32,decode_pair_f32_o32,decode_persist_f32_o32,decode_stream_f32_o32,prefill_vt16_f32,prefill_vt64_bf16,fused_*_f32_o32"}
+# one module of each decode schedule and every prefill module: racecheck and synccheck are slow,
+# memcheck covers every module
+REPRESENTATIVE=${REPRESENTATIVE:-"decode_split8_f32_o32,decode_row_bf16_o64,decode_seq_f32_o32,decode_pair_f32_o32,decode_persist_f32_o32,decode_stream_f32_o32,prefill_*,fused_*_f32_o32"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage build 200 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
 tail -2 "$OUT/build.log"
@@ -16,7 +17,7 @@ stage selftest 60 python3 -m flashkda_ext selftest
 tail -14 "$OUT/selftest.log"
 if [ "${SANITIZE:-1}" = 1 ]; then
 stage memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
-stage racecheck 75 compute-sanitizer --tool racecheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
-stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
+stage racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
+stage synccheck 120 compute-sanitizer --tool synccheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
 for t in memcheck racecheck synccheck; do echo "-- $t"; grep -E "ERROR SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -4; done
 fi
