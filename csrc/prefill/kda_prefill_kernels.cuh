@@ -551,17 +551,21 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   __syncthreads();  // G and k are dead from here: X lives where G was
 
   // ---- 6. X = (I + L)^-1: 16x16 diagonal blocks by forward substitution, then block rows
-  // X_IJ = -X_II sum_{K=J}^{I-1} L_IK X_KJ, all in fp32.
+  // X_IJ = -X_II sum_{K=J}^{I-1} L_IK X_KJ, all in fp32. The dot products run on 2-4 partial sums:
+  // a single fma chain left the warps waiting on fma latency.
   if (tid < 64) {
     const int blk = tid >> 4, cc = tid & 15;
     const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
     float x[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      float s = (i == cc) ? 1.f : 0.f;
+      float s0 = (i == cc) ? 1.f : 0.f, s1 = 0.f;
 #pragma unroll
-      for (int j = 0; j < i; ++j) s = fmaf(-Lb[i * kLdM + j], x[j], s);
-      x[i] = s;
+      for (int j = 0; j < i; ++j) {
+        if (j & 1) s1 = fmaf(-Lb[i * kLdM + j], x[j], s1);
+        else s0 = fmaf(-Lb[i * kLdM + j], x[j], s0);
+      }
+      x[i] = s0 + s1;
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
@@ -574,16 +578,16 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       const int e = tid + rep * kLiteThreads;
       const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
       const float* lr = Lm + (I * 16 + r) * kLdM;
-      float s = 0.f;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int KB = 0; KB < I; ++KB) {
         if (KB >= J) {
 #pragma unroll
           for (int kk = 0; kk < 16; ++kk)
-            s = fmaf(lr[KB * 16 + kk], Xm[(KB * 16 + kk) * kLdM + J * 16 + cc], s);
+            s[kk & 3] = fmaf(lr[KB * 16 + kk], Xm[(KB * 16 + kk) * kLdM + J * 16 + cc], s[kk & 3]);
         }
       }
-      Pt[r * kLdP + J * 16 + cc] = s;
+      Pt[r * kLdP + J * 16 + cc] = (s[0] + s[1]) + (s[2] + s[3]);
     }
     __syncthreads();
 #pragma unroll
@@ -591,10 +595,10 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       const int e = tid + rep * kLiteThreads;
       const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
       const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
-      float s = 0.f;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int m = 0; m < 16; ++m) s = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s);
-      Xm[(I * 16 + r) * kLdM + J * 16 + cc] = s;
+      for (int m = 0; m < 16; ++m) s[m & 3] = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s[m & 3]);
+      Xm[(I * 16 + r) * kLdM + J * 16 + cc] = (s[0] + s[1]) + (s[2] + s[3]);
     }
     __syncthreads();
   }
@@ -742,6 +746,7 @@ template <int VT, typename ST>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
   using SM = StateSmem<VT>;
   constexpr int NT = VT / 8, NP = VT / 16, LDU = SM::kLdU;
+  constexpr int KS = VT <= 32 ? 2 : 1;  // independent accumulator sets per k-reduction (see below)
   extern __shared__ __align__(128) uint8_t smem[];
   bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb);
   bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
@@ -836,14 +841,19 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     const bf16* Us = reinterpret_cast<const bf16*>(st + SM::kU);
     const float* gc = reinterpret_cast<const float*>(st + SM::kGc);
 
-    // V' = U - W S and O = Qg S: rows 16 w of the chunk.
-    float a1[NT][4], a2[NT][4];
+    // V' = U - W S and O = Qg S: rows 16 w of the chunk. With few V columns a warp holds too few
+    // independent accumulators to hide the mma latency, so even and odd k-steps go to separate
+    // ones (KS = 2), summed at the end (H200, 1x32768 H16, vt16: 0.52 vs 0.545 ms).
+    float a1[KS][NT][4], a2[KS][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int p = 0; p < KS; ++p)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) a1[nt][e] = a2[nt][e] = 0.f;
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a1[p][nt][e] = a2[p][nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kK / 16; ++ks) {
+      const int p = ks % KS;
       uint32_t aw[4], aq[4];
       load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
       load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
@@ -851,12 +861,18 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
       for (int np = 0; np < NP; ++np) {
         uint32_t bb[4];
         load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
-        mma_bf16(a1[2 * np], aw, bb);
-        mma_bf16(a1[2 * np + 1], aw, bb + 2);
-        mma_bf16(a2[2 * np], aq, bb);
-        mma_bf16(a2[2 * np + 1], aq, bb + 2);
+        mma_bf16(a1[p][2 * np], aw, bb);
+        mma_bf16(a1[p][2 * np + 1], aw, bb + 2);
+        mma_bf16(a2[p][2 * np], aq, bb);
+        mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
       }
     }
+#pragma unroll
+    for (int p = 1; p < KS; ++p)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a1[0][nt][e] += a1[p][nt][e];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -864,22 +880,31 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
         const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
         const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
         *reinterpret_cast<uint32_t*>(Vp + row * LDU + col) =
-            pack_bf16(u.x - a1[nt][2 * h], u.y - a1[nt][2 * h + 1]);
+            pack_bf16(u.x - a1[0][nt][2 * h], u.y - a1[0][nt][2 * h + 1]);
       }
     __syncthreads();  // V' complete
 
     // O += Aqk V' (Aqk lower triangular: k-steps 0..w), then store valid rows.
-    for (int ks = 0; ks <= w; ++ks) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks > w) break;  // warp-uniform; unrolled so that p stays a constant (register arrays)
+      const int p = ks % KS;
       uint32_t aa[4];
       load_a(aa, As, kLdX, w * 16, ks * 16, lane);
 #pragma unroll
       for (int np = 0; np < NP; ++np) {
         uint32_t bb[4];
         load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-        mma_bf16(a2[2 * np], aa, bb);
-        mma_bf16(a2[2 * np + 1], aa, bb + 2);
+        mma_bf16(a2[p][2 * np], aa, bb);
+        mma_bf16(a2[p][2 * np + 1], aa, bb + 2);
       }
     }
+#pragma unroll
+    for (int p = 1; p < KS; ++p)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a2[0][nt][e] += a2[p][nt][e];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = w * 16 + g + 8 * h;
@@ -887,7 +912,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
         bf16* o = a.out + (size_t(bos + c * kC + row) * HV + hv) * kV + v0;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * tq) = pack_bf16(a2[nt][2 * h], a2[nt][2 * h + 1]);
+          *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * tq) = pack_bf16(a2[0][nt][2 * h], a2[0][nt][2 * h + 1]);
       }
     }
 
@@ -901,20 +926,43 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
         s[mt][nt][2] *= g1; s[mt][nt][3] *= g1;
       }
     }
+    {
+      // odd k-steps into a second accumulator set when KS = 2 (as above), added to S at the end
+      float t[KS == 2 ? 2 : 1][NT][4];
 #pragma unroll
-    for (int ks = 0; ks < kC / 16; ++ks) {
-      uint32_t ak[2][4];
-      load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
-      load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
+      for (int mt = 0; mt < (KS == 2 ? 2 : 1); ++mt)
 #pragma unroll
-      for (int np = 0; np < NP; ++np) {
-        uint32_t bb[4];
-        load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(s[mt][2 * np], ak[mt], bb);
-          mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
+          for (int e = 0; e < 4; ++e) t[mt][nt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kC / 16; ++ks) {
+        uint32_t ak[2][4];
+        load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
+        load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < NP; ++np) {
+          uint32_t bb[4];
+          load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            if (KS == 2 && (ks & 1)) {  // resolved at compile time (unrolled)
+              mma_bf16(t[KS == 2 ? mt : 0][2 * np], ak[mt], bb);
+              mma_bf16(t[KS == 2 ? mt : 0][2 * np + 1], ak[mt], bb + 2);
+            } else {
+              mma_bf16(s[mt][2 * np], ak[mt], bb);
+              mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
+            }
+          }
         }
+      }
+      if (KS == 2) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
       }
     }
     // Every warp read Sb before the V' barrier above, so it can be overwritten now.
