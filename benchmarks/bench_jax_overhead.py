@@ -4,8 +4,8 @@ Both call the very same compiled module; what differs is the path to it. Arms:
 
     torch_op   flashkda_ext.kda_decode(..., out=out)        validation + dispatch + TVM-FFI call
     torch_ffi  the module's TVM-FFI function called directly  (the floor: no Python checks)
-    jax_jit    a jax.jit step, pool donated                 XLA dispatch + FFI target + adapter
-    jax_eager  flashkda_ext.jax.kda_decode on concrete arrays (validation + cached jit, donating)
+    jax_jit    a jax.jit step, pool donated                 XLA dispatch + FFI target + C++ reorder
+    jax_eager  flashkda_ext.jax.kda_decode on concrete arrays (memoized validation + cached jit, donating)
 
 Two timings per arm, medians over interleaved rounds (arms in order A B C D, then D C B A, ...):
 

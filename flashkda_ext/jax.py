@@ -18,7 +18,13 @@ Each op takes and returns jax arrays and works eagerly and under jax.jit. Per ca
 
 The module functions take outputs as arguments in a fixed order, with optional tensors passed as
 None (docs/architecture.md), while an XLA FFI target receives all operands, then all results, then
-attributes. A small adapter (one per module and argument layout) puts them back in the ABI order.
+attributes. An adapter (one per module and argument layout) puts them back in the ABI order: the
+C++ wrapper of the helper module "ffi_reorder" (csrc/jax/ffi_reorder.cc), so after the first trace
+a jitted step runs no Python of ours; a Python adapter only when that module cannot be loaded.
+
+Steps 1 and 2 run once per call signature (shapes, dtypes, platform, options): a repeated eager
+call reuses the validated plan and its jitted function (the verdict of a passed validation is
+remembered; a call that fails it is checked, and raises, every time).
 
 Needs jax and jax-tvm-ffi: pip install "flashkda_ext[jax]".
 """
@@ -313,17 +319,65 @@ def _ffi(plan: _Plan, arrays: dict) -> tuple:
     return tuple(call(*[arrays[n] for n in plan.operands], **{a: _attr(v) for a, v in plan.attrs}))
 
 
-def _run(impl, plan: _Plan, args: tuple, donate: tuple, eager: bool):
+# ---------------------------------------------------------------------------------------------
+# per-signature memo: a serving loop calls an op with the same shapes and options every step
+
+
+class _Prepared:
+    """What one call signature resolved to: the plan, the donated argument positions, and (eager
+    calls) the jitted function for the plan, made on first use."""
+    __slots__ = ("plan", "donated", "eager_fn")
+
+    def __init__(self, plan: _Plan, donated: tuple):
+        self.plan, self.donated, self.eager_fn = plan, donated, None
+
+
+_PREPARED: dict = {}
+_PREPARED_LIMIT = 512
+_KEY_SCALARS = (type(None), bool, int, float, str)
+
+
+def _signature(family: str, plat: str, args: tuple, options: tuple, extra=None):
+    """A hashable key of everything the validation and the route read from a call (each array's
+    shape and dtype or None, the platform, the options with their types: True is not 1, and extra
+    host values such as cu_seqlens offsets), or None when an option is not a plain scalar (that
+    call takes the full path every time). Only calls that passed validation are remembered, so a
+    bad call is always checked, and raises, before anything reaches XLA."""
+    key = [family, plat, extra]
+    for x in args:
+        key.append(None if x is None else (x.shape, x.dtype))
+    for v in options:
+        t = type(v)
+        if t not in _KEY_SCALARS:
+            return None
+        key.append((t, v))
+    return tuple(key)
+
+
+def _remember(key, plan: _Plan, donated: tuple) -> _Prepared:
+    prep = _Prepared(plan, donated)
+    if key is not None:
+        if len(_PREPARED) >= _PREPARED_LIMIT:
+            _PREPARED.clear()
+        _PREPARED[key] = prep
+    return prep
+
+
+def _run(impl, prep: _Prepared, args: tuple, eager: bool):
     """Inside a trace, call impl directly (donation is the enclosing jit's business); eagerly,
-    through a jit that donates the in-place pools (positions in args) when asked."""
+    through a jit of impl for this plan that donates the in-place pools (positions in args) when
+    asked. The plan is bound, not a static argument, so a repeated eager call hashes nothing of ours."""
     if not eager:
-        return impl(plan, *args)
-    return _eager_jit(impl, donate)(plan, *args)
+        return impl(prep.plan, *args)
+    fn = prep.eager_fn
+    if fn is None:
+        fn = prep.eager_fn = _eager_jit(impl, prep.plan, prep.donated)
+    return fn(*args)
 
 
 @functools.lru_cache(maxsize=None)
-def _eager_jit(impl, donate: tuple):
-    return jax.jit(impl, static_argnums=0, donate_argnums=tuple(i + 1 for i in donate))
+def _eager_jit(impl, plan: _Plan, donate: tuple):
+    return jax.jit(functools.partial(impl, plan), donate_argnums=donate)
 
 
 def _donate_positions(args: tuple, positions, donate: bool) -> tuple:
@@ -335,7 +389,8 @@ def _donate_positions(args: tuple, positions, donate: bool) -> tuple:
 
 
 def _any_tracer(arrays) -> bool:
-    return any(x is not None and _is_tracer(x) for x in arrays)
+    tracer = jax.core.Tracer
+    return any(isinstance(x, tracer) for x in arrays)
 
 
 def _dtype_str(x) -> str:
@@ -369,8 +424,20 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     vals = (q, k, v, g, beta, A_log, dt_bias, state_indices, state)
     optional = {"A_log", "dt_bias"}
     args = tuple(_as_array(n, x, optional=n in optional) for n, x in zip(names, vals))
-    q, k, v, g, beta, A_log, dt_bias, state_indices, state = args
     plat = _platform(platform, zip(names, args))
+    key = _signature("kda_decode", plat, args, (lower_bound, gate, scale, beta_is_logit, slot_mode,
+                                                null_slot0, donate))
+    prep = None if key is None else _PREPARED.get(key)
+    if prep is None:
+        prep = _prepare_decode(names, args, plat, key, lower_bound=lower_bound, gate=gate, scale=scale,
+                               beta_is_logit=beta_is_logit, slot_mode=slot_mode, null_slot0=null_slot0,
+                               donate=donate)
+    return _run(_decode_impl, prep, args, eager=not _any_tracer(args))
+
+
+def _prepare_decode(names, args, plat, key, *, lower_bound, gate, scale, beta_is_logit, slot_mode,
+                    null_slot0, donate) -> _Prepared:
+    q, k, v, g, beta, A_log, dt_bias, state_indices, state = args
     call = validation.check_kda_decode(
         _meta("q", q), _meta("k", k), _meta("v", v), _meta("g", g), _meta("beta", beta),
         state=_meta("state", state), state_indices=_meta("state_indices", state_indices),
@@ -384,8 +451,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         results=(("out", (call.rows, call.value_heads, call.head_dim_v), _dtype_str(v), None),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
         attrs=_attrs("kda_decode", call), cuda_graph=_GRAPH_SAFE["kda_decode"])
-    donated = _donate_positions(args, (8,), donate)
-    return _run(_decode_impl, plan, args, donated, eager=not _any_tracer(args))
+    return _remember(key, plan, _donate_positions(args, (8,), donate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,10 +500,26 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     vals = (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices, state, checkpoints)
     required = {"q", "k", "v", "g", "beta"}
     args = tuple(_as_array(n, x, optional=n not in required) for n, x in zip(names, vals))
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices, state, checkpoints = args
     plat = _platform(platform, zip(names, args))
     # Host offsets give the longest sequence (sizes the checkpoints, feeds the route), as in torch.
-    cs = _host_offsets(cu_seqlens)
+    cs = _host_offsets(args[7])
+    key = _signature("kda_prefill", plat, args,
+                     (lower_bound, gate, scale, beta_is_logit, output_final_state, checkpoint_every,
+                      max_seqlen, null_slot0, donate), extra=None if cs is None else tuple(cs))
+    prep = None if key is None else _PREPARED.get(key)
+    if prep is None:
+        prep = _prepare_prefill(names, args, plat, key, cs, lower_bound=lower_bound, gate=gate,
+                                scale=scale, beta_is_logit=beta_is_logit,
+                                output_final_state=output_final_state,
+                                checkpoint_every=checkpoint_every, max_seqlen=max_seqlen,
+                                null_slot0=null_slot0, donate=donate)
+    return _run(_prefill_impl, prep, args, eager=not _any_tracer(args))
+
+
+def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, beta_is_logit,
+                     output_final_state, checkpoint_every, max_seqlen, null_slot0,
+                     donate) -> _Prepared:
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices, state, checkpoints = args
     route_max = max_seqlen
     if cs is not None and max_seqlen is None and q.ndim == 4 and _offsets_valid(cs, q.shape[1]):
         route_max = max(b - a for a, b in zip(cs, cs[1:]))
@@ -485,8 +567,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         family="kda_prefill", platform=plat, module=module_name, operands=tuple(operands),
         results=tuple(results),
         attrs=_attrs("kda_prefill", call), cuda_graph=graph_safe)
-    donated = _donate_positions(args, (10, 11), donate)
-    return _run(_prefill_impl, plan, args, donated, eager=not _any_tracer(args))
+    return _remember(key, plan, _donate_positions(args, (10, 11), donate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,8 +599,20 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             norm_weight)
     optional = {"A_log", "dt_bias"}
     args = tuple(_as_array(n, a, optional=n in optional) for n, a in zip(names, vals))
-    x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate, norm_weight = args
     plat = _platform(platform, zip(names, args))
+    key = _signature("fused_kda_decode", plat, args, (lower_bound, gate, norm_eps, scale, slot_mode,
+                                                      null_slot0, donate))
+    prep = None if key is None else _PREPARED.get(key)
+    if prep is None:
+        prep = _prepare_fused(names, args, plat, key, lower_bound=lower_bound, gate=gate,
+                              norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
+                              null_slot0=null_slot0, donate=donate)
+    return _run(_fused_impl, prep, args, eager=not _any_tracer(args))
+
+
+def _prepare_fused(names, args, plat, key, *, lower_bound, gate, norm_eps, scale, slot_mode,
+                   null_slot0, donate) -> _Prepared:
+    x, conv_state, state = args[0], args[2], args[8]
     call = validation.check_fused_kda_decode(
         *(_meta(n, a) for n, a in zip(names, args)), lower_bound=lower_bound, gate=gate,
         norm_eps=norm_eps, scale=scale, slot_mode=slot_mode, null_slot0=null_slot0, backend=plat)
@@ -531,5 +624,4 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
                  ("conv_state", tuple(conv_state.shape), _dtype_str(conv_state), "conv_state"),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
         attrs=_attrs("fused_kda_decode", call), cuda_graph=_GRAPH_SAFE["fused_kda_decode"])
-    donated = _donate_positions(args, (2, 8), donate)
-    return _run(_fused_impl, plan, args, donated, eager=not _any_tracer(args))
+    return _remember(key, plan, _donate_positions(args, (2, 8), donate))

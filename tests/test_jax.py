@@ -432,3 +432,133 @@ def test_prefill_given_checkpoints_written_in_place(gen):
     assert torch.equal(to_torch(ck), t_ck) and torch.equal(to_torch(out), t_out)
     assert torch.equal(to_torch(final), t_final)
     assert torch.all(to_torch(ck)[0, 2:] == 7.0) and torch.all(to_torch(ck)[1, 3:] == 7.0)   # past each count
+
+
+# ---------------------------------------------------------------------------------------------
+# the FFI targets' argument reorder is C++ (helper module ffi_reorder); the eager path memoizes
+
+
+def _flashkda_frames(fn):
+    """Names of the flashkda_ext Python functions entered while fn() runs (any thread that starts
+    or runs Python meanwhile; on the CPU backend XLA runs the custom call on the calling thread)."""
+    import threading
+    seen = []
+
+    def prof(frame, event, arg):
+        if event == "call" and "flashkda_ext" in frame.f_code.co_filename:
+            seen.append(frame.f_code.co_name)
+
+    threading.setprofile(prof)
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return seen
+
+
+def test_targets_reorder_in_cpp_no_python_per_jitted_call(gen):
+    """A layout with absent optional tensors (log gate: A_log, dt_bias -> None) and an aliased pool
+    (operand and result are one buffer, named twice in the ABI order) gives the torch op's results,
+    through a target whose adapter is the C++ wrapper; a jitted step then runs no flashkda_ext Python."""
+    d = decode_inputs(gen, rows=4, slots=6, gate="log", indices=[3, -1, 0, 5])
+    t_out, t_state = torch_decode(d, gate="log", slot_mode="padded")
+    jd = jaxify(d)
+    del jd["lower_bound"]
+    pool = jd.pop("state")
+    step = jax.jit(lambda s, a: jax_decode(dict(a, state=s), gate="log", slot_mode="padded"), donate_argnums=0)
+    out, pool = step(pool, jd)
+    assert torch.equal(to_torch(out), t_out) and torch.equal(to_torch(pool), t_state)
+
+    names = [n for n in kj.registered_targets() if ".kda_decode." in n]
+    assert names and all(kj._ADAPTERS[n][0] == "c++" for n in kj.registered_targets())
+
+    box = {"pool": pool}
+
+    def run():
+        for _ in range(3):
+            _, box["pool"] = step(box["pool"], jd)
+        jax.block_until_ready(box["pool"])
+
+    assert _flashkda_frames(run) == []
+
+
+def _reorder_calls(make, order, n_buffers, args):
+    import tvm_ffi
+    seen = []
+    wrapped = make(tvm_ffi.convert(lambda *a: seen.append(a)), order, n_buffers)
+    wrapped(*args)
+    return seen
+
+
+def test_cpp_reorder_semantics_and_errors():
+    from flashkda_ext import jit
+    make = jit.load_module("ffi_reorder")["ffi_reorder"]
+    # buffers a b c (c the result aliased to operand 0's slot too), attributes 7, 0.5, True
+    args = ("a", "b", "c", 7, 0.5, True)
+    assert _reorder_calls(make, [2, -1, 0, 2, 1], 3, args) == [("c", None, "a", "c", "b", 7, 0.5, True)]
+    assert _reorder_calls(make, [], 0, (1, 2)) == [(1, 2)]
+    # the Python fallback does exactly the same
+    fallback = lambda fn, order, n: kj._python_adapter(fn, tuple(None if i < 0 else i for i in order), n)  # noqa: E731
+    assert _reorder_calls(fallback, [2, -1, 0, 2, 1], 3, args) == [("c", None, "a", "c", "b", 7, 0.5, True)]
+    with pytest.raises(ValueError, match=r"order\[1\] = 3 is not a buffer index"):
+        _reorder_calls(make, [0, 3], 3, args)
+    with pytest.raises(ValueError, match="expected 3 buffers"):
+        _reorder_calls(make, [0, 1, 2], 3, ("a", "b"))
+    import json
+    assert json.loads(jit.load_module("ffi_reorder")["fkda_contract"]())["FKDA_FAMILY"] == "ffi_reorder"
+
+
+def test_python_adapter_fallback_warns_when_helper_unavailable(monkeypatch):
+    from flashkda_ext import jit
+    real = jit.load_module
+
+    def broken(name, *a, **kw):
+        if name == "ffi_reorder":
+            raise jit.JitDisabledError("no artifact for ffi_reorder (test)")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(kj, "_REORDER", {})
+    monkeypatch.setattr(jit, "load_module", broken)
+    with pytest.warns(RuntimeWarning, match="Python adapter"):
+        adapter, kind = kj._make_adapter(jax_noop_fn(), (1, None, 0), 2)
+    assert kind == "python"
+    adapter, kind = kj._make_adapter(jax_noop_fn(), (1, None, 0), 2)      # warned once, then quiet
+    assert kind == "python"
+
+
+def jax_noop_fn():
+    import tvm_ffi
+    return tvm_ffi.convert(lambda *a: None)
+
+
+def test_eager_calls_validate_once_per_signature_and_bad_calls_always(gen, monkeypatch):
+    calls = []
+    real = kj.validation.check_kda_decode
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    d = decode_inputs(gen, rows=3, slots=5, gate="softplus")
+    t_out, _ = torch_decode(d)
+    monkeypatch.setattr(kj, "_PREPARED", {})
+    monkeypatch.setattr(kj.validation, "check_kda_decode", counting)
+    for _ in range(3):
+        jd = jaxify(d)
+        del jd["lower_bound"]
+        out, _ = jax_decode(jd)
+    assert len(calls) == 1
+    assert torch.equal(to_torch(out), t_out)
+    jd = jaxify(decode_inputs(gen, rows=2, slots=5, gate="softplus"))     # another shape: checked
+    del jd["lower_bound"]
+    jax_decode(jd)
+    assert len(calls) == 2
+    for _ in range(2):                                                    # a bad option: raises each time
+        jd = jaxify(d)
+        del jd["lower_bound"]
+        with pytest.raises(TypeError, match="null_slot0"):
+            jax_decode(jd, null_slot0=0)                                   # 0 is not False
+        assert not jd["state"].is_deleted()
+    assert len(calls) == 4

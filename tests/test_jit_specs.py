@@ -90,6 +90,32 @@ def test_cuda_rules(tmp_path):
         assert rule in str(ei.value), str(ei.value)
 
 
+def test_helper_family_rules(tmp_path):
+    """A helper module (family ffi_reorder: no kernel, no route, no jit/supported.json entry) is host
+    C++ with no params; its macros render as "any"; no route may pick it."""
+    from flashkda_ext.jit import macros
+    root = testing.make_tree(tmp_path)
+    path = root / "jit" / "modules" / "zz_helper.json"
+    helper = dict(testing.cpu_record(), name="toy_helper", family="ffi_reorder", entry="ffi_reorder",
+                  params={})
+    testing.write_json(path, {"description": "d", "modules": [helper]})
+    assert get_record("toy_helper", root)["family"] == "ffi_reorder"
+    vals = macros.contract_values(get_record("toy_helper", root), root)
+    assert vals["FKDA_HEAD_DIM_K"] == 0 and vals["FKDA_NUM_SUPPORTED_VALUE_HEADS"] == 0
+    for change, rule in [({"backend": "cuda", "arches": ["sm_90a"], "abi": "per_row_grid", "threads": 32,
+                           "state_dtype": "float32"}, "'ffi_reorder' is a helper family"),
+                         ({"params": {"add": 1}}, "params empty"),
+                         ({"entry": "make_reorder"}, "entry must be the family's function name")]:
+        testing.write_json(path, {"description": "d", "modules": [dict(helper, **change)]})
+        with pytest.raises(SpecError, match="record 'toy_helper'") as ei:
+            registry(root)
+        assert rule in str(ei.value), str(ei.value)
+    testing.write_json(path, {"description": "d", "modules": [helper]})
+    _write_rules(root, [{"name": "cpu", "when": {"device": "cpu"}, "module": "toy_helper"}])
+    with pytest.raises(SpecError, match="module 'toy_helper' is ffi_reorder/cpu, not kda_decode/cpu"):
+        registry(root)
+
+
 def test_duplicate_name_names_both_files(tmp_path):
     root = testing.make_tree(tmp_path)
     testing.write_json(root / "jit" / "modules" / "zz_dup.json",
