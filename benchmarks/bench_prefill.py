@@ -88,6 +88,8 @@ def parse(argv=None):
     ap.add_argument("--heads", default="16,12")
     ap.add_argument("--gates", default="softplus,bounded")
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
+    ap.add_argument("--skip-small", action="store_true",
+                    help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
     return ap.parse_args(argv)
@@ -111,6 +113,8 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             print("fla not importable:", repr(e)[:200])
     case_list = dry_cases() if dry else cases([int(h) for h in args.heads.split(",")], args.quick)
+    if args.skip_small:
+        case_list = [c for c in case_list if not c[0].startswith("B1 ")]
     gates = args.gates.split(",")
     run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
                       primary_mode="eager" if cfg.is_cuda else "wall",
