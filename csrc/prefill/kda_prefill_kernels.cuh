@@ -671,6 +671,17 @@ struct StateArgs {
   bf16* out;                // [T, HV, V]
 };
 
+// acc[0] += acc[1] + ...: the partial sums of a k-reduction split over independent accumulator sets.
+template <int KS, int NT>
+__device__ __forceinline__ void fold_partial_sums(float (&acc)[KS][NT][4]) {
+#pragma unroll
+  for (int p = 1; p < KS; ++p)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[p][nt][e];
+}
+
 template <typename ST>
 __device__ __forceinline__ float ld_state(const ST* p);
 template <>
@@ -867,12 +878,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
         mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
       }
     }
-#pragma unroll
-    for (int p = 1; p < KS; ++p)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a1[0][nt][e] += a1[p][nt][e];
+    fold_partial_sums(a1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -899,12 +905,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
         mma_bf16(a2[p][2 * np + 1], aa, bb + 2);
       }
     }
-#pragma unroll
-    for (int p = 1; p < KS; ++p)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a2[0][nt][e] += a2[p][nt][e];
+    fold_partial_sums(a2);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = w * 16 + g + 8 * h;
