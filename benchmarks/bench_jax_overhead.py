@@ -6,6 +6,8 @@ Both call the very same compiled module; what differs is the path to it. Arms:
     torch_ffi  the module's TVM-FFI function called directly  (the floor: no Python checks)
     jax_jit    a jax.jit step, pool donated                 XLA dispatch + FFI target + C++ reorder
     jax_eager  flashkda_ext.jax.kda_decode on concrete arrays (memoized validation + cached jit, donating)
+    jax_floor  a jax.jit step with the same arguments, pool donated, that runs one tiny XLA kernel
+               instead of our target: XLA's own dispatch cost, the floor jax_jit cannot go below
 
 Two timings per arm, medians over interleaved rounds (arms in order A B C D, then D C B A, ...):
 
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
 
     j = {n: to_jax(x) for n, x in t.items()}
     jidx = to_jax(idx)
-    box = {"pool": to_jax(pool), "eager_pool": to_jax(pool)}
+    box = {"pool": to_jax(pool), "eager_pool": to_jax(pool), "floor_pool": to_jax(pool)}
     step = jax.jit(lambda p, q, k, v, g, b, a, d, i: kj.kda_decode(q, k, v, g, b, state=p, state_indices=i,
                                                                    A_log=a, dt_bias=d), donate_argnums=0)
 
@@ -102,16 +104,24 @@ def main(argv=None) -> dict:
         o, box["pool"] = step(box["pool"], j["q"], j["k"], j["v"], j["g"], j["beta"], j["A_log"], j["dt_bias"], jidx)
         box["out"] = o
 
+    floor = jax.jit(lambda p, q, k, v, g, b, a, d, i: (jnp.negative(q), p), donate_argnums=0)
+
+    def jax_floor():
+        o, box["floor_pool"] = floor(box["floor_pool"], j["q"], j["k"], j["v"], j["g"], j["beta"], j["A_log"],
+                                     j["dt_bias"], jidx)
+        box["floor_out"] = o
+
     def jax_eager():
         o, box["eager_pool"] = kj.kda_decode(j["q"], j["k"], j["v"], j["g"], j["beta"], state=box["eager_pool"],
                                              state_indices=jidx, A_log=j["A_log"], dt_bias=j["dt_bias"])
         box["out"] = o
 
     def jax_sync():
-        jax.block_until_ready((box["pool"], box["eager_pool"], box.get("out")))
+        jax.block_until_ready((box["pool"], box["eager_pool"], box["floor_pool"], box.get("out"),
+                               box.get("floor_out")))
 
     arms = {"torch_op": (torch_op, sync), "torch_ffi": (torch_ffi, sync),
-            "jax_jit": (jax_jit, jax_sync), "jax_eager": (jax_eager, jax_sync)}
+            "jax_jit": (jax_jit, jax_sync), "jax_eager": (jax_eager, jax_sync), "jax_floor": (jax_floor, jax_sync)}
     for f, s in arms.values():             # warm-up: module load, registration, XLA compile
         for _ in range(20):
             f()
@@ -152,8 +162,12 @@ def main(argv=None) -> dict:
     print(f"{'arm':<10} {'wall us':>10} {'issue us':>10}")
     for n in arms:
         print(f"{n:<10} {result['wall_us'][n]:>10.2f} {result['issue_us'][n]:>10.2f}")
+    result["jax_jit_minus_jax_floor_us"] = {m: result[f"{m}_us"]["jax_jit"] - result[f"{m}_us"]["jax_floor"]
+                                            for m in ("wall", "issue")}
     d = result["jax_jit_minus_torch_op_us"]
     print(f"jax_jit - torch_op: wall {d['wall']:+.2f} us, issue {d['issue']:+.2f} us")
+    d = result["jax_jit_minus_jax_floor_us"]
+    print(f"jax_jit - jax_floor (our part of a jitted call): wall {d['wall']:+.2f} us, issue {d['issue']:+.2f} us")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
