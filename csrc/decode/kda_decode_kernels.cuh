@@ -86,6 +86,29 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
+// q <- scale q / ||q||, k <- k / ||k|| in place, each lane holding KPL keys of a row that LPR lanes
+// share (the sums of squares go round the group). Shared by the decode and fused decode kernels;
+// scale by reference so its load stays next to its use (the generated code is the one the kernels
+// had inline, checked by comparing PTX).
+template <int LPR, int KPL>
+__device__ __forceinline__ void l2norm_qk(float (&qn)[KPL], float (&kn)[KPL], const float& scale) {
+  float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+  for (int e = 0; e < KPL; ++e) {
+    ssq = fmaf(qn[e], qn[e], ssq);
+    ssk = fmaf(kn[e], kn[e], ssk);
+  }
+  ssq = group_sum<LPR>(ssq);
+  ssk = group_sum<LPR>(ssk);
+  const float qs = scale / sqrtf(ssq + 1e-6f);
+  const float ks = 1.f / sqrtf(ssk + 1e-6f);
+#pragma unroll
+  for (int e = 0; e < KPL; ++e) {
+    qn[e] *= qs;
+    kn[e] *= ks;
+  }
+}
+
 // State chunk: 16 bytes = 4 fp32 or 8 bf16 keys.
 template <bool kBf16>
 struct StateTraits {
@@ -224,26 +247,12 @@ struct WarpTile {
   };
 
   __device__ static void prepare(const DecodeParams& p, const Item& it, Prep& pr) {
-    float ssq = 0.f, ssk = 0.f;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
       unpack_bf<VEC>(it.qr[i], &pr.qn[i * VEC]);
       unpack_bf<VEC>(it.kr[i], &pr.kn[i * VEC]);
     }
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) {
-      ssq = fmaf(pr.qn[e], pr.qn[e], ssq);
-      ssk = fmaf(pr.kn[e], pr.kn[e], ssk);
-    }
-    ssq = group_sum<LPR>(ssq);
-    ssk = group_sum<LPR>(ssk);
-    const float qs = p.scale / sqrtf(ssq + 1e-6f);
-    const float ks = 1.f / sqrtf(ssk + 1e-6f);
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) {
-      pr.qn[e] *= qs;
-      pr.kn[e] *= ks;
-    }
+    l2norm_qk<LPR, KPL>(pr.qn, pr.kn, p.scale);
     const float a = expf(it.a_log);
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {

@@ -229,7 +229,6 @@ struct FusedCta {
     const float b = sigmoidf_(b_raw);
 
     float qn[KPL], kn[KPL], dec[KPL];
-    float ssq = 0.f, ssk = 0.f;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i)
 #pragma unroll
@@ -239,20 +238,7 @@ struct FusedCta {
         kn[i * VEC + e] = sm.in[D + key];
         dec[i * VEC + e] = sm.in[3 * D + key];
       }
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) {
-      ssq = fmaf(qn[e], qn[e], ssq);
-      ssk = fmaf(kn[e], kn[e], ssk);
-    }
-    ssq = group_sum<LPR>(ssq);
-    ssk = group_sum<LPR>(ssk);
-    const float qs = p.scale / sqrtf(ssq + 1e-6f);
-    const float ks = 1.f / sqrtf(ssk + 1e-6f);
-#pragma unroll
-    for (int e = 0; e < KPL; ++e) {
-      qn[e] *= qs;
-      kn[e] *= ks;
-    }
+    fkda_decode::l2norm_qk<LPR, KPL>(qn, kn, p.scale);
 
     float mine = 0.f;  // o of pass c (lanes c < PASSES)
     float part = 0.f;
