@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -73,6 +74,18 @@ _ATTRS = {
 # decode launches only, no host sync, no allocation. Prefill is capturable only when the module
 # takes its scratch as a workspace argument, which this wrapper then allocates as an XLA result.
 _GRAPH_SAFE = {"kda_decode": True, "fused_kda_decode": True, "kda_prefill": False}
+
+
+def _command_buffers_allowed() -> bool:
+    """FLASHKDA_EXT_JAX_COMMAND_BUFFER=0 registers every target as not capturable, so XLA runs the
+    call as a plain thunk even where it is safe to capture (a tuning and diagnosis switch: recent XLA
+    wraps every capturable custom call in a command buffer, even alone). Read when a call is planned."""
+    value = os.environ.get("FLASHKDA_EXT_JAX_COMMAND_BUFFER", "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"FLASHKDA_EXT_JAX_COMMAND_BUFFER: expected 0 or 1, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +356,7 @@ def _signature(family: str, plat: str, args: tuple, options: tuple, extra=None):
     host values such as cu_seqlens offsets), or None when an option is not a plain scalar (that
     call takes the full path every time). Only calls that passed validation are remembered, so a
     bad call is always checked, and raises, before anything reaches XLA."""
-    key = [family, plat, extra]
+    key = [family, plat, extra, _command_buffers_allowed()]
     for x in args:
         key.append(None if x is None else (x.shape, x.dtype))
     for v in options:
@@ -450,7 +463,7 @@ def _prepare_decode(names, args, plat, key, *, lower_bound, gate, scale, beta_is
         family="kda_decode", platform=plat, module=module, operands=operands,
         results=(("out", (call.rows, call.value_heads, call.head_dim_v), _dtype_str(v), None),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
-        attrs=_attrs("kda_decode", call), cuda_graph=_GRAPH_SAFE["kda_decode"])
+        attrs=_attrs("kda_decode", call), cuda_graph=_GRAPH_SAFE["kda_decode"] and _command_buffers_allowed())
     return _remember(key, plan, _donate_positions(args, (8,), donate))
 
 
@@ -566,7 +579,7 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
     plan = _Plan(
         family="kda_prefill", platform=plat, module=module_name, operands=tuple(operands),
         results=tuple(results),
-        attrs=_attrs("kda_prefill", call), cuda_graph=graph_safe)
+        attrs=_attrs("kda_prefill", call), cuda_graph=graph_safe and _command_buffers_allowed())
     return _remember(key, plan, _donate_positions(args, (10, 11), donate))
 
 
@@ -623,5 +636,5 @@ def _prepare_fused(names, args, plat, key, *, lower_bound, gate, norm_eps, scale
         results=(("out", (call.rows, call.num_heads, call.head_dim), _dtype_str(x), None),
                  ("conv_state", tuple(conv_state.shape), _dtype_str(conv_state), "conv_state"),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
-        attrs=_attrs("fused_kda_decode", call), cuda_graph=_GRAPH_SAFE["fused_kda_decode"])
+        attrs=_attrs("fused_kda_decode", call), cuda_graph=_GRAPH_SAFE["fused_kda_decode"] and _command_buffers_allowed())
     return _remember(key, plan, _donate_positions(args, (2, 8), donate))

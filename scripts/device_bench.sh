@@ -11,7 +11,14 @@ stage build 90 python3 -m flashkda_ext build --parallel 16 --jobs 1 'decode_spli
 tail -1 "$OUT/build.log"
 if want jax; then
   stage jax_overhead 60 python3 benchmarks/bench_jax_overhead.py --device cuda --json "$OUT/jax_overhead.json"
-  tail -8 "$OUT/jax_overhead.log"
+  tail -9 "$OUT/jax_overhead.log"
+  # the same with our targets registered as not capturable, then with XLA's command buffers off
+  FLASHKDA_EXT_JAX_COMMAND_BUFFER=0 stage jax_overhead_nocapture 60 python3 benchmarks/bench_jax_overhead.py \
+    --device cuda --json "$OUT/jax_overhead_nocapture.json"
+  tail -3 "$OUT/jax_overhead_nocapture.log"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" stage jax_overhead_nocmdbuf 60 python3 \
+    benchmarks/bench_jax_overhead.py --device cuda --json "$OUT/jax_overhead_nocmdbuf.json"
+  tail -3 "$OUT/jax_overhead_nocmdbuf.log"
 fi
 if want decode; then
   stage bench_decode 110 python3 benchmarks/bench_decode.py --quick --states f32,bf16 --out "$OUT/bench_decode.json"

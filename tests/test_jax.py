@@ -168,6 +168,21 @@ def test_registration_once_per_module_and_layout(gen):
     assert len(names) == 2 and all("cpu_kda_decode" in n for n in names)
 
 
+def test_command_buffer_switch(gen, monkeypatch):
+    """FLASHKDA_EXT_JAX_COMMAND_BUFFER=0 plans every call as not capturable (a separate target),
+    with the same results; a value that is not 0/1 is an error naming the variable."""
+    d = decode_inputs(gen, rows=2, slots=3, gate="softplus")
+    out1, state1 = jax_decode(jaxify(d), gate="softplus")
+    monkeypatch.setenv("FLASHKDA_EXT_JAX_COMMAND_BUFFER", "0")
+    out0, state0 = jax_decode(jaxify(d), gate="softplus")
+    assert torch.equal(to_torch(out0), to_torch(out1)) and torch.equal(to_torch(state0), to_torch(state1))
+    plans = [p.plan for p in kj._PREPARED.values() if p.plan.family == "kda_decode"]
+    assert any(not p.cuda_graph for p in plans) and any(p.cuda_graph for p in plans)
+    monkeypatch.setenv("FLASHKDA_EXT_JAX_COMMAND_BUFFER", "maybe")
+    with pytest.raises(ValueError, match="FLASHKDA_EXT_JAX_COMMAND_BUFFER"):
+        jax_decode(jaxify(d), gate="softplus")
+
+
 # ---------------------------------------------------------------------------------------------
 # prefill
 
