@@ -177,3 +177,20 @@ def test_family_scripts_dry_run(name, tmp_path):
         pytest.skip(f"{name}.py does not use the harness yet")
     assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)]) in (0, None)
     assert list(tmp_path.glob("*.json"))
+
+
+def test_replot_draws_saved_results(tmp_path, capsys):
+    """replot.py reads a results JSON back and draws its PNG beside it (when matplotlib is there)."""
+    assert _script("bench_fused_decode").main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 0
+    saved = tmp_path / "fused_decode.json"
+    capsys.readouterr()
+    assert _script("replot").main([str(saved)]) == 0
+    printed = capsys.readouterr().out
+    assert str(saved) in printed
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot" in printed
+    else:
+        assert (tmp_path / "fused_decode.png").stat().st_size > 0
+    assert _script("replot").main([]) == 2  # no file given: usage
