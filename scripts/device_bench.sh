@@ -36,3 +36,7 @@ if want prefill; then
   stage bench_prefill ${PREFILL_LIMIT:-300} python3 benchmarks/bench_prefill.py --heads 16 --gates softplus,bounded --reps 8 --modes eager --out "$OUT/bench_prefill.json"
   tail -60 "$OUT/bench_prefill.log"
 fi
+# the Triton kernels fla compiled in this run, for a later session to carry (see device_env.sh);
+# it comes back only under the device tool's 16 MiB per-file limit
+tc=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -d "$tc" ]; then tar czf "$OUT/triton_cache.tgz" -C "$tc" . && du -h "$OUT/triton_cache.tgz"; fi

@@ -8,6 +8,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} || exit 1
 fi
 export PYTHONUNBUFFERED=1 FLASHKDA_EXT_CACHE_DIR=${FLASHKDA_EXT_CACHE_DIR:-/tmp/fkda_cache}
+# fla's compiled Triton kernels from an earlier run (device_bench.sh returns them as
+# triton_cache.tgz; unpack it into the ignored .triton_cache/ and carry that): each new head count
+# otherwise costs ~70 s of compilation on the device.
+if [ -d .triton_cache ]; then export TRITON_CACHE_DIR=$PWD/.triton_cache; fi
 stage() {
   local name=$1 limit=$2; shift 2; local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
