@@ -96,6 +96,18 @@ inline FloatSpan span_of(const TensorView& t) {
   return FloatSpan{data_ptr<void>(t), float_kind(t.dtype())};
 }
 
+// The CPU backend's input dtypes for decode and prefill: q any float type, k, v, g and beta as q,
+// out as v (the CUDA modules take bf16 only).
+inline void check_input_dtypes(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& g, const TensorView& beta, const TensorView& out) {
+  c.dtype(q, "q", {kF32, kF64, kBF16, kF16});
+  c.same_dtype_as(k, "k", q, "q");
+  c.same_dtype_as(v, "v", q, "q");
+  c.same_dtype_as(g, "g", q, "q");
+  c.same_dtype_as(beta, "beta", q, "q");
+  c.same_dtype_as(out, "out", v, "v");
+}
+
 inline bool is_padding(int64_t index, bool null_slot0) { return index < 0 || (null_slot0 && index == 0); }
 
 }  // namespace cpu

@@ -40,12 +40,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.shape(out, "out", {{"rows", rows}, {"HV", HV}, {"V", V}});
 
-  c.dtype(q, "q", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
-  c.same_dtype_as(k, "k", q, "q");
-  c.same_dtype_as(v, "v", q, "q");
-  c.same_dtype_as(g, "g", q, "q");
-  c.same_dtype_as(beta, "beta", q, "q");
-  c.same_dtype_as(out, "out", v, "v");
+  fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},

@@ -49,12 +49,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   c.shape(g, "g", {{"B", 1}, {"T", T}, {"HV", HV}, {"K", K}});
   c.shape(beta, "beta", {{"B", 1}, {"T", T}, {"HV", HV}});
   c.shape(out, "out", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  c.dtype(q, "q", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
-  c.same_dtype_as(k, "k", q, "q");
-  c.same_dtype_as(v, "v", q, "q");
-  c.same_dtype_as(g, "g", q, "q");
-  c.same_dtype_as(beta, "beta", q, "q");
-  c.same_dtype_as(out, "out", v, "v");
+  fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
 
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32, fkda::kI64});
   c.ndim(cu_seqlens, "cu_seqlens", 1, "[N+1]");
