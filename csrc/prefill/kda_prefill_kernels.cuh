@@ -180,6 +180,11 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return u;
 }
 
+// Elementwise passes over a 64 x 128 tile in 4-column pieces: item e is row e / 32, columns
+// col4(e)..+3, where the 16 items of a half-row take the columns 0..63 or 64..127 in order, so 8
+// consecutive lanes' 16-byte shared loads of fp32 G cover 128 contiguous bytes (no bank conflicts).
+__device__ __forceinline__ int col4(int e) { return ((e >> 4) & 1) * 64 + (e & 15) * 4; }
+
 __device__ __forceinline__ int64_t load_cu(const void* cu, int cu64, int64_t i) {
   return cu64 ? static_cast<const int64_t*>(cu)[i] : int64_t(static_cast<const int32_t*>(cu)[i]);
 }
@@ -377,10 +382,8 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   __syncthreads();
 
   // ---- 2. Qg, Kd, exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
-  // Elementwise passes give a thread columns c4..c4+3 and 64+c4..: 16-byte shared loads of G
-  // from 8 consecutive lanes then cover 128 contiguous bytes (no bank conflicts).
-  for (int e = tid; e < kC * 32; e += kLiteThreads) {
-    const int r = e >> 5, col = ((e >> 4) & 1) * 64 + (e & 15) * 4;
+  for (int e = tid; e < kC * 32; e += kLiteThreads) {  // elementwise, in col4 pieces
+    const int r = e >> 5, col = col4(e);
     float x[4], y[4], gr[4], gl[4];
     unpack4(*reinterpret_cast<const uint2*>(Qs + r * kLdB + col), x);
     unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), y);
@@ -476,7 +479,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     if (nbc == 0) continue;          // CTA-uniform
     const int rows = 32 + 16 * nbc, anc = dg ? 16 * I + 7 : 16 * I - 1;
     for (int it = tid; it < rows * 32; it += kLiteThreads) {
-      const int rr = it >> 5, d0 = ((it >> 4) & 1) * 64 + (it & 15) * 4;
+      const int rr = it >> 5, d0 = col4(it);
       const bool right = rr >= 32;
       const int src = right ? rr - 32 : 16 * I + (rr & 15);
       const bf16* S = (!right && rr >= 16) ? Qs : Ks;
@@ -539,7 +542,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     *reinterpret_cast<uint4*>(Bu + r * kLdB + c8) = pack8(x);
   }
   for (int e = tid; e < kC * 32; e += kLiteThreads) {
-    const int r = e >> 5, col = ((e >> 4) & 1) * 64 + (e & 15) * 4;
+    const int r = e >> 5, col = col4(e);
     const float b = betas[r];
     float x[4], gr[4];
     unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), x);
