@@ -48,6 +48,9 @@ def parse(argv=None):
     p.add_argument("--slots", type=int, default=4096, help="pool slots (at least rows)")
     p.add_argument("--head-dim", type=int, default=None, help="D (128 on GPU)")
     p.add_argument("--name", default="fused_decode", help="results file stem")
+    p.add_argument("--modules", default="", help="comma list of module stems (e.g. pair,quad,oct): "
+                   "each module called directly as its own arm (route band measurements)")
+    p.add_argument("--no-unfused", action="store_true", help="leave the unfused sequence out")
     return p.parse_args(argv)
 
 
@@ -69,6 +72,17 @@ def fla_gate_fn():
         return None
 
 
+def module_arm(stem, state_name, slots_numel, args, D, call_args):
+    """Arm calling the module fused_{stem}_{state}_{offset} directly, past the router."""
+    from flashkda_ext.jit import load_module
+
+    offset = "o64" if slots_numel > 2 ** 31 - 1 else "o32"
+    fn = load_module(f"fused_{stem}_{state_name}_{offset}")["fused_kda_decode"]
+    gate_mode = {"softplus": 0, "bounded": 1}[args.gate]
+    lb = args.lower_bound if args.gate == "bounded" else 0.0
+    return lambda: fn(*call_args, gate_mode, lb, D ** -0.5, 1e-5, False)
+
+
 def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
     import flashkda_ext as fk
 
@@ -81,15 +95,18 @@ def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
         per_slot = H * D * D * sdt.itemsize + C * 3 * 2
         slots = max(rows, min(slots, int(torch.cuda.mem_get_info(dev)[0] // 4 // per_slot)))
     rnd = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s)  # noqa: E731
+    # the pools (GBs at 64 heads) are drawn on the device: on the host that took minutes
+    dgen = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    drnd = lambda *shape, s=1.0: torch.randn(*shape, generator=dgen, device=dev).mul_(s)  # noqa: E731
 
     x = rnd(rows, C).to(**bf)
     conv_weight = rnd(C, 4, s=0.5).to(**bf)
-    conv_state = rnd(slots, C, 3).to(**bf)
+    conv_state = drnd(slots, C, 3).to(**bf)
     g = rnd(rows, H, D).to(**bf)
     beta = rnd(rows, H).to(**bf)
     A_log = rnd(H, s=0.5).to(dev)
     dt_bias = rnd(HD, s=0.5).to(dev)
-    state = (rnd(slots, H, D, D, s=0.1)).to(dtype=sdt, device=dev)
+    state = drnd(slots, H, D, D, s=0.1).to(dtype=sdt)
     output_gate = rnd(rows, H, D).to(**bf)
     norm_weight = (1 + rnd(D, s=0.1)).to(dev)
     idx = harness.random_unique_slots(rows, slots, dev, generator=gen)
@@ -162,7 +179,7 @@ def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
     notes = {}
     # agreement of fused and unfused on one step from the same pools (catches a layout slip)
     pool_bytes = state.numel() * es + conv_state.numel() * 2
-    if pool_bytes < (2 << 30):
+    if pool_bytes < (2 << 30) and not args.no_unfused:
         saved = (state.clone(), conv_state.clone())
         try:
             a = fused().clone()
@@ -174,9 +191,15 @@ def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
         state.copy_(saved[0]); conv_state.copy_(saved[1])  # noqa: E702
         del saved
 
-    arms = [harness.Arm("fused", fused, bytes=fused_bytes),
-            harness.Arm(unfused_name, unfused, bytes=fused_bytes),
-            harness.Arm("step", step_plain, bytes=step_bytes)]
+    arms = [harness.Arm("fused", fused, bytes=fused_bytes)]
+    call_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, idx, state, output_gate,
+                 norm_weight, out_fused)
+    for stem in [s for s in args.modules.split(",") if s]:
+        arms.append(harness.Arm(f"fused_{stem}", module_arm(stem, state_name, state.numel(), args, D,
+                                                            call_args), bytes=fused_bytes))
+    if not args.no_unfused:
+        arms.append(harness.Arm(unfused_name, unfused, bytes=fused_bytes))
+    arms.append(harness.Arm("step", step_plain, bytes=step_bytes))
     name = f"r{rows}_h{H}_{state_name}"
     params = dict(rows=rows, heads=H, head_dim=D, state=state_name, gate=args.gate, slots=slots)
     return harness.Case(name, params, arms, bytes=fused_bytes, notes=notes), unfused_name
@@ -185,12 +208,13 @@ def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
 def main(argv=None) -> int:
     args = parse(argv)
     cfg = harness.config_from_args(args)
-    use_fla = cfg.is_cuda and not args.no_fla and harness.fla_version() is not None
-    if cfg.is_cuda and not use_fla and not args.no_fla:
+    use_fla = cfg.is_cuda and not (args.no_fla or args.no_unfused) and harness.fla_version() is not None
+    if cfg.is_cuda and not use_fla and not (args.no_fla or args.no_unfused):
         print("fla is not importable: the unfused arm uses a torch step (unfused_torch)", file=sys.stderr)
     cases = grid(args, cfg)
     gen = torch.Generator().manual_seed(0)
-    run = harness.Run(args.name, cfg, baseline="unfused" if use_fla else "unfused_torch",
+    baseline = None if args.no_unfused else "unfused" if use_fla else "unfused_torch"
+    run = harness.Run(args.name, cfg, baseline=baseline,
                       primary_mode="graph" if cfg.is_cuda else "wall",
                       extra_meta={"fla_used": use_fla, "gate": args.gate})
     run.start(len(cases))

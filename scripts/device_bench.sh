@@ -2,7 +2,8 @@
 # The benchmark run on a lent H200 (device tool): builds the routed modules, then times the JAX front
 # end, decode, fused decode and prefill against their peers in one run. Every stage is bounded;
 # results (JSON + logs) go to $OUT (or ./device_out). STAGES="jax fused prefill" runs a subset
-# (names: jax decode fused overhead prefill; default all).
+# (names: jax decode fused overhead prefill, and the measurements behind design choices:
+# pdl_ab decode_schedules fused_bands; default all).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 want() { [[ " ${STAGES:-all} " == *" all "* || " ${STAGES:-all} " == *" $1 "* ]]; }
@@ -27,6 +28,48 @@ fi
 if want fused; then
   stage bench_fused 170 python3 benchmarks/bench_fused_decode.py --rows 1,16,64,1024 --heads 16,64 --state f32 --no-plot --no-progress --out "$OUT/bench_fused.json"
   tail -14 "$OUT/bench_fused.log"
+fi
+if want pdl_ab; then
+  # programmatic dependent launch off (a copy of csrc/ + jit/ with params.pdl = 0, read through
+  # FLASHKDA_EXT_DATA_ROOT) against on (this tree): decode and fused decode in graph replay, prefill
+  # eager event time; no peers
+  nopdl=/tmp/fkda_nopdl; rm -rf "$nopdl"; mkdir -p "$nopdl"; cp -r csrc jit "$nopdl/"
+  python3 - "$nopdl/jit/modules" <<'PY'
+import json, pathlib, sys
+for f in pathlib.Path(sys.argv[1]).glob("*.json"):
+    d = json.loads(f.read_text())
+    for m in d["modules"]:
+        if "pdl" in m["params"]:
+            m["params"]["pdl"] = 0
+    f.write_text(json.dumps(d, indent=1) + "\n")
+PY
+  for arm in nopdl pdl; do
+    if [ $arm = nopdl ]; then root=$nopdl; cache=/tmp/fkda_cache_nopdl; else root=$PWD; cache=$FLASHKDA_EXT_CACHE_DIR; fi
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage build_$arm 90 python3 -m flashkda_ext build \
+      --parallel 16 --jobs 1 'decode_split8_*_o32' decode_row_f32_o32 'fused_*_f32_o32' prefill_vt16_f32 prefill_vt64_f32
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage decode_$arm 90 python3 benchmarks/bench_decode.py \
+      --no-fla --modes graph --states f32,bf16 --heads 8,64 --rows 1,4,16,64,256 --no-plot --no-progress --quiet \
+      --out "$OUT/decode_$arm.json"
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage fused_$arm 60 python3 benchmarks/bench_fused_decode.py \
+      --no-unfused --modes graph --rows 1,16,64 --heads 16,64 --state f32 --no-plot --no-progress --out "$OUT/fused_$arm.json"
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage prefill_$arm 90 python3 benchmarks/bench_prefill.py \
+      --no-fla --heads 16 --gates bounded --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
+  done
+  python3 benchmarks/compare_runs.py "$OUT"/decode_nopdl.json "$OUT"/decode_pdl.json "$OUT"/fused_nopdl.json \
+    "$OUT"/fused_pdl.json "$OUT"/prefill_nopdl.json "$OUT"/prefill_pdl.json 2>&1 | tee "$OUT/pdl_ab.txt"
+fi
+if want decode_schedules; then
+  # every tile/persistent schedule at bandwidth-band points, bf16 and fp32 state, no peer
+  stage decode_schedules 150 python3 benchmarks/bench_decode.py --no-fla --modes graph --states bf16,f32 \
+    --heads 8,16,64 --rows 16,64,256,1024,4096 --modules split8,split4w2,split4,row,persist,stream \
+    --no-plot --no-progress --quiet --out "$OUT/decode_schedules.json"
+  tail -40 "$OUT/decode_schedules.log"
+fi
+if want fused_bands; then
+  stage fused_bands 120 python3 benchmarks/bench_fused_decode.py --no-unfused --modes graph \
+    --rows 1,4,16,64,256,1024 --heads 16,64 --state f32 --modules quad,oct,pair,row --no-plot --no-progress \
+    --out "$OUT/fused_bands.json"
+  tail -16 "$OUT/fused_bands.log"
 fi
 if want overhead; then
   stage bench_overhead 40 python3 benchmarks/bench_overhead.py --quick --no-plot --no-progress --out "$OUT/bench_overhead.json"

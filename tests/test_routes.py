@@ -28,6 +28,12 @@ def prefill_meta(**kw):
 
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it
 EDGES = {
+    ("kda_decode", "bf16_bandwidth", "work_items_min"): [
+        (decode_meta(rows=16, value_heads=8, state="bf16"), "decode_split4w2_bf16_o32"),   # 128
+        (decode_meta(rows=127, value_heads=1, state="bf16"), "decode_split8_bf16_o32"),    # 127: tiny
+        (decode_meta(rows=16, value_heads=8), "decode_split8_f32_o32"),                     # fp32: tiny
+        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),
+    ],
     ("kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=8, value_heads=16), "decode_split8_f32_o32"),        # 128 work items
         (decode_meta(rows=129, value_heads=1), "decode_split8_f32_o32"),       # 129: fallback, same module
@@ -36,17 +42,14 @@ EDGES = {
     ("kda_decode", "hv8_row", "work_items_min"): [
         (decode_meta(rows=32, value_heads=8), "decode_row_f32_o32"),           # 256
         (decode_meta(rows=31, value_heads=8), "decode_split8_f32_o32"),        # 248
-        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_split8_bf16_o32"),
+        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_split4w2_bf16_o32"),  # bf16 band
         (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
         (decode_meta(rows=4096, value_heads=8, offset="o64"), "decode_row_f32_o64"),
     ],
     ("fused_kda_decode", "tiny", "work_items_max"): [
-        (decode_meta(rows=8, value_heads=8), "fused_quad_f32_o32"),            # 64
-        (decode_meta(rows=9, value_heads=8), "fused_pair_f32_o32"),            # 72
-    ],
-    ("fused_kda_decode", "small", "work_items_max"): [
-        (decode_meta(rows=64, value_heads=16), "fused_pair_f32_o32"),          # 1024
-        (decode_meta(rows=43, value_heads=24), "fused_row_f32_o32"),           # 1032
+        (decode_meta(rows=2, value_heads=16), "fused_quad_f32_o32"),           # 32
+        (decode_meta(rows=33, value_heads=1), "fused_row_f32_o32"),            # 33
+        (decode_meta(rows=64, value_heads=16), "fused_row_f32_o32"),           # 1024
     ],
     ("kda_prefill", "few_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=1, value_heads=16), "prefill_vt16_f32"),        # 16

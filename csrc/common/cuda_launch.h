@@ -5,6 +5,8 @@
 //     cached per device,
 //   - the dynamic shared memory opt-in (cudaFuncSetAttribute) when a launch asks for > 48 KiB,
 //   - cluster launch through cudaLaunchKernelEx when FKDA_CLUSTER_X*Y*Z > 1,
+//   - programmatic dependent launch when the record sets params.pdl = 1 (FKDA_PARAM_PDL; the
+//     kernels' side is grid_dependency.cuh),
 //   - cudaGetLastError checked after every launch.
 //
 //   fkda::cuda::LaunchContext ctx(q);                       // guard + stream + SM count
@@ -49,6 +51,11 @@ constexpr int64_t kClusterSize =
     static_cast<int64_t>(FKDA_CLUSTER_X) * FKDA_CLUSTER_Y * FKDA_CLUSTER_Z;
 constexpr size_t kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
 constexpr int kPortableClusterSize = 8;          // above this a kernel must opt in
+#if defined(FKDA_PARAM_PDL) && FKDA_PARAM_PDL
+constexpr bool kProgrammaticLaunch = true;
+#else
+constexpr bool kProgrammaticLaunch = false;
+#endif
 
 inline cudaStream_t stream_of(const TensorView& t) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(t.device().device_type, t.device().device_id));
@@ -133,15 +140,22 @@ class LaunchContext {
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream_;
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
     if (kClusterSize > 1) {
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = FKDA_CLUSTER_X;
-      attr[0].val.clusterDim.y = FKDA_CLUSTER_Y;
-      attr[0].val.clusterDim.z = FKDA_CLUSTER_Z;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n].val.clusterDim.x = FKDA_CLUSTER_X;
+      attr[n].val.clusterDim.y = FKDA_CLUSTER_Y;
+      attr[n].val.clusterDim.z = FKDA_CLUSTER_Z;
+      ++n;
     }
+    if (kProgrammaticLaunch) {  // may start while the previous kernel finishes (see above)
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    cfg.attrs = n ? attr : nullptr;
+    cfg.numAttrs = n;
     FKDA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
     FKDA_CUDA_CHECK(cudaGetLastError(), what);
   }

@@ -22,6 +22,8 @@
 
 #include <type_traits>
 
+#include "common/grid_dependency.cuh"
+
 namespace fkda_decode {
 
 namespace cg = cooperative_groups;
@@ -339,6 +341,7 @@ struct WarpTile {
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_decode_tile_kernel(const DecodeParams p) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   constexpr int WARPS = THREADS / 32;
   static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
@@ -371,6 +374,7 @@ kda_decode_tile_kernel(const DecodeParams p) {
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_decode_tile_cluster_kernel(const DecodeParams p) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   constexpr int WARPS = THREADS / 32;
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
   constexpr int K = T::K;
@@ -433,6 +437,7 @@ kda_decode_tile_cluster_kernel(const DecodeParams p) {
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_decode_persistent_kernel(const DecodeParams p, int num_tiles) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   constexpr int WARPS = THREADS / 32;
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
   constexpr int NVT = T::V / V_TILE;
@@ -494,6 +499,7 @@ __device__ __forceinline__ void cp_async_wait() {
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int STAGES>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_decode_stream_kernel(const DecodeParams p, int num_tiles) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   constexpr int WARPS = THREADS / 32;
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
   using Elem = typename T::Elem;
@@ -570,6 +576,7 @@ kda_decode_stream_kernel(const DecodeParams p, int num_tiles) {
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_decode_seq_kernel(const DecodeParams p) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   constexpr int WARPS = THREADS / 32;
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, true>;
   constexpr int NVT = T::V / V_TILE;

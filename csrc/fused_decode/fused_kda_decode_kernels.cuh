@@ -29,6 +29,7 @@
 // the small device helpers of the plain decode (BfVec/unpack_bf, group_sum, StateTraits,
 // load_state/store_state): shared, not copied
 #include "decode/kda_decode_kernels.cuh"
+#include "common/grid_dependency.cuh"
 
 namespace fkda_fused {
 
@@ -112,6 +113,16 @@ struct FusedCta {
     else __syncthreads();
   }
 
+  // A CTA may write into a peer's shared memory only once the peer has started (CUDA guide;
+  // compute-sanitizer racecheck flags the write otherwise). The tile schedule arrives on entry and
+  // waits right before its first DSMEM write, so the state loads issued in between overlap it.
+  __device__ static void cluster_arrive_relaxed() {
+    if constexpr (CL > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  }
+  __device__ static void cluster_wait() {
+    if constexpr (CL > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  }
+
   // Store v into this CTA's smem word and the same word of every other CTA of the cluster.
   __device__ static void broadcast(float* local, float v, unsigned rank) {
     if constexpr (CL > 1) {
@@ -191,8 +202,10 @@ struct FusedCta {
     return expf(log_decay(p, bf_to_f(in.x), in.w0, expf(in.w1)));  // A_log absent: exp(0) = 1
   }
 
-  // The whole (row, head) for this CTA. `half` picks the partial-sum buffer.
-  __device__ static void run(const FusedParams& p, Smem& sm, int row, int h, unsigned rank, int half) {
+  // The whole (row, head) for this CTA. `half` picks the partial-sum buffer; `arrived`: this CTA
+  // did cluster_arrive_relaxed() and must wait on it before its first DSMEM write.
+  __device__ static void run(const FusedParams& p, Smem& sm, int row, int h, unsigned rank, int half,
+                             bool arrived) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = lane % LPR, r = lane / LPR;
     const int32_t slot = p.idx[row];
@@ -220,6 +233,7 @@ struct FusedCta {
     Raw raw[IPT];
 #pragma unroll
     for (int it = 0; it < IPT; ++it) load_item(p, row, h, slot, rank * IPC + it * THREADS + threadIdx.x, raw[it]);
+    if (arrived) cluster_wait();  // every peer has started: its shared memory may be written
 #pragma unroll
     for (int it = 0; it < IPT; ++it) {
       const int j = rank * IPC + it * THREADS + threadIdx.x;
@@ -291,6 +305,7 @@ struct FusedCta {
 template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 fused_kda_decode_tile_kernel(const FusedParams p) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   using T = FusedCta<kBf16, CL, V_TILE, THREADS, OffT, false>;
   __shared__ typename T::Smem sm;
   const int item = blockIdx.x / CL;
@@ -300,7 +315,8 @@ fused_kda_decode_tile_kernel(const FusedParams p) {
     T::write_zeros(p, row, h, rank);
     return;
   }
-  T::run(p, sm, row, h, rank, 0);
+  T::cluster_arrive_relaxed();
+  T::run(p, sm, row, h, rank, 0, true);
 }
 
 // ---- schedule 2: one head per cluster, every row in order (repeated slots) -----------------------
@@ -308,17 +324,19 @@ fused_kda_decode_tile_kernel(const FusedParams p) {
 template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 fused_kda_decode_seq_kernel(const FusedParams p) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   using T = FusedCta<kBf16, CL, V_TILE, THREADS, OffT, true>;
   __shared__ typename T::Smem sm;
   const int h = blockIdx.x / CL;
   const unsigned rank = blockIdx.x % CL;
   int done = 0;  // processed rows: picks the partial-sum half
+  T::cluster_sync();  // every CTA of the cluster has started before any DSMEM write
   for (int row = 0; row < p.rows; ++row) {
     if (T::is_pad(p, p.idx[row])) {
       T::write_zeros(p, row, h, rank);
       continue;
     }
-    T::run(p, sm, row, h, rank, done & 1);
+    T::run(p, sm, row, h, rank, done & 1, false);
     ++done;
   }
 }

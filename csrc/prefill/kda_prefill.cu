@@ -8,9 +8,9 @@
 // the gate range allows: prep ~20% faster, output rel. L2 ~4.3-4.7e-3 instead of ~3.9e-3 (H200);
 // 0 = elementwise fp32 (as accurate as fla chunk_kda on the same inputs).
 #include <cuda_runtime.h>
-#include <tvm/ffi/extra/c_env_api.h>
 
 #include "../common/binding.h"
+#include "../common/cuda_launch.h"
 #include "kda_prefill_kernels.cuh"
 
 #ifndef FKDA_PARAM_VT
@@ -47,24 +47,12 @@ using StateT = float;
 constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
 constexpr int kDiagMma = FKDA_PARAM_DIAG_MMA;   // prep: diagonal blocks on tensor cores where safe
 
-#define FKDA_CUDA_OK(expr, fn)                                                             \
-  do {                                                                                     \
-    cudaError_t err_ = (expr);                                                             \
-    if (err_ != cudaSuccess) FKDA_FAIL(fn) << #expr << " failed: " << cudaGetErrorString(err_); \
-  } while (0)
-
 template <int VT>
-void launch_state(const fkda_prefill::StateArgs& sa, int N, int HV, cudaStream_t stream,
-                  const char* fn) {
+void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
+                  int HV) {
   using SM = fkda_prefill::StateSmem<VT>;
-  auto kern = fkda_prefill::kda_state_kernel<VT, StateT>;
-  static bool attr_set = false;  // per process; every device gets the same limit request
-  if (!attr_set) {
-    FKDA_CUDA_OK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, SM::kTotal), fn);
-    attr_set = true;
-  }
-  dim3 grid(fkda_prefill::kV / VT, HV, N);
-  kern<<<grid, FKDA_THREADS, SM::kTotal, stream>>>(sa);
+  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, StateT>,
+             dim3(fkda_prefill::kV / VT, HV, N), dim3(FKDA_THREADS), SM::kTotal, sa);
 }
 
 int pick_vt(int64_t N, int64_t HV) {
@@ -163,11 +151,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                                       << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
   }
 
-  const int dev = q.device().device_id;
-  int cur = -1;
-  FKDA_CUDA_OK(cudaGetDevice(&cur), fn);
-  if (cur != dev) FKDA_CUDA_OK(cudaSetDevice(dev), fn);
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev));
+  // device guard (restored on return), the caller's stream, per-device kernel attributes, PDL
+  const fkda::cuda::LaunchContext ctx(q);
+  cudaStream_t stream = ctx.stream();
 
   uint8_t* ws = nullptr;
   bool own_ws = false;
@@ -177,7 +163,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     ws = reinterpret_cast<uint8_t*>((p + a - 1) / a * a);  // within the slack workspace_bytes adds
   } else if (need > 0) {
     // Stream-ordered, so this stays capturable in a CUDA graph (as a memory node).
-    FKDA_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), fn);
+    FKDA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), "cudaMallocAsync(workspace)");
     own_ws = true;
   }
 
@@ -202,17 +188,10 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.beta_logit = beta_is_logit ? 1 : 0;
     pa.diag_mma = kDiagMma;
     pa.ws = ws;
-    static bool prep_attr = false;
-    if (!prep_attr) {
-      FKDA_CUDA_OK(cudaFuncSetAttribute(fkda_prefill::kda_prep_lite_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        fkda_prefill::kLiteSmem), fn);
-      prep_attr = true;
-    }
     FKDA_CHECK(slots_chunks <= 0x7fffffff, fn) << "too many chunks: " << slots_chunks;
-    dim3 grid(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV));
-    fkda_prefill::kda_prep_lite_kernel<<<grid, fkda_prefill::kLiteThreads, fkda_prefill::kLiteSmem,
-                                         stream>>>(pa);
+    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel,
+               dim3(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV)),
+               dim3(fkda_prefill::kLiteThreads), fkda_prefill::kLiteSmem, pa);
   }
 
   fkda_prefill::StateArgs sa;
@@ -232,17 +211,15 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.out = data_ptr<bf16>(out);
   sa.tma = kTma;
 #if FKDA_PARAM_VT != 0
-  launch_state<FKDA_PARAM_VT>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn);
+  launch_state<FKDA_PARAM_VT>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
 #else
   switch (pick_vt(N, HV)) {
-    case 16: launch_state<16>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
-    case 32: launch_state<32>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
-    default: launch_state<64>(sa, static_cast<int>(N), static_cast<int>(HV), stream, fn); break;
+    case 16: launch_state<16>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;
+    case 32: launch_state<32>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;
+    default: launch_state<64>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;
   }
 #endif
-  FKDA_CUDA_OK(cudaGetLastError(), fn);
-  if (own_ws) FKDA_CUDA_OK(cudaFreeAsync(ws, stream), fn);
-  if (cur != dev) cudaSetDevice(cur);
+  if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {

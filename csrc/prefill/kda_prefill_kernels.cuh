@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common/grid_dependency.cuh"
+
 namespace fkda_prefill {
 
 using bf16 = __nv_bfloat16;
@@ -245,6 +247,7 @@ static_assert(96 * kLdB * 2 >= int((kV / 16) * kUBlockBytes) && kLdB * kC * 2 ==
               "U is staged in the operand region, W in k's");
 
 __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   float* Xm = reinterpret_cast<float*>(smem + kLOffX);
@@ -758,6 +761,7 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
 
 template <int VT, typename ST>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   using SM = StateSmem<VT>;
   constexpr int NT = VT / 8, NP = VT / 16, LDU = SM::kLdU;
   constexpr int KS = VT <= 32 ? 2 : 1;  // independent accumulator sets per k-reduction (see below)
