@@ -90,6 +90,7 @@ def parse(argv=None):
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
+    ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
     return ap.parse_args(argv)
@@ -115,6 +116,8 @@ def main(argv=None):
     case_list = dry_cases() if dry else cases([int(h) for h in args.heads.split(",")], args.quick)
     if args.skip_small:
         case_list = [c for c in case_list if not c[0].startswith("B1 ")]
+    if args.only_small:
+        case_list = [c for c in case_list if c[0].startswith("B1 ")]
     gates = args.gates.split(",")
     run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
                       primary_mode="eager" if cfg.is_cuda else "wall",
