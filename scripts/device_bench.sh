@@ -3,10 +3,10 @@
 # end, decode, fused decode and prefill against their peers in one run. Every stage is bounded;
 # results (JSON + logs) go to $OUT (or ./device_out). STAGES="jax fused prefill" runs a subset
 # (names: jax decode fused overhead prefill, and the measurements behind design choices:
-# pdl_ab decode_schedules fused_bands; default all).
+# pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree>; default all but ab).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-want() { [[ " ${STAGES:-all} " == *" all "* || " ${STAGES:-all} " == *" $1 "* ]]; }
+want() { [[ ( " ${STAGES:-all} " == *" all "* && $1 != ab ) || " ${STAGES:-all} " == *" $1 "* ]]; }
 stage build 90 python3 -m flashkda_ext build --parallel 16 --jobs 1 'decode_split8_*' 'decode_row_*' \
   decode_pair_f32_o32 'prefill_vt*' 'fused_*_o32'
 tail -1 "$OUT/build.log"
@@ -29,10 +29,32 @@ if want fused; then
   stage bench_fused 170 python3 benchmarks/bench_fused_decode.py --rows 1,16,64,1024 --heads 16,64 --state f32 --no-plot --no-progress --out "$OUT/bench_fused.json"
   tail -14 "$OUT/bench_fused.log"
 fi
+# A/B of a change: the same decode, fused decode and prefill points from a baseline tree (a folder
+# holding csrc/ and jit/, read through FLASHKDA_EXT_DATA_ROOT with its own JIT cache) and from this
+# tree; no peers; compare_runs.py prints after/before per case. Arms are named by $2 (before) / $3.
+ab_compare() {
+  local base=$1 before=$2 after=$3 arm root cache
+  for arm in "$before" "$after"; do
+    if [ "$arm" = "$before" ]; then root=$base; cache=/tmp/fkda_cache_$before; else root=$PWD; cache=$FLASHKDA_EXT_CACHE_DIR; fi
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage build_$arm 90 python3 -m flashkda_ext build \
+      --parallel 16 --jobs 1 'decode_split8_*' 'decode_split4w2_bf16_*' decode_row_f32_o32 'fused_*_f32_o32' \
+      ${AB_PREFILL:+prefill_vt16_f32 prefill_vt64_f32}
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage decode_$arm 90 python3 benchmarks/bench_decode.py \
+      --no-fla --modes graph --states f32,bf16 --heads 8,64 --rows 1,4,16,64,256 --no-plot --no-progress --quiet \
+      --out "$OUT/decode_$arm.json"
+    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage fused_$arm 60 python3 benchmarks/bench_fused_decode.py \
+      --no-unfused --modes graph --rows 1,16,64 --heads 16,64 --state f32 --no-plot --no-progress --out "$OUT/fused_$arm.json"
+    if [ -n "${AB_PREFILL:-}" ]; then
+      FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage prefill_$arm 90 python3 benchmarks/bench_prefill.py \
+        --no-fla --heads 16 --gates bounded --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
+    fi
+  done
+  python3 benchmarks/compare_runs.py "$OUT/decode_$before.json" "$OUT/decode_$after.json" \
+    "$OUT/fused_$before.json" "$OUT/fused_$after.json" "$OUT/prefill_$before.json" "$OUT/prefill_$after.json" \
+    2>&1 | tee "$OUT/${after}_ab.txt"
+}
 if want pdl_ab; then
-  # programmatic dependent launch off (a copy of csrc/ + jit/ with params.pdl = 0, read through
-  # FLASHKDA_EXT_DATA_ROOT) against on (this tree): decode and fused decode in graph replay, prefill
-  # eager event time; no peers
+  # programmatic dependent launch off (a copy of csrc/ + jit/ with params.pdl = 0) against on
   nopdl=/tmp/fkda_nopdl; rm -rf "$nopdl"; mkdir -p "$nopdl"; cp -r csrc jit "$nopdl/"
   python3 - "$nopdl/jit/modules" <<'PY'
 import json, pathlib, sys
@@ -43,20 +65,11 @@ for f in pathlib.Path(sys.argv[1]).glob("*.json"):
             m["params"]["pdl"] = 0
     f.write_text(json.dumps(d, indent=1) + "\n")
 PY
-  for arm in nopdl pdl; do
-    if [ $arm = nopdl ]; then root=$nopdl; cache=/tmp/fkda_cache_nopdl; else root=$PWD; cache=$FLASHKDA_EXT_CACHE_DIR; fi
-    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage build_$arm 90 python3 -m flashkda_ext build \
-      --parallel 16 --jobs 1 'decode_split8_*_o32' decode_row_f32_o32 'fused_*_f32_o32' prefill_vt16_f32 prefill_vt64_f32
-    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage decode_$arm 90 python3 benchmarks/bench_decode.py \
-      --no-fla --modes graph --states f32,bf16 --heads 8,64 --rows 1,4,16,64,256 --no-plot --no-progress --quiet \
-      --out "$OUT/decode_$arm.json"
-    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage fused_$arm 60 python3 benchmarks/bench_fused_decode.py \
-      --no-unfused --modes graph --rows 1,16,64 --heads 16,64 --state f32 --no-plot --no-progress --out "$OUT/fused_$arm.json"
-    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage prefill_$arm 90 python3 benchmarks/bench_prefill.py \
-      --no-fla --heads 16 --gates bounded --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
-  done
-  python3 benchmarks/compare_runs.py "$OUT"/decode_nopdl.json "$OUT"/decode_pdl.json "$OUT"/fused_nopdl.json \
-    "$OUT"/fused_pdl.json "$OUT"/prefill_nopdl.json "$OUT"/prefill_pdl.json 2>&1 | tee "$OUT/pdl_ab.txt"
+  AB_PREFILL=1 ab_compare "$nopdl" nopdl pdl
+fi
+if want ab; then
+  # AB_BASE: the baseline tree, e.g. `git archive <rev> csrc jit | tar x -C .ab_base` (carried)
+  ab_compare "${AB_BASE:?AB_BASE must name a folder holding the baseline csrc/ and jit/}" base change
 fi
 if want decode_schedules; then
   # every tile/persistent schedule at bandwidth-band points, bf16 and fp32 state, no peer

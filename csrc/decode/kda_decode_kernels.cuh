@@ -281,11 +281,14 @@ struct WarpTile {
     pr.beta = p.beta_is_logit ? 1.f / (1.f + expf(-b)) : b;
   }
 
-  // The step on this lane's state registers; writes updated chunks back into it.s.
-  __device__ static void compute(const DecodeParams& p, Item& it, const Prep& pr, int row, int hv,
-                                 int vrow0, int lane) {
+  // The step on this lane's state registers. Each pass's updated chunks go back into it.s and
+  // straight to the pool, so a pass's stores leave while later passes' loads are still arriving
+  // (the stores of a CTA no longer wait for its last load).
+  __device__ static void compute_and_store(const DecodeParams& p, Item& it, const Prep& pr, int row,
+                                           int hv, int vrow0, int lane, OffT base) {
     const int c = lane % LPR, r = lane / LPR;
     bf16* op = p.out + (static_cast<int64_t>(row) * p.HV + hv) * V + vrow0 + r;
+    Elem* sb = static_cast<Elem*>(p.state) + base;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
       float s[KPL];
@@ -307,22 +310,12 @@ struct WarpTile {
       }
       o = group_sum<LPR>(o);
 #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) it.s[ps][i] = StateTraits<kBf16>::pack(&s[i * VEC]);
-      if (c == 0) op[ps * RPW] = __float2bfloat16_rn(o);
-    }
-  }
-
-  __device__ static void store_state_regs(const DecodeParams& p, const Item& it, OffT base,
-                                          int lane) {
-    const int c = lane % LPR, r = lane / LPR;
-    Elem* sb = static_cast<Elem*>(p.state) + base;
-#pragma unroll
-    for (int ps = 0; ps < PASSES; ++ps) {
-#pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
+        it.s[ps][i] = StateTraits<kBf16>::pack(&s[i * VEC]);
         const int e = (ps * RPW + r) * K + key_of(i, c);
         store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e), it.s[ps][i]);
       }
+      if (c == 0) op[ps * RPW] = __float2bfloat16_rn(o);
     }
   }
 
@@ -362,8 +355,7 @@ kda_decode_tile_kernel(const DecodeParams p) {
   T::load_state_regs(p, it, base, lane);
   typename T::Prep pr;
   T::prepare(p, it, pr);
-  T::compute(p, it, pr, row, hv, vrow0, lane);
-  T::store_state_regs(p, it, base, lane);
+  T::compute_and_store(p, it, pr, row, hv, vrow0, lane, base);
 }
 
 // ---- schedule 0 with a 2-CTA cluster: the pair splits the token prep --------------------------
@@ -425,8 +417,7 @@ kda_decode_tile_cluster_kernel(const DecodeParams p) {
 #pragma unroll
       for (int e = 0; e < T::VEC; ++e) pr.dec[i * T::VEC + e] = s_dec[T::key_of(i, c) + e];
     }
-    T::compute(p, it, pr, row, hv, vrow0, lane);
-    T::store_state_regs(p, it, base, lane);
+    T::compute_and_store(p, it, pr, row, hv, vrow0, lane, base);
   } else {
     T::write_zeros(p, row, hv, vrow0, lane);
   }
@@ -468,8 +459,7 @@ kda_decode_persistent_kernel(const DecodeParams p, int num_tiles) {
     } else {
       typename T::Prep pr;
       T::prepare(p, cur, pr);
-      T::compute(p, cur, pr, row, hv, vrow0, lane);
-      T::store_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+      T::compute_and_store(p, cur, pr, row, hv, vrow0, lane, T::slot_base(p, slot, hv, vrow0));
     }
     if (t1 >= num_tiles) break;
     cur = nxt;
@@ -563,8 +553,7 @@ kda_decode_stream_kernel(const DecodeParams p, int num_tiles) {
         for (int i = 0; i < T::CHUNKS; ++i) cur.s[ps][i] = ring[(st * CPT + ps * T::CHUNKS + i) * THREADS + tid];
       typename T::Prep pr;
       T::prepare(p, cur, pr);
-      T::compute(p, cur, pr, row, hv, vrow0, lane);
-      T::store_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+      T::compute_and_store(p, cur, pr, row, hv, vrow0, lane, T::slot_base(p, slot, hv, vrow0));
     }
     cur = nxt;
   }
@@ -607,8 +596,7 @@ kda_decode_seq_kernel(const DecodeParams p) {
     } else {
       typename T::Prep pr;
       T::prepare(p, cur, pr);
-      T::compute(p, cur, pr, row, hv, vrow0, lane);
-      T::store_state_regs(p, cur, T::slot_base(p, slot, hv, vrow0), lane);
+      T::compute_and_store(p, cur, pr, row, hv, vrow0, lane, T::slot_base(p, slot, hv, vrow0));
       if (forward) {
 #pragma unroll
         for (int ps = 0; ps < T::PASSES; ++ps)

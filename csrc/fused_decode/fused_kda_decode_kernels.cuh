@@ -278,15 +278,12 @@ struct FusedCta {
       const float o = group_sum<LPR>(acc);
       part = fmaf(o, o, part);
       if (c == ps) mine = o;
-#pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) s[ps][i] = StateTraits<kBf16>::pack(&st[i * VEC]);
-    }
-#pragma unroll
-    for (int ps = 0; ps < PASSES; ++ps)
+      // this pass's state leaves now, while later passes' loads may still be arriving
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i)
         store_state<kCoherent>(reinterpret_cast<uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)),
-                               s[ps][i]);
+                               StateTraits<kBf16>::pack(&st[i * VEC]));
+    }
     // the warp's sum(o^2): groups hold their V-rows' o in every lane; add the groups in lane order
 #pragma unroll
     for (int off = LPR; off < 32; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);

@@ -43,6 +43,7 @@ def _reference():
 
 
 REF = _reference()
+from gpu_common import bits, rel_l2, slot_list  # noqa: E402
 def load(name):
     from flashkda_ext.jit import load_module  # built or loaded once per process
     return load_module(name)
@@ -109,15 +110,6 @@ def reference(q, k, v, g, beta, A_log, dt_bias, pool, idx, gate, lb=-5.0, scale=
     return out, states
 
 
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
 def check_against_reference(name, rows, H, HV, gate, slot_mode, seed, slots=64, null_slot0=False,
                             beta_is_logit=True, gate_params=True):
     rec = next(r for r in RECORDS if r["name"] == name)
@@ -129,15 +121,7 @@ def check_against_reference(name, rows, H, HV, gate, slot_mode, seed, slots=64, 
     if not beta_is_logit:
         beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
     pool = make_pool(slots, HV, sdt, gen)
-    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed)).tolist()
-    if slot_mode == "unique":
-        il = perm[:rows]
-    elif slot_mode == "padded":
-        il = [perm[r] if r % 3 != 1 else -1 - (r % 5) for r in range(rows)]
-        if null_slot0 and rows > 2:
-            il[2] = 0
-    else:  # repeated: a few slots reused, in interleaved order, plus padding
-        il = [perm[(r * 7) % max(1, rows // 3 + 1)] if r % 5 != 4 else -1 for r in range(rows)]
+    il = slot_list(rows, slots, slot_mode, seed, null_slot0)
     idx = torch.tensor(il, dtype=torch.int32, device="cuda")
     before = pool.clone()
     out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from flashkda_ext import reference as REF  # noqa: E402
+from gpu_common import bits, rel_l2, slot_list  # noqa: E402
 
 RECORDS = json.loads((ROOT / "jit/modules/fused_decode_cuda.json").read_text())["modules"]
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
@@ -120,28 +121,6 @@ def reference(inp, conv, state, il, gate, lb=-5.0, eps=1e-5, null_slot0=False):
         lower_bound=lb if gate == "bounded" else None, norm_eps=eps, scale=None, null_slot0=False,
         dtype=torch.float64)
     return out, {s: new_conv[remap[s]] for s in used}, {s: new_state[remap[s]] for s in used}
-
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
-def slot_list(rows, slots, slot_mode, seed, null_slot0=False):
-    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed)).tolist()
-    if slot_mode == "unique":
-        il = perm[:rows]
-    elif slot_mode == "padded":
-        il = [perm[r] if r % 3 != 1 else -1 - (r % 5) for r in range(rows)]
-        if null_slot0 and rows > 2:
-            il[2] = 0
-    else:  # repeated: a few slots reused in interleaved order, plus padding
-        il = [perm[(r * 7) % max(1, rows // 3 + 1)] if r % 5 != 4 else -1 for r in range(rows)]
-    return il
 
 
 def check_against_reference(name, sdt_name, rows, H, gate, slot_mode, seed, slots=48, null_slot0=False,
