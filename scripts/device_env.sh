@@ -1,6 +1,7 @@
 # Sourced by the device scripts: output folder, carried wheels (.whl/: tvm-ffi, jax-tvm-ffi, fla are
-# not in the device image), a JIT cache, and `stage NAME SECONDS CMD...`, which runs one bounded,
-# logged step and prints a one-line summary.
+# not in the device image, nor is jsonschema, which tracing needs: carry it with attrs, referencing,
+# rpds-py and jsonschema-specifications as cp312 wheels), a JIT cache, and `stage NAME SECONDS CMD...`,
+# which runs one bounded, logged step and prints a one-line summary.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
