@@ -2,8 +2,8 @@
 //
 // A module whose record sets params.pdl = 1 is launched with the programmatic stream serialization
 // attribute (cuda_launch.h): the GPU may start its CTAs while the previous kernel in the stream is
-// still finishing, which hides the launch latency between back-to-back kernels (a few us per decode
-// step in graph replay). Correctness then rests on these two calls:
+// still finishing, which hides the launch latency between back-to-back kernels (0.3-0.5 us per small
+// decode step in graph replay on an H200). Correctness then rests on these two calls:
 //   wait_for_previous_grid()  before the first global memory access: blocks until every
 //                             prerequisite grid has completed and its writes are visible;
 //   allow_next_grid()         lets the next PDL-launched kernel start its CTAs early (they wait in
