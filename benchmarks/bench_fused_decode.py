@@ -75,12 +75,12 @@ def fla_gate_fn():
 def module_arm(stem, state_name, slots_numel, args, D, call_args):
     """Arm calling the module fused_{stem}_{state}_{offset} directly, past the router."""
     from flashkda_ext.jit import load_module
+    from flashkda_ext.validation import GATE_MODE
 
     offset = "o64" if slots_numel > 2 ** 31 - 1 else "o32"
     fn = load_module(f"fused_{stem}_{state_name}_{offset}")["fused_kda_decode"]
-    gate_mode = {"softplus": 0, "bounded": 1}[args.gate]
     lb = args.lower_bound if args.gate == "bounded" else 0.0
-    return lambda: fn(*call_args, gate_mode, lb, D ** -0.5, 1e-5, False)
+    return lambda: fn(*call_args, GATE_MODE[args.gate], lb, D ** -0.5, 1e-5, False)
 
 
 def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
@@ -208,8 +208,9 @@ def make_case(rows, H, state_name, D, args, cfg, gen, use_fla):
 def main(argv=None) -> int:
     args = parse(argv)
     cfg = harness.config_from_args(args)
-    use_fla = cfg.is_cuda and not (args.no_fla or args.no_unfused) and harness.fla_version() is not None
-    if cfg.is_cuda and not use_fla and not (args.no_fla or args.no_unfused):
+    want_fla = cfg.is_cuda and not (args.no_fla or args.no_unfused)
+    use_fla = want_fla and harness.fla_version() is not None
+    if want_fla and not use_fla:
         print("fla is not importable: the unfused arm uses a torch step (unfused_torch)", file=sys.stderr)
     cases = grid(args, cfg)
     gen = torch.Generator().manual_seed(0)

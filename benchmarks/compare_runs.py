@@ -26,7 +26,7 @@ def medians(path: Path):
     return mode, out
 
 
-def compare(a: Path, b: Path) -> list:
+def compare(a: Path, b: Path) -> None:
     mode, ma = medians(a)
     _, mb = medians(b)
     print(f"## {a.name} -> {b.name} ({mode} median, us)")
@@ -40,7 +40,6 @@ def compare(a: Path, b: Path) -> list:
         g = math.exp(sum(math.log(x) for x in rs) / len(rs))
         print(f"geomean after/before, arm {arm}: {g:.3f} over {len(rs)} cases "
               f"(min {min(rs):.3f}, max {max(rs):.3f})")
-    return [r for rs in ratios.values() for r in rs]
 
 
 def main(argv=None) -> int:

@@ -43,8 +43,10 @@ def test_every_kernel_of_a_pdl_module_waits_first():
 
 
 def test_pdl_param_is_zero_or_one():
-    for rec in pdl_records():
-        assert rec["params"]["pdl"] in (0, 1), rec["name"]
+    for f in sorted((ROOT / "jit/modules").glob("*.json")):
+        for rec in json.loads(f.read_text())["modules"]:
+            if "pdl" in rec["params"]:
+                assert rec["params"]["pdl"] in (0, 1), rec["name"]
 
 
 def test_the_launcher_reads_the_param():
