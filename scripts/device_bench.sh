@@ -3,7 +3,8 @@
 # end, decode, fused decode and prefill against their peers in one run. Every stage is bounded;
 # results (JSON + logs) go to $OUT (or ./device_out). STAGES="jax fused prefill" runs a subset
 # (names: jax decode fused overhead prefill, and the measurements behind design choices:
-# pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree>; default all but ab).
+# pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree> and AB_PARTS="decode fused prefill";
+# default all but ab).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 want() { [[ ( " ${STAGES:-all} " == *" all "* && $1 != ab ) || " ${STAGES:-all} " == *" $1 "* ]]; }
@@ -33,25 +34,33 @@ fi
 # holding csrc/ and jit/, read through FLASHKDA_EXT_DATA_ROOT with its own JIT cache) and from this
 # tree; no peers; compare_runs.py prints after/before per case. Arms are named by $2 (before) / $3.
 ab_compare() {
-  local base=$1 before=$2 after=$3 arm root cache
+  # AB_PARTS picks the benchmarks (default "decode fused", plus prefill when AB_PREFILL is set)
+  local base=$1 before=$2 after=$3 arm root cache parts=" ${AB_PARTS:-decode fused${AB_PREFILL:+ prefill}} "
   for arm in "$before" "$after"; do
     if [ "$arm" = "$before" ]; then root=$base; cache=/tmp/fkda_cache_$before; else root=$PWD; cache=$FLASHKDA_EXT_CACHE_DIR; fi
     FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage build_$arm 90 python3 -m flashkda_ext build \
       --parallel 16 --jobs 1 'decode_split8_*' 'decode_split4w2_bf16_*' decode_row_f32_o32 'fused_*_f32_o32' \
-      ${AB_PREFILL:+prefill_vt16_f32 prefill_vt64_f32}
-    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage decode_$arm 90 python3 benchmarks/bench_decode.py \
-      --no-fla --modes graph --states f32,bf16 --heads 8,64 --rows 1,4,16,64,256 --no-plot --no-progress --quiet \
-      --out "$OUT/decode_$arm.json"
-    FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage fused_$arm 60 python3 benchmarks/bench_fused_decode.py \
-      --no-unfused --modes graph --rows 1,16,64 --heads 16,64 --state f32 --no-plot --no-progress --out "$OUT/fused_$arm.json"
-    if [ -n "${AB_PREFILL:-}" ]; then
+      $([[ $parts == *" prefill "* ]] && echo prefill_vt16_f32 prefill_vt32_f32 prefill_vt64_f32)
+    if [[ $parts == *" decode "* ]]; then
+      FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage decode_$arm 90 python3 benchmarks/bench_decode.py \
+        --no-fla --modes graph --states f32,bf16 --heads 8,64 --rows 1,4,16,64,256 --no-plot --no-progress --quiet \
+        --out "$OUT/decode_$arm.json"
+    fi
+    if [[ $parts == *" fused "* ]]; then
+      FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage fused_$arm 60 python3 benchmarks/bench_fused_decode.py \
+        --no-unfused --modes graph --rows 1,16,64${AB_FUSED_ROWS:+,$AB_FUSED_ROWS} --heads 16,64 --state f32 --no-plot \
+        --no-progress --out "$OUT/fused_$arm.json"
+    fi
+    if [[ $parts == *" prefill "* ]]; then
       FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage prefill_$arm 90 python3 benchmarks/bench_prefill.py \
         --no-fla --heads 16 --gates bounded --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
     fi
   done
-  python3 benchmarks/compare_runs.py "$OUT/decode_$before.json" "$OUT/decode_$after.json" \
-    "$OUT/fused_$before.json" "$OUT/fused_$after.json" "$OUT/prefill_$before.json" "$OUT/prefill_$after.json" \
-    2>&1 | tee "$OUT/${after}_ab.txt"
+  local f files=()
+  for f in decode fused prefill; do
+    [[ $parts == *" $f "* ]] && files+=("$OUT/${f}_$before.json" "$OUT/${f}_$after.json")
+  done
+  python3 benchmarks/compare_runs.py "${files[@]}" 2>&1 | tee "$OUT/${after}_ab.txt"
 }
 if want pdl_ab; then
   # programmatic dependent launch off (a copy of csrc/ + jit/ with params.pdl = 0) against on

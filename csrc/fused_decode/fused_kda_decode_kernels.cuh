@@ -210,7 +210,20 @@ struct FusedCta {
     const int c = lane % LPR, r = lane / LPR;
     const int32_t slot = p.idx[row];
     const int vrow0 = rank * V_TILE + warp * ROWS_PER_WARP;
-    // state loads first: the prologue runs while they are in flight
+    // The prologue's few loads go first, then the state's: the prologue's math and barrier need
+    // only its own loads, so they run while the state is still arriving (issued the other way
+    // round, the prologue's loads queued behind the state's and its math came after both).
+    Raw raw[IPT];
+#pragma unroll
+    for (int it = 0; it < IPT; ++it) load_item(p, row, h, slot, rank * IPC + it * THREADS + threadIdx.x, raw[it]);
+    // token scalars and epilogue operands, loaded before the prologue's conv-cache stores;
+    // lane c < PASSES of each group writes the output of pass c
+    const float b_raw = bf_to_f(__ldg(p.beta + static_cast<int64_t>(row) * p.H + h));
+    const int64_t orow = (static_cast<int64_t>(row) * p.H + h) * D;
+    const int my_vr = vrow0 + c * RPW + r;
+    const bool writer = c < PASSES;
+    const float nw = writer ? __ldg(p.norm_weight + my_vr) : 0.f;
+    const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
     const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
                       static_cast<OffT>((h * D + vrow0) * D);
     Elem* sb = static_cast<Elem*>(p.state) + base;
@@ -221,18 +234,6 @@ struct FusedCta {
       for (int i = 0; i < CHUNKS; ++i)
         s[ps][i] = load_state<kCoherent>(
             reinterpret_cast<const uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)));
-
-    // token scalars and epilogue operands, loaded before the prologue's conv-cache stores;
-    // lane c < PASSES of each group writes the output of pass c
-    const float b_raw = bf_to_f(__ldg(p.beta + static_cast<int64_t>(row) * p.H + h));
-    const int64_t orow = (static_cast<int64_t>(row) * p.H + h) * D;
-    const int my_vr = vrow0 + c * RPW + r;
-    const bool writer = c < PASSES;
-    const float nw = writer ? __ldg(p.norm_weight + my_vr) : 0.f;
-    const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
-    Raw raw[IPT];
-#pragma unroll
-    for (int it = 0; it < IPT; ++it) load_item(p, row, h, slot, rank * IPC + it * THREADS + threadIdx.x, raw[it]);
     if (arrived) cluster_wait();  // every peer has started: its shared memory may be written
 #pragma unroll
     for (int it = 0; it < IPT; ++it) {

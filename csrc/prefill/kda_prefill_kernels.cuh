@@ -410,66 +410,95 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
 
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
+  // Two warps a block. The 8 lanes of group p own the rows il = p and 15 - p: (p + 1) + (16 - p)
+  // = 17 products (i, j <= i) whatever p, so no warp waits on a longer row (a lane per row left
+  // the first warp of a block idle half the time). Each lane sums 16 of the 128 keys, d = 32 c +
+  // 4 dq + e; the column j is the loop counter, warp-uniform, so its k_j and G_j reads are
+  // shared-memory broadcasts. Products with j > i are computed into accumulators that are never
+  // kept (the selects below drop them), so an inf there cannot leak.
   if (!safe[tid >> 6]) {  // warp-uniform
-    const int blk = tid >> 6, il = (tid >> 2) & 15, dq = tid & 3;
-    const int jmax = (warp & 1) * 8 + 7;  // warp-uniform loop bound
-    const int i = blk * 16 + il;
-    float sL[16], sA[16];
+    const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
+    const int lastA = (warp & 1) * 4 + 3;    // warp-uniform: the warp's largest il = p
+    const int lastB = 15 - (warp & 1) * 4;   // and its largest 15 - p
+    const int iA = blk * 16 + p, iB = blk * 16 + 15 - p;
+    float sLA[8], sAA[8], sLB[16], sAB[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) { sL[j] = 0.f; sA[j] = 0.f; }
+    for (int j = 0; j < 8; ++j) { sLA[j] = 0.f; sAA[j] = 0.f; }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) { sLB[j] = 0.f; sAB[j] = 0.f; }
 #pragma unroll 1
-    for (int dc = 0; dc < 4; ++dc) {
-      const int d0 = dc * 32 + dq * 8;  // the 4 lanes of a row read 64 contiguous bytes
-      float qi[8], ki[8], gi[8];
-      unpack8(*reinterpret_cast<const uint4*>(Qs + i * kLdB + d0), qi);
-      unpack8(*reinterpret_cast<const uint4*>(Ks + i * kLdB + d0), ki);
-      {
-        float4 g0 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0);
-        float4 g1 = *reinterpret_cast<const float4*>(Gs + i * kLdG + d0 + 4);
-        gi[0] = g0.x; gi[1] = g0.y; gi[2] = g0.z; gi[3] = g0.w;
-        gi[4] = g1.x; gi[5] = g1.y; gi[6] = g1.z; gi[7] = g1.w;
-      }
+    for (int cc = 0; cc < 4; ++cc) {
+      const int d0 = cc * 32 + dq * 4;  // the 8 lanes of a group read 32 contiguous keys
+      float qa[4], ka[4], ga[4], qb[4], kb[4], gb[4];
+      unpack4(*reinterpret_cast<const uint2*>(Qs + iA * kLdB + d0), qa);
+      unpack4(*reinterpret_cast<const uint2*>(Ks + iA * kLdB + d0), ka);
+      load4(Gs + iA * kLdG + d0, ga);
+      unpack4(*reinterpret_cast<const uint2*>(Qs + iB * kLdB + d0), qb);
+      unpack4(*reinterpret_cast<const uint2*>(Ks + iB * kLdB + d0), kb);
+      load4(Gs + iB * kLdG + d0, gb);
 #pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        if (jj <= jmax) {
-          const int j = blk * 16 + jj;
-          float kj[8];
-          unpack8(*reinterpret_cast<const uint4*>(Ks + j * kLdB + d0), kj);
-          float4 g0 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0);
-          float4 g1 = *reinterpret_cast<const float4*>(Gs + j * kLdG + d0 + 4);
-          const float gj[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-          if (jj <= il) {
+      for (int t = 0; t < 16; ++t) {
+        if (t <= lastB) {  // warp-uniform (lastB >= 11 > lastA)
+          const int j = blk * 16 + t;
+          float kj[4], gj[4];
+          unpack4(*reinterpret_cast<const uint2*>(Ks + j * kLdB + d0), kj);
+          load4(Gs + j * kLdG + d0, gj);
+          if (t < 8 && t <= lastA) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              const float kx = kj[e] * ex2(gi[e] - gj[e]);
-              sL[jj] = fmaf(ki[e], kx, sL[jj]);
-              sA[jj] = fmaf(qi[e], kx, sA[jj]);
+            for (int e = 0; e < 4; ++e) {
+              const float kx = kj[e] * ex2(ga[e] - gj[e]);
+              sLA[t & 7] = fmaf(ka[e], kx, sLA[t & 7]);
+              sAA[t & 7] = fmaf(qa[e], kx, sAA[t & 7]);
+            }
+          }
+          if (t <= lastB) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float kx = kj[e] * ex2(gb[e] - gj[e]);
+              sLB[t] = fmaf(kb[e], kx, sLB[t]);
+              sAB[t] = fmaf(qb[e], kx, sAB[t]);
             }
           }
         }
       }
     }
+    // sums over the group's 8 lanes (every lane ends with the full sums)
 #pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      if (jj <= jmax) {  // warp-uniform
-        sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 1);
-        sL[jj] += __shfl_xor_sync(0xffffffffu, sL[jj], 2);
-        sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 1);
-        sA[jj] += __shfl_xor_sync(0xffffffffu, sA[jj], 2);
+    for (int t = 0; t < 16; ++t) {
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) {
+        if (t < 8 && t <= lastA) {
+          sLA[t & 7] += __shfl_xor_sync(0xffffffffu, sLA[t & 7], o);
+          sAA[t & 7] += __shfl_xor_sync(0xffffffffu, sAA[t & 7], o);
+        }
+        if (t <= lastB) {
+          sLB[t] += __shfl_xor_sync(0xffffffffu, sLB[t], o);
+          sAB[t] += __shfl_xor_sync(0xffffffffu, sAB[t], o);
+        }
       }
     }
-    if (dq == 0) {
-      const float bi = betas[i];
-      float av[16];
+    // lane dq writes the columns 2 dq, 2 dq + 1 of both rows: L (times beta_i) for j < i, Aqk for
+    // j <= i, zeros elsewhere in the block
+    float la[2] = {0.f, 0.f}, aa[2] = {0.f, 0.f}, lb[2] = {0.f, 0.f}, ab[2] = {0.f, 0.f};
 #pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        Lm[i * kLdM + blk * 16 + jj] = jj < il ? bi * sL[jj] : 0.f;
-        av[jj] = jj <= il ? sA[jj] : 0.f;
+    for (int t = 0; t < 16; ++t) {
+      if ((t >> 1) == dq) {
+        if (t < 8) { la[t & 1] = sLA[t & 7]; aa[t & 1] = sAA[t & 7]; }
+        lb[t & 1] = sLB[t]; ab[t & 1] = sAB[t];
       }
-      uint4* dst = reinterpret_cast<uint4*>(Aw + i * kLdX + blk * 16);
-      dst[0] = pack8(av);
-      dst[1] = pack8(av + 8);
     }
+    const float bA = betas[iA], bB = betas[iB];
+    const int ilA = p, ilB = 15 - p;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 2 * dq + e;
+      Lm[iA * kLdM + blk * 16 + col] = col < ilA ? bA * la[e] : 0.f;
+      Lm[iB * kLdM + blk * 16 + col] = col < ilB ? bB * lb[e] : 0.f;
+      aa[e] = col <= ilA ? aa[e] : 0.f;
+      ab[e] = col <= ilB ? ab[e] : 0.f;
+    }
+    *reinterpret_cast<uint32_t*>(Aw + iA * kLdX + blk * 16 + 2 * dq) = pack_bf16(aa[0], aa[1]);
+    *reinterpret_cast<uint32_t*>(Aw + iB * kLdX + blk * 16 + 2 * dq) = pack_bf16(ab[0], ab[1]);
   }
 
   // ---- 4. lower blocks, one row block I at a time. Anchor a = 16 I + 7 with the diagonal block
@@ -480,19 +509,35 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const bool dg = safe[I] != 0;
     const int nbc = dg ? I + 1 : I;  // column blocks
     if (nbc == 0) continue;          // CTA-uniform
-    const int rows = 32 + 16 * nbc, anc = dg ? 16 * I + 7 : 16 * I - 1;
-    for (int it = tid; it < rows * 32; it += kLiteThreads) {
+    const int anc = dg ? 16 * I + 7 : 16 * I - 1;
+    // items: the 16 left rows (k_i and q_i share their factor), then the 16 nbc right rows; a
+    // warp's 32 items are one row, so the branch is warp-uniform
+    for (int it = tid; it < (16 + 16 * nbc) * 32; it += kLiteThreads) {
       const int rr = it >> 5, d0 = col4(it);
-      const bool right = rr >= 32;
-      const int src = right ? rr - 32 : 16 * I + (rr & 15);
-      const bf16* S = (!right && rr >= 16) ? Qs : Ks;
       float x[4], gs[4], ga[4];
-      unpack4(*reinterpret_cast<const uint2*>(S + src * kLdB + d0), x);
-      load4(Gs + src * kLdG + d0, gs);
       load4(Gs + anc * kLdG + d0, ga);
+      if (rr < 16) {
+        const int src = 16 * I + rr;
+        float y[4];
+        unpack4(*reinterpret_cast<const uint2*>(Ks + src * kLdB + d0), x);
+        unpack4(*reinterpret_cast<const uint2*>(Qs + src * kLdB + d0), y);
+        load4(Gs + src * kLdG + d0, gs);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] *= right ? ex2(ga[e] - gs[e]) : ex2(gs[e] - ga[e]);
-      *reinterpret_cast<uint2*>(Op + rr * kLdB + d0) = pack4(x);
+        for (int e = 0; e < 4; ++e) {
+          const float f = ex2(gs[e] - ga[e]);
+          x[e] *= f;
+          y[e] *= f;
+        }
+        *reinterpret_cast<uint2*>(Op + rr * kLdB + d0) = pack4(x);
+        *reinterpret_cast<uint2*>(Op + (rr + 16) * kLdB + d0) = pack4(y);
+      } else {
+        const int src = rr - 16;
+        unpack4(*reinterpret_cast<const uint2*>(Ks + src * kLdB + d0), x);
+        load4(Gs + src * kLdG + d0, gs);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] *= ex2(ga[e] - gs[e]);
+        *reinterpret_cast<uint2*>(Op + (rr + 16) * kLdB + d0) = pack4(x);
+      }
     }
     __syncthreads();
     if (warp < 2 * nbc) {
