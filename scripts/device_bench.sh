@@ -3,7 +3,8 @@
 # end, decode, fused decode and prefill against their peers in one run. Every stage is bounded;
 # results (JSON + logs) go to $OUT (or ./device_out). STAGES="jax fused prefill" runs a subset
 # (names: jax decode fused overhead prefill, and the measurements behind design choices:
-# pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree> and AB_PARTS="decode fused prefill";
+# pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree>, AB_PARTS="decode fused prefill",
+# AB_GATES=softplus,bounded (prefill), AB_FUSED_ROWS=1024 (more fused rows);
 # default all but ab).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -53,7 +54,7 @@ ab_compare() {
     fi
     if [[ $parts == *" prefill "* ]]; then
       FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage prefill_$arm 90 python3 benchmarks/bench_prefill.py \
-        --no-fla --heads 16 --gates bounded --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
+        --no-fla --heads 16 --gates ${AB_GATES:-bounded} --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
     fi
   done
   local f files=()

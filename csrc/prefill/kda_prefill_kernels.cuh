@@ -36,9 +36,9 @@ constexpr int kV = 128;  // value head dim
 
 constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows hit distinct banks)
 constexpr int kLdG = kK + 4;       // fp32 rows of G
-constexpr int kLdM = kC + 1;       // fp32 64x64 matrices (L, Aqk, X)
+constexpr int kLdM = kC + 4;       // fp32 64x64 matrices (L, X): 16-byte rows for the inverse's float4 reads
 constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
-constexpr int kLdP = 3 * 16 + 1;   // fp32 partial products of the blocked inverse
+constexpr int kLdP = 3 * 16 + 4;   // fp32 partial products of the blocked inverse (16-byte rows)
 
 // One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
 // shared memory (padded rows), so it moves with one bulk copy: [W | Qg | Kd] bf16 [64][kLdB],
@@ -113,6 +113,39 @@ __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+__device__ __forceinline__ float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+// The per-step log decay of one key in log2 units (G is kept in log2 units), from the raw gate
+// input. ftz approximations: the input is bf16, and the plain __expf/__logf spent extra
+// instructions per call on denormal ranges that cannot matter here.
+template <int GATE>
+__device__ __forceinline__ float log2_decay(float raw, float dtb, float ea, float lb2) {
+  if constexpr (GATE == 0) {  // -ea * softplus(x); x < -15: log(1 + e^x) = e^x to fp32
+    const float x = raw + dtb, y = x * kLog2e, e = ex2(y);
+    return -ea * (x > 20.f ? y : (x < -15.f ? e * kLog2e : lg2(1.f + e)));
+  } else if constexpr (GATE == 1) {  // lower_bound * sigmoid(ea x); lb2 = lower_bound * log2(e)
+    return __fdividef(lb2, 1.f + ex2(-ea * (raw + dtb) * kLog2e));
+  } else {
+    return raw * kLog2e;
+  }
+}
+// Running sums of one key's log decays over 32 rows (rows >= nt: 0).
+template <int GATE>
+__device__ __forceinline__ float gate_cumsum(float (&gl)[32], const bf16* graw, int r0, int nt, float dtb,
+                                            float ea, float lb2) {
+  float run = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    if (r0 + i < nt) run += log2_decay<GATE>(__bfloat162float(graw[i * kLdB]), dtb, ea, lb2);
+    gl[i] = run;
+  }
+  return run;
 }
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g));
@@ -219,6 +252,70 @@ struct PrepArgs {
   uint8_t* ws;
 };
 
+// One row i of a diagonal 16x16 block (columns j = j0 + t): this lane's part (keys d = 32 c + 4 dq
+// + e) of sum_d k_i k_j exp2(G_i - G_j) and of sum_d q_i k_j exp2(G_i - G_j) for t < NT and t <= last
+// (warp-uniform), then summed over the 8 lanes of the group (every lane ends with the full sums).
+// The column j is the loop counter, the same in the whole warp, so its k_j and G_j reads are
+// shared-memory broadcasts. Sums with j > i are formed (exp2 of a positive number, maybe inf) but
+// never kept: diag_row_store selects them away.
+template <int NT>
+__device__ __forceinline__ void diag_row_sums(const bf16* Qs, const bf16* Ks, const float* Gs, int i, int j0,
+                                              int dq, int last, float (&sL)[NT], float (&sA)[NT]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) { sL[t] = 0.f; sA[t] = 0.f; }
+#pragma unroll 1
+  for (int c = 0; c < 4; ++c) {
+    const int d0 = c * 32 + dq * 4;  // the 8 lanes of a group read 32 contiguous keys
+    float qi[4], ki[4], gi[4];
+    unpack4(*reinterpret_cast<const uint2*>(Qs + i * kLdB + d0), qi);
+    unpack4(*reinterpret_cast<const uint2*>(Ks + i * kLdB + d0), ki);
+    load4(Gs + i * kLdG + d0, gi);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t <= last) {  // warp-uniform
+        float kj[4], gj[4];
+        unpack4(*reinterpret_cast<const uint2*>(Ks + (j0 + t) * kLdB + d0), kj);
+        load4(Gs + (j0 + t) * kLdG + d0, gj);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float kx = kj[e] * ex2(gi[e] - gj[e]);
+          sL[t] = fmaf(ki[e], kx, sL[t]);
+          sA[t] = fmaf(qi[e], kx, sA[t]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t <= last) {
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) {
+        sL[t] += __shfl_xor_sync(0xffffffffu, sL[t], o);
+        sA[t] += __shfl_xor_sync(0xffffffffu, sA[t], o);
+      }
+    }
+  }
+}
+// Lane dq of the group writes the columns 2 dq, 2 dq + 1 of row i (il = i - 16 blk) of the block:
+// L (times beta_i) for j < i and Aqk for j <= i, zeros elsewhere (sums with t >= NT are zeros).
+template <int NT>
+__device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int il, int blk, int dq, float beta,
+                                               const float (&sL)[NT], const float (&sA)[NT]) {
+  float l[2] = {0.f, 0.f}, q[2] = {0.f, 0.f};
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if ((t >> 1) == dq) { l[t & 1] = sL[t]; q[t & 1] = sA[t]; }
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int col = 2 * dq + e;
+    l[e] = col < il ? beta * l[e] : 0.f;
+    q[e] = col <= il ? q[e] : 0.f;
+  }
+  *reinterpret_cast<float2*>(Lm + i * kLdM + blk * 16 + 2 * dq) = make_float2(l[0], l[1]);
+  *reinterpret_cast<uint32_t*>(Aw + i * kLdX + blk * 16 + 2 * dq) = pack_bf16(q[0], q[1]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The chunk preparation: 256 threads and ~110 KB of shared memory, so two CTAs share an SM and
 // hide each other's latency (a 512-thread, 200 KB, one-CTA-per-SM version measured 1.1-1.4x slower
@@ -241,7 +338,7 @@ constexpr int kLOffTot = kLOffBeta + kC * 4;
 constexpr int kLOffSafe = kLOffTot + 2 * kK * 4;         // int [4]: diagonal block I on tensor cores
 constexpr int kLiteSmem = kLOffSafe + 16;
 static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
-static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
+static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0 && kLOffP % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 static_assert(96 * kLdB * 2 >= int((kV / 16) * kUBlockBytes) && kLdB * kC * 2 == int(kWsQg - kWsW),
               "U is staged in the operand region, W in k's");
@@ -341,29 +438,12 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const int d = tid & (kK - 1), half = tid >> 7;
     const float dtb = a.dt_bias ? a.dt_bias[hv * kK + d] : 0.f;
     const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-    constexpr float kLog2e = 1.4426950408889634f;
+    const float lb2 = a.lower_bound * kLog2e;
     float gl[32];
-    float run = 0.f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int r = half * 32 + i;
-      float val = 0.f;
-      if (r < nt) {
-        const float raw = __bfloat162float(Graw[r * kLdB + d]);
-        if (a.gate == 0) {
-          const float x = raw + dtb;
-          // softplus; fast exp/log are ample for a bf16 input (x < -15: log(1+e^x) = e^x to fp32)
-          const float sp = x > 20.f ? x : (x < -15.f ? __expf(x) : __logf(1.f + __expf(x)));
-          val = -ea * sp;
-        } else if (a.gate == 1) {
-          val = a.lower_bound / (1.f + __expf(-ea * (raw + dtb)));
-        } else {
-          val = raw;
-        }
-      }
-      run += val * kLog2e;
-      gl[i] = run;
-    }
+    const bf16* graw = Graw + half * 32 * kLdB + d;
+    const float run = a.gate == 0   ? gate_cumsum<0>(gl, graw, half * 32, nt, dtb, ea, lb2)
+                      : a.gate == 1 ? gate_cumsum<1>(gl, graw, half * 32, nt, dtb, ea, lb2)
+                                    : gate_cumsum<2>(gl, graw, half * 32, nt, dtb, ea, lb2);
     tot[half * kK + d] = run;
     __syncthreads();
     const float base = half ? tot[d] : 0.f;
@@ -374,31 +454,39 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // A diagonal block I goes on tensor cores with the anchor m = 16 I + 7 when every factor
   // exp2(+-(G - G_m)) inside it stays below 2^100 (always for the bounded gate; softplus decays of
   // more than ~9 nats a step fall back to the elementwise form).
+  if (a.diag_mma) {
 #pragma unroll
-  for (int I = 0; I < 4; ++I) {
-    const int d = tid & (kK - 1);
-    const float gm = Gs[(16 * I + 7) * kLdG + d];
-    const float r = fmaxf(Gs[(16 * I) * kLdG + d] - gm, gm - Gs[(16 * I + 15) * kLdG + d]);
-    const int bad = __syncthreads_or(!(r <= 100.f) || !a.diag_mma);
-    if (tid == 0) safe[I] = !bad;
+    for (int I = 0; I < 4; ++I) {
+      const int d = tid & (kK - 1);
+      const float gm = Gs[(16 * I + 7) * kLdG + d];
+      const float r = fmaxf(Gs[(16 * I) * kLdG + d] - gm, gm - Gs[(16 * I + 15) * kLdG + d]);
+      const int bad = __syncthreads_or(!(r <= 100.f));
+      if (tid == 0) safe[I] = !bad;
+    }
+  } else if (tid < 4) {
+    safe[tid] = 0;
   }
   __syncthreads();
 
   // ---- 2. Qg, Kd, exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
-  for (int e = tid; e < kC * 32; e += kLiteThreads) {  // elementwise, in col4 pieces
-    const int r = e >> 5, col = col4(e);
-    float x[4], y[4], gr[4], gl[4];
-    unpack4(*reinterpret_cast<const uint2*>(Qs + r * kLdB + col), x);
-    unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), y);
-    load4(Gs + r * kLdG + col, gr);
+  {  // elementwise in col4 pieces: a thread keeps its 4 columns, a warp takes every 8th row
+    const int col = col4(lane);
+    float gl[4];
     load4(Gs + (kC - 1) * kLdG + col, gl);
+#pragma unroll 4
+    for (int r = warp; r < kC; r += kLiteThreads / 32) {
+      float x[4], y[4], gr[4];
+      unpack4(*reinterpret_cast<const uint2*>(Qs + r * kLdB + col), x);
+      unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), y);
+      load4(Gs + r * kLdG + col, gr);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[i] *= ex2(gr[i]);
-      y[i] *= ex2(gl[i] - gr[i]);
+      for (int i = 0; i < 4; ++i) {
+        x[i] *= ex2(gr[i]);
+        y[i] *= ex2(gl[i] - gr[i]);
+      }
+      *reinterpret_cast<uint2*>(ws + kWsQg + (r * kLdB + col) * 2) = pack4(x);
+      *reinterpret_cast<uint2*>(ws + kWsKd + (r * kLdB + col) * 2) = pack4(y);
     }
-    *reinterpret_cast<uint2*>(ws + kWsQg + (size_t(r) * kLdB + col) * 2) = pack4(x);
-    *reinterpret_cast<uint2*>(ws + kWsKd + (size_t(r) * kLdB + col) * 2) = pack4(y);
   }
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
   if (tid < 192) {
@@ -412,93 +500,22 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
   // Two warps a block. The 8 lanes of group p own the rows il = p and 15 - p: (p + 1) + (16 - p)
   // = 17 products (i, j <= i) whatever p, so no warp waits on a longer row (a lane per row left
-  // the first warp of a block idle half the time). Each lane sums 16 of the 128 keys, d = 32 c +
-  // 4 dq + e; the column j is the loop counter, warp-uniform, so its k_j and G_j reads are
-  // shared-memory broadcasts. Products with j > i are computed into accumulators that are never
-  // kept (the selects below drop them), so an inf there cannot leak.
+  // the first warp of a block idle half the time). One row after the other, so only one row's
+  // sums are live (both at once made the compiler reload operands to stay within 128 registers).
   if (!safe[tid >> 6]) {  // warp-uniform
     const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
-    const int lastA = (warp & 1) * 4 + 3;    // warp-uniform: the warp's largest il = p
-    const int lastB = 15 - (warp & 1) * 4;   // and its largest 15 - p
-    const int iA = blk * 16 + p, iB = blk * 16 + 15 - p;
-    float sLA[8], sAA[8], sLB[16], sAB[16];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) { sLA[j] = 0.f; sAA[j] = 0.f; }
-#pragma unroll
-    for (int j = 0; j < 16; ++j) { sLB[j] = 0.f; sAB[j] = 0.f; }
-#pragma unroll 1
-    for (int cc = 0; cc < 4; ++cc) {
-      const int d0 = cc * 32 + dq * 4;  // the 8 lanes of a group read 32 contiguous keys
-      float qa[4], ka[4], ga[4], qb[4], kb[4], gb[4];
-      unpack4(*reinterpret_cast<const uint2*>(Qs + iA * kLdB + d0), qa);
-      unpack4(*reinterpret_cast<const uint2*>(Ks + iA * kLdB + d0), ka);
-      load4(Gs + iA * kLdG + d0, ga);
-      unpack4(*reinterpret_cast<const uint2*>(Qs + iB * kLdB + d0), qb);
-      unpack4(*reinterpret_cast<const uint2*>(Ks + iB * kLdB + d0), kb);
-      load4(Gs + iB * kLdG + d0, gb);
-#pragma unroll
-      for (int t = 0; t < 16; ++t) {
-        if (t <= lastB) {  // warp-uniform (lastB >= 11 > lastA)
-          const int j = blk * 16 + t;
-          float kj[4], gj[4];
-          unpack4(*reinterpret_cast<const uint2*>(Ks + j * kLdB + d0), kj);
-          load4(Gs + j * kLdG + d0, gj);
-          if (t < 8 && t <= lastA) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float kx = kj[e] * ex2(ga[e] - gj[e]);
-              sLA[t & 7] = fmaf(ka[e], kx, sLA[t & 7]);
-              sAA[t & 7] = fmaf(qa[e], kx, sAA[t & 7]);
-            }
-          }
-          if (t <= lastB) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float kx = kj[e] * ex2(gb[e] - gj[e]);
-              sLB[t] = fmaf(kb[e], kx, sLB[t]);
-              sAB[t] = fmaf(qb[e], kx, sAB[t]);
-            }
-          }
-        }
-      }
+    {
+      const int i = blk * 16 + p;
+      float sL[8], sA[8];
+      diag_row_sums<8>(Qs, Ks, Gs, i, blk * 16, dq, (warp & 1) * 4 + 3, sL, sA);
+      diag_row_store<8>(Lm, Aw, i, p, blk, dq, betas[i], sL, sA);
     }
-    // sums over the group's 8 lanes (every lane ends with the full sums)
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-#pragma unroll
-      for (int o = 1; o < 8; o <<= 1) {
-        if (t < 8 && t <= lastA) {
-          sLA[t & 7] += __shfl_xor_sync(0xffffffffu, sLA[t & 7], o);
-          sAA[t & 7] += __shfl_xor_sync(0xffffffffu, sAA[t & 7], o);
-        }
-        if (t <= lastB) {
-          sLB[t] += __shfl_xor_sync(0xffffffffu, sLB[t], o);
-          sAB[t] += __shfl_xor_sync(0xffffffffu, sAB[t], o);
-        }
-      }
+    {
+      const int i = blk * 16 + 15 - p;
+      float sL[16], sA[16];
+      diag_row_sums<16>(Qs, Ks, Gs, i, blk * 16, dq, 15 - (warp & 1) * 4, sL, sA);
+      diag_row_store<16>(Lm, Aw, i, 15 - p, blk, dq, betas[i], sL, sA);
     }
-    // lane dq writes the columns 2 dq, 2 dq + 1 of both rows: L (times beta_i) for j < i, Aqk for
-    // j <= i, zeros elsewhere in the block
-    float la[2] = {0.f, 0.f}, aa[2] = {0.f, 0.f}, lb[2] = {0.f, 0.f}, ab[2] = {0.f, 0.f};
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      if ((t >> 1) == dq) {
-        if (t < 8) { la[t & 1] = sLA[t & 7]; aa[t & 1] = sAA[t & 7]; }
-        lb[t & 1] = sLB[t]; ab[t & 1] = sAB[t];
-      }
-    }
-    const float bA = betas[iA], bB = betas[iB];
-    const int ilA = p, ilB = 15 - p;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 2 * dq + e;
-      Lm[iA * kLdM + blk * 16 + col] = col < ilA ? bA * la[e] : 0.f;
-      Lm[iB * kLdM + blk * 16 + col] = col < ilB ? bB * lb[e] : 0.f;
-      aa[e] = col <= ilA ? aa[e] : 0.f;
-      ab[e] = col <= ilB ? ab[e] : 0.f;
-    }
-    *reinterpret_cast<uint32_t*>(Aw + iA * kLdX + blk * 16 + 2 * dq) = pack_bf16(aa[0], aa[1]);
-    *reinterpret_cast<uint32_t*>(Aw + iB * kLdX + blk * 16 + 2 * dq) = pack_bf16(ab[0], ab[1]);
   }
 
   // ---- 4. lower blocks, one row block I at a time. Anchor a = 16 I + 7 with the diagonal block
@@ -510,15 +527,15 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const int nbc = dg ? I + 1 : I;  // column blocks
     if (nbc == 0) continue;          // CTA-uniform
     const int anc = dg ? 16 * I + 7 : 16 * I - 1;
-    // items: the 16 left rows (k_i and q_i share their factor), then the 16 nbc right rows; a
-    // warp's 32 items are one row, so the branch is warp-uniform
-    for (int it = tid; it < (16 + 16 * nbc) * 32; it += kLiteThreads) {
-      const int rr = it >> 5, d0 = col4(it);
-      float x[4], gs[4], ga[4];
-      load4(Gs + anc * kLdG + d0, ga);
-      if (rr < 16) {
-        const int src = 16 * I + rr;
-        float y[4];
+    // a thread keeps its 4 columns (and the anchor's G there); a warp takes every 8th row
+    const int d0 = col4(lane);
+    float ga[4];
+    load4(Gs + anc * kLdG + d0, ga);
+    {  // the 16 left rows: k_i and q_i share their factor (a warp does rows warp, warp + 8)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rr = warp + 8 * h, src = 16 * I + rr;
+        float x[4], y[4], gs[4];
         unpack4(*reinterpret_cast<const uint2*>(Ks + src * kLdB + d0), x);
         unpack4(*reinterpret_cast<const uint2*>(Qs + src * kLdB + d0), y);
         load4(Gs + src * kLdG + d0, gs);
@@ -530,14 +547,16 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
         }
         *reinterpret_cast<uint2*>(Op + rr * kLdB + d0) = pack4(x);
         *reinterpret_cast<uint2*>(Op + (rr + 16) * kLdB + d0) = pack4(y);
-      } else {
-        const int src = rr - 16;
-        unpack4(*reinterpret_cast<const uint2*>(Ks + src * kLdB + d0), x);
-        load4(Gs + src * kLdG + d0, gs);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] *= ex2(ga[e] - gs[e]);
-        *reinterpret_cast<uint2*>(Op + (rr + 16) * kLdB + d0) = pack4(x);
       }
+    }
+#pragma unroll 2
+    for (int j = warp; j < 16 * nbc; j += kLiteThreads / 32) {  // the right rows
+      float x[4], gs[4];
+      unpack4(*reinterpret_cast<const uint2*>(Ks + j * kLdB + d0), x);
+      load4(Gs + j * kLdG + d0, gs);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] *= ex2(ga[e] - gs[e]);
+      *reinterpret_cast<uint2*>(Op + (32 + j) * kLdB + d0) = pack4(x);
     }
     __syncthreads();
     if (warp < 2 * nbc) {
@@ -589,23 +608,28 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int e = 0; e < 8; ++e) x[e] *= b;
     *reinterpret_cast<uint4*>(Bu + r * kLdB + c8) = pack8(x);
   }
-  for (int e = tid; e < kC * 32; e += kLiteThreads) {
-    const int r = e >> 5, col = col4(e);
-    const float b = betas[r];
-    float x[4], gr[4];
-    unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), x);
-    load4(Gs + r * kLdG + col, gr);
+  {
+    const int col = col4(lane);
+#pragma unroll 4
+    for (int r = warp; r < kC; r += kLiteThreads / 32) {
+      const float b = betas[r];
+      float x[4], gr[4];
+      unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), x);
+      load4(Gs + r * kLdG + col, gr);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] *= b * ex2(gr[i]);
-    *reinterpret_cast<uint2*>(Bw + r * kLdB + col) = pack4(x);
+      for (int i = 0; i < 4; ++i) x[i] *= b * ex2(gr[i]);
+      *reinterpret_cast<uint2*>(Bw + r * kLdB + col) = pack4(x);
+    }
   }
   __syncthreads();  // G and k are dead from here: X lives where G was
 
   // ---- 6. X = (I + L)^-1: 16x16 diagonal blocks by forward substitution, then block rows
-  // X_IJ = -X_II sum_{K=J}^{I-1} L_IK X_KJ, all in fp32. The dot products run on 2-4 partial sums:
-  // a single fma chain left the warps waiting on fma latency.
-  if (tid < 64) {
-    const int blk = tid >> 4, cc = tid & 15;
+  // X_IJ = -X_II sum_{K=J}^{I-1} L_IK X_KJ, all in fp32. The forward substitution runs on 2
+  // partial sums (a single fma chain left the warps waiting on fma latency), one block a warp
+  // (16 lanes; two blocks in a warp read rows 16 apart, the same bank). The block-row products
+  // give each thread 4 adjacent columns: one broadcast float4 read feeds 4 fmas.
+  if (tid < 128 && lane < 16) {
+    const int blk = warp, cc = lane;
     const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
     float x[16];
 #pragma unroll
@@ -622,41 +646,54 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
   }
   __syncthreads();
+  {
+    // thread: column block J = warp / 2 (warp-uniform), row r, columns c4 .. c4 + 3
+    const int J = warp >> 1, r = (tid >> 2) & 15, c4 = (tid & 3) * 4;
 #pragma unroll
-  for (int I = 1; I < 4; ++I) {
+    for (int I = 1; I < 4; ++I) {
+      if (J < I) {
+        const float* lr = Lm + (I * 16 + r) * kLdM;
+        float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+        for (int KB = J; KB < I; ++KB) {
 #pragma unroll
-    for (int rep = 0; rep < I; ++rep) {
-      const int e = tid + rep * kLiteThreads;
-      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const float* lr = Lm + (I * 16 + r) * kLdM;
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int KB = 0; KB < I; ++KB) {
-        if (KB >= J) {
-#pragma unroll
-          for (int kk = 0; kk < 16; ++kk)
-            s[kk & 3] = fmaf(lr[KB * 16 + kk], Xm[(KB * 16 + kk) * kLdM + J * 16 + cc], s[kk & 3]);
+          for (int kk = 0; kk < 16; kk += 2) {
+            const float l0 = lr[KB * 16 + kk], l1 = lr[KB * 16 + kk + 1];
+            const float4 x0 = *reinterpret_cast<const float4*>(Xm + (KB * 16 + kk) * kLdM + J * 16 + c4);
+            const float4 x1 = *reinterpret_cast<const float4*>(Xm + (KB * 16 + kk + 1) * kLdM + J * 16 + c4);
+            s0.x = fmaf(l0, x0.x, s0.x); s0.y = fmaf(l0, x0.y, s0.y);
+            s0.z = fmaf(l0, x0.z, s0.z); s0.w = fmaf(l0, x0.w, s0.w);
+            s1.x = fmaf(l1, x1.x, s1.x); s1.y = fmaf(l1, x1.y, s1.y);
+            s1.z = fmaf(l1, x1.z, s1.z); s1.w = fmaf(l1, x1.w, s1.w);
+          }
         }
+        *reinterpret_cast<float4*>(Pt + r * kLdP + J * 16 + c4) =
+            make_float4(s0.x + s1.x, s0.y + s1.y, s0.z + s1.z, s0.w + s1.w);
       }
-      Pt[r * kLdP + J * 16 + cc] = (s[0] + s[1]) + (s[2] + s[3]);
-    }
-    __syncthreads();
+      __syncthreads();
+      if (J < I) {
+        const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
+        float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
 #pragma unroll
-    for (int rep = 0; rep < I; ++rep) {
-      const int e = tid + rep * kLiteThreads;
-      const int J = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int m = 0; m < 16; ++m) s[m & 3] = fmaf(-xr[m], Pt[m * kLdP + J * 16 + cc], s[m & 3]);
-      Xm[(I * 16 + r) * kLdM + J * 16 + cc] = (s[0] + s[1]) + (s[2] + s[3]);
+        for (int m = 0; m < 16; m += 2) {
+          const float a0 = -xr[m], a1 = -xr[m + 1];
+          const float4 p0 = *reinterpret_cast<const float4*>(Pt + m * kLdP + J * 16 + c4);
+          const float4 p1 = *reinterpret_cast<const float4*>(Pt + (m + 1) * kLdP + J * 16 + c4);
+          s0.x = fmaf(a0, p0.x, s0.x); s0.y = fmaf(a0, p0.y, s0.y);
+          s0.z = fmaf(a0, p0.z, s0.z); s0.w = fmaf(a0, p0.w, s0.w);
+          s1.x = fmaf(a1, p1.x, s1.x); s1.y = fmaf(a1, p1.y, s1.y);
+          s1.z = fmaf(a1, p1.z, s1.z); s1.w = fmaf(a1, p1.w, s1.w);
+        }
+        *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + J * 16 + c4) =
+            make_float4(s0.x + s1.x, s0.y + s1.y, s0.z + s1.z, s0.w + s1.w);
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
   for (int e = tid; e < kC * kC / 2; e += kLiteThreads) {
     const int r = e >> 5, c2 = (e & 31) * 2;
-    const float x0 = c2 <= r ? Xm[r * kLdM + c2] : 0.f;
-    const float x1 = c2 + 1 <= r ? Xm[r * kLdM + c2 + 1] : 0.f;
+    const float2 xv = *reinterpret_cast<const float2*>(Xm + r * kLdM + c2);
+    const float x0 = c2 <= r ? xv.x : 0.f;
+    const float x1 = c2 + 1 <= r ? xv.y : 0.f;
     *reinterpret_cast<uint32_t*>(Xb + r * kLdX + c2) = pack_bf16(x0, x1);
   }
   __syncthreads();
