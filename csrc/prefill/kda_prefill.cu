@@ -4,9 +4,11 @@
 // value_heads) -> bytes of the optional workspace argument, fkda_contract().
 // FKDA_PARAM_VT: the value-column tile of the state pass (16, 32 or 64: one module per tile, picked
 // by jit/routes/kda_prefill.json from sequences x heads); 0 picks it at run time (benchmarks).
-// FKDA_PARAM_DIAG_MMA: 1 = diagonal 16x16 blocks of L / Aqk on tensor cores (mid-block anchor) where
-// the gate range allows: prep ~20% faster, output rel. L2 ~4.3-4.7e-3 instead of ~3.9e-3 (H200);
-// 0 = elementwise fp32 (as accurate as fla chunk_kda on the same inputs).
+// FKDA_PARAM_DIAG_MMA: the diagonal 16x16 blocks of L / Aqk. 0 = elementwise fp32 (as accurate as
+// fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
+// 2^100), on tensor cores: 1 = one bf16 product folded into the row-block pass (output rel. L2
+// ~4.3-4.7e-3 instead of ~3.9e-3, H200), 2 = bf16 hi + lo operands and three products, the fp32
+// form's accuracy; blocks outside that range take the fp32 form in both.
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
@@ -18,6 +20,9 @@
 #endif
 #ifndef FKDA_PARAM_DIAG_MMA
 #define FKDA_PARAM_DIAG_MMA 0
+#endif
+#if FKDA_PARAM_DIAG_MMA < 0 || FKDA_PARAM_DIAG_MMA > 2
+#error "FKDA_PARAM_DIAG_MMA must be 0 (fp32), 1 (folded bf16) or 2 (split bf16)"
 #endif
 #if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
 #error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"

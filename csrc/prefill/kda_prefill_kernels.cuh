@@ -17,7 +17,10 @@
 // L and Aqk uses, for row block I, the anchor a = 16 I - 1 (last row before the block):
 // exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j) with both factors <= 1 (i > a >= j).
 // The 16x16 diagonal blocks use the elementwise form in fp32, or (FKDA_PARAM_DIAG_MMA) tensor
-// cores with a mid-block anchor when the block's gate range keeps every factor below 2^100.
+// cores with a mid-block anchor when the block's gate range keeps every factor below 2^100:
+// 1 = one bf16 product folded into the row-block pass (faster, ~10% more output error), 2 = each
+// operand split into bf16 hi + lo and three products (hi hi + hi lo + lo hi: ~16 bits per operand,
+// the accuracy of the fp32 elementwise form at a third of its instructions).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -215,6 +218,13 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return u;
 }
 
+// (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)): ~16 bits of each x.
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16(x0, x1);
+  const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
+  lo = pack_bf16(x0 - h.x, x1 - h.y);
+}
+
 // Elementwise passes over a 64 x 128 tile in 4-column pieces: item e is row e / 32, columns
 // col4(e)..+3, where the 16 items of a half-row take the columns 0..63 or 64..127 in order, so 8
 // consecutive lanes' 16-byte shared loads of fp32 G cover 128 contiguous bytes (no bank conflicts).
@@ -248,7 +258,7 @@ struct PrepArgs {
   float lower_bound;
   float scale;
   int beta_logit;
-  int diag_mma;  // lite prep: 1 = diagonal blocks on tensor cores where the gate range allows
+  int diag_mma;  // diagonal blocks on tensor cores where the gate range allows: 1 folded, 2 split
   uint8_t* ws;
 };
 
@@ -314,6 +324,99 @@ __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int i
   }
   *reinterpret_cast<float2*>(Lm + i * kLdM + blk * 16 + 2 * dq) = make_float2(l[0], l[1]);
   *reinterpret_cast<uint32_t*>(Aw + i * kLdX + blk * 16 + 2 * dq) = pack_bf16(q[0], q[1]);
+}
+
+// (diag_mma 2) The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
+// staging: each thread builds its mma fragments in registers from shared memory (rows 16 I + g
+// and + 8, keys 16 ks + 2 tq, + 1, + 8, + 9): left k_i (q_i) exp2(G_i - G_m), right k_j exp2(G_m -
+// G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100), each split into bf16
+// hi + lo; products hi hi + (hi lo + lo hi). Warp `half` takes the k-steps 4 half .. 4 half + 3 of
+// both matrices; the two swap partial sums through `xch` (8 KB, free until step 4) under a named
+// barrier, and half 0 finishes L, half 1 Aqk, adding the halves in the same order.
+__device__ __forceinline__ void diag_block_split_mma(const bf16* Qs, const bf16* Ks, const float* Gs, float* Lm,
+                                                     bf16* Aw, const float* betas, float* xch, int I, int half,
+                                                     int lane) {
+  const int g = lane >> 2, tq = lane & 3, m = 16 * I + 7;
+  float hL[2][4], cL[2][4], hA[2][4], cA[2][4];
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hL[nn][e] = cL[nn][e] = hA[nn][e] = cA[nn][e] = 0.f;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int ks = half * 4 + s;
+    // [rr][ch]: row 16 I + g + 8 rr, keys 16 ks + 2 tq + 8 ch (+1)
+    uint32_t kh[2][2], kl[2][2], qh[2][2], ql[2][2], rh[2][2], rl[2][2];
+#pragma unroll
+    for (int ch = 0; ch < 2; ++ch) {
+      const int d = ks * 16 + 2 * tq + 8 * ch;
+      const float2 gm = *reinterpret_cast<const float2*>(Gs + m * kLdG + d);
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int i = 16 * I + g + 8 * rr;
+        const float2 gi = *reinterpret_cast<const float2*>(Gs + i * kLdG + d);
+        const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * kLdB + d));
+        const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
+        const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
+        const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
+        split2(kv.x * f0, kv.y * f1, kh[rr][ch], kl[rr][ch]);
+        split2(qv.x * f0, qv.y * f1, qh[rr][ch], ql[rr][ch]);
+        split2(kv.x * b0, kv.y * b1, rh[rr][ch], rl[rr][ch]);
+      }
+    }
+    // A fragment: (row g, keys 2tq), (row g+8, 2tq), (row g, 2tq+8), (row g+8, 2tq+8);
+    // B fragment of n-tile nn (column j = g + 8 nn): (j, keys 2tq), (j, 2tq+8)
+    const uint32_t akh[4] = {kh[0][0], kh[1][0], kh[0][1], kh[1][1]};
+    const uint32_t akl[4] = {kl[0][0], kl[1][0], kl[0][1], kl[1][1]};
+    const uint32_t aqh[4] = {qh[0][0], qh[1][0], qh[0][1], qh[1][1]};
+    const uint32_t aql[4] = {ql[0][0], ql[1][0], ql[0][1], ql[1][1]};
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+      const uint32_t bh[2] = {rh[nn][0], rh[nn][1]}, bl[2] = {rl[nn][0], rl[nn][1]};
+      mma_bf16(hL[nn], akh, bh);
+      mma_bf16(cL[nn], akh, bl);
+      mma_bf16(cL[nn], akl, bh);
+      mma_bf16(hA[nn], aqh, bh);
+      mma_bf16(cA[nn], aqh, bl);
+      mma_bf16(cA[nn], aql, bh);
+    }
+  }
+  // swap: write the partial of the matrix the other warp finishes, read the other's of mine
+  float* out = xch + ((I * 2 + half) * 32 + lane) * 8;
+  const float* in = xch + ((I * 2 + (half ^ 1)) * 32 + lane) * 8;
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[nn * 4 + e] = half ? hL[nn][e] + cL[nn][e] : hA[nn][e] + cA[nn][e];
+  // the block's two warps; literal ids (a register id makes ptxas reserve all 16 barriers)
+  switch (I) {
+    case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
+    case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
+    case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
+    default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
+  }
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int il = g + 8 * hh, row = 16 * I + il, col = nn * 8 + 2 * tq;
+      float x[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float mine = half ? hA[nn][2 * hh + e] + cA[nn][2 * hh + e] : hL[nn][2 * hh + e] + cL[nn][2 * hh + e];
+        const float other = in[nn * 4 + 2 * hh + e];
+        x[e] = half ? other + mine : mine + other;  // k-steps 0..3 first, in both warps
+      }
+      // select, never multiply: entries above the diagonal may be inf / NaN
+      if (half == 0) {
+        const float bi = betas[row];
+        *reinterpret_cast<float2*>(Lm + row * kLdM + 16 * I + col) =
+            make_float2(col < il ? bi * x[0] : 0.f, col + 1 < il ? bi * x[1] : 0.f);
+      } else {
+        *reinterpret_cast<uint32_t*>(Aw + row * kLdX + 16 * I + col) =
+            pack_bf16(col <= il ? x[0] : 0.f, col + 1 <= il ? x[1] : 0.f);
+      }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -502,7 +605,9 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // = 17 products (i, j <= i) whatever p, so no warp waits on a longer row (a lane per row left
   // the first warp of a block idle half the time). One row after the other, so only one row's
   // sums are live (both at once made the compiler reload operands to stay within 128 registers).
-  if (!safe[tid >> 6]) {  // warp-uniform
+  if (safe[tid >> 6] && a.diag_mma == 2) {  // warp-uniform
+    diag_block_split_mma(Qs, Ks, Gs, Lm, Aw, betas, reinterpret_cast<float*>(Op), tid >> 6, warp & 1, lane);
+  } else if (!safe[tid >> 6]) {
     const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
     {
       const int i = blk * 16 + p;
@@ -518,12 +623,14 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     }
   }
 
+  if (a.diag_mma == 2) __syncthreads();  // the split products' exchange area is the operand region
+
   // ---- 4. lower blocks, one row block I at a time. Anchor a = 16 I + 7 with the diagonal block
   // included when it is safe (see above), else a = 16 I - 1 (every factor <= 1) without it.
   // Op rows 0..15: k_I exp(G_i - G_a); 16..31: q_I exp(G_i - G_a); 32..: k_j exp(G_a - G_j), j < ncol.
 #pragma unroll 1
   for (int I = 3; I >= 0; --I) {
-    const bool dg = safe[I] != 0;
+    const bool dg = a.diag_mma == 1 && safe[I] != 0;  // folded diagonal block
     const int nbc = dg ? I + 1 : I;  // column blocks
     if (nbc == 0) continue;          // CTA-uniform
     const int anc = dg ? 16 * I + 7 : 16 * I - 1;

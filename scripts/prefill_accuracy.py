@@ -1,0 +1,84 @@
+"""Output and final-state error of CUDA kda_prefill modules against the float64 token recurrence.
+
+    python3 scripts/prefill_accuracy.py [--modules prefill_vt16_f32,prefill_fast_vt16_f32]
+
+The same fresh random inputs for every module (bf16 q, k, v, g, beta, fp32 initial state), per
+case: the benchmark's softplus and bounded inputs (benchmarks/bench_prefill.py), the log gate, and
+softplus with fast decays (A_log up to 2: some 16-row blocks span more than 2^100, so a
+tensor-core diagonal form falls back to fp32 there). Prints rel. L2 of out and final state per
+module and case: a check that a change to the preparation kept its accuracy (no timing).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_prefill import K, make  # noqa: E402
+
+GATES = {"softplus": 0, "bounded": 1, "log": 2}
+LB = -5.0
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / (b.norm() + 1e-30))
+
+
+def cases(dev):
+    torch.manual_seed(11)
+    lens = [1000, 64, 300, 17]
+    out = []
+    for gate in ("softplus", "bounded", "log"):
+        d = make(lens, 4, gate, dev)
+        if gate == "log":  # g is the log decay itself (<= 0); no A_log / dt_bias
+            d["g"] = (-torch.rand_like(d["g"].float()) * 0.5).bfloat16()
+            d["A_log"] = d["dt_bias"] = None
+        out.append((f"{gate} 1000+64+300+17 H4", gate, d))
+    d = make([640], 2, "softplus", dev)
+    d["A_log"] = torch.rand(2, device=dev) * 2.0
+    d["g"] = (d["g"].float() * 2.0 + 1.0).bfloat16()
+    out.append(("softplus fast decays 640 H2", "softplus", d))
+    return out
+
+
+def run_module(mod, d, gate):
+    import tvm_ffi
+    T, N, H = d["q"].shape[1], d["cu"].numel() - 1, d["v"].shape[2]
+    ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=d["q"].device)
+    fin, out = torch.full_like(d["init"], float("nan")), torch.full_like(d["v"], float("nan"))
+    with tvm_ffi.use_torch_stream():
+        mod["kda_prefill"](d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin,
+                           None, None, out, ws, GATES[gate], LB, K ** -0.5, True, False, 0)
+    torch.cuda.synchronize()
+    return out, fin
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modules", default="prefill_vt16_f32,prefill_fast_vt16_f32")
+    a = ap.parse_args(argv)
+    from flashkda_ext import jit
+    from flashkda_ext.reference.prefill import kda_recurrent
+    dev = torch.device("cuda")
+    names = a.modules.split(",")
+    mods = {n: jit.load_module(n) for n in names}
+    print(f"{'case':34s} {'module':24s} {'out rel L2':>11s} {'state rel L2':>12s}")
+    for label, gate, d in cases(dev):
+        ro, rf, _ = kda_recurrent(d["q"], d["k"], d["v"], d["g"], d["beta"], gate=gate, A_log=d["A_log"],
+                                  dt_bias=d["dt_bias"], lower_bound=LB, scale=K ** -0.5, cu_seqlens=d["cu"].long(),
+                                  initial_state=d["init"])
+        for n in names:
+            o, f = run_module(mods[n], d, gate)
+            print(f"{label:34s} {n:24s} {rel(o, ro):11.3e} {rel(f, rf):12.3e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
