@@ -331,11 +331,14 @@ __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int i
 // and + 8, keys 16 ks + 2 tq, + 1, + 8, + 9): left k_i (q_i) exp2(G_i - G_m), right k_j exp2(G_m -
 // G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100), each split into bf16
 // hi + lo; products hi hi + (hi lo + lo hi). Warp `half` takes the k-steps 4 half .. 4 half + 3 of
-// both matrices; the two swap partial sums through `xch` (8 KB, free until step 4) under a named
-// barrier, and half 0 finishes L, half 1 Aqk, adding the halves in the same order.
-__device__ __forceinline__ void diag_block_split_mma(const bf16* Qs, const bf16* Ks, const float* Gs, float* Lm,
-                                                     bf16* Aw, const float* betas, float* xch, int I, int half,
-                                                     int lane) {
+// both matrices and returns its partial sums of the matrix it finishes (half 0: L, half 1: Aqk)
+// in `mine`; the other matrix's partial goes to `xch` for the other warp (diag_block_finish, after
+// a CTA barrier: one barrier for every block, and no named barriers).
+struct DiagPartial {
+  float v[2][4];  // [n-tile][mma accumulator element]
+};
+__device__ __forceinline__ DiagPartial diag_block_split_mma(const bf16* Qs, const bf16* Ks, const float* Gs,
+                                                            float* xch, int I, int half, int lane) {
   const int g = lane >> 2, tq = lane & 3, m = 16 * I + 7;
   float hL[2][4], cL[2][4], hA[2][4], cA[2][4];
 #pragma unroll
@@ -381,20 +384,24 @@ __device__ __forceinline__ void diag_block_split_mma(const bf16* Qs, const bf16*
       mma_bf16(cA[nn], aql, bh);
     }
   }
-  // swap: write the partial of the matrix the other warp finishes, read the other's of mine
+  DiagPartial mine;
   float* out = xch + ((I * 2 + half) * 32 + lane) * 8;
-  const float* in = xch + ((I * 2 + (half ^ 1)) * 32 + lane) * 8;
 #pragma unroll
   for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) out[nn * 4 + e] = half ? hL[nn][e] + cL[nn][e] : hA[nn][e] + cA[nn][e];
-  // the block's two warps; literal ids (a register id makes ptxas reserve all 16 barriers)
-  switch (I) {
-    case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
-    case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
-    case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
-    default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
-  }
+    for (int e = 0; e < 4; ++e) {
+      out[nn * 4 + e] = half ? hL[nn][e] + cL[nn][e] : hA[nn][e] + cA[nn][e];
+      mine.v[nn][e] = half ? hA[nn][e] + cA[nn][e] : hL[nn][e] + cL[nn][e];
+    }
+  return mine;
+}
+// After the barrier: add the other warp's partial (k-steps 0..3 first in both warps) and write
+// the block: L (times beta_i, j < i) from half 0, Aqk (j <= i) from half 1. Select, never
+// multiply: entries above the diagonal may be inf / NaN.
+__device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const float* xch, float* Lm, bf16* Aw,
+                                                  const float* betas, int I, int half, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  const float* in = xch + ((I * 2 + (half ^ 1)) * 32 + lane) * 8;
 #pragma unroll
   for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
@@ -403,11 +410,9 @@ __device__ __forceinline__ void diag_block_split_mma(const bf16* Qs, const bf16*
       float x[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float mine = half ? hA[nn][2 * hh + e] + cA[nn][2 * hh + e] : hL[nn][2 * hh + e] + cL[nn][2 * hh + e];
-        const float other = in[nn * 4 + 2 * hh + e];
-        x[e] = half ? other + mine : mine + other;  // k-steps 0..3 first, in both warps
+        const float my = mine.v[nn][2 * hh + e], other = in[nn * 4 + 2 * hh + e];
+        x[e] = half ? other + my : my + other;
       }
-      // select, never multiply: entries above the diagonal may be inf / NaN
       if (half == 0) {
         const float bi = betas[row];
         *reinterpret_cast<float2*>(Lm + row * kLdM + 16 * I + col) =
@@ -605,8 +610,11 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // = 17 products (i, j <= i) whatever p, so no warp waits on a longer row (a lane per row left
   // the first warp of a block idle half the time). One row after the other, so only one row's
   // sums are live (both at once made the compiler reload operands to stay within 128 registers).
-  if (safe[tid >> 6] && a.diag_mma == 2) {  // warp-uniform
-    diag_block_split_mma(Qs, Ks, Gs, Lm, Aw, betas, reinterpret_cast<float*>(Op), tid >> 6, warp & 1, lane);
+  float* xch = reinterpret_cast<float*>(Op);  // (diag_mma 2) partial sums, 8 KB; Op is free until step 4
+  const bool split_diag = safe[tid >> 6] && a.diag_mma == 2;  // warp-uniform
+  DiagPartial part;
+  if (split_diag) {
+    part = diag_block_split_mma(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
   } else if (!safe[tid >> 6]) {
     const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
     {
@@ -623,7 +631,11 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     }
   }
 
-  if (a.diag_mma == 2) __syncthreads();  // the split products' exchange area is the operand region
+  if (a.diag_mma == 2) {  // CTA-uniform
+    __syncthreads();  // every split partial is in xch
+    if (split_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane);
+    __syncthreads();  // xch (the operand region) is read before step 4 rewrites it
+  }
 
   // ---- 4. lower blocks, one row block I at a time. Anchor a = 16 I + 7 with the diagonal block
   // included when it is safe (see above), else a = 16 I - 1 (every factor <= 1) without it.

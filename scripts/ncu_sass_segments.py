@@ -1,0 +1,77 @@
+"""Where a kernel's time goes, from an Nsight Compute SASS source export, split at its barriers.
+
+    ncu -i report.ncu-rep --page source --csv --print-source sass > k.csv
+    python3 scripts/ncu_sass_segments.py k.csv --ctas 8208 --warps 8
+
+The SASS export has per-instruction stall samples and execution counts but no CUDA line numbers
+(ncu's CUDA-source page came back without metrics for these kernels), so the instructions are cut
+into segments at every BAR (CTA barrier) in address order: one segment is one phase of a kernel
+written as barrier-separated steps. Prints each segment's share of stall samples and of executed
+instructions, its instructions per warp, and its most executed opcodes.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import gzip
+import re
+import sys
+
+
+def read_rows(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
+        rows = list(csv.reader(f))
+    head = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
+    return rows[head], rows[head + 1:]
+
+
+def opcode(sass: str) -> str:
+    text = re.sub(r"^@!?U?P\w+\s+", "", sass.strip())  # drop a predicate guard
+    return text.split()[0].split(".")[0] if text else ""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass output (.gz accepted)")
+    ap.add_argument("--ctas", type=int, required=True, help="CTAs of the profiled launch")
+    ap.add_argument("--warps", type=int, required=True, help="warps per CTA")
+    ap.add_argument("--min-share", type=float, default=0.3, help="hide segments below this %% of both")
+    a = ap.parse_args(argv)
+    head, rows = read_rows(a.csv)
+    col = {c: i for i, c in enumerate(head)}
+    samp, execd = col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
+    per_warp = a.ctas * a.warps
+    segs, cur = [], None
+    for r in rows:
+        if len(r) <= max(samp, execd):
+            continue
+        if cur is None:
+            cur = dict(start=r[0], s=0.0, e=0.0, ops=collections.Counter())
+        op, e = opcode(r[1]), float(r[execd] or 0)
+        cur["s"] += float(r[samp] or 0)
+        cur["e"] += e
+        cur["ops"][op] += e
+        if op == "BAR":
+            cur["end"] = r[0]
+            segs.append(cur)
+            cur = None
+    if cur is not None:
+        cur["end"] = "end"
+        segs.append(cur)
+    ts = sum(s["s"] for s in segs) or 1.0
+    te = sum(s["e"] for s in segs) or 1.0
+    print(f"{te / per_warp:.0f} instructions per warp, {ts:.0f} stall samples")
+    print(f"{'segment':>4s} {'addresses':>13s} {'samples':>8s} {'instr':>7s} {'/warp':>6s}  top opcodes (per warp)")
+    for i, s in enumerate(segs):
+        ps, pe = 100 * s["s"] / ts, 100 * s["e"] / te
+        if ps < a.min_share and pe < a.min_share:
+            continue
+        top = ", ".join(f"{k}:{v / per_warp:.0f}" for k, v in s["ops"].most_common(8))
+        print(f"{i:4d} {s['start'][-5:]:>6s}-{s['end'][-5:]:<6s} {ps:7.1f}% {pe:6.1f}% {s['e'] / per_warp:6.0f}  {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
