@@ -218,6 +218,25 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return u;
 }
 
+// s0 / s1 += sum over t < 16 of (NEG ? -a[t] : a[t]) * (the 4 floats at B + t * ldb), even t on s0
+// and odd t on s1 (two independent fma chains); B 16-byte aligned. The inverse's block products.
+template <bool NEG>
+__device__ __forceinline__ void dot16_rows4(float4& s0, float4& s1, const float* a, const float* B, int ldb) {
+#pragma unroll
+  for (int t = 0; t < 16; t += 2) {
+    const float a0 = NEG ? -a[t] : a[t], a1 = NEG ? -a[t + 1] : a[t + 1];
+    const float4 x0 = *reinterpret_cast<const float4*>(B + t * ldb);
+    const float4 x1 = *reinterpret_cast<const float4*>(B + (t + 1) * ldb);
+    s0.x = fmaf(a0, x0.x, s0.x); s0.y = fmaf(a0, x0.y, s0.y);
+    s0.z = fmaf(a0, x0.z, s0.z); s0.w = fmaf(a0, x0.w, s0.w);
+    s1.x = fmaf(a1, x1.x, s1.x); s1.y = fmaf(a1, x1.y, s1.y);
+    s1.z = fmaf(a1, x1.z, s1.z); s1.w = fmaf(a1, x1.w, s1.w);
+  }
+}
+__device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
 // (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)): ~16 bits of each x.
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16(x0, x1);
@@ -773,37 +792,15 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       if (J < I) {
         const float* lr = Lm + (I * 16 + r) * kLdM;
         float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-        for (int KB = J; KB < I; ++KB) {
-#pragma unroll
-          for (int kk = 0; kk < 16; kk += 2) {
-            const float l0 = lr[KB * 16 + kk], l1 = lr[KB * 16 + kk + 1];
-            const float4 x0 = *reinterpret_cast<const float4*>(Xm + (KB * 16 + kk) * kLdM + J * 16 + c4);
-            const float4 x1 = *reinterpret_cast<const float4*>(Xm + (KB * 16 + kk + 1) * kLdM + J * 16 + c4);
-            s0.x = fmaf(l0, x0.x, s0.x); s0.y = fmaf(l0, x0.y, s0.y);
-            s0.z = fmaf(l0, x0.z, s0.z); s0.w = fmaf(l0, x0.w, s0.w);
-            s1.x = fmaf(l1, x1.x, s1.x); s1.y = fmaf(l1, x1.y, s1.y);
-            s1.z = fmaf(l1, x1.z, s1.z); s1.w = fmaf(l1, x1.w, s1.w);
-          }
-        }
-        *reinterpret_cast<float4*>(Pt + r * kLdP + J * 16 + c4) =
-            make_float4(s0.x + s1.x, s0.y + s1.y, s0.z + s1.z, s0.w + s1.w);
+        for (int KB = J; KB < I; ++KB) dot16_rows4<false>(s0, s1, lr + KB * 16, Xm + KB * 16 * kLdM + J * 16 + c4, kLdM);
+        *reinterpret_cast<float4*>(Pt + r * kLdP + J * 16 + c4) = add4(s0, s1);
       }
       __syncthreads();
       if (J < I) {
         const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
         float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-#pragma unroll
-        for (int m = 0; m < 16; m += 2) {
-          const float a0 = -xr[m], a1 = -xr[m + 1];
-          const float4 p0 = *reinterpret_cast<const float4*>(Pt + m * kLdP + J * 16 + c4);
-          const float4 p1 = *reinterpret_cast<const float4*>(Pt + (m + 1) * kLdP + J * 16 + c4);
-          s0.x = fmaf(a0, p0.x, s0.x); s0.y = fmaf(a0, p0.y, s0.y);
-          s0.z = fmaf(a0, p0.z, s0.z); s0.w = fmaf(a0, p0.w, s0.w);
-          s1.x = fmaf(a1, p1.x, s1.x); s1.y = fmaf(a1, p1.y, s1.y);
-          s1.z = fmaf(a1, p1.z, s1.z); s1.w = fmaf(a1, p1.w, s1.w);
-        }
-        *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + J * 16 + c4) =
-            make_float4(s0.x + s1.x, s0.y + s1.y, s0.z + s1.z, s0.w + s1.w);
+        dot16_rows4<true>(s0, s1, xr, Pt + J * 16 + c4, kLdP);
+        *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + J * 16 + c4) = add4(s0, s1);
       }
       __syncthreads();
     }
