@@ -11,9 +11,8 @@ values), padding rows give exact zeros and touch neither cache; repeated slots a
 FKDA_FUSED_TEST_DEVICE=cpu runs the same harness against cpu_fused_kda_decode (a dry run of the
 harness itself on a machine without a GPU; the CUDA-only tests skip).
 
-`python tests/gpu/test_fused_decode_gpu.py bench` prints a quick CUDA-graph timing table: the fused
-op vs the plain kda_decode step at the same shape, and vs the unfused sequence (torch conv update +
-SiLU, kda_decode, torch gated RMSNorm).
+Timings live in benchmarks/bench_fused_decode.py (fused vs the plain step and the unfused engine
+sequence, every tile module with --modules).
 """
 from __future__ import annotations
 
@@ -397,104 +396,5 @@ def test_binding_rejects_unsupported_heads():
         call(rec["name"], inp, conv, state, idx, out, "softplus")
 
 
-# ---- quick benchmark (not a test) ---------------------------------------------------------------
-
-def _graph_time_us(fn, reps=20, iters=5):
-    """Median per-call time of fn captured `reps` times in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
-
-
-def bench():
-    """Every fused tile module, the routed fused op, the plain decode step (routed kda_decode at the
-    same shape) and the unfused sequence, CUDA-graph replay, us per step."""
-    import flashkda_ext
-    stems = [r["name"].rsplit("_", 2)[0] for r in RECORDS if r["abi"] != "sequential"]
-    stems = sorted(set(stems), key=stems.index)
-    print(f"# {torch.cuda.get_device_name()}: CUDA-graph replay, us per step (median); "
-          f"ratio = routed fused / plain decode")
-    print("state H rows | " + " | ".join(stems) + " | fused(route) | plain | unfused | ratio | unfused/fused")
-    shapes = [(16, r) for r in (1, 4, 16, 64, 256, 1024, 4096)] + [(64, r) for r in (1, 16, 64, 256, 1024)]
-    # build every module the table touches in parallel first
-    from concurrent.futures import ThreadPoolExecutor
-
-    from flashkda_ext import dispatch, jit
-    names = {r["name"] for r in RECORDS if r["abi"] != "sequential" and r["slot_offset_bits"] == 32}
-    for tag in ("f32", "bf16"):
-        for H, rows in shapes:
-            meta = dict(device="cuda", rows=rows, value_heads=H, work_items=rows * H, state=tag, offset="o32",
-                        slot_mode="unique", gate="softplus")
-            names.add(dispatch.module_name("kda_decode", meta))
-            names.add(dispatch.module_name("fused_kda_decode", meta))
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
-        list(ex.map(jit.build_module, sorted(names)))
-    for sdt in (torch.float32, torch.bfloat16):
-        tag = "f32" if sdt == torch.float32 else "bf16"
-        for H, rows in shapes:
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            slots = rows + 256
-            inp = make_inputs(rows, H, "softplus", gen)
-            conv, state = make_pools(slots, H, sdt, gen)
-            idx = torch.randperm(slots, device="cuda")[:rows].to(torch.int32)
-            out = torch.empty(rows, H, D, dtype=torch.bfloat16, device="cuda")
-            HD = H * D
-            q = torch.randn(rows, H, D, device="cuda").to(torch.bfloat16)
-            k, v = q.clone(), q.clone()
-            dout = torch.empty_like(out)
-            offs = "o64" if state.numel() > 2 ** 31 - 1 else "o32"
-
-            def module_fn(stem):
-                return lambda: call(f"{stem}_{tag}_{offs}", inp, conv, state, idx, out, "softplus")
-
-            def fused():
-                flashkda_ext.fused_kda_decode(inp["x"], inp["conv_weight"], conv, inp["g"], inp["beta"],
-                                              inp["A_log"], inp["dt_bias"], idx, state, inp["output_gate"],
-                                              inp["norm_weight"], gate="softplus", out=out)
-
-            def plain():
-                flashkda_ext.kda_decode(q, k, v, inp["g"], inp["beta"], state=state, state_indices=idx,
-                                        A_log=inp["A_log"], dt_bias=inp["dt_bias"], gate="softplus", out=dout)
-
-            w = inp["conv_weight"].float()
-
-            def unfused():
-                li = idx.long()
-                win = torch.cat([conv[li].float(), inp["x"].float()[..., None]], -1)
-                y = torch.nn.functional.silu((win * w).sum(-1)).to(torch.bfloat16)
-                conv[li] = win[..., 1:].to(torch.bfloat16)
-                qq, kk, vv = (y[:, i * HD:(i + 1) * HD].reshape(rows, H, D) for i in range(3))
-                flashkda_ext.kda_decode(qq, kk, vv, inp["g"], inp["beta"], state=state, state_indices=idx,
-                                        A_log=inp["A_log"], dt_bias=inp["dt_bias"], gate="softplus", out=dout)
-                o = dout.float()
-                o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5)
-                out.copy_((o * inp["norm_weight"] * torch.sigmoid(inp["output_gate"].float())).to(torch.bfloat16))
-
-            tm = [_graph_time_us(module_fn(st)) for st in stems]
-            tf, tp, tu = _graph_time_us(fused), _graph_time_us(plain), _graph_time_us(unfused)
-            print(f"{tag} {H} {rows} | " + " | ".join(f"{t:.2f}" for t in tm)
-                  + f" | {tf:.2f} | {tp:.2f} | {tu:.2f} | {tf / tp:.3f} | {tu / tf:.2f}", flush=True)
-            del conv, state
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["bench"]:
-        bench()
-    else:
-        sys.exit(pytest.main([__file__, "-q"] + sys.argv[1:]))
+    sys.exit(pytest.main([__file__, "-q"] + sys.argv[1:]))
