@@ -281,6 +281,17 @@ struct PrepArgs {
   uint8_t* ws;
 };
 
+// Two adjacent entries (row, col) and (row, col + 1), col even, of L (strictly lower, times
+// beta_row) and of Aqk (lower, diagonal kept); zeros above. Select, never multiply: above the
+// diagonal the sums may be inf / NaN (factors that overflow there), and they must not leak.
+__device__ __forceinline__ void store_l_pair(float* Lm, int row, int col, float x0, float x1, float beta) {
+  *reinterpret_cast<float2*>(Lm + row * kLdM + col) =
+      make_float2(col < row ? beta * x0 : 0.f, col + 1 < row ? beta * x1 : 0.f);
+}
+__device__ __forceinline__ void store_a_pair(bf16* Aw, int row, int col, float x0, float x1) {
+  *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(col <= row ? x0 : 0.f, col + 1 <= row ? x1 : 0.f);
+}
+
 // One row i of a diagonal 16x16 block (columns j = j0 + t): this lane's part (keys d = 32 c + 4 dq
 // + e) of sum_d k_i k_j exp2(G_i - G_j) and of sum_d q_i k_j exp2(G_i - G_j) for t < NT and t <= last
 // (warp-uniform), then summed over the 8 lanes of the group (every lane ends with the full sums).
@@ -325,24 +336,18 @@ __device__ __forceinline__ void diag_row_sums(const bf16* Qs, const bf16* Ks, co
     }
   }
 }
-// Lane dq of the group writes the columns 2 dq, 2 dq + 1 of row i (il = i - 16 blk) of the block:
-// L (times beta_i) for j < i and Aqk for j <= i, zeros elsewhere (sums with t >= NT are zeros).
+// Lane dq of the group writes the columns 2 dq, 2 dq + 1 of row i of the block (sums with t >= NT
+// are zeros).
 template <int NT>
-__device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int il, int blk, int dq, float beta,
+__device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int blk, int dq, float beta,
                                                const float (&sL)[NT], const float (&sA)[NT]) {
   float l[2] = {0.f, 0.f}, q[2] = {0.f, 0.f};
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if ((t >> 1) == dq) { l[t & 1] = sL[t]; q[t & 1] = sA[t]; }
   }
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int col = 2 * dq + e;
-    l[e] = col < il ? beta * l[e] : 0.f;
-    q[e] = col <= il ? q[e] : 0.f;
-  }
-  *reinterpret_cast<float2*>(Lm + i * kLdM + blk * 16 + 2 * dq) = make_float2(l[0], l[1]);
-  *reinterpret_cast<uint32_t*>(Aw + i * kLdX + blk * 16 + 2 * dq) = pack_bf16(q[0], q[1]);
+  store_l_pair(Lm, i, blk * 16 + 2 * dq, l[0], l[1], beta);
+  store_a_pair(Aw, i, blk * 16 + 2 * dq, q[0], q[1]);
 }
 
 // (diag_mma 2) The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
@@ -415,8 +420,7 @@ __device__ __forceinline__ DiagPartial diag_block_split_mma(const bf16* Qs, cons
   return mine;
 }
 // After the barrier: add the other warp's partial (k-steps 0..3 first in both warps) and write
-// the block: L (times beta_i, j < i) from half 0, Aqk (j <= i) from half 1. Select, never
-// multiply: entries above the diagonal may be inf / NaN.
+// the block: L from half 0, Aqk from half 1.
 __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const float* xch, float* Lm, bf16* Aw,
                                                   const float* betas, int I, int half, int lane) {
   const int g = lane >> 2, tq = lane & 3;
@@ -425,21 +429,15 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
   for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int il = g + 8 * hh, row = 16 * I + il, col = nn * 8 + 2 * tq;
+      const int row = 16 * I + g + 8 * hh, col = 16 * I + nn * 8 + 2 * tq;
       float x[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float my = mine.v[nn][2 * hh + e], other = in[nn * 4 + 2 * hh + e];
         x[e] = half ? other + my : my + other;
       }
-      if (half == 0) {
-        const float bi = betas[row];
-        *reinterpret_cast<float2*>(Lm + row * kLdM + 16 * I + col) =
-            make_float2(col < il ? bi * x[0] : 0.f, col + 1 < il ? bi * x[1] : 0.f);
-      } else {
-        *reinterpret_cast<uint32_t*>(Aw + row * kLdX + 16 * I + col) =
-            pack_bf16(col <= il ? x[0] : 0.f, col + 1 <= il ? x[1] : 0.f);
-      }
+      if (half == 0) store_l_pair(Lm, row, col, x[0], x[1], betas[row]);
+      else store_a_pair(Aw, row, col, x[0], x[1]);
     }
 }
 
@@ -640,13 +638,13 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       const int i = blk * 16 + p;
       float sL[8], sA[8];
       diag_row_sums<8>(Qs, Ks, Gs, i, blk * 16, dq, (warp & 1) * 4 + 3, sL, sA);
-      diag_row_store<8>(Lm, Aw, i, p, blk, dq, betas[i], sL, sA);
+      diag_row_store<8>(Lm, Aw, i, blk, dq, betas[i], sL, sA);
     }
     {
       const int i = blk * 16 + 15 - p;
       float sL[16], sA[16];
       diag_row_sums<16>(Qs, Ks, Gs, i, blk * 16, dq, 15 - (warp & 1) * 4, sL, sA);
-      diag_row_store<16>(Lm, Aw, i, 15 - p, blk, dq, betas[i], sL, sA);
+      diag_row_store<16>(Lm, Aw, i, blk, dq, betas[i], sL, sA);
     }
   }
 
@@ -716,20 +714,9 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = 16 * I + g + 8 * h, col = nb * 16 + nn * 8 + 2 * tq;
-          // In the diagonal block keep j < i (L) / j <= i (Aqk); above it the factors may overflow:
-          // select, never multiply, so inf/NaN there cannot leak.
-          float x0 = acc[nn][2 * h], x1 = acc[nn][2 * h + 1];
-          if (mt == 0) {
-            const float bi = betas[row];
-            x0 = col < row ? bi * x0 : 0.f;
-            x1 = col + 1 < row ? bi * x1 : 0.f;
-            Lm[row * kLdM + col] = x0;
-            Lm[row * kLdM + col + 1] = x1;
-          } else {
-            x0 = col <= row ? x0 : 0.f;
-            x1 = col + 1 <= row ? x1 : 0.f;
-            *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(x0, x1);
-          }
+          // in a folded diagonal block only j < i (L) / j <= i (Aqk) are kept
+          if (mt == 0) store_l_pair(Lm, row, col, acc[nn][2 * h], acc[nn][2 * h + 1], betas[row]);
+          else store_a_pair(Aw, row, col, acc[nn][2 * h], acc[nn][2 * h + 1]);
         }
     }
     __syncthreads();
