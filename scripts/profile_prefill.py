@@ -1,7 +1,9 @@
-"""Runs kda_prefill on one shape a few times, for a profiler (ncu) to attach to.
+"""Runs kda_prefill on one shape a few times, for a profiler (ncu) to attach to, or (--kernels) prints
+each kernel's GPU time from torch.profiler.
 
     ncu --clock-control none -k regex:kda_prep --launch-skip 2 --launch-count 1 \
         python3 scripts/profile_prefill.py --tokens 32768 --heads 16
+    python3 scripts/profile_prefill.py --lens 1024,64 --repeat 8 --kernels --module prefill_vt64_f32
 
 Fresh random bf16 inputs, softplus gate (or --gate bounded), fp32 initial state; the first calls
 load the module and warm the allocator, so skip them in the profiler. Prints the median event
@@ -10,44 +12,95 @@ time of the warm calls (L2 not flushed: a quick before/after figure, not a bench
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 
 import torch
 
 import flashkda_ext
+from flashkda_ext import jit
+
+
+def seq_lens(a) -> list[int]:
+    if a.lens:
+        return [int(x) for x in a.lens.split(",")] * a.repeat
+    base, extra = divmod(a.tokens, a.seqs)
+    return [base + (i < extra) for i in range(a.seqs)]
+
+
+def kernel_times(call, calls: int) -> dict[str, float]:
+    """Mean GPU time per call of each kernel name (us), from torch.profiler's device events."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    total = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return {k: v / calls for k, v in total.items()}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--seqs", type=int, default=1, help="equal-length sequences packed")
+    p.add_argument("--lens", default="", help="comma list of sequence lengths (overrides --tokens/--seqs)")
+    p.add_argument("--repeat", type=int, default=1, help="repeat the --lens list this many times")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--gate", default="softplus", choices=["softplus", "bounded"])
     p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--module", default="", help="call this module record directly instead of the route's")
+    p.add_argument("--kernels", action="store_true", help="print each kernel's GPU time (torch.profiler)")
     a = p.parse_args()
     torch.manual_seed(0)
-    dev, T, H, D = torch.device("cuda"), a.tokens, a.heads, 128
+    lens = seq_lens(a)
+    dev, T, N, H, D = torch.device("cuda"), sum(lens), len(lens), a.heads, 128
     bf = dict(device=dev, dtype=torch.bfloat16)
     q, k, v = (torch.randn(1, T, H, D, **bf) for _ in range(3))
     g = torch.randn(1, T, H, D, **bf)
     beta = torch.randn(1, T, H, **bf)
     A_log = torch.rand(H, device=dev) * 2.0
     dt_bias = torch.randn(H * D, device=dev) * 0.5
-    cu = torch.linspace(0, T, a.seqs + 1, device=dev).round().to(torch.int32)
-    init = torch.randn(a.seqs, H, D, D, device=dev) * 0.1
+    cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+    init = torch.randn(N, H, D, D, device=dev) * 0.1
     kw = dict(A_log=A_log, dt_bias=dt_bias, gate=a.gate, cu_seqlens=cu, initial_state=init)
     if a.gate == "bounded":
         kw["lower_bound"] = -5.0
+    if a.module:
+        # the module's own ABI (docs/architecture.md), as benchmarks/bench_prefill.py --module calls it
+        from flashkda_ext import validation
+        import tvm_ffi
+        mod = jit.load_module(a.module)
+        ws = torch.empty(int(mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
+        out = torch.empty(1, T, H, D, **bf)
+        final = torch.empty_like(init)
+        gm = validation.GATE_MODE[a.gate]
+        lb = -5.0 if a.gate == "bounded" else 0.0
+
+        def call():
+            with tvm_ffi.use_torch_stream():
+                mod["kda_prefill"](q, k, v, g, beta, A_log, dt_bias, cu, init, final, None, None, out, ws, gm, lb,
+                                   D ** -0.5, True, False, 0)
+    else:
+        def call():
+            flashkda_ext.kda_prefill(q, k, v, g, beta, **kw)
     times = []
     for _ in range(a.calls):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        flashkda_ext.kda_prefill(q, k, v, g, beta, **kw)
+        call()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     warm = sorted(times[1:] or times)
-    print(f"T={T} N={a.seqs} H={H} gate={a.gate}: median {warm[len(warm) // 2]:.3f} ms over {len(warm)} warm calls "
-          f"(event time, warm L2)")
+    name = a.lens and f"lens {a.lens} x{a.repeat}" or f"T={T} N={N}"
+    print(f"{name} H={H} gate={a.gate}{' ' + a.module if a.module else ''}: median "
+          f"{warm[len(warm) // 2]:.3f} ms over {len(warm)} warm calls (event time, warm L2)")
+    if a.kernels:
+        for kname, us in sorted(kernel_times(call, a.calls).items(), key=lambda kv: -kv[1]):
+            print(f"  {us:9.1f} us  {kname[:90]}")
+
 
 if __name__ == "__main__":
     main()

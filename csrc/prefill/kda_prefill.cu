@@ -4,6 +4,9 @@
 // value_heads) -> bytes of the optional workspace argument, fkda_contract().
 // FKDA_PARAM_VT: the value-column tile of the state pass (16, 32 or 64: one module per tile, picked
 // by jit/routes/kda_prefill.json from sequences x heads); 0 picks it at run time (benchmarks).
+// FKDA_PARAM_RING: the state pass's chunk ring depth; 0 = the V tile's default (3 for tiles 16 and 32,
+// 2 for 64: one CTA an SM), 1 = no prefetch at about half the shared memory (2-3 CTAs an SM), for
+// many short sequences.
 // FKDA_PARAM_DIAG_MMA: the diagonal 16x16 blocks of L / Aqk. 0 = elementwise fp32 (as accurate as
 // fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
 // 2^100), on tensor cores: 1 = one bf16 product folded into the row-block pass (output rel. L2
@@ -27,14 +30,21 @@
 #if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
 #error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"
 #endif
+#ifndef FKDA_PARAM_RING
+#define FKDA_PARAM_RING 0
+#endif
+#if FKDA_PARAM_RING < 0 || FKDA_PARAM_RING > 3 || (FKDA_PARAM_RING != 0 && FKDA_PARAM_VT == 0)
+#error "FKDA_PARAM_RING must be 0 (the V tile's default) or 1..3 with a fixed FKDA_PARAM_VT"
+#endif
 // The module record states the state pass launch shape; keep it and the kernels in step.
 static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_prefill::kC, "the kernels are written for chunk 64");
 #endif
 #if FKDA_PARAM_VT != 0
-static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT>::kTotal,
-              "module record 'smem_bytes' must equal the state pass shared memory of its V tile");
+constexpr int kRing = FKDA_PARAM_RING ? FKDA_PARAM_RING : fkda_prefill::default_ring<FKDA_PARAM_VT>();
+static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT, kRing>::kTotal,
+              "module record 'smem_bytes' must equal the state pass shared memory of its V tile and ring");
 #endif
 
 namespace {
@@ -52,22 +62,23 @@ using StateT = float;
 constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
 constexpr int kDiagMma = FKDA_PARAM_DIAG_MMA;   // prep: diagonal blocks on tensor cores where safe
 
-template <int VT>
+template <int VT, int RING = fkda_prefill::default_ring<VT>()>
 void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
                   int HV) {
-  using SM = fkda_prefill::StateSmem<VT>;
-  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, StateT>,
+  using SM = fkda_prefill::StateSmem<VT, RING>;
+  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
              dim3(fkda_prefill::kV / VT, HV, N), dim3(FKDA_THREADS), SM::kTotal, sa);
 }
 
+#if FKDA_PARAM_VT == 0
 int pick_vt(int64_t N, int64_t HV) {
-  if (FKDA_PARAM_VT) return FKDA_PARAM_VT;
   // Enough CTAs for 132 SMs first; then wider tiles (fewer repeated K-side loads).
   const int64_t items = N * HV;
   if (items <= 16) return 16;
   if (items <= 40) return 32;
   return 64;
 }
+#endif
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                  OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
@@ -216,7 +227,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.out = data_ptr<bf16>(out);
   sa.tma = kTma;
 #if FKDA_PARAM_VT != 0
-  launch_state<FKDA_PARAM_VT>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
+  launch_state<FKDA_PARAM_VT, kRing>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
 #else
   switch (pick_vt(N, HV)) {
     case 16: launch_state<16>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;

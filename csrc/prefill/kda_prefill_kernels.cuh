@@ -73,10 +73,17 @@ inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t v
 }
 
 // ---- state kernel shared memory map --------------------------------------------------------------
+// Default ring depth of the state pass: chunk c+NS-1 is loading while chunk c is used (3 deep where
+// shared memory allows). One CTA an SM at these depths (176-220 KB).
 template <int VT>
+constexpr int default_ring() { return VT <= 32 ? 3 : 2; }
+
+// RING = 1: no prefetch, about half the shared memory, so 2 (V tile 32, 64) or 3 (16) CTAs an SM;
+// for many short sequences, where a CTA has one or two chunks and nothing to prefetch.
+template <int VT, int RING = default_ring<VT>()>
 struct StateSmem {
-  // Ring depth: chunk c+NS-1 is loading while chunk c is used (3 deep where shared memory allows).
-  static constexpr int NS = VT <= 32 ? 3 : 2;
+  static_assert(RING >= 1 && RING <= 3, "ring depth 1..3");
+  static constexpr int NS = RING;
   static constexpr int kLdU = VT + 8;                  // Sb and V' rows
   static constexpr int kW = int(kWsW), kQg = int(kWsQg), kKd = int(kWsKd), kA = int(kWsA);
   static constexpr int kGc = int(kWsGc), kU = int(kWsU);
@@ -927,10 +934,10 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
 // Chunk data for one V tile: [W | Qg | Kd | A | gC] and the tile's U blocks, both contiguous in the
 // workspace. tma: thread 0 issues two bulk copies on the stage's mbarrier; else every thread
 // issues 16 B cp.async (one commit group per chunk).
-template <int VT>
+template <int VT, int NS>
 __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid, bool tma,
                                             uint64_t* bar) {
-  using SM = StateSmem<VT>;
+  using SM = StateSmem<VT, NS>;
   const uint8_t* usrc = ws + kWsU + size_t(vt) * SM::kUBytes;
   if (tma) {
     if (tid == 0) {
@@ -944,10 +951,10 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
   }
 }
 
-template <int VT, typename ST>
+template <int VT, int RING, typename ST>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  using SM = StateSmem<VT>;
+  using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8, NP = VT / 16, LDU = SM::kLdU;
   constexpr int KS = VT <= 32 ? 2 : 1;  // independent accumulator sets per k-reduction (see below)
   extern __shared__ __align__(128) uint8_t smem[];
@@ -1001,12 +1008,14 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     }
     __syncthreads();
   }
+  // Chunks 0..NS-2 in flight before the loop (chunk 0 alone with a 1-deep ring).
+  constexpr int kAhead = NS > 1 ? NS - 1 : 1;
   if (nch > 0) {
 #pragma unroll
-    for (int i = 0; i < NS - 1; ++i) {
+    for (int i = 0; i < kAhead; ++i) {
       if (i < nch)
-        issue_chunk<VT>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
-                        tid, tma, bars + i);
+        issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
+                            tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
     // The bf16 copy of the state that feeds the B operand of V' = U - W S and O = Qg S.
@@ -1025,14 +1034,14 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   for (int64_t c = 0; c < nch; ++c) {
     uint8_t* st = smem + stage * SM::kStage;
     if (tma) mbar_wait(bars + stage, parity);
-    else cp_async_wait<NS - 2>();
+    else cp_async_wait<kAhead - 1>();
     __syncthreads();  // chunk c visible; every warp is done with chunk c-1 (its stage is free)
-    {
+    if (NS > 1) {
       const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
       if (c + NS - 1 < nch)
-        issue_chunk<VT>(smem + ns * SM::kStage,
-                        a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
-                        bars + ns);
+        issue_chunk<VT, NS>(smem + ns * SM::kStage,
+                            a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
+                            bars + ns);
       cp_async_commit();
     }
     if (stage == NS - 1) parity ^= 1u;
@@ -1167,6 +1176,12 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
         for (int h = 0; h < 2; ++h)
           *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * LDU + nt * 8 + 2 * tq) =
               pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+
+    if (NS == 1 && c + 1 < nch) {
+      __syncthreads();  // every warp is done with the one stage (and has written its Sb rows)
+      issue_chunk<VT, NS>(smem, a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid, tma, bars);
+      cp_async_commit();
+    }
 
     if (a.ckpt) {
       const int64_t done = (c + 1) * kC;  // checkpoints fall on whole chunks (every % 64 == 0)
