@@ -30,6 +30,12 @@
 #if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
 #error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"
 #endif
+#ifndef FKDA_PARAM_SINGLE
+#define FKDA_PARAM_SINGLE 0
+#endif
+#if FKDA_PARAM_SINGLE != 0 && FKDA_PARAM_SINGLE != 1
+#error "FKDA_PARAM_SINGLE must be 0 or 1"
+#endif
 #ifndef FKDA_PARAM_RING
 #define FKDA_PARAM_RING 0
 #endif
@@ -61,6 +67,7 @@ using StateT = float;
 // Fixed per module (its record's params), never switched at run time: one module, one behaviour.
 constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
 constexpr int kDiagMma = FKDA_PARAM_DIAG_MMA;   // prep: diagonal blocks on tensor cores where safe
+constexpr int kSingle = FKDA_PARAM_SINGLE;       // sequences of one chunk finished inside the prep kernel
 
 template <int VT, int RING = fkda_prefill::default_ring<VT>()>
 void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
@@ -183,6 +190,24 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     own_ws = true;
   }
 
+  fkda_prefill::StateArgs sa;
+  sa.ws = ws;
+  sa.cu = data_ptr<void>(cu_seqlens);
+  sa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
+  sa.N = static_cast<int>(N);
+  sa.HV = static_cast<int>(HV);
+  sa.init = initial_state.has_value() ? data_ptr<void>(initial_state.value()) : nullptr;
+  sa.fin = final_state.has_value() ? data_ptr<void>(final_state.value()) : nullptr;
+  sa.idx = pool ? data_ptr<int32_t>(state_indices.value()) : nullptr;
+  sa.num_slots = slots;
+  sa.null_slot0 = null_slot0 ? 1 : 0;
+  sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
+  sa.ckpt_count = ckpt_count;
+  sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
+  sa.out = data_ptr<bf16>(out);
+  sa.tma = kTma;
+  sa.single = kSingle;
+
   const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
   if (T > 0) {
     fkda_prefill::PrepArgs pa;
@@ -204,28 +229,13 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.beta_logit = beta_is_logit ? 1 : 0;
     pa.diag_mma = kDiagMma;
     pa.ws = ws;
+    pa.st = sa;
     FKDA_CHECK(slots_chunks <= 0x7fffffff, fn) << "too many chunks: " << slots_chunks;
-    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel,
+    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT>,
                dim3(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV)),
                dim3(fkda_prefill::kLiteThreads), fkda_prefill::kLiteSmem, pa);
   }
 
-  fkda_prefill::StateArgs sa;
-  sa.ws = ws;
-  sa.cu = data_ptr<void>(cu_seqlens);
-  sa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
-  sa.N = static_cast<int>(N);
-  sa.HV = static_cast<int>(HV);
-  sa.init = initial_state.has_value() ? data_ptr<void>(initial_state.value()) : nullptr;
-  sa.fin = final_state.has_value() ? data_ptr<void>(final_state.value()) : nullptr;
-  sa.idx = pool ? data_ptr<int32_t>(state_indices.value()) : nullptr;
-  sa.num_slots = slots;
-  sa.null_slot0 = null_slot0 ? 1 : 0;
-  sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
-  sa.ckpt_count = ckpt_count;
-  sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
-  sa.out = data_ptr<bf16>(out);
-  sa.tma = kTma;
 #if FKDA_PARAM_VT != 0
   launch_state<FKDA_PARAM_VT, kRing>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
 #else

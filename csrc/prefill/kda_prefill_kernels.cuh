@@ -269,6 +269,247 @@ __device__ __forceinline__ int find_seq(const void* cu, int cu64, int N, int64_t
   return lo;
 }
 
+// ---- the ordered state update of one chunk: shared by the state pass and by the prep kernel's
+// path for sequences of one chunk (StateArgs::single) ------------------------------------------
+struct StateArgs {
+  const uint8_t* ws;
+  const void* cu;
+  int cu64;
+  int N, HV;
+  const void* init;         // [slots or N, HV, V, K] or null
+  void* fin;                // may alias init (pool in place)
+  const int32_t* idx;       // pool indices or null
+  int64_t num_slots;        // pool slots: an index >= this is treated as padding (never out of bounds)
+  int null_slot0;
+  void* ckpt;               // [N, Cc, HV, V, K] or null
+  int tma;                  // 1: bulk copies on mbarriers; 0: cp.async
+  int single;               // 1: sequences of one chunk are finished by the prep kernel
+  int64_t ckpt_count;
+  int64_t ckpt_every;
+  bf16* out;                // [T, HV, V]
+};
+
+// acc[0] += acc[1] + ...: the partial sums of a k-reduction split over independent accumulator sets.
+template <int KS, int NT>
+__device__ __forceinline__ void fold_partial_sums(float (&acc)[KS][NT][4]) {
+#pragma unroll
+  for (int p = 1; p < KS; ++p)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[p][nt][e];
+}
+
+template <typename ST>
+__device__ __forceinline__ float ld_state(const ST* p);
+template <>
+__device__ __forceinline__ float ld_state<float>(const float* p) { return *p; }
+template <>
+__device__ __forceinline__ float ld_state<bf16>(const bf16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void st_state(float* p, float x) { *p = x; }
+__device__ __forceinline__ void st_state(bf16* p, float x) { *p = __float2bfloat16(x); }
+
+// Register state tile of a warp (w = 0..3 of a 4-warp group): rows d = 32 w + 16 mt + g (+8),
+// columns v = v0 + 8 nt + 2 tq (+1) of one [V][K] state.
+template <int VT, typename ST>
+__device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][VT / 8][4], int w,
+                                                 int lane, int v0) {
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
+        st_state(base + size_t(vv) * kK + d, s[mt][nt][e]);
+      }
+}
+// The same tile from src, or zeros when src is null.
+template <int VT, typename ST>
+__device__ __forceinline__ void load_state_tile(float (&s)[2][VT / 8][4], const ST* src, int w, int lane,
+                                                int v0) {
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
+        s[mt][nt][e] = src ? ld_state(src + size_t(vv) * kK + d) : 0.f;
+      }
+}
+// The bf16 copy of the tile that feeds the B operand of V' = U - W S and O = Qg S ([K][VT + 8]).
+template <int VT>
+__device__ __forceinline__ void write_state_bf16(bf16* Sb, const float (&s)[2][VT / 8][4], int w, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * (VT + 8) + nt * 8 + 2 * tq) =
+            pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+}
+
+// Sequence n's pool slot (or n); true when the row is padding (nothing read or written).
+__device__ __forceinline__ bool state_slot(const StateArgs& a, int n, int64_t& slot) {
+  slot = n;
+  if (!a.idx) return false;
+  const int s = a.idx[n];
+  slot = s;
+  return s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0);
+}
+
+// After chunk c of sequence n (length len): the checkpoint that falls on its end, if any
+// (checkpoints fall on whole chunks: every % 64 == 0).
+template <int VT, typename ST>
+__device__ __forceinline__ void store_checkpoint(const StateArgs& a, const float (&s)[2][VT / 8][4], int n,
+                                                 int hv, int64_t c, int64_t len, int w, int lane, int v0) {
+  if (!a.ckpt) return;
+  const int64_t done = (c + 1) * kC;
+  if (done <= len && done % a.ckpt_every == 0) {
+    const int64_t m = done / a.ckpt_every - 1;
+    if (m < a.ckpt_count) {
+      ST* dst = static_cast<ST*>(a.ckpt) + ((size_t(n) * a.ckpt_count + m) * a.HV + hv) * kV * kK;
+      store_state_tile<VT, ST>(dst, s, w, lane, v0);
+    }
+  }
+}
+
+// One chunk for a VT-column tile, by a group of 4 warps (w = 0..3): V' = U - W S, O = Qg S + Aqk V'
+// (rows < valid stored at out + row * out_ld), S = Diag(exp(G_C)) S + Kd^T V', and Sb refreshed
+// from the new S. On entry Sb holds bf16(S); Us is the tile's U blocks (u_off layout, tile-local
+// columns). One __syncthreads inside (V' complete): every thread of the CTA calls it.
+// KS: independent accumulator sets per k-reduction. With few V columns a warp holds too few
+// independent accumulators to hide the mma latency, so even and odd k-steps go to separate ones
+// (KS = 2), summed at the end (H200, 1x32768 H16, vt16: 0.52 vs 0.545 ms).
+template <int VT, int KS = (VT <= 32 ? 2 : 1)>
+__device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16* Sb, bf16* Vp, const bf16* Ws,
+                                                 const bf16* Qg, const bf16* Kd, const bf16* As, const bf16* Us,
+                                                 const float* gc, bf16* out, size_t out_ld, int valid, int w,
+                                                 int lane) {
+  static_assert(KS == 1 || KS == 2, "one or two accumulator sets");
+  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
+  const int g = lane >> 2, tq = lane & 3;
+  // V' = U - W S and O = Qg S: rows 16 w of the chunk.
+  float a1[KS][NT][4], a2[KS][NT][4];
+#pragma unroll
+  for (int p = 0; p < KS; ++p)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a1[p][nt][e] = a2[p][nt][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    const int p = ks % KS;
+    uint32_t aw[4], aq[4];
+    load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
+    load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      uint32_t bb[4];
+      load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
+      mma_bf16(a1[p][2 * np], aw, bb);
+      mma_bf16(a1[p][2 * np + 1], aw, bb + 2);
+      mma_bf16(a2[p][2 * np], aq, bb);
+      mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
+    }
+  }
+  fold_partial_sums(a1);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
+      const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
+      *reinterpret_cast<uint32_t*>(Vp + row * LDU + col) =
+          pack_bf16(u.x - a1[0][nt][2 * h], u.y - a1[0][nt][2 * h + 1]);
+    }
+  __syncthreads();  // V' complete
+
+  // O += Aqk V' (Aqk lower triangular: k-steps 0..w), then store valid rows.
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    if (ks > w) break;  // warp-uniform; unrolled so that p stays a constant (register arrays)
+    const int p = ks % KS;
+    uint32_t aa[4];
+    load_a(aa, As, kLdX, w * 16, ks * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      uint32_t bb[4];
+      load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+      mma_bf16(a2[p][2 * np], aa, bb);
+      mma_bf16(a2[p][2 * np + 1], aa, bb + 2);
+    }
+  }
+  fold_partial_sums(a2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = w * 16 + g + 8 * h;
+    if (row < valid) {
+      bf16* o = out + size_t(row) * out_ld;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * tq) = pack_bf16(a2[0][nt][2 * h], a2[0][nt][2 * h + 1]);
+    }
+  }
+
+  // S = Diag(exp(G_C)) S + Kd^T V'.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const float g0 = gc[w * 32 + mt * 16 + g], g1 = gc[w * 32 + mt * 16 + g + 8];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[mt][nt][0] *= g0; s[mt][nt][1] *= g0;
+      s[mt][nt][2] *= g1; s[mt][nt][3] *= g1;
+    }
+  }
+  {
+    // odd k-steps into a second accumulator set when KS = 2 (as above), added to S at the end
+    float t[KS == 2 ? 2 : 1][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < (KS == 2 ? 2 : 1); ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) t[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kC / 16; ++ks) {
+      uint32_t ak[2][4];
+      load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
+      load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < NP; ++np) {
+        uint32_t bb[4];
+        load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          if (KS == 2 && (ks & 1)) {  // resolved at compile time (unrolled)
+            mma_bf16(t[KS == 2 ? mt : 0][2 * np], ak[mt], bb);
+            mma_bf16(t[KS == 2 ? mt : 0][2 * np + 1], ak[mt], bb + 2);
+          } else {
+            mma_bf16(s[mt][2 * np], ak[mt], bb);
+            mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
+          }
+        }
+      }
+    }
+    if (KS == 2) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
+    }
+  }
+  // Every warp read Sb before the V' barrier above, so it can be overwritten now.
+  write_state_bf16<VT>(Sb, s, w, lane);
+}
+
 struct PrepArgs {
   const bf16* q;
   const bf16* k;
@@ -286,6 +527,7 @@ struct PrepArgs {
   int beta_logit;
   int diag_mma;  // diagonal blocks on tensor cores where the gate range allows: 1 folded, 2 split
   uint8_t* ws;
+  StateArgs st;  // the state pass's arguments: st.single = 1 finishes one-chunk sequences here
 };
 
 // Two adjacent entries (row, col) and (row, col + 1), col even, of L (strictly lower, times
@@ -468,13 +710,89 @@ constexpr int kLOffOp = kLOffL + kC * kLdM * 4;           // 96 rows of operands
 constexpr int kLOffBeta = kLOffOp + 96 * kLdB * 2;
 constexpr int kLOffTot = kLOffBeta + kC * 4;
 constexpr int kLOffSafe = kLOffTot + 2 * kK * 4;         // int [4]: diagonal block I on tensor cores
-constexpr int kLiteSmem = kLOffSafe + 16;
+constexpr int kLOffSeq = kLOffSafe + 16;                  // SeqOfChunk: kept here, not in registers
+constexpr int kLiteSmem = kLOffSeq + 16;
 static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
 static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0 && kLOffP % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 static_assert(96 * kLdB * 2 >= int((kV / 16) * kUBlockBytes) && kLdB * kC * 2 == int(kWsQg - kWsW),
               "U is staged in the operand region, W in k's");
 
+// The CTA's sequence, parked in shared memory from the start to the one-chunk path at the end
+// (held in registers it pushed the heavy middle steps over 128 registers).
+struct SeqOfChunk {
+  int64_t bos;
+  int n, len;  // len: -1 unless the sequence is this one chunk and StateArgs::single is set
+};
+
+// Shared memory of the one-chunk path (after step 7: W stays in k's region, U in the operand
+// region; the rest is dead): Qg in q's region, Kd in L's, and below q's region A, exp(G_C) and the
+// two 4-warp groups' bf16 state tiles and V' (V tile 16).
+constexpr int kSingleVT = 16;
+constexpr int kSOffA = 0;
+constexpr int kSOffGc = kSOffA + kC * kLdX * 2;
+constexpr int kSOffSb = kSOffGc + kK * 4;
+constexpr int kSOffVp = kSOffSb + 2 * kK * (kSingleVT + 8) * 2;
+static_assert(kSOffVp + 2 * kC * (kSingleVT + 8) * 2 <= kLOffQ, "one-chunk tiles fit below q's region");
+static_assert(kC * kLdM * 4 >= kC * kLdB * 2, "Kd fits in L's region");
+
+// A sequence of one chunk (StateArgs::single): its state update, done by this CTA instead of the
+// state pass (no second kernel, no wait on the whole grid). The two 4-warp groups take V tiles of
+// 16 columns, 4 rounds; Qg, Kd, A and exp(G_C) come back from the workspace slot this CTA wrote
+// (L2), W and U are still in shared memory.
+template <typename ST>
+__device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8_t* smem, const uint8_t* ws,
+                                                        const bf16* Wsm, const bf16* Usm, int n, int hv,
+                                                        int64_t bos, int len, int tid) {
+  constexpr int VT = kSingleVT;
+  const int lane = tid & 31, warp = tid >> 5, w = warp & 3, group = warp >> 2;
+  bf16* Qg = reinterpret_cast<bf16*>(smem + kLOffQ);
+  bf16* Kd = reinterpret_cast<bf16*>(smem + kLOffL);
+  bf16* As = reinterpret_cast<bf16*>(smem + kSOffA);
+  float* gc = reinterpret_cast<float*>(smem + kSOffGc);
+  bf16* Sb = reinterpret_cast<bf16*>(smem + kSOffSb) + group * kK * (VT + 8);
+  bf16* Vp = reinterpret_cast<bf16*>(smem + kSOffVp) + group * kC * (VT + 8);
+  constexpr int kQkVec = kC * kLdB * 2 / 16, kAVec = kC * kLdX * 2 / 16, kGcVec = kK * 4 / 16;
+  for (int i = tid; i < kQkVec; i += kLiteThreads) {
+    cp_async16(Qg + i * 8, ws + kWsQg + i * 16);
+    cp_async16(Kd + i * 8, ws + kWsKd + i * 16);
+  }
+  for (int i = tid; i < kAVec; i += kLiteThreads) cp_async16(As + i * 8, ws + kWsA + i * 16);
+  if (tid < kGcVec) cp_async16(gc + tid * 4, ws + kWsGc + tid * 16);
+  cp_async_commit();
+  const StateArgs& sa = a.st;
+  int64_t slot;
+  const bool pad = state_slot(sa, n, slot);
+  const size_t head = (size_t(slot) * sa.HV + hv) * kV * kK;
+  const ST* src = sa.init && !pad ? static_cast<const ST*>(sa.init) + head : nullptr;
+  ST* dst = sa.fin && !pad ? static_cast<ST*>(sa.fin) + head : nullptr;
+  constexpr int kRounds = kV / (2 * VT);
+  // The next round's state tile is loaded while this round computes (the rounds are otherwise a
+  // chain of load latencies); one accumulator set (KS = 1) keeps both tiles within 128 registers.
+  float nx[2][VT / 8][4];
+  load_state_tile<VT, ST>(nx, src, w, lane, group * VT);
+  cp_async_wait<0>();
+#pragma unroll 1
+  for (int r = 0; r < kRounds; ++r) {
+    const int v0 = (2 * r + group) * VT;
+    float s[2][VT / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = nx[mt][nt][e];
+    write_state_bf16<VT>(Sb, s, w, lane);
+    __syncthreads();  // the copies and Sb are complete; the last round is done with V'
+    if (r + 1 < kRounds) load_state_tile<VT, ST>(nx, src, w, lane, v0 + 2 * VT);
+    state_chunk_step<VT, 1>(s, Sb, Vp, Wsm, Qg, Kd, As, Usm + (v0 / 16) * (kC * kLdU16), gc,
+                            sa.out + (size_t(bos) * sa.HV + hv) * kV + v0, size_t(sa.HV) * kV, len, w, lane);
+    store_checkpoint<VT, ST>(sa, s, n, hv, 0, len, w, lane, v0);
+    if (dst) store_state_tile<VT, ST>(dst, s, w, lane, v0);
+  }
+}
+
+template <typename ST>
 __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   extern __shared__ __align__(128) uint8_t smem[];
@@ -500,6 +818,8 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
   const int64_t c = slot - (bos / kC + n);
   if (c * kC >= len) return;  // a gap slot (or an empty sequence)
+  SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);
+  if (tid == 0) *seq = SeqOfChunk{bos, n, a.st.single && len <= kC ? int(len) : -1};  // read at the end
   const int64_t t0 = bos + c * kC;
   const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
   const int hk = hv / (a.HV / a.H);
@@ -846,65 +1166,17 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const uint4* su = reinterpret_cast<const uint4*>(Op);
     uint4* gw = reinterpret_cast<uint4*>(ws + kWsW);
     uint4* gu = reinterpret_cast<uint4*>(ws + kWsU);
-    for (int i = tid; i < kC * kLdB / 8; i += kLiteThreads) gw[i] = sw[i];
-    for (int i = tid; i < int((kV / 16) * kUBlockBytes / 16); i += kLiteThreads) gu[i] = su[i];
+    if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
+      for (int i = tid; i < kC * kLdB / 8; i += kLiteThreads) gw[i] = sw[i];
+      for (int i = tid; i < int((kV / 16) * kUBlockBytes / 16); i += kLiteThreads) gu[i] = su[i];
+      return;
+    }
   }
+  const SeqOfChunk sq = *seq;
+  prep_single_chunk_state<ST>(a, smem, ws, Ks, Op, sq.n, hv, sq.bos, sq.len, tid);
 }
 
 // ---------------------------------------------------------------------------------------------
-struct StateArgs {
-  const uint8_t* ws;
-  const void* cu;
-  int cu64;
-  int N, HV;
-  const void* init;         // [slots or N, HV, V, K] or null
-  void* fin;                // may alias init (pool in place)
-  const int32_t* idx;       // pool indices or null
-  int64_t num_slots;        // pool slots: an index >= this is treated as padding (never out of bounds)
-  int null_slot0;
-  void* ckpt;               // [N, Cc, HV, V, K] or null
-  int tma;                  // 1: bulk copies on mbarriers; 0: cp.async
-  int64_t ckpt_count;
-  int64_t ckpt_every;
-  bf16* out;                // [T, HV, V]
-};
-
-// acc[0] += acc[1] + ...: the partial sums of a k-reduction split over independent accumulator sets.
-template <int KS, int NT>
-__device__ __forceinline__ void fold_partial_sums(float (&acc)[KS][NT][4]) {
-#pragma unroll
-  for (int p = 1; p < KS; ++p)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[p][nt][e];
-}
-
-template <typename ST>
-__device__ __forceinline__ float ld_state(const ST* p);
-template <>
-__device__ __forceinline__ float ld_state<float>(const float* p) { return *p; }
-template <>
-__device__ __forceinline__ float ld_state<bf16>(const bf16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void st_state(float* p, float x) { *p = x; }
-__device__ __forceinline__ void st_state(bf16* p, float x) { *p = __float2bfloat16(x); }
-
-// Register state tile of a warp: rows d = 32 w + 16 mt + g (+8), columns v = 8 nt + 2 tq (+1).
-template <int VT, typename ST>
-__device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][VT / 8][4], int w,
-                                                 int lane, int v0) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
-        st_state(base + size_t(vv) * kK + d, s[mt][nt][e]);
-      }
-}
-
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }
@@ -955,12 +1227,11 @@ template <int VT, int RING, typename ST>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   using SM = StateSmem<VT, RING>;
-  constexpr int NT = VT / 8, NP = VT / 16, LDU = SM::kLdU;
-  constexpr int KS = VT <= 32 ? 2 : 1;  // independent accumulator sets per k-reduction (see below)
+  constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
   bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb);
   bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int vt = blockIdx.x, hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
   const int v0 = vt * VT;
 
@@ -968,34 +1239,14 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
   const int64_t base = bos / kC + n;
   const int64_t nch = (len + kC - 1) / kC;
-  int64_t slot = n;
-  bool pad = false;
-  if (a.idx) {
-    const int s = a.idx[n];
-    pad = s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0);
-    slot = s;
-  }
+  if (a.single && nch == 1) return;  // the prep kernel did this sequence (CTA-uniform)
+  int64_t slot;
+  const bool pad = state_slot(a, n, slot);
 
   float s[2][NT][4];
-  if (a.init && !pad) {
-    const ST* src = static_cast<const ST*>(a.init) + (size_t(slot) * HV + hv) * kV * kK;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
-          s[mt][nt][e] = ld_state(src + size_t(vv) * kK + d);
-        }
-  } else {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-  }
+  load_state_tile<VT, ST>(s, a.init && !pad ? static_cast<const ST*>(a.init) + (size_t(slot) * HV + hv) * kV * kK
+                                            : nullptr,
+                          w, lane, v0);
 
   constexpr int NS = SM::NS;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + SM::kBar);
@@ -1018,15 +1269,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
                             tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
-    // The bf16 copy of the state that feeds the B operand of V' = U - W S and O = Qg S.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * LDU + nt * 8 + 2 * tq) =
-              pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+    write_state_bf16<VT>(Sb, s, w, lane);
   }
 
   int stage = 0;
@@ -1046,153 +1289,20 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     }
     if (stage == NS - 1) parity ^= 1u;
     stage = stage + 1 == NS ? 0 : stage + 1;
-    const bf16* Ws = reinterpret_cast<const bf16*>(st + SM::kW);
-    const bf16* Qg = reinterpret_cast<const bf16*>(st + SM::kQg);
-    const bf16* Kd = reinterpret_cast<const bf16*>(st + SM::kKd);
-    const bf16* As = reinterpret_cast<const bf16*>(st + SM::kA);
-    const bf16* Us = reinterpret_cast<const bf16*>(st + SM::kU);
-    const float* gc = reinterpret_cast<const float*>(st + SM::kGc);
-
-    // V' = U - W S and O = Qg S: rows 16 w of the chunk. With few V columns a warp holds too few
-    // independent accumulators to hide the mma latency, so even and odd k-steps go to separate
-    // ones (KS = 2), summed at the end (H200, 1x32768 H16, vt16: 0.52 vs 0.545 ms).
-    float a1[KS][NT][4], a2[KS][NT][4];
-#pragma unroll
-    for (int p = 0; p < KS; ++p)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a1[p][nt][e] = a2[p][nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kK / 16; ++ks) {
-      const int p = ks % KS;
-      uint32_t aw[4], aq[4];
-      load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
-      load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < NP; ++np) {
-        uint32_t bb[4];
-        load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
-        mma_bf16(a1[p][2 * np], aw, bb);
-        mma_bf16(a1[p][2 * np + 1], aw, bb + 2);
-        mma_bf16(a2[p][2 * np], aq, bb);
-        mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
-      }
-    }
-    fold_partial_sums(a1);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
-        const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
-        *reinterpret_cast<uint32_t*>(Vp + row * LDU + col) =
-            pack_bf16(u.x - a1[0][nt][2 * h], u.y - a1[0][nt][2 * h + 1]);
-      }
-    __syncthreads();  // V' complete
-
-    // O += Aqk V' (Aqk lower triangular: k-steps 0..w), then store valid rows.
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks > w) break;  // warp-uniform; unrolled so that p stays a constant (register arrays)
-      const int p = ks % KS;
-      uint32_t aa[4];
-      load_a(aa, As, kLdX, w * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < NP; ++np) {
-        uint32_t bb[4];
-        load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-        mma_bf16(a2[p][2 * np], aa, bb);
-        mma_bf16(a2[p][2 * np + 1], aa, bb + 2);
-      }
-    }
-    fold_partial_sums(a2);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = w * 16 + g + 8 * h;
-      if (c * kC + row < len) {
-        bf16* o = a.out + (size_t(bos + c * kC + row) * HV + hv) * kV + v0;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * tq) = pack_bf16(a2[0][nt][2 * h], a2[0][nt][2 * h + 1]);
-      }
-    }
-
-    // S = Diag(exp(G_C)) S + Kd^T V'.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const float g0 = gc[w * 32 + mt * 16 + g], g1 = gc[w * 32 + mt * 16 + g + 8];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[mt][nt][0] *= g0; s[mt][nt][1] *= g0;
-        s[mt][nt][2] *= g1; s[mt][nt][3] *= g1;
-      }
-    }
-    {
-      // odd k-steps into a second accumulator set when KS = 2 (as above), added to S at the end
-      float t[KS == 2 ? 2 : 1][NT][4];
-#pragma unroll
-      for (int mt = 0; mt < (KS == 2 ? 2 : 1); ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) t[mt][nt][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kC / 16; ++ks) {
-        uint32_t ak[2][4];
-        load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
-        load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
-#pragma unroll
-        for (int np = 0; np < NP; ++np) {
-          uint32_t bb[4];
-          load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            if (KS == 2 && (ks & 1)) {  // resolved at compile time (unrolled)
-              mma_bf16(t[KS == 2 ? mt : 0][2 * np], ak[mt], bb);
-              mma_bf16(t[KS == 2 ? mt : 0][2 * np + 1], ak[mt], bb + 2);
-            } else {
-              mma_bf16(s[mt][2 * np], ak[mt], bb);
-              mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
-            }
-          }
-        }
-      }
-      if (KS == 2) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
-      }
-    }
-    // Every warp read Sb before the V' barrier above, so it can be overwritten now.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * LDU + nt * 8 + 2 * tq) =
-              pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+    const int64_t left = len - c * kC;
+    state_chunk_step<VT>(s, Sb, Vp, reinterpret_cast<const bf16*>(st + SM::kW),
+                         reinterpret_cast<const bf16*>(st + SM::kQg), reinterpret_cast<const bf16*>(st + SM::kKd),
+                         reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU),
+                         reinterpret_cast<const float*>(st + SM::kGc),
+                         a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0, size_t(HV) * kV,
+                         left < kC ? int(left) : kC, w, lane);
 
     if (NS == 1 && c + 1 < nch) {
       __syncthreads();  // every warp is done with the one stage (and has written its Sb rows)
       issue_chunk<VT, NS>(smem, a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid, tma, bars);
       cp_async_commit();
     }
-
-    if (a.ckpt) {
-      const int64_t done = (c + 1) * kC;  // checkpoints fall on whole chunks (every % 64 == 0)
-      if (done <= len && done % a.ckpt_every == 0) {
-        const int64_t m = done / a.ckpt_every - 1;
-        if (m < a.ckpt_count) {
-          ST* dst = static_cast<ST*>(a.ckpt) + ((size_t(n) * a.ckpt_count + m) * HV + hv) * kV * kK;
-          store_state_tile<VT, ST>(dst, s, w, lane, v0);
-        }
-      }
-    }
+    store_checkpoint<VT, ST>(a, s, n, hv, c, len, w, lane, v0);
   }
 
   if (a.fin && !pad) {
