@@ -55,6 +55,11 @@ EDGES = {
         (prefill_meta(num_seqs=1, value_heads=16), "prefill_vt16_f32"),        # 16
         (prefill_meta(num_seqs=17, value_heads=1), "prefill_vt32_f32"),        # 17
     ],
+    ("kda_prefill", "many_seq_heads", "work_items_min"): [
+        (prefill_meta(num_seqs=16, value_heads=16), "prefill_vt64s_f32"),       # 256
+        (prefill_meta(num_seqs=255, value_heads=1), "prefill_vt64_f32"),        # 255
+        (prefill_meta(num_seqs=256, value_heads=1, state="bf16"), "prefill_vt64s_bf16"),
+    ],
     ("kda_prefill", "some_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=5, value_heads=8), "prefill_vt32_f32"),         # 40
         (prefill_meta(num_seqs=41, value_heads=1), "prefill_vt64_f32"),        # 41

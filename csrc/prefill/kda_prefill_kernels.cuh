@@ -3,9 +3,12 @@
 //   kda_prep_lite_kernel  grid (chunk slots, HV), 256 threads, 2 CTAs/SM. Everything independent
 //                         across chunks: gate + cumsum, l2norm, L and Aqk, (I+L)^-1, W, U,
 //                         Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
+//                         With StateArgs::single, a sequence of one chunk is finished here too
+//                         (prep_single_chunk_state): no state pass, no wait on the whole grid.
 //   kda_state_kernel      grid (V tiles, HV, N), 128 threads. The ordered part: the fp32 state tile
 //                         lives in registers across the sequence's chunks; three small GEMMs a
-//                         chunk; chunks arrive by bulk copies (TMA) into a 2-3 deep ring.
+//                         chunk (state_chunk_step); chunks arrive by bulk copies (TMA) into a 1-3
+//                         deep ring.
 //
 // Chunk slots: sequence n owns slots floor(cu[n]/64) + n + c, c < ceil(len_n/64). These never
 // overlap and are < floor(T/64) + N, so a CTA finds its (sequence, chunk) by a binary search of
