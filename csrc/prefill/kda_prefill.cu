@@ -7,6 +7,9 @@
 // FKDA_PARAM_RING: the state pass's chunk ring depth; 0 = the V tile's default (3 for tiles 16 and 32,
 // 2 for 64: one CTA an SM), 1 = no prefetch at about half the shared memory (2-3 CTAs an SM), for
 // many short sequences.
+// FKDA_PARAM_SINGLE: 1 = a sequence of one chunk is finished inside the prep kernel (its state update
+// run by the same CTA; the state pass skips it). Wins with many CTAs (>= 256 sequences x heads
+// measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
 // FKDA_PARAM_DIAG_MMA: the diagonal 16x16 blocks of L / Aqk. 0 = elementwise fp32 (as accurate as
 // fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
 // 2^100), on tensor cores: 1 = one bf16 product folded into the row-block pass (output rel. L2
