@@ -312,11 +312,11 @@ __device__ __forceinline__ float ld_state<bf16>(const bf16* p) { return __bfloat
 __device__ __forceinline__ void st_state(float* p, float x) { *p = x; }
 __device__ __forceinline__ void st_state(bf16* p, float x) { *p = __float2bfloat16(x); }
 
-// Register state tile of a warp (w = 0..3 of a 4-warp group): element s[mt][nt][e] is row
-// d = 32 w + 16 mt + g + 8 (e >> 1), column v = v0 + 8 nt + 2 tq + (e & 1) of one [V][K] state;
-// f(mt, nt, e, offset of (v, d)) for each.
-template <int VT, typename F>
-__device__ __forceinline__ void for_each_tile_element(int w, int lane, int v0, F&& f) {
+// Register state tile of a warp (w = 0..3 of a 4-warp group): rows d = 32 w + 16 mt + g (+8),
+// columns v = v0 + 8 nt + 2 tq (+1) of one [V][K] state.
+template <int VT, typename ST>
+__device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][VT / 8][4], int w,
+                                                 int lane, int v0) {
   const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -325,21 +325,23 @@ __device__ __forceinline__ void for_each_tile_element(int w, int lane, int v0, F
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
-        f(mt, nt, e, size_t(vv) * kK + d);
+        st_state(base + size_t(vv) * kK + d, s[mt][nt][e]);
       }
-}
-template <int VT, typename ST>
-__device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][VT / 8][4], int w,
-                                                 int lane, int v0) {
-  for_each_tile_element<VT>(w, lane, v0, [&](int mt, int nt, int e, size_t off) { st_state(base + off, s[mt][nt][e]); });
 }
 // The same tile from src, or zeros when src is null.
 template <int VT, typename ST>
 __device__ __forceinline__ void load_state_tile(float (&s)[2][VT / 8][4], const ST* src, int w, int lane,
                                                 int v0) {
-  for_each_tile_element<VT>(w, lane, v0, [&](int mt, int nt, int e, size_t off) {
-    s[mt][nt][e] = src ? ld_state(src + off) : 0.f;
-  });
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
+        s[mt][nt][e] = src ? ld_state(src + size_t(vv) * kK + d) : 0.f;
+      }
 }
 // The bf16 copy of the tile that feeds the B operand of V' = U - W S and O = Qg S ([K][VT + 8]).
 template <int VT>
