@@ -4,9 +4,14 @@
 # results (JSON + logs) go to $OUT (or ./device_out). STAGES="jax fused prefill" runs a subset
 # (names: jax decode fused overhead prefill, and the measurements behind design choices:
 # pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree>, AB_PARTS="decode fused prefill",
-# AB_GATES=softplus,bounded (prefill), AB_FUSED_ROWS=1024 (more fused rows);
-# default all but ab).
+# AB_GATES=softplus,bounded, AB_HEADS=16,64, AB_MODES=eager,graph (prefill), AB_FUSED_ROWS=1024 (more fused rows);
+# default all but ab). Stages are picked by STAGES only: an argument is refused (`device_bench.sh ab`
+# once ran every stage into the device call's time limit).
 set -uo pipefail
+if [ $# -gt 0 ]; then
+  echo "device_bench.sh takes no arguments; pick stages with STAGES=\"...\" (got: $*)" >&2
+  exit 2
+fi
 source "$(dirname "$0")/device_env.sh"
 want() { [[ ( " ${STAGES:-all} " == *" all "* && $1 != ab ) || " ${STAGES:-all} " == *" $1 "* ]]; }
 stage build 90 python3 -m flashkda_ext build --parallel 16 --jobs 1 'decode_split8_*' 'decode_row_*' \
@@ -54,7 +59,8 @@ ab_compare() {
     fi
     if [[ $parts == *" prefill "* ]]; then
       FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage prefill_$arm 90 python3 benchmarks/bench_prefill.py \
-        --no-fla --heads 16 --gates ${AB_GATES:-bounded} --reps 8 --modes eager --no-plot --no-progress --out "$OUT/prefill_$arm.json"
+        --no-fla --heads ${AB_HEADS:-16} --gates ${AB_GATES:-bounded} --reps 8 --modes ${AB_MODES:-eager} --no-plot --no-progress \
+        --out "$OUT/prefill_$arm.json"
     fi
   done
   local f files=()
