@@ -7,7 +7,8 @@ small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
 
 Timing goes through benchmarks/harness.py: CUDA events around one call with L2 flushed before each
 call (cold L2), median of --reps, ours and fla interleaved A B B A; also the host-inclusive wall time
-("wall"), and CUDA-graph replay with --modes graph,eager,wall. The module is the one
+("wall"), CUDA-graph replay with --modes graph,eager,wall, and the kernel-only time issue 8 asks
+for (the union of the call's kernel spans from torch.profiler) with --modes kernel. The module is the one
 jit/routes/kda_prefill.json picks for the case (or --module), with a preallocated workspace (as a
 CUDA-graph capture would have). fla gets the same tensors: its state in the same [N, HV, V, K] layout
 (state_v_first=True), gates and l2norm in its kernels.

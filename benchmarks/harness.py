@@ -11,6 +11,10 @@ What it does, so that every family is measured the same way:
     eager  - one eager call timed with device events,
     wall   - one eager call timed with the host clock, synchronized before and after: what a
              caller waiting on the result sees, host overhead (validation, dispatch) included;
+  and on request (--modes kernel) a fourth:
+    kernel - the GPU time of the kernels one eager call launches, from torch.profiler's device
+             events: the union of their [start, end) spans, so launch gaps are left out and kernels
+             that overlap (programmatic dependent launch) count once;
 * arms interleaved A B B A (then A B B A again ...) so that clock or thermal drift cancels;
 * the copy-bandwidth ceiling (a large device-to-device copy, bytes read + written over time)
   measured in the same run, so "% of bandwidth" refers to this GPU as it is right now;
@@ -37,7 +41,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,7 +50,8 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "flashkda_ext" / "__init__.py").is_file() and str(_REPO) not in sys.path:
     sys.path.append(str(_REPO))
 
-MODES = ("graph", "eager", "wall")
+MODES = ("graph", "eager", "wall")     # the default set
+ALL_MODES = MODES + ("kernel",)        # kernel: profiler kernel time, only when asked for (slow)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -84,7 +89,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed samples per arm and mode")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per arm")
     p.add_argument("--rounds", type=int, default=None, help="A B B A interleaving rounds")
-    p.add_argument("--modes", default=None, help="comma list of graph,eager,wall")
+    p.add_argument("--modes", default=None, help="comma list of graph,eager,wall,kernel (kernel: profiler kernel time, slow)")
     p.add_argument("--no-cold-l2", action="store_true", help="do not flush L2 between runs")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -111,9 +116,9 @@ def config_from_args(args) -> Config:
         cfg.rounds = max(1, args.rounds)
     if args.modes:
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-        bad = [m for m in modes if m not in MODES]
+        bad = [m for m in modes if m not in ALL_MODES]
         if bad:
-            raise SystemExit(f"--modes: unknown {bad}; choose from {list(MODES)}")
+            raise SystemExit(f"--modes: unknown {bad}; choose from {list(ALL_MODES)}")
         cfg.modes = modes if cfg.is_cuda else tuple(m for m in modes if m == "wall") or ("wall",)
     cfg.cold_l2 = not args.no_cold_l2
     cfg.plot = not args.no_plot
@@ -237,6 +242,21 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def union_length(spans: Iterable[Tuple[float, float]]) -> float:
+    """Total length covered by [start, end) spans (overlaps counted once, gaps left out)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
 def interleaved_order(names: Sequence[str], rounds: int) -> List[List[str]]:
     """A B, B A, A B, ...: every second round reversed, so a linear drift hits every arm alike."""
     out = []
@@ -304,6 +324,25 @@ class Timer:
         torch.cuda.synchronize(self.device)
         return [s.elapsed_time(e) * 1e3 for s, e in pairs]
 
+    def _kernel(self, run: Callable[[], object], n: int) -> List[float]:
+        """n samples of the kernel time of run(): each call under its own profiler session, the L2
+        flush outside it; the union of the call's device-event spans (see union_length)."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        out = []
+        for _ in range(n):
+            self.flush()
+            self.sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                self.sync()
+            spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA]
+            if not spans:
+                raise RuntimeError("the profiler saw no device activity")
+            out.append(union_length(spans))
+        return out
+
     def _wall(self, run: Callable[[], object], n: int) -> List[float]:
         out = []
         for _ in range(n):
@@ -357,7 +396,9 @@ class Timer:
                     errors[a.name][m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 continue
             for m in cfg.modes:
-                if m == "graph":
+                if m == "kernel" and not cfg.is_cuda:
+                    errors[a.name][m] = "kernel time needs a CUDA device"
+                elif m == "graph":
                     if not cfg.is_cuda:
                         errors[a.name][m] = "no CUDA graphs on this device"
                     elif not a.graph:
@@ -378,6 +419,8 @@ class Timer:
                     try:
                         if m == "wall":
                             samples[name][m] += self._wall(run, per_round)
+                        elif m == "kernel":
+                            samples[name][m] += self._kernel(run, per_round)
                         else:
                             samples[name][m] += self._events(run, per_round)
                     except Exception as e:  # noqa: BLE001

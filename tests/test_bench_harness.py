@@ -58,6 +58,25 @@ def test_measure_records_every_arm_and_keeps_going_after_an_error(tmp_path):
     assert calls["a"] == 1 + 4 and calls["b"] == 1 + 4  # warm-up + samples
 
 
+def test_union_length_counts_overlaps_once_and_skips_gaps():
+    assert harness.union_length([]) == 0.0
+    assert harness.union_length([(0.0, 10.0)]) == 10.0
+    # two overlapping kernels (a dependent launch starting early) and one after a launch gap
+    assert harness.union_length([(5.0, 30.0), (0.0, 10.0), (40.0, 45.0)]) == 35.0
+    assert harness.union_length([(0.0, 10.0), (10.0, 12.0), (2.0, 3.0)]) == 12.0
+
+
+def test_kernel_mode_on_cpu_is_an_error_entry(tmp_path):
+    timer = harness.Timer(cpu_cfg(tmp_path, modes=("kernel", "wall")))
+    res = timer.measure([harness.Arm("a", lambda: None)])
+    assert "CUDA" in res["a"]["kernel"]["error"] and res["a"]["wall"]["n"] == 4
+
+
+def test_kernel_mode_is_opt_in():
+    assert "kernel" not in harness.MODES and "kernel" in harness.ALL_MODES
+    assert "kernel" not in harness.Config(device="cpu").modes
+
+
 def test_graph_mode_on_cpu_is_an_error_entry(tmp_path):
     timer = harness.Timer(cpu_cfg(tmp_path, modes=("graph", "wall")))
     res = timer.measure([harness.Arm("a", lambda: None)])
