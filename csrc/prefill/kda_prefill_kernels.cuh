@@ -382,58 +382,59 @@ __device__ __forceinline__ void store_checkpoint(const StateArgs& a, const float
   }
 }
 
-// One chunk for a VT-column tile, by a group of 4 warps (w = 0..3): V' = U - W S, O = Qg S + Aqk V'
-// (rows < valid stored at out + row * out_ld), S = Diag(exp(G_C)) S + Kd^T V', and Sb refreshed
-// from the new S. On entry Sb holds bf16(S); Us is the tile's U blocks (u_off layout, tile-local
-// columns). One __syncthreads inside (V' complete): every thread of the CTA calls it.
+// The pieces of one chunk for a VT-column tile. A group of 4 warps (w = 0..3) covers the chunk's
+// 64 rows, 16 a warp; the state tile of warp w is rows d = 32 w .. 32 w + 31 of S.
 // KS: independent accumulator sets per k-reduction. With few V columns a warp holds too few
 // independent accumulators to hide the mma latency, so even and odd k-steps go to separate ones
 // (KS = 2), summed at the end (H200, 1x32768 H16, vt16: 0.52 vs 0.545 ms).
-template <int VT, int KS = (VT <= 32 ? 2 : 1)>
-__device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16* Sb, bf16* Vp, const bf16* Ws,
-                                                 const bf16* Qg, const bf16* Kd, const bf16* As, const bf16* Us,
-                                                 const float* gc, bf16* out, size_t out_ld, int valid, int w,
-                                                 int lane) {
-  static_assert(KS == 1 || KS == 2, "one or two accumulator sets");
-  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
+template <int VT>
+constexpr int default_ks() { return VT <= 32 ? 2 : 1; }
+
+// U for V tiles of 32 and 64 columns is read before the W S products, so its shared-memory latency
+// is off the chain (H200 A/B: 2-5.5% faster on the rows they serve). The 16-column tile keeps
+// reading each pair as store_vprime goes: the early read was not faster there (0.4-2% slower in
+// an A/B that also carried other edits), and this keeps its code exactly as measured before
+// (benchmarks/results/h200-2026-11-29-s6).
+template <int VT>
+constexpr bool early_u() { return VT >= 32; }
+
+// This thread's U entries of rows 16 w (the pairs store_vprime subtracts from), bf16 pairs.
+template <int VT>
+__device__ __forceinline__ void load_u_pairs(uint32_t (&u)[VT / 8][2], const bf16* Us, int w, int lane) {
   const int g = lane >> 2, tq = lane & 3;
-  // V' = U - W S and O = Qg S: rows 16 w of the chunk.
-  float a1[KS][NT][4], a2[KS][NT][4];
 #pragma unroll
-  for (int p = 0; p < KS; ++p)
+  for (int nt = 0; nt < VT / 8; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int h = 0; h < 2; ++h)
+      u[nt][h] = *reinterpret_cast<const uint32_t*>(Us + u_off(w * 16 + g + 8 * h, nt * 8 + 2 * tq));
+}
+
+// V' = U - (W S) for rows 16 w into Vp (ws: W S, partial sums already folded into set 0); U from
+// the pairs u (early_u) or read from Us here.
+template <int VT, int KS>
+__device__ __forceinline__ void store_vprime(bf16* Vp, const uint32_t (&u)[VT / 8][2], const bf16* Us,
+                                             const float (&ws)[KS][VT / 8][4], int w, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) a1[p][nt][e] = a2[p][nt][e] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < kK / 16; ++ks) {
-    const int p = ks % KS;
-    uint32_t aw[4], aq[4];
-    load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
-    load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
-#pragma unroll
-    for (int np = 0; np < NP; ++np) {
-      uint32_t bb[4];
-      load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
-      mma_bf16(a1[p][2 * np], aw, bb);
-      mma_bf16(a1[p][2 * np + 1], aw, bb + 2);
-      mma_bf16(a2[p][2 * np], aq, bb);
-      mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
-    }
-  }
-  fold_partial_sums(a1);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int nt = 0; nt < VT / 8; ++nt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
-      const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
-      *reinterpret_cast<uint32_t*>(Vp + row * LDU + col) =
-          pack_bf16(u.x - a1[0][nt][2 * h], u.y - a1[0][nt][2 * h + 1]);
+      const float2 uf = __bfloat1622float2(
+          early_u<VT>() ? *reinterpret_cast<const __nv_bfloat162*>(&u[nt][h])
+                        : *reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
+      *reinterpret_cast<uint32_t*>(Vp + row * (VT + 8) + col) =
+          pack_bf16(uf.x - ws[0][nt][2 * h], uf.y - ws[0][nt][2 * h + 1]);
     }
-  __syncthreads();  // V' complete
+}
 
-  // O += Aqk V' (Aqk lower triangular: k-steps 0..w), then store valid rows.
+// After V' is complete: o (= Qg S for rows 16 w) += Aqk V' (Aqk lower triangular: k-steps 0..w),
+// then the rows < valid stored at out + row * out_ld.
+template <int VT, int KS>
+__device__ __forceinline__ void finish_output(float (&o)[KS][VT / 8][4], const bf16* As, const bf16* Vp, bf16* out,
+                                              size_t out_ld, int valid, int w, int lane) {
+  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
+  const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     if (ks > w) break;  // warp-uniform; unrolled so that p stays a constant (register arrays)
@@ -444,23 +445,30 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
     for (int np = 0; np < NP; ++np) {
       uint32_t bb[4];
       load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-      mma_bf16(a2[p][2 * np], aa, bb);
-      mma_bf16(a2[p][2 * np + 1], aa, bb + 2);
+      mma_bf16(o[p][2 * np], aa, bb);
+      mma_bf16(o[p][2 * np + 1], aa, bb + 2);
     }
   }
-  fold_partial_sums(a2);
+  fold_partial_sums(o);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = w * 16 + g + 8 * h;
     if (row < valid) {
-      bf16* o = out + size_t(row) * out_ld;
+      bf16* op = out + size_t(row) * out_ld;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        *reinterpret_cast<uint32_t*>(o + nt * 8 + 2 * tq) = pack_bf16(a2[0][nt][2 * h], a2[0][nt][2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(op + nt * 8 + 2 * tq) = pack_bf16(o[0][nt][2 * h], o[0][nt][2 * h + 1]);
     }
   }
+}
 
-  // S = Diag(exp(G_C)) S + Kd^T V'.
+// After V' is complete: S = Diag(exp(G_C)) S + Kd^T V' (this warp's 32 rows of S), and Sb refreshed
+// from the new S (the caller makes sure every warp has read the old Sb).
+template <int VT, int KS>
+__device__ __forceinline__ void update_state(float (&s)[2][VT / 8][4], bf16* Sb, const bf16* Vp, const bf16* Kd,
+                                             const float* gc, int w, int lane) {
+  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
+  const int g = lane >> 2;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
     const float g0 = gc[w * 32 + mt * 16 + g], g1 = gc[w * 32 + mt * 16 + g + 8];
@@ -509,8 +517,58 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
           for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
     }
   }
-  // Every warp read Sb before the V' barrier above, so it can be overwritten now.
   write_state_bf16<VT>(Sb, s, w, lane);
+}
+
+template <int KS, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[KS][NT][4]) {
+#pragma unroll
+  for (int p = 0; p < KS; ++p)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[p][nt][e] = 0.f;
+}
+
+// One chunk for a VT-column tile, by one group of 4 warps: V' = U - W S, O = Qg S + Aqk V' (rows
+// < valid stored at out + row * out_ld), S = Diag(exp(G_C)) S + Kd^T V', and Sb refreshed from
+// the new S. On entry Sb holds bf16(S); Us is the tile's U blocks (u_off layout, tile-local
+// columns). One __syncthreads inside (V' complete): every thread of the CTA calls it.
+template <int VT, int KS = default_ks<VT>()>
+__device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16* Sb, bf16* Vp, const bf16* Ws,
+                                                 const bf16* Qg, const bf16* Kd, const bf16* As, const bf16* Us,
+                                                 const float* gc, bf16* out, size_t out_ld, int valid, int w,
+                                                 int lane) {
+  static_assert(KS == 1 || KS == 2, "one or two accumulator sets");
+  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
+  // V' = U - W S and O = Qg S: rows 16 w of the chunk, one pass over Sb for both.
+  uint32_t u[NT][2];
+  if (early_u<VT>()) load_u_pairs<VT>(u, Us, w, lane);
+  float a1[KS][NT][4], a2[KS][NT][4];
+  zero_acc(a1);
+  zero_acc(a2);
+#pragma unroll
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    const int p = ks % KS;
+    uint32_t aw[4], aq[4];
+    load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
+    load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      uint32_t bb[4];
+      load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
+      mma_bf16(a1[p][2 * np], aw, bb);
+      mma_bf16(a1[p][2 * np + 1], aw, bb + 2);
+      mma_bf16(a2[p][2 * np], aq, bb);
+      mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
+    }
+  }
+  fold_partial_sums(a1);
+  store_vprime<VT, KS>(Vp, u, Us, a1, w, lane);
+  __syncthreads();  // V' complete
+  finish_output<VT, KS>(a2, As, Vp, out, out_ld, valid, w, lane);
+  // Every warp read Sb before the V' barrier above, so update_state may overwrite it.
+  update_state<VT, KS>(s, Sb, Vp, Kd, gc, w, lane);
 }
 
 struct PrepArgs {
@@ -1269,7 +1327,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     for (int i = 0; i < kAhead; ++i) {
       if (i < nch)
         issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
-                            tid, tma, bars + i);
+                                 tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
     write_state_bf16<VT>(Sb, s, w, lane);
@@ -1286,19 +1344,22 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
       const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
       if (c + NS - 1 < nch)
         issue_chunk<VT, NS>(smem + ns * SM::kStage,
-                            a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
-                            bars + ns);
+                                 a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
+                                 bars + ns);
       cp_async_commit();
     }
     if (stage == NS - 1) parity ^= 1u;
     stage = stage + 1 == NS ? 0 : stage + 1;
     const int64_t left = len - c * kC;
-    state_chunk_step<VT>(s, Sb, Vp, reinterpret_cast<const bf16*>(st + SM::kW),
-                         reinterpret_cast<const bf16*>(st + SM::kQg), reinterpret_cast<const bf16*>(st + SM::kKd),
-                         reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU),
-                         reinterpret_cast<const float*>(st + SM::kGc),
-                         a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0, size_t(HV) * kV,
-                         left < kC ? int(left) : kC, w, lane);
+    const bf16* cW = reinterpret_cast<const bf16*>(st + SM::kW);
+    const bf16* cQg = reinterpret_cast<const bf16*>(st + SM::kQg);
+    const bf16* cKd = reinterpret_cast<const bf16*>(st + SM::kKd);
+    const bf16* cA = reinterpret_cast<const bf16*>(st + SM::kA);
+    const bf16* cU = reinterpret_cast<const bf16*>(st + SM::kU);
+    const float* cGc = reinterpret_cast<const float*>(st + SM::kGc);
+    bf16* out = a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0;
+    const int valid = left < kC ? int(left) : kC;
+    state_chunk_step<VT>(s, Sb, Vp, cW, cQg, cKd, cA, cU, cGc, out, size_t(HV) * kV, valid, w, lane);
 
     if (NS == 1 && c + 1 < nch) {
       __syncthreads();  // every warp is done with the one stage (and has written its Sb rows)
