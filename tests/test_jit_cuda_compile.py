@@ -5,19 +5,10 @@ import pytest
 
 from flashkda_ext.jit import ensure_built, testing
 from flashkda_ext.jit.checks import parse_ptxas, resource_problems
-from flashkda_ext.jit.toolchain import find_nvcc
-from flashkda_ext.jit.errors import ToolchainError
+from flashkda_ext.jit.toolchain import have_nvcc
 
 
-def _have_nvcc():
-    try:
-        find_nvcc()
-        return True
-    except ToolchainError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _have_nvcc(), reason="needs nvcc")
+pytestmark = pytest.mark.skipif(not have_nvcc(), reason="needs nvcc")
 
 
 def test_toy_cuda_module_compiles(tmp_path):

@@ -12,8 +12,7 @@ from flashkda_ext import paths
 from flashkda_ext.jit import all_records, ensure_built, registry, testing
 from flashkda_ext.jit.checks import (blocks_by_registers, macro_usage_problems, parse_ptxas,
                                      required_macros, resource_problems)
-from flashkda_ext.jit.errors import ToolchainError
-from flashkda_ext.jit.toolchain import find_nvcc
+from flashkda_ext.jit.toolchain import have_nvcc
 
 RECORDS = all_records()
 CUDA = [r for r in RECORDS if r["backend"] == "cuda"]
@@ -101,19 +100,11 @@ def test_ptxas_report_parsing_and_limits():
     assert resource_problems(ok, "") == ["toy_cuda: the -Xptxas -v report lists no kernel"]
 
 
-def _have_nvcc():
-    try:
-        find_nvcc()
-        return True
-    except ToolchainError:
-        return False
-
-
 _CUDA_PARAMS = [pytest.param(r, id=r["name"], marks=[] if i == 0 else [pytest.mark.slow])
                 for i, r in enumerate(CUDA)]
 
 
-@pytest.mark.skipif(not _have_nvcc(), reason="needs nvcc")
+@pytest.mark.skipif(not have_nvcc(), reason="needs nvcc")
 @pytest.mark.parametrize("rec", _CUDA_PARAMS)
 def test_cuda_resources_fit_record(rec, tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "registry_cache"

@@ -6,8 +6,7 @@ import shutil
 import pytest
 
 from flashkda_ext.jit import ptxdiff, testing
-from flashkda_ext.jit.errors import ToolchainError
-from flashkda_ext.jit.toolchain import find_nvcc
+from flashkda_ext.jit.toolchain import have_nvcc
 
 PTX = """\
 //
@@ -75,15 +74,7 @@ def test_kernels_on_one_side_only():
     assert status == {"_Z3barv": "only in base", "_Z3newv": "only in change", "_Z3fooPf": "identical"}
 
 
-def _have_nvcc():
-    try:
-        find_nvcc()
-        return True
-    except ToolchainError:
-        return False
-
-
-@pytest.mark.skipif(not _have_nvcc(), reason="needs nvcc")
+@pytest.mark.skipif(not have_nvcc(), reason="needs nvcc")
 def test_toy_module_between_trees(tmp_path, capsys):
     base = testing.make_tree(tmp_path / "base", cuda=True)
     same = tmp_path / "same"

@@ -64,6 +64,15 @@ def find_nvcc() -> str:
                          "via FLASHKDA_EXT_AOT_DIR")
 
 
+def have_nvcc() -> bool:
+    """Whether find_nvcc finds one (tests and tools that only run where nvcc is installed)."""
+    try:
+        find_nvcc()
+        return True
+    except ToolchainError:
+        return False
+
+
 def cuda_include_dir(nvcc: str) -> Optional[str]:
     cands = [Path(nvcc).resolve().parent.parent / "include"]
     for var in ("CUDA_HOME", "CUDA_PATH"):
