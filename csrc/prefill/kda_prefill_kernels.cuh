@@ -1327,7 +1327,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     for (int i = 0; i < kAhead; ++i) {
       if (i < nch)
         issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
-                                 tid, tma, bars + i);
+                            tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
     write_state_bf16<VT>(Sb, s, w, lane);
@@ -1344,22 +1344,19 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
       const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
       if (c + NS - 1 < nch)
         issue_chunk<VT, NS>(smem + ns * SM::kStage,
-                                 a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
-                                 bars + ns);
+                            a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
+                            bars + ns);
       cp_async_commit();
     }
     if (stage == NS - 1) parity ^= 1u;
     stage = stage + 1 == NS ? 0 : stage + 1;
     const int64_t left = len - c * kC;
-    const bf16* cW = reinterpret_cast<const bf16*>(st + SM::kW);
-    const bf16* cQg = reinterpret_cast<const bf16*>(st + SM::kQg);
-    const bf16* cKd = reinterpret_cast<const bf16*>(st + SM::kKd);
-    const bf16* cA = reinterpret_cast<const bf16*>(st + SM::kA);
-    const bf16* cU = reinterpret_cast<const bf16*>(st + SM::kU);
-    const float* cGc = reinterpret_cast<const float*>(st + SM::kGc);
-    bf16* out = a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0;
-    const int valid = left < kC ? int(left) : kC;
-    state_chunk_step<VT>(s, Sb, Vp, cW, cQg, cKd, cA, cU, cGc, out, size_t(HV) * kV, valid, w, lane);
+    state_chunk_step<VT>(s, Sb, Vp, reinterpret_cast<const bf16*>(st + SM::kW),
+                         reinterpret_cast<const bf16*>(st + SM::kQg), reinterpret_cast<const bf16*>(st + SM::kKd),
+                         reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU),
+                         reinterpret_cast<const float*>(st + SM::kGc),
+                         a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0, size_t(HV) * kV,
+                         left < kC ? int(left) : kC, w, lane);
 
     if (NS == 1 && c + 1 < nch) {
       __syncthreads();  // every warp is done with the one stage (and has written its Sb rows)
