@@ -6,7 +6,8 @@
 # pdl_ab decode_schedules fused_bands, and ab with AB_BASE=<baseline tree>, AB_PARTS="decode fused prefill",
 # AB_GATES=softplus,bounded, AB_HEADS=16,64, AB_MODES=eager,graph (prefill), AB_FUSED_ROWS=1024 (more fused rows);
 # default all but ab). Stages are picked by STAGES only: an argument is refused (`device_bench.sh ab`
-# once ran every stage into the device call's time limit).
+# once ran every stage into the device call's time limit). For one change, scripts/device_ab.sh runs
+# interleaved rounds (and optionally the GPU tests and sanitizers) in one call.
 set -uo pipefail
 if [ $# -gt 0 ]; then
   echo "device_bench.sh takes no arguments; pick stages with STAGES=\"...\" (got: $*)" >&2
