@@ -4,8 +4,17 @@
 # export, split at barriers by scripts/ncu_sass_segments.py; the CUDA-source page comes back without
 # metrics). Reports and text go to $OUT.
 #   bash scripts/device_profile.sh ["--tokens 32768 --heads 16" ...]
+# SASS_KERNEL (default kda_prep): which kernel's per-instruction export is split and summarised
+# (kda_state for the state pass).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+# "CTAS WARPS" of the first launch of kernel $1 in an ncu details page $2, from its line
+# "  void kda_state_kernel<16, 3, float>(StateArgs) (8, 16, 1)x(128, 1, 1), Context ..."
+launch_shape() {
+  grep -m1 -E "$1[^ (]*(<[^>]*>)?\([A-Za-z]+\) \(" "$2" \
+    | grep -oE "\([0-9]+, [0-9]+, [0-9]+\)x\([0-9]+, [0-9]+, [0-9]+\)" \
+    | tr -c '0-9\n' ' ' | awk '{print $1 * $2 * $3, $4 * $5 * $6 / 32}'
+}
 SHAPES=("$@"); [ ${#SHAPES[@]} -eq 0 ] && SHAPES=("--tokens 32768 --heads 16")
 i=0
 for shape in "${SHAPES[@]}"; do
@@ -17,13 +26,13 @@ for shape in "${SHAPES[@]}"; do
     --section SourceCounters --import-source yes -f -o "$OUT/prefill_$i" python3 scripts/profile_prefill.py --calls 6 $shape
   echo "   shape $i: $shape"
   ncu -i "$OUT/prefill_$i.ncu-rep" --page details > "$OUT/prefill_${i}_details.txt" 2>&1
-  ncu -i "$OUT/prefill_$i.ncu-rep" --page source --csv --print-source sass --kernel-name regex:kda_prep \
-    > "$OUT/prefill_${i}_prep_sass.csv" 2>&1
+  sk=${SASS_KERNEL:-kda_prep}
+  ncu -i "$OUT/prefill_$i.ncu-rep" --page source --csv --print-source sass --kernel-name regex:"$sk" \
+    > "$OUT/prefill_${i}_${sk}_sass.csv" 2>&1
   grep -E "kda_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
     "$OUT/prefill_${i}_details.txt" | head -30
-  # CTAs of the prep launch: the grid line of its details block
-  ctas=$(grep -m1 -oE "kda_prep_lite_kernel\(PrepArgs\) \([0-9]+, [0-9]+, 1\)" "$OUT/prefill_${i}_details.txt" \
-    | grep -oE "[0-9]+, [0-9]+" | awk -F', ' '{print $1 * $2}')
-  [ -n "$ctas" ] && python3 scripts/ncu_sass_segments.py "$OUT/prefill_${i}_prep_sass.csv" --ctas "$ctas" --warps 8
-  gzip -f "$OUT/prefill_${i}_prep_sass.csv"
+  # CTAs and warps of that launch, from the grid x block line of its details block
+  read -r ctas warps < <(launch_shape "$sk" "$OUT/prefill_${i}_details.txt")
+  [ -n "$ctas" ] && python3 scripts/ncu_sass_segments.py "$OUT/prefill_${i}_${sk}_sass.csv" --ctas "$ctas" --warps "$warps"
+  gzip -f "$OUT/prefill_${i}_${sk}_sass.csv"
 done

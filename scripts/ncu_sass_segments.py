@@ -7,7 +7,9 @@ The SASS export has per-instruction stall samples and execution counts but no CU
 (ncu's CUDA-source page came back without metrics for these kernels), so the instructions are cut
 into segments at every BAR (CTA barrier) in address order: one segment is one phase of a kernel
 written as barrier-separated steps. Prints each segment's share of stall samples and of executed
-instructions, its instructions per warp, and its most executed opcodes.
+instructions, its instructions per warp, and its most executed opcodes; then, over the whole kernel,
+the stall reasons (the export's stall_* columns) and the opcodes by share of samples against share
+of instructions (an opcode with many more samples than instructions is where warps wait).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main(argv=None):
     ap.add_argument("--ctas", type=int, required=True, help="CTAs of the profiled launch")
     ap.add_argument("--warps", type=int, required=True, help="warps per CTA")
     ap.add_argument("--min-share", type=float, default=0.3, help="hide segments below this %% of both")
+    ap.add_argument("--top", type=int, default=10, help="stall reasons and opcodes listed at the end")
     a = ap.parse_args(argv)
     head, rows = read_rows(a.csv)
     col = {c: i for i, c in enumerate(head)}
@@ -70,7 +73,29 @@ def main(argv=None):
             continue
         top = ", ".join(f"{k}:{v / per_warp:.0f}" for k, v in s["ops"].most_common(8))
         print(f"{i:4d} {s['start'][-5:]:>6s}-{s['end'][-5:]:<6s} {ps:7.1f}% {pe:6.1f}% {s['e'] / per_warp:6.0f}  {top}")
+    print_reasons(head, rows, samp, execd, a.top)
     return 0
+
+
+def print_reasons(head, rows, samp, execd, top):
+    """Stall reasons over the whole kernel, and opcodes by share of samples vs of instructions."""
+    reasons = [(i, c[len("stall_"):]) for i, c in enumerate(head)
+               if c.startswith("stall_") and "Not Issued" not in c]
+    by_reason, by_op_s, by_op_e = collections.Counter(), collections.Counter(), collections.Counter()
+    for r in rows:
+        if len(r) <= max([samp, execd] + [i for i, _ in reasons]):
+            continue
+        for i, name in reasons:
+            by_reason[name] += float(r[i] or 0)
+        op = opcode(r[1])
+        by_op_s[op] += float(r[samp] or 0)
+        by_op_e[op] += float(r[execd] or 0)
+    ts, te = sum(by_reason.values()), sum(by_op_e.values())
+    if ts > 0:
+        print("stall reasons: " + ", ".join(f"{k} {100 * v / ts:.1f}%" for k, v in by_reason.most_common(top) if v))
+    ts, te = sum(by_op_s.values()) or 1.0, te or 1.0
+    print("opcodes (samples / instructions): " + ", ".join(
+        f"{k} {100 * v / ts:.1f}/{100 * by_op_e[k] / te:.1f}%" for k, v in by_op_s.most_common(top)))
 
 
 if __name__ == "__main__":
