@@ -90,10 +90,10 @@ def print_reasons(head, rows, samp, execd, top):
         op = opcode(r[1])
         by_op_s[op] += float(r[samp] or 0)
         by_op_e[op] += float(r[execd] or 0)
-    ts, te = sum(by_reason.values()), sum(by_op_e.values())
-    if ts > 0:
-        print("stall reasons: " + ", ".join(f"{k} {100 * v / ts:.1f}%" for k, v in by_reason.most_common(top) if v))
-    ts, te = sum(by_op_s.values()) or 1.0, te or 1.0
+    tr = sum(by_reason.values())
+    if tr > 0:
+        print("stall reasons: " + ", ".join(f"{k} {100 * v / tr:.1f}%" for k, v in by_reason.most_common(top) if v))
+    ts, te = sum(by_op_s.values()) or 1.0, sum(by_op_e.values()) or 1.0
     print("opcodes (samples / instructions): " + ", ".join(
         f"{k} {100 * v / ts:.1f}/{100 * by_op_e[k] / te:.1f}%" for k, v in by_op_s.most_common(top)))
 

@@ -140,15 +140,23 @@ def _cmd(args: List[str]) -> str:
     return " ".join(shlex.quote(a) for a in args).replace("$", "$$")
 
 
+def include_flags(csrc: Path) -> List[str]:
+    """-I flags of a module's sources: the project's csrc/, then tvm-ffi's headers."""
+    import tvm_ffi.libinfo as libinfo
+
+    incs = ["-I", str(csrc)]
+    for p in libinfo.include_paths():
+        incs += ["-I", str(p)]
+    return incs
+
+
 def _write_ninja(tmp: Path, record: dict, inputs: dict, csrc: Path) -> str:
     import tvm_ffi.libinfo as libinfo
 
     so_name = f"{record['name']}.so"
     cuda = record["backend"] == "cuda"
     flags = inputs["flags"]
-    incs = ["-I", str(csrc)]
-    for p in libinfo.include_paths():
-        incs += ["-I", str(p)]
+    incs = include_flags(csrc)
     lib_dir = str(Path(libinfo.find_libtvm_ffi()).parent)
     header = ["-include", str(tmp / "fkda_macros.h")]
     cxx = toolchain.find_cxx()

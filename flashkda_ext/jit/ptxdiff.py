@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from . import roots, toolchain
-from .builder import resolve_arch
+from .builder import include_flags, resolve_arch
 from .macros import render_header
 from .specs import get_record
 
@@ -110,8 +110,6 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
 def module_ptx(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str, List[str]]:
     """The normalised kernels of module `name` as the tree at `root` defines it (its record's
     params, macros and compile flags, -ptx instead of an object)."""
-    import tvm_ffi.libinfo as libinfo
-
     record = get_record(name, root=root)
     if record["backend"] != "cuda":
         raise ValueError(f"module '{name}' is a {record['backend']} module; only CUDA modules have PTX")
@@ -119,13 +117,11 @@ def module_ptx(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str,
     csrc = roots.csrc_dir(root)
     header = workdir / f"{name}_macros.h"
     header.write_text(render_header(record, root=root))
-    flags = [f for f in toolchain.compile_flags(record, arch)["nvcc"]]
+    flags = toolchain.compile_flags(record, arch)["nvcc"]
     if "-Xptxas" in flags:  # the resource report belongs to ptxas, which -ptx does not run
         i = flags.index("-Xptxas")
         del flags[i:i + 2]
-    incs = ["-I", str(csrc)]
-    for p in libinfo.include_paths():
-        incs += ["-I", str(p)]
+    incs = include_flags(csrc)
     kernels: Dict[str, List[str]] = {}
     for src in record["sources"]:
         if not src.endswith(".cu"):
