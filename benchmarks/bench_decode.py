@@ -81,6 +81,20 @@ def make_case(rows, HV, gen):
     return q, k, v, g, beta, A_log, dt_bias
 
 
+SLOT_ORDERS = ("random", "sorted", "contiguous")
+
+
+def slot_list(rows, order, gen):
+    """rows unique pool slots (int32) of one call, in the address pattern `order` (SLOT_ORDERS)."""
+    if order == "contiguous":
+        start = int(torch.randint(0, SLOTS - rows + 1, (1,), generator=gen, device=DEVICE))
+        return torch.arange(start, start + rows, dtype=torch.int32, device=DEVICE)
+    idx = torch.randperm(SLOTS, device=DEVICE, generator=gen)[:rows]
+    if order == "sorted":
+        idx = idx.sort().values
+    return idx.to(torch.int32)
+
+
 def ours_call(name, case, pool, idx, out):
     q, k, v, g, beta, A_log, dt_bias = case
     fn = load(name)["kda_decode"]
@@ -163,6 +177,10 @@ def parse(argv=None):
     ap.add_argument("--heads", default="")
     ap.add_argument("--rows", default="")
     ap.add_argument("--name", default="decode", help="results file stem (when --out is a folder)")
+    ap.add_argument("--slot-order", default="random", choices=SLOT_ORDERS,
+                    help="slots of a call: random (unique, the default and the issue's grid), sorted (the same "
+                         "random set in ascending order) or contiguous (a run of rows slots at a random start): "
+                         "how much of the cost is the pool's address pattern")
     return ap.parse_args(argv)
 
 
@@ -189,7 +207,8 @@ def main(argv=None):
     stems = [s for s in args.modules.split(",") if s]
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
                       primary_mode="graph" if cfg.is_cuda else "wall",
-                      extra_meta={"slots": SLOTS, "gate": "softplus", "fla_used": fla is not None})
+                      extra_meta={"slots": SLOTS, "gate": "softplus", "fla_used": fla is not None,
+                                  "slot_order": args.slot_order})
     copy_tbps = run.ceiling["GBps"] / 1e3
     print(f"device {dev_name}, {sms} SMs; copy {copy_tbps:.3f} TB/s", flush=True)
     run.start(len(states) * len(heads) * len(rows_list))
@@ -206,8 +225,7 @@ def main(argv=None):
                 traffic = rows * HV * V * K * esz * 2
                 M = max(2, min(args.max_calls, math.ceil(256e6 / traffic))) if cfg.is_cuda else 2
                 reps = 5 if traffic * M > 1e9 else 8
-                idxs = [torch.randperm(SLOTS, device=DEVICE, generator=gen)[:rows].to(torch.int32)
-                        for _ in range(M)]
+                idxs = [slot_list(rows, args.slot_order, gen) for _ in range(M)]
                 offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"  # as the dispatcher decides
                 meta = dict(device=DEVICE, rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
                             offset=offset, slot_mode="unique", gate="softplus")

@@ -213,3 +213,23 @@ def test_replot_draws_saved_results(tmp_path, capsys):
     else:
         assert (tmp_path / "fused_decode.png").stat().st_size > 0
     assert _script("replot").main([]) == 2  # no file given: usage
+
+
+@pytest.mark.parametrize("order", ["random", "sorted", "contiguous"])
+def test_decode_slot_orders(order, tmp_path):
+    """bench_decode's --slot-order: every pattern gives rows unique in-range slots, in its order, and
+    the dry run records the pattern in the results."""
+    mod = _script("bench_decode")
+    mod.DEVICE, mod.SLOTS = "cpu", 64
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 64):
+        idx = mod.slot_list(rows, order, gen)
+        assert idx.dtype == torch.int32 and idx.numel() == rows
+        assert len(set(idx.tolist())) == rows and 0 <= int(idx.min()) and int(idx.max()) < 64
+        if order != "random":
+            assert torch.equal(idx, idx.sort().values)
+        if order == "contiguous":
+            assert int(idx[-1]) - int(idx[0]) == rows - 1
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--slot-order", order, "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["meta"]["slot_order"] == order

@@ -133,29 +133,41 @@ __device__ __forceinline__ float lg2(float x) {
   return y;
 }
 
+__device__ __forceinline__ float rsqrt_ftz(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 // The per-step log decay of one key in log2 units (G is kept in log2 units), from the raw gate
 // input. ftz approximations: the input is bf16, and the plain __expf/__logf spent extra
-// instructions per call on denormal ranges that cannot matter here.
+// instructions per call on denormal ranges that cannot matter here. No branches: a branch per
+// row (range cases of softplus, rows past the chunk's end) serialised the 32 rows of a key into a
+// chain of MUFU latencies (ncu, session 7); straight-line code lets them overlap.
 template <int GATE>
 __device__ __forceinline__ float log2_decay(float raw, float dtb, float ea, float lb2) {
-  if constexpr (GATE == 0) {  // -ea * softplus(x); x < -15: log(1 + e^x) = e^x to fp32
-    const float x = raw + dtb, y = x * kLog2e, e = ex2(y);
-    return -ea * (x > 20.f ? y : (x < -15.f ? e * kLog2e : lg2(1.f + e)));
+  if constexpr (GATE == 0) {
+    // -ea * softplus(x) in log2 units: log2(1 + 2^y) = max(y, 0) + log2(1 + 2^-|y|), y = x log2(e),
+    // finite for every finite x (for y < -24 it gives 0 where the true value is below 2^-24).
+    const float y = (raw + dtb) * kLog2e;
+    return -ea * (fmaxf(y, 0.f) + lg2(1.f + ex2(-fabsf(y))));
   } else if constexpr (GATE == 1) {  // lower_bound * sigmoid(ea x); lb2 = lower_bound * log2(e)
     return __fdividef(lb2, 1.f + ex2(-ea * (raw + dtb) * kLog2e));
   } else {
     return raw * kLog2e;
   }
 }
-// Running sums of one key's log decays over 32 rows (rows >= nt: 0).
+// Running sums of one key's log decays over 32 rows (rows >= nt add 0: their raw input is the
+// zero fill, so the decay is finite and selected away).
 template <int GATE>
 __device__ __forceinline__ float gate_cumsum(float (&gl)[32], const bf16* graw, int r0, int nt, float dtb,
                                             float ea, float lb2) {
   float run = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    if (r0 + i < nt) run += log2_decay<GATE>(__bfloat162float(graw[i * kLdB]), dtb, ea, lb2);
+    const float d = log2_decay<GATE>(__bfloat162float(graw[i * kLdB]), dtb, ea, lb2);
+    run += r0 + i < nt ? d : 0.f;
     gl[i] = run;
   }
   return run;
@@ -925,27 +937,40 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   cp_async_wait<0>();
   __syncthreads();
-  // l2norm of q (times scale) and k in place: a warp per row, 4 elements a lane.
+  // l2norm of q (times scale) and k in place: 8 lanes a row (keys 8 j .. 8 j + 7 and 64 + 8 j ..),
+  // 4 rows a warp at a time, so a row's sums take 3 shuffle steps (a warp a row took 5, and 5x
+  // the shuffles in all); each 8-lane phase of a 16-byte load reads 128 contiguous bytes.
+  {
+    const int grp = lane >> 3, j = lane & 7;
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) {
-    const int r = warp * 8 + rr;
-    float qf[4], kf[4];
-    uint2* qp = reinterpret_cast<uint2*>(Qs + r * kLdB + lane * 4);
-    uint2* kp = reinterpret_cast<uint2*>(Ks + r * kLdB + lane * 4);
-    unpack4(*qp, qf);
-    unpack4(*kp, kf);
-    float sq = qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3];
-    float sk = kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3];
+    for (int pass = 0; pass < 2; ++pass) {
+      const int r = warp * 8 + pass * 4 + grp;
+      uint4* qp = reinterpret_cast<uint4*>(Qs + r * kLdB + 8 * j);
+      uint4* kp = reinterpret_cast<uint4*>(Ks + r * kLdB + 8 * j);
+      float qf[16], kf[16];
+      unpack8(qp[0], qf);
+      unpack8(qp[8], qf + 8);  // + 64 keys
+      unpack8(kp[0], kf);
+      unpack8(kp[8], kf + 8);
+      float sq = 0.f, sk = 0.f;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      for (int e = 0; e < 16; ++e) {
+        sq = fmaf(qf[e], qf[e], sq);
+        sk = fmaf(kf[e], kf[e], sk);
+      }
+#pragma unroll
+      for (int o = 4; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      }
+      const float nq = rsqrt_ftz(sq + 1e-6f) * a.scale, nk = rsqrt_ftz(sk + 1e-6f);  // >= 1e-6: never denormal
+#pragma unroll
+      for (int e = 0; e < 16; ++e) { qf[e] *= nq; kf[e] *= nk; }
+      qp[0] = pack8(qf);
+      qp[8] = pack8(qf + 8);
+      kp[0] = pack8(kf);
+      kp[8] = pack8(kf + 8);
     }
-    const float nq = rsqrtf(sq + 1e-6f) * a.scale, nk = rsqrtf(sk + 1e-6f);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) { qf[e] *= nq; kf[e] *= nk; }
-    *qp = pack4(qf);
-    *kp = pack4(kf);
   }
   {
     const int d = tid & (kK - 1), half = tid >> 7;
