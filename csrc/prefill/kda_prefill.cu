@@ -226,6 +226,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.N = static_cast<int>(N);
     pa.H = static_cast<int>(H);
     pa.HV = static_cast<int>(HV);
+    pa.group = static_cast<int>(HV / H);
     pa.gate = static_cast<int>(gate_mode);
     pa.lower_bound = static_cast<float>(lower_bound);
     pa.scale = static_cast<float>(scale);

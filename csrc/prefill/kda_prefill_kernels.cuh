@@ -44,7 +44,7 @@ constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows h
 constexpr int kLdG = kK + 4;       // fp32 rows of G
 constexpr int kLdM = kC + 4;       // fp32 64x64 matrices (L, X): 16-byte rows for the inverse's float4 reads
 constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
-constexpr int kLdP = 3 * 16 + 4;   // fp32 partial products of the blocked inverse (16-byte rows)
+constexpr int kLdP = 2 * 16 + 4;   // fp32 partial products of the blocked inverse, 32 columns (16-byte rows)
 
 // One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
 // shared memory (padded rows), so it moves with one bulk copy: [W | Qg | Kd] bf16 [64][kLdB],
@@ -274,12 +274,14 @@ __device__ __forceinline__ int col4(int e) { return ((e >> 4) & 1) * 64 + (e & 1
 __device__ __forceinline__ int64_t load_cu(const void* cu, int cu64, int64_t i) {
   return cu64 ? static_cast<const int64_t*>(cu)[i] : int64_t(static_cast<const int32_t*>(cu)[i]);
 }
-// Largest n with floor(cu[n]/64) + n <= slot (that key is strictly increasing in n).
-__device__ __forceinline__ int find_seq(const void* cu, int cu64, int N, int64_t slot) {
+// Largest n with floor(cu[n]/64) + n <= slot (that key is strictly increasing in n); cu_at(i)
+// reads offset i (global memory, or the prep kernel's staged copy).
+template <typename CuAt>
+__device__ __forceinline__ int find_seq(const CuAt& cu_at, int N, int64_t slot) {
   int lo = 0, hi = N - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (load_cu(cu, cu64, mid) / kC + mid <= slot) lo = mid; else hi = mid - 1;
+    if (cu_at(mid) / kC + mid <= slot) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -594,6 +596,7 @@ struct PrepArgs {
   const void* cu;
   int cu64;
   int N, H, HV;
+  int group;  // HV / H: value heads per q/k head
   int gate;  // 0 softplus, 1 bounded, 2 log
   float lower_bound;
   float scale;
@@ -775,7 +778,7 @@ static_assert(FKDA_PARAM_PREP_THREADS == 256, "the prep kernel is written for 8 
 constexpr int kLOffG = 0;
 constexpr int kLOffX = 0;                                 // after G is dead
 constexpr int kLOffP = kLOffX + kC * kLdM * 4;
-constexpr int kLOffXb = kLOffP + 16 * kLdP * 4;
+constexpr int kLOffXb = kLOffP + 32 * kLdP * 4;
 constexpr int kLOffQ = kLOffG + kC * kLdG * 4;            // later beta V
 constexpr int kLOffK = kLOffQ + kC * kLdB * 2;
 constexpr int kLOffL = kLOffK + kC * kLdB * 2;
@@ -808,6 +811,7 @@ constexpr int kSOffSb = kSOffGc + kK * 4;
 constexpr int kSOffVp = kSOffSb + 2 * kK * (kSingleVT + 8) * 2;
 static_assert(kSOffVp + 2 * kC * (kSingleVT + 8) * 2 <= kLOffQ, "one-chunk tiles fit below q's region");
 static_assert(kC * kLdM * 4 >= kC * kLdB * 2, "Kd fits in L's region");
+constexpr int kCuStaged = kC * kLdM * 4 / 8;  // cu_seqlens offsets (int64) L's region holds at the start
 
 // A sequence of one chunk (StateArgs::single): its state update, done by this CTA instead of the
 // state pass (no second kernel, no wait on the whole grid). The two 4-warp groups take V tiles of
@@ -886,16 +890,30 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t slot = blockIdx.x;
   const int hv = blockIdx.y;
-  const int n = find_seq(a.cu, a.cu64, a.N, slot);
-  const int64_t bos = load_cu(a.cu, a.cu64, n);
-  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  // The CTA's sequence. Searched in global memory each step is a dependent load (log2 N round
+  // trips before the chunk's loads can be addressed), so up to kCuStaged offsets are first read
+  // by all threads at once into L's region (free until step 3) and searched there.
+  int n;
+  int64_t bos, len;
+  if (a.N < kCuStaged) {  // CTA-uniform
+    int64_t* cus = reinterpret_cast<int64_t*>(smem + kLOffL);
+    for (int i = tid; i <= a.N; i += kLiteThreads) cus[i] = load_cu(a.cu, a.cu64, i);
+    __syncthreads();
+    n = find_seq([cus](int i) { return cus[i]; }, a.N, slot);
+    bos = cus[n];
+    len = cus[n + 1] - bos;
+  } else {
+    n = find_seq([&a](int i) { return load_cu(a.cu, a.cu64, i); }, a.N, slot);
+    bos = load_cu(a.cu, a.cu64, n);
+    len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  }
   const int64_t c = slot - (bos / kC + n);
   if (c * kC >= len) return;  // a gap slot (or an empty sequence)
   SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);
   if (tid == 0) *seq = SeqOfChunk{bos, n, a.st.single && len <= kC ? int(len) : -1};  // read at the end
   const int64_t t0 = bos + c * kC;
   const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
-  const int hk = hv / (a.HV / a.H);
+  const int hk = a.group == 1 ? hv : hv / a.group;  // no integer division for plain MHA
   const int HV = a.HV;
   uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
   bf16* Aw = reinterpret_cast<bf16*>(ws + kWsA);
@@ -1161,11 +1179,14 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();  // G and k are dead from here: X lives where G was
 
-  // ---- 6. X = (I + L)^-1: 16x16 diagonal blocks by forward substitution, then block rows
-  // X_IJ = -X_II sum_{K=J}^{I-1} L_IK X_KJ, all in fp32. The forward substitution runs on 2
-  // partial sums (a single fma chain left the warps waiting on fma latency), one block a warp
-  // (16 lanes; two blocks in a warp read rows 16 apart, the same bank). The block-row products
-  // give each thread 4 adjacent columns: one broadcast float4 read feeds 4 fmas.
+  // ---- 6. X = (I + L)^-1 in fp32, in two levels: the 16x16 diagonal blocks by forward
+  // substitution; the two 32x32 halves (X_10 = -X_11 L_10 X_00 and X_32 = -X_33 L_32 X_22, side by
+  // side); then the lower-left 32x32 quarter X_BT = -X_BB (L_BT X_TT), its four 16x16 blocks on
+  // all 8 warps. Four barriers after the diagonal and at most two 16-step products in a row (one
+  // block row at a time took six barriers and up to three). The forward substitution runs on 2
+  // partial sums (a single fma chain left the warps waiting on fma latency), one block a warp (16
+  // lanes; two blocks in a warp read rows 16 apart, the same bank). The block products give each
+  // thread 4 adjacent columns: one broadcast float4 read feeds 4 fmas.
   if (tid < 128 && lane < 16) {
     const int blk = warp, cc = lane;
     const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
@@ -1185,26 +1206,39 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();
   {
-    // thread: column block J = warp / 2 (warp-uniform), row r, columns c4 .. c4 + 3
-    const int J = warp >> 1, r = (tid >> 2) & 15, c4 = (tid & 3) * 4;
-#pragma unroll
-    for (int I = 1; I < 4; ++I) {
-      if (J < I) {
-        const float* lr = Lm + (I * 16 + r) * kLdM;
-        float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-        for (int KB = J; KB < I; ++KB) dot16_rows4<false>(s0, s1, lr + KB * 16, Xm + KB * 16 * kLdM + J * 16 + c4, kLdM);
-        *reinterpret_cast<float4*>(Pt + r * kLdP + J * 16 + c4) = add4(s0, s1);
-      }
-      __syncthreads();
-      if (J < I) {
-        const float* xr = Xm + (I * 16 + r) * kLdM + I * 16;
-        float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-        dot16_rows4<true>(s0, s1, xr, Pt + J * 16 + c4, kLdP);
-        *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + J * 16 + c4) = add4(s0, s1);
-      }
-      __syncthreads();
+    // thread: row r of a 16x16 block, columns c4 .. c4 + 3 of it
+    const int r = (tid >> 2) & 15, c4 = (tid & 3) * 4;
+    // halves: warps 0-1 block (1, 0), warps 2-3 block (3, 2); P columns 16 h .. 16 h + 15
+    const int h = warp >> 1, I = 2 * h + 1;
+    if (warp < 4) {
+      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+      dot16_rows4<false>(s0, s1, Lm + (I * 16 + r) * kLdM + (I - 1) * 16, Xm + (I - 1) * 16 * kLdM + (I - 1) * 16 + c4, kLdM);
+      *reinterpret_cast<float4*>(Pt + r * kLdP + h * 16 + c4) = add4(s0, s1);
+    }
+    __syncthreads();
+    if (warp < 4) {
+      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+      dot16_rows4<true>(s0, s1, Xm + (I * 16 + r) * kLdM + I * 16, Pt + h * 16 + c4, kLdP);
+      *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + (I - 1) * 16 + c4) = add4(s0, s1);
+    }
+    __syncthreads();
+    // quarter: warp pair q takes block (Iq, Jq) = (2 + q / 2, q % 2); Q = L_BT X_TT in P (32 rows)
+    const int Iq = 2 + (warp >> 2), Jq = (warp >> 1) & 1;
+    {
+      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+      for (int K = Jq; K < 2; ++K)
+        dot16_rows4<false>(s0, s1, Lm + (Iq * 16 + r) * kLdM + K * 16, Xm + K * 16 * kLdM + Jq * 16 + c4, kLdM);
+      *reinterpret_cast<float4*>(Pt + ((Iq - 2) * 16 + r) * kLdP + Jq * 16 + c4) = add4(s0, s1);
+    }
+    __syncthreads();
+    {
+      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+      for (int K = 2; K <= Iq; ++K)
+        dot16_rows4<true>(s0, s1, Xm + (Iq * 16 + r) * kLdM + K * 16, Pt + (K - 2) * 16 * kLdP + Jq * 16 + c4, kLdP);
+      *reinterpret_cast<float4*>(Xm + (Iq * 16 + r) * kLdM + Jq * 16 + c4) = add4(s0, s1);
     }
   }
+  __syncthreads();
   for (int e = tid; e < kC * kC / 2; e += kLiteThreads) {
     const int r = e >> 5, c2 = (e & 31) * 2;
     const float2 xv = *reinterpret_cast<const float2*>(Xm + r * kLdM + c2);
