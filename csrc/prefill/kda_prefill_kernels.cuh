@@ -140,34 +140,54 @@ __device__ __forceinline__ float rsqrt_ftz(float x) {
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
-// The per-step log decay of one key in log2 units (G is kept in log2 units), from the raw gate
-// input. ftz approximations: the input is bf16, and the plain __expf/__logf spent extra
-// instructions per call on denormal ranges that cannot matter here. No branches: a branch per
-// row (range cases of softplus, rows past the chunk's end) serialised the 32 rows of a key into a
-// chain of MUFU latencies (ncu, session 7); straight-line code lets them overlap.
-template <int GATE>
-__device__ __forceinline__ float log2_decay(float raw, float dtb, float ea, float lb2) {
-  if constexpr (GATE == 0) {
-    // -ea * softplus(x) in log2 units: log2(1 + 2^y) = max(y, 0) + log2(1 + 2^-|y|), y = x log2(e),
-    // finite for every finite x (for y < -24 it gives 0 where the true value is below 2^-24).
-    const float y = (raw + dtb) * kLog2e;
-    return -ea * (fmaxf(y, 0.f) + lg2(1.f + ex2(-fabsf(y))));
-  } else if constexpr (GATE == 1) {  // lower_bound * sigmoid(ea x); lb2 = lower_bound * log2(e)
-    return __fdividef(lb2, 1.f + ex2(-ea * (raw + dtb) * kLog2e));
-  } else {
-    return raw * kLog2e;
-  }
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
-// Running sums of one key's log decays over 32 rows (rows >= nt add 0: their raw input is the
-// zero fill, so the decay is finite and selected away).
+// The per-step log decay of one key in log2 units (G is kept in log2 units) is mult * value(raw)
+// for the raw gate input; the caller folds mult (and the mask of rows past the chunk's end) into
+// its running sum's fma. ftz approximations: the input is bf16, and the plain __expf/__logf spent
+// extra instructions per call on denormal ranges that cannot matter here. No branches: a branch
+// per row (range cases of softplus, rows past the end) serialised a key's rows into a chain of
+// MUFU latencies (ncu, session 7); straight-line code lets them overlap.
 template <int GATE>
-__device__ __forceinline__ float gate_cumsum(float (&gl)[32], const bf16* graw, int r0, int nt, float dtb,
-                                            float ea, float lb2) {
-  float run = 0.f;
+struct Log2Gate;
+template <>
+struct Log2Gate<0> {  // -ea * softplus(raw + dtb): log2(1 + 2^y) = max(y, 0) + log2(1 + 2^-|y|),
+  float c, mult;      // finite for every finite y (below 2^-24 it gives 0)
+  __device__ Log2Gate(float dtb, float ea, float) : c(dtb * kLog2e), mult(-ea) {}
+  __device__ float value(float raw) const {
+    const float y = fmaf(raw, kLog2e, c);
+    return fmaxf(y, 0.f) + lg2(1.f + ex2(-fabsf(y)));
+  }
+};
+template <>
+struct Log2Gate<1> {  // lower_bound * sigmoid(ea (raw + dtb)); mult = lower_bound * log2(e)
+  float s, c, mult;
+  __device__ Log2Gate(float dtb, float ea, float lb2) : s(-ea * kLog2e), c(-ea * dtb * kLog2e), mult(lb2) {}
+  __device__ float value(float raw) const { return rcp_ftz(1.f + ex2(fmaf(raw, s, c))); }
+};
+template <>
+struct Log2Gate<2> {  // the log decay itself
+  float mult;
+  __device__ Log2Gate(float, float, float) : mult(kLog2e) {}
+  __device__ float value(float raw) const { return raw; }
+};
+// Running sums of two adjacent keys' log decays over 16 rows (rows >= nt add 0: their raw input
+// is the zero fill, so the value is finite and its multiplier is 0). The pair comes in one 4-byte
+// shared load per row.
+template <int GATE>
+__device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], const bf16* graw, int r0, int nt, float2 dtb,
+                                             float ea, float lb2) {
+  const Log2Gate<GATE> g0(dtb.x, ea, lb2), g1(dtb.y, ea, lb2);
+  float2 run = make_float2(0.f, 0.f);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const float d = log2_decay<GATE>(__bfloat162float(graw[i * kLdB]), dtb, ea, lb2);
-    run += r0 + i < nt ? d : 0.f;
+  for (int i = 0; i < 16; ++i) {
+    const float2 raw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(graw + i * kLdB));
+    const bool in = r0 + i < nt;
+    run.x = fmaf(in ? g0.mult : 0.f, g0.value(raw.x), run.x);
+    run.y = fmaf(in ? g1.mult : 0.f, g1.value(raw.y), run.y);
     gl[i] = run;
   }
   return run;
@@ -785,7 +805,7 @@ constexpr int kLOffL = kLOffK + kC * kLdB * 2;
 constexpr int kLOffOp = kLOffL + kC * kLdM * 4;           // 96 rows of operands, later beta exp(G) k
 constexpr int kLOffBeta = kLOffOp + 96 * kLdB * 2;
 constexpr int kLOffTot = kLOffBeta + kC * 4;
-constexpr int kLOffSafe = kLOffTot + 2 * kK * 4;         // int [4]: diagonal block I on tensor cores
+constexpr int kLOffSafe = kLOffTot + 4 * kK * 4;         // int [4]: diagonal block I on tensor cores
 constexpr int kLOffSeq = kLOffSafe + 16;                  // SeqOfChunk: kept here, not in registers
 constexpr int kLiteSmem = kLOffSeq + 16;
 static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
@@ -991,20 +1011,29 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     }
   }
   {
-    const int d = tid & (kK - 1), half = tid >> 7;
-    const float dtb = a.dt_bias ? a.dt_bias[hv * kK + d] : 0.f;
+    // gate + cumsum: a thread takes keys 2 kp, 2 kp + 1 over the 16 rows of quarter q, then adds the
+    // totals of the quarters above it
+    const int kp = tid & 63, q = tid >> 6, d = 2 * kp;
+    const float2 dtb = a.dt_bias ? make_float2(a.dt_bias[hv * kK + d], a.dt_bias[hv * kK + d + 1])
+                                 : make_float2(0.f, 0.f);
     const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
     const float lb2 = a.lower_bound * kLog2e;
-    float gl[32];
-    const bf16* graw = Graw + half * 32 * kLdB + d;
-    const float run = a.gate == 0   ? gate_cumsum<0>(gl, graw, half * 32, nt, dtb, ea, lb2)
-                      : a.gate == 1 ? gate_cumsum<1>(gl, graw, half * 32, nt, dtb, ea, lb2)
-                                    : gate_cumsum<2>(gl, graw, half * 32, nt, dtb, ea, lb2);
-    tot[half * kK + d] = run;
+    float2 gl[16];
+    const bf16* graw = Graw + q * 16 * kLdB + d;
+    const float2 run = a.gate == 0   ? gate_cumsum<0>(gl, graw, q * 16, nt, dtb, ea, lb2)
+                       : a.gate == 1 ? gate_cumsum<1>(gl, graw, q * 16, nt, dtb, ea, lb2)
+                                     : gate_cumsum<2>(gl, graw, q * 16, nt, dtb, ea, lb2);
+    *reinterpret_cast<float2*>(tot + q * kK + d) = run;
     __syncthreads();
-    const float base = half ? tot[d] : 0.f;
+    float2 base = make_float2(0.f, 0.f);
+    for (int p = 0; p < q; ++p) {
+      const float2 t = *reinterpret_cast<const float2*>(tot + p * kK + d);
+      base.x += t.x;
+      base.y += t.y;
+    }
 #pragma unroll
-    for (int i = 0; i < 32; ++i) Gs[(half * 32 + i) * kLdG + d] = gl[i] + base;
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<float2*>(Gs + (q * 16 + i) * kLdG + d) = make_float2(gl[i].x + base.x, gl[i].y + base.y);
   }
   __syncthreads();
   // A diagonal block I goes on tensor cores with the anchor m = 16 I + 7 when every factor
