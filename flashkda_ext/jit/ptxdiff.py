@@ -107,9 +107,9 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
     return rows
 
 
-def module_ptx(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str, List[str]]:
-    """The normalised kernels of module `name` as the tree at `root` defines it (its record's
-    params, macros and compile flags, -ptx instead of an object)."""
+def compile_module(name: str, root, arch: Optional[str], workdir: Path, kind: str = "ptx") -> List[Path]:
+    """nvcc -ptx (or -cubin) of each .cu source of module `name` as the tree at `root` defines it
+    (its record's params, macros and compile flags): the files written into workdir."""
     record = get_record(name, root=root)
     if record["backend"] != "cuda":
         raise ValueError(f"module '{name}' is a {record['backend']} module; only CUDA modules have PTX")
@@ -118,20 +118,28 @@ def module_ptx(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str,
     header = workdir / f"{name}_macros.h"
     header.write_text(render_header(record, root=root))
     flags = toolchain.compile_flags(record, arch)["nvcc"]
-    if "-Xptxas" in flags:  # the resource report belongs to ptxas, which -ptx does not run
+    if kind == "ptx" and "-Xptxas" in flags:  # the resource report belongs to ptxas, which -ptx does not run
         i = flags.index("-Xptxas")
         del flags[i:i + 2]
     incs = include_flags(csrc)
-    kernels: Dict[str, List[str]] = {}
+    outs = []
     for src in record["sources"]:
         if not src.endswith(".cu"):
             continue
-        out = workdir / f"{name}_{Path(src).stem}.ptx"
-        cmd = [toolchain.find_nvcc()] + flags + incs + ["-include", str(header), "-ptx", str(csrc / src),
+        out = workdir / f"{name}_{Path(src).stem}.{kind}"
+        cmd = [toolchain.find_nvcc()] + flags + incs + ["-include", str(header), f"-{kind}", str(csrc / src),
                                                        "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"nvcc -ptx failed for {name} ({src}) under {root}:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"nvcc -{kind} failed for {name} ({src}) under {root}:\n{proc.stderr[-4000:]}")
+        outs.append(out)
+    return outs
+
+
+def module_ptx(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str, List[str]]:
+    """The normalised kernels of module `name` as the tree at `root` defines it."""
+    kernels: Dict[str, List[str]] = {}
+    for out in compile_module(name, root, arch, workdir, "ptx"):
         kernels.update(split_entries(out.read_text()))
     return kernels
 

@@ -64,6 +64,28 @@ def find_nvcc() -> str:
                          "via FLASHKDA_EXT_AOT_DIR")
 
 
+def find_cuobjdump() -> str:
+    """cuobjdump, for reading machine code (SASS) without a GPU: $CUOBJDUMP, beside nvcc, on PATH,
+    or the PyPI wheel nvidia-cuda-cuobjdump (nvidia/cu*/bin/cuobjdump in site-packages)."""
+    cands = [os.environ.get("CUOBJDUMP", "")]
+    try:
+        cands.append(str(Path(find_nvcc()).parent / "cuobjdump"))
+    except ToolchainError:
+        pass
+    cands.append(shutil.which("cuobjdump") or "")
+    try:
+        import nvidia  # namespace package of NVIDIA's PyPI wheels
+        for base in nvidia.__path__:
+            cands += sorted(str(p) for p in Path(base).glob("cu*/bin/cuobjdump"))
+    except ImportError:
+        pass
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise ToolchainError("no cuobjdump found (CUOBJDUMP, beside nvcc, on PATH, or the nvidia-cuda-cuobjdump "
+                         "wheel); `pip install nvidia-cuda-cuobjdump` provides one")
+
+
 def have_nvcc() -> bool:
     """Whether find_nvcc finds one (tests and tools that only run where nvcc is installed)."""
     try:
