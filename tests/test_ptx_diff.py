@@ -1,6 +1,5 @@
 """flashkda_ext.jit.ptxdiff: normalised PTX per kernel between two source trees (the check that a
 refactor leaves the GPU code as it was)."""
-import json
 import shutil
 
 import pytest
@@ -84,12 +83,7 @@ def test_toy_module_between_trees(tmp_path, capsys):
     assert ptxdiff.main(["toy_cuda", "--base", str(base), "--change", str(same)]) == 0
     assert "identical" in capsys.readouterr().out
 
-    other = tmp_path / "other"
-    shutil.copytree(base, other)
-    spec = other / "jit" / "modules" / "toy_cuda.json"
-    data = json.loads(spec.read_text())
-    data["modules"][0]["params"]["add"] = 7  # a record param reaches the kernel as a macro
-    spec.write_text(json.dumps(data))
+    other = testing.variant_tree(base, tmp_path / "other", add=7)
     assert ptxdiff.main(["toy_cuda", "--base", str(base), "--change", str(other)]) == 1
     assert "DIFFERS" in capsys.readouterr().out
 

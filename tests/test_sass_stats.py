@@ -1,8 +1,5 @@
 """flashkda_ext.jit.sass: machine-code statistics per kernel from cuobjdump output (registers,
 spills, instruction, branch and barrier counts), for a module and against a baseline tree."""
-import json
-import shutil
-
 import pytest
 
 from flashkda_ext.jit import sass, testing
@@ -73,12 +70,7 @@ def _have_cuobjdump():
 @pytest.mark.skipif(not (have_nvcc() and _have_cuobjdump()), reason="needs nvcc and cuobjdump")
 def test_toy_module_against_a_baseline(tmp_path, capsys):
     base = testing.make_tree(tmp_path / "base", cuda=True)
-    other = tmp_path / "other"
-    shutil.copytree(base, other)
-    spec = other / "jit" / "modules" / "toy_cuda.json"
-    data = json.loads(spec.read_text())
-    data["modules"][0]["params"]["add"] = 7  # a record param reaches the kernel as a macro
-    spec.write_text(json.dumps(data))
+    other = testing.variant_tree(base, tmp_path / "other", add=7)
     kernels = sass.module_sass("toy_cuda", base, None, tmp_path)
     assert kernels and all(k["instructions"] > 0 and k["REG"] is not None for k in kernels.values())
     assert sass.main(["toy_cuda", "--base", str(base), "--change", str(other)]) == 0

@@ -122,3 +122,17 @@ def make_tree(base, *, cuda: bool = False, routes: bool = True) -> Path:
         write_json(root / "jit" / "routes" / "kda_decode.json",
                    {"family": "kda_decode", "description": "toy routes", "rules": rules})
     return root
+
+
+def variant_tree(base, dest, module: str = "toy_cuda", **params) -> Path:
+    """A copy of the spec tree at base whose record `module` has these params changed (a record
+    param reaches the kernel as a macro: the generated code differs); return its root."""
+    dest = Path(dest)
+    shutil.copytree(base, dest)
+    spec = dest / "jit" / "modules" / f"{module}.json"
+    data = json.loads(spec.read_text())
+    for rec in data["modules"]:
+        if rec["name"] == module:
+            rec["params"].update(params)
+    spec.write_text(json.dumps(data))
+    return dest
