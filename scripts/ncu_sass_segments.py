@@ -10,6 +10,8 @@ written as barrier-separated steps. Prints each segment's share of stall samples
 instructions, its instructions per warp, and its most executed opcodes; then, over the whole kernel,
 the stall reasons (the export's stall_* columns) and the opcodes by share of samples against share
 of instructions (an opcode with many more samples than instructions is where warps wait).
+--show N (repeatable) lists segment N instruction by instruction: its share of the samples,
+executions per warp and the SASS text (how session 7 found the gate loop's branch per row).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, required=True, help="warps per CTA")
     ap.add_argument("--min-share", type=float, default=0.3, help="hide segments below this %% of both")
     ap.add_argument("--top", type=int, default=10, help="stall reasons and opcodes listed at the end")
+    ap.add_argument("--show", type=int, action="append", default=[], help="list segment N's instructions")
     a = ap.parse_args(argv)
     head, rows = read_rows(a.csv)
     col = {c: i for i, c in enumerate(head)}
@@ -51,7 +54,8 @@ def main(argv=None):
         if len(r) <= max(samp, execd):
             continue
         if cur is None:
-            cur = dict(start=r[0], s=0.0, e=0.0, ops=collections.Counter())
+            cur = dict(start=r[0], s=0.0, e=0.0, ops=collections.Counter(), rows=[])
+        cur["rows"].append(r)
         op, e = opcode(r[1]), float(r[execd] or 0)
         cur["s"] += float(r[samp] or 0)
         cur["e"] += e
@@ -74,6 +78,13 @@ def main(argv=None):
         top = ", ".join(f"{k}:{v / per_warp:.0f}" for k, v in s["ops"].most_common(8))
         print(f"{i:4d} {s['start'][-5:]:>6s}-{s['end'][-5:]:<6s} {ps:7.1f}% {pe:6.1f}% {s['e'] / per_warp:6.0f}  {top}")
     print_reasons(head, rows, samp, execd, a.top)
+    for i in a.show:
+        if not 0 <= i < len(segs):
+            print(f"no segment {i} (0..{len(segs) - 1})")
+            continue
+        print(f"segment {i}: address, % of all samples, executions per warp, instruction")
+        for r in segs[i]["rows"]:
+            print(f"  {r[0][-5:]:>5s} {100 * float(r[samp] or 0) / ts:6.2f}% {float(r[execd] or 0) / per_warp:7.2f}  {r[1].strip()}")
     return 0
 
 

@@ -32,3 +32,16 @@ def test_segments_and_stall_reasons(tmp_path, capsys):
     assert "stall reasons: wait 80.0%, barrier 20.0%" in out
     ops = next(line for line in out if line.startswith("opcodes"))
     assert "BRA 40.0/40.0%" in ops and "HMMA 30.0/20.0%" in ops  # the guard @P0 is not the opcode
+
+
+def test_show_lists_a_segments_instructions(tmp_path, capsys):
+    path = tmp_path / "k.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(HEAD)
+        w.writerows(ROWS)
+    assert segments.main([str(path), "--ctas", "2", "--warps", "4", "--show", "1", "--show", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = out.index("segment 1: address, % of all samples, executions per warp, instruction")
+    assert out[i + 1].split() == ["0x40", "40.00%", "2.00", "@P0", "BRA", "0x10"]  # 16 executions / 8 warps
+    assert "no segment 5 (0..1)" in out
