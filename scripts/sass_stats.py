@@ -1,6 +1,7 @@
 """Machine-code (SASS) statistics of CUDA modules, optionally against a baseline tree
 (flashkda_ext.jit.sass): registers, spills, instruction counts, branches, barriers. No GPU needed,
-only nvcc and cuobjdump (the CUDA toolkit's, or `pip install nvidia-cuda-cuobjdump`).
+only nvcc, cuobjdump and the nvdisasm it runs (the CUDA toolkit's, or
+`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
 
     git archive <rev> csrc jit | tar x -C /tmp/base
     python3 scripts/sass_stats.py prefill_vt16_f32 --kernel prep --base /tmp/base

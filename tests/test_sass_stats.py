@@ -76,3 +76,21 @@ def test_toy_module_against_a_baseline(tmp_path, capsys):
     assert sass.main(["toy_cuda", "--base", str(base), "--change", str(other)]) == 0
     out = capsys.readouterr().out
     assert "base " in out and "change " in out and "change vs base" in out
+
+
+def test_nvdisasm_is_looked_for_where_cuobjdump_will_run_it(tmp_path, monkeypatch):
+    """cuobjdump -sass runs nvdisasm: NVDISASM_PATH first, then beside cuobjdump, then PATH."""
+    from flashkda_ext.jit.toolchain import nvdisasm_dir
+    tools, other = tmp_path / "bin", tmp_path / "other"
+    tools.mkdir()
+    other.mkdir()
+    (tools / "cuobjdump").write_text("")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("NVDISASM_PATH", raising=False)
+    assert nvdisasm_dir(str(tools / "cuobjdump")) is None
+    (other / "nvdisasm").write_text("")
+    monkeypatch.setenv("NVDISASM_PATH", str(other))
+    assert nvdisasm_dir(str(tools / "cuobjdump")) == str(other)
+    monkeypatch.delenv("NVDISASM_PATH")
+    (tools / "nvdisasm").write_text("")
+    assert nvdisasm_dir(str(tools / "cuobjdump")) == str(tools)

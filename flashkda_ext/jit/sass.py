@@ -9,11 +9,13 @@ instructions; with a baseline tree, both side by side.
 Static counts are not executed counts (a loop body counts once), but they show what a source edit
 did to the code that runs: the session-7 gate loop went from a branch per row to straight-line code
 (BRA + BSSY 393 -> 206 in the prep kernel) before any device time was spent. cuobjdump comes with
-the CUDA toolkit or from PyPI (nvidia-cuda-cuobjdump); toolchain.find_cuobjdump looks for both.
+the CUDA toolkit or from PyPI (nvidia-cuda-cuobjdump, with nvidia-cuda-nvdisasm, which its -sass
+runs); toolchain.find_cuobjdump looks for both.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -82,9 +84,11 @@ def summarize(opcodes: Sequence[str], res: Optional[Dict[str, int]] = None) -> d
 def module_sass(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str, dict]:
     """{kernel: summarize(...)} of module `name` as the tree at `root` defines it."""
     tool = toolchain.find_cuobjdump()
+    env = dict(os.environ, NVDISASM_PATH=toolchain.nvdisasm_dir(tool))  # -sass runs nvdisasm
     kernels: Dict[str, dict] = {}
     for cubin in compile_module(name, root, arch, workdir, "cubin"):
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True,
+                              env=env).stdout
         res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
         usage = parse_res_usage(res)
         for k, ops in parse_sass(sass).items():

@@ -66,7 +66,8 @@ def find_nvcc() -> str:
 
 def find_cuobjdump() -> str:
     """cuobjdump, for reading machine code (SASS) without a GPU: $CUOBJDUMP, beside nvcc, on PATH,
-    or the PyPI wheel nvidia-cuda-cuobjdump (nvidia/cu*/bin/cuobjdump in site-packages)."""
+    or the PyPI wheel nvidia-cuda-cuobjdump (nvidia/cu*/bin/cuobjdump in site-packages). Its -sass
+    runs nvdisasm, so one is returned only where nvdisasm_dir finds that too."""
     cands = [os.environ.get("CUOBJDUMP", "")]
     try:
         cands.append(str(Path(find_nvcc()).parent / "cuobjdump"))
@@ -79,11 +80,24 @@ def find_cuobjdump() -> str:
             cands += sorted(str(p) for p in Path(base).glob("cu*/bin/cuobjdump"))
     except ImportError:
         pass
-    for c in cands:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+    found = [c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)]
+    for c in found:
+        if nvdisasm_dir(c):
             return c
-    raise ToolchainError("no cuobjdump found (CUOBJDUMP, beside nvcc, on PATH, or the nvidia-cuda-cuobjdump "
-                         "wheel); `pip install nvidia-cuda-cuobjdump` provides one")
+    raise ToolchainError(("cuobjdump found (" + found[0] + ") but no nvdisasm beside it, on PATH or in "
+                          "NVDISASM_PATH; `pip install nvidia-cuda-nvdisasm` provides one") if found else
+                         "no cuobjdump found (CUOBJDUMP, beside nvcc, on PATH, or the nvidia-cuda-cuobjdump "
+                         "wheel); `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` provides both")
+
+
+def nvdisasm_dir(cuobjdump: str) -> Optional[str]:
+    """The folder of the nvdisasm that `cuobjdump -sass` will run: NVDISASM_PATH, beside cuobjdump
+    (the toolkit, or both wheels in one site-packages), or on PATH; None when there is none."""
+    for d in (os.environ.get("NVDISASM_PATH", ""), str(Path(cuobjdump).parent)):
+        if d and os.path.isfile(os.path.join(d, "nvdisasm")):
+            return d
+    w = shutil.which("nvdisasm")
+    return str(Path(w).parent) if w else None
 
 
 def have_nvcc() -> bool:
