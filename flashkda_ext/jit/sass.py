@@ -96,11 +96,13 @@ def module_sass(name: str, root, arch: Optional[str], workdir: Path) -> Dict[str
     return kernels
 
 
-def format_row(kernel: str, row: dict, top: int) -> str:
+def format_row(kernel: str, row: dict, top: int, side: str = "") -> str:
+    """One kernel's line; side ("base" / "change") labels it when two trees are compared."""
     k = kernel if len(kernel) <= 60 else kernel[:57] + "..."
     cols = " ".join(f"{label} {row[label]}" for label, _ in GROUPS)
     ops = ", ".join(f"{o}:{n}" for o, n in row["opcodes"].most_common(top))
-    return f"  {k}: REG {row.get('REG')} STACK {row.get('STACK')} | {row['instructions']} instr | {cols} | {ops}"
+    lead = f"  {side:6s} " if side else "  "
+    return f"{lead}{k}: REG {row.get('REG')} STACK {row.get('STACK')} | {row['instructions']} instr | {cols} | {ops}"
 
 
 def format_delta(base: dict, change: dict) -> str:
@@ -136,8 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if not pick.search(k):
                     continue
                 if "base" in sides and k in sides["base"]:
-                    print(format_row(k, sides["base"][k], a.top).replace("  ", "  base   ", 1))
-                    print(format_row(k, sides["change"][k], a.top).replace("  ", "  change ", 1))
+                    print(format_row(k, sides["base"][k], a.top, "base"))
+                    print(format_row(k, sides["change"][k], a.top, "change"))
                     print(format_delta(sides["base"][k], sides["change"][k]))
                 else:
                     print(format_row(k, sides["change"][k], a.top))
