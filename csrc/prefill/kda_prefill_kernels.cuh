@@ -931,6 +931,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   if (c * kC >= len) return;  // a gap slot (or an empty sequence)
   SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);
   if (tid == 0) *seq = SeqOfChunk{bos, n, a.st.single && len <= kC ? int(len) : -1};  // read at the end
+  if (tid < 4) safe[tid] = a.diag_mma != 0;  // cleared by the gate step for a block whose range is too wide
   const int64_t t0 = bos + c * kC;
   const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
   const int hk = a.group == 1 ? hv : hv / a.group;  // no integer division for plain MHA
@@ -1024,6 +1025,16 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
                        : a.gate == 1 ? gate_cumsum<1>(gl, graw, q * 16, nt, dtb, ea, lb2)
                                      : gate_cumsum<2>(gl, graw, q * 16, nt, dtb, ea, lb2);
     *reinterpret_cast<float2*>(tot + q * kK + d) = run;
+    // Quarter q is diagonal block q: it goes on tensor cores with the anchor m = 16 q + 7 when every
+    // factor exp2(+-(G - G_m)) inside it stays below 2^100 (always for the bounded gate; softplus
+    // decays of more than ~9 nats a step fall back to the elementwise form). This thread's running
+    // sums already hold G of its keys there (the quarter base cancels), so the check needs neither
+    // G from shared memory nor barriers of its own; a warp with a wide key clears the flag.
+    if (a.diag_mma) {  // CTA-uniform
+      const bool wide = !(fmaxf(gl[0].x - gl[7].x, gl[7].x - gl[15].x) <= 100.f) ||
+                        !(fmaxf(gl[0].y - gl[7].y, gl[7].y - gl[15].y) <= 100.f);
+      if (__any_sync(0xffffffffu, wide) && lane == 0) safe[q] = 0;
+    }
     __syncthreads();
     float2 base = make_float2(0.f, 0.f);
     for (int p = 0; p < q; ++p) {
@@ -1035,23 +1046,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int i = 0; i < 16; ++i)
       *reinterpret_cast<float2*>(Gs + (q * 16 + i) * kLdG + d) = make_float2(gl[i].x + base.x, gl[i].y + base.y);
   }
-  __syncthreads();
-  // A diagonal block I goes on tensor cores with the anchor m = 16 I + 7 when every factor
-  // exp2(+-(G - G_m)) inside it stays below 2^100 (always for the bounded gate; softplus decays of
-  // more than ~9 nats a step fall back to the elementwise form).
-  if (a.diag_mma) {
-#pragma unroll
-    for (int I = 0; I < 4; ++I) {
-      const int d = tid & (kK - 1);
-      const float gm = Gs[(16 * I + 7) * kLdG + d];
-      const float r = fmaxf(Gs[(16 * I) * kLdG + d] - gm, gm - Gs[(16 * I + 15) * kLdG + d]);
-      const int bad = __syncthreads_or(!(r <= 100.f));
-      if (tid == 0) safe[I] = !bad;
-    }
-  } else if (tid < 4) {
-    safe[tid] = 0;
-  }
-  __syncthreads();
+  __syncthreads();  // G and the diagonal blocks' flags (safe) are complete
 
   // ---- 2. Qg, Kd, exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
   {  // elementwise in col4 pieces: a thread keeps its 4 columns, a warp takes every 8th row
