@@ -181,6 +181,10 @@ def parse(argv=None):
                     help="slots of a call: random (unique, the default and the issue's grid), sorted (the same "
                          "random set in ascending order) or contiguous (a run of rows slots at a random start): "
                          "how much of the cost is the pool's address pattern")
+    ap.add_argument("--slots", type=int, default=SLOTS, help="pool slots (the issue's grid: 8192)")
+    ap.add_argument("--offset", default="auto", choices=("auto", "o32", "o64"),
+                    help="slot-offset width of the modules called: auto (as the dispatcher decides from the pool's "
+                         "size) or forced; o64 runs on any pool, o32 only on pools below 2^31 elements")
     return ap.parse_args(argv)
 
 
@@ -189,9 +193,10 @@ def main(argv=None):
     args = parse(argv)
     cfg = harness.config_from_args(args)
     DEVICE = cfg.device
+    SLOTS = args.slots
     if not cfg.is_cuda:           # dry run: the CPU backend through the same module ABI
         K = V = 16
-        SLOTS = 64
+        SLOTS = min(SLOTS, 64)
     fla = None if (args.no_fla or not cfg.is_cuda) else fla_fn()
     if cfg.is_cuda:
         dev = torch.cuda.get_device_properties(0)
@@ -203,6 +208,8 @@ def main(argv=None):
         [2] if dry else [8, 64] if args.quick else [8, 16, 32, 64])
     rows_list = [int(x) for x in args.rows.split(",")] if args.rows else (
         [1, 3] if dry else [1, 4, 16, 64, 256, 1024, 4096] if args.quick else [2 ** i for i in range(13)])
+    if max(rows_list) > SLOTS:
+        raise SystemExit(f"--slots {SLOTS}: a call of {max(rows_list)} rows needs at least that many unique slots")
     states = args.states.split(",") if not (dry and args.states == "f32,bf16") else ["f32"]
     stems = [s for s in args.modules.split(",") if s]
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
@@ -227,6 +234,10 @@ def main(argv=None):
                 reps = 5 if traffic * M > 1e9 else 8
                 idxs = [slot_list(rows, args.slot_order, gen) for _ in range(M)]
                 offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"  # as the dispatcher decides
+                if args.offset != "auto":
+                    if args.offset == "o32" and offset == "o64":
+                        raise SystemExit(f"--offset o32: the pool ({pool.numel()} elements) needs 64-bit offsets")
+                    offset = args.offset
                 meta = dict(device=DEVICE, rows=rows, value_heads=HV, work_items=rows * HV, state=sname,
                             offset=offset, slot_mode="unique", gate="softplus")
                 routed, rule = route(meta)

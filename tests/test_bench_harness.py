@@ -233,3 +233,14 @@ def test_decode_slot_orders(order, tmp_path):
     assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--slot-order", order, "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert doc["meta"]["slot_order"] == order
+
+
+def test_decode_pool_slots_option(tmp_path):
+    """bench_decode's --slots sizes the pool (recorded in the results); fewer slots than a call's rows
+    is refused before anything runs."""
+    mod = _script("bench_decode")
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--slots", "48", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert doc["meta"]["slots"] == 48
+    with pytest.raises(SystemExit, match="--slots 2"):
+        mod.main(["--dry-run", "--no-progress", "--no-plot", "--slots", "2", "--out", str(tmp_path)])
