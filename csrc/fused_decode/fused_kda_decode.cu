@@ -4,6 +4,8 @@
 //                              2 sequential (one head per cluster, rows in order: repeated slots)
 //   FKDA_PARAM_V_TILE          V-rows per CTA (= D / FKDA_CLUSTER_X)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row
+//   FKDA_PARAM_STATE_SMEM      1: the state tile arrives by one bulk copy into dynamic shared memory
+//                              (smem_bytes = v_tile * D * state element size); absent or 0: registers
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -34,7 +36,13 @@ static_assert(FKDA_PARAM_SCHEDULE == 0 || FKDA_PARAM_SCHEDULE == 2, "schedule: 0
 static_assert(FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "1-D clusters only");
 static_assert(FKDA_PARAM_V_TILE * FKDA_CLUSTER_X == FKDA_HEAD_DIM_V, "a cluster covers all V-rows");
 static_assert(FKDA_PERSISTENT_K == 0, "no persistent schedule here");
-static_assert(FKDA_SMEM_BYTES == 0, "fused decode kernels use static shared memory only");
+#ifndef FKDA_PARAM_STATE_SMEM
+#define FKDA_PARAM_STATE_SMEM 0
+#endif
+static_assert(FKDA_PARAM_STATE_SMEM == 0 || FKDA_PARAM_SCHEDULE == 0, "state_smem: tile schedule only");
+// state_smem = 1: the CTA's V_TILE x D state tile in dynamic shared memory; else static only
+static_assert(FKDA_SMEM_BYTES == (FKDA_PARAM_STATE_SMEM ? FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4) : 0),
+              "smem_bytes must be v_tile * D * state element size with state_smem = 1, else 0");
 
 #define FKDA_KERNEL_ARGS kStateBf16, FKDA_CLUSTER_X, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT
 
@@ -125,7 +133,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);
 #if FKDA_PARAM_SCHEDULE == 0
-  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS>,
+  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STATE_SMEM != 0>,
              dim3(static_cast<unsigned>(rows * H * FKDA_CLUSTER_X)), block, FKDA_SMEM_BYTES, p);
 #else
   ctx.launch("fused_kda_decode_seq_kernel", fused_kda_decode_seq_kernel<FKDA_KERNEL_ARGS>,

@@ -29,6 +29,7 @@
 // the small device helpers of the plain decode (BfVec/unpack_bf, group_sum, StateTraits,
 // load_state/store_state): shared, not copied
 #include "decode/kda_decode_kernels.cuh"
+#include "common/bulk_copy.cuh"
 #include "common/grid_dependency.cuh"
 
 namespace fkda_fused {
@@ -74,7 +75,11 @@ __device__ __forceinline__ float log_decay(const FusedParams& p, float graw, flo
   return p.lower_bound * sigmoidf_(a * (graw + dt));
 }
 
-template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent>
+// kSmemState (tile schedule only): the CTA's V_TILE x D state tile comes in by one bulk copy into
+// dynamic shared memory instead of 16-byte loads into registers; each pass reads its chunks from
+// there. The state then holds no registers while in flight (64 a thread in fp32), so more CTAs fit
+// an SM and one CTA's prologue and epilogue overlap other CTAs' state traffic.
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent, bool kSmemState = false>
 struct FusedCta {
   static constexpr int D = FKDA_HEAD_DIM_K;
   static_assert(FKDA_HEAD_DIM_K == FKDA_HEAD_DIM_V, "fused decode: K = V = D");
@@ -96,6 +101,8 @@ struct FusedCta {
   static_assert(D % (LPR * VEC) == 0 && CHUNKS >= 1, "K must tile by LPR*VEC");
   static_assert(NI % CL == 0 && IPC % THREADS == 0 && IPT >= 1, "prologue split");
   static_assert(PASSES <= LPR, "one writer lane per pass");
+
+  static constexpr uint32_t kTileBytes = uint32_t(V_TILE) * D * sizeof(Elem);  // kSmemState: dynamic smem
 
   struct Smem {
     float in[NI];         // silu(conv) of q | k | v channels, then exp(g) per key
@@ -204,12 +211,25 @@ struct FusedCta {
 
   // The whole (row, head) for this CTA. `half` picks the partial-sum buffer; `arrived`: this CTA
   // did cluster_arrive_relaxed() and must wait on it before its first DSMEM write.
+  // kSmemState: tile = the dynamic shared memory (kTileBytes), bar = its copy's mbarrier; else unused
   __device__ static void run(const FusedParams& p, Smem& sm, int row, int h, unsigned rank, int half,
-                             bool arrived) {
+                             bool arrived, Elem* tile = nullptr, uint64_t* bar = nullptr) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = lane % LPR, r = lane / LPR;
     const int32_t slot = p.idx[row];
     const int vrow0 = rank * V_TILE + warp * ROWS_PER_WARP;
+    if constexpr (kSmemState) {  // the state tile first: it has the longest way to come
+      static_assert(!kCoherent, "the bulk-copied tile is for the tile schedule (unique slots)");
+      if (threadIdx.x == 0) {
+        const Elem* src = static_cast<const Elem*>(p.state) +
+                          (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
+                           static_cast<OffT>((h * D + rank * V_TILE) * D));
+        fkda::mbar_init(bar, 1);
+        fkda::mbar_init_fence();
+        fkda::mbar_expect_tx(bar, kTileBytes);
+        fkda::bulk_g2s(tile, src, kTileBytes, bar);
+      }
+    }
     // The prologue's few loads go first, then the state's: the prologue's math and barrier need
     // only its own loads, so they run while the state is still arriving (issued the other way
     // round, the prologue's loads queued behind the state's and its math came after both).
@@ -227,13 +247,15 @@ struct FusedCta {
     const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
                       static_cast<OffT>((h * D + vrow0) * D);
     Elem* sb = static_cast<Elem*>(p.state) + base;
-    uint4 s[PASSES][CHUNKS];
+    uint4 s[kSmemState ? 1 : PASSES][CHUNKS];  // in flight in registers (unless in shared memory)
+    if constexpr (!kSmemState) {
 #pragma unroll
-    for (int ps = 0; ps < PASSES; ++ps)
+      for (int ps = 0; ps < PASSES; ++ps)
 #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i)
-        s[ps][i] = load_state<kCoherent>(
-            reinterpret_cast<const uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)));
+        for (int i = 0; i < CHUNKS; ++i)
+          s[ps][i] = load_state<kCoherent>(
+              reinterpret_cast<const uint4*>(sb + (ps * RPW + r) * D + key_of(i, c)));
+    }
     if (arrived) cluster_wait();  // every peer has started: its shared memory may be written
 #pragma unroll
     for (int it = 0; it < IPT; ++it) {
@@ -257,11 +279,20 @@ struct FusedCta {
 
     float mine = 0.f;  // o of pass c (lanes c < PASSES)
     float part = 0.f;
+    if constexpr (kSmemState) fkda::mbar_wait(bar, 0);  // the tile has landed (one use: phase 0)
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
       float st[KPL];
 #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(s[ps][i], &st[i * VEC]);
+      for (int i = 0; i < CHUNKS; ++i) {
+        if constexpr (kSmemState) {
+          const uint4 chunk = *reinterpret_cast<const uint4*>(
+              tile + (warp * ROWS_PER_WARP + ps * RPW + r) * D + key_of(i, c));
+          StateTraits<kBf16>::unpack(chunk, &st[i * VEC]);
+        } else {
+          StateTraits<kBf16>::unpack(s[ps][i], &st[i * VEC]);
+        }
+      }
       float kv = 0.f;
 #pragma unroll
       for (int e = 0; e < KPL; ++e) {
@@ -300,12 +331,14 @@ struct FusedCta {
 
 // ---- schedule 0: one (row, head) per cluster of CL CTAs ------------------------------------------
 
-template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT>
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kSmemState>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 fused_kda_decode_tile_kernel(const FusedParams p) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  using T = FusedCta<kBf16, CL, V_TILE, THREADS, OffT, false>;
+  using T = FusedCta<kBf16, CL, V_TILE, THREADS, OffT, false, kSmemState>;
   __shared__ typename T::Smem sm;
+  extern __shared__ __align__(128) uint8_t dyn_smem[];  // kSmemState: the state tile
+  __shared__ uint64_t tile_bar;                         // kSmemState: its bulk copy's completion
   const int item = blockIdx.x / CL;
   const unsigned rank = blockIdx.x % CL;  // 1-D clusters of CL consecutive CTAs
   const int row = item / p.H, h = item % p.H;
@@ -314,7 +347,7 @@ fused_kda_decode_tile_kernel(const FusedParams p) {
     return;
   }
   T::cluster_arrive_relaxed();
-  T::run(p, sm, row, h, rank, 0, true);
+  T::run(p, sm, row, h, rank, 0, true, reinterpret_cast<typename T::Elem*>(dyn_smem), &tile_bar);
 }
 
 // ---- schedule 2: one head per cluster, every row in order (repeated slots) -----------------------
