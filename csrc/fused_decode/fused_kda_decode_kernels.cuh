@@ -211,7 +211,8 @@ struct FusedCta {
 
   // The whole (row, head) for this CTA. `half` picks the partial-sum buffer; `arrived`: this CTA
   // did cluster_arrive_relaxed() and must wait on it before its first DSMEM write.
-  // kSmemState: tile = the dynamic shared memory (kTileBytes), bar = its copy's mbarrier; else unused
+  // kSmemState: tile = the dynamic shared memory (kTileBytes), bar = its copy's mbarrier (initialised
+  // and fenced, with a CTA barrier after it, by the caller); else unused
   __device__ static void run(const FusedParams& p, Smem& sm, int row, int h, unsigned rank, int half,
                              bool arrived, Elem* tile = nullptr, uint64_t* bar = nullptr) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -224,8 +225,6 @@ struct FusedCta {
         const Elem* src = static_cast<const Elem*>(p.state) +
                           (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
                            static_cast<OffT>((h * D + rank * V_TILE) * D));
-        fkda::mbar_init(bar, 1);
-        fkda::mbar_init_fence();
         fkda::mbar_expect_tx(bar, kTileBytes);
         fkda::bulk_g2s(tile, src, kTileBytes, bar);
       }
@@ -345,6 +344,15 @@ fused_kda_decode_tile_kernel(const FusedParams p) {
   if (T::is_pad(p, __ldg(p.idx + row))) {  // uniform across the cluster: no barrier is skipped
     T::write_zeros(p, row, h, rank);
     return;
+  }
+  if constexpr (kSmemState) {
+    // initialised before any use, a CTA barrier between (arming it in the same thread right after
+    // the init drew racecheck hazard warnings)
+    if (threadIdx.x == 0) {
+      fkda::mbar_init(&tile_bar, 1);
+      fkda::mbar_init_fence();
+    }
+    __syncthreads();
   }
   T::cluster_arrive_relaxed();
   T::run(p, sm, row, h, rank, 0, true, reinterpret_cast<typename T::Elem*>(dyn_smem), &tile_bar);
