@@ -4,6 +4,7 @@
 //                              2 sequential, 3 persistent stream (cp.async ring, FKDA_PARAM_STAGES deep)
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (8 or 16)
+//   FKDA_PARAM_STATE_SMEM      1 (tile schedule): the CTA's state tile by one bulk copy into shared memory
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -36,12 +37,21 @@ static_assert(FKDA_CLUSTER_X == 1 || (FKDA_CLUSTER_X == 2 && FKDA_PARAM_SCHEDULE
 static_assert(FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "cluster y/z");
 static_assert((FKDA_PARAM_SCHEDULE != 1 && FKDA_PARAM_SCHEDULE != 3) || FKDA_PERSISTENT_K > 0,
               "persistent schedules need k > 0");
+#ifndef FKDA_PARAM_STATE_SMEM
+#define FKDA_PARAM_STATE_SMEM 0
+#endif
+static_assert(FKDA_PARAM_STATE_SMEM == 0 || (FKDA_PARAM_SCHEDULE == 0 && FKDA_CLUSTER_X == 1),
+              "state_smem: the tile schedule without clusters");
 #if FKDA_PARAM_SCHEDULE == 3
 // the cp.async ring: STAGES x (V_TILE rows x K keys) of state per CTA
 static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_STAGES * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
               "smem_bytes must equal stages * v_tile * K * state element size");
+#elif FKDA_PARAM_STATE_SMEM
+// the tile's state, brought in by one bulk copy
+static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
+              "smem_bytes must equal v_tile * K * state element size");
 #else
-static_assert(FKDA_SMEM_BYTES == 0, "only the stream schedule uses dynamic shared memory");
+static_assert(FKDA_SMEM_BYTES == 0, "only the stream and state_smem schedules use dynamic shared memory");
 #endif
 
 #define FKDA_KERNEL_ARGS kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT
@@ -165,6 +175,9 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 #if FKDA_PARAM_SCHEDULE == 0
 #if FKDA_CLUSTER_X == 2
   ctx.launch("kda_decode_tile_cluster_kernel", kda_decode_tile_cluster_kernel<FKDA_KERNEL_ARGS>,
+             dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
+#elif FKDA_PARAM_STATE_SMEM
+  ctx.launch("kda_decode_tile_tma_kernel", kda_decode_tile_tma_kernel<FKDA_KERNEL_ARGS>,
              dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
 #else
   ctx.launch("kda_decode_tile_kernel", kda_decode_tile_kernel<FKDA_KERNEL_ARGS>,

@@ -22,6 +22,7 @@
 
 #include <type_traits>
 
+#include "common/bulk_copy.cuh"
 #include "common/grid_dependency.cuh"
 
 namespace fkda_decode {
@@ -286,6 +287,29 @@ struct WarpTile {
   // (the stores of a CTA no longer wait for its last load).
   __device__ static void compute_and_store(const DecodeParams& p, Item& it, const Prep& pr, int row,
                                            int hv, int vrow0, int lane, OffT base) {
+    step_passes(
+        p, it, pr, row, hv, vrow0, lane, base, [&](int ps, int i) { return it.s[ps][i]; },
+        [&](int ps, int i, const uint4& c) { it.s[ps][i] = c; });
+  }
+
+  // The same step with the state read from a shared-memory tile (this warp's V-rows at
+  // warp_tile, rows of K elements, as in the pool) pass by pass: nothing of it waits in registers.
+  __device__ static void compute_and_store_from(const DecodeParams& p, Item& it, const Prep& pr, int row,
+                                                int hv, int vrow0, int lane, OffT base, const Elem* warp_tile) {
+    const int c = lane % LPR, r = lane / LPR;
+    step_passes(
+        p, it, pr, row, hv, vrow0, lane, base,
+        [&](int ps, int i) {
+          return *reinterpret_cast<const uint4*>(warp_tile + (ps * RPW + r) * K + key_of(i, c));
+        },
+        [](int, int, const uint4&) {});
+  }
+
+  // chunk(ps, i): the 16-byte state chunk i of pass ps; keep(ps, i, c): the updated chunk (the
+  // sequential schedule forwards it to a next row on the same slot)
+  template <typename Chunk, typename Keep>
+  __device__ static void step_passes(const DecodeParams& p, Item& it, const Prep& pr, int row, int hv,
+                                     int vrow0, int lane, OffT base, Chunk&& chunk, Keep&& keep) {
     const int c = lane % LPR, r = lane / LPR;
     bf16* op = p.out + (static_cast<int64_t>(row) * p.HV + hv) * V + vrow0 + r;
     Elem* sb = static_cast<Elem*>(p.state) + base;
@@ -293,7 +317,7 @@ struct WarpTile {
     for (int ps = 0; ps < PASSES; ++ps) {
       float s[KPL];
 #pragma unroll
-      for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(it.s[ps][i], &s[i * VEC]);
+      for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(chunk(ps, i), &s[i * VEC]);
       float kv = 0.f;
 #pragma unroll
       for (int e = 0; e < KPL; ++e) {
@@ -311,9 +335,10 @@ struct WarpTile {
       o = group_sum<LPR>(o);
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
-        it.s[ps][i] = StateTraits<kBf16>::pack(&s[i * VEC]);
+        const uint4 packed = StateTraits<kBf16>::pack(&s[i * VEC]);
+        keep(ps, i, packed);
         const int e = (ps * RPW + r) * K + key_of(i, c);
-        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e), it.s[ps][i]);
+        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e), packed);
       }
       if (c == 0) op[ps * RPW] = __float2bfloat16_rn(o);
     }
@@ -356,6 +381,53 @@ kda_decode_tile_kernel(const DecodeParams p) {
   typename T::Prep pr;
   T::prepare(p, it, pr);
   T::compute_and_store(p, it, pr, row, hv, vrow0, lane, base);
+}
+
+// ---- schedule 0 with the state tile by bulk copy (FKDA_PARAM_STATE_SMEM = 1) -------------------
+// The same (row, head, V-tile) per CTA, but the tile's V_TILE x K state (contiguous in the pool)
+// comes in by one bulk copy (TMA) into dynamic shared memory, and each pass reads its chunks from
+// there: no registers hold the state in flight, so more CTAs fit an SM, and the pool sees one
+// large contiguous read per CTA.
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_decode_tile_tma_kernel(const DecodeParams p) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+  constexpr int WARPS = THREADS / 32;
+  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  using Elem = typename T::Elem;
+  constexpr int NVT = T::V / V_TILE;
+  constexpr uint32_t kTileBytes = uint32_t(V_TILE) * T::K * sizeof(Elem);
+  extern __shared__ __align__(128) uint8_t dyn_smem[];
+  __shared__ uint64_t bar;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile = blockIdx.x;
+  const int item = tile / NVT, vt = tile % NVT;
+  const int row = item / p.HV, hv = item % p.HV;
+  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  if (threadIdx.x == 0) {
+    fkda::mbar_init(&bar, 1);
+    fkda::mbar_init_fence();
+  }
+  const int32_t slot = __ldg(p.idx + row);
+  typename T::Item it;
+  T::load_inputs(p, it, row, hv, vrow0, lane);  // independent of the slot: issued with idx
+  __syncthreads();  // the mbarrier is initialised before it is armed or waited on
+  if (T::is_pad(p, slot)) {  // CTA-uniform
+    T::write_zeros(p, row, hv, vrow0, lane);
+    return;
+  }
+  Elem* st = reinterpret_cast<Elem*>(dyn_smem);
+  if (threadIdx.x == 0) {
+    fkda::mbar_expect_tx(&bar, kTileBytes);
+    fkda::bulk_g2s(st, static_cast<const Elem*>(p.state) + T::slot_base(p, slot, hv, vt * V_TILE), kTileBytes,
+                   &bar);
+  }
+  typename T::Prep pr;
+  T::prepare(p, it, pr);  // while the tile is arriving
+  fkda::mbar_wait(&bar, 0);
+  T::compute_and_store_from(p, it, pr, row, hv, vrow0, lane, T::slot_base(p, slot, hv, vrow0),
+                            st + warp * (V_TILE / WARPS) * T::K);
 }
 
 // ---- schedule 0 with a 2-CTA cluster: the pair splits the token prep --------------------------
