@@ -32,7 +32,26 @@ EDGES = {
         (decode_meta(rows=16, value_heads=8, state="bf16"), "decode_split4w2_bf16_o32"),   # 128
         (decode_meta(rows=127, value_heads=1, state="bf16"), "decode_split8_bf16_o32"),    # 127: tiny
         (decode_meta(rows=16, value_heads=8), "decode_split8_f32_o32"),                     # fp32: tiny
-        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),
+        (decode_meta(rows=1023, value_heads=64, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),
+    ],
+    ("kda_decode", "bf16_large", "work_items_min"): [
+        (decode_meta(rows=1024, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),  # 65536
+        (decode_meta(rows=1023, value_heads=64, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),
+        (decode_meta(rows=1024, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),                 # fp32 band
+    ],
+    ("kda_decode", "bf16_large", "value_heads_min"): [
+        (decode_meta(rows=2048, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
+        (decode_meta(rows=4096, value_heads=32, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),  # 131072, 32 heads
+    ],
+    ("kda_decode", "f32_large", "work_items_min"): [
+        (decode_meta(rows=1024, value_heads=16), "decode_halftma_f32_o32"),    # 16384
+        (decode_meta(rows=1023, value_heads=16), "decode_split8_f32_o32"),     # 16368: fallback
+        (decode_meta(rows=256, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),
+    ],
+    ("kda_decode", "f32_large", "value_heads_min"): [
+        (decode_meta(rows=1024, value_heads=16), "decode_halftma_f32_o32"),
+        (decode_meta(rows=4096, value_heads=8), "decode_row_f32_o32"),         # 8 heads: hv8_row first
+        (decode_meta(rows=4096, value_heads=15), "decode_split8_f32_o32"),     # 61440 items, 15 heads
     ],
     ("kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=8, value_heads=16), "decode_split8_f32_o32"),        # 128 work items
