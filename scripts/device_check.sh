@@ -8,7 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 # one module of each decode schedule and every prefill module: racecheck and synccheck are slow,
 # memcheck covers every module
-REPRESENTATIVE=${REPRESENTATIVE:-"decode_split8_f32_o32,decode_row_bf16_o64,decode_seq_f32_o32,decode_pair_f32_o32,decode_persist_f32_o32,decode_stream_f32_o32,prefill_*,fused_*_f32_o32"}
+REPRESENTATIVE=${REPRESENTATIVE:-"decode_split8_f32_o32,decode_row_bf16_o64,decode_halftma_f32_o32,decode_rowtma_bf16_o64,decode_seq_f32_o32,decode_pair_f32_o32,decode_persist_f32_o32,decode_stream_f32_o32,prefill_*,fused_*_f32_o32"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage build 200 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
 tail -2 "$OUT/build.log"
