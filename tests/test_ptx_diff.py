@@ -69,8 +69,31 @@ def test_kernels_on_one_side_only():
     base = ptxdiff.split_entries(_ptx())
     change = dict(base)
     change["_Z3newv"] = change.pop("_Z3barv")
+    change["_Z4new2v"] = ["ret;"]  # two new kernels against one gone: no pairing
     status = {r["kernel"]: r["status"] for r in ptxdiff.compare(base, change)}
-    assert status == {"_Z3barv": "only in base", "_Z3newv": "only in change", "_Z3fooPf": "identical"}
+    assert status == {"_Z3barv": "only in base", "_Z3newv": "only in change", "_Z4new2v": "only in change",
+                      "_Z3fooPf": "identical"}
+
+
+def test_a_kernel_renamed_by_a_template_parameter_is_compared_under_the_old_name():
+    # the mangled name is also inside the body (parameter and local shared symbols)
+    base = {"_ZN1k4tileILi1EEEvv": ["ld.param.u64 %rd1, [_ZN1k4tileILi1EEEvv_param_0];",
+                                     "mov.u32 %r2, _ZZN1k4tileILi1EEEvvE2sm;", "ret;"],
+            "_Z3barv": ["ret;"]}
+    same = {"_ZN1k4tileILi1ELb0EEEvv": [line.replace("tileILi1EEEvv", "tileILi1ELb0EEEvv")
+                                         for line in base["_ZN1k4tileILi1EEEvv"]],
+            "_Z3barv": ["ret;"]}
+    rows = {r["kernel"]: r for r in ptxdiff.compare(base, same)}
+    assert set(rows) == {"_ZN1k4tileILi1EEEvv", "_Z3barv"}
+    tile = rows["_ZN1k4tileILi1EEEvv"]
+    assert tile["status"] == "identical" and tile["renamed_from"] == "_ZN1k4tileILi1ELb0EEEvv"
+    assert "renamed in the change" in "\n".join(ptxdiff.format_rows("m", [tile]))
+    changed = {"_ZN1k4tileILi1ELb0EEEvv": same["_ZN1k4tileILi1ELb0EEEvv"][:-1] + ["add.s32 %r2, %r2, 1;", "ret;"],
+               "_Z3barv": ["ret;"]}
+    rows = {r["kernel"]: r for r in ptxdiff.compare(base, changed)}
+    assert rows["_ZN1k4tileILi1EEEvv"]["status"] == "differs"
+    assert rows["_ZN1k4tileILi1EEEvv"]["diff_lines"] == 1  # the added line only: the names matched
+    assert rows["_ZN1k4tileILi1EEEvv"]["opcodes"] == {"add.s32": 1}
 
 
 @pytest.mark.skipif(not have_nvcc(), reason="needs nvcc")

@@ -86,9 +86,30 @@ def opcode_counts(lines: Sequence[str]) -> Counter:
     return c
 
 
+def _renamed(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> Dict[str, List[str]]:
+    """change, with its one kernel missing from base renamed to base's one kernel missing from change
+    (inside the body too: parameter and shared-memory symbols embed the mangled name). A template
+    parameter added to a kernel changes only its mangled name; this compares the code under it.
+    Unchanged when the unmatched kernels are not exactly one on each side."""
+    only_b, only_c = sorted(set(base) - set(change)), sorted(set(change) - set(base))
+    if len(only_b) != 1 or len(only_c) != 1:
+        return change
+    old, new = only_c[0], only_b[0]
+    # "_ZN..." also appears as "_ZZN...E2sm" in local shared symbols: replace the common tail
+    o, n = (old[3:], new[3:]) if old.startswith("_ZN") and new.startswith("_ZN") else (old, new)
+    out = {k: v for k, v in change.items() if k != old}
+    out[new] = [line.replace(o, n) for line in change[old]]
+    return out
+
+
 def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[dict]:
-    """One row per kernel name in either side: identical, or the line and opcode differences."""
+    """One row per kernel name in either side: identical, or the line and opcode differences. A
+    kernel whose mangled name alone changed (the only unmatched one on each side) is compared under
+    base's name, its row marked renamed."""
     rows = []
+    renamed = _renamed(base, change)
+    was = {new: old for old, new in zip(sorted(set(change) - set(renamed)), sorted(set(renamed) - set(change)))}
+    change = renamed
     for name in sorted(set(base) | set(change)):
         if name not in base or name not in change:
             rows.append({"kernel": name, "status": "only in change" if name not in base else "only in base"})
@@ -97,6 +118,8 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
         a, b = normalise(base[name]), normalise(change[name])
         if a == b:
             rows.append({"kernel": name, "status": "identical", "lines": len(a), "exact": exact})
+            if name in was:
+                rows[-1]["renamed_from"] = was[name]
             continue
         diff = [d for d in difflib.unified_diff(a, b, lineterm="", n=0)
                 if d[:1] in "+-" and not d.startswith(("+++", "---"))]
@@ -104,6 +127,8 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
         ops = {op: cb[op] - ca[op] for op in sorted(set(ca) | set(cb)) if cb[op] != ca[op]}
         rows.append({"kernel": name, "status": "differs", "lines": len(a), "diff_lines": len(diff),
                      "opcodes": ops})
+        if name in was:
+            rows[-1]["renamed_from"] = was[name]
     return rows
 
 
@@ -148,6 +173,8 @@ def format_rows(module: str, rows: List[dict]) -> List[str]:
     out = []
     for r in rows:
         k = r["kernel"] if len(r["kernel"]) <= 70 else r["kernel"][:67] + "..."
+        if "renamed_from" in r:
+            k += " (renamed in the change)"
         if r["status"] == "identical":
             how = "byte for byte" if r["exact"] else "up to register numbers and labels"
             out.append(f"{module}  {k}: identical {how} ({r['lines']} lines)")
