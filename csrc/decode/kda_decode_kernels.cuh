@@ -354,6 +354,19 @@ struct WarpTile {
   }
 };
 
+// The tile schedules' CTA: blockIdx.x = (row * HV + head) * (V / V_TILE) + V-tile; and this warp's
+// first V-row.
+struct TileCoords {
+  int row, hv, vt, vrow0;
+};
+template <int V_TILE, int WARPS>
+__device__ __forceinline__ TileCoords tile_coords(const DecodeParams& p, int warp) {
+  constexpr int NVT = FKDA_HEAD_DIM_V / V_TILE;
+  const int tile = blockIdx.x;
+  const int item = tile / NVT, vt = tile % NVT;
+  return {item / p.HV, item % p.HV, vt, vt * V_TILE + warp * (V_TILE / WARPS)};
+}
+
 // ---- schedule 0: one CTA per (row, head, V-tile) ---------------------------------------------
 
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
@@ -363,12 +376,8 @@ kda_decode_tile_kernel(const DecodeParams p) {
   constexpr int WARPS = THREADS / 32;
   static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
-  constexpr int NVT = T::V / V_TILE;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile = blockIdx.x;
-  const int item = tile / NVT, vt = tile % NVT;
-  const int row = item / p.HV, hv = item % p.HV;
-  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  const auto [row, hv, vt, vrow0] = tile_coords<V_TILE, WARPS>(p, warp);
   const int32_t slot = __ldg(p.idx + row);
   typename T::Item it;
   T::load_inputs(p, it, row, hv, vrow0, lane);  // independent of the slot: issued with idx
@@ -396,15 +405,11 @@ kda_decode_tile_tma_kernel(const DecodeParams p) {
   constexpr int WARPS = THREADS / 32;
   using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
   using Elem = typename T::Elem;
-  constexpr int NVT = T::V / V_TILE;
   constexpr uint32_t kTileBytes = uint32_t(V_TILE) * T::K * sizeof(Elem);
   extern __shared__ __align__(128) uint8_t dyn_smem[];
   __shared__ uint64_t bar;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile = blockIdx.x;
-  const int item = tile / NVT, vt = tile % NVT;
-  const int row = item / p.HV, hv = item % p.HV;
-  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  const auto [row, hv, vt, vrow0] = tile_coords<V_TILE, WARPS>(p, warp);
   if (threadIdx.x == 0) {
     fkda::mbar_init(&bar, 1);
     fkda::mbar_init_fence();
@@ -448,10 +453,7 @@ kda_decode_tile_cluster_kernel(const DecodeParams p) {
   cg::cluster_group cluster = cg::this_cluster();
   const unsigned rank = cluster.block_rank();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile = blockIdx.x;
-  const int item = tile / NVT, vt = tile % NVT;
-  const int row = item / p.HV, hv = item % p.HV;
-  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+  const auto [row, hv, vt, vrow0] = tile_coords<V_TILE, WARPS>(p, warp);
   const int32_t slot = __ldg(p.idx + row);
   const bool pad = T::is_pad(p, slot);
   typename T::Item it;
