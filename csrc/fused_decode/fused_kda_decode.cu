@@ -5,7 +5,8 @@
 //   FKDA_PARAM_V_TILE          V-rows per CTA (= D / FKDA_CLUSTER_X)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row
 //   FKDA_PARAM_STATE_SMEM      1: the state tile arrives by one bulk copy into dynamic shared memory
-//                              (smem_bytes = v_tile * D * state element size); absent or 0: registers
+//                              (smem_bytes = v_tile * D * state element size), issued before the
+//                              prologue's loads; 2: the same, issued after them; absent or 0: registers
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -39,6 +40,7 @@ static_assert(FKDA_PERSISTENT_K == 0, "no persistent schedule here");
 #ifndef FKDA_PARAM_STATE_SMEM
 #define FKDA_PARAM_STATE_SMEM 0
 #endif
+static_assert(FKDA_PARAM_STATE_SMEM >= 0 && FKDA_PARAM_STATE_SMEM <= 2, "state_smem: 0, 1 or 2");
 static_assert(FKDA_PARAM_STATE_SMEM == 0 || FKDA_PARAM_SCHEDULE == 0, "state_smem: tile schedule only");
 // state_smem = 1: the CTA's V_TILE x D state tile in dynamic shared memory; else static only
 static_assert(FKDA_SMEM_BYTES == (FKDA_PARAM_STATE_SMEM ? FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4) : 0),
@@ -133,7 +135,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);
 #if FKDA_PARAM_SCHEDULE == 0
-  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STATE_SMEM != 0>,
+  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STATE_SMEM>,
              dim3(static_cast<unsigned>(rows * H * FKDA_CLUSTER_X)), block, FKDA_SMEM_BYTES, p);
 #else
   ctx.launch("fused_kda_decode_seq_kernel", fused_kda_decode_seq_kernel<FKDA_KERNEL_ARGS>,

@@ -75,11 +75,12 @@ __device__ __forceinline__ float log_decay(const FusedParams& p, float graw, flo
   return p.lower_bound * sigmoidf_(a * (graw + dt));
 }
 
-// kSmemState (tile schedule only): the CTA's V_TILE x D state tile comes in by one bulk copy into
+// kSmemState (tile schedule only; 1: issued before the prologue's loads, 2: after them): the CTA's
+// V_TILE x D state tile comes in by one bulk copy into
 // dynamic shared memory instead of 16-byte loads into registers; each pass reads its chunks from
 // there. The state then holds no registers while in flight (64 a thread in fp32), so more CTAs fit
 // an SM and one CTA's prologue and epilogue overlap other CTAs' state traffic.
-template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent, bool kSmemState = false>
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent, int kSmemState = 0>
 struct FusedCta {
   static constexpr int D = FKDA_HEAD_DIM_K;
   static_assert(FKDA_HEAD_DIM_K == FKDA_HEAD_DIM_V, "fused decode: K = V = D");
@@ -219,8 +220,8 @@ struct FusedCta {
     const int c = lane % LPR, r = lane / LPR;
     const int32_t slot = p.idx[row];
     const int vrow0 = rank * V_TILE + warp * ROWS_PER_WARP;
-    if constexpr (kSmemState) {  // the state tile first: it has the longest way to come
-      static_assert(!kCoherent, "the bulk-copied tile is for the tile schedule (unique slots)");
+    static_assert(!(kSmemState && kCoherent), "the bulk-copied tile is for the tile schedule (unique slots)");
+    auto issue_tile = [&] {
       if (threadIdx.x == 0) {
         const Elem* src = static_cast<const Elem*>(p.state) +
                           (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
@@ -228,7 +229,8 @@ struct FusedCta {
         fkda::mbar_expect_tx(bar, kTileBytes);
         fkda::bulk_g2s(tile, src, kTileBytes, bar);
       }
-    }
+    };
+    if constexpr (kSmemState == 1) issue_tile();  // the state tile first: it has the longest way to come
     // The prologue's few loads go first, then the state's: the prologue's math and barrier need
     // only its own loads, so they run while the state is still arriving (issued the other way
     // round, the prologue's loads queued behind the state's and its math came after both).
@@ -247,6 +249,7 @@ struct FusedCta {
                       static_cast<OffT>((h * D + vrow0) * D);
     Elem* sb = static_cast<Elem*>(p.state) + base;
     uint4 s[kSmemState ? 1 : PASSES][CHUNKS];  // in flight in registers (unless in shared memory)
+    if constexpr (kSmemState == 2) issue_tile();  // the tile after the prologue's loads
     if constexpr (!kSmemState) {
 #pragma unroll
       for (int ps = 0; ps < PASSES; ++ps)
@@ -330,7 +333,7 @@ struct FusedCta {
 
 // ---- schedule 0: one (row, head) per cluster of CL CTAs ------------------------------------------
 
-template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kSmemState>
+template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, int kSmemState>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 fused_kda_decode_tile_kernel(const FusedParams p) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
