@@ -67,9 +67,13 @@ EDGES = {
     ],
     ("fused_kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=2, value_heads=16), "fused_quad_f32_o32"),           # 32
-        (decode_meta(rows=33, value_heads=1), "fused_rowtma_f32_o32"),         # 33
-        (decode_meta(rows=64, value_heads=16), "fused_rowtma_f32_o32"),        # 1024
-        (decode_meta(rows=64, value_heads=16, state="bf16", offset="o64"), "fused_rowtma_bf16_o64"),
+        (decode_meta(rows=33, value_heads=1), "fused_rowtmalate_f32_o32"),     # 33
+        (decode_meta(rows=3, value_heads=16, state="bf16"), "fused_rowtmalate_bf16_o32"),
+    ],
+    ("fused_kda_decode", "small_f32", "work_items_max"): [
+        (decode_meta(rows=64, value_heads=16), "fused_rowtmalate_f32_o32"),    # 1024
+        (decode_meta(rows=1025, value_heads=1), "fused_rowtma_f32_o32"),       # 1025: fallback
+        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "fused_rowtmalate_bf16_o64"),
     ],
     ("kda_prefill", "few_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=1, value_heads=16), "prefill_vt16_f32"),        # 16
