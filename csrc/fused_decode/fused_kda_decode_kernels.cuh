@@ -75,11 +75,11 @@ __device__ __forceinline__ float log_decay(const FusedParams& p, float graw, flo
   return p.lower_bound * sigmoidf_(a * (graw + dt));
 }
 
-// kSmemState (tile schedule only; 1: issued before the prologue's loads, 2: after them): the CTA's
-// V_TILE x D state tile comes in by one bulk copy into
-// dynamic shared memory instead of 16-byte loads into registers; each pass reads its chunks from
-// there. The state then holds no registers while in flight (64 a thread in fp32), so more CTAs fit
-// an SM and one CTA's prologue and epilogue overlap other CTAs' state traffic.
+// kSmemState (tile schedule only): the CTA's V_TILE x D state tile comes in by one bulk copy into
+// dynamic shared memory instead of 16-byte loads into registers, issued before the prologue's loads
+// (1) or after them (2, faster where the prologue's latency shows: session 8); each pass reads its
+// chunks from there. The state then holds no registers while in flight (64 a thread in fp32), so
+// more CTAs fit an SM and one CTA's prologue and epilogue overlap other CTAs' state traffic.
 template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent, int kSmemState = 0>
 struct FusedCta {
   static constexpr int D = FKDA_HEAD_DIM_K;
@@ -231,8 +231,8 @@ struct FusedCta {
       }
     };
     if constexpr (kSmemState == 1) issue_tile();  // the state tile first: it has the longest way to come
-    // The prologue's few loads go first, then the state's: the prologue's math and barrier need
-    // only its own loads, so they run while the state is still arriving (issued the other way
+    // Otherwise the prologue's few loads go first, then the state's: the prologue's math and barrier
+    // need only its own loads, so they run while the state is still arriving (issued the other way
     // round, the prologue's loads queued behind the state's and its math came after both).
     Raw raw[IPT];
 #pragma unroll
