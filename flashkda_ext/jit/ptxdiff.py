@@ -86,20 +86,21 @@ def opcode_counts(lines: Sequence[str]) -> Counter:
     return c
 
 
-def _renamed(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> Dict[str, List[str]]:
-    """change, with its one kernel missing from base renamed to base's one kernel missing from change
-    (inside the body too: parameter and shared-memory symbols embed the mangled name). A template
-    parameter added to a kernel changes only its mangled name; this compares the code under it.
-    Unchanged when the unmatched kernels are not exactly one on each side."""
+def _renamed(base: Dict[str, List[str]], change: Dict[str, List[str]]):
+    """(change, {new name: old name}): change with its one kernel missing from base renamed to base's
+    one kernel missing from change (inside the body too: parameter and shared-memory symbols embed
+    the mangled name). A template parameter added to a kernel changes only its mangled name; this
+    compares the code under it. Unchanged (and {}) when the unmatched kernels are not exactly one on
+    each side."""
     only_b, only_c = sorted(set(base) - set(change)), sorted(set(change) - set(base))
     if len(only_b) != 1 or len(only_c) != 1:
-        return change
+        return change, {}
     old, new = only_c[0], only_b[0]
     # "_ZN..." also appears as "_ZZN...E2sm" in local shared symbols: replace the common tail
     o, n = (old[3:], new[3:]) if old.startswith("_ZN") and new.startswith("_ZN") else (old, new)
     out = {k: v for k, v in change.items() if k != old}
     out[new] = [line.replace(o, n) for line in change[old]]
-    return out
+    return out, {new: old}
 
 
 def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[dict]:
@@ -107,28 +108,25 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
     kernel whose mangled name alone changed (the only unmatched one on each side) is compared under
     base's name, its row marked renamed."""
     rows = []
-    renamed = _renamed(base, change)
-    was = {new: old for old, new in zip(sorted(set(change) - set(renamed)), sorted(set(renamed) - set(change)))}
-    change = renamed
+    change, was = _renamed(base, change)
     for name in sorted(set(base) | set(change)):
         if name not in base or name not in change:
             rows.append({"kernel": name, "status": "only in change" if name not in base else "only in base"})
             continue
         exact = base[name] == change[name]
         a, b = normalise(base[name]), normalise(change[name])
+        row = {"kernel": name, "lines": len(a)}
+        if name in was:
+            row["renamed_from"] = was[name]
+        rows.append(row)
         if a == b:
-            rows.append({"kernel": name, "status": "identical", "lines": len(a), "exact": exact})
-            if name in was:
-                rows[-1]["renamed_from"] = was[name]
+            row.update(status="identical", exact=exact)
             continue
         diff = [d for d in difflib.unified_diff(a, b, lineterm="", n=0)
                 if d[:1] in "+-" and not d.startswith(("+++", "---"))]
         ca, cb = opcode_counts(a), opcode_counts(b)
         ops = {op: cb[op] - ca[op] for op in sorted(set(ca) | set(cb)) if cb[op] != ca[op]}
-        rows.append({"kernel": name, "status": "differs", "lines": len(a), "diff_lines": len(diff),
-                     "opcodes": ops})
-        if name in was:
-            rows[-1]["renamed_from"] = was[name]
+        row.update(status="differs", diff_lines=len(diff), opcodes=ops)
     return rows
 
 
