@@ -42,9 +42,9 @@ static_assert(FKDA_PERSISTENT_K == 0, "no persistent schedule here");
 #endif
 static_assert(FKDA_PARAM_STATE_SMEM >= 0 && FKDA_PARAM_STATE_SMEM <= 2, "state_smem: 0, 1 or 2");
 static_assert(FKDA_PARAM_STATE_SMEM == 0 || FKDA_PARAM_SCHEDULE == 0, "state_smem: tile schedule only");
-// state_smem = 1: the CTA's V_TILE x D state tile in dynamic shared memory; else static only
+// state_smem = 1 or 2: the CTA's V_TILE x D state tile in dynamic shared memory; else static only
 static_assert(FKDA_SMEM_BYTES == (FKDA_PARAM_STATE_SMEM ? FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4) : 0),
-              "smem_bytes must be v_tile * D * state element size with state_smem = 1, else 0");
+              "smem_bytes must be v_tile * D * state element size with state_smem = 1 or 2, else 0");
 
 #define FKDA_KERNEL_ARGS kStateBf16, FKDA_CLUSTER_X, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT
 

@@ -137,13 +137,13 @@ __device__ __forceinline__ float rsqrt_ftz(float x) {
   asm("rsqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-
-constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float rcp_ftz(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+
+constexpr float kLog2e = 1.4426950408889634f;
 // The per-step log decay of one key in log2 units (G is kept in log2 units) is mult * value(raw)
 // for the raw gate input; the caller folds mult (and the mask of rows past the chunk's end) into
 // its running sum's fma. ftz approximations: the input is bf16, and the plain __expf/__logf spent
