@@ -3,8 +3,7 @@ spills, instruction, branch and barrier counts), for a module and against a base
 import pytest
 
 from flashkda_ext.jit import sass, testing
-from flashkda_ext.jit.errors import ToolchainError
-from flashkda_ext.jit.toolchain import find_cuobjdump, have_nvcc
+from flashkda_ext.jit.toolchain import have_cuobjdump, have_nvcc
 
 SASS = """
 Fatbin elf code:
@@ -59,15 +58,7 @@ def test_opcodes_resources_and_groups_from_cuobjdump_text():
     assert "instructions 9 -> 2" in sass.format_delta(foo, bar)
 
 
-def _have_cuobjdump():
-    try:
-        find_cuobjdump()
-        return True
-    except ToolchainError:
-        return False
-
-
-@pytest.mark.skipif(not (have_nvcc() and _have_cuobjdump()), reason="needs nvcc and cuobjdump")
+@pytest.mark.skipif(not (have_nvcc() and have_cuobjdump()), reason="needs nvcc and cuobjdump")
 def test_toy_module_against_a_baseline(tmp_path, capsys):
     base = testing.make_tree(tmp_path / "base", cuda=True)
     other = testing.variant_tree(base, tmp_path / "other", add=7)

@@ -100,13 +100,22 @@ def nvdisasm_dir(cuobjdump: str) -> Optional[str]:
     return str(Path(w).parent) if w else None
 
 
-def have_nvcc() -> bool:
-    """Whether find_nvcc finds one (tests and tools that only run where nvcc is installed)."""
+def _found(find) -> bool:
     try:
-        find_nvcc()
+        find()
         return True
     except ToolchainError:
         return False
+
+
+def have_nvcc() -> bool:
+    """Whether find_nvcc finds one (tests and tools that only run where nvcc is installed)."""
+    return _found(find_nvcc)
+
+
+def have_cuobjdump() -> bool:
+    """Whether find_cuobjdump finds one with its nvdisasm (tests that read machine code)."""
+    return _found(find_cuobjdump)
 
 
 def cuda_include_dir(nvcc: str) -> Optional[str]:
