@@ -1,7 +1,8 @@
 // Bulk copies (TMA, non-tensor form) from global into shared memory, completed on an mbarrier
-// (sm_90). Shared by the prefill state pass (its chunk ring) and the fused decode (a CTA's state
-// tile). The pattern: one thread initialises the mbarrier (count 1) and fences the init; that
-// thread arms it with the byte count and issues the copies; every reader waits on its phase.
+// (sm_90). Shared by the prefill state pass (its chunk ring) and the decode and fused decode tile
+// kernels (a CTA's state tile: bulk_load). The pattern: one thread initialises the mbarrier (count
+// 1) and fences the init; that thread arms it with the byte count and issues the copies; every
+// reader waits on its phase.
 #pragma once
 
 #include <stdint.h>
@@ -40,6 +41,13 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
           smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
+}
+
+// One bulk copy on its own mbarrier phase: arm bar with the copy's byte count, then issue the copy
+// (the single-tile pattern of the decode and fused decode kernels; one thread calls it).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  mbar_expect_tx(bar, bytes);
+  bulk_g2s(dst, src, bytes, bar);
 }
 
 }  // namespace fkda

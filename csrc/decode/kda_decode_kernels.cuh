@@ -424,9 +424,8 @@ kda_decode_tile_tma_kernel(const DecodeParams p) {
   }
   Elem* st = reinterpret_cast<Elem*>(dyn_smem);
   if (threadIdx.x == 0) {
-    fkda::mbar_expect_tx(&bar, kTileBytes);
-    fkda::bulk_g2s(st, static_cast<const Elem*>(p.state) + T::slot_base(p, slot, hv, vt * V_TILE), kTileBytes,
-                   &bar);
+    fkda::bulk_load(st, static_cast<const Elem*>(p.state) + T::slot_base(p, slot, hv, vt * V_TILE), kTileBytes,
+                    &bar);
   }
   typename T::Prep pr;
   T::prepare(p, it, pr);  // while the tile is arriving

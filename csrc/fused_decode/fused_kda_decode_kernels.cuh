@@ -226,8 +226,7 @@ struct FusedCta {
         const Elem* src = static_cast<const Elem*>(p.state) +
                           (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
                            static_cast<OffT>((h * D + rank * V_TILE) * D));
-        fkda::mbar_expect_tx(bar, kTileBytes);
-        fkda::bulk_g2s(tile, src, kTileBytes, bar);
+        fkda::bulk_load(tile, src, kTileBytes, bar);
       }
     };
     if constexpr (kSmemState == 1) issue_tile();  // the state tile first: it has the longest way to come
