@@ -20,5 +20,5 @@ if [ "${SANITIZE:-1}" = 1 ]; then
 stage memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py ${MEMCHECK_ONLY:+--only "$MEMCHECK_ONLY"}
 stage racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
 stage synccheck 120 compute-sanitizer --tool synccheck --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$REPRESENTATIVE"
-for t in memcheck racecheck synccheck; do echo "-- $t"; grep -E "ERROR SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -4; done
+for t in memcheck racecheck synccheck; do echo "-- $t"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -4; done
 fi

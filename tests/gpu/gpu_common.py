@@ -1,6 +1,8 @@
 """Helpers the GPU test files share (imported by name: pytest puts this folder on sys.path)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -28,3 +30,25 @@ def slot_list(rows, slots, slot_mode, seed, null_slot0=False):
             il[2] = 0
         return il
     return [perm[(r * 7) % max(1, rows // 3 + 1)] if r % 5 != 4 else -1 for r in range(rows)]
+
+
+def prebuild_selected(request):
+    """Build, in parallel, the modules that this file's selected tests name (param "name") and that
+    no AOT directory provides, so the tests do not pay for one nvcc run after another (JIT builds
+    are file-locked and independent); a -k selection builds only its own modules."""
+    if os.environ.get("FLASHKDA_EXT_DISABLE_JIT") == "1":
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashkda_ext import jit
+    from flashkda_ext.jit.loader import find_aot
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec") and "name" in item.callspec.params}
+    todo = []
+    for name in sorted(names):
+        rec = jit.get_record(name)
+        if find_aot(rec, jit.resolve_arch(rec))[0] is None:
+            todo.append(name)
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as ex:
+            list(ex.map(jit.build_module, todo))

@@ -6,8 +6,8 @@ addressed stays bitwise unchanged; padding rows are exact zeros; repeated slots 
 bitwise determinism; CUDA-graph replay == eager bitwise; non-default streams; 64-bit slot offsets on
 a pool of more than 2^31 elements.
 
-Modules load through flashkda_ext.jit.load_module; FKDA_DECODE_PREBUILT=<dir> loads <dir>/<name>.so
-instead (bring-up builds).
+Modules load through flashkda_ext.jit.load_module (an AOT directory in $FLASHKDA_EXT_AOT_DIR first);
+the ones the selected tests call and no AOT directory holds are JIT-built in parallel up front.
 """
 from __future__ import annotations
 
@@ -43,7 +43,14 @@ def _reference():
 
 
 REF = _reference()
-from gpu_common import bits, rel_l2, slot_list  # noqa: E402
+from gpu_common import bits, prebuild_selected, rel_l2, slot_list  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild(request):
+    prebuild_selected(request)
+
+
 def load(name):
     from flashkda_ext.jit import load_module  # built or loaded once per process
     return load_module(name)

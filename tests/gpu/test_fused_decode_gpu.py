@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import bits, rel_l2, slot_list  # noqa: E402
+from gpu_common import bits, prebuild_selected, rel_l2, slot_list  # noqa: E402
 
 RECORDS = json.loads((ROOT / "jit/modules/fused_decode_cuda.json").read_text())["modules"]
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
@@ -51,17 +51,9 @@ _MODS = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _prebuild():
-    """Build every module of the file in parallel first (JIT builds are file-locked and
-    independent), so the tests do not pay for one nvcc run after another."""
-    if DEVICE != "cuda" or os.environ.get("FLASHKDA_EXT_DISABLE_JIT") == "1":
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    from flashkda_ext import jit
-    names = sorted({n for n, _, _ in CASES})
-    with ThreadPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1)) as ex:
-        list(ex.map(jit.build_module, names))
+def _prebuild(request):
+    if DEVICE == "cuda":
+        prebuild_selected(request)
 
 
 def load(name):
