@@ -293,16 +293,22 @@ __device__ __forceinline__ int col4(int e) { return ((e >> 4) & 1) * 64 + (e & 1
 __device__ __forceinline__ int64_t load_cu(const void* cu, int cu64, int64_t i) {
   return cu64 ? static_cast<const int64_t*>(cu)[i] : int64_t(static_cast<const int32_t*>(cu)[i]);
 }
-// Largest n with floor(cu[n]/64) + n <= slot (that key is strictly increasing in n); cu_at(i)
-// reads offset i (global memory, or the prep kernel's staged copy).
+// The sequence of a chunk slot: n, the largest with floor(cu[n]/64) + n <= slot (that key is
+// strictly increasing in n), its first token bos and its length; cu_at(i) reads offset i (global
+// memory, or the prep kernel's staged copy).
+struct SeqSpan {
+  int n;
+  int64_t bos, len;
+};
 template <typename CuAt>
-__device__ __forceinline__ int find_seq(const CuAt& cu_at, int N, int64_t slot) {
+__device__ __forceinline__ SeqSpan find_seq(const CuAt& cu_at, int N, int64_t slot) {
   int lo = 0, hi = N - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
     if (cu_at(mid) / kC + mid <= slot) lo = mid; else hi = mid - 1;
   }
-  return lo;
+  const int64_t bos = cu_at(lo);
+  return {lo, bos, cu_at(lo + 1) - bos};
 }
 
 // ---- the ordered state update of one chunk: shared by the state pass and by the prep kernel's
@@ -912,20 +918,17 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // The CTA's sequence. Searched in global memory each step is a dependent load (log2 N round
   // trips before the chunk's loads can be addressed), so up to kCuStaged offsets are first read
   // by all threads at once into L's region (free until step 3) and searched there.
-  int n;
-  int64_t bos, len;
+  SeqSpan span;
   if (a.N < kCuStaged) {  // CTA-uniform
     int64_t* cus = reinterpret_cast<int64_t*>(smem + kLOffL);
     for (int i = tid; i <= a.N; i += kLiteThreads) cus[i] = load_cu(a.cu, a.cu64, i);
     __syncthreads();
-    n = find_seq([cus](int i) { return cus[i]; }, a.N, slot);
-    bos = cus[n];
-    len = cus[n + 1] - bos;
+    span = find_seq([cus](int i) { return cus[i]; }, a.N, slot);
   } else {
-    n = find_seq([&a](int i) { return load_cu(a.cu, a.cu64, i); }, a.N, slot);
-    bos = load_cu(a.cu, a.cu64, n);
-    len = load_cu(a.cu, a.cu64, n + 1) - bos;
+    span = find_seq([&a](int i) { return load_cu(a.cu, a.cu64, i); }, a.N, slot);
   }
+  const int n = span.n;
+  const int64_t bos = span.bos, len = span.len;
   const int64_t c = slot - (bos / kC + n);
   if (c * kC >= len) return;  // a gap slot (or an empty sequence)
   SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);

@@ -136,6 +136,11 @@ CASES = [
     dict(id="softplus_extreme", lens=[300, 37], H=2, HV=2, gate="softplus", extreme=True, init=True),
     dict(id="log_ckpt128", lens=[190, 77, 128], H=8, HV=8, gate="log", init=True, every=128, nck=2),
     dict(id="long_h16", lens=[2048], H=16, HV=16, gate="softplus", init=True),
+    # 2200 sequences: at least kCuStaged (2176, kda_prefill_kernels.cuh), so the preparation kernel
+    # searches cu_seqlens in global memory instead of its staged copy; mostly 0-4 tokens (one-chunk
+    # sequences, empty ones) with a few of several chunks
+    dict(id="many_seqs_global_search", lens=[i % 5 for i in range(2190)] + [64, 65, 130, 1, 0, 63, 200, 2, 9, 70],
+         H=1, HV=1, gate="bounded", cu64=True, init=True),
 ]
 
 
