@@ -29,7 +29,7 @@ import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = V = 128
-SLOTS = 8192
+SLOTS = DEFAULT_SLOTS = 8192   # SLOTS: this run's pool (--slots)
 DEVICE = "cuda"
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
 
@@ -81,14 +81,22 @@ def make_case(rows, HV, gen):
     return q, k, v, g, beta, A_log, dt_bias
 
 
-SLOT_ORDERS = ("random", "sorted", "contiguous")
+SLOT_ORDERS = ("random", "sorted", "contiguous", "grouped")
+PAGE = 2 << 20   # the GPU's large page (2 MiB): what "grouped" keeps together
 
 
-def slot_list(rows, order, gen):
-    """rows unique pool slots (int32) of one call, in the address pattern `order` (SLOT_ORDERS)."""
+def slot_list(rows, order, gen, slot_bytes=None):
+    """rows unique pool slots (int32) of one call, in the address pattern `order` (SLOT_ORDERS).
+    grouped: random like "random", but in runs of whole 2 MiB pages (PAGE // slot_bytes consecutive
+    slots a run, runs page-aligned): the same bytes over the fewest distinct pages."""
     if order == "contiguous":
         start = int(torch.randint(0, SLOTS - rows + 1, (1,), generator=gen, device=DEVICE))
         return torch.arange(start, start + rows, dtype=torch.int32, device=DEVICE)
+    if order == "grouped":
+        per = max(1, PAGE // slot_bytes)
+        runs = torch.randperm(SLOTS // per, device=DEVICE, generator=gen)[:math.ceil(rows / per)]
+        idx = (runs[:, None] * per + torch.arange(per, device=DEVICE)[None, :]).reshape(-1)[:rows]
+        return idx.to(torch.int32)
     idx = torch.randperm(SLOTS, device=DEVICE, generator=gen)[:rows]
     if order == "sorted":
         idx = idx.sort().values
@@ -99,6 +107,19 @@ def ours_call(name, case, pool, idx, out):
     q, k, v, g, beta, A_log, dt_bias = case
     fn = load(name)["kda_decode"]
     return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, out, 0, 0.0, K ** -0.5, True, False)
+
+
+def op_call(case, pool, idx, out):
+    """The public op (validation, memo, routing, then the same module): what a caller pays."""
+    import flashkda_ext as fk
+    q, k, v, g, beta, A_log, dt_bias = case
+    return lambda: fk.kda_decode(q, k, v, g, beta, state=pool, state_indices=idx, A_log=A_log,
+                                 dt_bias=dt_bias, out=out)
+
+
+# slot-copy references (benchmarks/slot_copy.py): (label, share of a tile a program moves, warps)
+SLOT_COPY_CONFIGS = (("copy_p1", 1, 8), ("copy_p2", 2, 8), ("copy_p4", 4, 4))
+NOT_OURS = ("fla", "op") + tuple(c[0] for c in SLOT_COPY_CONFIGS)
 
 
 def fla_call(fla, case, pool, idx, out):
@@ -179,9 +200,16 @@ def parse(argv=None):
     ap.add_argument("--name", default="decode", help="results file stem (when --out is a folder)")
     ap.add_argument("--slot-order", default="random", choices=SLOT_ORDERS,
                     help="slots of a call: random (unique, the default and the issue's grid), sorted (the same "
-                         "random set in ascending order) or contiguous (a run of rows slots at a random start): "
-                         "how much of the cost is the pool's address pattern")
-    ap.add_argument("--slots", type=int, default=SLOTS, help="pool slots (the issue's grid: 8192)")
+                         "random set in ascending order), contiguous (a run of rows slots at a random start) or "
+                         "grouped (random runs of whole 2 MiB pages): how much of the cost is the pool's address "
+                         "pattern")
+    ap.add_argument("--op-arm", action="store_true",
+                    help="also time the public op flashkda_ext.kda_decode (arm 'op': validation and routing "
+                         "included; the default arm calls the routed module's function directly)")
+    ap.add_argument("--slot-copy", action="store_true",
+                    help="also time benchmarks/slot_copy.py (Triton): the same slots read and written back "
+                         "unchanged, no arithmetic (arms copy_p1/p2/p4): the address pattern's own cost")
+    ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="pool slots (the issue's grid: 8192)")
     ap.add_argument("--offset", default="auto", choices=("auto", "o32", "o64"),
                     help="slot-offset width of the modules called: auto (as the dispatcher decides from the pool's "
                          "size) or forced; o64 runs on any pool, o32 only on pools below 2^31 elements")
@@ -232,7 +260,7 @@ def main(argv=None):
                 traffic = rows * HV * V * K * esz * 2
                 M = max(2, min(args.max_calls, math.ceil(256e6 / traffic))) if cfg.is_cuda else 2
                 reps = 5 if traffic * M > 1e9 else 8
-                idxs = [slot_list(rows, args.slot_order, gen) for _ in range(M)]
+                idxs = [slot_list(rows, args.slot_order, gen, HV * V * K * esz) for _ in range(M)]
                 offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"  # as the dispatcher decides
                 if args.offset != "auto":
                     if args.offset == "o32" and offset == "o64":
@@ -247,6 +275,14 @@ def main(argv=None):
                     label = name.replace("decode_", "").replace(f"_{sname}_{offset}", "") if stems else "ours"
                     arms.append(harness.Arm(label, sequence([ours_call(name, case, pool, i, out) for i in idxs]),
                                             calls=M, bytes=traffic))
+                if args.op_arm:
+                    arms.append(harness.Arm("op", sequence([op_call(case, pool, i, out) for i in idxs]),
+                                            calls=M, bytes=traffic))
+                if args.slot_copy:
+                    from slot_copy import slot_copy_fn
+                    for label, part, warps in SLOT_COPY_CONFIGS:
+                        arms.append(harness.Arm(label, sequence([slot_copy_fn(pool, i, part, warps) for i in idxs]),
+                                                calls=M, bytes=traffic))
                 if fla is not None:
                     arms.append(harness.Arm("fla", sequence([fla_call(fla, case, pool, i, out) for i in idxs]),
                                             calls=M, bytes=traffic))
@@ -271,24 +307,7 @@ def main(argv=None):
             if cfg.is_cuda:
                 torch.cuda.empty_cache()
     acc = accuracy(fla)
-    summary = {}
-    if fla is not None:   # the original summary: best of our arms per point against fla
-        for sname in states:
-            sg, se = [], []
-            for p in run.results:
-                if p["params"]["state"] != sname or "fla" not in p["arms"]:
-                    continue
-                ours = [a["time_us"] for n, a in p["arms"].items() if n != "fla"]
-                fl = p["arms"]["fla"]["time_us"]
-                best_g = min((t["graph"]["median"] for t in ours if (t.get("graph") or {}).get("median")), default=None)
-                best_w = min((t["wall"]["median"] for t in ours if (t.get("wall") or {}).get("median")), default=None)
-                if best_g and (fl.get("graph") or {}).get("median"):
-                    sg.append(fl["graph"]["median"] / best_g)
-                if best_w and (fl.get("wall") or {}).get("median"):
-                    se.append(fl["wall"]["median"] / best_w)
-            if sg:
-                summary[sname] = dict(geomean_speedup_graph=harness.geomean(sg), min_speedup_graph=min(sg),
-                                      geomean_speedup_eager=harness.geomean(se) if se else None)
+    summary = summarize(run.results, states) if fla is not None else {}
     run.extra.update(device=dev_name, sms=sms, copy_tbps=copy_tbps, slots=SLOTS, gate="softplus",
                      accuracy=acc, summary_by_state=summary)
     run.finish()
@@ -298,19 +317,63 @@ def main(argv=None):
     return 0
 
 
+def summarize(results, states):
+    """Per state dtype, against fla: geomean speedup in each timing mode of the best of our module
+    arms per point ("ours"; graph, eager = device events, wall = host clock), the same for the
+    public op when timed ("op"), and the minimum graph speedup. geomean_speedup_eager keeps its
+    old meaning (the wall mode) for the earlier result files."""
+    med = lambda t, m: (t.get(m) or {}).get("median")  # noqa: E731
+    summary = {}
+    for sname in states:
+        ratios = {}
+        for p in results:
+            if p["params"]["state"] != sname or "fla" not in p["arms"]:
+                continue
+            fl = p["arms"]["fla"]["time_us"]
+            ours = [a["time_us"] for n, a in p["arms"].items() if n not in NOT_OURS]
+            who = {"ours": ours}
+            if "op" in p["arms"]:
+                who["op"] = [p["arms"]["op"]["time_us"]]
+            for w, ts in who.items():
+                for m in ("graph", "eager", "wall"):
+                    best = min((med(t, m) for t in ts if med(t, m)), default=None)
+                    if best and med(fl, m):
+                        ratios.setdefault((w, m), []).append(med(fl, m) / best)
+        if not ratios.get(("ours", "graph")):
+            continue
+        entry = dict(geomean_speedup_graph=harness.geomean(ratios[("ours", "graph")]),
+                     min_speedup_graph=min(ratios[("ours", "graph")]),
+                     geomean_speedup_eager=harness.geomean(ratios[("ours", "wall")]) if ratios.get(("ours", "wall")) else None,
+                     points=len(ratios[("ours", "graph")]))
+        for (w, m), r in sorted(ratios.items()):
+            entry[f"{w}_{m}_geomean"] = harness.geomean(r)
+        summary[sname] = entry
+    return summary
+
+
 def markdown(results, copy_tbps, mode="graph"):
     """A compact table per state dtype: best of ours (graph us, % of copy) and fla, per point.
-    "eager" here is the host-inclusive wall time per call (the harness's "wall" mode)."""
+    "eager" here is the host-inclusive wall time per call (the harness's "wall" mode). With the
+    public-op arm: its eager time (device events) and wall time; with the slot copies: the fastest
+    of them in graph replay, its % of copy, and ours as a share of it."""
     med = lambda t, m: (t.get(m) or {}).get("median")  # noqa: E731
+    copies = [c[0] for c in SLOT_COPY_CONFIGS]
+    has_op = any("op" in p["arms"] for p in results)
+    has_copy = any(c in p["arms"] for p in results for c in copies)
+    fmt = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     lines = [f"copy bandwidth {copy_tbps:.2f} TB/s (read + write)"]
     for sname in sorted({p["params"]["state"] for p in results}):
+        head = ["HV", "rows", "ours", "fla", "x graph", "x eager", "% copy"]
+        if has_op:
+            head += ["op eager / wall us", "x op eager / wall"]
+        if has_copy:
+            head += ["slot copy us (% copy)", "ours / slot copy"]
         lines += ["", f"state {sname}: {mode} us (eager us) ours [module] | fla | speedup {mode} / eager | "
-                      f"ours % of copy", "", "| HV | rows | ours | fla | x graph | x eager | % copy |",
-                  "|---|---|---|---|---|---|---|"]
+                      f"ours % of copy", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for p in results:
             if p["params"]["state"] != sname:
                 continue
-            ours = {n: a for n, a in p["arms"].items() if n != "fla" and med(a["time_us"], mode)}
+            ours = {n: a for n, a in p["arms"].items() if n not in NOT_OURS and med(a["time_us"], mode)}
             if not ours:
                 continue
             n, a = min(ours.items(), key=lambda kv: med(kv[1]["time_us"], mode))
@@ -319,13 +382,27 @@ def markdown(results, copy_tbps, mode="graph"):
                 stem += "/o64"
             g, w = med(a["time_us"], mode), med(a["time_us"], "wall")
             f = p["arms"].get("fla")
-            fg, fw = (med(f["time_us"], mode), med(f["time_us"], "wall")) if f else (None, None)
+            ft = f["time_us"] if f else {}
+            fg, fw, fe = med(ft, mode), med(ft, "wall"), med(ft, "eager")
             pct = (a.get("bandwidth", {}).get(mode) or {}).get("pct_copy")
-            lines.append(
-                f"| {p['params']['heads']} | {p['params']['rows']} | {g:.1f} ({'-' if w is None else f'{w:.0f}'}) {stem} | "
-                + (f"{fg:.1f} ({'-' if fw is None else f'{fw:.0f}'}) | {fg / g:.2f} | "
-                   f"{'-' if not (fw and w) else f'{fw / w:.2f}'}" if fg else "- | - | -")
-                + f" | {'-' if pct is None else f'{pct:.0f}'} |")
+            cells = [str(p["params"]["heads"]), str(p["params"]["rows"]), f"{g:.1f} ({fmt(w, 0)}) {stem}",
+                     f"{fmt(fg)} ({fmt(fw, 0)})", fmt(fg / g if fg else None, 2),
+                     fmt(fw / w if fw and w else None, 2), fmt(pct, 0)]
+            if has_op:
+                o = (p["arms"].get("op") or {}).get("time_us", {})
+                oe, ow = med(o, "eager"), med(o, "wall")
+                cells += [f"{fmt(oe)} / {fmt(ow, 0)}",
+                          f"{fmt(fe / oe if fe and oe else None, 2)} / {fmt(fw / ow if fw and ow else None, 2)}"]
+            if has_copy:
+                cs = [(med(p["arms"][c]["time_us"], mode), p["arms"][c]) for c in copies
+                      if c in p["arms"] and med(p["arms"][c]["time_us"], mode)]
+                if cs:
+                    cg, ca = min(cs, key=lambda x: x[0])
+                    cp = (ca.get("bandwidth", {}).get(mode) or {}).get("pct_copy")
+                    cells += [f"{cg:.1f} ({fmt(cp, 0)})", fmt(g / cg, 2)]
+                else:
+                    cells += ["-", "-"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

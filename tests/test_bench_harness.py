@@ -215,7 +215,7 @@ def test_replot_draws_saved_results(tmp_path, capsys):
     assert _script("replot").main([]) == 2  # no file given: usage
 
 
-@pytest.mark.parametrize("order", ["random", "sorted", "contiguous"])
+@pytest.mark.parametrize("order", ["random", "sorted", "contiguous", "grouped"])
 def test_decode_slot_orders(order, tmp_path):
     """bench_decode's --slot-order: every pattern gives rows unique in-range slots, in its order, and
     the dry run records the pattern in the results."""
@@ -223,13 +223,17 @@ def test_decode_slot_orders(order, tmp_path):
     mod.DEVICE, mod.SLOTS = "cpu", 64
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 7, 64):
-        idx = mod.slot_list(rows, order, gen)
+        idx = mod.slot_list(rows, order, gen, mod.PAGE // 4)   # 4 slots a page
         assert idx.dtype == torch.int32 and idx.numel() == rows
         assert len(set(idx.tolist())) == rows and 0 <= int(idx.min()) and int(idx.max()) < 64
-        if order != "random":
+        if order in ("sorted", "contiguous"):
             assert torch.equal(idx, idx.sort().values)
         if order == "contiguous":
             assert int(idx[-1]) - int(idx[0]) == rows - 1
+        if order == "grouped":   # whole page-aligned runs of 4, the last one cut at rows
+            runs = idx.tolist()
+            for i in range(0, rows, 4):
+                assert runs[i] % 4 == 0 and runs[i:i + 4] == list(range(runs[i], runs[i] + len(runs[i:i + 4])))
     assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--slot-order", order, "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert doc["meta"]["slot_order"] == order
@@ -244,3 +248,29 @@ def test_decode_pool_slots_option(tmp_path):
     assert doc["meta"]["slots"] == 48
     with pytest.raises(SystemExit, match="--slots 2"):
         mod.main(["--dry-run", "--no-progress", "--no-plot", "--slots", "2", "--out", str(tmp_path)])
+
+
+def test_decode_op_arm_and_summary(tmp_path):
+    """bench_decode --op-arm times the public op beside the module's function; the summary quotes
+    each against fla per timing mode, and the slot copies and the op never count as "ours"."""
+    mod = _script("bench_decode")
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--op-arm", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert all(set(c["arms"]) == {"ours", "op"} for c in doc["cases"])
+    t = lambda g, e, w: {"time_us": {"graph": {"median": g}, "eager": {"median": e}, "wall": {"median": w}}}  # noqa: E731
+    results = [
+        {"params": {"state": "f32", "heads": 8, "rows": 1, "module": "decode_split8_f32_o32"},
+         "arms": {"ours": t(3, 10, 30), "op": t(3, 20, 60), "fla": t(6, 100, 300), "copy_p1": t(1, 1, 1)}},
+        {"params": {"state": "f32", "heads": 8, "rows": 2, "module": "decode_split8_f32_o32"},
+         "arms": {"ours": t(4, 10, 40), "op": t(4, 25, 80), "fla": t(4, 100, 160)}},
+    ]
+    s = mod.summarize(results, ["f32"])["f32"]
+    assert s["points"] == 2
+    assert s["ours_graph_geomean"] == pytest.approx(2 ** 0.5)        # 2x and 1x: the copy is not ours
+    assert s["min_speedup_graph"] == pytest.approx(1.0)
+    assert s["ours_eager_geomean"] == pytest.approx(10.0)
+    assert s["op_eager_geomean"] == pytest.approx((5 * 4) ** 0.5)
+    assert s["op_wall_geomean"] == pytest.approx((5 * 2) ** 0.5)
+    assert s["geomean_speedup_eager"] == s["ours_wall_geomean"] == pytest.approx((10 * 4) ** 0.5)
+    table = mod.markdown(results, 4.2)
+    assert "| 8 | 1 | 3.0 (30) split8 |" in table and "3.00" in table    # ours / slot copy at 1 row
