@@ -206,9 +206,10 @@ def parse(argv=None):
     ap.add_argument("--op-arm", action="store_true",
                     help="also time the public op flashkda_ext.kda_decode (arm 'op': validation and routing "
                          "included; the default arm calls the routed module's function directly)")
-    ap.add_argument("--slot-copy", action="store_true",
+    ap.add_argument("--slot-copy", nargs="?", const="copy_p1,copy_p2,copy_p4", default="",
                     help="also time benchmarks/slot_copy.py (Triton): the same slots read and written back "
-                         "unchanged, no arithmetic (arms copy_p1/p2/p4): the address pattern's own cost")
+                         "unchanged, no arithmetic: the address pattern's own cost (arms copy_p1/p2/p4, a "
+                         "comma list of them, or all when given alone)")
     ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="pool slots (the issue's grid: 8192)")
     ap.add_argument("--offset", default="auto", choices=("auto", "o32", "o64"),
                     help="slot-offset width of the modules called: auto (as the dispatcher decides from the pool's "
@@ -240,6 +241,13 @@ def main(argv=None):
         raise SystemExit(f"--slots {SLOTS}: a call of {max(rows_list)} rows needs at least that many unique slots")
     states = args.states.split(",") if not (dry and args.states == "f32,bf16") else ["f32"]
     stems = [s for s in args.modules.split(",") if s]
+    wanted = [c for c in args.slot_copy.split(",") if c]
+    copies = [c for c in SLOT_COPY_CONFIGS if c[0] in wanted]
+    if len(copies) != len(wanted):
+        raise SystemExit(f"--slot-copy: expected labels among {[c[0] for c in SLOT_COPY_CONFIGS]}, got {wanted}")
+    if copies and not cfg.is_cuda:
+        print("--slot-copy: the Triton slot copy needs a CUDA device; left out of this dry run", file=sys.stderr)
+        copies = []
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
                       primary_mode="graph" if cfg.is_cuda else "wall",
                       extra_meta={"slots": SLOTS, "gate": "softplus", "fla_used": fla is not None,
@@ -278,9 +286,9 @@ def main(argv=None):
                 if args.op_arm:
                     arms.append(harness.Arm("op", sequence([op_call(case, pool, i, out) for i in idxs]),
                                             calls=M, bytes=traffic))
-                if args.slot_copy:
+                if copies:
                     from slot_copy import slot_copy_fn
-                    for label, part, warps in SLOT_COPY_CONFIGS:
+                    for label, part, warps in copies:
                         arms.append(harness.Arm(label, sequence([slot_copy_fn(pool, i, part, warps) for i in idxs]),
                                                 calls=M, bytes=traffic))
                 if fla is not None:
