@@ -29,19 +29,11 @@ def prefill_meta(**kw):
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it
 EDGES = {
     ("kda_decode", "bf16_bandwidth", "work_items_min"): [
-        (decode_meta(rows=16, value_heads=8, state="bf16"), "decode_split4w2_bf16_o32"),   # 128
+        (decode_meta(rows=16, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),     # 128
         (decode_meta(rows=127, value_heads=1, state="bf16"), "decode_split8_bf16_o32"),    # 127: tiny
         (decode_meta(rows=16, value_heads=8), "decode_split8_f32_o32"),                     # fp32: tiny
-        (decode_meta(rows=1023, value_heads=64, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),
-    ],
-    ("kda_decode", "bf16_large", "work_items_min"): [
-        (decode_meta(rows=1024, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),  # 65536
-        (decode_meta(rows=1023, value_heads=64, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),
-        (decode_meta(rows=1024, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),                 # fp32 band
-    ],
-    ("kda_decode", "bf16_large", "value_heads_min"): [
-        (decode_meta(rows=2048, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
-        (decode_meta(rows=4096, value_heads=32, state="bf16", offset="o64"), "decode_split4w2_bf16_o64"),  # 131072, 32 heads
+        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
+        (decode_meta(rows=1024, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),  # fp32 band
     ],
     ("kda_decode", "f32_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=16), "decode_halftma_f32_o32"),    # 16384
@@ -61,7 +53,7 @@ EDGES = {
     ("kda_decode", "hv8_row", "work_items_min"): [
         (decode_meta(rows=32, value_heads=8), "decode_row_f32_o32"),           # 256
         (decode_meta(rows=31, value_heads=8), "decode_split8_f32_o32"),        # 248
-        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_split4w2_bf16_o32"),  # bf16 band
+        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # bf16 band
         (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
         (decode_meta(rows=4096, value_heads=8, offset="o64"), "decode_row_f32_o64"),
     ],
