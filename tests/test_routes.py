@@ -28,12 +28,17 @@ def prefill_meta(**kw):
 
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it
 EDGES = {
-    ("kda_decode", "bf16_bandwidth", "work_items_min"): [
-        (decode_meta(rows=16, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),     # 128
-        (decode_meta(rows=127, value_heads=1, state="bf16"), "decode_split8_bf16_o32"),    # 127: tiny
-        (decode_meta(rows=16, value_heads=8), "decode_split8_f32_o32"),                     # fp32: tiny
+    ("kda_decode", "bf16_large", "work_items_min"): [
+        (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
+        (decode_meta(rows=1023, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),   # 8184
         (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
-        (decode_meta(rows=1024, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),  # fp32 band
+        (decode_meta(rows=1024, value_heads=8), "decode_row_f32_o32"),                      # fp32: hv8_row
+    ],
+    ("kda_decode", "bf16_tiles", "work_items_min"): [
+        (decode_meta(rows=4, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),      # 32
+        (decode_meta(rows=31, value_heads=1, state="bf16"), "decode_split8_bf16_o32"),      # 31: bf16_tiny
+        (decode_meta(rows=1, value_heads=16, state="bf16", offset="o64"), "decode_split8_bf16_o64"),
+        (decode_meta(rows=4, value_heads=8), "decode_quartma_f32_o32"),                     # fp32: tiny
     ],
     ("kda_decode", "f32_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=16), "decode_halftma_f32_o32"),    # 16384
@@ -46,14 +51,15 @@ EDGES = {
         (decode_meta(rows=4096, value_heads=15), "decode_split8_f32_o32"),     # 61440 items, 15 heads
     ],
     ("kda_decode", "tiny", "work_items_max"): [
-        (decode_meta(rows=8, value_heads=16), "decode_split8_f32_o32"),        # 128 work items
-        (decode_meta(rows=129, value_heads=1), "decode_split8_f32_o32"),       # 129: fallback, same module
-        (decode_meta(rows=16, value_heads=8), "decode_split8_f32_o32"),        # 128 with 8 heads: tiny wins
+        (decode_meta(rows=8, value_heads=16), "decode_quartma_f32_o32"),       # 128 work items
+        (decode_meta(rows=129, value_heads=1), "decode_split8_f32_o32"),       # 129: fallback
+        (decode_meta(rows=16, value_heads=8), "decode_quartma_f32_o32"),       # 128 with 8 heads: tiny wins
+        (decode_meta(rows=2, value_heads=64, offset="o64"), "decode_quartma_f32_o64"),
     ],
     ("kda_decode", "hv8_row", "work_items_min"): [
         (decode_meta(rows=32, value_heads=8), "decode_row_f32_o32"),           # 256
         (decode_meta(rows=31, value_heads=8), "decode_split8_f32_o32"),        # 248
-        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # bf16 band
+        (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),   # bf16 band
         (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
         (decode_meta(rows=4096, value_heads=8, offset="o64"), "decode_row_f32_o64"),
     ],
