@@ -2,9 +2,9 @@
 
 `slot_copy(pool, idx, part)` reads every (row, head) state tile that a decode call addresses and
 writes it back in place, unchanged: the same slots, the same bytes read and written as one decode
-step, none of its compute. Its time is what moving that address pattern costs on this GPU, so
-`ours / slot_copy` says how far a decode kernel is from its own traffic, and a slot-copy figure
-below the issue's share of the sequential copy means no kernel can reach it on that pattern.
+step, none of its compute. Its time is what a plain copy kernel pays for that address pattern on
+this GPU, so `ours / slot_copy` says how far a decode kernel is from its own traffic. It is a
+reference, not a bound: a decode kernel can beat it (session 10: fp32 at small rows).
 
 Written in Triton (on the device image): independent of the kernels it is compared with. `part` is
 the share of a tile one program moves (1, 2 or 4); the benchmark times several and quotes the best.
