@@ -274,3 +274,30 @@ def test_decode_op_arm_and_summary(tmp_path):
     assert s["geomean_speedup_eager"] == s["ours_wall_geomean"] == pytest.approx((10 * 4) ** 0.5)
     table = mod.markdown(results, 4.2)
     assert "| 8 | 1 | 3.0 (30) split8 |" in table and "3.00" in table    # ours / slot copy at 1 row
+
+
+def test_decode_targets_reads_a_result_file(tmp_path, capsys):
+    """decode_targets.py: misses per target, geomeans against fla, and the cap from the copy ceiling
+    and a per-call floor, on a synthetic two-point result."""
+    mod = _script("decode_targets")
+    t = lambda g, w, pct=None: {"time_us": {"graph": {"median": g}, "eager": {"median": w}, "wall": {"median": w}},  # noqa: E731
+                               "bandwidth": {"graph": {"pct_copy": pct}}}
+    doc = {"copy_ceiling": {"GBps": 1000.0}, "cases": [
+        {"params": {"state": "f32", "heads": 8, "rows": 16, "work_items": 128, "state_bytes": 2_000_000},
+         "arms": {"ours": t(7.0, 30.0, 28.6), "fla": t(8.0, 100.0), "copy_p1": t(6.5, 20.0, 30.8)}},
+        {"params": {"state": "f32", "heads": 64, "rows": 64, "work_items": 4096, "state_bytes": 100_000_000},
+         "arms": {"ours": t(110.0, 120.0, 90.9), "fla": t(150.0, 160.0), "copy_p1": t(112.0, 120.0, 89.3)}},
+    ]}
+    r = mod.evaluate(doc, floors=(1.0,))["f32"]
+    assert r["bandwidth_misses"] == []                               # 90.9% >= 90
+    assert r["small_graph_misses"] == [(8, 16, 7.0, 6.5)]
+    assert r["small_eager_misses"] == [(8, 16, 30.0)]
+    assert r["not_faster_than_fla"] == []
+    assert r["geomean"]["ours_graph"] == pytest.approx((8 / 7 * 150 / 110) ** 0.5)
+    # best times: max(2 us, 1 us) = 2 us and max(100 us, 1 us) = 100 us
+    assert r["cap"]["1 us"]["graph"] == pytest.approx((8 / 2 * 150 / 100) ** 0.5)
+    assert r["cap"]["1 us"]["wall"] == pytest.approx((100 / 2 * 160 / 100) ** 0.5)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    assert mod.main([str(path), "--floors", "1"]) == 0
+    assert "missed at 1: 8x16 7.00 us (slot copy 6.50)" in capsys.readouterr().out
