@@ -85,10 +85,11 @@ SLOT_ORDERS = ("random", "sorted", "contiguous", "grouped")
 PAGE = 2 << 20   # the GPU's large page (2 MiB): what "grouped" keeps together
 
 
-def slot_list(rows, order, gen, slot_bytes=None):
+def slot_list(rows, order, gen, slot_bytes):
     """rows unique pool slots (int32) of one call, in the address pattern `order` (SLOT_ORDERS).
     grouped: random like "random", but in runs of whole 2 MiB pages (PAGE // slot_bytes consecutive
-    slots a run, runs page-aligned): the same bytes over the fewest distinct pages."""
+    slots a run, runs page-aligned): the same bytes over the fewest distinct pages. slot_bytes: one
+    pool slot's state (HV x V x K x element size)."""
     if order == "contiguous":
         start = int(torch.randint(0, SLOTS - rows + 1, (1,), generator=gen, device=DEVICE))
         return torch.arange(start, start + rows, dtype=torch.int32, device=DEVICE)

@@ -40,7 +40,8 @@ def main():
     pool.normal_(generator=gen).mul_(0.5)
     case = B.make_case(a.rows, a.heads, gen)
     out = torch.empty(a.rows, a.heads, B.V, dtype=torch.bfloat16, device="cuda")
-    calls = [B.ours_call(a.module, case, pool, B.slot_list(a.rows, a.slot_order, gen), out)
+    slot_bytes = pool[0].numel() * pool.element_size()
+    calls = [B.ours_call(a.module, case, pool, B.slot_list(a.rows, a.slot_order, gen, slot_bytes), out)
              for _ in range(a.lists)]
     times = []
     for i in range(a.calls):
@@ -50,7 +51,7 @@ def main():
         t1.record()
         torch.cuda.synchronize()
         times.append(t0.elapsed_time(t1) * 1e3)
-    traffic = a.rows * a.heads * B.V * B.K * (2 if sdt == torch.bfloat16 else 4) * 2
+    traffic = a.rows * slot_bytes * 2
     med = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     print(f"{a.module} HV={a.heads} rows={a.rows} {a.slot_order}: {med:.1f} us ({traffic / med / 1e6:.2f} TB/s)")
 
