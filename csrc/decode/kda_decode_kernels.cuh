@@ -332,38 +332,24 @@ struct WarpTile {
       float s[KPL];
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(chunk(ps, i), &s[i * VEC]);
-      float o;
-      if constexpr (kJointSums) {
-        float kv = 0.f, sq = 0.f;
+      float kv = 0.f, sq = 0.f;
 #pragma unroll
-        for (int e = 0; e < KPL; ++e) {
-          s[e] *= pr.dec[e];
-          kv = fmaf(s[e], pr.kn[e], kv);
-          sq = fmaf(s[e], pr.qn[e], sq);
-        }
-        kv = group_sum<LPR>(kv);
-        sq = group_sum<LPR>(sq);
-        const float u = pr.beta * (bf_to_f(it.vr[ps]) - kv);
-#pragma unroll
-        for (int e = 0; e < KPL; ++e) s[e] = fmaf(pr.kn[e], u, s[e]);
-        o = fmaf(u, kq, sq);
-      } else {
-        float kv = 0.f;
-#pragma unroll
-        for (int e = 0; e < KPL; ++e) {
-          s[e] *= pr.dec[e];
-          kv = fmaf(s[e], pr.kn[e], kv);
-        }
-        kv = group_sum<LPR>(kv);
-        const float u = pr.beta * (bf_to_f(it.vr[ps]) - kv);
-        o = 0.f;
-#pragma unroll
-        for (int e = 0; e < KPL; ++e) {
-          s[e] = fmaf(pr.kn[e], u, s[e]);
-          o = fmaf(s[e], pr.qn[e], o);
-        }
-        o = group_sum<LPR>(o);
+      for (int e = 0; e < KPL; ++e) {
+        s[e] *= pr.dec[e];
+        kv = fmaf(s[e], pr.kn[e], kv);
+        if constexpr (kJointSums) sq = fmaf(s[e], pr.qn[e], sq);
       }
+      kv = group_sum<LPR>(kv);
+      if constexpr (kJointSums) sq = group_sum<LPR>(sq);
+      const float u = pr.beta * (bf_to_f(it.vr[ps]) - kv);
+      float o = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        s[e] = fmaf(pr.kn[e], u, s[e]);
+        if constexpr (!kJointSums) o = fmaf(s[e], pr.qn[e], o);
+      }
+      if constexpr (kJointSums) o = fmaf(u, kq, sq);
+      else o = group_sum<LPR>(o);
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
         const uint4 packed = StateTraits<kBf16>::pack(&s[i * VEC]);
