@@ -4,8 +4,8 @@
 # export, split at barriers by scripts/ncu_sass_segments.py; the CUDA-source page comes back without
 # metrics). Reports and text go to $OUT.
 #   bash scripts/device_profile.sh ["--tokens 32768 --heads 16" ...]
-# SASS_KERNEL (default kda_prep): which kernel's per-instruction export is split and summarised
-# (kda_state for the state pass).
+# SASS_KERNEL (default kda_prep): which kernels' per-instruction exports are split and summarised,
+# space-separated (kda_state for the state pass; "kda_prep kda_state" for both from one report).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 # "CTAS WARPS" of the first launch of kernel $1 in an ncu details page $2, from its line
@@ -26,13 +26,15 @@ for shape in "${SHAPES[@]}"; do
     --section SourceCounters --import-source yes -f -o "$OUT/prefill_$i" python3 scripts/profile_prefill.py --calls 6 $shape
   echo "   shape $i: $shape"
   ncu -i "$OUT/prefill_$i.ncu-rep" --page details > "$OUT/prefill_${i}_details.txt" 2>&1
-  sk=${SASS_KERNEL:-kda_prep}
-  ncu -i "$OUT/prefill_$i.ncu-rep" --page source --csv --print-source sass --kernel-name regex:"$sk" \
-    > "$OUT/prefill_${i}_${sk}_sass.csv" 2>&1
   grep -E "kda_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
     "$OUT/prefill_${i}_details.txt" | head -30
-  # CTAs and warps of that launch, from the grid x block line of its details block
-  read -r ctas warps < <(launch_shape "$sk" "$OUT/prefill_${i}_details.txt")
-  [ -n "$ctas" ] && python3 scripts/ncu_sass_segments.py "$OUT/prefill_${i}_${sk}_sass.csv" --ctas "$ctas" --warps "$warps"
-  gzip -f "$OUT/prefill_${i}_${sk}_sass.csv"
+  for sk in ${SASS_KERNEL:-kda_prep}; do
+    ncu -i "$OUT/prefill_$i.ncu-rep" --page source --csv --print-source sass --kernel-name regex:"$sk" \
+      > "$OUT/prefill_${i}_${sk}_sass.csv" 2>&1
+    # CTAs and warps of that launch, from the grid x block line of its details block
+    read -r ctas warps < <(launch_shape "$sk" "$OUT/prefill_${i}_details.txt")
+    echo "   $sk: $ctas CTAs of $warps warps"
+    [ -n "$ctas" ] && python3 scripts/ncu_sass_segments.py "$OUT/prefill_${i}_${sk}_sass.csv" --ctas "$ctas" --warps "$warps"
+    gzip -f "$OUT/prefill_${i}_${sk}_sass.csv"
+  done
 done

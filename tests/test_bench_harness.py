@@ -301,3 +301,31 @@ def test_decode_targets_reads_a_result_file(tmp_path, capsys):
     path.write_text(json.dumps(doc))
     assert mod.main([str(path), "--floors", "1"]) == 0
     assert "missed at 1: 8x16 7.00 us (slot copy 6.50)" in capsys.readouterr().out
+
+
+def test_prefill_targets_reads_result_files(tmp_path, capsys):
+    """prefill_targets.py: the bounded rows against the better of fla and FlashKDA's quoted times,
+    the event and kernel geomeans over fla, and the 32768-token row, on a synthetic three-row result."""
+    mod = _script("prefill_targets")
+    t = lambda ev, k=None: {"time_us": {"eager": {"median": ev}, **({"kernel": {"median": k}} if k else {})}}  # noqa: E731
+    row = lambda case, gate, ours, fla: {"params": {"case": case, "gate": gate},  # noqa: E731
+                                         "arms": {"ours": ours, "fla": fla}}
+    cases = [
+        row("H16 4x64", "bounded", t(50.0, 25.0), t(1000.0, 60.0)),     # FlashKDA 43 us: not ahead
+        row("H16 32768", "bounded", t(1200.0, 1150.0), t(2400.0, 2300.0)),  # FlashKDA 3670: fla is best
+        row("H16 32768", "softplus", t(1250.0), t(2600.0)),
+    ]
+    r = mod.evaluate(cases)
+    assert r["rows"] == 3
+    assert r["not_ahead"] == [("H16 4x64 bounded", 50.0, "FlashKDA", 43.0)]
+    assert [(n, w) for n, _, w in r["best"]] == [("H16 4x64 bounded", "FlashKDA"), ("H16 32768 bounded", "fla")]
+    assert [x for _, x, _ in r["best"]] == pytest.approx([43 / 50, 2400 / 1200])
+    assert [x for _, x in r["event"]] == pytest.approx([20.0, 2.0, 2600 / 1250])
+    assert [x for _, x in r["kernel"]] == pytest.approx([60 / 25, 2300 / 1150])   # rows without kernel time skipped
+    assert r["long"] == [("H16 32768 bounded", 1200.0), ("H16 32768 softplus", 1250.0)]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"cases": cases}))
+    assert mod.main([str(path), str(path)]) == 0
+    text = capsys.readouterr().out
+    assert f"geomean {(43 / 50 * 2.0) ** 0.5:.2f}x (target 2x) over 2 rows; not ahead at 1" in text
+    assert "H16 32768 softplus: 1.250 ms (target <= 0.5 ms)" in text and "== all files: 6 rows" in text

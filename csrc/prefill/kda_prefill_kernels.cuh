@@ -35,6 +35,13 @@
 
 namespace fkda_prefill {
 
+#ifndef FKDA_EARLY_U_VT16
+#define FKDA_EARLY_U_VT16 0
+#endif
+#ifndef FKDA_EARLY_DECAY
+#define FKDA_EARLY_DECAY 0
+#endif
+
 using bf16 = __nv_bfloat16;
 
 constexpr int kC = 64;   // chunk
@@ -429,13 +436,12 @@ __device__ __forceinline__ void store_checkpoint(const StateArgs& a, const float
 template <int VT>
 constexpr int default_ks() { return VT <= 32 ? 2 : 1; }
 
-// U for V tiles of 32 and 64 columns is read before the W S products, so its shared-memory latency
-// is off the chain (H200 A/B: 2-5.5% faster on the rows they serve). The 16-column tile keeps
-// reading each pair as store_vprime goes: the early read was not faster there (0.4-2% slower in
-// an A/B that also carried other edits), and this keeps its code exactly as measured before
-// (benchmarks/results/h200-2026-11-29-s6).
-template <int VT>
-constexpr bool early_u() { return VT >= 32; }
+// U is read before the W S products, so its shared-memory latency is off the chain (H200 A/B: 2-5.5%
+// faster on the rows V tiles 32 and 64 serve, session 6). In the state pass's 16-column tile that
+// was first measured 0.4-2% slower, in an A/B that carried other edits; EARLY_U_VT16 below. The prep
+// kernel's one-chunk path (kSplit, V tile 16) keeps reading each pair as store_vprime goes.
+template <int VT, bool kSplit>
+constexpr bool early_u() { return VT >= 32 || (!kSplit && FKDA_EARLY_U_VT16); }
 
 // This thread's U entries of rows 16 w (the pairs store_vprime subtracts from), bf16 pairs.
 template <int VT>
@@ -449,8 +455,8 @@ __device__ __forceinline__ void load_u_pairs(uint32_t (&u)[VT / 8][2], const bf1
 }
 
 // V' = U - (W S) for rows 16 w into Vp (ws: W S, partial sums already folded into set 0); U from
-// the pairs u (early_u) or read from Us here.
-template <int VT, int KS>
+// the pairs u (kEarlyU) or read from Us here.
+template <int VT, int KS, bool kEarlyU>
 __device__ __forceinline__ void store_vprime(bf16* Vp, const uint32_t (&u)[VT / 8][2], const bf16* Us,
                                              const float (&ws)[KS][VT / 8][4], int w, int lane) {
   const int g = lane >> 2, tq = lane & 3;
@@ -460,20 +466,137 @@ __device__ __forceinline__ void store_vprime(bf16* Vp, const uint32_t (&u)[VT / 
     for (int h = 0; h < 2; ++h) {
       const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
       const float2 uf = __bfloat1622float2(
-          early_u<VT>() ? *reinterpret_cast<const __nv_bfloat162*>(&u[nt][h])
+          kEarlyU ? *reinterpret_cast<const __nv_bfloat162*>(&u[nt][h])
                         : *reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
       *reinterpret_cast<uint32_t*>(Vp + row * (VT + 8) + col) =
           pack_bf16(uf.x - ws[0][nt][2 * h], uf.y - ws[0][nt][2 * h + 1]);
     }
 }
 
-// After V' is complete: o (= Qg S for rows 16 w) += Aqk V' (Aqk lower triangular: k-steps 0..w),
-// then the rows < valid stored at out + row * out_ld.
+template <int KS, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[KS][NT][4]) {
+#pragma unroll
+  for (int p = 0; p < KS; ++p)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[p][nt][e] = 0.f;
+}
+
+// The pieces of the two products that read V' (after it is complete):
+//   o (= Qg S for rows 16 w) += Aqk V' (Aqk lower triangular: k-steps 0..w), rows < valid stored
+//   at out + row * out_ld;
+//   S = Diag(exp(G_C)) S + Kd^T V' (this warp's 32 rows of S), and Sb refreshed from the new S (the
+//   caller makes sure every warp has read the old Sb).
+// This thread's rows of exp(G_C): [mt][h] for S rows 32 w + 16 mt + g + 8 h.
+__device__ __forceinline__ void load_decays(float (&gd)[2][2], const float* gc, int w, int lane) {
+  const int g = lane >> 2;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    gd[mt][0] = gc[w * 32 + mt * 16 + g];
+    gd[mt][1] = gc[w * 32 + mt * 16 + g + 8];
+  }
+}
+template <int VT>
+__device__ __forceinline__ void decay_state(float (&s)[2][VT / 8][4], const float (&gd)[2][2]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < VT / 8; ++nt) {
+      s[mt][nt][0] *= gd[mt][0]; s[mt][nt][1] *= gd[mt][0];
+      s[mt][nt][2] *= gd[mt][1]; s[mt][nt][3] *= gd[mt][1];
+    }
+  }
+}
+// With KS = 2 the odd k-steps of Kd^T V' go to a second accumulator set t (with few V columns a
+// warp holds too few independent accumulators to hide the mma latency), added to S at the end.
+template <int VT, int KS>
+using UpdatePartial = float[KS == 2 ? 2 : 1][VT / 8][4];
+// Kd^T V' at k-step ks for the V' fragment pair np (bb), both 16-row halves of the warp's S rows.
+template <int VT, int KS>
+__device__ __forceinline__ void update_mma(float (&s)[2][VT / 8][4], UpdatePartial<VT, KS>& t,
+                                           const uint32_t (&ak)[2][4], const uint32_t* bb, int ks, int np) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    if (KS == 2 && (ks & 1)) {  // resolved at compile time (unrolled)
+      mma_bf16(t[KS == 2 ? mt : 0][2 * np], ak[mt], bb);
+      mma_bf16(t[KS == 2 ? mt : 0][2 * np + 1], ak[mt], bb + 2);
+    } else {
+      mma_bf16(s[mt][2 * np], ak[mt], bb);
+      mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
+    }
+  }
+}
+template <int VT, int KS>
+__device__ __forceinline__ void add_update_partial(float (&s)[2][VT / 8][4], const UpdatePartial<VT, KS>& t) {
+  if (KS == 2) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < VT / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
+  }
+}
+template <int VT, int KS>
+__device__ __forceinline__ void store_output_rows(float (&o)[KS][VT / 8][4], bf16* out, size_t out_ld, int valid,
+                                                  int w, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  fold_partial_sums(o);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = w * 16 + g + 8 * h;
+    if (row < valid) {
+      bf16* op = out + size_t(row) * out_ld;
+#pragma unroll
+      for (int nt = 0; nt < VT / 8; ++nt)
+        *reinterpret_cast<uint32_t*>(op + nt * 8 + 2 * tq) = pack_bf16(o[0][nt][2 * h], o[0][nt][2 * h + 1]);
+    }
+  }
+}
+
+// Both products k-step by k-step (the state pass): each V' fragment is loaded once for both, and
+// their mma chains interleave. One after the other, the output's load -> mma latencies sat on the
+// state's path to the next chunk (H200 A/B: 2-5% faster on the rows V tiles 16 and 32 serve).
+// Every accumulator sees the same products in the same order as in the split form below.
+template <int VT, int KS>
+__device__ __forceinline__ void output_and_update(float (&o)[KS][VT / 8][4], float (&s)[2][VT / 8][4], bf16* Sb,
+                                                  const bf16* Vp, const bf16* As, const bf16* Kd,
+                                                  const float (&gd)[2][2], bf16* out, size_t out_ld, int valid, int w,
+                                                  int lane) {
+  constexpr int NP = VT / 16, LDU = VT + 8;
+  decay_state<VT>(s, gd);
+  UpdatePartial<VT, KS> t;
+  zero_acc(t);
+#pragma unroll
+  for (int ks = 0; ks < kC / 16; ++ks) {
+    const bool out_step = ks <= w;  // warp-uniform; ks stays a constant (register arrays)
+    uint32_t ak[2][4], aa[4];
+    load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
+    load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
+    if (out_step) load_a(aa, As, kLdX, w * 16, ks * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      uint32_t bb[4];
+      load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+      update_mma<VT, KS>(s, t, ak, bb, ks, np);
+      if (out_step) {
+        mma_bf16(o[ks % KS][2 * np], aa, bb);
+        mma_bf16(o[ks % KS][2 * np + 1], aa, bb + 2);
+      }
+    }
+  }
+  add_update_partial<VT, KS>(s, t);
+  write_state_bf16<VT>(Sb, s, w, lane);
+  store_output_rows<VT, KS>(o, out, out_ld, valid, w, lane);
+}
+
+// The split form (the prep kernel's one-chunk path, whose code stays as it was measured): the
+// output first, then the state update.
 template <int VT, int KS>
 __device__ __forceinline__ void finish_output(float (&o)[KS][VT / 8][4], const bf16* As, const bf16* Vp, bf16* out,
                                               size_t out_ld, int valid, int w, int lane) {
-  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
-  const int g = lane >> 2, tq = lane & 3;
+  constexpr int NP = VT / 16, LDU = VT + 8;
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     if (ks > w) break;  // warp-uniform; unrolled so that p stays a constant (register arrays)
@@ -488,92 +611,40 @@ __device__ __forceinline__ void finish_output(float (&o)[KS][VT / 8][4], const b
       mma_bf16(o[p][2 * np + 1], aa, bb + 2);
     }
   }
-  fold_partial_sums(o);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = w * 16 + g + 8 * h;
-    if (row < valid) {
-      bf16* op = out + size_t(row) * out_ld;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        *reinterpret_cast<uint32_t*>(op + nt * 8 + 2 * tq) = pack_bf16(o[0][nt][2 * h], o[0][nt][2 * h + 1]);
-    }
-  }
+  store_output_rows<VT, KS>(o, out, out_ld, valid, w, lane);
 }
-
-// After V' is complete: S = Diag(exp(G_C)) S + Kd^T V' (this warp's 32 rows of S), and Sb refreshed
-// from the new S (the caller makes sure every warp has read the old Sb).
 template <int VT, int KS>
 __device__ __forceinline__ void update_state(float (&s)[2][VT / 8][4], bf16* Sb, const bf16* Vp, const bf16* Kd,
                                              const float* gc, int w, int lane) {
-  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
-  const int g = lane >> 2;
+  constexpr int NP = VT / 16, LDU = VT + 8;
+  float gd[2][2];
+  load_decays(gd, gc, w, lane);
+  decay_state<VT>(s, gd);
+  UpdatePartial<VT, KS> t;
+  zero_acc(t);
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    const float g0 = gc[w * 32 + mt * 16 + g], g1 = gc[w * 32 + mt * 16 + g + 8];
+  for (int ks = 0; ks < kC / 16; ++ks) {
+    uint32_t ak[2][4];
+    load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
+    load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      s[mt][nt][0] *= g0; s[mt][nt][1] *= g0;
-      s[mt][nt][2] *= g1; s[mt][nt][3] *= g1;
+    for (int np = 0; np < NP; ++np) {
+      uint32_t bb[4];
+      load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
+      update_mma<VT, KS>(s, t, ak, bb, ks, np);
     }
   }
-  {
-    // odd k-steps into a second accumulator set when KS = 2 (as above), added to S at the end
-    float t[KS == 2 ? 2 : 1][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < (KS == 2 ? 2 : 1); ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) t[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kC / 16; ++ks) {
-      uint32_t ak[2][4];
-      load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
-      load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < NP; ++np) {
-        uint32_t bb[4];
-        load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          if (KS == 2 && (ks & 1)) {  // resolved at compile time (unrolled)
-            mma_bf16(t[KS == 2 ? mt : 0][2 * np], ak[mt], bb);
-            mma_bf16(t[KS == 2 ? mt : 0][2 * np + 1], ak[mt], bb + 2);
-          } else {
-            mma_bf16(s[mt][2 * np], ak[mt], bb);
-            mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
-          }
-        }
-      }
-    }
-    if (KS == 2) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
-    }
-  }
+  add_update_partial<VT, KS>(s, t);
   write_state_bf16<VT>(Sb, s, w, lane);
 }
 
-template <int KS, int NT>
-__device__ __forceinline__ void zero_acc(float (&acc)[KS][NT][4]) {
-#pragma unroll
-  for (int p = 0; p < KS; ++p)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[p][nt][e] = 0.f;
-}
 
 // One chunk for a VT-column tile, by one group of 4 warps: V' = U - W S, O = Qg S + Aqk V' (rows
 // < valid stored at out + row * out_ld), S = Diag(exp(G_C)) S + Kd^T V', and Sb refreshed from
 // the new S. On entry Sb holds bf16(S); Us is the tile's U blocks (u_off layout, tile-local
-// columns). One __syncthreads inside (V' complete): every thread of the CTA calls it.
-template <int VT, int KS = default_ks<VT>()>
+// columns). One __syncthreads inside (V' complete): every thread of the CTA calls it. kSplit: the
+// output and the update one after the other instead of interleaved (see output_and_update).
+template <int VT, int KS = default_ks<VT>(), bool kSplit = false>
 __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16* Sb, bf16* Vp, const bf16* Ws,
                                                  const bf16* Qg, const bf16* Kd, const bf16* As, const bf16* Us,
                                                  const float* gc, bf16* out, size_t out_ld, int valid, int w,
@@ -582,7 +653,9 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
   constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
   // V' = U - W S and O = Qg S: rows 16 w of the chunk, one pass over Sb for both.
   uint32_t u[NT][2];
-  if (early_u<VT>()) load_u_pairs<VT>(u, Us, w, lane);
+  if (early_u<VT, kSplit>()) load_u_pairs<VT>(u, Us, w, lane);
+  float gd[2][2];  // exp(G_C) of this thread's S rows, read here for the same reason as U
+  if (!kSplit && FKDA_EARLY_DECAY) load_decays(gd, gc, w, lane);
   float a1[KS][NT][4], a2[KS][NT][4];
   zero_acc(a1);
   zero_acc(a2);
@@ -603,11 +676,16 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
     }
   }
   fold_partial_sums(a1);
-  store_vprime<VT, KS>(Vp, u, Us, a1, w, lane);
+  store_vprime<VT, KS, early_u<VT, kSplit>()>(Vp, u, Us, a1, w, lane);
   __syncthreads();  // V' complete
-  finish_output<VT, KS>(a2, As, Vp, out, out_ld, valid, w, lane);
-  // Every warp read Sb before the V' barrier above, so update_state may overwrite it.
-  update_state<VT, KS>(s, Sb, Vp, Kd, gc, w, lane);
+  // Every warp read Sb before the V' barrier above, so the update may overwrite it.
+  if constexpr (kSplit) {
+    finish_output<VT, KS>(a2, As, Vp, out, out_ld, valid, w, lane);
+    update_state<VT, KS>(s, Sb, Vp, Kd, gc, w, lane);
+  } else {
+    if (!FKDA_EARLY_DECAY) load_decays(gd, gc, w, lane);
+    output_and_update<VT, KS>(a2, s, Sb, Vp, As, Kd, gd, out, out_ld, valid, w, lane);
+  }
 }
 
 struct PrepArgs {
@@ -887,7 +965,7 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
     write_state_bf16<VT>(Sb, s, w, lane);
     __syncthreads();  // the copies and Sb are complete; the last round is done with V'
     if (r + 1 < kRounds) load_state_tile<VT, ST>(nx, src, w, lane, v0 + 2 * VT);
-    state_chunk_step<VT, 1>(s, Sb, Vp, Wsm, Qg, Kd, As, Usm + (v0 / 16) * (kC * kLdU16), gc,
+    state_chunk_step<VT, 1, true>(s, Sb, Vp, Wsm, Qg, Kd, As, Usm + (v0 / 16) * (kC * kLdU16), gc,
                             sa.out + (size_t(bos) * sa.HV + hv) * kV + v0, size_t(sa.HV) * kV, len, w, lane);
     store_checkpoint<VT, ST>(sa, s, n, hv, 0, len, w, lane, v0);
     if (dst) store_state_tile<VT, ST>(dst, s, w, lane, v0);
