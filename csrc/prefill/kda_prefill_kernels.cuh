@@ -35,13 +35,6 @@
 
 namespace fkda_prefill {
 
-#ifndef FKDA_EARLY_U_VT16
-#define FKDA_EARLY_U_VT16 0
-#endif
-#ifndef FKDA_EARLY_DECAY
-#define FKDA_EARLY_DECAY 0
-#endif
-
 using bf16 = __nv_bfloat16;
 
 constexpr int kC = 64;   // chunk
@@ -436,12 +429,16 @@ __device__ __forceinline__ void store_checkpoint(const StateArgs& a, const float
 template <int VT>
 constexpr int default_ks() { return VT <= 32 ? 2 : 1; }
 
-// U is read before the W S products, so its shared-memory latency is off the chain (H200 A/B: 2-5.5%
-// faster on the rows V tiles 32 and 64 serve, session 6). In the state pass's 16-column tile that
-// was first measured 0.4-2% slower, in an A/B that carried other edits; EARLY_U_VT16 below. The prep
-// kernel's one-chunk path (kSplit, V tile 16) keeps reading each pair as store_vprime goes.
+// Reads moved to the start of the chunk, off the chain (H200 A/Bs, eager, 2 rounds):
+// - U before the W S products: 2-5.5% faster on the rows V tiles 32 and 64 serve (session 6); at
+//   V tile 16 about 0.8% (session 11, with the output and update interleaved; in session 6, before
+//   that, it measured 0.4-2% slower). The prep kernel's one-chunk path (kSplit) keeps the late read.
+// - exp(G_C) of the thread's S rows, for the state update: 0.9% faster at V tile 16, 0.4% at 64,
+//   0.4-1% slower at 32 (session 11, 30 / 46 / 4 rows), so not there.
 template <int VT, bool kSplit>
-constexpr bool early_u() { return VT >= 32 || (!kSplit && FKDA_EARLY_U_VT16); }
+constexpr bool early_u() { return VT >= 32 || !kSplit; }
+template <int VT, bool kSplit>
+constexpr bool early_decay() { return VT != 32 && !kSplit; }
 
 // This thread's U entries of rows 16 w (the pairs store_vprime subtracts from), bf16 pairs.
 template <int VT>
@@ -654,8 +651,8 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
   // V' = U - W S and O = Qg S: rows 16 w of the chunk, one pass over Sb for both.
   uint32_t u[NT][2];
   if (early_u<VT, kSplit>()) load_u_pairs<VT>(u, Us, w, lane);
-  float gd[2][2];  // exp(G_C) of this thread's S rows, read here for the same reason as U
-  if (!kSplit && FKDA_EARLY_DECAY) load_decays(gd, gc, w, lane);
+  float gd[2][2];  // exp(G_C) of this thread's S rows
+  if (early_decay<VT, kSplit>()) load_decays(gd, gc, w, lane);
   float a1[KS][NT][4], a2[KS][NT][4];
   zero_acc(a1);
   zero_acc(a2);
@@ -683,7 +680,7 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
     finish_output<VT, KS>(a2, As, Vp, out, out_ld, valid, w, lane);
     update_state<VT, KS>(s, Sb, Vp, Kd, gc, w, lane);
   } else {
-    if (!FKDA_EARLY_DECAY) load_decays(gd, gc, w, lane);
+    if (!early_decay<VT, kSplit>()) load_decays(gd, gc, w, lane);
     output_and_update<VT, KS>(a2, s, Sb, Vp, As, Kd, gd, out, out_ld, valid, w, lane);
   }
 }
