@@ -329,3 +329,22 @@ def test_prefill_targets_reads_result_files(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"geomean {(43 / 50 * 2.0) ** 0.5:.2f}x (target 2x) over 2 rows; not ahead at 1" in text
     assert "H16 32768 softplus: 1.250 ms (target <= 0.5 ms)" in text and "== all files: 6 rows" in text
+
+
+def test_kernel_mode_rounds_come_after_every_other_mode(tmp_path, monkeypatch):
+    """Profiler sessions (kernel mode) must not sit between event samples: every eager / wall sample
+    is taken before the first kernel-mode one, and each mode still interleaves the arms."""
+    cfg = cpu_cfg(tmp_path, modes=("eager", "kernel", "wall"))
+    monkeypatch.setattr(harness.Config, "is_cuda", property(lambda self: True))
+    timer = harness.Timer(cfg)
+    seen = []
+    monkeypatch.setattr(timer, "sync", lambda: None)
+    for mode, name in (("eager", "_events"), ("kernel", "_kernel"), ("wall", "_wall")):
+        monkeypatch.setattr(timer, name, lambda run, n, mode=mode: (seen.append((mode, run())), [1.0] * n)[1])
+    res = timer.measure([harness.Arm("a", lambda: "a"), harness.Arm("b", lambda: "b")])
+    modes = [m for m, _ in seen]
+    assert modes.index("kernel") > max(i for i, m in enumerate(modes) if m != "kernel")
+    assert cfg.rounds == 2
+    for mode in ("eager", "kernel", "wall"):
+        assert [a for m, a in seen if m == mode] == ["a", "b", "b", "a"]
+    assert all(res[a][m]["n"] == 4 for a in "ab" for m in ("eager", "kernel", "wall"))
