@@ -417,8 +417,9 @@ class Timer:
         # them between event batches, the eager medians of every prefill row read high on an H200
         # (H16 8192: 361.8 us, against 308.0 with the kernel rounds apart; session 11).
         passes = [[m for m in cfg.modes if m != "kernel"], [m for m in cfg.modes if m == "kernel"]]
-        for modes, order in ((ms, o) for ms in passes if ms
-                             for o in interleaved_order([a.name for a in arms], cfg.rounds)):
+        schedule = [(modes, order) for modes in passes if modes
+                    for order in interleaved_order([a.name for a in arms], cfg.rounds)]
+        for modes, order in schedule:
             for name in order:
                 for m, run in list(runners[name].items()):
                     if m not in modes:
