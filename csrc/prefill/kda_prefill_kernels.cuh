@@ -613,10 +613,8 @@ __device__ __forceinline__ void finish_output(float (&o)[KS][VT / 8][4], const b
 }
 template <int VT, int KS>
 __device__ __forceinline__ void update_state(float (&s)[2][VT / 8][4], bf16* Sb, const bf16* Vp, const bf16* Kd,
-                                             const float* gc, int w, int lane) {
+                                             const float (&gd)[2][2], int w, int lane) {
   constexpr int NP = VT / 16, LDU = VT + 8;
-  float gd[2][2];
-  load_decays(gd, gc, w, lane);
   decay_state<VT>(s, gd);
   UpdatePartial<VT, KS> t;
   zero_acc(t);
@@ -678,7 +676,8 @@ __device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16*
   // Every warp read Sb before the V' barrier above, so the update may overwrite it.
   if constexpr (kSplit) {
     finish_output<VT, KS>(a2, As, Vp, out, out_ld, valid, w, lane);
-    update_state<VT, KS>(s, Sb, Vp, Kd, gc, w, lane);
+    load_decays(gd, gc, w, lane);
+    update_state<VT, KS>(s, Sb, Vp, Kd, gd, w, lane);
   } else {
     if (!early_decay<VT, kSplit>()) load_decays(gd, gc, w, lane);
     output_and_update<VT, KS>(a2, s, Sb, Vp, As, Kd, gd, out, out_ld, valid, w, lane);
