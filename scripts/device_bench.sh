@@ -46,7 +46,7 @@ ab_compare() {
   for arm in "$before" "$after"; do
     if [ "$arm" = "$before" ]; then root=$base; cache=/tmp/fkda_cache_$before; else root=$PWD; cache=$FLASHKDA_EXT_CACHE_DIR; fi
     FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage build_$arm 90 python3 -m flashkda_ext build \
-      --parallel 16 --jobs 1 'decode_split8_*' 'decode_quartma_*' 'decode_rowtma_bf16_*' 'decode_halftma_f32_*' decode_row_f32_o32 'fused_*_f32_o32' \
+      --parallel 16 --jobs 1 'decode_split8_*' 'decode_quartma*' 'decode_rowtma_bf16_*' 'decode_halftma_f32_*' decode_row_f32_o32 'fused_*_f32_o32' \
       $([[ $parts == *" prefill "* ]] && echo 'prefill_vt*_f32')
     if [[ $parts == *" decode "* ]]; then
       FLASHKDA_EXT_DATA_ROOT=$root FLASHKDA_EXT_CACHE_DIR=$cache stage decode_$arm 90 python3 benchmarks/bench_decode.py \

@@ -30,9 +30,15 @@ def prefill_meta(**kw):
 EDGES = {
     ("kda_decode", "bf16_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
-        (decode_meta(rows=1023, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),   # 8184
+        (decode_meta(rows=1023, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 8184
         (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
         (decode_meta(rows=1024, value_heads=8), "decode_row_f32_o32"),                      # fp32: hv8_row
+    ],
+    ("kda_decode", "bf16_tiles_bulk", "work_items_min"): [
+        (decode_meta(rows=64, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 512
+        (decode_meta(rows=511, value_heads=1, state="bf16"), "decode_quartma_bf16_o32"),     # 511
+        (decode_meta(rows=8, value_heads=64, state="bf16", offset="o64"), "decode_quartmabulk_bf16_o64"),
+        (decode_meta(rows=32, value_heads=16), "decode_split8_f32_o32"),                    # fp32: not this band
     ],
     ("kda_decode", "bf16_tiles", "work_items_min"): [
         (decode_meta(rows=4, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),      # 32
@@ -71,7 +77,13 @@ EDGES = {
     ("fused_kda_decode", "small_f32", "work_items_max"): [
         (decode_meta(rows=64, value_heads=16), "fused_rowtmalate_f32_o32"),    # 1024
         (decode_meta(rows=1025, value_heads=1), "fused_rowtma_f32_o32"),       # 1025: fallback
-        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "fused_rowtmalate_bf16_o64"),
+        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "fused_rowtmabulk_bf16_o64"),
+    ],
+    ("fused_kda_decode", "bf16_bulk", "work_items_min"): [
+        (decode_meta(rows=64, value_heads=16, state="bf16"), "fused_rowtmabulk_bf16_o32"),   # 1024
+        (decode_meta(rows=1023, value_heads=1, state="bf16"), "fused_rowtmalate_bf16_o32"),  # 1023
+        (decode_meta(rows=16, value_heads=64, state="bf16", offset="o64"), "fused_rowtmabulk_bf16_o64"),
+        (decode_meta(rows=1024, value_heads=1), "fused_rowtmalate_f32_o32"),                 # fp32: small_f32
     ],
     ("kda_prefill", "few_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=1, value_heads=16), "prefill_vt16_f32"),        # 16

@@ -1,5 +1,5 @@
 // Bulk copies (TMA, non-tensor form) from global into shared memory, completed on an mbarrier
-// (sm_90). Shared by the prefill state pass (its chunk ring) and the decode and fused decode tile
+// (sm_90), and back (bulk_s2g). Shared by the prefill state pass (its chunk ring) and the decode and fused decode tile
 // kernels (a CTA's state tile: bulk_load). The pattern: one thread initialises the mbarrier (count
 // 1) and fences the init; that thread arms it with the byte count and issues the copies; every
 // reader waits on its phase.
@@ -48,6 +48,24 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   mbar_expect_tx(bar, bytes);
   bulk_g2s(dst, src, bytes, bar);
+}
+
+// The other way, a tile from shared memory back to global memory (bulk group completion). The
+// threads that wrote src make their shared-memory stores visible to the async proxy first
+// (fence_smem_to_async, then a CTA barrier); the issuing thread then calls bulk_s2g and must see
+// bulk_s2g_wait_read() return before src is reused or the CTA exits (the copy reads src after
+// bulk_s2g returns). The global writes are complete when the grid is.
+__device__ __forceinline__ void fence_smem_to_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_u32(src)),
+               "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_s2g_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 }  // namespace fkda

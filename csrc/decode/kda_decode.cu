@@ -5,6 +5,7 @@
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (8 or 16)
 //   FKDA_PARAM_STATE_SMEM      1 (tile schedule): the CTA's state tile by one bulk copy into shared memory
+//   FKDA_PARAM_BULK_STORE      1 (with state_smem): the updated tile goes back by one bulk copy
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -42,6 +43,11 @@ static_assert((FKDA_PARAM_SCHEDULE != 1 && FKDA_PARAM_SCHEDULE != 3) || FKDA_PER
 #endif
 static_assert(FKDA_PARAM_STATE_SMEM == 0 || (FKDA_PARAM_SCHEDULE == 0 && FKDA_CLUSTER_X == 1),
               "state_smem: the tile schedule without clusters");
+#ifndef FKDA_PARAM_BULK_STORE
+#define FKDA_PARAM_BULK_STORE 0
+#endif
+static_assert(FKDA_PARAM_BULK_STORE == 0 || (FKDA_PARAM_BULK_STORE == 1 && FKDA_PARAM_STATE_SMEM),
+              "bulk_store: 0, or 1 with state_smem");
 #if FKDA_PARAM_SCHEDULE == 3
 // the cp.async ring: STAGES x (V_TILE rows x K keys) of state per CTA
 static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_STAGES * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
@@ -177,7 +183,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   ctx.launch("kda_decode_tile_cluster_kernel", kda_decode_tile_cluster_kernel<FKDA_KERNEL_ARGS>,
              dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
 #elif FKDA_PARAM_STATE_SMEM
-  ctx.launch("kda_decode_tile_tma_kernel", kda_decode_tile_tma_kernel<FKDA_KERNEL_ARGS>,
+  ctx.launch("kda_decode_tile_tma_kernel", kda_decode_tile_tma_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_BULK_STORE != 0>,
              dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
 #else
   ctx.launch("kda_decode_tile_kernel", kda_decode_tile_kernel<FKDA_KERNEL_ARGS>,

@@ -303,17 +303,21 @@ struct WarpTile {
 
   // The same step with the state read from a shared-memory tile (this warp's V-rows at
   // warp_tile, rows of K elements, as in the pool) pass by pass: nothing of it waits in registers.
-  // kq = row_kq(pr).
+  // kq = row_kq(pr). kBulkStore: the updated state goes back over the tile (the CTA then sends the
+  // tile to the pool in one bulk copy) instead of to the pool pass by pass.
+  template <bool kBulkStore>
   __device__ static void compute_and_store_from(const DecodeParams& p, Item& it, const Prep& pr, float kq,
                                                 int row, int hv, int vrow0, int lane, OffT base,
-                                                const Elem* warp_tile) {
+                                                Elem* warp_tile) {
     const int c = lane % LPR, r = lane / LPR;
-    step_passes<true>(
+    step_passes<true, !kBulkStore>(
         p, it, pr, kq, row, hv, vrow0, lane, base,
         [&](int ps, int i) {
           return *reinterpret_cast<const uint4*>(warp_tile + (ps * RPW + r) * K + key_of(i, c));
         },
-        [](int, int, const uint4&) {});
+        [&](int ps, int i, const uint4& v) {
+          if constexpr (kBulkStore) *reinterpret_cast<uint4*>(warp_tile + (ps * RPW + r) * K + key_of(i, c)) = v;
+        });
   }
 
   // chunk(ps, i): the 16-byte state chunk i of pass ps; keep(ps, i, c): the updated chunk (the
@@ -321,12 +325,13 @@ struct WarpTile {
   // o = (decayed S) q + u (k . q), kq = k . q, so its row sum runs beside the k sum instead of after
   // the update (the shared-memory tile path: session 10, bf16 rowtma 1.8% faster at 64 heads, and
   // no spill; the register paths measured level or up to 7% slower, so they keep o = S_new q).
-  template <bool kJointSums, typename Chunk, typename Keep>
+  // kToPool: each pass's chunks also go straight to the pool (else keep alone places them).
+  template <bool kJointSums, bool kToPool = true, typename Chunk, typename Keep>
   __device__ static void step_passes(const DecodeParams& p, Item& it, const Prep& pr, float kq, int row,
                                      int hv, int vrow0, int lane, OffT base, Chunk&& chunk, Keep&& keep) {
     const int c = lane % LPR, r = lane / LPR;
     bf16* op = p.out + (static_cast<int64_t>(row) * p.HV + hv) * V + vrow0 + r;
-    Elem* sb = static_cast<Elem*>(p.state) + base;
+    [[maybe_unused]] Elem* sb = static_cast<Elem*>(p.state) + base;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
       float s[KPL];
@@ -354,8 +359,10 @@ struct WarpTile {
       for (int i = 0; i < CHUNKS; ++i) {
         const uint4 packed = StateTraits<kBf16>::pack(&s[i * VEC]);
         keep(ps, i, packed);
-        const int e = (ps * RPW + r) * K + key_of(i, c);
-        store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e), packed);
+        if constexpr (kToPool) {
+          const int e = (ps * RPW + r) * K + key_of(i, c);
+          store_state<kCoherent>(reinterpret_cast<uint4*>(sb + e), packed);
+        }
       }
       if (c == 0) op[ps * RPW] = __float2bfloat16_rn(o);
     }
@@ -413,9 +420,12 @@ kda_decode_tile_kernel(const DecodeParams p) {
 // The same (row, head, V-tile) per CTA, but the tile's V_TILE x K state (contiguous in the pool)
 // comes in by one bulk copy (TMA) into dynamic shared memory, and each pass reads its chunks from
 // there: no registers hold the state in flight, so more CTAs fit an SM, and the pool sees one
-// large contiguous read per CTA.
+// large contiguous read per CTA. kBulkStore: the updated tile goes back the same way, in one bulk
+// copy from shared memory after a CTA barrier, instead of each pass's stores from registers (H200,
+// session 12: 2-2.5% faster with bf16 state at 64 x 256-4096 and 8 x 4096; slower in fp32 and at a
+// few rows, where the barrier and the copy's round trip sit on the path).
 
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, bool kBulkStore>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_decode_tile_tma_kernel(const DecodeParams p) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
@@ -448,8 +458,16 @@ kda_decode_tile_tma_kernel(const DecodeParams p) {
   T::prepare(p, it, pr);  // while the tile is arriving
   const float kq = T::row_kq(pr);
   fkda::mbar_wait(&bar, 0);
-  T::compute_and_store_from(p, it, pr, kq, row, hv, vrow0, lane, T::slot_base(p, slot, hv, vrow0),
-                            st + warp * (V_TILE / WARPS) * T::K);
+  T::template compute_and_store_from<kBulkStore>(p, it, pr, kq, row, hv, vrow0, lane,
+                                                 T::slot_base(p, slot, hv, vrow0), st + warp * (V_TILE / WARPS) * T::K);
+  if constexpr (kBulkStore) {
+    fkda::fence_smem_to_async();  // this thread's tile writes, for the bulk copy
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fkda::bulk_s2g(static_cast<Elem*>(p.state) + T::slot_base(p, slot, hv, vt * V_TILE), st, kTileBytes);
+      fkda::bulk_s2g_wait_read();  // the tile must outlive the copy's reads
+    }
+  }
 }
 
 // ---- schedule 0 with a 2-CTA cluster: the pair splits the token prep --------------------------

@@ -7,6 +7,7 @@
 //   FKDA_PARAM_STATE_SMEM      1: the state tile arrives by one bulk copy into dynamic shared memory
 //                              (smem_bytes = v_tile * D * state element size), issued before the
 //                              prologue's loads; 2: the same, issued after them; absent or 0: registers
+//   FKDA_PARAM_BULK_STORE      1 (with state_smem): the updated tile goes back by one bulk copy
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -42,6 +43,11 @@ static_assert(FKDA_PERSISTENT_K == 0, "no persistent schedule here");
 #endif
 static_assert(FKDA_PARAM_STATE_SMEM >= 0 && FKDA_PARAM_STATE_SMEM <= 2, "state_smem: 0, 1 or 2");
 static_assert(FKDA_PARAM_STATE_SMEM == 0 || FKDA_PARAM_SCHEDULE == 0, "state_smem: tile schedule only");
+#ifndef FKDA_PARAM_BULK_STORE
+#define FKDA_PARAM_BULK_STORE 0
+#endif
+static_assert(FKDA_PARAM_BULK_STORE == 0 || (FKDA_PARAM_BULK_STORE == 1 && FKDA_PARAM_STATE_SMEM),
+              "bulk_store: 0, or 1 with state_smem");
 // state_smem = 1 or 2: the CTA's V_TILE x D state tile in dynamic shared memory; else static only
 static_assert(FKDA_SMEM_BYTES == (FKDA_PARAM_STATE_SMEM ? FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4) : 0),
               "smem_bytes must be v_tile * D * state element size with state_smem = 1 or 2, else 0");
@@ -135,7 +141,8 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);
 #if FKDA_PARAM_SCHEDULE == 0
-  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STATE_SMEM>,
+  ctx.launch("fused_kda_decode_tile_kernel", fused_kda_decode_tile_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STATE_SMEM,
+                                                                     FKDA_PARAM_BULK_STORE != 0>,
              dim3(static_cast<unsigned>(rows * H * FKDA_CLUSTER_X)), block, FKDA_SMEM_BYTES, p);
 #else
   ctx.launch("fused_kda_decode_seq_kernel", fused_kda_decode_seq_kernel<FKDA_KERNEL_ARGS>,
