@@ -72,7 +72,14 @@ EDGES = {
     ("fused_kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=2, value_heads=16), "fused_quad_f32_o32"),           # 32
         (decode_meta(rows=33, value_heads=1), "fused_rowtmalate_f32_o32"),     # 33
-        (decode_meta(rows=3, value_heads=16, state="bf16"), "fused_rowtmalate_bf16_o32"),
+        (decode_meta(rows=3, value_heads=16, state="bf16"), "fused_rowtmalate512_bf16_o32"),  # 48
+    ],
+    ("fused_kda_decode", "bf16_small", "work_items_max"): [
+        (decode_meta(rows=8, value_heads=16, state="bf16"), "fused_rowtmalate512_bf16_o32"),  # 128
+        (decode_meta(rows=129, value_heads=1, state="bf16"), "fused_rowtmalate_bf16_o32"),    # 129
+        (decode_meta(rows=1, value_heads=64, state="bf16", offset="o64"), "fused_rowtmalate512_bf16_o64"),
+        (decode_meta(rows=2, value_heads=16, state="bf16"), "fused_quad_bf16_o32"),           # 32: tiny first
+        (decode_meta(rows=8, value_heads=16), "fused_rowtmalate_f32_o32"),                    # fp32: small_f32
     ],
     ("fused_kda_decode", "small_f32", "work_items_max"): [
         (decode_meta(rows=64, value_heads=16), "fused_rowtmalate_f32_o32"),    # 1024
