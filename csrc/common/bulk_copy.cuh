@@ -1,8 +1,8 @@
 // Bulk copies (TMA, non-tensor form) from global into shared memory, completed on an mbarrier
-// (sm_90), and back (bulk_s2g). Shared by the prefill state pass (its chunk ring) and the decode and fused decode tile
-// kernels (a CTA's state tile: bulk_load). The pattern: one thread initialises the mbarrier (count
-// 1) and fences the init; that thread arms it with the byte count and issues the copies; every
-// reader waits on its phase.
+// (sm_90), and back (bulk_s2g). Shared by the prefill state pass (its chunk ring) and the decode
+// and fused decode tile kernels (a CTA's state tile: bulk_load). The pattern: one thread
+// initialises the mbarrier (count 1) and fences the init; that thread arms it with the byte count
+// and issues the copies; every reader waits on its phase.
 #pragma once
 
 #include <stdint.h>

@@ -422,8 +422,8 @@ kda_decode_tile_kernel(const DecodeParams p) {
 // there: no registers hold the state in flight, so more CTAs fit an SM, and the pool sees one
 // large contiguous read per CTA. kBulkStore: the updated tile goes back the same way, in one bulk
 // copy from shared memory after a CTA barrier, instead of each pass's stores from registers (H200,
-// session 12: 2-2.5% faster with bf16 state at 64 x 256-4096 and 8 x 4096; slower in fp32 and at a
-// few rows, where the barrier and the copy's round trip sit on the path).
+// session 12, bf16 state: 2-6% faster from 8192 work items (rowtma), 1-3% from 512 (quartma);
+// slower in fp32 and at a few rows, where the barrier and the copy's round trip sit on the path).
 
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, bool kBulkStore>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)

@@ -81,8 +81,8 @@ __device__ __forceinline__ float log_decay(const FusedParams& p, float graw, flo
 // chunks from there. The state then holds no registers while in flight (64 a thread in fp32), so
 // more CTAs fit an SM and one CTA's prologue and epilogue overlap other CTAs' state traffic.
 // kBulkStore (with kSmemState): the updated state goes back over the tile, and thread 0 sends the
-// tile to the pool in one bulk copy after barrier #2 (H200, session 12: 3.4-3.8% faster with bf16
-// state from 4096 work items; slower in fp32 and at 256 work items).
+// tile to the pool in one bulk copy after barrier #2 (H200, session 12: 3-8% faster with bf16 state
+// from 2048 work items, level at 1024; slower below that and in fp32).
 template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent, int kSmemState = 0,
           bool kBulkStore = false>
 struct FusedCta {
