@@ -421,7 +421,7 @@ class Timer:
                     for order in interleaved_order([a.name for a in arms], cfg.rounds)]
         for modes, order in schedule:
             for name in order:
-                for m, run in list(runners[name].items()):
+                for m, run in runners[name].items():
                     if m not in modes:
                         continue
                     try:
