@@ -110,17 +110,22 @@ def ours_call(name, case, pool, idx, out):
     return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, out, 0, 0.0, K ** -0.5, True, False)
 
 
-def op_call(case, pool, idx, out):
-    """The public op (validation, memo, routing, then the same module): what a caller pays."""
+def op_call(case, pool, idx, out, fast=True):
+    """The public op (validation, memo, routing, then the same module): what a caller pays. fast=False:
+    with its signature fast path off, as FLASHKDA_EXT_FAST_PATH=0 sets it (arm "op_full")."""
     import flashkda_ext as fk
+    from flashkda_ext import ops
     q, k, v, g, beta, A_log, dt_bias = case
-    return lambda: fk.kda_decode(q, k, v, g, beta, state=pool, state_indices=idx, A_log=A_log,
-                                 dt_bias=dt_bias, out=out)
+
+    def run():
+        ops._FAST_PATH = fast  # the two arms interleave in one process
+        fk.kda_decode(q, k, v, g, beta, state=pool, state_indices=idx, A_log=A_log, dt_bias=dt_bias, out=out)
+    return run
 
 
 # slot-copy references (benchmarks/slot_copy.py): (label, share of a tile a program moves, warps)
 SLOT_COPY_CONFIGS = (("copy_p1", 1, 8), ("copy_p2", 2, 8), ("copy_p4", 4, 4))
-NOT_OURS = ("fla", "op") + tuple(c[0] for c in SLOT_COPY_CONFIGS)
+NOT_OURS = ("fla", "op", "op_full") + tuple(c[0] for c in SLOT_COPY_CONFIGS)
 
 
 def fla_call(fla, case, pool, idx, out):
@@ -206,7 +211,8 @@ def parse(argv=None):
                          "pattern")
     ap.add_argument("--op-arm", action="store_true",
                     help="also time the public op flashkda_ext.kda_decode (arm 'op': validation and routing "
-                         "included; the default arm calls the routed module's function directly)")
+                         "included; arm 'op_full': the same with its signature fast path off; the default arm "
+                         "calls the routed module's function directly)")
     ap.add_argument("--slot-copy", nargs="?", const="copy_p1,copy_p2,copy_p4", default="",
                     help="also time benchmarks/slot_copy.py (Triton): the same slots read and written back "
                          "unchanged, no arithmetic: the address pattern's own cost (arms copy_p1/p2/p4, a "
@@ -286,6 +292,8 @@ def main(argv=None):
                                             calls=M, bytes=traffic))
                 if args.op_arm:
                     arms.append(harness.Arm("op", sequence([op_call(case, pool, i, out) for i in idxs]),
+                                            calls=M, bytes=traffic))
+                    arms.append(harness.Arm("op_full", sequence([op_call(case, pool, i, out, False) for i in idxs]),
                                             calls=M, bytes=traffic))
                 if copies:
                     from slot_copy import slot_copy_fn

@@ -5,6 +5,7 @@ Arms per case, same inputs, interleaved A B B A (harness.py):
 
   direct   the module's TVM-FFI function called with prepared arguments (no validation, no routing)
   op       the public op (flashkda_ext.kda_decode / fused_kda_decode / kda_prefill), tracing off
+  op_full  (decode ops) the same with the signature fast path off: every call validated in full
   traced   the public op inside flashkda_ext.trace.tracing(dir): definition once, a workload line
            per call (what FLASHKDA_EXT_TRACE_DIR costs a serving loop)
 
@@ -44,7 +45,7 @@ def _flat(x):
 
 def decode_case(rows, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
-    from flashkda_ext import dispatch, trace, validation
+    from flashkda_ext import dispatch, ops, trace, validation
 
     dev = torch.device(cfg.device)
     dt = torch.bfloat16
@@ -66,19 +67,25 @@ def decode_case(rows, H, D, cfg, gen, trace_dir):
            call.beta_is_logit, call.null_slot0)
 
     def op():
+        ops._FAST_PATH = True
+        fk.kda_decode(q, k, v, g, beta, **kw)
+
+    def op_full():
+        ops._FAST_PATH = False
         fk.kda_decode(q, k, v, g, beta, **kw)
 
     def traced():
         with trace.tracing(trace_dir):
             fk.kda_decode(q, k, v, g, beta, **kw)
 
-    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("traced", traced, graph=False)]
+    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
+            harness.Arm("traced", traced, graph=False)]
     return harness.Case(f"kda_decode_r{rows}_h{H}_d{D}", dict(op="kda_decode", rows=rows, heads=H, head_dim=D), arms)
 
 
 def fused_case(rows, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
-    from flashkda_ext import dispatch, trace, validation
+    from flashkda_ext import dispatch, ops, trace, validation
 
     dev = torch.device(cfg.device)
     dt = torch.bfloat16
@@ -102,13 +109,19 @@ def fused_case(rows, H, D, cfg, gen, trace_dir):
            call.scale, call.norm_eps, call.null_slot0)
 
     def op():
+        ops._FAST_PATH = True
+        fk.fused_kda_decode(*args, out=out)
+
+    def op_full():
+        ops._FAST_PATH = False
         fk.fused_kda_decode(*args, out=out)
 
     def traced():
         with trace.tracing(trace_dir):
             fk.fused_kda_decode(*args, out=out)
 
-    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("traced", traced, graph=False)]
+    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
+            harness.Arm("traced", traced, graph=False)]
     return harness.Case(f"fused_r{rows}_h{H}_d{D}", dict(op="fused_kda_decode", rows=rows, heads=H, head_dim=D),
                         arms)
 
@@ -176,6 +189,8 @@ def main(argv=None) -> int:
             t = {a: rec["arms"][a]["time_us"].get("wall", {}).get("median") for a in rec["arms"]}
             if t.get("op") and t.get("direct"):
                 rec["notes"]["validate_dispatch_us"] = t["op"] - t["direct"]
+            if t.get("op_full") and t.get("direct"):
+                rec["notes"]["full_check_us"] = t["op_full"] - t["direct"]
             if t.get("op") and t.get("traced"):
                 rec["notes"]["trace_us"] = t["traced"] - t["op"]
         run.finish()

@@ -52,5 +52,18 @@ def function(family: str, meta: Mapping[str, Any]):
     return _function_for(family, tuple(sorted(meta.items())))
 
 
+@functools.lru_cache(maxsize=512)
+def _checked_for(family: str, meta_items: tuple):
+    module = jit.load_module(select_rule(family, dict(meta_items))["module"])
+    name = f"{family}_checked"
+    return module[name] if module.implements_function(name) else None
+
+
+def checked_function(family: str, meta: Mapping[str, Any]):
+    """The signature-checked twin of function() (csrc/common/binding.h, "Call signatures"), or None
+    when the module has none."""
+    return _checked_for(family, tuple(sorted(meta.items())))
+
+
 def module_name(family: str, meta: Mapping[str, Any]) -> str:
     return select_rule(family, meta)["module"]

@@ -6,6 +6,7 @@ picks the module from host-known metadata; the module's function fills the outpu
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +28,53 @@ def _route_fn(family: str, call):
     return fn
 
 
+# ---- fast path: a serving loop repeats the same call metadata every step. The first call of a
+# kind is validated in full; it leaves (the module's signature-checked function, the signature of
+# its tensor arguments, the scalars the function takes) under a key of the op's scalar arguments
+# and rows. Later calls go straight to that function, which launches only when its arguments
+# still have the validated signature (csrc/common/binding.h, "Call signatures") and otherwise
+# returns without launching, so the call takes the full path. Tracing takes the full path too.
+
+_Tensor = torch.Tensor
+_FAST_PATH = os.environ.get("FLASHKDA_EXT_FAST_PATH", "1") != "0"  # 0: every call checked in full
+_FAST: dict = {}
+_FAST_LIMIT = 512
+
+
+def _opt_tensors(*xs) -> bool:
+    """Each of xs is None or a plain torch.Tensor (the fast path takes nothing else)."""
+    for x in xs:
+        if x is not None and type(x) is not _Tensor:
+            return False
+    return True
+
+
+def _fast_get(key):
+    try:
+        return _FAST.get(key)
+    except TypeError:  # an unhashable argument: the full path says what is wrong with it
+        return None
+
+
+def _fast_put(key, family: str, call, sig_args: tuple, tail: tuple) -> None:
+    """Keep this validated call's fast entry (its module has a checked function and key hashes)."""
+    fn = dispatch.checked_function(family, call.route_meta())
+    if fn is None:
+        return
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(_FAST) >= _FAST_LIMIT:
+        _FAST.clear()
+    _FAST[key] = (fn, fn(0, *sig_args, *tail), tail)  # expected 0: the signature alone, no launch
+
+
+def fast_path_clear() -> None:
+    """Forget every fast entry (tests; the next call of each kind is validated in full again)."""
+    _FAST.clear()
+
+
 def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None, lower_bound=None,
                gate="softplus", scale=None, beta_is_logit=True, slot_mode="unique", null_slot0=False,
                out=None):
@@ -38,19 +86,35 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     slot_mode declares what state_indices may hold: "unique", "padded" (negatives) or "repeated"
     (rows sharing a slot are applied in row order). See docs/api.md.
     """
+    key = dest = None
+    if (_FAST_PATH and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
+            is type(state_indices) and _opt_tensors(A_log, dt_bias, out) and not trace.enabled()):
+        key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
+               type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
+        # a valid call's out is v's shape, dtype and device
+        dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+        entry = _fast_get(key)
+        if entry is not None:
+            fn, sig, tail = entry
+            if fn(sig, q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, dest, *tail) == sig:
+                return dest
     call = validation.check_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         slot_mode=slot_mode, null_slot0=null_slot0, out=out)
     if out is None:
-        out = torch.empty((call.rows, call.value_heads, call.head_dim_v), dtype=v.dtype, device=v.device)
+        out = dest if dest is not None else torch.empty(
+            (call.rows, call.value_heads, call.head_dim_v), dtype=v.dtype, device=v.device)
     if trace.enabled():
         trace.emit("kda_decode", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out))
     fn = _route_fn("kda_decode", call)
-    fn(q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, out, call.gate_mode,
-       call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    sig_args = (q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    fn(*sig_args, *tail)
+    if key is not None:
+        _fast_put(key, "kda_decode", call, sig_args, tail)
     return out
 
 
@@ -162,12 +226,27 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     (in place); g [rows, H, D]; beta [rows, H]; state [slots, H, D, D] (in place); output_gate
     [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
     """
+    key = dest = None
+    if (_FAST_PATH and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
+            is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
+            and _opt_tensors(A_log, dt_bias, out) and not trace.enabled()):
+        key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
+               type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0)
+        # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
+        dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
+        entry = _fast_get(key)
+        if entry is not None:
+            fn, sig, tail = entry
+            if fn(sig, x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state,
+                  output_gate, norm_weight, dest, *tail) == sig:
+                return dest
     call = validation.check_fused_kda_decode(
         x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
         norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
         slot_mode=slot_mode, null_slot0=null_slot0, out=out)
     if out is None:
-        out = torch.empty((call.rows, call.num_heads, call.head_dim), dtype=x.dtype, device=x.device)
+        out = dest if dest is not None else torch.empty(
+            (call.rows, call.num_heads, call.head_dim), dtype=x.dtype, device=x.device)
     if trace.enabled():
         trace.emit("fused_kda_decode", call, dict(
             x=x, conv_weight=conv_weight, conv_state=conv_state, g=g, beta=beta, A_log=A_log,
@@ -175,6 +254,10 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             norm_weight=norm_weight, lower_bound=lower_bound, scale=call.scale, norm_eps=norm_eps,
             out=out))
     fn = _route_fn("fused_kda_decode", call)
-    fn(x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state, output_gate,
-       norm_weight, out, call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state, output_gate,
+                norm_weight, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    fn(*sig_args, *tail)
+    if key is not None:
+        _fast_put(key, "fused_kda_decode", call, sig_args, tail)
     return out

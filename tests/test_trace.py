@@ -448,9 +448,11 @@ def fresh_memos():
               ops.validation.check_fused_kda_decode)
     for check in checks:
         check.cache_clear()
+    ops.fast_path_clear()
     yield
     for check in checks:
         check.cache_clear()
+    ops.fast_path_clear()
 
 
 @pytest.mark.parametrize("op", trace.OPS)

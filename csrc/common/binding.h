@@ -455,7 +455,69 @@ inline tvm::ffi::String contract_json() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Call signatures: the fast path of the Python ops (flashkda_ext/ops.py, "fast path").
+//
+// A serving loop calls an op with tensors whose metadata repeats step after step. Python validates
+// a call in full once and keeps the signature of its tensor arguments; later calls go to the
+// function's `<name>_checked` twin, which launches only when its arguments have that signature.
+// The signature covers everything the Python validation reads from a tensor: presence, shape,
+// strides, dtype, device and the 16-byte alignment of the data pointer. It is a 64-bit hash: a
+// collision would skip the Python checks, never the binding's own (they run before every launch).
+
+class Signature {
+ public:
+  void add(const TensorView& t) {
+    mix(static_cast<uint64_t>(t.ndim()) + 2);
+    for (int i = 0; i < t.ndim(); ++i) {
+      mix(static_cast<uint64_t>(t.size(i)));
+      mix(static_cast<uint64_t>(t.stride(i)));
+    }
+    const DLDataType d = t.dtype();
+    const DLDevice dev = t.device();
+    mix((uint64_t(d.code) << 24) | (uint64_t(d.bits) << 16) | d.lanes);
+    mix((uint64_t(dev.device_type) << 32) | uint32_t(dev.device_id));
+    mix(reinterpret_cast<std::uintptr_t>(data_ptr<char>(t)) & 15);
+  }
+  void add(const OptTensor& t) {
+    if (t.has_value()) add(t.value());
+    else mix(1);  // absent
+  }
+  template <typename Scalar>
+  void add(const Scalar&) {}  // scalars are part of the Python side's key, not of the signature
+  // Never 0: the Python side asks for a signature alone by passing 0 as the expected one.
+  int64_t value() const { return static_cast<int64_t>(h_ | 1); }
+
+ private:
+  void mix(uint64_t x) {  // splitmix64's finalizer over a running sum
+    uint64_t z = (h_ += x + 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    h_ = z ^ (z >> 31);
+  }
+  uint64_t h_ = 0;
+};
+
+// `<name>_checked(expected, args...)`: returns the signature of args; the call runs only when it
+// equals `expected`.
+template <typename F>
+struct Checked;
+template <typename... A>
+struct Checked<void (*)(A...)> {
+  template <void (*Fn)(A...)>
+  static int64_t call(int64_t expected, A... a) {
+    Signature s;
+    (s.add(a), ...);
+    const int64_t sig = s.value();
+    if (sig == expected) Fn(a...);
+    return sig;
+  }
+};
+
 }  // namespace fkda
 
 // Each module's binding source exports its contract exactly once.
 #define FKDA_EXPORT_CONTRACT() TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, ::fkda::contract_json)
+// The signature-checked twin of an exported function `name` (see Signature above).
+#define FKDA_EXPORT_CHECKED(name) \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(name##_checked, (::fkda::Checked<decltype(&name)>::call<&name>))

@@ -126,4 +126,5 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_decode, fused_kda_decode);
+FKDA_EXPORT_CHECKED(fused_kda_decode);
 FKDA_EXPORT_CONTRACT();

@@ -96,4 +96,5 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_decode, kda_decode);
+FKDA_EXPORT_CHECKED(kda_decode);
 FKDA_EXPORT_CONTRACT();

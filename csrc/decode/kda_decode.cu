@@ -212,4 +212,5 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_decode, kda_decode);
+FKDA_EXPORT_CHECKED(kda_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

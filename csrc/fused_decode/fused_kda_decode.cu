@@ -156,4 +156,5 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_decode, fused_kda_decode);
+FKDA_EXPORT_CHECKED(fused_kda_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

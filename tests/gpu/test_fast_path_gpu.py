@@ -1,0 +1,154 @@
+"""The decode ops' fast path on the GPU (flashkda_ext/ops.py; csrc/common/binding.h, "Call signatures").
+
+After one call of a kind is validated in full, later calls skip Python validation (replaced here by
+a tripwire) and launch through the routed module's signature-checked function. Their results must
+be bitwise those of the routed module's plain function on the same inputs (which the decode test
+files check against the reference), eagerly and in CUDA-graph replay, for every decode route band
+and state dtype; a call whose metadata changed still reaches the full check, with nothing written.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import flashkda_ext  # noqa: E402
+from flashkda_ext import dispatch, ops, validation  # noqa: E402
+from gpu_common import bits  # noqa: E402
+
+K = V = 128
+
+
+@pytest.fixture(autouse=True)
+def fresh_paths():
+    ops.fast_path_clear()
+    validation.check_kda_decode.cache_clear()
+    validation.check_fused_kda_decode.cache_clear()
+    yield
+    ops.fast_path_clear()
+
+
+def tripwire(*args, **kwargs):
+    raise AssertionError("the full validation ran: the fast path was not taken")
+
+
+def decode_inputs(rows, HV, gen):
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    return dict(q=r(rows, HV, K).bfloat16(), k=r(rows, HV, K).bfloat16(), v=r(rows, HV, V).bfloat16(),
+                g=(r(rows, HV, K) - 1.0).bfloat16(), beta=r(rows, HV).bfloat16(),
+                A_log=torch.rand(HV, generator=gen, device="cuda") * 2.5 - 2.0, dt_bias=r(HV * K) * 0.5)
+
+
+def op_decode(a, pool, idx, out):
+    return flashkda_ext.kda_decode(a["q"], a["k"], a["v"], a["g"], a["beta"], state=pool, state_indices=idx,
+                                   A_log=a["A_log"], dt_bias=a["dt_bias"], out=out)
+
+
+def plain_decode(a, pool, idx, out):
+    call = validation.check_kda_decode(a["q"], a["k"], a["v"], a["g"], a["beta"], state=pool, state_indices=idx,
+                                       A_log=a["A_log"], dt_bias=a["dt_bias"], out=out)
+    dispatch.function("kda_decode", call.route_meta())(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], pool, idx, out, call.gate_mode,
+        call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+
+
+# one point in each decode band of jit/routes/kda_decode.json's unique-slot rules (work items 1 .. 4096)
+@pytest.mark.parametrize("rows,HV", [(1, 8), (4, 16), (16, 32), (64, 64), (512, 16)])
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16])
+def test_decode_fast_path_bitwise_equals_the_plain_function(rows, HV, sdt, monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(rows * 131 + HV)
+    slots = 2 * rows + 8
+    pool = (torch.randn(slots, HV, V, K, generator=gen, device="cuda") * 0.5).to(sdt)
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:rows].to(torch.int32)
+    op_decode(decode_inputs(rows, HV, gen), pool, idx, None)  # validated in full: the fast entry
+    want_pool = pool.clone()
+    steps = [decode_inputs(rows, HV, gen) for _ in range(3)]
+    wants = []
+    for a in steps:
+        wants.append(torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        plain_decode(a, want_pool, idx, wants[-1])
+    monkeypatch.setattr(ops.validation, "check_kda_decode", tripwire)
+    for a, want in zip(steps, wants):
+        got = op_decode(a, pool, idx, None)
+        assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(pool), bits(want_pool))
+
+
+def test_decode_fast_path_in_graph_replay_equals_eager(monkeypatch):
+    rows, HV, slots = 8, 16, 40
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    pool = torch.randn(slots, HV, V, K, generator=gen, device="cuda") * 0.5
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:rows].to(torch.int32)
+    a = decode_inputs(rows, HV, gen)
+    out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    pool0 = pool.clone()
+    op_decode(a, pool, idx, out)
+    eager_out, eager_pool = out.clone(), pool.clone()
+    pool.copy_(pool0)
+    out.fill_(float("nan"))
+    monkeypatch.setattr(ops.validation, "check_kda_decode", tripwire)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        op_decode(a, pool, idx, out)
+    torch.cuda.current_stream().wait_stream(s)
+    pool.copy_(pool0)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(eager_out))
+    assert torch.equal(bits(pool), bits(eager_pool))
+
+
+def test_decode_misaligned_input_after_a_fast_entry_reaches_the_full_check():
+    rows, HV, slots = 4, 8, 16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    pool = torch.randn(slots, HV, V, K, generator=gen, device="cuda")
+    idx = torch.arange(rows, dtype=torch.int32, device="cuda")
+    op_decode(decode_inputs(rows, HV, gen), pool, idx, None)
+    a = decode_inputs(rows, HV, gen)
+    flat = torch.randn(rows * HV * K + 1, generator=gen, device="cuda").bfloat16()
+    a["q"] = flat[1:].view(rows, HV, K)  # same shape, strides and dtype; 2 bytes off 16-byte alignment
+    pool0 = pool.clone()
+    out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="q"):
+        op_decode(a, pool, idx, out)
+    torch.cuda.synchronize()
+    assert out.isnan().all()
+    assert torch.equal(bits(pool), bits(pool0))
+
+
+def test_fused_fast_path_bitwise_equals_the_plain_function(monkeypatch):
+    rows, H, D, slots = 16, 16, 128, 40
+    C = 3 * H * D
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+
+    def inputs():
+        return dict(x=r(rows, C).bfloat16(), g=(r(rows, H, D) - 1.0).bfloat16(), beta=r(rows, H).bfloat16(),
+                    output_gate=r(rows, H, D).bfloat16())
+    w, nw = (r(C, 4) * 0.5).bfloat16(), r(D).abs() + 0.5
+    A_log, dt_bias = torch.rand(H, generator=gen, device="cuda") * 2.5 - 2.0, r(H * D) * 0.5
+    conv, state = r(slots, C, 3).bfloat16(), r(slots, H, D, D) * 0.5
+    idx = torch.randperm(slots, generator=gen, device="cuda")[:rows].to(torch.int32)
+
+    def op(a, conv, state, out=None):
+        return flashkda_ext.fused_kda_decode(a["x"], w, conv, a["g"], a["beta"], A_log, dt_bias, idx, state,
+                                             a["output_gate"], nw, out=out)
+    op(inputs(), conv, state)
+    steps = [inputs() for _ in range(3)]
+    want_conv, want_state, wants = conv.clone(), state.clone(), []
+    for a in steps:
+        call = validation.check_fused_kda_decode(a["x"], w, want_conv, a["g"], a["beta"], A_log, dt_bias, idx,
+                                                 want_state, a["output_gate"], nw)
+        wants.append(torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device="cuda"))
+        dispatch.function("fused_kda_decode", call.route_meta())(
+            a["x"], w, want_conv, a["g"], a["beta"], A_log, dt_bias, idx, want_state, a["output_gate"], nw,
+            wants[-1], call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    monkeypatch.setattr(ops.validation, "check_fused_kda_decode", tripwire)
+    for a, want in zip(steps, wants):
+        assert torch.equal(bits(op(a, conv, state)), bits(want))
+    assert torch.equal(bits(conv), bits(want_conv)) and torch.equal(bits(state), bits(want_state))
