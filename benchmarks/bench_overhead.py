@@ -5,7 +5,7 @@ Arms per case, same inputs, interleaved A B B A (harness.py):
 
   direct   the module's TVM-FFI function called with prepared arguments (no validation, no routing)
   op       the public op (flashkda_ext.kda_decode / fused_kda_decode / kda_prefill), tracing off
-  op_full  (decode ops) the same with the signature fast path off: every call validated in full
+  op_full  the same with the signature fast path off: every call validated in full
   traced   the public op inside flashkda_ext.trace.tracing(dir): definition once, a workload line
            per call (what FLASHKDA_EXT_TRACE_DIR costs a serving loop)
 
@@ -128,7 +128,7 @@ def fused_case(rows, H, D, cfg, gen, trace_dir):
 
 def prefill_case(lengths, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
-    from flashkda_ext import trace
+    from flashkda_ext import ops, trace, validation
 
     dev = torch.device(cfg.device)
     dt = torch.bfloat16
@@ -147,15 +147,27 @@ def prefill_case(lengths, H, D, cfg, gen, trace_dir):
         ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
     kw = dict(A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, initial_state=init, final_state=final,
               max_seqlen=max(lengths), out=out, workspace=ws)
+    call = validation.check_kda_prefill(q, k, v, g, beta, **{n: x for n, x in kw.items() if n != "workspace"})
+    fn = ops._prefill_route(call)[1]["kda_prefill"]
+
+    def direct():
+        fn(q, k, v, g, beta, A_log, dt_bias, cu, init, final, None, None, out, ws, call.gate_mode,
+           call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, 0)
 
     def op():
+        ops._FAST_PATH = True
+        fk.kda_prefill(q, k, v, g, beta, **kw)
+
+    def op_full():
+        ops._FAST_PATH = False
         fk.kda_prefill(q, k, v, g, beta, **kw)
 
     def traced():
         with trace.tracing(trace_dir):
             fk.kda_prefill(q, k, v, g, beta, **kw)
 
-    arms = [harness.Arm("op", op), harness.Arm("traced", traced, graph=False)]
+    arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
+            harness.Arm("traced", traced, graph=False)]
     name = f"kda_prefill_{len(lengths)}x{lengths[0]}_h{H}_d{D}"
     return harness.Case(name, dict(op="kda_prefill", lengths=list(lengths), heads=H, head_dim=D), arms)
 

@@ -6,6 +6,7 @@ picks the module from host-known metadata; the module's function fills the outpu
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -56,8 +57,9 @@ def _fast_get(key):
         return None
 
 
-def _fast_put(key, family: str, call, sig_args: tuple, tail: tuple) -> None:
-    """Keep this validated call's fast entry (its module has a checked function and key hashes)."""
+def _fast_put(key, family: str, call, sig_args: tuple, tail: tuple, extra: tuple = ()) -> None:
+    """Keep this validated call's fast entry, (checked function, signature, tail) + extra, when its
+    module has a checked function and the key hashes."""
     fn = dispatch.checked_function(family, call.route_meta())
     if fn is None:
         return
@@ -67,12 +69,14 @@ def _fast_put(key, family: str, call, sig_args: tuple, tail: tuple) -> None:
         return
     if len(_FAST) >= _FAST_LIMIT:
         _FAST.clear()
-    _FAST[key] = (fn, fn(0, *sig_args, *tail), tail)  # expected 0: the signature alone, no launch
+    _FAST[key] = (fn, fn(0, *sig_args, *tail), tail) + extra  # expected 0: the signature alone, no launch
 
 
-def fast_path_clear() -> None:
-    """Forget every fast entry (tests; the next call of each kind is validated in full again)."""
+def clear_call_caches() -> None:
+    """Forget every fast entry and cached prefill route (tests that patch the launch path; the next
+    call of each kind is validated and routed in full again)."""
     _FAST.clear()
+    _prefill_route_for.cache_clear()
 
 
 def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None, lower_bound=None,
@@ -119,15 +123,21 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
 
 
 def _prefill_route(call):
-    """(rule, module, chunk) for a prefill call, kept on the (memoized) call object: route selection
-    and spec lookups cost ~0.1 ms each, too much to repeat on every call of a serving loop."""
+    """(rule, module, chunk) for a prefill call, kept on the (memoized) call object and per route
+    metadata: route selection and spec lookups cost ~0.1 ms each, too much to repeat on every call
+    of a serving loop (a call whose host offsets are checked by value gets a new call object)."""
     cached = call.__dict__.get("_route")
     if cached is None:
-        rule = dispatch.select_rule("kda_prefill", call.route_meta())
-        chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
-        cached = (rule, jit.load_module(rule["module"]), chunk)
+        cached = _prefill_route_for(tuple(sorted(call.route_meta().items())))
         object.__setattr__(call, "_route", cached)
     return cached
+
+
+@functools.lru_cache(maxsize=512)
+def _prefill_route_for(meta_items: tuple):
+    rule = dispatch.select_rule("kda_prefill", dict(meta_items))
+    chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
+    return rule, jit.load_module(rule["module"]), chunk
 
 
 def _prefill_workspace(module, call, device, workspace):
@@ -171,19 +181,62 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     pool mode (state pool + state_indices [N]: read and written in place). Returns (out, final_state),
     or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
     """
+    key = None
+    if (_FAST_PATH and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
+            and _opt_tensors(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
+                             checkpoints, workspace, out)
+            and (cu_seqlens is None or cu_seqlens.is_cuda) and not trace.enabled()):
+        # (host offsets, cu_seqlens on the CPU, are checked by value on every call: full path)
+        key = ("kda_prefill", q.shape[0], q.shape[1], gate, type(lower_bound), lower_bound, type(scale), scale,
+               type(beta_is_logit), beta_is_logit, type(output_final_state), output_final_state,
+               type(checkpoint_every), checkpoint_every, type(max_seqlen), max_seqlen, type(null_slot0), null_slot0,
+               cu_seqlens is None, initial_state is None, state is None, final_state is None, checkpoints is None,
+               workspace is None, out is None)
+        entry = _fast_get(key)
+        if entry is not None:
+            fn, sig, tail, call, ws_bytes = entry
+            args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
+                                         state_indices, final_state, checkpoints, out)
+            ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
+                ws_bytes, dtype=torch.uint8, device=q.device)
+            if fn(sig, *args, ws, *tail) == sig:
+                return result
     call = validation.check_kda_prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
         beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
         state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
         checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
         null_slot0=null_slot0, out=out)
-    device = q.device
-    B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
     rule, module, chunk = _prefill_route(call)
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{rule['module']}, got {call.checkpoint_every}")
+    args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
+                                 state_indices, final_state, checkpoints, out)
+    if trace.enabled():  # before the launch: a crashing call leaves its trace
+        cu, init, final, _, ckpt = args[7:12]
+        trace.emit("kda_prefill", call, dict(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            scale=call.scale, cu_seqlens=cu, initial_state=init, state_indices=state_indices,
+            final_state=final, checkpoints=ckpt, out=result[0]))
+    ws = _prefill_workspace(module, call, q.device, workspace)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, call.checkpoint_every)
+    module["kda_prefill"](*args, ws, *tail)
+    if key is not None:
+        ws_bytes = None
+        if module.implements_function("kda_prefill_workspace_bytes"):
+            ws_bytes = max(1, int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs,
+                                                                         call.value_heads)))
+        _fast_put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
+    return result
 
+
+def _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state, state_indices,
+                  final_state, checkpoints, out):
+    """The module function's arguments up to the workspace, for a validated call, with the outputs the
+    caller left out allocated; and the op's result."""
+    device = q.device
+    B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
     if out is None:
         out = torch.empty((B, T, HV, V), dtype=v.dtype, device=device)
     if cu_seqlens is None:
@@ -200,21 +253,15 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         # Slots past a sequence's own count stay NaN: never read as a state by mistake.
         checkpoints = torch.full((call.num_seqs, call.checkpoint_slots, HV, V, K), float("nan"),
                                  dtype=sdtype, device=device)
-    if trace.enabled():  # before the launch: a crashing call leaves its trace
-        trace.emit("kda_prefill", call, dict(
-            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            scale=call.scale, cu_seqlens=cu_seqlens, initial_state=init, state_indices=state_indices,
-            final_state=final, checkpoints=checkpoints, out=out))
-    ws = _prefill_workspace(module, call, device, workspace)
-    as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B sequences -> one packed row
-    module["kda_prefill"](as1(q), as1(k), as1(v), as1(g), as1(beta), A_log, _flat(dt_bias), cu_seqlens,
-                          init, final, state_indices, checkpoints, as1(out), ws, call.gate_mode,
-                          call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0,
-                          call.checkpoint_every)
+    if B == 1:  # already one packed row
+        q1, k1, v1, g1, b1, o1 = q, k, v, g, beta, out
+    else:  # B sequences -> one packed row
+        as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
+        q1, k1, v1, g1, b1, o1 = as1(q), as1(k), as1(v), as1(g), as1(beta), as1(out)
+    args = (q1, k1, v1, g1, b1, A_log, _flat(dt_bias), cu_seqlens, init, final, state_indices, checkpoints, o1)
     result_state = state if call.state_mode == "pool" else final
-    if call.checkpoint_every > 0:
-        return out, result_state, checkpoints
-    return out, result_state
+    result = (out, result_state, checkpoints) if call.checkpoint_every > 0 else (out, result_state)
+    return args, result
 
 
 def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,

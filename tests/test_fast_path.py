@@ -1,4 +1,4 @@
-"""The decode ops' fast path (flashkda_ext/ops.py, csrc/common/binding.h "Call signatures"), on the CPU
+"""The ops' fast path (flashkda_ext/ops.py, csrc/common/binding.h "Call signatures"), on the CPU
 backend: after one call is validated in full, a call with the same metadata skips Python validation
 and goes to the module's signature-checked function, which launches only on the validated signature.
 Checked here: the fast path is taken (validation replaced by a tripwire) and gives the reference's
@@ -12,7 +12,7 @@ import torch
 
 import flashkda_ext
 from flashkda_ext import jit, ops, trace, validation
-from flashkda_ext.reference import fused_kda_decode_step, kda_decode_step
+from flashkda_ext.reference import fused_kda_decode_step, kda_decode_step, kda_recurrent
 
 ROWS, H, HV, K, V, SLOTS = 3, 2, 4, 8, 8, 6
 
@@ -20,11 +20,12 @@ ROWS, H, HV, K, V, SLOTS = 3, 2, 4, 8, 8, 6
 @pytest.fixture(autouse=True)
 def fresh_paths():
     """No fast entry or validation verdict leaks between tests."""
-    ops.fast_path_clear()
+    ops.clear_call_caches()
     validation.check_kda_decode.cache_clear()
     validation.check_fused_kda_decode.cache_clear()
+    validation.check_kda_prefill.cache_clear()
     yield
-    ops.fast_path_clear()
+    ops.clear_call_caches()
 
 
 def gen():
@@ -209,3 +210,67 @@ def test_fast_path_off_checks_every_call(monkeypatch):
         state0 = a["state"].clone()
         check_decode(a, state0, run_decode(a), seed)
     assert len(seen) == 3 and not ops._FAST
+
+
+def prefill_inputs(g, B=2, T=6, pool=False):
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale  # noqa: E731
+    a = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             A_log=r(HV, scale=0.3), dt_bias=r(HV * K, scale=0.5))
+    if pool:
+        a.update(state=r(SLOTS, HV, V, K, scale=0.5),
+                 state_indices=torch.randperm(SLOTS, generator=g)[:B].to(torch.int32))
+    else:
+        a["initial_state"] = r(B, HV, V, K, scale=0.5)
+    return a
+
+
+def check_prefill(a, got, seed, state0=None, checkpoint_every=0):
+    B, T = a["q"].shape[:2]
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+    flat = {n: a[n].reshape((1, B * T) + tuple(a[n].shape[2:])) for n in ("q", "k", "v", "g", "beta")}
+    init = state0[a["state_indices"].long()] if state0 is not None else a["initial_state"]
+    want = kda_recurrent(**flat, A_log=a["A_log"], dt_bias=a["dt_bias"], cu_seqlens=cu, initial_state=init,
+                         checkpoint_every=checkpoint_every)
+    tol = dict(rtol=2e-6, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(got[0].reshape(1, B * T, HV, V).double(), want[0], **tol)
+    final = got[1][a["state_indices"].long()] if state0 is not None else got[1]
+    torch.testing.assert_close(final.double(), want[1], **tol)
+    if checkpoint_every:
+        m = ~torch.isnan(want[2])
+        assert torch.equal(torch.isnan(got[2]), torch.isnan(want[2]))
+        torch.testing.assert_close(got[2].double()[m], want[2][m], **tol)
+
+
+@pytest.mark.parametrize("pool,checkpoint_every", [(False, 0), (False, 2), (True, 0)])
+def test_prefill_fast_path_is_taken_and_matches_the_reference(pool, checkpoint_every, monkeypatch):
+    g, seed = gen()
+    flashkda_ext.kda_prefill(**prefill_inputs(g, pool=pool), checkpoint_every=checkpoint_every)
+    monkeypatch.setattr(ops.validation, "check_kda_prefill", tripwire)
+    for _ in range(2):  # fresh data, same metadata; outputs allocated by the fast path
+        a = prefill_inputs(g, pool=pool)
+        state0 = a["state"].clone() if pool else None
+        check_prefill(a, flashkda_ext.kda_prefill(**a, checkpoint_every=checkpoint_every), seed, state0,
+                      checkpoint_every)
+
+
+def test_prefill_host_offsets_are_checked_on_every_call(monkeypatch):
+    """cu_seqlens on the CPU: its values are validated each call, so no fast path."""
+    g, _ = gen()
+    a = prefill_inputs(g, B=1, T=10)
+    a["initial_state"] = a["initial_state"].expand(2, -1, -1, -1).contiguous()
+    flashkda_ext.kda_prefill(**a, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flashkda_ext.kda_prefill(**a, cu_seqlens=torch.tensor([0, 7, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="0 to T"):
+        flashkda_ext.kda_prefill(**a, cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32))
+
+
+def test_prefill_changed_metadata_reaches_the_full_check_and_writes_nothing():
+    g, _ = gen()
+    flashkda_ext.kda_prefill(**prefill_inputs(g))
+    a = prefill_inputs(g)
+    a["initial_state"] = a["initial_state"].transpose(2, 3).contiguous().transpose(2, 3)  # same shape
+    out = torch.full(a["v"].shape, float("nan"))
+    with pytest.raises(ValueError, match="initial_state"):
+        flashkda_ext.kda_prefill(**a, out=out)
+    assert out.isnan().all()

@@ -448,11 +448,11 @@ def fresh_memos():
               ops.validation.check_fused_kda_decode)
     for check in checks:
         check.cache_clear()
-    ops.fast_path_clear()
+    ops.clear_call_caches()
     yield
     for check in checks:
         check.cache_clear()
-    ops.fast_path_clear()
+    ops.clear_call_caches()
 
 
 @pytest.mark.parametrize("op", trace.OPS)

@@ -194,4 +194,5 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
+FKDA_EXPORT_CHECKED(kda_prefill);
 FKDA_EXPORT_CONTRACT();

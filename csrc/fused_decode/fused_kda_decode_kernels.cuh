@@ -226,13 +226,13 @@ struct FusedCta {
     const int32_t slot = p.idx[row];
     const int vrow0 = rank * V_TILE + warp * ROWS_PER_WARP;
     static_assert(!(kSmemState && kCoherent), "the bulk-copied tile is for the tile schedule (unique slots)");
+    // this CTA's V_TILE rows of the slot's state: where the tile comes from (and goes back to)
+    auto pool_tile = [&] {
+      return static_cast<Elem*>(p.state) + (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
+                                            static_cast<OffT>((h * D + rank * V_TILE) * D));
+    };
     auto issue_tile = [&] {
-      if (threadIdx.x == 0) {
-        const Elem* src = static_cast<const Elem*>(p.state) +
-                          (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
-                           static_cast<OffT>((h * D + rank * V_TILE) * D));
-        fkda::bulk_load(tile, src, kTileBytes, bar);
-      }
+      if (threadIdx.x == 0) fkda::bulk_load(tile, pool_tile(), kTileBytes, bar);
     };
     if constexpr (kSmemState == 1) issue_tile();  // the state tile first: it has the longest way to come
     // Otherwise the prologue's few loads go first, then the state's: the prologue's math and barrier
@@ -335,10 +335,7 @@ struct FusedCta {
     cluster_sync();  // #2: every partial everywhere (and, kBulkStore, the whole tile written)
     if constexpr (kBulkStore) {
       if (threadIdx.x == 0) {
-        fkda::bulk_s2g(static_cast<Elem*>(p.state) +
-                           (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
-                            static_cast<OffT>((h * D + rank * V_TILE) * D)),
-                       tile, kTileBytes);
+        fkda::bulk_s2g(pool_tile(), tile, kTileBytes);
       }
     }
     float total = 0.f;

@@ -259,5 +259,6 @@ int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int6
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
+FKDA_EXPORT_CHECKED(kda_prefill);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
 FKDA_EXPORT_CONTRACT();

@@ -23,15 +23,26 @@ K = V = 128
 
 @pytest.fixture(autouse=True)
 def fresh_paths():
-    ops.fast_path_clear()
+    ops.clear_call_caches()
     validation.check_kda_decode.cache_clear()
     validation.check_fused_kda_decode.cache_clear()
     yield
-    ops.fast_path_clear()
+    ops.clear_call_caches()
 
 
 def tripwire(*args, **kwargs):
     raise AssertionError("the full validation ran: the fast path was not taken")
+
+
+def capture(fn):
+    """A CUDA graph of one fn() call, captured on a side stream (fn is not run eagerly)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph
 
 
 def decode_inputs(rows, HV, gen):
@@ -89,12 +100,7 @@ def test_decode_fast_path_in_graph_replay_equals_eager(monkeypatch):
     pool.copy_(pool0)
     out.fill_(float("nan"))
     monkeypatch.setattr(ops.validation, "check_kda_decode", tripwire)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        op_decode(a, pool, idx, out)
-    torch.cuda.current_stream().wait_stream(s)
+    graph = capture(lambda: op_decode(a, pool, idx, out))
     pool.copy_(pool0)
     out.fill_(float("nan"))
     graph.replay()
@@ -152,3 +158,79 @@ def test_fused_fast_path_bitwise_equals_the_plain_function(monkeypatch):
     for a, want in zip(steps, wants):
         assert torch.equal(bits(op(a, conv, state)), bits(want))
     assert torch.equal(bits(conv), bits(want_conv)) and torch.equal(bits(state), bits(want_state))
+
+
+def prefill_inputs(T, HV, gen):
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    return dict(q=r(1, T, HV, K).bfloat16(), k=r(1, T, HV, K).bfloat16(), v=r(1, T, HV, V).bfloat16(),
+                g=(r(1, T, HV, K) - 1.0).bfloat16(), beta=r(1, T, HV).bfloat16(),
+                A_log=torch.rand(HV, generator=gen, device="cuda") * 2.5 - 2.0, dt_bias=r(HV * K) * 0.5)
+
+
+def plain_prefill(a, cu, **kw):
+    """The routed module's function on the same inputs, its outputs allocated here."""
+    call = validation.check_kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], A_log=a["A_log"],
+                                        dt_bias=a["dt_bias"], cu_seqlens=cu, **kw)
+    _, module, _ = ops._prefill_route(call)
+    T, HV, N = call.total_tokens, call.value_heads, call.num_seqs
+    out = torch.full((1, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    pool = "state" in kw
+    final = kw["state"] if pool else torch.full((N, HV, V, K), float("nan"), device="cuda")
+    ws = torch.empty(int(module["kda_prefill_workspace_bytes"](T, N, HV)), dtype=torch.uint8, device="cuda")
+    module["kda_prefill"](a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], cu,
+                          kw["state"] if pool else kw["initial_state"], final, kw.get("state_indices"), None, out, ws,
+                          call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, 0)
+    return out, final
+
+
+# packed lengths that route to different prefill modules (V tiles 16 / 32 / 64, one-chunk finish)
+@pytest.mark.parametrize("lengths", [(64,) * 4, (1000, 24), (3000,), (64,) * 20])
+@pytest.mark.parametrize("pool", [False, True])
+def test_prefill_fast_path_bitwise_equals_the_plain_function(lengths, pool, monkeypatch):
+    HV, N = 16, len(lengths)
+    T = sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(T + N)
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(N)], dtype=torch.int32, device="cuda")
+    if pool:
+        slots = 2 * N + 3
+        st = torch.randn(slots, HV, V, K, generator=gen, device="cuda") * 0.5
+        kw = dict(state=st, state_indices=torch.randperm(slots, generator=gen, device="cuda")[:N].to(torch.int32))
+    else:
+        kw = dict(initial_state=torch.randn(N, HV, V, K, generator=gen, device="cuda") * 0.5)
+    flashkda_ext.kda_prefill(**prefill_inputs(T, HV, gen), cu_seqlens=cu, **kw)  # the fast entry
+    steps = [prefill_inputs(T, HV, gen) for _ in range(2)]
+    want_kw = dict(kw, state=kw["state"].clone()) if pool else kw
+    wants = [plain_prefill(a, cu, **want_kw) for a in steps]
+    monkeypatch.setattr(ops.validation, "check_kda_prefill", tripwire)
+    for a, (want_out, want_final) in zip(steps, wants):
+        out, final = flashkda_ext.kda_prefill(**a, cu_seqlens=cu, **kw)
+        assert torch.equal(bits(out), bits(want_out))
+        if not pool:
+            assert torch.equal(bits(final), bits(want_final))
+    if pool:
+        assert torch.equal(bits(kw["state"]), bits(want_kw["state"]))
+
+
+def test_prefill_fast_path_in_graph_replay_equals_eager(monkeypatch):
+    lengths, HV = (300, 64, 700), 16
+    N, T = len(lengths), sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cu = torch.tensor([0, 300, 364, 1064], dtype=torch.int32, device="cuda")
+    a = prefill_inputs(T, HV, gen)
+    init = torch.randn(N, HV, V, K, generator=gen, device="cuda") * 0.5
+    ws = torch.empty(flashkda_ext.prefill_workspace_bytes(a["q"], a["v"], cu_seqlens=cu), dtype=torch.uint8,
+                     device="cuda")
+    out = torch.full((1, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    final = torch.full((N, HV, V, K), float("nan"), device="cuda")
+    run = lambda: flashkda_ext.kda_prefill(**a, cu_seqlens=cu, initial_state=init, final_state=final,  # noqa: E731
+                                           workspace=ws, out=out)
+    run()
+    eager_out, eager_final = out.clone(), final.clone()
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    monkeypatch.setattr(ops.validation, "check_kda_prefill", tripwire)
+    graph = capture(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(eager_out))
+    assert torch.equal(bits(final), bits(eager_final))
