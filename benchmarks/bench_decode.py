@@ -114,11 +114,11 @@ def op_call(case, pool, idx, out, fast=True):
     """The public op (validation, memo, routing, then the same module): what a caller pays. fast=False:
     with its signature fast path off, as FLASHKDA_EXT_FAST_PATH=0 sets it (arm "op_full")."""
     import flashkda_ext as fk
-    from flashkda_ext import ops
+    from flashkda_ext import fast_path
     q, k, v, g, beta, A_log, dt_bias = case
 
     def run():
-        ops._FAST_PATH = fast  # the two arms interleave in one process
+        fast_path.ENABLED = fast  # the two arms interleave in one process
         fk.kda_decode(q, k, v, g, beta, state=pool, state_indices=idx, A_log=A_log, dt_bias=dt_bias, out=out)
     return run
 

@@ -45,7 +45,7 @@ def _flat(x):
 
 def decode_case(rows, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
-    from flashkda_ext import dispatch, ops, trace, validation
+    from flashkda_ext import dispatch, fast_path, trace, validation
 
     dev = torch.device(cfg.device)
     dt = torch.bfloat16
@@ -67,11 +67,11 @@ def decode_case(rows, H, D, cfg, gen, trace_dir):
            call.beta_is_logit, call.null_slot0)
 
     def op():
-        ops._FAST_PATH = True
+        fast_path.ENABLED = True
         fk.kda_decode(q, k, v, g, beta, **kw)
 
     def op_full():
-        ops._FAST_PATH = False
+        fast_path.ENABLED = False
         fk.kda_decode(q, k, v, g, beta, **kw)
 
     def traced():
@@ -85,7 +85,7 @@ def decode_case(rows, H, D, cfg, gen, trace_dir):
 
 def fused_case(rows, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
-    from flashkda_ext import dispatch, ops, trace, validation
+    from flashkda_ext import dispatch, fast_path, trace, validation
 
     dev = torch.device(cfg.device)
     dt = torch.bfloat16
@@ -109,11 +109,11 @@ def fused_case(rows, H, D, cfg, gen, trace_dir):
            call.scale, call.norm_eps, call.null_slot0)
 
     def op():
-        ops._FAST_PATH = True
+        fast_path.ENABLED = True
         fk.fused_kda_decode(*args, out=out)
 
     def op_full():
-        ops._FAST_PATH = False
+        fast_path.ENABLED = False
         fk.fused_kda_decode(*args, out=out)
 
     def traced():
@@ -128,7 +128,7 @@ def fused_case(rows, H, D, cfg, gen, trace_dir):
 
 def prefill_case(lengths, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
-    from flashkda_ext import ops, trace, validation
+    from flashkda_ext import fast_path, ops, trace, validation
 
     dev = torch.device(cfg.device)
     dt = torch.bfloat16
@@ -155,11 +155,11 @@ def prefill_case(lengths, H, D, cfg, gen, trace_dir):
            call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, 0)
 
     def op():
-        ops._FAST_PATH = True
+        fast_path.ENABLED = True
         fk.kda_prefill(q, k, v, g, beta, **kw)
 
     def op_full():
-        ops._FAST_PATH = False
+        fast_path.ENABLED = False
         fk.kda_prefill(q, k, v, g, beta, **kw)
 
     def traced():

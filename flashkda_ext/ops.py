@@ -3,16 +3,17 @@
 Each op is the same four steps (docs/architecture.md): validation.check_* raises before anything is
 launched; trace.emit writes the call's definition and workload first when tracing is on; dispatch
 picks the module from host-known metadata; the module's function fills the outputs given to it.
+A call whose metadata matches an earlier validated one takes the fast path (fast_path.py) instead.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from . import dispatch, jit, trace, validation
+from . import dispatch, fast_path, jit, trace, validation
+from .fast_path import Tensor as _Tensor
 
 
 def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -29,53 +30,10 @@ def _route_fn(family: str, call):
     return fn
 
 
-# ---- fast path: a serving loop repeats the same call metadata every step. The first call of a
-# kind is validated in full; it leaves (the module's signature-checked function, the signature of
-# its tensor arguments, the scalars the function takes) under a key of the op's scalar arguments
-# and rows. Later calls go straight to that function, which launches only when its arguments
-# still have the validated signature (csrc/common/binding.h, "Call signatures") and otherwise
-# returns without launching, so the call takes the full path. Tracing takes the full path too.
-
-_Tensor = torch.Tensor
-_FAST_PATH = os.environ.get("FLASHKDA_EXT_FAST_PATH", "1") != "0"  # 0: every call checked in full
-_FAST: dict = {}
-_FAST_LIMIT = 512
-
-
-def _opt_tensors(*xs) -> bool:
-    """Each of xs is None or a plain torch.Tensor (the fast path takes nothing else)."""
-    for x in xs:
-        if x is not None and type(x) is not _Tensor:
-            return False
-    return True
-
-
-def _fast_get(key):
-    try:
-        return _FAST.get(key)
-    except TypeError:  # an unhashable argument: the full path says what is wrong with it
-        return None
-
-
-def _fast_put(key, family: str, call, sig_args: tuple, tail: tuple, extra: tuple = ()) -> None:
-    """Keep this validated call's fast entry, (checked function, signature, tail) + extra, when its
-    module has a checked function and the key hashes."""
-    fn = dispatch.checked_function(family, call.route_meta())
-    if fn is None:
-        return
-    try:
-        hash(key)
-    except TypeError:
-        return
-    if len(_FAST) >= _FAST_LIMIT:
-        _FAST.clear()
-    _FAST[key] = (fn, fn(0, *sig_args, *tail), tail) + extra  # expected 0: the signature alone, no launch
-
-
 def clear_call_caches() -> None:
-    """Forget every fast entry and cached prefill route (tests that patch the launch path; the next
-    call of each kind is validated and routed in full again)."""
-    _FAST.clear()
+    """Forget every fast-path entry and cached prefill route (tests that patch the launch path; the
+    next call of each kind is validated and routed in full again)."""
+    fast_path.clear()
     _prefill_route_for.cache_clear()
 
 
@@ -91,13 +49,13 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     (rows sharing a slot are applied in row order). See docs/api.md.
     """
     key = dest = None
-    if (_FAST_PATH and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
-            is type(state_indices) and _opt_tensors(A_log, dt_bias, out) and not trace.enabled()):
+    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
+            is type(state_indices) and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
         # a valid call's out is v's shape, dtype and device
         dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-        entry = _fast_get(key)
+        entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail = entry
             if fn(sig, q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, dest, *tail) == sig:
@@ -118,7 +76,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None:
-        _fast_put(key, "kda_decode", call, sig_args, tail)
+        fast_path.put(key, "kda_decode", call, sig_args, tail)
     return out
 
 
@@ -182,8 +140,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
     """
     key = None
-    if (_FAST_PATH and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
-            and _opt_tensors(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
+    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
+            and fast_path.plain_or_none(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
                              checkpoints, workspace, out)
             and (cu_seqlens is None or cu_seqlens.is_cuda) and not trace.enabled()):
         # (host offsets, cu_seqlens on the CPU, are checked by value on every call: full path)
@@ -192,7 +150,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                type(checkpoint_every), checkpoint_every, type(max_seqlen), max_seqlen, type(null_slot0), null_slot0,
                cu_seqlens is None, initial_state is None, state is None, final_state is None, checkpoints is None,
                workspace is None, out is None)
-        entry = _fast_get(key)
+        entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail, call, ws_bytes = entry
             args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
@@ -227,7 +185,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         if module.implements_function("kda_prefill_workspace_bytes"):
             ws_bytes = max(1, int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs,
                                                                          call.value_heads)))
-        _fast_put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
+        fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
     return result
 
 
@@ -274,14 +232,14 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
     """
     key = dest = None
-    if (_FAST_PATH and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
+    if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
             is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
-            and _opt_tensors(A_log, dt_bias, out) and not trace.enabled()):
+            and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0)
         # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
         dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
-        entry = _fast_get(key)
+        entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail = entry
             if fn(sig, x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state,
@@ -306,5 +264,5 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None:
-        _fast_put(key, "fused_kda_decode", call, sig_args, tail)
+        fast_path.put(key, "fused_kda_decode", call, sig_args, tail)
     return out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashkda_ext
-from flashkda_ext import jit, ops, trace, validation
+from flashkda_ext import fast_path, jit, ops, trace, validation
 from flashkda_ext.reference import fused_kda_decode_step, kda_decode_step, kda_recurrent
 
 ROWS, H, HV, K, V, SLOTS = 3, 2, 4, 8, 8, 6
@@ -195,8 +195,8 @@ def test_fused_changed_metadata_reaches_the_full_check_and_writes_nothing():
 
 
 def test_fast_path_off_checks_every_call(monkeypatch):
-    """FLASHKDA_EXT_FAST_PATH=0 (ops._FAST_PATH False): every call runs the full validation."""
-    monkeypatch.setattr(ops, "_FAST_PATH", False)
+    """FLASHKDA_EXT_FAST_PATH=0 (fast_path.ENABLED False): every call runs the full validation."""
+    monkeypatch.setattr(fast_path, "ENABLED", False)
     seen = []
     full = validation.check_kda_decode
 
@@ -209,7 +209,7 @@ def test_fast_path_off_checks_every_call(monkeypatch):
         a = decode_inputs(g)
         state0 = a["state"].clone()
         check_decode(a, state0, run_decode(a), seed)
-    assert len(seen) == 3 and not ops._FAST
+    assert len(seen) == 3 and fast_path.size() == 0
 
 
 def prefill_inputs(g, B=2, T=6, pool=False):
