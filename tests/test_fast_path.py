@@ -1,4 +1,4 @@
-"""The ops' fast path (flashkda_ext/ops.py, csrc/common/binding.h "Call signatures"), on the CPU
+"""The ops' fast path (flashkda_ext/fast_path.py, csrc/common/binding.h "Call signatures"), on the CPU
 backend: after one call is validated in full, a call with the same metadata skips Python validation
 and goes to the module's signature-checked function, which launches only on the validated signature.
 Checked here: the fast path is taken (validation replaced by a tripwire) and gives the reference's

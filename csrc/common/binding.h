@@ -456,7 +456,7 @@ inline tvm::ffi::String contract_json() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Call signatures: the fast path of the Python ops (flashkda_ext/ops.py, "fast path").
+// Call signatures: the fast path of the Python ops (flashkda_ext/fast_path.py).
 //
 // A serving loop calls an op with tensors whose metadata repeats step after step. Python validates
 // a call in full once and keeps the signature of its tensor arguments; later calls go to the

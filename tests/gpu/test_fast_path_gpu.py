@@ -1,10 +1,11 @@
-"""The decode ops' fast path on the GPU (flashkda_ext/ops.py; csrc/common/binding.h, "Call signatures").
+"""The ops' fast path on the GPU (flashkda_ext/fast_path.py; csrc/common/binding.h, "Call signatures").
 
 After one call of a kind is validated in full, later calls skip Python validation (replaced here by
 a tripwire) and launch through the routed module's signature-checked function. Their results must
-be bitwise those of the routed module's plain function on the same inputs (which the decode test
-files check against the reference), eagerly and in CUDA-graph replay, for every decode route band
-and state dtype; a call whose metadata changed still reaches the full check, with nothing written.
+be bitwise those of the routed module's plain function on the same inputs (which the other GPU test
+files check against the reference): every decode route band and state dtype, the fused op, and
+packed prefill shapes with dense and pool states; CUDA-graph replay equals eager (decode, prefill);
+a call whose metadata changed still reaches the full check, with nothing written.
 """
 from __future__ import annotations
 
