@@ -19,6 +19,7 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // The JIT renders all of these; a hand build that forgets one should fail here, loudly.
@@ -484,7 +485,11 @@ class Signature {
     else mix(1);  // absent
   }
   template <typename Scalar>
-  void add(const Scalar&) {}  // scalars are part of the Python side's key, not of the signature
+  void add(const Scalar&) {  // scalars are part of the Python side's key, not of the signature
+    static_assert(std::is_arithmetic_v<Scalar>,
+                  "a checked function's arguments are TensorView, Optional<TensorView> or scalars: any other "
+                  "argument would be left out of the signature");
+  }
   // Never 0: the Python side asks for a signature alone by passing 0 as the expected one.
   int64_t value() const { return static_cast<int64_t>(h_ | 1); }
 
