@@ -42,9 +42,13 @@ def select_rule(family: str, meta: Mapping[str, Any]) -> dict:
 
 
 @functools.lru_cache(maxsize=512)
+def _module_for(family: str, meta_items: tuple):
+    return jit.load_module(select_rule(family, dict(meta_items))["module"])
+
+
+@functools.lru_cache(maxsize=512)
 def _function_for(family: str, meta_items: tuple):
-    rule = select_rule(family, dict(meta_items))
-    return jit.load_module(rule["module"])[family]
+    return _module_for(family, meta_items)[family]
 
 
 def function(family: str, meta: Mapping[str, Any]):
@@ -52,17 +56,12 @@ def function(family: str, meta: Mapping[str, Any]):
     return _function_for(family, tuple(sorted(meta.items())))
 
 
-@functools.lru_cache(maxsize=512)
-def _checked_for(family: str, meta_items: tuple):
-    module = jit.load_module(select_rule(family, dict(meta_items))["module"])
-    name = f"{family}_checked"
-    return module[name] if module.implements_function(name) else None
-
-
 def checked_function(family: str, meta: Mapping[str, Any]):
     """The signature-checked twin of function() (csrc/common/binding.h, "Call signatures"), or None
     when the module has none."""
-    return _checked_for(family, tuple(sorted(meta.items())))
+    module = _module_for(family, tuple(sorted(meta.items())))
+    name = f"{family}_checked"
+    return module[name] if module.implements_function(name) else None
 
 
 def module_name(family: str, meta: Mapping[str, Any]) -> str:

@@ -98,11 +98,18 @@ def _prefill_route_for(meta_items: tuple):
     return rule, jit.load_module(rule["module"]), chunk
 
 
+def _workspace_need(module, total_tokens: int, num_seqs: int, value_heads: int) -> Optional[int]:
+    """Bytes of scratch the module's prefill needs, or None when it takes none (the CPU backend)."""
+    if not module.implements_function("kda_prefill_workspace_bytes"):
+        return None
+    return int(module["kda_prefill_workspace_bytes"](total_tokens, num_seqs, value_heads))
+
+
 def _prefill_workspace(module, call, device, workspace):
     """Scratch memory the CUDA prefill needs; a caller-given buffer makes the call graph-capturable."""
-    if not module.implements_function("kda_prefill_workspace_bytes"):
+    need = _workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+    if need is None:
         return workspace
-    need = int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs, call.value_heads))
     if workspace is not None:
         if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
             raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
@@ -123,9 +130,8 @@ def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
             "max_seqlen": None, "work_items": N * v.shape[2], "state": state, "offset": "o32",
             "gate": "softplus", "checkpoints": False}
     module = jit.load_module(dispatch.module_name("kda_prefill", meta))
-    if not module.implements_function("kda_prefill_workspace_bytes"):
-        return 0
-    return int(module["kda_prefill_workspace_bytes"](B * T, N, v.shape[2]))
+    need = _workspace_need(module, B * T, N, v.shape[2])
+    return 0 if need is None else need
 
 
 def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
@@ -181,10 +187,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, call.checkpoint_every)
     module["kda_prefill"](*args, ws, *tail)
     if key is not None:
-        ws_bytes = None
-        if module.implements_function("kda_prefill_workspace_bytes"):
-            ws_bytes = max(1, int(module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs,
-                                                                         call.value_heads)))
+        need = _workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+        ws_bytes = None if need is None else max(1, need)
         fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
     return result
 
