@@ -12,7 +12,7 @@
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
 // FKDA_PARAM_DIAG_MMA: the diagonal 16x16 blocks of L / Aqk. 0 = elementwise fp32 (as accurate as
 // fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
-// 2^100), on tensor cores: 1 = one bf16 product folded into the row-block pass (output rel. L2
+// 2^100), on tensor cores: 1 = one bf16 product (output rel. L2
 // ~4.3-4.7e-3 instead of ~3.9e-3, H200), 2 = bf16 hi + lo operands and three products, the fp32
 // form's accuracy; blocks outside that range take the fp32 form in both.
 #include <cuda_runtime.h>
@@ -28,7 +28,7 @@
 #define FKDA_PARAM_DIAG_MMA 0
 #endif
 #if FKDA_PARAM_DIAG_MMA < 0 || FKDA_PARAM_DIAG_MMA > 2
-#error "FKDA_PARAM_DIAG_MMA must be 0 (fp32), 1 (folded bf16) or 2 (split bf16)"
+#error "FKDA_PARAM_DIAG_MMA must be 0 (fp32), 1 (one bf16 product) or 2 (split bf16)"
 #endif
 #if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
 #error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"
@@ -231,11 +231,10 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.lower_bound = static_cast<float>(lower_bound);
     pa.scale = static_cast<float>(scale);
     pa.beta_logit = beta_is_logit ? 1 : 0;
-    pa.diag_mma = kDiagMma;
     pa.ws = ws;
     pa.st = sa;
     FKDA_CHECK(slots_chunks <= 0x7fffffff, fn) << "too many chunks: " << slots_chunks;
-    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT>,
+    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT, kDiagMma>,
                dim3(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV)),
                dim3(fkda_prefill::kLiteThreads), fkda_prefill::kLiteSmem, pa);
   }

@@ -21,9 +21,13 @@
 // exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j) with both factors <= 1 (i > a >= j).
 // The 16x16 diagonal blocks use the elementwise form in fp32, or (FKDA_PARAM_DIAG_MMA) tensor
 // cores with a mid-block anchor when the block's gate range keeps every factor below 2^100:
-// 1 = one bf16 product folded into the row-block pass (faster, ~10% more output error), 2 = each
-// operand split into bf16 hi + lo and three products (hi hi + hi lo + lo hi: ~16 bits per operand,
-// the accuracy of the fp32 elementwise form at a third of its instructions).
+// 1 = one bf16 product (faster, ~10% more output error), 2 = each operand split into bf16 hi + lo
+// and three products (hi hi + hi lo + lo hi: ~16 bits per operand, the accuracy of the fp32
+// elementwise form at a third of its instructions).
+// The decay factors of q and k are taken once per element (prep step 4): F_i = exp(G_i - G_s) and
+// R_i = exp(G_e - G_i), s = 16 I - 1 and e = 16 I + 15 around row i's block I; every operand that
+// carries a decay is F_i or R_i times a per-key factor exp(G_x - G_y) with x >= y (so <= 1): a
+// product underflows only where the true value is below both.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -700,7 +704,6 @@ struct PrepArgs {
   float lower_bound;
   float scale;
   int beta_logit;
-  int diag_mma;  // diagonal blocks on tensor cores where the gate range allows: 1 folded, 2 split
   uint8_t* ws;
   StateArgs st;  // the state pass's arguments: st.single = 1 finishes one-chunk sequences here
 };
@@ -774,19 +777,20 @@ __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int b
   store_a_pair(Aw, i, blk * 16 + 2 * dq, q[0], q[1]);
 }
 
-// (diag_mma 2) The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
+// (diag_mma 1, 2) The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
 // staging: each thread builds its mma fragments in registers from shared memory (rows 16 I + g
 // and + 8, keys 16 ks + 2 tq, + 1, + 8, + 9): left k_i (q_i) exp2(G_i - G_m), right k_j exp2(G_m -
-// G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100), each split into bf16
-// hi + lo; products hi hi + (hi lo + lo hi). Warp `half` takes the k-steps 4 half .. 4 half + 3 of
+// G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100). SPLIT (diag_mma 2):
+// each operand split into bf16 hi + lo, products hi hi + (hi lo + lo hi); else one bf16 product. Warp `half` takes the k-steps 4 half .. 4 half + 3 of
 // both matrices and returns its partial sums of the matrix it finishes (half 0: L, half 1: Aqk)
 // in `mine`; the other matrix's partial goes to `xch` for the other warp (diag_block_finish, after
 // a CTA barrier: one barrier for every block, and no named barriers).
 struct DiagPartial {
   float v[2][4];  // [n-tile][mma accumulator element]
 };
-__device__ __forceinline__ DiagPartial diag_block_split_mma(const bf16* Qs, const bf16* Ks, const float* Gs,
-                                                            float* xch, int I, int half, int lane) {
+template <bool SPLIT>
+__device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16* Ks, const float* Gs, float* xch,
+                                                      int I, int half, int lane) {
   const int g = lane >> 2, tq = lane & 3, m = 16 * I + 7;
   float hL[2][4], cL[2][4], hA[2][4], cA[2][4];
 #pragma unroll
@@ -810,26 +814,35 @@ __device__ __forceinline__ DiagPartial diag_block_split_mma(const bf16* Qs, cons
         const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
         const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
         const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
-        split2(kv.x * f0, kv.y * f1, kh[rr][ch], kl[rr][ch]);
-        split2(qv.x * f0, qv.y * f1, qh[rr][ch], ql[rr][ch]);
-        split2(kv.x * b0, kv.y * b1, rh[rr][ch], rl[rr][ch]);
+        if constexpr (SPLIT) {
+          split2(kv.x * f0, kv.y * f1, kh[rr][ch], kl[rr][ch]);
+          split2(qv.x * f0, qv.y * f1, qh[rr][ch], ql[rr][ch]);
+          split2(kv.x * b0, kv.y * b1, rh[rr][ch], rl[rr][ch]);
+        } else {
+          kh[rr][ch] = pack_bf16(kv.x * f0, kv.y * f1);
+          qh[rr][ch] = pack_bf16(qv.x * f0, qv.y * f1);
+          rh[rr][ch] = pack_bf16(kv.x * b0, kv.y * b1);
+        }
       }
     }
     // A fragment: (row g, keys 2tq), (row g+8, 2tq), (row g, 2tq+8), (row g+8, 2tq+8);
     // B fragment of n-tile nn (column j = g + 8 nn): (j, keys 2tq), (j, 2tq+8)
     const uint32_t akh[4] = {kh[0][0], kh[1][0], kh[0][1], kh[1][1]};
-    const uint32_t akl[4] = {kl[0][0], kl[1][0], kl[0][1], kl[1][1]};
     const uint32_t aqh[4] = {qh[0][0], qh[1][0], qh[0][1], qh[1][1]};
-    const uint32_t aql[4] = {ql[0][0], ql[1][0], ql[0][1], ql[1][1]};
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn) {
-      const uint32_t bh[2] = {rh[nn][0], rh[nn][1]}, bl[2] = {rl[nn][0], rl[nn][1]};
+      const uint32_t bh[2] = {rh[nn][0], rh[nn][1]};
       mma_bf16(hL[nn], akh, bh);
-      mma_bf16(cL[nn], akh, bl);
-      mma_bf16(cL[nn], akl, bh);
       mma_bf16(hA[nn], aqh, bh);
-      mma_bf16(cA[nn], aqh, bl);
-      mma_bf16(cA[nn], aql, bh);
+      if constexpr (SPLIT) {
+        const uint32_t akl[4] = {kl[0][0], kl[1][0], kl[0][1], kl[1][1]};
+        const uint32_t aql[4] = {ql[0][0], ql[1][0], ql[0][1], ql[1][1]};
+        const uint32_t bl[2] = {rl[nn][0], rl[nn][1]};
+        mma_bf16(cL[nn], akh, bl);
+        mma_bf16(cL[nn], akl, bh);
+        mma_bf16(cA[nn], aqh, bl);
+        mma_bf16(cA[nn], aql, bh);
+      }
     }
   }
   DiagPartial mine;
@@ -838,8 +851,9 @@ __device__ __forceinline__ DiagPartial diag_block_split_mma(const bf16* Qs, cons
   for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      out[nn * 4 + e] = half ? hL[nn][e] + cL[nn][e] : hA[nn][e] + cA[nn][e];
-      mine.v[nn][e] = half ? hA[nn][e] + cA[nn][e] : hL[nn][e] + cL[nn][e];
+      const float l = SPLIT ? hL[nn][e] + cL[nn][e] : hL[nn][e], q = SPLIT ? hA[nn][e] + cA[nn][e] : hA[nn][e];
+      out[nn * 4 + e] = half ? l : q;
+      mine.v[nn][e] = half ? q : l;
     }
   return mine;
 }
@@ -865,13 +879,34 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
     }
 }
 
+// Column cc of the inverse of the unit lower-triangular 16x16 diagonal block blk of (I + L), by
+// forward substitution into X, on 2 partial sums (a single fma chain left the warp waiting on fma
+// latency). Two blocks a warp (16 lanes each): their reads of L are 16 banks apart.
+__device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float* Xm, int blk, int cc) {
+  const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
+  float x[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float s0 = (i == cc) ? 1.f : 0.f, s1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < i; ++j) {
+      if (j & 1) s1 = fmaf(-Lb[i * kLdM + j], x[j], s1);
+      else s0 = fmaf(-Lb[i * kLdM + j], x[j], s0);
+    }
+    x[i] = s0 + s1;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
+}
+
 // ---------------------------------------------------------------------------------------------
 // The chunk preparation: 256 threads and ~110 KB of shared memory, so two CTAs share an SM and
 // hide each other's latency (a 512-thread, 200 KB, one-CTA-per-SM version measured 1.1-1.4x slower
 // on an H200). v is held in registers until it is needed, Aqk goes straight to the workspace, the
-// lower blocks of L / Aqk are done one row block at a time, and each region is reused once its
-// contents are dead:
-//   [G fp32] -> [X fp32 | P | X bf16]     [q | k] -> [beta V | -]     [L fp32]     [operands] -> [beta exp(G) k]
+// six lower blocks of L / Aqk are one product phase after one elementwise pass (step 4), and each
+// region is reused once its contents are dead:
+//   [G fp32] -> [X fp32 | P | X bf16]     [q | k] -> [q F | k F] -> [beta V | W]     [L fp32]
+//   [raw g, then operands] -> [beta exp(G) k] -> [U]
 constexpr int kLiteThreads = FKDA_PARAM_PREP_THREADS;  // the prep kernel's launch shape (record params)
 static_assert(FKDA_PARAM_PREP_THREADS == 256, "the prep kernel is written for 8 warps (record param prep_threads)");
 constexpr int kLOffG = 0;
@@ -969,7 +1004,9 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
   }
 }
 
-template <typename ST>
+// DIAG: the diagonal blocks' form where the gate range allows (0 fp32 elementwise, 1 one bf16
+// product, 2 split bf16 products), fixed per module (FKDA_PARAM_DIAG_MMA).
+template <typename ST, int DIAG>
 __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   extern __shared__ __align__(128) uint8_t smem[];
@@ -1008,7 +1045,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   if (c * kC >= len) return;  // a gap slot (or an empty sequence)
   SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);
   if (tid == 0) *seq = SeqOfChunk{bos, n, a.st.single && len <= kC ? int(len) : -1};  // read at the end
-  if (tid < 4) safe[tid] = a.diag_mma != 0;  // cleared by the gate step for a block whose range is too wide
+  if (tid < 4) safe[tid] = DIAG != 0;  // cleared by the gate step for a block whose range is too wide
   const int64_t t0 = bos + c * kC;
   const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
   const int hk = a.group == 1 ? hv : hv / a.group;  // no integer division for plain MHA
@@ -1107,7 +1144,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     // decays of more than ~9 nats a step fall back to the elementwise form). This thread's running
     // sums already hold G of its keys there (the quarter base cancels), so the check needs neither
     // G from shared memory nor barriers of its own; a warp with a wide key clears the flag.
-    if (a.diag_mma) {  // CTA-uniform
+    if (DIAG != 0) {
       const bool wide = !(fmaxf(gl[0].x - gl[7].x, gl[7].x - gl[15].x) <= 100.f) ||
                         !(fmaxf(gl[0].y - gl[7].y, gl[7].y - gl[15].y) <= 100.f);
       if (__any_sync(0xffffffffu, wide) && lane == 0) safe[q] = 0;
@@ -1125,26 +1162,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();  // G and the diagonal blocks' flags (safe) are complete
 
-  // ---- 2. Qg, Kd, exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
-  {  // elementwise in col4 pieces: a thread keeps its 4 columns, a warp takes every 8th row
-    const int col = col4(lane);
-    float gl[4];
-    load4(Gs + (kC - 1) * kLdG + col, gl);
-#pragma unroll 4
-    for (int r = warp; r < kC; r += kLiteThreads / 32) {
-      float x[4], y[4], gr[4];
-      unpack4(*reinterpret_cast<const uint2*>(Qs + r * kLdB + col), x);
-      unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), y);
-      load4(Gs + r * kLdG + col, gr);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        x[i] *= ex2(gr[i]);
-        y[i] *= ex2(gl[i] - gr[i]);
-      }
-      *reinterpret_cast<uint2*>(ws + kWsQg + (r * kLdB + col) * 2) = pack4(x);
-      *reinterpret_cast<uint2*>(ws + kWsKd + (r * kLdB + col) * 2) = pack4(y);
-    }
-  }
+  // ---- 2. exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
   if (tid < 192) {
     // blocks (I, J), J > I: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3); 16 rows x 2 vectors each
@@ -1159,11 +1177,11 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // = 17 products (i, j <= i) whatever p, so no warp waits on a longer row (a lane per row left
   // the first warp of a block idle half the time). One row after the other, so only one row's
   // sums are live (both at once made the compiler reload operands to stay within 128 registers).
-  float* xch = reinterpret_cast<float*>(Op);  // (diag_mma 2) partial sums, 8 KB; Op is free until step 4
-  const bool split_diag = safe[tid >> 6] && a.diag_mma == 2;  // warp-uniform
+  float* xch = reinterpret_cast<float*>(Op);  // (diag_mma 1, 2) partial sums, 8 KB; Op is free until step 4
+  const bool mma_diag = DIAG != 0 && safe[tid >> 6];  // warp-uniform
   DiagPartial part;
-  if (split_diag) {
-    part = diag_block_split_mma(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
+  if (mma_diag) {
+    part = diag_block_mma<DIAG == 2>(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
   } else if (!safe[tid >> 6]) {
     const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
     {
@@ -1180,81 +1198,112 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     }
   }
 
-  if (a.diag_mma == 2) {  // CTA-uniform
-    __syncthreads();  // every split partial is in xch
-    if (split_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane);
-    __syncthreads();  // xch (the operand region) is read before step 4 rewrites it
+  if constexpr (DIAG != 0) {
+    __syncthreads();  // every partial is in xch
+    if (mma_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane);
   }
+  __syncthreads();  // q, k and xch are read: step 4 rewrites them
 
-  // ---- 4. lower blocks, one row block I at a time. Anchor a = 16 I + 7 with the diagonal block
-  // included when it is safe (see above), else a = 16 I - 1 (every factor <= 1) without it.
-  // Op rows 0..15: k_I exp(G_i - G_a); 16..31: q_I exp(G_i - G_a); 32..: k_j exp(G_a - G_j), j < ncol.
-#pragma unroll 1
-  for (int I = 3; I >= 0; --I) {
-    const bool dg = a.diag_mma == 1 && safe[I] != 0;  // folded diagonal block
-    const int nbc = dg ? I + 1 : I;  // column blocks
-    if (nbc == 0) continue;          // CTA-uniform
-    const int anc = dg ? 16 * I + 7 : 16 * I - 1;
-    // a thread keeps its 4 columns (and the anchor's G there); a warp takes every 8th row
-    const int d0 = col4(lane);
-    float ga[4];
-    load4(Gs + anc * kLdG + d0, ga);
-    {  // the 16 left rows: k_i and q_i share their factor (a warp does rows warp, warp + 8)
+  // ---- 4. One pass over q, k and G makes every operand that carries a decay (see the top of the
+  // file): warp pair I takes the 16 rows of block I, a thread 4 keys of a row at a time, with the
+  // block's per-key factors exp(G_s) (s = 16 I - 1), exp(G_C - G_e) (e = 16 I + 15) and, for the
+  // lower blocks two or three blocks below, exp(G_{16 I' - 1} - G_e). Out of it:
+  //   Qg = q F exp(G_s) and Kd = k R exp(G_C - G_e) to the workspace;
+  //   beta exp(G) k = beta k F exp(G_s) in registers (bw) until the operands are dead (step 5);
+  //   left operands of the lower blocks (I >= 1): k F in place of k, q F in place of q;
+  //   right operands (I <= 2), Op rows: k R at row i (for block I + 1), k R exp(G_{16 (I + 2) - 1}
+  //   - G_e) at row 48 + i (for I + 2), k R exp(G_47 - G_e) at row 80 + i (block 0, for block 3).
+  // Every lower block (I, J), J < I, is then one 16 x 16 product of L and one of Aqk with the
+  // anchor 16 I - 1 (top of the file), the factor exp(G_{16 I - 1} - G_{16 J + 15}) on the right.
+  uint2 bw[8];
+  {
+    const int I = warp >> 1, d0 = col4(lane);
+    float gs[4] = {0.f, 0.f, 0.f, 0.f}, ge[4], gc[4], ps[4], ce[4], t2[4], t3[4];
+    if (I > 0) load4(Gs + (16 * I - 1) * kLdG + d0, gs);
+    load4(Gs + (16 * I + 15) * kLdG + d0, ge);
+    load4(Gs + (kC - 1) * kLdG + d0, gc);
+    if (I < 2) load4(Gs + (16 * I + 31) * kLdG + d0, t2);
+    if (I == 0) load4(Gs + 47 * kLdG + d0, t3);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      ps[e] = ex2(gs[e]);
+      ce[e] = ex2(gc[e] - ge[e]);
+      t2[e] = I < 2 ? ex2(t2[e] - ge[e]) : 0.f;
+      t3[e] = I == 0 ? ex2(t3[e] - ge[e]) : 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int i = 16 * I + 8 * (warp & 1) + t;
+      const float b = betas[i];
+      float x[4], y[4], gi[4], fq[4], fk[4], rk[4], o[4];
+      unpack4(*reinterpret_cast<const uint2*>(Qs + i * kLdB + d0), x);
+      unpack4(*reinterpret_cast<const uint2*>(Ks + i * kLdB + d0), y);
+      load4(Gs + i * kLdG + d0, gi);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float f = ex2(gi[e] - gs[e]), r = ex2(ge[e] - gi[e]);
+        fq[e] = x[e] * f;
+        fk[e] = y[e] * f;
+        rk[e] = y[e] * r;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = fq[e] * ps[e];
+      *reinterpret_cast<uint2*>(ws + kWsQg + (i * kLdB + d0) * 2) = pack4(o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = rk[e] * ce[e];
+      *reinterpret_cast<uint2*>(ws + kWsKd + (i * kLdB + d0) * 2) = pack4(o);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[e] = fk[e] * ps[e] * b;
+      bw[t] = pack4(o);
+      if (I > 0) {  // warp-uniform
+        *reinterpret_cast<uint2*>(Qs + i * kLdB + d0) = pack4(fq);
+        *reinterpret_cast<uint2*>(Ks + i * kLdB + d0) = pack4(fk);
+      }
+      if (I < 3) *reinterpret_cast<uint2*>(Op + i * kLdB + d0) = pack4(rk);
+      if (I < 2) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] = rk[e] * t2[e];
+        *reinterpret_cast<uint2*>(Op + (48 + i) * kLdB + d0) = pack4(o);
+      }
+      if (I == 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] = rk[e] * t3[e];
+        *reinterpret_cast<uint2*>(Op + (80 + i) * kLdB + d0) = pack4(o);
+      }
+    }
+  }
+  __syncthreads();  // the operands are complete; G is dead (X lives there)
+  if (warp >= 6) {  // the diagonal blocks of X (step 6), beside the products: L's are complete
+    diag_block_inverse_column(Lm, Xm, 2 * (warp - 6) + (lane >> 4), lane & 15);
+  } else {  // lower block (I, J): (1,0) (2,0) (2,1) (3,0) (3,1) (3,2), L and Aqk together
+    const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - I * (I - 1) / 2;
+    const int rrow = J == I - 1 ? 16 * J : (J == I - 2 ? 48 + 16 * J : 80);
+    float accL[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float accA[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t ak[4], aq[4], bfr[4];
+      load_a(ak, Ks, kLdB, 16 * I, ks * 16, lane);
+      load_a(aq, Qs, kLdB, 16 * I, ks * 16, lane);
+      load_b_nk(bfr, Op + rrow * kLdB, kLdB, 0, ks * 16, lane);
+      mma_bf16(accL[0], ak, bfr);
+      mma_bf16(accL[1], ak, bfr + 2);
+      mma_bf16(accA[0], aq, bfr);
+      mma_bf16(accA[1], aq, bfr + 2);
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int rr = warp + 8 * h, src = 16 * I + rr;
-        float x[4], y[4], gs[4];
-        unpack4(*reinterpret_cast<const uint2*>(Ks + src * kLdB + d0), x);
-        unpack4(*reinterpret_cast<const uint2*>(Qs + src * kLdB + d0), y);
-        load4(Gs + src * kLdG + d0, gs);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float f = ex2(gs[e] - ga[e]);
-          x[e] *= f;
-          y[e] *= f;
-        }
-        *reinterpret_cast<uint2*>(Op + rr * kLdB + d0) = pack4(x);
-        *reinterpret_cast<uint2*>(Op + (rr + 16) * kLdB + d0) = pack4(y);
+        const int row = 16 * I + g + 8 * h, col = 16 * J + nn * 8 + 2 * tq;
+        store_l_pair(Lm, row, col, accL[nn][2 * h], accL[nn][2 * h + 1], betas[row]);
+        store_a_pair(Aw, row, col, accA[nn][2 * h], accA[nn][2 * h + 1]);
       }
-    }
-#pragma unroll 2
-    for (int j = warp; j < 16 * nbc; j += kLiteThreads / 32) {  // the right rows
-      float x[4], gs[4];
-      unpack4(*reinterpret_cast<const uint2*>(Ks + j * kLdB + d0), x);
-      load4(Gs + j * kLdG + d0, gs);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] *= ex2(ga[e] - gs[e]);
-      *reinterpret_cast<uint2*>(Op + (32 + j) * kLdB + d0) = pack4(x);
-    }
-    __syncthreads();
-    if (warp < 2 * nbc) {
-      const int mt = warp / nbc, nb = warp % nbc;
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const bf16* Ab = Op + mt * 16 * kLdB;
-      const bf16* Bb = Op + (32 + nb * 16) * kLdB;
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        uint32_t af[4], bfr[4];
-        load_a(af, Ab, kLdB, 0, ks * 16, lane);
-        load_b_nk(bfr, Bb, kLdB, 0, ks * 16, lane);
-        mma_bf16(acc[0], af, bfr);
-        mma_bf16(acc[1], af, bfr + 2);
-      }
-      const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-      for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = 16 * I + g + 8 * h, col = nb * 16 + nn * 8 + 2 * tq;
-          // in a folded diagonal block only j < i (L) / j <= i (Aqk) are kept
-          if (mt == 0) store_l_pair(Lm, row, col, acc[nn][2 * h], acc[nn][2 * h + 1], betas[row]);
-          else store_a_pair(Aw, row, col, acc[nn][2 * h], acc[nn][2 * h + 1]);
-        }
-    }
-    __syncthreads();
   }
+  __syncthreads();  // the operands are dead
 
-  // ---- 5. B operands: beta V (into q's region), beta exp(G) k (into the operand region).
+  // ---- 5. B operands: beta V (into q's region), beta exp(G) k (from step 4, into the operand region).
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
@@ -1265,47 +1314,17 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int e = 0; e < 8; ++e) x[e] *= b;
     *reinterpret_cast<uint4*>(Bu + r * kLdB + c8) = pack8(x);
   }
-  {
-    const int col = col4(lane);
-#pragma unroll 4
-    for (int r = warp; r < kC; r += kLiteThreads / 32) {
-      const float b = betas[r];
-      float x[4], gr[4];
-      unpack4(*reinterpret_cast<const uint2*>(Ks + r * kLdB + col), x);
-      load4(Gs + r * kLdG + col, gr);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] *= b * ex2(gr[i]);
-      *reinterpret_cast<uint2*>(Bw + r * kLdB + col) = pack4(x);
-    }
-  }
-  __syncthreads();  // G and k are dead from here: X lives where G was
+  for (int t = 0; t < 8; ++t)
+    *reinterpret_cast<uint2*>(Bw + (16 * (warp >> 1) + 8 * (warp & 1) + t) * kLdB + col4(lane)) = bw[t];
+  __syncthreads();  // L and the diagonal blocks of X are complete
 
-  // ---- 6. X = (I + L)^-1 in fp32, in two levels: the 16x16 diagonal blocks by forward
-  // substitution; the two 32x32 halves (X_10 = -X_11 L_10 X_00 and X_32 = -X_33 L_32 X_22, side by
-  // side); then the lower-left 32x32 quarter X_BT = -X_BB (L_BT X_TT), its four 16x16 blocks on
-  // all 8 warps. Four barriers after the diagonal and at most two 16-step products in a row (one
-  // block row at a time took six barriers and up to three). The forward substitution runs on 2
-  // partial sums (a single fma chain left the warps waiting on fma latency), one block a warp (16
-  // lanes; two blocks in a warp read rows 16 apart, the same bank). The block products give each
-  // thread 4 adjacent columns: one broadcast float4 read feeds 4 fmas.
-  if (tid < 128 && lane < 16) {
-    const int blk = warp, cc = lane;
-    const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float s0 = (i == cc) ? 1.f : 0.f, s1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) {
-        if (j & 1) s1 = fmaf(-Lb[i * kLdM + j], x[j], s1);
-        else s0 = fmaf(-Lb[i * kLdM + j], x[j], s0);
-      }
-      x[i] = s0 + s1;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
-  }
-  __syncthreads();
+  // ---- 6. X = (I + L)^-1 in fp32, in two levels: the 16x16 diagonal blocks (step 4, warps 6-7);
+  // the two 32x32 halves (X_10 = -X_11 L_10 X_00 and X_32 = -X_33 L_32 X_22, side by side); then
+  // the lower-left 32x32 quarter X_BT = -X_BB (L_BT X_TT), its four 16x16 blocks on all 8 warps.
+  // Four barriers and at most two 16-step products in a row (one block row at a time took six
+  // barriers and up to three). The block products give each thread 4 adjacent columns: one
+  // broadcast float4 read feeds 4 fmas.
   {
     // thread: row r of a 16x16 block, columns c4 .. c4 + 3 of it
     const int r = (tid >> 2) & 15, c4 = (tid & 3) * 4;
@@ -1350,8 +1369,8 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   __syncthreads();
 
   // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
-  // workspace layout (W where k was, U where beta exp(G) k was) and leave in coalesced 16-byte
-  // stores: fragment stores straight to global memory filled only half of each 32-byte sector.
+  // workspace layout (W where k was, U where beta exp(G) k was) and leave in two bulk copies
+  // (fragment stores straight to global memory filled only half of each 32-byte sector).
   {
     const int mt = warp & 3, which = warp >> 2;
     const bf16* Bsrc = which ? Bu : Bw;
@@ -1381,17 +1400,15 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       *reinterpret_cast<uint32_t*>(dst + o1) = pack_bf16(acc[nn][2], acc[nn][3]);
     }
   }
+  fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
-  {
-    const uint4* sw = reinterpret_cast<const uint4*>(Ks);
-    const uint4* su = reinterpret_cast<const uint4*>(Op);
-    uint4* gw = reinterpret_cast<uint4*>(ws + kWsW);
-    uint4* gu = reinterpret_cast<uint4*>(ws + kWsU);
-    if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
-      for (int i = tid; i < kC * kLdB / 8; i += kLiteThreads) gw[i] = sw[i];
-      for (int i = tid; i < int((kV / 16) * kUBlockBytes / 16); i += kLiteThreads) gu[i] = su[i];
-      return;
+  if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
+    if (tid == 0) {
+      fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
+      fkda::bulk_s2g(ws + kWsU, Op, uint32_t((kV / 16) * kUBlockBytes));
+      fkda::bulk_s2g_wait_read();  // shared memory is read before the CTA exits
     }
+    return;
   }
   const SeqOfChunk sq = *seq;
   prep_single_chunk_state<ST>(a, smem, ws, Ks, Op, sq.n, hv, sq.bos, sq.len, tid);
