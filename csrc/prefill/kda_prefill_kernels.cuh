@@ -880,9 +880,10 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
 }
 
 // Column cc of the inverse of the unit lower-triangular 16x16 diagonal block blk of (I + L), by
-// forward substitution into X, on 2 partial sums (a single fma chain left the warp waiting on fma
-// latency). Two blocks a warp (16 lanes each): their reads of L are 16 banks apart.
-__device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float* Xm, int blk, int cc) {
+// forward substitution into X (fp32 and bf16), on 2 partial sums (a single fma chain left the warp
+// waiting on fma latency). Above the diagonal it gives exact zeros. Two blocks a warp (16 lanes
+// each): their reads of L are 16 banks apart.
+__device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float* Xm, bf16* Xb, int blk, int cc) {
   const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
   float x[16];
 #pragma unroll
@@ -896,7 +897,10 @@ __device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float
     x[i] = s0 + s1;
   }
 #pragma unroll
-  for (int i = 0; i < 16; ++i) Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
+  for (int i = 0; i < 16; ++i) {
+    Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
+    Xb[(blk * 16 + i) * kLdX + blk * 16 + cc] = __float2bfloat16(x[i]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1274,7 +1278,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();  // the operands are complete; G is dead (X lives there)
   if (warp >= 6) {  // the diagonal blocks of X (step 6), beside the products: L's are complete
-    diag_block_inverse_column(Lm, Xm, 2 * (warp - 6) + (lane >> 4), lane & 15);
+    diag_block_inverse_column(Lm, Xm, Xb, 2 * (warp - 6) + (lane >> 4), lane & 15);
   } else {  // lower block (I, J): (1,0) (2,0) (2,1) (3,0) (3,1) (3,2), L and Aqk together
     const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - I * (I - 1) / 2;
     const int rrow = J == I - 1 ? 16 * J : (J == I - 2 ? 48 + 16 * J : 80);
@@ -1319,7 +1323,8 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     *reinterpret_cast<uint2*>(Bw + (16 * (warp >> 1) + 8 * (warp & 1) + t) * kLdB + col4(lane)) = bw[t];
   __syncthreads();  // L and the diagonal blocks of X are complete
 
-  // ---- 6. X = (I + L)^-1 in fp32, in two levels: the 16x16 diagonal blocks (step 4, warps 6-7);
+  // ---- 6. X = (I + L)^-1 in fp32, written to bf16 by each block's producer as well (step 7 reads
+  // that copy), in two levels: the 16x16 diagonal blocks (step 4, warps 6-7);
   // the two 32x32 halves (X_10 = -X_11 L_10 X_00 and X_32 = -X_33 L_32 X_22, side by side); then
   // the lower-left 32x32 quarter X_BT = -X_BB (L_BT X_TT), its four 16x16 blocks on all 8 warps.
   // Four barriers and at most two 16-step products in a row (one block row at a time took six
@@ -1339,7 +1344,9 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     if (warp < 4) {
       float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
       dot16_rows4<true>(s0, s1, Xm + (I * 16 + r) * kLdM + I * 16, Pt + h * 16 + c4, kLdP);
-      *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + (I - 1) * 16 + c4) = add4(s0, s1);
+      const float4 x = add4(s0, s1);
+      *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + (I - 1) * 16 + c4) = x;
+      *reinterpret_cast<uint2*>(Xb + (I * 16 + r) * kLdX + (I - 1) * 16 + c4) = pack4(&x.x);
     }
     __syncthreads();
     // quarter: warp pair q takes block (Iq, Jq) = (2 + q / 2, q % 2); Q = L_BT X_TT in P (32 rows)
@@ -1355,18 +1362,11 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
       for (int K = 2; K <= Iq; ++K)
         dot16_rows4<true>(s0, s1, Xm + (Iq * 16 + r) * kLdM + K * 16, Pt + (K - 2) * 16 * kLdP + Jq * 16 + c4, kLdP);
-      *reinterpret_cast<float4*>(Xm + (Iq * 16 + r) * kLdM + Jq * 16 + c4) = add4(s0, s1);
+      const float4 x = add4(s0, s1);  // nothing reads X_BT in fp32
+      *reinterpret_cast<uint2*>(Xb + (Iq * 16 + r) * kLdX + Jq * 16 + c4) = pack4(&x.x);
     }
   }
-  __syncthreads();
-  for (int e = tid; e < kC * kC / 2; e += kLiteThreads) {
-    const int r = e >> 5, c2 = (e & 31) * 2;
-    const float2 xv = *reinterpret_cast<const float2*>(Xm + r * kLdM + c2);
-    const float x0 = c2 <= r ? xv.x : 0.f;
-    const float x1 = c2 + 1 <= r ? xv.y : 0.f;
-    *reinterpret_cast<uint32_t*>(Xb + r * kLdX + c2) = pack_bf16(x0, x1);
-  }
-  __syncthreads();
+  __syncthreads();  // X in bf16 is complete (its blocks above the diagonal are never read)
 
   // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
   // workspace layout (W where k was, U where beta exp(G) k was) and leave in two bulk copies
@@ -1374,7 +1374,6 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   {
     const int mt = warp & 3, which = warp >> 2;
     const bf16* Bsrc = which ? Bu : Bw;
-    bf16* dst = which ? Op : Ks;
     float acc[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -1389,16 +1388,20 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
         mma_bf16(acc[2 * np + 1], af, bfr + 2);
       }
     }
-    const int g = lane >> 2, tq = lane & 3;
+    const int r0 = mt * 16 + (lane >> 2), c0 = 2 * (lane & 3);
     __syncthreads();  // every warp is done reading beta exp(G) k before U overwrites it
+    // rows r0 and r0 + 8, columns 8 nn + c0: one base address a thread and constant offsets per
+    // n-tile (U: u_off with col >> 4 = nn / 2 and col & 15 = 8 (nn % 2) + c0)
+    auto stage = [&](bf16* base, int down, auto offset) {
 #pragma unroll
-    for (int nn = 0; nn < 16; ++nn) {
-      const int col = nn * 8 + 2 * tq, r0 = mt * 16 + g, r1 = r0 + 8;
-      const int o0 = which ? u_off(r0, col) : r0 * kLdB + col;
-      const int o1 = which ? u_off(r1, col) : r1 * kLdB + col;
-      *reinterpret_cast<uint32_t*>(dst + o0) = pack_bf16(acc[nn][0], acc[nn][1]);
-      *reinterpret_cast<uint32_t*>(dst + o1) = pack_bf16(acc[nn][2], acc[nn][3]);
-    }
+      for (int nn = 0; nn < 16; ++nn) {
+        bf16* d = base + offset(nn);
+        *reinterpret_cast<uint32_t*>(d) = pack_bf16(acc[nn][0], acc[nn][1]);
+        *reinterpret_cast<uint32_t*>(d + down) = pack_bf16(acc[nn][2], acc[nn][3]);
+      }
+    };
+    if (which) stage(Op + u_off(r0, c0), 8 * kLdU16, [](int nn) { return (nn >> 1) * (kC * kLdU16) + (nn & 1) * 8; });
+    else stage(Ks + r0 * kLdB + c0, 8 * kLdB, [](int nn) { return nn * 8; });
   }
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
