@@ -12,9 +12,9 @@
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
 // FKDA_PARAM_DIAG_MMA: the diagonal 16x16 blocks of L / Aqk. 0 = elementwise fp32 (as accurate as
 // fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
-// 2^100), on tensor cores: 1 = one bf16 product (output rel. L2
-// ~4.3-4.7e-3 instead of ~3.9e-3, H200), 2 = bf16 hi + lo operands and three products, the fp32
-// form's accuracy; blocks outside that range take the fp32 form in both.
+// 2^100), on tensor cores: 1 = one bf16 product (output rel. L2 ~4.3-4.7e-3 instead of ~3.9e-3,
+// H200), 2 = bf16 hi + lo operands and three products, the fp32 form's accuracy; blocks outside
+// that range take the fp32 form in both. A template parameter of the prep kernel.
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"

@@ -781,10 +781,11 @@ __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int b
 // staging: each thread builds its mma fragments in registers from shared memory (rows 16 I + g
 // and + 8, keys 16 ks + 2 tq, + 1, + 8, + 9): left k_i (q_i) exp2(G_i - G_m), right k_j exp2(G_m -
 // G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100). SPLIT (diag_mma 2):
-// each operand split into bf16 hi + lo, products hi hi + (hi lo + lo hi); else one bf16 product. Warp `half` takes the k-steps 4 half .. 4 half + 3 of
-// both matrices and returns its partial sums of the matrix it finishes (half 0: L, half 1: Aqk)
-// in `mine`; the other matrix's partial goes to `xch` for the other warp (diag_block_finish, after
-// a CTA barrier: one barrier for every block, and no named barriers).
+// each operand split into bf16 hi + lo, products hi hi + (hi lo + lo hi); else one bf16 product.
+// Warp `half` takes the k-steps 4 half .. 4 half + 3 of both matrices and returns its partial sums
+// of the matrix it finishes (half 0: L, half 1: Aqk) in `mine`; the other matrix's partial goes to
+// `xch` for the other warp (diag_block_finish, after a CTA barrier: one barrier for every block,
+// and no named barriers).
 struct DiagPartial {
   float v[2][4];  // [n-tile][mma accumulator element]
 };
