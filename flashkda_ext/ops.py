@@ -105,9 +105,9 @@ def _workspace_need(module, total_tokens: int, num_seqs: int, value_heads: int) 
     return int(module["kda_prefill_workspace_bytes"](total_tokens, num_seqs, value_heads))
 
 
-def _prefill_workspace(module, call, device, workspace):
-    """Scratch memory the CUDA prefill needs; a caller-given buffer makes the call graph-capturable."""
-    need = _workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+def _prefill_workspace(need: Optional[int], device, workspace):
+    """Scratch memory of `need` bytes (_workspace_need) for the CUDA prefill; a caller-given buffer
+    makes the call graph-capturable."""
     if need is None:
         return workspace
     if workspace is not None:
@@ -183,11 +183,11 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=ckpt, out=result[0]))
-    ws = _prefill_workspace(module, call, q.device, workspace)
+    need = _workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+    ws = _prefill_workspace(need, q.device, workspace)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, call.checkpoint_every)
     module["kda_prefill"](*args, ws, *tail)
     if key is not None:
-        need = _workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
         ws_bytes = None if need is None else max(1, need)
         fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
     return result
