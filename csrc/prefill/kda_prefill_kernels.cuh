@@ -47,9 +47,8 @@ constexpr int kV = 128;  // value head dim
 
 constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows hit distinct banks)
 constexpr int kLdG = kK + 4;       // fp32 rows of G
-constexpr int kLdM = kC + 4;       // fp32 64x64 matrices (L, X): 16-byte rows for the inverse's float4 reads
+constexpr int kLdM = kC + 4;       // fp32 64x64 matrices (L, X): 16-byte rows
 constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
-constexpr int kLdP = 2 * 16 + 4;   // fp32 partial products of the blocked inverse, 32 columns (16-byte rows)
 
 // One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
 // shared memory (padded rows), so it moves with one bulk copy: [W | Qg | Kd] bf16 [64][kLdB],
@@ -263,30 +262,18 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return u;
 }
 
-// s0 / s1 += sum over t < 16 of (NEG ? -a[t] : a[t]) * (the 4 floats at B + t * ldb), even t on s0
-// and odd t on s1 (two independent fma chains); B 16-byte aligned. The inverse's block products.
-template <bool NEG>
-__device__ __forceinline__ void dot16_rows4(float4& s0, float4& s1, const float* a, const float* B, int ldb) {
-#pragma unroll
-  for (int t = 0; t < 16; t += 2) {
-    const float a0 = NEG ? -a[t] : a[t], a1 = NEG ? -a[t + 1] : a[t + 1];
-    const float4 x0 = *reinterpret_cast<const float4*>(B + t * ldb);
-    const float4 x1 = *reinterpret_cast<const float4*>(B + (t + 1) * ldb);
-    s0.x = fmaf(a0, x0.x, s0.x); s0.y = fmaf(a0, x0.y, s0.y);
-    s0.z = fmaf(a0, x0.z, s0.z); s0.w = fmaf(a0, x0.w, s0.w);
-    s1.x = fmaf(a1, x1.x, s1.x); s1.y = fmaf(a1, x1.y, s1.y);
-    s1.z = fmaf(a1, x1.z, s1.z); s1.w = fmaf(a1, x1.w, s1.w);
-  }
-}
-__device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
-  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
-
 // (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)): ~16 bits of each x.
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16(x0, x1);
   const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
   lo = pack_bf16(x0 - h.x, x1 - h.y);
+}
+// The same as one word per value, hi in the low half, lo in the high half: what step 6 reads of L
+// and X (a pair of words gives the hi and lo pairs of its fragments with two byte permutes).
+__device__ __forceinline__ uint2 split_words(float x0, float x1) {
+  uint32_t hi, lo;
+  split2(x0, x1, hi, lo);
+  return make_uint2(__byte_perm(hi, lo, 0x5410), __byte_perm(hi, lo, 0x7632));
 }
 
 // Elementwise passes over a 64 x 128 tile in 4-column pieces: item e is row e / 32, columns
@@ -715,6 +702,10 @@ __device__ __forceinline__ void store_l_pair(float* Lm, int row, int col, float 
   *reinterpret_cast<float2*>(Lm + row * kLdM + col) =
       make_float2(col < row ? beta * x0 : 0.f, col + 1 < row ? beta * x1 : 0.f);
 }
+// A pair of L below the diagonal blocks (col < row), as split words: step 6 is its only reader.
+__device__ __forceinline__ void store_l_split_pair(float* Lm, int row, int col, float x0, float x1, float beta) {
+  *reinterpret_cast<uint2*>(Lm + row * kLdM + col) = split_words(beta * x0, beta * x1);
+}
 __device__ __forceinline__ void store_a_pair(bf16* Aw, int row, int col, float x0, float x1) {
   *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(col <= row ? x0 : 0.f, col + 1 <= row ? x1 : 0.f);
 }
@@ -881,9 +872,9 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
 }
 
 // Column cc of the inverse of the unit lower-triangular 16x16 diagonal block blk of (I + L), by
-// forward substitution into X (fp32 and bf16), on 2 partial sums (a single fma chain left the warp
-// waiting on fma latency). Above the diagonal it gives exact zeros. Two blocks a warp (16 lanes
-// each): their reads of L are 16 banks apart.
+// forward substitution into X (split words for step 6, and bf16), on 2 partial sums (a single fma
+// chain left the warp waiting on fma latency). Above the diagonal it gives exact zeros. Two blocks
+// a warp (16 lanes each): their reads of L are 16 banks apart.
 __device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float* Xm, bf16* Xb, int blk, int cc) {
   const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
   float x[16];
@@ -897,11 +888,154 @@ __device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float
     }
     x[i] = s0 + s1;
   }
+  uint32_t* Xw = reinterpret_cast<uint32_t*>(Xm);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    Xm[(blk * 16 + i) * kLdM + blk * 16 + cc] = x[i];
-    Xb[(blk * 16 + i) * kLdX + blk * 16 + cc] = __float2bfloat16(x[i]);
+  for (int i = 0; i < 16; i += 2) {
+    const uint2 w = split_words(x[i], x[i + 1]);
+    Xw[(blk * 16 + i) * kLdM + blk * 16 + cc] = w.x;
+    Xw[(blk * 16 + i + 1) * kLdM + blk * 16 + cc] = w.y;
+    Xb[(blk * 16 + i) * kLdX + blk * 16 + cc] = __ushort_as_bfloat16(static_cast<unsigned short>(w.x));
+    Xb[(blk * 16 + i + 1) * kLdX + blk * 16 + cc] = __ushort_as_bfloat16(static_cast<unsigned short>(w.y));
   }
+}
+
+// ---- X = (I + L)^-1 below its diagonal blocks, on tensor cores (step 6) ------------------------
+// Every operand is split into bf16 hi + lo (split2) and a 16 x 16 x 16 product is hi lo + lo hi +
+// hi hi in fp32: ~16 bits an operand. L below the diagonal blocks and X's diagonal blocks are read
+// as split words (split_words, written by their producers); results are split in registers.
+// m16n8k16 fragments: A pair r is (row g + 8 (r & 1), columns 2 tq + 8 (r >> 1) + {0, 1}); B pair r
+// is (k 2 tq + 8 r + {0, 1}, n g); C c[nn][2 h + e] is (row g + 8 h, column 8 nn + 2 tq + e), which
+// read in order is the A fragment of the same 16 x 16 matrix.
+struct SplitA {
+  uint32_t h[4], l[4];
+};
+struct SplitB {
+  uint32_t h[2], l[2];
+};
+__device__ __forceinline__ void unword(uint32_t w0, uint32_t w1, uint32_t& h, uint32_t& l) {
+  h = __byte_perm(w0, w1, 0x5410);
+  l = __byte_perm(w0, w1, 0x7632);
+}
+// A[m][k] = S[m][k] (TR false, pairs along a row) or S[k][m] (TR true); S split words, rows of kLdM.
+template <bool TR>
+__device__ __forceinline__ SplitA load_a_split(const uint32_t* S, int g, int tq) {
+  SplitA a;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int m = g + 8 * (r & 1), k = 2 * tq + 8 * (r >> 1);
+    const uint2 p = TR ? make_uint2(S[k * kLdM + m], S[(k + 1) * kLdM + m])
+                       : *reinterpret_cast<const uint2*>(S + m * kLdM + k);
+    unword(p.x, p.y, a.h[r], a.l[r]);
+  }
+  return a;
+}
+// An n-tile at S: B[k][n] = S[n][k] (NK true, pairs along a row) or S[k][n] (NK false).
+template <bool NK>
+__device__ __forceinline__ SplitB load_b_split(const uint32_t* S, int g, int tq) {
+  SplitB b;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int k = 2 * tq + 8 * r;
+    const uint2 p = NK ? *reinterpret_cast<const uint2*>(S + g * kLdM + k)
+                       : make_uint2(S[k * kLdM + g], S[(k + 1) * kLdM + g]);
+    unword(p.x, p.y, b.h[r], b.l[r]);
+  }
+  return b;
+}
+__device__ __forceinline__ SplitA c_as_a_split(const float (&c)[2][4]) {
+  SplitA a;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) split2(c[r >> 1][2 * (r & 1)], c[r >> 1][2 * (r & 1) + 1], a.h[r], a.l[r]);
+  return a;
+}
+__device__ __forceinline__ void mma_split(float* c, const SplitA& a, const SplitB& b) {
+  mma_bf16(c, a.h, b.l);
+  mma_bf16(c, a.l, b.h);
+  mma_bf16(c, a.h, b.h);
+}
+// c += A B over one k-step for both n-tiles; B's n-tile nn comes from load_b(nn).
+template <typename LoadB>
+__device__ __forceinline__ void mma16_split(float (&c)[2][4], const SplitA& a, LoadB load_b) {
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn) mma_split(c[nn], a, load_b(nn));
+}
+
+// Step 6 in two parts around one CTA barrier. Part 1: warp 4 makes X_10 = -(X_11 L_10) X_00, as
+// X_10^T = -(X_00^T L_10^T) X_11^T, and warp 5 X_32 = -(X_33 L_32) X_22, each written as split
+// words beside the diagonal blocks and in bf16; warps 0-3 meanwhile start the lower-left quarter
+// X_BT = -X_BB (L_BT X_TT), warp wq taking block (2 + nh, Jq), Jq = wq >> 1 and nh = wq & 1. It is
+// worked transposed (X_BT^T = -Q^T X_BB^T, Q^T = X_TT^T L_BT^T), so that each product's result is
+// the next one's A fragment; part 1 makes the term K = Jq of Q^T(Jq, nq) = sum over K = Jq, 1 of
+// X_{K,Jq}^T L_{2+nq,K}^T (nq <= nh), which needs neither half. X's diagonal blocks hold exact zeros
+// above their diagonals.
+struct QuarterTerms {
+  float q[2][2][4];  // Q^T(Jq, nq) in C layout
+};
+__device__ __forceinline__ auto rows_nk_split(const uint32_t* S, int g, int tq) {
+  return [=](int nn) { return load_b_split<true>(S + 8 * nn * kLdM, g, tq); };
+}
+__device__ __forceinline__ const uint32_t* block16(const uint32_t* M, int I, int J) { return M + 16 * I * kLdM + 16 * J; }
+__device__ __forceinline__ void quarter_term(QuarterTerms& t, const uint32_t* Lw, const uint32_t* Xw, int wq, int K,
+                                             int g, int tq) {
+  const int Jq = wq >> 1, nh = wq & 1;
+  const SplitA a = load_a_split<true>(block16(Xw, K, Jq), g, tq);
+  mma16_split(t.q[0], a, rows_nk_split(block16(Lw, 2, K), g, tq));
+  if (nh == 1) mma16_split(t.q[1], a, rows_nk_split(block16(Lw, 3, K), g, tq));
+}
+__device__ __forceinline__ QuarterTerms inverse_part1(const uint32_t* Lw, uint32_t* Xw, bf16* Xb, int warp, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  QuarterTerms t = {};
+  if (warp < 4) {
+    quarter_term(t, Lw, Xw, warp, warp >> 1, g, tq);  // K = Jq: X_{Jq,Jq} is a diagonal block
+  } else if (warp == 4) {  // X_10^T in C layout: c[nn][2 h + e] is X_10[8 nn + 2 tq + e][g + 8 h]
+    float r[2][4] = {}, x[2][4] = {};
+    mma16_split(r, load_a_split<true>(block16(Xw, 0, 0), g, tq), rows_nk_split(block16(Lw, 1, 0), g, tq));
+    mma16_split(x, c_as_a_split(r), rows_nk_split(block16(Xw, 1, 1), g, tq));
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 + 8 * nn + 2 * tq, col = g + 8 * h;
+        const uint2 w = split_words(-x[nn][2 * h], -x[nn][2 * h + 1]);
+        Xw[row * kLdM + col] = w.x;
+        Xw[(row + 1) * kLdM + col] = w.y;
+        Xb[row * kLdX + col] = __ushort_as_bfloat16(static_cast<unsigned short>(w.x));
+        Xb[(row + 1) * kLdX + col] = __ushort_as_bfloat16(static_cast<unsigned short>(w.y));
+      }
+  } else if (warp == 5) {  // X_32 in C layout: c[nn][2 h + e] is X_32[g + 8 h][8 nn + 2 tq + e]
+    float r[2][4] = {}, x[2][4] = {};
+    mma16_split(r, load_a_split<false>(block16(Xw, 3, 3), g, tq),
+                [&](int nn) { return load_b_split<false>(block16(Lw, 3, 2) + 8 * nn, g, tq); });
+    mma16_split(x, c_as_a_split(r), [&](int nn) { return load_b_split<false>(block16(Xw, 2, 2) + 8 * nn, g, tq); });
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 48 + g + 8 * h, col = 32 + 8 * nn + 2 * tq;
+        const uint2 w = split_words(-x[nn][2 * h], -x[nn][2 * h + 1]);
+        *reinterpret_cast<uint2*>(Xw + row * kLdM + col) = w;
+        *reinterpret_cast<uint32_t*>(Xb + row * kLdX + col) = __byte_perm(w.x, w.y, 0x5410);
+      }
+  }
+  return t;
+}
+// Part 2 (warps 0-3, after the barrier): the term that needs X_10 (Jq = 0, K = 1), then Y^T = sum
+// over kk <= nh of Q^T(Jq, kk) X_{2+nh,2+kk}^T and X block (2 + nh, Jq) = -(Y^T)^T in bf16.
+__device__ __forceinline__ void inverse_part2(QuarterTerms& t, const uint32_t* Lw, const uint32_t* Xw, bf16* Xb,
+                                              int wq, int lane) {
+  const int g = lane >> 2, tq = lane & 3, Jq = wq >> 1, nh = wq & 1;
+  if (Jq == 0) quarter_term(t, Lw, Xw, wq, 1, g, tq);
+  float y[2][4] = {};
+  mma16_split(y, c_as_a_split(t.q[0]), rows_nk_split(block16(Xw, 2 + nh, 2), g, tq));
+  if (nh == 1) mma16_split(y, c_as_a_split(t.q[1]), rows_nk_split(block16(Xw, 3, 3), g, tq));
+  // y[nn][2 h + e] is X[32 + 16 nh + 8 nn + 2 tq + e][16 Jq + g + 8 h], negated
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        Xb[(32 + 16 * nh + 8 * nn + 2 * tq + e) * kLdX + 16 * Jq + g + 8 * h] = __float2bfloat16(-y[nn][2 * h + e]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -910,14 +1044,14 @@ __device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float
 // on an H200). v is held in registers until it is needed, Aqk goes straight to the workspace, the
 // six lower blocks of L / Aqk are one product phase after one elementwise pass (step 4), and each
 // region is reused once its contents are dead:
-//   [G fp32] -> [X fp32 | P | X bf16]     [q | k] -> [q F | k F] -> [beta V | W]     [L fp32]
+//   [G fp32] -> [X split words | X bf16]     [q | k] -> [q F | k F] -> [beta V | W]
+//   [L: fp32 diagonal blocks, split words below them]
 //   [raw g, then operands] -> [beta exp(G) k] -> [U]
 constexpr int kLiteThreads = FKDA_PARAM_PREP_THREADS;  // the prep kernel's launch shape (record params)
 static_assert(FKDA_PARAM_PREP_THREADS == 256, "the prep kernel is written for 8 warps (record param prep_threads)");
 constexpr int kLOffG = 0;
 constexpr int kLOffX = 0;                                 // after G is dead
-constexpr int kLOffP = kLOffX + kC * kLdM * 4;
-constexpr int kLOffXb = kLOffP + 32 * kLdP * 4;
+constexpr int kLOffXb = kLOffX + kC * kLdM * 4;
 constexpr int kLOffQ = kLOffG + kC * kLdG * 4;            // later beta V
 constexpr int kLOffK = kLOffQ + kC * kLdB * 2;
 constexpr int kLOffL = kLOffK + kC * kLdB * 2;
@@ -927,8 +1061,8 @@ constexpr int kLOffTot = kLOffBeta + kC * 4;
 constexpr int kLOffSafe = kLOffTot + 4 * kK * 4;         // int [4]: diagonal block I on tensor cores
 constexpr int kLOffSeq = kLOffSafe + 16;                  // SeqOfChunk: kept here, not in registers
 constexpr int kLiteSmem = kLOffSeq + 16;
-static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X, P, X bf16 fit where G was");
-static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0 && kLOffP % 16 == 0, "16 B alignment");
+static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X in fp32 and bf16 fits where G was");
+static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 static_assert(96 * kLdB * 2 >= int((kV / 16) * kUBlockBytes) && kLdB * kC * 2 == int(kWsQg - kWsW),
               "U is staged in the operand region, W in k's");
@@ -1017,7 +1151,6 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   float* Xm = reinterpret_cast<float*>(smem + kLOffX);
-  float* Pt = reinterpret_cast<float*>(smem + kLOffP);
   bf16* Xb = reinterpret_cast<bf16*>(smem + kLOffXb);
   bf16* Qs = reinterpret_cast<bf16*>(smem + kLOffQ);
   bf16* Bu = Qs;  // beta V, once q is dead
@@ -1302,13 +1435,17 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = 16 * I + g + 8 * h, col = 16 * J + nn * 8 + 2 * tq;
-        store_l_pair(Lm, row, col, accL[nn][2 * h], accL[nn][2 * h + 1], betas[row]);
+        store_l_split_pair(Lm, row, col, accL[nn][2 * h], accL[nn][2 * h + 1], betas[row]);
         store_a_pair(Aw, row, col, accA[nn][2 * h], accA[nn][2 * h + 1]);
       }
   }
-  __syncthreads();  // the operands are dead
+  __syncthreads();  // the operands are dead; L and the diagonal blocks of X are complete
 
-  // ---- 5. B operands: beta V (into q's region), beta exp(G) k (from step 4, into the operand region).
+  // ---- 5. B operands: beta V (into q's region), beta exp(G) k (from step 4, into the operand region),
+  // beside the first part of step 6.
+  const uint32_t* Lw = reinterpret_cast<const uint32_t*>(Lm);
+  uint32_t* Xw = reinterpret_cast<uint32_t*>(Xm);
+  QuarterTerms quarter = inverse_part1(Lw, Xw, Xb, warp, lane);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
@@ -1322,52 +1459,13 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
 #pragma unroll
   for (int t = 0; t < 8; ++t)
     *reinterpret_cast<uint2*>(Bw + (16 * (warp >> 1) + 8 * (warp & 1) + t) * kLdB + col4(lane)) = bw[t];
-  __syncthreads();  // L and the diagonal blocks of X are complete
+  __syncthreads();  // X_10 and X_32 are written
 
-  // ---- 6. X = (I + L)^-1 in fp32, written to bf16 by each block's producer as well (step 7 reads
-  // that copy), in two levels: the 16x16 diagonal blocks (step 4, warps 6-7);
-  // the two 32x32 halves (X_10 = -X_11 L_10 X_00 and X_32 = -X_33 L_32 X_22, side by side); then
-  // the lower-left 32x32 quarter X_BT = -X_BB (L_BT X_TT), its four 16x16 blocks on all 8 warps.
-  // Four barriers and at most two 16-step products in a row (one block row at a time took six
-  // barriers and up to three). The block products give each thread 4 adjacent columns: one
-  // broadcast float4 read feeds 4 fmas.
-  {
-    // thread: row r of a 16x16 block, columns c4 .. c4 + 3 of it
-    const int r = (tid >> 2) & 15, c4 = (tid & 3) * 4;
-    // halves: warps 0-1 block (1, 0), warps 2-3 block (3, 2); P columns 16 h .. 16 h + 15
-    const int h = warp >> 1, I = 2 * h + 1;
-    if (warp < 4) {
-      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-      dot16_rows4<false>(s0, s1, Lm + (I * 16 + r) * kLdM + (I - 1) * 16, Xm + (I - 1) * 16 * kLdM + (I - 1) * 16 + c4, kLdM);
-      *reinterpret_cast<float4*>(Pt + r * kLdP + h * 16 + c4) = add4(s0, s1);
-    }
-    __syncthreads();
-    if (warp < 4) {
-      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-      dot16_rows4<true>(s0, s1, Xm + (I * 16 + r) * kLdM + I * 16, Pt + h * 16 + c4, kLdP);
-      const float4 x = add4(s0, s1);
-      *reinterpret_cast<float4*>(Xm + (I * 16 + r) * kLdM + (I - 1) * 16 + c4) = x;
-      *reinterpret_cast<uint2*>(Xb + (I * 16 + r) * kLdX + (I - 1) * 16 + c4) = pack4(&x.x);
-    }
-    __syncthreads();
-    // quarter: warp pair q takes block (Iq, Jq) = (2 + q / 2, q % 2); Q = L_BT X_TT in P (32 rows)
-    const int Iq = 2 + (warp >> 2), Jq = (warp >> 1) & 1;
-    {
-      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-      for (int K = Jq; K < 2; ++K)
-        dot16_rows4<false>(s0, s1, Lm + (Iq * 16 + r) * kLdM + K * 16, Xm + K * 16 * kLdM + Jq * 16 + c4, kLdM);
-      *reinterpret_cast<float4*>(Pt + ((Iq - 2) * 16 + r) * kLdP + Jq * 16 + c4) = add4(s0, s1);
-    }
-    __syncthreads();
-    {
-      float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
-      for (int K = 2; K <= Iq; ++K)
-        dot16_rows4<true>(s0, s1, Xm + (Iq * 16 + r) * kLdM + K * 16, Pt + (K - 2) * 16 * kLdP + Jq * 16 + c4, kLdP);
-      const float4 x = add4(s0, s1);  // nothing reads X_BT in fp32
-      *reinterpret_cast<uint2*>(Xb + (Iq * 16 + r) * kLdX + Jq * 16 + c4) = pack4(&x.x);
-    }
-  }
-  __syncthreads();  // X in bf16 is complete (its blocks above the diagonal are never read)
+  // ---- 6. X = (I + L)^-1 below its diagonal blocks (those were made beside the products above), in
+  // bf16 only (step 7 reads nothing else), on tensor cores: inverse_part1 above, then part 2 on
+  // warps 0-3.
+  if (warp < 4) inverse_part2(quarter, Lw, Xw, Xb, warp, lane);
+  __syncthreads();  // X in bf16 is complete (X above the diagonal is never read)
 
   // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
   // workspace layout (W where k was, U where beta exp(G) k was) and leave in two bulk copies

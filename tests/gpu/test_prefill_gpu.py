@@ -1,15 +1,16 @@
 """GPU tests of the CUDA kda_prefill modules (csrc/prefill) against a float64 token recurrence.
 
 Every module record of jit/modules/prefill_cuda.json (every route's module), both gates plus the
-log gate, extreme softplus decays, ragged lengths (0, 1, 63, 64, 65, ...), int32/int64 cu_seqlens,
+log gate (also slow decays with keys near one direction, where every block of the chunk inverse
+matters), extreme softplus decays, ragged lengths (0, 1, 63, 64, 65, ...), int32/int64 cu_seqlens,
 dense and pool states (padding index, null slot 0, untouched slots bitwise unchanged), checkpoints
 (slots past a sequence's count untouched), grouped heads where the module accepts them,
 determinism, CUDA-graph replay == eager (bitwise), non-default streams. Fresh random inputs each
 case; every output is NaN-poisoned before the call.
 
 Modules load through flashkda_ext.jit.load_module; FKDA_PREFILL_PREBUILT=<dir> loads <dir>/<name>.so
-instead (bring-up builds). Tolerance: rel. L2 6e-3 (fla chunk_kda on the same inputs: ~4e-3 out,
-~3e-3 state; these kernels measured the same on an H200).
+instead (bring-up builds). Tolerance: rel. L2 6e-3 unless a case names its own (fla chunk_kda on
+the same inputs: ~4e-3 out, ~3e-3 state; these kernels measured the same on an H200).
 """
 from __future__ import annotations
 
@@ -95,12 +96,14 @@ def recurrence(d, gate, lb, init, idx=None, null0=False, every=0, nck=0):
     return out, fin, cks
 
 
-def make(lens, H, HV, gate, *, extreme=False, cu64=False):
+def make(lens, H, HV, gate, *, extreme=False, cu64=False, slow=False):
     T = sum(lens)
     d = dict(q=torch.randn(1, T, H, K, device=DEV).bfloat16(), k=torch.randn(1, T, H, K, device=DEV).bfloat16(),
              v=torch.randn(1, T, HV, V, device=DEV).bfloat16(), beta=torch.randn(1, T, HV, device=DEV).bfloat16())
+    if slow:  # keys near one direction per head and decays near 1: no block of (I + L)^-1 is negligible
+        d["k"] = (torch.randn(1, T, H, K, device=DEV) * 0.5 + torch.randn(1, 1, H, K, device=DEV)).bfloat16()
     if gate == "log":
-        d["g"] = (-torch.rand(1, T, HV, K, device=DEV) * 0.3).bfloat16()
+        d["g"] = (-torch.rand(1, T, HV, K, device=DEV) * (0.01 if slow else 0.3)).bfloat16()
         d["A_log"] = d["dt_bias"] = None
     else:
         d["g"] = torch.randn(1, T, HV, K, device=DEV).bfloat16()
@@ -135,6 +138,10 @@ CASES = [
     dict(id="bounded_cu64", lens=[256, 100], H=16, HV=16, gate="bounded", cu64=True),
     dict(id="softplus_extreme", lens=[300, 37], H=2, HV=2, gate="softplus", extreme=True, init=True),
     dict(id="log_ckpt128", lens=[190, 77, 128], H=8, HV=8, gate="log", init=True, every=128, nck=2),
+    # every block of the chunk inverse matters here: a doubled term in one block below the diagonal
+    # (a bug caught in session 15) gave out / state 9.6e-3 / 1.4e-2, the kernels 4.7-4.9e-3 / 5.0-5.3e-3
+    # (H200), so this case has its own bound
+    dict(id="log_slow_shared_keys", lens=[256, 100], H=4, HV=4, gate="log", slow=True, init=True, tol=7.5e-3),
     dict(id="long_h16", lens=[2048], H=16, HV=16, gate="softplus", init=True),
     # 2200 sequences: at least kCuStaged (2176, kda_prefill_kernels.cuh), so the preparation kernel
     # searches cu_seqlens in global memory instead of its staged copy; mostly 0-4 tokens (one-chunk
@@ -150,7 +157,8 @@ def test_against_recurrence(rec, case):
     torch.manual_seed(hash((rec["name"], case["id"])) % (1 << 31))
     mod = load(rec["name"])
     st = sdtype(rec)
-    d = make(case["lens"], case["H"], case["HV"], case["gate"], extreme=case.get("extreme", False), cu64=case.get("cu64", False))
+    d = make(case["lens"], case["H"], case["HV"], case["gate"], extreme=case.get("extreme", False),
+             cu64=case.get("cu64", False), slow=case.get("slow", False))
     N, HV = len(case["lens"]), case["HV"]
     init = (torch.randn(N, HV, V, K, device=DEV) * 0.5).to(st) if case.get("init") else None
     ro, rf, rc = recurrence(d, case["gate"], -5.0, init, every=case.get("every", 0), nck=case.get("nck", 0))
@@ -160,14 +168,15 @@ def test_against_recurrence(rec, case):
     o = call(mod, d, case["gate"], init=init, fin=fin, ckpt=ckpt, every=case.get("every", 0), ws=ws)
     torch.cuda.synchronize()
     assert not torch.isnan(o).any()
-    assert rel(o[0], ro) < TOL
-    assert rel(fin, rf) < TOL
+    tol = case.get("tol", TOL)
+    assert rel(o[0], ro) < tol
+    assert rel(fin, rf) < tol
     if ckpt is not None:
         for n, L in enumerate(case["lens"]):
             cnt = min(L // case["every"], case["nck"])
             for m in range(case["nck"]):
                 if m < cnt:
-                    assert rel(ckpt[n, m], rc[n, m]) < TOL
+                    assert rel(ckpt[n, m], rc[n, m]) < tol
                 else:  # slots past the sequence's count stay untouched
                     assert torch.isnan(ckpt[n, m].float()).all()
     # deterministic, with and without a caller workspace
