@@ -233,10 +233,11 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.beta_logit = beta_is_logit ? 1 : 0;
     pa.ws = ws;
     pa.st = sa;
-    FKDA_CHECK(slots_chunks <= 0x7fffffff, fn) << "too many chunks: " << slots_chunks;
+    // one CTA a (chunk slot, value head), heads adjacent (see the kernel)
+    FKDA_CHECK(slots_chunks * HV <= 0x7fffffff, fn) << "too many chunks x value heads: " << slots_chunks * HV;
     ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT, kDiagMma>,
-               dim3(static_cast<unsigned>(slots_chunks), static_cast<unsigned>(HV)),
-               dim3(fkda_prefill::kLiteThreads), fkda_prefill::kLiteSmem, pa);
+               dim3(static_cast<unsigned>(slots_chunks * HV)), dim3(fkda_prefill::kLiteThreads),
+               fkda_prefill::kLiteSmem, pa);
   }
 
 #if FKDA_PARAM_VT != 0

@@ -1,6 +1,6 @@
 // KDA prefill on sm_90a: the chunked (WY / UT) form of docs DESIGN.md 2b, in two kernels.
 //
-//   kda_prep_lite_kernel  grid (chunk slots, HV), 256 threads, 2 CTAs/SM. Everything independent
+//   kda_prep_lite_kernel  grid (chunk slots x HV), 256 threads, 2 CTAs/SM. Everything independent
 //                         across chunks: gate + cumsum, l2norm, L and Aqk, (I+L)^-1, W, U,
 //                         Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
 //                         With StateArgs::single, a sequence of one chunk is finished here too
@@ -1163,8 +1163,11 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   int* safe = reinterpret_cast<int*>(smem + kLOffSafe);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t slot = blockIdx.x;
-  const int hv = blockIdx.y;
+  // CTA b is (chunk slot b / HV, value head b % HV): CTAs that run together read the same tokens'
+  // rows of q, k, v and g, whose heads are adjacent in memory (slot-major order read one head's rows
+  // 64 at a time, 4 KB apart at 16 heads)
+  const int64_t slot = blockIdx.x / unsigned(a.HV);
+  const int hv = static_cast<int>(blockIdx.x - unsigned(slot) * unsigned(a.HV));
   // The CTA's sequence. Searched in global memory each step is a dependent load (log2 N round
   // trips before the chunk's loads can be addressed), so up to kCuStaged offsets are first read
   // by all threads at once into L's region (free until step 3) and searched there.
