@@ -53,8 +53,10 @@ constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
 // One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
 // shared memory (padded rows), so it moves with one bulk copy: [W | Qg | Kd] bf16 [64][kLdB],
 // Aqk bf16 [64][kLdX], exp(G_C) fp32 [128], then U in 16-column blocks bf16 [8][64][kLdU16]
-// (a V tile of the state pass is a run of whole blocks).
-constexpr int kLdU16 = 16 + 8;
+// (a V tile of the state pass is a run of whole blocks). U's rows are not padded: it is only read
+// and written as 4-byte pairs (2-way bank conflicts), and padding made it a third of every slot's
+// bytes that carry nothing.
+constexpr int kLdU16 = 16;
 constexpr size_t kWsW = 0;
 constexpr size_t kWsQg = kWsW + size_t(kC) * kLdB * 2;
 constexpr size_t kWsKd = kWsQg + size_t(kC) * kLdB * 2;
@@ -81,7 +83,7 @@ inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t v
 
 // ---- state kernel shared memory map --------------------------------------------------------------
 // Default ring depth of the state pass: chunk c+NS-1 is loading while chunk c is used (3 deep where
-// shared memory allows). One CTA an SM at these depths (176-220 KB).
+// shared memory allows). One CTA an SM at these depths (168-214 KB).
 template <int VT>
 constexpr int default_ring() { return VT <= 32 ? 3 : 2; }
 
