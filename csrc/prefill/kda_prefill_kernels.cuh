@@ -1305,15 +1305,10 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();  // G and the diagonal blocks' flags (safe) are complete
 
-  // ---- 2. exp(G_C) to the workspace; zeros in Aqk's strictly-upper 16x16 blocks.
+  // ---- 2. exp(G_C) to the workspace. Aqk's strictly-upper 16x16 blocks are left unwritten, like
+  // the slot's row padding: the output's products stop at the diagonal block (ks <= w in
+  // output_and_update and finish_output).
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
-  if (tid < 192) {
-    // blocks (I, J), J > I: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3); 16 rows x 2 vectors each
-    const int p = tid >> 5, rr = (tid >> 1) & 15, h = tid & 1;
-    const int I = p < 3 ? 0 : (p < 5 ? 1 : 2);
-    const int J = p < 3 ? p + 1 : (p < 5 ? p - 1 : 3);
-    *reinterpret_cast<uint4*>(Aw + (16 * I + rr) * kLdX + 16 * J + 8 * h) = make_uint4(0, 0, 0, 0);
-  }
 
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
   // Two warps a block. The 8 lanes of group p own the rows il = p and 15 - p: (p + 1) + (16 - p)
