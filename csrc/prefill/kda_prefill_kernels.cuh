@@ -47,7 +47,7 @@ constexpr int kV = 128;  // value head dim
 
 constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows hit distinct banks)
 constexpr int kLdG = kK + 4;       // fp32 rows of G
-constexpr int kLdM = kC + 4;       // fp32 64x64 matrices (L, X): 16-byte rows
+constexpr int kLdM = kC + 4;       // 64x64 matrices of fp32 or split words (L, X): 16-byte rows
 constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
 
 // One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
@@ -276,6 +276,20 @@ __device__ __forceinline__ uint2 split_words(float x0, float x1) {
   uint32_t hi, lo;
   split2(x0, x1, hi, lo);
   return make_uint2(__byte_perm(hi, lo, 0x5410), __byte_perm(hi, lo, 0x7632));
+}
+// X(row, col) = x0 and X(row + 1, col) = x1 (a column pair), or X(row, col) = x0 and X(row, col + 1)
+// = x1 (a row pair, col even): as split words (Xw) and in bf16 (Xb, the words' hi halves).
+__device__ __forceinline__ void store_x_column_pair(uint32_t* Xw, bf16* Xb, int row, int col, float x0, float x1) {
+  const uint2 w = split_words(x0, x1);
+  Xw[row * kLdM + col] = w.x;
+  Xw[(row + 1) * kLdM + col] = w.y;
+  Xb[row * kLdX + col] = __ushort_as_bfloat16(static_cast<unsigned short>(w.x));
+  Xb[(row + 1) * kLdX + col] = __ushort_as_bfloat16(static_cast<unsigned short>(w.y));
+}
+__device__ __forceinline__ void store_x_row_pair(uint32_t* Xw, bf16* Xb, int row, int col, float x0, float x1) {
+  const uint2 w = split_words(x0, x1);
+  *reinterpret_cast<uint2*>(Xw + row * kLdM + col) = w;
+  *reinterpret_cast<uint32_t*>(Xb + row * kLdX + col) = __byte_perm(w.x, w.y, 0x5410);
 }
 
 // Elementwise passes over a 64 x 128 tile in 4-column pieces: item e is row e / 32, columns
@@ -877,7 +891,7 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
 // forward substitution into X (split words for step 6, and bf16), on 2 partial sums (a single fma
 // chain left the warp waiting on fma latency). Above the diagonal it gives exact zeros. Two blocks
 // a warp (16 lanes each): their reads of L are 16 banks apart.
-__device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float* Xm, bf16* Xb, int blk, int cc) {
+__device__ __forceinline__ void diag_block_inverse_column(const float* Lm, uint32_t* Xw, bf16* Xb, int blk, int cc) {
   const float* Lb = Lm + blk * 16 * kLdM + blk * 16;
   float x[16];
 #pragma unroll
@@ -890,15 +904,8 @@ __device__ __forceinline__ void diag_block_inverse_column(const float* Lm, float
     }
     x[i] = s0 + s1;
   }
-  uint32_t* Xw = reinterpret_cast<uint32_t*>(Xm);
 #pragma unroll
-  for (int i = 0; i < 16; i += 2) {
-    const uint2 w = split_words(x[i], x[i + 1]);
-    Xw[(blk * 16 + i) * kLdM + blk * 16 + cc] = w.x;
-    Xw[(blk * 16 + i + 1) * kLdM + blk * 16 + cc] = w.y;
-    Xb[(blk * 16 + i) * kLdX + blk * 16 + cc] = __ushort_as_bfloat16(static_cast<unsigned short>(w.x));
-    Xb[(blk * 16 + i + 1) * kLdX + blk * 16 + cc] = __ushort_as_bfloat16(static_cast<unsigned short>(w.y));
-  }
+  for (int i = 0; i < 16; i += 2) store_x_column_pair(Xw, Xb, blk * 16 + i, blk * 16 + cc, x[i], x[i + 1]);
 }
 
 // ---- X = (I + L)^-1 below its diagonal blocks, on tensor cores (step 6) ------------------------
@@ -996,14 +1003,8 @@ __device__ __forceinline__ QuarterTerms inverse_part1(const uint32_t* Lw, uint32
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 + 8 * nn + 2 * tq, col = g + 8 * h;
-        const uint2 w = split_words(-x[nn][2 * h], -x[nn][2 * h + 1]);
-        Xw[row * kLdM + col] = w.x;
-        Xw[(row + 1) * kLdM + col] = w.y;
-        Xb[row * kLdX + col] = __ushort_as_bfloat16(static_cast<unsigned short>(w.x));
-        Xb[(row + 1) * kLdX + col] = __ushort_as_bfloat16(static_cast<unsigned short>(w.y));
-      }
+      for (int h = 0; h < 2; ++h)
+        store_x_column_pair(Xw, Xb, 16 + 8 * nn + 2 * tq, g + 8 * h, -x[nn][2 * h], -x[nn][2 * h + 1]);
   } else if (warp == 5) {  // X_32 in C layout: c[nn][2 h + e] is X_32[g + 8 h][8 nn + 2 tq + e]
     float r[2][4] = {}, x[2][4] = {};
     mma16_split(r, load_a_split<false>(block16(Xw, 3, 3), g, tq),
@@ -1012,12 +1013,8 @@ __device__ __forceinline__ QuarterTerms inverse_part1(const uint32_t* Lw, uint32
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 48 + g + 8 * h, col = 32 + 8 * nn + 2 * tq;
-        const uint2 w = split_words(-x[nn][2 * h], -x[nn][2 * h + 1]);
-        *reinterpret_cast<uint2*>(Xw + row * kLdM + col) = w;
-        *reinterpret_cast<uint32_t*>(Xb + row * kLdX + col) = __byte_perm(w.x, w.y, 0x5410);
-      }
+      for (int h = 0; h < 2; ++h)
+        store_x_row_pair(Xw, Xb, 48 + g + 8 * h, 32 + 8 * nn + 2 * tq, -x[nn][2 * h], -x[nn][2 * h + 1]);
   }
   return t;
 }
@@ -1063,7 +1060,7 @@ constexpr int kLOffTot = kLOffBeta + kC * 4;
 constexpr int kLOffSafe = kLOffTot + 4 * kK * 4;         // int [4]: diagonal block I on tensor cores
 constexpr int kLOffSeq = kLOffSafe + 16;                  // SeqOfChunk: kept here, not in registers
 constexpr int kLiteSmem = kLOffSeq + 16;
-static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X in fp32 and bf16 fits where G was");
+static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X as split words and in bf16 fits where G was");
 static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
 static_assert(96 * kLdB * 2 >= int((kV / 16) * kUBlockBytes) && kLdB * kC * 2 == int(kWsQg - kWsW),
@@ -1152,7 +1149,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
-  float* Xm = reinterpret_cast<float*>(smem + kLOffX);
+  uint32_t* Xw = reinterpret_cast<uint32_t*>(smem + kLOffX);  // X: split words (diagonal blocks, X_10, X_32)
   bf16* Xb = reinterpret_cast<bf16*>(smem + kLOffXb);
   bf16* Qs = reinterpret_cast<bf16*>(smem + kLOffQ);
   bf16* Bu = Qs;  // beta V, once q is dead
@@ -1412,7 +1409,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   __syncthreads();  // the operands are complete; G is dead (X lives there)
   if (warp >= 6) {  // the diagonal blocks of X (step 6), beside the products: L's are complete
-    diag_block_inverse_column(Lm, Xm, Xb, 2 * (warp - 6) + (lane >> 4), lane & 15);
+    diag_block_inverse_column(Lm, Xw, Xb, 2 * (warp - 6) + (lane >> 4), lane & 15);
   } else {  // lower block (I, J): (1,0) (2,0) (2,1) (3,0) (3,1) (3,2), L and Aqk together
     const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - I * (I - 1) / 2;
     const int rrow = J == I - 1 ? 16 * J : (J == I - 2 ? 48 + 16 * J : 80);
@@ -1444,7 +1441,6 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 5. B operands: beta V (into q's region), beta exp(G) k (from step 4, into the operand region),
   // beside the first part of step 6.
   const uint32_t* Lw = reinterpret_cast<const uint32_t*>(Lm);
-  uint32_t* Xw = reinterpret_cast<uint32_t*>(Xm);
   QuarterTerms quarter = inverse_part1(Lw, Xw, Xb, warp, lane);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
