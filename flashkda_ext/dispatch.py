@@ -6,7 +6,7 @@ evaluates them. Selection never looks at device memory, so it never synchronizes
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from . import jit
 
@@ -29,6 +29,14 @@ def rule_matches(when: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
         elif meta.get(key) != want:
             return False
     return True
+
+
+def prefill_workspace_need(module, total_tokens: int, num_seqs: int, value_heads: int) -> Optional[int]:
+    """Bytes of scratch a prefill module needs for these sizes, or None when it takes none (the CPU
+    backend): the one place both front ends (torch, JAX) ask it."""
+    if not module.implements_function("kda_prefill_workspace_bytes"):
+        return None
+    return int(module["kda_prefill_workspace_bytes"](total_tokens, num_seqs, value_heads))
 
 
 def select_rule(family: str, meta: Mapping[str, Any]) -> dict:

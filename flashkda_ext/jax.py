@@ -270,11 +270,10 @@ def _route(family: str, call) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _prefill_module_info(module_name: str):
-    """(chunk size, the module or None when it takes no workspace) of a prefill module."""
+    """(chunk size, the loaded module) of a prefill module."""
     params = jit.get_record(module_name).get("params", {})
     chunk = int(params.get("CHUNK", params.get("chunk", 1)))
-    module = jit.load_module(module_name)
-    return chunk, (module if module.implements_function("kda_prefill_workspace_bytes") else None)
+    return chunk, jit.load_module(module_name)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -547,7 +546,7 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
     if cs is not None:
         _check_host_offsets(cs, call.seqlen, max_seqlen)
     module_name = _route("kda_prefill", call)
-    chunk, ws_module = _prefill_module_info(module_name)
+    chunk, module = _prefill_module_info(module_name)
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{module_name}, got {call.checkpoint_every}")
@@ -572,8 +571,8 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
         results.append(("checkpoints", (call.num_seqs, call.checkpoint_slots, HV, V, K), sdtype,
                         "checkpoints"))
     graph_safe = _GRAPH_SAFE["kda_prefill"]
-    if ws_module is not None:
-        need = int(ws_module["kda_prefill_workspace_bytes"](call.total_tokens, call.num_seqs, HV))
+    need = dispatch.prefill_workspace_need(module, call.total_tokens, call.num_seqs, HV)
+    if need is not None:
         results.append(("workspace", (max(need, 1),), "uint8", None))
         graph_safe = True  # scratch comes from XLA, not from an allocation inside the call
     plan = _Plan(

@@ -98,16 +98,9 @@ def _prefill_route_for(meta_items: tuple):
     return rule, jit.load_module(rule["module"]), chunk
 
 
-def _workspace_need(module, total_tokens: int, num_seqs: int, value_heads: int) -> Optional[int]:
-    """Bytes of scratch the module's prefill needs, or None when it takes none (the CPU backend)."""
-    if not module.implements_function("kda_prefill_workspace_bytes"):
-        return None
-    return int(module["kda_prefill_workspace_bytes"](total_tokens, num_seqs, value_heads))
-
-
 def _prefill_workspace(need: Optional[int], device, workspace):
-    """Scratch memory of `need` bytes (_workspace_need) for the CUDA prefill; a caller-given buffer
-    makes the call graph-capturable."""
+    """Scratch memory of `need` bytes (dispatch.prefill_workspace_need) for the CUDA prefill; a
+    caller-given buffer makes the call graph-capturable."""
     if need is None:
         return workspace
     if workspace is not None:
@@ -130,7 +123,7 @@ def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
             "max_seqlen": None, "work_items": N * v.shape[2], "state": state, "offset": "o32",
             "gate": "softplus", "checkpoints": False}
     module = jit.load_module(dispatch.module_name("kda_prefill", meta))
-    need = _workspace_need(module, B * T, N, v.shape[2])
+    need = dispatch.prefill_workspace_need(module, B * T, N, v.shape[2])
     return 0 if need is None else need
 
 
@@ -183,7 +176,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=ckpt, out=result[0]))
-    need = _workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+    need = dispatch.prefill_workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
     ws = _prefill_workspace(need, q.device, workspace)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, call.checkpoint_every)
     module["kda_prefill"](*args, ws, *tail)
