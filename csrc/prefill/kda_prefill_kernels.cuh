@@ -575,20 +575,24 @@ __device__ __forceinline__ void output_and_update(float (&o)[KS][VT / 8][4], flo
   zero_acc(t);
 #pragma unroll
   for (int ks = 0; ks < kC / 16; ++ks) {
-    const bool out_step = ks <= w;  // warp-uniform; ks stays a constant (register arrays)
+    // Aqk's blocks above the diagonal (ks > w) are never written: their fragment is loaded anyway
+    // and replaced by zeros, so every warp runs the same straight-line code. A branch on the
+    // warp-uniform ks <= w made each guarded ldmatrix / mma a predicated one behind a WARPSYNC;
+    // warp 3 does every k-step either way, and the others wait for it at the next barrier.
+    const bool out_step = ks <= w;
     uint32_t ak[2][4], aa[4];
     load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
     load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
-    if (out_step) load_a(aa, As, kLdX, w * 16, ks * 16, lane);
+    load_a(aa, As, kLdX, w * 16, ks * 16, lane);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) aa[e] = out_step ? aa[e] : 0u;
 #pragma unroll
     for (int np = 0; np < NP; ++np) {
       uint32_t bb[4];
       load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
       update_mma<VT, KS>(s, t, ak, bb, ks, np);
-      if (out_step) {
-        mma_bf16(o[ks % KS][2 * np], aa, bb);
-        mma_bf16(o[ks % KS][2 * np + 1], aa, bb + 2);
-      }
+      mma_bf16(o[ks % KS][2 * np], aa, bb);
+      mma_bf16(o[ks % KS][2 * np + 1], aa, bb + 2);
     }
   }
   add_update_partial<VT, KS>(s, t);
