@@ -1307,8 +1307,8 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   __syncthreads();  // G and the diagonal blocks' flags (safe) are complete
 
   // ---- 2. exp(G_C) to the workspace. Aqk's strictly-upper 16x16 blocks are left unwritten, like
-  // the slot's row padding: the output's products stop at the diagonal block (ks <= w in
-  // output_and_update and finish_output).
+  // the slot's row padding: no product uses them (finish_output stops at the diagonal block;
+  // output_and_update replaces their fragments by zeros).
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
 
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
