@@ -172,6 +172,23 @@ def prefill_case(lengths, H, D, cfg, gen, trace_dir):
     return harness.Case(name, dict(op="kda_prefill", lengths=list(lengths), heads=H, head_dim=D), arms)
 
 
+def overhead(slow: dict, fast: dict) -> dict:
+    """What the slower arm adds over the faster one, from two wall-time summaries (us): the
+    difference of the medians, and the noise it is read against (half of each arm's p10-p90 spread,
+    added). A difference inside the noise is not a measured overhead: `us` is then 0 and `resolved`
+    False, with the raw difference kept (a negative one is the noise, not a speed-up)."""
+    diff = slow["median"] - fast["median"]
+    noise = ((slow["p90"] - slow["p10"]) + (fast["p90"] - fast["p10"])) / 2
+    resolved = diff > noise
+    return {"us": diff if resolved else 0.0, "measured_us": diff, "noise_us": noise, "resolved": resolved}
+
+
+def format_overhead(name: str, o: dict) -> str:
+    if o["resolved"]:
+        return f"{name} {o['us']:.1f} us (noise +-{o['noise_us']:.1f})"
+    return f"{name} within noise (median difference {o['measured_us']:+.1f} us, noise +-{o['noise_us']:.1f})"
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     cfg = harness.config_from_args(args)
@@ -198,17 +215,14 @@ def main(argv=None) -> int:
                 run.skipped.append({"case": f"{build.__name__}({size})", "error": f"{type(e).__name__}: {e}"[:400]})
                 continue
             rec = run.add(case)
-            t = {a: rec["arms"][a]["time_us"].get("wall", {}).get("median") for a in rec["arms"]}
-            if t.get("op") and t.get("direct"):
-                rec["notes"]["validate_dispatch_us"] = t["op"] - t["direct"]
-            if t.get("op_full") and t.get("direct"):
-                rec["notes"]["full_check_us"] = t["op_full"] - t["direct"]
-            if t.get("op") and t.get("traced"):
-                rec["notes"]["trace_us"] = t["traced"] - t["op"]
+            wall = {a: rec["arms"][a]["time_us"].get("wall", {}) for a in rec["arms"]}
+            for note, slow, fast in (("validate_dispatch", "op", "direct"), ("full_check", "op_full", "direct"),
+                                     ("trace", "traced", "op")):
+                if wall.get(slow, {}).get("median") and wall.get(fast, {}).get("median"):
+                    rec["notes"][note] = overhead(wall[slow], wall[fast])
         run.finish()
         for rec in run.results:
-            n = rec["notes"]
-            parts = [f"{k} {v:.1f} us" for k, v in n.items() if isinstance(v, float)]
+            parts = [format_overhead(k, v) for k, v in rec["notes"].items() if isinstance(v, dict) and "us" in v]
             if parts:
                 print(f"{rec['name']}: " + ", ".join(parts))
     return 0

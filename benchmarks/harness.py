@@ -52,7 +52,19 @@ if (_REPO / "flashkda_ext" / "__init__.py").is_file() and str(_REPO) not in sys.
 
 MODES = ("graph", "eager", "wall")     # the default set
 ALL_MODES = MODES + ("kernel",)        # kernel: profiler kernel time, only when asked for (slow)
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+
+def _default_out() -> Path:
+    """Where results go without --out: a folder under the JIT cache dir ($FLASHKDA_EXT_CACHE_DIR,
+    else ~/.cache/flashkda_ext), so a run never writes into the checkout; results worth keeping are
+    copied into benchmarks/results/ by hand, named for what they are."""
+    from flashkda_ext import paths
+
+    return paths.cache_dir() / "bench-results"
+
+
+DEFAULT_OUT = _default_out()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,14 +229,13 @@ class Progress:
 
 
 def summarize(samples_us: Sequence[float]) -> dict:
+    """Median, p10 and p90 (deciles interpolated between samples, statistics.quantiles'
+    'inclusive' method), min and count of the samples."""
     s = sorted(samples_us)
     if not s:
         return {"median": None, "p10": None, "p90": None, "min": None, "n": 0}
-
-    def q(p):
-        return s[min(len(s) - 1, max(0, int(round(p * (len(s) - 1)))))]
-
-    return {"median": statistics.median(s), "p10": q(0.1), "p90": q(0.9), "min": s[0], "n": len(s)}
+    deciles = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
+    return {"median": statistics.median(s), "p10": deciles[0], "p90": deciles[-1], "min": s[0], "n": len(s)}
 
 
 def geomean(xs: Iterable[float]) -> Optional[float]:

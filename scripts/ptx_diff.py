@@ -1,4 +1,4 @@
-"""Normalised PTX of CUDA modules from two source trees, kernel by kernel (flashkda_ext.jit.ptxdiff):
+"""Normalised PTX of CUDA modules from two source trees, kernel by kernel (flashkda_ext.devtools.ptxdiff):
 is a refactor a no-op for the GPU code? No GPU needed, only nvcc.
 
     git archive <rev> csrc jit | tar x -C /tmp/base
@@ -8,7 +8,7 @@ Exit status 0 when every kernel is identical, 1 when one differs.
 """
 import sys
 
-from flashkda_ext.jit.ptxdiff import main
+from flashkda_ext.devtools.ptxdiff import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """Machine-code (SASS) statistics of CUDA modules, optionally against a baseline tree
-(flashkda_ext.jit.sass): registers, spills, instruction counts, branches, barriers. No GPU needed,
+(flashkda_ext.devtools.sass): registers, spills, instruction counts, branches, barriers. No GPU needed,
 only nvcc, cuobjdump and the nvdisasm it runs (the CUDA toolkit's, or
 `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
 
@@ -8,7 +8,7 @@ only nvcc, cuobjdump and the nvdisasm it runs (the CUDA toolkit's, or
 """
 import sys
 
-from flashkda_ext.jit.sass import main
+from flashkda_ext.devtools.sass import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from flashkda_ext import paths
-from flashkda_ext.jit import JitDisabledError, get_record, load_module, testing
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import JitDisabledError, get_record, load_module
 from flashkda_ext.jit import loader
 
 AOT_PY = paths.PACKAGE_DIR.parent / "aot.py"

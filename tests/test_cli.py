@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashkda_ext import cli, jit
+from flashkda_ext.cli import bench, selftest, selftest_cases, selftest_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,14 +47,16 @@ def test_selftest_cpu_passes():
     """The README's main job on this machine (CPU routes; the nvcc compile check is tested below)."""
     r = run_cli("selftest", "--cpu-only", "--no-compile-check", timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "PASS" in r.stdout and "FAIL" not in r.stdout.split("family")[-1]
+    assert "PASS" in r.stdout and "FAIL" not in r.stdout
     for fam in ("kda_decode", "kda_prefill", "fused_kda_decode"):
         assert f"cpu_{fam}" in r.stdout
+    wide = [line for line in r.stdout.splitlines() if len(line) > selftest_cases.LINE_WIDTH]
+    assert not wide, wide
 
 
 def test_selftest_reports_failures(monkeypatch, capsys):
     """With a zero tolerance every inexact result fails, and the exit code says so."""
-    monkeypatch.setattr(cli, "tolerance", lambda *d: 0.0)
+    monkeypatch.setattr(selftest_cases, "tolerance", lambda *d: 0.0)
     rc = cli.main(["selftest", "--cpu-only", "--no-compile-check", "--only", "kda_decode:f32*", "--seed", "3"])
     out = capsys.readouterr().out
     assert rc == 1
@@ -74,10 +77,10 @@ def test_selftest_json(tmp_path, capsys):
 
 def test_max_rel_err_catches_nan_and_shape():
     a = torch.ones(3)
-    assert cli.max_rel_err(a, a) == 0.0
-    assert cli.max_rel_err(torch.tensor([1.0, float("nan"), 1.0]), a) == float("inf")
-    assert cli.max_rel_err(torch.ones(2), a) == float("inf")
-    assert abs(cli.max_rel_err(torch.tensor([1.0, 1.5]), torch.tensor([1.0, 2.0])) - 0.25) < 1e-12
+    assert selftest_cases.max_rel_err(a, a) == 0.0
+    assert selftest_cases.max_rel_err(torch.tensor([1.0, float("nan"), 1.0]), a) == float("inf")
+    assert selftest_cases.max_rel_err(torch.ones(2), a) == float("inf")
+    assert abs(selftest_cases.max_rel_err(torch.tensor([1.0, 1.5]), torch.tensor([1.0, 2.0])) - 0.25) < 1e-12
 
 
 def test_compile_check_without_nvcc_says_skipped(monkeypatch):
@@ -87,12 +90,12 @@ def test_compile_check_without_nvcc_says_skipped(monkeypatch):
         raise jit.ToolchainError("no CUDA compiler found")
 
     monkeypatch.setattr(toolchain, "find_nvcc", missing)
-    o = cli.compile_check(fresh=False)
+    o = selftest.compile_check(fresh=False)
     assert o.status == "SKIP" and o.detail == "skipped: no nvcc"
 
 
 def test_compile_check_picks_a_cuda_module():
-    rec = cli.pick_compile_module()
+    rec = selftest.pick_compile_module()
     cuda = [r for r in jit.all_records() if r["backend"] == "cuda"]
     if not cuda:
         assert rec is None
@@ -104,11 +107,11 @@ def test_cuda_case_choice_hits_every_reachable_rule():
     """The GPU selftest's shapes come from host metadata only: check on CPU (meta tensors) that each
     CUDA route rule a candidate can reach is chosen once, and that every chosen case really selects
     the module it is labelled with."""
-    specs, unreached = cli.cuda_specs(quick=False, big_pool_bytes=64 << 30)
+    specs, unreached = selftest_shapes.cuda_specs(quick=False, big_pool_bytes=64 << 30)
     for s in specs:
         assert s.device == "cuda"
-        assert cli._spec_meta(s)[1] == s.extra["module"]
-    keys = [(s.family, cli._spec_meta(s)) for s in specs]
+        assert selftest_shapes._spec_meta(s)[1] == s.extra["module"]
+    keys = [(s.family, selftest_shapes._spec_meta(s)) for s in specs]
     assert len(keys) == len(set(keys))
     # decode: when its routes exist, the repeated-slot rule is among those reached
     try:
@@ -116,7 +119,7 @@ def test_cuda_case_choice_hits_every_reachable_rule():
     except KeyError:
         rules = set()
     if "repeated" in rules:
-        assert any(cli._spec_meta(s)[0] == "repeated" for s in specs if s.family == "kda_decode")
+        assert any(selftest_shapes._spec_meta(s)[0] == "repeated" for s in specs if s.family == "kda_decode")
 
 
 def test_build_list_and_trace_commands(capsys, tmp_path):
@@ -141,7 +144,7 @@ def test_build_cpu_module(capsys):
 def test_bench_runs_the_script(capfd):
     """`bench NAME [flags]` runs benchmarks/<script> with the flags passed on (here just --help; the
     scripts' CPU dry runs are tested in test_bench_harness.py)."""
-    if cli.benchmarks_dir() is None:
+    if bench.benchmarks_dir() is None:
         pytest.skip("no benchmarks/ folder (installed wheel)")
     assert cli.main(["bench", "fused", "--help"]) == 0
     out = capfd.readouterr().out
@@ -161,3 +164,179 @@ def test_trace_dump_every_op(op, extra, tmp_path):
     d = json.loads(out.read_text())
     trace.validate_definition(d)
     assert d["name"].startswith(op)
+
+
+# ---------------------------------------------------------------------------------------------
+# the defects of issue 34, one test each
+
+
+def test_selftest_with_jit_disabled_builds_nothing(tmp_path):
+    """selftest loads modules as the ops do: with FLASHKDA_EXT_DISABLE_JIT=1 and no AOT artifact it
+    reports the loader's refusal per case and builds nothing (it used to rebuild every CPU module)."""
+    cache, aot = tmp_path / "cache", tmp_path / "aot"
+    aot.mkdir()
+    env = dict(os.environ, FLASHKDA_EXT_DISABLE_JIT="1", FLASHKDA_EXT_CACHE_DIR=str(cache),
+               FLASHKDA_EXT_AOT_DIR=str(aot))
+    env.pop("FLASHKDA_EXT_TRACE_DIR", None)
+    r = subprocess.run([sys.executable, "-m", "flashkda_ext", "selftest", "--cpu-only", "--only", "kda_decode:f32*",
+                        "--seed", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "FLASHKDA_EXT_DISABLE_JIT=1 forbids" in r.stdout
+    assert "JIT:" not in r.stdout and "built in" not in r.stdout
+    assert not list(cache.rglob("*.so")) and not list(cache.rglob("meta.json"))
+    assert "compile check" in r.stdout and "SKIP" in r.stdout   # the nvcc check builds too: skipped
+
+
+@pytest.fixture
+def fresh_loads(monkeypatch):
+    """An empty FIRST_LOAD_S for the test (the cases and the driver share the one dict)."""
+    loads = {}
+    monkeypatch.setattr(selftest_cases, "FIRST_LOAD_S", loads)
+    monkeypatch.setattr(selftest, "FIRST_LOAD_S", loads)
+    return loads
+
+
+def test_prebuild_takes_a_verified_aot_artifact_and_builds_nothing(monkeypatch, fresh_loads):
+    from flashkda_ext.jit import loader
+
+    loaded = []
+    monkeypatch.setattr(loader, "find_aot", lambda rec, arch, root=None: (Path("/aot/x.so"), []))
+    monkeypatch.setattr(jit, "ensure_built", lambda *a, **k: pytest.fail("built although an AOT artifact verified"))
+    monkeypatch.setattr(loader, "load_module", lambda name, *a, **k: loaded.append(name))
+    assert selftest.prebuild(["cpu_kda_decode"]) == {}
+    assert loaded == ["cpu_kda_decode"] and "cpu_kda_decode" in fresh_loads
+
+
+def test_load_time_is_the_load_not_the_build(monkeypatch, fresh_loads, capsys):
+    """Right after a build, a case's "load" is the module's first load, timed apart from the build."""
+    import time
+
+    from flashkda_ext.jit import loader
+
+    def slow_build(name, arch=None, **kw):
+        time.sleep(0.5)
+        return jit.BuildResult(name, "host", "0" * 64, Path("/cache/x.so"), True, 0.5, {})
+
+    monkeypatch.setattr(loader, "find_aot", lambda rec, arch, root=None: (None, []))
+    monkeypatch.setattr(loader, "jit_disabled", lambda: False)
+    monkeypatch.setattr(jit, "ensure_built", slow_build)
+    monkeypatch.setattr(loader, "load_module", lambda name, *a, **k: time.sleep(0.02))
+    assert selftest.prebuild(["cpu_kda_decode"]) == {}
+    assert 0.015 < fresh_loads["cpu_kda_decode"] < 0.4
+    assert "built in 0.5 s" in capsys.readouterr().out
+    assert selftest_cases.load_seconds("cpu_kda_decode") == fresh_loads["cpu_kda_decode"]
+
+
+def test_selftest_only_matching_nothing_says_so(capsys):
+    rc = cli.main(["selftest", "--cpu-only", "--no-compile-check", "--only", "nosuch"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--only nosuch matched no case" in err and "kda_decode" in err
+
+
+def test_bench_help_exits_zero(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "bench_prefill.py" in out
+    assert cli.main(["bench"]) == 2
+    assert "name a benchmark" in capsys.readouterr().err
+
+
+def test_build_unknown_module_is_a_short_error_with_suggestions(capsys):
+    assert cli.main(["build", "cpu_kda_decod"]) == 2
+    err = capsys.readouterr().err
+    assert "no module matches 'cpu_kda_decod'" in err and "did you mean cpu_kda_decode" in err
+    assert len(err) < 400        # not the whole list of module names
+    assert cli.main(["build", "nosuch_module"]) == 2
+    err = capsys.readouterr().err
+    assert "'nosuch_module'" in err and "build --list" in err and len(err) < 400
+
+
+def test_build_backend_alone_builds_that_backend(monkeypatch, capsys):
+    built = []
+
+    def fake_build(name, arch=None, **kw):
+        built.append(name)
+        return jit.BuildResult(name, "host", "0" * 64, Path(f"/cache/{name}.so"), False, 0.0, {})
+
+    monkeypatch.setattr(jit, "ensure_built", fake_build)
+    assert cli.main(["build", "--backend", "cpu"]) == 0
+    cpu = sorted(r["name"] for r in jit.all_records() if r["backend"] == "cpu")
+    assert sorted(built) == cpu
+    out = capsys.readouterr().out
+    assert f"{len(cpu)}/{len(cpu)} ok" in out
+    assert cli.main(["build", "--backend", "cpu", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert sorted(listed) == cpu
+    assert cli.main(["build"]) == 2
+    assert "--backend" in capsys.readouterr().err
+
+
+def _walk_parsers(parser, path=()):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk_parsers(sub, path + (name,))
+
+
+def test_every_option_has_help_text():
+    import argparse
+
+    missing = []
+    for path, parser in _walk_parsers(cli.build_parser()):
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not action.help:
+                missing.append(" ".join(path + (action.dest,)))
+    assert not missing
+
+
+def _bench_module(name):
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_bench_results_default_outside_the_checkout(monkeypatch, tmp_path):
+    if bench.benchmarks_dir() is None:
+        pytest.skip("no benchmarks/ folder (installed wheel)")
+    harness = _bench_module("harness")
+    assert ROOT not in harness.DEFAULT_OUT.resolve().parents
+    monkeypatch.setenv("FLASHKDA_EXT_CACHE_DIR", str(tmp_path))
+    assert harness._default_out() == tmp_path / "bench-results"
+    decode = _bench_module("bench_decode")
+    cfg = harness.config_from_args(decode.parse([]))
+    assert ROOT not in Path(cfg.out_dir).resolve().parents
+
+
+def test_bench_overhead_never_negative():
+    if bench.benchmarks_dir() is None:
+        pytest.skip("no benchmarks/ folder (installed wheel)")
+    ov = _bench_module("bench_overhead")
+    summary = lambda median, spread: {"median": median, "p10": median - spread, "p90": median + spread}  # noqa: E731
+    noisy = ov.overhead(summary(10.0, 1.0), summary(10.4, 1.0))      # "op" faster than "direct": noise
+    assert noisy["us"] == 0.0 and not noisy["resolved"] and noisy["measured_us"] < 0
+    text = ov.format_overhead("validate_dispatch", noisy)
+    assert "within noise" in text and "-0.4" in text and "noise +-2.0" in text
+    real = ov.overhead(summary(15.0, 0.5), summary(10.0, 0.5))
+    assert real["resolved"] and real["us"] == 5.0
+    assert ov.format_overhead("trace", real) == "trace 5.0 us (noise +-1.0)"
+
+
+def test_outcome_lines_fit_100_columns():
+    o = selftest_cases.Outcome("kda_prefill", "T=8x1088 HV=64 bf16 softplus pool ckpt=64 slots=2097153 extra",
+                               "cuda", route="pool_varlen_checkpointed_long", module="prefill_fast_vt64s_bf16_o64",
+                               status="FAIL", out_err=1.23e-3, state_err=4.5e-2, tol=3e-2, load_s=0.012,
+                               call_ms=12.5, detail="error 4.50e-02 > tol 3e-02; " * 8)
+    lines = o.lines()
+    assert all(len(line) <= selftest_cases.LINE_WIDTH for line in lines), lines
+    text = "\n".join(lines)
+    assert "prefill_fast_vt64s_bf16_o64" in text and "load 12 ms" in text and "call 12.50 ms" in text

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashkda_ext.jit import (BuildError, JitDisabledError, ToolchainError, ensure_built,
-                              load_module, testing)
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import BuildError, JitDisabledError, ToolchainError, ensure_built, load_module
 from flashkda_ext.jit import builder, loader
 
 

@@ -3,7 +3,8 @@
 
 import pytest
 
-from flashkda_ext.jit import ensure_built, testing
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import ensure_built
 from flashkda_ext.jit.checks import parse_ptxas, resource_problems
 from flashkda_ext.jit.toolchain import have_nvcc
 

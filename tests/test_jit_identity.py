@@ -4,7 +4,8 @@ import json
 import shutil
 
 from flashkda_ext import supported
-from flashkda_ext.jit import get_record, module_identity, testing
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import get_record, module_identity
 from flashkda_ext.jit.identity import identity_inputs, include_closure
 
 COMPILER = {"cxx": "g++ (test) 12.2.0"}

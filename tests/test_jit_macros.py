@@ -5,7 +5,8 @@ import re
 import pytest
 
 from flashkda_ext import supported
-from flashkda_ext.jit import get_record, render_header, render_macros, testing
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import get_record, render_header, render_macros
 from flashkda_ext.jit.macros import contract_values, define_flags
 
 CONTRACT = ["FKDA_MODULE_NAME", "FKDA_FAMILY", "FKDA_THREADS", "FKDA_SMEM_BYTES", "FKDA_MIN_BLOCKS",

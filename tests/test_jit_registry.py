@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 
 from flashkda_ext import paths
-from flashkda_ext.jit import all_records, ensure_built, registry, testing
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import all_records, ensure_built, registry
 from flashkda_ext.jit.checks import (blocks_by_registers, macro_usage_problems, parse_ptxas,
                                      required_macros, resource_problems)
 from flashkda_ext.jit.toolchain import have_nvcc

@@ -6,7 +6,8 @@ import jsonschema
 import pytest
 
 from flashkda_ext import paths, supported
-from flashkda_ext.jit import SpecError, all_records, get_record, registry, routes_for, testing
+from flashkda_ext.devtools import testing
+from flashkda_ext.jit import SpecError, all_records, get_record, registry, routes_for
 
 
 def test_repository_specs_validate():

@@ -1,10 +1,10 @@
-"""flashkda_ext.jit.ptxdiff: normalised PTX per kernel between two source trees (the check that a
+"""flashkda_ext.devtools.ptxdiff: normalised PTX per kernel between two source trees (the check that a
 refactor leaves the GPU code as it was)."""
 import shutil
 
 import pytest
 
-from flashkda_ext.jit import ptxdiff, testing
+from flashkda_ext.devtools import ptxdiff, testing
 from flashkda_ext.jit.toolchain import have_nvcc
 
 PTX = """\

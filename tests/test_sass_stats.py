@@ -1,8 +1,8 @@
-"""flashkda_ext.jit.sass: machine-code statistics per kernel from cuobjdump output (registers,
+"""flashkda_ext.devtools.sass: machine-code statistics per kernel from cuobjdump output (registers,
 spills, instruction, branch and barrier counts), for a module and against a baseline tree."""
 import pytest
 
-from flashkda_ext.jit import sass, testing
+from flashkda_ext.devtools import sass, testing
 from flashkda_ext.jit.toolchain import have_cuobjdump, have_nvcc
 
 SASS = """

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from . import roots
+from ..jit import roots
 
 TOY_HEADER = """\
 #pragma once

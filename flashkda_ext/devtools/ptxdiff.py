@@ -25,10 +25,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from . import roots, toolchain
-from .builder import include_flags, resolve_arch
-from .macros import render_header
-from .specs import get_record
+from ..jit import roots, toolchain
+from ..jit.builder import include_flags, resolve_arch
+from ..jit.macros import render_header
+from ..jit.specs import get_record
 
 _ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z_$][\w$]*)")
 _REG = re.compile(r"%(r|rd|rs|f|fd|p|h|hh|b|tmp)\d+\b")

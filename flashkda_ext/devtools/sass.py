@@ -1,5 +1,5 @@
 """What ptxas made of a CUDA module, without a GPU: compile it to a cubin (nvcc -cubin with the
-module record's flags, as flashkda_ext.jit.ptxdiff compiles PTX) and read the machine code (SASS)
+module record's flags, as flashkda_ext.devtools.ptxdiff compiles PTX) and read the machine code (SASS)
 and resource usage back with cuobjdump. Per kernel: registers, stack (spills), static instruction
 count, branches (BRA, BSSY: divergence handling), barriers, MUFU, tensor-core and memory
 instructions; with a baseline tree, both side by side.
@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from . import toolchain
+from ..jit import toolchain
 from .ptxdiff import compile_module
 
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)")

@@ -1,0 +1,40 @@
+"""Small helpers shared by the subcommands: a text table, an error's first line, the families."""
+from __future__ import annotations
+
+from typing import Callable, List
+
+FAMILIES = ("kda_decode", "kda_prefill", "fused_kda_decode")
+GATES = ("softplus", "bounded", "log")
+LOWER_BOUND = -5.0
+
+
+def table(rows: List[List[str]], head: List[str]) -> str:
+    """Left-aligned columns under a dashed rule. Written here, not taken from tabulate or rich: this
+    is all the CLI needs, and either would be one more runtime dependency of every install (the wheel
+    depends on tvm-ffi, torch, ninja, jsonschema and numpy only)."""
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    sep = "  "
+    lines = [sep.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, sep.join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def first_line(text) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def shorten(text: str, width: int) -> str:
+    """text cut to at most `width` characters, an ellipsis marking the cut."""
+    text = str(text)
+    return text if len(text) <= width else text[:max(0, width - 3)] + "..."
+
+
+def try_(fn: Callable, default=None):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  info must never crash on a broken optional part
+        return default if default is not None else f"unavailable ({type(e).__name__}: {first_line(e)})"

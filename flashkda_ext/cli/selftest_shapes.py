@@ -1,0 +1,220 @@
+"""The GPU selftest's case choice: candidate CUDA shapes over the supported set
+(jit/supported.json), and the cheapest one per reachable (route rule, module), chosen from host
+metadata alone (meta tensors, no GPU work), with the rules and modules no candidate reached."""
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, List, Optional, Tuple
+
+from .common import FAMILIES, GATES, LOWER_BOUND
+from .selftest_cases import Spec, route_of
+
+def _meta_tensors_decode(rows, H, HV, K, V, slots, dtype, state_dtype, gate):
+    import torch
+
+    m = dict(device="meta")
+    dt, sdt = getattr(torch, dtype), getattr(torch, state_dtype)
+    q = torch.empty(rows, H, K, dtype=dt, **m)
+    kw = {}
+    if gate != "log":
+        kw = dict(A_log=torch.empty(HV, **m), dt_bias=torch.empty(HV * K, **m))
+    if gate == "bounded":
+        kw["lower_bound"] = LOWER_BOUND
+    return (q, torch.empty_like(q), torch.empty(rows, HV, V, dtype=dt, **m), torch.empty(rows, HV, K, dtype=dt, **m),
+            torch.empty(rows, HV, dtype=dt, **m), torch.empty(slots, HV, V, K, dtype=sdt, **m),
+            torch.empty(rows, dtype=torch.int32, **m), kw)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _big_slots(HV: int, V: int, K: int) -> int:
+    """The fewest pool slots whose element offsets pass int32 (routes to the o64 twins)."""
+    return INT32_MAX // (HV * V * K) + 2
+
+
+def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = None) -> List[Spec]:
+    """Candidate CUDA specs over the supported set (jit/supported.json), including pools past 2^31
+    elements (64-bit offsets) when big_pool_bytes (free memory / 4) allows them."""
+    from .. import supported
+
+    sup = supported.supported(family, "cuda")
+    if sup is None:
+        return []
+    K = (sup["head_dims_k"] or [128])[0]
+    V = (sup["head_dims_v"] or [K])[0]
+    heads = sorted(sup["value_heads"] or [1, 2, 4, 8, 16, 32, 64])
+    heads = [h for h in heads if h <= (64 if quick else 128)]
+    states = sup["state_dtypes"] or ["float32", "bfloat16"]
+    dtype = "bfloat16" if "bfloat16" in (sup["input_dtypes"] or ["bfloat16"]) else sup["input_dtypes"][0]
+    gates = sup["gates"] or list(GATES)
+    groups = sup["group_sizes"] or [1]
+    group = 1 if 1 in groups else groups[0]
+    out: List[Spec] = []
+    if family in ("kda_decode", "fused_kda_decode"):
+        modes = sup["slot_modes"] or ["unique", "padded", "repeated"]
+        rows_list = [1, 2, 3, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+        i = 0
+        for rows in rows_list:
+            for hv in heads:
+                if hv % group:
+                    continue
+                for st in states:
+                    for mode in modes:
+                        if mode != "unique" and rows < 3:
+                            continue  # padding and repeats need a few rows to show up
+                        gate = gates[i % len(gates)]
+                        i += 1
+                        vv = V if family == "kda_decode" else K
+                        hh = hv // group if family == "kda_decode" else hv
+                        out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                        H=hh, HV=hv, K=K, V=vv, rows=rows, slots=max(rows + 2, 16),
+                                        slot_mode=mode))
+                        big = _big_slots(hv, vv, K)
+                        if rows <= 1024 and big_pool_bytes and big * hv * vv * K * (2 if st == "bfloat16" else 4) \
+                                <= big_pool_bytes:
+                            out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                            H=hh, HV=hv, K=K, V=vv, rows=rows, slots=big, slot_mode=mode))
+    else:
+        shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
+                  (4096,), (4 * [4096]), (8192,), (16384,)]
+        if quick:
+            shapes = shapes[:7]
+        i = 0
+        for lens in shapes:
+            lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,)
+            for hv in heads:
+                if hv % group:
+                    continue
+                for st in states:
+                    for pool in (False, True):
+                        for ckpt in (0, 64):
+                            for hint in (True, False):
+                                gate = gates[i % len(gates)]
+                                i += 1
+                                out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                                H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=pool,
+                                                slots=len(lens) + 2, checkpoint_every=ckpt,
+                                                max_seqlen_hint=hint))
+                                big = _big_slots(hv, V, K)
+                                if pool and sum(lens) <= 256 and big_pool_bytes and \
+                                        big * hv * V * K * (2 if st == "bfloat16" else 4) <= big_pool_bytes:
+                                    out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                                    H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=True,
+                                                    slots=big, checkpoint_every=ckpt, max_seqlen_hint=hint))
+    return out
+
+
+def _spec_cost(s: Spec) -> int:
+    """Work of the case plus the size of its pool (the reference and the checks touch both)."""
+    per = s.HV * s.V * s.K
+    if s.family == "kda_prefill":
+        return 20 * sum(s.lengths) * per + (s.slots if s.pool else len(s.lengths)) * per
+    return 20 * s.rows * per + s.slots * per
+
+
+def _spec_meta(s: Spec):
+    """(rule name, module) that the real call of this spec selects, from meta tensors (no GPU work)."""
+    import torch
+
+    from .. import validation
+
+    if s.family == "kda_decode":
+        q, k, v, g, beta, state, idx, kw = _meta_tensors_decode(s.rows, s.H, s.HV, s.K, s.V, s.slots, s.dtype,
+                                                                  s.state_dtype, s.gate)
+        call = validation.check_kda_decode(q, k, v, g, beta, state=state, state_indices=idx, backend="cuda",
+                                           slot_mode=s.slot_mode, gate=s.gate, **kw)
+    elif s.family == "fused_kda_decode":
+        m = dict(device="meta")
+        dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
+        H, D, rows = s.H, s.K, s.rows
+        C = 3 * H * D
+        kw = {} if s.gate != "bounded" else {"lower_bound": LOWER_BOUND}
+        A_log = None if s.gate == "log" else torch.empty(H, **m)
+        dt_bias = None if s.gate == "log" else torch.empty(H * D, **m)
+        call = validation.check_fused_kda_decode(
+            torch.empty(rows, C, dtype=dt, **m), torch.empty(C, 4, dtype=dt, **m),
+            torch.empty(s.slots, C, 3, dtype=dt, **m), torch.empty(rows, H, D, dtype=dt, **m),
+            torch.empty(rows, H, dtype=dt, **m), A_log, dt_bias, torch.empty(rows, dtype=torch.int32, **m),
+            torch.empty(s.slots, H, D, D, dtype=sdt, **m), torch.empty(rows, H, D, dtype=dt, **m),
+            torch.empty(D, **m), backend="cuda", gate=s.gate, slot_mode=s.slot_mode, **kw)
+    else:
+        m = dict(device="meta")
+        dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
+        T, N = sum(s.lengths), len(s.lengths)
+        q = torch.empty(1, T, s.H, s.K, dtype=dt, **m)
+        kw = dict(cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m), checkpoint_every=s.checkpoint_every,
+                  backend="cuda", gate=s.gate)
+        if s.gate != "log":
+            kw.update(A_log=torch.empty(s.HV, **m), dt_bias=torch.empty(s.HV * s.K, **m))
+        if s.gate == "bounded":
+            kw["lower_bound"] = LOWER_BOUND
+        if s.max_seqlen_hint:
+            kw["max_seqlen"] = max(s.lengths)
+        if s.pool:
+            kw.update(state=torch.empty(s.slots, s.HV, s.V, s.K, dtype=sdt, **m),
+                      state_indices=torch.empty(N, dtype=torch.int32, **m))
+        else:
+            kw.update(initial_state=torch.empty(N, s.HV, s.V, s.K, dtype=sdt, **m))
+        call = validation.check_kda_prefill(q, torch.empty_like(q), torch.empty(1, T, s.HV, s.V, dtype=dt, **m),
+                                            torch.empty(1, T, s.HV, s.K, dtype=dt, **m),
+                                            torch.empty(1, T, s.HV, dtype=dt, **m), **kw)
+    return route_of(s.family, call)
+
+
+def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[Spec], List[str]]:
+    """One spec per reachable (rule, module), the cheapest that selects it; and the CUDA rules or
+    modules no candidate reached (reported, e.g. o64 twins when memory is short)."""
+    from .. import jit
+
+    chosen: List[Spec] = []
+    unreached: List[str] = []
+    for fam in FAMILIES:
+        cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes), key=_spec_cost)
+        if quick:  # no multi-GiB pools: the 64-bit-offset twins are left to the full run
+            cands = [c for c in cands if c.slots * c.HV * c.V * c.K <= INT32_MAX]
+        seen: Dict[Tuple[str, str], Spec] = {}
+        for s in cands:
+            try:
+                rule, module = _spec_meta(s)
+            except (ValueError, TypeError, LookupError):
+                continue
+            if (rule, module) not in seen:
+                s.name = _spec_label(s)
+                s.extra["module"] = module
+                seen[(rule, module)] = s
+        chosen += list(seen.values())
+        try:
+            rules = [r for r in jit.routes_for(fam) if r.get("when", {}).get("device", "cuda") in ("cuda", ["cuda"])]
+        except KeyError:
+            rules = []
+        hit_rules = {r for r, _ in seen}
+        for r in rules:
+            if r["name"] not in hit_rules:
+                unreached.append(f"{fam}: rule '{r['name']}' ({r['module']})")
+        hit_modules = {m for _, m in seen}
+        for rec in jit.all_records():
+            if rec["family"] == fam and rec["backend"] == "cuda" and rec["name"] not in hit_modules:
+                reachable = any(fnmatch.fnmatchcase(rec["name"], r["module"].replace("{state}", "*")
+                                                    .replace("{offset}", "*").replace("{gate}", "*")
+                                                    .replace("{slot_mode}", "*")) for r in rules)
+                if reachable:
+                    unreached.append(f"{fam}: module {rec['name']}")
+    return chosen, unreached
+
+
+def _spec_label(s: Spec) -> str:
+    st = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}.get(s.state_dtype, s.state_dtype)
+    if s.family == "kda_prefill":
+        lens = s.lengths
+        if len(set(lens)) == 1 and len(lens) > 1:
+            shape = f"{len(lens)}x{lens[0]}"
+        else:
+            shape = "+".join(map(str, lens))
+        extra = (" pool" if s.pool else "") + (f" ckpt={s.checkpoint_every}" if s.checkpoint_every else "")
+        if s.pool and s.slots * s.HV * s.V * s.K > INT32_MAX:
+            extra += f" slots={s.slots}"
+        return f"T={shape} HV={s.HV} {st} {s.gate}{extra}"
+    big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
+    return f"rows={s.rows} HV={s.HV} {st} {s.gate} {s.slot_mode}{big}"
+
