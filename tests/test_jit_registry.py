@@ -1,15 +1,21 @@
 """Registry checks on the repository's jit/ data: unique names, sources exist, routes name modules,
 sources read their launch macros (not literals), and CUDA modules' -Xptxas -v report fits the record.
 
-The resource check compiles: the first CUDA module runs by default, the rest are marked slow.
+The resource check compiles each CUDA module device-only (nvcc -cubin with the record's flags: the
+same ptxas report as a full build, a fifth of its time), MAX_JOBS at a time (default: every core),
+all started at the first case. The first CUDA module runs by default, the rest are marked slow;
+test_compile_only_report_matches_a_build holds the shortcut to what a full build reports.
 """
 import json
+import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from flashkda_ext import paths
 from flashkda_ext.devtools import testing
+from flashkda_ext.devtools.resources import ptxas_report
 from flashkda_ext.jit import all_records, ensure_built, registry
 from flashkda_ext.jit.checks import (blocks_by_registers, macro_usage_problems, parse_ptxas,
                                      required_macros, resource_problems)
@@ -105,11 +111,31 @@ _CUDA_PARAMS = [pytest.param(r, id=r["name"], marks=[] if i == 0 else [pytest.ma
                 for i, r in enumerate(CUDA)]
 
 
+@pytest.fixture(scope="session")
+def ptxas_reports(request):
+    """{module: future of its ptxas report} for the modules of the selected resource cases, compiled
+    in threads (each nvcc a process of its own) in the order the cases run."""
+    names = [item.callspec.params["rec"]["name"] for item in request.session.items
+             if getattr(item, "originalname", None) == "test_cuda_resources_fit_record"]
+    jobs = max(1, int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    futures = {n: pool.submit(ptxas_report, n) for n in dict.fromkeys(names)}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.skipif(not have_nvcc(), reason="needs nvcc")
 @pytest.mark.parametrize("rec", _CUDA_PARAMS)
-def test_cuda_resources_fit_record(rec, tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "registry_cache"
-    res = ensure_built(rec["name"], root=None, cache=cache)
-    report = (res.path.parent / "ptxas.log").read_text()
+def test_cuda_resources_fit_record(rec, ptxas_reports):
+    report = ptxas_reports[rec["name"]].result()
     assert parse_ptxas(report), "no kernel in the -Xptxas -v report"
     assert resource_problems(rec, report) == []
+
+
+@pytest.mark.skipif(not have_nvcc() or not CUDA, reason="needs nvcc and a CUDA module")
+def test_compile_only_report_matches_a_build(tmp_path):
+    """The device-only compile the resource cases read reports what a full build's ptxas.log does."""
+    rec = CUDA[0]
+    res = ensure_built(rec["name"], root=None, cache=tmp_path / "cache")
+    built = parse_ptxas((res.path.parent / "ptxas.log").read_text())
+    assert built and parse_ptxas(ptxas_report(rec["name"], res.arch)) == built

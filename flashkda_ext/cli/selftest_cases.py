@@ -179,6 +179,16 @@ def _untouched_equal(before, after, touched) -> bool:
     return not bool((changed & ~touched.to(changed.device)).any().item())
 
 
+def _row_problems(untouched_equal: bool, s: Spec, idx_host, out) -> List[str]:
+    """A decode call's problems beyond its errors: a changed slot it did not address, or a padding
+    row (negative index, or 0 with null_slot0) whose output is not zero."""
+    problems = [] if untouched_equal else ["an unaddressed slot changed"]
+    pad = [r for r, i in enumerate(idx_host.tolist()) if i < 0 or (s.null_slot0 and i == 0)]
+    if pad and not bool((out[pad] == 0).all().item()):
+        problems.append("padding row not zero")
+    return problems
+
+
 def route_of(family: str, call) -> Tuple[str, str]:
     from .. import dispatch
 
@@ -240,13 +250,7 @@ def run_decode(s: Spec, seed: int) -> Outcome:
     o.out_err = max_rel_err(out, ref_out)
     o.state_err = max_rel_err(pool[touched.to(s.device)], ref_pool[touched.to(s.device)])
     o.tol = tolerance(getattr(torch, s.dtype), getattr(torch, s.state_dtype))
-    problems = []
-    if not _untouched_equal(state, pool, touched):
-        problems.append("an unaddressed slot changed")
-    pad = [r for r, i in enumerate(idx_host.tolist()) if i < 0 or (s.null_slot0 and i == 0)]
-    if pad and not bool((out[pad] == 0).all().item()):
-        problems.append("padding row not zero")
-    return _finish(o, problems)
+    return _finish(o, _row_problems(_untouched_equal(state, pool, touched), s, idx_host, out))
 
 
 def run_fused(s: Spec, seed: int) -> Outcome:
@@ -289,13 +293,8 @@ def run_fused(s: Spec, seed: int) -> Outcome:
     o.state_err = max(max_rel_err(pool[touched], ref_pool[touched]),
                       max_rel_err(cpool[touched], ref_conv[touched]))
     o.tol = tolerance(getattr(torch, s.dtype), getattr(torch, s.state_dtype))
-    problems = []
-    if not _untouched_equal(state, pool, touched.cpu()) or not _untouched_equal(conv_state, cpool, touched.cpu()):
-        problems.append("an unaddressed slot changed")
-    pad = [r for r, i in enumerate(idx_host.tolist()) if i < 0 or (s.null_slot0 and i == 0)]
-    if pad and not bool((out[pad] == 0).all().item()):
-        problems.append("padding row not zero")
-    return _finish(o, problems)
+    untouched = _untouched_equal(state, pool, touched.cpu()) and _untouched_equal(conv_state, cpool, touched.cpu())
+    return _finish(o, _row_problems(untouched, s, idx_host, out))
 
 
 def run_prefill(s: Spec, seed: int) -> Outcome:

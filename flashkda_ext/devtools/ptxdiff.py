@@ -130,9 +130,11 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
     return rows
 
 
-def compile_module(name: str, root, arch: Optional[str], workdir: Path, kind: str = "ptx") -> List[Path]:
+def compile_module(name: str, root, arch: Optional[str], workdir: Path, kind: str = "ptx",
+                   logs: Optional[List[str]] = None) -> List[Path]:
     """nvcc -ptx (or -cubin) of each .cu source of module `name` as the tree at `root` defines it
-    (its record's params, macros and compile flags): the files written into workdir."""
+    (its record's params, macros and compile flags): the files written into workdir. With `logs`,
+    each compile's stderr is appended to it (for -cubin: ptxas's -Xptxas -v resource report)."""
     record = get_record(name, root=root)
     if record["backend"] != "cuda":
         raise ValueError(f"module '{name}' is a {record['backend']} module; only CUDA modules have PTX")
@@ -155,6 +157,8 @@ def compile_module(name: str, root, arch: Optional[str], workdir: Path, kind: st
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc -{kind} failed for {name} ({src}) under {root}:\n{proc.stderr[-4000:]}")
+        if logs is not None:
+            logs.append(proc.stderr)
         outs.append(out)
     return outs
 

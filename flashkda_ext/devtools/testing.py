@@ -82,16 +82,11 @@ def cpu_record(**overrides) -> dict:
 
 
 def cuda_record(**overrides) -> dict:
-    rec = {
-        "name": "toy_cuda", "family": "kda_decode", "backend": "cuda",
-        "sources": ["decode/toy.cu"], "entry": "kda_decode", "abi": "per_row_grid",
-        "threads": 128, "smem_bytes": 512, "min_blocks": 2, "cluster": [1, 1, 1],
-        "persistent_k": 0, "state_dtype": "float32", "slot_offset_bits": 32, "flags": [],
-        "arches": ["sm_90a"], "aot": True, "params": {"add": 2},
-        "description": "test module: x += 2 on the GPU",
-    }
-    rec.update(overrides)
-    return rec
+    return cpu_record(**{
+        "name": "toy_cuda", "backend": "cuda", "sources": ["decode/toy.cu"], "abi": "per_row_grid",
+        "threads": 128, "smem_bytes": 512, "min_blocks": 2, "state_dtype": "float32",
+        "slot_offset_bits": 32, "arches": ["sm_90a"], "params": {"add": 2},
+        "description": "test module: x += 2 on the GPU", **overrides})
 
 
 def write_json(path: Path, data) -> None:
