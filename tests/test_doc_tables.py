@@ -5,7 +5,6 @@ docs/index.md's command table names only options the CLI has."""
 import copy
 import json
 import re
-from pathlib import Path
 
 import pytest
 
