@@ -474,8 +474,9 @@ def _prefill_impl(plan, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
                   state, checkpoints):
     B, T = q.shape[0], q.shape[1]
     packed = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B rows -> one packed row
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(0, (B + 1) * T, T, dtype=jnp.int32)
+    if cu_seqlens is None:  # B rows of T tokens each (T may be 0: B empty sequences)
+        cu_seqlens = (jnp.arange(0, (B + 1) * T, T, dtype=jnp.int32) if T > 0
+                      else jnp.zeros((B + 1,), dtype=jnp.int32))
     results = {n: (shape, dtype) for n, shape, dtype, _a in plan.results}
     if "checkpoints" in results and checkpoints is None:
         # Slots past a sequence's own count stay NaN, as with the torch op.
@@ -503,7 +504,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     Shapes, dtypes and options as flashkda_ext.kda_prefill. Dense mode: initial_state [N, HV, V, K]
     (or None for zeros) and a fresh final_state (None when output_final_state=False). Pool mode:
     state [slots, HV, V, K] + state_indices [N]: final_state is the pool, written in place of
-    `state`. Given checkpoints are written in place too. Eagerly the pool and given checkpoints are
+    `state`; with output_final_state=False the pool is only read (nothing committed, final_state
+    None: a speculative extend). Given checkpoints are written in place too. Eagerly the pool and given checkpoints are
     donated unless donate=False; under jax.jit, donate them on your jit. The CUDA prefill's scratch
     workspace is allocated by XLA as an extra result (so the call stays capturable).
     """
@@ -563,7 +565,8 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
         operands.append("state_indices")
     results = [("out", (1, B * T, HV, V), _dtype_str(v), None)]
     if call.state_mode == "pool":
-        results.append(("final_state", tuple(state.shape), _dtype_str(state), "initial_state"))
+        if call.output_final_state:  # else: read the pool, commit nothing (final_state None)
+            results.append(("final_state", tuple(state.shape), _dtype_str(state), "initial_state"))
     elif call.output_final_state:
         results.append(("final_state", (call.num_seqs, HV, V, K), sdtype, None))
     if call.checkpoint_every > 0:
@@ -579,7 +582,8 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
         family="kda_prefill", platform=plat, module=module_name, operands=tuple(operands),
         results=tuple(results),
         attrs=_attrs("kda_prefill", call), cuda_graph=graph_safe and _command_buffers_allowed())
-    return _remember(key, plan, _donate_positions(args, (10, 11), donate))
+    donated = (10, 11) if call.output_final_state else (11,)  # a pool that is not committed is only read
+    return _remember(key, plan, _donate_positions(args, donated, donate))
 
 
 # ---------------------------------------------------------------------------------------------

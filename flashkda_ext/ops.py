@@ -16,10 +16,6 @@ from . import dispatch, fast_path, jit, trace, validation
 from .fast_path import Tensor as _Tensor
 
 
-def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return x if x is None or x.dim() == 1 else x.reshape(-1)
-
-
 def _route_fn(family: str, call):
     """The call's TVM-FFI function, kept on the (memoized) call object so a steady serving loop
     pays for route selection once."""
@@ -56,14 +52,18 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         # a valid call's out is v's shape, dtype and device
         dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None:
+        if entry is not None and fast_path.flags_ok((q, k, v, g, beta, A_log, dt_bias, state_indices),
+                                                    (state, dest)):
             fn, sig, tail = entry
-            if fn(sig, q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, dest, *tail) == sig:
+            if fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail):
                 return dest
     call = validation.check_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    validation.check_apart((("out", out), ("state", state)),
+                           (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("state_indices", state_indices)))
     if out is None:
         out = dest if dest is not None else torch.empty(
             (call.rows, call.value_heads, call.head_dim_v), dtype=v.dtype, device=v.device)
@@ -72,7 +72,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out))
     fn = _route_fn("kda_decode", call)
-    sig_args = (q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, out)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, out)  # the caller's own tensors
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None:
@@ -96,19 +96,6 @@ def _prefill_route_for(meta_items: tuple):
     rule = dispatch.select_rule("kda_prefill", dict(meta_items))
     chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
     return rule, jit.load_module(rule["module"]), chunk
-
-
-def _prefill_workspace(need: Optional[int], device, workspace):
-    """Scratch memory of `need` bytes (dispatch.prefill_workspace_need) for the CUDA prefill; a
-    caller-given buffer makes the call graph-capturable."""
-    if need is None:
-        return workspace
-    if workspace is not None:
-        if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
-            raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
-                             f"got {validation.dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
-        return workspace
-    return torch.empty(max(need, 1), dtype=torch.uint8, device=device)
 
 
 def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
@@ -150,13 +137,15 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                cu_seqlens is None, initial_state is None, state is None, final_state is None, checkpoints is None,
                workspace is None, out is None)
         entry = fast_path.get(key)
-        if entry is not None:
+        if entry is not None and fast_path.flags_ok(
+                (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices),
+                (state, final_state, checkpoints, workspace, out)):
             fn, sig, tail, call, ws_bytes = entry
             args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
                                          state_indices, final_state, checkpoints, out)
             ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
                 ws_bytes, dtype=torch.uint8, device=q.device)
-            if fn(sig, *args, ws, *tail) == sig:
+            if fast_path.launch(fn, sig, *args, ws, *tail):
                 return result
     call = validation.check_kda_prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
@@ -168,6 +157,14 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{rule['module']}, got {call.checkpoint_every}")
+    need = dispatch.prefill_workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+    workspace = validation.check_workspace(workspace, need, q.device, call.backend)
+    validation.check_apart(
+        (("out", out), ("state", state), ("final_state", final_state), ("checkpoints", checkpoints),
+         ("workspace", workspace)),
+        (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias),
+         ("cu_seqlens", cu_seqlens), ("initial_state", initial_state), ("state_indices", state_indices)),
+        same_view_ok=("initial_state", "final_state"))
     args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
                                  state_indices, final_state, checkpoints, out)
     if trace.enabled():  # before the launch: a crashing call leaves its trace
@@ -176,8 +173,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=ckpt, out=result[0]))
-    need = dispatch.prefill_workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
-    ws = _prefill_workspace(need, q.device, workspace)
+    ws = workspace if need is None or workspace is not None else torch.empty(max(need, 1), dtype=torch.uint8,
+                                                                           device=q.device)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, call.checkpoint_every)
     module["kda_prefill"](*args, ws, *tail)
     if key is not None:
@@ -194,11 +191,12 @@ def _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
     B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
     if out is None:
         out = torch.empty((B, T, HV, V), dtype=v.dtype, device=device)
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    if cu_seqlens is None:  # B rows of T tokens each (T may be 0: B empty sequences)
+        cu_seqlens = (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device) if T > 0
+                      else torch.zeros(B + 1, dtype=torch.int32, device=device))
     sdtype = getattr(torch, call.state_dtype) if call.state_dtype else torch.float32
-    if call.state_mode == "pool":
-        init, final = state, state
+    if call.state_mode == "pool":  # output_final_state=False: read the pool, commit nothing
+        init, final = state, (state if call.output_final_state else None)
     else:
         init = initial_state
         if call.output_final_state and final_state is None:
@@ -208,13 +206,10 @@ def _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
         # Slots past a sequence's own count stay NaN: never read as a state by mistake.
         checkpoints = torch.full((call.num_seqs, call.checkpoint_slots, HV, V, K), float("nan"),
                                  dtype=sdtype, device=device)
-    if B == 1:  # already one packed row
-        q1, k1, v1, g1, b1, o1 = q, k, v, g, beta, out
-    else:  # B sequences -> one packed row
-        as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
-        q1, k1, v1, g1, b1, o1 = as1(q), as1(k), as1(v), as1(g), as1(beta), as1(out)
-    args = (q1, k1, v1, g1, b1, A_log, _flat(dt_bias), cu_seqlens, init, final, state_indices, checkpoints, o1)
-    result_state = state if call.state_mode == "pool" else final
+    # The caller's own tensors (B > 1 contiguous rows are the packed row the module reads): never a
+    # reshape, which could copy a tensor and leave the caller's untouched (and out of the signature).
+    args = (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, init, final, state_indices, checkpoints, out)
+    result_state = final
     result = (out, result_state, checkpoints) if call.checkpoint_every > 0 else (out, result_state)
     return args, result
 
@@ -237,15 +232,21 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
         # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
         dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None:
+        if entry is not None and fast_path.flags_ok(
+                (x, conv_weight, g, beta, A_log, dt_bias, state_indices, output_gate, norm_weight),
+                (conv_state, state, dest)):
             fn, sig, tail = entry
-            if fn(sig, x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state,
-                  output_gate, norm_weight, dest, *tail) == sig:
+            if fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                                output_gate, norm_weight, dest, *tail):
                 return dest
     call = validation.check_fused_kda_decode(
         x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
         norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
         slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    validation.check_apart((("out", out), ("conv_state", conv_state), ("state", state)),
+                           (("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("state_indices", state_indices), ("output_gate", output_gate),
+                            ("norm_weight", norm_weight)))
     if out is None:
         out = dest if dest is not None else torch.empty(
             (call.rows, call.num_heads, call.head_dim), dtype=x.dtype, device=x.device)
@@ -256,7 +257,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             norm_weight=norm_weight, lower_bound=lower_bound, scale=call.scale, norm_eps=norm_eps,
             out=out))
     fn = _route_fn("fused_kda_decode", call)
-    sig_args = (x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state, output_gate,
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                 norm_weight, out)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
     fn(*sig_args, *tail)

@@ -48,6 +48,13 @@ def _tensor(name: str, x, *, optional: bool = False) -> Optional[torch.Tensor]:
         raise TypeError(f"{name}: expected a torch.Tensor, got None")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    # A lazy negated / conjugated view: the kernels would read its raw memory without the sign.
+    if x.is_neg():
+        raise ValueError(f"{name}: expected a tensor without the negative bit (a lazy negated view, e.g. "
+                         f"from torch._neg_view); call .resolve_neg() first")
+    if x.is_conj():
+        raise ValueError(f"{name}: expected a tensor without the conjugate bit (a lazy .conj() view); "
+                         f"call .resolve_conj() first")
     return x
 
 
@@ -75,6 +82,14 @@ def _same_device(name: str, x: torch.Tensor, device: torch.device) -> None:
 def _dtype_in(name: str, x: torch.Tensor, allowed, what: str = "") -> None:
     if allowed is not None and dtype_name(x.dtype) not in allowed:
         raise ValueError(f"{name}: expected dtype in {list(allowed)}{what}, got {dtype_name(x.dtype)}")
+
+
+def _floating(name: str, x: torch.Tensor) -> None:
+    """The reference tensor of the inputs' dtype: checked before the others are compared with it, so
+    an integer q (or x) is blamed on q, not on the first tensor that differs from it."""
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point dtype (bfloat16, float16, float32 or float64), "
+                         f"got {dtype_name(x.dtype)}")
 
 
 def _same_dtype(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
@@ -110,6 +125,20 @@ def _choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 
+def _int(name: str, value, what: str) -> int:
+    """An int scalar (not a bool): TypeError for another kind of value."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _float(name: str, value, what: str) -> float:
+    """A real number (int or float, not a bool): TypeError for another kind of value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float {what}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def _bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
@@ -127,8 +156,7 @@ def backend_of(device: torch.device) -> str:
 def _resolve_scale(scale, head_dim_k: int) -> float:
     if scale is None:
         return head_dim_k ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    scale = _float("scale", scale, "or None")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a finite value > 0, got {scale}")
     return float(scale)
@@ -161,8 +189,7 @@ def _gate_args(gate, A_log, dt_bias, lower_bound, value_heads: int, head_dim_k: 
     if gate == "bounded":
         if lower_bound is None:
             raise ValueError("lower_bound: required by gate='bounded' (a float < 0), got None")
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
+        lower_bound = _float("lower_bound", lower_bound, "< 0")
         if not math.isfinite(lower_bound) or lower_bound >= 0:
             raise ValueError(f"lower_bound: expected a finite value < 0, got {lower_bound}")
         return float(lower_bound)
@@ -183,7 +210,8 @@ def _supported_set(family: str, backend: str) -> dict:
 
 def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
                     num_heads: int, value_heads: int, input_dtype: str,
-                    state_dtype: Optional[str], gate: str, slot_mode: Optional[str]) -> None:
+                    state_dtype: Optional[str], gate: str, slot_mode: Optional[str],
+                    state_name: str = "state") -> None:
     sup = _supported_set(family, backend)
     where = f" by the {backend} backend of {family}"
     _in_set("q", head_dim_k, sup["head_dims_k"], "head dim K =")
@@ -193,7 +221,7 @@ def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
     if sup["input_dtypes"] is not None and input_dtype not in sup["input_dtypes"]:
         raise ValueError(f"q: expected dtype in {sup['input_dtypes']}{where}, got {input_dtype}")
     if state_dtype is not None and sup["state_dtypes"] is not None and state_dtype not in sup["state_dtypes"]:
-        raise ValueError(f"state: expected dtype in {sup['state_dtypes']}{where}, got {state_dtype}")
+        raise ValueError(f"{state_name}: expected dtype in {sup['state_dtypes']}{where}, got {state_dtype}")
     _in_set("gate", gate, sup["gates"], "gate")
     if slot_mode is not None:
         _in_set("slot_mode", slot_mode, sup["slot_modes"], "slot mode")
@@ -208,6 +236,7 @@ def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str):
     beta = _tensor("beta", beta)
     nl = len(lead)
     _ndim("q", q, nl + 2, f"[{lead_names}, H, K]")
+    _floating("q", q)  # before the others are compared with q's dtype
     device = q.device
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         _same_device(name, x, device)
@@ -263,6 +292,75 @@ def _indices(name: str, idx, length: int, device, what: str) -> None:
     _contiguous(name, idx)
 
 
+def _inference_only(read: tuple, written: tuple) -> None:
+    """The ops are inference-only: with grad enabled, no argument may require grad (the result would
+    have no grad_fn and a leaf would be changed in place); outside inference mode, nothing written
+    may be an inference tensor (torch itself refuses that in-place update). (name, tensor) pairs;
+    None tensors are skipped."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, x in written:
+        if x is not None and x.is_inference():
+            raise ValueError(f"{name}: an inference tensor (made under torch.inference_mode()) cannot be "
+                             f"written in place outside inference mode; call under torch.inference_mode() "
+                             f"or pass a clone made outside it")
+    if torch.is_grad_enabled():
+        for name, x in chain(read, written):
+            if x is not None and x.requires_grad:
+                raise ValueError(f"{name}: requires grad, but the ops are inference-only (no autograd); "
+                                 f"pass x.detach() or call under torch.no_grad() / torch.inference_mode()")
+
+
+def _extent(x: torch.Tensor) -> tuple:
+    """(device, first byte, one past the last byte) that x can touch; empty for numel 0."""
+    if x.numel() == 0:
+        return x.device, 0, 0
+    last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    lo = x.data_ptr()
+    return x.device, lo, lo + (last + 1) * x.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def check_apart(written: tuple, read: tuple, same_view_ok: tuple = ()) -> None:
+    """No tensor the op writes may overlap any other tensor argument (the kernels read and write in
+    an order of their own; an overlap silently corrupts the state pool or the inputs). (name, tensor)
+    pairs, None skipped; same_view_ok names the one pair that may be the identical view (a dense state
+    read and written in place). Reads addresses, so it runs on every full check (never memoized); the
+    fast path's signature carries the same rule (csrc/common/binding.h, CallTensors)."""
+    items = [(n, x, True) for n, x in written if x is not None] + [(n, x, False) for n, x in read if x is not None]
+    spans = [_extent(x) for _, x, _ in items]
+    for i, (name_i, x_i, w_i) in enumerate(items):
+        if not w_i:
+            continue
+        dev_i, lo_i, hi_i = spans[i]
+        for j, (name_j, x_j, _) in enumerate(items):
+            dev_j, lo_j, hi_j = spans[j]
+            if j == i or dev_i != dev_j or not (lo_i < hi_i and lo_j < hi_j and lo_i < hi_j and lo_j < hi_i):
+                continue
+            if {name_i, name_j} == set(same_view_ok) and _same_view(x_i, x_j):
+                continue
+            raise ValueError(f"{name_i}: overlaps the memory of {name_j}; the op writes {name_i}, so it must not "
+                             f"share storage with any other argument (pass a separate tensor)")
+
+
+def check_workspace(workspace, need: Optional[int], device: torch.device, backend: str):
+    """The caller's prefill scratch buffer: uint8, on q's device, contiguous, >= need bytes."""
+    if workspace is None or need is None:
+        return workspace
+    workspace = _tensor("workspace", workspace)
+    if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
+        raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
+                         f"got {dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
+    _contiguous("workspace", workspace)
+    _aligned("workspace", workspace, backend)
+    _inference_only((), (("workspace", workspace),))
+    return workspace
+
+
 def _check_backend(backend: Optional[str], device: torch.device) -> str:
     if backend is None:
         return backend_of(device)
@@ -289,17 +387,19 @@ def _memo_key(args, kwargs):
     """A hashable summary of the call, or None when some argument cannot be summarized. Called on
     every call of a serving loop, so it avoids what costs there: x.device.type (a new string each
     time, ~0.25 us a tensor; x.is_cuda says the same) and per-call generator tuples."""
-    key = [tuple(kwargs)]
+    # the inference-only rule reads the grad and inference modes and each tensor's flags
+    key = [tuple(kwargs), torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     add = key.append
     for name, x in chain(zip(repeat(None), args), kwargs.items()):
         tx = type(x)
         if tx is _Tensor:
+            flags = (x.requires_grad, x.is_inference(), x.is_neg(), x.is_conj())
             if x.is_cuda:
-                add((x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15))
+                add((x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15, flags))
             elif name == "cu_seqlens":
                 return None  # host offsets are checked by value
             else:
-                add((x.shape, x.dtype, x.device, x.is_contiguous()))
+                add((x.shape, x.dtype, x.device, x.is_contiguous(), flags))
         elif tx in _SCALAR_TYPES:
             add((tx, x))
         else:
@@ -385,6 +485,8 @@ def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_b
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _aligned(name, x, backend)
     _out(out, (rows, HV, V), "[rows, HV, V]", v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices)), (("state", state), ("out", out)))
     return DecodeCall(backend, rows, H, HV, K, V, slots, dtype_name(q.dtype), dtype_name(state.dtype),
                       gate, GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, slot_mode,
                       null_slot0, _offset_bits(state))
@@ -440,7 +542,12 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
     _bool("null_slot0", null_slot0)
 
     if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0 or max_seqlen > T:
+        _int("max_seqlen", max_seqlen, "or None")
+        if cu_seqlens is None and max_seqlen != T:
+            # unpacked input: each of the B rows is one sequence of exactly T tokens
+            raise ValueError(f"max_seqlen: expected T = {T} (every one of the B rows is a sequence of T tokens) "
+                             f"or None, got {max_seqlen}")
+        if max_seqlen < 0 or max_seqlen > T:
             raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
     cu_dtype = None
     if cu_seqlens is not None:
@@ -472,6 +579,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
         max_seqlen = T
 
     state_mode, slots, state_dtype = "none", N, None
+    state_name = "state"  # the argument the state dtype was read from, for the supported-set message
     if state is not None or state_indices is not None:
         if state is None or state_indices is None:
             missing = "state" if state is None else "state_indices"
@@ -491,7 +599,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             if n0 != N:
                 raise ValueError(f"initial_state: expected shape [N, HV, V, K] with N = {N} sequences, "
                                  f"got {list(initial_state.shape)}")
-            state_mode, state_dtype = "dense", dtype_name(initial_state.dtype)
+            state_mode, state_dtype, state_name = "dense", dtype_name(initial_state.dtype), "initial_state"
         if final_state is not None:
             if not output_final_state:
                 raise ValueError("final_state: given but output_final_state=False; expected None")
@@ -502,12 +610,15 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             if state_dtype is not None and dtype_name(final_state.dtype) != state_dtype:
                 raise ValueError(f"final_state: expected the dtype of initial_state ({state_dtype}), "
                                  f"got {dtype_name(final_state.dtype)}")
+            if initial_state is None:
+                state_name = "final_state"
             state_mode, state_dtype = "dense", dtype_name(final_state.dtype)
         elif output_final_state:
             state_mode = "dense"
             state_dtype = state_dtype or "float32"
 
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+    _int("checkpoint_every", checkpoint_every, ">= 0")
+    if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
     ckpt_slots = 0
     if checkpoint_every > 0:
@@ -527,7 +638,8 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             _aligned("checkpoints", checkpoints, backend)
             if state_dtype is not None and dtype_name(checkpoints.dtype) != state_dtype:
                 raise ValueError(f"checkpoints: expected the state dtype {state_dtype}, got {dtype_name(checkpoints.dtype)}")
-            state_dtype = state_dtype or dtype_name(checkpoints.dtype)
+            if state_dtype is None:
+                state_dtype, state_name = dtype_name(checkpoints.dtype), "checkpoints"
             ckpt_slots = checkpoints.shape[1]
         else:
             ckpt_slots = need
@@ -537,10 +649,14 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
 
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
     _supported_dims("kda_prefill", backend, K, V, H, HV, dtype_name(q.dtype), state_dtype, gate,
-                    "padded" if state_mode == "pool" else None)
+                    "padded" if state_mode == "pool" else None, state_name)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _aligned(name, x, backend)
     _out(out, (B, T, HV, V), "[B, T, HV, V]", v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens), ("initial_state", initial_state),
+                     ("state_indices", state_indices)),
+                    (("state", state), ("final_state", final_state), ("checkpoints", checkpoints), ("out", out)))
     ckpt_numel = N * ckpt_slots * HV * V * K
     offset_bits = 64 if max(slots * HV * V * K, ckpt_numel, T * HV * max(K, V)) > INT32_MAX else 32
     return PrefillCall(backend, B, T, N, B * T, H, HV, K, V, dtype_name(q.dtype), state_dtype, state_mode,
@@ -587,6 +703,7 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     device = x.device
     backend = _check_backend(backend, device)
     _ndim("x", x, 2, "[rows, 3*H*D]")
+    _floating("x", x)
     g = _tensor("g", g)
     _same_device("g", g, device)
     _ndim("g", g, 3, "[rows, H, D]")
@@ -623,7 +740,8 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     _shape("norm_weight", norm_weight, (D,), "[D]")
     _dtype_in("norm_weight", norm_weight, ("float32",))
     _contiguous("norm_weight", norm_weight)
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps <= 0:
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
         raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
@@ -633,6 +751,10 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
         _aligned(name, t, backend)
     _out(out, (rows, H, D), "[rows, H, D]", x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("output_gate", output_gate),
+                     ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
     return FusedDecodeCall(backend, rows, H, D, slots, conv_state.shape[0], dtype_name(x.dtype),
                            dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
                            _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
