@@ -29,6 +29,8 @@ SESSION_LABEL = re.compile(r"\b[Ss]essions?[-\s]+\d+\b")
 SESSION_FOLDER = re.compile(r"\bh200-\d{4}-\d\d-\d\d-s\d+\b")
 FOLDER_NAME = re.compile(r"^h200-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")
 FOLDER_REF = re.compile(r"\bh200-\d{4}-\d\d-\d\d(?:-[0-9A-Za-z]+)?\b")
+# A results file cited inside its folder; the name may hold * and {a,b} (run11_tiny_{1,2}.json).
+FILE_REF = re.compile(r"\b(h200-\d{4}-\d\d-\d\d-[0-9a-f]{7})/([A-Za-z0-9_*{},.-]*[A-Za-z0-9_*}])")
 
 
 def _scanned_files():
@@ -131,6 +133,35 @@ def test_folder_references_name_existing_folders():
                 line = text.count("\n", 0, m.start()) + 1
                 dangling.append(f"{path.relative_to(ROOT)}:{line}: {m.group(0)}")
     assert not dangling, "references to results folders that do not exist:\n" + "\n".join(dangling)
+
+
+def _expand_braces(pattern):
+    # glob has no {a,b}; the notes use it for run pairs, so expand it here.
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [name for alt in m.group(1).split(",")
+            for name in _expand_braces(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def test_expand_braces():
+    assert _expand_braces("run11_tiny_{1,2}.json") == ["run11_tiny_1.json", "run11_tiny_2.json"]
+    assert _expand_braces("run{1,2}_{a,b}") == ["run1_a", "run1_b", "run2_a", "run2_b"]
+
+
+def test_cited_results_files_exist():
+    missing = []
+    cited = 0
+    for path in _scanned_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for m in FILE_REF.finditer(text):
+            folder, name = m.groups()
+            cited += 1
+            if not all(any((RESULTS / folder).glob(p)) for p in _expand_braces(name)):
+                line = text.count("\n", 0, m.start()) + 1
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {m.group(0)}")
+    assert cited > 50, "the scan found too few results files cited to be looking in the right place"
+    assert not missing, "cited results files that do not exist:\n" + "\n".join(missing)
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
