@@ -473,9 +473,11 @@ def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
 
 
 def _index_tensors_on_host(inputs: Mapping[str, Any], names) -> Optional[Dict[str, Any]]:
-    """The index tensors as CPU tensors, or None while a CUDA graph is being captured (a copy to the
-    host would break the capture)."""
+    """The index tensors as CPU tensors, or None when they cannot be read: meta tensors (no data),
+    or CUDA ones while a graph is being captured (a copy to the host would break the capture)."""
     tensors = {n: inputs[n] for n in names}
+    if any(x.device.type == "meta" for x in tensors.values()):
+        return None
     if any(x.device.type == "cuda" for x in tensors.values()):
         import torch
         if torch.cuda.is_current_stream_capturing():
@@ -638,8 +640,9 @@ def emit(op: str, call: Any, inputs: Mapping[str, Any]) -> Optional[str]:
         with _lock:
             workload = build_workload(op, f, definition, inputs, trace_dir)
             if workload is None:
-                _warn_once("capture", "calls made during CUDA graph capture are not traced: their index "
-                                      f"tensors cannot be copied to the host then (first: {name})")
+                _warn_once("indices", "calls whose index tensors cannot be read (meta tensors, CUDA graph "
+                                      "capture) are not traced: a workload needs their values "
+                                      f"(first: {name})")
                 return None
             if (trace_dir, name) not in _written:
                 validate_definition(definition)
