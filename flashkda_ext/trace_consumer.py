@@ -128,16 +128,25 @@ def _slot_indices(n: int, slots: int, slot_mode: str, null_slot0: bool, gen):
     return idx.to(torch.int32)
 
 
-def _offsets(n_plus_1: int, total: int, dtype, gen):
+def _offsets(n_plus_1: int, total: int, dtype, gen, longest: Optional[int] = None):
+    """Random non-decreasing offsets from 0 to total; with `longest`, no sequence longer (a few
+    random draws, then the even split, which fits whenever any split does)."""
     import torch
-    cuts = torch.sort(torch.randint(0, total + 1, (max(n_plus_1 - 2, 0),), generator=gen)).values
-    return torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])]).to(dtype)
+    for _ in range(20):
+        cuts = torch.sort(torch.randint(0, total + 1, (max(n_plus_1 - 2, 0),), generator=gen)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])])
+        if longest is None or int(torch.diff(offsets).max()) <= longest:
+            return offsets.to(dtype)
+    n = max(n_plus_1 - 1, 1)
+    return torch.tensor([i * total // n for i in range(n + 1)]).to(dtype)
 
 
-def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0) -> Dict[str, Any]:
+def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
+                  checkpoint_every: int = 0) -> Dict[str, Any]:
     """Valid index inputs (those with a slot_index or offsets domain tag) for var-axis values
     `axes`: distinct slots (unique), some -1 (padded) or shared slots (repeated); offsets from 0 to
-    seq_len, non-decreasing."""
+    seq_len, non-decreasing, and with checkpoints no sequence reaching more than num_checkpoints
+    (a bound on index values that no constraint over axes can state)."""
     import torch
     d = _axes_of(definition)
     values = {a: (ax["value"] if ax["type"] == "const" else int(axes[a])) for a, ax in d["axes"].items()}
@@ -151,7 +160,10 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0) -> Dict
         if kind == "slot_index":
             out[name] = _slot_indices(n, values[arg], slot_mode, null_slot0, gen).to(getattr(torch, spec["dtype"]))
         elif kind == "offsets":
-            out[name] = _offsets(n, values[arg], getattr(torch, spec["dtype"]), gen)
+            longest = None
+            if checkpoint_every and "num_checkpoints" in values:
+                longest = (values["num_checkpoints"] + 1) * checkpoint_every - 1
+            out[name] = _offsets(n, values[arg], getattr(torch, spec["dtype"]), gen, longest)
     return out
 
 
@@ -165,7 +177,7 @@ def make_workload(trace_set, definition_name: str, axes: Mapping[str, int], *, s
     d = definition.model_dump(mode="json")
     var = {a: int(axes[a]) for a in definition.var_axes}
     uid = str(uuid.uuid4())
-    tensors = index_tensors(d, var, seed=seed)
+    tensors = index_tensors(d, var, seed=seed, checkpoint_every=int(axes.get("checkpoint_every", 0)))
     inputs: Dict[str, Any] = {}
     if tensors:
         path = trace_set.add_workload_blob_tensor(definition_name, uid, tensors)

@@ -586,7 +586,8 @@ def test_index_tensors_for_new_axes_are_valid_calls():
         f = trace.facts(op, CHECK[op](**args), args)
         d = trace.build_definition(op, f)
         wl = trace.build_workload(op, f, d, args)
-        idx = trace_consumer.index_tensors(d, wl["workload"]["axes"], seed=3)
+        idx = trace_consumer.index_tensors(d, wl["workload"]["axes"], seed=3,
+                                           checkpoint_every=args.get("checkpoint_every", 0))
         assert set(idx) == set(trace.index_inputs(op, d))
         CHECK[op](**dict(args, **idx))
 
