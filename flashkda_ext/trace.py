@@ -489,7 +489,11 @@ def save_index_tensors(trace_dir: str, definition: Mapping[str, Any], tensors: M
     """Write `tensors` with safetensors under the definition's blob folder; returns the path
     relative to trace_dir. Named by content: a decode loop that reuses its indices writes one file."""
     import hashlib
-    import safetensors.torch
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise RuntimeError("tracing stores index tensors with the safetensors package: "
+                           "pip install safetensors") from e
     data = safetensors.torch.save(dict(tensors))
     name = definition["name"]
     rel = os.path.join(blob_reldir(definition), f"{name}_{hashlib.sha1(data).hexdigest()[:20]}.safetensors")

@@ -277,7 +277,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace_dir")
     args = p.parse_args(argv)
-    from flashinfer_bench.data import TraceSet
+    try:
+        from flashinfer_bench.data import TraceSet
+    except ImportError:
+        print("flashinfer-bench is not installed (scripts/install.sh installs it without its GPU stack)",
+              file=sys.stderr)
+        return 2
     ts = TraceSet.from_path(args.trace_dir)
     bad = 0
     for name, d in sorted(ts.definitions.items()):
