@@ -608,6 +608,26 @@ def test_consumer_flags_violations_and_refuses_code(tmp_path):
     assert trace_consumer.safe_eval("rows in (1, 2) and not x", {"rows": 2, "x": False}) is True
 
 
+def test_fused_calls_without_the_gate_parameters_a_gate_reads_are_not_traced(tmp_path, monkeypatch):
+    """fused_kda_decode takes A_log and dt_bias positionally: its definitions carry both for the
+    gates that read them, so a bounded call leaving them out has no definition."""
+    monkeypatch.setattr(trace, "_warned", set())
+    args = dict(fused_case(gate="bounded"), A_log=None, dt_bias=None)
+    call = CHECK["fused_kda_decode"](**args)
+    f = trace.facts("fused_kda_decode", call, args)
+    assert [key for key, _ in trace.unsupported("fused_kda_decode", f)] == ["A_log"]
+    with trace.tracing(tmp_path):
+        with pytest.warns(RuntimeWarning, match="fused definitions carry both"):
+            assert trace.emit("fused_kda_decode", call, args) is None
+    def definition(a):
+        return trace.build_definition("fused_kda_decode", trace.facts("fused_kda_decode", CHECK["fused_kda_decode"](**a), a))
+
+    # the op's positional order; the log gate, where the op requires None in their places, has neither
+    assert list(definition(fused_case(gate="bounded"))["inputs"])[:8] == [
+        "x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices"]
+    assert not {"A_log", "dt_bias"} & set(definition(fused_case(gate="log"))["inputs"])
+
+
 def test_index_tensors_that_cannot_be_read_are_not_traced(tmp_path, monkeypatch):
     """Meta index tensors hold no values (nor can CUDA ones be copied during graph capture): a
     workload without them could not be evaluated, so the call is not traced, with one warning."""
