@@ -176,7 +176,14 @@ def make_workload(trace_set, definition_name: str, axes: Mapping[str, int], *, s
     from flashinfer_bench.data import Workload
     definition = trace_set.definitions[definition_name]
     d = definition.model_dump(mode="json")
+    missing = [n for n in definition.var_axes if n not in axes]
+    missing += [n for n, spec in d["inputs"].items() if spec["shape"] is None and n not in axes]
+    if missing:
+        raise ValueError(f"axes: {definition_name} needs values for {missing} (var axes and scalar inputs)")
     var = {a: int(axes[a]) for a in definition.var_axes}
+    violated = check_call(d, var)
+    if violated:
+        raise ValueError(f"axes: {var} violate {definition_name}'s constraints {violated}")
     uid = str(uuid.uuid4())
     tensors = index_tensors(d, var, seed=seed, checkpoint_every=int(axes.get("checkpoint_every", 0)))
     inputs: Dict[str, Any] = {}

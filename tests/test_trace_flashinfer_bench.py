@@ -181,6 +181,17 @@ def test_random_index_inputs_get_a_clear_error_from_the_reference(dataset, cpu_s
         DefaultEvaluator.build_baseline(d, Workload(axes=wl.axes, inputs=inputs, uuid="r"), CFG, "cpu", ts.root)
 
 
+def test_make_workload_refuses_missing_values_and_violated_constraints(dataset):
+    ts, _ = dataset
+    name = next(n for n, d in ts.definitions.items() if "varlen" in d.tags and "op:kda_prefill" in d.tags)
+    axes = {**ts.workloads[name][0].workload.axes,
+            **{n: s.value for n, s in ts.workloads[name][0].workload.inputs.items() if s.type == "scalar"}}
+    with pytest.raises(ValueError, match="needs values for .*scale"):
+        trace_consumer.make_workload(ts, name, {k: v for k, v in axes.items() if k != "scale"})
+    with pytest.raises(ValueError, match="batch == 1"):
+        trace_consumer.make_workload(ts, name, dict(axes, batch=2))
+
+
 def test_consumer_cli_loads_with_flashinfer_bench(dataset, capsys):
     ts, calls = dataset
     assert trace_consumer.main([str(ts.root)]) == 0
