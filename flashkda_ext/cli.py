@@ -1153,9 +1153,11 @@ def cmd_trace(args) -> int:
               f"dump one with `flashkda-ext trace dump OP --heads H ...`")
         return 0
     op = args.op
-    call_args, backend = _trace_args(op, args)
-    f = trace.args_facts(op, call_args, backend)
-    definition = trace.build_definition(op, f)
+    try:
+        definition = trace.definition_for_options(op, vars(args))
+    except ValueError as e:
+        print(f"flashkda-ext trace dump: {e}", file=sys.stderr)
+        return 2
     if args.check:
         trace.validate_definition(definition)
     text = json.dumps(definition, indent=2)
