@@ -83,7 +83,13 @@ def test_scan_cache_is_used_and_checked(tmp_path, monkeypatch):
     assert _files(root) == first and calls == []  # hit: no compiler run
     hdr = root / "csrc" / "common" / "toy.h"
     hdr.write_text(hdr.read_text() + "// edit\n")
+    rec = get_record("toy_cpu", root)
+    with pytest.raises(depscan.NotScanned, match="toy_cpu"):  # the cached scan no longer holds
+        identity_inputs(rec, "host", root, cache=root.parent / "cache", scan=False)
+    assert calls == []
     assert _files(root)["common/toy.h"] != first["common/toy.h"] and len(calls) == 1
+    assert identity_inputs(rec, "host", root, cache=root.parent / "cache", scan=False)["files"] \
+        == _files(root)
 
 
 def test_preprocessor_failure_names_module_and_file(tmp_path):

@@ -357,9 +357,9 @@ def discard_artifact(art_dir: Path, reason: str) -> Path:
     cache = art_dir.parent
     failed = cache / ".failed" / art_dir.name
     with file_lock(lock_path(cache, art_dir.name), what=f"the artifact {art_dir}"):
-        shutil.rmtree(failed, ignore_errors=True)
-        failed.parent.mkdir(parents=True, exist_ok=True)
-        if art_dir.exists():
+        if art_dir.exists():  # else another process discarded it first: keep its report
+            shutil.rmtree(failed, ignore_errors=True)
+            failed.parent.mkdir(parents=True, exist_ok=True)
             os.rename(art_dir, failed)
             (failed / "discarded.txt").write_text(reason + "\n")
     return failed

@@ -158,8 +158,15 @@ def run_scan(record: dict, arch: str, csrc: Path, macros: str) -> List[str]:
 
 
 
-def dependency_hashes(record: dict, arch: str, root, macros: str, cache=None) -> Dict[str, str]:
-    """{path relative to csrc/: sha256} of every project file the module's compile reads."""
+class NotScanned(LookupError):
+    """dependency_hashes(scan=False) found no valid cached scan."""
+
+
+def dependency_hashes(record: dict, arch: str, root, macros: str, cache=None, *,
+                      scan: bool = True) -> Dict[str, str]:
+    """{path relative to csrc/: sha256} of every project file the module's compile reads.
+    scan=False: only from a valid cached scan, else NotScanned (for reports over many modules,
+    which should not run the compiler ~100 times)."""
     csrc = roots.csrc_dir(root).resolve()
     key = _scan_key(record, arch, csrc, macros)
     store = roots.cache_dir(cache) / ".deps" / f"{record['name']}-{key[:32]}.json"
@@ -170,6 +177,8 @@ def dependency_hashes(record: dict, arch: str, root, macros: str, cache=None) ->
             return now
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    if not scan:
+        raise NotScanned(f"module '{record['name']}' ({arch}): no valid cached dependency scan")
     files = {rel: sha256_bytes(csrc / rel) for rel in run_scan(record, arch, csrc, macros)}
     try:  # best effort: a read-only cache only costs a scan per call
         store.parent.mkdir(parents=True, exist_ok=True)

@@ -60,16 +60,17 @@ def _tvm_ffi_version() -> str:
 
 def identity_inputs(record: dict, arch: str, root=None, *, compiler: Optional[dict] = None,
                     tvm_ffi_version: Optional[str] = None, files: Optional[Iterable[str]] = None,
-                    cache=None) -> dict:
+                    cache=None, scan: bool = True) -> dict:
     """Everything the identity hashes.
 
     compiler: version strings (default: the local toolchain's). files: the csrc-relative paths a
     build recorded (an AOT manifest entry): their current bytes are hashed and no compiler runs;
-    by default the compiler's dependency scan lists them (cached in the JIT cache, see depscan)."""
+    by default the compiler's dependency scan lists them (cached in the JIT cache, see depscan);
+    scan=False uses only a cached scan and raises depscan.NotScanned without one."""
     csrc = roots.csrc_dir(root)
     macros = render_header(record, root)
     if files is None:
-        hashes = depscan.dependency_hashes(record, arch, root, macros, cache)
+        hashes = depscan.dependency_hashes(record, arch, root, macros, cache, scan=scan)
     else:
         hashes = {rel: depscan.sha256_bytes(csrc / rel) for rel in files}
     return {
