@@ -16,7 +16,10 @@ from typing import Dict, Iterable, List, Optional
 from . import depscan, roots, toolchain
 from .macros import render_header
 
-IDENTITY_SCHEME = 2  # bump when the builder changes how artifacts are produced (2: compiler deps)
+# Bump when the builder changes how artifacts are produced. Not bumped for the compiler-reported
+# file list: an artifact built when a read file went unhashed cannot match, because that file is in
+# the list now; every current record's identity is unchanged, so existing caches stay valid.
+IDENTITY_SCHEME = 1
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*(?:"([^"]+)"|<([^>]+)>)', re.MULTILINE)
 
 
