@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, fast_path, jit, trace, validation
+from . import custom_ops, dispatch, fast_path, jit, trace, validation
+from .custom_ops import _is_compiling
 from .fast_path import Tensor as _Tensor
 
 
@@ -45,7 +46,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     (rows sharing a slot are applied in row order). See docs/api.md.
     """
     key = dest = None
-    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
             is type(state_indices) and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
@@ -57,6 +58,11 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
             fn, sig, tail = entry
             if fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail):
                 return dest
+    if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_decode node
+        return custom_ops.traced_kda_decode(
+            q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
+            null_slot0=null_slot0, out=out)
     call = validation.check_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
@@ -126,7 +132,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
     """
     key = None
-    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
             and fast_path.plain_or_none(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
                              checkpoints, workspace, out)
             and (cu_seqlens is None or cu_seqlens.is_cuda) and not trace.enabled()):
@@ -147,6 +153,13 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                 ws_bytes, dtype=torch.uint8, device=q.device)
             if fast_path.launch(fn, sig, *args, ws, *tail):
                 return result
+    if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_prefill node
+        return custom_ops.traced_kda_prefill(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+            beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
+            state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
+            checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
+            null_slot0=null_slot0, workspace=workspace, out=out)
     call = validation.check_kda_prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
         beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
@@ -224,7 +237,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
     """
     key = dest = None
-    if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
             is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
             and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
@@ -239,6 +252,11 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             if fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
                                 output_gate, norm_weight, dest, *tail):
                 return dest
+    if custom_ops.tracing(x):  # Dynamo / export / FakeTensor: one flashkda_ext::fused_kda_decode node
+        return custom_ops.traced_fused_kda_decode(
+            x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate, norm_weight,
+            lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
+            null_slot0=null_slot0, out=out)
     call = validation.check_fused_kda_decode(
         x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
         norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
