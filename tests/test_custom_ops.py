@@ -36,13 +36,16 @@ def make_inputs(seed=1):
 
 def gated_rmsnorm(o, gate, weight, eps=1e-5):
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
-    return o * weight * torch.sigmoid(gate)
+    return (o * weight * torch.sigmoid(gate)).to(gate.dtype)
 
 
 def kda_layer(p, x_dec, x_pre, state, conv_state, dec_idx, fused_idx, pre_idx, cu_seqlens):
     """One decode step (unfused and fused, on their own pool slots) and one packed prefill of a KDA layer.
-    Returns the KDA op outputs and the layer outputs; state and conv_state are updated in place."""
-    rows = x_dec.shape[0]
+    Returns the KDA op outputs and the layer outputs; state and conv_state are updated in place.
+    Sizes come from the tensors (tests/gpu/test_integrations_gpu.py runs it at CUDA sizes)."""
+    rows, T = x_dec.shape[0], x_pre.shape[1]
+    H, D = p["A_log"].shape[0], p["norm_weight"].shape[0]
+    HD = H * D
     # unfused decode: conv by hand (the conv cache is left to the fused op), SiLU, then kda_decode
     qkv = F.silu(x_dec @ p["w_qkv"].t())
     q, k, v = (t.reshape(rows, H, D).contiguous() for t in qkv.split(HD, dim=-1))
@@ -59,7 +62,7 @@ def kda_layer(p, x_dec, x_pre, state, conv_state, dec_idx, fused_idx, pre_idx, c
                                             slot_mode="padded")
     y_fused = o_fused.reshape(rows, HD) @ p["w_o"].t()
 
-    # prefill of two packed sequences into the pool, with checkpoints every 4 tokens
+    # prefill of two packed sequences into the pool, with checkpoints
     x = x_pre[0]
     xw = (x @ p["w_qkv"].t()).t().unsqueeze(0)                      # [1, 3*HD, T]
     conv = F.conv1d(F.pad(xw, (3, 0)), p["conv_weight"].unsqueeze(1), groups=3 * HD)
@@ -70,7 +73,8 @@ def kda_layer(p, x_dec, x_pre, state, conv_state, dec_idx, fused_idx, pre_idx, c
     gate = (x @ p["w_gate"].t()).reshape(1, T, H, D)
     o_pre, pool, ckpt = flashkda_ext.kda_prefill(q, k, v, g, beta, A_log=p["A_log"], dt_bias=p["dt_bias"],
                                                  cu_seqlens=cu_seqlens, state=state, state_indices=pre_idx,
-                                                 checkpoint_every=4, max_seqlen=5)
+                                                 checkpoint_every=p.get("checkpoint_every", 4),
+                                                 max_seqlen=p.get("max_seqlen", 5))
     y_pre = gated_rmsnorm(o_pre, gate, p["norm_weight"]).reshape(T, HD) @ p["w_o"].t()
     return dict(o_dec=o_dec, o_fused=o_fused, o_pre=o_pre, ckpt=ckpt, y_dec=y_dec, y_fused=y_fused, y_pre=y_pre)
 
