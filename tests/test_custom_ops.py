@@ -136,7 +136,8 @@ def test_export_matches_eager(eager):
 
     a = {k: v.clone() for k, v in inputs.items()}
     ep = torch.export.export(Layer(), (), kwargs=a)
-    targets = {str(n.args[0]) if n.target is torch.ops.higher_order.auto_functionalized else str(n.target)
+    functionalized = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+    targets = {str(n.args[0]) if n.target in functionalized else str(n.target)
                for n in ep.graph.nodes if n.op == "call_function"}
     for op in ("flashkda_ext.kda_decode.default", "flashkda_ext.fused_kda_decode.default",
                "flashkda_ext.kda_prefill.default"):

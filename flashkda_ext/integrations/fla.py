@@ -32,6 +32,8 @@ PRIORITY = 2                      # fla: lower runs first; FlashKDA's backend is
 
 #: calls served / refused per entry point, e.g. STATS["chunk_kda", "served"] (the acceptance run counts them)
 STATS: collections.Counter = collections.Counter()
+#: refusals per (entry point, reason)
+REASONS: collections.Counter = collections.Counter()
 
 
 class Refused(Exception):
@@ -156,15 +158,22 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
     return args, kw
 
 
+def _refusal(entry: str, error: Exception):
+    reason = str(error) if isinstance(error, Refused) else \
+        f"flashkda_ext could not map the call: {type(error).__name__}: {error}"
+    STATS[entry, "refused"] += 1
+    REASONS[entry, reason] += 1
+    return False, reason
+
+
 def chunk_kda_verifier(*args, **kwargs):
     """fla's verifier protocol: (True, None) when flashkda_ext serves this chunk_kda call, else (False, reason)."""
     try:
         q = args[0] if args else kwargs["q"]
         a, kw = _plan_chunk_kda(_Plan(meta=True), *args, **kwargs)
         _validated("kda_prefill", q.device, a, kw)
-    except Refused as e:
-        STATS["chunk_kda", "refused"] += 1
-        return False, str(e)
+    except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
+        return _refusal("chunk_kda", e)
     STATS["chunk_kda", "served"] += 1
     return True, None
 
@@ -248,9 +257,8 @@ def fused_recurrent_kda_fwd_verifier(*args, **kwargs):
         q = args[0] if args else kwargs["q"]
         family, a, kw, _ = _plan_fused_recurrent(_Plan(meta=True), *args, **kwargs)
         _validated(family, q.device, a, kw)
-    except Refused as e:
-        STATS["fused_recurrent_kda_fwd", "refused"] += 1
-        return False, str(e)
+    except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
+        return _refusal("fused_recurrent_kda_fwd", e)
     STATS["fused_recurrent_kda_fwd", "served"] += 1
     return True, None
 
