@@ -11,6 +11,12 @@ the op (a fresh graph tensor, so functionalization re-inplaces it), and the publ
 caller's own tensors (the pool in prefill's pool mode) exactly as in eager mode: no custom op ever
 returns an alias of an input, and optional outputs are just `Tensor?` arguments.
 
+Registration. The ops are defined with torch.library.Library (define + a CompositeExplicitAutograd kernel +
+register_fake) rather than the torch.library.custom_op decorator: the decorator's eager dispatch adds
+Python work per call that grows with the argument count (~100 us for kda_decode's 16 arguments on this
+CPU, in torch 2.13's ADInplaceOrView wrapper), the plain definition ~5 us. What the decorator's extra
+kernels do (autograd checks, version-counter bumps of the written tensors) an inference op does not need.
+
 Validation. The real implementation calls the public op on real tensors, so the full validation (which
 reads jit/supported.json and memoizes) and the fast path run there, outside any traced region. The fake
 implementation runs the same checks on meta-tensor stand-ins (shape, dtype, layout; no data pointers, no
@@ -27,6 +33,24 @@ from . import validation
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
+_LIB = torch.library.Library("flashkda_ext", "DEF")  # kept alive: dropping it unregisters the ops
+
+
+def _register(name: str, mutates_args: tuple):
+    """Define flashkda_ext::<name> from the Python signature of the decorated real implementation,
+    with that function as its kernel for every backend; returns the OpOverload."""
+    def decorate(fn):
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.flashkda_ext, name).default
+    return decorate
+
+
+def _fake(name: str):
+    def decorate(fn):
+        torch.library.register_fake(f"flashkda_ext::{name}", fn, lib=_LIB)
+        return fn
+    return decorate
 
 
 def tracing(x) -> bool:
@@ -56,7 +80,7 @@ def _check_on_meta(check, device: torch.device, args: tuple, kwargs: dict):
 # kda_decode
 
 
-@torch.library.custom_op("flashkda_ext::kda_decode", mutates_args=("state", "out"), device_types=("cpu", "cuda"))
+@_register("kda_decode", mutates_args=("state", "out"))
 def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
                   scale: Optional[float], beta_is_logit: bool, slot_mode: str, null_slot0: bool,
@@ -67,7 +91,7 @@ def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
                null_slot0=null_slot0, out=out)
 
 
-@kda_decode_op.register_fake
+@_fake("kda_decode")
 def _kda_decode_fake(q, k, v, g, beta, state, state_indices, A_log, dt_bias, lower_bound, gate, scale,
                      beta_is_logit, slot_mode, null_slot0, out) -> None:
     _check_on_meta(validation.check_kda_decode, q.device, (q, k, v, g, beta), dict(
@@ -90,8 +114,7 @@ def traced_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_
 # fused_kda_decode
 
 
-@torch.library.custom_op("flashkda_ext::fused_kda_decode", mutates_args=("conv_state", "state", "out"),
-                         device_types=("cpu", "cuda"))
+@_register("fused_kda_decode", mutates_args=("conv_state", "state", "out"))
 def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: Tensor, beta: Tensor,
                         A_log: Optional[Tensor], dt_bias: Optional[Tensor], state_indices: Tensor, state: Tensor,
                         output_gate: Tensor, norm_weight: Tensor, lower_bound: Optional[float], gate: str,
@@ -103,7 +126,7 @@ def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
                      slot_mode=slot_mode, null_slot0=null_slot0, out=out)
 
 
-@fused_kda_decode_op.register_fake
+@_fake("fused_kda_decode")
 def _fused_kda_decode_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                            norm_weight, lower_bound, gate, norm_eps, scale, slot_mode, null_slot0, out) -> None:
     _check_on_meta(validation.check_fused_kda_decode, x.device,
@@ -131,9 +154,7 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
 # kda_prefill
 
 
-@torch.library.custom_op("flashkda_ext::kda_prefill",
-                         mutates_args=("state", "final_state", "checkpoints", "workspace", "out"),
-                         device_types=("cpu", "cuda"))
+@_register("kda_prefill", mutates_args=("state", "final_state", "checkpoints", "workspace", "out"))
 def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
                    dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str, scale: Optional[float],
                    beta_is_logit: bool, cu_seqlens: Optional[Tensor], initial_state: Optional[Tensor],
@@ -148,7 +169,7 @@ def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                 null_slot0=null_slot0, workspace=workspace, out=out)
 
 
-@kda_prefill_op.register_fake
+@_fake("kda_prefill")
 def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, beta_is_logit, cu_seqlens,
                       initial_state, state, state_indices, output_final_state, final_state, checkpoint_every,
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
