@@ -99,12 +99,37 @@ def test_fused_recurrent_dense_states_in_place_and_as_a_new_final_state():
     torch.testing.assert_close(h.double(), want_ht, **TOL)
 
 
+def test_chunk_kda_intermediate_states_are_fla_per_chunk_h():
+    """fla's h: the state entering each chunk of 64, [B, NT, HV, V, K] in q's dtype (equal lengths) or
+    [1, NT over all sequences, ...] (packed, host lengths from cu_seqlens_cpu)."""
+    a = inputs(B=1, T=200)
+    cu = torch.tensor([0, 130, 200])
+    h0 = torch.randn(2, HV, V, K) * 0.3
+    call = dict(a, initial_state=h0, output_final_state=True, return_intermediate_states=True, cu_seqlens=cu,
+                cu_seqlens_cpu=cu, **FLA_FLAGS)
+    assert fkda_fla.chunk_kda_verifier(**call) == (True, None)
+    o, ht, h = fkda_fla.serve_chunk_kda(**call)
+    _, want_ht, ckpt = kda_recurrent(a["q"], a["k"], a["v"], a["g"], a["beta"], A_log=a["A_log"],
+                                     dt_bias=a["dt_bias"], cu_seqlens=cu, initial_state=h0, checkpoint_every=64)
+    assert h.shape == (1, 3 + 2, HV, V, K) and h.dtype == a["q"].dtype   # ceil(130/64) + ceil(70/64) chunks
+    want_h = torch.stack([h0[0].double(), ckpt[0, 0], ckpt[0, 1], h0[1].double(), ckpt[1, 0]])
+    torch.testing.assert_close(h[0].double(), want_h, **TOL)
+    torch.testing.assert_close(ht.double(), want_ht, **TOL)
+    # equal lengths, no initial state: h[:, 0] is zero
+    b = inputs(B=2, T=70)
+    o, ht, h = fkda_fla.serve_chunk_kda(**dict(b, return_intermediate_states=True, **FLA_FLAGS))
+    assert ht is None and h.shape == (2, 2, HV, V, K) and torch.equal(h[:, 0], torch.zeros(2, HV, V, K))
+
+
 REFUSALS = [
     (dict(state_v_first=False), "state_v_first=True"),
     (dict(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=True"),
     (dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), "allow_neg_eigval=False"),
     (dict(cp_context=object()), "context parallel"),
-    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(return_intermediate_states=True, chunk_size=32), "chunk_size=64"),
+    (dict(return_intermediate_states=True, q=torch.zeros(1, 12, H, K), k=torch.zeros(1, 12, H, K),
+          v=torch.zeros(1, 12, HV, V), g=torch.zeros(1, 12, HV, K), beta=torch.zeros(1, 12, HV),
+          cu_seqlens=torch.tensor([0, 5, 12])), "cu_seqlens_cpu"),
     (dict(use_graph=True), "use_graph"),
     (dict(A_log=None), "requires A_log and dt_bias"),
     (dict(initial_state=torch.zeros(3, HV, V, K)), "initial_state: expected shape"),   # our check's message

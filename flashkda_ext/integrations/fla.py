@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .. import validation
+from . import fla_chunk_states
 from ..custom_ops import _check_on_meta
 
 BACKEND_TYPE = "flashkda_ext"
@@ -138,24 +139,40 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
             state_v_first=state_v_first)
     if cp_context is not None:
         raise Refused("flashkda_ext does not support context parallel (cp_context)")
+    chunk = kwargs.pop("chunk_size", 64)
+    lengths = None
     if return_intermediate_states:
-        raise Refused("flashkda_ext does not serve return_intermediate_states (fla's per-chunk h)")
+        # fla's h: the state entering each chunk, built from our checkpoints with host lengths
+        if chunk != 64:
+            raise Refused(f"flashkda_ext serves return_intermediate_states with chunk_size=64, got {chunk}")
+        if cu_seqlens is None:
+            lengths = [q.shape[1]] * q.shape[0]
+        elif cu_seqlens_cpu is not None:
+            offsets = cu_seqlens_cpu.tolist()
+            lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        else:
+            raise Refused("flashkda_ext serves return_intermediate_states with packed input only when "
+                          "cu_seqlens_cpu is given (the per-chunk layout needs host lengths)")
     if use_graph:
         raise Refused("flashkda_ext does not map use_graph (fla's fixed-shape chunk list); pass workspace= "
                       "to kda_prefill directly for CUDA graphs")
-    unknown = sorted(set(kwargs) - {"chunk_size"})
+    unknown = sorted(kwargs)
     if unknown:
         raise Refused(f"flashkda_ext does not know the arguments {unknown}")
     gate, A_log, dt_bias, lower_bound = _gate(plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, v.shape[2])
     max_seqlen = None
-    if cu_seqlens_cpu is not None and cu_seqlens is not None and not plan.meta:
+    if lengths is not None:
+        max_seqlen = max(lengths, default=0)
+    elif cu_seqlens_cpu is not None and cu_seqlens is not None and not plan.meta:
         max_seqlen = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu.numel() > 1 else 0
     args = (plan.keep(q), plan.keep(k), plan.keep(v), plan.cast(g, q.dtype), plan.cast(beta, q.dtype))
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
               beta_is_logit=bool(use_beta_sigmoid_in_kernel), cu_seqlens=plan.keep(cu_seqlens),
               initial_state=plan.cast(initial_state, torch.float32), output_final_state=bool(output_final_state),
               max_seqlen=max_seqlen)
-    return args, kw
+    if lengths is not None:
+        kw["checkpoint_every"] = chunk
+    return args, kw, lengths
 
 
 def _refusal(entry: str, error: Exception):
@@ -170,7 +187,7 @@ def chunk_kda_verifier(*args, **kwargs):
     """fla's verifier protocol: (True, None) when flashkda_ext serves this chunk_kda call, else (False, reason)."""
     try:
         q = args[0] if args else kwargs["q"]
-        a, kw = _plan_chunk_kda(_Plan(meta=True), *args, **kwargs)
+        a, kw, _ = _plan_chunk_kda(_Plan(meta=True), *args, **kwargs)
         _validated("kda_prefill", q.device, a, kw)
     except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
         return _refusal("chunk_kda", e)
@@ -179,11 +196,22 @@ def chunk_kda_verifier(*args, **kwargs):
 
 
 def serve_chunk_kda(*args, **kwargs):
-    """chunk_kda through kda_prefill: returns (o [B, T, HV, V], final_state [N, HV, V, K] fp32 or None)."""
+    """chunk_kda through kda_prefill: returns (o [B, T, HV, V], final_state [N, HV, V, K] fp32 or None), and
+    with return_intermediate_states h [B, NT, HV, V, K] in q's dtype (B = 1 for packed input, NT chunks
+    over all sequences), h[:, c] the state entering chunk c (fla's layout with state_v_first=True)."""
     from ..ops import kda_prefill
-    a, kw = _plan_chunk_kda(_Plan(meta=False), *args, **kwargs)
-    o, final = kda_prefill(*a, **kw)
-    return o, final
+    a, kw, lengths = _plan_chunk_kda(_Plan(meta=False), *args, **kwargs)
+    res = kda_prefill(*a, **kw)
+    if lengths is None:
+        return res[0], res[1]
+    q, v = a[0], a[2]
+    init = kw["initial_state"]
+    if init is None:
+        init = torch.zeros((len(lengths), v.shape[2], v.shape[3], q.shape[3]), dtype=torch.float32, device=q.device)
+    h = fla_chunk_states(init, res[2], lengths, kw["checkpoint_every"]).to(q.dtype)
+    if kw["cu_seqlens"] is None:  # equal lengths: one row of chunks per batch entry
+        h = h.view(q.shape[0], -1, *h.shape[2:])
+    return res[0], res[1], h
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import fla_chunk_states
+
 SPEC_DECODE_ISSUE = "the [SD] speculative-decoding issue (target_verify, num_accepted_tokens)"
 
 
@@ -141,7 +143,7 @@ class FlashKDAExtKernel:
         o = res[0]
         if not want_h:
             return o
-        return o, _per_chunk_states(initial, res[2], lengths, self.chunk_size)
+        return o, fla_chunk_states(initial, res[2], lengths, self.chunk_size)
 
     # -----------------------------------------------------------------------------------------
     def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, **kwargs):
@@ -159,18 +161,3 @@ def _gather_states(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     valid = idx >= 0
     states = pool.index_select(0, idx.clamp(min=0).long())
     return torch.where(valid.view(-1, 1, 1, 1), states, torch.zeros((), dtype=pool.dtype, device=pool.device))
-
-
-def _per_chunk_states(initial: torch.Tensor, checkpoints: torch.Tensor, lengths: list, chunk: int) -> torch.Tensor:
-    """FLA's h from our checkpoints: for request n, [initial_n, ckpt[n, 0], ..., ckpt[n, ceil(len/chunk) - 2]],
-    concatenated over requests, as [1, NT, HV, V, K] (one gather; the index is built on the host)."""
-    N, C = checkpoints.shape[0], checkpoints.shape[1]
-    flat = torch.cat([initial.to(checkpoints.dtype), checkpoints.reshape(N * C, *checkpoints.shape[2:])])
-    order = []
-    for n, L in enumerate(lengths):
-        chunks = -(-L // chunk)
-        if chunks > 0:
-            order.append(n)
-            order.extend(N + n * C + j for j in range(chunks - 1))
-    index = torch.tensor(order, dtype=torch.long).to(flat.device, non_blocking=True)
-    return flat.index_select(0, index).unsqueeze(0)

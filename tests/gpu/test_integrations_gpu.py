@@ -126,7 +126,7 @@ def _both(fkda_fla, key, fn):
     return ours, theirs
 
 
-@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "softplus+h"])
 def test_fla_chunk_kda_served_matches_triton(fla_backend, gate):
     from fla.ops.kda import chunk_kda
     gen = torch.Generator().manual_seed(4)
@@ -141,9 +141,14 @@ def test_fla_chunk_kda_served_matches_triton(fla_backend, gate):
               A_log=A_log, dt_bias=dt_bias)
     if gate == "bounded":
         kw.update(safe_gate=True, lower_bound=-5.0)
+    if gate == "softplus+h":   # fla's per-chunk states from our checkpoints
+        kw.update(return_intermediate_states=True)
     with torch.inference_mode():
-        (o1, s1), (o2, s2) = _both(fla_backend, "chunk_kda", lambda: chunk_kda(q, k, v, g, beta, **kw))
-    assert rel_l2(o1, o2) < 1e-2 and rel_l2(s1, s2) < 1e-2
+        ours, theirs = _both(fla_backend, "chunk_kda", lambda: chunk_kda(q, k, v, g, beta, **kw))
+    assert len(ours) == len(theirs)
+    for name, a, b in zip(("o", "final_state", "h"), ours, theirs):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_l2(a, b) < 1e-2, name
 
 
 def test_fla_vllm_decode_served_matches_triton(fla_backend):
