@@ -166,6 +166,16 @@ def test_fake_tensor_call_gives_shapes_and_checks_like_eager():
             flashkda_ext.kda_decode(q, q, v, q, torch.empty(4, H + 1), state=st, state_indices=idx, gate="log")
 
 
+def test_a_bad_call_fails_at_compile_time_with_the_eager_message():
+    def step(q, b, st, idx):
+        return flashkda_ext.kda_decode(q, q, q, q, b, state=st, state_indices=idx, gate="log")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="state_indices: expected dtype int32, got int64"):
+        compiled(torch.randn(2, H, D), torch.randn(2, H), torch.zeros(SLOTS, H, D, D), torch.zeros(2, dtype=torch.long))
+
+
 def test_traced_checkpoints_need_a_host_count():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -185,3 +195,30 @@ def test_schemas_name_the_mutated_tensors():
                torch.ops.flashkda_ext.kda_prefill):
         assert len(op.default._schema.returns) == 0  # never an alias of an input as an output
     assert custom_ops.tracing(torch.ones(1)) is False
+
+
+def test_dynamic_rows_and_tokens_compile_once_and_match_eager():
+    """Serving loops change the row / token count every step: dynamic=True traces symbolic sizes through
+    the fake implementations (and their checks) and still matches eager bitwise."""
+    def decode(q, k, v, g, b, st, idx, A, dt):
+        return flashkda_ext.kda_decode(q, k, v, g, b, state=st, state_indices=idx, A_log=A, dt_bias=dt) * 2
+
+    def prefill(q, k, v, g, b, cu):
+        return flashkda_ext.kda_prefill(q, k, v, g, b, gate="log", cu_seqlens=cu)[0]
+
+    torch._dynamo.reset()
+    cd = torch.compile(decode, fullgraph=True, dynamic=True, backend="aot_eager")
+    cp = torch.compile(prefill, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    A, dt = r(H) * 0.3, r(H * D) * 0.5
+    for rows in (3, 5):
+        a = (r(rows, H, D), r(rows, H, D), r(rows, H, D), r(rows, H, D), r(rows, H))
+        st, idx = r(SLOTS, H, D, D), torch.randperm(SLOTS, generator=gen)[:rows].int()
+        st_eager = st.clone()
+        assert bitwise(cd(*a, st, idx, A, dt), decode(*a, st_eager, idx, A, dt))
+        assert bitwise(st, st_eager)
+    for T in (7, 12):
+        x, gl, b = r(1, T, H, D), -torch.rand(1, T, H, D, generator=gen), r(1, T, H)
+        cu = torch.tensor([0, 3, T], dtype=torch.int32)
+        assert bitwise(cp(x, x, x, gl, b, cu), prefill(x, x, x, gl, b, cu))
