@@ -186,3 +186,19 @@ def test_register_needs_fla(monkeypatch):
         fkda_fla.register()
     monkeypatch.delenv("FLASHKDA_EXT_FLA", raising=False)
     assert fkda_fla.register_from_env() is None
+
+
+def test_verdicts_are_reused_only_for_the_same_call_signature():
+    fkda_fla._VERDICTS.clear()
+    a = inputs()
+    call = dict(a, **FLA_FLAGS)
+    served = fkda_fla.STATS["chunk_kda", "served"]
+    assert fkda_fla.chunk_kda_verifier(**call) == (True, None)
+    assert fkda_fla.chunk_kda_verifier(**dict(call, q=a["q"].clone())) == (True, None)   # same signature
+    assert len(fkda_fla._VERDICTS) == 1 and fkda_fla.STATS["chunk_kda", "served"] == served + 2
+    # a transposed view has other strides: checked again, and refused (not contiguous)
+    q_t = a["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    ok, why = fkda_fla.chunk_kda_verifier(**dict(call, q=q_t))
+    assert not ok and "contiguous" in why and len(fkda_fla._VERDICTS) == 2
+    with torch.inference_mode(False), torch.enable_grad():       # grad mode is part of the key
+        assert fkda_fla.chunk_kda_verifier(**call)[0] is False

@@ -175,24 +175,62 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
     return args, kw, lengths
 
 
-def _refusal(entry: str, error: Exception):
-    reason = str(error) if isinstance(error, Refused) else \
-        f"flashkda_ext could not map the call: {type(error).__name__}: {error}"
-    STATS[entry, "refused"] += 1
-    REASONS[entry, reason] += 1
-    return False, reason
+# Verdicts by call signature: a serving loop repeats the same call every step, and the checks on meta
+# stand-ins cost ~80 us a call. The key holds everything a verdict depends on (the hand-written part:
+# validation's own memo keys tensors without strides or requires_grad, and sees mapped arguments).
+_VERDICTS: dict = {}
+_VERDICT_LIMIT = 512
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _verdict_key(entry: str, args: tuple, kwargs: dict):
+    """A hashable summary of the call, or None when some argument cannot be summarized (no memo)."""
+    key = [entry, torch.is_grad_enabled(), tuple(kwargs)]
+    for name, x in list(enumerate(args)) + list(kwargs.items()):
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor:
+                return None   # subclasses (fake, functional) are checked every time
+            if name == "cu_seqlens_cpu":
+                key.append(tuple(x.tolist()))   # host lengths shape the per-chunk layout
+            else:
+                key.append((x.shape, x.dtype, x.device, x.stride(), x.requires_grad,
+                            x.data_ptr() & 15 if x.is_cuda else 0))
+        elif type(x) in _SCALARS:
+            key.append((type(x), x))
+        else:
+            return None
+    return tuple(key)
+
+
+def _verify(entry: str, check, args: tuple, kwargs: dict):
+    key = _verdict_key(entry, args, kwargs)
+    verdict = _VERDICTS.get(key) if key is not None else None
+    if verdict is None:
+        try:
+            check(*args, **kwargs)
+            verdict = (True, None)
+        except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
+            verdict = (False, str(e) if isinstance(e, Refused) else
+                       f"flashkda_ext could not map the call: {type(e).__name__}: {e}")
+        if key is not None:
+            if len(_VERDICTS) >= _VERDICT_LIMIT:
+                _VERDICTS.clear()
+            _VERDICTS[key] = verdict
+    STATS[entry, "served" if verdict[0] else "refused"] += 1
+    if not verdict[0]:
+        REASONS[entry, verdict[1]] += 1
+    return verdict
+
+
+def _check_chunk_kda(*args, **kwargs):
+    q = args[0] if args else kwargs["q"]
+    a, kw, _ = _plan_chunk_kda(_Plan(meta=True), *args, **kwargs)
+    _validated("kda_prefill", q.device, a, kw)
 
 
 def chunk_kda_verifier(*args, **kwargs):
     """fla's verifier protocol: (True, None) when flashkda_ext serves this chunk_kda call, else (False, reason)."""
-    try:
-        q = args[0] if args else kwargs["q"]
-        a, kw, _ = _plan_chunk_kda(_Plan(meta=True), *args, **kwargs)
-        _validated("kda_prefill", q.device, a, kw)
-    except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
-        return _refusal("chunk_kda", e)
-    STATS["chunk_kda", "served"] += 1
-    return True, None
+    return _verify("chunk_kda", _check_chunk_kda, args, kwargs)
 
 
 def serve_chunk_kda(*args, **kwargs):
@@ -279,16 +317,15 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
     return "kda_prefill", args, kw, lambda r: (r[0], r[1])
 
 
+def _check_fused_recurrent(*args, **kwargs):
+    q = args[0] if args else kwargs["q"]
+    family, a, kw, _ = _plan_fused_recurrent(_Plan(meta=True), *args, **kwargs)
+    _validated(family, q.device, a, kw)
+
+
 def fused_recurrent_kda_fwd_verifier(*args, **kwargs):
     """fla's verifier protocol for fused_recurrent_kda_fwd (the vLLM decode call)."""
-    try:
-        q = args[0] if args else kwargs["q"]
-        family, a, kw, _ = _plan_fused_recurrent(_Plan(meta=True), *args, **kwargs)
-        _validated(family, q.device, a, kw)
-    except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
-        return _refusal("fused_recurrent_kda_fwd", e)
-    STATS["fused_recurrent_kda_fwd", "served"] += 1
-    return True, None
+    return _verify("fused_recurrent_kda_fwd", _check_fused_recurrent, args, kwargs)
 
 
 def serve_fused_recurrent_kda_fwd(*args, **kwargs):
