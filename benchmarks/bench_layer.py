@@ -204,8 +204,10 @@ def main(argv=None):
             notes["rel_l2_vs_fla"] = _agreement(layer, lambda impl, on: layer.decode(x, idx, impl), "ours")
         with torch.inference_mode():
             run.add(harness.Case(f"decode rows={rows}", {"phase": "decode", "rows": rows}, arms, notes=notes))
-    fla_switch(True)
+    if use_fla:
+        fla_switch(True)
     run.finish()
+    return 0
 
 
 def _agreement(layer, step, ours: str) -> dict:
@@ -224,4 +226,4 @@ def _agreement(layer, step, ours: str) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
