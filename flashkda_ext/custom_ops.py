@@ -209,7 +209,8 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
     kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit,
                    cu_seqlens, initial_state, state, state_indices, output_final_state, final_state,
                    checkpoint_every, checkpoints, max_seqlen, null_slot0, workspace, out)
-    result_state = state if pool else (final_state if output_final_state else None)
+    # as eager: pool mode returns the pool itself; output_final_state=False returns None (a pool only read)
+    result_state = (state if pool else final_state) if output_final_state else None
     has_ckpt = isinstance(checkpoint_every, int) and checkpoint_every > 0
     return (out, result_state, checkpoints) if has_ckpt else (out, result_state)
 

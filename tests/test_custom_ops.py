@@ -222,3 +222,24 @@ def test_dynamic_rows_and_tokens_compile_once_and_match_eager():
         x, gl, b = r(1, T, H, D), -torch.rand(1, T, H, D, generator=gen), r(1, T, H)
         cu = torch.tensor([0, 3, T], dtype=torch.int32)
         assert bitwise(cp(x, x, x, gl, b, cu), prefill(x, x, x, gl, b, cu))
+
+
+def test_traced_prefill_returns_what_eager_returns_in_pool_mode():
+    """Pool mode returns the pool itself, or None with output_final_state=False (the pool only read)."""
+    def pre(x, gl, b, st, idx, keep):
+        return flashkda_ext.kda_prefill(x, x, x, gl, b, gate="log", state=st, state_indices=idx,
+                                        output_final_state=keep)
+
+    gen = torch.Generator().manual_seed(8)
+    x, gl, b = torch.randn(2, 5, H, D, generator=gen), -torch.rand(2, 5, H, D, generator=gen), torch.randn(2, 5, H)
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    for keep in (True, False):
+        torch._dynamo.reset()
+        st_eager = torch.randn(SLOTS, H, D, D, generator=gen)
+        st_traced = st_eager.clone()
+        before = st_eager.clone()
+        o1, s1 = pre(x, gl, b, st_eager, idx, keep)
+        o2, s2 = torch.compile(pre, fullgraph=True, backend="aot_eager")(x, gl, b, st_traced, idx, keep)
+        assert bitwise(o1, o2) and bitwise(st_eager, st_traced)
+        assert (s1 is st_eager and s2 is st_traced) if keep else (s1 is None and s2 is None)
+        assert keep or torch.equal(st_traced, before)

@@ -132,14 +132,12 @@ class FlashKDAExtKernel:
                       cu_seqlens=query_start_loc, max_seqlen=max(lengths, default=0) if lengths else None)
         args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(g, dtype, (1, T, HV, K)),
                 _as(beta, dtype, (1, T, HV)))
-        if want_h or is_spec_decode:
-            initial = _gather_states(ssm_states, idx)  # read before the pool is written
         if want_h:
+            initial = _gather_states(ssm_states, idx)  # h starts from each request's state: read it first
             common.update(checkpoint_every=self.chunk_size)
-        if is_spec_decode:
-            res = kda_prefill(*args, initial_state=initial, output_final_state=False, **common)
-        else:
-            res = kda_prefill(*args, state=ssm_states, state_indices=idx, **common)
+        # is_spec_decode: pool mode with output_final_state=False reads the slots and commits nothing
+        res = kda_prefill(*args, state=ssm_states, state_indices=idx, output_final_state=not is_spec_decode,
+                          **common)
         o = res[0]
         if not want_h:
             return o
