@@ -176,7 +176,7 @@ def main(argv=None):
             pass
     run = harness.Run(args.name, cfg, baseline="fla" if use_fla else "ours",
                       extra_meta={"layer": sizes, "fla_backend": use_fla})
-    run.start(len(prefill_T) + len(rows_list))
+    run.start(len(prefill_T) + 2 * len(rows_list))
     gen = torch.Generator().manual_seed(1)
     compiled_decode = torch.compile(lambda x, i: layer.decode(x, i, "ours"), fullgraph=True)
 
@@ -204,10 +204,33 @@ def main(argv=None):
             notes["rel_l2_vs_fla"] = _agreement(layer, lambda impl, on: layer.decode(x, idx, impl), "ours")
         with torch.inference_mode():
             run.add(harness.Case(f"decode rows={rows}", {"phase": "decode", "rows": rows}, arms, notes=notes))
+    for rows in rows_list:   # what the SGLang adapter's one-pass casts cost: fp32 gate / beta beside bf16 q
+        run.add(_cast_case(layer, rows, slots, gen, dev, dtype))
     if use_fla:
         fla_switch(True)
     run.finish()
     return 0
+
+
+def _cast_case(layer, rows, slots, gen, dev, dtype):
+    """The SGLang kernel's decode with the raw gate and beta logit in q's dtype vs in fp32 (cast inside
+    the adapter, one pass each): the difference is the price of accepting fp32 gate / beta."""
+    from flashkda_ext.integrations.sglang import FlashKDAExtKernel
+    H, D = layer.H, layer.D
+    r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
+    q, k, v = (r(1, rows, H, D).to(dtype) for _ in range(3))
+    a32, b32 = r(rows, H * D), r(1, rows, H)
+    a16, b16 = a32.to(dtype), b32.to(dtype)
+    idx = torch.randperm(slots, generator=gen)[:rows].to(dev, torch.int32)
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+    kern = FlashKDAExtKernel()
+
+    def decode(a, b):
+        return lambda: kern.decode(q, k, v, a, b, A_log=layer.A_log, dt_bias=layer.dt_bias, ssm_states=layer.state,
+                                   cache_indices=idx, query_start_loc=qsl)
+    arms = [harness.Arm("ours", decode(a16, b16)), harness.Arm("ours_fp32_gate_beta", decode(a32, b32))]
+    with torch.inference_mode():
+        return harness.Case(f"adapter casts rows={rows}", {"phase": "decode casts", "rows": rows}, arms)
 
 
 def _agreement(layer, step, ours: str) -> dict:

@@ -7,7 +7,8 @@
 # package; flash-linear-attention itself only adds fla.layers/models and transformers, not needed here),
 # einops; triton comes with the device image's torch. Carry .fla_tests too.
 # FLA_K narrows fla's tests (pytest -k); BASELINE=1 also runs them once without the backend (fla's own
-# pass/fail on this image, to tell our regressions from fla-vs-snapshot drift).
+# pass/fail on this image, to tell our regressions from fla-vs-snapshot drift); BENCH=1 adds the layer
+# benchmark (benchmarks/bench_layer.py: fla / fla backend / ours / compiled, and the adapter casts).
 set -uo pipefail
 if [ "${1:-}" = "--prepare" ]; then
   mirror=${2:-/work/.mirror/fla-org+flash-linear-attention/repo}
@@ -36,4 +37,8 @@ if [ -f .fla_tests/tests/ops/test_kda.py ]; then
   grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -20
 else
   echo "no .fla_tests/: run 'bash scripts/device_integrations.sh --prepare' here and carry .fla_tests"
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+  stage bench_layer 540 python3 benchmarks/bench_layer.py --no-progress --out "$OUT" ${BENCH_ARGS:-}
+  tail -30 "$OUT/bench_layer.log"
 fi

@@ -18,7 +18,7 @@ def test_layer_benchmark_dry_run(tmp_path):
                      "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "layer.json").read_text())
     cases = {c["name"]: c for c in doc["cases"]}
-    assert set(cases) == {"prefill T=64", "decode rows=2"}
+    assert set(cases) == {"prefill T=64", "decode rows=2", "adapter casts rows=2"}
     assert set(cases["decode rows=2"]["arms"]) == {"ours", "ours_compiled"}
     for c in cases.values():
         for arm in c["arms"].values():
