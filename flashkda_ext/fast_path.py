@@ -47,25 +47,24 @@ _grad_enabled = torch.is_grad_enabled
 
 def flags_ok(read: tuple, written: tuple) -> bool:
     """True when no tensor of the call (None skipped) has a property the signature cannot see but the
-    full check refuses (validation._tensor, validation._inference_only)."""
-    for x in read:
-        if x is not None and _is_neg(x):
-            return False
-    for x in written:
-        if x is not None and _is_neg(x):
-            return False
+    full check refuses (validation._tensor, validation._inference_only). Called on every fast call:
+    one pass, and the grad / inference-mode checks only where those modes make them matter (a serving
+    loop under torch.inference_mode() pays for the neg bits alone)."""
     if _inference_mode():
-        return True
-    for x in written:
-        if x is not None and _is_inference(x):
-            return False
-    if _grad_enabled():
         for x in read:
-            if x is not None and x.requires_grad:
+            if x is not None and _is_neg(x):
                 return False
         for x in written:
-            if x is not None and x.requires_grad:
+            if x is not None and _is_neg(x):
                 return False
+        return True
+    grad = _grad_enabled()
+    for x in read:
+        if x is not None and (_is_neg(x) or grad and x.requires_grad):
+            return False
+    for x in written:
+        if x is not None and (_is_neg(x) or _is_inference(x) or grad and x.requires_grad):
+            return False
     return True
 
 
