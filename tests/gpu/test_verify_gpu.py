@@ -79,22 +79,21 @@ def call_module(name, a, out, gate="softplus", lb=-5.0, scale=None, beta_is_logi
 
 
 def reference(a, gate="softplus", lb=-5.0, **kw):
+    """(out float64 [1, T, HV, V], new pool) on the GPU, from the (unchanged) inputs."""
     return REF.kda_verify_step(
-        a["q"].cpu(), a["k"].cpu(), a["v"].cpu(), a["g"].cpu(), a["beta"].cpu(), state=a["state"].cpu(),
-        state_indices=a["state_indices"].cpu(), cu_seqlens=a["cu_seqlens"].cpu(),
-        num_accepted_tokens=a["num_accepted_tokens"].cpu(), gate=gate,
-        A_log=None if a["A_log"] is None else a["A_log"].cpu(), dt_bias=None if a["dt_bias"] is None else a["dt_bias"].cpu(),
-        lower_bound=lb if gate == "bounded" else None, **kw)
+        a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], state_indices=a["state_indices"],
+        cu_seqlens=a["cu_seqlens"], num_accepted_tokens=a["num_accepted_tokens"], gate=gate, A_log=a["A_log"],
+        dt_bias=a["dt_bias"], lower_bound=lb if gate == "bounded" else None, **kw)
 
 
-def stored_slots(a):
+def stored_slots(a, null_slot0=False):
     plan = REF.verify_plan(a["cu_seqlens"].cpu(), a["state_indices"].cpu(), a["num_accepted_tokens"].cpu(),
-                           a["state"].shape[0])
+                           a["state"].shape[0], null_slot0)
     return plan, {w for _, _, read, ws in plan if read is not None for w in ws if w is not None}
 
 
-def check(a, pool0, out, ref_out, ref_pool, what):
-    plan, written = stored_slots(a)
+def check(a, pool0, out, ref_out, ref_pool, what, null_slot0=False):
+    plan, written = stored_slots(a, null_slot0)
     torch.cuda.synchronize()
     assert not torch.isnan(out.float()).any(), f"{what}: an output element was never written"
     assert rel_l2(out.float(), ref_out) < 1.2e-2, what
@@ -135,8 +134,9 @@ def test_options_scale_beta_null_slot0(name):
     ref_out, ref_pool = reference(a, scale=0.05, beta_is_logit=False, null_slot0=True)
     out = torch.full((1, 9, 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
     call_module(name, a, out, scale=0.05, beta_is_logit=False, null_slot0=True)
-    check(a, pool0, out, ref_out, ref_pool, name)
+    check(a, pool0, out, ref_out, ref_pool, name, null_slot0=True)
     assert torch.equal(bits(a["state"][0]), bits(pool0[0]))
+    assert torch.equal(out[0, 5:], torch.zeros_like(out[0, 5:]))  # request 2 (tokens 5..8) is padding
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("o32")])
