@@ -145,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="", help="comma list of H = HV")
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--op-arm", action="store_true", help="also time the public op flashkda_ext.kda_verify")
+    ap.add_argument("--modules", default="", help="comma list of module stems timed beside the routed one "
+                    "(arm 'ours'), e.g. tile,split16,split8: arms named by stem (jit/modules/verify_cuda.json)")
     ap.add_argument("--max-calls", type=int, default=64, help="calls per timed graph (cap)")
     ap.add_argument("--name", default="verify", help="results file stem (when --out is a folder)")
     args = ap.parse_args(argv)
@@ -159,6 +161,8 @@ def main(argv=None):
     rows_list = ints(args.rows, [1, 3] if dry else [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024])
     heads = ints(args.heads, [2] if dry else [16, 64] if args.quick else [16, 32, 64])
     states = ["f32"] if dry and args.states == "f32,bf16" else args.states.split(",")
+    from flashkda_ext.jit import all_records
+    records = {r["name"] for r in all_records()}
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
                       primary_mode="graph" if cfg.is_cuda else "wall",
                       extra_meta={"gate": "softplus", "fla_used": fla is not None})
@@ -186,6 +190,11 @@ def main(argv=None):
                     name = routed(meta)
                     arms = [harness.Arm("ours", sequence([ours_call(name, case, pool, i, a, out) for i, a in tables]),
                                         calls=M, bytes=nbytes)]
+                    for stem in [x for x in args.modules.split(",") if x]:
+                        other = f"verify_{stem}_{sname}_{offset}"
+                        if other != name and other in records:
+                            arms.append(harness.Arm(stem, sequence([ours_call(other, case, pool, i, a, out)
+                                                                    for i, a in tables]), calls=M, bytes=nbytes))
                     if args.op_arm:
                         arms.append(harness.Arm("op", sequence([op_call(case, pool, i, a, out, T) for i, a in tables]),
                                                 calls=M, bytes=nbytes))

@@ -904,3 +904,126 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
         if not pad(s) and writer.get(s, n) != n:
             raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
                              f"writes; a request may read only a slot no other request writes")
+
+
+@dataclass(frozen=True)
+class FusedVerifyCall:
+    backend: str
+    num_seqs: int
+    total_tokens: int
+    index_cols: int                 # T_max
+    max_seqlen: int
+    num_heads: int
+    head_dim: int
+    slots: int
+    conv_len: int                   # L: inputs a conv cache line keeps (>= T_max + 2)
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    norm_eps: float
+    null_slot0: bool
+    offset_bits: int
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_heads
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.num_heads,
+                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "work_items": self.num_seqs * self.num_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "gate": self.gate}
+
+
+@_memoized
+def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                           state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                           gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None,
+                           backend=None) -> FusedVerifyCall:
+    """The metadata of a fused verify call (values: check_verify_values, on every call)."""
+    x = _tensor("x", x)
+    device = x.device
+    backend = _check_backend(backend, device)
+    _ndim("x", x, 3, "[1, T, 3*H*D]")
+    _floating("x", x)
+    g = _tensor("g", g)
+    _same_device("g", g, device)
+    _ndim("g", g, 4, "[1, T, H, D]")
+    _, T, H, D = g.shape
+    if H == 0 or D == 0:
+        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
+    if x.shape[0] != 1 or g.shape[0] != 1:
+        raise ValueError(f"x: expected the packed layout [1, T, 3*H*D] (requests packed by cu_seqlens), got "
+                         f"{list(x.shape)}")
+    C = 3 * H * D
+    _shape("x", x, (1, T, C), "[1, T, 3*H*D] (q|k|v before the conv)")
+    for name, t in (("x", x), ("g", g)):
+        _contiguous(name, t)
+    _same_dtype("g", g, x, "x")
+    beta = _companion("beta", beta, x, "x", (1, T, H), "[1, T, H]")
+    conv_weight = _tensor("conv_weight", conv_weight)
+    _same_device("conv_weight", conv_weight, device)
+    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    _contiguous("conv_weight", conv_weight)
+    if conv_weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
+                         f"got {dtype_name(conv_weight.dtype)}")
+    slots = _pool("state", state, H, D, D, device, backend)
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    conv_state = _tensor("conv_state", conv_state)
+    _same_device("conv_state", conv_state, device)
+    _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, L]")
+    if conv_state.shape[0] != slots or conv_state.shape[1] != C or conv_state.shape[2] < cols + 2:
+        raise ValueError(f"conv_state: expected shape [slots, 3*H*D, L] = [{slots}, {C}, >= T_max + 2 = {cols + 2}] "
+                         f"(a line keeps the inputs of every draft position), got {list(conv_state.shape)}")
+    _contiguous("conv_state", conv_state)
+    _same_dtype("conv_state", conv_state, x, "x")
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        raise ValueError(f"x: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        max_seqlen = cols
+    else:
+        _int("max_seqlen", max_seqlen, "or None")
+        if not 1 <= max_seqlen <= cols:
+            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                             f"state_indices) or None, got {max_seqlen}")
+    output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
+    norm_weight = _tensor("norm_weight", norm_weight)
+    _same_device("norm_weight", norm_weight, device)
+    _shape("norm_weight", norm_weight, (D,), "[D]")
+    _dtype_in("norm_weight", norm_weight, ("float32",))
+    _contiguous("norm_weight", norm_weight)
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    _bool("null_slot0", null_slot0)
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
+    _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
+                    gate, "padded")
+    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
+        _aligned(name, t, backend)
+    _out(out, (1, T, H, D), "[1, T, H, D]", x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                     ("num_accepted_tokens", num_accepted_tokens), ("output_gate", output_gate),
+                     ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    return FusedVerifyCall(backend, N, T, cols, max_seqlen, H, D, slots, conv_state.shape[2], dtype_name(x.dtype),
+                           dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, D),
+                           float(norm_eps), null_slot0, _offset_bits(state, conv_state))
