@@ -68,3 +68,28 @@ def test_host_values_are_checked_with_the_torch_messages():
     assert str(jax_err.value) == str(torch_err.value) and str(jax_err.value).startswith("state_indices:")
     with pytest.raises(ValueError, match="^q: expected the packed layout"):
         kj.kda_verify(*(jnp.concatenate([j[n], j[n]]) for n in POS), **{n: x for n, x in j.items() if n not in POS})
+
+
+def test_fused_verify_equals_the_torch_op_eager_and_jitted():
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    Hf, D, lens, cols = 2, 8, [3, 1, 2], 3
+    C, T, N = 3 * Hf * D, sum(lens), len(lens)
+    slots = N * cols + 2
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    a = dict(x=r(1, T, C), conv_weight=r(C, 4) * 0.5, conv_state=r(slots, C, cols + 2), g=r(1, T, Hf, D),
+             beta=r(1, T, Hf), A_log=r(Hf) * 0.3, dt_bias=r(Hf * D) * 0.5, state=r(slots, Hf, D, D) * 0.5,
+             output_gate=r(1, T, Hf, D), norm_weight=r(D) + 1.0)
+    kw = dict(state_indices=torch.randperm(slots, generator=gen)[:N * cols].reshape(N, cols).to(torch.int32),
+              cu_seqlens=torch.tensor([0, 3, 4, 6], dtype=torch.int32),
+              num_accepted_tokens=torch.randint(1, cols + 1, (N,), generator=gen, dtype=torch.int32))
+    t = {n: x.clone() for n, x in a.items()}
+    t_out = fk.fused_kda_verify(*t.values(), **kw)
+    j, jkw = {n: to_jax(x) for n, x in a.items()}, {n: to_jax(x) for n, x in kw.items()}
+    out, conv, state = kj.fused_kda_verify(*j.values(), **jkw, donate=False)
+    assert torch.equal(torch.from_dlpack(out), t_out)
+    assert torch.equal(torch.from_dlpack(conv), t["conv_state"]) and torch.equal(torch.from_dlpack(state), t["state"])
+    fn = jax.jit(lambda *xs: kj.fused_kda_verify(*xs[:10], state_indices=xs[10], cu_seqlens=xs[11],
+                                                 num_accepted_tokens=xs[12]), donate_argnums=(2, 7))
+    out2, conv2, state2 = fn(*j.values(), *jkw.values())
+    assert torch.equal(torch.from_dlpack(out2), t_out) and torch.equal(torch.from_dlpack(state2), t["state"])
+    assert torch.equal(torch.from_dlpack(conv2), t["conv_state"])
