@@ -755,7 +755,7 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
                      gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, donate=True, platform=None):
     """The fused verify (flashkda_ext.fused_kda_verify). Returns (out, new_conv_state, new_state),
     written in place of conv_state and state (eagerly both donated unless donate=False). Index arrays
-    concrete on the CPU have their values checked as the torch op does. CPU backend only so far.
+    concrete on the CPU have their values checked as the torch op does.
     """
     names = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
              "norm_weight", "state_indices", "cu_seqlens", "num_accepted_tokens")

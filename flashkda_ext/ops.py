@@ -340,7 +340,7 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
     num_accepted_tokens[n] - 1); g [1, T, H, D]; beta [1, T, H]; state [slots, H, D, D] (in place);
     output_gate [1, T, H, D]; norm_weight [D]; state_indices, cu_seqlens, num_accepted_tokens,
     max_seqlen as kda_verify. Returns out [1, T, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
-    See docs/semantics.md, "Fused verify". CPU backend only so far.
+    See docs/semantics.md, "Fused verify".
     """
     key = dest = None
     if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
