@@ -44,11 +44,18 @@ def routed(meta):
 
 def fla_fn():
     try:
+        import inspect
+
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-        return fused_recurrent_kda_fwd
     except Exception as e:  # noqa: BLE001
         print(f"fla not importable: {e!r}", file=sys.stderr)
         return None
+    params = inspect.signature(fused_recurrent_kda_fwd).parameters
+    missing = [n for n in ("num_accepted_tokens", "ssm_state_indices", "state_v_first") if n not in params]
+    if missing:  # an fla without the speculative-decoding path: no peer rather than a wrong one
+        print(f"fla's fused_recurrent_kda_fwd lacks {missing}: fla left out", file=sys.stderr)
+        return None
+    return fused_recurrent_kda_fwd
 
 
 def make_case(N, T, HV, gen):
