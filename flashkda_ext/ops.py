@@ -282,3 +282,124 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     if key is not None:
         fast_path.put(key, "fused_kda_decode", call, sig_args, tail)
     return out
+
+
+def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None,
+               A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
+               null_slot0=False, out=None):
+    """Speculative-decoding verify: T_n draft tokens per request on a state pool, the state after
+    every token stored in a slot of its own.
+
+    q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] (raw gate); beta [1, T, HV], the N requests
+    packed by cu_seqlens (int32 [N+1], every T_n >= 1); state [slots, HV, V, K] fp32 or bf16
+    (updated in place); state_indices int32 [N, T_max]: the state after token t of request n goes
+    to state[state_indices[n, t]]; request n starts from state[state_indices[n, num_accepted_tokens[n]
+    - 1]] (num_accepted_tokens int32 [N]; None = column 0). Negative entries are padding (docs/
+    semantics.md, "Verify"). max_seqlen: a host bound on T_n for routing (default T_max). Returns out
+    [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it.
+    """
+    key = dest = None
+    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
+            is type(state_indices) is type(cu_seqlens)
+            and fast_path.plain_or_none(num_accepted_tokens, A_log, dt_bias, out) and not trace.enabled()):
+        key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
+               type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
+               num_accepted_tokens is None)
+        # a valid call's out is v's shape, dtype and device
+        dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+        entry = fast_path.get(key)
+        if entry is not None and fast_path.flags_ok(
+                (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens), (state, dest)):
+            fn, sig, tail, seen = entry
+            try:  # host index values (CPU backend): checked on every call; any doubt takes the full path
+                validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+                ok = True
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                ok = False
+            if ok and fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens,
+                                       num_accepted_tokens, dest, *tail):
+                return dest
+    call = validation.check_kda_verify(
+        q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+        num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
+        out=out)
+    validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+    validation.check_apart((("out", out), ("state", state)),
+                           (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                            ("num_accepted_tokens", num_accepted_tokens)))
+    if out is None:
+        out = dest if dest is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if call.as_decode:
+        # One token per request, read from and written to column 0: kda_decode's own module on views
+        # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
+        # would not cover cu_seqlens and num_accepted_tokens.
+        fn = dispatch.function("kda_decode", call.decode_route_meta())
+        fn(q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, state, state_indices[:, 0], out[0],
+           call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+        return out
+    fn = _route_fn("kda_verify", call)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    fn(*sig_args, *tail)
+    if key is not None:
+        fast_path.put(key, "kda_verify", call, sig_args, tail, extra=(call,))
+    return out
+
+
+def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                     state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                     gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None):
+    """fused_kda_decode over each request's draft tokens with the state kept per token (kda_verify).
+
+    x [1, T, 3*H*D]; conv_weight [3*H*D, 4]; conv_state [slots, 3*H*D, L] with L >= T_max + 2 (in
+    place; request n's line is conv_state[state_indices[n, 0]], read at offset
+    num_accepted_tokens[n] - 1); g [1, T, H, D]; beta [1, T, H]; state [slots, H, D, D] (in place);
+    output_gate [1, T, H, D]; norm_weight [D]; state_indices, cu_seqlens, num_accepted_tokens,
+    max_seqlen as kda_verify. Returns out [1, T, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
+    See docs/semantics.md, "Fused verify".
+    """
+    key = dest = None
+    if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
+            is type(state) is type(output_gate) is type(norm_weight) is type(state_indices) is type(cu_seqlens)
+            and fast_path.plain_or_none(A_log, dt_bias, num_accepted_tokens, out) and not trace.enabled()):
+        key = ("fused_kda_verify", x.shape, state_indices.shape, gate, type(lower_bound), lower_bound,
+               type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0, type(max_seqlen),
+               max_seqlen, num_accepted_tokens is None)
+        dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
+        entry = fast_path.get(key)
+        if entry is not None and fast_path.flags_ok(
+                (x, conv_weight, g, beta, A_log, dt_bias, output_gate, norm_weight, state_indices, cu_seqlens,
+                 num_accepted_tokens), (conv_state, state, dest)):
+            fn, sig, tail, seen = entry
+            try:  # host index values: checked on every call; any doubt takes the full path
+                validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+                ok = True
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                ok = False
+            if ok and fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
+                                       output_gate, norm_weight, state_indices, cu_seqlens, num_accepted_tokens,
+                                       dest, *tail):
+                return dest
+    call = validation.check_fused_kda_verify(
+        x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+        state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+        max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+        null_slot0=null_slot0, out=out)
+    validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+    validation.check_apart((("out", out), ("conv_state", conv_state), ("state", state)),
+                           (("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("output_gate", output_gate), ("norm_weight", norm_weight),
+                            ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                            ("num_accepted_tokens", num_accepted_tokens)))
+    if out is None:
+        out = dest if dest is not None else torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
+    fn = _route_fn("fused_kda_verify", call)
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, state_indices,
+                cu_seqlens, num_accepted_tokens, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    fn(*sig_args, *tail)
+    if key is not None:
+        fast_path.put(key, "fused_kda_verify", call, sig_args, tail, extra=(call,))
+    return out

@@ -759,3 +759,271 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
                            _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
                            _offset_bits(state, conv_state))
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    backend: str
+    num_seqs: int
+    total_tokens: int
+    index_cols: int                 # T_max: columns of state_indices
+    max_seqlen: int                 # host bound on T_n used for routing (<= index_cols)
+    num_heads: int
+    value_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    slots: int
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    beta_is_logit: bool
+    null_slot0: bool
+    has_accepted: bool
+    offset_bits: int
+
+    @property
+    def as_decode(self) -> bool:
+        """T_max = 1: every request is one token read from and written to column 0, which is
+        kda_decode on state_indices[:, 0]; the op serves it with the decode module (bitwise
+        kda_decode by construction)."""
+        return self.index_cols == 1
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
+                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "gate": self.gate}
+
+    def decode_route_meta(self) -> dict:
+        """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
+        return {"device": self.backend, "rows": self.num_seqs, "value_heads": self.value_heads,
+                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate}
+
+
+@_memoized
+def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
+                     max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                     scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
+    """Everything about a verify call that its metadata shows; the values of host index tensors
+    are checked by check_verify_values on every call."""
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T")
+    backend = _check_backend(backend, device)
+    if q.shape[0] != 1:
+        raise ValueError(f"q: expected the packed layout [1, T, H, K] (requests packed by cu_seqlens), "
+                         f"got batch {q.shape[0]} in {list(q.shape)}")
+    T = q.shape[1]
+    _bool("beta_is_logit", beta_is_logit)
+    _bool("null_slot0", null_slot0)
+    slots = _pool("state", state, HV, V, K, device, backend)
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        # every request has 1 .. T_max tokens
+        raise ValueError(f"q: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        max_seqlen = cols
+    else:
+        _int("max_seqlen", max_seqlen, "or None")
+        if not 1 <= max_seqlen <= cols:
+            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                             f"state_indices) or None, got {max_seqlen}")
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
+    _supported_dims("kda_verify", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
+                    gate, "padded")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _aligned(name, x, backend)
+    _out(out, (1, T, HV, V), "[1, T, HV, V]", v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                     ("num_accepted_tokens", num_accepted_tokens)), (("state", state), ("out", out)))
+    return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
+                      dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
+                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state))
+
+
+def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,
+                        max_seqlen=None) -> None:
+    """The values of the index tensors, where they live in host memory (the CPU backend); on a GPU
+    they are never read here (no synchronisation), and the kernels treat what they cannot serve as
+    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata."""
+    if call.backend != "cpu" or cu_seqlens.device.type != "cpu":
+        return
+    cs = cu_seqlens.tolist()
+    T, cols = call.total_tokens, call.index_cols
+    if cs[0] != 0 or cs[-1] != T or any(b <= a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets from 0 to T = {T} (every request "
+                         f"has >= 1 token), got {cs}")
+    lengths = [b - a for a, b in zip(cs, cs[1:])]
+    longest = max(lengths)
+    if longest > call.max_seqlen:
+        what = "max_seqlen" if max_seqlen is not None else "state_indices"
+        raise ValueError(f"{what}: a request has {longest} tokens, more than T_max = {call.max_seqlen} "
+                         f"(cu_seqlens {cs})")
+    idx = state_indices.tolist()
+    accepted = [1] * call.num_seqs if num_accepted_tokens is None else num_accepted_tokens.tolist()
+    for n, a in enumerate(accepted):
+        if not 1 <= a <= cols:
+            raise ValueError(f"num_accepted_tokens: expected values in [1, T_max = {cols}], got "
+                             f"num_accepted_tokens[{n}] = {a}")
+    for n, row in enumerate(idx):
+        for t, s in enumerate(row):
+            if s >= call.slots:
+                raise ValueError(f"state_indices: entry [{n}, {t}] = {s} is out of range for a pool of "
+                                 f"{call.slots} slots (expected < {call.slots}; negative = padding)")
+    pad = (lambda s: s < 0 or (call.null_slot0 and s == 0))
+    writer = {}  # slot -> request that writes it
+    for n, row in enumerate(idx):
+        if pad(row[accepted[n] - 1]):
+            continue  # a padding request touches nothing
+        for t in range(lengths[n]):
+            s = row[t]
+            if pad(s):
+                continue
+            if s in writer:
+                raise ValueError(f"state_indices: slot {s} is written twice (request {writer[s]} and request "
+                                 f"{n}, token {t}); every written slot must be distinct")
+            writer[s] = n
+    for n, row in enumerate(idx):
+        s = row[accepted[n] - 1]
+        if not pad(s) and writer.get(s, n) != n:
+            raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
+                             f"writes; a request may read only a slot no other request writes")
+
+
+@dataclass(frozen=True)
+class FusedVerifyCall:
+    backend: str
+    num_seqs: int
+    total_tokens: int
+    index_cols: int                 # T_max
+    max_seqlen: int
+    num_heads: int
+    head_dim: int
+    slots: int
+    conv_len: int                   # L: inputs a conv cache line keeps (>= T_max + 2)
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    norm_eps: float
+    null_slot0: bool
+    offset_bits: int
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_heads
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.num_heads,
+                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "work_items": self.num_seqs * self.num_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "gate": self.gate}
+
+
+@_memoized
+def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                           state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                           gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None,
+                           backend=None) -> FusedVerifyCall:
+    """The metadata of a fused verify call (values: check_verify_values, on every call)."""
+    x = _tensor("x", x)
+    device = x.device
+    backend = _check_backend(backend, device)
+    _ndim("x", x, 3, "[1, T, 3*H*D]")
+    _floating("x", x)
+    g = _tensor("g", g)
+    _same_device("g", g, device)
+    _ndim("g", g, 4, "[1, T, H, D]")
+    _, T, H, D = g.shape
+    if H == 0 or D == 0:
+        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
+    if x.shape[0] != 1 or g.shape[0] != 1:
+        raise ValueError(f"x: expected the packed layout [1, T, 3*H*D] (requests packed by cu_seqlens), got "
+                         f"{list(x.shape)}")
+    C = 3 * H * D
+    _shape("x", x, (1, T, C), "[1, T, 3*H*D] (q|k|v before the conv)")
+    for name, t in (("x", x), ("g", g)):
+        _contiguous(name, t)
+    _same_dtype("g", g, x, "x")
+    beta = _companion("beta", beta, x, "x", (1, T, H), "[1, T, H]")
+    conv_weight = _tensor("conv_weight", conv_weight)
+    _same_device("conv_weight", conv_weight, device)
+    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    _contiguous("conv_weight", conv_weight)
+    if conv_weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
+                         f"got {dtype_name(conv_weight.dtype)}")
+    slots = _pool("state", state, H, D, D, device, backend)
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    conv_state = _tensor("conv_state", conv_state)
+    _same_device("conv_state", conv_state, device)
+    _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, L]")
+    if conv_state.shape[0] != slots or conv_state.shape[1] != C or conv_state.shape[2] < cols + 2:
+        raise ValueError(f"conv_state: expected shape [slots, 3*H*D, L] = [{slots}, {C}, >= T_max + 2 = {cols + 2}] "
+                         f"(a line keeps the inputs of every draft position), got {list(conv_state.shape)}")
+    _contiguous("conv_state", conv_state)
+    _same_dtype("conv_state", conv_state, x, "x")
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        raise ValueError(f"x: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        max_seqlen = cols
+    else:
+        _int("max_seqlen", max_seqlen, "or None")
+        if not 1 <= max_seqlen <= cols:
+            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                             f"state_indices) or None, got {max_seqlen}")
+    output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
+    norm_weight = _tensor("norm_weight", norm_weight)
+    _same_device("norm_weight", norm_weight, device)
+    _shape("norm_weight", norm_weight, (D,), "[D]")
+    _dtype_in("norm_weight", norm_weight, ("float32",))
+    _contiguous("norm_weight", norm_weight)
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    _bool("null_slot0", null_slot0)
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
+    _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
+                    gate, "padded")
+    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
+        _aligned(name, t, backend)
+    _out(out, (1, T, H, D), "[1, T, H, D]", x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                     ("num_accepted_tokens", num_accepted_tokens), ("output_gate", output_gate),
+                     ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    return FusedVerifyCall(backend, N, T, cols, max_seqlen, H, D, slots, conv_state.shape[2], dtype_name(x.dtype),
+                           dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, D),
+                           float(norm_eps), null_slot0, _offset_bits(state, conv_state))

@@ -11,7 +11,7 @@ from flashkda_ext.jit import SpecError, all_records, get_record, registry, route
 
 def test_repository_specs_validate():
     reg = registry()  # raises SpecError on any broken rule
-    assert set(reg.routes) <= {"kda_decode", "kda_prefill", "fused_kda_decode"}
+    assert set(reg.routes) <= {"kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify"}
     for name in reg.records:
         assert get_record(name)["name"] == name
 
