@@ -24,9 +24,9 @@ from pathlib import Path
 from flashkda_ext.jit import all_records, ensure_built
 from flashkda_ext.jit.builder import sha256_file
 from flashkda_ext.jit.checks import resource_problems
+from flashkda_ext.jit.errors import ManifestError
+from flashkda_ext.jit.manifest import MANIFEST_FORMAT, check_manifest
 from flashkda_ext.jit.toolchain import normalize_arch
-
-MANIFEST_FORMAT = 1
 
 
 def select(records, arches, patterns):
@@ -45,15 +45,20 @@ def select(records, arches, patterns):
 
 
 def load_manifest(out_dir: Path) -> dict:
+    """The folder's manifest to add to: a fresh one when there is none or it has another format
+    (its entries could not verify with this version); ManifestError when it is malformed."""
     path = out_dir / "manifest.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("format") == MANIFEST_FORMAT:
-                return data
-        except ValueError:
-            pass
-    return {"format": MANIFEST_FORMAT, "modules": []}
+    if not path.is_file():
+        return {"format": MANIFEST_FORMAT, "modules": []}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ManifestError(path, "(file)", f"is not valid JSON: {e}") from None
+    if isinstance(data, dict) and data.get("format") != MANIFEST_FORMAT:
+        print(f"aot: {path} has format {data.get('format')!r}, not {MANIFEST_FORMAT}; its entries "
+              f"cannot verify with this version, starting a new manifest", file=sys.stderr)
+        return {"format": MANIFEST_FORMAT, "modules": []}
+    return check_manifest(path, data)
 
 
 def build_one(rec, arch, out_dir: Path, root, cache, jobs_per_build):
@@ -68,7 +73,7 @@ def build_one(rec, arch, out_dir: Path, root, cache, jobs_per_build):
         problems = resource_problems(rec, ptxas.read_text())
         shutil.copyfile(ptxas, out_dir / (fname[:-3] + ".ptxas.log"))
     entry = {"name": rec["name"], "arch": arch, "identity": res.identity, "file": fname,
-             "sha256": sha256_file(out_dir / fname), "compiler": res.compiler}
+             "sha256": sha256_file(out_dir / fname), "compiler": res.compiler, "files": res.files}
     return entry, res, problems
 
 
@@ -110,7 +115,12 @@ def main(argv=None) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = load_manifest(out_dir)
+    try:
+        manifest = load_manifest(out_dir)
+    except ManifestError as e:
+        print(f"aot: {e}. Fix or delete it (a new one is written when none exists).",
+              file=sys.stderr)
+        return 2
     jobs = max(1, args.jobs)
     # parallel module builds share the cores: give each ninja its slice unless MAX_JOBS says otherwise
     per_build = None if jobs == 1 else max(1, (os.cpu_count() or 1) // jobs)

@@ -426,7 +426,7 @@ class Timer:
         per_round = max(1, math.ceil(reps / cfg.rounds))
         # The kernel mode's profiler sessions go in rounds of their own after every other mode: with
         # them between event batches, the eager medians of every prefill row read high on an H200
-        # (H16 8192: 361.8 us, against 308.0 with the kernel rounds apart; session 11).
+        # (H16 8192: 361.8 us, against 308.0 with the kernel rounds apart; 2026-11-30, 615ddfc).
         passes = [[m for m in cfg.modes if m != "kernel"], [m for m in cfg.modes if m == "kernel"]]
         schedule = [(modes, order) for modes in passes if modes
                     for order in interleaved_order([a.name for a in arms], cfg.rounds)]

@@ -4,7 +4,7 @@
 writes it back in place, unchanged: the same slots, the same bytes read and written as one decode
 step, none of its compute. Its time is what a plain copy kernel pays for that address pattern on
 this GPU, so `ours / slot_copy` says how far a decode kernel is from its own traffic. It is a
-reference, not a bound: a decode kernel can beat it (session 10: fp32 at small rows).
+reference, not a bound: a decode kernel can beat it (2026-11-30, f5ae208: fp32 at small rows).
 
 Written in Triton (on the device image): independent of the kernels it is compared with. `part` is
 the share of a tile one program moves (1, 2 or 4); the benchmark times several and quotes the best.

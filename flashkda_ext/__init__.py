@@ -1,10 +1,10 @@
 """flashkda_ext: KDA (Kimi Delta Attention) inference kernels for NVIDIA Hopper.
 
 Public ops (PyTorch tensors in and out; CPU tensors run the CPU backend through the same TVM-FFI
-machinery): kda_decode, kda_prefill, fused_kda_decode. The PyTorch reference (the spec) is
+machinery): kda_decode, kda_prefill, fused_kda_decode, kda_verify, fused_kda_verify. The PyTorch reference (the spec) is
 flashkda_ext.reference; JAX wrappers are in flashkda_ext.jax (needs jax and jax-tvm-ffi).
 """
-from .ops import fused_kda_decode, kda_decode, kda_prefill, prefill_workspace_bytes
+from .ops import fused_kda_decode, fused_kda_verify, kda_decode, kda_prefill, kda_verify, prefill_workspace_bytes
 
 __version__ = "0.1.0"
-__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "prefill_workspace_bytes", "__version__"]
+__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify", "prefill_workspace_bytes", "__version__"]

@@ -8,6 +8,14 @@ with that key goes straight to the checked function, which launches only when it
 have the validated signature and otherwise returns without launching, so the op takes the full path.
 Traced calls, and calls whose validation reads tensor values, always take the full path.
 FLASHKDA_EXT_FAST_PATH=0 (read at import) sets ENABLED off: every call is checked in full.
+
+The signature is taken on the caller's own tensors (no reshape or flatten before it), so it sees
+exactly what the full check sees: shape, strides, dtype, device type and index, 16-byte alignment,
+and whether a written tensor overlaps another argument. What DLPack does not carry into C++ is
+checked here before the call (flags_ok): neg bits, requires_grad under grad mode, inference tensors
+written outside inference mode. (A conj bit exists only on complex tensors, whose dtype alone
+already differs from every validated signature.) Anything else takes the full check, which says
+what is wrong; tests/test_fast_path_differential.py proves cold and warm calls agree.
 """
 from __future__ import annotations
 
@@ -29,6 +37,45 @@ def plain_or_none(*xs) -> bool:
         if x is not None and type(x) is not Tensor:
             return False
     return True
+
+
+_is_neg = Tensor.is_neg
+_is_inference = Tensor.is_inference
+_inference_mode = torch.is_inference_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+
+
+def flags_ok(read: tuple, written: tuple) -> bool:
+    """True when no tensor of the call (None skipped) has a property the signature cannot see but the
+    full check refuses (validation._tensor, validation._inference_only). Called on every fast call:
+    one pass, and the grad / inference-mode checks only where those modes make them matter (a serving
+    loop under torch.inference_mode() pays for the neg bits alone)."""
+    if _inference_mode():
+        for x in read:
+            if x is not None and _is_neg(x):
+                return False
+        for x in written:
+            if x is not None and _is_neg(x):
+                return False
+        return True
+    grad = _grad_enabled()
+    for x in read:
+        if x is not None and (_is_neg(x) or grad and x.requires_grad):
+            return False
+    for x in written:
+        if x is not None and (_is_neg(x) or _is_inference(x) or grad and x.requires_grad):
+            return False
+    return True
+
+
+def launch(fn, sig: int, *args) -> bool:
+    """Call a checked function; True when it launched (its arguments had the signature `sig`). An
+    argument TVM-FFI cannot pass (e.g. a meta tensor) raises before any launch: then the full path
+    runs and raises the full check's error."""
+    try:
+        return fn(sig, *args) == sig
+    except Exception:  # noqa: BLE001 - the full check names the argument and what was expected
+        return False
 
 
 def get(key):

@@ -54,7 +54,7 @@ import tvm_ffi
 
 from . import dispatch, jit, validation
 
-__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "registered_targets"]
+__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify", "registered_targets"]
 
 # The ABI order of each family's TVM-FFI function (docs/architecture.md): tensors, then attributes.
 _ABI = {
@@ -63,17 +63,24 @@ _ABI = {
                     "final_state", "state_indices", "checkpoints", "out", "workspace"),
     "fused_kda_decode": ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias",
                          "state_indices", "state", "output_gate", "norm_weight", "out"),
+    "kda_verify": ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
+                   "num_accepted_tokens", "out"),
+    "fused_kda_verify": ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
+                         "norm_weight", "state_indices", "cu_seqlens", "num_accepted_tokens", "out"),
 }
 _ATTRS = {
     "kda_decode": ("gate_mode", "lower_bound", "scale", "beta_is_logit", "null_slot0"),
     "kda_prefill": ("gate_mode", "lower_bound", "scale", "beta_is_logit", "null_slot0",
                     "checkpoint_every"),
     "fused_kda_decode": ("gate_mode", "lower_bound", "scale", "norm_eps", "null_slot0"),
+    "kda_verify": ("gate_mode", "lower_bound", "scale", "beta_is_logit", "null_slot0"),
+    "fused_kda_verify": ("gate_mode", "lower_bound", "scale", "norm_eps", "null_slot0"),
 }
 # Families whose kernels may be captured into a CUDA graph (XLA command buffer) as they are:
 # decode launches only, no host sync, no allocation. Prefill is capturable only when the module
 # takes its scratch as a workspace argument, which this wrapper then allocates as an XLA result.
-_GRAPH_SAFE = {"kda_decode": True, "fused_kda_decode": True, "kda_prefill": False}
+_GRAPH_SAFE = {"kda_decode": True, "fused_kda_decode": True, "kda_prefill": False, "kda_verify": True,
+               "fused_kda_verify": True}
 
 
 def _command_buffers_allowed() -> bool:
@@ -474,8 +481,9 @@ def _prefill_impl(plan, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
                   state, checkpoints):
     B, T = q.shape[0], q.shape[1]
     packed = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731  B rows -> one packed row
-    if cu_seqlens is None:
-        cu_seqlens = jnp.arange(0, (B + 1) * T, T, dtype=jnp.int32)
+    if cu_seqlens is None:  # B rows of T tokens each (T may be 0: B empty sequences)
+        cu_seqlens = (jnp.arange(0, (B + 1) * T, T, dtype=jnp.int32) if T > 0
+                      else jnp.zeros((B + 1,), dtype=jnp.int32))
     results = {n: (shape, dtype) for n, shape, dtype, _a in plan.results}
     if "checkpoints" in results and checkpoints is None:
         # Slots past a sequence's own count stay NaN, as with the torch op.
@@ -503,7 +511,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     Shapes, dtypes and options as flashkda_ext.kda_prefill. Dense mode: initial_state [N, HV, V, K]
     (or None for zeros) and a fresh final_state (None when output_final_state=False). Pool mode:
     state [slots, HV, V, K] + state_indices [N]: final_state is the pool, written in place of
-    `state`. Given checkpoints are written in place too. Eagerly the pool and given checkpoints are
+    `state`; with output_final_state=False the pool is only read (nothing committed, final_state
+    None: a speculative extend). Given checkpoints are written in place too. Eagerly the pool and given checkpoints are
     donated unless donate=False; under jax.jit, donate them on your jit. The CUDA prefill's scratch
     workspace is allocated by XLA as an extra result (so the call stays capturable).
     """
@@ -563,7 +572,8 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
         operands.append("state_indices")
     results = [("out", (1, B * T, HV, V), _dtype_str(v), None)]
     if call.state_mode == "pool":
-        results.append(("final_state", tuple(state.shape), _dtype_str(state), "initial_state"))
+        if call.output_final_state:  # else: read the pool, commit nothing (final_state None)
+            results.append(("final_state", tuple(state.shape), _dtype_str(state), "initial_state"))
     elif call.output_final_state:
         results.append(("final_state", (call.num_seqs, HV, V, K), sdtype, None))
     if call.checkpoint_every > 0:
@@ -579,7 +589,8 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
         family="kda_prefill", platform=plat, module=module_name, operands=tuple(operands),
         results=tuple(results),
         attrs=_attrs("kda_prefill", call), cuda_graph=graph_safe and _command_buffers_allowed())
-    return _remember(key, plan, _donate_positions(args, (10, 11), donate))
+    donated = (10, 11) if call.output_final_state else (11,)  # a pool that is not committed is only read
+    return _remember(key, plan, _donate_positions(args, donated, donate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,3 +648,145 @@ def _prepare_fused(names, args, plat, key, *, lower_bound, gate, norm_eps, scale
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
         attrs=_attrs("fused_kda_decode", call), cuda_graph=_GRAPH_SAFE["fused_kda_decode"] and _command_buffers_allowed())
     return _remember(key, plan, _donate_positions(args, (2, 8), donate))
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_verify
+
+
+def _verify_impl(plan, q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state):
+    dt = None if dt_bias is None else dt_bias.reshape(-1)
+    if plan.family == "kda_decode":  # T_max = 1: kda_decode on column 0 (as the torch op)
+        arrays = dict(q=q[0], k=k[0], v=v[0], g=g[0], beta=beta[0], A_log=A_log, dt_bias=dt,
+                      state_indices=state_indices[:, 0], state=state)
+        out, new_state = _ffi(plan, arrays)
+        return out[None], new_state
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt, state_indices=state_indices,
+                  cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, state=state)
+    out, new_state = _ffi(plan, arrays)
+    return out, new_state
+
+
+def _host_int32(x):
+    """A torch CPU tensor of a concrete CPU array (values the torch op inspects too), else None."""
+    if x is None or _is_tracer(x) or next(iter(x.devices())).platform != "cpu":
+        return None
+    return torch.from_numpy(np.array(x))
+
+
+def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None,
+               A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
+               null_slot0=False, donate=True, platform=None):
+    """Speculative-decoding verify on a state pool. Returns (out, new_state).
+
+    Shapes, dtypes and options as flashkda_ext.kda_verify: q, k [1, T, H, K]; v [1, T, HV, V];
+    g [1, T, HV, K]; beta [1, T, HV]; state [slots, HV, V, K]; state_indices int32 [N, T_max];
+    cu_seqlens int32 [N+1]; num_accepted_tokens int32 [N] or None. new_state is the pool after the
+    step, written in place of `state` (eagerly donated unless donate=False; under jax.jit, donate it
+    on your jit). Index arrays that are concrete on the CPU have their values checked as the torch op
+    does; T_max = 1 runs kda_decode's module on column 0.
+    """
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices", "cu_seqlens", "num_accepted_tokens",
+             "state")
+    vals = (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state)
+    optional = {"A_log", "dt_bias", "num_accepted_tokens"}
+    args = tuple(_as_array(n, x, optional=n in optional) for n, x in zip(names, vals))
+    plat = _platform(platform, zip(names, args))
+    key = _signature("kda_verify", plat, args, (max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
+                                                donate))
+    prep = None if key is None else _PREPARED.get(key)
+    if prep is None:
+        prep = _prepare_verify(names, args, plat, key, max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate,
+                               scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, donate=donate)
+    if prep.plan.platform == "cpu":  # values are not part of the signature: checked on every call
+        host = [_host_int32(args[i]) for i in (8, 7, 9)]
+        if host[0] is not None and host[1] is not None and (args[9] is None or host[2] is not None):
+            validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host, max_seqlen)
+    return _run(_verify_impl, prep, args, eager=not _any_tracer(args))
+
+
+def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
+                    donate) -> _Prepared:
+    q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state = args
+    call = validation.check_kda_verify(
+        _meta("q", q), _meta("k", k), _meta("v", v), _meta("g", g), _meta("beta", beta), state=_meta("state", state),
+        state_indices=_meta("state_indices", state_indices), cu_seqlens=_meta("cu_seqlens", cu_seqlens),
+        num_accepted_tokens=_meta("num_accepted_tokens", num_accepted_tokens), max_seqlen=max_seqlen,
+        A_log=_meta("A_log", A_log), dt_bias=_meta("dt_bias", dt_bias), lower_bound=lower_bound, gate=gate,
+        scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, backend=plat)
+    present = {n for n, x in zip(names, args) if x is not None}
+    if call.as_decode:
+        module = _module_for("kda_decode", tuple(sorted(call.decode_route_meta().items())))
+        family = "kda_decode"
+        operands = tuple(n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices", "state")
+                         if n in present)
+        out_shape = (call.num_seqs, call.value_heads, call.head_dim_v)
+    else:
+        module, family = _route("kda_verify", call), "kda_verify"
+        operands = tuple(n for n in names if n in present)
+        out_shape = (1, call.total_tokens, call.value_heads, call.head_dim_v)
+    plan = _Plan(
+        family=family, platform=plat, module=module, operands=operands,
+        results=(("out", out_shape, _dtype_str(v), None), ("state", tuple(state.shape), _dtype_str(state), "state")),
+        attrs=_attrs(family, call), cuda_graph=_GRAPH_SAFE[family] and _command_buffers_allowed())
+    _VERIFY_CALLS[plan] = call  # the host value checks need it on every call (no slot for it on _Prepared)
+    return _remember(key, plan, _donate_positions(args, (10,), donate))
+
+
+_VERIFY_CALLS: dict = {}  # plan -> its validated VerifyCall
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_kda_verify
+
+
+def _fused_verify_impl(plan, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                       state_indices, cu_seqlens, num_accepted_tokens):
+    arrays = dict(x=x, conv_weight=conv_weight, conv_state=conv_state, g=g, beta=beta, A_log=A_log,
+                  dt_bias=None if dt_bias is None else dt_bias.reshape(-1), state=state, output_gate=output_gate,
+                  norm_weight=norm_weight, state_indices=state_indices, cu_seqlens=cu_seqlens,
+                  num_accepted_tokens=num_accepted_tokens)
+    out, new_conv_state, new_state = _ffi(plan, arrays)
+    return out, new_conv_state, new_state
+
+
+def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                     state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                     gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, donate=True, platform=None):
+    """The fused verify (flashkda_ext.fused_kda_verify). Returns (out, new_conv_state, new_state),
+    written in place of conv_state and state (eagerly both donated unless donate=False). Index arrays
+    concrete on the CPU have their values checked as the torch op does.
+    """
+    names = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
+             "norm_weight", "state_indices", "cu_seqlens", "num_accepted_tokens")
+    vals = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, state_indices,
+            cu_seqlens, num_accepted_tokens)
+    optional = {"A_log", "dt_bias", "num_accepted_tokens"}
+    args = tuple(_as_array(n, a, optional=n in optional) for n, a in zip(names, vals))
+    plat = _platform(platform, zip(names, args))
+    key = _signature("fused_kda_verify", plat, args, (max_seqlen, lower_bound, gate, norm_eps, scale, null_slot0,
+                                                      donate))
+    prep = None if key is None else _PREPARED.get(key)
+    if prep is None:
+        x_, cw, cs, g_, b_, al, dt, st, og, nw, si, cu, na = args
+        call = validation.check_fused_kda_verify(
+            *(_meta(n, a) for n, a in zip(names[:10], args[:10])), state_indices=_meta("state_indices", si),
+            cu_seqlens=_meta("cu_seqlens", cu), num_accepted_tokens=_meta("num_accepted_tokens", na),
+            max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+            null_slot0=null_slot0, backend=plat)
+        plan = _Plan(
+            family="fused_kda_verify", platform=plat, module=_route("fused_kda_verify", call),
+            operands=tuple(n for n, a in zip(names, args) if a is not None),
+            results=(("out", (1, call.total_tokens, call.num_heads, call.head_dim), _dtype_str(x_), None),
+                     ("conv_state", tuple(cs.shape), _dtype_str(cs), "conv_state"),
+                     ("state", tuple(st.shape), _dtype_str(st), "state")),
+            attrs=_attrs("fused_kda_verify", call),
+            cuda_graph=_GRAPH_SAFE["fused_kda_verify"] and _command_buffers_allowed())
+        _VERIFY_CALLS[plan] = call
+        prep = _remember(key, plan, _donate_positions(args, (2, 7), donate))
+    if prep.plan.platform == "cpu":  # values are not part of the signature: checked on every call
+        host = [_host_int32(args[i]) for i in (11, 10, 12)]
+        if host[0] is not None and host[1] is not None and (args[12] is None or host[2] is not None):
+            validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host, max_seqlen)
+    return _run(_fused_verify_impl, prep, args, eager=not _any_tracer(args))
+

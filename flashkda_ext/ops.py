@@ -12,12 +12,9 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, fast_path, jit, trace, validation
+from . import custom_ops, dispatch, fast_path, jit, trace, validation
+from .custom_ops import _is_compiling
 from .fast_path import Tensor as _Tensor
-
-
-def _flat(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return x if x is None or x.dim() == 1 else x.reshape(-1)
 
 
 def _route_fn(family: str, call):
@@ -49,21 +46,30 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     (rows sharing a slot are applied in row order). See docs/api.md.
     """
     key = dest = None
-    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
             is type(state_indices) and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
         # a valid call's out is v's shape, dtype and device
         dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None:
+        if entry is not None and fast_path.flags_ok((q, k, v, g, beta, A_log, dt_bias, state_indices),
+                                                    (state, dest)):
             fn, sig, tail = entry
-            if fn(sig, q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, dest, *tail) == sig:
+            if fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail):
                 return dest
+    if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_decode node
+        return custom_ops.traced_kda_decode(
+            q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
+            null_slot0=null_slot0, out=out)
     call = validation.check_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    validation.check_apart((("out", out), ("state", state)),
+                           (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("state_indices", state_indices)))
     if out is None:
         out = dest if dest is not None else torch.empty(
             (call.rows, call.value_heads, call.head_dim_v), dtype=v.dtype, device=v.device)
@@ -72,7 +78,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out))
     fn = _route_fn("kda_decode", call)
-    sig_args = (q, k, v, g, beta, A_log, _flat(dt_bias), state, state_indices, out)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, out)  # the caller's own tensors
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None:
@@ -96,19 +102,6 @@ def _prefill_route_for(meta_items: tuple):
     rule = dispatch.select_rule("kda_prefill", dict(meta_items))
     chunk = int(jit.get_record(rule["module"]).get("params", {}).get("chunk", 1))
     return rule, jit.load_module(rule["module"]), chunk
-
-
-def _prefill_workspace(need: Optional[int], device, workspace):
-    """Scratch memory of `need` bytes (dispatch.prefill_workspace_need) for the CUDA prefill; a
-    caller-given buffer makes the call graph-capturable."""
-    if need is None:
-        return workspace
-    if workspace is not None:
-        if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
-            raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
-                             f"got {validation.dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
-        return workspace
-    return torch.empty(max(need, 1), dtype=torch.uint8, device=device)
 
 
 def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
@@ -139,7 +132,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
     """
     key = None
-    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
             and fast_path.plain_or_none(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
                              checkpoints, workspace, out)
             and (cu_seqlens is None or cu_seqlens.is_cuda) and not trace.enabled()):
@@ -150,14 +143,23 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                cu_seqlens is None, initial_state is None, state is None, final_state is None, checkpoints is None,
                workspace is None, out is None)
         entry = fast_path.get(key)
-        if entry is not None:
+        if entry is not None and fast_path.flags_ok(
+                (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices),
+                (state, final_state, checkpoints, workspace, out)):
             fn, sig, tail, call, ws_bytes = entry
             args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
                                          state_indices, final_state, checkpoints, out)
             ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
                 ws_bytes, dtype=torch.uint8, device=q.device)
-            if fn(sig, *args, ws, *tail) == sig:
+            if fast_path.launch(fn, sig, *args, ws, *tail):
                 return result
+    if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_prefill node
+        return custom_ops.traced_kda_prefill(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+            beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
+            state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
+            checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
+            null_slot0=null_slot0, workspace=workspace, out=out)
     call = validation.check_kda_prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
         beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
@@ -168,6 +170,14 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     if call.checkpoint_every % chunk != 0:
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of route "
                          f"{rule['module']}, got {call.checkpoint_every}")
+    need = dispatch.prefill_workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
+    workspace = validation.check_workspace(workspace, need, q.device, call.backend)
+    validation.check_apart(
+        (("out", out), ("state", state), ("final_state", final_state), ("checkpoints", checkpoints),
+         ("workspace", workspace)),
+        (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias),
+         ("cu_seqlens", cu_seqlens), ("initial_state", initial_state), ("state_indices", state_indices)),
+        same_view_ok=("initial_state", "final_state"))
     args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
                                  state_indices, final_state, checkpoints, out)
     if trace.enabled():  # before the launch: a crashing call leaves its trace
@@ -176,8 +186,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=ckpt, out=result[0]))
-    need = dispatch.prefill_workspace_need(module, call.total_tokens, call.num_seqs, call.value_heads)
-    ws = _prefill_workspace(need, q.device, workspace)
+    ws = workspace if need is None or workspace is not None else torch.empty(max(need, 1), dtype=torch.uint8,
+                                                                           device=q.device)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0, call.checkpoint_every)
     module["kda_prefill"](*args, ws, *tail)
     if key is not None:
@@ -194,11 +204,12 @@ def _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
     B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
     if out is None:
         out = torch.empty((B, T, HV, V), dtype=v.dtype, device=device)
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    if cu_seqlens is None:  # B rows of T tokens each (T may be 0: B empty sequences)
+        cu_seqlens = (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device) if T > 0
+                      else torch.zeros(B + 1, dtype=torch.int32, device=device))
     sdtype = getattr(torch, call.state_dtype) if call.state_dtype else torch.float32
-    if call.state_mode == "pool":
-        init, final = state, state
+    if call.state_mode == "pool":  # output_final_state=False: read the pool, commit nothing
+        init, final = state, (state if call.output_final_state else None)
     else:
         init = initial_state
         if call.output_final_state and final_state is None:
@@ -208,13 +219,10 @@ def _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
         # Slots past a sequence's own count stay NaN: never read as a state by mistake.
         checkpoints = torch.full((call.num_seqs, call.checkpoint_slots, HV, V, K), float("nan"),
                                  dtype=sdtype, device=device)
-    if B == 1:  # already one packed row
-        q1, k1, v1, g1, b1, o1 = q, k, v, g, beta, out
-    else:  # B sequences -> one packed row
-        as1 = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
-        q1, k1, v1, g1, b1, o1 = as1(q), as1(k), as1(v), as1(g), as1(beta), as1(out)
-    args = (q1, k1, v1, g1, b1, A_log, _flat(dt_bias), cu_seqlens, init, final, state_indices, checkpoints, o1)
-    result_state = state if call.state_mode == "pool" else final
+    # The caller's own tensors (B > 1 contiguous rows are the packed row the module reads): never a
+    # reshape, which could copy a tensor and leave the caller's untouched (and out of the signature).
+    args = (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, init, final, state_indices, checkpoints, out)
+    result_state = final
     result = (out, result_state, checkpoints) if call.checkpoint_every > 0 else (out, result_state)
     return args, result
 
@@ -229,7 +237,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
     """
     key = dest = None
-    if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
             is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
             and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
@@ -237,15 +245,26 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
         # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
         dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None:
+        if entry is not None and fast_path.flags_ok(
+                (x, conv_weight, g, beta, A_log, dt_bias, state_indices, output_gate, norm_weight),
+                (conv_state, state, dest)):
             fn, sig, tail = entry
-            if fn(sig, x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state,
-                  output_gate, norm_weight, dest, *tail) == sig:
+            if fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                                output_gate, norm_weight, dest, *tail):
                 return dest
+    if custom_ops.tracing(x):  # Dynamo / export / FakeTensor: one flashkda_ext::fused_kda_decode node
+        return custom_ops.traced_fused_kda_decode(
+            x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate, norm_weight,
+            lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
+            null_slot0=null_slot0, out=out)
     call = validation.check_fused_kda_decode(
         x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
         norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
         slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    validation.check_apart((("out", out), ("conv_state", conv_state), ("state", state)),
+                           (("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("state_indices", state_indices), ("output_gate", output_gate),
+                            ("norm_weight", norm_weight)))
     if out is None:
         out = dest if dest is not None else torch.empty(
             (call.rows, call.num_heads, call.head_dim), dtype=x.dtype, device=x.device)
@@ -256,10 +275,131 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             norm_weight=norm_weight, lower_bound=lower_bound, scale=call.scale, norm_eps=norm_eps,
             out=out))
     fn = _route_fn("fused_kda_decode", call)
-    sig_args = (x, conv_weight, conv_state, g, beta, A_log, _flat(dt_bias), state_indices, state, output_gate,
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                 norm_weight, out)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None:
         fast_path.put(key, "fused_kda_decode", call, sig_args, tail)
+    return out
+
+
+def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None,
+               A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
+               null_slot0=False, out=None):
+    """Speculative-decoding verify: T_n draft tokens per request on a state pool, the state after
+    every token stored in a slot of its own.
+
+    q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] (raw gate); beta [1, T, HV], the N requests
+    packed by cu_seqlens (int32 [N+1], every T_n >= 1); state [slots, HV, V, K] fp32 or bf16
+    (updated in place); state_indices int32 [N, T_max]: the state after token t of request n goes
+    to state[state_indices[n, t]]; request n starts from state[state_indices[n, num_accepted_tokens[n]
+    - 1]] (num_accepted_tokens int32 [N]; None = column 0). Negative entries are padding (docs/
+    semantics.md, "Verify"). max_seqlen: a host bound on T_n for routing (default T_max). Returns out
+    [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it.
+    """
+    key = dest = None
+    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
+            is type(state_indices) is type(cu_seqlens)
+            and fast_path.plain_or_none(num_accepted_tokens, A_log, dt_bias, out) and not trace.enabled()):
+        key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
+               type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
+               num_accepted_tokens is None)
+        # a valid call's out is v's shape, dtype and device
+        dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+        entry = fast_path.get(key)
+        if entry is not None and fast_path.flags_ok(
+                (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens), (state, dest)):
+            fn, sig, tail, seen = entry
+            try:  # host index values (CPU backend): checked on every call; any doubt takes the full path
+                validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+                ok = True
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                ok = False
+            if ok and fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens,
+                                       num_accepted_tokens, dest, *tail):
+                return dest
+    call = validation.check_kda_verify(
+        q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+        num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
+        out=out)
+    validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+    validation.check_apart((("out", out), ("state", state)),
+                           (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                            ("num_accepted_tokens", num_accepted_tokens)))
+    if out is None:
+        out = dest if dest is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if call.as_decode:
+        # One token per request, read from and written to column 0: kda_decode's own module on views
+        # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
+        # would not cover cu_seqlens and num_accepted_tokens.
+        fn = dispatch.function("kda_decode", call.decode_route_meta())
+        fn(q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, state, state_indices[:, 0], out[0],
+           call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+        return out
+    fn = _route_fn("kda_verify", call)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    fn(*sig_args, *tail)
+    if key is not None:
+        fast_path.put(key, "kda_verify", call, sig_args, tail, extra=(call,))
+    return out
+
+
+def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                     state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                     gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None):
+    """fused_kda_decode over each request's draft tokens with the state kept per token (kda_verify).
+
+    x [1, T, 3*H*D]; conv_weight [3*H*D, 4]; conv_state [slots, 3*H*D, L] with L >= T_max + 2 (in
+    place; request n's line is conv_state[state_indices[n, 0]], read at offset
+    num_accepted_tokens[n] - 1); g [1, T, H, D]; beta [1, T, H]; state [slots, H, D, D] (in place);
+    output_gate [1, T, H, D]; norm_weight [D]; state_indices, cu_seqlens, num_accepted_tokens,
+    max_seqlen as kda_verify. Returns out [1, T, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
+    See docs/semantics.md, "Fused verify".
+    """
+    key = dest = None
+    if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
+            is type(state) is type(output_gate) is type(norm_weight) is type(state_indices) is type(cu_seqlens)
+            and fast_path.plain_or_none(A_log, dt_bias, num_accepted_tokens, out) and not trace.enabled()):
+        key = ("fused_kda_verify", x.shape, state_indices.shape, gate, type(lower_bound), lower_bound,
+               type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0, type(max_seqlen),
+               max_seqlen, num_accepted_tokens is None)
+        dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
+        entry = fast_path.get(key)
+        if entry is not None and fast_path.flags_ok(
+                (x, conv_weight, g, beta, A_log, dt_bias, output_gate, norm_weight, state_indices, cu_seqlens,
+                 num_accepted_tokens), (conv_state, state, dest)):
+            fn, sig, tail, seen = entry
+            try:  # host index values: checked on every call; any doubt takes the full path
+                validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+                ok = True
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                ok = False
+            if ok and fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
+                                       output_gate, norm_weight, state_indices, cu_seqlens, num_accepted_tokens,
+                                       dest, *tail):
+                return dest
+    call = validation.check_fused_kda_verify(
+        x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+        state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+        max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+        null_slot0=null_slot0, out=out)
+    validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+    validation.check_apart((("out", out), ("conv_state", conv_state), ("state", state)),
+                           (("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                            ("dt_bias", dt_bias), ("output_gate", output_gate), ("norm_weight", norm_weight),
+                            ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                            ("num_accepted_tokens", num_accepted_tokens)))
+    if out is None:
+        out = dest if dest is not None else torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
+    fn = _route_fn("fused_kda_verify", call)
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, state_indices,
+                cu_seqlens, num_accepted_tokens, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    fn(*sig_args, *tail)
+    if key is not None:
+        fast_path.put(key, "fused_kda_verify", call, sig_args, tail, extra=(call,))
     return out

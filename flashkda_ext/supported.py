@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 from .jit import roots
 from .jit.schema_check import validate
 
-FAMILIES = ("kda_decode", "kda_prefill", "fused_kda_decode")
+FAMILIES = ("kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify")
 BACKENDS = ("cpu", "cuda")
 _KEYS = ("head_dims_k", "head_dims_v", "value_heads", "group_sizes", "input_dtypes",
          "state_dtypes", "gates", "slot_modes")

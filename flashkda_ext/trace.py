@@ -1,19 +1,23 @@
 """Trace emission: flashinfer-bench Definitions and Workloads for the public ops' calls.
 
 With FLASHKDA_EXT_TRACE_DIR set (read at import; ``refresh()`` reads it again), or inside
-``with flashkda_ext.trace.tracing(dir):``, every public call writes, before its launch:
+``with flashkda_ext.trace.tracing(dir):``, every public call writes, before its launch, into
+flashinfer-bench's dataset layout (``flashinfer_bench.TraceSet.from_path(dir)`` loads it):
 
-* ``<dir>/<definition>.json`` once per process and definition name (names encode every const axis
-  and fixed property, so one name is one definition), and
-* one line appended to ``<dir>/<definition>.workloads.jsonl``: the var axes, scalars as values,
-  tensors as ``random``; integer index tensors (state_indices, cu_seqlens) that already live in
-  host memory are saved to ``<dir>/safetensors/<content hash>.safetensors`` (CUDA tensors only with
-  ``save_indices=True`` / FLASHKDA_EXT_TRACE_INDICES=1, since that copy synchronises).
+* ``<dir>/definitions/<op_type>/<definition>.json`` once per process and definition name (names
+  encode every const axis and fixed property, so one name is one definition), and
+* one line appended to ``<dir>/workloads/<op_type>/<definition>.jsonl``: the var axes, scalars as
+  values, data tensors as ``random``, and the index tensors (state_indices, cu_seqlens: they decide
+  the work, and random integers are no valid indices) saved through the ``safetensors`` library to
+  ``<dir>/blob/workloads/<op_type>/<definition>/<definition>_<content hash>.safetensors``. Saving a
+  CUDA index tensor copies it to the host (the copy synchronises); during CUDA graph capture no copy
+  is possible and the call is not traced (one warning).
 
 Everything is built from the templates in trace_templates/ (data) and the supported set in
-jit/supported.json; nothing here knows a head count or a dtype list. Tracing never changes results
-and never raises into the caller: a failure warns once per process and the call goes on.
-docs/trace-format.md describes the output.
+jit/supported.json; nothing here knows a head count or a dtype list. A call outside the supported set
+gets no definition (``unsupported`` says why; ``definition_for_options`` raises it for
+``flashkda-ext trace dump``). Tracing never changes results and never raises into the caller: a
+failure warns once per process and the call goes on. docs/trace-format.md describes the output.
 """
 from __future__ import annotations
 
@@ -22,7 +26,6 @@ import dataclasses
 import functools
 import json
 import os
-import struct
 import threading
 import uuid as _uuid
 import warnings
@@ -32,18 +35,15 @@ from . import paths
 from .trace_consumer import safe_eval
 
 ENV_DIR = "FLASHKDA_EXT_TRACE_DIR"
-ENV_INDICES = "FLASHKDA_EXT_TRACE_INDICES"
 OPS = ("kda_decode", "kda_prefill", "fused_kda_decode")
 
 # flashinfer-bench's dtype names (the definition schema holds the same list; a test checks it)
 FIB_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1",
               "int64", "int32", "int16", "int8", "bool")
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", None: "none"}
-_ST_CODES = {"int32": "I32", "int64": "I64"}
 
 # The one flag ops.py reads on every call: enabled() must stay a global lookup.
 _dir: Optional[str] = None
-_save_indices: bool = False
 _lock = threading.Lock()
 _written: set = set()          # (directory, definition name) already written by this process
 _warned: set = set()           # warning kinds already shown
@@ -58,25 +58,40 @@ def directory() -> Optional[str]:
 
 
 def refresh() -> None:
-    """Re-read FLASHKDA_EXT_TRACE_DIR and FLASHKDA_EXT_TRACE_INDICES."""
-    global _dir, _save_indices
+    """Re-read FLASHKDA_EXT_TRACE_DIR."""
+    global _dir
     _dir = os.environ.get(ENV_DIR) or None
-    _save_indices = os.environ.get(ENV_INDICES, "") not in ("", "0")
 
 
 refresh()
 
 
 @contextlib.contextmanager
-def tracing(dir: "os.PathLike[str] | str", *, save_indices: bool = False) -> Iterator[str]:
+def tracing(dir: "os.PathLike[str] | str") -> Iterator[str]:
     """Trace every public call inside the block to `dir` (created on first write)."""
-    global _dir, _save_indices
-    previous = (_dir, _save_indices)
-    _dir, _save_indices = os.fspath(dir), bool(save_indices)
+    global _dir
+    previous = _dir
+    _dir = os.fspath(dir)
     try:
         yield _dir
     finally:
-        _dir, _save_indices = previous
+        _dir = previous
+
+
+# flashinfer-bench's dataset layout (flashinfer_bench.data.TraceSet: definitions_path,
+# workloads_path, blob_workloads_path), relative to the trace directory
+
+
+def definition_relpath(definition: Mapping[str, Any]) -> str:
+    return os.path.join("definitions", definition["op_type"], f"{definition['name']}.json")
+
+
+def workloads_relpath(definition: Mapping[str, Any]) -> str:
+    return os.path.join("workloads", definition["op_type"], f"{definition['name']}.jsonl")
+
+
+def blob_reldir(definition: Mapping[str, Any]) -> str:
+    return os.path.join("blob", "workloads", definition["op_type"], definition["name"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +348,7 @@ def _names_in(template_part: Any, out: set) -> None:
 @functools.lru_cache(maxsize=None)
 def _definition_keys(op: str) -> tuple:
     t = load_template(op)
-    names = {"backend"}                      # picks the supported set
+    names = {"backend", "has_A_log", "has_dt_bias"}   # pick the supported set; unsupported() reads them
     _names_in({k: v for k, v in t.items() if k != "reference"}, names)
     for expr in t["reference"]["constants"].values():
         _names_in({"when": expr}, names)
@@ -355,10 +370,21 @@ def build_definition(op: str, f: Mapping[str, Any]) -> dict:
     return d
 
 
-def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
-    t = load_template(op)
-    fmt = lambda s: s.format_map(f)  # noqa: E731
-    name = "_".join(fmt(p["format"]) for p in t["name"] if _when(p, f))
+class UnsupportedCall(ValueError):
+    """A call outside the backend's supported set (or breaking a relation between const axes):
+    it has no definition. `problems` holds (supported.json key or None, message) pairs."""
+
+    def __init__(self, op: str, problems: list):
+        self.problems = problems
+        super().__init__(f"{op}: " + "; ".join(m for _, m in problems))
+
+
+def _names(expr: str) -> set:
+    import ast
+    return {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
+
+
+def _axes(t: dict, f: Mapping[str, Any]) -> Dict[str, dict]:
     axes = {}
     for axis, spec in t["axes"].items():
         if not _when(spec, f):
@@ -368,6 +394,54 @@ def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
             entry["value"] = int(safe_eval(spec["value"], f))
         entry["description"] = spec["description"]
         axes[axis] = entry
+    return axes
+
+
+def _split_constraints(op: str, f: Mapping[str, Any], axes: Mapping[str, dict]):
+    """(constraints over var axes: the definition's; problems: false constraints over const axes
+    and fixed properties). A constraint that names no var axis has one value per definition: in a
+    definition it could only say `True` (a no-op) or be false (no call could match)."""
+    const = {a: ax["value"] for a, ax in axes.items() if ax["type"] == "const"}
+    kept, problems = [], []
+    for expr, key in render_constraints(load_template(op), f, sources=True):
+        if _names(expr) - set(const):
+            kept.append(expr)
+        elif not safe_eval(expr, const):
+            if key is None:
+                problems.append((None, f"{expr} does not hold for {const}"))
+            else:
+                allowed = _supported_set(load_template(op)["family"], f["backend"])[key]
+                subject = expr.rsplit(" in (", 1)[0]
+                value = safe_eval(subject, const)
+                problems.append((key, f"{_SUBJECTS.get(key, key)} {value!r} is not supported by the "
+                                      f"{f['backend']} backend (supported: {', '.join(map(repr, allowed))})"))
+    return kept, problems
+
+
+_SUBJECTS = {"head_dims_k": "head_dim_k", "head_dims_v": "head_dim_v", "value_heads": "value heads",
+             "group_sizes": "group size value_heads // heads", "input_dtypes": "input dtype",
+             "state_dtypes": "state dtype", "gates": "gate", "slot_modes": "slot mode"}
+
+
+def unsupported(op: str, f: Mapping[str, Any]) -> list:
+    """Why a call with facts `f` has no definition: [(supported.json key or None, message)], or
+    [] when it has one. Fused definitions carry A_log and dt_bias whenever the gate reads them (the
+    op takes them positionally), so a fused call leaving one out of a gate that reads it has none."""
+    problems = _split_constraints(op, f, _axes(load_template(op), f))[1]
+    if op == "fused_kda_decode" and f["gate"] != "log" and not (f["has_A_log"] and f["has_dt_bias"]):
+        problems.append(("A_log", f"gate {f['gate']!r} without A_log or dt_bias: fused definitions "
+                                  f"carry both (the op takes them positionally; zeros are the identity)"))
+    return problems
+
+
+def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
+    t = load_template(op)
+    fmt = lambda s: s.format_map(f)  # noqa: E731
+    name = "_".join(fmt(p["format"]) for p in t["name"] if _when(p, f))
+    problems = unsupported(op, f)
+    if problems:
+        raise UnsupportedCall(op, problems)
+    axes = _axes(t, f)
 
     def tensors(entries):
         out = {}
@@ -393,38 +467,36 @@ def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
         "axes": axes,
         "inputs": inputs,
         "outputs": outputs,
-        "constraints": render_constraints(t, f),
+        "constraints": _split_constraints(op, f, axes)[0],
         "reference": _render_reference(op, constants, tuple(inputs), name),
     }
 
 
-def _host_readable(x) -> bool:
-    if x.device.type == "cpu":
-        return True
-    if not _save_indices or x.device.type != "cuda":
-        return False
-    import torch
-    return not torch.cuda.is_current_stream_capturing()   # a copy would break graph capture
+def _index_tensors_on_host(inputs: Mapping[str, Any], names) -> Optional[Dict[str, Any]]:
+    """The index tensors as CPU tensors, or None when they cannot be read: meta tensors (no data),
+    or CUDA ones while a graph is being captured (a copy to the host would break the capture)."""
+    tensors = {n: inputs[n] for n in names}
+    if any(x.device.type == "meta" for x in tensors.values()):
+        return None
+    if any(x.device.type == "cuda" for x in tensors.values()):
+        import torch
+        if torch.cuda.is_current_stream_capturing():
+            return None
+    return {n: x.detach().to("cpu").contiguous() for n, x in tensors.items()}
 
 
-def _safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
-    header, blobs, offset = {}, [], 0
-    for key, t in tensors.items():
-        raw = t.detach().to("cpu").contiguous().numpy().tobytes()
-        header[key] = {"dtype": _ST_CODES[_dtype(t)], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
-
-
-def _save_index_tensors(trace_dir: str, tensors: Mapping[str, Any]) -> str:
-    """Content-addressed: a decode loop that reuses its indices writes one file, not one per step."""
+def save_index_tensors(trace_dir: str, definition: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
+    """Write `tensors` with safetensors under the definition's blob folder; returns the path
+    relative to trace_dir. Named by content: a decode loop that reuses its indices writes one file."""
     import hashlib
-    data = _safetensors_bytes(tensors)
-    rel = f"safetensors/{hashlib.sha1(data).hexdigest()[:20]}.safetensors"
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise RuntimeError("tracing stores index tensors with the safetensors package: "
+                           "pip install safetensors") from e
+    data = safetensors.torch.save(dict(tensors))
+    name = definition["name"]
+    rel = os.path.join(blob_reldir(definition), f"{name}_{hashlib.sha1(data).hexdigest()[:20]}.safetensors")
     path = os.path.join(trace_dir, rel)
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -435,14 +507,21 @@ def _save_index_tensors(trace_dir: str, tensors: Mapping[str, Any]) -> str:
     return rel
 
 
+def index_inputs(op: str, definition: Mapping[str, Any]) -> list:
+    """The definition's index inputs (stored in every workload, never drawn at random)."""
+    return [e["name"] for e in load_template(op)["inputs"] if e.get("index") and e["name"] in definition["inputs"]]
+
+
 def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapping[str, Any],
-                   trace_dir: Optional[str] = None) -> dict:
-    """One workload line; index tensors are saved under trace_dir when they can be read cheaply."""
+                   trace_dir: Optional[str] = None) -> Optional[dict]:
+    """One workload line. With trace_dir, the index tensors are saved there and referenced; None
+    when they cannot be read (CUDA graph capture). Without, they are left `random` (a workload only
+    for its axes, e.g. a constraint check)."""
     t = load_template(op)
     uid = str(_uuid.uuid4())
     axes = {a: int(safe_eval(t["axes"][a]["bind"], f))
             for a, ax in definition["axes"].items() if ax["type"] == "var"}
-    sources, saved = {}, {}
+    sources = {}
     for e in t["inputs"]:
         name = e["name"]
         if name not in definition["inputs"]:
@@ -450,19 +529,89 @@ def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapp
         if e["shape"] is None:
             value = safe_eval(e["scalar"], f)
             sources[name] = {"type": "scalar", "value": int(value) if e["dtype"].startswith("int") else float(value)}
-        elif e.get("index") and trace_dir is not None and inputs.get(name) is not None \
-                and _host_readable(inputs[name]):
-            saved[name] = inputs[name]
-            sources[name] = {"type": "safetensors", "path": None, "tensor_key": name}
         else:
             sources[name] = {"type": "random"}
-    if saved:
-        rel = _save_index_tensors(trace_dir, saved)
-        for name in saved:
-            sources[name]["path"] = rel
+    index = index_inputs(op, definition)
+    if trace_dir is not None and index:
+        host = _index_tensors_on_host(inputs, index)
+        if host is None:
+            return None
+        rel = save_index_tensors(trace_dir, definition, host)
+        for name in index:
+            sources[name] = {"type": "safetensors", "path": rel, "tensor_key": name}
     return {"definition": definition["name"],
             "workload": {"uuid": uid, "axes": axes, "inputs": sources},
             "solution": None, "evaluation": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# definitions for given options (`flashkda-ext trace dump`)
+
+# the dump's option for each supported.json key (None: a relation between head counts)
+_OPTION = {"input_dtypes": "--input-dtype", "state_dtypes": "--state-dtype", "gates": "--gate",
+           "slot_modes": "--slot-mode", "head_dims_k": "--head-dim-k/--head-dim",
+           "head_dims_v": "--head-dim-v/--head-dim", "value_heads": "--value-heads/--heads",
+           "group_sizes": "--value-heads/--heads", None: "--value-heads/--heads", "A_log": "--gate"}
+_DUMP_DTYPES = ("float32", "bfloat16", "float16")     # the floating dtypes flashinfer-bench names
+
+
+def _option_dtype(option: str, value: str):
+    import torch
+    if value not in _DUMP_DTYPES:
+        raise ValueError(f"{option}: expected one of {', '.join(_DUMP_DTYPES)} "
+                         f"(flashinfer-bench dtype names), got {value!r}")
+    return getattr(torch, value)
+
+
+def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
+    """Public-op arguments as meta tensors (no memory, no device) for the dump's options."""
+    import torch
+    m = dict(device="meta")
+    dt, sdt = _option_dtype("--input-dtype", o["input_dtype"]), _option_dtype("--state-dtype", o["state_dtype"])
+    for opt in ("heads", "head_dim", "rows", "slots", "tokens", "seqs"):
+        if int(o[opt]) <= 0:
+            raise ValueError(f"--{opt.replace('_', '-')}: expected a positive integer, got {o[opt]}")
+    H, rows, slots = o["heads"], o["rows"], o["slots"]
+    HV = o.get("value_heads") or H
+    K, V = o.get("head_dim_k") or o["head_dim"], o.get("head_dim_v") or o["head_dim"]
+    gate = o["gate"]
+    e = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
+    gate_kw = dict(gate=gate, lower_bound=o["lower_bound"] if gate == "bounded" else None)
+    if op == "fused_kda_decode":
+        D = o["head_dim"]
+        C = 3 * H * D
+        return dict(x=e(rows, C, dtype=dt), conv_weight=e(C, 4, dtype=dt), conv_state=e(slots, C, 3, dtype=dt),
+                    g=e(rows, H, D, dtype=dt), beta=e(rows, H, dtype=dt),
+                    A_log=None if gate == "log" else e(H), dt_bias=None if gate == "log" else e(H * D),
+                    state_indices=e(rows, dtype=torch.int32), state=e(slots, H, D, D, dtype=sdt),
+                    output_gate=e(rows, H, D, dtype=dt), norm_weight=e(D), slot_mode=o["slot_mode"], **gate_kw)
+    if gate != "log":
+        gate_kw.update(A_log=e(HV), dt_bias=e(HV * K))
+    if op == "kda_decode":
+        return dict(q=e(rows, H, K, dtype=dt), k=e(rows, H, K, dtype=dt), v=e(rows, HV, V, dtype=dt),
+                    g=e(rows, HV, K, dtype=dt), beta=e(rows, HV, dtype=dt), state=e(slots, HV, V, K, dtype=sdt),
+                    state_indices=e(rows, dtype=torch.int32), slot_mode=o["slot_mode"], **gate_kw)
+    T, N = o["tokens"], o["seqs"]
+    return dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
+                g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), cu_seqlens=e(N + 1, dtype=torch.int32),
+                initial_state=e(N, HV, V, K, dtype=sdt), checkpoint_every=int(o["checkpoint_every"]), **gate_kw)
+
+
+def definition_for_options(op: str, options: Mapping[str, Any]) -> dict:
+    """The definition `flashkda-ext trace dump OP` prints for its options (argparse's names:
+    heads, value_heads, head_dim, head_dim_k, head_dim_v, input_dtype, state_dtype, gate,
+    lower_bound, slot_mode, backend, rows, slots, tokens, seqs, checkpoint_every). Raises
+    ValueError naming the option for a value or combination that has no definition."""
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
+    args = _option_args(op, options)
+    f = args_facts(op, args, options["backend"])
+    problems = unsupported(op, f)
+    if problems:
+        raise ValueError("; ".join(f"{_OPTION.get(key, key)}: {msg}" for key, msg in problems))
+    definition = build_definition(op, f)
+    validate_definition(definition)
+    return definition
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,19 +642,27 @@ def emit(op: str, call: Any, inputs: Mapping[str, Any]) -> Optional[str]:
             return None
         name = definition["name"]
         with _lock:
-            os.makedirs(trace_dir, exist_ok=True)
+            workload = build_workload(op, f, definition, inputs, trace_dir)
+            if workload is None:
+                _warn_once("indices", "calls whose index tensors cannot be read (meta tensors, CUDA graph "
+                                      "capture) are not traced: a workload needs their values "
+                                      f"(first: {name})")
+                return None
             if (trace_dir, name) not in _written:
                 validate_definition(definition)
-                path = os.path.join(trace_dir, f"{name}.json")
+                path = os.path.join(trace_dir, definition_relpath(definition))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = f"{path}.{os.getpid()}.tmp"
                 with open(tmp, "w") as fh:
                     json.dump(definition, fh, indent=2)
                     fh.write("\n")
                 os.replace(tmp, path)
                 _written.add((trace_dir, name))
-            line = json.dumps(build_workload(op, f, definition, inputs, trace_dir), separators=(",", ":"))
+            line = json.dumps(workload, separators=(",", ":"))
+            path = os.path.join(trace_dir, workloads_relpath(definition))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             # one write per line, flushed on close, so a crash in the launch that follows keeps it
-            with open(os.path.join(trace_dir, f"{name}.workloads.jsonl"), "a") as fh:
+            with open(path, "a") as fh:
                 fh.write(line + "\n")
         return name
     except Exception as e:  # noqa: BLE001 - tracing must never break the user's call

@@ -1,29 +1,29 @@
-"""A trace consumer, the way a graph compiler or kernel-evaluation tool would use flashkda_ext traces.
+"""flashinfer-bench glue for flashkda_ext traces: only what flashinfer-bench itself does not do.
 
-Standalone on purpose: it imports nothing from flashkda_ext (only json, ast, torch), so it can be
-copied out and pointed at any trace directory. It shows the three things a consumer does:
+flashinfer-bench reads a trace directory (``TraceSet.from_path``), builds and runs a definition's
+reference, draws random inputs, loads the stored index tensors and checks or benchmarks a Solution
+(``DefaultEvaluator``, ``Benchmark``). This module adds:
 
-* load a trace directory (``<definition>.json`` files and ``<definition>.workloads.jsonl`` lines);
-* check a proposed call against a definition: bind its axes, then evaluate every constraint with a
-  restricted evaluator (names, constants, arithmetic, comparisons, boolean logic, tuples; no calls,
-  attributes or subscripts, so a constraint string cannot run code);
-* regenerate inputs for a workload line: scalars as recorded, safetensors loaded, random tensors
-  drawn in the domain the definition's ``domain:`` tags describe (valid slot indices, sorted
-  offsets, non-positive log decays), so a replay is a call the op accepts.
+* ``safe_eval`` / ``check_call``: evaluate a definition's constraints (flashinfer-bench stores
+  them but never evaluates them) with a restricted evaluator (names, constants, arithmetic,
+  comparisons, boolean logic, tuples; no calls, attributes or subscripts: a constraint string
+  cannot run code);
+* ``index_tensors`` / ``make_workload``: valid state_indices / cu_seqlens for chosen var axes, from
+  the definition's ``domain:`` tags, stored through flashinfer-bench's own blob API (its random
+  generator draws int32 in [-1024, 1024), which are no slot indices or offsets);
+* ``solution``: a flashinfer-bench Python Solution that runs a definition through flashkda_ext's
+  public op (``call_op`` maps the definition's inputs and fixed properties to the op's arguments).
 
-    python -m flashkda_ext.trace_consumer TRACE_DIR [--run-reference]
+    python -m flashkda_ext.trace_consumer TRACE_DIR     # load with flashinfer-bench, check constraints
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import functools
-import json
-import os
 import re
-import struct
 import sys
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 # ---------------------------------------------------------------------------------------------
 # restricted evaluation
@@ -66,89 +66,46 @@ def safe_eval(expr: str, names: Mapping[str, Any]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# loading
+# constraints
 
 
-def load_trace_dir(path: str) -> Tuple[Dict[str, dict], Dict[str, List[dict]]]:
-    """({definition name: definition}, {definition name: [workload lines]})."""
-    definitions, workloads = {}, {}
-    for fn in sorted(os.listdir(path)):
-        full = os.path.join(path, fn)
-        if fn.endswith(".workloads.jsonl"):
-            with open(full) as f:
-                lines = [json.loads(line) for line in f if line.strip()]
-            workloads[fn[: -len(".workloads.jsonl")]] = lines
-        elif fn.endswith(".json"):
-            with open(full) as f:
-                d = json.load(f)
-            definitions[d["name"]] = d
-    return definitions, workloads
+def _as_dict(definition) -> Dict[str, Any]:
+    """A definition as its JSON dict: given as one, or as a flashinfer-bench Definition."""
+    return definition if isinstance(definition, Mapping) else definition.model_dump(mode="json")
 
 
-def axis_values(definition: dict, var_axes: Mapping[str, int]) -> Dict[str, int]:
-    """All axes of the definition: const values plus the given var values (all must be given)."""
+def check_call(definition, var_axes: Mapping[str, int]) -> List[str]:
+    """The constraints a call with these var-axis values violates (empty: the definition accepts
+    it). `definition`: a flashinfer-bench Definition or its JSON dict."""
+    d = _as_dict(definition)
     values = {}
-    for name, ax in definition["axes"].items():
+    for name, ax in d["axes"].items():
         if ax["type"] == "const":
             values[name] = ax["value"]
         elif name in var_axes:
             values[name] = int(var_axes[name])
         else:
-            raise ValueError(f"{definition['name']}: no value for var axis {name!r}")
-    return values
-
-
-def check_call(definition: dict, var_axes: Mapping[str, int]) -> List[str]:
-    """The constraints the proposed call violates (empty: the definition accepts it)."""
-    values = axis_values(definition, var_axes)
-    return [c for c in definition.get("constraints") or [] if not safe_eval(c, values)]
-
-
-def bind_axes(definition: dict, shapes: Mapping[str, Iterable[int]]) -> Dict[str, int]:
-    """Var axis values from concrete input/output shapes; raises on a rank or const mismatch or
-    an axis bound to two different sizes."""
-    tensors = {**definition["inputs"], **definition["outputs"]}
-    bound: Dict[str, int] = {}
-    for name, shape in shapes.items():
-        spec = tensors[name]
-        shape = list(shape)
-        if spec["shape"] is None or len(spec["shape"]) != len(shape):
-            raise ValueError(f"{name}: expected axes {spec['shape']}, got shape {shape}")
-        for axis, size in zip(spec["shape"], shape):
-            ax = definition["axes"][axis]
-            if ax["type"] == "const" and ax["value"] != size:
-                raise ValueError(f"{name}: axis {axis} is const {ax['value']}, got {size}")
-            if bound.setdefault(axis, size) != size:
-                raise ValueError(f"{name}: axis {axis} is {bound[axis]} elsewhere, got {size}")
-    return {a: v for a, v in bound.items() if definition["axes"][a]["type"] == "var"}
+            raise ValueError(f"{d['name']}: no value for var axis {name!r}")
+    return [c for c in d.get("constraints") or [] if not safe_eval(c, values)]
 
 
 # ---------------------------------------------------------------------------------------------
-# regenerating inputs
+# index inputs
 
 _TAG_DOMAIN = re.compile(r"^domain:(\w+)=(\w+)(?:\((\w+)\))?$")
-_ST_DTYPES = {"I32": "int32", "I64": "int64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-              "I16": "int16", "I8": "int8", "BOOL": "bool", "F64": "float64"}
 
 
-def read_safetensors(path: str, key: str):
-    """One tensor from a .safetensors file (header length, JSON header, raw little-endian data)."""
-    import torch
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        meta = header[key]
-        start, end = meta["data_offsets"]
-        f.seek(8 + n + start)
-        raw = bytearray(f.read(end - start))
-    dtype = getattr(torch, _ST_DTYPES[meta["dtype"]])
-    return torch.frombuffer(raw, dtype=dtype).reshape(meta["shape"]).clone() if raw else \
-        torch.empty(meta["shape"], dtype=dtype)
+def _tags(definition) -> List[str]:
+    return list(_as_dict(definition).get("tags") or [])
 
 
-def domains(definition: dict) -> Dict[str, Tuple[str, Optional[str]]]:
+def _tag_value(definition, prefix: str, default: Optional[str] = None) -> Optional[str]:
+    return next((t[len(prefix):] for t in _tags(definition) if t.startswith(prefix)), default)
+
+
+def domains(definition) -> Dict[str, tuple]:
     out = {}
-    for tag in definition.get("tags") or []:
+    for tag in _tags(definition):
         m = _TAG_DOMAIN.match(tag)
         if m:
             out[m.group(1)] = (m.group(2), m.group(3))
@@ -162,7 +119,7 @@ def _slot_indices(n: int, slots: int, slot_mode: str, null_slot0: bool, gen):
     if slot_mode == "repeated" and live > 0:
         idx = torch.randint(first, slots, (n,), generator=gen)
     else:
-        perm = torch.randperm(live, generator=gen)[: n] + first
+        perm = torch.randperm(live, generator=gen)[:n] + first
         idx = torch.full((n,), -1, dtype=torch.int64)
         idx[: perm.numel()] = perm
         if slot_mode == "padded" and n > 1:
@@ -170,60 +127,154 @@ def _slot_indices(n: int, slots: int, slot_mode: str, null_slot0: bool, gen):
     return idx.to(torch.int32)
 
 
-def _offsets(n_plus_1: int, total: int, dtype, gen):
+def _offsets(n_plus_1: int, total: int, dtype, gen, longest: Optional[int] = None):
+    """Random non-decreasing offsets from 0 to total; with `longest`, no sequence longer (a few
+    random draws, then the even split, which fits whenever any split does)."""
     import torch
-    cuts = torch.sort(torch.randint(0, total + 1, (max(n_plus_1 - 2, 0),), generator=gen)).values
-    return torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])]).to(dtype)
+    for _ in range(20):
+        cuts = torch.sort(torch.randint(0, total + 1, (max(n_plus_1 - 2, 0),), generator=gen)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([total])])
+        if longest is None or int(torch.diff(offsets).max()) <= longest:
+            return offsets.to(dtype)
+    n = max(n_plus_1 - 1, 1)
+    return torch.tensor([i * total // n for i in range(n + 1)]).to(dtype)
 
 
-def make_inputs(definition: dict, workload_line: dict, trace_dir: str = ".", *, seed: int = 0,
-                device: str = "cpu") -> Dict[str, Any]:
-    """Inputs for one workload line, in the definition's input order (run(**inputs) replays it)."""
+def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
+                  checkpoint_every: int = 0) -> Dict[str, Any]:
+    """Valid index inputs (those with a slot_index or offsets domain tag) for var-axis values
+    `axes`: distinct slots (unique), some -1 (padded) or shared slots (repeated); offsets from 0 to
+    seq_len, non-decreasing, and with checkpoints no sequence reaching more than num_checkpoints
+    (a bound on index values that no constraint over axes can state)."""
     import torch
-    wl = workload_line["workload"]
-    axes = axis_values(definition, wl["axes"])
-    dom = domains(definition)
-    tags = set(definition.get("tags") or [])
-    slot_mode = next((t.split(":", 1)[1] for t in tags if t.startswith("slot_mode:")), "padded")
-    null_slot0 = "null_slot0" in tags
+    d = _as_dict(definition)
+    values = {a: (ax["value"] if ax["type"] == "const" else int(axes[a])) for a, ax in d["axes"].items()}
+    slot_mode = _tag_value(d, "slot_mode:", "padded")
+    null_slot0 = "null_slot0" in _tags(d)
     gen = torch.Generator().manual_seed(seed)
-    inputs: Dict[str, Any] = {}
-    for name, spec in definition["inputs"].items():
-        src = wl["inputs"].get(name, {"type": "random"})
-        if src["type"] == "scalar":
-            inputs[name] = src["value"]
+    out = {}
+    for name, (kind, arg) in domains(d).items():
+        if kind not in ("slot_index", "offsets"):     # data domains (log_decay, probability): not indices
             continue
-        if src["type"] == "safetensors":
-            inputs[name] = read_safetensors(os.path.join(trace_dir, src["path"]), src["tensor_key"]).to(device)
-            continue
-        shape = [axes[a] for a in spec["shape"]]
-        dtype = getattr(torch, spec["dtype"])
-        kind, arg = dom.get(name, (None, None))
+        spec = d["inputs"][name]
+        n = values[spec["shape"][0]]
         if kind == "slot_index":
-            t = _slot_indices(shape[0], axes[arg], slot_mode, null_slot0, gen)
+            out[name] = _slot_indices(n, values[arg], slot_mode, null_slot0, gen).to(getattr(torch, spec["dtype"]))
         elif kind == "offsets":
-            t = _offsets(shape[0], axes[arg], dtype, gen)
-        elif not dtype.is_floating_point:
-            t = torch.zeros(shape, dtype=torch.int64)
-        else:
-            t = torch.randn(shape, generator=gen, dtype=torch.float32)
-            if kind == "log_decay":
-                t = -torch.nn.functional.softplus(t)
-            elif kind == "probability":
-                t = torch.sigmoid(t)
-            elif name in ("A_log",):
-                t = t * 0.5
-            elif name in ("state", "initial_state", "conv_state"):
-                t = t * 0.1
-        inputs[name] = t.to(dtype=dtype, device=device)
-    return inputs
+            longest = None
+            if checkpoint_every and "num_checkpoints" in values:
+                longest = (values["num_checkpoints"] + 1) * checkpoint_every - 1
+            out[name] = _offsets(n, values[arg], getattr(torch, spec["dtype"]), gen, longest)
+    return out
 
 
-def load_reference(definition: dict):
-    """The definition's run(), executed in a fresh namespace."""
-    namespace: Dict[str, Any] = {"__name__": f"reference_{definition['name']}"}
-    exec(compile(definition["reference"], f"<reference {definition['name']}>", "exec"), namespace)  # noqa: S102
-    return namespace["run"]
+def make_workload(trace_set, definition_name: str, axes: Mapping[str, int], *, seed: int = 0):
+    """A flashinfer-bench Workload of the definition at `axes`: its index tensors from
+    index_tensors(), stored with TraceSet.add_workload_blob_tensor; every other tensor random,
+    scalars as given in `axes` (scalar inputs are looked up there by name)."""
+    import uuid
+    from flashinfer_bench.data import Workload
+    definition = trace_set.definitions[definition_name]
+    d = definition.model_dump(mode="json")
+    missing = [n for n in definition.var_axes if n not in axes]
+    missing += [n for n, spec in d["inputs"].items() if spec["shape"] is None and n not in axes]
+    if missing:
+        raise ValueError(f"axes: {definition_name} needs values for {missing} (var axes and scalar inputs)")
+    var = {a: int(axes[a]) for a in definition.var_axes}
+    violated = check_call(d, var)
+    if violated:
+        raise ValueError(f"axes: {var} violate {definition_name}'s constraints {violated}")
+    uid = str(uuid.uuid4())
+    tensors = index_tensors(d, var, seed=seed, checkpoint_every=int(axes.get("checkpoint_every", 0)))
+    inputs: Dict[str, Any] = {}
+    if tensors:
+        path = trace_set.add_workload_blob_tensor(definition_name, uid, tensors)
+        inputs.update({n: {"type": "safetensors", "path": path, "tensor_key": n} for n in tensors})
+    for name, spec in d["inputs"].items():
+        if name in inputs:
+            continue
+        inputs[name] = {"type": "scalar", "value": axes[name]} if spec["shape"] is None else {"type": "random"}
+    return Workload(axes=var, inputs=inputs, uuid=uid)
+
+
+# ---------------------------------------------------------------------------------------------
+# a flashkda_ext Solution
+
+
+def op_spec(definition) -> Dict[str, Any]:
+    """The public op and its fixed (non-data) arguments for a definition, read from its tags."""
+    d = _as_dict(definition)
+    tags = set(_tags(d))
+    op = _tag_value(d, "op:")
+    if op is None:
+        raise ValueError(f"{d['name']}: no op: tag; not a flashkda_ext definition")
+    fixed: Dict[str, Any] = {"gate": _tag_value(d, "gate:"), "null_slot0": "null_slot0" in tags}
+    if op in ("kda_decode", "fused_kda_decode"):
+        fixed["slot_mode"] = _tag_value(d, "slot_mode:")
+    if op in ("kda_decode", "kda_prefill"):
+        fixed["beta_is_logit"] = "domain:beta=probability" not in tags
+    if op == "kda_prefill":
+        fixed["output_final_state"] = "nofinal" not in tags and _tag_value(d, "state_mode:") != "none"
+    return {"op": op, "fixed": fixed, "inputs": list(d["inputs"]), "outputs": list(d["outputs"])}
+
+
+def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
+    """Run the definition's inputs `kw` through flashkda_ext's op; returns its outputs in the
+    definition's order (in-place outputs are the updated input tensors)."""
+    import flashkda_ext
+    op, fixed = spec["op"], spec["fixed"]
+    gate = dict(A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), lower_bound=kw.get("lower_bound"),
+                gate=fixed["gate"], scale=kw["scale"], null_slot0=fixed["null_slot0"])
+    if op == "kda_decode":
+        out = flashkda_ext.kda_decode(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], state=kw["state"],
+                                      state_indices=kw["state_indices"], beta_is_logit=fixed["beta_is_logit"],
+                                      slot_mode=fixed["slot_mode"], **gate)
+        results = {"out": out, "state_out": kw["state"]}
+    elif op == "fused_kda_decode":
+        gate.pop("A_log"), gate.pop("dt_bias")
+        out = flashkda_ext.fused_kda_decode(
+            kw["x"], kw["conv_weight"], kw["conv_state"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"),
+            kw["state_indices"], kw["state"], kw["output_gate"], kw["norm_weight"], norm_eps=kw["norm_eps"],
+            slot_mode=fixed["slot_mode"], **gate)
+        results = {"out": out, "conv_state_out": kw["conv_state"], "state_out": kw["state"]}
+    elif op == "kda_prefill":
+        every = int(kw.get("checkpoint_every", 0))
+        res = flashkda_ext.kda_prefill(
+            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], beta_is_logit=fixed["beta_is_logit"],
+            cu_seqlens=kw.get("cu_seqlens"), initial_state=kw.get("initial_state"), state=kw.get("state"),
+            state_indices=kw.get("state_indices"), output_final_state=fixed["output_final_state"],
+            final_state=kw.get("final_state"), checkpoint_every=every, checkpoints=kw.get("checkpoints"), **gate)
+        results = {"out": res[0], "final_state_out": res[1], "state_out": res[1]}
+        if every:
+            results["checkpoints_out"] = res[2]
+    else:
+        raise ValueError(f"op: expected one of kda_decode, kda_prefill, fused_kda_decode, got {op!r}")
+    outs = tuple(results[name] for name in spec["outputs"])
+    return outs[0] if len(outs) == 1 else outs
+
+
+def solution_source(definition) -> str:
+    spec = op_spec(definition)
+    params = ", ".join(spec["inputs"])
+    kwargs = ", ".join(f"{n}={n}" for n in spec["inputs"])
+    return (f"# flashkda_ext's {spec['op']} for {_as_dict(definition)['name']} (generated by "
+            f"flashkda_ext.trace_consumer.solution)\n"
+            f"from flashkda_ext.trace_consumer import call_op\n\n"
+            f"SPEC = {spec!r}\n\n\n"
+            f"def run({params}):\n    return call_op(SPEC, dict({kwargs}))\n")
+
+
+def solution(definition, *, target: str = "cuda", name: Optional[str] = None):
+    """A flashinfer-bench Solution (Python, value-returning) running the definition through
+    flashkda_ext's public op; `target` is its target_hardware entry."""
+    from flashinfer_bench.data import BuildSpec, Solution, SourceFile, SupportedLanguages
+    d = _as_dict(definition)
+    return Solution(
+        name=name or f"{d['name']}__flashkda_ext", definition=d["name"], author="flashkda_ext",
+        spec=BuildSpec(language=SupportedLanguages.PYTHON, target_hardware=[target], entry_point="main.py::run",
+                       dependencies=["flashkda_ext"], destination_passing_style=False),
+        sources=[SourceFile(path="main.py", content=solution_source(d))],
+        description=f"flashkda_ext.{op_spec(d)['op']} (the public op, in place where the op is)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,26 +283,23 @@ def load_reference(definition: dict):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace_dir")
-    p.add_argument("--run-reference", action="store_true",
-                   help="regenerate the first workload of each definition and run its reference")
     args = p.parse_args(argv)
-    definitions, workloads = load_trace_dir(args.trace_dir)
+    try:
+        from flashinfer_bench.data import TraceSet
+    except ImportError:
+        print("flashinfer-bench is not installed (scripts/install.sh installs it without its GPU stack)",
+              file=sys.stderr)
+        return 2
+    ts = TraceSet.from_path(args.trace_dir)
     bad = 0
-    for name, d in definitions.items():
-        lines = workloads.get(name, [])
-        failing = [(ln["workload"]["uuid"], check_call(d, ln["workload"]["axes"])) for ln in lines]
+    for name, d in sorted(ts.definitions.items()):
+        lines = ts.workloads.get(name, [])
+        failing = [(t.workload.uuid, check_call(d, t.workload.axes)) for t in lines]
         failing = [(u, f) for u, f in failing if f]
         bad += len(failing)
-        print(f"{name}: {len(lines)} workload(s), {len(d.get('constraints') or [])} constraint(s), "
-              f"{len(failing)} violating")
+        print(f"{name}: {len(lines)} workload(s), {len(d.constraints)} constraint(s), {len(failing)} violating")
         for u, f in failing:
             print(f"  {u}: violates {f}")
-        if args.run_reference and lines:
-            run = load_reference(d)
-            outs = run(**make_inputs(d, lines[0], args.trace_dir))
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            shapes = {n: list(o.shape) for n, o in zip(d["outputs"], outs)}
-            print(f"  reference ran: {shapes}")
     return 1 if bad else 0
 
 

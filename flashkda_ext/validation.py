@@ -48,6 +48,13 @@ def _tensor(name: str, x, *, optional: bool = False) -> Optional[torch.Tensor]:
         raise TypeError(f"{name}: expected a torch.Tensor, got None")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    # A lazy negated / conjugated view: the kernels would read its raw memory without the sign.
+    if x.is_neg():
+        raise ValueError(f"{name}: expected a tensor without the negative bit (a lazy negated view, e.g. "
+                         f"from torch._neg_view); call .resolve_neg() first")
+    if x.is_conj():
+        raise ValueError(f"{name}: expected a tensor without the conjugate bit (a lazy .conj() view); "
+                         f"call .resolve_conj() first")
     return x
 
 
@@ -75,6 +82,14 @@ def _same_device(name: str, x: torch.Tensor, device: torch.device) -> None:
 def _dtype_in(name: str, x: torch.Tensor, allowed, what: str = "") -> None:
     if allowed is not None and dtype_name(x.dtype) not in allowed:
         raise ValueError(f"{name}: expected dtype in {list(allowed)}{what}, got {dtype_name(x.dtype)}")
+
+
+def _floating(name: str, x: torch.Tensor) -> None:
+    """The reference tensor of the inputs' dtype: checked before the others are compared with it, so
+    an integer q (or x) is blamed on q, not on the first tensor that differs from it."""
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point dtype (bfloat16, float16, float32 or float64), "
+                         f"got {dtype_name(x.dtype)}")
 
 
 def _same_dtype(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
@@ -110,6 +125,20 @@ def _choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 
+def _int(name: str, value, what: str) -> int:
+    """An int scalar (not a bool): TypeError for another kind of value."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _float(name: str, value, what: str) -> float:
+    """A real number (int or float, not a bool): TypeError for another kind of value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float {what}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def _bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
@@ -127,8 +156,7 @@ def backend_of(device: torch.device) -> str:
 def _resolve_scale(scale, head_dim_k: int) -> float:
     if scale is None:
         return head_dim_k ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    scale = _float("scale", scale, "or None")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a finite value > 0, got {scale}")
     return float(scale)
@@ -161,8 +189,7 @@ def _gate_args(gate, A_log, dt_bias, lower_bound, value_heads: int, head_dim_k: 
     if gate == "bounded":
         if lower_bound is None:
             raise ValueError("lower_bound: required by gate='bounded' (a float < 0), got None")
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
+        lower_bound = _float("lower_bound", lower_bound, "< 0")
         if not math.isfinite(lower_bound) or lower_bound >= 0:
             raise ValueError(f"lower_bound: expected a finite value < 0, got {lower_bound}")
         return float(lower_bound)
@@ -183,7 +210,8 @@ def _supported_set(family: str, backend: str) -> dict:
 
 def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
                     num_heads: int, value_heads: int, input_dtype: str,
-                    state_dtype: Optional[str], gate: str, slot_mode: Optional[str]) -> None:
+                    state_dtype: Optional[str], gate: str, slot_mode: Optional[str],
+                    state_name: str = "state") -> None:
     sup = _supported_set(family, backend)
     where = f" by the {backend} backend of {family}"
     _in_set("q", head_dim_k, sup["head_dims_k"], "head dim K =")
@@ -193,7 +221,7 @@ def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
     if sup["input_dtypes"] is not None and input_dtype not in sup["input_dtypes"]:
         raise ValueError(f"q: expected dtype in {sup['input_dtypes']}{where}, got {input_dtype}")
     if state_dtype is not None and sup["state_dtypes"] is not None and state_dtype not in sup["state_dtypes"]:
-        raise ValueError(f"state: expected dtype in {sup['state_dtypes']}{where}, got {state_dtype}")
+        raise ValueError(f"{state_name}: expected dtype in {sup['state_dtypes']}{where}, got {state_dtype}")
     _in_set("gate", gate, sup["gates"], "gate")
     if slot_mode is not None:
         _in_set("slot_mode", slot_mode, sup["slot_modes"], "slot mode")
@@ -208,6 +236,7 @@ def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str):
     beta = _tensor("beta", beta)
     nl = len(lead)
     _ndim("q", q, nl + 2, f"[{lead_names}, H, K]")
+    _floating("q", q)  # before the others are compared with q's dtype
     device = q.device
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         _same_device(name, x, device)
@@ -263,6 +292,75 @@ def _indices(name: str, idx, length: int, device, what: str) -> None:
     _contiguous(name, idx)
 
 
+def _inference_only(read: tuple, written: tuple) -> None:
+    """The ops are inference-only: with grad enabled, no argument may require grad (the result would
+    have no grad_fn and a leaf would be changed in place); outside inference mode, nothing written
+    may be an inference tensor (torch itself refuses that in-place update). (name, tensor) pairs;
+    None tensors are skipped."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, x in written:
+        if x is not None and x.is_inference():
+            raise ValueError(f"{name}: an inference tensor (made under torch.inference_mode()) cannot be "
+                             f"written in place outside inference mode; call under torch.inference_mode() "
+                             f"or pass a clone made outside it")
+    if torch.is_grad_enabled():
+        for name, x in chain(read, written):
+            if x is not None and x.requires_grad:
+                raise ValueError(f"{name}: requires grad, but the ops are inference-only (no autograd); "
+                                 f"pass x.detach() or call under torch.no_grad() / torch.inference_mode()")
+
+
+def _extent(x: torch.Tensor) -> tuple:
+    """(device, first byte, one past the last byte) that x can touch; empty for numel 0."""
+    if x.numel() == 0:
+        return x.device, 0, 0
+    last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    lo = x.data_ptr()
+    return x.device, lo, lo + (last + 1) * x.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def check_apart(written: tuple, read: tuple, same_view_ok: tuple = ()) -> None:
+    """No tensor the op writes may overlap any other tensor argument (the kernels read and write in
+    an order of their own; an overlap silently corrupts the state pool or the inputs). (name, tensor)
+    pairs, None skipped; same_view_ok names the one pair that may be the identical view (a dense state
+    read and written in place). Reads addresses, so it runs on every full check (never memoized); the
+    fast path's signature carries the same rule (csrc/common/binding.h, CallTensors)."""
+    items = [(n, x, True) for n, x in written if x is not None] + [(n, x, False) for n, x in read if x is not None]
+    spans = [_extent(x) for _, x, _ in items]
+    for i, (name_i, x_i, w_i) in enumerate(items):
+        if not w_i:
+            continue
+        dev_i, lo_i, hi_i = spans[i]
+        for j, (name_j, x_j, _) in enumerate(items):
+            dev_j, lo_j, hi_j = spans[j]
+            if j == i or dev_i != dev_j or not (lo_i < hi_i and lo_j < hi_j and lo_i < hi_j and lo_j < hi_i):
+                continue
+            if {name_i, name_j} == set(same_view_ok) and _same_view(x_i, x_j):
+                continue
+            raise ValueError(f"{name_i}: overlaps the memory of {name_j}; the op writes {name_i}, so it must not "
+                             f"share storage with any other argument (pass a separate tensor)")
+
+
+def check_workspace(workspace, need: Optional[int], device: torch.device, backend: str):
+    """The caller's prefill scratch buffer: uint8, on q's device, contiguous, >= need bytes."""
+    if workspace is None or need is None:
+        return workspace
+    workspace = _tensor("workspace", workspace)
+    if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
+        raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
+                         f"got {dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
+    _contiguous("workspace", workspace)
+    _aligned("workspace", workspace, backend)
+    _inference_only((), (("workspace", workspace),))
+    return workspace
+
+
 def _check_backend(backend: Optional[str], device: torch.device) -> str:
     if backend is None:
         return backend_of(device)
@@ -289,17 +387,19 @@ def _memo_key(args, kwargs):
     """A hashable summary of the call, or None when some argument cannot be summarized. Called on
     every call of a serving loop, so it avoids what costs there: x.device.type (a new string each
     time, ~0.25 us a tensor; x.is_cuda says the same) and per-call generator tuples."""
-    key = [tuple(kwargs)]
+    # the inference-only rule reads the grad and inference modes and each tensor's flags
+    key = [tuple(kwargs), torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     add = key.append
     for name, x in chain(zip(repeat(None), args), kwargs.items()):
         tx = type(x)
         if tx is _Tensor:
+            flags = (x.requires_grad, x.is_inference(), x.is_neg(), x.is_conj())
             if x.is_cuda:
-                add((x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15))
+                add((x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15, flags))
             elif name == "cu_seqlens":
                 return None  # host offsets are checked by value
             else:
-                add((x.shape, x.dtype, x.device, x.is_contiguous()))
+                add((x.shape, x.dtype, x.device, x.is_contiguous(), flags))
         elif tx in _SCALAR_TYPES:
             add((tx, x))
         else:
@@ -385,6 +485,8 @@ def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_b
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _aligned(name, x, backend)
     _out(out, (rows, HV, V), "[rows, HV, V]", v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices)), (("state", state), ("out", out)))
     return DecodeCall(backend, rows, H, HV, K, V, slots, dtype_name(q.dtype), dtype_name(state.dtype),
                       gate, GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, slot_mode,
                       null_slot0, _offset_bits(state))
@@ -440,7 +542,12 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
     _bool("null_slot0", null_slot0)
 
     if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0 or max_seqlen > T:
+        _int("max_seqlen", max_seqlen, "or None")
+        if cu_seqlens is None and max_seqlen != T:
+            # unpacked input: each of the B rows is one sequence of exactly T tokens
+            raise ValueError(f"max_seqlen: expected T = {T} (every one of the B rows is a sequence of T tokens) "
+                             f"or None, got {max_seqlen}")
+        if max_seqlen < 0 or max_seqlen > T:
             raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
     cu_dtype = None
     if cu_seqlens is not None:
@@ -472,6 +579,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
         max_seqlen = T
 
     state_mode, slots, state_dtype = "none", N, None
+    state_name = "state"  # the argument the state dtype was read from, for the supported-set message
     if state is not None or state_indices is not None:
         if state is None or state_indices is None:
             missing = "state" if state is None else "state_indices"
@@ -491,7 +599,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             if n0 != N:
                 raise ValueError(f"initial_state: expected shape [N, HV, V, K] with N = {N} sequences, "
                                  f"got {list(initial_state.shape)}")
-            state_mode, state_dtype = "dense", dtype_name(initial_state.dtype)
+            state_mode, state_dtype, state_name = "dense", dtype_name(initial_state.dtype), "initial_state"
         if final_state is not None:
             if not output_final_state:
                 raise ValueError("final_state: given but output_final_state=False; expected None")
@@ -502,12 +610,15 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             if state_dtype is not None and dtype_name(final_state.dtype) != state_dtype:
                 raise ValueError(f"final_state: expected the dtype of initial_state ({state_dtype}), "
                                  f"got {dtype_name(final_state.dtype)}")
+            if initial_state is None:
+                state_name = "final_state"
             state_mode, state_dtype = "dense", dtype_name(final_state.dtype)
         elif output_final_state:
             state_mode = "dense"
             state_dtype = state_dtype or "float32"
 
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+    _int("checkpoint_every", checkpoint_every, ">= 0")
+    if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
     ckpt_slots = 0
     if checkpoint_every > 0:
@@ -527,7 +638,8 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             _aligned("checkpoints", checkpoints, backend)
             if state_dtype is not None and dtype_name(checkpoints.dtype) != state_dtype:
                 raise ValueError(f"checkpoints: expected the state dtype {state_dtype}, got {dtype_name(checkpoints.dtype)}")
-            state_dtype = state_dtype or dtype_name(checkpoints.dtype)
+            if state_dtype is None:
+                state_dtype, state_name = dtype_name(checkpoints.dtype), "checkpoints"
             ckpt_slots = checkpoints.shape[1]
         else:
             ckpt_slots = need
@@ -537,10 +649,14 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
 
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
     _supported_dims("kda_prefill", backend, K, V, H, HV, dtype_name(q.dtype), state_dtype, gate,
-                    "padded" if state_mode == "pool" else None)
+                    "padded" if state_mode == "pool" else None, state_name)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _aligned(name, x, backend)
     _out(out, (B, T, HV, V), "[B, T, HV, V]", v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens), ("initial_state", initial_state),
+                     ("state_indices", state_indices)),
+                    (("state", state), ("final_state", final_state), ("checkpoints", checkpoints), ("out", out)))
     ckpt_numel = N * ckpt_slots * HV * V * K
     offset_bits = 64 if max(slots * HV * V * K, ckpt_numel, T * HV * max(K, V)) > INT32_MAX else 32
     return PrefillCall(backend, B, T, N, B * T, H, HV, K, V, dtype_name(q.dtype), state_dtype, state_mode,
@@ -587,6 +703,7 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     device = x.device
     backend = _check_backend(backend, device)
     _ndim("x", x, 2, "[rows, 3*H*D]")
+    _floating("x", x)
     g = _tensor("g", g)
     _same_device("g", g, device)
     _ndim("g", g, 3, "[rows, H, D]")
@@ -623,7 +740,8 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     _shape("norm_weight", norm_weight, (D,), "[D]")
     _dtype_in("norm_weight", norm_weight, ("float32",))
     _contiguous("norm_weight", norm_weight)
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) or norm_eps <= 0:
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
         raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
@@ -633,7 +751,279 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
         _aligned(name, t, backend)
     _out(out, (rows, H, D), "[rows, H, D]", x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("output_gate", output_gate),
+                     ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
     return FusedDecodeCall(backend, rows, H, D, slots, conv_state.shape[0], dtype_name(x.dtype),
                            dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
                            _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
                            _offset_bits(state, conv_state))
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    backend: str
+    num_seqs: int
+    total_tokens: int
+    index_cols: int                 # T_max: columns of state_indices
+    max_seqlen: int                 # host bound on T_n used for routing (<= index_cols)
+    num_heads: int
+    value_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    slots: int
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    beta_is_logit: bool
+    null_slot0: bool
+    has_accepted: bool
+    offset_bits: int
+
+    @property
+    def as_decode(self) -> bool:
+        """T_max = 1: every request is one token read from and written to column 0, which is
+        kda_decode on state_indices[:, 0]; the op serves it with the decode module (bitwise
+        kda_decode by construction)."""
+        return self.index_cols == 1
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
+                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "gate": self.gate}
+
+    def decode_route_meta(self) -> dict:
+        """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
+        return {"device": self.backend, "rows": self.num_seqs, "value_heads": self.value_heads,
+                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate}
+
+
+@_memoized
+def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
+                     max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                     scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
+    """Everything about a verify call that its metadata shows; the values of host index tensors
+    are checked by check_verify_values on every call."""
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T")
+    backend = _check_backend(backend, device)
+    if q.shape[0] != 1:
+        raise ValueError(f"q: expected the packed layout [1, T, H, K] (requests packed by cu_seqlens), "
+                         f"got batch {q.shape[0]} in {list(q.shape)}")
+    T = q.shape[1]
+    _bool("beta_is_logit", beta_is_logit)
+    _bool("null_slot0", null_slot0)
+    slots = _pool("state", state, HV, V, K, device, backend)
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        # every request has 1 .. T_max tokens
+        raise ValueError(f"q: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        max_seqlen = cols
+    else:
+        _int("max_seqlen", max_seqlen, "or None")
+        if not 1 <= max_seqlen <= cols:
+            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                             f"state_indices) or None, got {max_seqlen}")
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
+    _supported_dims("kda_verify", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
+                    gate, "padded")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _aligned(name, x, backend)
+    _out(out, (1, T, HV, V), "[1, T, HV, V]", v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                     ("num_accepted_tokens", num_accepted_tokens)), (("state", state), ("out", out)))
+    return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
+                      dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
+                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state))
+
+
+def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,
+                        max_seqlen=None) -> None:
+    """The values of the index tensors, where they live in host memory (the CPU backend); on a GPU
+    they are never read here (no synchronisation), and the kernels treat what they cannot serve as
+    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata."""
+    if call.backend != "cpu" or cu_seqlens.device.type != "cpu":
+        return
+    cs = cu_seqlens.tolist()
+    T, cols = call.total_tokens, call.index_cols
+    if cs[0] != 0 or cs[-1] != T or any(b <= a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets from 0 to T = {T} (every request "
+                         f"has >= 1 token), got {cs}")
+    lengths = [b - a for a, b in zip(cs, cs[1:])]
+    longest = max(lengths)
+    if longest > call.max_seqlen:
+        what = "max_seqlen" if max_seqlen is not None else "state_indices"
+        raise ValueError(f"{what}: a request has {longest} tokens, more than T_max = {call.max_seqlen} "
+                         f"(cu_seqlens {cs})")
+    idx = state_indices.tolist()
+    accepted = [1] * call.num_seqs if num_accepted_tokens is None else num_accepted_tokens.tolist()
+    for n, a in enumerate(accepted):
+        if not 1 <= a <= cols:
+            raise ValueError(f"num_accepted_tokens: expected values in [1, T_max = {cols}], got "
+                             f"num_accepted_tokens[{n}] = {a}")
+    for n, row in enumerate(idx):
+        for t, s in enumerate(row):
+            if s >= call.slots:
+                raise ValueError(f"state_indices: entry [{n}, {t}] = {s} is out of range for a pool of "
+                                 f"{call.slots} slots (expected < {call.slots}; negative = padding)")
+    pad = (lambda s: s < 0 or (call.null_slot0 and s == 0))
+    writer = {}  # slot -> request that writes it
+    for n, row in enumerate(idx):
+        if pad(row[accepted[n] - 1]):
+            continue  # a padding request touches nothing
+        for t in range(lengths[n]):
+            s = row[t]
+            if pad(s):
+                continue
+            if s in writer:
+                raise ValueError(f"state_indices: slot {s} is written twice (request {writer[s]} and request "
+                                 f"{n}, token {t}); every written slot must be distinct")
+            writer[s] = n
+    for n, row in enumerate(idx):
+        s = row[accepted[n] - 1]
+        if not pad(s) and writer.get(s, n) != n:
+            raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
+                             f"writes; a request may read only a slot no other request writes")
+
+
+@dataclass(frozen=True)
+class FusedVerifyCall:
+    backend: str
+    num_seqs: int
+    total_tokens: int
+    index_cols: int                 # T_max
+    max_seqlen: int
+    num_heads: int
+    head_dim: int
+    slots: int
+    conv_len: int                   # L: inputs a conv cache line keeps (>= T_max + 2)
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    norm_eps: float
+    null_slot0: bool
+    offset_bits: int
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_heads
+
+    def route_meta(self) -> dict:
+        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.num_heads,
+                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "work_items": self.num_seqs * self.num_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "gate": self.gate}
+
+
+@_memoized
+def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                           state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                           gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None,
+                           backend=None) -> FusedVerifyCall:
+    """The metadata of a fused verify call (values: check_verify_values, on every call)."""
+    x = _tensor("x", x)
+    device = x.device
+    backend = _check_backend(backend, device)
+    _ndim("x", x, 3, "[1, T, 3*H*D]")
+    _floating("x", x)
+    g = _tensor("g", g)
+    _same_device("g", g, device)
+    _ndim("g", g, 4, "[1, T, H, D]")
+    _, T, H, D = g.shape
+    if H == 0 or D == 0:
+        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
+    if x.shape[0] != 1 or g.shape[0] != 1:
+        raise ValueError(f"x: expected the packed layout [1, T, 3*H*D] (requests packed by cu_seqlens), got "
+                         f"{list(x.shape)}")
+    C = 3 * H * D
+    _shape("x", x, (1, T, C), "[1, T, 3*H*D] (q|k|v before the conv)")
+    for name, t in (("x", x), ("g", g)):
+        _contiguous(name, t)
+    _same_dtype("g", g, x, "x")
+    beta = _companion("beta", beta, x, "x", (1, T, H), "[1, T, H]")
+    conv_weight = _tensor("conv_weight", conv_weight)
+    _same_device("conv_weight", conv_weight, device)
+    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    _contiguous("conv_weight", conv_weight)
+    if conv_weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
+                         f"got {dtype_name(conv_weight.dtype)}")
+    slots = _pool("state", state, H, D, D, device, backend)
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    conv_state = _tensor("conv_state", conv_state)
+    _same_device("conv_state", conv_state, device)
+    _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, L]")
+    if conv_state.shape[0] != slots or conv_state.shape[1] != C or conv_state.shape[2] < cols + 2:
+        raise ValueError(f"conv_state: expected shape [slots, 3*H*D, L] = [{slots}, {C}, >= T_max + 2 = {cols + 2}] "
+                         f"(a line keeps the inputs of every draft position), got {list(conv_state.shape)}")
+    _contiguous("conv_state", conv_state)
+    _same_dtype("conv_state", conv_state, x, "x")
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        raise ValueError(f"x: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        max_seqlen = cols
+    else:
+        _int("max_seqlen", max_seqlen, "or None")
+        if not 1 <= max_seqlen <= cols:
+            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                             f"state_indices) or None, got {max_seqlen}")
+    output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
+    norm_weight = _tensor("norm_weight", norm_weight)
+    _same_device("norm_weight", norm_weight, device)
+    _shape("norm_weight", norm_weight, (D,), "[D]")
+    _dtype_in("norm_weight", norm_weight, ("float32",))
+    _contiguous("norm_weight", norm_weight)
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    _bool("null_slot0", null_slot0)
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
+    _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
+                    gate, "padded")
+    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
+        _aligned(name, t, backend)
+    _out(out, (1, T, H, D), "[1, T, H, D]", x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                     ("num_accepted_tokens", num_accepted_tokens), ("output_gate", output_gate),
+                     ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    return FusedVerifyCall(backend, N, T, cols, max_seqlen, H, D, slots, conv_state.shape[2], dtype_name(x.dtype),
+                           dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, D),
+                           float(norm_eps), null_slot0, _offset_bits(state, conv_state))

@@ -11,7 +11,8 @@ instructions, its instructions per warp, and its most executed opcodes; then, ov
 the stall reasons (the export's stall_* columns) and the opcodes by share of samples against share
 of instructions (an opcode with many more samples than instructions is where warps wait).
 --show N (repeatable) lists segment N instruction by instruction: its share of the samples,
-executions per warp and the SASS text (how session 7 found the gate loop's branch per row).
+executions per warp and the SASS text (how the runs of 2026-11-29 (dcd53fb) found the gate loop's
+branch per row).
 """
 from __future__ import annotations
 

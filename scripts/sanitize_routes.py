@@ -78,6 +78,35 @@ def run_fused(fn, rec):
     return out
 
 
+def run_verify(fn, rec):
+    # 3 requests of 2, 1, 3 tokens; request 1 is padding, token 1 of request 2 stores nothing
+    H, HV, slots = 2, 4, 12
+    idx = torch.tensor([[1, 2, 3], [-1, 5, 6], [7, -1, 9]], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 2, 3, 6], dtype=torch.int32, device=DEV)
+    nacc = torch.tensor([2, 1, 1], dtype=torch.int32, device=DEV)
+    out = torch.full((1, 6, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fn(_r(1, 6, H, D), _r(1, 6, H, D), _r(1, 6, HV, D), _r(1, 6, HV, D), _r(1, 6, HV),
+       _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
+       _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1), idx, cu, nacc, out,
+       validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)
+    return out
+
+
+def run_fused_verify(fn, rec):
+    # 3 requests of 2, 1, 3 tokens, T_max 3, conv lines of T_max + 2; request 1 is padding
+    H, slots, T = 8, 12, 6
+    C = 3 * H * D
+    idx = torch.tensor([[1, 2, 3], [-1, 5, 6], [7, -1, 9]], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 2, 3, 6], dtype=torch.int32, device=DEV)
+    nacc = torch.tensor([2, 1, 1], dtype=torch.int32, device=DEV)
+    out = torch.full((1, T, H, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fn(_r(1, T, C), _r(C, 4, scale=0.5), _r(slots, C, 5), _r(1, T, H, D), _r(1, T, H),
+       _r(H, dtype=torch.float32, scale=0.3), _r(H * D, dtype=torch.float32, scale=0.3),
+       _r(slots, H, D, D, dtype=_state_dtype(rec), scale=0.1), _r(1, T, H, D), _r(D, dtype=torch.float32),
+       idx, cu, nacc, out, validation.GATE_MODE["softplus"], 0.0, D ** -0.5, 1e-5, False)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="*", help="comma list of globs over module names")
@@ -94,6 +123,10 @@ def main(argv=None) -> int:
                 out = run_decode(fn, rec)
             elif rec["family"] == "kda_prefill":
                 out = run_prefill(fn, rec, module)
+            elif rec["family"] == "kda_verify":
+                out = run_verify(fn, rec)
+            elif rec["family"] == "fused_kda_verify":
+                out = run_fused_verify(fn, rec)
             else:
                 out = run_fused(fn, rec)
             torch.cuda.synchronize()

@@ -1,13 +1,16 @@
 """aot.py round trip on a CPU module: build into a directory, then load it with JIT disabled (a fresh
-process, an empty cache); stale or corrupt artifacts are refused; failures exit non-zero by name."""
+process, an empty cache); stale or corrupt artifacts are refused; failures exit non-zero by name;
+a malformed manifest is an error naming the file and field (JIT off) or a warning and a build."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from flashkda_ext import paths
 from flashkda_ext.devtools import testing
@@ -105,3 +108,158 @@ def test_arch_selection():
     assert picked == [("toy_cpu", "host"), ("toy_cuda", "sm_90a")]
     picked = [(r["name"], a) for r, a in aot.select(recs, {"sm_90a"}, ["*_cuda"])]
     assert picked == [("toy_cuda", "sm_90a")]
+
+
+# --- the manifest is checked against jit/schema/aot_manifest.schema.json -------------------------
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory):
+    """One toy_cpu build shared by the manifest tests: with JIT on they fall back to it."""
+    from flashkda_ext.jit import ensure_built
+    base = tmp_path_factory.mktemp("prebuilt")
+    tree = testing.make_tree(base / "tree")
+    res = ensure_built("toy_cpu", root=tree, cache=base / "cache")
+    return tree, base / "cache", res
+
+
+@pytest.fixture
+def aot_env(prebuilt, monkeypatch):
+    tree, cache, res = prebuilt
+    monkeypatch.setenv("FLASHKDA_EXT_CACHE_DIR", str(cache))
+    monkeypatch.delenv("FLASHKDA_EXT_DISABLE_JIT", raising=False)
+    loader.clear_cache()
+    yield tree, res
+    loader.clear_cache()
+
+
+def _entry(res, fname="toy_cpu.host.so"):
+    return {"name": "toy_cpu", "arch": "host", "identity": res.identity, "file": fname,
+            "sha256": "", "compiler": res.compiler, "files": res.files}
+
+
+def _folder(path, res, manifest=None, so_bytes=None):
+    """An AOT folder holding a copy of the build (or so_bytes) and the given manifest (default:
+    a valid one); manifest may be a string, written as is."""
+    from flashkda_ext.jit.builder import sha256_file
+    path.mkdir(parents=True, exist_ok=True)
+    so = path / "toy_cpu.host.so"
+    so.write_bytes(so_bytes if so_bytes is not None else res.path.read_bytes())
+    if manifest is None:
+        e = _entry(res)
+        e["sha256"] = sha256_file(so)
+        manifest = {"format": 2, "tvm_ffi": "x", "modules": [e]}
+    (path / "manifest.json").write_text(manifest if isinstance(manifest, str)
+                                        else json.dumps(manifest))
+    return path
+
+
+def _without(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+_BAD_MANIFESTS = {
+    "list": ("[]", r"\(top level\): \[\] is not of type 'object'"),
+    "not_json": ("{", r"\(file\): is not valid JSON"),
+    "modules_null": ({"format": 2, "modules": None}, r"modules: None is not of type 'array'"),
+    "no_file": ("ENTRY-file", r"modules/0 \(toy_cpu\): 'file' is a required property"),
+    "file_escapes": ("FILE=../outside.so", r"modules/0 \(toy_cpu\): file: '../outside.so' is not a "
+                                           r"plain .so file name inside"),
+    "file_absolute": ("FILE=/tmp/x.so", r"modules/0 \(toy_cpu\): file: '/tmp/x.so' is not a plain"),
+    "file_symlink_out": ("LINK", r"modules/0 \(toy_cpu\): file: 'link.so' resolves to .*outside "
+                                 r"the AOT folder"),
+    "old_format": ("FORMAT=1", r"format: 2 was expected"),
+}
+
+
+def _bad_manifest(kind, res, folder):
+    spec = _BAD_MANIFESTS[kind][0]
+    if not isinstance(spec, str) or spec in ("[]", "{"):
+        return spec
+    e = _entry(res)
+    e["sha256"] = "0" * 64
+    if spec == "ENTRY-file":
+        e = _without(e, "file")
+    elif spec.startswith("FILE="):
+        e["file"] = spec[5:]
+    elif spec == "LINK":
+        outside = folder.parent / f"{folder.name}-outside.so"
+        outside.write_bytes(res.path.read_bytes())
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "link.so").symlink_to(outside)
+        e["file"] = "link.so"
+    man = {"format": 2, "modules": [e]}
+    if spec.startswith("FORMAT="):
+        man["format"] = int(spec[7:])
+    return man
+
+
+@pytest.mark.parametrize("kind", sorted(_BAD_MANIFESTS))
+def test_bad_manifest_is_a_clear_error_with_jit_disabled(kind, aot_env, tmp_path, monkeypatch):
+    from flashkda_ext.jit.errors import ManifestError
+    tree, res = aot_env
+    folder = tmp_path / "aot"
+    _folder(folder, res, _bad_manifest(kind, res, folder))
+    monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(folder))
+    monkeypatch.setenv("FLASHKDA_EXT_DISABLE_JIT", "1")
+    with pytest.raises(ManifestError) as ei:
+        load_module("toy_cpu", root=tree)
+    msg = str(ei.value)
+    assert str(folder / "manifest.json") in msg
+    assert re.search(_BAD_MANIFESTS[kind][1], msg), msg
+
+
+@pytest.mark.parametrize("kind", ["list", "modules_null", "no_file", "file_escapes"])
+def test_bad_manifest_warns_and_builds_with_jit_on(kind, aot_env, tmp_path, monkeypatch):
+    tree, res = aot_env
+    folder = tmp_path / "aot"
+    _folder(folder, res, _bad_manifest(kind, res, folder))
+    monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(folder))
+    with pytest.warns(RuntimeWarning, match=r"manifest\.json.*JIT-built instead"):
+        mod = load_module("toy_cpu", root=tree)
+    x, y = torch.arange(2, dtype=torch.float32), torch.empty(2)
+    mod["kda_decode"](x, y)
+    assert y.tolist() == [1.5, 2.5]
+
+
+def test_valid_manifest_is_used(aot_env, tmp_path, monkeypatch):
+    tree, res = aot_env
+    folder = _folder(tmp_path / "aot", res)
+    monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(folder))
+    so, why = loader.find_aot(get_record("toy_cpu", tree), "host", tree)
+    assert so == folder / "toy_cpu.host.so", why
+
+
+def test_aot_script_refuses_a_bad_manifest(aot_env, tmp_path, capsys):
+    tree, res = aot_env
+    aot = _aot_module()
+    folder = tmp_path / "aot"
+    _folder(folder, res, _bad_manifest("no_file", res, folder))
+    rc = aot.main(["--root", str(tree), "--arch", "host", "--out", str(folder)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert str(folder / "manifest.json") in err and "'file' is a required property" in err
+    # a manifest of another format is replaced (its entries could not verify), with a note
+    _folder(folder, res, _bad_manifest("old_format", res, folder))
+    rc = aot.main(["--root", str(tree), "--arch", "host", "--out", str(folder)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "starting a new manifest" in out.err
+    man = json.loads((folder / "manifest.json").read_text())
+    assert man["format"] == 2 and man["modules"][0]["files"] == res.files
+
+
+def test_unloadable_aot_artifact(aot_env, tmp_path, monkeypatch):
+    # the file matches its manifest entry (sha256 and identity) but dlopen refuses it
+    tree, res = aot_env
+    folder = _folder(tmp_path / "aot", res, so_bytes=b"not an ELF file\n" * 64)
+    monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(folder))
+    assert loader.find_aot(get_record("toy_cpu", tree), "host", tree)[0] is not None
+    monkeypatch.setenv("FLASHKDA_EXT_DISABLE_JIT", "1")
+    with pytest.raises(JitDisabledError, match=rf"does not load.*Delete the AOT folder {folder}"):
+        load_module("toy_cpu", root=tree)
+    monkeypatch.delenv("FLASHKDA_EXT_DISABLE_JIT")
+    with pytest.warns(RuntimeWarning, match="does not load.*building it instead"):
+        mod = load_module("toy_cpu", root=tree)
+    y = torch.empty(1)
+    mod["kda_decode"](torch.zeros(1), y)
+    assert y.tolist() == [1.5]

@@ -129,8 +129,12 @@ WRONG = [
     ("kda_prefill", _set(state_indices=torch.tensor([1, 0, 3], dtype=torch.int32)),
      ["'state_indices'", "= 3", "3 slots"]),
     ("kda_prefill", _set(null_slot0=True), ["'null_slot0'"]),
+    # B > 1 rows are read as the packed row of B * T tokens: the offsets must then cover all of them
     ("kda_prefill", lambda a: a.update({n: torch.cat([a[n], a[n]]) for n in ("q", "k", "v", "g", "beta", "out")}),
-     ["'q'", "B (packed)=1", "[2, 8, 1, 4]"]),
+     ["'cu_seqlens'", "T = 16", "= 8"]),
+    ("kda_prefill", lambda a: a.update({n: torch.cat([a[n], a[n]]) for n in ("q", "v", "g", "beta", "out")},
+                                       k=torch.cat([a["k"], a["k"]]).reshape(4, 4, *a["k"].shape[2:])),
+     ["'k'", "B=2", "[4, 4, 1, 4]"]),
     ("kda_prefill", _set(gate_mode=1, lower_bound=0.0), ["'lower_bound'", "got 0"]),
     ("fused_kda_decode", _set(norm_eps=0.0), ["'norm_eps'", "> 0"]),
     ("fused_kda_decode", lambda a: a.update(conv_state=a["conv_state"][:3].contiguous()),

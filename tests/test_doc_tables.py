@@ -38,7 +38,8 @@ def test_api_backend_table_is_the_generated_one():
 
 def test_generated_table_follows_the_data():
     """A change of supported.json changes the table (the cell is computed, not written)."""
-    entries = doc_tables.supported_entries()
+    entries = {f: e for f, e in doc_tables.supported_entries().items()
+               if f in ("kda_decode", "kda_prefill", "fused_kda_decode")}
     table = doc_tables.supported_table(entries)
     assert "| group size HV / H | decode and prefill: any; fused: 1 |" in table
     changed = copy.deepcopy(entries)

@@ -149,7 +149,7 @@ def test_tracing_records_every_call_past_a_fast_entry(tmp_path):
     with trace.tracing(tmp_path):
         for _ in range(2):
             run_decode(decode_inputs(g))
-    lines = [ln for p in tmp_path.glob("*.workloads.jsonl") for ln in p.read_text().splitlines()]
+    lines = [ln for p in (tmp_path / "workloads").rglob("*.jsonl") for ln in p.read_text().splitlines()]
     assert len(lines) == 2
     assert all(json.loads(ln) for ln in lines)
 

@@ -577,3 +577,25 @@ def test_eager_calls_validate_once_per_signature_and_bad_calls_always(gen, monke
             jax_decode(jd, null_slot0=0)                                   # 0 is not False
         assert not jd["state"].is_deleted()
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_prefill_pool_without_final_state_commits_nothing(gen, mode):
+    """Pool mode with output_final_state=False reads the pool and writes nothing (a speculative
+    extend): final_state is None, the pool keeps its bits, the output equals the torch op's."""
+    lens = [4, 6, 2]
+    d = prefill_inputs(gen, lens, "softplus")
+    pool = torch.randn(6, HV, V, K, generator=gen)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    pos, rest = split(d)
+    t_pool = pool.clone()
+    t_out, t_final = fk.kda_prefill(*pos, **rest, state=t_pool, state_indices=idx, output_final_state=False)
+    assert t_final is None and torch.equal(t_pool, pool)
+    jpos, jrest = split(jaxify(d))
+    jpool = to_jax(pool)
+    call = lambda p, r, s, i: kj.kda_prefill(*p, **r, state=s, state_indices=i,  # noqa: E731
+                                             output_final_state=False)
+    out, final = (call if mode == "eager" else jax.jit(call))(jpos, jrest, jpool, to_jax(idx))
+    assert final is None and not jpool.is_deleted()         # not donated: only read
+    assert torch.equal(to_torch(jpool), pool)
+    assert torch.equal(to_torch(out), t_out)

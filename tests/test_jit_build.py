@@ -76,6 +76,23 @@ def test_source_change_builds_new_artifact(tree):
     assert second.built and second.identity != first.identity and first.path.is_file()
 
 
+def test_angle_included_header_edit_never_loads_a_stale_artifact(tree):
+    # <common/toy.h> resolves through -I csrc; the compiler's own dependency list covers it
+    src = tree / "csrc" / "cpu" / "toy.cc"
+    src.write_text(src.read_text().replace('#include "common/toy.h"', "#include <common/toy.h>"))
+    x, y = torch.zeros(2), torch.empty(2)
+    load_module("toy_cpu", root=tree)["kda_decode"](x, y)
+    assert y.tolist() == [1.5, 1.5]
+    first = ensure_built("toy_cpu", root=tree)
+    assert "common/toy.h" in first.files and not first.built
+    hdr = tree / "csrc" / "common" / "toy.h"
+    hdr.write_text(hdr.read_text().replace("0.5", "0.25"))
+    loader.clear_cache()
+    load_module("toy_cpu", root=tree)["kda_decode"](x, y)
+    assert y.tolist() == [1.25, 1.25]
+    assert ensure_built("toy_cpu", root=tree).identity != first.identity
+
+
 _RACER = textwrap.dedent("""
     import json, os, sys, time
     from flashkda_ext.jit import ensure_built

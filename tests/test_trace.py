@@ -9,6 +9,7 @@ import warnings
 
 import jsonschema
 import pytest
+import safetensors.torch
 import torch
 
 import flashkda_ext
@@ -126,35 +127,54 @@ IDS = [f"{op}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'base'}" for op, k
 _OPTIONS = {"gate", "slot_mode", "null_slot0", "beta_is_logit", "output_final_state", "checkpoint_every"}
 
 
+def definition_files(trace_dir):
+    return sorted((trace_dir / "definitions").rglob("*.json"))
+
+
+def read_workloads(trace_dir, d):
+    path = trace_dir / trace.workloads_relpath(d)
+    return [json.loads(s) for s in path.read_text().splitlines()]
+
+
 def traced(op, args, tmp_path):
     """Validate like the op, emit; returns (definition, [workload lines])."""
     call = CHECK[op](**args)
     with trace.tracing(tmp_path):
         name = trace.emit(op, call, args)
     assert name is not None
-    d = json.loads((tmp_path / f"{name}.json").read_text())
-    lines = [json.loads(s) for s in (tmp_path / f"{name}.workloads.jsonl").read_text().splitlines()]
-    return d, lines
+    (path,) = definition_files(tmp_path)
+    d = json.loads(path.read_text())
+    assert d["name"] == name and path == tmp_path / trace.definition_relpath(d)
+    return d, read_workloads(tmp_path, d)
 
 
-def reference_inputs(d, args, line, trace_dir):
-    """The emitted run()'s arguments for this call, shaped as the definition says."""
-    axes = trace_consumer.axis_values(d, line["workload"]["axes"])
+def axis_values(d, var_axes):
+    return {a: (ax["value"] if ax["type"] == "const" else var_axes[a]) for a, ax in d["axes"].items()}
+
+
+def reference_inputs(d, args, line, trace_dir, seed=5):
+    """The emitted run()'s arguments for this call, shaped as the definition says; destination
+    buffers the call left to the op (final_state, checkpoints) are drawn at random."""
+    axes = axis_values(d, line["workload"]["axes"])
+    gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, spec in d["inputs"].items():
         src = line["workload"]["inputs"][name]
         if src["type"] == "scalar":
             out[name] = src["value"]
-        else:
-            x = args[name]
-            out[name] = x.reshape([axes[a] for a in spec["shape"]])
-            if src["type"] == "safetensors":
-                saved = trace_consumer.read_safetensors(os.path.join(trace_dir, src["path"]), src["tensor_key"])
-                assert torch.equal(saved, x)
+            continue
+        shape = [axes[a] for a in spec["shape"]]
+        x = args.get(name)
+        if x is None:
+            x = torch.randn(shape, generator=gen).to(getattr(torch, spec["dtype"]))
+        out[name] = x.reshape(shape)
+        if src["type"] == "safetensors":
+            saved = safetensors.torch.load_file(os.path.join(trace_dir, src["path"]))[src["tensor_key"]]
+            assert torch.equal(saved, x)
     return out
 
 
-def package_reference(op, a):
+def package_reference(op, a, run_inputs):
     """flashkda_ext.reference in float32, outputs in the definition's order and dtypes."""
     opts = dict(gate=a["gate"], A_log=a.get("A_log"), dt_bias=a.get("dt_bias"),
                 lower_bound=a.get("lower_bound"), null_slot0=a.get("null_slot0", False), dtype=torch.float32)
@@ -180,10 +200,13 @@ def package_reference(op, a):
     if a["output_final_state"]:
         res.append(final)
     if a["checkpoint_every"]:
-        # the op allocates C = checkpoint_slots entries (longest possible sequence // e): NaN-pad
-        C = validation.check_kda_prefill(**a).checkpoint_slots
-        pad = torch.full((ckpt.shape[0], C - ckpt.shape[1]) + tuple(ckpt.shape[2:]), float("nan"))
-        res.append(torch.cat([ckpt, pad], dim=1))
+        # entries a sequence does not reach keep the buffer's values
+        buf = run_inputs["checkpoints"].float().clone()
+        reached = (torch.diff(a["cu_seqlens"]) if a.get("cu_seqlens") is not None
+                   else torch.full((buf.shape[0],), a["q"].shape[1])) // a["checkpoint_every"]
+        for n, c in enumerate(reached.tolist()):
+            buf[n, :c] = ckpt[n, :c]
+        res.append(buf)
     return res
 
 
@@ -262,17 +285,26 @@ def test_emitted_definition_and_workload_validate(op, kw, tmp_path):
     assert len(lines) == 1
     trace.validate_workload_line(lines[0], d)
     assert lines[0]["definition"] == d["name"]
-    # the recorded call satisfies its own definition's constraints
+    # the recorded call satisfies its own definition's constraints, none of which is constant
     assert trace_consumer.check_call(d, lines[0]["workload"]["axes"]) == []
-    # the shapes of the actual call bind to the same var axes the workload recorded
-    shapes = {n: reference_inputs(d, args, lines[0], tmp_path)[n].shape
-              for n, s in d["inputs"].items() if s["shape"] is not None}
-    assert trace_consumer.bind_axes(d, shapes) == {
-        a: v for a, v in lines[0]["workload"]["axes"].items()
-        if any(a in (s["shape"] or []) for s in d["inputs"].values())}
-    # every axis is used by some tensor (so the workload can bind it)
+    var = {a for a, ax in d["axes"].items() if ax["type"] == "var"}
+    for c in d["constraints"]:
+        assert trace._names(c) & var, c
+    # every var axis is bound by an input (flashinfer-bench binds axes from inputs only), to the
+    # value the workload recorded
+    inputs = reference_inputs(d, args, lines[0], tmp_path)
+    bound = {}
+    for n, spec in d["inputs"].items():
+        for a, size in zip(spec["shape"] or [], getattr(inputs[n], "shape", ())):
+            if a in var:
+                assert bound.setdefault(a, size) == size, (n, a)
+    assert bound == lines[0]["workload"]["axes"]
+    # every axis is used by some tensor
     used = {a for spec in {**d["inputs"], **d["outputs"]}.values() for a in spec["shape"] or []}
     assert used == set(d["axes"])
+    # index inputs are stored, never random
+    for n in trace.index_inputs(op, d):
+        assert lines[0]["workload"]["inputs"][n]["type"] == "safetensors", n
     # const axes are in the name; in-place outputs are marked
     for axis in ("num_heads", "head_dim_k", "head_dim"):
         if axis in d["axes"]:
@@ -302,15 +334,15 @@ def test_emitted_reference_runs_standalone_and_matches_package_reference(op, kw,
     got = list(got) if isinstance(got, tuple) else [got]
     for n, x in before.items():                          # run() leaves its inputs alone
         assert torch.equal(run_inputs[n], x), n
-    want = package_reference(op, args)
+    want = package_reference(op, args, run_inputs)
     assert len(got) == len(want) == len(d["outputs"])
-    axes = trace_consumer.axis_values(d, lines[0]["workload"]["axes"])
+    axes = axis_values(d, lines[0]["workload"]["axes"])
     for (name, spec), x, y in zip(d["outputs"].items(), got, want):
         assert list(x.shape) == [axes[a] for a in spec["shape"]], name
         assert str(x.dtype) == f"torch.{spec['dtype']}", name
         tol = 2e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-5
-        torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol, equal_nan=True, msg=name)
-        assert torch.isfinite(x.float()).any() or x.numel() == 0
+        torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol, msg=name)
+        assert torch.isfinite(x.float()).all(), name
 
 
 def test_definition_written_once_per_name_workloads_appended(tmp_path):
@@ -318,13 +350,14 @@ def test_definition_written_once_per_name_workloads_appended(tmp_path):
     call = CHECK["kda_decode"](**args)
     with trace.tracing(tmp_path):
         n1 = trace.emit("kda_decode", call, args)
-        os.remove(tmp_path / f"{n1}.json")             # not rewritten: deduplicated per process
+        (path,) = definition_files(tmp_path)
+        os.remove(path)                                # not rewritten: deduplicated per process
         n2 = trace.emit("kda_decode", call, args)
         other = decode_case(rows=3)                    # same definition, another workload
         n3 = trace.emit("kda_decode", CHECK["kda_decode"](**other), other)
     assert n1 == n2 == n3
-    assert not (tmp_path / f"{n1}.json").exists()
-    lines = [json.loads(s) for s in (tmp_path / f"{n1}.workloads.jsonl").read_text().splitlines()]
+    assert not path.exists()
+    lines = [json.loads(s) for s in (tmp_path / "workloads" / "kda" / f"{n1}.jsonl").read_text().splitlines()]
     assert [ln["workload"]["axes"]["rows"] for ln in lines] == [5, 5, 3]
     assert len({ln["workload"]["uuid"] for ln in lines}) == 3
 
@@ -356,7 +389,7 @@ def test_definition_cache_is_keyed_on_everything_the_template_reads():
         # ... every other fact the template reads does
         for key in trace._definition_keys(op):
             assert key in f, (op, key)
-        h = dict(f, gate="log" if f["gate"] != "log" else "bounded")
+        h = dict(f, gate="log" if f["gate"] != "log" else "bounded", has_A_log=True, has_dt_bias=True)
         assert trace.build_definition(op, h)["name"] != trace.build_definition(op, f)["name"]
 
 
@@ -370,7 +403,16 @@ def test_example_name_shape():
     call = validation.check_kda_decode(**args, backend="cuda")
     d = trace.build_definition("kda_decode", trace.facts("kda_decode", call, args))
     assert d["name"] == "kda_decode_h32_d128_f32state"
-    assert "num_v_heads in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)" in d["constraints"]
+    assert d["constraints"] == []       # the supported set is checked when emitting, not restated
+    # a head count outside the supported set has no definition
+    args7 = dict(args, q=torch.empty(4, 7, 128, dtype=torch.bfloat16, device="meta"))
+    args7.update(k=args7["q"], v=args7["q"], g=args7["q"], beta=torch.empty(4, 7, dtype=torch.bfloat16, device="meta"),
+                 state=torch.empty(9, 7, 128, 128, device="meta"), A_log=torch.empty(7, device="meta"),
+                 dt_bias=torch.empty(7 * 128, device="meta"))
+    f7 = trace.args_facts("kda_decode", args7, "cuda")
+    assert [key for key, _ in trace.unsupported("kda_decode", f7)] == ["value_heads"]
+    with pytest.raises(trace.UnsupportedCall, match="value heads 7 is not supported by the cuda backend"):
+        trace.build_definition("kda_decode", f7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,7 +471,7 @@ def test_float64_calls_are_skipped_with_one_warning(tmp_path, monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert trace.emit("kda_decode", call, args) is None
-    assert not any(p.suffix == ".json" for p in tmp_path.iterdir())
+    assert not tmp_path.exists() or definition_files(tmp_path) == []
 
 
 class _Boom(RuntimeError):
@@ -474,10 +516,9 @@ def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatc
     with trace.tracing(tmp_path):
         with pytest.raises(_Boom):
             getattr(flashkda_ext, op)(**args)
-    files = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".jsonl")
-    assert len(files) == 1
-    line = json.loads((tmp_path / files[0]).read_text().splitlines()[0])
-    d = json.loads((tmp_path / files[0].replace(".workloads.jsonl", ".json")).read_text())
+    (path,) = definition_files(tmp_path)
+    d = json.loads(path.read_text())
+    line = read_workloads(tmp_path, d)[0]
     trace.validate_definition(d)
     trace.validate_workload_line(line, d)
 
@@ -501,25 +542,30 @@ def test_public_ops_traced_on_cpu_identical_results(op, kw, tmp_path):
         got = fn(**traced_args)
     plain = plain if isinstance(plain, tuple) else (plain,)
     got = got if isinstance(got, tuple) else (got,)
-    for x, y in zip(plain, got):               # bitwise, NaN (unused checkpoint slots) included
+    for x, y in zip(plain, got):               # bitwise, NaN (checkpoint slots the op leaves) included
         assert (x is None and y is None) or torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
         assert x is None or torch.equal(x.isnan(), y.isnan())
     for name in ("state", "conv_state", "initial_state"):   # in-place caches agree too
         if plain_args.get(name) is not None:
             assert torch.equal(plain_args[name], traced_args[name])
-    (def_file,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    (def_file,) = definition_files(tmp_path)
     d = json.loads(def_file.read_text())
     trace.validate_definition(d)
-    lines = [json.loads(s) for s in (tmp_path / f"{d['name']}.workloads.jsonl").read_text().splitlines()]
+    lines = read_workloads(tmp_path, d)
     for line in lines:
         trace.validate_workload_line(line, d)
     # the definition's reference, run on the call's inputs, is what the backend computed
     namespace = {}
     exec(compile(d["reference"], "<emitted reference>", "exec"), namespace)
-    ref = namespace["run"](**reference_inputs(d, CASE[op](**kw), lines[0], tmp_path))
+    # the op's own destination buffers (what the call wrote into) as the reference's inputs
+    replay = dict(CASE[op](**kw))
+    if op == "kda_prefill":
+        replay.update(final_state=got[1] if "final_state" in d["inputs"] else None,
+                      checkpoints=got[2] if "checkpoints" in d["inputs"] else None)
+    ref = namespace["run"](**reference_inputs(d, replay, lines[0], tmp_path))
     ref = ref if isinstance(ref, tuple) else (ref,)
     if op == "kda_prefill":                    # the op returns (out, state[, checkpoints])
-        backend_out = [got[0]] + [got[1]] * bool({"final_state", "state_out"} & set(d["outputs"])) \
+        backend_out = [got[0]] + [got[1]] * bool({"final_state_out", "state_out"} & set(d["outputs"])) \
             + list(got[2:])
     else:
         backend_out = [got[0]] + [traced_args[o[: -len("_out")]] for o in d["outputs"] if o.endswith("_out")]
@@ -533,41 +579,17 @@ def test_public_ops_traced_on_cpu_identical_results(op, kw, tmp_path):
 # the consumer
 
 
-def test_consumer_checks_calls_and_replays_workloads(tmp_path):
+def test_index_tensors_for_new_axes_are_valid_calls():
+    """index_tensors draws indices the op accepts, per the definition's domain: and slot_mode tags."""
     for op, kw in VARIANTS:
         args = CASE[op](**kw)
-        call = CHECK[op](**args)
-        with trace.tracing(tmp_path):
-            trace.emit(op, call, args)
-    definitions, workloads = trace_consumer.load_trace_dir(str(tmp_path))
-    assert len(definitions) == len(VARIANTS) and set(workloads) == set(definitions)
-    for name, d in definitions.items():
-        line = workloads[name][0]
-        assert trace_consumer.check_call(d, line["workload"]["axes"]) == []
-        inputs = trace_consumer.make_inputs(d, line, str(tmp_path), seed=3)
-        assert list(inputs) == list(d["inputs"])
-        outs = trace_consumer.load_reference(d)(**inputs)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        axes = trace_consumer.axis_values(d, line["workload"]["axes"])
-        for (oname, spec), x in zip(d["outputs"].items(), outs):
-            assert list(x.shape) == [axes[a] for a in spec["shape"]], (name, oname)
-        # regenerated inputs are calls the op's validation accepts
-        op = next(o for o in trace.OPS if name.startswith(o))
-        kw = {n: v for n, v in inputs.items() if n != "checkpoint_slots"}
-        if op == "fused_kda_decode":
-            kw.setdefault("A_log", None), kw.setdefault("dt_bias", None)
-        if "slot_mode:repeated" in d["tags"]:
-            kw["slot_mode"] = "repeated"
-        elif "slot_mode:padded" in d["tags"]:
-            kw["slot_mode"] = "padded"
-        for tag, (k, v) in {"gate:bounded": ("gate", "bounded"), "gate:log": ("gate", "log"),
-                            "null_slot0": ("null_slot0", True),
-                            "domain:beta=probability": ("beta_is_logit", False)}.items():
-            if tag in d["tags"]:
-                kw[k] = v
-        if op == "kda_prefill" and "final_state" not in d["outputs"] and "state_out" not in d["outputs"]:
-            kw["output_final_state"] = False
-        CHECK[op](**kw)
+        f = trace.facts(op, CHECK[op](**args), args)
+        d = trace.build_definition(op, f)
+        wl = trace.build_workload(op, f, d, args)
+        idx = trace_consumer.index_tensors(d, wl["workload"]["axes"], seed=3,
+                                           checkpoint_every=args.get("checkpoint_every", 0))
+        assert set(idx) == set(trace.index_inputs(op, d))
+        CHECK[op](**dict(args, **idx))
 
 
 def test_consumer_flags_violations_and_refuses_code(tmp_path):
@@ -586,24 +608,39 @@ def test_consumer_flags_violations_and_refuses_code(tmp_path):
     assert trace_consumer.safe_eval("rows in (1, 2) and not x", {"rows": 2, "x": False}) is True
 
 
-def test_consumer_cli(tmp_path, capsys):
-    traced("fused_kda_decode", fused_case(), tmp_path)
-    assert trace_consumer.main([str(tmp_path), "--run-reference"]) == 0
-    assert "reference ran" in capsys.readouterr().out
+def test_fused_calls_without_the_gate_parameters_a_gate_reads_are_not_traced(tmp_path, monkeypatch):
+    """fused_kda_decode takes A_log and dt_bias positionally: its definitions carry both for the
+    gates that read them, so a bounded call leaving them out has no definition."""
+    monkeypatch.setattr(trace, "_warned", set())
+    args = dict(fused_case(gate="bounded"), A_log=None, dt_bias=None)
+    call = CHECK["fused_kda_decode"](**args)
+    f = trace.facts("fused_kda_decode", call, args)
+    assert [key for key, _ in trace.unsupported("fused_kda_decode", f)] == ["A_log"]
+    with trace.tracing(tmp_path):
+        with pytest.warns(RuntimeWarning, match="fused definitions carry both"):
+            assert trace.emit("fused_kda_decode", call, args) is None
+    def definition(a):
+        return trace.build_definition("fused_kda_decode", trace.facts("fused_kda_decode", CHECK["fused_kda_decode"](**a), a))
+
+    # the op's positional order; the log gate, where the op requires None in their places, has neither
+    assert list(definition(fused_case(gate="bounded"))["inputs"])[:8] == [
+        "x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices"]
+    assert not {"A_log", "dt_bias"} & set(definition(fused_case(gate="log"))["inputs"])
 
 
-def test_device_index_tensors_are_not_copied_by_default(tmp_path):
-    """Only host-resident index tensors are saved; others (here: meta, on a GPU: cuda) stay random."""
+def test_index_tensors_that_cannot_be_read_are_not_traced(tmp_path, monkeypatch):
+    """Meta index tensors hold no values (nor can CUDA ones be copied during graph capture): a
+    workload without them could not be evaluated, so the call is not traced, with one warning."""
+    monkeypatch.setattr(trace, "_warned", set())
     q = torch.empty(2, 2, 8, device="meta")
     args = dict(q=q, k=q, v=q, g=q, beta=torch.empty(2, 2, device="meta"), state=torch.empty(3, 2, 8, 8, device="meta"),
                 state_indices=torch.empty(2, dtype=torch.int32, device="meta"), A_log=torch.empty(2, device="meta"),
                 dt_bias=torch.empty(16, device="meta"))
     call = validation.check_kda_decode(**args, backend="cpu")
-    with trace.tracing(tmp_path, save_indices=True):
-        name = trace.emit("kda_decode", call, args)
-    line = json.loads((tmp_path / f"{name}.workloads.jsonl").read_text())
-    assert line["workload"]["inputs"]["state_indices"] == {"type": "random"}
-    assert not (tmp_path / "safetensors").exists()
+    with trace.tracing(tmp_path):
+        with pytest.warns(RuntimeWarning, match="index tensors cannot be read"):
+            assert trace.emit("kda_decode", call, args) is None
+    assert not tmp_path.exists() or definition_files(tmp_path) == []
 
 
 def test_host_index_tensors_are_saved_once_per_content(tmp_path):
@@ -614,33 +651,32 @@ def test_host_index_tensors_are_saved_once_per_content(tmp_path):
             name = trace.emit("kda_decode", call, args)
         other = dict(args, state_indices=torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32))
         trace.emit("kda_decode", CHECK["kda_decode"](**other), other)
-    lines = [json.loads(s) for s in (tmp_path / f"{name}.workloads.jsonl").read_text().splitlines()]
+    (path,) = definition_files(tmp_path)
+    lines = read_workloads(tmp_path, json.loads(path.read_text()))
     paths = [ln["workload"]["inputs"]["state_indices"]["path"] for ln in lines]
     assert len(set(paths[:3])) == 1 and paths[3] != paths[0]
-    assert len(list((tmp_path / "safetensors").iterdir())) == 2
-    got = trace_consumer.read_safetensors(str(tmp_path / paths[3]), "state_indices")
+    blobs = tmp_path / "blob" / "workloads" / "kda" / name
+    assert sorted(p.name for p in blobs.iterdir()) == sorted({os.path.basename(p) for p in paths})
+    got = safetensors.torch.load_file(str(tmp_path / paths[3]))["state_indices"]
     assert torch.equal(got, other["state_indices"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_index_tensors_saved_only_when_asked_and_never_during_capture(tmp_path):
+def test_cuda_index_tensors_saved_and_calls_during_capture_not_traced(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace, "_warned", set())
     dev = "cuda"
     args = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in decode_case(slot_mode="padded").items()}
     call = validation.check_kda_decode(**args, backend="cpu")   # emission only: no kernel needed
-    with trace.tracing(tmp_path / "off"):
+    with trace.tracing(tmp_path):
         name = trace.emit("kda_decode", call, args)
-    line = json.loads((tmp_path / "off" / f"{name}.workloads.jsonl").read_text())
-    assert line["workload"]["inputs"]["state_indices"] == {"type": "random"}
-    with trace.tracing(tmp_path / "on", save_indices=True):
-        trace.emit("kda_decode", call, args)
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), warnings.catch_warnings():
-            warnings.simplefilter("error")                   # no failure, so no warning
+        with torch.cuda.stream(stream), pytest.warns(RuntimeWarning, match="graph"):
             with torch.cuda.graph(graph, stream=stream):
-                trace.emit("kda_decode", call, args)
+                assert trace.emit("kda_decode", call, args) is None
                 args["out"] = args["q"].new_zeros(1)         # something to capture
-    lines = [json.loads(s) for s in (tmp_path / "on" / f"{name}.workloads.jsonl").read_text().splitlines()]
+    (path,) = definition_files(tmp_path)
+    lines = read_workloads(tmp_path, json.loads(path.read_text()))
+    assert len(lines) == 1 and lines[0]["definition"] == name
     assert lines[0]["workload"]["inputs"]["state_indices"]["type"] == "safetensors"
-    assert lines[1]["workload"]["inputs"]["state_indices"] == {"type": "random"}

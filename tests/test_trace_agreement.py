@@ -6,12 +6,13 @@ v+1 of every listed count, group sizes, head dims, dtypes, gates, slot modes, st
 as meta tensors (no memory) and judged three ways:
 
 * validation.check_<op>(..., backend=b) accepts or raises ValueError;
-* the definition emitted for the call (facts from the arguments alone, so rejected calls get one
-  too) has constraints that all hold, or not;
+* tracing (facts from the arguments alone, so rejected calls are judged too) refuses the call
+  (trace.unsupported: outside the supported set, which definitions do not restate), or emits a
+  definition whose constraints (over var axes) all hold, or not;
 * the module records of that family and backend (their FKDA_* macros, as the JIT renders them and
   as the CPU modules' fkda_contract() reports them) accept the dims and state dtype, or not.
 
-Both directions are asserted: accepted by validation <=> every constraint holds; and where the
+Both directions are asserted: accepted by validation <=> not refused and every constraint holds; and where the
 rejection is about dims or state dtype, the binding contract agrees.
 """
 from __future__ import annotations
@@ -147,10 +148,23 @@ def _judge(op, backend, cfg):
     except ValueError as e:
         call, accepted, reason = None, False, str(e)
     f = trace.args_facts(op, args, backend)
-    d = trace.build_definition(op, f)
-    wl = trace.build_workload(op, f, d, args)
-    violated = trace_consumer.check_call(d, wl["workload"]["axes"])
+    # a call outside the supported set has no definition; one inside it has a definition whose
+    # constraints (over var axes) the call may still violate
+    violated = [msg for _, msg in trace.unsupported(op, f)]
+    d = None
+    if not violated:
+        d = trace.build_definition(op, f)
+        wl = trace.build_workload(op, f, d, args)
+        violated = trace_consumer.check_call(d, wl["workload"]["axes"])
     return args, call, accepted, reason, d, violated
+
+
+def _axis_values(op, f):
+    """Every axis of the call's would-be definition (const values and var binds), refused or not."""
+    t = trace.load_template(op)
+    axes = trace._axes(t, f)
+    return {a: (ax["value"] if ax["type"] == "const" else trace_consumer.safe_eval(t["axes"][a]["bind"], f))
+            for a, ax in axes.items()}
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
@@ -218,7 +232,7 @@ def test_constraints_agree_with_module_contracts(op, backend):
         f = trace.args_facts(op, args, backend)
         H, HV, K, V, sdt = _dims_and_state(op, f)
         binding_ok = any(_contract_accepts(c, H, HV, K, V, sdt) for c in contracts)
-        values = trace_consumer.axis_values(d, trace.build_workload(op, f, d, args)["workload"]["axes"])
+        values = _axis_values(op, f)
         keys = {key for expr, key in trace.render_constraints(trace.load_template(op), f, sources=True)
                 if not trace_consumer.safe_eval(expr, values)}
         # the macros carry dims, head counts, group sizes and (unless -1 = any) the state dtype

@@ -463,8 +463,43 @@ inline tvm::ffi::String contract_json() {
 // a call in full once and keeps the signature of its tensor arguments; later calls go to the
 // function's `<name>_checked` twin, which launches only when its arguments have that signature.
 // The signature covers everything the Python validation reads from a tensor: presence, shape,
-// strides, dtype, device and the 16-byte alignment of the data pointer. It is a 64-bit hash: a
-// collision would skip the Python checks, never the binding's own (they run before every launch).
+// strides, dtype, device and the 16-byte alignment of the data pointer, and one fact about the
+// call as a whole: whether a tensor the function writes overlaps any other tensor argument (the
+// full check refuses that, and it depends on addresses, which the signature leaves out). It is a
+// 64-bit hash: a collision would skip the Python checks, never the binding's own (they run before
+// every launch). What DLPack does not carry (autograd and neg/conj bits) the Python side checks.
+
+// The bytes a tensor can touch: [lo, hi) of its device's address space (empty when numel is 0).
+struct Extent {
+  std::uintptr_t lo = 0, hi = 0;
+  int32_t device_type = 0, device_id = 0;
+
+  static Extent of(const TensorView& t) {
+    Extent e;
+    const DLDevice dev = t.device();
+    e.device_type = static_cast<int32_t>(dev.device_type);
+    e.device_id = dev.device_id;
+    if (t.numel() == 0) return e;
+    int64_t last = 0;  // offset of the last element, in elements (strides are never negative here)
+    for (int i = 0; i < t.ndim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+    const int64_t elem = (int64_t(t.dtype().bits) * t.dtype().lanes + 7) / 8;
+    e.lo = reinterpret_cast<std::uintptr_t>(data_ptr<char>(t));
+    e.hi = e.lo + static_cast<std::uintptr_t>((last + 1) * elem);
+    return e;
+  }
+  bool overlaps(const Extent& o) const {
+    return lo < hi && o.lo < o.hi && device_type == o.device_type && device_id == o.device_id &&
+           lo < o.hi && o.lo < hi;
+  }
+};
+
+inline bool same_view(const TensorView& a, const TensorView& b) {
+  if (data_ptr<char>(a) != data_ptr<char>(b) || a.ndim() != b.ndim() || !same_dtype(a.dtype(), b.dtype()))
+    return false;
+  for (int i = 0; i < a.ndim(); ++i)
+    if (a.size(i) != b.size(i) || a.stride(i) != b.stride(i)) return false;
+  return true;
+}
 
 class Signature {
  public:
@@ -490,6 +525,7 @@ class Signature {
                   "a checked function's arguments are TensorView, Optional<TensorView> or scalars: any other "
                   "argument would be left out of the signature");
   }
+  void mark_overlap() { mix(0x6f7665726c6170ull); }  // a call the full check refuses
   // Never 0: the Python side asks for a signature alone by passing 0 as the expected one.
   int64_t value() const { return static_cast<int64_t>(h_ | 1); }
 
@@ -503,16 +539,54 @@ class Signature {
   uint64_t h_ = 0;
 };
 
+// The tensor arguments of one call, in order, for the overlap rule (at most 16).
+class CallTensors {
+ public:
+  void add(const TensorView& t) { push(&t); }
+  void add(const OptTensor& t) { push(t.has_value() ? &t.value() : nullptr); }
+  template <typename Scalar>
+  void add(const Scalar&) {}
+  // True when an argument in `written` (bit i = argument i) overlaps another tensor argument; the
+  // identical view is allowed only for the pair (alias_a, alias_b) (prefill's pool: read and written
+  // in place as initial_state and final_state).
+  bool written_overlap(uint32_t written, int alias_a, int alias_b) const {
+    for (int i = 0; i < n_; ++i) {
+      if (!((written >> i) & 1u) || t_[i] == nullptr) continue;
+      const Extent ei = Extent::of(*t_[i]);
+      for (int j = 0; j < n_; ++j) {
+        if (j == i || t_[j] == nullptr) continue;
+        if (!ei.overlaps(Extent::of(*t_[j]))) continue;
+        const bool pair = (i == alias_a && j == alias_b) || (i == alias_b && j == alias_a);
+        if (!(pair && same_view(*t_[i], *t_[j]))) return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  void push(const TensorView* t) {
+    if (n_ < kMax) t_[n_++] = t;
+  }
+  static constexpr int kMax = 16;
+  const TensorView* t_[kMax] = {};
+  int n_ = 0;
+};
+
 // `<name>_checked(expected, args...)`: returns the signature of args; the call runs only when it
-// equals `expected`.
-template <typename F>
+// equals `expected`. kWritten: bit i set when argument i (0-based, tensors and scalars counted) is
+// written by the function; (kAliasA, kAliasB): the one pair that may be the identical view.
+template <typename F, uint32_t kWritten, int kAliasA, int kAliasB>
 struct Checked;
-template <typename... A>
-struct Checked<void (*)(A...)> {
+template <typename... A, uint32_t kWritten, int kAliasA, int kAliasB>
+struct Checked<void (*)(A...), kWritten, kAliasA, kAliasB> {
+  static_assert(sizeof...(A) <= 32, "the written mask holds 32 arguments");
   template <void (*Fn)(A...)>
   static int64_t call(int64_t expected, A... a) {
     Signature s;
     (s.add(a), ...);
+    CallTensors ts;
+    (ts.add(a), ...);
+    if (ts.written_overlap(kWritten, kAliasA, kAliasB)) s.mark_overlap();
     const int64_t sig = s.value();
     if (sig == expected) Fn(a...);
     return sig;
@@ -524,5 +598,8 @@ struct Checked<void (*)(A...)> {
 // Each module's binding source exports its contract exactly once.
 #define FKDA_EXPORT_CONTRACT() TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, ::fkda::contract_json)
 // The signature-checked twin of an exported function `name` (see Signature above).
-#define FKDA_EXPORT_CHECKED(name) \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(name##_checked, (::fkda::Checked<decltype(&name)>::call<&name>))
+// written: mask of the arguments the function writes (bit i = argument i); alias_a / alias_b: the
+// one pair of arguments allowed to be the identical view (-1 -1: none). See Checked above.
+#define FKDA_EXPORT_CHECKED(name, written, alias_a, alias_b)              \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(name##_checked,                           \
+                                (::fkda::Checked<decltype(&name), (written), (alias_a), (alias_b)>::call<&name>))

@@ -126,5 +126,6 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_decode, fused_kda_decode);
-FKDA_EXPORT_CHECKED(fused_kda_decode);
+// written: conv_state, state, out
+FKDA_EXPORT_CHECKED(fused_kda_decode, (1u << 2) | (1u << 8) | (1u << 11), -1, -1);
 FKDA_EXPORT_CONTRACT();

@@ -96,5 +96,6 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_decode, kda_decode);
-FKDA_EXPORT_CHECKED(kda_decode);
+// written: state, out
+FKDA_EXPORT_CHECKED(kda_decode, (1u << 7) | (1u << 9), -1, -1);
 FKDA_EXPORT_CONTRACT();

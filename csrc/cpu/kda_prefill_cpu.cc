@@ -37,18 +37,19 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     c.device_type(t, name, kDLCPU);
     c.contiguous(t, name);
   }
-  c.ndim(q, "q", 4, "[1, T, H, K]");
-  c.ndim(v, "v", 4, "[1, T, HV, V]");
-  const int64_t T = q.size(1), H = q.size(2), K = q.size(3);
+  c.ndim(q, "q", 4, "[B, T, H, K]");
+  c.ndim(v, "v", 4, "[B, T, HV, V]");
+  // B > 1 contiguous rows of T tokens are the packed row of B * T tokens that cu_seqlens describes.
+  const int64_t B = q.size(0), Tb = q.size(1), T = B * Tb, H = q.size(2), K = q.size(3);
   const int64_t HV = v.size(2), V = v.size(3);
-  c.shape(q, "q", {{"B (packed)", 1}, {"T", T}, {"H", H}, {"K", K}});
+  c.shape(q, "q", {{"B", B}, {"T", Tb}, {"H", H}, {"K", K}});
   c.head_dims(K, V);
   c.heads(H, HV);
-  c.shape(k, "k", {{"B", 1}, {"T", T}, {"H", H}, {"K", K}});
-  c.shape(v, "v", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  c.shape(g, "g", {{"B", 1}, {"T", T}, {"HV", HV}, {"K", K}});
-  c.shape(beta, "beta", {{"B", 1}, {"T", T}, {"HV", HV}});
-  c.shape(out, "out", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
+  c.shape(k, "k", {{"B", B}, {"T", Tb}, {"H", H}, {"K", K}});
+  c.shape(v, "v", {{"B", B}, {"T", Tb}, {"HV", HV}, {"V", V}});
+  c.shape(g, "g", {{"B", B}, {"T", Tb}, {"HV", HV}, {"K", K}});
+  c.shape(beta, "beta", {{"B", B}, {"T", Tb}, {"HV", HV}});
+  c.shape(out, "out", {{"B", B}, {"T", Tb}, {"HV", HV}, {"V", V}});
   fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
 
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32, fkda::kI64});
@@ -194,5 +195,6 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
-FKDA_EXPORT_CHECKED(kda_prefill);
+// written: final_state, checkpoints, out, workspace; the pool
+FKDA_EXPORT_CHECKED(kda_prefill, (1u << 9) | (1u << 11) | (1u << 12) | (1u << 13), 8, 9);
 FKDA_EXPORT_CONTRACT();

@@ -212,5 +212,6 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_decode, kda_decode);
-FKDA_EXPORT_CHECKED(kda_decode);
+// written: state, out
+FKDA_EXPORT_CHECKED(kda_decode, (1u << 7) | (1u << 9), -1, -1);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

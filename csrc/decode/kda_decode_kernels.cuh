@@ -322,9 +322,10 @@ struct WarpTile {
 
   // chunk(ps, i): the 16-byte state chunk i of pass ps; keep(ps, i, c): the updated chunk (the
   // sequential schedule forwards it to a next row on the same slot). kJointSums: the output as
-  // o = (decayed S) q + u (k . q), kq = k . q, so its row sum runs beside the k sum instead of after
-  // the update (the shared-memory tile path: session 10, bf16 rowtma 1.8% faster at 64 heads, and
-  // no spill; the register paths measured level or up to 7% slower, so they keep o = S_new q).
+  // o = (decayed S) q + u (k . q), kq = k . q, so its row sum runs beside the k sum instead of
+  // after the update (the shared-memory tile path: 2026-11-30, f5ae208, bf16 rowtma 1.8% faster at
+  // 64 heads, and no spill; the register paths measured level or up to 7% slower, so they keep o =
+  // S_new q).
   // kToPool: each pass's chunks also go straight to the pool (else keep alone places them).
   template <bool kJointSums, bool kToPool = true, typename Chunk, typename Keep>
   __device__ static void step_passes(const DecodeParams& p, Item& it, const Prep& pr, float kq, int row,
@@ -422,7 +423,7 @@ kda_decode_tile_kernel(const DecodeParams p) {
 // there: no registers hold the state in flight, so more CTAs fit an SM, and the pool sees one
 // large contiguous read per CTA. kBulkStore: the updated tile goes back the same way, in one bulk
 // copy from shared memory after a CTA barrier, instead of each pass's stores from registers (H200,
-// session 12, bf16 state: 2-6% faster from 8192 work items (rowtma), 1-3% from 512 (quartma);
+// 2026-11-30, 7d0f139, bf16 state: 2-6% faster from 8192 work items (rowtma), 1-3% from 512 (quartma);
 // slower in fp32 and at a few rows, where the barrier and the copy's round trip sit on the path).
 
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, bool kBulkStore>

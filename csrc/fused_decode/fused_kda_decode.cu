@@ -156,5 +156,6 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_decode, fused_kda_decode);
-FKDA_EXPORT_CHECKED(fused_kda_decode);
+// written: conv_state, state, out
+FKDA_EXPORT_CHECKED(fused_kda_decode, (1u << 2) | (1u << 8) | (1u << 11), -1, -1);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

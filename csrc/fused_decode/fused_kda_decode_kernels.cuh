@@ -77,12 +77,13 @@ __device__ __forceinline__ float log_decay(const FusedParams& p, float graw, flo
 
 // kSmemState (tile schedule only): the CTA's V_TILE x D state tile comes in by one bulk copy into
 // dynamic shared memory instead of 16-byte loads into registers, issued before the prologue's loads
-// (1) or after them (2, faster where the prologue's latency shows: session 8); each pass reads its
-// chunks from there. The state then holds no registers while in flight (64 a thread in fp32), so
-// more CTAs fit an SM and one CTA's prologue and epilogue overlap other CTAs' state traffic.
+// (1) or after them (2, faster where the prologue's latency shows: 2026-11-29, 60ac868); each pass
+// reads its chunks from there. The state then holds no registers while in flight (64 a thread in
+// fp32), so more CTAs fit an SM and one CTA's prologue and epilogue overlap other CTAs' state
+// traffic.
 // kBulkStore (with kSmemState): the updated state goes back over the tile, and thread 0 sends the
-// tile to the pool in one bulk copy after barrier #2 (H200, session 12: 3-8% faster with bf16 state
-// from 2048 work items, level at 1024; slower below that and in fp32).
+// tile to the pool in one bulk copy after barrier #2 (H200, 2026-11-30, 7d0f139: 3-8% faster with
+// bf16 state from 2048 work items, level at 1024; slower below that and in fp32).
 template <bool kBf16, int CL, int V_TILE, int THREADS, typename OffT, bool kCoherent, int kSmemState = 0,
           bool kBulkStore = false>
 struct FusedCta {

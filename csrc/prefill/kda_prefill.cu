@@ -99,18 +99,20 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const char* fn = "kda_prefill";
   Checker ck(fn);
   ck.device_type(q, "q", kDLCUDA);
-  ck.ndim(q, "q", 4, "[1, T, H, K]");
-  const int64_t T = q.size(1), H = q.size(2), K = q.size(3);
-  ck.ndim(v, "v", 4, "[1, T, HV, V]");
+  ck.ndim(q, "q", 4, "[B, T, H, K]");
+  // B > 1 rows of T tokens are contiguous, so they are the packed row of B * T tokens that
+  // cu_seqlens (built by the caller) describes: the caller's own tensors are passed, never reshaped.
+  const int64_t B = q.size(0), Tb = q.size(1), T = B * Tb, H = q.size(2), K = q.size(3);
+  ck.ndim(v, "v", 4, "[B, T, HV, V]");
   const int64_t HV = v.size(2), V = v.size(3);
   ck.head_dims(K, V);
   ck.heads(H, HV);
-  ck.shape(q, "q", {{"B", 1}, {"T", T}, {"H", H}, {"K", K}});
-  ck.shape(k, "k", {{"B", 1}, {"T", T}, {"H", H}, {"K", K}});
-  ck.shape(v, "v", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  ck.shape(g, "g", {{"B", 1}, {"T", T}, {"HV", HV}, {"K", K}});
-  ck.shape(beta, "beta", {{"B", 1}, {"T", T}, {"HV", HV}});
-  ck.shape(out, "out", {{"B", 1}, {"T", T}, {"HV", HV}, {"V", V}});
+  ck.shape(q, "q", {{"B", B}, {"T", Tb}, {"H", H}, {"K", K}});
+  ck.shape(k, "k", {{"B", B}, {"T", Tb}, {"H", H}, {"K", K}});
+  ck.shape(v, "v", {{"B", B}, {"T", Tb}, {"HV", HV}, {"V", V}});
+  ck.shape(g, "g", {{"B", B}, {"T", Tb}, {"HV", HV}, {"K", K}});
+  ck.shape(beta, "beta", {{"B", B}, {"T", Tb}, {"HV", HV}});
+  ck.shape(out, "out", {{"B", B}, {"T", Tb}, {"HV", HV}, {"V", V}});
   struct NamedT { const TensorView* t; const char* name; };
   for (NamedT x : {NamedT{&q, "q"}, NamedT{&k, "k"}, NamedT{&v, "v"}, NamedT{&g, "g"},
                    NamedT{&beta, "beta"}, NamedT{&out, "out"}}) {
@@ -259,6 +261,7 @@ int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int6
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
-FKDA_EXPORT_CHECKED(kda_prefill);
+// written: final_state, checkpoints, out, workspace; the pool
+FKDA_EXPORT_CHECKED(kda_prefill, (1u << 9) | (1u << 11) | (1u << 12) | (1u << 13), 8, 9);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
 FKDA_EXPORT_CONTRACT();

@@ -154,7 +154,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // its running sum's fma. ftz approximations: the input is bf16, and the plain __expf/__logf spent
 // extra instructions per call on denormal ranges that cannot matter here. No branches: a branch
 // per row (range cases of softplus, rows past the end) serialised a key's rows into a chain of
-// MUFU latencies (ncu, session 7); straight-line code lets them overlap.
+// MUFU latencies (ncu, 2026-11-29, dcd53fb); straight-line code lets them overlap.
 template <int GATE>
 struct Log2Gate;
 template <>
@@ -437,11 +437,12 @@ template <int VT>
 constexpr int default_ks() { return VT <= 32 ? 2 : 1; }
 
 // Reads moved to the start of the chunk, off the chain (H200 A/Bs, eager, 2 rounds):
-// - U before the W S products: 2-5.5% faster on the rows V tiles 32 and 64 serve (session 6); at
-//   V tile 16 about 0.8% (session 11, with the output and update interleaved; in session 6, before
-//   that, it measured 0.4-2% slower). The prep kernel's one-chunk path (kSplit) keeps the late read.
+// - U before the W S products: 2-5.5% faster on the rows V tiles 32 and 64 serve (2026-11-29,
+//   d43aaf2); at V tile 16 about 0.8% (2026-11-30, 615ddfc, with the output and update interleaved;
+//   in the d43aaf2 (2026-11-29) runs, before that, it measured 0.4-2% slower). The prep kernel's
+//   one-chunk path (kSplit) keeps the late read.
 // - exp(G_C) of the thread's S rows, for the state update: 0.9% faster at V tile 16, 0.4% at 64,
-//   0.4-1% slower at 32 (session 11, 30 / 46 / 4 rows), so not there.
+//   0.4-1% slower at 32 (2026-11-30, 615ddfc, 30 / 46 / 4 rows), so not there.
 template <int VT, bool kSplit>
 constexpr bool early_u() { return VT >= 32 || !kSplit; }
 template <int VT, bool kSplit>
@@ -561,8 +562,8 @@ __device__ __forceinline__ void store_output_rows(float (&o)[KS][VT / 8][4], bf1
 
 // Both products k-step by k-step (the state pass): each V' fragment is loaded once for both, and
 // their mma chains interleave. One after the other, the output's load -> mma latencies sat on the
-// state's path to the next chunk (H200 A/B, session 11: 2.5% faster on the rows V tile 16 serves,
-// 3.8% on V tile 32's, 0.3-0.7% on V tile 64's).
+// state's path to the next chunk (H200 A/B, 2026-11-30, 615ddfc: 2.5% faster on the rows V tile 16
+// serves, 3.8% on V tile 32's, 0.3-0.7% on V tile 64's).
 // Every accumulator sees the same products in the same order as in the split form below.
 template <int VT, int KS>
 __device__ __forceinline__ void output_and_update(float (&o)[KS][VT / 8][4], float (&s)[2][VT / 8][4], bf16* Sb,

@@ -1,59 +1,12 @@
-"""`flashkda-ext trace list | dump`: a thin mapping onto flashkda_ext.trace (the templates, the
-facts of a call, the flashinfer-bench Definition); the call is described by meta tensors."""
+"""`flashkda-ext trace list | dump`: a thin mapping onto flashkda_ext.trace (the templates, and
+trace.definition_for_options for the flashinfer-bench Definition of the dump's options)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Tuple
 
 from .common import FAMILIES, GATES, LOWER_BOUND, first_line, table
-
-
-def _trace_args(op: str, a) -> Tuple[dict, str]:
-    """Public-op arguments as meta tensors for the given const axes (no memory, no device)."""
-    import torch
-
-    m = dict(device="meta")
-    dt = getattr(torch, a.input_dtype)
-    sdt = getattr(torch, a.state_dtype)
-    backend = a.backend
-    H = a.heads
-    HV = a.value_heads or H
-    K = a.head_dim_k or a.head_dim
-    V = a.head_dim_v or a.head_dim
-    rows, slots = a.rows, a.slots
-    gate_kw = {"gate": a.gate}
-    if a.gate != "log":
-        gate_kw.update(A_log=torch.empty(HV, **m), dt_bias=torch.empty(HV * K, **m))
-    if a.gate == "bounded":
-        gate_kw["lower_bound"] = a.lower_bound
-    if op == "kda_decode":
-        args = dict(q=torch.empty(rows, H, K, dtype=dt, **m), k=torch.empty(rows, H, K, dtype=dt, **m),
-                    v=torch.empty(rows, HV, V, dtype=dt, **m), g=torch.empty(rows, HV, K, dtype=dt, **m),
-                    beta=torch.empty(rows, HV, dtype=dt, **m), state=torch.empty(slots, HV, V, K, dtype=sdt, **m),
-                    state_indices=torch.empty(rows, dtype=torch.int32, **m), slot_mode=a.slot_mode, **gate_kw)
-    elif op == "fused_kda_decode":
-        D = a.head_dim
-        C = 3 * H * D
-        gate_kw = {"gate": a.gate}
-        A_log = None if a.gate == "log" else torch.empty(H, **m)
-        dt_bias = None if a.gate == "log" else torch.empty(H * D, **m)
-        if a.gate == "bounded":
-            gate_kw["lower_bound"] = a.lower_bound
-        args = dict(x=torch.empty(rows, C, dtype=dt, **m), conv_weight=torch.empty(C, 4, dtype=dt, **m),
-                    conv_state=torch.empty(slots, C, 3, dtype=dt, **m), g=torch.empty(rows, H, D, dtype=dt, **m),
-                    beta=torch.empty(rows, H, dtype=dt, **m), A_log=A_log, dt_bias=dt_bias,
-                    state_indices=torch.empty(rows, dtype=torch.int32, **m),
-                    state=torch.empty(slots, H, D, D, dtype=sdt, **m), output_gate=torch.empty(rows, H, D, dtype=dt, **m),
-                    norm_weight=torch.empty(D, **m), slot_mode=a.slot_mode, **gate_kw)
-    else:
-        T, N = a.tokens, a.seqs
-        args = dict(q=torch.empty(1, T, H, K, dtype=dt, **m), k=torch.empty(1, T, H, K, dtype=dt, **m),
-                    v=torch.empty(1, T, HV, V, dtype=dt, **m), g=torch.empty(1, T, HV, K, dtype=dt, **m),
-                    beta=torch.empty(1, T, HV, dtype=dt, **m), cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m),
-                    initial_state=torch.empty(N, HV, V, K, dtype=sdt, **m), checkpoint_every=a.checkpoint_every,
-                    **gate_kw)
-    return args, backend
 
 
 def cmd_trace(args) -> int:
@@ -78,9 +31,11 @@ def cmd_trace(args) -> int:
               f"dump one with `flashkda-ext trace dump OP --heads H ...`")
         return 0
     op = args.op
-    call_args, backend = _trace_args(op, args)
-    f = trace.args_facts(op, call_args, backend)
-    definition = trace.build_definition(op, f)
+    try:
+        definition = trace.definition_for_options(op, vars(args))
+    except ValueError as e:
+        print(f"flashkda-ext trace dump: {e}", file=sys.stderr)
+        return 2
     if args.check:
         trace.validate_definition(definition)
     text = json.dumps(definition, indent=2)

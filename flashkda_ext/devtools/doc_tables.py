@@ -19,7 +19,8 @@ from .. import paths
 from ..jit import all_records
 from .. import supported
 
-FAMILY_WORDS = {"kda_decode": "decode", "kda_prefill": "prefill", "fused_kda_decode": "fused"}
+FAMILY_WORDS = {"kda_decode": "decode", "kda_prefill": "prefill", "fused_kda_decode": "fused",
+                "kda_verify": "verify", "fused_kda_verify": "fused verify"}
 BACKEND_WORDS = {"cuda": "CUDA", "cpu": "CPU"}
 # (supported.json field, the row's label in the doc)
 ROWS = (("input_dtypes", "input dtype (q, k, v, g, beta; x)"),

@@ -7,10 +7,10 @@ instructions; with a baseline tree, both side by side.
     python3 scripts/sass_stats.py prefill_vt16_f32 --kernel prep --base /tmp/base
 
 Static counts are not executed counts (a loop body counts once), but they show what a source edit
-did to the code that runs: the session-7 gate loop went from a branch per row to straight-line code
-(BRA + BSSY 393 -> 206 in the prep kernel) before any device time was spent. cuobjdump comes with
-the CUDA toolkit or from PyPI (nvidia-cuda-cuobjdump, with nvidia-cuda-nvdisasm, which its -sass
-runs); toolchain.find_cuobjdump looks for both.
+did to the code that runs: with 9fc51fd (2026-11-29) the gate loop went from a branch per row to
+straight-line code (BRA + BSSY 393 -> 206 in the prep kernel) before any device time was spent.
+cuobjdump comes with the CUDA toolkit or from PyPI (nvidia-cuda-cuobjdump, with
+nvidia-cuda-nvdisasm, which its -sass runs); toolchain.find_cuobjdump looks for both.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """JIT specs -> identity -> ninja build -> loaded TVM-FFI module. See docs/jit.md."""
 from .builder import BuildResult, build_module, ensure_built, resolve_arch
-from .errors import BuildError, JitDisabledError, SpecError, ToolchainError
+from .errors import (BuildError, JitDisabledError, LockTimeoutError, ManifestError, SpecError,
+                     ToolchainError)
 from .identity import module_identity
 from .loader import load_module
 from .macros import render_header, render_macros
@@ -8,5 +9,5 @@ from .specs import all_records, get_record, registry, routes_for
 
 __all__ = ["load_module", "get_record", "all_records", "routes_for", "build_module",
            "ensure_built", "resolve_arch", "module_identity", "render_header", "render_macros",
-           "registry", "BuildResult", "BuildError", "JitDisabledError", "SpecError",
-           "ToolchainError"]
+           "registry", "BuildResult", "BuildError", "JitDisabledError", "LockTimeoutError",
+           "ManifestError", "SpecError", "ToolchainError"]

@@ -4,33 +4,42 @@ Cache layout (root: $FLASHKDA_EXT_CACHE_DIR, default ~/.cache/flashkda_ext):
 
     <cache>/<name>-<identity[:16]>/   <name>.so, meta.json, build.log, ptxas.log (CUDA),
                                       fkda_macros.h, build.ninja
-    <cache>/.locks/<name>-<identity[:16]>.lock     one fcntl lock per identity
-    <cache>/.tmp/                                  builds in progress (renamed into place when done)
-    <cache>/.failed/<name>-<identity[:16]>/        the last failed build, for inspection
+    <cache>/.locks/<name>-<identity[:16]>.lock     one filelock per identity, held while building
+    <cache>/.tmp/                                  builds in progress (renamed into place when done);
+                                                   a folder whose lock is free is a dead build's and
+                                                   is removed by the next build
+    <cache>/.deps/                                 cached compiler dependency scans (depscan.py)
+    <cache>/.failed/<name>-<identity[:16]>/        the last failed (or unloadable) build, to inspect
 
 An artifact counts only when meta.json names the identity and the .so's size and sha256 match;
-anything else (truncated, corrupt, half-written) is moved away and rebuilt.
+anything else (truncated, corrupt, half-written) is moved away and rebuilt. ninja runs in its own
+process group that dies with the calling process, so a killed build leaves no compiler running.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from . import roots, toolchain
+from ninja import ninja_syntax
+
+from . import commands, roots, toolchain
 from .errors import BuildError, ToolchainError
 from .identity import identity_inputs, identity_of
-from .lock import file_lock
+from .lock import file_lock, try_lock
 from .specs import get_record
 
 
@@ -43,6 +52,7 @@ class BuildResult:
     built: bool         # False when a valid artifact was already there
     seconds: float
     compiler: dict      # version strings that went into the identity
+    files: dict = dataclasses.field(default_factory=dict)  # {csrc-relative path: sha256} it read
 
 
 def sha256_file(path: Path) -> str:
@@ -130,79 +140,127 @@ def _jobs(jobs: Optional[int]) -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def _nq(s: str) -> str:
-    """Escape a path for a ninja build line."""
-    return s.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
-
-
-def _cmd(args: List[str]) -> str:
-    """Shell-quote, then escape for a ninja variable."""
-    return " ".join(shlex.quote(a) for a in args).replace("$", "$$")
+def _sh(argv: List[str]) -> str:
+    """A shell command line for a ninja variable: shell-quoted here, ninja-escaped by the caller."""
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def include_flags(csrc: Path) -> List[str]:
-    """-I flags of a module's sources: the project's csrc/, then tvm-ffi's headers."""
-    import tvm_ffi.libinfo as libinfo
-
-    incs = ["-I", str(csrc)]
-    for p in libinfo.include_paths():
-        incs += ["-I", str(p)]
-    return incs
+    """-I flags of a module's sources (kept here for callers of the builder's API)."""
+    return commands.include_flags(csrc)
 
 
-def _write_ninja(tmp: Path, record: dict, inputs: dict, csrc: Path) -> str:
-    import tvm_ffi.libinfo as libinfo
-
+def _write_ninja(tmp: Path, record: dict, arch: str, csrc: Path) -> str:
+    """build.ninja in tmp, written with ninja's own ninja_syntax; returns the .so's name."""
     so_name = f"{record['name']}.so"
-    cuda = record["backend"] == "cuda"
-    flags = inputs["flags"]
-    incs = include_flags(csrc)
-    lib_dir = str(Path(libinfo.find_libtvm_ffi()).parent)
-    header = ["-include", str(tmp / "fkda_macros.h")]
-    cxx = toolchain.find_cxx()
-    cxx_incs = list(incs)
-    lines = ["ninja_required_version = 1.3", f"cxx = {_cmd([cxx])}"]
-    if cuda:
-        nvcc = toolchain.find_nvcc()
-        cuda_inc = toolchain.cuda_include_dir(nvcc)
-        if cuda_inc:
-            cxx_incs += ["-I", cuda_inc]
-        lines += [f"nvcc = {_cmd([nvcc])}",
-                  f"nvccflags = {_cmd(flags['nvcc'] + incs + header)}"]
-        linker = [nvcc] + flags["link"]
-        ldflags = ["-L", lib_dir, "-ltvm_ffi", "-Xlinker", "-rpath", "-Xlinker", lib_dir]
-    else:
-        linker = [cxx] + flags["link"]
-        ldflags = ["-L", lib_dir, "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"]
-    lines += [
-        f"cxxflags = {_cmd(flags['cxx'] + cxx_incs + header)}",
-        f"link = {_cmd(linker)}",
-        f"ldflags = {_cmd(ldflags)}",
-        "",
-        "rule cxx",
-        "  command = $cxx $cxxflags -c $in -o $out",
-        "  description = CXX $in",
-        "",
+    steps = commands.compile_steps(record, arch, csrc, tmp / "fkda_macros.h")
+    with open(tmp / "build.ninja", "w") as f:
+        w = ninja_syntax.Writer(f, width=120)
+        w.variable("ninja_required_version", "1.3")
+        w.rule("cxx", command="$cmd -c $in -o $out", description="CXX $in")
         # the -Xptxas -v report of each .cu is kept beside its object for the registry check
-        "rule nvcc",
-        "  command = $nvcc $nvccflags -c $in -o $out > ${out}.log 2>&1; rc=$$?; cat ${out}.log; exit $$rc",
-        "  description = NVCC $in",
-        "",
-        "rule link",
-        "  command = $link $in -o $out $ldflags",
-        "  description = LINK $out",
-        "",
-    ]
-    objs = []
-    for i, src in enumerate(record["sources"]):
-        rule = "nvcc" if src.endswith(".cu") else "cxx"
-        obj = f"obj/{i}_{Path(src).stem}.o"
-        objs.append(obj)
-        lines.append(f"build {_nq(obj)}: {rule} {_nq(str(csrc / src))}")
-    lines.append(f"build {_nq(so_name)}: link {' '.join(_nq(o) for o in objs)}")
-    lines.append(f"default {_nq(so_name)}")
-    (tmp / "build.ninja").write_text("\n".join(lines) + "\n")
+        w.rule("nvcc", command="$cmd -c $in -o $out > $out.log 2>&1; rc=$$?; cat $out.log; "
+                               "exit $$rc", description="NVCC $in")
+        w.rule("link", command="$link $in -o $out $ldflags", description="LINK $out")
+        objs = []
+        for i, step in enumerate(steps):
+            obj = f"obj/{i}_{step.source.stem}.o"
+            objs.append(obj)
+            w.build(obj, step.rule, str(step.source),
+                    variables={"cmd": ninja_syntax.escape(_sh(step.argv))})
+        w.build(so_name, "link", objs,
+                variables={"link": ninja_syntax.escape(_sh(commands.link_argv(record))),
+                           "ldflags": ninja_syntax.escape(_sh(commands.link_libs(record)))})
+        w.default(so_name)
     return so_name
+
+
+def _die_with_parent():
+    """preexec_fn for the build: SIGTERM when the process that started it dies (even by SIGKILL).
+
+    ninja, on SIGTERM, terminates the process group of every command it runs (each compiler runs
+    in its own group), so nothing outlives the Python process. Linux only (prctl); elsewhere the
+    new session and the killpg on exceptions still apply. The kernel ties PDEATHSIG to the thread
+    that forked: that thread waits for ninja, so it outlives the build."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def pre():  # runs between fork and exec: one C call and two syscalls, no Python lock
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return pre
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop ninja's process group: SIGTERM (ninja then stops its compilers), SIGKILL after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _run_ninja(cmd: List[str]) -> Tuple[int, str]:
+    """Run ninja in its own session (a terminal's Ctrl-C reaches Python, which stops the group)
+    that dies with this process; (returncode, combined output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=_die_with_parent())
+    try:
+        out, _ = proc.communicate()
+    except BaseException:
+        _stop_group(proc)
+        raise
+    return proc.returncode, out
+
+
+_TMP_RE = re.compile(r"^(?:stale-)?([a-z][a-z0-9_]*-[0-9a-f]{16})-[A-Za-z0-9_]{8}$")
+
+
+def lock_path(cache: Path, art: str) -> Path:
+    return cache / ".locks" / f"{art}.lock"
+
+
+def reclaim_abandoned(cache: Path, held: Optional[str] = None) -> List[Path]:
+    """Remove .tmp/ folders of builds that died: a folder's build holds its identity's lock for as
+    long as it runs, so a folder whose lock is free (or held by this caller: held) is abandoned."""
+    removed = []
+    tmpdir = cache / ".tmp"
+    try:
+        entries = list(tmpdir.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP_RE.match(entry.name)
+        if not m:
+            continue
+        art = m.group(1)
+        if art == held:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            continue
+        lock = try_lock(lock_path(cache, art))
+        if lock is None:  # a live build owns it
+            continue
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        finally:
+            lock.release()
+    return removed
 
 
 def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache: Path,
@@ -210,23 +268,23 @@ def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache
     name = record["name"]
     art = artifact_name(name, identity)
     (cache / ".tmp").mkdir(parents=True, exist_ok=True)
+    reclaim_abandoned(cache, held=art)
     tmp = Path(tempfile.mkdtemp(prefix=art + "-", dir=cache / ".tmp"))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the artifact dir should be readable
     t0 = time.perf_counter()
     try:
         (tmp / "fkda_macros.h").write_text(inputs["macros"])
-        so_name = _write_ninja(tmp, record, inputs, roots.csrc_dir(root))
-        cmd = _ninja() + ["-C", str(tmp), "-j", str(_jobs(jobs))]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        (tmp / "build.log").write_text(proc.stdout)
+        so_name = _write_ninja(tmp, record, arch, roots.csrc_dir(root))
+        rc, output = _run_ninja(_ninja() + ["-C", str(tmp), "-j", str(_jobs(jobs))])
+        (tmp / "build.log").write_text(output)
         if os.environ.get("FLASHKDA_EXT_VERBOSE") == "1":
-            sys.stderr.write(proc.stdout)
-        if proc.returncode != 0:
+            sys.stderr.write(output)
+        if rc != 0:
             failed = cache / ".failed" / art
             shutil.rmtree(failed, ignore_errors=True)
             failed.parent.mkdir(parents=True, exist_ok=True)
             os.rename(tmp, failed)
-            tail = proc.stdout[-12000:]
+            tail = output[-12000:]
             raise BuildError(
                 f"flashkda_ext: building module '{name}' ({record['backend']}, {arch}) failed. "
                 f"Compiler output:\n{tail}\n"
@@ -265,7 +323,7 @@ def ensure_built(name: str, arch: Optional[str] = None, *, root=None, cache=None
     arch = resolve_arch(record, arch)
     cache_root = roots.cache_dir(cache)
     try:
-        inputs = identity_inputs(record, arch, root)
+        inputs = identity_inputs(record, arch, root, cache=cache_root)
     except ToolchainError as e:
         raise ToolchainError(f"flashkda_ext: cannot build module '{name}' "
                              f"({record['backend']}, {arch}): {e}") from None
@@ -276,8 +334,9 @@ def ensure_built(name: str, arch: Optional[str] = None, *, root=None, cache=None
         meta = read_valid_meta(art_dir, identity)
         if meta is not None:
             return BuildResult(name, arch, identity, art_dir / meta["file"], False,
-                               time.perf_counter() - t0, inputs["compiler"])
-    with file_lock(cache_root / ".locks" / (artifact_name(name, identity) + ".lock")):
+                               time.perf_counter() - t0, inputs["compiler"], inputs["files"])
+    with file_lock(lock_path(cache_root, artifact_name(name, identity)),
+                   what=f"the build of module '{name}'"):
         meta = None if force else read_valid_meta(art_dir, identity)
         built = False
         if meta is None:
@@ -288,7 +347,22 @@ def ensure_built(name: str, arch: Optional[str] = None, *, root=None, cache=None
                                  f"{art_dir} does not verify; remove that folder and retry")
             built = True
     return BuildResult(name, arch, identity, art_dir / meta["file"], built,
-                       time.perf_counter() - t0, inputs["compiler"])
+                       time.perf_counter() - t0, inputs["compiler"], inputs["files"])
+
+
+def discard_artifact(art_dir: Path, reason: str) -> Path:
+    """Move a cached artifact folder that verifies but cannot be used (e.g. it does not load) to
+    .failed/ under its lock, with the reason beside it; return where it went."""
+    art_dir = Path(art_dir)
+    cache = art_dir.parent
+    failed = cache / ".failed" / art_dir.name
+    with file_lock(lock_path(cache, art_dir.name), what=f"the artifact {art_dir}"):
+        if art_dir.exists():  # else another process discarded it first: keep its report
+            shutil.rmtree(failed, ignore_errors=True)
+            failed.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(art_dir, failed)
+            (failed / "discarded.txt").write_text(reason + "\n")
+    return failed
 
 
 def build_module(name: str, arch: Optional[str] = None, *, root=None, cache=None,

@@ -23,3 +23,17 @@ class BuildError(RuntimeError):
 
 class JitDisabledError(RuntimeError):
     """FLASHKDA_EXT_DISABLE_JIT=1 and no valid AOT artifact for the module."""
+
+
+class LockTimeoutError(TimeoutError):
+    """A cache lock was not acquired in time; names the lock file."""
+
+
+class ManifestError(ValueError):
+    """An AOT folder's manifest.json breaks its schema: names the file and the field."""
+
+    def __init__(self, file, field: str, rule: str):
+        self.file = str(file)
+        self.field = field
+        self.rule = rule
+        super().__init__(f"flashkda_ext: AOT manifest {self.file}: {field}: {rule}")

@@ -1,25 +1,31 @@
 """load_module(name): AOT directories first, then a JIT build; one load per module per process.
 
 AOT directories, in order: every folder in $FLASHKDA_EXT_AOT_DIR (os.pathsep-separated), then
-flashkda_ext/_aot shipped inside the package. An artifact there is used only when its manifest entry's
-identity equals the identity recomputed here from the current record, sources, macros, flags, arch and
-tvm-ffi version (with the compiler versions the manifest records: the loading machine needs no
-compiler) and the file's sha256 matches. Otherwise the module is JIT-built, unless
-FLASHKDA_EXT_DISABLE_JIT=1, which raises JitDisabledError.
+flashkda_ext/_aot shipped inside the package. Each folder's manifest.json is checked against
+jit/schema/aot_manifest.schema.json (a bad one: ManifestError naming the file and field with JIT
+disabled; a warning, then a JIT build, otherwise). An artifact there is used only when its manifest
+entry's identity equals the identity recomputed here from the current record, macros, flags, arch,
+tvm-ffi version and the current bytes of the files the entry lists (with the compiler versions
+the manifest records: the loading machine needs no compiler) and the file's sha256 matches.
+Otherwise the module is JIT-built, unless FLASHKDA_EXT_DISABLE_JIT=1, which raises
+JitDisabledError. An artifact that verifies but does not load (dlopen refuses it) is moved away
+and rebuilt once (JIT cache), or skipped with a warning (AOT, JIT on), or named in the error.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .. import paths
 from . import roots
-from .builder import build_module, resolve_arch, sha256_file
-from .errors import JitDisabledError
+from .builder import discard_artifact, ensure_built, resolve_arch, sha256_file
+from .depscan import sha256_bytes
+from .errors import BuildError, JitDisabledError, ManifestError
 from .identity import module_identity
+from .manifest import read_manifest
 from .specs import get_record
 
 _lock = threading.RLock()
@@ -43,59 +49,101 @@ def jit_disabled() -> bool:
 
 
 def _manifest(d: Path) -> Optional[dict]:
+    """The folder's checked manifest (None: it has none), cached by the file's mtime and size.
+    A bad one raises ManifestError with JIT disabled; with JIT on it warns once and counts as
+    absent, so the module is built instead."""
     path = d / "manifest.json"
     try:
         st = path.stat()
+        key = (st.st_mtime_ns, st.st_size)
     except OSError:
-        return None
-    key = (st.st_mtime_ns, st.st_size)
+        key = None
     hit = _manifests.get(str(path))
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = None
-    _manifests[str(path)] = (key, data)
-    return data
+    if hit is None or hit[0] != key:
+        try:
+            hit = (key, read_manifest(d), None)
+        except ManifestError as e:
+            hit = (key, None, e)
+            if not jit_disabled():
+                warnings.warn(f"{e}; ignoring this AOT folder, the module is JIT-built instead",
+                              RuntimeWarning, stacklevel=4)
+        _manifests[str(path)] = hit
+    if hit[2] is not None and jit_disabled():
+        raise hit[2]
+    return hit[1]
 
 
 def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[str]]:
     """(path of a verified AOT .so, or None; why each candidate was rejected)."""
     why = []
+    csrc = roots.csrc_dir(root)
     for d in aot_dirs():
         man = _manifest(d)
         if man is None:
-            why.append(f"{d}: no readable manifest.json")
+            why.append(f"{d}: no usable manifest.json")
             continue
-        entries = [e for e in man.get("modules", [])
-                   if e.get("name") == record["name"] and e.get("arch") == arch]
+        entries = [e for e in man["modules"] if e["name"] == record["name"] and e["arch"] == arch]
         if not entries:
             why.append(f"{d}: no entry for {record['name']} ({arch})")
             continue
         for e in entries:
-            try:
-                want = module_identity(record, arch, root, compiler=e["compiler"])
-            except KeyError:
-                why.append(f"{d}: entry for {record['name']} has no compiler versions")
-                continue
-            if e.get("identity") != want:
-                why.append(f"{d}: {record['name']} was built from other sources, spec or tvm-ffi "
-                           f"(identity {str(e.get('identity'))[:16]} != {want[:16]}); rebuild it "
-                           f"with aot.py")
+            want = module_identity(record, arch, root, compiler=e["compiler"], files=e["files"])
+            if e["identity"] != want:
+                changed = sorted(rel for rel, h in e["files"].items()
+                                 if sha256_bytes(csrc / rel) != h)
+                what = (f"csrc/ files changed since: {', '.join(changed[:5])}" if changed
+                        else "other spec, macros, flags or tvm-ffi")
+                why.append(f"{d}: {record['name']} was built from other inputs ({what}; identity "
+                           f"{e['identity'][:16]} != {want[:16]}); rebuild it with aot.py")
                 continue
             so = d / e["file"]
-            if not so.is_file() or sha256_file(so) != e.get("sha256"):
+            if not so.is_file() or sha256_file(so) != e["sha256"]:
                 why.append(f"{d}: {e['file']} is missing or corrupt (sha256 mismatch)")
                 continue
             return so, why
     return None, why
 
 
+def _load(so: Path):
+    import tvm_ffi
+    return tvm_ffi.load_module(str(so))
+
+
+def _load_aot(name: str, arch: str, so: Path):
+    """The module from a verified AOT file, or None (JIT on: warned) when dlopen refuses it."""
+    try:
+        return _load(so)
+    except Exception as e:  # noqa: BLE001  dlopen's reasons are many (bad ELF, missing symbol)
+        msg = (f"flashkda_ext: the AOT artifact {so} of module '{name}' ({arch}) matches its "
+               f"manifest but does not load: {e}")
+        if jit_disabled():
+            raise JitDisabledError(
+                f"{msg}. Delete the AOT folder {so.parent} (or rebuild it with `python aot.py "
+                f"--arch {arch} --out {so.parent}`), or unset FLASHKDA_EXT_DISABLE_JIT.") from e
+        warnings.warn(msg + "; building it instead", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _load_built(name: str, arch: str, root, cache):
+    """Build (or reuse) and load; a cached artifact that verifies but does not load is moved to
+    .failed/ and rebuilt once, so one bad file cannot wedge the cache."""
+    res = ensure_built(name, arch, root=root, cache=cache)
+    try:
+        return _load(res.path)
+    except Exception as first:  # noqa: BLE001
+        failed = discard_artifact(res.path.parent, f"{res.path} did not load: {first}")
+        res = ensure_built(name, arch, root=root, cache=cache)
+        try:
+            return _load(res.path)
+        except Exception as second:  # noqa: BLE001
+            raise BuildError(
+                f"flashkda_ext: module '{name}' ({arch}) was rebuilt in {res.path.parent} but "
+                f"still does not load: {second} (the first artifact, which failed with: {first}, "
+                f"is in {failed}). Delete {res.path.parent} and check the toolchain.") from second
+
+
 def load_module(name: str, arch: Optional[str] = None, *, root=None, cache=None):
     """The loaded TVM-FFI module of a spec record (cached per process)."""
-    import tvm_ffi
-
     key = (str(roots.data_root(root)), name, arch)
     with _lock:
         mod = _modules.get(key)
@@ -104,7 +152,8 @@ def load_module(name: str, arch: Optional[str] = None, *, root=None, cache=None)
         record = get_record(name, root)
         real_arch = resolve_arch(record, arch)
         so, why = find_aot(record, real_arch, root)
-        if so is None:
+        mod = _load_aot(name, real_arch, so) if so is not None else None
+        if mod is None:
             if jit_disabled():
                 searched = "; ".join(why) or "no AOT directory (set FLASHKDA_EXT_AOT_DIR)"
                 raise JitDisabledError(
@@ -112,8 +161,7 @@ def load_module(name: str, arch: Optional[str] = None, *, root=None, cache=None)
                     f"FLASHKDA_EXT_DISABLE_JIT=1 forbids building it. Searched: {searched}. "
                     f"Build one with `python aot.py --arch {real_arch} --out DIR --only {name}` and "
                     f"set FLASHKDA_EXT_AOT_DIR=DIR, or unset FLASHKDA_EXT_DISABLE_JIT.")
-            so = build_module(name, real_arch, root=root, cache=cache)
-        mod = tvm_ffi.load_module(str(so))
+            mod = _load_built(name, real_arch, root, cache)
         _modules[key] = mod
         return mod
 

@@ -30,6 +30,10 @@ META_KEYS = {
                          "slot_mode", "gate"},
     "kda_prefill": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen",
                     "work_items", "state", "offset", "gate", "checkpoints"},
+    "kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
+                   "state", "offset", "gate"},
+    "fused_kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
+                         "state", "offset", "gate"},
 }
 NUMERIC_META = {"rows", "value_heads", "work_items", "num_seqs", "total_tokens", "max_seqlen"}
 STATE_TAGS = {"float32": "f32", "bfloat16": "bf16", "float64": "f64", "float16": "f16"}

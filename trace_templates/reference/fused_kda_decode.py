@@ -13,6 +13,7 @@ def fused_kda_decode_reference(x, conv_weight, conv_state, g, beta, state_indice
     pool = state.clone()
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(rows, H, D, dtype=work, device=x.device)
+    _check_slots(state_indices, state.shape[0])
     for r, idx in enumerate(state_indices.tolist()):
         if _is_padding(idx):
             continue

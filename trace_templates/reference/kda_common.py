@@ -54,3 +54,10 @@ def _step(S, q, k, v, g, beta):
 
 def _is_padding(index):
     return index < 0 or (NULL_SLOT0 and index == 0)
+
+
+def _check_slots(state_indices, num_slots):
+    # a clear error instead of an IndexError for indices that are no slots (e.g. random integers)
+    if state_indices.numel() and int(state_indices.max()) >= num_slots:
+        raise ValueError(f"state_indices: expected slots < num_slots = {num_slots} or negative "
+                         f"(padding), got {int(state_indices.max())}")

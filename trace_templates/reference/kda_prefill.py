@@ -3,10 +3,12 @@
 
 
 def kda_prefill_reference(q, k, v, g, beta, A_log=None, dt_bias=None, cu_seqlens=None,
-                          initial_state=None, state=None, state_indices=None, lower_bound=None,
-                          scale=None, checkpoint_every=0, checkpoint_slots=None):
-    """Returns the outputs in the definition's order: out, then final_state (dense) or state_out
-    (pool) when OUTPUT_FINAL_STATE, then checkpoints when checkpoint_every > 0."""
+                          initial_state=None, state=None, state_indices=None, final_state=None,
+                          lower_bound=None, scale=None, checkpoint_every=0, checkpoints=None):
+    """Returns the outputs in the definition's order: out, then final_state_out (dense) or
+    state_out (pool) when OUTPUT_FINAL_STATE, then checkpoints_out when checkpoint_every > 0.
+    final_state and checkpoints are the op's destination buffers: final_state is never read,
+    checkpoints' entries past a sequence's count are returned unchanged (the kernels skip them)."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
     if scale is None:
@@ -20,6 +22,11 @@ def kda_prefill_reference(q, k, v, g, beta, A_log=None, dt_bias=None, cu_seqlens
         segments = [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:])]
     N = len(segments)
     indices = state_indices.tolist() if STATE_MODE == "pool" else None
+    if STATE_MODE == "pool":
+        _check_slots(state_indices, state.shape[0])
+    if cu_seqlens is not None and (offsets[0] != 0 or offsets[-1] != T
+                                   or any(a > b for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to seq_len = {T}")
 
     out = torch.zeros(B, T, HV, V, dtype=work, device=v.device)
     finals, per_seq_ckpts = [], []
@@ -51,12 +58,11 @@ def kda_prefill_reference(q, k, v, g, beta, A_log=None, dt_bias=None, cu_seqlens
             final[n] = S
         results.append(final)
     if checkpoint_every:
-        C = checkpoint_slots
-        if C is None:
-            C = max([(e - s) // checkpoint_every for _, s, e in segments], default=0)
-        ckpt = torch.full((N, C, HV, V, K), float("nan"), dtype=getattr(torch, STATE_DTYPE),
-                          device=v.device)
+        ckpt = checkpoints.clone()
         for n, states in enumerate(per_seq_ckpts):
+            if len(states) > ckpt.shape[1]:
+                raise ValueError(f"checkpoints: sequence {n} reaches {len(states)} checkpoints, "
+                                 f"the buffer holds {ckpt.shape[1]}")
             for c, S in enumerate(states):
                 ckpt[n, c] = S
         results.append(ckpt)

@@ -1,0 +1,158 @@
+// TVM-FFI binding of the family fused_kda_verify on sm_90a (contract: docs/architecture.md;
+// semantics: docs/semantics.md, "Fused verify"). One CTA per (request, head): see
+// fused_kda_verify_kernels.cuh. The index values live on the device and are never read here: the
+// kernel treats a read entry or a column-0 entry that is negative, 0 with null_slot0, or >= slots,
+// and a count outside [1, T_max], as a padding request, and a token entry that is padding as "not
+// stored".
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/binding.h"
+#include "common/cuda_launch.h"
+
+#if !defined(FKDA_PARAM_LANES_PER_ROW) || !defined(FKDA_CONTRACT_JSON)
+#error "fused_kda_verify.cu is built from a module record: FKDA_PARAM_LANES_PER_ROW missing"
+#endif
+
+#include "fused_kda_verify_kernels.cuh"
+
+namespace {
+
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+using fkda::Checker;
+using fkda_decode::bf16;
+
+constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
+using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
+static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
+static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA modules fix the state dtype");
+static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clusters");
+static_assert(FKDA_SMEM_BYTES == 0, "static shared memory only");
+
+void check_bf16(const Checker& c, const TensorView& t, const char* name, std::initializer_list<fkda::Dim> dims,
+                const TensorView& ref) {
+  fkda::check_cuda_device(c, t, name, ref, "out");
+  c.shape(t, name, dims);
+  c.dtype(t, name, {fkda::kBF16});
+  c.contiguous(t, name);
+}
+
+void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g, TensorView beta,
+                      Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
+                      TensorView output_gate, TensorView norm_weight, TensorView state_indices,
+                      TensorView cu_seqlens, Optional<TensorView> num_accepted_tokens, TensorView out,
+                      int64_t gate_mode, double lower_bound, double scale, double norm_eps, bool null_slot0) {
+  constexpr int64_t D = FKDA_HEAD_DIM_K;
+  static_assert(FKDA_HEAD_DIM_K == 128 && FKDA_HEAD_DIM_V == 128, "the fused verify kernel is written for D = 128");
+  const Checker c("fused_kda_verify");
+  c.device_type(out, "out", kDLCUDA);
+  c.ndim(g, "g", 4, "[1, T, H, D]");
+  const int64_t T = g.size(1), H = g.size(2), C = 3 * H * D;
+  c.head_dims(g.size(3), g.size(3));
+  c.heads(H, H);
+  if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
+  check_bf16(c, g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  check_bf16(c, x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}}, out);
+  check_bf16(c, beta, "beta", {{"1", 1}, {"T", T}, {"H", H}}, out);
+  check_bf16(c, output_gate, "output_gate", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  check_bf16(c, out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda::check_cuda_device(c, conv_weight, "conv_weight", out, "out");
+  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", fkda_fused::kConvWidth}});
+  c.dtype(conv_weight, "conv_weight", {fkda::kBF16, fkda::kF32});
+  c.contiguous(conv_weight, "conv_weight");
+  fkda::check_cuda_device(c, norm_weight, "norm_weight", out, "out");
+  c.shape(norm_weight, "norm_weight", {{"D", D}});
+  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
+  c.contiguous(norm_weight, "norm_weight");
+  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
+  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
+  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
+  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  if (T < N || T > N * cols) {
+    FKDA_FAIL(c.fn()) << "argument 'x' has T = " << T << " tokens; expected N = " << N << " .. N * T_max = "
+                      << N * cols;
+  }
+  c.dtype(state_indices, "state_indices", {fkda::kI32});
+  c.contiguous(state_indices, "state_indices");
+  fkda::check_cuda_device(c, cu_seqlens, "cu_seqlens", out, "out");
+  c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
+  c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
+  c.contiguous(cu_seqlens, "cu_seqlens");
+  if (num_accepted_tokens.has_value()) {
+    const TensorView& a = num_accepted_tokens.value();
+    fkda::check_cuda_device(c, a, "num_accepted_tokens", out, "out");
+    c.shape(a, "num_accepted_tokens", {{"N", N}});
+    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
+    c.contiguous(a, "num_accepted_tokens");
+  }
+  fkda::check_cuda_device(c, state, "state", out, "out");
+  c.shape(state, "state", {{"slots", -1}, {"H", H}, {"D", D}, {"D", D}});
+  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
+  c.contiguous(state, "state");
+  c.aligned(state, "state", 16);
+  const int64_t slots = state.size(0);
+  fkda::check_cuda_device(c, conv_state, "conv_state", out, "out");
+  c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
+  const int64_t L = conv_state.size(2);
+  c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"L", L}});
+  if (L < cols + 2) {
+    FKDA_FAIL(c.fn()) << "argument 'conv_state' must keep L >= T_max + 2 = " << cols + 2 << " inputs a line, got "
+                      << L;
+  }
+  c.dtype(conv_state, "conv_state", {fkda::kBF16});
+  c.contiguous(conv_state, "conv_state");
+  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
+  const fkda::GateMode mode = c.gate_mode(gate_mode);
+  c.lower_bound(mode, lower_bound);
+  c.gate_params(mode, A_log, dt_bias, H, D, out, "out");
+  c.positive_finite(scale, "scale");
+  c.positive_finite(norm_eps, "norm_eps");
+
+  fkda_fused_verify::FusedVerifyParams vp;
+  fkda_fused::FusedParams& p = vp.f;
+  p.x = fkda::data_ptr<const bf16>(x);
+  p.conv_weight = fkda::data_ptr<void>(conv_weight);
+  p.conv_state = fkda::data_ptr<bf16>(conv_state);
+  p.g = fkda::data_ptr<const bf16>(g);
+  p.beta = fkda::data_ptr<const bf16>(beta);
+  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
+  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
+  p.idx = fkda::data_ptr<const int32_t>(state_indices);
+  p.state = fkda::data_ptr<void>(state);
+  p.output_gate = fkda::data_ptr<const bf16>(output_gate);
+  p.norm_weight = fkda::data_ptr<const float>(norm_weight);
+  p.out = fkda::data_ptr<bf16>(out);
+  p.num_slots = slots;
+  p.rows = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.gate_mode = static_cast<int>(gate_mode);
+  p.lower_bound = static_cast<float>(lower_bound);
+  p.scale = static_cast<float>(scale);
+  p.norm_eps = static_cast<float>(norm_eps);
+  p.null_slot0 = null_slot0 ? 1 : 0;
+  p.w_f32 = fkda::same_dtype(conv_weight.dtype(), fkda::kF32) ? 1 : 0;
+  vp.conv_len = L;
+  vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
+  vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())
+                                                : nullptr;
+  vp.index_cols = static_cast<int>(cols);
+  if (N * H > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * H = " << N * H << " is too large for one call";
+  const fkda::cuda::LaunchContext ctx(out);
+  ctx.launch("fused_kda_verify_row_kernel",
+             fkda_fused_verify::fused_kda_verify_row_kernel<kStateBf16, FKDA_THREADS, OffT>,
+             dim3(static_cast<unsigned>(N * H)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+}
+
+tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fused_kda_verify, fused_kda_verify);
+// written: conv_state (2), state (7), out (13)
+FKDA_EXPORT_CHECKED(fused_kda_verify, (1u << 2) | (1u << 7) | (1u << 13), -1, -1);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

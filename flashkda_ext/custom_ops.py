@@ -1,0 +1,228 @@
+"""The public ops as torch.library custom ops, so torch.compile (fullgraph) and torch.export can trace them.
+
+Eager callers never come here: flashkda_ext.kda_decode & co. stay the fast entry. Under tracing
+(Dynamo, export, FakeTensor) the public functions call `traced_*` below instead, which put one
+`flashkda_ext::<op>` node in the graph.
+
+Schema design. The ops are destination-passing, as the TVM-FFI functions are: each custom op takes every
+output as an argument it writes (`mutates_args`: the state pool, conv cache, final state, checkpoints,
+workspace, out) and returns nothing. An output the caller left out is allocated by `traced_*` just before
+the op (a fresh graph tensor, so functionalization re-inplaces it), and the public function returns the
+caller's own tensors (the pool in prefill's pool mode) exactly as in eager mode: no custom op ever
+returns an alias of an input, and optional outputs are just `Tensor?` arguments.
+
+Registration. The ops are defined with torch.library.Library (define + a CompositeExplicitAutograd kernel +
+register_fake) rather than the torch.library.custom_op decorator: the decorator's eager dispatch adds
+Python work per call that grows with the argument count (~100 us for kda_decode's 16 arguments on this
+CPU, in torch 2.13's ADInplaceOrView wrapper), the plain definition ~5 us. What the decorator's extra
+kernels do (autograd checks, version-counter bumps of the written tensors) an inference op does not need.
+
+Validation. The real implementation calls the public op on real tensors, so the full validation (which
+reads jit/supported.json and memoizes) and the fast path run there, outside any traced region. The fake
+implementation runs the same checks on meta-tensor stand-ins (shape, dtype, layout; no data pointers, no
+values), so a bad call fails at trace time with the eager error message.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+from . import validation
+
+Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_LIB = torch.library.Library("flashkda_ext", "DEF")  # kept alive: dropping it unregisters the ops
+
+
+def _register(name: str, mutates_args: tuple):
+    """Define flashkda_ext::<name> from the Python signature of the decorated real implementation,
+    with that function as its kernel for every backend; returns the OpOverload."""
+    def decorate(fn):
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.flashkda_ext, name).default
+    return decorate
+
+
+def _fake(name: str):
+    def decorate(fn):
+        torch.library.register_fake(f"flashkda_ext::{name}", fn, lib=_LIB)
+        return fn
+    return decorate
+
+
+def tracing(x) -> bool:
+    """True when a public op must go through its custom op: Dynamo or export is tracing, or x is a
+    FakeTensor (FakeTensorMode, non-strict export, a meta-analysis pass)."""
+    return _is_compiling() or _is_fake(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake-mode validation: the eager checks on meta stand-ins
+
+
+def _meta(x):
+    if not isinstance(x, Tensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def _check_on_meta(check, device: torch.device, args: tuple, kwargs: dict):
+    # __wrapped__: the check itself, not its memo (symbolic sizes do not hash, and fake calls are rare)
+    raw = getattr(check, "__wrapped__", check)
+    backend = validation.backend_of(device)
+    return raw(*(_meta(a) for a in args), backend=backend, **{k: _meta(v) for k, v in kwargs.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_decode
+
+
+@_register("kda_decode", mutates_args=("state", "out"))
+def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
+                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
+                  scale: Optional[float], beta_is_logit: bool, slot_mode: str, null_slot0: bool,
+                  out: Tensor) -> None:
+    from .ops import kda_decode
+    kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
+               null_slot0=null_slot0, out=out)
+
+
+@_fake("kda_decode")
+def _kda_decode_fake(q, k, v, g, beta, state, state_indices, A_log, dt_bias, lower_bound, gate, scale,
+                     beta_is_logit, slot_mode, null_slot0, out) -> None:
+    _check_on_meta(validation.check_kda_decode, q.device, (q, k, v, g, beta), dict(
+        state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode, null_slot0=null_slot0, out=out))
+
+
+def traced_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None, lower_bound=None,
+                      gate="softplus", scale=None, beta_is_logit=True, slot_mode="unique", null_slot0=False,
+                      out=None):
+    """kda_decode under tracing: same arguments and result as the public op."""
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    kda_decode_op(q, k, v, g, beta, state, state_indices, A_log, dt_bias, _opt_float(lower_bound), gate,
+                  _opt_float(scale), beta_is_logit, slot_mode, null_slot0, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_kda_decode
+
+
+@_register("fused_kda_decode", mutates_args=("conv_state", "state", "out"))
+def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: Tensor, beta: Tensor,
+                        A_log: Optional[Tensor], dt_bias: Optional[Tensor], state_indices: Tensor, state: Tensor,
+                        output_gate: Tensor, norm_weight: Tensor, lower_bound: Optional[float], gate: str,
+                        norm_eps: float, scale: Optional[float], slot_mode: str, null_slot0: bool,
+                        out: Tensor) -> None:
+    from .ops import fused_kda_decode
+    fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                     norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+                     slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+
+
+@_fake("fused_kda_decode")
+def _fused_kda_decode_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                           norm_weight, lower_bound, gate, norm_eps, scale, slot_mode, null_slot0, out) -> None:
+    _check_on_meta(validation.check_fused_kda_decode, x.device,
+                   (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                    norm_weight),
+                   dict(lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
+                        null_slot0=null_slot0, out=out))
+
+
+def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                            norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
+                            slot_mode="unique", null_slot0=False, out=None):
+    """fused_kda_decode under tracing: same arguments and result as the public op."""
+    if out is None:
+        out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    fused_kda_decode_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                        norm_weight, _opt_float(lower_bound), gate, float(norm_eps), _opt_float(scale), slot_mode,
+                        null_slot0, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_prefill
+
+
+@_register("kda_prefill", mutates_args=("state", "final_state", "checkpoints", "workspace", "out"))
+def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
+                   dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str, scale: Optional[float],
+                   beta_is_logit: bool, cu_seqlens: Optional[Tensor], initial_state: Optional[Tensor],
+                   state: Optional[Tensor], state_indices: Optional[Tensor], output_final_state: bool,
+                   final_state: Optional[Tensor], checkpoint_every: int, checkpoints: Optional[Tensor],
+                   max_seqlen: Optional[int], null_slot0: bool, workspace: Optional[Tensor], out: Tensor) -> None:
+    from .ops import kda_prefill
+    kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+                beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
+                state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
+                checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
+                null_slot0=null_slot0, workspace=workspace, out=out)
+
+
+@_fake("kda_prefill")
+def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, beta_is_logit, cu_seqlens,
+                      initial_state, state, state_indices, output_final_state, final_state, checkpoint_every,
+                      checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
+    _check_on_meta(validation.check_kda_prefill, q.device, (q, k, v, g, beta), dict(
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
+        cu_seqlens=cu_seqlens, initial_state=initial_state, state=state, state_indices=state_indices,
+        output_final_state=output_final_state, final_state=final_state, checkpoint_every=checkpoint_every,
+        checkpoints=checkpoints, max_seqlen=max_seqlen, null_slot0=null_slot0, out=out))
+
+
+def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                       scale=None, beta_is_logit=True, cu_seqlens=None, initial_state=None, state=None,
+                       state_indices=None, output_final_state=True, final_state=None, checkpoint_every=0,
+                       checkpoints=None, max_seqlen=None, null_slot0=False, workspace=None, out=None):
+    """kda_prefill under tracing: same arguments and results as the public op. The outputs the caller
+    leaves out are allocated here as the eager op allocates them (checkpoints NaN-filled)."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    pool = state is not None or state_indices is not None
+    sdtype = _state_dtype(initial_state, final_state, checkpoints)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if not pool and output_final_state is True and final_state is None:
+        final_state = torch.empty((N, HV, V, K), dtype=sdtype, device=q.device)
+    if isinstance(checkpoint_every, int) and not isinstance(checkpoint_every, bool) and checkpoint_every > 0 \
+            and checkpoints is None:
+        if cu_seqlens is not None and max_seqlen is None:
+            # the eager op reads host offsets for the count; a traced graph cannot (data-dependent shape)
+            raise ValueError("max_seqlen: required under torch.compile/export when checkpoint_every > 0 with "
+                             "cu_seqlens and no preallocated checkpoints (it fixes the checkpoint count); got None")
+        longest = T if max_seqlen is None else max_seqlen
+        if pool:
+            sdtype = state.dtype if isinstance(state, Tensor) else sdtype
+        checkpoints = torch.full((N, longest // checkpoint_every, HV, V, K), float("nan"), dtype=sdtype,
+                                 device=q.device)
+    kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit,
+                   cu_seqlens, initial_state, state, state_indices, output_final_state, final_state,
+                   checkpoint_every, checkpoints, max_seqlen, null_slot0, workspace, out)
+    # as eager: pool mode returns the pool itself; output_final_state=False returns None (a pool only read)
+    result_state = (state if pool else final_state) if output_final_state else None
+    has_ckpt = isinstance(checkpoint_every, int) and checkpoint_every > 0
+    return (out, result_state, checkpoints) if has_ckpt else (out, result_state)
+
+
+def _state_dtype(*candidates) -> torch.dtype:
+    for t in candidates:
+        if isinstance(t, Tensor):
+            return t.dtype
+    return torch.float32
+
+
+def _opt_float(x):
+    """Scalars as the schema's float? (an int scale or lower_bound is a valid eager argument); anything
+    else passes through so the checks name it."""
+    return float(x) if isinstance(x, int) and not isinstance(x, bool) else x

@@ -1,0 +1,389 @@
+"""A flashkda_ext backend for fla's backend registry (fla >= 0.6), so fla's KDA entry points run our kernels.
+
+    import flashkda_ext.integrations.fla as fkda_fla
+    fkda_fla.register()          # once, after importing fla; FLA_FLASHKDA_EXT=0 turns it off again
+
+fla dispatches `chunk_kda` (its function registry) and `fused_recurrent_kda_fwd` (the 'kda' operation
+registry, the call vLLM's KDA decode makes) to the first enabled backend whose verifier accepts the call.
+Our verifiers accept only what the kernels claim and say why otherwise, so fla falls back to Triton for
+the rest (training, K-first state, context parallel, per-chunk intermediate states, ...).
+
+The mapping itself (serve_chunk_kda, serve_fused_recurrent_kda_fwd and their verifiers) imports nothing
+from fla; only register() does. Conversions done here, each one pass, documented in docs/integrations.md:
+g and beta in a dtype other than q's (fp32 gate / beta beside bf16 q, as engines produce them) are cast
+to q's dtype (the kernels read them in q's dtype anyway); A_log / dt_bias are flattened to [HV] /
+[HV*K] float32; int64 slot indices become int32; a non-fp32 dense initial state of fused_recurrent is
+read through an fp32 copy (fla's final state is fp32).
+"""
+from __future__ import annotations
+
+import collections
+import os
+from typing import Optional
+
+import torch
+
+from .. import validation
+from . import fla_chunk_states
+from ..custom_ops import _check_on_meta
+
+BACKEND_TYPE = "flashkda_ext"
+ENV_VAR = "FLA_FLASHKDA_EXT"      # fla's own switch convention: "0" disables the registered backend
+PRIORITY = 2                      # fla: lower runs first; FlashKDA's backend is 3, fla's Triton the fallback
+
+#: calls served / refused per entry point, e.g. STATS["chunk_kda", "served"] (the acceptance run counts them)
+STATS: collections.Counter = collections.Counter()
+#: refusals per (entry point, reason)
+REASONS: collections.Counter = collections.Counter()
+
+
+class Refused(Exception):
+    """A call outside what flashkda_ext serves; the message is the reason fla logs."""
+
+
+class _Plan:
+    """Builds the op call either on meta stand-ins (verifier: shapes and dtypes only, nothing allocated
+    on the device) or on the real tensors (implementation)."""
+
+    def __init__(self, meta: bool):
+        self.meta = meta
+
+    def cast(self, x, dtype):
+        if x is None or x.dtype == dtype:
+            return x if not self.meta or x is None else _meta_like(x)
+        if self.meta:
+            return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device="meta")
+        return x.to(dtype)
+
+    def reshape(self, x, shape):
+        if x is None:
+            return None
+        return (_meta_like(x) if self.meta else x).reshape(shape)
+
+    def keep(self, x):
+        return _meta_like(x) if self.meta and x is not None else x
+
+    def arange(self, n: int, device):
+        return torch.arange(n, dtype=torch.int32, device="meta" if self.meta else device)
+
+
+def _meta_like(x):
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def _common(q, k, v, beta, tensors: dict, *, use_qk_l2norm_in_kernel, allow_neg_eigval, state_v_first) -> None:
+    """Refusals shared by both entry points."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors.values()):
+        raise Refused("flashkda_ext serves inference only (autograd is recording: an input requires grad)")
+    if torch.is_grad_enabled():
+        raise Refused("flashkda_ext serves inference only (torch.is_grad_enabled() is True)")
+    if q.device.type not in ("cuda", "cpu"):
+        raise Refused(f"flashkda_ext runs on CUDA (and its CPU backend), got a tensor on {q.device}")
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise Refused(f"flashkda_ext requires {name} on {q.device} (the device of q), got {t.device}")
+    if q.is_cuda and q.dtype != torch.bfloat16:
+        raise Refused(f"flashkda_ext requires bfloat16 q/k/v on CUDA, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise Refused(f"flashkda_ext requires q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4:
+        raise Refused(f"flashkda_ext requires q of shape [B, T, H, K], got {list(q.shape)}")
+    if beta.dim() != 3:
+        raise Refused(f"flashkda_ext requires a scalar beta per head [B, T, HV], got {list(beta.shape)}")
+    if not use_qk_l2norm_in_kernel:
+        raise Refused("flashkda_ext requires use_qk_l2norm_in_kernel=True (its kernels always l2-normalize q and k)")
+    if allow_neg_eigval:
+        raise Refused("flashkda_ext requires allow_neg_eigval=False")
+    if not state_v_first:
+        raise Refused("flashkda_ext requires state_v_first=True (its state is [.., V, K]; fla's default is K-first)")
+
+
+def _gate(plan: _Plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int):
+    """(gate, A_log [HV] fp32, dt_bias [HV*K] fp32, lower_bound) in flashkda_ext's terms. fla's rule:
+    use_gate_in_kernel with lower_bound is the bounded gate (A_log optional), without it the softplus gate."""
+    if not use_gate_in_kernel:
+        return "log", None, None, None
+    if lower_bound is None:
+        if A_log is None or dt_bias is None:
+            raise Refused("flashkda_ext's softplus gate requires A_log and dt_bias tensors")
+        gate = "softplus"
+    else:
+        gate = "bounded"
+    if A_log is not None:
+        A_log = plan.cast(plan.reshape(A_log, (-1,)), torch.float32)
+    if dt_bias is not None:
+        dt_bias = plan.cast(plan.reshape(dt_bias, (-1,)), torch.float32)
+    return gate, A_log, dt_bias, lower_bound
+
+
+def _validated(family: str, device, args: tuple, kwargs: dict) -> None:
+    check = {"kda_decode": validation.check_kda_decode, "kda_prefill": validation.check_kda_prefill}[family]
+    try:
+        _check_on_meta(check, device, args, kwargs)
+    except (TypeError, ValueError) as e:
+        raise Refused(f"flashkda_ext does not serve this call: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk_kda -> kda_prefill
+
+
+def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                    allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                    return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                    cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+    _common(q, k, v, beta, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+                                dt_bias=dt_bias, cu_seqlens=cu_seqlens),
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first)
+    if cp_context is not None:
+        raise Refused("flashkda_ext does not support context parallel (cp_context)")
+    chunk = kwargs.pop("chunk_size", 64)
+    lengths = None
+    if return_intermediate_states:
+        # fla's h: the state entering each chunk, built from our checkpoints with host lengths
+        if chunk != 64:
+            raise Refused(f"flashkda_ext serves return_intermediate_states with chunk_size=64, got {chunk}")
+        if cu_seqlens is None:
+            lengths = [q.shape[1]] * q.shape[0]
+        elif cu_seqlens_cpu is not None:
+            offsets = cu_seqlens_cpu.tolist()
+            lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        else:
+            raise Refused("flashkda_ext serves return_intermediate_states with packed input only when "
+                          "cu_seqlens_cpu is given (the per-chunk layout needs host lengths)")
+    if use_graph:
+        raise Refused("flashkda_ext does not map use_graph (fla's fixed-shape chunk list); pass workspace= "
+                      "to kda_prefill directly for CUDA graphs")
+    unknown = sorted(kwargs)
+    if unknown:
+        raise Refused(f"flashkda_ext does not know the arguments {unknown}")
+    gate, A_log, dt_bias, lower_bound = _gate(plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, v.shape[2])
+    max_seqlen = None
+    if lengths is not None:
+        max_seqlen = max(lengths, default=0)
+    elif cu_seqlens_cpu is not None and cu_seqlens is not None and not plan.meta:
+        max_seqlen = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if cu_seqlens_cpu.numel() > 1 else 0
+    args = (plan.keep(q), plan.keep(k), plan.keep(v), plan.cast(g, q.dtype), plan.cast(beta, q.dtype))
+    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+              beta_is_logit=bool(use_beta_sigmoid_in_kernel), cu_seqlens=plan.keep(cu_seqlens),
+              initial_state=plan.cast(initial_state, torch.float32), output_final_state=bool(output_final_state),
+              max_seqlen=max_seqlen)
+    if lengths is not None:
+        kw["checkpoint_every"] = chunk
+    return args, kw, lengths
+
+
+# Verdicts by call signature: a serving loop repeats the same call every step, and the checks on meta
+# stand-ins cost ~80 us a call. The key holds everything a verdict depends on (the hand-written part:
+# validation's own memo keys tensors without strides or requires_grad, and sees mapped arguments).
+_VERDICTS: dict = {}
+_VERDICT_LIMIT = 512
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _verdict_key(entry: str, args: tuple, kwargs: dict):
+    """A hashable summary of the call, or None when some argument cannot be summarized (no memo)."""
+    key = [entry, torch.is_grad_enabled(), tuple(kwargs)]
+    for name, x in list(enumerate(args)) + list(kwargs.items()):
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor:
+                return None   # subclasses (fake, functional) are checked every time
+            if name == "cu_seqlens_cpu":
+                key.append(tuple(x.tolist()))   # host lengths shape the per-chunk layout
+            else:
+                key.append((x.shape, x.dtype, x.device, x.stride(), x.requires_grad,
+                            x.data_ptr() & 15 if x.is_cuda else 0))
+        elif type(x) in _SCALARS:
+            key.append((type(x), x))
+        else:
+            return None
+    return tuple(key)
+
+
+def _verify(entry: str, check, args: tuple, kwargs: dict):
+    key = _verdict_key(entry, args, kwargs)
+    verdict = _VERDICTS.get(key) if key is not None else None
+    if verdict is None:
+        try:
+            check(*args, **kwargs)
+            verdict = (True, None)
+        except Exception as e:  # noqa: BLE001  (a call the mapping cannot read is refused, never raised)
+            verdict = (False, str(e) if isinstance(e, Refused) else
+                       f"flashkda_ext could not map the call: {type(e).__name__}: {e}")
+        if key is not None:
+            if len(_VERDICTS) >= _VERDICT_LIMIT:
+                _VERDICTS.clear()
+            _VERDICTS[key] = verdict
+    STATS[entry, "served" if verdict[0] else "refused"] += 1
+    if not verdict[0]:
+        REASONS[entry, verdict[1]] += 1
+    return verdict
+
+
+def _check_chunk_kda(*args, **kwargs):
+    q = args[0] if args else kwargs["q"]
+    a, kw, _ = _plan_chunk_kda(_Plan(meta=True), *args, **kwargs)
+    _validated("kda_prefill", q.device, a, kw)
+
+
+def chunk_kda_verifier(*args, **kwargs):
+    """fla's verifier protocol: (True, None) when flashkda_ext serves this chunk_kda call, else (False, reason)."""
+    return _verify("chunk_kda", _check_chunk_kda, args, kwargs)
+
+
+def serve_chunk_kda(*args, **kwargs):
+    """chunk_kda through kda_prefill: returns (o [B, T, HV, V], final_state [N, HV, V, K] fp32 or None), and
+    with return_intermediate_states h [B, NT, HV, V, K] in q's dtype (B = 1 for packed input, NT chunks
+    over all sequences), h[:, c] the state entering chunk c (fla's layout with state_v_first=True)."""
+    from ..ops import kda_prefill
+    a, kw, lengths = _plan_chunk_kda(_Plan(meta=False), *args, **kwargs)
+    res = kda_prefill(*a, **kw)
+    if lengths is None:
+        return res[0], res[1]
+    q, v = a[0], a[2]
+    init = kw["initial_state"]
+    if init is None:
+        init = torch.zeros((len(lengths), v.shape[2], v.shape[3], q.shape[3]), dtype=torch.float32, device=q.device)
+    h = fla_chunk_states(init, res[2], lengths, kw["checkpoint_every"]).to(q.dtype)
+    if kw["cu_seqlens"] is None:  # equal lengths: one row of chunks per batch entry
+        h = h.view(q.shape[0], -1, *h.shape[2:])
+    return res[0], res[1], h
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_recurrent_kda_fwd -> kda_decode (one token per slot-indexed sequence) or kda_prefill
+
+
+def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                          output_final_state=False, inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+                          ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                          use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                          lower_bound=None, out=None, **kwargs):
+    """(family, args, kwargs, result) where result(op output) builds fla's (o, final_state)."""
+    _common(q, k, v, beta, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
+                                dt_bias=dt_bias, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                                out=out),
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first)
+    if num_accepted_tokens is not None:
+        raise Refused("flashkda_ext does not serve num_accepted_tokens (speculative decoding) yet")
+    if kwargs:
+        raise Refused(f"flashkda_ext does not know the arguments {sorted(kwargs)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gate, A_log, dt_bias, lower_bound = _gate(plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV)
+    g, beta = plan.cast(g, q.dtype), plan.cast(beta, q.dtype)
+    gate_kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+                   beta_is_logit=bool(use_beta_sigmoid_in_kernel))
+
+    if ssm_state_indices is not None:
+        # continuous batching: initial_state is the pool, written in place, one state index per sequence
+        if initial_state is None or not inplace_final_state:
+            raise Refused("flashkda_ext serves ssm_state_indices only with the pool updated in place "
+                          "(initial_state given, inplace_final_state=True)")
+        if ssm_state_indices.dim() != 1:
+            raise Refused("flashkda_ext does not serve per-token ssm_state_indices [N, T] (speculative decoding)")
+        if cu_seqlens is None:
+            if T != 1:
+                raise Refused(f"flashkda_ext serves ssm_state_indices for one token per sequence, got T = {T}")
+            rows = B
+        else:
+            # fla reads index [n + t] for token t of sequence n with 1-D indices, so these are one-token
+            # sequences; T == N means none is empty and row n is token n (vLLM's decode batch)
+            N = cu_seqlens.shape[0] - 1
+            if B != 1 or T != N:
+                raise Refused(f"flashkda_ext serves varlen ssm_state_indices only as a decode batch "
+                              f"(B = 1, one token per sequence: T == N), got B = {B}, T = {T}, N = {N}")
+            rows = N
+        idx = plan.cast(ssm_state_indices, torch.int32)
+        o_rows = plan.reshape(out, (rows, HV, V)) if out is not None else None
+        args = (plan.reshape(q, (rows, H, K)), plan.reshape(k, (rows, H, K)), plan.reshape(v, (rows, HV, V)),
+                plan.reshape(g, (rows, HV, K)), plan.reshape(beta, (rows, HV)))
+        kw = dict(state=plan.keep(initial_state), state_indices=idx, slot_mode="padded", out=o_rows, **gate_kw)
+        return "kda_decode", args, kw, lambda o: (o.reshape(B, T, HV, V) if out is None else out, initial_state)
+
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
+    kw = dict(cu_seqlens=plan.keep(cu_seqlens), out=plan.keep(out), **gate_kw)
+    if inplace_final_state:
+        if initial_state is None:
+            raise Refused("flashkda_ext: inplace_final_state=True needs initial_state")
+        # the dense states updated in place: pool mode over slots 0..N-1
+        kw.update(state=plan.keep(initial_state), state_indices=plan.arange(N, q.device))
+        return "kda_prefill", args, kw, lambda r: (r[0], initial_state)
+    kw.update(initial_state=plan.cast(initial_state, torch.float32), output_final_state=bool(output_final_state))
+    return "kda_prefill", args, kw, lambda r: (r[0], r[1])
+
+
+def _check_fused_recurrent(*args, **kwargs):
+    q = args[0] if args else kwargs["q"]
+    family, a, kw, _ = _plan_fused_recurrent(_Plan(meta=True), *args, **kwargs)
+    _validated(family, q.device, a, kw)
+
+
+def fused_recurrent_kda_fwd_verifier(*args, **kwargs):
+    """fla's verifier protocol for fused_recurrent_kda_fwd (the vLLM decode call)."""
+    return _verify("fused_recurrent_kda_fwd", _check_fused_recurrent, args, kwargs)
+
+
+def serve_fused_recurrent_kda_fwd(*args, **kwargs):
+    """fused_recurrent_kda_fwd through kda_decode / kda_prefill: returns (o [B, T, HV, V], final_state)."""
+    from ..ops import kda_decode, kda_prefill
+    family, a, kw, result = _plan_fused_recurrent(_Plan(meta=False), *args, **kwargs)
+    fn = kda_decode if family == "kda_decode" else kda_prefill
+    return result(fn(*a, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# registration (the only part that imports fla)
+
+_REGISTERED: Optional[type] = None
+
+
+def register(priority: int = PRIORITY) -> type:
+    """Register the flashkda_ext backend with fla's registries for chunk_kda and the 'kda' operations
+    (fused_recurrent_kda_fwd). Idempotent; returns the backend class. Raises ImportError without fla >= 0.6."""
+    global _REGISTERED
+    if _REGISTERED is not None and _REGISTERED.priority == priority:
+        return _REGISTERED
+    try:
+        from fla.backends import BaseBackend
+        from fla.backends import register as fla_register
+        from fla.ops.kda import chunk_kda
+    except ImportError as e:
+        raise ImportError(f"flashkda_ext.integrations.fla.register: needs fla >= 0.6 (flash-linear-attention) "
+                          f"with its backend registry (fla.backends): {e}") from e
+
+    class FlashKDAExtBackend(BaseBackend):
+        """flashkda_ext's Hopper kernels for fla's KDA forward (inference only); FLA_FLASHKDA_EXT=0 disables."""
+        backend_type = BACKEND_TYPE
+        package_name = "flashkda_ext"
+        env_var = ENV_VAR
+        default_enable = True
+
+        def chunk_kda_verifier(self, *args, **kwargs):
+            return chunk_kda_verifier(*args, **kwargs)
+
+        def chunk_kda(self, *args, **kwargs):
+            return serve_chunk_kda(*args, **kwargs)
+
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs):
+            return fused_recurrent_kda_fwd_verifier(*args, **kwargs)
+
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            return serve_fused_recurrent_kda_fwd(*args, **kwargs)
+
+    FlashKDAExtBackend.priority = priority
+    fla_register(chunk_kda)(FlashKDAExtBackend)
+    fla_register("kda")(FlashKDAExtBackend)
+    _REGISTERED = FlashKDAExtBackend
+    return FlashKDAExtBackend
+
+
+def register_from_env() -> Optional[type]:
+    """register() when FLASHKDA_EXT_FLA=1 (for a launcher or sitecustomize that cannot edit the engine)."""
+    if os.environ.get("FLASHKDA_EXT_FLA", "0") != "0":
+        return register()
+    return None

@@ -1,0 +1,134 @@
+"""Speculative-decoding verify: T_n draft tokens per request on a state pool, the state after every
+token kept in a slot of its own (docs/semantics.md, "Verify")."""
+from __future__ import annotations
+
+import torch
+
+from .gates import prepare_token_inputs
+from .prefill import _segments, is_padding
+from .step import delta_step
+
+
+def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot0=False):
+    """[(start, end, read slot or None, [write slot or None per token])] for every request, from
+    host values: the read slot is state_indices[n, num_accepted_tokens[n] - 1] (column 0 when
+    num_accepted_tokens is None); None marks padding. Raises ValueError on values the op refuses."""
+    idx = [[int(x) for x in row] for row in state_indices.tolist()]
+    N = len(idx)
+    cols = len(idx[0]) if N else 0
+    total = int(cu_seqlens[-1]) if len(cu_seqlens) else 0
+    segments = _segments(1, total, cu_seqlens)
+    if len(segments) != N:
+        raise ValueError(f"state_indices: expected {len(segments)} rows (one per request), got {N}")
+    accepted = [1] * N if num_accepted_tokens is None else [int(a) for a in num_accepted_tokens.tolist()]
+    plan = []
+    for n, (_, s, e) in enumerate(segments):
+        if not 1 <= e - s <= cols:
+            raise ValueError(f"cu_seqlens: request {n} has {e - s} tokens; expected 1 .. T_max = {cols}")
+        if not 1 <= accepted[n] <= cols:
+            raise ValueError(f"num_accepted_tokens: entry {n} is {accepted[n]}; expected 1 .. T_max = {cols}")
+        if any(x >= slots for x in idx[n]):
+            raise ValueError(f"state_indices: row {n} = {idx[n]} has an entry >= slots = {slots}")
+        live = lambda x: None if is_padding(x, null_slot0) else x  # noqa: E731
+        plan.append((s, e, live(idx[n][accepted[n] - 1]), [live(idx[n][t]) for t in range(e - s)]))
+    return plan
+
+
+def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
+                    gate="softplus", A_log=None, dt_bias=None, lower_bound=None, scale=None,
+                    beta_is_logit=True, null_slot0=False, dtype=torch.float64):
+    """The verify step on a state pool.
+
+    q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] raw gate; beta [1, T, HV]; state: pool
+    [slots, HV, V, K]; state_indices [N, T_max]; cu_seqlens [N+1] (T_n >= 1); num_accepted_tokens
+    [N] or None. Request n starts from the state in slot state_indices[n, num_accepted_tokens[n] - 1]
+    (as the pool was before the call) and runs its tokens in order; after token t the state is
+    stored in the pool's dtype into slot state_indices[n, t] (unless that entry is padding), and
+    token t + 1 continues from that stored (rounded) value, so the outputs after any token are the
+    ones a later call resuming from its slot reproduces. A request whose read entry is padding
+    outputs zeros and writes nothing. Returns (out [1, T, HV, V] in dtype, new pool); the input pool
+    is not modified.
+    """
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected packed [1, T, H, K], got shape {tuple(q.shape)}")
+    T, HV, V, K = q.shape[1], v.shape[2], v.shape[3], q.shape[3]
+    if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K):
+        raise ValueError(f"state: expected pool [slots, {HV}, {V}, {K}], got {tuple(state.shape)}")
+    plan = verify_plan(cu_seqlens, state_indices, num_accepted_tokens, state.shape[0], null_slot0)
+    qn, kn, vv, gl, bb = prepare_token_inputs(
+        q[0], k[0], v[0], g[0], beta[0], gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        scale=scale, beta_is_logit=beta_is_logit, dtype=dtype)
+    pool = state.clone()
+    out = torch.zeros(1, T, HV, V, dtype=dtype, device=v.device)
+    for s, e, read, writes in plan:
+        if read is None:
+            continue
+        S = state[read].to(dtype)
+        for t in range(s, e):
+            out[0, t], S = delta_step(S, qn[t], kn[t], vv[t], gl[t], bb[t])
+            stored = S.to(pool.dtype)
+            S = stored.to(dtype)  # the next token continues from the stored value
+            if writes[t - s] is not None:
+                pool[writes[t - s]] = stored
+    return out, pool
+
+
+CONV_WIDTH = 4
+
+
+def fused_kda_verify_step(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                          state_indices, cu_seqlens, num_accepted_tokens=None, gate, lower_bound=None,
+                          norm_eps=1e-5, scale=None, null_slot0=False, dtype=torch.float64):
+    """The fused verify: per request, the conv (+cache) -> SiLU -> split q|k|v -> KDA step -> gated
+    RMSNorm of fused_kda_decode over its T_n tokens, the state kept per token as in kda_verify_step.
+
+    x [1, T, 3*H*D]; conv_weight [3*H*D, 4]; conv_state [slots, 3*H*D, L] with L >= T_max + 2;
+    g [1, T, H, D]; beta [1, T, H] (a logit); state [slots, H, D, D]; output_gate [1, T, H, D];
+    norm_weight [D]. The conv line of request n is conv_state[state_indices[n, 0]] (a padding entry
+    there makes the request padding); with o = num_accepted_tokens[n] - 1 its three inputs before the
+    first token are line[:, o:o+3], and afterwards line[:, 0:2] = old line[:, o+1:o+3] and
+    line[:, 2 + j] = x of token j (entries past T_n + 2 unchanged), so the next call's window at
+    offset a - 1 is the three inputs up to its accepted token a - 1. Returns (out [1, T, H, D] in
+    dtype, new conv_state, new state); the inputs are not modified.
+    """
+    T = x.shape[1]
+    H, D = g.shape[2], g.shape[3]
+    HD = H * D
+    if tuple(x.shape) != (1, T, 3 * HD):
+        raise ValueError(f"x: expected [1, {T}, {3 * HD}], got {tuple(x.shape)}")
+    cols = state_indices.shape[1]
+    if conv_state.dim() != 3 or conv_state.shape[1] != 3 * HD or conv_state.shape[2] < cols + 2:
+        raise ValueError(f"conv_state: expected [slots, {3 * HD}, >= T_max + 2 = {cols + 2}], "
+                         f"got {tuple(conv_state.shape)}")
+    plan = verify_plan(cu_seqlens, state_indices, num_accepted_tokens, state.shape[0], null_slot0)
+    accepted = [1] * len(plan) if num_accepted_tokens is None else [int(a) for a in num_accepted_tokens.tolist()]
+    conv_pool, pool = conv_state.clone(), state.clone()
+    out = torch.zeros(1, T, H, D, dtype=dtype, device=x.device)
+    w = conv_weight.to(dtype)
+    for n, (s, e, read, writes) in enumerate(plan):
+        line_slot = writes[0]
+        if read is None or line_slot is None:
+            continue
+        o = accepted[n] - 1
+        line = conv_state[line_slot].to(dtype)
+        hist = torch.cat([line[:, o:o + CONV_WIDTH - 1], x[0, s:e].to(dtype).T], dim=1)  # [C, 3 + T_n]
+        S = state[read].to(dtype)
+        for t in range(s, e):
+            y = (hist[:, t - s:t - s + CONV_WIDTH] * w).sum(dim=1)
+            y = torch.nn.functional.silu(y)
+            q, k, v = (y[i * HD:(i + 1) * HD].reshape(1, H, D) for i in range(3))
+            qn, kn, vv, gl, bb = prepare_token_inputs(
+                q, k, v, g[0, t:t + 1], beta[0, t:t + 1], gate=gate, A_log=A_log, dt_bias=dt_bias,
+                lower_bound=lower_bound, scale=scale, beta_is_logit=True, dtype=dtype)
+            o_t, S = delta_step(S, qn[0], kn[0], vv[0], gl[0], bb[0])
+            stored = S.to(pool.dtype)
+            S = stored.to(dtype)
+            if writes[t - s] is not None:
+                pool[writes[t - s]] = stored
+            rms = torch.sqrt((o_t * o_t).mean(dim=-1, keepdim=True) + norm_eps)
+            out[0, t] = o_t / rms * norm_weight.to(dtype) * torch.sigmoid(output_gate[0, t].to(dtype))
+        new_line = line.clone()
+        new_line[:, 0:CONV_WIDTH - 2] = line[:, o + 1:o + CONV_WIDTH - 1]
+        new_line[:, CONV_WIDTH - 2:CONV_WIDTH - 2 + (e - s)] = x[0, s:e].to(dtype).T
+        conv_pool[line_slot] = new_line.to(conv_pool.dtype)
+    return out, conv_pool, pool

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU acceptance of the adoption layer (issue 29) on a lent H200 (device tool). Logs go to $OUT.
+#   bash scripts/device_integrations.sh            the GPU tests + fla's own KDA tests with the backend
+#   bash scripts/device_integrations.sh --prepare  (here, before the run) copy fla's test files from a
+#                                                  fetched fla snapshot into the ignored .fla_tests/
+# Needs, carried in .whl/ (cp312 / pure-python wheels, see device_env.sh): fla-core >= 0.6 (the `fla`
+# package; flash-linear-attention itself only adds fla.layers/models and transformers, not needed here),
+# einops; triton comes with the device image's torch. Carry .fla_tests too.
+# FLA_K narrows fla's tests (pytest -k); BASELINE=1 also runs them once without the backend (fla's own
+# pass/fail on this image, to tell our regressions from fla-vs-snapshot drift); BENCH=1 adds the layer
+# benchmark (benchmarks/bench_layer.py: fla / fla backend / ours / compiled, and the adapter casts).
+# STAGES picks what runs (one device command has 10 minutes): "gpu" (tests/gpu/test_integrations_gpu.py),
+# "fla" (fla's test_kda.py with the backend), "bench" (the layer benchmark); default "gpu fla".
+set -uo pipefail
+if [ "${1:-}" = "--prepare" ]; then
+  mirror=${2:-/work/.mirror/fla-org+flash-linear-attention/repo}
+  dest="$(dirname "$0")/../.fla_tests"
+  mkdir -p "$dest/tests/ops"
+  git --git-dir "$mirror" show HEAD:tests/conftest.py > "$dest/tests/conftest.py" || exit 1
+  git --git-dir "$mirror" show HEAD:tests/ops/test_kda.py > "$dest/tests/ops/test_kda.py" || exit 1
+  git --git-dir "$mirror" log -1 --format='fla snapshot %H %cd' > "$dest/SNAPSHOT"
+  cat "$dest/SNAPSHOT"; exit 0
+fi
+source "$(dirname "$0")/device_env.sh"
+export PYTHONPATH=$PWD/scripts:${PYTHONPATH:-}
+STAGES=${STAGES:-gpu fla}
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+python3 -c "import fla, flashkda_ext; print('fla', getattr(fla, '__version__', '?'))" | tee "$OUT/fla_version.txt"
+if has gpu; then
+  stage gpu_integrations 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_integrations_gpu.py
+  grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_integrations.log" | tail -15
+fi
+if ! has fla; then :
+elif [ -f .fla_tests/tests/ops/test_kda.py ]; then
+  cat .fla_tests/SNAPSHOT 2>/dev/null
+  if [ "${BASELINE:-0}" = 1 ]; then
+    FLA_BACKEND_OFF=1 stage fla_kda_baseline 240 python3 -m pytest -q -p no:cacheprovider -p fla_backend_count \
+      --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
+    grep -E "passed|failed" "$OUT/fla_kda_baseline.log" | tail -2
+  fi
+  stage fla_kda 280 python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count \
+    --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
+  sed -n '/calls served/,$p' "$OUT/fla_kda.log" | tail -60
+  grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -20
+else
+  echo "no .fla_tests/: run 'bash scripts/device_integrations.sh --prepare' here and carry .fla_tests"
+fi
+if has bench || [ "${BENCH:-0}" = 1 ]; then
+  stage bench_layer 540 python3 benchmarks/bench_layer.py --no-progress --out "$OUT" ${BENCH_ARGS:-}
+  tail -30 "$OUT/bench_layer.log"
+fi

@@ -1,0 +1,219 @@
+"""The adoption layer on the H200: torch.compile / CUDA-graph capture of a KDA layer through the custom ops,
+the fla backend against fla's own Triton path, and the SGLang-shaped kernel against the reference.
+Skips without CUDA (fla parts also without fla >= 0.6). Run by scripts/device_integrations.sh."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from gpu_common import rel_l2  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import test_custom_ops as layer  # noqa: E402  (the CPU test's layer, at CUDA sizes here)
+
+from flashkda_ext.reference import kda_decode_step, kda_recurrent  # noqa: E402
+
+DEV = torch.device("cuda")
+H, D, SLOTS, ROWS, T = 8, 128, 12, 4, 160
+HAS_FLA = importlib.util.find_spec("fla") is not None
+
+
+def cuda_params():
+    """make_params of the CPU test at this file's sizes, bf16 where the CUDA kernels need it."""
+    gen = torch.Generator().manual_seed(0)
+    HD = H * D
+    r = lambda *s, scale=0.05: (torch.randn(*s, generator=gen) * scale)  # noqa: E731
+    bf = lambda t: t.to(DEV, torch.bfloat16)  # noqa: E731
+    return dict(w_qkv=bf(r(3 * HD, HD)), w_g=bf(r(HD, HD)), w_beta=bf(r(H, HD)), w_gate=bf(r(HD, HD)),
+                w_o=bf(r(HD, HD)), conv_weight=bf(r(3 * HD, 4, scale=0.3)), A_log=r(H, scale=0.3).to(DEV),
+                dt_bias=r(HD, scale=0.5).to(DEV), norm_weight=(1.0 + r(D)).to(DEV),
+                checkpoint_every=64, max_seqlen=96)
+
+
+def cuda_inputs(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    HD = H * D
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+    return dict(x_dec=r(ROWS, HD).to(DEV, torch.bfloat16), x_pre=r(1, T, HD).to(DEV, torch.bfloat16),
+                state=r(SLOTS, H, D, D, scale=0.05).to(DEV), conv_state=r(SLOTS, 3 * HD, 3).to(DEV, torch.bfloat16),
+                dec_idx=torch.tensor([3, -1, 1, 7], dtype=torch.int32, device=DEV),
+                fused_idx=torch.tensor([2, 5, -1, 0], dtype=torch.int32, device=DEV),
+                pre_idx=torch.tensor([9, 4], dtype=torch.int32, device=DEV),
+                cu_seqlens=torch.tensor([0, 96, T], dtype=torch.int32, device=DEV))
+
+
+@pytest.fixture(scope="module")
+def eager():
+    p, inputs = cuda_params(), cuda_inputs()
+    with torch.inference_mode():
+        return p, inputs, layer.run(layer.kda_layer, p, inputs)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_layer_matches_eager(eager, backend):
+    p, inputs, want = eager
+    torch._dynamo.reset()
+    compiled = torch.compile(layer.kda_layer, backend=backend, fullgraph=True)
+    with torch.inference_mode():
+        got = layer.run(compiled, p, inputs)
+    for name in layer.KDA_OUTPUTS:
+        assert layer.bitwise(got[name], want[name]), f"{backend}: {name} differs from eager"
+    for name in layer.LAYER_OUTPUTS:
+        if backend == "inductor":
+            assert rel_l2(got[name], want[name]) < 1e-2, name
+        else:
+            assert layer.bitwise(got[name], want[name]), f"{backend}: {name} differs from eager"
+
+
+def test_cuda_graph_of_the_compiled_layer(eager):
+    """Capture the inductor-compiled layer in a CUDA graph; replay on fresh input values copied into the
+    static buffers; the KDA outputs equal eager on the same values bitwise."""
+    p, _, _ = eager
+    torch._dynamo.reset()
+    compiled = torch.compile(layer.kda_layer, backend="inductor", fullgraph=True)
+    static = {k: v.clone() for k, v in cuda_inputs(seed=2).items()}
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                compiled(p, **{k: v.clone() for k, v in static.items()})
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = compiled(p, **static)
+        fresh = cuda_inputs(seed=3)
+        for k, v in fresh.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = layer.run(layer.kda_layer, p, fresh)
+    res = dict(res, state=static["state"], conv_state=static["conv_state"])
+    for name in layer.KDA_OUTPUTS:
+        assert layer.bitwise(res[name], want[name]), f"graph replay: {name} differs from eager"
+
+
+# ---------------------------------------------------------------------------------------------
+# fla backend: served calls against fla's Triton path (FLA_FLASHKDA_EXT=0)
+
+
+@pytest.fixture(scope="module")
+def fla_backend():
+    if not HAS_FLA:
+        pytest.skip("fla is not installed")
+    from flashkda_ext.integrations import fla as fkda_fla
+    fkda_fla.register()
+    return fkda_fla
+
+
+def _both(fkda_fla, key, fn):
+    """(ours, fla Triton) results of fn(), checking that ours was served and Triton's was not ours."""
+    served = fkda_fla.STATS[key, "served"]
+    ours = fn()
+    assert fkda_fla.STATS[key, "served"] == served + 1, "flashkda_ext did not serve the call"
+    os.environ[fkda_fla.ENV_VAR] = "0"
+    try:
+        theirs = fn()
+    finally:
+        os.environ.pop(fkda_fla.ENV_VAR)
+    assert fkda_fla.STATS[key, "served"] == served + 1
+    return ours, theirs
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "softplus+h"])
+def test_fla_chunk_kda_served_matches_triton(fla_backend, gate):
+    from fla.ops.kda import chunk_kda
+    gen = torch.Generator().manual_seed(4)
+    Tt, HV = 300, 16
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) * 2).to(DEV), torch.randn(HV * 128, generator=gen).to(DEV)
+    cu = torch.tensor([0, 100, 250, Tt], device=DEV)
+    h0 = (torch.randn(3, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, state_v_first=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+              A_log=A_log, dt_bias=dt_bias)
+    if gate == "bounded":
+        kw.update(safe_gate=True, lower_bound=-5.0)
+    if gate == "softplus+h":   # fla's per-chunk states from our checkpoints
+        kw.update(return_intermediate_states=True)
+    with torch.inference_mode():
+        ours, theirs = _both(fla_backend, "chunk_kda", lambda: chunk_kda(q, k, v, g, beta, **kw))
+    assert len(ours) == len(theirs)
+    for name, a, b in zip(("o", "final_state", "h"), ours, theirs):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_l2(a, b) < 1e-2, name
+
+
+def test_fla_vllm_decode_served_matches_triton(fla_backend):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    gen = torch.Generator().manual_seed(5)
+    N, HV, slots = 64, 16, 96
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) * 2).to(DEV), torch.randn(HV * 128, generator=gen).to(DEV)
+    pool0 = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    idx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
+    pools = []
+
+    def call():
+        pool = pool0.clone()
+        pools.append(pool)
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                                       inplace_final_state=True, state_v_first=True,
+                                       cu_seqlens=torch.arange(N + 1, device=DEV, dtype=torch.int32),
+                                       ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True)[0]
+    with torch.inference_mode():
+        o1, o2 = _both(fla_backend, "fused_recurrent_kda_fwd", call)
+    assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang-shaped kernel
+
+
+def test_sglang_kernel_decode_and_extend_on_cuda():
+    from flashkda_ext.integrations.sglang import FlashKDAExtKernel
+    gen = torch.Generator().manual_seed(6)
+    HV, N, slots = 16, 8, 16
+    kern = FlashKDAExtKernel()
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    A_log = torch.rand(1, 1, HV, 1, generator=gen).to(DEV)
+    dt_bias = torch.randn(HV * 128, generator=gen).to(DEV)
+    pool = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    idx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
+    idx[3] = -1
+    # decode: fp32 gate and beta logit beside bf16 q
+    q, k, v = bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128)
+    a, b = torch.randn(N, HV * 128, generator=gen).to(DEV), torch.randn(1, N, HV, generator=gen).to(DEV)
+    pool0 = pool.clone()
+    with torch.inference_mode():
+        o = kern.decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=idx,
+                        query_start_loc=torch.arange(N + 1, device=DEV, dtype=torch.int32))
+    want_o, want_pool = kda_decode_step(q[0], k[0], v[0], a.view(N, HV, 128).bfloat16(), b[0].bfloat16(),
+                                        state=pool0, state_indices=idx, A_log=A_log.flatten(), dt_bias=dt_bias)
+    assert rel_l2(o[0], want_o) < 1e-2 and rel_l2(pool, want_pool) < 1e-3
+    # extend with per-chunk states for the track buffer
+    lens = [70, 130]
+    Tt = sum(lens)
+    q, k, v, g = bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128)
+    beta = torch.rand(1, Tt, HV, generator=gen).to(DEV)
+    qsl = torch.tensor([0, lens[0], Tt], dtype=torch.int32, device=DEV)
+    cidx = torch.tensor([5, 11], dtype=torch.int32, device=DEV)
+    pool0 = pool.clone()
+    with torch.inference_mode():
+        o, h = kern.extend(q, k, v, g, beta, ssm_states=pool, cache_indices=cidx, query_start_loc=qsl, A_log=A_log,
+                           dt_bias=dt_bias, extend_seq_lens_cpu=lens, return_intermediate_states=True)
+    want_o, want_pool, want_ckpt = kda_recurrent(q, k, v, g, beta.bfloat16(), A_log=A_log.flatten(), dt_bias=dt_bias,
+                                                 beta_is_logit=False, cu_seqlens=qsl, initial_state=pool0,
+                                                 state_indices=cidx, checkpoint_every=64)
+    assert rel_l2(o, want_o) < 1e-2 and rel_l2(pool, want_pool) < 1e-2
+    assert h.shape == (1, 2 + 3, HV, 128, 128)
+    assert rel_l2(h[0, 1], want_ckpt[0, 0]) < 1e-2 and rel_l2(h[0, 4], want_ckpt[1, 1]) < 1e-2

@@ -1,0 +1,253 @@
+"""GPU tests of the CUDA kda_verify modules (csrc/verify) against the PyTorch reference.
+
+Every record of jit/modules/verify_cuda.json x T_max in {1, 2, 3, 4, 8} with mixed T_n in one batch,
+num_accepted_tokens, padding requests and padding tokens. Fresh random inputs each case (never
+zeros); outputs NaN-poisoned first; every slot no stored token names stays bitwise unchanged;
+padding requests give exact zeros; the verify kernel at one token equals the decode kernel of the
+same tile shape bitwise, and T tokens equal T chained decode calls bitwise; T_max = 1 through the
+op equals kda_decode bitwise; the values the kernel cannot serve (slot >= slots, a count outside
+[1, T_max]) are padding; bitwise determinism; CUDA-graph replay == eager.
+
+Run: python3 -m pytest -q tests/gpu/test_verify_gpu.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import flashkda_ext  # noqa: E402
+from flashkda_ext import reference as REF  # noqa: E402
+from gpu_common import bits, prebuild_selected, rel_l2  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = json.loads((ROOT / "jit/modules/verify_cuda.json").read_text())["modules"]
+NAMES = [r["name"] for r in RECORDS]
+GATES = {"softplus": 0, "bounded": 1, "log": 2}
+K = V = 128
+LENS = {1: [1, 1, 1, 1], 2: [2, 1, 2, 2, 1], 3: [3, 1, 2, 3], 4: [4, 2, 1, 3, 4], 8: [8, 5, 1, 8, 3, 7]}
+# the decode module with the verify tile's shape (same math per token): f32 split8, bf16 split4w2
+DECODE_TWIN = {"float32": "decode_split8_f32_o32", "bfloat16": "decode_split4w2_bf16_o32"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild(request):
+    prebuild_selected(request)
+
+
+def load(name):
+    from flashkda_ext.jit import load_module
+    return load_module(name)
+
+
+def sdtype(rec):
+    return torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
+
+
+def make(gen, lens, cols, H, HV, state_dtype, gate="softplus", pad_request=None, pad_token=None, spare=5):
+    N, T = len(lens), sum(lens)
+    slots = N * cols + spare
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    a = dict(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, HV, V).bfloat16(),
+             g=((-torch.nn.functional.softplus(r(1, T, HV, K))) if gate == "log" else r(1, T, HV, K) - 1.0).bfloat16(),
+             beta=r(1, T, HV).bfloat16(),
+             A_log=None if gate == "log" else (torch.rand(HV, generator=gen, device="cuda") * 2.5 - 2.0).float(),
+             dt_bias=None if gate == "log" else (r(HV * K) * 0.5).float(),
+             state=(r(slots, HV, V, K) * 0.5).to(state_dtype))
+    cpu = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device="cuda")))
+    idx = torch.randperm(slots, generator=cpu)[:N * cols].reshape(N, cols).to(torch.int32)
+    nacc = torch.randint(1, cols + 1, (N,), generator=cpu, dtype=torch.int32)
+    if pad_request is not None:
+        idx[pad_request, int(nacc[pad_request]) - 1] = -3
+    if pad_token is not None and int(nacc[pad_token[0]]) - 1 != pad_token[1]:
+        idx[pad_token] = -1
+    a.update(state_indices=idx.cuda(), num_accepted_tokens=nacc.cuda(),
+             cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"))
+    return a
+
+
+def call_module(name, a, out, gate="softplus", lb=-5.0, scale=None, beta_is_logit=True, null_slot0=False):
+    load(name)["kda_verify"](a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
+                             a["state_indices"], a["cu_seqlens"], a["num_accepted_tokens"], out, GATES[gate],
+                             float(lb), float(K ** -0.5 if scale is None else scale), bool(beta_is_logit),
+                             bool(null_slot0))
+
+
+def reference(a, gate="softplus", lb=-5.0, **kw):
+    """(out float64 [1, T, HV, V], new pool) on the GPU, from the (unchanged) inputs."""
+    return REF.kda_verify_step(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], state_indices=a["state_indices"],
+        cu_seqlens=a["cu_seqlens"], num_accepted_tokens=a["num_accepted_tokens"], gate=gate, A_log=a["A_log"],
+        dt_bias=a["dt_bias"], lower_bound=lb if gate == "bounded" else None, **kw)
+
+
+def stored_slots(a, null_slot0=False):
+    plan = REF.verify_plan(a["cu_seqlens"].cpu(), a["state_indices"].cpu(), a["num_accepted_tokens"].cpu(),
+                           a["state"].shape[0], null_slot0)
+    return plan, {w for _, _, read, ws in plan if read is not None for w in ws if w is not None}
+
+
+def check(a, pool0, out, ref_out, ref_pool, what, null_slot0=False):
+    plan, written = stored_slots(a, null_slot0)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out.float()).any(), f"{what}: an output element was never written"
+    assert rel_l2(out.float(), ref_out) < 1.2e-2, what
+    tol = 4e-3 if a["state"].dtype == torch.float32 else 1e-2
+    for s in written:
+        assert rel_l2(a["state"][s].float(), ref_pool[s].double()) < tol, (what, s)
+    for s in range(pool0.shape[0]):
+        if s not in written:
+            assert torch.equal(bits(a["state"][s]), bits(pool0[s])), f"{what}: slot {s} changed"
+    for s, e, read, _ in plan:
+        if read is None:
+            assert torch.equal(out[0, s:e], torch.zeros_like(out[0, s:e])), f"{what}: padding output not zero"
+
+
+@pytest.mark.parametrize("cols", sorted(LENS))
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_reference(name, cols):
+    rec = next(r for r in RECORDS if r["name"] == name)
+    gen = torch.Generator(device="cuda").manual_seed(1000 + cols)
+    lens = LENS[cols]
+    for H, HV, gate in ((4, 4, "softplus"), (2, 8, "bounded"), (4, 4, "log")):
+        a = make(gen, lens, cols, H, HV, sdtype(rec), gate, pad_request=1, pad_token=(0, cols - 1) if cols > 1 else None)
+        pool0 = a["state"].clone()
+        ref_out, ref_pool = reference(a, gate)
+        out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(name, a, out, gate)
+        check(a, pool0, out, ref_out, ref_pool, f"{name} T_max={cols} {gate} HV={HV}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_options_scale_beta_null_slot0(name):
+    rec = next(r for r in RECORDS if r["name"] == name)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    a = make(gen, [3, 2, 4], 4, 4, 8, sdtype(rec))
+    a["beta"] = torch.rand(a["beta"].shape, generator=gen, device="cuda").bfloat16()
+    a["state_indices"][2, int(a["num_accepted_tokens"][2]) - 1] = 0  # request 2 starts from the null block
+    pool0 = a["state"].clone()
+    ref_out, ref_pool = reference(a, scale=0.05, beta_is_logit=False, null_slot0=True)
+    out = torch.full((1, 9, 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call_module(name, a, out, scale=0.05, beta_is_logit=False, null_slot0=True)
+    check(a, pool0, out, ref_out, ref_pool, name, null_slot0=True)
+    assert torch.equal(bits(a["state"][0]), bits(pool0[0]))
+    assert torch.equal(out[0, 5:], torch.zeros_like(out[0, 5:]))  # request 2 (tokens 5..8) is padding
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("o32")])
+def test_tokens_equal_chained_decode_kernel_bitwise(name):
+    """The state stays packed in the pool's dtype between tokens: token t equals the decode kernel of
+    the same tile shape on the state stored after token t - 1, bitwise (T = 1 included)."""
+    rec = next(r for r in RECORDS if r["name"] == name)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    H, HV = 4, 8
+    a = make(gen, [4, 1, 3, 2], 4, H, HV, sdtype(rec))
+    pool0 = a["state"].clone()
+    out = torch.full((1, 10, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call_module(name, a, out)
+    plan, _ = stored_slots(a)
+    dec = load(DECODE_TWIN[rec["state_dtype"]])["kda_decode"]
+    work = torch.cat([pool0, pool0[:1]])
+    scratch = pool0.shape[0]
+    want = torch.empty_like(out)
+    for s, e, read, writes in plan:
+        work[scratch] = pool0[read]
+        for t in range(s, e):
+            o = torch.empty(1, HV, V, dtype=torch.bfloat16, device="cuda")
+            dec(a["q"][0, t:t + 1], a["k"][0, t:t + 1], a["v"][0, t:t + 1], a["g"][0, t:t + 1], a["beta"][0, t:t + 1],
+                a["A_log"], a["dt_bias"], work, torch.tensor([scratch], dtype=torch.int32, device="cuda"), o, 0, 0.0,
+                K ** -0.5, True, False)
+            want[0, t] = o[0]
+            if writes[t - s] is not None:
+                work[writes[t - s]] = work[scratch]
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(want))
+    assert torch.equal(bits(a["state"]), bits(work[:scratch]))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_op_t1_equals_kda_decode_bitwise(state_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for N, HV in ((3, 8), (64, 16), (300, 32)):
+        a = make(gen, [1] * N, 1, HV, HV, state_dtype, spare=4)
+        a["state_indices"][1, 0] = -1
+        pool = a["state"].clone()
+        want = flashkda_ext.kda_decode(a["q"][0], a["k"][0], a["v"][0], a["g"][0], a["beta"][0], state=pool,
+                                       state_indices=a["state_indices"][:, 0].contiguous(), A_log=a["A_log"],
+                                       dt_bias=a["dt_bias"], slot_mode="padded")
+        got = flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"],
+                                      state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"],
+                                      num_accepted_tokens=a["num_accepted_tokens"], A_log=a["A_log"],
+                                      dt_bias=a["dt_bias"])
+        assert torch.equal(bits(got[0]), bits(want))
+        assert torch.equal(bits(a["state"]), bits(pool))
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("o32")])
+def test_values_the_kernel_cannot_serve_are_padding(name):
+    """A count outside [1, T_max] or a read slot >= slots: a padding request; a token slot >= slots:
+    not stored. Nothing outside the pool is touched."""
+    rec = next(r for r in RECORDS if r["name"] == name)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    a = make(gen, [2, 3, 2, 1], 3, 4, 4, sdtype(rec))
+    slots = a["state"].shape[0]
+    nacc = a["num_accepted_tokens"]
+    nacc[0] = 0
+    nacc[3] = 4
+    a["state_indices"][2, int(nacc[2]) - 1] = slots + 7
+    read1 = int(nacc[1]) - 1
+    j = (read1 + 1) % 3  # a token of request 1 other than its read column
+    a["state_indices"][1, j] = slots
+    pool0 = a["state"].clone()
+    out = torch.full((1, 8, 4, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call_module(name, a, out)
+    torch.cuda.synchronize()
+    for s0, e0 in ((0, 2), (5, 7), (7, 8)):
+        assert torch.equal(out[0, s0:e0], torch.zeros_like(out[0, s0:e0])), (s0, e0)
+    assert not torch.isnan(out.float()).any()
+    live = {int(a["state_indices"][1, t]) for t in range(3) if t != j}
+    assert any(not torch.equal(bits(a["state"][s]), bits(pool0[s])) for s in live)
+    for s in range(slots):
+        if s not in live:
+            assert torch.equal(bits(a["state"][s]), bits(pool0[s])), s
+
+
+def test_op_routes_deterministic_and_graph_replay_equals_eager():
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        a = make(gen, [4, 2, 1, 3, 4, 4], 4, 8, 16, state_dtype)
+        pool0 = a["state"].clone()
+        kw = dict(state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"],
+                  num_accepted_tokens=a["num_accepted_tokens"], A_log=a["A_log"], dt_bias=a["dt_bias"])
+        results = []
+        for _ in range(2):
+            a["state"].copy_(pool0)
+            out = flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], **kw)
+            torch.cuda.synchronize()
+            results.append((out.clone(), a["state"].clone()))
+        assert torch.equal(bits(results[0][0]), bits(results[1][0])), "not deterministic"
+        assert torch.equal(bits(results[0][1]), bits(results[1][1])), "not deterministic (state)"
+        ref_out, ref_pool = reference(dict(a, state=pool0))
+        _, written = stored_slots(a)
+        assert rel_l2(results[0][0].float(), ref_out) < 1.2e-2
+        out = torch.full_like(results[0][0], float("nan"))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up on the capture stream (fast-path entry, module load)
+            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
+        a["state"].copy_(pool0)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(results[0][0])), "graph replay != eager (out)"
+        assert torch.equal(bits(a["state"]), bits(results[0][1])), "graph replay != eager (state)"
+        assert written

@@ -1,0 +1,52 @@
+"""`flashkda-ext trace dump`: definitions for given options, and a clear refusal naming the option
+for a value or combination that has no definition (trace.definition_for_options)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashkda_ext import cli, trace
+
+BASE = dict(heads=16, value_heads=None, head_dim=128, head_dim_k=None, head_dim_v=None,
+            input_dtype="bfloat16", state_dtype="float32", gate="softplus", lower_bound=-5.0,
+            slot_mode="unique", backend="cuda", rows=4, slots=64, tokens=256, seqs=2, checkpoint_every=0)
+
+
+@pytest.mark.parametrize("op", trace.OPS)
+def test_supported_options_give_a_valid_definition(op):
+    d = trace.definition_for_options(op, BASE)
+    trace.validate_definition(d)
+    assert d["name"].startswith(op) and f"op:{op}" in d["tags"]
+
+
+@pytest.mark.parametrize("op,change,option,words", [
+    ("kda_decode", {"input_dtype": "fp32"}, "--input-dtype", "expected one of float32, bfloat16, float16"),
+    ("kda_decode", {"state_dtype": "float64"}, "--state-dtype", "expected one of"),
+    ("kda_decode", {"input_dtype": "float16"}, "--input-dtype", "'float16' is not supported by the cuda backend"),
+    ("kda_prefill", {"state_dtype": "float16"}, "--state-dtype", "state dtype 'float16' is not supported"),
+    ("kda_decode", {"heads": 7}, "--value-heads/--heads", "value heads 7"),
+    ("kda_decode", {"heads": 16, "value_heads": 24}, "--value-heads/--heads", "num_v_heads % num_heads == 0"),
+    ("kda_decode", {"head_dim": 64}, "--head-dim-k/--head-dim", "head_dim_k 64"),
+    ("fused_kda_decode", {"heads": 4}, "--value-heads/--heads", "value heads 4"),
+    ("kda_decode", {"rows": 0}, "--rows", "positive integer"),
+])
+def test_unsupported_options_are_refused_naming_the_option(op, change, option, words):
+    with pytest.raises(ValueError) as e:
+        trace.definition_for_options(op, dict(BASE, **change))
+    assert str(e.value).startswith(option) and words in str(e.value), str(e.value)
+
+
+def test_the_cpu_backend_takes_what_cuda_refuses():
+    d = trace.definition_for_options("kda_decode", dict(BASE, input_dtype="float32", backend="cpu"))
+    assert d["name"].endswith("_f32in_cpu") and d["constraints"] == []
+
+
+def test_cli_prints_the_refusal_and_exits_2(capsys, tmp_path):
+    assert cli.main(["trace", "dump", "kda_decode", "--input-dtype", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "--input-dtype" in err and "'fp32'" in err and "Traceback" not in err
+    out = tmp_path / "d.json"
+    assert cli.main(["trace", "dump", "kda_prefill", "--checkpoint-every", "64", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert {"checkpoints", "final_state"} <= set(d["inputs"]) and "checkpoints_out" in d["outputs"]

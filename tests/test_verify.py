@@ -1,0 +1,307 @@
+"""kda_verify (speculative-decoding verify) on the CPU backend: against the reference on fresh random
+data, T_max in {1, 2, 3, 4, 8} with mixed T_n, num_accepted_tokens, padding and untouched slots; T = 1
+equal to kda_decode bitwise; T tokens equal to T chained kda_decode calls bitwise; errors naming the
+argument (in Python and in the binding); cold and warm calls agreeing (docs/semantics.md, "Verify")."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import flashkda_ext
+from flashkda_ext import fast_path, jit, ops, validation
+from flashkda_ext import reference as R
+
+H, HV, K, V = 2, 4, 8, 16  # K != V: a transposed state cannot pass
+
+
+def cold():
+    ops.clear_call_caches()
+    validation.check_kda_verify.cache_clear()
+    validation.check_kda_decode.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    cold()
+    yield
+    cold()
+
+
+def make(gen, lens, cols, *, slots=None, dtype=torch.float32, state_dtype=torch.float32, gate="softplus",
+         accepted=True, pad_request=None, pad_token=None):
+    """Fresh random arguments (never zeros): requests of lens tokens, state_indices [N, cols] of
+    distinct slots (plus a few slots named by nobody), num_accepted_tokens in [1, cols]."""
+    N, T = len(lens), sum(lens)
+    slots = slots or N * cols + 3
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(dtype)  # noqa: E731
+    idx = torch.randperm(slots, generator=gen)[:N * cols].reshape(N, cols).to(torch.int32)
+    nacc = torch.randint(1, cols + 1, (N,), generator=gen, dtype=torch.int32)
+    if pad_request is not None:
+        idx[pad_request, int(nacc[pad_request]) - 1] = -1
+    if pad_token is not None:
+        n, t = pad_token
+        if int(nacc[n]) - 1 != t:
+            idx[n, t] = -1 - t
+    a = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, HV, V), g=r(1, T, HV, K), beta=r(1, T, HV),
+             state=(torch.randn(slots, HV, V, K, generator=gen) * 0.5).to(state_dtype), state_indices=idx,
+             cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
+             num_accepted_tokens=nacc if accepted else None, gate=gate)
+    if gate != "log":
+        a["A_log"] = torch.randn(HV, generator=gen) * 0.3
+        a["dt_bias"] = torch.randn(HV * K, generator=gen) * 0.5
+    if gate == "bounded":
+        a["lower_bound"] = -4.0
+    if gate == "log":
+        a["g"] = -torch.rand(1, T, HV, K, generator=gen).to(dtype) - 0.01
+    return a
+
+
+def run(a):
+    kw = {n: x for n, x in a.items() if n not in ("q", "k", "v", "g", "beta")}
+    return flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
+
+
+def reference(a):
+    kw = {n: x for n, x in a.items() if n not in ("q", "k", "v", "g", "beta", "out", "max_seqlen")}
+    return R.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
+
+
+def clone(a):
+    return {n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in a.items()}
+
+
+def named_slots(a):
+    return {int(s) for s in a["state_indices"].flatten().tolist() if s >= 0}
+
+
+def gen_():
+    seed = random.SystemRandom().randrange(2**31)
+    return torch.Generator().manual_seed(seed)
+
+
+LENS = {1: [1, 1, 1], 2: [2, 1, 2, 2], 3: [3, 1, 2], 4: [4, 2, 1, 3], 8: [8, 5, 1, 8, 3]}
+
+
+@pytest.mark.parametrize("cols", sorted(LENS))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference_with_padding_and_untouched_slots(cols, state_dtype):
+    gen = gen_()
+    lens = LENS[cols]
+    a = make(gen, lens, cols, state_dtype=state_dtype, pad_request=1 if len(lens) > 2 else None,
+             pad_token=(0, cols - 1) if cols > 1 else None)
+    a["out"] = torch.full((1, sum(lens), HV, V), float("nan"))  # poisoned: every element must be written
+    pool0 = a["state"].clone()
+    ref_out, ref_pool = reference(a)
+    out = run(a)
+    assert out is a["out"]
+    assert torch.isfinite(out).all()
+    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(a["state"].double(), ref_pool.double(), **tol)
+    # slots no live token names stay bitwise unchanged; a padding request writes nothing
+    plan = R.verify_plan(a["cu_seqlens"], a["state_indices"], a["num_accepted_tokens"], pool0.shape[0])
+    written = {w for s, e, read, ws in plan if read is not None for w in ws if w is not None}
+    for s in range(pool0.shape[0]):
+        if s not in written:
+            assert torch.equal(a["state"][s], pool0[s]), f"slot {s} is not written but changed"
+    for s, e, read, _ in plan:
+        if read is None:
+            assert torch.equal(out[0, s:e], torch.zeros_like(out[0, s:e])), "a padding request's output is not zero"
+    assert written and len(written) < pool0.shape[0]
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "log"])
+def test_gates_and_options_match_reference(gate):
+    gen = gen_()
+    a = make(gen, [3, 2, 4], 4, gate=gate, accepted=False)
+    a.update(scale=0.7, beta_is_logit=False, beta=torch.rand(1, 9, HV, generator=gen))
+    ref_out, ref_pool = reference(a)
+    out = run(a)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a["state"].double(), ref_pool.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_inputs_and_null_slot0():
+    gen = gen_()
+    a = make(gen, [2, 3], 3, dtype=torch.bfloat16, state_dtype=torch.bfloat16, slots=12)
+    a["state_indices"][1, int(a["num_accepted_tokens"][1]) - 1] = 0  # slot 0 = the null block
+    a["null_slot0"] = True
+    pool0 = a["state"].clone()
+    ref_out, ref_pool = reference(a)
+    out = run(a)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(a["state"].double(), ref_pool.double(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(out[0, 2:], torch.zeros_like(out[0, 2:]))
+    assert torch.equal(a["state"][0], pool0[0])
+
+
+def _decode(a, rows_idx, token_rows, pool):
+    """kda_decode over the given packed tokens with the given slots, on pool."""
+    sel = torch.tensor(token_rows)
+    return flashkda_ext.kda_decode(
+        a["q"][0, sel], a["k"][0, sel], a["v"][0, sel], a["g"][0, sel], a["beta"][0, sel], state=pool,
+        state_indices=torch.tensor(rows_idx, dtype=torch.int32), A_log=a.get("A_log"), dt_bias=a.get("dt_bias"),
+        lower_bound=a.get("lower_bound"), gate=a["gate"], slot_mode="padded")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 3])
+def test_one_token_per_request_equals_kda_decode_bitwise(cols, state_dtype):
+    """T_n = 1 with num_accepted_tokens = 1: cols = 1 is served by the decode module, cols = 3 by the
+    verify module itself; both must be kda_decode on column 0, bitwise."""
+    gen = gen_()
+    a = make(gen, [1] * 5, cols, state_dtype=state_dtype, dtype=torch.bfloat16, accepted=False)
+    a["state_indices"][3, 0] = -1
+    pool = a["state"].clone()
+    want = _decode(a, a["state_indices"][:, 0].tolist(), list(range(5)), pool)
+    got = run(a)
+    assert torch.equal(got[0], want)
+    assert torch.equal(a["state"], pool)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_tokens_equal_chained_kda_decode_bitwise(state_dtype):
+    """The state continues from its stored value: token t of a request equals kda_decode on a copy of
+    the state after token t - 1, bitwise, bf16 state included."""
+    gen = gen_()
+    lens = [4, 2, 3]
+    a = make(gen, lens, 4, state_dtype=state_dtype, dtype=torch.bfloat16)
+    pool = a["state"].clone()
+    want = torch.empty(1, sum(lens), HV, V, dtype=torch.bfloat16)
+    plan = R.verify_plan(a["cu_seqlens"], a["state_indices"], a["num_accepted_tokens"], pool.shape[0])
+    scratch = pool.shape[0]  # one extra slot carries the running state
+    work = torch.cat([pool, pool[:1]])
+    for s, e, read, writes in plan:
+        work[scratch] = pool[read]
+        for t in range(s, e):
+            want[0, t] = _decode(a, [scratch], [t], work)[0]
+            if writes[t - s] is not None:
+                work[writes[t - s]] = work[scratch]
+    got = run(a)
+    assert torch.equal(got, want)
+    assert torch.equal(a["state"], work[:scratch])
+
+
+def _bad(name, value):
+    def change(a):
+        a[name] = value(a) if callable(value) else value
+    change.__name__ = f"{name}"
+    return change
+
+
+def _dup_write(a):
+    idx = a["state_indices"].clone()
+    idx[1, 0] = idx[0, 0]
+    return idx
+
+
+def _read_other(a):
+    idx = a["state_indices"].clone()
+    nacc = a["num_accepted_tokens"]
+    idx[1, int(nacc[1]) - 1] = idx[0, 0]
+    return idx
+
+
+def _batch2(a):
+    for n in ("q", "k", "v", "g", "beta"):
+        a[n] = torch.cat([a[n], a[n]])
+
+
+BAD = [  # (change, argument the message must name)
+    (_bad("cu_seqlens", lambda a: torch.tensor([0, 3, 3, 9], dtype=torch.int32)), "cu_seqlens"),
+    (_bad("cu_seqlens", lambda a: torch.tensor([0, 5, 6, 9], dtype=torch.int32)), "state_indices"),
+    (_bad("cu_seqlens", lambda a: torch.tensor([0, 3, 5, 8], dtype=torch.int32)), "cu_seqlens"),
+    (_bad("cu_seqlens", lambda a: a["cu_seqlens"].long()), "cu_seqlens"),
+    (_bad("cu_seqlens", lambda a: a["cu_seqlens"][:3]), "cu_seqlens"),
+    (_bad("num_accepted_tokens", lambda a: torch.tensor([1, 0, 2], dtype=torch.int32)), "num_accepted_tokens"),
+    (_bad("num_accepted_tokens", lambda a: torch.tensor([1, 5, 2], dtype=torch.int32)), "num_accepted_tokens"),
+    (_bad("num_accepted_tokens", lambda a: a["num_accepted_tokens"].long()), "num_accepted_tokens"),
+    (_bad("state_indices", _dup_write), "state_indices"),
+    (_bad("state_indices", _read_other), "state_indices"),
+    (_bad("state_indices", lambda a: a["state_indices"].clamp(max=100) + 100), "state_indices"),
+    (_bad("state_indices", lambda a: a["state_indices"].long()), "state_indices"),
+    (_bad("state_indices", lambda a: a["state_indices"].flatten()), "state_indices"),
+    (_bad("state_indices", lambda a: a["state_indices"].t().contiguous().t()), "state_indices"),
+    (_batch2, "q"),
+    (_bad("out", lambda a: torch.empty(1, 9, HV, K)), "out"),
+    (_bad("max_seqlen", 5), "max_seqlen"),
+    (_bad("max_seqlen", 2), "max_seqlen"),
+    (_bad("max_seqlen", 2.0), "max_seqlen"),
+    (_bad("state", lambda a: a["state"][:, :, :, :K - 1].contiguous()), "state"),
+    (_bad("beta", lambda a: a["beta"].double()), "beta"),
+    (_bad("g", lambda a: a["g"].requires_grad_()), "g"),
+    (_bad("state", lambda a: a["state"].to(torch.float16)), "state"),
+    (_bad("A_log", None), "A_log"),
+    (_bad("null_slot0", 1), "null_slot0"),
+]
+
+
+def _base(gen):
+    return make(gen, [3, 2, 4], 4)
+
+
+def _outcome(a):
+    before = {n: x.clone() for n, x in a.items() if isinstance(x, torch.Tensor)}
+    try:
+        out = run(a)
+    except Exception as e:  # noqa: BLE001 - compared below
+        for n, x in before.items():
+            assert torch.equal(x, a[n].detach()), f"a refused call changed {n}"
+        return ("raise", type(e), str(e))
+    return ("ok", out.clone(), a["state"].clone())
+
+
+@pytest.mark.parametrize("change,argname", BAD, ids=[f"{i}-{c.__name__}" for i, (c, _) in enumerate(BAD)])
+def test_bad_input_names_the_argument_and_cold_equals_warm(change, argname):
+    gen = gen_()
+    a = _base(gen)
+    change(a)
+    cold()
+    c = _outcome(clone(a))
+    assert c[0] == "raise" and c[1] in (TypeError, ValueError), c
+    assert c[2].startswith(f"{argname}:"), c[2]
+    cold()
+    assert _outcome(_base(gen))[0] == "ok"  # arms the fast path
+    assert fast_path.size() == 1
+    w = _outcome(clone(a))
+    assert (c[0], c[1], c[2]) == (w[0], w[1], w[2])
+
+
+def test_valid_warm_call_takes_the_fast_path_and_equals_cold(monkeypatch):
+    gen = gen_()
+    a = _base(gen)
+    c = _outcome(clone(a))
+    cold()
+    assert _outcome(_base(gen))[0] == "ok"
+    checks = []
+    real = validation.check_kda_verify
+    monkeypatch.setattr(validation, "check_kda_verify", lambda *x, **k: checks.append(1) or real(*x, **k))
+    w = _outcome(clone(a))
+    assert checks == [], "the warm call was checked in full"
+    assert torch.equal(c[1], w[1]) and torch.equal(c[2], w[2])
+
+
+def test_binding_checks_host_values_itself():
+    """The last line of defence: the CPU module refuses what validation refuses, naming the argument."""
+    gen = gen_()
+    a = _base(gen)
+    fn = jit.load_module("cpu_kda_verify")["kda_verify"]
+    out = torch.empty(1, 9, HV, V)
+
+    def call(idx=None, cu=None, nacc=None):
+        fn(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
+           a["state_indices"] if idx is None else idx, a["cu_seqlens"] if cu is None else cu,
+           a["num_accepted_tokens"] if nacc is None else nacc, out, 0, 0.0, K ** -0.5, True, False)
+
+    pool0 = a["state"].clone()
+    for kw, name in ((dict(idx=_dup_write(a)), "state_indices"), (dict(idx=_read_other(a)), "state_indices"),
+                     (dict(cu=torch.tensor([0, 3, 3, 9], dtype=torch.int32)), "cu_seqlens"),
+                     (dict(nacc=torch.tensor([1, 0, 1], dtype=torch.int32)), "num_accepted_tokens")):
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            call(**kw)
+        assert torch.equal(a["state"], pool0)
+    call()  # the untouched arguments are valid
+    assert not torch.equal(a["state"], pool0)
