@@ -100,12 +100,15 @@ def test_results_folders_are_named_by_date_and_commit():
 
 def test_index_matches_the_folders():
     entries = _index()["sessions"]
+    later = _index().get("folders", [])  # folders named by date and commit from the start
     folders = set(_results_folders())
-    listed = [Path(e["folder"]).name for e in entries]
+    listed = [Path(e["folder"]).name for e in entries + later]
     assert len(listed) == len(set(listed)), "a folder is listed twice in INDEX.json"
     assert set(listed) == folders, (
         f"only in INDEX.json: {sorted(set(listed) - folders)}; "
         f"not in INDEX.json: {sorted(folders - set(listed))}")
+    for e in later:
+        assert (e["date"], e["commit"]) == FOLDER_NAME.match(Path(e["folder"]).name).groups(), e
     labels = [e["label"] for e in entries]
     assert len(labels) == len(set(labels)), "a label is listed twice in INDEX.json"
     for e in entries:
@@ -118,7 +121,7 @@ def test_index_matches_the_folders():
 def test_perf_notes_has_a_section_for_every_folder():
     # Each folder README points at the perf-notes sections headed "<date>, <commit>".
     notes = (ROOT / "docs" / "perf-notes.md").read_text(encoding="utf-8")
-    missing = [e["folder"] for e in _index()["sessions"]
+    missing = [e["folder"] for e in _index()["sessions"] + _index().get("folders", [])
                if f"### {e['date']}, {e['commit']}" not in notes]
     assert not missing, f"no perf-notes section headed '<date>, <commit>' for {missing}"
 
