@@ -154,8 +154,8 @@ def test_verifiers_refuse_training_and_unserved_decode_forms():
     base = dict(inputs(B=1, T=3), initial_state=pool, cu_seqlens=torch.arange(4),
                 ssm_state_indices=torch.arange(3, dtype=torch.int32), **FLA_FLAGS)
     assert fkda_fla.fused_recurrent_kda_fwd_verifier(**base) == (True, None)
-    for change, reason in [(dict(num_accepted_tokens=torch.ones(3, dtype=torch.int32)), "speculative"),
-                           (dict(ssm_state_indices=torch.zeros(3, 2, dtype=torch.int32)), "per-token"),
+    for change, reason in [(dict(num_accepted_tokens=torch.ones(3, dtype=torch.int32)), "per-token"),
+                           (dict(ssm_state_indices=torch.zeros(3, 2, 2, dtype=torch.int32)), "1 or 2 dims"),
                            (dict(inplace_final_state=False), "in place"),
                            (dict(cu_seqlens=torch.tensor([0, 3])), "decode batch"),
                            (dict(beta=torch.zeros(1, 3, HV, V)), "scalar beta per head")]:
@@ -202,3 +202,28 @@ def test_verdicts_are_reused_only_for_the_same_call_signature():
     assert not ok and "contiguous" in why and len(fkda_fla._VERDICTS) == 2
     with torch.inference_mode(False), torch.enable_grad():       # grad mode is part of the key
         assert fkda_fla.chunk_kda_verifier(**call)[0] is False
+
+
+def test_speculative_decoding_call_is_served_by_kda_verify():
+    """vLLM's verify call (per-token ssm_state_indices [N, T_max], num_accepted_tokens) maps onto
+    kda_verify: the state after token t of request n lands in slot [n, t], the initial state comes
+    from slot [n, num_accepted_tokens[n] - 1]; checked against the reference verify step."""
+    from flashkda_ext.reference import verify as ref_verify
+    a = inputs(seed=3, B=1, T=5)
+    pool = torch.randn(9, HV, V, K) * 0.3
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    idx = torch.tensor([[1, 4, -1], [2, 7, 5]], dtype=torch.int32)
+    acc = torch.tensor([2, 1], dtype=torch.int32)
+    call = dict(a, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=acc,
+                inplace_final_state=True, **FLA_FLAGS)
+    assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
+    pool0 = pool.clone()
+    o, final = fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+    assert final is pool and o.shape == (1, 5, HV, V)
+    want_o, want_pool = ref_verify.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], state=pool0,
+                                                   state_indices=idx, cu_seqlens=cu, num_accepted_tokens=acc,
+                                                   A_log=a["A_log"], dt_bias=a["dt_bias"])
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+    for s in (0, 3, 6, 8):  # slots no entry names
+        assert torch.equal(pool[s], pool0[s])

@@ -117,7 +117,8 @@ def _gate(plan: _Plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int)
 
 
 def _validated(family: str, device, args: tuple, kwargs: dict) -> None:
-    check = {"kda_decode": validation.check_kda_decode, "kda_prefill": validation.check_kda_prefill}[family]
+    check = {"kda_decode": validation.check_kda_decode, "kda_prefill": validation.check_kda_prefill,
+             "kda_verify": validation.check_kda_verify}[family]
     try:
         _check_on_meta(check, device, args, kwargs)
     except (TypeError, ValueError) as e:
@@ -267,8 +268,8 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                                 out=out),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, allow_neg_eigval=allow_neg_eigval,
             state_v_first=state_v_first)
-    if num_accepted_tokens is not None:
-        raise Refused("flashkda_ext does not serve num_accepted_tokens (speculative decoding) yet")
+    if num_accepted_tokens is not None and (ssm_state_indices is None or ssm_state_indices.dim() != 2):
+        raise Refused("flashkda_ext serves num_accepted_tokens only with per-token ssm_state_indices [N, T_max]")
     if kwargs:
         raise Refused(f"flashkda_ext does not know the arguments {sorted(kwargs)}")
     B, T, H, K = q.shape
@@ -283,8 +284,21 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
         if initial_state is None or not inplace_final_state:
             raise Refused("flashkda_ext serves ssm_state_indices only with the pool updated in place "
                           "(initial_state given, inplace_final_state=True)")
+        if ssm_state_indices.dim() == 2:
+            # speculative decoding (kda_verify): the state after token t of sequence n goes to slot
+            # [n, t], the initial state is read from slot [n, num_accepted_tokens[n] - 1]
+            if cu_seqlens is None or B != 1:
+                raise Refused("flashkda_ext serves per-token ssm_state_indices [N, T_max] on packed input "
+                              "(B = 1 with cu_seqlens)")
+            kw = dict(state=plan.keep(initial_state), state_indices=plan.cast(ssm_state_indices, torch.int32),
+                      cu_seqlens=plan.cast(cu_seqlens, torch.int32),
+                      num_accepted_tokens=None if num_accepted_tokens is None
+                      else plan.cast(num_accepted_tokens, torch.int32),
+                      max_seqlen=int(ssm_state_indices.shape[1]), out=plan.keep(out), **gate_kw)
+            args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
+            return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
-            raise Refused("flashkda_ext does not serve per-token ssm_state_indices [N, T] (speculative decoding)")
+            raise Refused(f"flashkda_ext serves ssm_state_indices of 1 or 2 dims, got {ssm_state_indices.dim()}")
         if cu_seqlens is None:
             if T != 1:
                 raise Refused(f"flashkda_ext serves ssm_state_indices for one token per sequence, got T = {T}")
@@ -330,9 +344,9 @@ def fused_recurrent_kda_fwd_verifier(*args, **kwargs):
 
 def serve_fused_recurrent_kda_fwd(*args, **kwargs):
     """fused_recurrent_kda_fwd through kda_decode / kda_prefill: returns (o [B, T, HV, V], final_state)."""
-    from ..ops import kda_decode, kda_prefill
+    from ..ops import kda_decode, kda_prefill, kda_verify
     family, a, kw, result = _plan_fused_recurrent(_Plan(meta=False), *args, **kwargs)
-    fn = kda_decode if family == "kda_decode" else kda_prefill
+    fn = {"kda_decode": kda_decode, "kda_prefill": kda_prefill, "kda_verify": kda_verify}[family]
     return result(fn(*a, **kw))
 
 
