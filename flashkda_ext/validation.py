@@ -761,6 +761,50 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            _offset_bits(state, conv_state))
 
 
+def _verify_index_table(state_indices, device):
+    """A verify call's state_indices [N, T_max] (int32, one slot per request and token): the
+    tensor, N and T_max."""
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    return state_indices, N, cols
+
+
+def _verify_lengths(first, T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device) -> int:
+    """cu_seqlens, num_accepted_tokens and max_seqlen of a verify call with N requests of
+    1 .. T_max = cols tokens, T in all (errors about T name the token input `first`); returns
+    max_seqlen resolved (None: T_max)."""
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        # every request has 1 .. T_max tokens
+        raise ValueError(f"{first}: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        return cols
+    _int("max_seqlen", max_seqlen, "or None")
+    if not 1 <= max_seqlen <= cols:
+        raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                         f"state_indices) or None, got {max_seqlen}")
+    return max_seqlen
+
+
+def _verify_route_meta(call) -> dict:
+    """The route metadata of a verify call (VerifyCall, FusedVerifyCall)."""
+    return {"device": call.backend, "num_seqs": call.num_seqs, "value_heads": call.value_heads,
+            "total_tokens": call.total_tokens, "max_seqlen": call.max_seqlen,
+            "work_items": call.num_seqs * call.value_heads, "state": _state_tag(call.state_dtype),
+            "offset": f"o{call.offset_bits}", "gate": call.gate}
+
+
 @dataclass(frozen=True)
 class VerifyCall:
     backend: str
@@ -792,10 +836,7 @@ class VerifyCall:
         return self.index_cols == 1
 
     def route_meta(self) -> dict:
-        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
-                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
-                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "gate": self.gate}
+        return _verify_route_meta(self)
 
     def decode_route_meta(self) -> dict:
         """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
@@ -819,30 +860,8 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     _bool("beta_is_logit", beta_is_logit)
     _bool("null_slot0", null_slot0)
     slots = _pool("state", state, HV, V, K, device, backend)
-    state_indices = _tensor("state_indices", state_indices)
-    _same_device("state_indices", state_indices, device)
-    if state_indices.dtype != torch.int32:
-        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
-    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
-    _contiguous("state_indices", state_indices)
-    N, cols = state_indices.shape
-    if N < 1 or cols < 1:
-        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
-                         f"{list(state_indices.shape)}")
-    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
-    if not N <= T <= N * cols:
-        # every request has 1 .. T_max tokens
-        raise ValueError(f"q: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
-                         f"1 .. T_max = {cols} tokens), got T = {T}")
-    if num_accepted_tokens is not None:
-        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
-    if max_seqlen is None:
-        max_seqlen = cols
-    else:
-        _int("max_seqlen", max_seqlen, "or None")
-        if not 1 <= max_seqlen <= cols:
-            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
-                             f"state_indices) or None, got {max_seqlen}")
+    state_indices, N, cols = _verify_index_table(state_indices, device)
+    max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
     _supported_dims("kda_verify", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
                     gate, "padded")
@@ -932,10 +951,7 @@ class FusedVerifyCall:
         return self.num_heads
 
     def route_meta(self) -> dict:
-        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.num_heads,
-                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
-                "work_items": self.num_seqs * self.num_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "gate": self.gate}
+        return _verify_route_meta(self)
 
 
 @_memoized
@@ -972,16 +988,7 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
         raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
                          f"got {dtype_name(conv_weight.dtype)}")
     slots = _pool("state", state, H, D, D, device, backend)
-    state_indices = _tensor("state_indices", state_indices)
-    _same_device("state_indices", state_indices, device)
-    if state_indices.dtype != torch.int32:
-        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
-    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
-    _contiguous("state_indices", state_indices)
-    N, cols = state_indices.shape
-    if N < 1 or cols < 1:
-        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
-                         f"{list(state_indices.shape)}")
+    state_indices, N, cols = _verify_index_table(state_indices, device)
     conv_state = _tensor("conv_state", conv_state)
     _same_device("conv_state", conv_state, device)
     _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, L]")
@@ -990,19 +997,7 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                          f"(a line keeps the inputs of every draft position), got {list(conv_state.shape)}")
     _contiguous("conv_state", conv_state)
     _same_dtype("conv_state", conv_state, x, "x")
-    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
-    if not N <= T <= N * cols:
-        raise ValueError(f"x: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
-                         f"1 .. T_max = {cols} tokens), got T = {T}")
-    if num_accepted_tokens is not None:
-        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
-    if max_seqlen is None:
-        max_seqlen = cols
-    else:
-        _int("max_seqlen", max_seqlen, "or None")
-        if not 1 <= max_seqlen <= cols:
-            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
-                             f"state_indices) or None, got {max_seqlen}")
+    max_seqlen = _verify_lengths("x", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
     output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
     norm_weight = _tensor("norm_weight", norm_weight)
     _same_device("norm_weight", norm_weight, device)
