@@ -7,10 +7,9 @@
 // afterwards line[:, 0:2] = old line[:, o+1:o+3] and line[:, 2 + j] = token j's input, so the next
 // call's window at its accepted offset is the three inputs up to that token.
 #include <cmath>
-#include <map>
 #include <vector>
 
-#include "../common/kda_cpu.h"
+#include "../common/verify_cpu.h"
 
 namespace {
 
@@ -44,9 +43,8 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.ndim(state, "state", 4, "[slots, H, D, D]");
   const int64_t slots = state.size(0);
   c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  const cpu::SlotTable table = cpu::slot_table(c, state_indices);
+  const int64_t N = table.N, cols = table.cols;
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
   const int64_t L = conv_state.size(2);
   c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"L", L}});
@@ -70,13 +68,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    c.device_type(a, "num_accepted_tokens", kDLCPU);
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
+  cpu::check_accepted_tokens(c, num_accepted_tokens, N);
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
   const fkda::GateMode mode = c.gate_mode(gate_mode);
@@ -86,46 +78,11 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.positive_finite(norm_eps, "norm_eps");
 
   // ---- host values (the rules of kda_verify) ----------------------------------------------------
-  const std::vector<int64_t> off = c.cu_seqlens_host(cu_seqlens, "cu_seqlens", T);
-  const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
-  c.slot_indices_host(state_indices, "state_indices", slots);
-  std::vector<int64_t> read_col(N, 0);
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t len = off[n + 1] - off[n];
-    if (len < 1 || len > cols) {
-      FKDA_FAIL(c.fn()) << "argument 'cu_seqlens': request " << n << " has " << len
-                        << " tokens; expected 1 .. T_max = " << cols;
-    }
-    if (num_accepted_tokens.has_value()) {
-      const int32_t a = fkda::data_ptr<const int32_t>(num_accepted_tokens.value())[n];
-      if (a < 1 || a > cols) {
-        FKDA_FAIL(c.fn()) << "argument 'num_accepted_tokens': entry " << n << " = " << a
-                          << " must be in [1, T_max = " << cols << "]";
-      }
-      read_col[n] = a - 1;
-    }
-  }
+  const cpu::VerifyPlan plan =
+      cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table, slots, null_slot0);
+  const std::vector<int64_t> &off = plan.off, &read_col = plan.read_col;
+  const int32_t* idx = plan.idx;
   auto pad = [&](int64_t s) { return cpu::is_padding(s, null_slot0); };
-  std::map<int32_t, int64_t> writer;
-  for (int64_t n = 0; n < N; ++n) {
-    if (pad(idx[n * cols + read_col[n]])) continue;
-    for (int64_t t = 0; t < off[n + 1] - off[n]; ++t) {
-      const int32_t s = idx[n * cols + t];
-      if (pad(s)) continue;
-      if (!writer.emplace(s, n).second) {
-        FKDA_FAIL(c.fn()) << "argument 'state_indices': slot " << s << " is written twice (requests "
-                          << writer[s] << " and " << n << "); written slots must be distinct";
-      }
-    }
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    const int32_t s = idx[n * cols + read_col[n]];
-    auto it = writer.find(s);
-    if (!pad(s) && it != writer.end() && it->second != n) {
-      FKDA_FAIL(c.fn()) << "argument 'state_indices': request " << n << " reads slot " << s
-                        << ", which request " << it->second << " writes";
-    }
-  }
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
