@@ -1,5 +1,4 @@
-// The CPU verify modules' (kda_verify, fused_kda_verify) shared argument checks: the slot table
-// state_indices [N, T_max], num_accepted_tokens [N], and every rule on the host values of the
+// The CPU verify modules' (kda_verify, fused_kda_verify) shared argument checks: num_accepted_tokens [N] and every rule on the host values of the
 // index tensors (docs/semantics.md, "Verify"): both ops read and write the pool the same way.
 #pragma once
 
@@ -9,21 +8,10 @@
 #include <vector>
 
 #include "kda_cpu.h"
+#include "pool_args.h"
 
 namespace fkda {
 namespace cpu {
-
-// The request count N and T_max of state_indices (rank checked here; its dtype by the caller).
-struct SlotTable {
-  int64_t N, cols;
-};
-
-inline SlotTable slot_table(const Checker& c, const TensorView& state_indices) {
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
-  return SlotTable{N, cols};
-}
 
 inline void check_accepted_tokens(const Checker& c, const OptTensor& num_accepted_tokens, int64_t N) {
   if (!num_accepted_tokens.has_value()) return;
@@ -40,6 +28,10 @@ struct VerifyPlan {
   std::vector<int64_t> off;
   const int32_t* idx;
   std::vector<int64_t> read_col;
+  bool null_slot0;
+
+  // An entry that names no slot: negative, or 0 with null_slot0.
+  bool pad(int64_t s) const { return is_padding(s, null_slot0); }
 };
 
 // Offsets, token counts, accepted counts, slot ranges; no slot written twice, none read by one
@@ -88,7 +80,7 @@ inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_ind
                         << ", which request " << it->second << " writes";
     }
   }
-  return VerifyPlan{std::move(off), idx, std::move(read_col)};
+  return VerifyPlan{std::move(off), idx, std::move(read_col), null_slot0};
 }
 
 }  // namespace cpu

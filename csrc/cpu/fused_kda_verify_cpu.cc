@@ -43,7 +43,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.ndim(state, "state", 4, "[slots, H, D, D]");
   const int64_t slots = state.size(0);
   c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
-  const cpu::SlotTable table = cpu::slot_table(c, state_indices);
+  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
   const int64_t L = conv_state.size(2);
@@ -71,18 +71,12 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, H, D, x, "x");
-  c.positive_finite(scale, "scale");
+  const fkda::GateMode mode =
+      fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, x, "x", scale);
   c.positive_finite(norm_eps, "norm_eps");
 
-  // ---- host values (the rules of kda_verify) ----------------------------------------------------
   const cpu::VerifyPlan plan =
       cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table, slots, null_slot0);
-  const std::vector<int64_t> &off = plan.off, &read_col = plan.read_col;
-  const int32_t* idx = plan.idx;
-  auto pad = [&](int64_t s) { return cpu::is_padding(s, null_slot0); };
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
@@ -97,27 +91,27 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
     TS* pool = fkda::data_ptr<TS>(state);
     std::vector<TS> work(H * D * D);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
-      const int64_t len = off[n + 1] - off[n];
-      const int32_t read = idx[n * cols + read_col[n]], line_slot = idx[n * cols];
-      if (pad(read) || pad(line_slot)) {
-        os.fill_zero(off[n] * HD, len * HD);
+      const int64_t len = plan.off[n + 1] - plan.off[n];
+      const int32_t read = plan.idx[n * cols + plan.read_col[n]], line_slot = plan.idx[n * cols];
+      if (plan.pad(read) || plan.pad(line_slot)) {
+        os.fill_zero(plan.off[n] * HD, len * HD);
         continue;
       }
       // hist[ch][0..2]: the three inputs before the first token; hist[ch][3 + j]: token j's input
-      const int64_t o = read_col[n], HL = kConvWidth - 1 + len;
+      const int64_t o = plan.read_col[n], HL = kConvWidth - 1 + len;
       cs.load(line_slot * C * L, C * L, line.data());
       hist.assign(C * HL, 0.0);
       for (int64_t ch = 0; ch < C; ++ch) {
         for (int64_t i = 0; i < kConvWidth - 1; ++i) hist[ch * HL + i] = line[ch * L + o + i];
       }
       for (int64_t j = 0; j < len; ++j) {
-        xs.load((off[n] + j) * C, C, y.data());
+        xs.load((plan.off[n] + j) * C, C, y.data());
         for (int64_t ch = 0; ch < C; ++ch) hist[ch * HL + kConvWidth - 1 + j] = y[ch];
       }
       std::copy(pool + static_cast<int64_t>(read) * H * D * D, pool + (static_cast<int64_t>(read) + 1) * H * D * D,
                 work.begin());
       for (int64_t j = 0; j < len; ++j) {
-        const int64_t r = off[n] + j;
+        const int64_t r = plan.off[n] + j;
         for (int64_t ch = 0; ch < C; ++ch) {  // the conv in fused_kda_decode's order: x term first
           const double* wc = w.data() + ch * kConvWidth;
           const double* hc = hist.data() + ch * HL + j;
@@ -145,8 +139,8 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
           }
           os.store((r * H + h) * D, D, orow.data());
         }
-        const int32_t dst = idx[n * cols + j];
-        if (!pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * H * D * D);
+        const int32_t dst = plan.idx[n * cols + j];
+        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * H * D * D);
       }
       // the line after the call: the two inputs before the first token, then every token's input
       for (int64_t ch = 0; ch < C; ++ch) {

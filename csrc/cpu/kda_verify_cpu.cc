@@ -45,7 +45,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.ndim(state, "state", 4, "[slots, HV, V, K]");
   const int64_t slots = state.size(0);
   c.shape(state, "state", {{"slots", slots}, {"HV", HV}, {"V", V}, {"K", K}});
-  const cpu::SlotTable table = cpu::slot_table(c, state_indices);
+  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
   fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
@@ -59,17 +59,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   }
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, HV, K, q, "q");
-  c.positive_finite(scale, "scale");
+  const fkda::GateMode mode =
+      fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, q, "q", scale);
 
-  // ---- host values -------------------------------------------------------------------------
   const cpu::VerifyPlan plan =
       cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table, slots, null_slot0);
-  const std::vector<int64_t> &off = plan.off, &read_col = plan.read_col;
-  const int32_t* idx = plan.idx;
-  auto pad = [&](int64_t s) { return cpu::is_padding(s, null_slot0); };
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
@@ -82,13 +76,13 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     TS* pool = fkda::data_ptr<TS>(state);
     std::vector<TS> work(slot_elems);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
-      const int32_t read = idx[n * cols + read_col[n]];
-      if (pad(read)) {
-        os.fill_zero(off[n] * HV * V, (off[n + 1] - off[n]) * HV * V);
+      const int32_t read = plan.idx[n * cols + plan.read_col[n]];
+      if (plan.pad(read)) {
+        os.fill_zero(plan.off[n] * HV * V, (plan.off[n + 1] - plan.off[n]) * HV * V);
         continue;
       }
       std::copy(pool + read * slot_elems, pool + (read + 1) * slot_elems, work.begin());
-      for (int64_t r = off[n]; r < off[n + 1]; ++r) {
+      for (int64_t r = plan.off[n]; r < plan.off[n + 1]; ++r) {
         qs.load(r * H * K, H * K, qn.data());
         ks.load(r * H * K, H * K, kn.data());
         for (int64_t h = 0; h < H; ++h) {
@@ -106,8 +100,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                           decay.data(), b, vrow.data(), orow.data(), row.data());
           os.store((r * HV + hv) * V, V, orow.data());
         }
-        const int32_t dst = idx[n * cols + (r - off[n])];
-        if (!pad(dst)) std::copy(work.begin(), work.end(), pool + dst * slot_elems);
+        const int32_t dst = plan.idx[n * cols + (r - plan.off[n])];
+        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + dst * slot_elems);
       }
     }
   });

@@ -8,10 +8,11 @@
 
 #include <climits>
 #include <cstdint>
-#include <type_traits>
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/verify_module.h"
+#include "common/verify_cuda.h"
 
 #if !defined(FKDA_PARAM_LANES_PER_ROW) || !defined(FKDA_CONTRACT_JSON)
 #error "fused_kda_verify.cu is built from a module record: FKDA_PARAM_LANES_PER_ROW missing"
@@ -21,17 +22,7 @@
 
 namespace {
 
-using tvm::ffi::Optional;
-using tvm::ffi::TensorView;
-using fkda::Checker;
-using fkda_decode::bf16;
-
-constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
-using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
-static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
-static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA modules fix the state dtype");
-static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clusters");
-static_assert(FKDA_SMEM_BYTES == 0, "static shared memory only");
+using namespace fkda::verify_module;
 
 void check_bf16(const Checker& c, const TensorView& t, const char* name, std::initializer_list<fkda::Dim> dims,
                 const TensorView& ref) {
@@ -69,26 +60,13 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.dtype(norm_weight, "norm_weight", {fkda::kF32});
   c.contiguous(norm_weight, "norm_weight");
   fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
+  const int64_t N = table.N, cols = table.cols;
   if (T < N || T > N * cols) {
     FKDA_FAIL(c.fn()) << "argument 'x' has T = " << T << " tokens; expected N = " << N << " .. N * T_max = "
                       << N * cols;
   }
-  c.dtype(state_indices, "state_indices", {fkda::kI32});
-  c.contiguous(state_indices, "state_indices");
-  fkda::check_cuda_device(c, cu_seqlens, "cu_seqlens", out, "out");
-  c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  c.contiguous(cu_seqlens, "cu_seqlens");
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    fkda::check_cuda_device(c, a, "num_accepted_tokens", out, "out");
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
+  fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
   fkda::check_cuda_device(c, state, "state", out, "out");
   c.shape(state, "state", {{"slots", -1}, {"H", H}, {"D", D}, {"D", D}});
   c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
@@ -107,10 +85,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.contiguous(conv_state, "conv_state");
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, H, D, out, "out");
-  c.positive_finite(scale, "scale");
+  fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, out, "out", scale);
   c.positive_finite(norm_eps, "norm_eps");
 
   fkda_fused_verify::FusedVerifyParams vp;

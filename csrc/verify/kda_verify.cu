@@ -9,10 +9,11 @@
 
 #include <climits>
 #include <cstdint>
-#include <type_traits>
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/verify_module.h"
+#include "common/verify_cuda.h"
 
 #if !defined(FKDA_PARAM_V_TILE) || !defined(FKDA_PARAM_LANES_PER_ROW) || !defined(FKDA_CONTRACT_JSON)
 #error "kda_verify.cu is built from a module record: FKDA_PARAM_V_TILE/LANES_PER_ROW missing"
@@ -22,17 +23,7 @@
 
 namespace {
 
-using tvm::ffi::Optional;
-using tvm::ffi::TensorView;
-using fkda::Checker;
-using fkda_decode::bf16;
-
-constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
-using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
-static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
-static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA verify modules fix the state dtype");
-static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clusters");
-static_assert(FKDA_SMEM_BYTES == 0, "the verify tile kernel holds its state in registers");
+using namespace fkda::verify_module;
 constexpr int kNumVT = FKDA_HEAD_DIM_V / FKDA_PARAM_V_TILE;
 
 // A packed [1, T, n, d] bf16 input, contiguous and 16-byte aligned (16-byte loads along K / V).
@@ -70,26 +61,13 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.dtype(beta, "beta", {fkda::kBF16});
   c.contiguous(beta, "beta");
   fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
+  const int64_t N = table.N, cols = table.cols;
   if (T < N || T > N * cols) {
     FKDA_FAIL(c.fn()) << "argument 'q' has T = " << T << " tokens; expected N = " << N
                       << " .. N * T_max = " << N * cols << " (each request 1 .. T_max tokens)";
   }
-  c.dtype(state_indices, "state_indices", {fkda::kI32});
-  c.contiguous(state_indices, "state_indices");
-  fkda::check_cuda_device(c, cu_seqlens, "cu_seqlens", out, "out");
-  c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  c.contiguous(cu_seqlens, "cu_seqlens");
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    fkda::check_cuda_device(c, a, "num_accepted_tokens", out, "out");
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
+  fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
   fkda::check_cuda_device(c, state, "state", out, "out");
   c.shape(state, "state", {{"slots", -1}, {"HV", HV}, {"V", V}, {"K", K}});
   c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
@@ -101,10 +79,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                       << " elements, more than this module's 32-bit slot offsets address (max " << INT32_MAX
                       << "); use a module with 64-bit offsets (o64)";
   }
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, HV, K, out, "out");
-  c.positive_finite(scale, "scale");
+  fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
 
