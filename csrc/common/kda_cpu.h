@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "binding.h"
@@ -106,6 +107,22 @@ inline void check_input_dtypes(const Checker& c, const TensorView& q, const Tens
   c.same_dtype_as(g, "g", q, "q");
   c.same_dtype_as(beta, "beta", q, "q");
   c.same_dtype_as(out, "out", v, "v");
+}
+
+// The CPU backend's dtypes for the fused ops: x any float type; g, beta, output_gate, conv_state and
+// out as x; conv_weight as x or float32; norm_weight float32; the state float32, float64 or bfloat16.
+inline void check_fused_dtypes(const Checker& c, const TensorView& x, const TensorView& g, const TensorView& beta,
+                               const TensorView& output_gate, const TensorView& conv_state, const TensorView& out,
+                               const TensorView& conv_weight, const TensorView& norm_weight,
+                               const TensorView& state) {
+  c.dtype(x, "x", {kF32, kF64, kBF16, kF16});
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{g, "g"}, {beta, "beta"},
+                                {output_gate, "output_gate"}, {conv_state, "conv_state"}, {out, "out"}}) {
+    c.same_dtype_as(t, name, x, "x");
+  }
+  c.dtype(conv_weight, "conv_weight", {x.dtype(), kF32});
+  c.dtype(norm_weight, "norm_weight", {kF32});
+  c.state_dtype(state, "state", {kF32, kF64, kBF16});
 }
 
 inline bool is_padding(int64_t index, bool null_slot0) { return index < 0 || (null_slot0 && index == 0); }

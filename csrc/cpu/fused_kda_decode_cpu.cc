@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../common/kda_cpu.h"
+#include "../common/pool_args.h"
 
 namespace {
 
@@ -29,15 +30,11 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
     c.device_type(t, name, kDLCPU);
     c.contiguous(t, name);
   }
-  c.ndim(g, "g", 3, "[rows, H, D]");
-  const int64_t rows = g.size(0), H = g.size(1), D = g.size(2), HD = H * D, C = 3 * HD;
-  c.head_dims(D, D);
-  c.heads(H, H);
+  const fkda::FusedHeads heads = fkda::fused_heads(c, g, 3, "[rows, H, D]");
+  const int64_t rows = g.size(0), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
   c.shape(x, "x", {{"rows", rows}, {"3*H*D", C}});
   c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
-  c.ndim(state, "state", 4, "[slots, H, D, D]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, H, D, D]", {"H", H}, {"D", D}, {"D", D});
   c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}});
   c.shape(beta, "beta", {{"rows", rows}, {"H", H}});
   c.shape(state_indices, "state_indices", {{"rows", rows}});
@@ -45,15 +42,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.shape(norm_weight, "norm_weight", {{"D", D}});
   c.shape(out, "out", {{"rows", rows}, {"H", H}, {"D", D}});
 
-  c.dtype(x, "x", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
-  c.same_dtype_as(g, "g", x, "x");
-  c.same_dtype_as(beta, "beta", x, "x");
-  c.same_dtype_as(output_gate, "output_gate", x, "x");
-  c.same_dtype_as(conv_state, "conv_state", x, "x");
-  c.same_dtype_as(out, "out", x, "x");
-  c.dtype(conv_weight, "conv_weight", {x.dtype(), fkda::kF32});  // x's dtype or float32
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
+  cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);

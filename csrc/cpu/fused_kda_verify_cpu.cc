@@ -33,16 +33,12 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
     c.device_type(t, name, kDLCPU);
     c.contiguous(t, name);
   }
-  c.ndim(g, "g", 4, "[1, T, H, D]");
-  const int64_t T = g.size(1), H = g.size(2), D = g.size(3), HD = H * D, C = 3 * HD;
-  c.head_dims(D, D);
-  c.heads(H, H);
+  const fkda::FusedHeads heads = fkda::fused_heads(c, g, 4, "[1, T, H, D]");
+  const int64_t T = g.size(1), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
   c.shape(g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}});
   c.shape(x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}});
   c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
-  c.ndim(state, "state", 4, "[slots, H, D, D]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, H, D, D]", {"H", H}, {"D", D}, {"D", D});
   const fkda::SlotTable table = fkda::slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
@@ -57,15 +53,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.shape(norm_weight, "norm_weight", {{"D", D}});
   c.shape(out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}});
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  c.dtype(x, "x", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
-  c.same_dtype_as(g, "g", x, "x");
-  c.same_dtype_as(beta, "beta", x, "x");
-  c.same_dtype_as(output_gate, "output_gate", x, "x");
-  c.same_dtype_as(conv_state, "conv_state", x, "x");
-  c.same_dtype_as(out, "out", x, "x");
-  c.dtype(conv_weight, "conv_weight", {x.dtype(), fkda::kF32});
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
+  cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);

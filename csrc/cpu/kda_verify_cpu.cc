@@ -30,21 +30,15 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                 {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.device_type(t, name, kDLCPU);
   }
-  c.ndim(q, "q", 4, "[1, T, H, K]");
-  c.ndim(v, "v", 4, "[1, T, HV, V]");
-  const int64_t T = q.size(1), H = q.size(2), K = q.size(3);
-  const int64_t HV = v.size(2), V = v.size(3);
-  c.head_dims(K, V);
-  c.heads(H, HV);
+  const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 4, "[1, T, H, K]", "[1, T, HV, V]");
+  const int64_t T = q.size(1), H = heads.H, K = heads.K, HV = heads.HV, V = heads.V;
   c.shape(q, "q", {{"1", 1}, {"T", T}, {"H", H}, {"K", K}});
   c.shape(k, "k", {{"1", 1}, {"T", T}, {"H", H}, {"K", K}});
   c.shape(v, "v", {{"1", 1}, {"T", T}, {"HV", HV}, {"V", V}});
   c.shape(g, "g", {{"1", 1}, {"T", T}, {"HV", HV}, {"K", K}});
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.shape(out, "out", {{"1", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  c.ndim(state, "state", 4, "[slots, HV, V, K]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"HV", HV}, {"V", V}, {"K", K}});
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, HV, V, K]", {"HV", HV}, {"V", V}, {"K", K});
   const fkda::SlotTable table = fkda::slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
