@@ -82,6 +82,42 @@ inline void delta_step(TS* S, int64_t K, int64_t V, const double* q, const doubl
   }
 }
 
+// The fused ops' token r after the conv (fused_kda_decode, fused_kda_verify): per head h, q and k
+// normalised (q scaled), the delta step on S [H][D][D] (storage type TS), then the gated RMSNorm
+// out = rmsnorm(o) * norm_weight * sigmoid(output_gate) stored to out's row r.
+struct FusedStepIO {
+  FloatSpan g, beta, output_gate, out;  // [.., H, D], [.., H], [.., H, D], [.., H, D] by row
+  const float* norm_weight;             // [D]
+  double scale, norm_eps;
+};
+
+struct FusedScratch {
+  explicit FusedScratch(int64_t D) : graw(D), decay(D), orow(D), gate_row(D), row(D) {}
+  std::vector<double> graw, decay, orow, gate_row, row;
+};
+
+template <typename TS>
+inline void fused_token_step(TS* S, double* q, double* k, const double* v, int64_t r, int64_t H, int64_t D,
+                             const Gate& gate, const FusedStepIO& io, FusedScratch& s) {
+  for (int64_t h = 0; h < H; ++h) {
+    l2norm_scale(q + h * D, D, io.scale);
+    l2norm_scale(k + h * D, D, 1.0);
+    io.g.load((r * H + h) * D, D, s.graw.data());
+    gate.decay(s.graw.data(), h, D, s.decay.data());
+    const double b = sigmoid(io.beta.get(r * H + h));
+    delta_step(S + h * D * D, D, D, q + h * D, k + h * D, s.decay.data(), b, v + h * D, s.orow.data(),
+               s.row.data());
+    double ms = 0.0;
+    for (int64_t i = 0; i < D; ++i) ms += s.orow[i] * s.orow[i];
+    const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + io.norm_eps);
+    io.output_gate.load((r * H + h) * D, D, s.gate_row.data());
+    for (int64_t i = 0; i < D; ++i) {
+      s.orow[i] = s.orow[i] * inv_rms * static_cast<double>(io.norm_weight[i]) * sigmoid(s.gate_row[i]);
+    }
+    io.out.store((r * H + h) * D, D, s.orow.data());
+  }
+}
+
 // Call f(T{}) with the state storage type of `kind`: float32, float64 or bfloat16.
 template <typename F>
 inline void with_state_type(FloatKind kind, F&& f) {

@@ -55,14 +55,14 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.slot_indices_host(state_indices, "state_indices", slots);
 
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
-  const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight),
-                        cs = cpu::span_of(conv_state), gs = cpu::span_of(g), bs = cpu::span_of(beta),
-                        ogs = cpu::span_of(output_gate), os = cpu::span_of(out);
-  const float* nw = fkda::data_ptr<const float>(norm_weight);
+  const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight), cs = cpu::span_of(conv_state),
+                        os = cpu::span_of(out);
+  const cpu::FusedStepIO io{cpu::span_of(g), cpu::span_of(beta), cpu::span_of(output_gate), os,
+                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps};
   const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
 
-  std::vector<double> xrow(C), w(C * kConvWidth), win(C * (kConvWidth - 1)), y(C), decay(D),
-      graw(D), orow(D), gate_row(D), row(D);
+  std::vector<double> xrow(C), w(C * kConvWidth), win(C * (kConvWidth - 1)), y(C);
+  cpu::FusedScratch scratch(D);
   ws.load(0, C * kConvWidth, w.data());
   cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
     using TS = decltype(tag);
@@ -91,23 +91,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
       double* k = y.data() + HD;
       const double* v = y.data() + 2 * HD;
       TS* slot_state = pool + slot * H * D * D;
-      for (int64_t h = 0; h < H; ++h) {
-        cpu::l2norm_scale(q + h * D, D, scale);
-        cpu::l2norm_scale(k + h * D, D, 1.0);
-        gs.load((r * H + h) * D, D, graw.data());
-        gate.decay(graw.data(), h, D, decay.data());
-        const double b = cpu::sigmoid(bs.get(r * H + h));
-        cpu::delta_step(slot_state + h * D * D, D, D, q + h * D, k + h * D, decay.data(), b,
-                        v + h * D, orow.data(), row.data());
-        double ms = 0.0;
-        for (int64_t i = 0; i < D; ++i) ms += orow[i] * orow[i];
-        const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + norm_eps);
-        ogs.load((r * H + h) * D, D, gate_row.data());
-        for (int64_t i = 0; i < D; ++i) {
-          orow[i] = orow[i] * inv_rms * static_cast<double>(nw[i]) * cpu::sigmoid(gate_row[i]);
-        }
-        os.store((r * H + h) * D, D, orow.data());
-      }
+      cpu::fused_token_step(slot_state, q, k, v, r, H, D, gate, io, scratch);
     }
   });
 }

@@ -69,10 +69,11 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
   const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight), cs = cpu::span_of(conv_state),
-                        gs = cpu::span_of(g), bs = cpu::span_of(beta), ogs = cpu::span_of(output_gate),
                         os = cpu::span_of(out);
-  const float* nw = fkda::data_ptr<const float>(norm_weight);
-  std::vector<double> w(C * kConvWidth), line(C * L), hist, y(C), decay(D), graw(D), orow(D), gate_row(D), row(D);
+  const cpu::FusedStepIO io{cpu::span_of(g), cpu::span_of(beta), cpu::span_of(output_gate), os,
+                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps};
+  std::vector<double> w(C * kConvWidth), line(C * L), hist, y(C);
+  cpu::FusedScratch scratch(D);
   ws.load(0, C * kConvWidth, w.data());
   cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
     using TS = decltype(tag);
@@ -110,23 +111,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
         double* q = y.data();
         double* k = y.data() + HD;
         const double* v = y.data() + 2 * HD;
-        for (int64_t h = 0; h < H; ++h) {
-          cpu::l2norm_scale(q + h * D, D, scale);
-          cpu::l2norm_scale(k + h * D, D, 1.0);
-          gs.load((r * H + h) * D, D, graw.data());
-          gate.decay(graw.data(), h, D, decay.data());
-          const double b = cpu::sigmoid(bs.get(r * H + h));
-          cpu::delta_step(work.data() + h * D * D, D, D, q + h * D, k + h * D, decay.data(), b, v + h * D,
-                          orow.data(), row.data());
-          double ms = 0.0;
-          for (int64_t i = 0; i < D; ++i) ms += orow[i] * orow[i];
-          const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + norm_eps);
-          ogs.load((r * H + h) * D, D, gate_row.data());
-          for (int64_t i = 0; i < D; ++i) {
-            orow[i] = orow[i] * inv_rms * static_cast<double>(nw[i]) * cpu::sigmoid(gate_row[i]);
-          }
-          os.store((r * H + h) * D, D, orow.data());
-        }
+        cpu::fused_token_step(work.data(), q, k, v, r, H, D, gate, io, scratch);
         const int32_t dst = plan.idx[n * cols + j];
         if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * H * D * D);
       }
