@@ -19,18 +19,11 @@
 #endif
 
 #include "fused_kda_verify_kernels.cuh"
+#include "fused_decode/fused_params.h"
 
 namespace {
 
 using namespace fkda::verify_module;
-
-void check_bf16(const Checker& c, const TensorView& t, const char* name, std::initializer_list<fkda::Dim> dims,
-                const TensorView& ref) {
-  fkda::check_cuda_device(c, t, name, ref, "out");
-  c.shape(t, name, dims);
-  c.dtype(t, name, {fkda::kBF16});
-  c.contiguous(t, name);
-}
 
 void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g, TensorView beta,
                       Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
@@ -46,19 +39,12 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.head_dims(g.size(3), g.size(3));
   c.heads(H, H);
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
-  check_bf16(c, g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
-  check_bf16(c, x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}}, out);
-  check_bf16(c, beta, "beta", {{"1", 1}, {"T", T}, {"H", H}}, out);
-  check_bf16(c, output_gate, "output_gate", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
-  check_bf16(c, out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
-  fkda::check_cuda_device(c, conv_weight, "conv_weight", out, "out");
-  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", fkda_fused::kConvWidth}});
-  c.dtype(conv_weight, "conv_weight", {fkda::kBF16, fkda::kF32});
-  c.contiguous(conv_weight, "conv_weight");
-  fkda::check_cuda_device(c, norm_weight, "norm_weight", out, "out");
-  c.shape(norm_weight, "norm_weight", {{"D", D}});
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.contiguous(norm_weight, "norm_weight");
+  fkda_fused::check_bf16_input(c, g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda_fused::check_bf16_input(c, x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}}, out);
+  fkda_fused::check_bf16_input(c, beta, "beta", {{"1", 1}, {"T", T}, {"H", H}}, out);
+  fkda_fused::check_bf16_input(c, output_gate, "output_gate", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda_fused::check_bf16_input(c, out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda_fused::check_fused_weights(c, conv_weight, norm_weight, C, D, out);
   fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
   const fkda::SlotTable table = fkda::slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
@@ -89,28 +75,9 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.positive_finite(norm_eps, "norm_eps");
 
   fkda_fused_verify::FusedVerifyParams vp;
-  fkda_fused::FusedParams& p = vp.f;
-  p.x = fkda::data_ptr<const bf16>(x);
-  p.conv_weight = fkda::data_ptr<void>(conv_weight);
-  p.conv_state = fkda::data_ptr<bf16>(conv_state);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
-  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
-  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
-  p.idx = fkda::data_ptr<const int32_t>(state_indices);
-  p.state = fkda::data_ptr<void>(state);
-  p.output_gate = fkda::data_ptr<const bf16>(output_gate);
-  p.norm_weight = fkda::data_ptr<const float>(norm_weight);
-  p.out = fkda::data_ptr<bf16>(out);
-  p.num_slots = slots;
-  p.rows = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
-  p.norm_eps = static_cast<float>(norm_eps);
-  p.null_slot0 = null_slot0 ? 1 : 0;
-  p.w_f32 = fkda::same_dtype(conv_weight.dtype(), fkda::kF32) ? 1 : 0;
+  vp.f = fkda_fused::fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                                  output_gate, norm_weight, out, slots, T, H, gate_mode, lower_bound, scale, norm_eps,
+                                  null_slot0);
   vp.conv_len = L;
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())

@@ -20,6 +20,7 @@
 #endif
 
 #include "kda_verify_kernels.cuh"
+#include "decode/decode_params.h"
 
 namespace {
 
@@ -45,11 +46,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   static_assert(K == 128 && V == 128, "the verify kernels are written for K = V = 128");
   const Checker c("kda_verify");
   c.device_type(out, "out", kDLCUDA);
-  c.ndim(q, "q", 4, "[1, T, H, K]");
-  c.ndim(v, "v", 4, "[1, T, HV, V]");
-  const int64_t T = v.size(1), HV = v.size(2), H = q.size(2);
-  c.head_dims(q.size(3), v.size(3));
-  c.heads(H, HV);
+  const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 4, "[1, T, H, K]", "[1, T, HV, V]");
+  const int64_t T = v.size(1), HV = heads.HV, H = heads.H;
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
   check_packed(c, q, "q", T, "H", H, "K", K, out);
   check_packed(c, k, "k", T, "H", H, "K", K, out);
@@ -85,32 +83,14 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 
   fkda_verify::VerifyParams vp;
   fkda_decode::DecodeParams& p = vp.d;
-  p.q = fkda::data_ptr<const bf16>(q);
-  p.k = fkda::data_ptr<const bf16>(k);
-  p.v = fkda::data_ptr<const bf16>(v);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
-  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
-  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
-  p.state = fkda::data_ptr<void>(state);
-  p.idx = fkda::data_ptr<const int32_t>(state_indices);
-  p.out = fkda::data_ptr<bf16>(out);
+  p = fkda_decode::decode_params(q, k, v, g, beta, A_log, dt_bias, state, state_indices, out, slots, T, H, HV,
+                                 gate_mode, lower_bound, scale, beta_is_logit, null_slot0);
   p.q_row_stride = H * K;  // a "row" of the decode tile is one packed token
   p.k_row_stride = H * K;
   p.v_row_stride = HV * V;
   p.g_row_stride = HV * K;
   p.beta_row_stride = HV;
   p.slot_stride = HV * V * K;
-  p.num_slots = slots;
-  p.rows = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.HV = static_cast<int>(HV);
-  p.group = static_cast<int>(HV / H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
-  p.beta_is_logit = beta_is_logit ? 1 : 0;
-  p.null_slot0 = null_slot0 ? 1 : 0;
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())
                                                 : nullptr;
