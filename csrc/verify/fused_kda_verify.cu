@@ -45,20 +45,10 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   fkda_fused::check_bf16_input(c, output_gate, "output_gate", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
   fkda_fused::check_bf16_input(c, out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
   fkda_fused::check_fused_weights(c, conv_weight, norm_weight, C, D, out);
-  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
-  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
+  const fkda::SlotTable table = fkda::verify_slot_table(c, state_indices, T, "x", "", out);
   const int64_t N = table.N, cols = table.cols;
-  if (T < N || T > N * cols) {
-    FKDA_FAIL(c.fn()) << "argument 'x' has T = " << T << " tokens; expected N = " << N << " .. N * T_max = "
-                      << N * cols;
-  }
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
-  fkda::check_cuda_device(c, state, "state", out, "out");
-  c.shape(state, "state", {{"slots", -1}, {"H", H}, {"D", D}, {"D", D}});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
-  c.contiguous(state, "state");
-  c.aligned(state, "state", 16);
-  const int64_t slots = state.size(0);
+  const int64_t slots = fkda::verify_pool_slots(c, state, {"H", H}, {"D", D}, {"D", D}, out);
   fkda::check_cuda_device(c, conv_state, "conv_state", out, "out");
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
   const int64_t L = conv_state.size(2);

@@ -58,20 +58,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.dtype(beta, "beta", {fkda::kBF16});
   c.contiguous(beta, "beta");
-  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
-  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
+  const fkda::SlotTable table =
+      fkda::verify_slot_table(c, state_indices, T, "q", " (each request 1 .. T_max tokens)", out);
   const int64_t N = table.N, cols = table.cols;
-  if (T < N || T > N * cols) {
-    FKDA_FAIL(c.fn()) << "argument 'q' has T = " << T << " tokens; expected N = " << N
-                      << " .. N * T_max = " << N * cols << " (each request 1 .. T_max tokens)";
-  }
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
-  fkda::check_cuda_device(c, state, "state", out, "out");
-  c.shape(state, "state", {{"slots", -1}, {"HV", HV}, {"V", V}, {"K", K}});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
-  c.contiguous(state, "state");
-  c.aligned(state, "state", 16);
-  const int64_t slots = state.size(0);
+  const int64_t slots = fkda::verify_pool_slots(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
   if (FKDA_SLOT_OFFSET_BITS == 32 && slots * HV * V * K - 1 > INT32_MAX) {
     FKDA_FAIL(c.fn()) << "argument 'state' has " << slots * HV * V * K
                       << " elements, more than this module's 32-bit slot offsets address (max " << INT32_MAX
