@@ -664,6 +664,48 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
                        GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, null_slot0, offset_bits)
 
 
+def _fused_x_g(x, g, backend, x_rank: int, x_layout: str, g_layout: str):
+    """x [.., 3*H*D] (a floating tensor of rank x_rank) and g [.., H, D] (one rank more, on x's device)
+    of a fused op; returns them with the device and the backend."""
+    x = _tensor("x", x)
+    device = x.device
+    backend = _check_backend(backend, device)
+    _ndim("x", x, x_rank, x_layout)
+    _floating("x", x)
+    g = _tensor("g", g)
+    _same_device("g", g, device)
+    _ndim("g", g, x_rank + 1, g_layout)
+    H, D = g.shape[-2:]
+    if H == 0 or D == 0:
+        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
+    return x, g, device, backend
+
+
+def _conv_weight(conv_weight, x, C: int, device):
+    """A fused op's conv_weight [3*H*D, 4] (C = 3*H*D), contiguous, of x's dtype or float32."""
+    conv_weight = _tensor("conv_weight", conv_weight)
+    _same_device("conv_weight", conv_weight, device)
+    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    _contiguous("conv_weight", conv_weight)
+    if conv_weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
+                         f"got {dtype_name(conv_weight.dtype)}")
+    return conv_weight
+
+
+def _norm_args(norm_weight, norm_eps, D: int, device):
+    """A fused op's gated-RMSNorm weight [D] (float32, contiguous) and norm_eps (a finite float > 0)."""
+    norm_weight = _tensor("norm_weight", norm_weight)
+    _same_device("norm_weight", norm_weight, device)
+    _shape("norm_weight", norm_weight, (D,), "[D]")
+    _dtype_in("norm_weight", norm_weight, ("float32",))
+    _contiguous("norm_weight", norm_weight)
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    return norm_weight
+
+
 @dataclass(frozen=True)
 class FusedDecodeCall:
     backend: str
@@ -699,30 +741,15 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            output_gate, norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5,
                            scale=None, slot_mode="unique", null_slot0=False, out=None,
                            backend=None) -> FusedDecodeCall:
-    x = _tensor("x", x)
-    device = x.device
-    backend = _check_backend(backend, device)
-    _ndim("x", x, 2, "[rows, 3*H*D]")
-    _floating("x", x)
-    g = _tensor("g", g)
-    _same_device("g", g, device)
-    _ndim("g", g, 3, "[rows, H, D]")
+    x, g, device, backend = _fused_x_g(x, g, backend, 2, "[rows, 3*H*D]", "[rows, H, D]")
     rows, H, D = g.shape
-    if H == 0 or D == 0:
-        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
     _shape("x", x, (rows, 3 * H * D), "[rows, 3*H*D] (q|k|v before the conv)")
     C = 3 * H * D
     for name, t in (("x", x), ("g", g)):
         _contiguous(name, t)
     _same_dtype("g", g, x, "x")
     beta = _companion("beta", beta, x, "x", (rows, H), "[rows, H]")
-    conv_weight = _tensor("conv_weight", conv_weight)
-    _same_device("conv_weight", conv_weight, device)
-    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
-    _contiguous("conv_weight", conv_weight)
-    if conv_weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
-                         f"got {dtype_name(conv_weight.dtype)}")
+    conv_weight = _conv_weight(conv_weight, x, C, device)
     conv_state = _tensor("conv_state", conv_state)
     _same_device("conv_state", conv_state, device)
     _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, 3]")
@@ -735,14 +762,7 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
         raise ValueError(f"conv_state: expected {slots} slots (as state), got {conv_state.shape[0]}")
     _indices("state_indices", state_indices, rows, device, "[rows]")
     output_gate = _companion("output_gate", output_gate, x, "x", (rows, H, D), "[rows, H, D]")
-    norm_weight = _tensor("norm_weight", norm_weight)
-    _same_device("norm_weight", norm_weight, device)
-    _shape("norm_weight", norm_weight, (D,), "[D]")
-    _dtype_in("norm_weight", norm_weight, ("float32",))
-    _contiguous("norm_weight", norm_weight)
-    _float("norm_eps", norm_eps, "> 0")
-    if not math.isfinite(norm_eps) or norm_eps <= 0:
-        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
@@ -960,17 +980,8 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None,
                            backend=None) -> FusedVerifyCall:
     """The metadata of a fused verify call (values: check_verify_values, on every call)."""
-    x = _tensor("x", x)
-    device = x.device
-    backend = _check_backend(backend, device)
-    _ndim("x", x, 3, "[1, T, 3*H*D]")
-    _floating("x", x)
-    g = _tensor("g", g)
-    _same_device("g", g, device)
-    _ndim("g", g, 4, "[1, T, H, D]")
+    x, g, device, backend = _fused_x_g(x, g, backend, 3, "[1, T, 3*H*D]", "[1, T, H, D]")
     _, T, H, D = g.shape
-    if H == 0 or D == 0:
-        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
     if x.shape[0] != 1 or g.shape[0] != 1:
         raise ValueError(f"x: expected the packed layout [1, T, 3*H*D] (requests packed by cu_seqlens), got "
                          f"{list(x.shape)}")
@@ -980,13 +991,7 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
         _contiguous(name, t)
     _same_dtype("g", g, x, "x")
     beta = _companion("beta", beta, x, "x", (1, T, H), "[1, T, H]")
-    conv_weight = _tensor("conv_weight", conv_weight)
-    _same_device("conv_weight", conv_weight, device)
-    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
-    _contiguous("conv_weight", conv_weight)
-    if conv_weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
-                         f"got {dtype_name(conv_weight.dtype)}")
+    conv_weight = _conv_weight(conv_weight, x, C, device)
     slots = _pool("state", state, H, D, D, device, backend)
     state_indices, N, cols = _verify_index_table(state_indices, device)
     conv_state = _tensor("conv_state", conv_state)
@@ -999,14 +1004,7 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     _same_dtype("conv_state", conv_state, x, "x")
     max_seqlen = _verify_lengths("x", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
     output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
-    norm_weight = _tensor("norm_weight", norm_weight)
-    _same_device("norm_weight", norm_weight, device)
-    _shape("norm_weight", norm_weight, (D,), "[D]")
-    _dtype_in("norm_weight", norm_weight, ("float32",))
-    _contiguous("norm_weight", norm_weight)
-    _float("norm_eps", norm_eps, "> 0")
-    if not math.isfinite(norm_eps) or norm_eps <= 0:
-        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _bool("null_slot0", null_slot0)
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
     _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
