@@ -147,3 +147,14 @@ def call_outcome(run, args: dict, written: tuple = ()) -> tuple:
             assert torch.equal(x, args[n].detach()), f"a refused call changed {n}"
         return ("raise", type(e), str(e))
     return ("ok", out.clone(), *(args[n].clone() for n in written))
+
+
+def fused_chain_start(conv0, pool0, accepted: int, read: int, writes) -> tuple:
+    """Where a chain of single-token fused_kda_decode calls starts that stands in for one fused
+    verify request (docs/semantics.md, "Fused verify"): a one-slot conv cache holding the three
+    inputs at the accepted offset of the request's line (conv0[writes[0]]), and a one-slot pool
+    holding the state it reads (pool0[read]); both copies, for the chain to update in place."""
+    o = accepted - 1
+    conv = conv0[:1, :, :3].clone()
+    conv[0] = conv0[writes[0], :, o:o + 3]
+    return conv, pool0[read:read + 1].clone()
