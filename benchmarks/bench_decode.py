@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from harness import in_sequence as sequence  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = V = 128
@@ -136,14 +137,6 @@ def fla_call(fla, case, pool, idx, out):
                        scale=K ** -0.5, inplace_final_state=True, state_v_first=True,
                        ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                        use_beta_sigmoid_in_kernel=True, out=o4)
-
-
-def sequence(calls):
-    """One timed run: the M calls back to back (M rotated slot lists)."""
-    def run():
-        for c in calls:
-            c()
-    return run
 
 
 def accuracy(fla):

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+from harness import in_sequence as sequence  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = V = 128
@@ -96,13 +97,6 @@ def fla_call(fla, case, pool, idx, nacc, out):
                        inplace_final_state=True, state_v_first=True, cu_seqlens=cu, ssm_state_indices=idx,
                        num_accepted_tokens=nacc, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                        use_beta_sigmoid_in_kernel=True, out=out)
-
-
-def sequence(calls):
-    def run():
-        for c in calls:
-            c()
-    return run
 
 
 def floor_bytes(N, T, HV, esz):

@@ -735,6 +735,14 @@ def plot(doc: dict, path: Path) -> Optional[Path]:
 # inputs and peers shared by the scripts
 
 
+def in_sequence(calls):
+    """One timed run: the calls back to back (a bench's rotated slot tables)."""
+    def run():
+        for c in calls:
+            c()
+    return run
+
+
 def random_unique_slots(rows: int, slots: int, device, *, generator: Optional[torch.Generator] = None,
                         padding: int = 0) -> torch.Tensor:
     """rows distinct slot indices in [0, slots), int32, the first `padding` of them set to -1."""

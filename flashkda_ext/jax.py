@@ -689,20 +689,35 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices", "cu_seqlens", "num_accepted_tokens",
              "state")
     vals = (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state)
-    optional = {"A_log", "dt_bias", "num_accepted_tokens"}
-    args = tuple(_as_array(n, x, optional=n in optional) for n, x in zip(names, vals))
-    plat = _platform(platform, zip(names, args))
+    args, plat = _verify_arrays(names, vals, platform)
     key = _signature("kda_verify", plat, args, (max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
                                                 donate))
     prep = None if key is None else _PREPARED.get(key)
     if prep is None:
         prep = _prepare_verify(names, args, plat, key, max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate,
                                scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, donate=donate)
-    if prep.plan.platform == "cpu":  # values are not part of the signature: checked on every call
-        host = [_host_int32(args[i]) for i in (8, 7, 9)]
-        if host[0] is not None and host[1] is not None and (args[9] is None or host[2] is not None):
-            validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host, max_seqlen)
+    _check_verify_values(prep, args, (8, 7, 9), max_seqlen)
     return _run(_verify_impl, prep, args, eager=not _any_tracer(args))
+
+
+def _verify_arrays(names, vals, platform):
+    """A verify op's inputs as arrays (A_log, dt_bias, num_accepted_tokens may be None) and the
+    platform they run on."""
+    optional = {"A_log", "dt_bias", "num_accepted_tokens"}
+    args = tuple(_as_array(n, a, optional=n in optional) for n, a in zip(names, vals))
+    return args, _platform(platform, zip(names, args))
+
+
+def _check_verify_values(prep, args, positions, max_seqlen) -> None:
+    """On the CPU, the values of the index arrays that are concrete there (not part of the
+    signature: checked on every call); positions: where cu_seqlens, state_indices and
+    num_accepted_tokens stand in args."""
+    if prep.plan.platform != "cpu":
+        return
+    cu, si, na = positions
+    host = [_host_int32(args[i]) for i in (cu, si, na)]
+    if host[0] is not None and host[1] is not None and (args[na] is None or host[2] is not None):
+        validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host, max_seqlen)
 
 
 def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
@@ -761,9 +776,7 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
              "norm_weight", "state_indices", "cu_seqlens", "num_accepted_tokens")
     vals = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, state_indices,
             cu_seqlens, num_accepted_tokens)
-    optional = {"A_log", "dt_bias", "num_accepted_tokens"}
-    args = tuple(_as_array(n, a, optional=n in optional) for n, a in zip(names, vals))
-    plat = _platform(platform, zip(names, args))
+    args, plat = _verify_arrays(names, vals, platform)
     key = _signature("fused_kda_verify", plat, args, (max_seqlen, lower_bound, gate, norm_eps, scale, null_slot0,
                                                       donate))
     prep = None if key is None else _PREPARED.get(key)
@@ -784,9 +797,6 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
             cuda_graph=_GRAPH_SAFE["fused_kda_verify"] and _command_buffers_allowed())
         _VERIFY_CALLS[plan] = call
         prep = _remember(key, plan, _donate_positions(args, (2, 7), donate))
-    if prep.plan.platform == "cpu":  # values are not part of the signature: checked on every call
-        host = [_host_int32(args[i]) for i in (11, 10, 12)]
-        if host[0] is not None and host[1] is not None and (args[12] is None or host[2] is not None):
-            validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host, max_seqlen)
+    _check_verify_values(prep, args, (11, 10, 12), max_seqlen)
     return _run(_fused_verify_impl, prep, args, eager=not _any_tracer(args))
 

@@ -664,6 +664,48 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
                        GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, null_slot0, offset_bits)
 
 
+def _fused_x_g(x, g, backend, x_rank: int, x_layout: str, g_layout: str):
+    """x [.., 3*H*D] (a floating tensor of rank x_rank) and g [.., H, D] (one rank more, on x's device)
+    of a fused op; returns them with the device and the backend."""
+    x = _tensor("x", x)
+    device = x.device
+    backend = _check_backend(backend, device)
+    _ndim("x", x, x_rank, x_layout)
+    _floating("x", x)
+    g = _tensor("g", g)
+    _same_device("g", g, device)
+    _ndim("g", g, x_rank + 1, g_layout)
+    H, D = g.shape[-2:]
+    if H == 0 or D == 0:
+        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
+    return x, g, device, backend
+
+
+def _conv_weight(conv_weight, x, C: int, device):
+    """A fused op's conv_weight [3*H*D, 4] (C = 3*H*D), contiguous, of x's dtype or float32."""
+    conv_weight = _tensor("conv_weight", conv_weight)
+    _same_device("conv_weight", conv_weight, device)
+    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    _contiguous("conv_weight", conv_weight)
+    if conv_weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
+                         f"got {dtype_name(conv_weight.dtype)}")
+    return conv_weight
+
+
+def _norm_args(norm_weight, norm_eps, D: int, device):
+    """A fused op's gated-RMSNorm weight [D] (float32, contiguous) and norm_eps (a finite float > 0)."""
+    norm_weight = _tensor("norm_weight", norm_weight)
+    _same_device("norm_weight", norm_weight, device)
+    _shape("norm_weight", norm_weight, (D,), "[D]")
+    _dtype_in("norm_weight", norm_weight, ("float32",))
+    _contiguous("norm_weight", norm_weight)
+    _float("norm_eps", norm_eps, "> 0")
+    if not math.isfinite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    return norm_weight
+
+
 @dataclass(frozen=True)
 class FusedDecodeCall:
     backend: str
@@ -699,30 +741,15 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            output_gate, norm_weight, *, lower_bound=None, gate="softplus", norm_eps=1e-5,
                            scale=None, slot_mode="unique", null_slot0=False, out=None,
                            backend=None) -> FusedDecodeCall:
-    x = _tensor("x", x)
-    device = x.device
-    backend = _check_backend(backend, device)
-    _ndim("x", x, 2, "[rows, 3*H*D]")
-    _floating("x", x)
-    g = _tensor("g", g)
-    _same_device("g", g, device)
-    _ndim("g", g, 3, "[rows, H, D]")
+    x, g, device, backend = _fused_x_g(x, g, backend, 2, "[rows, 3*H*D]", "[rows, H, D]")
     rows, H, D = g.shape
-    if H == 0 or D == 0:
-        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
     _shape("x", x, (rows, 3 * H * D), "[rows, 3*H*D] (q|k|v before the conv)")
     C = 3 * H * D
     for name, t in (("x", x), ("g", g)):
         _contiguous(name, t)
     _same_dtype("g", g, x, "x")
     beta = _companion("beta", beta, x, "x", (rows, H), "[rows, H]")
-    conv_weight = _tensor("conv_weight", conv_weight)
-    _same_device("conv_weight", conv_weight, device)
-    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
-    _contiguous("conv_weight", conv_weight)
-    if conv_weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
-                         f"got {dtype_name(conv_weight.dtype)}")
+    conv_weight = _conv_weight(conv_weight, x, C, device)
     conv_state = _tensor("conv_state", conv_state)
     _same_device("conv_state", conv_state, device)
     _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, 3]")
@@ -735,14 +762,7 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
         raise ValueError(f"conv_state: expected {slots} slots (as state), got {conv_state.shape[0]}")
     _indices("state_indices", state_indices, rows, device, "[rows]")
     output_gate = _companion("output_gate", output_gate, x, "x", (rows, H, D), "[rows, H, D]")
-    norm_weight = _tensor("norm_weight", norm_weight)
-    _same_device("norm_weight", norm_weight, device)
-    _shape("norm_weight", norm_weight, (D,), "[D]")
-    _dtype_in("norm_weight", norm_weight, ("float32",))
-    _contiguous("norm_weight", norm_weight)
-    _float("norm_eps", norm_eps, "> 0")
-    if not math.isfinite(norm_eps) or norm_eps <= 0:
-        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
@@ -759,6 +779,50 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
                            _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
                            _offset_bits(state, conv_state))
+
+
+def _verify_index_table(state_indices, device):
+    """A verify call's state_indices [N, T_max] (int32, one slot per request and token): the
+    tensor, N and T_max."""
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    return state_indices, N, cols
+
+
+def _verify_lengths(first, T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device) -> int:
+    """cu_seqlens, num_accepted_tokens and max_seqlen of a verify call with N requests of
+    1 .. T_max = cols tokens, T in all (errors about T name the token input `first`); returns
+    max_seqlen resolved (None: T_max)."""
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not N <= T <= N * cols:
+        # every request has 1 .. T_max tokens
+        raise ValueError(f"{first}: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
+                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        return cols
+    _int("max_seqlen", max_seqlen, "or None")
+    if not 1 <= max_seqlen <= cols:
+        raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                         f"state_indices) or None, got {max_seqlen}")
+    return max_seqlen
+
+
+def _verify_route_meta(call) -> dict:
+    """The route metadata of a verify call (VerifyCall, FusedVerifyCall)."""
+    return {"device": call.backend, "num_seqs": call.num_seqs, "value_heads": call.value_heads,
+            "total_tokens": call.total_tokens, "max_seqlen": call.max_seqlen,
+            "work_items": call.num_seqs * call.value_heads, "state": _state_tag(call.state_dtype),
+            "offset": f"o{call.offset_bits}", "gate": call.gate}
 
 
 @dataclass(frozen=True)
@@ -792,10 +856,7 @@ class VerifyCall:
         return self.index_cols == 1
 
     def route_meta(self) -> dict:
-        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
-                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
-                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "gate": self.gate}
+        return _verify_route_meta(self)
 
     def decode_route_meta(self) -> dict:
         """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
@@ -819,30 +880,8 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     _bool("beta_is_logit", beta_is_logit)
     _bool("null_slot0", null_slot0)
     slots = _pool("state", state, HV, V, K, device, backend)
-    state_indices = _tensor("state_indices", state_indices)
-    _same_device("state_indices", state_indices, device)
-    if state_indices.dtype != torch.int32:
-        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
-    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
-    _contiguous("state_indices", state_indices)
-    N, cols = state_indices.shape
-    if N < 1 or cols < 1:
-        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
-                         f"{list(state_indices.shape)}")
-    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
-    if not N <= T <= N * cols:
-        # every request has 1 .. T_max tokens
-        raise ValueError(f"q: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
-                         f"1 .. T_max = {cols} tokens), got T = {T}")
-    if num_accepted_tokens is not None:
-        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
-    if max_seqlen is None:
-        max_seqlen = cols
-    else:
-        _int("max_seqlen", max_seqlen, "or None")
-        if not 1 <= max_seqlen <= cols:
-            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
-                             f"state_indices) or None, got {max_seqlen}")
+    state_indices, N, cols = _verify_index_table(state_indices, device)
+    max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
     _supported_dims("kda_verify", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
                     gate, "padded")
@@ -932,10 +971,7 @@ class FusedVerifyCall:
         return self.num_heads
 
     def route_meta(self) -> dict:
-        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.num_heads,
-                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
-                "work_items": self.num_seqs * self.num_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "gate": self.gate}
+        return _verify_route_meta(self)
 
 
 @_memoized
@@ -944,17 +980,8 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None,
                            backend=None) -> FusedVerifyCall:
     """The metadata of a fused verify call (values: check_verify_values, on every call)."""
-    x = _tensor("x", x)
-    device = x.device
-    backend = _check_backend(backend, device)
-    _ndim("x", x, 3, "[1, T, 3*H*D]")
-    _floating("x", x)
-    g = _tensor("g", g)
-    _same_device("g", g, device)
-    _ndim("g", g, 4, "[1, T, H, D]")
+    x, g, device, backend = _fused_x_g(x, g, backend, 3, "[1, T, 3*H*D]", "[1, T, H, D]")
     _, T, H, D = g.shape
-    if H == 0 or D == 0:
-        raise ValueError(f"g: head count and head dim must be > 0, got {list(g.shape)}")
     if x.shape[0] != 1 or g.shape[0] != 1:
         raise ValueError(f"x: expected the packed layout [1, T, 3*H*D] (requests packed by cu_seqlens), got "
                          f"{list(x.shape)}")
@@ -964,24 +991,9 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
         _contiguous(name, t)
     _same_dtype("g", g, x, "x")
     beta = _companion("beta", beta, x, "x", (1, T, H), "[1, T, H]")
-    conv_weight = _tensor("conv_weight", conv_weight)
-    _same_device("conv_weight", conv_weight, device)
-    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
-    _contiguous("conv_weight", conv_weight)
-    if conv_weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
-                         f"got {dtype_name(conv_weight.dtype)}")
+    conv_weight = _conv_weight(conv_weight, x, C, device)
     slots = _pool("state", state, H, D, D, device, backend)
-    state_indices = _tensor("state_indices", state_indices)
-    _same_device("state_indices", state_indices, device)
-    if state_indices.dtype != torch.int32:
-        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
-    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
-    _contiguous("state_indices", state_indices)
-    N, cols = state_indices.shape
-    if N < 1 or cols < 1:
-        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
-                         f"{list(state_indices.shape)}")
+    state_indices, N, cols = _verify_index_table(state_indices, device)
     conv_state = _tensor("conv_state", conv_state)
     _same_device("conv_state", conv_state, device)
     _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, L]")
@@ -990,28 +1002,9 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                          f"(a line keeps the inputs of every draft position), got {list(conv_state.shape)}")
     _contiguous("conv_state", conv_state)
     _same_dtype("conv_state", conv_state, x, "x")
-    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
-    if not N <= T <= N * cols:
-        raise ValueError(f"x: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
-                         f"1 .. T_max = {cols} tokens), got T = {T}")
-    if num_accepted_tokens is not None:
-        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
-    if max_seqlen is None:
-        max_seqlen = cols
-    else:
-        _int("max_seqlen", max_seqlen, "or None")
-        if not 1 <= max_seqlen <= cols:
-            raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
-                             f"state_indices) or None, got {max_seqlen}")
+    max_seqlen = _verify_lengths("x", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
     output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
-    norm_weight = _tensor("norm_weight", norm_weight)
-    _same_device("norm_weight", norm_weight, device)
-    _shape("norm_weight", norm_weight, (D,), "[D]")
-    _dtype_in("norm_weight", norm_weight, ("float32",))
-    _contiguous("norm_weight", norm_weight)
-    _float("norm_eps", norm_eps, "> 0")
-    if not math.isfinite(norm_eps) or norm_eps <= 0:
-        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _bool("null_slot0", null_slot0)
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
     _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "binding.h"
@@ -81,6 +82,42 @@ inline void delta_step(TS* S, int64_t K, int64_t V, const double* q, const doubl
   }
 }
 
+// The fused ops' token r after the conv (fused_kda_decode, fused_kda_verify): per head h, q and k
+// normalised (q scaled), the delta step on S [H][D][D] (storage type TS), then the gated RMSNorm
+// out = rmsnorm(o) * norm_weight * sigmoid(output_gate) stored to out's row r.
+struct FusedStepIO {
+  FloatSpan g, beta, output_gate, out;  // [.., H, D], [.., H], [.., H, D], [.., H, D] by row
+  const float* norm_weight;             // [D]
+  double scale, norm_eps;
+};
+
+struct FusedScratch {
+  explicit FusedScratch(int64_t D) : graw(D), decay(D), orow(D), gate_row(D), row(D) {}
+  std::vector<double> graw, decay, orow, gate_row, row;
+};
+
+template <typename TS>
+inline void fused_token_step(TS* S, double* q, double* k, const double* v, int64_t r, int64_t H, int64_t D,
+                             const Gate& gate, const FusedStepIO& io, FusedScratch& s) {
+  for (int64_t h = 0; h < H; ++h) {
+    l2norm_scale(q + h * D, D, io.scale);
+    l2norm_scale(k + h * D, D, 1.0);
+    io.g.load((r * H + h) * D, D, s.graw.data());
+    gate.decay(s.graw.data(), h, D, s.decay.data());
+    const double b = sigmoid(io.beta.get(r * H + h));
+    delta_step(S + h * D * D, D, D, q + h * D, k + h * D, s.decay.data(), b, v + h * D, s.orow.data(),
+               s.row.data());
+    double ms = 0.0;
+    for (int64_t i = 0; i < D; ++i) ms += s.orow[i] * s.orow[i];
+    const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + io.norm_eps);
+    io.output_gate.load((r * H + h) * D, D, s.gate_row.data());
+    for (int64_t i = 0; i < D; ++i) {
+      s.orow[i] = s.orow[i] * inv_rms * static_cast<double>(io.norm_weight[i]) * sigmoid(s.gate_row[i]);
+    }
+    io.out.store((r * H + h) * D, D, s.orow.data());
+  }
+}
+
 // Call f(T{}) with the state storage type of `kind`: float32, float64 or bfloat16.
 template <typename F>
 inline void with_state_type(FloatKind kind, F&& f) {
@@ -106,6 +143,22 @@ inline void check_input_dtypes(const Checker& c, const TensorView& q, const Tens
   c.same_dtype_as(g, "g", q, "q");
   c.same_dtype_as(beta, "beta", q, "q");
   c.same_dtype_as(out, "out", v, "v");
+}
+
+// The CPU backend's dtypes for the fused ops: x any float type; g, beta, output_gate, conv_state and
+// out as x; conv_weight as x or float32; norm_weight float32; the state float32, float64 or bfloat16.
+inline void check_fused_dtypes(const Checker& c, const TensorView& x, const TensorView& g, const TensorView& beta,
+                               const TensorView& output_gate, const TensorView& conv_state, const TensorView& out,
+                               const TensorView& conv_weight, const TensorView& norm_weight,
+                               const TensorView& state) {
+  c.dtype(x, "x", {kF32, kF64, kBF16, kF16});
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{g, "g"}, {beta, "beta"},
+                                {output_gate, "output_gate"}, {conv_state, "conv_state"}, {out, "out"}}) {
+    c.same_dtype_as(t, name, x, "x");
+  }
+  c.dtype(conv_weight, "conv_weight", {x.dtype(), kF32});
+  c.dtype(norm_weight, "norm_weight", {kF32});
+  c.state_dtype(state, "state", {kF32, kF64, kBF16});
 }
 
 inline bool is_padding(int64_t index, bool null_slot0) { return index < 0 || (null_slot0 && index == 0); }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../common/kda_cpu.h"
+#include "../common/pool_args.h"
 
 namespace {
 
@@ -29,15 +30,11 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
     c.device_type(t, name, kDLCPU);
     c.contiguous(t, name);
   }
-  c.ndim(g, "g", 3, "[rows, H, D]");
-  const int64_t rows = g.size(0), H = g.size(1), D = g.size(2), HD = H * D, C = 3 * HD;
-  c.head_dims(D, D);
-  c.heads(H, H);
+  const fkda::FusedHeads heads = fkda::fused_heads(c, g, 3, "[rows, H, D]");
+  const int64_t rows = g.size(0), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
   c.shape(x, "x", {{"rows", rows}, {"3*H*D", C}});
   c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
-  c.ndim(state, "state", 4, "[slots, H, D, D]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, H, D, D]", {"H", H}, {"D", D}, {"D", D});
   c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}});
   c.shape(beta, "beta", {{"rows", rows}, {"H", H}});
   c.shape(state_indices, "state_indices", {{"rows", rows}});
@@ -45,15 +42,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.shape(norm_weight, "norm_weight", {{"D", D}});
   c.shape(out, "out", {{"rows", rows}, {"H", H}, {"D", D}});
 
-  c.dtype(x, "x", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
-  c.same_dtype_as(g, "g", x, "x");
-  c.same_dtype_as(beta, "beta", x, "x");
-  c.same_dtype_as(output_gate, "output_gate", x, "x");
-  c.same_dtype_as(conv_state, "conv_state", x, "x");
-  c.same_dtype_as(out, "out", x, "x");
-  c.dtype(conv_weight, "conv_weight", {x.dtype(), fkda::kF32});  // x's dtype or float32
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
+  cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
@@ -66,14 +55,14 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.slot_indices_host(state_indices, "state_indices", slots);
 
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
-  const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight),
-                        cs = cpu::span_of(conv_state), gs = cpu::span_of(g), bs = cpu::span_of(beta),
-                        ogs = cpu::span_of(output_gate), os = cpu::span_of(out);
-  const float* nw = fkda::data_ptr<const float>(norm_weight);
+  const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight), cs = cpu::span_of(conv_state),
+                        os = cpu::span_of(out);
+  const cpu::FusedStepIO io{cpu::span_of(g), cpu::span_of(beta), cpu::span_of(output_gate), os,
+                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps};
   const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
 
-  std::vector<double> xrow(C), w(C * kConvWidth), win(C * (kConvWidth - 1)), y(C), decay(D),
-      graw(D), orow(D), gate_row(D), row(D);
+  std::vector<double> xrow(C), w(C * kConvWidth), win(C * (kConvWidth - 1)), y(C);
+  cpu::FusedScratch scratch(D);
   ws.load(0, C * kConvWidth, w.data());
   cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
     using TS = decltype(tag);
@@ -102,23 +91,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
       double* k = y.data() + HD;
       const double* v = y.data() + 2 * HD;
       TS* slot_state = pool + slot * H * D * D;
-      for (int64_t h = 0; h < H; ++h) {
-        cpu::l2norm_scale(q + h * D, D, scale);
-        cpu::l2norm_scale(k + h * D, D, 1.0);
-        gs.load((r * H + h) * D, D, graw.data());
-        gate.decay(graw.data(), h, D, decay.data());
-        const double b = cpu::sigmoid(bs.get(r * H + h));
-        cpu::delta_step(slot_state + h * D * D, D, D, q + h * D, k + h * D, decay.data(), b,
-                        v + h * D, orow.data(), row.data());
-        double ms = 0.0;
-        for (int64_t i = 0; i < D; ++i) ms += orow[i] * orow[i];
-        const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + norm_eps);
-        ogs.load((r * H + h) * D, D, gate_row.data());
-        for (int64_t i = 0; i < D; ++i) {
-          orow[i] = orow[i] * inv_rms * static_cast<double>(nw[i]) * cpu::sigmoid(gate_row[i]);
-        }
-        os.store((r * H + h) * D, D, orow.data());
-      }
+      cpu::fused_token_step(slot_state, q, k, v, r, H, D, gate, io, scratch);
     }
   });
 }

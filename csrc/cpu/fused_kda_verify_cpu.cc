@@ -7,10 +7,9 @@
 // afterwards line[:, 0:2] = old line[:, o+1:o+3] and line[:, 2 + j] = token j's input, so the next
 // call's window at its accepted offset is the three inputs up to that token.
 #include <cmath>
-#include <map>
 #include <vector>
 
-#include "../common/kda_cpu.h"
+#include "../common/verify_cpu.h"
 
 namespace {
 
@@ -34,19 +33,14 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
     c.device_type(t, name, kDLCPU);
     c.contiguous(t, name);
   }
-  c.ndim(g, "g", 4, "[1, T, H, D]");
-  const int64_t T = g.size(1), H = g.size(2), D = g.size(3), HD = H * D, C = 3 * HD;
-  c.head_dims(D, D);
-  c.heads(H, H);
+  const fkda::FusedHeads heads = fkda::fused_heads(c, g, 4, "[1, T, H, D]");
+  const int64_t T = g.size(1), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
   c.shape(g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}});
   c.shape(x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}});
   c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
-  c.ndim(state, "state", 4, "[slots, H, D, D]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, H, D, D]", {"H", H}, {"D", D}, {"D", D});
+  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
+  const int64_t N = table.N, cols = table.cols;
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
   const int64_t L = conv_state.size(2);
   c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"L", L}});
@@ -59,108 +53,54 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.shape(norm_weight, "norm_weight", {{"D", D}});
   c.shape(out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}});
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  c.dtype(x, "x", {fkda::kF32, fkda::kF64, fkda::kBF16, fkda::kF16});
-  c.same_dtype_as(g, "g", x, "x");
-  c.same_dtype_as(beta, "beta", x, "x");
-  c.same_dtype_as(output_gate, "output_gate", x, "x");
-  c.same_dtype_as(conv_state, "conv_state", x, "x");
-  c.same_dtype_as(out, "out", x, "x");
-  c.dtype(conv_weight, "conv_weight", {x.dtype(), fkda::kF32});
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
+  cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    c.device_type(a, "num_accepted_tokens", kDLCPU);
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
+  cpu::check_accepted_tokens(c, num_accepted_tokens, N);
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, H, D, x, "x");
-  c.positive_finite(scale, "scale");
+  const fkda::GateMode mode =
+      fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, x, "x", scale);
   c.positive_finite(norm_eps, "norm_eps");
 
-  // ---- host values (the rules of kda_verify) ----------------------------------------------------
-  const std::vector<int64_t> off = c.cu_seqlens_host(cu_seqlens, "cu_seqlens", T);
-  const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
-  c.slot_indices_host(state_indices, "state_indices", slots);
-  std::vector<int64_t> read_col(N, 0);
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t len = off[n + 1] - off[n];
-    if (len < 1 || len > cols) {
-      FKDA_FAIL(c.fn()) << "argument 'cu_seqlens': request " << n << " has " << len
-                        << " tokens; expected 1 .. T_max = " << cols;
-    }
-    if (num_accepted_tokens.has_value()) {
-      const int32_t a = fkda::data_ptr<const int32_t>(num_accepted_tokens.value())[n];
-      if (a < 1 || a > cols) {
-        FKDA_FAIL(c.fn()) << "argument 'num_accepted_tokens': entry " << n << " = " << a
-                          << " must be in [1, T_max = " << cols << "]";
-      }
-      read_col[n] = a - 1;
-    }
-  }
-  auto pad = [&](int64_t s) { return cpu::is_padding(s, null_slot0); };
-  std::map<int32_t, int64_t> writer;
-  for (int64_t n = 0; n < N; ++n) {
-    if (pad(idx[n * cols + read_col[n]])) continue;
-    for (int64_t t = 0; t < off[n + 1] - off[n]; ++t) {
-      const int32_t s = idx[n * cols + t];
-      if (pad(s)) continue;
-      if (!writer.emplace(s, n).second) {
-        FKDA_FAIL(c.fn()) << "argument 'state_indices': slot " << s << " is written twice (requests "
-                          << writer[s] << " and " << n << "); written slots must be distinct";
-      }
-    }
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    const int32_t s = idx[n * cols + read_col[n]];
-    auto it = writer.find(s);
-    if (!pad(s) && it != writer.end() && it->second != n) {
-      FKDA_FAIL(c.fn()) << "argument 'state_indices': request " << n << " reads slot " << s
-                        << ", which request " << it->second << " writes";
-    }
-  }
+  const cpu::VerifyPlan plan =
+      cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table, slots, null_slot0);
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
   const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight), cs = cpu::span_of(conv_state),
-                        gs = cpu::span_of(g), bs = cpu::span_of(beta), ogs = cpu::span_of(output_gate),
                         os = cpu::span_of(out);
-  const float* nw = fkda::data_ptr<const float>(norm_weight);
-  std::vector<double> w(C * kConvWidth), line(C * L), hist, y(C), decay(D), graw(D), orow(D), gate_row(D), row(D);
+  const cpu::FusedStepIO io{cpu::span_of(g), cpu::span_of(beta), cpu::span_of(output_gate), os,
+                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps};
+  std::vector<double> w(C * kConvWidth), line(C * L), hist, y(C);
+  cpu::FusedScratch scratch(D);
   ws.load(0, C * kConvWidth, w.data());
   cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
     using TS = decltype(tag);
     TS* pool = fkda::data_ptr<TS>(state);
     std::vector<TS> work(H * D * D);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
-      const int64_t len = off[n + 1] - off[n];
-      const int32_t read = idx[n * cols + read_col[n]], line_slot = idx[n * cols];
-      if (pad(read) || pad(line_slot)) {
-        os.fill_zero(off[n] * HD, len * HD);
+      const int64_t len = plan.off[n + 1] - plan.off[n];
+      const int32_t read = plan.idx[n * cols + plan.read_col[n]], line_slot = plan.idx[n * cols];
+      if (plan.pad(read) || plan.pad(line_slot)) {
+        os.fill_zero(plan.off[n] * HD, len * HD);
         continue;
       }
       // hist[ch][0..2]: the three inputs before the first token; hist[ch][3 + j]: token j's input
-      const int64_t o = read_col[n], HL = kConvWidth - 1 + len;
+      const int64_t o = plan.read_col[n], HL = kConvWidth - 1 + len;
       cs.load(line_slot * C * L, C * L, line.data());
       hist.assign(C * HL, 0.0);
       for (int64_t ch = 0; ch < C; ++ch) {
         for (int64_t i = 0; i < kConvWidth - 1; ++i) hist[ch * HL + i] = line[ch * L + o + i];
       }
       for (int64_t j = 0; j < len; ++j) {
-        xs.load((off[n] + j) * C, C, y.data());
+        xs.load((plan.off[n] + j) * C, C, y.data());
         for (int64_t ch = 0; ch < C; ++ch) hist[ch * HL + kConvWidth - 1 + j] = y[ch];
       }
       std::copy(pool + static_cast<int64_t>(read) * H * D * D, pool + (static_cast<int64_t>(read) + 1) * H * D * D,
                 work.begin());
       for (int64_t j = 0; j < len; ++j) {
-        const int64_t r = off[n] + j;
+        const int64_t r = plan.off[n] + j;
         for (int64_t ch = 0; ch < C; ++ch) {  // the conv in fused_kda_decode's order: x term first
           const double* wc = w.data() + ch * kConvWidth;
           const double* hc = hist.data() + ch * HL + j;
@@ -171,25 +111,9 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
         double* q = y.data();
         double* k = y.data() + HD;
         const double* v = y.data() + 2 * HD;
-        for (int64_t h = 0; h < H; ++h) {
-          cpu::l2norm_scale(q + h * D, D, scale);
-          cpu::l2norm_scale(k + h * D, D, 1.0);
-          gs.load((r * H + h) * D, D, graw.data());
-          gate.decay(graw.data(), h, D, decay.data());
-          const double b = cpu::sigmoid(bs.get(r * H + h));
-          cpu::delta_step(work.data() + h * D * D, D, D, q + h * D, k + h * D, decay.data(), b, v + h * D,
-                          orow.data(), row.data());
-          double ms = 0.0;
-          for (int64_t i = 0; i < D; ++i) ms += orow[i] * orow[i];
-          const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + norm_eps);
-          ogs.load((r * H + h) * D, D, gate_row.data());
-          for (int64_t i = 0; i < D; ++i) {
-            orow[i] = orow[i] * inv_rms * static_cast<double>(nw[i]) * cpu::sigmoid(gate_row[i]);
-          }
-          os.store((r * H + h) * D, D, orow.data());
-        }
-        const int32_t dst = idx[n * cols + j];
-        if (!pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * H * D * D);
+        cpu::fused_token_step(work.data(), q, k, v, r, H, D, gate, io, scratch);
+        const int32_t dst = plan.idx[n * cols + j];
+        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * H * D * D);
       }
       // the line after the call: the two inputs before the first token, then every token's input
       for (int64_t ch = 0; ch < C; ++ch) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../common/kda_cpu.h"
+#include "../common/pool_args.h"
 
 namespace {
 
@@ -24,19 +25,13 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                 {state_indices, "state_indices"}, {out, "out"}}) {
     c.device_type(t, name, kDLCPU);
   }
-  c.ndim(q, "q", 3, "[rows, H, K]");
-  c.ndim(v, "v", 3, "[rows, HV, V]");
-  const int64_t rows = q.size(0), H = q.size(1), K = q.size(2);
-  const int64_t HV = v.size(1), V = v.size(2);
-  c.head_dims(K, V);
-  c.heads(H, HV);
+  const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 3, "[rows, H, K]", "[rows, HV, V]");
+  const int64_t rows = q.size(0), H = heads.H, K = heads.K, HV = heads.HV, V = heads.V;
   c.shape(k, "k", {{"rows", rows}, {"H", H}, {"K", K}});
   c.shape(v, "v", {{"rows", rows}, {"HV", HV}, {"V", V}});
   c.shape(g, "g", {{"rows", rows}, {"HV", HV}, {"K", K}});
   c.shape(beta, "beta", {{"rows", rows}, {"HV", HV}});
-  c.ndim(state, "state", 4, "[slots, HV, V, K]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"HV", HV}, {"V", V}, {"K", K}});
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, HV, V, K]", {"HV", HV}, {"V", V}, {"K", K});
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.shape(out, "out", {{"rows", rows}, {"HV", HV}, {"V", V}});
 

@@ -9,10 +9,9 @@
 // visible here, so every rule of the op is checked: offsets, counts, slot ranges, and that no slot
 // is written twice or read by one request while another writes it.
 #include <algorithm>
-#include <map>
 #include <vector>
 
-#include "../common/kda_cpu.h"
+#include "../common/verify_cpu.h"
 
 namespace {
 
@@ -31,24 +30,17 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                 {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.device_type(t, name, kDLCPU);
   }
-  c.ndim(q, "q", 4, "[1, T, H, K]");
-  c.ndim(v, "v", 4, "[1, T, HV, V]");
-  const int64_t T = q.size(1), H = q.size(2), K = q.size(3);
-  const int64_t HV = v.size(2), V = v.size(3);
-  c.head_dims(K, V);
-  c.heads(H, HV);
+  const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 4, "[1, T, H, K]", "[1, T, HV, V]");
+  const int64_t T = q.size(1), H = heads.H, K = heads.K, HV = heads.HV, V = heads.V;
   c.shape(q, "q", {{"1", 1}, {"T", T}, {"H", H}, {"K", K}});
   c.shape(k, "k", {{"1", 1}, {"T", T}, {"H", H}, {"K", K}});
   c.shape(v, "v", {{"1", 1}, {"T", T}, {"HV", HV}, {"V", V}});
   c.shape(g, "g", {{"1", 1}, {"T", T}, {"HV", HV}, {"K", K}});
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.shape(out, "out", {{"1", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  c.ndim(state, "state", 4, "[slots, HV, V, K]");
-  const int64_t slots = state.size(0);
-  c.shape(state, "state", {{"slots", slots}, {"HV", HV}, {"V", V}, {"K", K}});
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  const int64_t slots = fkda::pool_slots(c, state, "[slots, HV, V, K]", {"HV", HV}, {"V", V}, {"K", K});
+  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
+  const int64_t N = table.N, cols = table.cols;
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
   fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
@@ -59,60 +51,13 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                 {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.contiguous(t, name);
   }
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    c.device_type(a, "num_accepted_tokens", kDLCPU);
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
+  cpu::check_accepted_tokens(c, num_accepted_tokens, N);
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, HV, K, q, "q");
-  c.positive_finite(scale, "scale");
+  const fkda::GateMode mode =
+      fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, q, "q", scale);
 
-  // ---- host values -------------------------------------------------------------------------
-  const std::vector<int64_t> off = c.cu_seqlens_host(cu_seqlens, "cu_seqlens", T);
-  const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
-  c.slot_indices_host(state_indices, "state_indices", slots);
-  std::vector<int64_t> read_col(N, 0);
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t len = off[n + 1] - off[n];
-    if (len < 1 || len > cols) {
-      FKDA_FAIL(c.fn()) << "argument 'cu_seqlens': request " << n << " has " << len
-                        << " tokens; expected 1 .. T_max = " << cols;
-    }
-    if (num_accepted_tokens.has_value()) {
-      const int32_t a = fkda::data_ptr<const int32_t>(num_accepted_tokens.value())[n];
-      if (a < 1 || a > cols) {
-        FKDA_FAIL(c.fn()) << "argument 'num_accepted_tokens': entry " << n << " = " << a
-                          << " must be in [1, T_max = " << cols << "]";
-      }
-      read_col[n] = a - 1;
-    }
-  }
-  auto pad = [&](int64_t s) { return cpu::is_padding(s, null_slot0); };
-  std::map<int32_t, int64_t> writer;  // slot -> the request writing it
-  for (int64_t n = 0; n < N; ++n) {
-    if (pad(idx[n * cols + read_col[n]])) continue;
-    for (int64_t t = 0; t < off[n + 1] - off[n]; ++t) {
-      const int32_t s = idx[n * cols + t];
-      if (pad(s)) continue;
-      if (!writer.emplace(s, n).second) {
-        FKDA_FAIL(c.fn()) << "argument 'state_indices': slot " << s << " is written twice (requests "
-                          << writer[s] << " and " << n << "); written slots must be distinct";
-      }
-    }
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    const int32_t s = idx[n * cols + read_col[n]];
-    auto it = writer.find(s);
-    if (!pad(s) && it != writer.end() && it->second != n) {
-      FKDA_FAIL(c.fn()) << "argument 'state_indices': request " << n << " reads slot " << s
-                        << ", which request " << it->second << " writes";
-    }
-  }
+  const cpu::VerifyPlan plan =
+      cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table, slots, null_slot0);
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
@@ -125,13 +70,13 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     TS* pool = fkda::data_ptr<TS>(state);
     std::vector<TS> work(slot_elems);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
-      const int32_t read = idx[n * cols + read_col[n]];
-      if (pad(read)) {
-        os.fill_zero(off[n] * HV * V, (off[n + 1] - off[n]) * HV * V);
+      const int32_t read = plan.idx[n * cols + plan.read_col[n]];
+      if (plan.pad(read)) {
+        os.fill_zero(plan.off[n] * HV * V, (plan.off[n + 1] - plan.off[n]) * HV * V);
         continue;
       }
       std::copy(pool + read * slot_elems, pool + (read + 1) * slot_elems, work.begin());
-      for (int64_t r = off[n]; r < off[n + 1]; ++r) {
+      for (int64_t r = plan.off[n]; r < plan.off[n + 1]; ++r) {
         qs.load(r * H * K, H * K, qn.data());
         ks.load(r * H * K, H * K, kn.data());
         for (int64_t h = 0; h < H; ++h) {
@@ -149,8 +94,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                           decay.data(), b, vrow.data(), orow.data(), row.data());
           os.store((r * HV + hv) * V, V, orow.data());
         }
-        const int32_t dst = idx[n * cols + (r - off[n])];
-        if (!pad(dst)) std::copy(work.begin(), work.end(), pool + dst * slot_elems);
+        const int32_t dst = plan.idx[n * cols + (r - plan.off[n])];
+        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + dst * slot_elems);
       }
     }
   });

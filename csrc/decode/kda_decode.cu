@@ -14,6 +14,7 @@
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/pool_args.h"
 
 #if !defined(FKDA_PARAM_SCHEDULE) || !defined(FKDA_PARAM_V_TILE) || !defined(FKDA_PARAM_LANES_PER_ROW) || \
     !defined(FKDA_CONTRACT_JSON)
@@ -21,6 +22,7 @@
 #endif
 
 #include "kda_decode_kernels.cuh"
+#include "decode_params.h"
 
 namespace {
 
@@ -94,11 +96,8 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   static_assert(K == 128 && V == 128, "the decode kernels are written for K = V = 128");
   const Checker c("kda_decode");
   c.device_type(out, "out", kDLCUDA);
-  c.ndim(q, "q", 3, "[rows, H, K]");
-  c.ndim(v, "v", 3, "[rows, HV, V]");
-  const int64_t rows = v.size(0), HV = v.size(1), H = q.size(1);
-  c.head_dims(q.size(2), v.size(2));
-  c.heads(H, HV);
+  const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 3, "[rows, H, K]", "[rows, HV, V]");
+  const int64_t rows = v.size(0), HV = heads.HV, H = heads.H;
   if (rows >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 rows per call, got " << rows;
   check_rows_tensor(c, q, "q", rows, "H", H, "K", K, out);
   check_rows_tensor(c, k, "k", rows, "H", H, "K", K, out);
@@ -135,42 +134,20 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                       << " elements, more than this module's 32-bit slot offsets address (max "
                       << INT32_MAX << "); use a module with 64-bit offsets (o64)";
   }
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, HV, K, out, "out");
-  c.positive_finite(scale, "scale");
+  fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value() && reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(dt_bias.value())) % 16 != 0) {
     FKDA_FAIL(c.fn()) << "argument 'dt_bias' must be 16-byte aligned";
   }
   if (rows == 0) return;
 
-  DecodeParams p;
-  p.q = fkda::data_ptr<const bf16>(q);
-  p.k = fkda::data_ptr<const bf16>(k);
-  p.v = fkda::data_ptr<const bf16>(v);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
-  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
-  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
-  p.state = fkda::data_ptr<void>(state);
-  p.idx = fkda::data_ptr<const int32_t>(state_indices);
-  p.out = fkda::data_ptr<bf16>(out);
+  DecodeParams p = decode_params(q, k, v, g, beta, A_log, dt_bias, state, state_indices, out, slots, rows, H, HV,
+                                 gate_mode, lower_bound, scale, beta_is_logit, null_slot0);
   p.q_row_stride = q.stride(0);
   p.k_row_stride = k.stride(0);
   p.v_row_stride = v.stride(0);
   p.g_row_stride = g.stride(0);
   p.beta_row_stride = beta.stride(0);
   p.slot_stride = slot_stride;
-  p.num_slots = slots;
-  p.rows = static_cast<int>(rows);
-  p.H = static_cast<int>(H);
-  p.HV = static_cast<int>(HV);
-  p.group = static_cast<int>(HV / H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
-  p.beta_is_logit = beta_is_logit ? 1 : 0;
-  p.null_slot0 = null_slot0 ? 1 : 0;
 
   if (rows * HV * kNumVT > INT32_MAX / 2) {  // tile indices are int in the kernels
     FKDA_FAIL(c.fn()) << "rows * HV = " << rows * HV << " is too large for one call";

@@ -16,6 +16,7 @@
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/pool_args.h"
 
 #if !defined(FKDA_PARAM_SCHEDULE) || !defined(FKDA_PARAM_V_TILE) || !defined(FKDA_PARAM_LANES_PER_ROW) || \
     !defined(FKDA_CONTRACT_JSON)
@@ -23,6 +24,7 @@
 #endif
 
 #include "fused_kda_decode_kernels.cuh"
+#include "fused_params.h"
 
 namespace {
 
@@ -56,14 +58,6 @@ static_assert(FKDA_SMEM_BYTES == (FKDA_PARAM_STATE_SMEM ? FKDA_PARAM_V_TILE * FK
 
 using fkda::Checker;
 
-void check_bf16_input(const Checker& c, const TensorView& t, const char* name,
-                      std::initializer_list<fkda::Dim> dims, const TensorView& ref) {
-  fkda::check_cuda_device(c, t, name, ref, "out");
-  c.shape(t, name, dims);
-  c.dtype(t, name, {fkda::kBF16});
-  c.contiguous(t, name);
-}
-
 void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g,
                       TensorView beta, Optional<TensorView> A_log, Optional<TensorView> dt_bias,
                       TensorView state_indices, TensorView state, TensorView output_gate,
@@ -84,15 +78,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   check_bf16_input(c, beta, "beta", {{"rows", rows}, {"H", H}}, out);
   check_bf16_input(c, output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}}, out);
   check_bf16_input(c, out, "out", {{"rows", rows}, {"H", H}, {"D", D}}, out);
-  fkda::check_cuda_device(c, conv_weight, "conv_weight", out, "out");
-  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
-  c.dtype(conv_weight, "conv_weight", {fkda::kBF16, fkda::kF32});
-  c.contiguous(conv_weight, "conv_weight");
-  const bool w_f32 = fkda::same_dtype(conv_weight.dtype(), fkda::kF32);
-  fkda::check_cuda_device(c, norm_weight, "norm_weight", out, "out");
-  c.shape(norm_weight, "norm_weight", {{"D", D}});
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.contiguous(norm_weight, "norm_weight");
+  check_fused_weights(c, conv_weight, norm_weight, C, D, out);
   fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
@@ -108,35 +94,13 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
                    out);
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, H, D, out, "out");
-  c.positive_finite(scale, "scale");
+  fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, out, "out", scale);
   c.positive_finite(norm_eps, "norm_eps");
   if (rows == 0) return;
 
-  FusedParams p;
-  p.x = fkda::data_ptr<const bf16>(x);
-  p.conv_weight = fkda::data_ptr<const void>(conv_weight);
-  p.conv_state = fkda::data_ptr<bf16>(conv_state);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
-  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
-  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
-  p.idx = fkda::data_ptr<const int32_t>(state_indices);
-  p.state = fkda::data_ptr<void>(state);
-  p.output_gate = fkda::data_ptr<const bf16>(output_gate);
-  p.norm_weight = fkda::data_ptr<const float>(norm_weight);
-  p.out = fkda::data_ptr<bf16>(out);
-  p.num_slots = slots;
-  p.rows = static_cast<int>(rows);
-  p.H = static_cast<int>(H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
-  p.norm_eps = static_cast<float>(norm_eps);
-  p.null_slot0 = null_slot0 ? 1 : 0;
-  p.w_f32 = w_f32 ? 1 : 0;
+  const FusedParams p = fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                                     output_gate, norm_weight, out, slots, rows, H, gate_mode, lower_bound, scale,
+                                     norm_eps, null_slot0);
 
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);

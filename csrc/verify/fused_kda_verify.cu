@@ -8,38 +8,22 @@
 
 #include <climits>
 #include <cstdint>
-#include <type_traits>
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/verify_module.h"
+#include "common/verify_cuda.h"
 
 #if !defined(FKDA_PARAM_LANES_PER_ROW) || !defined(FKDA_CONTRACT_JSON)
 #error "fused_kda_verify.cu is built from a module record: FKDA_PARAM_LANES_PER_ROW missing"
 #endif
 
 #include "fused_kda_verify_kernels.cuh"
+#include "fused_decode/fused_params.h"
 
 namespace {
 
-using tvm::ffi::Optional;
-using tvm::ffi::TensorView;
-using fkda::Checker;
-using fkda_decode::bf16;
-
-constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
-using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
-static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
-static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA modules fix the state dtype");
-static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clusters");
-static_assert(FKDA_SMEM_BYTES == 0, "static shared memory only");
-
-void check_bf16(const Checker& c, const TensorView& t, const char* name, std::initializer_list<fkda::Dim> dims,
-                const TensorView& ref) {
-  fkda::check_cuda_device(c, t, name, ref, "out");
-  c.shape(t, name, dims);
-  c.dtype(t, name, {fkda::kBF16});
-  c.contiguous(t, name);
-}
+using namespace fkda::verify_module;
 
 void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g, TensorView beta,
                       Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
@@ -55,46 +39,16 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.head_dims(g.size(3), g.size(3));
   c.heads(H, H);
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
-  check_bf16(c, g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
-  check_bf16(c, x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}}, out);
-  check_bf16(c, beta, "beta", {{"1", 1}, {"T", T}, {"H", H}}, out);
-  check_bf16(c, output_gate, "output_gate", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
-  check_bf16(c, out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
-  fkda::check_cuda_device(c, conv_weight, "conv_weight", out, "out");
-  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", fkda_fused::kConvWidth}});
-  c.dtype(conv_weight, "conv_weight", {fkda::kBF16, fkda::kF32});
-  c.contiguous(conv_weight, "conv_weight");
-  fkda::check_cuda_device(c, norm_weight, "norm_weight", out, "out");
-  c.shape(norm_weight, "norm_weight", {{"D", D}});
-  c.dtype(norm_weight, "norm_weight", {fkda::kF32});
-  c.contiguous(norm_weight, "norm_weight");
-  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
-  if (T < N || T > N * cols) {
-    FKDA_FAIL(c.fn()) << "argument 'x' has T = " << T << " tokens; expected N = " << N << " .. N * T_max = "
-                      << N * cols;
-  }
-  c.dtype(state_indices, "state_indices", {fkda::kI32});
-  c.contiguous(state_indices, "state_indices");
-  fkda::check_cuda_device(c, cu_seqlens, "cu_seqlens", out, "out");
-  c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  c.contiguous(cu_seqlens, "cu_seqlens");
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    fkda::check_cuda_device(c, a, "num_accepted_tokens", out, "out");
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
-  fkda::check_cuda_device(c, state, "state", out, "out");
-  c.shape(state, "state", {{"slots", -1}, {"H", H}, {"D", D}, {"D", D}});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
-  c.contiguous(state, "state");
-  c.aligned(state, "state", 16);
-  const int64_t slots = state.size(0);
+  fkda_fused::check_bf16_input(c, g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda_fused::check_bf16_input(c, x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}}, out);
+  fkda_fused::check_bf16_input(c, beta, "beta", {{"1", 1}, {"T", T}, {"H", H}}, out);
+  fkda_fused::check_bf16_input(c, output_gate, "output_gate", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda_fused::check_bf16_input(c, out, "out", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
+  fkda_fused::check_fused_weights(c, conv_weight, norm_weight, C, D, out);
+  const fkda::SlotTable table = fkda::verify_slot_table(c, state_indices, T, "x", "", out);
+  const int64_t N = table.N, cols = table.cols;
+  fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
+  const int64_t slots = fkda::verify_pool_slots(c, state, {"H", H}, {"D", D}, {"D", D}, out);
   fkda::check_cuda_device(c, conv_state, "conv_state", out, "out");
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
   const int64_t L = conv_state.size(2);
@@ -107,35 +61,13 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.contiguous(conv_state, "conv_state");
   c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, H, D, out, "out");
-  c.positive_finite(scale, "scale");
+  fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, out, "out", scale);
   c.positive_finite(norm_eps, "norm_eps");
 
   fkda_fused_verify::FusedVerifyParams vp;
-  fkda_fused::FusedParams& p = vp.f;
-  p.x = fkda::data_ptr<const bf16>(x);
-  p.conv_weight = fkda::data_ptr<void>(conv_weight);
-  p.conv_state = fkda::data_ptr<bf16>(conv_state);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
-  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
-  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
-  p.idx = fkda::data_ptr<const int32_t>(state_indices);
-  p.state = fkda::data_ptr<void>(state);
-  p.output_gate = fkda::data_ptr<const bf16>(output_gate);
-  p.norm_weight = fkda::data_ptr<const float>(norm_weight);
-  p.out = fkda::data_ptr<bf16>(out);
-  p.num_slots = slots;
-  p.rows = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
-  p.norm_eps = static_cast<float>(norm_eps);
-  p.null_slot0 = null_slot0 ? 1 : 0;
-  p.w_f32 = fkda::same_dtype(conv_weight.dtype(), fkda::kF32) ? 1 : 0;
+  vp.f = fkda_fused::fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+                                  output_gate, norm_weight, out, slots, T, H, gate_mode, lower_bound, scale, norm_eps,
+                                  null_slot0);
   vp.conv_len = L;
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())

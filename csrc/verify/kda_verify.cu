@@ -9,30 +9,22 @@
 
 #include <climits>
 #include <cstdint>
-#include <type_traits>
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/verify_module.h"
+#include "common/verify_cuda.h"
 
 #if !defined(FKDA_PARAM_V_TILE) || !defined(FKDA_PARAM_LANES_PER_ROW) || !defined(FKDA_CONTRACT_JSON)
 #error "kda_verify.cu is built from a module record: FKDA_PARAM_V_TILE/LANES_PER_ROW missing"
 #endif
 
 #include "kda_verify_kernels.cuh"
+#include "decode/decode_params.h"
 
 namespace {
 
-using tvm::ffi::Optional;
-using tvm::ffi::TensorView;
-using fkda::Checker;
-using fkda_decode::bf16;
-
-constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
-using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
-static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
-static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA verify modules fix the state dtype");
-static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clusters");
-static_assert(FKDA_SMEM_BYTES == 0, "the verify tile kernel holds its state in registers");
+using namespace fkda::verify_module;
 constexpr int kNumVT = FKDA_HEAD_DIM_V / FKDA_PARAM_V_TILE;
 
 // A packed [1, T, n, d] bf16 input, contiguous and 16-byte aligned (16-byte loads along K / V).
@@ -54,11 +46,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   static_assert(K == 128 && V == 128, "the verify kernels are written for K = V = 128");
   const Checker c("kda_verify");
   c.device_type(out, "out", kDLCUDA);
-  c.ndim(q, "q", 4, "[1, T, H, K]");
-  c.ndim(v, "v", 4, "[1, T, HV, V]");
-  const int64_t T = v.size(1), HV = v.size(2), H = q.size(2);
-  c.head_dims(q.size(3), v.size(3));
-  c.heads(H, HV);
+  const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 4, "[1, T, H, K]", "[1, T, HV, V]");
+  const int64_t T = v.size(1), HV = heads.HV, H = heads.H;
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
   check_packed(c, q, "q", T, "H", H, "K", K, out);
   check_packed(c, k, "k", T, "H", H, "K", K, out);
@@ -69,73 +58,30 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.dtype(beta, "beta", {fkda::kBF16});
   c.contiguous(beta, "beta");
-  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
-  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
-  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
-  if (T < N || T > N * cols) {
-    FKDA_FAIL(c.fn()) << "argument 'q' has T = " << T << " tokens; expected N = " << N
-                      << " .. N * T_max = " << N * cols << " (each request 1 .. T_max tokens)";
-  }
-  c.dtype(state_indices, "state_indices", {fkda::kI32});
-  c.contiguous(state_indices, "state_indices");
-  fkda::check_cuda_device(c, cu_seqlens, "cu_seqlens", out, "out");
-  c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  c.contiguous(cu_seqlens, "cu_seqlens");
-  if (num_accepted_tokens.has_value()) {
-    const TensorView& a = num_accepted_tokens.value();
-    fkda::check_cuda_device(c, a, "num_accepted_tokens", out, "out");
-    c.shape(a, "num_accepted_tokens", {{"N", N}});
-    c.dtype(a, "num_accepted_tokens", {fkda::kI32});
-    c.contiguous(a, "num_accepted_tokens");
-  }
-  fkda::check_cuda_device(c, state, "state", out, "out");
-  c.shape(state, "state", {{"slots", -1}, {"HV", HV}, {"V", V}, {"K", K}});
-  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
-  c.contiguous(state, "state");
-  c.aligned(state, "state", 16);
-  const int64_t slots = state.size(0);
+  const fkda::SlotTable table =
+      fkda::verify_slot_table(c, state_indices, T, "q", " (each request 1 .. T_max tokens)", out);
+  const int64_t N = table.N, cols = table.cols;
+  fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
+  const int64_t slots = fkda::verify_pool_slots(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
   if (FKDA_SLOT_OFFSET_BITS == 32 && slots * HV * V * K - 1 > INT32_MAX) {
     FKDA_FAIL(c.fn()) << "argument 'state' has " << slots * HV * V * K
                       << " elements, more than this module's 32-bit slot offsets address (max " << INT32_MAX
                       << "); use a module with 64-bit offsets (o64)";
   }
-  const fkda::GateMode mode = c.gate_mode(gate_mode);
-  c.lower_bound(mode, lower_bound);
-  c.gate_params(mode, A_log, dt_bias, HV, K, out, "out");
-  c.positive_finite(scale, "scale");
+  fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
 
   fkda_verify::VerifyParams vp;
   fkda_decode::DecodeParams& p = vp.d;
-  p.q = fkda::data_ptr<const bf16>(q);
-  p.k = fkda::data_ptr<const bf16>(k);
-  p.v = fkda::data_ptr<const bf16>(v);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
-  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
-  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
-  p.state = fkda::data_ptr<void>(state);
-  p.idx = fkda::data_ptr<const int32_t>(state_indices);
-  p.out = fkda::data_ptr<bf16>(out);
+  p = fkda_decode::decode_params(q, k, v, g, beta, A_log, dt_bias, state, state_indices, out, slots, T, H, HV,
+                                 gate_mode, lower_bound, scale, beta_is_logit, null_slot0);
   p.q_row_stride = H * K;  // a "row" of the decode tile is one packed token
   p.k_row_stride = H * K;
   p.v_row_stride = HV * V;
   p.g_row_stride = HV * K;
   p.beta_row_stride = HV;
   p.slot_stride = HV * V * K;
-  p.num_slots = slots;
-  p.rows = static_cast<int>(T);
-  p.H = static_cast<int>(H);
-  p.HV = static_cast<int>(HV);
-  p.group = static_cast<int>(HV / H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
-  p.beta_is_logit = beta_is_logit ? 1 : 0;
-  p.null_slot0 = null_slot0 ? 1 : 0;
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())
                                                 : nullptr;

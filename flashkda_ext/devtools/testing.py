@@ -131,3 +131,30 @@ def variant_tree(base, dest, module: str = "toy_cuda", **params) -> Path:
             rec["params"].update(params)
     spec.write_text(json.dumps(data))
     return dest
+
+
+def call_outcome(run, args: dict, written: tuple = ()) -> tuple:
+    """What run(args) does, to compare a cold call with a warm one: ("raise", type, message) when it
+    refuses (asserting first that the refused call changed none of args' tensors), else ("ok", a
+    copy of its result, copies of args[n] for n in written)."""
+    import torch  # here, not at the top: the rest of this module serves torch-free tests too
+
+    before = {n: x.clone() for n, x in args.items() if isinstance(x, torch.Tensor)}
+    try:
+        out = run(args)
+    except Exception as e:  # noqa: BLE001 - returned to be compared
+        for n, x in before.items():
+            assert torch.equal(x, args[n].detach()), f"a refused call changed {n}"
+        return ("raise", type(e), str(e))
+    return ("ok", out.clone(), *(args[n].clone() for n in written))
+
+
+def fused_chain_start(conv0, pool0, accepted: int, read: int, writes) -> tuple:
+    """Where a chain of single-token fused_kda_decode calls starts that stands in for one fused
+    verify request (docs/semantics.md, "Fused verify"): a one-slot conv cache holding the three
+    inputs at the accepted offset of the request's line (conv0[writes[0]]), and a one-slot pool
+    holding the state it reads (pool0[read]); both copies, for the chain to update in place."""
+    o = accepted - 1
+    conv = conv0[:1, :, :3].clone()
+    conv[0] = conv0[writes[0], :, o:o + 3]
+    return conv, pool0[read:read + 1].clone()

@@ -1,9 +1,41 @@
 """Helpers the GPU test files share (imported by name: pytest puts this folder on sys.path)."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+GATES = {"softplus": 0, "bounded": 1, "log": 2}  # the bindings' gate_mode
+
+
+def module_records(json_name):
+    """The module records of jit/modules/<json_name>."""
+    return json.loads((ROOT / "jit/modules" / json_name).read_text())["modules"]
+
+
+def load(name):
+    from flashkda_ext.jit import load_module
+    return load_module(name)
+
+
+def sdtype(rec):
+    """A CUDA record's state dtype as a torch dtype."""
+    return torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
+
+
+def verify_tables(gen, lens, cols, slots):
+    """A verify call's random slot table state_indices [N, T_max] (distinct slots), num_accepted_tokens
+    [N] in [1, T_max] (both on the host, drawn from a CPU generator seeded from gen) and cu_seqlens of
+    the request lengths `lens` (on gen's device)."""
+    N = len(lens)
+    cpu = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device=gen.device)))
+    idx = torch.randperm(slots, generator=cpu)[:N * cols].reshape(N, cols).to(torch.int32)
+    nacc = torch.randint(1, cols + 1, (N,), generator=cpu, dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=gen.device)
+    return idx, nacc, cu
 
 
 def rel_l2(a, b):

@@ -10,9 +10,6 @@ Run: python3 -m pytest -q tests/gpu/test_fused_verify_gpu.py
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,12 +18,11 @@ if not torch.cuda.is_available():
 
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import bits, prebuild_selected, rel_l2  # noqa: E402
+from flashkda_ext.devtools.testing import fused_chain_start  # noqa: E402
+from gpu_common import GATES, bits, load, module_records, prebuild_selected, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
-ROOT = Path(__file__).resolve().parents[2]
-RECORDS = json.loads((ROOT / "jit/modules/fused_verify_cuda.json").read_text())["modules"]
+RECORDS = module_records("fused_verify_cuda.json")
 NAMES = [r["name"] for r in RECORDS]
-GATES = {"softplus": 0, "bounded": 1, "log": 2}
 D = 128
 LENS = {1: [1, 1, 1], 2: [2, 1, 2], 4: [4, 2, 1, 3], 8: [8, 5, 1, 8]}
 FUSED_TWIN = {"float32": "fused_row_f32_o32", "bfloat16": "fused_row_bf16_o32"}
@@ -35,15 +31,6 @@ FUSED_TWIN = {"float32": "fused_row_f32_o32", "bfloat16": "fused_row_bf16_o32"}
 @pytest.fixture(scope="module", autouse=True)
 def _prebuild(request):
     prebuild_selected(request)
-
-
-def load(name):
-    from flashkda_ext.jit import load_module
-    return load_module(name)
-
-
-def sdtype(rec):
-    return torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
 
 
 def make(gen, lens, cols, H, state_dtype, gate="softplus", pad_request=None, extra_len=0):
@@ -58,13 +45,10 @@ def make(gen, lens, cols, H, state_dtype, gate="softplus", pad_request=None, ext
              dt_bias=None if gate == "log" else (r(H * D) * 0.5).float(),
              state=(r(slots, H, D, D) * 0.5).to(state_dtype), output_gate=r(1, T, H, D).bfloat16(),
              norm_weight=(r(D) + 1.0).float())
-    cpu = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device="cuda")))
-    idx = torch.randperm(slots, generator=cpu)[:N * cols].reshape(N, cols).to(torch.int32)
-    nacc = torch.randint(1, cols + 1, (N,), generator=cpu, dtype=torch.int32)
+    idx, nacc, cu = verify_tables(gen, lens, cols, slots)
     if pad_request is not None:
         idx[pad_request, int(nacc[pad_request]) - 1] = -1
-    a.update(state_indices=idx.cuda(), num_accepted_tokens=nacc.cuda(),
-             cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"))
+    a.update(state_indices=idx.cuda(), num_accepted_tokens=nacc.cuda(), cu_seqlens=cu)
     return a
 
 
@@ -129,10 +113,7 @@ def test_tokens_equal_chained_fused_decode_kernel_bitwise(name):
     dec = load(FUSED_TWIN[rec["state_dtype"]])["fused_kda_decode"]
     _, live = live_plan(a)
     for n, (s, e, read, writes) in enumerate(live):
-        o = int(a["num_accepted_tokens"][n]) - 1
-        conv = conv0[:1, :, :3].clone()
-        conv[0] = conv0[writes[0], :, o:o + 3]
-        pool = pool0[read:read + 1].clone()
+        conv, pool = fused_chain_start(conv0, pool0, int(a["num_accepted_tokens"][n]), read, writes)
         for t in range(s, e):
             want = torch.empty(1, H, D, dtype=torch.bfloat16, device="cuda")
             sl = slice(t, t + 1)

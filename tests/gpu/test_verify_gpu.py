@@ -12,9 +12,6 @@ Run: python3 -m pytest -q tests/gpu/test_verify_gpu.py
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,12 +20,10 @@ if not torch.cuda.is_available():
 
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import bits, prebuild_selected, rel_l2  # noqa: E402
+from gpu_common import GATES, bits, load, module_records, prebuild_selected, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
-ROOT = Path(__file__).resolve().parents[2]
-RECORDS = json.loads((ROOT / "jit/modules/verify_cuda.json").read_text())["modules"]
+RECORDS = module_records("verify_cuda.json")
 NAMES = [r["name"] for r in RECORDS]
-GATES = {"softplus": 0, "bounded": 1, "log": 2}
 K = V = 128
 LENS = {1: [1, 1, 1, 1], 2: [2, 1, 2, 2, 1], 3: [3, 1, 2, 3], 4: [4, 2, 1, 3, 4], 8: [8, 5, 1, 8, 3, 7]}
 # the decode module with the verify tile's shape (same math per token): f32 split8, bf16 split4w2
@@ -38,15 +33,6 @@ DECODE_TWIN = {"float32": "decode_split8_f32_o32", "bfloat16": "decode_split4w2_
 @pytest.fixture(scope="module", autouse=True)
 def _prebuild(request):
     prebuild_selected(request)
-
-
-def load(name):
-    from flashkda_ext.jit import load_module
-    return load_module(name)
-
-
-def sdtype(rec):
-    return torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
 
 
 def make(gen, lens, cols, H, HV, state_dtype, gate="softplus", pad_request=None, pad_token=None, spare=5):
@@ -59,15 +45,12 @@ def make(gen, lens, cols, H, HV, state_dtype, gate="softplus", pad_request=None,
              A_log=None if gate == "log" else (torch.rand(HV, generator=gen, device="cuda") * 2.5 - 2.0).float(),
              dt_bias=None if gate == "log" else (r(HV * K) * 0.5).float(),
              state=(r(slots, HV, V, K) * 0.5).to(state_dtype))
-    cpu = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=gen, device="cuda")))
-    idx = torch.randperm(slots, generator=cpu)[:N * cols].reshape(N, cols).to(torch.int32)
-    nacc = torch.randint(1, cols + 1, (N,), generator=cpu, dtype=torch.int32)
+    idx, nacc, cu = verify_tables(gen, lens, cols, slots)
     if pad_request is not None:
         idx[pad_request, int(nacc[pad_request]) - 1] = -3
     if pad_token is not None and int(nacc[pad_token[0]]) - 1 != pad_token[1]:
         idx[pad_token] = -1
-    a.update(state_indices=idx.cuda(), num_accepted_tokens=nacc.cuda(),
-             cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"))
+    a.update(state_indices=idx.cuda(), num_accepted_tokens=nacc.cuda(), cu_seqlens=cu)
     return a
 
 

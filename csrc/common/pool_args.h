@@ -1,0 +1,73 @@
+// Argument checks the state-pool bindings (decode, fused decode, verify, fused verify; CPU and CUDA)
+// share beyond binding.h's Checker: head counts and dims of q / v, the pool's rank and extents, the
+// slot table state_indices [N, T_max], the gate / scale options.
+#pragma once
+
+#include <cstdint>
+
+#include "binding.h"
+
+namespace fkda {
+
+struct QVHeads {
+  int64_t H, K, HV, V;
+};
+
+// q [.., H, K] and v [.., HV, V] of rank `rank` (layouts as the messages show them); the head dims
+// and counts this build serves.
+inline QVHeads qv_heads(const Checker& c, const TensorView& q, const TensorView& v, int rank, const char* q_layout,
+                        const char* v_layout) {
+  c.ndim(q, "q", rank, q_layout);
+  c.ndim(v, "v", rank, v_layout);
+  const QVHeads h{q.size(rank - 2), q.size(rank - 1), v.size(rank - 2), v.size(rank - 1)};
+  c.head_dims(h.K, h.V);
+  c.heads(h.H, h.HV);
+  return h;
+}
+
+struct FusedHeads {
+  int64_t H, D;
+};
+
+// g [.., H, D] of rank `rank` of a fused op (value heads = key heads, K = V = D).
+inline FusedHeads fused_heads(const Checker& c, const TensorView& g, int rank, const char* layout) {
+  c.ndim(g, "g", rank, layout);
+  const FusedHeads h{g.size(rank - 2), g.size(rank - 1)};
+  c.head_dims(h.D, h.D);
+  c.heads(h.H, h.H);
+  return h;
+}
+
+// A state pool [slots, a, b, d] (layout as the messages show it, e.g. "[slots, HV, V, K]"): its slot
+// count.
+inline int64_t pool_slots(const Checker& c, const TensorView& state, const char* layout, Dim a, Dim b, Dim d) {
+  c.ndim(state, "state", 4, layout);
+  const int64_t slots = state.size(0);
+  c.shape(state, "state", {{"slots", slots}, a, b, d});
+  return slots;
+}
+
+struct SlotTable {
+  int64_t N, cols;  // requests, T_max
+};
+
+// The rank and extents of state_indices (its device and dtype: the caller, in its own order).
+inline SlotTable slot_table(const Checker& c, const TensorView& state_indices) {
+  c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
+  const int64_t N = state_indices.size(0), cols = state_indices.size(1);
+  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  return SlotTable{N, cols};
+}
+
+// gate_mode, lower_bound, A_log [HV] and dt_bias [HV*K] (on ref's device, ref named ref_name), scale.
+inline GateMode gate_and_scale(const Checker& c, int64_t gate_mode, double lower_bound, const OptTensor& A_log,
+                               const OptTensor& dt_bias, int64_t HV, int64_t K, const TensorView& ref,
+                               const char* ref_name, double scale) {
+  const GateMode mode = c.gate_mode(gate_mode);
+  c.lower_bound(mode, lower_bound);
+  c.gate_params(mode, A_log, dt_bias, HV, K, ref, ref_name);
+  c.positive_finite(scale, "scale");
+  return mode;
+}
+
+}  // namespace fkda

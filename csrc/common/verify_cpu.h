@@ -1,0 +1,87 @@
+// The CPU verify modules' (kda_verify, fused_kda_verify) shared argument checks: num_accepted_tokens [N] and every rule on the host values of the
+// index tensors (docs/semantics.md, "Verify"): both ops read and write the pool the same way.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "kda_cpu.h"
+#include "pool_args.h"
+
+namespace fkda {
+namespace cpu {
+
+inline void check_accepted_tokens(const Checker& c, const OptTensor& num_accepted_tokens, int64_t N) {
+  if (!num_accepted_tokens.has_value()) return;
+  const TensorView& a = num_accepted_tokens.value();
+  c.device_type(a, "num_accepted_tokens", kDLCPU);
+  c.shape(a, "num_accepted_tokens", {{"N", N}});
+  c.dtype(a, "num_accepted_tokens", {kI32});
+  c.contiguous(a, "num_accepted_tokens");
+}
+
+// What the host values say once checked: request n runs tokens off[n] .. off[n+1]-1 from the state
+// in slot idx[n * cols + read_col[n]].
+struct VerifyPlan {
+  std::vector<int64_t> off;
+  const int32_t* idx;
+  std::vector<int64_t> read_col;
+  bool null_slot0;
+
+  // An entry that names no slot: negative, or 0 with null_slot0.
+  bool pad(int64_t s) const { return is_padding(s, null_slot0); }
+};
+
+// Offsets, token counts, accepted counts, slot ranges; no slot written twice, none read by one
+// request while another writes it (padding entries exempt).
+inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_indices, const TensorView& cu_seqlens,
+                                   const OptTensor& num_accepted_tokens, int64_t T, SlotTable table, int64_t slots,
+                                   bool null_slot0) {
+  const int64_t N = table.N, cols = table.cols;
+  std::vector<int64_t> off = c.cu_seqlens_host(cu_seqlens, "cu_seqlens", T);
+  const int32_t* idx = data_ptr<const int32_t>(state_indices);
+  c.slot_indices_host(state_indices, "state_indices", slots);
+  std::vector<int64_t> read_col(N, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t len = off[n + 1] - off[n];
+    if (len < 1 || len > cols) {
+      FKDA_FAIL(c.fn()) << "argument 'cu_seqlens': request " << n << " has " << len
+                        << " tokens; expected 1 .. T_max = " << cols;
+    }
+    if (num_accepted_tokens.has_value()) {
+      const int32_t a = data_ptr<const int32_t>(num_accepted_tokens.value())[n];
+      if (a < 1 || a > cols) {
+        FKDA_FAIL(c.fn()) << "argument 'num_accepted_tokens': entry " << n << " = " << a
+                          << " must be in [1, T_max = " << cols << "]";
+      }
+      read_col[n] = a - 1;
+    }
+  }
+  auto pad = [&](int64_t s) { return is_padding(s, null_slot0); };
+  std::map<int32_t, int64_t> writer;  // slot -> the request writing it
+  for (int64_t n = 0; n < N; ++n) {
+    if (pad(idx[n * cols + read_col[n]])) continue;
+    for (int64_t t = 0; t < off[n + 1] - off[n]; ++t) {
+      const int32_t s = idx[n * cols + t];
+      if (pad(s)) continue;
+      if (!writer.emplace(s, n).second) {
+        FKDA_FAIL(c.fn()) << "argument 'state_indices': slot " << s << " is written twice (requests "
+                          << writer[s] << " and " << n << "); written slots must be distinct";
+      }
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t s = idx[n * cols + read_col[n]];
+    auto it = writer.find(s);
+    if (!pad(s) && it != writer.end() && it->second != n) {
+      FKDA_FAIL(c.fn()) << "argument 'state_indices': request " << n << " reads slot " << s
+                        << ", which request " << it->second << " writes";
+    }
+  }
+  return VerifyPlan{std::move(off), idx, std::move(read_col), null_slot0};
+}
+
+}  // namespace cpu
+}  // namespace fkda

@@ -1,0 +1,59 @@
+// The CUDA verify bindings' (kda_verify, fused_kda_verify) shared checks of the index tensors; their
+// values live on the device and are never read here (the kernels treat what they cannot serve as
+// padding).
+#pragma once
+
+#include <cstdint>
+
+#include "binding.h"
+#include "cuda_launch.h"
+#include "pool_args.h"
+
+namespace fkda {
+
+// The slot table state_indices [N, T_max] on ref's device, and T within N .. N * T_max tokens (the
+// message names the token input `first` and ends with `what`).
+inline SlotTable verify_slot_table(const Checker& c, const TensorView& state_indices, int64_t T, const char* first,
+                                   const char* what, const TensorView& ref) {
+  check_cuda_device(c, state_indices, "state_indices", ref, "out");
+  const SlotTable table = slot_table(c, state_indices);
+  const int64_t N = table.N, cols = table.cols;
+  if (T < N || T > N * cols) {
+    FKDA_FAIL(c.fn()) << "argument '" << first << "' has T = " << T << " tokens; expected N = " << N
+                      << " .. N * T_max = " << N * cols << what;
+  }
+  return table;
+}
+
+// The state pool [slots, a, b, d] on ref's device, f32 or bf16, contiguous and 16-byte aligned: its
+// slot count.
+inline int64_t verify_pool_slots(const Checker& c, const TensorView& state, Dim a, Dim b, Dim d,
+                                 const TensorView& ref) {
+  check_cuda_device(c, state, "state", ref, "out");
+  c.shape(state, "state", {{"slots", -1}, a, b, d});
+  c.state_dtype(state, "state", {kF32, kBF16});
+  c.contiguous(state, "state");
+  c.aligned(state, "state", 16);
+  return state.size(0);
+}
+
+// state_indices int32 contiguous, cu_seqlens int32 [N+1], num_accepted_tokens int32 [N] or absent,
+// all on ref's device (named "out" in the messages).
+inline void check_verify_indices(const Checker& c, const TensorView& state_indices, const TensorView& cu_seqlens,
+                                 const OptTensor& num_accepted_tokens, int64_t N, const TensorView& ref) {
+  c.dtype(state_indices, "state_indices", {kI32});
+  c.contiguous(state_indices, "state_indices");
+  check_cuda_device(c, cu_seqlens, "cu_seqlens", ref, "out");
+  c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
+  c.dtype(cu_seqlens, "cu_seqlens", {kI32});
+  c.contiguous(cu_seqlens, "cu_seqlens");
+  if (num_accepted_tokens.has_value()) {
+    const TensorView& a = num_accepted_tokens.value();
+    check_cuda_device(c, a, "num_accepted_tokens", ref, "out");
+    c.shape(a, "num_accepted_tokens", {{"N", N}});
+    c.dtype(a, "num_accepted_tokens", {kI32});
+    c.contiguous(a, "num_accepted_tokens");
+  }
+}
+
+}  // namespace fkda

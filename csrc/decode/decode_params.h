@@ -1,0 +1,43 @@
+// Host side: the DecodeParams fields kda_decode and kda_verify fill the same way (pointers, counts
+// and options); each binding sets the row and slot strides of its own layout. Include after
+// decode/kda_decode_kernels.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "common/binding.h"
+
+namespace fkda_decode {
+
+inline DecodeParams decode_params(const fkda::TensorView& q, const fkda::TensorView& k, const fkda::TensorView& v,
+                                  const fkda::TensorView& g, const fkda::TensorView& beta,
+                                  const fkda::OptTensor& A_log, const fkda::OptTensor& dt_bias,
+                                  const fkda::TensorView& state, const fkda::TensorView& state_indices,
+                                  const fkda::TensorView& out, int64_t slots, int64_t rows, int64_t H, int64_t HV,
+                                  int64_t gate_mode, double lower_bound, double scale, bool beta_is_logit,
+                                  bool null_slot0) {
+  DecodeParams p;
+  p.q = fkda::data_ptr<const bf16>(q);
+  p.k = fkda::data_ptr<const bf16>(k);
+  p.v = fkda::data_ptr<const bf16>(v);
+  p.g = fkda::data_ptr<const bf16>(g);
+  p.beta = fkda::data_ptr<const bf16>(beta);
+  p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
+  p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
+  p.state = fkda::data_ptr<void>(state);
+  p.idx = fkda::data_ptr<const int32_t>(state_indices);
+  p.out = fkda::data_ptr<bf16>(out);
+  p.num_slots = slots;
+  p.rows = static_cast<int>(rows);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.group = static_cast<int>(HV / H);
+  p.gate_mode = static_cast<int>(gate_mode);
+  p.lower_bound = static_cast<float>(lower_bound);
+  p.scale = static_cast<float>(scale);
+  p.beta_is_logit = beta_is_logit ? 1 : 0;
+  p.null_slot0 = null_slot0 ? 1 : 0;
+  return p;
+}
+
+}  // namespace fkda_decode
