@@ -65,7 +65,8 @@ def _artifact_state(rec: dict, arch: str) -> Tuple[bool, bool]:
         pass
     cached = False
     try:
-        ident = identity_of(identity_inputs(rec, arch))
+        # a cached dependency scan only: `info` never runs the compiler (no scan yet: not cached)
+        ident = identity_of(identity_inputs(rec, arch, scan=False))
         art = Path(builder.roots.cache_dir()) / builder.artifact_name(rec["name"], ident)
         cached = art.is_dir() and builder.read_valid_meta(art, ident) is not None
     except Exception:  # noqa: BLE001  no compiler: cannot know the identity, so not "cached"
