@@ -142,10 +142,9 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
     """fused_kda_decode under tracing: same arguments and result as the public op."""
     if out is None:
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
-        raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
+    norm_eps = validation._float("norm_eps", norm_eps, "> 0")  # TypeError, as the eager check
     fused_kda_decode_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
-                        norm_weight, _opt_float(lower_bound), gate, float(norm_eps), _opt_float(scale), slot_mode,
+                        norm_weight, _opt_float(lower_bound), gate, norm_eps, _opt_float(scale), slot_mode,
                         null_slot0, out)
     return out
 
@@ -213,6 +212,80 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
     result_state = (state if pool else final_state) if output_final_state else None
     has_ckpt = isinstance(checkpoint_every, int) and checkpoint_every > 0
     return (out, result_state, checkpoints) if has_ckpt else (out, result_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_verify, fused_kda_verify (speculative decoding)
+
+
+@_register("kda_verify", mutates_args=("state", "out"))
+def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
+                  cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
+                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
+                  scale: Optional[float], beta_is_logit: bool, null_slot0: bool, out: Tensor) -> None:
+    from .ops import kda_verify
+    kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+               num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
+               out=out)
+
+
+@_fake("kda_verify")
+def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
+                     dt_bias, lower_bound, gate, scale, beta_is_logit, null_slot0, out) -> None:
+    # the index values are checked by the real implementation (a graph has none to read)
+    _check_on_meta(validation.check_kda_verify, q.device, (q, k, v, g, beta), dict(
+        state=state, state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+        max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+        beta_is_logit=beta_is_logit, null_slot0=null_slot0, out=out))
+
+
+def traced_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
+                      max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None,
+                      beta_is_logit=True, null_slot0=False, out=None):
+    """kda_verify under tracing: same arguments and result as the public op."""
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    kda_verify_op(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
+                  dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit, null_slot0, out)
+    return out
+
+
+@_register("fused_kda_verify", mutates_args=("conv_state", "state", "out"))
+def fused_kda_verify_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: Tensor, beta: Tensor,
+                        A_log: Optional[Tensor], dt_bias: Optional[Tensor], state: Tensor, output_gate: Tensor,
+                        norm_weight: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
+                        num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
+                        lower_bound: Optional[float], gate: str, norm_eps: float, scale: Optional[float],
+                        null_slot0: bool, out: Tensor) -> None:
+    from .ops import fused_kda_verify
+    fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                     state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+                     max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+                     null_slot0=null_slot0, out=out)
+
+
+@_fake("fused_kda_verify")
+def _fused_kda_verify_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                           state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, lower_bound, gate, norm_eps,
+                           scale, null_slot0, out) -> None:
+    _check_on_meta(validation.check_fused_kda_verify, x.device,
+                   (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight),
+                   dict(state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+                        max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+                        null_slot0=null_slot0, out=out))
+
+
+def traced_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,
+                            state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None, lower_bound=None,
+                            gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None):
+    """fused_kda_verify under tracing: same arguments and result as the public op."""
+    if out is None:
+        out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
+    fused_kda_verify_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                        state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, _opt_float(lower_bound), gate,
+                        float(validation._float("norm_eps", norm_eps, "> 0")), _opt_float(scale), null_slot0, out)
+    return out
 
 
 def _state_dtype(*candidates) -> torch.dtype:

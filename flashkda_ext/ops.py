@@ -299,8 +299,8 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it.
     """
     key = dest = None
-    if (fast_path.ENABLED and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
-            is type(state_indices) is type(cu_seqlens)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g)
+            is type(beta) is type(state) is type(state_indices) is type(cu_seqlens)
             and fast_path.plain_or_none(num_accepted_tokens, A_log, dt_bias, out) and not trace.enabled()):
         key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
@@ -319,6 +319,12 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
             if ok and fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens,
                                        num_accepted_tokens, dest, *tail):
                 return dest
+    if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_verify node
+        return custom_ops.traced_kda_verify(
+            q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+            num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
+            out=out)
     call = validation.check_kda_verify(
         q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
         num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
@@ -361,8 +367,9 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
     See docs/semantics.md, "Fused verify".
     """
     key = dest = None
-    if (fast_path.ENABLED and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
-            is type(state) is type(output_gate) is type(norm_weight) is type(state_indices) is type(cu_seqlens)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state)
+            is type(g) is type(beta) is type(state) is type(output_gate) is type(norm_weight) is type(state_indices)
+            is type(cu_seqlens)
             and fast_path.plain_or_none(A_log, dt_bias, num_accepted_tokens, out) and not trace.enabled()):
         key = ("fused_kda_verify", x.shape, state_indices.shape, gate, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0, type(max_seqlen),
@@ -382,6 +389,12 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
                                        output_gate, norm_weight, state_indices, cu_seqlens, num_accepted_tokens,
                                        dest, *tail):
                 return dest
+    if custom_ops.tracing(x):  # Dynamo / export / FakeTensor: one flashkda_ext::fused_kda_verify node
+        return custom_ops.traced_fused_kda_verify(
+            x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+            state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+            max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+            null_slot0=null_slot0, out=out)
     call = validation.check_fused_kda_verify(
         x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
         state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,

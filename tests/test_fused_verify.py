@@ -199,3 +199,18 @@ def test_valid_warm_call_takes_the_fast_path(monkeypatch):
     w = _outcome(_clone(a))
     assert checks == []
     assert all(torch.equal(x, y) for x, y in zip(c[1:], w[1:]))
+
+
+def test_compiled_fused_verify_matches_eager_bitwise():
+    """fused_kda_verify under torch.compile(fullgraph): one flashkda_ext::fused_kda_verify node (the conv
+    cache, the pool and out written), eager's results bitwise, both caches included."""
+    sch = torch.ops.flashkda_ext.fused_kda_verify.default._schema
+    assert {a.name for a in sch.arguments if a.alias_info is not None and a.alias_info.is_write} == \
+        {"conv_state", "state", "out"}
+    a = make(gen_(), [2, 3, 1], 3)
+    b = _clone(a)
+    want = run(a)
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: run(x), backend="aot_eager", fullgraph=True)(b)
+    assert torch.equal(got, want)
+    assert torch.equal(b["state"], a["state"]) and torch.equal(b["conv_state"], a["conv_state"])

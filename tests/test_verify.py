@@ -299,3 +299,18 @@ def test_binding_checks_host_values_itself():
         assert torch.equal(a["state"], pool0)
     call()  # the untouched arguments are valid
     assert not torch.equal(a["state"], pool0)
+
+
+def test_compiled_verify_matches_eager_bitwise():
+    """kda_verify under torch.compile(fullgraph) is one flashkda_ext::kda_verify node (its schema names
+    the pool and out as written) and gives eager's results bitwise, pool included."""
+    sch = torch.ops.flashkda_ext.kda_verify.default._schema
+    assert {a.name for a in sch.arguments if a.alias_info is not None and a.alias_info.is_write} == {"state", "out"}
+    gen = gen_()
+    a = make(gen, LENS[3], 3)
+    b = clone(a)
+    want = run(a)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: run(x), backend="aot_eager", fullgraph=True)
+    got = fn(b)
+    assert torch.equal(got, want) and torch.equal(b["state"], a["state"])
