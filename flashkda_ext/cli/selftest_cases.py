@@ -364,6 +364,52 @@ def run_prefill(s: Spec, seed: int) -> Outcome:
     return _finish(o, problems)
 
 
+def run_verify(s: Spec, seed: int) -> Outcome:
+    """kda_verify: requests of s.lengths draft tokens, state_indices [N, max length] of distinct
+    slots with one padding entry, num_accepted_tokens in [1, max length]; against the reference
+    verify step (outputs, every named slot, the other slots bitwise unchanged)."""
+    import torch
+
+    import flashkda_ext as fk
+    from .. import validation
+    from ..reference.verify import kda_verify_step
+
+    o = Outcome(s.family, s.name, s.device)
+    rnd = _Rand(seed, s.device)
+    H, HV, K, V, lens = s.H, s.HV, s.K, s.V, s.lengths
+    N, T, cols = len(lens), sum(lens), max(lens)
+    q, k = rnd.randn(1, T, H, K, dtype=s.dtype), rnd.randn(1, T, H, K, dtype=s.dtype)
+    v = rnd.randn(1, T, HV, V, dtype=s.dtype)
+    g, gkw = _gate_args(rnd, s, (1, T), HV, K)
+    beta = rnd.randn(1, T, HV, dtype=s.dtype)
+    state = rnd.randn(s.slots, HV, V, K, dtype=s.state_dtype, scale=0.5)
+    idx_host = rnd.perm(s.slots)[: N * cols].reshape(N, cols).to(torch.int32)
+    nacc_host = torch.tensor([1 + (n % cols) for n in range(N)], dtype=torch.int32)
+    if cols > 1:  # one token's state not stored (not the read entry)
+        idx_host[0, cols - 1 if int(nacc_host[0]) != cols else 0] = -1
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    idx, nacc, cu = idx_host.to(s.device), nacc_host.to(s.device), cu.to(s.device)
+    kw = dict(state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nacc, max_seqlen=cols, **gkw)
+    call = validation.check_kda_verify(q, k, v, g, beta, state=state, **kw)
+    o.route, o.module = route_of("kda_verify", call)
+    o.load_s = load_seconds(o.module)
+    out = torch.full((1, T, HV, V), float("nan"), dtype=v.dtype, device=s.device)   # poisoned
+    pool = state.clone()
+    _, o.call_ms = _timed_call(s.device, lambda: fk.kda_verify(q, k, v, g, beta, state=pool, out=out, **kw))
+    ref_kw = {n: x for n, x in kw.items() if n != "max_seqlen"}
+    ref_out, ref_pool = kda_verify_step(q, k, v, g, beta, state=state, **ref_kw)
+    touched = torch.zeros(s.slots, dtype=torch.bool)
+    touched[idx_host[idx_host >= 0].long()] = True
+    t = touched.to(s.device)
+    o.out_err = max_rel_err(out, ref_out)
+    o.state_err = max_rel_err(pool[t], ref_pool[t].to(pool.dtype))
+    o.tol = tolerance(getattr(torch, s.dtype), getattr(torch, s.state_dtype))
+    problems = [] if torch.equal(pool[~t], state[~t]) else ["a slot no entry names was written"]
+    if torch.isnan(out).any():
+        problems.append("unwritten output")
+    return _finish(o, problems)
+
+
 def _finish(o: Outcome, problems: List[str]) -> Outcome:
     import math
 
@@ -377,7 +423,8 @@ def _finish(o: Outcome, problems: List[str]) -> Outcome:
     return o
 
 
-RUNNERS = {"kda_decode": run_decode, "fused_kda_decode": run_fused, "kda_prefill": run_prefill}
+RUNNERS = {"kda_decode": run_decode, "fused_kda_decode": run_fused, "kda_prefill": run_prefill,
+           "kda_verify": run_verify}
 
 
 def cpu_specs() -> List[Spec]:
@@ -401,5 +448,9 @@ def cpu_specs() -> List[Spec]:
              slot_mode="padded"),
         Spec("fused_kda_decode", "bf16/bf16-state bounded repeated", c, dtype="bfloat16",
              state_dtype="bfloat16", gate="bounded", H=3, K=8, V=8, rows=5, slots=6, slot_mode="repeated"),
+        Spec("kda_verify", "f32 softplus T_n=3,1,2 accepted", c, H=2, HV=4, K=16, V=24, lengths=(3, 1, 2),
+             slots=12),
+        Spec("kda_verify", "bf16/bf16-state bounded T_n=4,2", c, dtype="bfloat16", state_dtype="bfloat16",
+             gate="bounded", H=2, HV=2, K=8, V=12, lengths=(4, 2), slots=11),
     ]
 
