@@ -7,4 +7,5 @@ flashkda_ext.reference; JAX wrappers are in flashkda_ext.jax (needs jax and jax-
 from .ops import fused_kda_decode, fused_kda_verify, kda_decode, kda_prefill, kda_verify, prefill_workspace_bytes
 
 __version__ = "0.1.0"
-__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify", "prefill_workspace_bytes", "__version__"]
+__all__ = ["kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify",
+           "prefill_workspace_bytes", "__version__"]

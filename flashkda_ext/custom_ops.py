@@ -284,7 +284,7 @@ def traced_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
     fused_kda_verify_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
                         state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, _opt_float(lower_bound), gate,
-                        float(validation._float("norm_eps", norm_eps, "> 0")), _opt_float(scale), null_slot0, out)
+                        validation._float("norm_eps", norm_eps, "> 0"), _opt_float(scale), null_slot0, out)
     return out
 
 

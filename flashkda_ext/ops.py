@@ -46,8 +46,9 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     (rows sharing a slot are applied in row order). See docs/api.md.
     """
     key = dest = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta) is type(state)
-            is type(state_indices) and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g)
+            is type(beta) is type(state) is type(state_indices) and fast_path.plain_or_none(A_log, dt_bias, out)
+            and not trace.enabled()):
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
         # a valid call's out is v's shape, dtype and device
@@ -132,8 +133,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
     """
     key = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g) is type(beta)
-            and fast_path.plain_or_none(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g)
+            is type(beta) and fast_path.plain_or_none(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
                              checkpoints, workspace, out)
             and (cu_seqlens is None or cu_seqlens.is_cuda) and not trace.enabled()):
         # (host offsets, cu_seqlens on the CPU, are checked by value on every call: full path)
@@ -237,8 +238,8 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
     """
     key = dest = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state) is type(g) is type(beta)
-            is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
+    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state)
+            is type(g) is type(beta) is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
             and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0)
