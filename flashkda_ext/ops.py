@@ -57,8 +57,11 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         if entry is not None and fast_path.flags_ok((q, k, v, g, beta, A_log, dt_bias, state_indices),
                                                     (state, dest)):
             fn, sig, tail = entry
-            if fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail):
-                return dest
+            try:  # see fast_path's docstring: a raise here has launched nothing
+                if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail) == sig:
+                    return dest
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                pass
     if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_decode node
         return custom_ops.traced_kda_decode(
             q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
@@ -152,8 +155,11 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                                          state_indices, final_state, checkpoints, out)
             ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
                 ws_bytes, dtype=torch.uint8, device=q.device)
-            if fast_path.launch(fn, sig, *args, ws, *tail):
-                return result
+            try:  # see fast_path's docstring: a raise here has launched nothing
+                if fn(sig, *args, ws, *tail) == sig:
+                    return result
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                pass
     if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_prefill node
         return custom_ops.traced_kda_prefill(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
@@ -250,9 +256,12 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
                 (x, conv_weight, g, beta, A_log, dt_bias, state_indices, output_gate, norm_weight),
                 (conv_state, state, dest)):
             fn, sig, tail = entry
-            if fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
-                                output_gate, norm_weight, dest, *tail):
-                return dest
+            try:  # see fast_path's docstring: a raise here has launched nothing
+                if fn(sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                      norm_weight, dest, *tail) == sig:
+                    return dest
+            except Exception:  # noqa: BLE001 - the full path raises the full check's error
+                pass
     if custom_ops.tracing(x):  # Dynamo / export / FakeTensor: one flashkda_ext::fused_kda_decode node
         return custom_ops.traced_fused_kda_decode(
             x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate, norm_weight,
@@ -312,14 +321,15 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
         if entry is not None and fast_path.flags_ok(
                 (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens), (state, dest)):
             fn, sig, tail, seen = entry
-            try:  # host index values (CPU backend): checked on every call; any doubt takes the full path
+            # Host index values (CPU backend) are checked on every call; any doubt, or a raise before
+            # the launch (fast_path's docstring), takes the full path, which raises the full check's error.
+            try:
                 validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
-                ok = True
-            except Exception:  # noqa: BLE001 - the full path raises the full check's error
-                ok = False
-            if ok and fast_path.launch(fn, sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens,
-                                       num_accepted_tokens, dest, *tail):
-                return dest
+                if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
+                      dest, *tail) == sig:
+                    return dest
+            except Exception:  # noqa: BLE001
+                pass
     if custom_ops.tracing(q):  # Dynamo / export / FakeTensor: one flashkda_ext::kda_verify node
         return custom_ops.traced_kda_verify(
             q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
@@ -381,15 +391,15 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
                 (x, conv_weight, g, beta, A_log, dt_bias, output_gate, norm_weight, state_indices, cu_seqlens,
                  num_accepted_tokens), (conv_state, state, dest)):
             fn, sig, tail, seen = entry
-            try:  # host index values: checked on every call; any doubt takes the full path
+            # As in kda_verify: any doubt about the index values, or a raise before the launch, takes the
+            # full path.
+            try:
                 validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
-                ok = True
-            except Exception:  # noqa: BLE001 - the full path raises the full check's error
-                ok = False
-            if ok and fast_path.launch(fn, sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
-                                       output_gate, norm_weight, state_indices, cu_seqlens, num_accepted_tokens,
-                                       dest, *tail):
-                return dest
+                if fn(sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                      state_indices, cu_seqlens, num_accepted_tokens, dest, *tail) == sig:
+                    return dest
+            except Exception:  # noqa: BLE001
+                pass
     if custom_ops.tracing(x):  # Dynamo / export / FakeTensor: one flashkda_ext::fused_kda_verify node
         return custom_ops.traced_fused_kda_verify(
             x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,

@@ -527,15 +527,18 @@ class Signature {
   }
   void mark_overlap() { mix(0x6f7665726c6170ull); }  // a call the full check refuses
   // Never 0: the Python side asks for a signature alone by passing 0 as the expected one.
-  int64_t value() const { return static_cast<int64_t>(h_ | 1); }
-
- private:
-  void mix(uint64_t x) {  // splitmix64's finalizer over a running sum
-    uint64_t z = (h_ += x + 0x9e3779b97f4a7c15ull);
+  // splitmix64's finalizer once, over the running hash.
+  int64_t value() const {
+    uint64_t z = h_ + 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    h_ = z ^ (z >> 31);
+    return static_cast<int64_t>((z ^ (z >> 31)) | 1);
   }
+
+ private:
+  // One multiply a word (rotate, xor, multiply by an odd constant: the FxHash step): a call mixes
+  // ~130 words, and a full finalizer per word was ~0.35 us of the fast path (measured on x86-64).
+  void mix(uint64_t x) { h_ = (((h_ << 5) | (h_ >> 59)) ^ x) * 0x517cc1b727220a95ull; }
   uint64_t h_ = 0;
 };
 
@@ -550,12 +553,14 @@ class CallTensors {
   // identical view is allowed only for the pair (alias_a, alias_b) (prefill's pool: read and written
   // in place as initial_state and final_state).
   bool written_overlap(uint32_t written, int alias_a, int alias_b) const {
+    Extent e[kMax];  // each argument's extent once, not once per pair
+    for (int i = 0; i < n_; ++i)
+      if (t_[i] != nullptr) e[i] = Extent::of(*t_[i]);
     for (int i = 0; i < n_; ++i) {
       if (!((written >> i) & 1u) || t_[i] == nullptr) continue;
-      const Extent ei = Extent::of(*t_[i]);
       for (int j = 0; j < n_; ++j) {
         if (j == i || t_[j] == nullptr) continue;
-        if (!ei.overlaps(Extent::of(*t_[j]))) continue;
+        if (!e[i].overlaps(e[j])) continue;
         const bool pair = (i == alias_a && j == alias_b) || (i == alias_b && j == alias_a);
         if (!(pair && same_view(*t_[i], *t_[j]))) return true;
       }
