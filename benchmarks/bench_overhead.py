@@ -6,6 +6,12 @@ Arms per case, same inputs, interleaved A B B A (harness.py):
   direct   the module's TVM-FFI function called with prepared arguments (no validation, no routing)
   op       the public op (flashkda_ext.kda_decode / fused_kda_decode / kda_prefill), tracing off
   op_full  the same with the signature fast path off: every call validated in full
+  op_inference  the op inside torch.inference_mode() (how serving engines call it: the fast path
+           then reads only the neg bits of the tensors, not requires_grad / inference flags), read
+           against direct_inference, the direct call inside the same context (entering the context
+           per call costs a few us itself; an engine enters it once per step)
+  custom_op  the torch.library op flashkda_ext::<op> called eagerly (what a torch.compile'd model's
+           graph calls); absent on a tree without flashkda_ext/custom_ops.py
   traced   the public op inside flashkda_ext.trace.tracing(dir): definition once, a workload line
            per call (what FLASHKDA_EXT_TRACE_DIR costs a serving loop)
 
@@ -43,6 +49,22 @@ def _flat(x):
     return None if x is None else x.reshape(-1)
 
 
+def _custom_op(name):
+    """torch.ops.flashkda_ext.<name>.default when this tree registers it (importing flashkda_ext does),
+    else None (an older tree in an A/B run)."""
+    try:
+        return getattr(torch.ops.flashkda_ext, name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _inference(fn):
+    def run():
+        with torch.inference_mode():
+            fn()
+    return run
+
+
 def decode_case(rows, H, D, cfg, gen, trace_dir):
     import flashkda_ext as fk
     from flashkda_ext import dispatch, fast_path, trace, validation
@@ -78,8 +100,18 @@ def decode_case(rows, H, D, cfg, gen, trace_dir):
         with trace.tracing(trace_dir):
             fk.kda_decode(q, k, v, g, beta, **kw)
 
+    def op_inference():
+        fast_path.ENABLED = True
+        with torch.inference_mode():
+            fk.kda_decode(q, k, v, g, beta, **kw)
+
+    custom = _custom_op("kda_decode")
     arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
-            harness.Arm("traced", traced, graph=False)]
+            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", op_inference),
+            harness.Arm("direct_inference", _inference(direct))]
+    if custom is not None:
+        arms.append(harness.Arm("custom_op", lambda: custom(
+            q, k, v, g, beta, state, idx, A_log, dt_bias, None, "softplus", None, True, "unique", False, out)))
     return harness.Case(f"kda_decode_r{rows}_h{H}_d{D}", dict(op="kda_decode", rows=rows, heads=H, head_dim=D), arms)
 
 
@@ -120,8 +152,18 @@ def fused_case(rows, H, D, cfg, gen, trace_dir):
         with trace.tracing(trace_dir):
             fk.fused_kda_decode(*args, out=out)
 
+    def op_inference():
+        fast_path.ENABLED = True
+        with torch.inference_mode():
+            fk.fused_kda_decode(*args, out=out)
+
+    custom = _custom_op("fused_kda_decode")
     arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
-            harness.Arm("traced", traced, graph=False)]
+            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", op_inference),
+            harness.Arm("direct_inference", _inference(direct))]
+    if custom is not None:
+        arms.append(harness.Arm("custom_op", lambda: custom(
+            *args, None, "softplus", 1e-5, None, "unique", False, out)))
     return harness.Case(f"fused_r{rows}_h{H}_d{D}", dict(op="fused_kda_decode", rows=rows, heads=H, head_dim=D),
                         arms)
 
@@ -166,8 +208,19 @@ def prefill_case(lengths, H, D, cfg, gen, trace_dir):
         with trace.tracing(trace_dir):
             fk.kda_prefill(q, k, v, g, beta, **kw)
 
+    def op_inference():
+        fast_path.ENABLED = True
+        with torch.inference_mode():
+            fk.kda_prefill(q, k, v, g, beta, **kw)
+
+    custom = _custom_op("kda_prefill")
     arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
-            harness.Arm("traced", traced, graph=False)]
+            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", op_inference),
+            harness.Arm("direct_inference", _inference(direct))]
+    if custom is not None:
+        arms.append(harness.Arm("custom_op", lambda: custom(
+            q, k, v, g, beta, A_log, dt_bias, None, "softplus", None, True, cu, init, None, None, True, final, 0,
+            None, max(lengths), False, ws, out)))
     name = f"kda_prefill_{len(lengths)}x{lengths[0]}_h{H}_d{D}"
     return harness.Case(name, dict(op="kda_prefill", lengths=list(lengths), heads=H, head_dim=D), arms)
 
@@ -217,7 +270,8 @@ def main(argv=None) -> int:
             rec = run.add(case)
             wall = {a: rec["arms"][a]["time_us"].get("wall", {}) for a in rec["arms"]}
             for note, slow, fast in (("validate_dispatch", "op", "direct"), ("full_check", "op_full", "direct"),
-                                     ("trace", "traced", "op")):
+                                     ("trace", "traced", "op"), ("inference_mode", "op_inference", "direct_inference"),
+                                     ("custom_op", "custom_op", "direct")):
                 if wall.get(slow, {}).get("median") and wall.get(fast, {}).get("median"):
                     rec["notes"][note] = overhead(wall[slow], wall[fast])
         run.finish()
