@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 def make(T, H, D, dev, dtype):
     d = {n: torch.randn(1, T, H, D, device=dev).to(dtype) for n in ("q", "k", "v", "g")}
     d["beta"] = torch.randn(1, T, H, device=dev).to(dtype)
-    gk = dict(gate="softplus", A_log=torch.rand(H, device=dev) * 0.5 - 1.0, dt_bias=torch.randn(H * D, device=dev) * 0.5)
+    gk = dict(gate="softplus", A_log=torch.rand(H, device=dev) * 0.5 - 1.0,
+              dt_bias=torch.randn(H * D, device=dev) * 0.5)
     return d, gk
 
 
@@ -129,7 +130,8 @@ def main(argv=None):
         def f(x, fmt):
             return "-" if x is None else fmt % x
         print("%-8d %3d %9d %12s %12s %7s %9s %11s %11s %6s" % (
-            r["T"], r["R"], r["piece_tokens"], f(r["summary_ns_per_token"], "%.2f"), f(r["prefill_ns_per_token"], "%.2f"),
+            r["T"], r["R"], r["piece_tokens"], f(r["summary_ns_per_token"], "%.2f"),
+            f(r["prefill_ns_per_token"], "%.2f"),
             f(r["ratio_summary_over_prefill"], "%.2f"), f(r["fold_us"], "%.1f"), f(r["simulate_us"], "%.1f"),
             f(r["one_device_us"], "%.1f"), f(r["ratio_simulate_over_one_device"], "%.2f")))
     return 0

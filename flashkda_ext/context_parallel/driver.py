@@ -84,14 +84,10 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
 def _assemble_finals(packets: Sequence[torch.Tensor], plan: Plan, source: StateSource, slots: int) -> torch.Tensor:
     """[N, HV, V, K] (working dtype) from every rank's final packet; an empty sequence keeps its start."""
     final = torch.empty(plan.num_seqs, *source.shape, dtype=source.work_dtype, device=source.device)
-    ended, rows, empty = [], [], []
-    for n in range(plan.num_seqs):
-        owner = plan.final_owner(n)
-        if owner is None:
-            empty.append(n)
-        else:
-            ended.append(n)
-            rows.append(owner * slots + plan.owned_finals(owner).index(n))
+    row_of = {n: r * slots + j for r in range(plan.world_size) for j, n in enumerate(plan.owned_finals(r))}
+    ended = sorted(row_of)
+    rows = [row_of[n] for n in ended]
+    empty = [n for n in range(plan.num_seqs) if n not in row_of]   # no rank holds a token of it
     if ended:
         every = torch.cat(list(packets))
         final.index_copy_(0, torch.tensor(ended, device=source.device),

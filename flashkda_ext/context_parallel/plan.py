@@ -42,6 +42,7 @@ class Plan:
     cuts: Tuple[int, ...]
     checkpoint_every: int
     segments: Tuple[Tuple[Segment, ...], ...]   # per rank, in token order
+    seq_ranks: Tuple[Tuple[int, ...], ...]      # per sequence, the ranks holding its tokens (see pieces)
 
     @property
     def num_seqs(self) -> int:
@@ -71,11 +72,11 @@ class Plan:
 
     def pieces(self, seq: int) -> Tuple[int, ...]:
         """The ranks holding tokens of sequence `seq`, in rank order (empty for an empty sequence)."""
-        return tuple(r for r in range(self.world_size) if any(s.seq == seq for s in self.segments[r]))
+        return self.seq_ranks[seq]
 
     def spanning_seqs(self) -> Tuple[int, ...]:
         """Sequences with tokens on more than one rank, in order."""
-        return tuple(n for n in range(self.num_seqs) if len(self.pieces(n)) > 1)
+        return tuple(n for n, ranks in enumerate(self.seq_ranks) if len(ranks) > 1)
 
     def final_owner(self, seq: int) -> Optional[int]:
         """The rank that computes sequence `seq`'s final state (the one holding its last token), or None
@@ -164,7 +165,7 @@ def plan(cu_seqlens, world_size: int, cuts=None, *, checkpoint_every: int = 0) -
             raise ValueError(f"cuts: expected offsets from 0 to T = {T}, got {cuts}")
         if any(b < a for a, b in zip(cuts, cuts[1:])):
             raise ValueError(f"cuts: expected non-decreasing offsets, got {cuts}")
-    segments = []
+    segments, seq_ranks = [], [[] for _ in range(len(cu) - 1)]
     for r in range(world_size):
         a, b = cuts[r], cuts[r + 1]
         segs = []
@@ -172,7 +173,9 @@ def plan(cu_seqlens, world_size: int, cuts=None, *, checkpoint_every: int = 0) -
             lo, hi = max(s, a), min(e, b)
             if lo < hi:
                 segs.append(Segment(n, lo, hi, s, s < a, e > b))
+                seq_ranks[n].append(r)
         segments.append(tuple(segs))
-    result = Plan(tuple(cu), world_size, tuple(cuts), checkpoint_every, tuple(segments))
+    result = Plan(tuple(cu), world_size, tuple(cuts), checkpoint_every, tuple(segments),
+                  tuple(tuple(r) for r in seq_ranks))
     result.check_checkpoints(checkpoint_every)
     return result
