@@ -185,9 +185,9 @@ def test_run_all_dry_run_writes_summary(tmp_path):
     assert "## fused" in md and "Copy ceiling" in md
 
 
-@pytest.mark.parametrize("name", ["bench_decode", "bench_prefill"])
+@pytest.mark.parametrize("name", ["bench_decode", "bench_prefill", "bench_cp"])
 def test_family_scripts_dry_run(name, tmp_path):
-    """The decode and prefill scripts accept the harness flags and dry-run on a CPU."""
+    """The decode, prefill and context-parallel scripts accept the harness flags and dry-run on a CPU."""
     if not (BENCH / f"{name}.py").is_file():
         pytest.skip(f"{name}.py not there")
     mod = _script(name)

@@ -1,0 +1,84 @@
+"""The affine summary of a segment and the fold of summaries in rank order.
+
+One token step in storage layout (state S [V, K] per value head, DESIGN.md section 2) is
+
+    S <- S diag(e) - beta (S diag(e) k) k^T + beta v k^T  =  S M_t + b_t,
+    M_t = diag(e) (I - beta k k^T)  [K, K],   b_t = beta v k^T  [V, K],   e = exp(g_t),
+
+so a segment of tokens maps its start state affinely: S_end = S_start A + B with A = M_1 ... M_L and
+B the end state from S_start = 0. A is the end state, from S_start = I, of the same tokens with v = 0
+(then every b_t vanishes); as a state it has K rows, so it is computed with a K-wide zero value
+tensor. Both come from the public op kda_prefill, so every backend that prefills also summarises.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .plan import Plan
+
+
+@dataclass
+class Summary:
+    """What a rank hands on for the sequence that continues past it: the map S_end = S_start @ A + B
+    ([HV, V, K] @ [HV, K, K] + [HV, V, K]) of a segment whose start state is not known yet, or (A None)
+    the known end state B of a segment whose start state was known."""
+    A: Optional[torch.Tensor]
+    B: torch.Tensor
+
+
+def _prefill_end_state(q, k, v, g, beta, start, prefill_kwargs):
+    """The end state [HV, V', K] of the tokens (one sequence, B = 1) from `start` [HV, V', K]."""
+    from ..ops import kda_prefill  # late: the ops import the whole op path
+    _, final = kda_prefill(q, k, v, g, beta, initial_state=start[None], output_final_state=True,
+                           **prefill_kwargs)
+    return final[0]
+
+
+def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: bool = True,
+                    **prefill_kwargs) -> Summary:
+    """(A, B) of one segment: q, k [1, L, H, K]; v [1, L, HV, V]; g [1, L, HV, K]; beta [1, L, HV] (the
+    segment's tokens, one sequence). prefill_kwargs are kda_prefill's gate arguments (gate, A_log,
+    dt_bias, lower_bound, scale, beta_is_logit). A [HV, K, K] and B [HV, V, K] are in state_dtype
+    (float32, or float64 on the CPU). transition=False leaves A out (B alone: the map's offset)."""
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    zero = torch.zeros(HV, V, K, dtype=state_dtype, device=q.device)
+    B = _prefill_end_state(q, k, v, g, beta, zero, prefill_kwargs)
+    A = None
+    if transition:
+        eye = torch.eye(K, dtype=state_dtype, device=q.device).expand(HV, K, K).contiguous()
+        v_zero = torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device)
+        A = _prefill_end_state(q, k, v_zero, g, beta, eye, prefill_kwargs)
+    return Summary(A, B)
+
+
+def apply_summary(state: torch.Tensor, summary: Summary) -> torch.Tensor:
+    """state @ A + B in float64 (whatever TF32 settings torch has), for [HV, V, K] state."""
+    if summary.A is None:
+        return summary.B.double()
+    return torch.baddbmm(summary.B.double(), state.double(), summary.A.double())
+
+
+def fold(summaries: Sequence[Optional[Summary]], plan: Plan) -> List[Optional[torch.Tensor]]:
+    """Each rank's incoming state (the start state of its first segment when that continues a sequence
+    from an earlier rank, else None), from the ranks' summaries (plan.sends(r) says which rank gave
+    which kind; the others' entries are ignored). Fixed order: sequence by sequence, rank by rank, in
+    float64, each incoming state cast to the dtype of the summaries."""
+    incoming: List[Optional[torch.Tensor]] = [None] * plan.world_size
+    for seq in plan.spanning_seqs():
+        ranks = plan.pieces(seq)
+        first = summaries[ranks[0]]
+        if plan.sends(ranks[0]) != "state" or first is None:
+            raise ValueError(f"fold: rank {ranks[0]} starts sequence {seq} and must send its end state")
+        dtype = first.B.dtype
+        carry = first.B.double()
+        for i, r in enumerate(ranks[1:], start=1):
+            incoming[r] = carry.to(dtype)
+            if i < len(ranks) - 1:   # the sequence goes on past rank r: r's segment spans its whole range
+                s = summaries[r]
+                if plan.sends(r) != "summary" or s is None or s.A is None:
+                    raise ValueError(f"fold: rank {r} spans sequence {seq} and must send its summary (A, B)")
+                carry = apply_summary(carry, s)
+    return incoming
