@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call over the tree as it lands: build every CUDA module, the whole tests/gpu but the
+# integration tests (decode, fused, prefill, verify, the fast path, context parallelism's one-GPU
+# simulation), the context-parallel benchmark (--quick), then flashinfer-bench's Benchmark over traced
+# workloads (scripts/fb_benchmark.py). Every log goes into $OUT/logs.tgz (the device returns 8 files).
+#   bash scripts/device_final_checks.sh          (carry .whl)
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+stage build 160 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
+tail -1 "$OUT/build.log"
+stage gpu_tests 130 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "not integrations"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
+stage bench_cp 75 python3 benchmarks/bench_cp.py --quick --no-progress --no-plot --out "$OUT/bench_cp.json"
+tail -14 "$OUT/bench_cp.log"
+export FIB_CACHE_PATH=/tmp/fib_cache
+rm -rf /tmp/fb_dataset
+FB_ITERS=${FB_ITERS:-10} stage fb_bench 175 python3 scripts/fb_benchmark.py /tmp/fb_dataset "$OUT"
+tail -22 "$OUT/fb_bench.log"
+tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.json 2>/dev/null)
