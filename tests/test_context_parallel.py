@@ -249,6 +249,22 @@ def test_simulate_checkpoints_match_one_device(mode):
                 assert bool(~torch.isnan(res[2][n, c].float()).all()) == (a < token <= b)
 
 
+def test_checkpoint_slots_follow_max_seqlen_as_one_device():
+    seed = fresh_seed()
+    d, gk, gen = make_inputs(seed, gate="log")
+    p = cp.plan(CU, 4, CKPT_CUTS, checkpoint_every=EVERY)
+    longest = max(e - s for s, e in zip(CU, CU[1:]))
+    for max_seqlen in (None, longest, longest + 3 * EVERY):
+        one = fk.kda_prefill(d["q"], d["k"], d["v"], d["g"], d["beta"], cu_seqlens=torch.tensor(CU, dtype=torch.int32),
+                             checkpoint_every=EVERY, max_seqlen=max_seqlen, **gk)
+        sim = cp.simulate(d["q"], d["k"], d["v"], d["g"], d["beta"], plan=p, checkpoint_every=EVERY,
+                          max_seqlen=max_seqlen, **gk)
+        assert all(res[2].shape == one[2].shape for res in sim), (max_seqlen, one[2].shape, sim[0][2].shape)
+    with pytest.raises(ValueError, match="max_seqlen: expected an int >= the longest sequence"):
+        cp.simulate(d["q"], d["k"], d["v"], d["g"], d["beta"], plan=p, checkpoint_every=EVERY,
+                    max_seqlen=longest - 1, **gk)
+
+
 def test_simulate_is_bitwise_deterministic():
     seed = fresh_seed()
     d, gk, gen = make_inputs(seed, gate="bounded")

@@ -33,7 +33,7 @@ def _chunk(call) -> int:
 
 
 def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_state, state, state_indices,
-             output_final_state, checkpoint_every, null_slot0):
+             output_final_state, checkpoint_every, null_slot0, max_seqlen):
     """Every check of one rank's call before anything runs; returns (RankWork, StateSource, signature).
     q .. beta hold the rank's own tokens [1, T_r, .]."""
     if not isinstance(plan, Plan):
@@ -54,6 +54,15 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
         raise ValueError(f"q: expected rank {rank}'s {b - a} tokens [{a}, {b}) of the plan, shape "
                          f"[1, {b - a}, H, K], got {list(q.shape)}")
     plan.check_checkpoints(checkpoint_every)
+    longest = max((e - s for s, e in zip(plan.cu_seqlens, plan.cu_seqlens[1:])), default=0)
+    if max_seqlen is not None:
+        validation._int("max_seqlen", max_seqlen, f">= the longest sequence ({longest})")
+        if max_seqlen < longest:
+            raise ValueError(f"max_seqlen: expected an int >= the longest sequence of the plan ({longest}), "
+                             f"got {max_seqlen}")
+    # The checkpoints' slot count as one-device kda_prefill has it with host offsets (the plan's are):
+    # (max_seqlen, else the longest sequence) // checkpoint_every.
+    ckpt_slots = (max_seqlen if max_seqlen is not None else longest) // checkpoint_every if checkpoint_every else 0
     if checkpoint_every > 0 and call.backend == "cuda" and checkpoint_every % _chunk(call):
         raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {_chunk(call)} of the CUDA "
                          f"prefill, got {checkpoint_every}")
@@ -71,12 +80,12 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
             raise ValueError(f"state_indices: a slot may serve only one sequence of a prefill, got {indices}")
     source = StateSource(initial_state=initial_state, pool=state, indices=indices, null_slot0=null_slot0,
                          shape=shape, device=q.device)
-    work = RankWork(plan, rank, (q, k, v, g, beta), source, gate_kwargs, checkpoint_every)
+    work = RankWork(plan, rank, (q, k, v, g, beta), source, gate_kwargs, checkpoint_every, ckpt_slots)
     given = state if state is not None else initial_state
     signature = call_signature(
         plan.cu_seqlens, plan.cuts, call.num_heads, shape, call.input_dtype, str(v.dtype), source.mode,
         None if given is None else (str(given.dtype), tuple(given.shape)), indices, null_slot0, output_final_state,
-        checkpoint_every, call.gate, call.lower_bound, call.scale, call.beta_is_logit,
+        checkpoint_every, ckpt_slots, call.gate, call.lower_bound, call.scale, call.beta_is_logit,
         gate_kwargs["A_log"] is None, gate_kwargs["dt_bias"] is None, q.device.type)
     return work, source, signature
 
@@ -135,7 +144,7 @@ def _result(out, final, checkpoints, checkpoint_every):
 
 def cp_prefill(q, k, v, g, beta, *, plan: Plan, group=None, A_log=None, dt_bias=None, lower_bound=None,
                gate="softplus", scale=None, beta_is_logit=True, initial_state=None, state=None, state_indices=None,
-               output_final_state=True, checkpoint_every=0, null_slot0=False):
+               output_final_state=True, checkpoint_every=0, null_slot0=False, max_seqlen=None):
     """Context-parallel prefill, this rank's share (docs/context-parallel.md).
 
     Every rank of `group` (None: the default group) calls it with the same plan and arguments, and its
@@ -145,7 +154,9 @@ def cp_prefill(q, k, v, g, beta, *, plan: Plan, group=None, A_log=None, dt_bias=
     given whole on every rank. Returns (out [1, T_r, HV, V], final_state) or, with checkpoint_every > 0,
     (out, final_state, checkpoints): final_state is the whole [N, HV, V, K] on every rank (pool mode:
     the pool, written in place on every rank; None without output_final_state); checkpoints
-    [N, C, HV, V, K] holds the entries whose token lies in this rank's range, NaN elsewhere.
+    [N, C, HV, V, K] holds the entries whose token lies in this rank's range, NaN elsewhere, with C as
+    one-device kda_prefill has it for host offsets: max_seqlen // checkpoint_every (max_seqlen: a host
+    bound >= the longest sequence; None: the longest sequence).
     """
     exchange = GroupExchange(group)
     gate_kwargs = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
@@ -158,7 +169,7 @@ def cp_prefill(q, k, v, g, beta, *, plan: Plan, group=None, A_log=None, dt_bias=
         prepared = _prepare(plan, exchange.rank, q, k, v, g, beta, gate_kwargs=gate_kwargs,
                             initial_state=initial_state, state=state, state_indices=state_indices,
                             output_final_state=output_final_state, checkpoint_every=checkpoint_every,
-                            null_slot0=null_slot0)
+                            null_slot0=null_slot0, max_seqlen=max_seqlen)
         signature = prepared[2]
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank has heard of it
         error = e
@@ -172,7 +183,7 @@ def cp_prefill(q, k, v, g, beta, *, plan: Plan, group=None, A_log=None, dt_bias=
 
 def simulate(q, k, v, g, beta, *, plan: Plan, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
              scale=None, beta_is_logit=True, initial_state=None, state=None, state_indices=None,
-             output_final_state=True, checkpoint_every=0, null_slot0=False) -> list:
+             output_final_state=True, checkpoint_every=0, null_slot0=False, max_seqlen=None) -> list:
     """Every rank of `plan` in this process, in turn, with the calls cp_prefill makes: the whole prompt
     q, k [1, T, H, K] etc. (T = plan.total_tokens) is cut by the plan. Returns one result per rank,
     as cp_prefill returns it on that rank (the final state is one tensor shared by all; pool mode:
@@ -193,7 +204,7 @@ def simulate(q, k, v, g, beta, *, plan: Plan, A_log=None, dt_bias=None, lower_bo
         work, source_r, _ = _prepare(plan, r, *(_tokens(x, a, b) for x in tensors), gate_kwargs=gate_kwargs,
                                      initial_state=initial_state, state=state, state_indices=state_indices,
                                      output_final_state=output_final_state, checkpoint_every=checkpoint_every,
-                                     null_slot0=null_slot0)
+                                     null_slot0=null_slot0, max_seqlen=max_seqlen)
         source = source or source_r
         work.source = source   # one state source for all ranks: the pool is written once
         works.append(work)

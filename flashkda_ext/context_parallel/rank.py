@@ -74,7 +74,7 @@ class RankWork:
     (the entries whose token lies in its range; NaN elsewhere)."""
 
     def __init__(self, plan: Plan, rank: int, tensors, source: StateSource, gate_kwargs: dict,
-                 checkpoint_every: int):
+                 checkpoint_every: int, checkpoint_slots: int):
         self.plan, self.rank, self.source = plan, rank, source
         self.q, self.k, self.v, self.g, self.beta = tensors
         self.gate_kwargs, self.every = gate_kwargs, checkpoint_every
@@ -82,9 +82,7 @@ class RankWork:
         self.out = torch.full(self.v.shape, float("nan"), dtype=self.v.dtype, device=self.v.device)
         self.checkpoints = None
         if checkpoint_every > 0:
-            cu = plan.cu_seqlens
-            slots = max([(e - s) // checkpoint_every for s, e in zip(cu, cu[1:])], default=0)
-            self.checkpoints = torch.full((plan.num_seqs, slots, *source.shape), float("nan"),
+            self.checkpoints = torch.full((plan.num_seqs, checkpoint_slots, *source.shape), float("nan"),
                                           dtype=source.state_dtype, device=self.v.device)
         self.finals: Dict[int, torch.Tensor] = {}
         self.summary: Optional[Summary] = None

@@ -83,7 +83,10 @@ def test_simulate_bf16_pool_with_checkpoints(world_size):
     idx = torch.tensor([5, 0, 2], dtype=torch.int32, device=DEV)       # slot 0 is padding (null_slot0)
     p = cp.plan(cu, world_size, checkpoint_every=64)                    # cuts moved onto checkpoints
     pool1, pool2 = pool.clone(), pool.clone()
-    out1, _, ck1 = one_gpu(d, gk, cu, state=pool1, state_indices=idx, null_slot0=True, checkpoint_every=64)
+    # max_seqlen: device offsets give one-device prefill T // 64 checkpoint slots without it, and the
+    # plan's host offsets give simulate() the longest sequence's count
+    out1, _, ck1 = one_gpu(d, gk, cu, state=pool1, state_indices=idx, null_slot0=True, checkpoint_every=64,
+                           max_seqlen=max(LAYOUTS["three_sequences"]))
     res = simulated(d, gk, p, state=pool2, state_indices=idx, null_slot0=True, checkpoint_every=64)
     torch.cuda.synchronize()
     out = torch.cat([r[0] for r in res], dim=1)
