@@ -116,6 +116,40 @@ def test_segment_summary_is_the_affine_map_of_the_reference(gate):
     assert (summary.A - torch.eye(K, dtype=torch.float64)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "log"])
+@pytest.mark.parametrize("dt_bias_shape", ["flat", "2d"])
+def test_one_call_summary_equals_the_two_call_maps(gate, dt_bias_shape):
+    """V == K, grouped value heads (H = 1, HV = 2): A and B from one prefill over 2 HV value heads
+    equal the two-call maps, and the pair maps a random start state as the reference does."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    Hq, HVv, D, L = 1, 2, 8, 11
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    d = dict(q=rnd(1, L, Hq, D), k=rnd(1, L, Hq, D), v=rnd(1, L, HVv, D), beta=rnd(1, L, HVv))
+    if gate == "log":
+        d["g"] = -torch.rand(1, L, HVv, D, generator=gen, dtype=torch.float64) * 0.6 - 0.01
+        gk = dict(gate="log")
+    else:
+        d["g"] = rnd(1, L, HVv, D)
+        bias = rnd(HVv * D).float() * 0.5
+        gk = dict(gate=gate, A_log=torch.rand(HVv, generator=gen) * 0.5 - 1.0,
+                  dt_bias=bias if dt_bias_shape == "flat" else bias.view(HVv, D))
+        if gate == "bounded":
+            gk.update(lower_bound=-4.0)
+    args = [d[n] for n in ("q", "k", "v", "g", "beta")]
+    one = cp.segment_summary(*args, state_dtype=torch.float64, one_call=True, **gk)
+    two = cp.segment_summary(*args, state_dtype=torch.float64, one_call=False, **gk)
+    assert one.A.shape == two.A.shape == (HVv, D, D) and one.B.shape == two.B.shape == (HVv, D, D)
+    tight = dict(rtol=1e-12, atol=1e-12, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(one.A, two.A, **tight)
+    torch.testing.assert_close(one.B, two.B, **tight)
+    S0 = rnd(1, HVv, D, D)
+    _, ref_final, _ = kda_recurrent(*args, initial_state=S0, **gk)
+    torch.testing.assert_close(cp.apply_summary(S0[0], one), ref_final[0], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="one-call summaries need V == K"):
+        cp.segment_summary(*args[:2], d["v"][..., :5], *args[3:], one_call=True, **gk)
+
+
 # ---------------------------------------------------------------------------------------------
 # the plan
 

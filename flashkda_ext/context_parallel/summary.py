@@ -38,12 +38,18 @@ def _prefill_end_state(q, k, v, g, beta, start, prefill_kwargs):
 
 
 def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: bool = True,
-                    **prefill_kwargs) -> Summary:
+                    one_call: Optional[bool] = None, **prefill_kwargs) -> Summary:
     """(A, B) of one segment: q, k [1, L, H, K]; v [1, L, HV, V]; g [1, L, HV, K]; beta [1, L, HV] (the
     segment's tokens, one sequence). prefill_kwargs are kda_prefill's gate arguments (gate, A_log,
     dt_bias, lower_bound, scale, beta_is_logit). A [HV, K, K] and B [HV, V, K] are in state_dtype
-    (float32, or float64 on the CPU). transition=False leaves A out (B alone: the map's offset)."""
+    (float32, or float64 on the CPU). transition=False leaves A out (B alone: the map's offset).
+    one_call: both maps from one kda_prefill over 2 HV value heads (_summary_one_call; needs V == K);
+    None takes it where V == K and 2 HV <= 128 (the value heads a CUDA prefill supports)."""
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    if one_call is None:
+        one_call = transition and V == K and 2 * HV <= 128
+    if one_call:
+        return _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs)
     zero = torch.zeros(HV, V, K, dtype=state_dtype, device=q.device)
     B = _prefill_end_state(q, k, v, g, beta, zero, prefill_kwargs)
     A = None
@@ -52,6 +58,34 @@ def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: 
         v_zero = torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device)
         A = _prefill_end_state(q, k, v_zero, g, beta, eye, prefill_kwargs)
     return Summary(A, B)
+
+
+def _twice(x: Optional[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
+    return None if x is None else x.repeat_interleave(2, dim=dim)
+
+
+def _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs) -> Summary:
+    """A and B from one prefill over 2 HV value heads: head 2h is head h with its values from 0 (its end
+    state is B), head 2h+1 is head h with zero values from I (its end state is A). Grouped value heads
+    keep both on head h's q and k (head j of 2 HV uses q/k head j // (2 HV / H) = h // (HV / H)). One
+    launch of twice the heads instead of two launches: the long-sequence prefill is bound by its
+    ordered chunk chain, not by the heads, so the second map rides along (benchmarks/bench_cp.py
+    measures both forms)."""
+    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
+    if V != K:
+        raise ValueError(f"v: one-call summaries need V == K, got V = {V}, K = {K}")
+    v2 = torch.stack((v, torch.zeros_like(v)), dim=3).reshape(*v.shape[:2], 2 * HV, V)
+    kw = dict(prefill_kwargs)
+    kw["A_log"] = _twice(kw.get("A_log"), 0)
+    dt_bias = kw.get("dt_bias")
+    if dt_bias is not None:   # [HV * K] or [HV, K]: each head's K entries twice, in the shape given
+        kw["dt_bias"] = dt_bias.reshape(HV, K).repeat_interleave(2, dim=0).reshape(
+            (2 * HV * K,) if dt_bias.dim() == 1 else (2 * HV, K))
+    start = torch.stack((torch.zeros(HV, V, K, dtype=state_dtype, device=q.device),
+                         torch.eye(K, dtype=state_dtype, device=q.device).expand(HV, K, K)), dim=1)
+    end = _prefill_end_state(q, k, v2, _twice(g, 2), _twice(beta, 2), start.reshape(2 * HV, V, K), kw)
+    end = end.view(HV, 2, V, K)
+    return Summary(end[:, 1].contiguous(), end[:, 0].contiguous())
 
 
 def apply_summary(state: torch.Tensor, summary: Summary) -> torch.Tensor:
