@@ -43,11 +43,12 @@ def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: 
     segment's tokens, one sequence). prefill_kwargs are kda_prefill's gate arguments (gate, A_log,
     dt_bias, lower_bound, scale, beta_is_logit). A [HV, K, K] and B [HV, V, K] are in state_dtype
     (float32, or float64 on the CPU). transition=False leaves A out (B alone: the map's offset).
-    one_call: both maps from one kda_prefill over 2 HV value heads (_summary_one_call; needs V == K);
-    None takes it where V == K and 2 HV <= 128 (the value heads a CUDA prefill supports)."""
+    one_call: both maps from one kda_prefill over 2 HV value heads (_summary_one_call; needs V == K).
+    Off by default: tested on the CPU backend, not yet run or timed on a GPU (benchmarks/bench_cp.py
+    has both forms side by side: its "summary" arm is this default, "summary_one_call" the other)."""
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     if one_call is None:
-        one_call = transition and V == K and 2 * HV <= 128
+        one_call = False
     if one_call:
         return _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs)
     zero = torch.zeros(HV, V, K, dtype=state_dtype, device=q.device)
@@ -68,9 +69,8 @@ def _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs) -> Summary:
     """A and B from one prefill over 2 HV value heads: head 2h is head h with its values from 0 (its end
     state is B), head 2h+1 is head h with zero values from I (its end state is A). Grouped value heads
     keep both on head h's q and k (head j of 2 HV uses q/k head j // (2 HV / H) = h // (HV / H)). One
-    launch of twice the heads instead of two launches: the long-sequence prefill is bound by its
-    ordered chunk chain, not by the heads, so the second map rides along (benchmarks/bench_cp.py
-    measures both forms)."""
+    launch of twice the heads instead of two launches: the hope (not measured yet) is that a long
+    sequence's prefill, bound by its ordered chunk chain at 16 heads, takes the extra heads on idle SMs."""
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     if V != K:
         raise ValueError(f"v: one-call summaries need V == K, got V = {V}, K = {K}")

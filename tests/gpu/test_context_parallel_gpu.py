@@ -124,6 +124,18 @@ def test_summary_on_cuda_is_affine():
     assert rel_l2(cp.apply_summary(S0[0], s), fin[0]) < TOL
 
 
+def test_one_call_summary_on_cuda_matches_two_calls():
+    """The one-call form (2 HV value heads in one CUDA prefill) against the two-call maps and the
+    affine check. Written without a GPU run: the next device run is its first."""
+    d, gk, cu, gen = make([2048], 5)
+    two = cp.segment_summary(d["q"], d["k"], d["v"], d["g"], d["beta"], **gk)
+    one = cp.segment_summary(d["q"], d["k"], d["v"], d["g"], d["beta"], one_call=True, **gk)
+    assert rel_l2(one.A, two.A) < TOL and rel_l2(one.B, two.B) < TOL
+    S0 = torch.randn(1, HV, V, K, generator=gen, device=DEV) * 0.5
+    _, fin = one_gpu(d, gk, cu, initial_state=S0)
+    assert rel_l2(cp.apply_summary(S0[0], one), fin[0]) < TOL
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
