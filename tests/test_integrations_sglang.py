@@ -1,5 +1,6 @@
-"""flashkda_ext.integrations.sglang on the CPU backend: SGLang's decode / extend / target_verify call shapes (views into a packed
-projection, fp32 gate and beta beside bf16 q, A_log [1, 1, HV, 1], -1 padding) against flashkda_ext.reference."""
+"""flashkda_ext.integrations.sglang on the CPU backend: SGLang's decode / extend / target_verify call shapes
+(views into a packed projection, fp32 gate and beta beside bf16 q, A_log [1, 1, HV, 1], -1 padding, the
+intermediate state buffer of a verify) against flashkda_ext.reference."""
 import pytest
 import torch
 
@@ -241,6 +242,7 @@ def test_target_verify_one_draft_and_requests_without_a_row():
     (dict(intermediate_state_indices=torch.tensor([0, 5], dtype=torch.int32)), "entry 1 = 5 is out of range"),
     (dict(intermediate_state_indices=torch.tensor([0], dtype=torch.int32)), r"intermediate_state_indices: expected"),
     (dict(cache_indices=torch.tensor([0, SLOTS], dtype=torch.int32)), "cache_indices: entry 1"),
+    (dict(ssm_states=torch.zeros(SLOTS, H, K, V)), r"ssm_states: expected the pool"),
     (dict(cache_steps=4), r"cache_steps: expected an int in \[1, S = 3\]"),
     (dict(cache_steps=2), "query_start_loc: a request has 3 draft tokens, more than cache_steps = 2"),
     (dict(replayssm_d=torch.zeros(1)), "unexpected keyword arguments"),

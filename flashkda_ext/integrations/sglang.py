@@ -246,8 +246,12 @@ def _verify_buffer(buf, pool, HV, V, K) -> torch.Tensor:
     R * S slots, so it must be one contiguous block in the pool's dtype (no copy can stand in for it)."""
     if not torch.is_tensor(buf):
         raise TypeError(f"intermediate_states_buffer: expected a tensor [R, S, HV, V, K], got {type(buf).__name__}")
-    if not torch.is_tensor(pool) or pool.dim() != 4:
-        raise ValueError("ssm_states: expected the pool [slots, HV, V, K]")
+    if not torch.is_tensor(pool) or pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, V, K):
+        got = list(pool.shape) if torch.is_tensor(pool) else type(pool).__name__
+        raise ValueError(f"ssm_states: expected the pool [slots, HV, V, K] = [slots, {HV}, {V}, {K}], got {got}")
+    if buf.device != pool.device:
+        raise ValueError(f"intermediate_states_buffer: expected the device of ssm_states ({pool.device}), "
+                         f"got {buf.device}")
     if buf.dim() != 5 or tuple(buf.shape[2:]) != (HV, V, K):
         raise ValueError(f"intermediate_states_buffer: expected [R, S, HV, V, K] = [R, S, {HV}, {V}, {K}], "
                          f"got {list(buf.shape)}")
@@ -295,10 +299,11 @@ def _copy_start_states(flat, pool, cidx, rows, live, S, R) -> None:
     target ever gets two different values. Costs N state reads from the pool, N from the buffer and N
     writes, beside kda_verify's N reads and sum(T_n) writes."""
     has_row = (rows >= 0) & (rows < R)
-    first = torch.argmax(has_row.to(torch.int32))            # the first request with a row (0 if none has one)
+    # the first request with a row (0 if none has one), as a 1-element index: indexing with a 0-d tensor syncs
+    first = torch.argmax(has_row.to(torch.int32)).view(1)
     dst = rows.clamp(0, R - 1).long() * S
     start = pool.index_select(0, cidx.clamp(0, pool.shape[0] - 1).long())
     src = torch.where(live.view(-1, 1, 1, 1), start, flat.index_select(0, dst))
-    dst = torch.where(has_row, dst, dst[first])
-    src = torch.where(has_row.view(-1, 1, 1, 1), src, src[first])
+    dst = torch.where(has_row, dst, dst.index_select(0, first))
+    src = torch.where(has_row.view(-1, 1, 1, 1), src, src.index_select(0, first))
     flat.index_copy_(0, dst, src)
