@@ -1,5 +1,6 @@
-"""flashkda_ext.integrations.sglang on the CPU backend: SGLang's decode / extend call shapes (views into a packed
-projection, fp32 gate and beta beside bf16 q, A_log [1, 1, HV, 1], -1 padding) against flashkda_ext.reference."""
+"""flashkda_ext.integrations.sglang on the CPU backend: SGLang's decode / extend / target_verify call shapes
+(views into a packed projection, fp32 gate and beta beside bf16 q, A_log [1, 1, HV, 1], -1 padding, the
+intermediate state buffer of a verify) against flashkda_ext.reference."""
 import pytest
 import torch
 
@@ -127,8 +128,129 @@ def test_bad_calls_are_named():
         kern.decode(q, k, v, torch.zeros(3, H * K), torch.zeros(3, H), A_log=torch.zeros(H), dt_bias=torch.zeros(H * K),
                     ssm_states=torch.zeros(SLOTS, H, V, K), cache_indices=torch.zeros(2, dtype=torch.int32),
                     query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match=r"\[SD\]"):
-        kern.target_verify(None, None, q, k, v, None, None, ssm_states=None, cache_indices=None, query_start_loc=None)
     with pytest.raises(TypeError, match="unexpected keyword arguments"):
         kern.decode(q, k, v, None, None, A_log=None, dt_bias=None, ssm_states=None, cache_indices=None,
                     query_start_loc=None, replayssm_d=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# target_verify: SGLang's chain verify (committed pool read, per-step states into the intermediate buffer)
+
+def verify_case(lens, steps, rows, cidx, seed=7, dtype=torch.float32, state_dtype=torch.float32, buf_rows=5):
+    """A target_verify call as SGLang's KDA backend makes it, with the buffer poisoned (NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q, k, v = packed_qkv(T, gen, dtype)
+    a, b = torch.randn(T, H * K, generator=gen), torch.randn(T, H, generator=gen)   # fp32 raw gate, beta logit
+    A_log, dt_bias = params(gen)
+    pool = (torch.randn(SLOTS, H, V, K, generator=gen) * 0.3).to(state_dtype)
+    buf = torch.full((buf_rows, steps, H, V, K), float("nan"), dtype=state_dtype)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return dict(A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=pool,
+                cache_indices=torch.tensor(cidx, dtype=torch.int32), query_start_loc=qsl,
+                intermediate_states_buffer=buf, intermediate_state_indices=torch.tensor(rows, dtype=torch.int32))
+
+
+def call_verify(case, **extra):
+    c = dict(case, **extra)
+    return FlashKDAExtKernel().target_verify(c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"),
+                                             c.pop("a"), c.pop("b"), **c)
+
+
+def reference_verify(case):
+    """The token recurrence (kda_decode_step, one token at a time) from each request's committed slot; the
+    state after each token stored in the buffer's dtype and continued from there. Returns (out, buffer)."""
+    c = case
+    q, k, v, pool, buf = c["q"][0], c["k"][0], c["v"][0], c["ssm_states"], c["intermediate_states_buffer"].clone()
+    a, b = c["a"].to(q.dtype).view(-1, H, K), c["b"].to(q.dtype)
+    out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
+    offsets = c["query_start_loc"].tolist()
+    one = torch.zeros(1, dtype=torch.int32)
+    for n, (slot, row) in enumerate(zip(c["cache_indices"].tolist(), c["intermediate_state_indices"].tolist())):
+        if slot < 0 or row < 0:
+            continue
+        state = pool[slot:slot + 1].clone()
+        for t, i in enumerate(range(offsets[n], offsets[n + 1])):
+            o, state = kda_decode_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], a[i:i + 1], b[i:i + 1], state=state,
+                                       state_indices=one, A_log=c["A_log"].flatten(), dt_bias=c["dt_bias"])
+            out[i] = o[0]
+            buf[row, t] = state[0]
+    return out, buf
+
+
+def bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def test_target_verify_matches_the_token_recurrence_and_never_writes_the_pool():
+    # 3 requests of 3 drafts (SGLang's shape), buffer rows out of order, its steps (4) above cache_steps (3),
+    # request 1 a padding request (cache index -1)
+    case = verify_case([3, 3, 3], steps=4, rows=[3, 0, 1], cidx=[4, -1, 2])
+    pool0, buf0 = case["ssm_states"].clone(), case["intermediate_states_buffer"].clone()
+    o = call_verify(case, cache_steps=3)
+    assert o.shape == (1, 9, H, V) and not torch.isnan(o).any()
+    want_o, want_buf = reference_verify(dict(case, intermediate_states_buffer=buf0))
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    assert torch.equal(o[0, 3:6], torch.zeros(3, H, V))                        # the padding request
+    assert torch.equal(bits(case["ssm_states"]), bits(pool0))                  # the committed pool: untouched
+    buf = case["intermediate_states_buffer"]
+    for row in (3, 1):
+        torch.testing.assert_close(buf[row, :3], want_buf[row, :3], **TOL)
+    # everything else stays bitwise as it was (NaN): the padding request's row, unused rows, step 3
+    written = torch.zeros(buf.shape[:2], dtype=torch.bool)
+    written[3, :3] = written[1, :3] = True
+    assert torch.equal(bits(buf[~written]), bits(buf0[~written]))
+
+
+def test_target_verify_mixed_draft_counts_bf16():
+    # T_n = 4, 1, 2 (the Triton kernel runs per-request lengths from query_start_loc); bf16 q, pool and buffer
+    case = verify_case([4, 1, 2], steps=4, rows=[2, 4, 0], cidx=[0, 5, 3], seed=8, dtype=torch.bfloat16,
+                       state_dtype=torch.bfloat16)
+    buf0, pool0 = case["intermediate_states_buffer"].clone(), case["ssm_states"].clone()
+    o = call_verify(case)
+    assert o.dtype == torch.bfloat16
+    want_o, want_buf = reference_verify(dict(case, intermediate_states_buffer=buf0))
+    torch.testing.assert_close(o[0].double(), want_o, rtol=2e-2, atol=2e-2)
+    buf = case["intermediate_states_buffer"]
+    for row, n in ((2, 4), (4, 1), (0, 2)):
+        torch.testing.assert_close(buf[row, :n].double(), want_buf[row, :n].double(), rtol=2e-2, atol=2e-2)
+        assert torch.isnan(buf[row, n:]).all()
+    assert torch.isnan(buf[[1, 3]]).all() and torch.equal(bits(case["ssm_states"]), bits(pool0))
+
+
+def test_target_verify_one_draft_and_requests_without_a_row():
+    # cache_steps = 1 (kda_verify serves it with the decode module); request 1 has no buffer row (-1) and is
+    # padding, while request 0 owns row 0, the row a clamped -1 would name
+    case = verify_case([1, 1, 1], steps=1, rows=[0, -1, 2], cidx=[1, 3, 5], seed=9, buf_rows=3)
+    buf0 = case["intermediate_states_buffer"].clone()
+    o = call_verify(case, cache_steps=1)
+    want_o, want_buf = reference_verify(dict(case, intermediate_states_buffer=buf0))
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    assert torch.equal(o[0, 1], torch.zeros(H, V))
+    buf = case["intermediate_states_buffer"]
+    torch.testing.assert_close(buf[[0, 2]], want_buf[[0, 2]], **TOL)
+    assert torch.isnan(buf[1]).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64)), "retrieve_parent_token: draft trees"),
+    (dict(intermediate_states_buffer=None), "intermediate_states_buffer: expected a tensor"),
+    (dict(intermediate_states_buffer=torch.zeros(5, 3, H, K, V)), r"intermediate_states_buffer: expected \[R, S"),
+    (dict(intermediate_states_buffer=torch.zeros(5, 3, H, V, K, dtype=torch.bfloat16)), "dtype of ssm_states"),
+    (dict(intermediate_states_buffer=torch.zeros(3, 5, H, V, K).transpose(0, 1)), "contiguous"),
+    (dict(intermediate_state_indices=torch.tensor([1, 1], dtype=torch.int32)), "row 1 is used by requests 0 and 1"),
+    (dict(intermediate_state_indices=torch.tensor([0, 5], dtype=torch.int32)), "entry 1 = 5 is out of range"),
+    (dict(intermediate_state_indices=torch.tensor([0], dtype=torch.int32)), r"intermediate_state_indices: expected"),
+    (dict(cache_indices=torch.tensor([0, SLOTS], dtype=torch.int32)), "cache_indices: entry 1"),
+    (dict(ssm_states=torch.zeros(SLOTS, H, K, V)), r"ssm_states: expected the pool"),
+    (dict(cache_steps=4), r"cache_steps: expected an int in \[1, S = 3\]"),
+    (dict(cache_steps=2), "query_start_loc: a request has 3 draft tokens, more than cache_steps = 2"),
+    (dict(replayssm_d=torch.zeros(1)), "unexpected keyword arguments"),
+])
+def test_target_verify_refusals_write_nothing(bad, match):
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=10)
+    buf, pool = case["intermediate_states_buffer"], case["ssm_states"]
+    buf0, pool0 = buf.clone(), pool.clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        call_verify(case, **bad)
+    assert torch.equal(bits(buf), bits(buf0)) and torch.equal(pool, pool0)

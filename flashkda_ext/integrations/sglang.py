@@ -7,6 +7,9 @@ no sglang import: SGLang can select it by naming the class, or subclass it under
                       cache_indices=idx, query_start_loc=qsl)                         # [1, T, HV, V]
     o = kernel.extend(q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl,
                       A_log=A_log, dt_bias=dt_bias, extend_seq_lens_cpu=lens)          # [1, T, HV, V]
+    o = kernel.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=pool, cache_indices=idx,
+                             query_start_loc=qsl, intermediate_states_buffer=buf,
+                             intermediate_state_indices=rows, cache_steps=D)            # [1, T, HV, V]
 
 Shapes as SGLang passes them: q, k [1, T, H, K], v [1, T, HV, V] (often views into the packed projection);
 decode: raw gate a ([T, HV*K], [1, T, HV*K] or [1, T, HV, K]) and beta logit b ([T, HV] or [1, T, HV]);
@@ -17,6 +20,18 @@ int32 [N] (-1: padding, nothing read or written; its output rows are zeros); que
 Conversions, each one pass over the tensor and only when needed (docs/integrations.md): views that are
 not contiguous are copied; g / a and beta / b in a dtype other than q's (fp32 gate or beta beside bf16 q)
 are cast to q's dtype (the kernels read them in q's dtype); A_log and dt_bias become flat fp32.
+
+target_verify follows SGLang's Triton KDA verify (read in sgl-project/sglang:
+python/sglang/srt/layers/attention/linear/kernels/kernel_backend.py @ 03a4a692 (the base signature),
+kernels/kda_triton.py @ 007d1d93 (TritonKDAKernel.target_verify), and the kernel it calls,
+python/sglang/kernels/ops/attention/fla/fused_sigmoid_gating_recurrent.py @ 00e1106f): q, k [1, T, H, K],
+v [1, T, HV, V], raw gate a and beta logit b as decode's, D = cache_steps draft tokens per request packed by
+query_start_loc; request n starts from ssm_states[cache_indices[n]] (negative: zero state), the state after
+its token t is stored to intermediate_states_buffer[intermediate_state_indices[n], t] (the buffer
+[R, S, HV, V, K], S its allocated steps), ssm_states is never written (disable_state_update=True), and
+retrieve_parent_token (None for chains, [N, D] for topk > 1 trees) names each token's parent step. The
+accepted step is committed later, outside the kernel, by the backend's update_mamba_state_after_mtp_verify.
+Here: chains only, on kda_verify over the buffer seen as a pool of R * S slots (docs/integrations.md).
 """
 from __future__ import annotations
 
@@ -25,9 +40,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import fla_chunk_states
-
-SPEC_DECODE_ISSUE = "the [SD] speculative-decoding issue (target_verify, num_accepted_tokens)"
-
+from .. import validation
 
 def _as(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     """x reshaped, in dtype and contiguous: at most one copy."""
@@ -144,10 +157,77 @@ class FlashKDAExtKernel:
         return o, fla_chunk_states(initial, res[2], lengths, self.chunk_size)
 
     # -----------------------------------------------------------------------------------------
-    def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__}.target_verify: speculative decoding is not served yet; "
-                                  f"it comes with {SPEC_DECODE_ISSUE}")
+    def target_verify(self, A_log: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, ssm_states: torch.Tensor,
+                      cache_indices: torch.Tensor, query_start_loc: torch.Tensor,
+                      intermediate_states_buffer: Optional[torch.Tensor] = None,
+                      intermediate_state_indices: Optional[torch.Tensor] = None, cache_steps: Optional[int] = None,
+                      retrieve_parent_token: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None,
+                      out: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+        """Speculative-decoding verify of a chain of draft tokens, in SGLang's call shape. Returns [1, T, HV, V].
 
+        Request n (tokens query_start_loc[n] .. query_start_loc[n+1]) starts from the committed state
+        ssm_states[cache_indices[n]]; the state after its token t goes to
+        intermediate_states_buffer[intermediate_state_indices[n], t] (buffer [R, S, HV, V, K], S >= T_n, the
+        pool's dtype); ssm_states is never written (SGLang commits the accepted step afterwards). a is the raw
+        gate, b the beta logit, as decode's. cache_steps (the draft token count) bounds T_n on the host.
+        A negative cache_indices or intermediate_state_indices entry makes the request padding: zero outputs,
+        nothing written. Draft trees (retrieve_parent_token) are refused: kda_verify runs chains.
+        """
+        from ..ops import kda_verify
+        _no_unknown("target_verify", kwargs)
+        if retrieve_parent_token is not None:
+            raise ValueError("retrieve_parent_token: draft trees (speculative topk > 1) are not served; "
+                             "flashkda_ext's kda_verify runs each request's drafts as one chain (pass None)")
+        if q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError(f"q: expected shape [1, T, H, K], got {list(q.shape)}")
+        _, T, H, K = q.shape
+        HV, V = v.shape[-2], v.shape[-1]
+        if cache_indices.dim() != 1:
+            raise ValueError(f"cache_indices: expected [N], got {list(cache_indices.shape)}")
+        N = cache_indices.shape[0]
+        if query_start_loc.shape != (N + 1,):
+            raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
+                             f"got {list(query_start_loc.shape)}")
+        buf = _verify_buffer(intermediate_states_buffer, ssm_states, HV, V, K)
+        R, S = buf.shape[0], buf.shape[1]
+        rows = _verify_rows(intermediate_state_indices, N, R, cache_indices, ssm_states.shape[0])
+        if cache_steps is not None and (isinstance(cache_steps, bool) or not isinstance(cache_steps, int)
+                                        or not 1 <= cache_steps <= S):
+            raise ValueError(f"cache_steps: expected an int in [1, S = {S}] (the draft token count, at most the "
+                             f"buffer's steps), got {cache_steps!r}")
+        bound = S if cache_steps is None else cache_steps
+        if query_start_loc.device.type == "cpu":
+            offsets = query_start_loc.tolist()
+            longest = max((e - s for s, e in zip(offsets, offsets[1:])), default=0)
+            if longest > bound:
+                raise ValueError(f"query_start_loc: a request has {longest} draft tokens, more than "
+                                 f"{'cache_steps' if cache_steps is not None else 'the buffer steps S'} = {bound}")
+        dtype = q.dtype
+        A, dt = _params(A_log, dt_bias)
+        gate, lb = _gate(lower_bound)
+        # The buffer seen as a pool of R * S slots: slot r * S + t holds step t of row r. kda_verify reads
+        # and writes one pool, SGLang reads ssm_states and writes the buffer, so the start state is first
+        # copied into step 0 of the request's row; kda_verify reads it there before token 0 overwrites it.
+        flat = buf.view(R * S, HV, V, K)
+        cidx = _as(cache_indices, torch.int32, (N,))
+        live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R)
+        steps = torch.arange(S, dtype=torch.int32, device=rows.device)
+        table = torch.where(live.view(N, 1), rows.view(N, 1) * S + steps, torch.full((), -1, dtype=torch.int32,
+                                                                                    device=rows.device))
+        args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(a, dtype, (1, T, HV, K)),
+                _as(b, dtype, (1, T, HV)))
+        kw = dict(state=flat, state_indices=table, cu_seqlens=_as(query_start_loc, torch.int32, (N + 1,)),
+                  max_seqlen=bound, A_log=A, dt_bias=dt, lower_bound=lb,
+                  gate=gate, beta_is_logit=True, out=None if out is None else out.view(1, T, HV, V))
+        # every check kda_verify makes runs before the start states are copied: a refused call writes nothing
+        call = validation.check_kda_verify(*args, **kw)
+        validation.check_verify_values(call, kw["cu_seqlens"], table, None, kw["max_seqlen"])
+        validation.check_apart((("out", kw["out"]), ("intermediate_states_buffer", flat)),
+                               tuple(zip(("q", "k", "v", "a", "b"), args)) + (("ssm_states", ssm_states),))
+        _copy_start_states(flat, ssm_states, cidx, rows, live, S, R)
+        o = kda_verify(*args, **kw)
+        return o if out is None else out
 
 def _no_unknown(where: str, kwargs: dict) -> None:
     if kwargs:
@@ -159,3 +239,71 @@ def _gather_states(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     valid = idx >= 0
     states = pool.index_select(0, idx.clamp(min=0).long())
     return torch.where(valid.view(-1, 1, 1, 1), states, torch.zeros((), dtype=pool.dtype, device=pool.device))
+
+
+def _verify_buffer(buf, pool, HV, V, K) -> torch.Tensor:
+    """SGLang's per-layer intermediate state cache [R, S, HV, V, K], checked: written in place as a pool of
+    R * S slots, so it must be one contiguous block in the pool's dtype (no copy can stand in for it)."""
+    if not torch.is_tensor(buf):
+        raise TypeError(f"intermediate_states_buffer: expected a tensor [R, S, HV, V, K], got {type(buf).__name__}")
+    if not torch.is_tensor(pool) or pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, V, K):
+        got = list(pool.shape) if torch.is_tensor(pool) else type(pool).__name__
+        raise ValueError(f"ssm_states: expected the pool [slots, HV, V, K] = [slots, {HV}, {V}, {K}], got {got}")
+    if buf.device != pool.device:
+        raise ValueError(f"intermediate_states_buffer: expected the device of ssm_states ({pool.device}), "
+                         f"got {buf.device}")
+    if buf.dim() != 5 or tuple(buf.shape[2:]) != (HV, V, K):
+        raise ValueError(f"intermediate_states_buffer: expected [R, S, HV, V, K] = [R, S, {HV}, {V}, {K}], "
+                         f"got {list(buf.shape)}")
+    if buf.dtype != pool.dtype:
+        # SGLang's kernel reads the start state from the pool unrounded: a copy into another dtype would round it
+        raise ValueError(f"intermediate_states_buffer: expected the dtype of ssm_states "
+                         f"({pool.dtype}), got {buf.dtype}")
+    if not buf.is_contiguous():
+        raise ValueError("intermediate_states_buffer: expected a contiguous tensor (it is written in place)")
+    if buf.shape[0] * buf.shape[1] > validation.INT32_MAX:
+        raise ValueError(f"intermediate_states_buffer: R * S = {buf.shape[0] * buf.shape[1]} steps do not fit "
+                         f"the int32 slot indices")
+    return buf
+
+
+def _verify_rows(rows, N, R, cache_indices, slots) -> torch.Tensor:
+    """intermediate_state_indices as int32 [N]; where index values live in host memory (the CPU backend),
+    the rows of live requests must be distinct and < R (on a GPU nothing reads them: out-of-range rows
+    make the request padding, repeated rows leave the buffer undefined, as repeated pool slots do)."""
+    if not torch.is_tensor(rows) or rows.shape != (N,) or rows.dtype not in (torch.int32, torch.int64):
+        got = list(rows.shape) if torch.is_tensor(rows) else type(rows).__name__
+        raise ValueError(f"intermediate_state_indices: expected int32 [N] = [{N}] buffer rows, got {got}")
+    rows = _as(rows, torch.int32, (N,))
+    if rows.device.type == "cpu" and cache_indices.device.type == "cpu":
+        seen = {}
+        for n, (r, c) in enumerate(zip(rows.tolist(), cache_indices.tolist())):
+            if r < 0 or c < 0:
+                continue
+            if c >= slots:
+                raise ValueError(f"cache_indices: entry {n} = {c} is out of range for a pool of {slots} slots")
+            if r >= R:
+                raise ValueError(f"intermediate_state_indices: entry {n} = {r} is out of range for a buffer of "
+                                 f"{R} rows")
+            if r in seen:
+                raise ValueError(f"intermediate_state_indices: row {r} is used by requests {seen[r]} and {n}; "
+                                 f"every request needs a row of its own")
+            seen[r] = n
+    return rows
+
+
+def _copy_start_states(flat, pool, cidx, rows, live, S, R) -> None:
+    """flat[rows[n] * S] = pool[cidx[n]] for every live request, without a host sync (CUDA-graph safe).
+    A padding request with a row copies that row's step 0 onto itself (bitwise unchanged); one without a
+    row (negative or >= R) repeats the first request with a row, write for write, so no index_copy_
+    target ever gets two different values. Costs N state reads from the pool, N from the buffer and N
+    writes, beside kda_verify's N reads and sum(T_n) writes."""
+    has_row = (rows >= 0) & (rows < R)
+    # the first request with a row (0 if none has one), as a 1-element index: indexing with a 0-d tensor syncs
+    first = torch.argmax(has_row.to(torch.int32)).view(1)
+    dst = rows.clamp(0, R - 1).long() * S
+    start = pool.index_select(0, cidx.clamp(0, pool.shape[0] - 1).long())
+    src = torch.where(live.view(-1, 1, 1, 1), start, flat.index_select(0, dst))
+    dst = torch.where(has_row, dst, dst.index_select(0, first))
+    src = torch.where(has_row.view(-1, 1, 1, 1), src, src.index_select(0, first))
+    flat.index_copy_(0, dst, src)

@@ -217,3 +217,75 @@ def test_sglang_kernel_decode_and_extend_on_cuda():
     assert rel_l2(o, want_o) < 1e-2 and rel_l2(pool, want_pool) < 1e-2
     assert h.shape == (1, 2 + 3, HV, 128, 128)
     assert rel_l2(h[0, 1], want_ckpt[0, 0]) < 1e-2 and rel_l2(h[0, 4], want_ckpt[1, 1]) < 1e-2
+
+
+def _sglang_verify_reference(q, k, v, a, b, A_log, dt_bias, pool, cidx, rows, D, buf):
+    """The token recurrence (kda_decode_step, one token at a time) from each live request's slot."""
+    HV, Kd = v.shape[2], q.shape[3]
+    out = torch.zeros(q.shape[1], HV, v.shape[3], dtype=torch.float64, device=DEV)
+    buf = buf.clone()
+    one = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for n, (slot, row) in enumerate(zip(cidx.tolist(), rows.tolist())):
+        if slot < 0:
+            continue
+        state = pool[slot:slot + 1].clone()
+        for t in range(D):
+            i = n * D + t
+            o, state = kda_decode_step(q[0, i:i + 1], k[0, i:i + 1], v[0, i:i + 1],
+                                       a[i:i + 1].view(1, HV, Kd).bfloat16(), b[i:i + 1].bfloat16(), state=state,
+                                       state_indices=one, A_log=A_log.flatten(), dt_bias=dt_bias)
+            out[i] = o[0]
+            buf[row, t] = state[0]
+    return out, buf
+
+
+def test_sglang_target_verify_on_cuda_and_in_a_cuda_graph():
+    from flashkda_ext.integrations.sglang import FlashKDAExtKernel
+    gen = torch.Generator().manual_seed(7)
+    HV, N, D, R, slots = 16, 8, 4, 12, 16
+    Tt = N * D
+    kern = FlashKDAExtKernel()
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    A_log = torch.rand(1, 1, HV, 1, generator=gen).to(DEV)
+    dt_bias = torch.randn(HV * 128, generator=gen).to(DEV)
+    pool = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    cidx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
+    cidx[5] = -1                                                   # SGLang's cuda-graph padding
+    rows = torch.randperm(R, generator=gen)[:N].to(DEV, torch.int32)
+    q, k, v = bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128)
+    a, b = torch.randn(Tt, HV * 128, generator=gen).to(DEV), torch.randn(Tt, HV, generator=gen).to(DEV)
+    qsl = torch.arange(0, Tt + 1, D, dtype=torch.int32, device=DEV)
+    buf = torch.full((R, D, HV, 128, 128), float("nan"), device=DEV)
+    pool0, buf0 = pool.clone(), buf.clone()
+    call = lambda: kern.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=pool, cache_indices=cidx,  # noqa
+                                      query_start_loc=qsl, intermediate_states_buffer=buf,
+                                      intermediate_state_indices=rows, cache_steps=D)
+    with torch.inference_mode():
+        o = call()
+    torch.cuda.synchronize()
+    want_o, want_buf = _sglang_verify_reference(q, k, v, a, b, A_log, dt_bias, pool0, cidx, rows, D, buf0)
+    live = [n for n in range(N) if n != 5]
+    assert rel_l2(o[0], want_o) < 1e-2
+    assert torch.equal(o[0, 5 * D:6 * D], torch.zeros_like(o[0, :D]))
+    assert torch.equal(pool, pool0)
+    live_rows = rows[live].long()
+    assert rel_l2(buf[live_rows], want_buf[live_rows]) < 1e-3
+    untouched = torch.ones(R, dtype=torch.bool, device=DEV)
+    untouched[live_rows] = False
+    assert torch.isnan(buf[untouched]).all()
+    # the start-state copy and the verify need no host sync: the call captures in a CUDA graph
+    buf.copy_(buf0)
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph = call()
+        buf.copy_(buf0)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o) and torch.equal(pool, pool0)
+    assert rel_l2(buf[live_rows], want_buf[live_rows]) < 1e-3
