@@ -179,15 +179,21 @@ def test_fla_vllm_decode_served_matches_triton(fla_backend):
 # SGLang-shaped kernel
 
 
-def test_sglang_kernel_decode_and_extend_on_cuda():
+def _sglang_layer(seed, HV, slots):
+    """The SGLang-shaped kernel, a bf16 random maker, the model's A_log ([1, 1, HV, 1]) and dt_bias, and
+    an fp32 pool [slots, HV, 128, 128]."""
     from flashkda_ext.integrations.sglang import FlashKDAExtKernel
-    gen = torch.Generator().manual_seed(6)
-    HV, N, slots = 16, 8, 16
-    kern = FlashKDAExtKernel()
+    gen = torch.Generator().manual_seed(seed)
     bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
     A_log = torch.rand(1, 1, HV, 1, generator=gen).to(DEV)
     dt_bias = torch.randn(HV * 128, generator=gen).to(DEV)
     pool = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    return FlashKDAExtKernel(), gen, bf, A_log, dt_bias, pool
+
+
+def test_sglang_kernel_decode_and_extend_on_cuda():
+    HV, N, slots = 16, 8, 16
+    kern, gen, bf, A_log, dt_bias, pool = _sglang_layer(6, HV, slots)
     idx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
     idx[3] = -1
     # decode: fp32 gate and beta logit beside bf16 q
@@ -240,15 +246,9 @@ def _sglang_verify_reference(q, k, v, a, b, A_log, dt_bias, pool, cidx, rows, D,
 
 
 def test_sglang_target_verify_on_cuda_and_in_a_cuda_graph():
-    from flashkda_ext.integrations.sglang import FlashKDAExtKernel
-    gen = torch.Generator().manual_seed(7)
     HV, N, D, R, slots = 16, 8, 4, 12, 16
     Tt = N * D
-    kern = FlashKDAExtKernel()
-    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
-    A_log = torch.rand(1, 1, HV, 1, generator=gen).to(DEV)
-    dt_bias = torch.randn(HV * 128, generator=gen).to(DEV)
-    pool = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    kern, gen, bf, A_log, dt_bias, pool = _sglang_layer(7, HV, slots)
     cidx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
     cidx[5] = -1                                                   # SGLang's cuda-graph padding
     rows = torch.randperm(R, generator=gen)[:N].to(DEV, torch.int32)
