@@ -180,7 +180,7 @@ VARIANTS = [
     ("kda_verify", {}),
     ("kda_verify", {"gate": "bounded", "accepted": False, "dtype": torch.bfloat16, "state_dtype": torch.bfloat16}),
     ("kda_verify", {"gate": "log", "null_slot0": True, "beta_is_logit": False, "H": 4, "HV": 4, "K": 6, "V": 6}),
-    ("kda_verify", {"lens": (1, 1, 1)}),                                     # T_max = 1: served by kda_decode
+    ("kda_verify", {"lens": (1, 1, 1), "accepted": False}),                  # T_max = 1: served by kda_decode
     ("fused_kda_verify", {}),
     ("fused_kda_verify", {"gate": "log", "accepted": False, "state_dtype": torch.bfloat16, "null_slot0": True}),
     ("fused_kda_verify", {"gate": "bounded", "dtype": torch.bfloat16, "conv_dtype": torch.float32, "extra_len": 0}),

@@ -69,7 +69,8 @@ def add_parser(sub) -> None:
     d.add_argument("--rows", type=int, default=4, help="a var-axis value (does not change the definition)")
     d.add_argument("--slots", type=int, default=64, help="decode, verify: state pool slots (a var axis)")
     d.add_argument("--tokens", type=int, default=256, help="prefill, verify: total tokens")
-    d.add_argument("--seqs", type=int, default=2, help="prefill: sequences; verify: requests (T_max = ceil(tokens / seqs))")
+    d.add_argument("--seqs", type=int, default=2,
+                   help="prefill: sequences; verify: requests (T_max = ceil(tokens / seqs))")
     d.add_argument("--checkpoint-every", type=int, default=0,
                    help="prefill: state checkpoint interval in tokens (0: none)")
     d.add_argument("--check", action="store_true", help="validate against the definition schema")
