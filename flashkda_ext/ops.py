@@ -348,6 +348,11 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
                             ("num_accepted_tokens", num_accepted_tokens)))
     if out is None:
         out = dest if dest is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if trace.enabled():  # before the launch (either module): a crashing call leaves its trace
+        trace.emit("kda_verify", call, dict(
+            q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+            num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            scale=call.scale, out=out))
     if call.as_decode:
         # One token per request, read from and written to column 0: kda_decode's own module on views
         # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
@@ -419,6 +424,12 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
                             ("num_accepted_tokens", num_accepted_tokens)))
     if out is None:
         out = dest if dest is not None else torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
+    if trace.enabled():
+        trace.emit("fused_kda_verify", call, dict(
+            x=x, conv_weight=conv_weight, conv_state=conv_state, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+            state=state, output_gate=output_gate, norm_weight=norm_weight, state_indices=state_indices,
+            cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, lower_bound=lower_bound,
+            scale=call.scale, norm_eps=norm_eps, out=out))
     fn = _route_fn("fused_kda_verify", call)
     sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, state_indices,
                 cu_seqlens, num_accepted_tokens, out)

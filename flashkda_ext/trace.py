@@ -7,8 +7,9 @@ flashinfer-bench's dataset layout (``flashinfer_bench.TraceSet.from_path(dir)`` 
 * ``<dir>/definitions/<op_type>/<definition>.json`` once per process and definition name (names
   encode every const axis and fixed property, so one name is one definition), and
 * one line appended to ``<dir>/workloads/<op_type>/<definition>.jsonl``: the var axes, scalars as
-  values, data tensors as ``random``, and the index tensors (state_indices, cu_seqlens: they decide
-  the work, and random integers are no valid indices) saved through the ``safetensors`` library to
+  values, data tensors as ``random``, and the index tensors (state_indices, cu_seqlens, verify's
+  num_accepted_tokens: they decide the work, and random integers are no valid indices) saved through
+  the ``safetensors`` library to
   ``<dir>/blob/workloads/<op_type>/<definition>/<definition>_<content hash>.safetensors``. Saving a
   CUDA index tensor copies it to the host (the copy synchronises); during CUDA graph capture no copy
   is possible and the call is not traced (one warning).
@@ -35,7 +36,7 @@ from . import paths
 from .trace_consumer import safe_eval
 
 ENV_DIR = "FLASHKDA_EXT_TRACE_DIR"
-OPS = ("kda_decode", "kda_prefill", "fused_kda_decode")
+OPS = ("kda_decode", "kda_prefill", "fused_kda_decode", "kda_verify", "fused_kda_verify")
 
 # flashinfer-bench's dtype names (the definition schema holds the same list; a test checks it)
 FIB_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1",
@@ -191,6 +192,10 @@ _OP_DEFAULTS = {
                         checkpoint_every=0, checkpoints=None, max_seqlen=None, null_slot0=False),
     "fused_kda_decode": dict(lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
                              slot_mode="unique", null_slot0=False),
+    "kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None,
+                       gate="softplus", scale=None, beta_is_logit=True, null_slot0=False),
+    "fused_kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, lower_bound=None, gate="softplus",
+                             norm_eps=1e-5, scale=None, null_slot0=False),
 }
 
 
@@ -218,6 +223,22 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
                     slots=state.shape[0], input_dtype=_dtype(a["x"]), state_dtype=_dtype(state),
                     slot_mode=a["slot_mode"], norm_eps=float(a["norm_eps"]),
                     scale=_resolved_scale(a["scale"], g.shape[2]))
+    if op in ("kda_verify", "fused_kda_verify"):
+        idx = a["state_indices"]
+        N, cols = idx.shape[0], idx.shape[1]
+        verify = dict(num_seqs=N, index_cols=cols, max_seqlen=cols if a["max_seqlen"] is None else a["max_seqlen"],
+                      has_accepted=a["num_accepted_tokens"] is not None, slot_mode="padded")
+        if op == "kda_verify":
+            q, v, state = a["q"], a["v"], a["state"]
+            return dict(common, **verify, total_tokens=q.shape[1], num_heads=q.shape[2], head_dim_k=q.shape[3],
+                        value_heads=v.shape[2], head_dim_v=v.shape[3], slots=state.shape[0],
+                        input_dtype=_dtype(q), state_dtype=_dtype(state), beta_is_logit=bool(a["beta_is_logit"]),
+                        scale=_resolved_scale(a["scale"], q.shape[3]))
+        g, state = a["g"], a["state"]
+        return dict(common, **verify, total_tokens=g.shape[1], num_heads=g.shape[2], head_dim=g.shape[3],
+                    slots=state.shape[0], conv_len=a["conv_state"].shape[-1], input_dtype=_dtype(a["x"]),
+                    state_dtype=_dtype(state), norm_eps=float(a["norm_eps"]),
+                    scale=_resolved_scale(a["scale"], g.shape[3]))
     q, v = a["q"], a["v"]
     B, T = q.shape[0], q.shape[1]
     cu = a["cu_seqlens"]
@@ -257,7 +278,10 @@ def facts(op: str, call: Any, inputs: Mapping[str, Any]) -> Dict[str, Any]:
         # ops.py hands the pool in as initial_state in pool mode; only dense mode reads this flag
         f["has_initial_state"] = inputs.get("initial_state") is not None
         f["slot_mode"] = "padded" if f["state_mode"] == "pool" else None
-    if op == "fused_kda_decode":
+    if op in ("kda_verify", "fused_kda_verify"):
+        f["has_accepted"] = inputs.get("num_accepted_tokens") is not None
+        f["slot_mode"] = "padded"       # what validation checks a verify call's indices as
+    if op in ("fused_kda_decode", "fused_kda_verify"):
         f["conv_weight_dtype"] = _dtype(inputs["conv_weight"])
         f["conv_weight_short"] = _SHORT.get(f["conv_weight_dtype"], f["conv_weight_dtype"])
     f["state_short"] = _SHORT.get(f.get("state_dtype"), f.get("state_dtype"))
@@ -428,7 +452,7 @@ def unsupported(op: str, f: Mapping[str, Any]) -> list:
     [] when it has one. Fused definitions carry A_log and dt_bias whenever the gate reads them (the
     op takes them positionally), so a fused call leaving one out of a gate that reads it has none."""
     problems = _split_constraints(op, f, _axes(load_template(op), f))[1]
-    if op == "fused_kda_decode" and f["gate"] != "log" and not (f["has_A_log"] and f["has_dt_bias"]):
+    if op.startswith("fused_") and f["gate"] != "log" and not (f["has_A_log"] and f["has_dt_bias"]):
         problems.append(("A_log", f"gate {f['gate']!r} without A_log or dt_bias: fused definitions "
                                   f"carry both (the op takes them positionally; zeros are the identity)"))
     return problems
@@ -577,6 +601,21 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
     gate = o["gate"]
     e = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
     gate_kw = dict(gate=gate, lower_bound=o["lower_bound"] if gate == "bounded" else None)
+    T, N = o["tokens"], o["seqs"]
+    if op in ("kda_verify", "fused_kda_verify"):
+        if T < N:
+            raise ValueError(f"--tokens: expected at least --seqs = {N} tokens (every request has one), got {T}")
+        cols = -(-T // N)                # T_max: the fewest columns that hold T tokens in N requests
+        verify = dict(state_indices=e(N, cols, dtype=torch.int32), cu_seqlens=e(N + 1, dtype=torch.int32),
+                      num_accepted_tokens=e(N, dtype=torch.int32))
+    if op == "fused_kda_verify":
+        D = o["head_dim"]
+        C = 3 * H * D
+        return dict(x=e(1, T, C, dtype=dt), conv_weight=e(C, 4, dtype=dt), conv_state=e(slots, C, cols + 2, dtype=dt),
+                    g=e(1, T, H, D, dtype=dt), beta=e(1, T, H, dtype=dt),
+                    A_log=None if gate == "log" else e(H), dt_bias=None if gate == "log" else e(H * D),
+                    state=e(slots, H, D, D, dtype=sdt), output_gate=e(1, T, H, D, dtype=dt), norm_weight=e(D),
+                    **verify, **gate_kw)
     if op == "fused_kda_decode":
         D = o["head_dim"]
         C = 3 * H * D
@@ -591,7 +630,10 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
         return dict(q=e(rows, H, K, dtype=dt), k=e(rows, H, K, dtype=dt), v=e(rows, HV, V, dtype=dt),
                     g=e(rows, HV, K, dtype=dt), beta=e(rows, HV, dtype=dt), state=e(slots, HV, V, K, dtype=sdt),
                     state_indices=e(rows, dtype=torch.int32), slot_mode=o["slot_mode"], **gate_kw)
-    T, N = o["tokens"], o["seqs"]
+    if op == "kda_verify":
+        return dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
+                    g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), state=e(slots, HV, V, K, dtype=sdt),
+                    **verify, **gate_kw)
     return dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
                 g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), cu_seqlens=e(N + 1, dtype=torch.int32),
                 initial_state=e(N, HV, V, K, dtype=sdt), checkpoint_every=int(o["checkpoint_every"]), **gate_kw)
@@ -600,7 +642,8 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
 def definition_for_options(op: str, options: Mapping[str, Any]) -> dict:
     """The definition `flashkda-ext trace dump OP` prints for its options (argparse's names:
     heads, value_heads, head_dim, head_dim_k, head_dim_v, input_dtype, state_dtype, gate,
-    lower_bound, slot_mode, backend, rows, slots, tokens, seqs, checkpoint_every). Raises
+    lower_bound, slot_mode, backend, rows, slots, tokens, seqs, checkpoint_every; verify ops: seqs
+    requests of tokens in all, T_max = ceil(tokens / seqs), with num_accepted_tokens). Raises
     ValueError naming the option for a value or combination that has no definition."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")

@@ -92,7 +92,7 @@ def check_call(definition, var_axes: Mapping[str, int]) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # index inputs
 
-_TAG_DOMAIN = re.compile(r"^domain:(\w+)=(\w+)(?:\((\w+)\))?$")
+_TAG_DOMAIN = re.compile(r"^domain:(\w+)=(\w+)(?:\(([\w,]+)\))?$")   # kind(axis[,axis])
 
 
 def _tags(definition) -> List[str]:
@@ -140,12 +140,41 @@ def _offsets(n_plus_1: int, total: int, dtype, gen, longest: Optional[int] = Non
     return torch.tensor([i * total // n for i in range(n + 1)]).to(dtype)
 
 
+def _draft_slots(n: int, cols: int, slots: int, null_slot0: bool, gen):
+    """A verify table [n, cols]: distinct slots everywhere (so every stored slot is distinct and no
+    request reads a slot another stores), about a quarter padding (-1), -1 where the pool runs out."""
+    import torch
+    first = 1 if null_slot0 else 0
+    flat = torch.full((n * cols,), -1, dtype=torch.int64)
+    perm = torch.randperm(max(slots - first, 0), generator=gen)[: n * cols] + first
+    flat[: perm.numel()] = perm
+    flat[torch.randperm(n * cols, generator=gen)[: (n * cols) // 4]] = -1
+    return flat.reshape(n, cols).to(torch.int32)
+
+
+def _draft_offsets(n_plus_1: int, total: int, longest: int, dtype, gen):
+    """Offsets from 0 to total of n = n_plus_1 - 1 requests of 1 .. longest tokens each (the verify
+    constraints, n <= total <= n * longest, make this possible)."""
+    import torch
+    n = n_plus_1 - 1
+    lengths = [1] * n
+    room = [i for i in range(n) for _ in range(longest - 1)]   # one entry per token a request may add
+    for j in torch.randperm(len(room), generator=gen)[: total - n].tolist():
+        lengths[room[j]] += 1
+    offsets = [0]
+    for x in lengths:
+        offsets.append(offsets[-1] + x)
+    return torch.tensor(offsets).to(dtype)
+
+
 def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
                   checkpoint_every: int = 0) -> Dict[str, Any]:
     """Valid index inputs (those with a slot_index or offsets domain tag) for var-axis values
     `axes`: distinct slots (unique), some -1 (padded) or shared slots (repeated); offsets from 0 to
     seq_len, non-decreasing, and with checkpoints no sequence reaching more than num_checkpoints
-    (a bound on index values that no constraint over axes can state)."""
+    (a bound on index values that no constraint over axes can state); for verify: a slot table with
+    distinct entries (draft_slots), offsets of 1 .. max_draft tokens per request (draft_offsets),
+    accepted counts in [1, max_draft] (accepted_count)."""
     import torch
     d = _as_dict(definition)
     values = {a: (ax["value"] if ax["type"] == "const" else int(axes[a])) for a, ax in d["axes"].items()}
@@ -154,11 +183,19 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, (kind, arg) in domains(d).items():
-        if kind not in ("slot_index", "offsets"):     # data domains (log_decay, probability): not indices
-            continue
+        if kind not in ("slot_index", "offsets", "draft_slots", "draft_offsets", "accepted_count"):
+            continue                                  # data domains (log_decay, probability): not indices
         spec = d["inputs"][name]
         n = values[spec["shape"][0]]
-        if kind == "slot_index":
+        dtype = getattr(torch, spec["dtype"])
+        if kind == "draft_slots":
+            out[name] = _draft_slots(n, values[spec["shape"][1]], values[arg], null_slot0, gen).to(dtype)
+        elif kind == "draft_offsets":
+            total, longest = arg.split(",")
+            out[name] = _draft_offsets(n, values[total], values[longest], dtype, gen)
+        elif kind == "accepted_count":
+            out[name] = torch.randint(1, values[arg] + 1, (n,), generator=gen).to(dtype)
+        elif kind == "slot_index":
             out[name] = _slot_indices(n, values[arg], slot_mode, null_slot0, gen).to(getattr(torch, spec["dtype"]))
         elif kind == "offsets":
             longest = None
@@ -211,7 +248,7 @@ def op_spec(definition) -> Dict[str, Any]:
     fixed: Dict[str, Any] = {"gate": _tag_value(d, "gate:"), "null_slot0": "null_slot0" in tags}
     if op in ("kda_decode", "fused_kda_decode"):
         fixed["slot_mode"] = _tag_value(d, "slot_mode:")
-    if op in ("kda_decode", "kda_prefill"):
+    if op in ("kda_decode", "kda_prefill", "kda_verify"):
         fixed["beta_is_logit"] = "domain:beta=probability" not in tags
     if op == "kda_prefill":
         fixed["output_final_state"] = "nofinal" not in tags and _tag_value(d, "state_mode:") != "none"
@@ -247,8 +284,23 @@ def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
         results = {"out": res[0], "final_state_out": res[1], "state_out": res[1]}
         if every:
             results["checkpoints_out"] = res[2]
+    elif op == "kda_verify":
+        out = flashkda_ext.kda_verify(
+            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], state=kw["state"], state_indices=kw["state_indices"],
+            cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"),
+            beta_is_logit=fixed["beta_is_logit"], **gate)
+        results = {"out": out, "state_out": kw["state"]}
+    elif op == "fused_kda_verify":
+        gate.pop("A_log"), gate.pop("dt_bias")
+        out = flashkda_ext.fused_kda_verify(
+            kw["x"], kw["conv_weight"], kw["conv_state"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"),
+            kw["state"], kw["output_gate"], kw["norm_weight"], state_indices=kw["state_indices"],
+            cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"), norm_eps=kw["norm_eps"],
+            **gate)
+        results = {"out": out, "conv_state_out": kw["conv_state"], "state_out": kw["state"]}
     else:
-        raise ValueError(f"op: expected one of kda_decode, kda_prefill, fused_kda_decode, got {op!r}")
+        raise ValueError(f"op: expected one of kda_decode, kda_prefill, fused_kda_decode, kda_verify, "
+                         f"fused_kda_verify, got {op!r}")
     outs = tuple(results[name] for name in spec["outputs"])
     return outs[0] if len(outs) == 1 else outs
 

@@ -155,6 +155,8 @@ def test_bench_runs_the_script(capfd):
     ("kda_decode", ["--gate", "bounded", "--state-dtype", "bfloat16", "--slot-mode", "padded"]),
     ("kda_prefill", ["--gate", "log", "--checkpoint-every", "64"]),
     ("fused_kda_decode", ["--heads", "16", "--backend", "cpu", "--input-dtype", "float32"]),
+    ("kda_verify", ["--gate", "bounded", "--state-dtype", "bfloat16", "--tokens", "8", "--seqs", "4"]),
+    ("fused_kda_verify", ["--heads", "16", "--gate", "log", "--tokens", "6", "--seqs", "3"]),
 ])
 def test_trace_dump_every_op(op, extra, tmp_path):
     from flashkda_ext import trace

@@ -97,9 +97,65 @@ def fused_case(*, H=2, D=8, rows=4, slots=6, dtype=torch.float32, state_dtype=to
     return a
 
 
+# verify: 3 requests of 3, 1, 2 draft tokens (T_max = 3); distinct stored slots, padding for tokens
+# a request stores nowhere; num_accepted_tokens picks the read column (2 reads slot 2 of request 0)
+VERIFY_LENS = (3, 1, 2)
+VERIFY_SLOTS = [[1, 2, 3], [4, -1, -1], [5, 6, -1]]
+VERIFY_ACCEPTED = [2, 1, 1]
+
+
+def _verify_indices(lens, slots, accepted, cols, with_accepted):
+    cols = cols or max(lens)
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    a = dict(cu_seqlens=torch.tensor(offs, dtype=torch.int32),
+             state_indices=torch.tensor([row[:cols] for row in slots], dtype=torch.int32))
+    if with_accepted:
+        a["num_accepted_tokens"] = torch.tensor([min(x, cols) for x in accepted], dtype=torch.int32)
+    return a
+
+
+def verify_case(*, H=2, HV=4, K=8, V=6, lens=VERIFY_LENS, slots=9, dtype=torch.float32,
+                state_dtype=torch.float32, gate="softplus", accepted=True, null_slot0=False, beta_is_logit=True,
+                index_slots=VERIFY_SLOTS, num_accepted=VERIFY_ACCEPTED, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    T = sum(lens)
+    g = r(1, T, HV, K)
+    if gate == "log":
+        g = -torch.nn.functional.softplus(g.float()).to(dtype)
+    beta = r(1, T, HV) if beta_is_logit else torch.rand(1, T, HV, generator=gen).to(dtype)
+    return dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, HV, V), g=g, beta=beta,
+                state=(torch.randn(slots, HV, V, K, generator=gen) * 0.1).to(state_dtype),
+                null_slot0=null_slot0, beta_is_logit=beta_is_logit, **_gate_args(gate, HV, K, gen),
+                **_verify_indices(lens, index_slots, num_accepted, max(lens), accepted))
+
+
+def fused_verify_case(*, H=2, D=8, lens=VERIFY_LENS, slots=9, extra_len=1, dtype=torch.float32,
+                      state_dtype=torch.float32, gate="softplus", accepted=True, null_slot0=False, conv_dtype=None,
+                      seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    T, C, cols = sum(lens), 3 * H * D, max(lens)
+    ga = _gate_args(gate, H, D, gen)
+    a = dict(x=r(1, T, C), conv_weight=(torch.randn(C, 4, generator=gen) * 0.5).to(conv_dtype or dtype),
+             conv_state=r(slots, C, cols + 2 + extra_len), g=r(1, T, H, D), beta=r(1, T, H),
+             A_log=ga.pop("A_log", None), dt_bias=ga.pop("dt_bias", None),
+             state=(torch.randn(slots, H, D, D, generator=gen) * 0.1).to(state_dtype), output_gate=r(1, T, H, D),
+             norm_weight=torch.rand(D, generator=gen) + 0.5, null_slot0=null_slot0, **ga,
+             **_verify_indices(lens, VERIFY_SLOTS, VERIFY_ACCEPTED, cols, accepted))
+    if gate == "log":
+        a["g"] = -torch.nn.functional.softplus(a["g"].float()).to(dtype)
+    return a
+
+
 CHECK = {"kda_decode": validation.check_kda_decode, "kda_prefill": validation.check_kda_prefill,
-         "fused_kda_decode": validation.check_fused_kda_decode}
-CASE = {"kda_decode": decode_case, "kda_prefill": prefill_case, "fused_kda_decode": fused_case}
+         "fused_kda_decode": validation.check_fused_kda_decode, "kda_verify": validation.check_kda_verify,
+         "fused_kda_verify": validation.check_fused_kda_verify}
+CASE = {"kda_decode": decode_case, "kda_prefill": prefill_case, "fused_kda_decode": fused_case,
+        "kda_verify": verify_case, "fused_kda_verify": fused_verify_case}
+VERIFY_OPS = ("kda_verify", "fused_kda_verify")
 
 VARIANTS = [
     ("kda_decode", {}),
@@ -121,6 +177,13 @@ VARIANTS = [
                           "conv_dtype": torch.float32}),
     ("fused_kda_decode", {"gate": "log", "slot_mode": "repeated", "state_dtype": torch.bfloat16,
                           "null_slot0": True}),
+    ("kda_verify", {}),
+    ("kda_verify", {"gate": "bounded", "accepted": False, "dtype": torch.bfloat16, "state_dtype": torch.bfloat16}),
+    ("kda_verify", {"gate": "log", "null_slot0": True, "beta_is_logit": False, "H": 4, "HV": 4, "K": 6, "V": 6}),
+    ("kda_verify", {"lens": (1, 1, 1), "accepted": False}),                  # T_max = 1: served by kda_decode
+    ("fused_kda_verify", {}),
+    ("fused_kda_verify", {"gate": "log", "accepted": False, "state_dtype": torch.bfloat16, "null_slot0": True}),
+    ("fused_kda_verify", {"gate": "bounded", "dtype": torch.bfloat16, "conv_dtype": torch.float32, "extra_len": 0}),
 ]
 IDS = [f"{op}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'base'}" for op, kw in VARIANTS]
 
@@ -190,6 +253,16 @@ def package_reference(op, a, run_inputs):
             a["x"], a["conv_weight"], a["conv_state"], a["g"], a["beta"], a["A_log"], a["dt_bias"],
             a["state_indices"], a["state"], a["output_gate"], a["norm_weight"], **opts)
         return [out, conv, pool]
+    if op in VERIFY_OPS:
+        opts.update(state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"],
+                    num_accepted_tokens=a.get("num_accepted_tokens"))
+        if op == "kda_verify":
+            return list(reference.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"],
+                                                  beta_is_logit=a["beta_is_logit"], **opts))
+        opts.pop("A_log"), opts.pop("dt_bias")
+        return list(reference.fused_kda_verify_step(
+            a["x"], a["conv_weight"], a["conv_state"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
+            a["output_gate"], a["norm_weight"], norm_eps=a.get("norm_eps", 1e-5), **opts))
     pool = a.get("state")
     out, final, ckpt = reference.kda_recurrent(
         a["q"], a["k"], a["v"], a["g"], a["beta"], cu_seqlens=a.get("cu_seqlens"),
@@ -368,7 +441,9 @@ def test_names_identify_definitions(tmp_path):
     for op, kw in VARIANTS + [("kda_decode", {"gate": "bounded"}), ("kda_decode", {"HV": 2}),
                               ("kda_prefill", {"mode": "pool"}), ("kda_prefill", {"final": False}),
                               ("kda_prefill", {"mode": "none", "final": False}),
-                              ("fused_kda_decode", {"dtype": torch.float16, "conv_dtype": torch.float32})]:
+                              ("fused_kda_decode", {"dtype": torch.float16, "conv_dtype": torch.float32}),
+                              ("kda_verify", {"accepted": False}), ("kda_verify", {"gate": "log"}),
+                              ("fused_kda_verify", {"accepted": False}), ("fused_kda_verify", {"gate": "log"})]:
         args = CASE[op](**kw)
         d = trace.build_definition(op, trace.facts(op, CHECK[op](**args), args))
         body = json.dumps({k: v for k, v in d.items() if k != "name"}, sort_keys=True)
@@ -487,7 +562,8 @@ def fresh_memos():
     """Validation verdicts (and the route function kept on them) are memoized per process: a test
     that patches the launch path starts and ends with empty memos, so it neither sees nor leaks one."""
     checks = (ops.validation.check_kda_decode, ops.validation.check_kda_prefill,
-              ops.validation.check_fused_kda_decode)
+              ops.validation.check_fused_kda_decode, ops.validation.check_kda_verify,
+              ops.validation.check_fused_kda_verify)
     for check in checks:
         check.cache_clear()
     ops.clear_call_caches()
@@ -589,7 +665,10 @@ def test_index_tensors_for_new_axes_are_valid_calls():
         idx = trace_consumer.index_tensors(d, wl["workload"]["axes"], seed=3,
                                            checkpoint_every=args.get("checkpoint_every", 0))
         assert set(idx) == set(trace.index_inputs(op, d))
-        CHECK[op](**dict(args, **idx))
+        call = CHECK[op](**dict(args, **idx))
+        if op in VERIFY_OPS:                    # verify index values are checked apart from the metadata
+            validation.check_verify_values(call, idx["cu_seqlens"], idx["state_indices"],
+                                           idx.get("num_accepted_tokens"))
 
 
 def test_consumer_flags_violations_and_refuses_code(tmp_path):

@@ -99,9 +99,35 @@ def fused_args(HV=32, K=128, dtype=torch.bfloat16, state_dtype=torch.float32, ga
                 norm_weight=_t(D), slot_mode=slot_mode, **ga)
 
 
-ARGS = {"kda_decode": decode_args, "kda_prefill": prefill_args, "fused_kda_decode": fused_args}
+def _verify_indices():
+    # 3 requests, T_max = 2, T = 5 tokens (any value would do: meta tensors hold none)
+    return dict(state_indices=_t(3, 2, dtype=torch.int32), cu_seqlens=_t(4, dtype=torch.int32),
+                num_accepted_tokens=_t(3, dtype=torch.int32))
+
+
+def verify_args(HV=32, group=1, K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.float32,
+                gate="softplus", **_):
+    H = max(HV // group, 1)
+    return dict(q=_t(1, 5, H, K, dtype=dtype), k=_t(1, 5, H, K, dtype=dtype), v=_t(1, 5, HV, V, dtype=dtype),
+                g=_t(1, 5, HV, K, dtype=dtype), beta=_t(1, 5, HV, dtype=dtype),
+                state=_t(6, HV, V, K, dtype=state_dtype), **_verify_indices(), **_gate(gate, HV, K))
+
+
+def fused_verify_args(HV=32, K=128, dtype=torch.bfloat16, state_dtype=torch.float32, gate="softplus", **_):
+    H, D = HV, K
+    C = 3 * H * D
+    ga = _gate(gate, H, D)
+    return dict(x=_t(1, 5, C, dtype=dtype), conv_weight=_t(C, 4, dtype=dtype), conv_state=_t(6, C, 4, dtype=dtype),
+                g=_t(1, 5, H, D, dtype=dtype), beta=_t(1, 5, H, dtype=dtype), A_log=ga.pop("A_log", None),
+                dt_bias=ga.pop("dt_bias", None), state=_t(6, H, D, D, dtype=state_dtype),
+                output_gate=_t(1, 5, H, D, dtype=dtype), norm_weight=_t(D), **_verify_indices(), **ga)
+
+
+ARGS = {"kda_decode": decode_args, "kda_prefill": prefill_args, "fused_kda_decode": fused_args,
+        "kda_verify": verify_args, "fused_kda_verify": fused_verify_args}
 CHECK = {"kda_decode": validation.check_kda_decode, "kda_prefill": validation.check_kda_prefill,
-         "fused_kda_decode": validation.check_fused_kda_decode}
+         "fused_kda_decode": validation.check_fused_kda_decode, "kda_verify": validation.check_kda_verify,
+         "fused_kda_verify": validation.check_fused_kda_verify}
 
 
 def configs(op):
@@ -116,9 +142,9 @@ def configs(op):
     }
     if op == "kda_prefill":
         axes.update(state_mode=["none", "dense", "pool"], varlen=[True, False], ckpt=[False, True])
-    else:
+    elif op in ("kda_decode", "fused_kda_decode"):      # verify: no slot mode argument
         axes["slot_mode"] = list(SLOT_MODES)
-    if op == "fused_kda_decode":
+    if op.startswith("fused_"):
         axes.pop("group")
         axes["dims"] = [(k, v) for k, v in DIMS if k == v]
     out = [{}]
@@ -211,7 +237,7 @@ def _records(op, backend):
 
 
 def _dims_and_state(op, f):
-    if op == "fused_kda_decode":
+    if op.startswith("fused_"):
         return f["num_heads"], f["num_heads"], f["head_dim"], f["head_dim"], f["state_dtype"]
     return f["num_heads"], f["value_heads"], f["head_dim_k"], f["head_dim_v"], f["state_dtype"]
 
@@ -251,7 +277,7 @@ def test_constraints_agree_with_module_contracts(op, backend):
 def test_cpu_module_contracts_match_rendered_macros():
     """What the built CPU modules report (fkda_contract) is what the sweep above assumed."""
     import json
-    records = _records("kda_decode", "cpu") + _records("kda_prefill", "cpu") + _records("fused_kda_decode", "cpu")
+    records = [r for op in trace.OPS for r in _records(op, "cpu")]
     if not records:
         pytest.skip("no CPU module records yet")
     try:

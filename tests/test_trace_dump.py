@@ -30,6 +30,9 @@ def test_supported_options_give_a_valid_definition(op):
     ("kda_decode", {"head_dim": 64}, "--head-dim-k/--head-dim", "head_dim_k 64"),
     ("fused_kda_decode", {"heads": 4}, "--value-heads/--heads", "value heads 4"),
     ("kda_decode", {"rows": 0}, "--rows", "positive integer"),
+    ("kda_verify", {"tokens": 1, "seqs": 2}, "--tokens", "at least --seqs = 2"),
+    ("kda_verify", {"head_dim": 64}, "--head-dim-k/--head-dim", "head_dim_k 64"),
+    ("fused_kda_verify", {"heads": 4}, "--value-heads/--heads", "value heads 4"),
 ])
 def test_unsupported_options_are_refused_naming_the_option(op, change, option, words):
     with pytest.raises(ValueError) as e:
@@ -50,3 +53,13 @@ def test_cli_prints_the_refusal_and_exits_2(capsys, tmp_path):
     assert cli.main(["trace", "dump", "kda_prefill", "--checkpoint-every", "64", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert {"checkpoints", "final_state"} <= set(d["inputs"]) and "checkpoints_out" in d["outputs"]
+
+
+@pytest.mark.parametrize("op", ["kda_verify", "fused_kda_verify"])
+def test_verify_dump_holds_the_draft_table(op, capsys):
+    """T_max = ceil(tokens / seqs) columns; the index inputs and the accepted counts are inputs."""
+    assert cli.main(["trace", "dump", op, "--tokens", "7", "--seqs", "2", "--check"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["inputs"]["state_indices"]["shape"] == ["num_seqs", "max_draft"]
+    assert {"cu_seqlens", "num_accepted_tokens"} <= set(d["inputs"]) and "state_out" in d["outputs"]
+    assert d["name"].startswith(op) and "noaccepted" not in d["name"]

@@ -1,7 +1,8 @@
 """flashinfer-bench consumes flashkda_ext's traces end to end, on the CPU backend.
 
 One tracing run through the public ops covers every definition kind (decode slot modes, prefill
-dense / batched / pool / checkpoints, fused, every gate). Then flashinfer-bench, as a user would
+dense / batched / pool / checkpoints, fused, verify and fused verify with and without
+num_accepted_tokens, every gate). Then flashinfer-bench, as a user would
 run it: ``TraceSet.from_path`` loads every definition and workload; its reference builder
 (``DefaultEvaluator.build_baseline``) runs every definition on the stored workloads and on new ones
 (flashinfer-bench's random inputs, valid index tensors stored through its blob API); its
@@ -31,7 +32,7 @@ from flashinfer_bench.data import EvaluationStatus, Solution, SourceFile, TraceS
 import flashkda_ext  # noqa: E402
 from flashkda_ext import trace, trace_consumer  # noqa: E402
 
-from test_trace import CASE, VARIANTS  # noqa: E402
+from test_trace import CASE, VARIANTS, VERIFY_OPS  # noqa: E402
 
 # beyond test_trace's variants: batched prefill without a state given (final states only), batched
 # and packed pool mode with checkpoints
@@ -48,6 +49,8 @@ CFG = BenchmarkConfig(num_trials=1, profile_baseline=False)
 def _call(op, kw):
     a = CASE[op](**kw)
     fn = getattr(flashkda_ext, op)
+    if op in VERIFY_OPS:                     # every argument by name
+        return fn(**a)
     names = FUSED_POSITIONAL if op == "fused_kda_decode" else ("q", "k", "v", "g", "beta")
     return fn(*[a.pop(n) for n in names], **a)
 
@@ -116,7 +119,7 @@ def test_var_axes_are_bound_by_inputs_and_index_inputs_stored(dataset):
     for name, d in ts.definitions.items():
         assert set(d.var_axes_bindings) == set(d.var_axes), name            # allocate_outputs can run
         for t in ts.workloads[name]:
-            for n in ("state_indices", "cu_seqlens"):
+            for n in ("state_indices", "cu_seqlens", "num_accepted_tokens"):
                 if n in d.inputs:
                     assert t.workload.inputs[n].type == "safetensors", (name, n)
 
@@ -150,14 +153,18 @@ def test_check_correctness_passes_the_flashkda_solution(dataset, cpu_sync):
     assert checked == 2 * sum(len(v) for v in ts.workloads.values())
 
 
-def test_check_correctness_fails_a_wrong_solution(dataset, cpu_sync):
-    """The evaluator really compares: the same Solution with its first output nudged is refused."""
+@pytest.mark.parametrize("op,nudged", [("kda_decode", 0), ("kda_verify", 1), ("fused_kda_verify", 2)])
+def test_check_correctness_fails_a_wrong_solution(dataset, cpu_sync, op, nudged):
+    """The evaluator really compares: the same Solution with one output nudged is refused (verify:
+    the in-place state pool, so the per-token slot writes are what is checked)."""
     ts, _ = dataset
-    name = next(n for n, d in ts.definitions.items() if "op:kda_decode" in d.tags)
+    name = next(n for n, d in ts.definitions.items() if f"op:{op}" in d.tags)
     d = ts.definitions[name]
+    assert list(d.outputs)[nudged] in ("out", "state_out")
     good = trace_consumer.solution(d, target="cpu")
     source = good.sources[0].content + (
-        "\n\n_run = run\n\n\ndef run(*args):\n    outs = _run(*args)\n    return (outs[0] + 0.5,) + tuple(outs[1:])\n")
+        "\n\n_run = run\n\n\ndef run(*args):\n    outs = list(_run(*args))\n"
+        f"    outs[{nudged}] = outs[{nudged}] + 0.5\n    return tuple(outs)\n")
     wrong = Solution(name=f"{name}__wrong", definition=name, author="test", spec=good.spec,
                      sources=[SourceFile(path="main.py", content=source)])
     runnable = BuilderRegistry.get_instance().build(d, wrong)

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import FAMILIES, GATES, LOWER_BOUND, first_line, table
+from .common import GATES, LOWER_BOUND, first_line, table
 
 
 def cmd_trace(args) -> int:
@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
     tsub = s.add_subparsers(dest="trace_cmd")
     tsub.add_parser("list", help="the templates and their axes")
     d = tsub.add_parser("dump", help="the flashinfer-bench Definition for given const axes")
-    d.add_argument("op", choices=list(FAMILIES), help="the op whose Definition to write")
+    from ..trace import OPS            # every op with a trace template
+    d.add_argument("op", choices=list(OPS), help="the op whose Definition to write")
     d.add_argument("--heads", type=int, default=16, help="H (q/k heads)")
     d.add_argument("--value-heads", type=int, default=None, help="HV (default H)")
     d.add_argument("--head-dim", type=int, default=128, help="K = V = D")
@@ -66,9 +67,10 @@ def add_parser(sub) -> None:
                    help="decode: how state_indices address the pool (default unique)")
     d.add_argument("--backend", default="cuda", choices=["cuda", "cpu"], help="backend the call targets")
     d.add_argument("--rows", type=int, default=4, help="a var-axis value (does not change the definition)")
-    d.add_argument("--slots", type=int, default=64, help="decode: state pool slots (a var axis)")
-    d.add_argument("--tokens", type=int, default=256, help="prefill: total tokens")
-    d.add_argument("--seqs", type=int, default=2, help="prefill: sequences")
+    d.add_argument("--slots", type=int, default=64, help="decode, verify: state pool slots (a var axis)")
+    d.add_argument("--tokens", type=int, default=256, help="prefill, verify: total tokens")
+    d.add_argument("--seqs", type=int, default=2,
+                   help="prefill: sequences; verify: requests (T_max = ceil(tokens / seqs))")
     d.add_argument("--checkpoint-every", type=int, default=0,
                    help="prefill: state checkpoint interval in tokens (0: none)")
     d.add_argument("--check", action="store_true", help="validate against the definition schema")
