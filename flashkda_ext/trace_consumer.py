@@ -262,42 +262,39 @@ def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
     op, fixed = spec["op"], spec["fixed"]
     gate = dict(A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), lower_bound=kw.get("lower_bound"),
                 gate=fixed["gate"], scale=kw["scale"], null_slot0=fixed["null_slot0"])
-    if op == "kda_decode":
-        out = flashkda_ext.kda_decode(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], state=kw["state"],
-                                      state_indices=kw["state_indices"], beta_is_logit=fixed["beta_is_logit"],
-                                      slot_mode=fixed["slot_mode"], **gate)
-        results = {"out": out, "state_out": kw["state"]}
-    elif op == "fused_kda_decode":
-        gate.pop("A_log"), gate.pop("dt_bias")
-        out = flashkda_ext.fused_kda_decode(
-            kw["x"], kw["conv_weight"], kw["conv_state"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"),
-            kw["state_indices"], kw["state"], kw["output_gate"], kw["norm_weight"], norm_eps=kw["norm_eps"],
-            slot_mode=fixed["slot_mode"], **gate)
+    qkvgb = tuple(kw[n] for n in ("q", "k", "v", "g", "beta")) if "q" in kw else ()  # the unfused ops' lead
+    if op in ("fused_kda_decode", "fused_kda_verify"):
+        gate.pop("A_log"), gate.pop("dt_bias")   # positional in the fused ops
+        lead = (kw["x"], kw["conv_weight"], kw["conv_state"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"))
+        if op == "fused_kda_decode":
+            out = flashkda_ext.fused_kda_decode(*lead, kw["state_indices"], kw["state"], kw["output_gate"],
+                                                kw["norm_weight"], norm_eps=kw["norm_eps"],
+                                                slot_mode=fixed["slot_mode"], **gate)
+        else:
+            out = flashkda_ext.fused_kda_verify(*lead, kw["state"], kw["output_gate"], kw["norm_weight"],
+                                                state_indices=kw["state_indices"], cu_seqlens=kw["cu_seqlens"],
+                                                num_accepted_tokens=kw.get("num_accepted_tokens"),
+                                                norm_eps=kw["norm_eps"], **gate)
         results = {"out": out, "conv_state_out": kw["conv_state"], "state_out": kw["state"]}
+    elif op == "kda_decode":
+        out = flashkda_ext.kda_decode(*qkvgb, state=kw["state"], state_indices=kw["state_indices"],
+                                      beta_is_logit=fixed["beta_is_logit"], slot_mode=fixed["slot_mode"], **gate)
+        results = {"out": out, "state_out": kw["state"]}
+    elif op == "kda_verify":
+        out = flashkda_ext.kda_verify(*qkvgb, state=kw["state"], state_indices=kw["state_indices"],
+                                      cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"),
+                                      beta_is_logit=fixed["beta_is_logit"], **gate)
+        results = {"out": out, "state_out": kw["state"]}
     elif op == "kda_prefill":
         every = int(kw.get("checkpoint_every", 0))
         res = flashkda_ext.kda_prefill(
-            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], beta_is_logit=fixed["beta_is_logit"],
+            *qkvgb, beta_is_logit=fixed["beta_is_logit"],
             cu_seqlens=kw.get("cu_seqlens"), initial_state=kw.get("initial_state"), state=kw.get("state"),
             state_indices=kw.get("state_indices"), output_final_state=fixed["output_final_state"],
             final_state=kw.get("final_state"), checkpoint_every=every, checkpoints=kw.get("checkpoints"), **gate)
         results = {"out": res[0], "final_state_out": res[1], "state_out": res[1]}
         if every:
             results["checkpoints_out"] = res[2]
-    elif op == "kda_verify":
-        out = flashkda_ext.kda_verify(
-            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], state=kw["state"], state_indices=kw["state_indices"],
-            cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"),
-            beta_is_logit=fixed["beta_is_logit"], **gate)
-        results = {"out": out, "state_out": kw["state"]}
-    elif op == "fused_kda_verify":
-        gate.pop("A_log"), gate.pop("dt_bias")
-        out = flashkda_ext.fused_kda_verify(
-            kw["x"], kw["conv_weight"], kw["conv_state"], kw["g"], kw["beta"], kw.get("A_log"), kw.get("dt_bias"),
-            kw["state"], kw["output_gate"], kw["norm_weight"], state_indices=kw["state_indices"],
-            cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"), norm_eps=kw["norm_eps"],
-            **gate)
-        results = {"out": out, "conv_state_out": kw["conv_state"], "state_out": kw["state"]}
     else:
         raise ValueError(f"op: expected one of kda_decode, kda_prefill, fused_kda_decode, kda_verify, "
                          f"fused_kda_verify, got {op!r}")
