@@ -3,7 +3,7 @@
 # integration tests (decode, fused, prefill, verify, the fast path, context parallelism's one-GPU
 # simulation), the context-parallel benchmark (--quick), then flashinfer-bench's Benchmark over traced
 # workloads (scripts/fb_benchmark.py). Every log goes into $OUT/logs.tgz (the device returns 8 files).
-#   bash scripts/device_final_checks.sh          (carry .whl)
+#   bash scripts/device_final_checks.sh          (carry .whl; INTEGRATIONS=1 adds tests/gpu/test_integrations_gpu.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -11,6 +11,10 @@ stage build 160 python3 -m flashkda_ext build --backend cuda --all --parallel 16
 tail -1 "$OUT/build.log"
 stage gpu_tests 130 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "not integrations"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
+if [ "${INTEGRATIONS:-0}" = 1 ]; then   # the adoption layer's GPU tests (fla's wheel carried in .whl/)
+  stage gpu_integrations 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_integrations_gpu.py
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_integrations.log" | tail -6
+fi
 stage bench_cp 75 python3 benchmarks/bench_cp.py --quick --no-progress --no-plot --out "$OUT/bench_cp.json"
 tail -14 "$OUT/bench_cp.log"
 export FIB_CACHE_PATH=/tmp/fib_cache
