@@ -120,6 +120,11 @@ def test_cuda_case_choice_hits_every_reachable_rule():
         rules = set()
     if "repeated" in rules:
         assert any(selftest_shapes._spec_meta(s)[0] == "repeated" for s in specs if s.family == "kda_decode")
+    # kda_verify's CUDA modules are in the GPU selftest too (run by selftest_cases.run_verify)
+    verify_cuda = {r["name"] for r in jit.all_records() if r["family"] == "kda_verify" and r["backend"] == "cuda"}
+    routed = {s.extra["module"] for s in specs if s.family == "kda_verify"}
+    assert routed and routed <= verify_cuda
+    assert not [u for u in unreached if u.startswith("kda_verify")], unreached
 
 
 def test_build_list_and_trace_commands(capsys, tmp_path):

@@ -75,6 +75,24 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
                                 <= big_pool_bytes:
                             out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
                                             H=hh, HV=hv, K=K, V=vv, rows=rows, slots=big, slot_mode=mode))
+    elif family == "kda_verify":
+        # requests of mixed draft lengths (T_max 2, 4, 8), one spec per (heads, state, gate) in turn
+        shapes = [(2, 1, 2), (4, 2, 1, 3), (8, 5, 1, 8)]
+        i = 0
+        for lens in shapes:
+            for hv in heads:
+                if hv % group:
+                    continue
+                for st in states:
+                    gate = gates[i % len(gates)]
+                    i += 1
+                    need = len(lens) * max(lens) + 4
+                    out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate, H=hv // group,
+                                    HV=hv, K=K, V=V, lengths=lens, slots=need))
+                    big = _big_slots(hv, V, K)
+                    if big_pool_bytes and big * hv * V * K * (2 if st == "bfloat16" else 4) <= big_pool_bytes:
+                        out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                        H=hv // group, HV=hv, K=K, V=V, lengths=lens, slots=big))
     else:
         shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
                   (4096,), (4 * [4096]), (8192,), (16384,)]
@@ -110,6 +128,8 @@ def _spec_cost(s: Spec) -> int:
     per = s.HV * s.V * s.K
     if s.family == "kda_prefill":
         return 20 * sum(s.lengths) * per + (s.slots if s.pool else len(s.lengths)) * per
+    if s.family == "kda_verify":
+        return 20 * sum(s.lengths) * per + s.slots * per
     return 20 * s.rows * per + s.slots * per
 
 
@@ -138,6 +158,22 @@ def _spec_meta(s: Spec):
             torch.empty(rows, H, dtype=dt, **m), A_log, dt_bias, torch.empty(rows, dtype=torch.int32, **m),
             torch.empty(s.slots, H, D, D, dtype=sdt, **m), torch.empty(rows, H, D, dtype=dt, **m),
             torch.empty(D, **m), backend="cuda", gate=s.gate, slot_mode=s.slot_mode, **kw)
+    elif s.family == "kda_verify":
+        m = dict(device="meta")
+        dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
+        T, N, cols = sum(s.lengths), len(s.lengths), max(s.lengths)
+        q = torch.empty(1, T, s.H, s.K, dtype=dt, **m)
+        kw = {} if s.gate != "bounded" else {"lower_bound": LOWER_BOUND}
+        if s.gate != "log":
+            kw.update(A_log=torch.empty(s.HV, **m), dt_bias=torch.empty(s.HV * s.K, **m))
+        call = validation.check_kda_verify(
+            q, torch.empty_like(q), torch.empty(1, T, s.HV, s.V, dtype=dt, **m),
+            torch.empty(1, T, s.HV, s.K, dtype=dt, **m), torch.empty(1, T, s.HV, dtype=dt, **m),
+            state=torch.empty(s.slots, s.HV, s.V, s.K, dtype=sdt, **m),
+            state_indices=torch.empty(N, cols, dtype=torch.int32, **m),
+            cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m),
+            num_accepted_tokens=torch.empty(N, dtype=torch.int32, **m), max_seqlen=cols, backend="cuda",
+            gate=s.gate, **kw)
     else:
         m = dict(device="meta")
         dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
@@ -169,7 +205,7 @@ def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[
 
     chosen: List[Spec] = []
     unreached: List[str] = []
-    for fam in FAMILIES:
+    for fam in FAMILIES + ("kda_verify",):   # verify: run by selftest_cases.run_verify like the others
         cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes), key=_spec_cost)
         if quick:  # no multi-GiB pools: the 64-bit-offset twins are left to the full run
             cands = [c for c in cands if c.slots * c.HV * c.V * c.K <= INT32_MAX]
@@ -205,6 +241,9 @@ def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[
 
 def _spec_label(s: Spec) -> str:
     st = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}.get(s.state_dtype, s.state_dtype)
+    if s.family == "kda_verify":
+        big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
+        return f"T_n={','.join(map(str, s.lengths))} HV={s.HV} {st} {s.gate}{big}"
     if s.family == "kda_prefill":
         lens = s.lengths
         if len(set(lens)) == 1 and len(lens) > 1:
