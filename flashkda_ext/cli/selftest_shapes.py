@@ -3,7 +3,9 @@
 metadata alone (meta tensors, no GPU work), with the rules and modules no candidate reached."""
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import itertools
 from typing import Dict, List, Optional, Tuple
 
 from .common import FAMILIES, GATES, LOWER_BOUND
@@ -33,6 +35,16 @@ def _big_slots(HV: int, V: int, K: int) -> int:
     return INT32_MAX // (HV * V * K) + 2
 
 
+def _add_with_big_twin(out: List[Spec], spec: Spec, big_pool_bytes: Optional[int], allow: bool = True) -> None:
+    """spec, and (when allowed and big_pool_bytes holds it) its twin on a pool past 2^31 elements, which
+    routes to the 64-bit-offset (o64) modules."""
+    out.append(spec)
+    big = _big_slots(spec.HV, spec.V, spec.K)
+    per = 2 if spec.state_dtype == "bfloat16" else 4
+    if allow and big_pool_bytes and big * spec.HV * spec.V * spec.K * per <= big_pool_bytes:
+        out.append(dataclasses.replace(spec, slots=big, extra=dict(spec.extra)))
+
+
 def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = None) -> List[Spec]:
     """Candidate CUDA specs over the supported set (jit/supported.json), including pools past 2^31
     elements (64-bit offsets) when big_pool_bytes (free memory / 4) allows them."""
@@ -50,76 +62,50 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
     gates = sup["gates"] or list(GATES)
     groups = sup["group_sizes"] or [1]
     group = 1 if 1 in groups else groups[0]
+    heads = [h for h in heads if h % group == 0]
+    gate_of = itertools.cycle(gates).__next__   # the gates in turn, one per candidate
     out: List[Spec] = []
     if family in ("kda_decode", "fused_kda_decode"):
         modes = sup["slot_modes"] or ["unique", "padded", "repeated"]
         rows_list = [1, 2, 3, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
-        i = 0
         for rows in rows_list:
             for hv in heads:
-                if hv % group:
-                    continue
                 for st in states:
                     for mode in modes:
                         if mode != "unique" and rows < 3:
                             continue  # padding and repeats need a few rows to show up
-                        gate = gates[i % len(gates)]
-                        i += 1
+                        gate = gate_of()
                         vv = V if family == "kda_decode" else K
                         hh = hv // group if family == "kda_decode" else hv
-                        out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                        H=hh, HV=hv, K=K, V=vv, rows=rows, slots=max(rows + 2, 16),
-                                        slot_mode=mode))
-                        big = _big_slots(hv, vv, K)
-                        if rows <= 1024 and big_pool_bytes and big * hv * vv * K * (2 if st == "bfloat16" else 4) \
-                                <= big_pool_bytes:
-                            out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                            H=hh, HV=hv, K=K, V=vv, rows=rows, slots=big, slot_mode=mode))
+                        _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
+                                                     H=hh, HV=hv, K=K, V=vv, rows=rows, slots=max(rows + 2, 16),
+                                                     slot_mode=mode), big_pool_bytes, allow=rows <= 1024)
     elif family == "kda_verify":
         # requests of mixed draft lengths (T_max 2, 4, 8), one spec per (heads, state, gate) in turn
         shapes = [(2, 1, 2), (4, 2, 1, 3), (8, 5, 1, 8)]
-        i = 0
         for lens in shapes:
             for hv in heads:
-                if hv % group:
-                    continue
                 for st in states:
-                    gate = gates[i % len(gates)]
-                    i += 1
-                    need = len(lens) * max(lens) + 4
-                    out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate, H=hv // group,
-                                    HV=hv, K=K, V=V, lengths=lens, slots=need))
-                    big = _big_slots(hv, V, K)
-                    if big_pool_bytes and big * hv * V * K * (2 if st == "bfloat16" else 4) <= big_pool_bytes:
-                        out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                        H=hv // group, HV=hv, K=K, V=V, lengths=lens, slots=big))
+                    _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate_of(),
+                                                 H=hv // group, HV=hv, K=K, V=V, lengths=lens,
+                                                 slots=len(lens) * max(lens) + 4), big_pool_bytes)
     else:
         shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
                   (4096,), (4 * [4096]), (8192,), (16384,)]
         if quick:
             shapes = shapes[:7]
-        i = 0
         for lens in shapes:
             lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,)
             for hv in heads:
-                if hv % group:
-                    continue
                 for st in states:
                     for pool in (False, True):
                         for ckpt in (0, 64):
                             for hint in (True, False):
-                                gate = gates[i % len(gates)]
-                                i += 1
-                                out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                                H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=pool,
-                                                slots=len(lens) + 2, checkpoint_every=ckpt,
-                                                max_seqlen_hint=hint))
-                                big = _big_slots(hv, V, K)
-                                if pool and sum(lens) <= 256 and big_pool_bytes and \
-                                        big * hv * V * K * (2 if st == "bfloat16" else 4) <= big_pool_bytes:
-                                    out.append(Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                                    H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=True,
-                                                    slots=big, checkpoint_every=ckpt, max_seqlen_hint=hint))
+                                _add_with_big_twin(
+                                    out, Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate_of(),
+                                              H=hv // group, HV=hv, K=K, V=V, lengths=lens, pool=pool,
+                                              slots=len(lens) + 2, checkpoint_every=ckpt, max_seqlen_hint=hint),
+                                    big_pool_bytes, allow=pool and sum(lens) <= 256)
     return out
 
 
