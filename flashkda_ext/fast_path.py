@@ -64,19 +64,12 @@ def flags_ok(read: tuple, written: tuple) -> bool:
             if x is not None and x.is_neg():
                 return False
         return True
-    if _grad_enabled():
-        for x in read:
-            if x is not None and (x.is_neg() or x.requires_grad):
-                return False
-        for x in written:
-            if x is not None and (x.is_neg() or x.requires_grad or x.is_inference()):
-                return False
-        return True
+    grad = _grad_enabled()
     for x in read:
-        if x is not None and x.is_neg():
+        if x is not None and (x.is_neg() or grad and x.requires_grad):
             return False
     for x in written:
-        if x is not None and (x.is_neg() or x.is_inference()):
+        if x is not None and (x.is_neg() or x.is_inference() or grad and x.requires_grad):
             return False
     return True
 
