@@ -59,6 +59,7 @@ def _custom_op(name):
 
 
 def _inference(fn):
+    """fn run inside torch.inference_mode() (entered per call, as the arm times it)."""
     def run():
         with torch.inference_mode():
             fn()
@@ -100,14 +101,10 @@ def decode_case(rows, H, D, cfg, gen, trace_dir):
         with trace.tracing(trace_dir):
             fk.kda_decode(q, k, v, g, beta, **kw)
 
-    def op_inference():
-        fast_path.ENABLED = True
-        with torch.inference_mode():
-            fk.kda_decode(q, k, v, g, beta, **kw)
 
     custom = _custom_op("kda_decode")
     arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
-            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", op_inference),
+            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", _inference(op)),
             harness.Arm("direct_inference", _inference(direct))]
     if custom is not None:
         arms.append(harness.Arm("custom_op", lambda: custom(
@@ -152,14 +149,10 @@ def fused_case(rows, H, D, cfg, gen, trace_dir):
         with trace.tracing(trace_dir):
             fk.fused_kda_decode(*args, out=out)
 
-    def op_inference():
-        fast_path.ENABLED = True
-        with torch.inference_mode():
-            fk.fused_kda_decode(*args, out=out)
 
     custom = _custom_op("fused_kda_decode")
     arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
-            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", op_inference),
+            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", _inference(op)),
             harness.Arm("direct_inference", _inference(direct))]
     if custom is not None:
         arms.append(harness.Arm("custom_op", lambda: custom(
@@ -208,14 +201,10 @@ def prefill_case(lengths, H, D, cfg, gen, trace_dir):
         with trace.tracing(trace_dir):
             fk.kda_prefill(q, k, v, g, beta, **kw)
 
-    def op_inference():
-        fast_path.ENABLED = True
-        with torch.inference_mode():
-            fk.kda_prefill(q, k, v, g, beta, **kw)
 
     custom = _custom_op("kda_prefill")
     arms = [harness.Arm("direct", direct), harness.Arm("op", op), harness.Arm("op_full", op_full),
-            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", op_inference),
+            harness.Arm("traced", traced, graph=False), harness.Arm("op_inference", _inference(op)),
             harness.Arm("direct_inference", _inference(direct))]
     if custom is not None:
         arms.append(harness.Arm("custom_op", lambda: custom(
