@@ -196,12 +196,12 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
         elif kind == "accepted_count":
             out[name] = torch.randint(1, values[arg] + 1, (n,), generator=gen).to(dtype)
         elif kind == "slot_index":
-            out[name] = _slot_indices(n, values[arg], slot_mode, null_slot0, gen).to(getattr(torch, spec["dtype"]))
+            out[name] = _slot_indices(n, values[arg], slot_mode, null_slot0, gen).to(dtype)
         elif kind == "offsets":
             longest = None
             if checkpoint_every and "num_checkpoints" in values:
                 longest = (values["num_checkpoints"] + 1) * checkpoint_every - 1
-            out[name] = _offsets(n, values[arg], getattr(torch, spec["dtype"]), gen, longest)
+            out[name] = _offsets(n, values[arg], dtype, gen, longest)
     return out
 
 
