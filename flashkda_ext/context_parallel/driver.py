@@ -54,7 +54,7 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
         raise ValueError(f"q: expected rank {rank}'s {b - a} tokens [{a}, {b}) of the plan, shape "
                          f"[1, {b - a}, H, K], got {list(q.shape)}")
     plan.check_checkpoints(checkpoint_every)
-    longest = max((e - s for s, e in zip(plan.cu_seqlens, plan.cu_seqlens[1:])), default=0)
+    longest = plan.longest
     if max_seqlen is not None:
         validation._int("max_seqlen", max_seqlen, f">= the longest sequence ({longest})")
         if max_seqlen < longest:
@@ -63,8 +63,9 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
     # The checkpoints' slot count as one-device kda_prefill has it with host offsets (the plan's are):
     # (max_seqlen, else the longest sequence) // checkpoint_every.
     ckpt_slots = (max_seqlen if max_seqlen is not None else longest) // checkpoint_every if checkpoint_every else 0
-    if checkpoint_every > 0 and call.backend == "cuda" and checkpoint_every % _chunk(call):
-        raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {_chunk(call)} of the CUDA "
+    chunk = _chunk(call) if checkpoint_every > 0 and call.backend == "cuda" else 1
+    if checkpoint_every % chunk:
+        raise ValueError(f"checkpoint_every: expected a multiple of the chunk size {chunk} of the CUDA "
                          f"prefill, got {checkpoint_every}")
     validation.check_apart((("state", state),),
                            (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", gate_kwargs["A_log"]),

@@ -14,6 +14,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..validation import _int
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -51,6 +53,11 @@ class Plan:
     @property
     def total_tokens(self) -> int:
         return self.cu_seqlens[-1]
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest sequence (0 for a prompt of empty sequences)."""
+        return max((e - s for s, e in zip(self.cu_seqlens, self.cu_seqlens[1:])), default=0)
 
     def token_range(self, rank: int) -> Tuple[int, int]:
         return self.cuts[rank], self.cuts[rank + 1]
@@ -144,13 +151,9 @@ def plan(cu_seqlens, world_size: int, cuts=None, *, checkpoint_every: int = 0) -
         raise ValueError(f"cu_seqlens: expected N+1 >= 2 offsets, got {cu}")
     if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets starting at 0, got {cu}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size: expected an int >= 1, got {type(world_size).__name__} {world_size!r}")
-    if world_size < 1:
+    if _int("world_size", world_size, ">= 1") < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size}")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
-        raise TypeError(f"checkpoint_every: expected an int >= 0, got {type(checkpoint_every).__name__}")
-    if checkpoint_every < 0:
+    if _int("checkpoint_every", checkpoint_every, ">= 0") < 0:
         raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every}")
     T = cu[-1]
     if cuts is None:

@@ -38,7 +38,7 @@ def _prefill_end_state(q, k, v, g, beta, start, prefill_kwargs):
 
 
 def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: bool = True,
-                    one_call: Optional[bool] = None, **prefill_kwargs) -> Summary:
+                    one_call: bool = False, **prefill_kwargs) -> Summary:
     """(A, B) of one segment: q, k [1, L, H, K]; v [1, L, HV, V]; g [1, L, HV, K]; beta [1, L, HV] (the
     segment's tokens, one sequence). prefill_kwargs are kda_prefill's gate arguments (gate, A_log,
     dt_bias, lower_bound, scale, beta_is_logit). A [HV, K, K] and B [HV, V, K] are in state_dtype
@@ -47,9 +47,7 @@ def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: 
     Off by default: tested on the CPU backend, not yet run or timed on a GPU (benchmarks/bench_cp.py
     has both forms side by side: its "summary" arm is this default, "summary_one_call" the other)."""
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    if one_call is None:
-        one_call = False
-    if one_call:
+    if one_call and transition:   # B alone is one prefill either way
         return _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs)
     zero = torch.zeros(HV, V, K, dtype=state_dtype, device=q.device)
     B = _prefill_end_state(q, k, v, g, beta, zero, prefill_kwargs)
