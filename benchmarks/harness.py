@@ -11,7 +11,11 @@ What it does, so that every family is measured the same way:
     eager  - one eager call timed with device events,
     wall   - one eager call timed with the host clock, synchronized before and after: what a
              caller waiting on the result sees, host overhead (validation, dispatch) included;
-  and on request (--modes kernel) a fourth:
+  and on request (--modes host, --modes kernel) two more:
+    host   - blocks of HOST_BLOCK eager calls back to back, host clock, no synchronization or L2
+             flush inside a block: per call, the host's issue rate (when the kernels are shorter
+             than the host work, as for small decode calls, exactly the host cost of a call); its
+             spread is a fraction of wall's, whose sync jitter hides differences of a few us;
     kernel - the GPU time of the kernels one eager call launches, from torch.profiler's device
              events: the union of their [start, end) spans, so launch gaps are left out and kernels
              that overlap (programmatic dependent launch) count once;
@@ -51,7 +55,9 @@ if (_REPO / "flashkda_ext" / "__init__.py").is_file() and str(_REPO) not in sys.
     sys.path.append(str(_REPO))
 
 MODES = ("graph", "eager", "wall")     # the default set
-ALL_MODES = MODES + ("kernel",)        # kernel: profiler kernel time, only when asked for (slow)
+ALL_MODES = MODES + ("host", "kernel")  # only when asked for: host (issue rate), kernel (profiler, slow)
+HOST_MODES = ("wall", "host")          # the modes a CPU run has (no device events or graphs)
+HOST_BLOCK = 50                        # calls per host-mode sample
 
 
 
@@ -101,7 +107,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="timed samples per arm and mode")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per arm")
     p.add_argument("--rounds", type=int, default=None, help="A B B A interleaving rounds")
-    p.add_argument("--modes", default=None, help="comma list of graph,eager,wall,kernel (kernel: profiler kernel time, slow)")
+    p.add_argument("--modes", default=None,
+                   help="comma list of graph,eager,wall,host,kernel (host: back-to-back issue rate; "
+                        "kernel: profiler kernel time, slow)")
     p.add_argument("--no-cold-l2", action="store_true", help="do not flush L2 between runs")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -131,7 +139,7 @@ def config_from_args(args) -> Config:
         bad = [m for m in modes if m not in ALL_MODES]
         if bad:
             raise SystemExit(f"--modes: unknown {bad}; choose from {list(ALL_MODES)}")
-        cfg.modes = modes if cfg.is_cuda else tuple(m for m in modes if m == "wall") or ("wall",)
+        cfg.modes = modes if cfg.is_cuda else tuple(m for m in modes if m in HOST_MODES) or ("wall",)
     cfg.cold_l2 = not args.no_cold_l2
     cfg.plot = not args.no_plot
     cfg.progress = not args.no_progress
@@ -365,6 +373,19 @@ class Timer:
             out.append((time.perf_counter() - t0) * 1e6)
         return out
 
+    def _host(self, run: Callable[[], object], n: int) -> List[float]:
+        """n samples of the per-call time of HOST_BLOCK calls issued back to back (synchronized
+        before and after each block, outside the timed span; no L2 flush: this mode times the host)."""
+        out = []
+        for _ in range(n):
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(HOST_BLOCK):
+                run()
+            out.append((time.perf_counter() - t0) * 1e6 / HOST_BLOCK)
+        self.sync()
+        return out
+
     def capture(self, fn: Callable[[], object]):
         """A CUDA graph of fn (warmed up on a side stream first, as capture requires)."""
         s = torch.cuda.Stream(self.device)
@@ -438,6 +459,8 @@ class Timer:
                     try:
                         if m == "wall":
                             samples[name][m] += self._wall(run, per_round)
+                        elif m == "host":
+                            samples[name][m] += self._host(run, per_round)
                         elif m == "kernel":
                             samples[name][m] += self._kernel(run, per_round)
                         else:

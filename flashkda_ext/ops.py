@@ -16,6 +16,11 @@ from . import custom_ops, dispatch, fast_path, jit, trace, validation
 from .custom_ops import _is_compiling
 from .fast_path import Tensor as _Tensor
 
+# Outputs shaped like an input are allocated with empty_like (~1 us cheaper per call than torch.empty
+# with shape, dtype and device keywords, measured on CPython 3.11 / torch 2.13); dense, whatever the
+# input's strides.
+_DENSE = torch.contiguous_format
+
 
 def _route_fn(family: str, call):
     """The call's TVM-FFI function, kept on the (memoized) call object so a steady serving loop
@@ -52,7 +57,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
         # a valid call's out is v's shape, dtype and device
-        dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+        dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None and fast_path.flags_ok((q, k, v, g, beta, A_log, dt_bias, state_indices),
                                                     (state, dest)):
@@ -209,8 +214,8 @@ def _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_st
     caller left out allocated; and the op's result."""
     device = q.device
     B, T, HV, V, K = call.batch, call.seqlen, call.value_heads, call.head_dim_v, call.head_dim_k
-    if out is None:
-        out = torch.empty((B, T, HV, V), dtype=v.dtype, device=device)
+    if out is None:  # v's shape, dtype and device in a validated call
+        out = torch.empty_like(v, memory_format=_DENSE)
     if cu_seqlens is None:  # B rows of T tokens each (T may be 0: B empty sequences)
         cu_seqlens = (torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device) if T > 0
                       else torch.zeros(B + 1, dtype=torch.int32, device=device))
@@ -250,7 +255,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0)
         # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
-        dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
+        dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None and fast_path.flags_ok(
                 (x, conv_weight, g, beta, A_log, dt_bias, state_indices, output_gate, norm_weight),
@@ -316,7 +321,7 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
                num_accepted_tokens is None)
         # a valid call's out is v's shape, dtype and device
-        dest = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+        dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None and fast_path.flags_ok(
                 (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens), (state, dest)):
@@ -390,7 +395,7 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
         key = ("fused_kda_verify", x.shape, state_indices.shape, gate, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0, type(max_seqlen),
                max_seqlen, num_accepted_tokens is None)
-        dest = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device) if out is None else out
+        dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None and fast_path.flags_ok(
                 (x, conv_weight, g, beta, A_log, dt_bias, output_gate, norm_weight, state_indices, cu_seqlens,

@@ -3,8 +3,10 @@
 # whole tests/gpu (while the baseline tree's modules build beside it), the cold / warm differential
 # and edge tests over the CUDA routes, then the overhead A/B (benchmarks/bench_overhead.py of THIS
 # tree run against both packages, so both have the same arms: op_inference and custom_op too) and
-# scripts/fast_path_pieces.py (each step of the decode fast path alone). Logs: $OUT.
+# scripts/fast_path_pieces.py (each step of the decode fast path alone), and the A/B table of the
+# host-mode differences (benchmarks/overhead_ab.py). Logs: $OUT, every one also in $OUT/logs.tgz.
 #   BASE=.ab_base/base bash scripts/device_fastpath.sh          (carry .ab_base and .whl)
+# GPU_TESTS=0 leaves tests/gpu out (a later call over the final tree runs it).
 set -uo pipefail
 : "${BASE:?BASE must name a folder holding the baseline tree}"
 BASE=$(cd "$BASE" && pwd) || exit 2
@@ -16,8 +18,10 @@ tail -1 "$OUT/build.log"
 (cd "$BASE" && export FLASHKDA_EXT_CACHE_DIR=/tmp/fkda_cache_ab_base PYTHONPATH=$BASE:/tmp/site &&
   stage base_build 240 python3 -m flashkda_ext build --backend cuda --all --parallel 12 --jobs 1) &
 base_pid=$!
-stage gpu_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  stage gpu_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
+fi
 stage differential 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_fast_path_differential.py \
   tests/test_bad_input_edges.py tests/test_fast_path.py
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/differential.log" | tail -8
@@ -33,5 +37,6 @@ for arm in base change base change; do
   { echo "-- run $i $arm"; grep -E "validate_dispatch" "$OUT/overhead_${i}_$arm.log"; } >> "$OUT/overhead.txt"
 done
 stage pieces 90 python3 scripts/fast_path_pieces.py
-cat "$OUT/overhead.txt" | sed -E 's/, trace [^,]*//' | cut -c1-400
 cat "$OUT/pieces.log"
+python3 benchmarks/overhead_ab.py "$OUT"/overhead_{1_base,2_change,3_base,4_change}.json | tee "$OUT/overhead_ab.txt"
+tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.json 2>/dev/null)

@@ -168,13 +168,34 @@ def test_fused_decode_dry_run(tmp_path):
         assert c["fused_over_step"]["wall"] > 0
 
 
+def test_host_mode_times_blocks_of_calls_back_to_back(tmp_path):
+    calls = []
+    timer = harness.Timer(cpu_cfg(tmp_path, modes=("host",)))
+    res = timer.measure([harness.Arm("a", lambda: calls.append(1))])
+    assert res["a"]["host"]["n"] == 4 and res["a"]["host"]["median"] > 0
+    assert len(calls) == 1 + 4 * harness.HOST_BLOCK  # warm-up + 4 samples of one block each
+
+
+def test_cpu_run_keeps_host_mode_and_drops_device_modes():
+    args = type("A", (), dict(device="cpu", dry_run=False, quick=True, reps=None, warmup=None, rounds=None,
+                              modes="graph,host,wall", no_cold_l2=False, no_plot=True, no_progress=True, out=None))
+    assert harness.config_from_args(args).modes == ("host", "wall")
+
+
 def test_overhead_dry_run(tmp_path):
     mod = _script("bench_overhead")
     assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "host_overhead.json").read_text())
     ops = {c["params"]["op"] for c in doc["cases"]}
     assert ops == {"kda_decode", "fused_kda_decode", "kda_prefill"}
-    assert all("error" not in a["time_us"]["wall"] for c in doc["cases"] for a in c["arms"].values())
+    for mode in ("wall", "host"):
+        assert all("error" not in a["time_us"][mode] for c in doc["cases"] for a in c["arms"].values())
+    assert all("validate_dispatch_host" in c["notes"] for c in doc["cases"])
+    # the A/B reader: the same file as base and change differs by exactly nothing
+    ab = _script("overhead_ab")
+    path = str(tmp_path / "host_overhead.json")
+    assert ab.main([path, path]) == 0
+    assert ab.main([path]) == 2
 
 
 def test_run_all_dry_run_writes_summary(tmp_path):
