@@ -12,7 +12,7 @@ FLASHKDA_EXT_FAST_PATH=0 (read at import) sets ENABLED off: every call is checke
 The signature is taken on the caller's own tensors (no reshape or flatten before it), so it sees
 exactly what the full check sees: shape, strides, dtype, device type and index, 16-byte alignment,
 and whether a written tensor overlaps another argument. What DLPack does not carry into C++ is
-checked here before the call (flags_ok): neg bits, requires_grad under grad mode, inference tensors
+checked here before the call (plain_ok, with the exact type): neg bits, requires_grad under grad mode, inference tensors
 written outside inference mode. (A conj bit exists only on complex tensors, whose dtype alone
 already differs from every validated signature.) Anything else takes the full check, which says
 what is wrong; tests/test_fast_path_differential.py proves cold and warm calls agree.
@@ -37,39 +37,33 @@ _ENTRIES: dict = {}
 _LIMIT = 512
 
 
-def plain_or_none(*xs) -> bool:
-    """Each of xs is None or a plain torch.Tensor."""
-    for x in xs:
-        if x is not None and type(x) is not Tensor:
-            return False
-    return True
-
-
 _inference_mode = torch.is_inference_mode_enabled
 _grad_enabled = torch.is_grad_enabled
 
 
-def flags_ok(read: tuple, written: tuple) -> bool:
-    """True when no tensor of the call (None skipped) has a property the signature cannot see but the
-    full check refuses (validation._tensor, validation._inference_only). Called on every fast call:
-    plain loops with method-call syntax (measured the cheapest form on CPython 3.11: map() over
-    unbound methods and comprehensions cost more), and the grad / inference-mode checks only where
-    those modes make them matter (a serving loop under torch.inference_mode() pays for the neg bits
-    alone)."""
+def plain_ok(read: tuple, written: tuple) -> bool:
+    """True when every tensor of the call (None skipped: an absent required tensor changes the
+    signature, so the checked function refuses it) is a plain torch.Tensor and has no property the
+    signature cannot see but the full check refuses (validation._tensor, validation._inference_only):
+    a neg bit; under grad mode requires_grad; outside inference mode, a written inference tensor.
+    The exact-type test and the flag reads share one loop per tuple: called on every fast call, and
+    plain loops with method-call syntax measured the cheapest form on CPython 3.11 (map() and
+    comprehensions cost more); a serving loop under torch.inference_mode() pays for the type test and
+    the neg bit alone. Outputs the op allocates itself are not passed: they have none of these."""
     if _inference_mode():
         for x in read:
-            if x is not None and x.is_neg():
+            if x is not None and (type(x) is not Tensor or x.is_neg()):
                 return False
         for x in written:
-            if x is not None and x.is_neg():
+            if x is not None and (type(x) is not Tensor or x.is_neg()):
                 return False
         return True
     grad = _grad_enabled()
     for x in read:
-        if x is not None and (x.is_neg() or grad and x.requires_grad):
+        if x is not None and (type(x) is not Tensor or x.is_neg() or grad and x.requires_grad):
             return False
     for x in written:
-        if x is not None and (x.is_neg() or x.is_inference() or grad and x.requires_grad):
+        if x is not None and (type(x) is not Tensor or x.is_neg() or x.is_inference() or grad and x.requires_grad):
             return False
     return True
 

@@ -51,16 +51,14 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     (rows sharing a slot are applied in row order). See docs/api.md.
     """
     key = dest = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g)
-            is type(beta) is type(state) is type(state_indices) and fast_path.plain_or_none(A_log, dt_bias, out)
-            and not trace.enabled()):
+    if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor
+            and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices), (state, out))):
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
         # a valid call's out is v's shape, dtype and device
         dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None and fast_path.flags_ok((q, k, v, g, beta, A_log, dt_bias, state_indices),
-                                                    (state, dest)):
+        if entry is not None:
             fn, sig, tail = entry
             try:  # see fast_path's docstring: a raise here has launched nothing
                 if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail) == sig:
@@ -141,10 +139,10 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     or (out, final_state, checkpoints) when checkpoint_every > 0. See docs/api.md.
     """
     key = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g)
-            is type(beta) and fast_path.plain_or_none(A_log, dt_bias, cu_seqlens, initial_state, state, state_indices, final_state,
-                             checkpoints, workspace, out)
-            and (cu_seqlens is None or cu_seqlens.is_cuda) and not trace.enabled()):
+    if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor
+            and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices),
+                                   (state, final_state, checkpoints, workspace, out))
+            and (cu_seqlens is None or cu_seqlens.is_cuda)):
         # (host offsets, cu_seqlens on the CPU, are checked by value on every call: full path)
         key = ("kda_prefill", q.shape[0], q.shape[1], gate, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(output_final_state), output_final_state,
@@ -152,9 +150,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                cu_seqlens is None, initial_state is None, state is None, final_state is None, checkpoints is None,
                workspace is None, out is None)
         entry = fast_path.get(key)
-        if entry is not None and fast_path.flags_ok(
-                (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_indices),
-                (state, final_state, checkpoints, workspace, out)):
+        if entry is not None:
             fn, sig, tail, call, ws_bytes = entry
             args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
                                          state_indices, final_state, checkpoints, out)
@@ -249,17 +245,15 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
     [rows, H, D]; norm_weight [D]. Returns out [rows, H, D] = rmsnorm(o) * norm_weight * sigmoid(gate).
     """
     key = dest = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state)
-            is type(g) is type(beta) is type(state_indices) is type(state) is type(output_gate) is type(norm_weight)
-            and fast_path.plain_or_none(A_log, dt_bias, out) and not trace.enabled()):
+    if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(x) is _Tensor
+            and fast_path.plain_ok((x, conv_weight, g, beta, A_log, dt_bias, state_indices, output_gate, norm_weight),
+                                   (conv_state, state, out))):
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0)
         # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
         dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None and fast_path.flags_ok(
-                (x, conv_weight, g, beta, A_log, dt_bias, state_indices, output_gate, norm_weight),
-                (conv_state, state, dest)):
+        if entry is not None:
             fn, sig, tail = entry
             try:  # see fast_path's docstring: a raise here has launched nothing
                 if fn(sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
@@ -314,17 +308,17 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it.
     """
     key = dest = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(q) is type(k) is type(v) is type(g)
-            is type(beta) is type(state) is type(state_indices) is type(cu_seqlens)
-            and fast_path.plain_or_none(num_accepted_tokens, A_log, dt_bias, out) and not trace.enabled()):
+    if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor
+            and type(state_indices) is _Tensor
+            and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens),
+                                   (state, out))):
         key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
                num_accepted_tokens is None)
         # a valid call's out is v's shape, dtype and device
         dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None and fast_path.flags_ok(
-                (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens), (state, dest)):
+        if entry is not None:
             fn, sig, tail, seen = entry
             # Host index values (CPU backend) are checked on every call; any doubt, or a raise before
             # the launch (fast_path's docstring), takes the full path, which raises the full check's error.
@@ -388,18 +382,16 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
     See docs/semantics.md, "Fused verify".
     """
     key = dest = None
-    if (fast_path.ENABLED and not _is_compiling() and _Tensor is type(x) is type(conv_weight) is type(conv_state)
-            is type(g) is type(beta) is type(state) is type(output_gate) is type(norm_weight) is type(state_indices)
-            is type(cu_seqlens)
-            and fast_path.plain_or_none(A_log, dt_bias, num_accepted_tokens, out) and not trace.enabled()):
+    if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(x) is _Tensor
+            and type(state_indices) is _Tensor
+            and fast_path.plain_ok((x, conv_weight, g, beta, A_log, dt_bias, output_gate, norm_weight, state_indices,
+                                    cu_seqlens, num_accepted_tokens), (conv_state, state, out))):
         key = ("fused_kda_verify", x.shape, state_indices.shape, gate, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0, type(max_seqlen),
                max_seqlen, num_accepted_tokens is None)
         dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
-        if entry is not None and fast_path.flags_ok(
-                (x, conv_weight, g, beta, A_log, dt_bias, output_gate, norm_weight, state_indices, cu_seqlens,
-                 num_accepted_tokens), (conv_state, state, dest)):
+        if entry is not None:
             fn, sig, tail, seen = entry
             # As in kda_verify: any doubt about the index values, or a raise before the launch, takes the
             # full path.

@@ -51,14 +51,12 @@ def main(argv=None) -> int:
     key = ("kda_decode", rows, "softplus", "unique", type(None), None, type(None), None, bool, True, bool, False)
     steps = {
         "guard: is_compiling": custom_ops._is_compiling,
-        "guard: exact types (7)": lambda: T is type(q) is type(k) is type(v) is type(g) is type(beta)
-        is type(state) is type(idx),
-        "guard: plain_or_none (3)": lambda: fast_path.plain_or_none(A_log, dt_bias, out),
         "guard: trace.enabled": trace.enabled,
+        "guard: type(q)": lambda: type(q) is T,
         "key tuple": lambda: ("kda_decode", q.shape[0], "softplus", "unique", type(None), None, type(None), None,
                               bool, True, bool, False),
         "entry lookup": lambda: fast_path.get(key),
-        "flags_ok (10 tensors)": lambda: fast_path.flags_ok((q, k, v, g, beta, A_log, dt_bias, idx), (state, out)),
+        "plain_ok (10 tensors)": lambda: fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, idx), (state, out)),
         "checked call, no launch": lambda: checked(sig ^ 2, q, k, v, g, beta, A_log, dt_bias, state, idx, out, *tail),
         "direct call (launch)": lambda: direct_fn(q, k, v, g, beta, A_log, dt_bias, state, idx, out, *tail),
         "checked call (launch)": lambda: checked(sig, q, k, v, g, beta, A_log, dt_bias, state, idx, out, *tail),
