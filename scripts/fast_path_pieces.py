@@ -57,11 +57,15 @@ def main(argv=None) -> int:
                               bool, True, bool, False),
         "entry lookup": lambda: fast_path.get(key),
         "plain_ok (10 tensors)": lambda: fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, idx), (state, out)),
+        "plain_ok in Python (10)": lambda: fast_path._py_plain_ok((q, k, v, g, beta, A_log, dt_bias, idx),
+                                                                 (state, out)),
         "checked call, no launch": lambda: checked(sig ^ 2, q, k, v, g, beta, A_log, dt_bias, state, idx, out, *tail),
         "direct call (launch)": lambda: direct_fn(q, k, v, g, beta, A_log, dt_bias, state, idx, out, *tail),
         "checked call (launch)": lambda: checked(sig, q, k, v, g, beta, A_log, dt_bias, state, idx, out, *tail),
         "public op (launch)": lambda: fk.kda_decode(q, k, v, g, beta, **kw),
     }
+    native = fast_path.plain_ok is not fast_path._py_plain_ok
+    print(f"plain_ok: {'compiled (flag_reader)' if native else 'the Python loop (the compiled test is not built)'}")
     print(f"kda_decode fast path on {dev} ({torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}), "
           f"rows {rows}, H {H}, D {D}: p10 us per step")
     for mode, ctx in (("grad", torch.enable_grad), ("inference_mode", torch.inference_mode)):

@@ -30,7 +30,7 @@ def _suggestion(pattern: str, names: List[str]) -> str:
 
 
 def cmd_build(args) -> int:
-    from .. import jit
+    from .. import flag_reader, jit
 
     records = jit.all_records()
     pats = list(args.modules)
@@ -81,6 +81,9 @@ def cmd_build(args) -> int:
         return jit.ensure_built(rec["name"], arch, jobs=args.jobs, force=args.force)
 
     with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        # the fast path's compiled flag test (flag_reader.py) beside the modules: not a module (a torch
+        # extension), and optional (the Python test serves without it), so it never fails the build
+        flags = pool.submit(flag_reader.build) if flag_reader.wanted() else None
         futs = {pool.submit(one, rec): rec for rec in chosen}
         if workers == 1:
             print(f"building {len(chosen)} module(s) ...", flush=True)
@@ -98,6 +101,12 @@ def cmd_build(args) -> int:
                 print(f"{tag} FAILED: {first_line(e)}", flush=True)
                 if args.verbose:
                     print(str(e))
+        if flags is not None:
+            try:
+                flags.result()
+                print(f"fast-path flag test -> {flag_reader.build_dir()}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"fast-path flag test not built ({first_line(e)}): the Python test serves", flush=True)
     print(f"build: {len(chosen) - failures}/{len(chosen)} ok in {time.perf_counter() - t0:.1f} s")
     return 1 if failures else 0
 

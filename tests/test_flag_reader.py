@@ -1,0 +1,100 @@
+"""flag_reader: the compiled fast-path tensor test gives the Python test's answer on every case."""
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from flashkda_ext import fast_path, flag_reader
+
+
+@pytest.fixture(scope="module")
+def native():
+    fn = flag_reader.ensure()
+    if fn is None:
+        pytest.skip("the compiled flag test could not be built here (no compiler or torch headers)")
+    return fn
+
+
+def _cases():
+    plain = torch.randn(3, 4)
+    with torch.inference_mode():
+        inference = torch.randn(3)
+    leaf = torch.randn(3, requires_grad=True)
+    items = {
+        "plain": plain,
+        "none": None,
+        "neg view": torch.randn(3)._neg_view(),
+        "int32 neg view": torch.arange(3, dtype=torch.int32)._neg_view(),
+        "requires_grad": leaf,
+        "non-leaf requires_grad": leaf * 2,
+        "inference tensor": inference,
+        "parameter (a subclass)": torch.nn.Parameter(torch.randn(2)),
+        "list": [1, 2],
+        "int": 3,
+        "bool tensor": torch.ones(2, dtype=torch.bool),
+        "empty": torch.empty(0),
+    }
+    for name, x in items.items():
+        for where in ("read", "written"):
+            yield f"{name} {where}", x, where
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_native_matches_python(native, mode):
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    plain = torch.randn(2)
+    seen = set()
+    with ctx():
+        for name, x, where in _cases():
+            read, written = ((plain, x), (plain,)) if where == "read" else ((plain,), (x, None))
+            want = fast_path._py_plain_ok(read, written)
+            assert native(read, written) is want, (name, mode)
+            seen.add(want)
+        assert native((), ()) is True and fast_path._py_plain_ok((), ()) is True
+    assert seen == {True, False}  # the table has cases of both answers in every mode
+
+
+def test_native_refuses_other_than_two_tuples(native):
+    with pytest.raises(TypeError, match="two tuples"):
+        native([torch.randn(1)], ())
+    with pytest.raises(TypeError, match="two tuples"):
+        native((torch.randn(1),))
+
+
+def test_fast_path_uses_the_compiled_test_once_built(native):
+    x = torch.randn(2)
+    # with the extension built, importing the package installs it as the fast path's test
+    code = ("import flashkda_ext; from flashkda_ext import fast_path, flag_reader; "
+            "print(fast_path.plain_ok is flag_reader.load())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    assert native((x,), (x,)) is True
+
+
+def test_opting_out_keeps_the_python_test():
+    env = dict(os.environ, FLASHKDA_EXT_NATIVE_FLAGS="0")
+    code = ("import flashkda_ext; from flashkda_ext import fast_path, flag_reader; "
+            "print(fast_path.plain_ok is fast_path._py_plain_ok, flag_reader.ensure())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["True", "None"]
+
+
+def test_a_failed_build_warns_once_and_leaves_the_python_test(monkeypatch):
+    monkeypatch.setattr(flag_reader, "_native", None)
+    monkeypatch.setattr(flag_reader, "_tried_build", False)
+    monkeypatch.setattr(flag_reader, "_built_file", lambda: None)
+    monkeypatch.delenv("FLASHKDA_EXT_DISABLE_JIT", raising=False)
+
+    def broken():
+        flag_reader._tried_build = True
+        raise OSError("no compiler")
+
+    monkeypatch.setattr(flag_reader, "build", broken)
+    with pytest.warns(RuntimeWarning, match="did not build.*no compiler"):
+        assert flag_reader.ensure() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flag_reader.ensure() is None  # one attempt per process: no second warning
