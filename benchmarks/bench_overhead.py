@@ -11,7 +11,9 @@ Arms per case, same inputs, interleaved A B B A (harness.py):
            against direct_inference, the direct call inside the same context (entering the context
            per call costs a few us itself; an engine enters it once per step)
   custom_op  the torch.library op flashkda_ext::<op> called eagerly (what a torch.compile'd model's
-           graph calls); absent on a tree without flashkda_ext/custom_ops.py
+           graph calls); absent on a tree without flashkda_ext/custom_ops.py. Its kernel calls the
+           public op, so the note custom_op_over_op (custom_op - op) is the dispatcher's round trip
+           (issue 29's target: at most 2 us; scripts/custom_op_floor.py splits it further)
   traced   the public op inside flashkda_ext.trace.tracing(dir): definition once, a workload line
            per call (what FLASHKDA_EXT_TRACE_DIR costs a serving loop)
 
@@ -267,7 +269,8 @@ def main(argv=None) -> int:
                 for note, slow, fast in (("validate_dispatch", "op", "direct"), ("full_check", "op_full", "direct"),
                                          ("trace", "traced", "op"),
                                          ("inference_mode", "op_inference", "direct_inference"),
-                                         ("custom_op", "custom_op", "direct")):
+                                         ("custom_op", "custom_op", "direct"),
+                                         ("custom_op_over_op", "custom_op", "op")):
                     if t.get(slow, {}).get("median") and t.get(fast, {}).get("median"):
                         rec["notes"][note + suffix] = overhead(t[slow], t[fast])
         run.finish()

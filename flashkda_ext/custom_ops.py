@@ -14,8 +14,11 @@ returns an alias of an input, and optional outputs are just `Tensor?` arguments.
 Registration. The ops are defined with torch.library.Library (define + a CompositeExplicitAutograd kernel +
 register_fake) rather than the torch.library.custom_op decorator: the decorator's eager dispatch adds
 Python work per call that grows with the argument count (~100 us for kda_decode's 16 arguments on this
-CPU, in torch 2.13's ADInplaceOrView wrapper), the plain definition ~5 us. What the decorator's extra
-kernels do (autograd checks, version-counter bumps of the written tensors) an inference op does not need.
+CPU, in torch 2.13's ADInplaceOrView wrapper), the plain definition only the dispatcher's own round trip
+(3.1-4.3 us for 16-23 arguments on that CPU, what a no-op kernel costs too: scripts/custom_op_floor.py;
+backend keys instead of CompositeExplicitAutograd, or an Autograd fallthrough, measured no faster:
+docs/perf-notes.md). What the decorator's extra kernels do (autograd checks, version-counter bumps of the
+written tensors) an inference op does not need.
 
 Validation. The real implementation calls the public op on real tensors, so the full validation (which
 reads jit/supported.json and memoizes) and the fast path run there, outside any traced region. The fake
@@ -30,6 +33,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake as _is_fake
 
 from . import validation
+# ops imports this module first, so here ops is still half-built: its functions are looked up at call time
+# (a module global, not an import statement per call: `from .ops import f` costs ~0.5 us a call)
+from . import ops as _ops
 
 Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -85,10 +91,9 @@ def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
                   scale: Optional[float], beta_is_logit: bool, slot_mode: str, null_slot0: bool,
                   out: Tensor) -> None:
-    from .ops import kda_decode
-    kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
-               lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
-               null_slot0=null_slot0, out=out)
+    _ops.kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
+                    null_slot0=null_slot0, out=out)
 
 
 @_fake("kda_decode")
@@ -120,10 +125,9 @@ def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
                         output_gate: Tensor, norm_weight: Tensor, lower_bound: Optional[float], gate: str,
                         norm_eps: float, scale: Optional[float], slot_mode: str, null_slot0: bool,
                         out: Tensor) -> None:
-    from .ops import fused_kda_decode
-    fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
-                     norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
-                     slot_mode=slot_mode, null_slot0=null_slot0, out=out)
+    _ops.fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                          norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+                          slot_mode=slot_mode, null_slot0=null_slot0, out=out)
 
 
 @_fake("fused_kda_decode")
@@ -160,12 +164,11 @@ def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                    state: Optional[Tensor], state_indices: Optional[Tensor], output_final_state: bool,
                    final_state: Optional[Tensor], checkpoint_every: int, checkpoints: Optional[Tensor],
                    max_seqlen: Optional[int], null_slot0: bool, workspace: Optional[Tensor], out: Tensor) -> None:
-    from .ops import kda_prefill
-    kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
-                beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
-                state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
-                checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
-                null_slot0=null_slot0, workspace=workspace, out=out)
+    _ops.kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
+                     beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
+                     state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
+                     checkpoint_every=checkpoint_every, checkpoints=checkpoints, max_seqlen=max_seqlen,
+                     null_slot0=null_slot0, workspace=workspace, out=out)
 
 
 @_fake("kda_prefill")
@@ -223,11 +226,10 @@ def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
                   cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
                   scale: Optional[float], beta_is_logit: bool, null_slot0: bool, out: Tensor) -> None:
-    from .ops import kda_verify
-    kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
-               num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
-               lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-               out=out)
+    _ops.kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
+                    num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
+                    out=out)
 
 
 @_fake("kda_verify")
@@ -258,11 +260,10 @@ def fused_kda_verify_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
                         num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
                         lower_bound: Optional[float], gate: str, norm_eps: float, scale: Optional[float],
                         null_slot0: bool, out: Tensor) -> None:
-    from .ops import fused_kda_verify
-    fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
-                     state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
-                     max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
-                     null_slot0=null_slot0, out=out)
+    _ops.fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                          state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
+                          max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
+                          null_slot0=null_slot0, out=out)
 
 
 @_fake("fused_kda_verify")
