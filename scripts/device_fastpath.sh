@@ -6,7 +6,8 @@
 # scripts/fast_path_pieces.py (each step of the decode fast path alone), and the A/B table of the
 # host-mode differences (benchmarks/overhead_ab.py). Logs: $OUT, every one also in $OUT/logs.tgz.
 #   BASE=.ab_base/base bash scripts/device_fastpath.sh          (carry .ab_base and .whl)
-# GPU_TESTS=0 leaves tests/gpu out (a later call over the final tree runs it).
+# GPU_TESTS=0 leaves tests/gpu out (a later call over the final tree runs it); SANITIZE=1 adds
+# compute-sanitizer memcheck over every route (scripts/sanitize_routes.py).
 set -uo pipefail
 : "${BASE:?BASE must name a folder holding the baseline tree}"
 BASE=$(cd "$BASE" && pwd) || exit 2
@@ -14,7 +15,7 @@ source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git log -1 --format=%H > "$OUT/tree.txt" 2>/dev/null || true
 stage build 200 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
-tail -1 "$OUT/build.log"
+grep -E "flag test|^build:" "$OUT/build.log"
 (cd "$BASE" && export FLASHKDA_EXT_CACHE_DIR=/tmp/fkda_cache_ab_base PYTHONPATH=$BASE:/tmp/site &&
   stage base_build 240 python3 -m flashkda_ext build --backend cuda --all --parallel 12 --jobs 1) &
 base_pid=$!
@@ -25,6 +26,10 @@ fi
 stage differential 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_fast_path_differential.py \
   tests/test_bad_input_edges.py tests/test_fast_path.py
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/differential.log" | tail -8
+if [ "${SANITIZE:-0}" = 1 ]; then  # compute-sanitizer memcheck over every route
+  stage memcheck 170 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
+  grep -E "ERROR SUMMARY|[0-9]+ failed$|passed" "$OUT/memcheck.log" | tail -3
+fi
 wait "$base_pid"; tail -1 "$OUT/base_build.log"
 BENCH=$PWD/benchmarks/bench_overhead.py
 : > "$OUT/overhead.txt"
