@@ -6,7 +6,8 @@
 #   bash scripts/device_final_checks.sh          (carry .whl)
 # Optional stages: INTEGRATIONS=1 tests/gpu/test_integrations_gpu.py (fla's wheel carried); SELFTEST=1 the
 # GPU selftest (every reached route, verify included); TRACE=1 the trace tests on CUDA calls; SANITIZE=1
-# compute-sanitizer memcheck over every route (scripts/sanitize_routes.py); FB=0 skips flashinfer-bench.
+# compute-sanitizer memcheck over every route (scripts/sanitize_routes.py); FB=0 skips flashinfer-bench;
+# BENCH_CP=0 skips the context-parallel benchmark.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -31,8 +32,10 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   stage memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
   grep -E "ERROR SUMMARY|[0-9]+ failed$" "$OUT/memcheck.log" | tail -3
 fi
-stage bench_cp 75 python3 benchmarks/bench_cp.py --quick --no-progress --no-plot --out "$OUT/bench_cp.json"
-tail -14 "$OUT/bench_cp.log"
+if [ "${BENCH_CP:-1}" = 1 ]; then
+  stage bench_cp 75 python3 benchmarks/bench_cp.py --quick --no-progress --no-plot --out "$OUT/bench_cp.json"
+  tail -14 "$OUT/bench_cp.log"
+fi
 if [ "${FB:-1}" = 1 ]; then
   export FIB_CACHE_PATH=/tmp/fib_cache
   rm -rf /tmp/fb_dataset
