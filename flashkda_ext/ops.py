@@ -55,12 +55,11 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
             and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices), (state, out))):
         key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
-        # a valid call's out is v's shape, dtype and device
-        dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail = entry
-            try:  # see fast_path's docstring: a raise here has launched nothing
+            try:  # see fast_path's docstring: a raise here (v not a tensor, too) has launched nothing
+                dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out  # a valid call's out
                 if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, dest, *tail) == sig:
                     return dest
             except Exception:  # noqa: BLE001 - the full path raises the full check's error
@@ -152,11 +151,11 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail, call, ws_bytes = entry
-            args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state,
-                                         state_indices, final_state, checkpoints, out)
-            ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
-                ws_bytes, dtype=torch.uint8, device=q.device)
-            try:  # see fast_path's docstring: a raise here has launched nothing
+            try:  # see fast_path's docstring: a raise here (v not a tensor, too) has launched nothing
+                args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                                             state, state_indices, final_state, checkpoints, out)
+                ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
+                    ws_bytes, dtype=torch.uint8, device=q.device)
                 if fn(sig, *args, ws, *tail) == sig:
                     return result
             except Exception:  # noqa: BLE001 - the full path raises the full check's error
@@ -250,12 +249,12 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
                                    (conv_state, state, out))):
         key = ("fused_kda_decode", x.shape[0], gate, slot_mode, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0)
-        # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
-        dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail = entry
-            try:  # see fast_path's docstring: a raise here has launched nothing
+            try:  # see fast_path's docstring: a raise here (output_gate not a tensor, too) has launched nothing
+                # a valid call's out is output_gate's shape ([rows, H, D]) with x's dtype and device
+                dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
                 if fn(sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                       norm_weight, dest, *tail) == sig:
                     return dest
@@ -315,14 +314,13 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
         key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
                num_accepted_tokens is None)
-        # a valid call's out is v's shape, dtype and device
-        dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail, seen = entry
             # Host index values (CPU backend) are checked on every call; any doubt, or a raise before
             # the launch (fast_path's docstring), takes the full path, which raises the full check's error.
             try:
+                dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out  # a valid call's out
                 validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
                 if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
                       dest, *tail) == sig:
@@ -389,13 +387,13 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
         key = ("fused_kda_verify", x.shape, state_indices.shape, gate, type(lower_bound), lower_bound,
                type(norm_eps), norm_eps, type(scale), scale, type(null_slot0), null_slot0, type(max_seqlen),
                max_seqlen, num_accepted_tokens is None)
-        dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail, seen = entry
             # As in kda_verify: any doubt about the index values, or a raise before the launch, takes the
             # full path.
             try:
+                dest = torch.empty_like(output_gate, dtype=x.dtype, memory_format=_DENSE) if out is None else out
                 validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
                 if fn(sig, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
                       state_indices, cu_seqlens, num_accepted_tokens, dest, *tail) == sig:

@@ -349,6 +349,9 @@ TABLE = {
     "scale str": (ALL, _set(scale="0.1")),
     "gate nosuch": (ALL, _set(gate="nosuch")),
     "lower_bound without bounded": (ALL, _set(lower_bound=-1.0)),
+    "v None": (DECODE + PREFILL, _set(v=None)),  # out=None: the fast path must not allocate from v first
+    "k None": (DECODE + PREFILL, _set(k=None)),
+    "output_gate None": (FUSED, _set(output_gate=None)),
     "T = 0": (PREFILL, _t0),
     "initial_state float16": (PREFILL, _initial_state_f16),
 }
@@ -372,6 +375,8 @@ def test_invalid_call_fails_the_same_cold_and_warm(dev, op, name):
             else:
                 assert res[0] == "raise", f"{op} {name} {mode}: expected a refusal, the call was accepted"
                 assert res[1] in (TypeError, ValueError), f"{op} {name}: {res[1].__name__}: {res[2]}"
+                if name.endswith(" None"):  # the full check's message, naming the argument (not torch's own)
+                    assert res[2].startswith(name.split()[0] + ":"), f"{op} {name}: {res[2]}"
 
 
 def _modes(op):
