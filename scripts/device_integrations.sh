@@ -9,8 +9,11 @@
 # FLA_K narrows fla's tests (pytest -k); BASELINE=1 also runs them once without the backend (fla's own
 # pass/fail on this image, to tell our regressions from fla-vs-snapshot drift); BENCH=1 adds the layer
 # benchmark (benchmarks/bench_layer.py: fla / fla backend / ours / compiled, and the adapter casts).
-# STAGES picks what runs (one device command has 10 minutes): "gpu" (tests/gpu/test_integrations_gpu.py),
-# "fla" (fla's test_kda.py with the backend), "bench" (the layer benchmark); default "gpu fla".
+# STAGES picks what runs (one device command has 10 minutes): "build" (every CUDA module, 16 at a time, so the
+# tests do not build them one by one), "gpu" (tests/gpu/test_integrations_gpu.py), "fla" (fla's test_kda.py
+# with the backend), "bench" (the layer benchmark); default "gpu fla". FLA_WORKERS (default 8) runs fla's
+# tests in that many pytest-xdist workers when xdist is importable (carry pytest-xdist and execnet wheels):
+# Triton's compiles are CPU-bound, and one process hit a 280 s limit after 66 tests.
 set -uo pipefail
 if [ "${1:-}" = "--prepare" ]; then
   mirror=${2:-/work/.mirror/fla-org+flash-linear-attention/repo}
@@ -26,26 +29,35 @@ export PYTHONPATH=$PWD/scripts:${PYTHONPATH:-}
 STAGES=${STAGES:-gpu fla}
 has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 python3 -c "import fla, flashkda_ext; print('fla', getattr(fla, '__version__', '?'))" | tee "$OUT/fla_version.txt"
+if has build; then
+  stage build 170 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
+  tail -1 "$OUT/build.log"
+fi
+XDIST=""
+if python3 -c "import xdist" 2>/dev/null; then XDIST="-n ${FLA_WORKERS:-8}"; fi
+# the GPU tests run beside fla's tests (both are correctness checks, no timing), so their Triton compiles overlap
 if has gpu; then
-  stage gpu_integrations 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_integrations_gpu.py
-  grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_integrations.log" | tail -15
+  stage gpu_integrations ${GPU_LIMIT:-300} python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_integrations_gpu.py &
 fi
 if ! has fla; then :
 elif [ -f .fla_tests/tests/ops/test_kda.py ]; then
   cat .fla_tests/SNAPSHOT 2>/dev/null
   if [ "${BASELINE:-0}" = 1 ]; then
-    FLA_BACKEND_OFF=1 stage fla_kda_baseline 240 python3 -m pytest -q -p no:cacheprovider -p fla_backend_count \
+    FLA_BACKEND_OFF=1 stage fla_kda_baseline 240 python3 -m pytest -q -p no:cacheprovider -p fla_backend_count $XDIST \
       --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
     grep -E "passed|failed" "$OUT/fla_kda_baseline.log" | tail -2
   fi
-  stage fla_kda 280 python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count \
+  stage fla_kda ${FLA_LIMIT:-280} python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count $XDIST \
     --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
   sed -n '/calls served/,$p' "$OUT/fla_kda.log" | tail -60
   grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -20
 else
   echo "no .fla_tests/: run 'bash scripts/device_integrations.sh --prepare' here and carry .fla_tests"
 fi
+wait
+if has gpu; then grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_integrations.log" | tail -15; fi
 if has bench || [ "${BENCH:-0}" = 1 ]; then
-  stage bench_layer 540 python3 benchmarks/bench_layer.py --no-progress --out "$OUT" ${BENCH_ARGS:-}
+  stage bench_layer ${BENCH_LIMIT:-540} python3 benchmarks/bench_layer.py --no-progress --out "$OUT" ${BENCH_ARGS:-}
   tail -30 "$OUT/bench_layer.log"
 fi
+tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.txt *.json 2>/dev/null)

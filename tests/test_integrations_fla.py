@@ -148,8 +148,12 @@ def test_chunk_kda_verifier_refuses_with_a_reason(change, reason):
 def test_verifiers_refuse_training_and_unserved_decode_forms():
     a = inputs()
     with torch.inference_mode(False), torch.enable_grad():
-        ok, why = fkda_fla.chunk_kda_verifier(**dict(a, **FLA_FLAGS))
-        assert not ok and "inference only" in why
+        # grad mode with nothing requiring grad records nothing: served
+        assert fkda_fla.chunk_kda_verifier(**dict(a, **FLA_FLAGS)) == (True, None)
+        for name in ("q", "v", "g", "beta"):
+            grad_in = dict(a, **{name: a[name].clone().requires_grad_()})
+            ok, why = fkda_fla.chunk_kda_verifier(**dict(grad_in, **FLA_FLAGS))
+            assert not ok and "inference only" in why and "requires grad" in why, (name, why)
     pool = torch.zeros(4, HV, V, K)
     base = dict(inputs(B=1, T=3), initial_state=pool, cu_seqlens=torch.arange(4),
                 ssm_state_indices=torch.arange(3, dtype=torch.int32), **FLA_FLAGS)
@@ -200,8 +204,9 @@ def test_verdicts_are_reused_only_for_the_same_call_signature():
     q_t = a["q"].transpose(1, 2).contiguous().transpose(1, 2)
     ok, why = fkda_fla.chunk_kda_verifier(**dict(call, q=q_t))
     assert not ok and "contiguous" in why and len(fkda_fla._VERDICTS) == 2
-    with torch.inference_mode(False), torch.enable_grad():       # grad mode is part of the key
-        assert fkda_fla.chunk_kda_verifier(**call)[0] is False
+    with torch.inference_mode(False), torch.enable_grad():       # grad mode and requires_grad are in the key
+        assert fkda_fla.chunk_kda_verifier(**dict(call, q=a["q"].clone().requires_grad_()))[0] is False
+        assert fkda_fla.chunk_kda_verifier(**call) == (True, None)
 
 
 def test_speculative_decoding_call_is_served_by_kda_verify():

@@ -68,8 +68,8 @@ def test_vllm_decode_is_served_through_fla_dispatch(backend):
 def test_refusals_reach_fla_verify(backend, monkeypatch):
     b = backend()
     x = torch.zeros(1, 4, H, K)
-    ok, why = b.verify("chunk_kda", x, x, torch.zeros(1, 4, H, V), x, torch.zeros(1, 4, H),
-                       use_qk_l2norm_in_kernel=True)
+    ok, why = b.verify("chunk_kda", x.clone().requires_grad_(), x, torch.zeros(1, 4, H, V), x,
+                       torch.zeros(1, 4, H), use_qk_l2norm_in_kernel=True)
     assert not ok and "inference only" in why
     with torch.inference_mode():
         ok, why = b.verify("chunk_kda", x, x, torch.zeros(1, 4, H, V), x, torch.zeros(1, 4, H),
