@@ -4,33 +4,56 @@
 # simulation), the context-parallel benchmark (--quick), then flashinfer-bench's Benchmark over traced
 # workloads (scripts/fb_benchmark.py). Every log goes into $OUT/logs.tgz (the device returns 8 files).
 #   bash scripts/device_final_checks.sh          (carry .whl)
-# Optional stages: INTEGRATIONS=1 tests/gpu/test_integrations_gpu.py (fla's wheel carried); SELFTEST=1 the
-# GPU selftest (every reached route, verify included); TRACE=1 the trace tests on CUDA calls; SANITIZE=1
-# compute-sanitizer memcheck over every route (scripts/sanitize_routes.py); FB=0 skips flashinfer-bench;
-# BENCH_CP=0 skips the context-parallel benchmark.
+# Optional stages: INTEGRATIONS=1 tests/gpu/test_integrations_gpu.py (fla's wheel carried); FLA=1 fla's own
+# test_kda.py with the backend registered and its served / refused counts (carry .fla_tests, see
+# device_integrations.sh; FLA_K narrows it); SELFTEST=1 the GPU selftest (every reached route, verify
+# included); TRACE=1 the trace tests on CUDA calls; SANITIZE=1 compute-sanitizer memcheck over every route
+# (scripts/sanitize_routes.py); VERIFY_BENCH="stem,stem" bench_verify.py --quick with those candidate
+# modules beside the routed one and fla; FB=0 skips flashinfer-bench; BENCH_CP=0 skips the
+# context-parallel benchmark.
+# CONCURRENT=1 runs the correctness stages (tests, selftest, trace, memcheck, fla's tests) side by side
+# after the build: none of them times anything, and one device command has 10 minutes. The timed stages
+# (benchmarks) always run alone, after them.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+export PYTHONPATH=$PWD/scripts:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-stage build 160 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
+stage build 170 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
 tail -1 "$OUT/build.log"
-stage gpu_tests 130 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "not integrations"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
+check() {  # a correctness stage: in the background under CONCURRENT=1
+  if [ "${CONCURRENT:-0}" = 1 ]; then stage "$@" & else stage "$@"; fi
+}
+check gpu_tests ${GPU_LIMIT:-130} python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "not integrations"
 if [ "${INTEGRATIONS:-0}" = 1 ]; then   # the adoption layer's GPU tests (fla's wheel carried in .whl/)
-  stage gpu_integrations 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_integrations_gpu.py
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_integrations.log" | tail -6
+  check gpu_integrations 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_integrations_gpu.py
+fi
+if [ "${FLA:-0}" = 1 ]; then
+  check fla_kda ${FLA_LIMIT:-200} python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count \
+    --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
 fi
 if [ "${SELFTEST:-0}" = 1 ]; then
-  stage selftest 120 python3 -m flashkda_ext selftest
-  tail -4 "$OUT/selftest.log"
+  check selftest 120 python3 -m flashkda_ext selftest
 fi
 if [ "${TRACE:-0}" = 1 ]; then
-  stage trace_cuda 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_trace.py \
+  check trace_cuda 90 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_trace.py \
     tests/test_trace_flashinfer_bench.py -k "verify or cuda"
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/trace_cuda.log" | tail -6
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
-  stage memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
-  grep -E "ERROR SUMMARY|[0-9]+ failed$" "$OUT/memcheck.log" | tail -3
+  check memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
+fi
+wait
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
+for name in gpu_integrations trace_cuda; do
+  [ -f "$OUT/$name.log" ] && { echo "-- $name"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -6; }
+done
+[ -f "$OUT/fla_kda.log" ] && { echo "-- fla_kda"; sed -n '/calls served/,$p' "$OUT/fla_kda.log" | tail -40
+                               grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -8; }
+[ -f "$OUT/selftest.log" ] && { echo "-- selftest"; tail -4 "$OUT/selftest.log"; }
+[ -f "$OUT/memcheck.log" ] && { echo "-- memcheck"; grep -E "ERROR SUMMARY|[0-9]+ failed$" "$OUT/memcheck.log" | tail -3; }
+if [ -n "${VERIFY_BENCH:-}" ]; then
+  stage bench_verify ${VERIFY_LIMIT:-150} python3 benchmarks/bench_verify.py --quick --no-progress --no-plot \
+    --modules "$VERIFY_BENCH" --out "$OUT/verify.json"
+  grep -E "geomean|summary|%copy|T=" "$OUT/bench_verify.log" | tail -34
 fi
 if [ "${BENCH_CP:-1}" = 1 ]; then
   stage bench_cp 75 python3 benchmarks/bench_cp.py --quick --no-progress --no-plot --out "$OUT/bench_cp.json"
