@@ -28,7 +28,8 @@ if [ "${INTEGRATIONS:-0}" = 1 ]; then   # the adoption layer's GPU tests (fla's 
   check gpu_integrations 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_integrations_gpu.py
 fi
 if [ "${FLA:-0}" = 1 ]; then
-  check fla_kda ${FLA_LIMIT:-200} python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count \
+  XDIST=""; if python3 -c "import xdist" 2>/dev/null; then XDIST="-n ${FLA_WORKERS:-4}"; fi
+  check fla_kda ${FLA_LIMIT:-200} python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count $XDIST \
     --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
 fi
 if [ "${SELFTEST:-0}" = 1 ]; then
