@@ -467,6 +467,23 @@ def _offset_bits(*tensors) -> int:
     return 64 if any(t is not None and t.numel() > INT32_MAX for t in tensors) else 32
 
 
+def _pool_step_tail(op, slot_mode, dims, q, k, v, g, beta, state, A_log, dt_bias, lower_bound, gate, out,
+                    out_shape, out_layout, index_args, device, backend) -> float:
+    """The checks kda_decode and kda_verify end with, in this order (the first failure is the one
+    reported): the gate arguments, the supported set, alignment of q..beta, out, inference-only
+    (index_args: the op's index tensors, read after dt_bias). dims = (H, K, HV, V); returns the
+    lower bound resolved."""
+    H, K, HV, V = dims
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
+    _supported_dims(op, backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype), gate, slot_mode)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _aligned(name, x, backend)
+    _out(out, out_shape, out_layout, v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias)) + index_args, (("state", state), ("out", out)))
+    return lb
+
+
 @_memoized
 def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None,
                      lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
@@ -479,14 +496,9 @@ def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_b
     _bool("null_slot0", null_slot0)
     slots = _pool("state", state, HV, V, K, device, backend)
     _indices("state_indices", state_indices, rows, device, "[rows]")
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
-    _supported_dims("kda_decode", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
-                    gate, slot_mode)
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _aligned(name, x, backend)
-    _out(out, (rows, HV, V), "[rows, HV, V]", v.dtype, device, backend)
-    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices)), (("state", state), ("out", out)))
+    lb = _pool_step_tail("kda_decode", slot_mode, (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
+                         lower_bound, gate, out, (rows, HV, V), "[rows, HV, V]",
+                         (("state_indices", state_indices),), device, backend)
     return DecodeCall(backend, rows, H, HV, K, V, slots, dtype_name(q.dtype), dtype_name(state.dtype),
                       gate, GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, slot_mode,
                       null_slot0, _offset_bits(state))
@@ -882,15 +894,10 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     slots = _pool("state", state, HV, V, K, device, backend)
     state_indices, N, cols = _verify_index_table(state_indices, device)
     max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
-    _supported_dims("kda_verify", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
-                    gate, "padded")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _aligned(name, x, backend)
-    _out(out, (1, T, HV, V), "[1, T, HV, V]", v.dtype, device, backend)
-    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                     ("num_accepted_tokens", num_accepted_tokens)), (("state", state), ("out", out)))
+    lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
+                         lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
+                         (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                          ("num_accepted_tokens", num_accepted_tokens)), device, backend)
     return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
                       dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
                       beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state))
