@@ -718,6 +718,24 @@ def _norm_args(norm_weight, norm_eps, D: int, device):
     return norm_weight
 
 
+def _fused_step_tail(op, slot_mode, H, D, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate,
+                     norm_weight, lower_bound, gate, out, out_shape, out_layout, index_args, device,
+                     backend) -> float:
+    """The checks fused_kda_decode and fused_kda_verify end with, in this order (the first failure is
+    the one reported), as _pool_step_tail for the unfused ops; index_args are read between dt_bias and
+    output_gate. Returns the lower bound resolved."""
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
+    _supported_dims(op, backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype), gate, slot_mode)
+    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
+        _aligned(name, t, backend)
+    _out(out, out_shape, out_layout, x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias)) + index_args
+                    + (("output_gate", output_gate), ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    return lb
+
+
 @dataclass(frozen=True)
 class FusedDecodeCall:
     backend: str
@@ -777,16 +795,9 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
-    _supported_dims("fused_kda_decode", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
-                    gate, slot_mode)
-    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
-        _aligned(name, t, backend)
-    _out(out, (rows, H, D), "[rows, H, D]", x.dtype, device, backend)
-    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("output_gate", output_gate),
-                     ("norm_weight", norm_weight)),
-                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    lb = _fused_step_tail("fused_kda_decode", slot_mode, H, D, x, conv_weight, conv_state, g, beta, A_log, dt_bias,
+                          state, output_gate, norm_weight, lower_bound, gate, out, (rows, H, D), "[rows, H, D]",
+                          (("state_indices", state_indices),), device, backend)
     return FusedDecodeCall(backend, rows, H, D, slots, conv_state.shape[0], dtype_name(x.dtype),
                            dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
                            _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
@@ -1013,17 +1024,10 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
     norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _bool("null_slot0", null_slot0)
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
-    _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
-                    gate, "padded")
-    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
-        _aligned(name, t, backend)
-    _out(out, (1, T, H, D), "[1, T, H, D]", x.dtype, device, backend)
-    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                     ("num_accepted_tokens", num_accepted_tokens), ("output_gate", output_gate),
-                     ("norm_weight", norm_weight)),
-                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    lb = _fused_step_tail("fused_kda_verify", "padded", H, D, x, conv_weight, conv_state, g, beta, A_log, dt_bias,
+                          state, output_gate, norm_weight, lower_bound, gate, out, (1, T, H, D), "[1, T, H, D]",
+                          (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                           ("num_accepted_tokens", num_accepted_tokens)), device, backend)
     return FusedVerifyCall(backend, N, T, cols, max_seqlen, H, D, slots, conv_state.shape[2], dtype_name(x.dtype),
                            dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, D),
                            float(norm_eps), null_slot0, _offset_bits(state, conv_state))
