@@ -736,8 +736,17 @@ def _fused_step_tail(op, slot_mode, H, D, x, conv_weight, conv_state, g, beta, A
     return lb
 
 
+class _FusedHeads:
+    """The fused calls' one head count: value heads = key heads. A plain base (no fields), so the
+    dataclasses' field order and positional construction stay as declared."""
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_heads
+
+
 @dataclass(frozen=True)
-class FusedDecodeCall:
+class FusedDecodeCall(_FusedHeads):
     backend: str
     rows: int
     num_heads: int
@@ -755,10 +764,6 @@ class FusedDecodeCall:
     slot_mode: str
     null_slot0: bool
     offset_bits: int
-
-    @property
-    def value_heads(self) -> int:
-        return self.num_heads
 
     def route_meta(self) -> dict:
         return {"device": self.backend, "rows": self.rows, "value_heads": self.num_heads,
@@ -964,7 +969,7 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
 
 
 @dataclass(frozen=True)
-class FusedVerifyCall:
+class FusedVerifyCall(_FusedHeads):
     backend: str
     num_seqs: int
     total_tokens: int
@@ -983,10 +988,6 @@ class FusedVerifyCall:
     norm_eps: float
     null_slot0: bool
     offset_bits: int
-
-    @property
-    def value_heads(self) -> int:
-        return self.num_heads
 
     def route_meta(self) -> dict:
         return _verify_route_meta(self)
