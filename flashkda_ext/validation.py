@@ -467,6 +467,23 @@ def _offset_bits(*tensors) -> int:
     return 64 if any(t is not None and t.numel() > INT32_MAX for t in tensors) else 32
 
 
+def _pool_step_tail(op, slot_mode, dims, q, k, v, g, beta, state, A_log, dt_bias, lower_bound, gate, out,
+                    out_shape, out_layout, index_args, device, backend) -> float:
+    """The checks kda_decode and kda_verify end with, in this order (the first failure is the one
+    reported): the gate arguments, the supported set, alignment of q..beta, out, inference-only
+    (index_args: the op's index tensors, read after dt_bias). dims = (H, K, HV, V); returns the
+    lower bound resolved."""
+    H, K, HV, V = dims
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
+    _supported_dims(op, backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype), gate, slot_mode)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _aligned(name, x, backend)
+    _out(out, out_shape, out_layout, v.dtype, device, backend)
+    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias)) + index_args, (("state", state), ("out", out)))
+    return lb
+
+
 @_memoized
 def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None,
                      lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
@@ -479,14 +496,9 @@ def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_b
     _bool("null_slot0", null_slot0)
     slots = _pool("state", state, HV, V, K, device, backend)
     _indices("state_indices", state_indices, rows, device, "[rows]")
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
-    _supported_dims("kda_decode", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
-                    gate, slot_mode)
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _aligned(name, x, backend)
-    _out(out, (rows, HV, V), "[rows, HV, V]", v.dtype, device, backend)
-    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices)), (("state", state), ("out", out)))
+    lb = _pool_step_tail("kda_decode", slot_mode, (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
+                         lower_bound, gate, out, (rows, HV, V), "[rows, HV, V]",
+                         (("state_indices", state_indices),), device, backend)
     return DecodeCall(backend, rows, H, HV, K, V, slots, dtype_name(q.dtype), dtype_name(state.dtype),
                       gate, GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, slot_mode,
                       null_slot0, _offset_bits(state))
@@ -706,8 +718,35 @@ def _norm_args(norm_weight, norm_eps, D: int, device):
     return norm_weight
 
 
+def _fused_step_tail(op, slot_mode, H, D, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate,
+                     norm_weight, lower_bound, gate, out, out_shape, out_layout, index_args, device,
+                     backend) -> float:
+    """The checks fused_kda_decode and fused_kda_verify end with, in this order (the first failure is
+    the one reported), as _pool_step_tail for the unfused ops; index_args are read between dt_bias and
+    output_gate. Returns the lower bound resolved."""
+    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
+    _supported_dims(op, backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype), gate, slot_mode)
+    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
+        _aligned(name, t, backend)
+    _out(out, out_shape, out_layout, x.dtype, device, backend)
+    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
+                     ("dt_bias", dt_bias)) + index_args
+                    + (("output_gate", output_gate), ("norm_weight", norm_weight)),
+                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    return lb
+
+
+class _FusedHeads:
+    """The fused calls' one head count: value heads = key heads. A plain base (no fields), so the
+    dataclasses' field order and positional construction stay as declared."""
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_heads
+
+
 @dataclass(frozen=True)
-class FusedDecodeCall:
+class FusedDecodeCall(_FusedHeads):
     backend: str
     rows: int
     num_heads: int
@@ -725,10 +764,6 @@ class FusedDecodeCall:
     slot_mode: str
     null_slot0: bool
     offset_bits: int
-
-    @property
-    def value_heads(self) -> int:
-        return self.num_heads
 
     def route_meta(self) -> dict:
         return {"device": self.backend, "rows": self.rows, "value_heads": self.num_heads,
@@ -765,16 +800,9 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
-    _supported_dims("fused_kda_decode", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
-                    gate, slot_mode)
-    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
-        _aligned(name, t, backend)
-    _out(out, (rows, H, D), "[rows, H, D]", x.dtype, device, backend)
-    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("output_gate", output_gate),
-                     ("norm_weight", norm_weight)),
-                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    lb = _fused_step_tail("fused_kda_decode", slot_mode, H, D, x, conv_weight, conv_state, g, beta, A_log, dt_bias,
+                          state, output_gate, norm_weight, lower_bound, gate, out, (rows, H, D), "[rows, H, D]",
+                          (("state_indices", state_indices),), device, backend)
     return FusedDecodeCall(backend, rows, H, D, slots, conv_state.shape[0], dtype_name(x.dtype),
                            dtype_name(state.dtype), dtype_name(conv_state.dtype), gate, GATE_MODE[gate], lb,
                            _resolve_scale(scale, D), float(norm_eps), slot_mode, null_slot0,
@@ -882,15 +910,10 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     slots = _pool("state", state, HV, V, K, device, backend)
     state_indices, N, cols = _verify_index_table(state_indices, device)
     max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
-    _supported_dims("kda_verify", backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype),
-                    gate, "padded")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _aligned(name, x, backend)
-    _out(out, (1, T, HV, V), "[1, T, HV, V]", v.dtype, device, backend)
-    _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                     ("num_accepted_tokens", num_accepted_tokens)), (("state", state), ("out", out)))
+    lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
+                         lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
+                         (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                          ("num_accepted_tokens", num_accepted_tokens)), device, backend)
     return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
                       dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
                       beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state))
@@ -946,7 +969,7 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
 
 
 @dataclass(frozen=True)
-class FusedVerifyCall:
+class FusedVerifyCall(_FusedHeads):
     backend: str
     num_seqs: int
     total_tokens: int
@@ -965,10 +988,6 @@ class FusedVerifyCall:
     norm_eps: float
     null_slot0: bool
     offset_bits: int
-
-    @property
-    def value_heads(self) -> int:
-        return self.num_heads
 
     def route_meta(self) -> dict:
         return _verify_route_meta(self)
@@ -1006,17 +1025,10 @@ def check_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     output_gate = _companion("output_gate", output_gate, x, "x", (1, T, H, D), "[1, T, H, D]")
     norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _bool("null_slot0", null_slot0)
-    lb = _gate_args(gate, A_log, dt_bias, lower_bound, H, D, device, backend)
-    _supported_dims("fused_kda_verify", backend, D, D, H, H, dtype_name(x.dtype), dtype_name(state.dtype),
-                    gate, "padded")
-    for name, t in (("x", x), ("conv_state", conv_state), ("g", g), ("output_gate", output_gate)):
-        _aligned(name, t, backend)
-    _out(out, (1, T, H, D), "[1, T, H, D]", x.dtype, device, backend)
-    _inference_only((("x", x), ("conv_weight", conv_weight), ("g", g), ("beta", beta), ("A_log", A_log),
-                     ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                     ("num_accepted_tokens", num_accepted_tokens), ("output_gate", output_gate),
-                     ("norm_weight", norm_weight)),
-                    (("conv_state", conv_state), ("state", state), ("out", out)))
+    lb = _fused_step_tail("fused_kda_verify", "padded", H, D, x, conv_weight, conv_state, g, beta, A_log, dt_bias,
+                          state, output_gate, norm_weight, lower_bound, gate, out, (1, T, H, D), "[1, T, H, D]",
+                          (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                           ("num_accepted_tokens", num_accepted_tokens)), device, backend)
     return FusedVerifyCall(backend, N, T, cols, max_seqlen, H, D, slots, conv_state.shape[2], dtype_name(x.dtype),
                            dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, D),
                            float(norm_eps), null_slot0, _offset_bits(state, conv_state))

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/binding.h"
+#include "common/param_fill.h"
 
 namespace fkda_decode {
 
@@ -29,12 +30,8 @@ inline DecodeParams decode_params(const fkda::TensorView& q, const fkda::TensorV
   p.out = fkda::data_ptr<bf16>(out);
   p.num_slots = slots;
   p.rows = static_cast<int>(rows);
-  p.H = static_cast<int>(H);
-  p.HV = static_cast<int>(HV);
-  p.group = static_cast<int>(HV / H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
+  fkda::set_heads(p, H, HV);
+  fkda::set_gate_scale(p, gate_mode, lower_bound, scale);
   p.beta_is_logit = beta_is_logit ? 1 : 0;
   p.null_slot0 = null_slot0 ? 1 : 0;
   return p;

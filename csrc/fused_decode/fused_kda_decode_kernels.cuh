@@ -216,6 +216,45 @@ struct FusedCta {
     return expf(log_decay(p, bf_to_f(in.x), in.w0, expf(in.w1)));  // A_log absent: exp(0) = 1
   }
 
+  // This lane's keys of the token in sm.in (the prologue): q and k l2-normalised (q scaled) and the
+  // decays. Shared with the fused verify, whose tokens must match this kernel's bit for bit.
+  __device__ static void lane_keys(const FusedParams& p, const Smem& sm, int c, float (&qn)[KPL], float (&kn)[KPL],
+                                   float (&dec)[KPL]) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int key = key_of(i, c) + e;
+        qn[i * VEC + e] = sm.in[key];
+        kn[i * VEC + e] = sm.in[D + key];
+        dec[i * VEC + e] = sm.in[3 * D + key];
+      }
+    fkda_decode::l2norm_qk<LPR, KPL>(qn, kn, p.scale);
+  }
+
+  // The step on one V-row (st: this lane's keys of it, updated in place): decay, kv = S k,
+  // u = b (v - kv), S += k u; returns o = S q over the row's lanes. v() reads the row's v: called
+  // after the kv reduction, where the kernels always read it (its address math moves otherwise).
+  template <typename VRead>
+  __device__ static float step_row(float (&st)[KPL], const float (&qn)[KPL], const float (&kn)[KPL],
+                                   const float (&dec)[KPL], float b, VRead v) {
+    float kv = 0.f;
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      st[e] *= dec[e];
+      kv = fmaf(st[e], kn[e], kv);
+    }
+    kv = group_sum<LPR>(kv);
+    const float u = b * (v() - kv);
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < KPL; ++e) {
+      st[e] = fmaf(kn[e], u, st[e]);
+      acc = fmaf(st[e], qn[e], acc);
+    }
+    return group_sum<LPR>(acc);
+  }
+
   // The whole (row, head) for this CTA. `half` picks the partial-sum buffer; `arrived`: this CTA
   // did cluster_arrive_relaxed() and must wait on it before its first DSMEM write.
   // kSmemState: tile = the dynamic shared memory (kTileBytes), bar = its copy's mbarrier (initialised
@@ -273,16 +312,7 @@ struct FusedCta {
     const float b = sigmoidf_(b_raw);
 
     float qn[KPL], kn[KPL], dec[KPL];
-#pragma unroll
-    for (int i = 0; i < CHUNKS; ++i)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const int key = key_of(i, c) + e;
-        qn[i * VEC + e] = sm.in[key];
-        kn[i * VEC + e] = sm.in[D + key];
-        dec[i * VEC + e] = sm.in[3 * D + key];
-      }
-    fkda_decode::l2norm_qk<LPR, KPL>(qn, kn, p.scale);
+    lane_keys(p, sm, c, qn, kn, dec);
 
     float mine = 0.f;  // o of pass c (lanes c < PASSES)
     float part = 0.f;
@@ -300,21 +330,7 @@ struct FusedCta {
           StateTraits<kBf16>::unpack(s[ps][i], &st[i * VEC]);
         }
       }
-      float kv = 0.f;
-#pragma unroll
-      for (int e = 0; e < KPL; ++e) {
-        st[e] *= dec[e];
-        kv = fmaf(st[e], kn[e], kv);
-      }
-      kv = group_sum<LPR>(kv);
-      const float u = b * (sm.in[2 * D + vrow0 + ps * RPW + r] - kv);
-      float acc = 0.f;
-#pragma unroll
-      for (int e = 0; e < KPL; ++e) {
-        st[e] = fmaf(kn[e], u, st[e]);
-        acc = fmaf(st[e], qn[e], acc);
-      }
-      const float o = group_sum<LPR>(acc);
+      const float o = step_row(st, qn, kn, dec, b, [&] { return sm.in[2 * D + vrow0 + ps * RPW + r]; });
       part = fmaf(o, o, part);
       if (c == ps) mine = o;
       // this pass's state leaves now, while later passes' loads may still be arriving (kBulkStore: it

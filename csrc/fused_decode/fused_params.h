@@ -7,6 +7,7 @@
 
 #include "common/binding.h"
 #include "common/cuda_launch.h"
+#include "common/param_fill.h"
 
 namespace fkda_fused {
 
@@ -57,9 +58,7 @@ inline FusedParams fused_params(const fkda::TensorView& x, const fkda::TensorVie
   p.num_slots = slots;
   p.rows = static_cast<int>(rows);
   p.H = static_cast<int>(H);
-  p.gate_mode = static_cast<int>(gate_mode);
-  p.lower_bound = static_cast<float>(lower_bound);
-  p.scale = static_cast<float>(scale);
+  fkda::set_gate_scale(p, gate_mode, lower_bound, scale);
   p.norm_eps = static_cast<float>(norm_eps);
   p.null_slot0 = null_slot0 ? 1 : 0;
   p.w_f32 = fkda::same_dtype(conv_weight.dtype(), fkda::kF32) ? 1 : 0;

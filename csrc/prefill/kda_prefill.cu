@@ -19,6 +19,7 @@
 
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
+#include "../common/param_fill.h"
 #include "kda_prefill_kernels.cuh"
 
 #ifndef FKDA_PARAM_VT
@@ -226,12 +227,8 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.cu = data_ptr<void>(cu_seqlens);
     pa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
     pa.N = static_cast<int>(N);
-    pa.H = static_cast<int>(H);
-    pa.HV = static_cast<int>(HV);
-    pa.group = static_cast<int>(HV / H);
-    pa.gate = static_cast<int>(gate_mode);
-    pa.lower_bound = static_cast<float>(lower_bound);
-    pa.scale = static_cast<float>(scale);
+    fkda::set_heads(pa, H, HV);
+    fkda::set_gate_scale(pa, gate_mode, lower_bound, scale);
     pa.beta_logit = beta_is_logit ? 1 : 0;
     pa.ws = ws;
     pa.st = sa;

@@ -708,7 +708,7 @@ struct PrepArgs {
   int cu64;
   int N, H, HV;
   int group;  // HV / H: value heads per q/k head
-  int gate;  // 0 softplus, 1 bounded, 2 log
+  int gate_mode;  // 0 softplus, 1 bounded, 2 log (named as in DecodeParams: common/param_fill.h fills both)
   float lower_bound;
   float scale;
   int beta_logit;
@@ -1280,9 +1280,9 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const float lb2 = a.lower_bound * kLog2e;
     float2 gl[16];
     const bf16* graw = Graw + q * 16 * kLdB + d;
-    const float2 run = a.gate == 0   ? gate_cumsum<0>(gl, graw, q * 16, nt, dtb, ea, lb2)
-                       : a.gate == 1 ? gate_cumsum<1>(gl, graw, q * 16, nt, dtb, ea, lb2)
-                                     : gate_cumsum<2>(gl, graw, q * 16, nt, dtb, ea, lb2);
+    const float2 run = a.gate_mode == 0   ? gate_cumsum<0>(gl, graw, q * 16, nt, dtb, ea, lb2)
+                       : a.gate_mode == 1 ? gate_cumsum<1>(gl, graw, q * 16, nt, dtb, ea, lb2)
+                                          : gate_cumsum<2>(gl, graw, q * 16, nt, dtb, ea, lb2);
     *reinterpret_cast<float2*>(tot + q * kK + d) = run;
     // Quarter q is diagonal block q: it goes on tensor cores with the anchor m = 16 q + 7 when every
     // factor exp2(+-(G - G_m)) inside it stays below 2^100 (always for the bounded gate; softplus

@@ -17,7 +17,6 @@ namespace fkda_fused_verify {
 
 using fkda_decode::bf16;
 using fkda_decode::bf_to_f;
-using fkda_decode::group_sum;
 using fkda_decode::load_state;
 using fkda_decode::StateTraits;
 using fkda_decode::store_state;
@@ -142,37 +141,15 @@ fused_kda_verify_row_kernel(const FusedVerifyParams vp) {
                       : OffT(0));
     __syncthreads();  // #1: the token's prologue is in shared memory
     float qn[KPL], kn[KPL], dec[KPL];
-#pragma unroll
-    for (int i = 0; i < CHUNKS; ++i)
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const int key = Cta::key_of(i, c) + e;
-        qn[i * VEC + e] = sm.in[key];
-        kn[i * VEC + e] = sm.in[D + key];
-        dec[i * VEC + e] = sm.in[3 * D + key];
-      }
-    fkda_decode::l2norm_qk<LPR, KPL>(qn, kn, p.scale);
+    Cta::lane_keys(p, sm, c, qn, kn, dec);  // as the fused decode: each token bitwise its step
     float mine = 0.f, part = 0.f;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
       float st[KPL];
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) StateTraits<kBf16>::unpack(s[ps][i], &st[i * VEC]);
-      float kv = 0.f;
-#pragma unroll
-      for (int e = 0; e < KPL; ++e) {
-        st[e] *= dec[e];
-        kv = fmaf(st[e], kn[e], kv);
-      }
-      kv = group_sum<LPR>(kv);
-      const float u = b * (sm.in[2 * D + vrow0 + ps * RPW + r] - kv);
-      float acc = 0.f;
-#pragma unroll
-      for (int e = 0; e < KPL; ++e) {
-        st[e] = fmaf(kn[e], u, st[e]);
-        acc = fmaf(st[e], qn[e], acc);
-      }
-      const float o = group_sum<LPR>(acc);
+      const float o =
+          Cta::step_row(st, qn, kn, dec, b, [&] { return sm.in[2 * D + vrow0 + ps * RPW + r]; });
       part = fmaf(o, o, part);
       if (c == ps) mine = o;
 #pragma unroll

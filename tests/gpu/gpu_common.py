@@ -16,6 +16,12 @@ def module_records(json_name):
     return json.loads((ROOT / "jit/modules" / json_name).read_text())["modules"]
 
 
+def records_by_name(json_name):
+    """{name: record} of jit/modules/<json_name>, in the file's order (list() of it: the names a test
+    parametrizes over)."""
+    return {r["name"]: r for r in module_records(json_name)}
+
+
 def load(name):
     from flashkda_ext.jit import load_module
     return load_module(name)

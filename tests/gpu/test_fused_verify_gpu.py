@@ -19,10 +19,10 @@ if not torch.cuda.is_available():
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
 from flashkda_ext.devtools.testing import fused_chain_start  # noqa: E402
-from gpu_common import GATES, bits, load, module_records, prebuild_selected, rel_l2, sdtype, verify_tables  # noqa: E402,E501
+from gpu_common import GATES, bits, load, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
-RECORDS = module_records("fused_verify_cuda.json")
-NAMES = [r["name"] for r in RECORDS]
+RECORDS = records_by_name("fused_verify_cuda.json")
+NAMES = list(RECORDS)
 D = 128
 LENS = {1: [1, 1, 1], 2: [2, 1, 2], 4: [4, 2, 1, 3], 8: [8, 5, 1, 8]}
 FUSED_TWIN = {"float32": "fused_row_f32_o32", "bfloat16": "fused_row_bf16_o32"}
@@ -75,7 +75,7 @@ def live_plan(a):
 @pytest.mark.parametrize("cols", sorted(LENS))
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_reference(name, cols):
-    rec = next(r for r in RECORDS if r["name"] == name)
+    rec = RECORDS[name]
     gen = torch.Generator(device="cuda").manual_seed(400 + cols)
     for H, gate in ((8, "softplus"), (16, "bounded"), (8, "log")):
         a = make(gen, LENS[cols], cols, H, sdtype(rec), gate, pad_request=1, extra_len=1)
@@ -102,7 +102,7 @@ def test_matches_reference(name, cols):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("o32")])
 def test_tokens_equal_chained_fused_decode_kernel_bitwise(name):
-    rec = next(r for r in RECORDS if r["name"] == name)
+    rec = RECORDS[name]
     gen = torch.Generator(device="cuda").manual_seed(17)
     H = 8
     a = make(gen, [4, 1, 3], 4, H, sdtype(rec))

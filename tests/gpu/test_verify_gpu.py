@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
 
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import GATES, bits, load, module_records, prebuild_selected, rel_l2, sdtype, verify_tables  # noqa: E402,E501
+from gpu_common import GATES, bits, load, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
-RECORDS = module_records("verify_cuda.json")
-NAMES = [r["name"] for r in RECORDS]
+RECORDS = records_by_name("verify_cuda.json")
+NAMES = list(RECORDS)
 K = V = 128
 LENS = {1: [1, 1, 1, 1], 2: [2, 1, 2, 2, 1], 3: [3, 1, 2, 3], 4: [4, 2, 1, 3, 4], 8: [8, 5, 1, 8, 3, 7]}
 # the decode module with the verify tile's shape (same math per token): f32 split8, bf16 split4w2
@@ -94,7 +94,7 @@ def check(a, pool0, out, ref_out, ref_pool, what, null_slot0=False):
 @pytest.mark.parametrize("cols", sorted(LENS))
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_reference(name, cols):
-    rec = next(r for r in RECORDS if r["name"] == name)
+    rec = RECORDS[name]
     gen = torch.Generator(device="cuda").manual_seed(1000 + cols)
     lens = LENS[cols]
     for H, HV, gate in ((4, 4, "softplus"), (2, 8, "bounded"), (4, 4, "log")):
@@ -108,7 +108,7 @@ def test_matches_reference(name, cols):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_options_scale_beta_null_slot0(name):
-    rec = next(r for r in RECORDS if r["name"] == name)
+    rec = RECORDS[name]
     gen = torch.Generator(device="cuda").manual_seed(7)
     a = make(gen, [3, 2, 4], 4, 4, 8, sdtype(rec))
     a["beta"] = torch.rand(a["beta"].shape, generator=gen, device="cuda").bfloat16()
@@ -126,7 +126,7 @@ def test_options_scale_beta_null_slot0(name):
 def test_tokens_equal_chained_decode_kernel_bitwise(name):
     """The state stays packed in the pool's dtype between tokens: token t equals the decode kernel of
     the same tile shape on the state stored after token t - 1, bitwise (T = 1 included)."""
-    rec = next(r for r in RECORDS if r["name"] == name)
+    rec = RECORDS[name]
     gen = torch.Generator(device="cuda").manual_seed(3)
     H, HV = 4, 8
     a = make(gen, [4, 1, 3, 2], 4, H, HV, sdtype(rec))
@@ -175,7 +175,7 @@ def test_op_t1_equals_kda_decode_bitwise(state_dtype):
 def test_values_the_kernel_cannot_serve_are_padding(name):
     """A count outside [1, T_max] or a read slot >= slots: a padding request; a token slot >= slots:
     not stored. Nothing outside the pool is touched."""
-    rec = next(r for r in RECORDS if r["name"] == name)
+    rec = RECORDS[name]
     gen = torch.Generator(device="cuda").manual_seed(9)
     a = make(gen, [2, 3, 2, 1], 3, 4, 4, sdtype(rec))
     slots = a["state"].shape[0]
