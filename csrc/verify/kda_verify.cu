@@ -2,6 +2,7 @@
 // docs/semantics.md, "Verify"). One source builds every verify module; the record's macros pick
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (16: 8 keys a lane)
+//   FKDA_PARAM_STAGE_T         (optional) the staged kernel, S tokens' inputs prepared at a time
 // The index values live on the device, so nothing here reads them: the kernel treats a read entry
 // that is negative, 0 with null_slot0, >= slots, or a count outside [1, T_max] as a padding request,
 // and a token entry that is negative / null / >= slots as "not stored".
@@ -88,10 +89,17 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   vp.index_cols = static_cast<int>(cols);
 
   const fkda::cuda::LaunchContext ctx(out);
+#if defined(FKDA_PARAM_STAGE_T)  // every token's inputs prepared in shared memory before the token loop
+  ctx.launch("kda_verify_staged_kernel",
+             fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
+                                                   FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T>,
+             dim3(static_cast<unsigned>(N * HV * kNumVT)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+#else
   ctx.launch("kda_verify_tile_kernel",
              fkda_verify::kda_verify_tile_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
                                                  FKDA_THREADS, OffT>,
              dim3(static_cast<unsigned>(N * HV * kNumVT)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+#endif
 }
 
 tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }

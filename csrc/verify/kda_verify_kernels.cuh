@@ -25,6 +25,45 @@ struct VerifyParams {
   int num_seqs, index_cols;   // N, T_max (columns of d.idx, which is [N, T_max])
 };
 
+// Request n's tokens [bos, bos + len) and the slot it starts from (read; -1 when the request is
+// padding: a count outside [1, T_max] makes it so, as an out-of-range slot does). Tokens past
+// T_max have no slot column: never stored (a valid call has T_n <= T_max). len <= 0: nothing to
+// do, and neither row_idx nor read is set.
+struct Request {
+  int bos, len;
+  const int32_t* row_idx;  // [T_max]: the slot of each token
+  int32_t read;
+};
+__device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
+  Request rq;
+  rq.bos = __ldg(vp.cu_seqlens + n);
+  rq.len = __ldg(vp.cu_seqlens + n + 1) - rq.bos;
+  if (rq.len <= 0) return rq;
+  const int col = vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
+  rq.row_idx = vp.d.idx + static_cast<int64_t>(n) * vp.index_cols;
+  rq.read = (col >= 0 && col < vp.index_cols) ? __ldg(rq.row_idx + col) : -1;
+  return rq;
+}
+
+// One token on the state registers: the step of every V-row of the lane, the packed new state
+// kept (the next token continues from the stored value) and, when `store`, sent to slot dst.
+template <typename T, typename OffT>
+__device__ __forceinline__ void token_step(const DecodeParams& p, typename T::Item& cur, const typename T::Prep& pr,
+                                           int row, int hv, int vrow0, int lane, int32_t dst, bool store) {
+  using Elem = typename T::Elem;
+  const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
+  Elem* sb = static_cast<Elem*>(p.state) + (store ? T::slot_base(p, dst, hv, vrow0) : OffT(0));
+  T::template step_passes<false, false>(
+      p, cur, pr, 0.f, row, hv, vrow0, lane, OffT(0), [&](int ps, int i) { return cur.s[ps][i]; },
+      [&](int ps, int i, const uint4& packed) {
+        cur.s[ps][i] = packed;  // the next token continues from the stored value
+        if (store) {
+          const int e = (ps * T::RPW + r) * T::K + T::key_of(i, c);
+          fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
+        }
+      });
+}
+
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_tile_kernel(const VerifyParams vp) {
@@ -32,22 +71,14 @@ kda_verify_tile_kernel(const VerifyParams vp) {
   constexpr int WARPS = THREADS / 32;
   static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
   using T = fkda_decode::WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
-  using Elem = typename T::Elem;
-  constexpr int NVT = T::V / V_TILE;
   const DecodeParams& p = vp.d;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c = lane % LPR, r = lane / LPR;
-  const int item = blockIdx.x / NVT, vt = blockIdx.x % NVT;
-  const int n = item / p.HV, hv = item % p.HV;
-  const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
-  const int bos = __ldg(vp.cu_seqlens + n);
-  // tokens past T_max have no slot column: never stored (a valid call has T_n <= T_max)
-  const int len = __ldg(vp.cu_seqlens + n + 1) - bos;
-  if (len <= 0) return;
-  const int col = vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
-  const int32_t* row_idx = p.idx + static_cast<int64_t>(n) * vp.index_cols;
-  // a count outside [1, T_max] makes the request padding, as an out-of-range slot does
-  const int32_t read = (col >= 0 && col < vp.index_cols) ? __ldg(row_idx + col) : -1;
+  // decode's tile layout: blockIdx.x = (request * HV + head) * (V / V_TILE) + V-tile
+  [[maybe_unused]] const auto [n, hv, vt, vrow0] = fkda_decode::tile_coords<V_TILE, WARPS>(p, warp);
+  const Request rq = request_of(vp, n);
+  if (rq.len <= 0) return;
+  const int bos = rq.bos, len = rq.len, read = rq.read;
+  const int32_t* row_idx = rq.row_idx;
   typename T::Item cur;
   T::load_inputs(p, cur, bos, hv, vrow0, lane);
   if (T::is_pad(p, read)) {
@@ -63,16 +94,7 @@ kda_verify_tile_kernel(const VerifyParams vp) {
     typename T::Item nxt;  // the next token's inputs (its state fields stay unused)
     if (t + 1 < len) T::load_inputs(p, nxt, bos + t + 1, hv, vrow0, lane);
     const bool store = t < vp.index_cols && !T::is_pad(p, dst);
-    Elem* sb = static_cast<Elem*>(p.state) + (store ? T::slot_base(p, dst, hv, vrow0) : OffT(0));
-    T::template step_passes<false, false>(
-        p, cur, pr, 0.f, bos + t, hv, vrow0, lane, OffT(0), [&](int ps, int i) { return cur.s[ps][i]; },
-        [&](int ps, int i, const uint4& packed) {
-          cur.s[ps][i] = packed;  // the next token continues from the stored value
-          if (store) {
-            const int e = (ps * T::RPW + r) * T::K + T::key_of(i, c);
-            fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
-          }
-        });
+    token_step<T, OffT>(p, cur, pr, bos + t, hv, vrow0, lane, dst, store);
     if (t + 1 < len) {
 #pragma unroll
       for (int i = 0; i < T::CHUNKS; ++i) {
@@ -85,6 +107,138 @@ kda_verify_tile_kernel(const VerifyParams vp) {
       cur.beta_raw = nxt.beta_raw;
     }
     dst = dst_next;
+  }
+}
+
+// ---- the staged variant (FKDA_PARAM_STAGE_T = S > 0) ------------------------------------------
+// The same CTA, state registers and per-token step, but every token's inputs are read and
+// prepared before the token loop, S tokens at a time, so the loop reads only shared memory: a
+// request pays one memory latency for its first S tokens instead of one per token. The block's
+// raw q, k, g, v (16-byte cp.async) and beta and slots land in shared memory together, while the
+// state tile is in flight; then the token's prep (l2norm of q and k, the gate's exp / log1p per
+// key, beta), which every LPR-lane group of the tile kernel recomputes for the same keys, is done
+// once per CTA and token: group g of LPR lanes (THREADS / LPR groups) prepares tokens g, g + G,
+// ... with decode's own prepare() in the same lane layout (lane c: keys key_of(i, c) + e, the
+// same shuffle trees), so each value in shared memory is bitwise the one a tile-kernel lane
+// computes, and the step reads it back as lane c's Prep. The state is still packed to the pool's
+// dtype after each token: T tokens equal T chained decode calls bitwise, as in the tile kernel.
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_verify_staged_kernel(const VerifyParams vp) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+  constexpr int WARPS = THREADS / 32;
+  static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
+  using T = fkda_decode::WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  using BfV = fkda_decode::BfVec<T::VEC>;
+  constexpr int K = T::K;
+  constexpr int G = THREADS / LPR;  // lane groups, each preparing whole tokens
+  static_assert(S >= 1 && S <= THREADS && S % G == 0, "S tokens split evenly over the lane groups");
+  constexpr int F4 = T::KPL / 4;    // float4s of one Prep array a lane holds
+  constexpr int KCH = K / 8;        // 16-byte chunks of a token's q (k, g)
+  constexpr int VCH = V_TILE / 8;   // 16-byte chunks of a token's v in this V tile
+  static_assert(T::KPL % 4 == 0 && V_TILE % 8 == 0, "16-byte staging");
+  __shared__ __align__(16) bf16 s_qkg[S][3][K];  // raw q, k, g of each token
+  __shared__ __align__(16) bf16 s_v[S][V_TILE];
+  __shared__ bf16 s_beta_raw[S];
+  __shared__ int32_t s_dst[S];
+  __shared__ float4 s_prep[S][3][F4][LPR];  // lane c's qn, kn, dec of each token: conflict-free float4s
+  __shared__ float s_beta[S];
+  const DecodeParams& p = vp.d;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = lane % LPR, r = lane / LPR;
+  const int grp = threadIdx.x / LPR;
+  const auto [n, hv, vt, vrow0] = fkda_decode::tile_coords<V_TILE, WARPS>(p, warp);
+  const Request rq = request_of(vp, n);
+  if (rq.len <= 0) return;
+  const int bos = rq.bos, len = rq.len;
+  if (T::is_pad(p, rq.read)) {  // CTA-uniform
+    for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
+    return;
+  }
+  typename T::Item cur;  // the state registers and, per token, its v (the rest stays unused)
+  T::load_state_regs(p, cur, T::slot_base(p, rq.read, hv, vrow0), lane);
+  typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
+#pragma unroll
+  for (int i = 0; i < T::CHUNKS; ++i) {
+#pragma unroll
+    for (int e = 0; e < T::VEC / 4; ++e) {
+      in.dt[i][e] = p.dt_bias ? __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * K + T::key_of(i, c)) + e)
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  in.a_log = p.A_log ? __ldg(p.A_log + hv) : 0.f;
+  const int h = hv / p.group;
+  for (int t0 = 0; t0 < len; t0 += S) {
+    const int nb = min(S, len - t0);
+    if (t0 > 0) __syncthreads();  // every warp is done with the previous block
+    // the block's raw inputs, all in flight at once
+    for (int x = threadIdx.x; x < nb * (3 * KCH + VCH); x += THREADS) {
+      const int j = x / (3 * KCH + VCH), w = x % (3 * KCH + VCH);
+      const int64_t row = bos + t0 + j;
+      const bf16* src;
+      bf16* dst;
+      if (w < KCH) {
+        src = p.q + row * p.q_row_stride + h * K + w * 8;
+        dst = &s_qkg[j][0][w * 8];
+      } else if (w < 2 * KCH) {
+        src = p.k + row * p.k_row_stride + h * K + (w - KCH) * 8;
+        dst = &s_qkg[j][1][(w - KCH) * 8];
+      } else if (w < 3 * KCH) {
+        src = p.g + row * p.g_row_stride + hv * K + (w - 2 * KCH) * 8;
+        dst = &s_qkg[j][2][(w - 2 * KCH) * 8];
+      } else {
+        src = p.v + row * p.v_row_stride + hv * T::V + vt * V_TILE + (w - 3 * KCH) * 8;
+        dst = &s_v[j][(w - 3 * KCH) * 8];
+      }
+      fkda_decode::cp_async16(dst, src);
+    }
+    fkda_decode::cp_async_commit();
+    if (threadIdx.x < nb) {
+      const int t = t0 + threadIdx.x;
+      s_beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];
+      s_dst[threadIdx.x] = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;  // past T_max: not stored
+    }
+    fkda_decode::cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < S / G; ++m) {
+      const int j = grp + G * m;
+      const int js = j < nb ? j : 0;  // every lane runs prepare (its sums shuffle over the warp)
+#pragma unroll
+      for (int i = 0; i < T::CHUNKS; ++i) {
+        in.qr[i] = *reinterpret_cast<const BfV*>(&s_qkg[js][0][T::key_of(i, c)]);
+        in.kr[i] = *reinterpret_cast<const BfV*>(&s_qkg[js][1][T::key_of(i, c)]);
+        in.gr[i] = *reinterpret_cast<const BfV*>(&s_qkg[js][2][T::key_of(i, c)]);
+      }
+      in.beta_raw = s_beta_raw[js];
+      typename T::Prep pr;
+      T::prepare(p, in, pr);
+      if (j < nb) {
+#pragma unroll
+        for (int f = 0; f < F4; ++f) {
+          s_prep[j][0][f][c] = make_float4(pr.qn[4 * f], pr.qn[4 * f + 1], pr.qn[4 * f + 2], pr.qn[4 * f + 3]);
+          s_prep[j][1][f][c] = make_float4(pr.kn[4 * f], pr.kn[4 * f + 1], pr.kn[4 * f + 2], pr.kn[4 * f + 3]);
+          s_prep[j][2][f][c] = make_float4(pr.dec[4 * f], pr.dec[4 * f + 1], pr.dec[4 * f + 2], pr.dec[4 * f + 3]);
+        }
+        if (c == 0) s_beta[j] = pr.beta;
+      }
+    }
+    __syncthreads();
+    for (int j = 0; j < nb; ++j) {
+      typename T::Prep pr;
+#pragma unroll
+      for (int f = 0; f < F4; ++f) {
+        const float4 a = s_prep[j][0][f][c], b = s_prep[j][1][f][c], d = s_prep[j][2][f][c];
+        pr.qn[4 * f] = a.x, pr.qn[4 * f + 1] = a.y, pr.qn[4 * f + 2] = a.z, pr.qn[4 * f + 3] = a.w;
+        pr.kn[4 * f] = b.x, pr.kn[4 * f + 1] = b.y, pr.kn[4 * f + 2] = b.z, pr.kn[4 * f + 3] = b.w;
+        pr.dec[4 * f] = d.x, pr.dec[4 * f + 1] = d.y, pr.dec[4 * f + 2] = d.z, pr.dec[4 * f + 3] = d.w;
+      }
+      pr.beta = s_beta[j];
+#pragma unroll
+      for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = s_v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
+      const int32_t dst = s_dst[j];
+      token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
+    }
   }
 }
 
