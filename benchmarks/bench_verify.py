@@ -226,19 +226,26 @@ def main(argv=None):
 
 
 def summarize(results, mode):
-    """Per state dtype: geomean and min speedup over fla, and the floor share from 2048 work items."""
+    """Per state dtype: geomean and min speedup over fla, and the floor share from 2048 work items,
+    of the routed module (arm 'ours'), and the same per timed arm under 'arms' (--modules candidates
+    included, over the points where they ran)."""
     med = lambda a: (a["time_us"].get(mode) or {}).get("median")  # noqa: E731
+
+    def stats(pts, arm):
+        ratios = [med(p["arms"]["fla"]) / med(p["arms"][arm]) for p in pts
+                  if arm in p["arms"] and "fla" in p["arms"] and med(p["arms"]["fla"]) and med(p["arms"][arm])]
+        big = [(p["arms"][arm].get("bandwidth", {}).get(mode) or {}).get("pct_copy") for p in pts
+               if arm in p["arms"] and p["params"]["work_items"] >= 2048]
+        big = [x for x in big if x]
+        return dict(geomean_speedup=harness.geomean(ratios) if ratios else None,
+                    min_speedup=min(ratios) if ratios else None,
+                    min_pct_floor_from_2048=min(big) if big else None)
+
     out = {}
     for sname in sorted({p["params"]["state"] for p in results}):
         pts = [p for p in results if p["params"]["state"] == sname]
-        ratios = [med(p["arms"]["fla"]) / med(p["arms"]["ours"]) for p in pts
-                  if "fla" in p["arms"] and med(p["arms"]["fla"]) and med(p["arms"]["ours"])]
-        big = [(p["arms"]["ours"].get("bandwidth", {}).get(mode) or {}).get("pct_copy") for p in pts
-               if p["params"]["work_items"] >= 2048]
-        big = [x for x in big if x]
-        out[sname] = dict(points=len(pts), geomean_speedup=harness.geomean(ratios) if ratios else None,
-                          min_speedup=min(ratios) if ratios else None,
-                          min_pct_floor_from_2048=min(big) if big else None)
+        arms = sorted({a for p in pts for a in p["arms"] if a != "fla"})
+        out[sname] = dict(points=len(pts), **stats(pts, "ours"), arms={a: stats(pts, a) for a in arms})
     return out
 
 

@@ -90,16 +90,15 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 
   const fkda::cuda::LaunchContext ctx(out);
 #if defined(FKDA_PARAM_STAGE_T)  // every token's inputs prepared in shared memory before the token loop
-  ctx.launch("kda_verify_staged_kernel",
-             fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
-                                                   FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T>,
-             dim3(static_cast<unsigned>(N * HV * kNumVT)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+  const char* what = "kda_verify_staged_kernel";
+  const auto kernel = fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
+                                                            FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T>;
 #else
-  ctx.launch("kda_verify_tile_kernel",
-             fkda_verify::kda_verify_tile_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
-                                                 FKDA_THREADS, OffT>,
-             dim3(static_cast<unsigned>(N * HV * kNumVT)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+  const char* what = "kda_verify_tile_kernel";
+  const auto kernel =
+      fkda_verify::kda_verify_tile_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT>;
 #endif
+  ctx.launch(what, kernel, dim3(static_cast<unsigned>(N * HV * kNumVT)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
 }
 
 tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }

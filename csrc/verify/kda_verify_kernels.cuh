@@ -64,17 +64,24 @@ __device__ __forceinline__ void token_step(const DecodeParams& p, typename T::It
       });
 }
 
+// A verify CTA's shape: THREADS / 32 warps share V_TILE V-rows, each warp a decode WarpTile.
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
+struct VerifyCta {
+  static constexpr int WARPS = THREADS / 32;
+  static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
+  using T = fkda_decode::WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+};
+
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_tile_kernel(const VerifyParams vp) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  constexpr int WARPS = THREADS / 32;
-  static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
-  using T = fkda_decode::WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  using Cta = VerifyCta<kBf16, LPR, V_TILE, THREADS, OffT>;
+  using T = typename Cta::T;
   const DecodeParams& p = vp.d;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // decode's tile layout: blockIdx.x = (request * HV + head) * (V / V_TILE) + V-tile
-  [[maybe_unused]] const auto [n, hv, vt, vrow0] = fkda_decode::tile_coords<V_TILE, WARPS>(p, warp);
+  [[maybe_unused]] const auto [n, hv, vt, vrow0] = fkda_decode::tile_coords<V_TILE, Cta::WARPS>(p, warp);
   const Request rq = request_of(vp, n);
   if (rq.len <= 0) return;
   const int bos = rq.bos, len = rq.len, read = rq.read;
@@ -126,11 +133,10 @@ template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_staged_kernel(const VerifyParams vp) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  constexpr int WARPS = THREADS / 32;
-  static_assert(V_TILE % WARPS == 0, "V tile must split evenly over warps");
-  using T = fkda_decode::WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
+  using Cta = VerifyCta<kBf16, LPR, V_TILE, THREADS, OffT>;
+  using T = typename Cta::T;
   using BfV = fkda_decode::BfVec<T::VEC>;
-  constexpr int K = T::K;
+  constexpr int WARPS = Cta::WARPS, K = T::K;
   constexpr int G = THREADS / LPR;  // lane groups, each preparing whole tokens
   static_assert(S >= 1 && S <= THREADS && S % G == 0, "S tokens split evenly over the lane groups");
   constexpr int F4 = T::KPL / 4;    // float4s of one Prep array a lane holds
@@ -151,7 +157,27 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   const Request rq = request_of(vp, n);
   if (rq.len <= 0) return;
   const int bos = rq.bos, len = rq.len;
+  const int h = hv / p.group;
+  // Tokens [t0, t0 + S)'s raw q, k, g and v in flight by cp.async (one group); needs only bos.
+  auto issue = [&](int t0) {
+    const int nb = min(S, len - t0);
+    for (int x = threadIdx.x; x < nb * 3 * KCH; x += THREADS) {
+      const int j = x / (3 * KCH), a = (x / KCH) % 3, w = x % KCH;
+      const int64_t row = bos + t0 + j;
+      const bf16* src = a == 0   ? p.q + row * p.q_row_stride + h * K
+                        : a == 1 ? p.k + row * p.k_row_stride + h * K
+                                 : p.g + row * p.g_row_stride + hv * K;
+      fkda_decode::cp_async16(&s_qkg[j][a][w * 8], src + w * 8);
+    }
+    for (int x = threadIdx.x; x < nb * VCH; x += THREADS) {
+      const int j = x / VCH, w = x % VCH;
+      fkda_decode::cp_async16(&s_v[j][w * 8], p.v + (bos + t0 + j) * p.v_row_stride + hv * T::V + vt * V_TILE + w * 8);
+    }
+    fkda_decode::cp_async_commit();
+  };
+  issue(0);  // before the read slot is known: the inputs arrive while the state is requested
   if (T::is_pad(p, rq.read)) {  // CTA-uniform
+    fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
     for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
     return;
   }
@@ -167,32 +193,12 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     }
   }
   in.a_log = p.A_log ? __ldg(p.A_log + hv) : 0.f;
-  const int h = hv / p.group;
   for (int t0 = 0; t0 < len; t0 += S) {
     const int nb = min(S, len - t0);
-    if (t0 > 0) __syncthreads();  // every warp is done with the previous block
-    // the block's raw inputs, all in flight at once
-    for (int x = threadIdx.x; x < nb * (3 * KCH + VCH); x += THREADS) {
-      const int j = x / (3 * KCH + VCH), w = x % (3 * KCH + VCH);
-      const int64_t row = bos + t0 + j;
-      const bf16* src;
-      bf16* dst;
-      if (w < KCH) {
-        src = p.q + row * p.q_row_stride + h * K + w * 8;
-        dst = &s_qkg[j][0][w * 8];
-      } else if (w < 2 * KCH) {
-        src = p.k + row * p.k_row_stride + h * K + (w - KCH) * 8;
-        dst = &s_qkg[j][1][(w - KCH) * 8];
-      } else if (w < 3 * KCH) {
-        src = p.g + row * p.g_row_stride + hv * K + (w - 2 * KCH) * 8;
-        dst = &s_qkg[j][2][(w - 2 * KCH) * 8];
-      } else {
-        src = p.v + row * p.v_row_stride + hv * T::V + vt * V_TILE + (w - 3 * KCH) * 8;
-        dst = &s_v[j][(w - 3 * KCH) * 8];
-      }
-      fkda_decode::cp_async16(dst, src);
+    if (t0 > 0) {
+      __syncthreads();  // every warp is done with the previous block
+      issue(t0);
     }
-    fkda_decode::cp_async_commit();
     if (threadIdx.x < nb) {
       const int t = t0 + threadIdx.x;
       s_beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];

@@ -25,7 +25,8 @@ from gpu_common import GATES, bits, load, prebuild_selected, records_by_name, re
 RECORDS = records_by_name("verify_cuda.json")
 NAMES = list(RECORDS)
 K = V = 128
-LENS = {1: [1, 1, 1, 1], 2: [2, 1, 2, 2, 1], 3: [3, 1, 2, 3], 4: [4, 2, 1, 3, 4], 8: [8, 5, 1, 8, 3, 7]}
+LENS = {1: [1, 1, 1, 1], 2: [2, 1, 2, 2, 1], 3: [3, 1, 2, 3], 4: [4, 2, 1, 3, 4], 8: [8, 5, 1, 8, 3, 7],
+        12: [12, 9, 1, 12, 5]}  # 12: past the staged modules' 8-token block (a second, partial block)
 # the decode module with the verify tile's shape (same math per token): f32 split8, bf16 split4w2
 DECODE_TWIN = {"float32": "decode_split8_f32_o32", "bfloat16": "decode_split4w2_bf16_o32"}
 
@@ -122,16 +123,22 @@ def test_options_scale_beta_null_slot0(name):
     assert torch.equal(out[0, 5:], torch.zeros_like(out[0, 5:]))  # request 2 (tokens 5..8) is padding
 
 
+# (lens, T_max): the second reaches past the staged modules' 8-token block (16 = two full blocks,
+# 9 and 11 a full one and a partial one)
+CHAINED = [([4, 1, 3, 2], 4), ([11, 8, 9, 1, 16], 16)]
+
+
+@pytest.mark.parametrize("lens,cols", CHAINED)
 @pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("o32")])
-def test_tokens_equal_chained_decode_kernel_bitwise(name):
+def test_tokens_equal_chained_decode_kernel_bitwise(name, lens, cols):
     """The state stays packed in the pool's dtype between tokens: token t equals the decode kernel of
     the same tile shape on the state stored after token t - 1, bitwise (T = 1 included)."""
     rec = RECORDS[name]
-    gen = torch.Generator(device="cuda").manual_seed(3)
+    gen = torch.Generator(device="cuda").manual_seed(3 + cols)
     H, HV = 4, 8
-    a = make(gen, [4, 1, 3, 2], 4, H, HV, sdtype(rec))
+    a = make(gen, lens, cols, H, HV, sdtype(rec))
     pool0 = a["state"].clone()
-    out = torch.full((1, 10, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
     call_module(name, a, out)
     plan, _ = stored_slots(a)
     dec = load(DECODE_TWIN[rec["state_dtype"]])["kda_decode"]
