@@ -153,7 +153,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int c = lane % LPR, r = lane / LPR;
   const int grp = threadIdx.x / LPR;
-  const auto [n, hv, vt, vrow0] = fkda_decode::tile_coords<V_TILE, WARPS>(p, warp);
+  const fkda_decode::TileCoords tc = fkda_decode::tile_coords<V_TILE, WARPS>(p, warp);
+  const int n = tc.row, hv = tc.hv, vt = tc.vt, vrow0 = tc.vrow0;  // plain ints: the lambda below captures them
   const Request rq = request_of(vp, n);
   if (rq.len <= 0) return;
   const int bos = rq.bos, len = rq.len;
