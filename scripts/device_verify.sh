@@ -5,6 +5,7 @@
 # is importable: carry its wheel in .whl/, see device_env.sh). Logs and results go to $OUT.
 #
 #   bash scripts/device_verify.sh            BENCH_ARGS="--quick" by default; BENCH_ARGS="" for the grid
+#   BENCH_MODULES=tile,stage,stage16w4 ...   the candidate stems timed beside the routed module (default tile,split16,split8)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -21,6 +22,6 @@ if [ "${SANITIZE:-1}" = 1 ]; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -4
   done
 fi
-stage bench 420 python3 benchmarks/bench_verify.py ${BENCH_ARGS---quick} --modules tile,split16,split8 \
+stage bench 420 python3 benchmarks/bench_verify.py ${BENCH_ARGS---quick} --modules ${BENCH_MODULES:-tile,split16,split8} \
   --no-progress --out "$OUT"
 grep -E "^(copy|summary|accuracy)|T=" "$OUT/bench.log" | tail -60
