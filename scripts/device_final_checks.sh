@@ -8,7 +8,7 @@
 # test_kda.py with the backend registered and its served / refused counts (carry .fla_tests, see
 # device_integrations.sh; FLA_K narrows it); SELFTEST=1 the GPU selftest (every reached route, verify
 # included); TRACE=1 the trace tests on CUDA calls; SANITIZE=1 compute-sanitizer memcheck over every route
-# (scripts/sanitize_routes.py); VERIFY_BENCH="stem,stem" bench_verify.py --quick with those candidate
+# (scripts/sanitize_routes.py); RACE="glob" racecheck and synccheck over those modules; VERIFY_BENCH="stem,stem" bench_verify.py --quick with those candidate
 # modules beside the routed one and fla; FB=0 skips flashinfer-bench; BENCH_CP=0 skips the
 # context-parallel benchmark.
 # CONCURRENT=1 runs the correctness stages (tests, selftest, trace, memcheck, fla's tests) side by side
@@ -42,6 +42,11 @@ fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   check memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 python3 scripts/sanitize_routes.py
 fi
+if [ -n "${RACE:-}" ]; then   # racecheck and synccheck over the modules the glob names (shared memory, barriers)
+  for t in racecheck synccheck; do
+    check "$t" ${RACE_LIMIT:-150} compute-sanitizer --tool "$t" --error-exitcode 7 python3 scripts/sanitize_routes.py --only "$RACE"
+  done
+fi
 wait
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
 for name in gpu_integrations trace_cuda; do
@@ -50,10 +55,12 @@ done
 [ -f "$OUT/fla_kda.log" ] && { echo "-- fla_kda"; sed -n '/calls served/,$p' "$OUT/fla_kda.log" | tail -40
                                grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -8; }
 [ -f "$OUT/selftest.log" ] && { echo "-- selftest"; tail -4 "$OUT/selftest.log"; }
-[ -f "$OUT/memcheck.log" ] && { echo "-- memcheck"; grep -E "ERROR SUMMARY|[0-9]+ failed$" "$OUT/memcheck.log" | tail -3; }
+for t in memcheck racecheck synccheck; do
+  [ -f "$OUT/$t.log" ] && { echo "-- $t"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ failed$" "$OUT/$t.log" | tail -3; }
+done
 if [ -n "${VERIFY_BENCH:-}" ]; then
   stage bench_verify ${VERIFY_LIMIT:-150} python3 benchmarks/bench_verify.py --quick --no-progress --no-plot \
-    --modules "$VERIFY_BENCH" --out "$OUT/verify.json"
+    --modes graph --modules "$VERIFY_BENCH" --out "$OUT/verify.json"
   grep -E "geomean|summary|%copy|T=" "$OUT/bench_verify.log" | tail -34
 fi
 if [ "${BENCH_CP:-1}" = 1 ]; then
