@@ -26,6 +26,14 @@ def prefill_meta(**kw):
     return m
 
 
+def verify_meta(**kw):
+    m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 2, "max_seqlen": 2, "work_items": 16,
+         "state": "f32", "offset": "o32", "gate": "softplus"}
+    m.update(kw)
+    m["work_items"] = m["num_seqs"] * m["value_heads"]
+    return m
+
+
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it
 EDGES = {
     ("kda_decode", "bf16_large", "work_items_min"): [
@@ -100,6 +108,24 @@ EDGES = {
         (prefill_meta(num_seqs=16, value_heads=16), "prefill_vt64s_f32"),       # 256
         (prefill_meta(num_seqs=255, value_heads=1), "prefill_vt64_f32"),        # 255
         (prefill_meta(num_seqs=256, value_heads=1, state="bf16"), "prefill_vt64s_bf16"),
+    ],
+    ("kda_verify", "few_items", "work_items_max"): [
+        (verify_meta(num_seqs=1, value_heads=16), "verify_stage16w4_f32_o32"),              # 16
+        (verify_meta(num_seqs=16, value_heads=1, state="bf16", offset="o64"), "verify_stage16w4_bf16_o64"),
+        (verify_meta(num_seqs=17, value_heads=1), "verify_tile_f32_o32"),                   # 17, T 2: f32_short
+        (verify_meta(num_seqs=17, value_heads=1, state="bf16"), "verify_stage16_bf16_o32"),  # 17: bf16_small
+    ],
+    ("kda_verify", "bf16_small", "work_items_max"): [
+        (verify_meta(num_seqs=2, value_heads=64, state="bf16"), "verify_stage16_bf16_o32"),  # 128
+        (verify_meta(num_seqs=129, value_heads=1, state="bf16"), "verify_stage_bf16_o32"),   # 129: fallback
+        (verify_meta(num_seqs=2, value_heads=64, max_seqlen=8), "verify_stage_f32_o32"),    # fp32, T 8: fallback
+    ],
+    ("kda_verify", "f32_short", "max_seqlen_max"): [
+        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=3), "verify_tile_f32_o32"),     # T 3
+        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=4), "verify_stage_f32_o32"),    # T 4: fallback
+        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8, offset="o64"), "verify_stage_f32_o64"),
+        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=2, offset="o64"), "verify_tile_f32_o64"),
+        (verify_meta(num_seqs=16, value_heads=16, max_seqlen=2, state="bf16"), "verify_stage_bf16_o32"),  # bf16: any T
     ],
     ("kda_prefill", "some_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=5, value_heads=8), "prefill_vt32_f32"),         # 40

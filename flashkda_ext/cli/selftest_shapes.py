@@ -184,6 +184,17 @@ def _spec_meta(s: Spec):
     return route_of(s.family, call)
 
 
+def _module_pattern(rule: dict) -> str:
+    """The names a rule's module template can give: a field the rule's `when` pins to one value (a
+    bf16-only rule's {state}) takes that value, any other field is a wildcard."""
+    when = rule.get("when", {})
+    pattern = rule["module"]
+    for field in ("state", "offset", "gate", "slot_mode"):
+        value = when.get(field)
+        pattern = pattern.replace("{" + field + "}", value if isinstance(value, str) else "*")
+    return pattern
+
+
 def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[Spec], List[str]]:
     """One spec per reachable (rule, module), the cheapest that selects it; and the CUDA rules or
     modules no candidate reached (reported, e.g. o64 twins when memory is short)."""
@@ -217,9 +228,7 @@ def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[
         hit_modules = {m for _, m in seen}
         for rec in jit.all_records():
             if rec["family"] == fam and rec["backend"] == "cuda" and rec["name"] not in hit_modules:
-                reachable = any(fnmatch.fnmatchcase(rec["name"], r["module"].replace("{state}", "*")
-                                                    .replace("{offset}", "*").replace("{gate}", "*")
-                                                    .replace("{slot_mode}", "*")) for r in rules)
+                reachable = any(fnmatch.fnmatchcase(rec["name"], _module_pattern(r)) for r in rules)
                 if reachable:
                     unreached.append(f"{fam}: module {rec['name']}")
     return chosen, unreached
