@@ -3,6 +3,9 @@
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (16: 8 keys a lane)
 //   FKDA_PARAM_STAGE_T         (optional) the staged kernel, S tokens' inputs prepared at a time
+//   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
+//                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
+//                              1: the token loop on state registers, 2: on the shared tiles
 // The index values live on the device, so nothing here reads them: the kernel treats a read entry
 // that is negative, 0 with null_slot0, >= slots, or a count outside [1, T_max] as a padding request,
 // and a token entry that is negative / null / >= slots as "not stored".
@@ -27,6 +30,17 @@ namespace {
 
 using namespace fkda::verify_module;
 constexpr int kNumVT = FKDA_HEAD_DIM_V / FKDA_PARAM_V_TILE;
+#if defined(FKDA_PARAM_BULK_STATE)
+#if !defined(FKDA_PARAM_STAGE_T)
+#error "bulk_state goes with stage_t (the staged kernel)"
+#endif
+static_assert(FKDA_PARAM_BULK_STATE == 1 || FKDA_PARAM_BULK_STATE == 2, "bulk_state: 1 or 2");
+static_assert(FKDA_SMEM_BYTES == 2 * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
+              "smem_bytes must equal 2 * v_tile * K * state element size");
+constexpr int kBulkState = FKDA_PARAM_BULK_STATE;
+#elif defined(FKDA_PARAM_STAGE_T)
+constexpr int kBulkState = 0;
+#endif
 
 // A packed [1, T, n, d] bf16 input, contiguous and 16-byte aligned (16-byte loads along K / V).
 void check_packed(const Checker& c, const TensorView& t, const char* name, int64_t T, const char* n_label,
@@ -92,7 +106,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 #if defined(FKDA_PARAM_STAGE_T)  // every token's inputs prepared in shared memory before the token loop
   const char* what = "kda_verify_staged_kernel";
   const auto kernel = fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
-                                                            FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T>;
+                                                            FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T, kBulkState>;
 #else
   const char* what = "kda_verify_tile_kernel";
   const auto kernel =

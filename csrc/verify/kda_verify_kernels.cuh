@@ -45,22 +45,31 @@ __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
   return rq;
 }
 
-// One token on the state registers: the step of every V-row of the lane, the packed new state
-// kept (the next token continues from the stored value) and, when `store`, sent to slot dst.
+// One token: the step of every V-row of the lane on the state chunks chunk(ps, i, e), the packed
+// new state handed to put(ps, i, e, packed); e is chunk (ps, i)'s element offset from the warp's
+// first V-row (rows of K elements, as in the pool). The next token must read what put was given.
+template <typename T, typename OffT, typename Chunk, typename Put>
+__device__ __forceinline__ void token_step_on(const DecodeParams& p, typename T::Item& cur, const typename T::Prep& pr,
+                                              int row, int hv, int vrow0, int lane, Chunk&& chunk, Put&& put) {
+  const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
+  auto off = [&](int ps, int i) { return (ps * T::RPW + r) * T::K + T::key_of(i, c); };
+  T::template step_passes<false, false>(
+      p, cur, pr, 0.f, row, hv, vrow0, lane, OffT(0), [&](int ps, int i) { return chunk(ps, i, off(ps, i)); },
+      [&](int ps, int i, const uint4& packed) { put(ps, i, off(ps, i), packed); });
+}
+
+// One token on the state registers, the packed new state kept (the next token continues from the
+// stored value) and, when `store`, sent to slot dst.
 template <typename T, typename OffT>
 __device__ __forceinline__ void token_step(const DecodeParams& p, typename T::Item& cur, const typename T::Prep& pr,
                                            int row, int hv, int vrow0, int lane, int32_t dst, bool store) {
   using Elem = typename T::Elem;
-  const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
   Elem* sb = static_cast<Elem*>(p.state) + (store ? T::slot_base(p, dst, hv, vrow0) : OffT(0));
-  T::template step_passes<false, false>(
-      p, cur, pr, 0.f, row, hv, vrow0, lane, OffT(0), [&](int ps, int i) { return cur.s[ps][i]; },
-      [&](int ps, int i, const uint4& packed) {
+  token_step_on<T, OffT>(
+      p, cur, pr, row, hv, vrow0, lane, [&](int ps, int i, int) { return cur.s[ps][i]; },
+      [&](int ps, int i, int e, const uint4& packed) {
         cur.s[ps][i] = packed;  // the next token continues from the stored value
-        if (store) {
-          const int e = (ps * T::RPW + r) * T::K + T::key_of(i, c);
-          fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
-        }
+        if (store) fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
       });
 }
 
@@ -129,7 +138,20 @@ kda_verify_tile_kernel(const VerifyParams vp) {
 // same shuffle trees), so each value in shared memory is bitwise the one a tile-kernel lane
 // computes, and the step reads it back as lane c's Prep. The state is still packed to the pool's
 // dtype after each token: T tokens equal T chained decode calls bitwise, as in the tile kernel.
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
+//
+// BULK (FKDA_PARAM_BULK_STATE) > 0: the state tile moves by bulk copy (TMA, cp.async.bulk) both
+// ways, as decode's rowtma / quartmabulk do. Thread 0 brings the CTA's V_TILE x K tile (contiguous
+// in the pool) into dynamic shared memory (tile 1 of two) in one copy as soon as the read slot is
+// known; it lands during the first block's prep. Token t writes its packed chunks into tile t % 2,
+// each thread fences them for the async proxy, and after a CTA barrier thread 0 sends the tile to
+// the token's slot in one bulk copy when the slot is live. Before that barrier thread 0 waits until
+// token t - 1's copy has read its tile, which token t + 1 overwrites: with two tiles a copy reads
+// while the next token computes, and one barrier a token orders both. BULK = 1: the state stays in
+// the registers (taken from the read tile once); BULK = 2: no state registers, token t reads its
+// chunks from tile (t + 1) % 2, the one token t - 1 wrote (or the read tile). Each thread reads
+// and writes only its own chunks, so no barrier orders a tile's reads before its next writes. The
+// per-token arithmetic is the staged kernel's (the same step, packing and prep): bitwise equal.
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S, int BULK = 0>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_staged_kernel(const VerifyParams vp) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
@@ -138,7 +160,11 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   using BfV = fkda_decode::BfVec<T::VEC>;
   constexpr int WARPS = Cta::WARPS, K = T::K;
   constexpr int G = THREADS / LPR;  // lane groups, each preparing whole tokens
-  static_assert(S >= 1 && S <= THREADS && S % G == 0, "S tokens split evenly over the lane groups");
+  // a bulk CTA may hold more lane groups than S: the first S groups (whole warps) prepare
+  static_assert(BULK >= 0 && BULK <= 2, "bulk_state: 0, 1 (state registers) or 2 (state in the tiles)");
+  static_assert(S >= 1 && S <= THREADS && (S % G == 0 || (BULK && G % S == 0 && S % (32 / LPR) == 0)),
+                "S tokens split evenly over the lane groups");
+  constexpr int M = S >= G ? S / G : 1;  // tokens each lane group prepares
   constexpr int F4 = T::KPL / 4;    // float4s of one Prep array a lane holds
   constexpr int KCH = K / 8;        // 16-byte chunks of a token's q (k, g)
   constexpr int VCH = V_TILE / 8;   // 16-byte chunks of a token's v in this V tile
@@ -159,6 +185,20 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   if (rq.len <= 0) return;
   const int bos = rq.bos, len = rq.len;
   const int h = hv / p.group;
+  using Elem = typename T::Elem;
+  constexpr uint32_t kTileBytes = uint32_t(V_TILE) * K * sizeof(Elem);
+  Elem* tiles = nullptr;  // BULK: two [V_TILE][K] tiles; the read tile lands in tile 1
+  uint64_t* bar = nullptr;
+  if constexpr (BULK > 0) {
+    extern __shared__ __align__(128) uint8_t verify_tiles[];
+    __shared__ uint64_t s_bar;
+    tiles = reinterpret_cast<Elem*>(verify_tiles);
+    bar = &s_bar;
+    if (threadIdx.x == 0) {  // waited on only after the first block's barriers
+      fkda::mbar_init(bar, 1);
+      fkda::mbar_init_fence();
+    }
+  }
   // Tokens [t0, t0 + S)'s raw q, k, g and v in flight by cp.async (one group); needs only bos.
   auto issue = [&](int t0) {
     const int nb = min(S, len - t0);
@@ -183,7 +223,14 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     return;
   }
   typename T::Item cur;  // the state registers and, per token, its v (the rest stays unused)
-  T::load_state_regs(p, cur, T::slot_base(p, rq.read, hv, vrow0), lane);
+  if constexpr (BULK > 0) {
+    if (threadIdx.x == 0) {
+      fkda::bulk_load(tiles + V_TILE * K, static_cast<const Elem*>(p.state) + T::slot_base(p, rq.read, hv, vt * V_TILE),
+                      kTileBytes, bar);
+    }
+  } else {
+    T::load_state_regs(p, cur, T::slot_base(p, rq.read, hv, vrow0), lane);
+  }
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
 #pragma unroll
   for (int i = 0; i < T::CHUNKS; ++i) {
@@ -208,8 +255,9 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
-    for (int m = 0; m < S / G; ++m) {
+    for (int m = 0; m < M; ++m) {
       const int j = grp + G * m;
+      if (G > S && j >= S) continue;  // warp-uniform (S % (32 / LPR) == 0)
       const int js = j < nb ? j : 0;  // every lane runs prepare (its sums shuffle over the warp)
 #pragma unroll
       for (int i = 0; i < T::CHUNKS; ++i) {
@@ -231,6 +279,20 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       }
     }
     __syncthreads();
+    if constexpr (BULK > 0) {
+      if (t0 == 0) fkda::mbar_wait(bar, 0);  // the read tile has landed (it arrived during the prep)
+    }
+    if constexpr (BULK == 1) {
+      if (t0 == 0) {  // this thread's chunks into its state registers
+        const Elem* src = tiles + V_TILE * K + warp * (V_TILE / WARPS) * K;
+#pragma unroll
+        for (int ps = 0; ps < T::PASSES; ++ps) {
+#pragma unroll
+          for (int i = 0; i < T::CHUNKS; ++i)
+            cur.s[ps][i] = *reinterpret_cast<const uint4*>(src + (ps * T::RPW + r) * K + T::key_of(i, c));
+        }
+      }
+    }
     for (int j = 0; j < nb; ++j) {
       typename T::Prep pr;
 #pragma unroll
@@ -244,8 +306,35 @@ kda_verify_staged_kernel(const VerifyParams vp) {
 #pragma unroll
       for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = s_v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
       const int32_t dst = s_dst[j];
-      token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
+      if constexpr (BULK > 0) {
+        const int t = t0 + j;
+        Elem* tile = tiles + (t & 1) * (V_TILE * K);           // token t's packed state
+        const Elem* prev = tiles + (~t & 1) * (V_TILE * K);    // token t - 1's (or the read tile)
+        Elem* wt = tile + warp * (V_TILE / WARPS) * K;
+        const Elem* rt = prev + warp * (V_TILE / WARPS) * K;
+        token_step_on<T, OffT>(
+            p, cur, pr, bos + t, hv, vrow0, lane,
+            [&](int ps, int i, int e) {
+              if constexpr (BULK == 1) return cur.s[ps][i];
+              else return *reinterpret_cast<const uint4*>(rt + e);
+            },
+            [&](int ps, int i, int e, const uint4& packed) {
+              if constexpr (BULK == 1) cur.s[ps][i] = packed;  // the next token continues from the stored value
+              *reinterpret_cast<uint4*>(wt + e) = packed;
+            });
+        fkda::fence_smem_to_async();  // this thread's tile writes, for the bulk copy
+        if (threadIdx.x == 0) fkda::bulk_s2g_wait_read();  // token t - 1's copy has read the other tile
+        __syncthreads();
+        if (threadIdx.x == 0 && !T::is_pad(p, dst)) {  // a dead slot is never a copy's target
+          fkda::bulk_s2g(static_cast<Elem*>(p.state) + T::slot_base(p, dst, hv, vt * V_TILE), tile, kTileBytes);
+        }
+      } else {
+        token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
+      }
     }
+  }
+  if constexpr (BULK > 0) {
+    if (threadIdx.x == 0) fkda::bulk_s2g_wait_read();  // the last tile must outlive its copy's reads
   }
 }
 
