@@ -1,6 +1,6 @@
 // Argument checks the state-pool bindings (decode, fused decode, verify, fused verify; CPU and CUDA)
-// share beyond binding.h's Checker: head counts and dims of q / v (and the labels of q, k, v, g), the
-// pool's rank and extents, the slot table state_indices [N, T_max], the gate / scale options.
+// share beyond binding.h's Checker: head counts and dims of q / v, the pool's rank and extents, the
+// slot table state_indices [N, T_max], the gate / scale options.
 #pragma once
 
 #include <cstdint>
@@ -23,18 +23,6 @@ inline QVHeads qv_heads(const Checker& c, const TensorView& q, const TensorView&
   c.head_dims(h.K, h.V);
   c.heads(h.H, h.HV);
   return h;
-}
-
-// q, k [.., H, K], v [.., HV, V] and g [.., HV, K], in this order, each through
-// check(tensor, name, heads label, heads, dim label, dim): the labels are the op's, the layout rule
-// (strided rows, packed tokens) the caller's.
-template <typename Check>
-inline void check_qkvg(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g, int64_t H,
-                       int64_t HV, int64_t K, int64_t V, Check&& check) {
-  check(q, "q", "H", H, "K", K);
-  check(k, "k", "H", H, "K", K);
-  check(v, "v", "HV", HV, "V", V);
-  check(g, "g", "HV", HV, "K", K);
 }
 
 struct FusedHeads {

@@ -99,9 +99,10 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 3, "[rows, H, K]", "[rows, HV, V]");
   const int64_t rows = v.size(0), HV = heads.HV, H = heads.H;
   if (rows >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 rows per call, got " << rows;
-  fkda::check_qkvg(q, k, v, g, H, HV, K, V,
-                   [&](const TensorView& t, const char* name, const char* n_label, int64_t n, const char* d_label,
-                       int64_t d) { check_rows_tensor(c, t, name, rows, n_label, n, d_label, d, out); });
+  check_rows_tensor(c, q, "q", rows, "H", H, "K", K, out);
+  check_rows_tensor(c, k, "k", rows, "H", H, "K", K, out);
+  check_rows_tensor(c, v, "v", rows, "HV", HV, "V", V, out);
+  check_rows_tensor(c, g, "g", rows, "HV", HV, "K", K, out);
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"rows", rows}, {"HV", HV}});
   c.dtype(beta, "beta", {fkda::kBF16});

@@ -64,9 +64,10 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 4, "[1, T, H, K]", "[1, T, HV, V]");
   const int64_t T = v.size(1), HV = heads.HV, H = heads.H;
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
-  fkda::check_qkvg(q, k, v, g, H, HV, K, V,
-                   [&](const TensorView& t, const char* name, const char* n_label, int64_t n, const char* d_label,
-                       int64_t d) { check_packed(c, t, name, T, n_label, n, d_label, d, out); });
+  check_packed(c, q, "q", T, "H", H, "K", K, out);
+  check_packed(c, k, "k", T, "H", H, "K", K, out);
+  check_packed(c, v, "v", T, "HV", HV, "V", V, out);
+  check_packed(c, g, "g", T, "HV", HV, "K", K, out);
   check_packed(c, out, "out", T, "HV", HV, "V", V, out);
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
