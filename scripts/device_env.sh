@@ -24,3 +24,20 @@ stage() {
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "== $name rc=$rc in $(( $(date +%s) - t0 )) s"
 }
+# fla's own tests/ops/test_kda.py (copied into .fla_tests/ by `device_integrations.sh --prepare`) with the
+# flashkda_ext backend registered: scripts/fla_backend_count.py (scripts/ on PYTHONPATH) counts the calls it
+# served and refused per test. fla_cmd [pytest options] sets the array FLA_CMD; FLA_K narrows the tests
+# (pytest -k); with pytest-xdist carried they run in FLA_WORKERS workers (default 4): Triton's compiles
+# are CPU-bound (2026-12-02: 8 workers beside the GPU tests ran 37 tests of the whole file in 300 s; 4
+# workers ran the 29 forward-only cases in 206 s).
+fla_cmd() {
+  FLA_CMD=(python3 -m pytest -q -p no:cacheprovider -p fla_backend_count "$@")
+  if python3 -c "import xdist" 2>/dev/null; then FLA_CMD+=(-n "${FLA_WORKERS:-4}"); fi
+  if [ -n "${FLA_K:-}" ]; then FLA_CMD+=(-k "$FLA_K"); fi
+  FLA_CMD+=(--rootdir .fla_tests .fla_tests/tests/ops/test_kda.py)
+}
+# the served / refused table (its last ${2:-40} lines) and the pass / fail lines of stage log $1
+fla_summary() {
+  sed -n '/calls served/,$p' "$OUT/$1.log" | tail -"${2:-40}"
+  grep -E "^FAILED|passed|failed" "$OUT/$1.log" | tail -8
+}

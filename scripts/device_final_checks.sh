@@ -28,9 +28,8 @@ if [ "${INTEGRATIONS:-0}" = 1 ]; then   # the adoption layer's GPU tests (fla's 
   check gpu_integrations 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_integrations_gpu.py
 fi
 if [ "${FLA:-0}" = 1 ]; then
-  XDIST=""; if python3 -c "import xdist" 2>/dev/null; then XDIST="-n ${FLA_WORKERS:-4}"; fi
-  check fla_kda ${FLA_LIMIT:-200} python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count $XDIST \
-    --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
+  fla_cmd -rfE
+  check fla_kda ${FLA_LIMIT:-200} "${FLA_CMD[@]}"
 fi
 if [ "${SELFTEST:-0}" = 1 ]; then
   check selftest 120 python3 -m flashkda_ext selftest
@@ -52,8 +51,7 @@ grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8
 for name in gpu_integrations trace_cuda; do
   [ -f "$OUT/$name.log" ] && { echo "-- $name"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -6; }
 done
-[ -f "$OUT/fla_kda.log" ] && { echo "-- fla_kda"; sed -n '/calls served/,$p' "$OUT/fla_kda.log" | tail -40
-                               grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -8; }
+[ -f "$OUT/fla_kda.log" ] && { echo "-- fla_kda"; fla_summary fla_kda; }
 [ -f "$OUT/selftest.log" ] && { echo "-- selftest"; tail -4 "$OUT/selftest.log"; }
 for t in memcheck racecheck synccheck; do
   [ -f "$OUT/$t.log" ] && { echo "-- $t"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ failed$" "$OUT/$t.log" | tail -3; }

@@ -11,9 +11,8 @@
 # benchmark (benchmarks/bench_layer.py: fla / fla backend / ours / compiled, and the adapter casts).
 # STAGES picks what runs (one device command has 10 minutes): "build" (every CUDA module, 16 at a time, so the
 # tests do not build them one by one), "gpu" (tests/gpu/test_integrations_gpu.py), "fla" (fla's test_kda.py
-# with the backend), "bench" (the layer benchmark); default "gpu fla". FLA_WORKERS (default 8) runs fla's
-# tests in that many pytest-xdist workers when xdist is importable (carry pytest-xdist and execnet wheels):
-# Triton's compiles are CPU-bound, and one process hit a 280 s limit after 66 tests.
+# with the backend), "bench" (the layer benchmark); default "gpu fla". With pytest-xdist and execnet carried,
+# fla's tests run in FLA_WORKERS workers (device_env.sh's fla_cmd): one process hit a 280 s limit after 66 tests.
 set -uo pipefail
 if [ "${1:-}" = "--prepare" ]; then
   mirror=${2:-/work/.mirror/fla-org+flash-linear-attention/repo}
@@ -33,8 +32,6 @@ if has build; then
   stage build 170 python3 -m flashkda_ext build --backend cuda --all --parallel 16 --jobs 1
   tail -1 "$OUT/build.log"
 fi
-XDIST=""
-if python3 -c "import xdist" 2>/dev/null; then XDIST="-n ${FLA_WORKERS:-8}"; fi
 # the GPU tests run beside fla's tests (both are correctness checks, no timing), so their Triton compiles overlap
 if has gpu; then
   stage gpu_integrations ${GPU_LIMIT:-300} python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_integrations_gpu.py &
@@ -43,14 +40,13 @@ if ! has fla; then :
 elif [ -f .fla_tests/tests/ops/test_kda.py ]; then
   cat .fla_tests/SNAPSHOT 2>/dev/null
   if [ "${BASELINE:-0}" = 1 ]; then
-    FLA_BACKEND_OFF=1 stage fla_kda_baseline 240 python3 -m pytest -q -p no:cacheprovider -p fla_backend_count $XDIST \
-      --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
+    fla_cmd
+    FLA_BACKEND_OFF=1 stage fla_kda_baseline 240 "${FLA_CMD[@]}"
     grep -E "passed|failed" "$OUT/fla_kda_baseline.log" | tail -2
   fi
-  stage fla_kda ${FLA_LIMIT:-280} python3 -m pytest -q -rfE -p no:cacheprovider -p fla_backend_count $XDIST \
-    --rootdir .fla_tests ${FLA_K:+-k "$FLA_K"} .fla_tests/tests/ops/test_kda.py
-  sed -n '/calls served/,$p' "$OUT/fla_kda.log" | tail -60
-  grep -E "^FAILED|passed|failed" "$OUT/fla_kda.log" | tail -20
+  fla_cmd -rfE
+  stage fla_kda ${FLA_LIMIT:-280} "${FLA_CMD[@]}"
+  fla_summary fla_kda 60
 else
   echo "no .fla_tests/: run 'bash scripts/device_integrations.sh --prepare' here and carry .fla_tests"
 fi
