@@ -217,6 +217,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     fkda_decode::cp_async_commit();
   };
   issue(0);  // before the read slot is known: the inputs arrive while the state is requested
+  if constexpr (BULK > 0) __syncthreads();  // the mbarrier is initialised before it is armed (racecheck
+                                            // warned of init / expect_tx hazards without it, 2026-12-02)
   if (T::is_pad(p, rq.read)) {  // CTA-uniform
     fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
     for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
