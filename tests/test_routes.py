@@ -110,22 +110,32 @@ EDGES = {
         (prefill_meta(num_seqs=256, value_heads=1, state="bf16"), "prefill_vt64s_bf16"),
     ],
     ("kda_verify", "few_items", "work_items_max"): [
-        (verify_meta(num_seqs=2, value_heads=16), "verify_stage16w4_f32_o32"),              # 32
-        (verify_meta(num_seqs=32, value_heads=1, state="bf16", offset="o64"), "verify_stage16w4_bf16_o64"),
-        (verify_meta(num_seqs=33, value_heads=1), "verify_tile_f32_o32"),                   # 33, T 2: f32_short
-        (verify_meta(num_seqs=33, value_heads=1, state="bf16"), "verify_stage16_bf16_o32"),  # 33: bf16_small
-    ],
-    ("kda_verify", "bf16_small", "work_items_max"): [
-        (verify_meta(num_seqs=1, value_heads=64, state="bf16"), "verify_stage16_bf16_o32"),  # 64
-        (verify_meta(num_seqs=65, value_heads=1, state="bf16"), "verify_stage_bf16_o32"),    # 65: fallback
-        (verify_meta(num_seqs=1, value_heads=64, max_seqlen=8), "verify_stage_f32_o32"),    # fp32, T 8: fallback
+        (verify_meta(num_seqs=1, value_heads=16), "verify_stage16w4_f32_o32"),              # 16
+        (verify_meta(num_seqs=16, value_heads=1, state="bf16", offset="o64"), "verify_stage16w4_bf16_o64"),
+        (verify_meta(num_seqs=17, value_heads=1), "verify_bulk4_f32_o32"),                  # 17: fallback
+        (verify_meta(num_seqs=17, value_heads=1, state="bf16"), "verify_bulk4_bf16_o32"),   # 17: fallback
     ],
     ("kda_verify", "f32_short", "max_seqlen_max"): [
-        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=3), "verify_tile_f32_o32"),     # T 3
-        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=4), "verify_stage_f32_o32"),    # T 4: fallback
-        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8, offset="o64"), "verify_stage_f32_o64"),
-        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=2, offset="o64"), "verify_tile_f32_o64"),
-        (verify_meta(num_seqs=16, value_heads=16, max_seqlen=2, state="bf16"), "verify_stage_bf16_o32"),  # bf16: any T
+        (verify_meta(num_seqs=8, value_heads=16, max_seqlen=3), "verify_tile_f32_o32"),     # T 3
+        (verify_meta(num_seqs=8, value_heads=16, max_seqlen=4), "verify_bulk4_f32_o32"),    # T 4: fallback
+        (verify_meta(num_seqs=16, value_heads=16, max_seqlen=2, offset="o64"), "verify_tile_f32_o64"),
+        (verify_meta(num_seqs=8, value_heads=16, max_seqlen=2, state="bf16"), "verify_bulk4_bf16_o32"),  # bf16
+    ],
+    ("kda_verify", "f32_short", "work_items_min"): [
+        (verify_meta(num_seqs=65, value_heads=1), "verify_tile_f32_o32"),                   # 65
+        (verify_meta(num_seqs=4, value_heads=16), "verify_bulk4_f32_o32"),                  # 64: fallback
+    ],
+    ("kda_verify", "f32_short", "work_items_max"): [
+        (verify_meta(num_seqs=16, value_heads=16, max_seqlen=3), "verify_tile_f32_o32"),    # 256
+        (verify_meta(num_seqs=257, value_heads=1), "verify_bulk4_f32_o32"),                 # 257: fallback
+        (verify_meta(num_seqs=1024, value_heads=64, offset="o64"), "verify_bulk4_f32_o64"),
+    ],
+    ("kda_verify", "bf16_large", "work_items_min"): [
+        (verify_meta(num_seqs=129, value_heads=1, state="bf16"), "verify_stage2_bf16_o32"),  # 129
+        (verify_meta(num_seqs=8, value_heads=16, state="bf16"), "verify_bulk4_bf16_o32"),    # 128: fallback
+        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8, state="bf16", offset="o64"),
+         "verify_stage2_bf16_o64"),
+        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8), "verify_bulk4_f32_o32"),  # fp32: fallback
     ],
     ("kda_prefill", "some_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=5, value_heads=8), "prefill_vt32_f32"),         # 40
