@@ -50,7 +50,8 @@ def install_fake_vllm(monkeypatch, impls=None) -> types.SimpleNamespace:
     """Put the fake modules into sys.modules (monkeypatch undoes it). The layer module holds the ops by name,
     as `from ...ops.kda import ...` leaves them."""
     calls: list = []
-    stubs = _stubs(calls, impls or {})
+    impls = {} if impls is None else impls
+    stubs = _stubs(calls, impls)
     modules = {}
     for full in (OPS, LAYER):
         parts = full.split(".")
@@ -66,4 +67,5 @@ def install_fake_vllm(monkeypatch, impls=None) -> types.SimpleNamespace:
         setattr(modules[LAYER], name, stubs[name])
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    return types.SimpleNamespace(ops=modules[OPS], layer=modules[LAYER], stubs=stubs, calls=calls, modules=modules)
+    return types.SimpleNamespace(ops=modules[OPS], layer=modules[LAYER], stubs=stubs, calls=calls, impls=impls,
+                                 modules=modules)
