@@ -2,6 +2,7 @@
 
 fla: a backend for fla's registry (flashkda_ext.integrations.fla.register()).
 sglang: a kernel backend with SGLang's linear-attention call shapes (no sglang import).
+vllm: install() rebinds the KDA ops vLLM vendors from fla to adapters on the fla mapping (vllm imported then only).
 Here: the per-chunk state layout both adapters return.
 """
 import torch

@@ -204,7 +204,9 @@ def _verdict_key(entry: str, args: tuple, kwargs: dict):
     return tuple(key)
 
 
-def _verify(entry: str, check, args: tuple, kwargs: dict):
+def _verdict(entry: str, check, args: tuple, kwargs: dict):
+    """(True, None) when check(*args, **kwargs) passes, else (False, reason); memoized by call signature.
+    The vLLM adapter shares it (flashkda_ext/integrations/vllm.py), under entry names of its own."""
     key = _verdict_key(entry, args, kwargs)
     verdict = _VERDICTS.get(key) if key is not None else None
     if verdict is None:
@@ -218,6 +220,11 @@ def _verify(entry: str, check, args: tuple, kwargs: dict):
             if len(_VERDICTS) >= _VERDICT_LIMIT:
                 _VERDICTS.clear()
             _VERDICTS[key] = verdict
+    return verdict
+
+
+def _verify(entry: str, check, args: tuple, kwargs: dict):
+    verdict = _verdict(entry, check, args, kwargs)
     STATS[entry, "served" if verdict[0] else "refused"] += 1
     if not verdict[0]:
         REASONS[entry, verdict[1]] += 1
@@ -262,8 +269,9 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                           output_final_state=False, inplace_final_state=True, state_v_first=False, cu_seqlens=None,
                           ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
                           use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                          lower_bound=None, out=None, **kwargs):
-    """(family, args, kwargs, result) where result(op output) builds fla's (o, final_state)."""
+                          lower_bound=None, out=None, *, null_slot0=False, **kwargs):
+    """(family, args, kwargs, result) where result(op output) builds fla's (o, final_state).
+    null_slot0 is no fla argument: vLLM's vendored kernel skips slot 0 (its null block), fla's does not."""
     _common(q, k, v, beta, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
                                 dt_bias=dt_bias, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                                 out=out),
@@ -295,7 +303,8 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                       cu_seqlens=plan.cast(cu_seqlens, torch.int32),
                       num_accepted_tokens=None if num_accepted_tokens is None
                       else plan.cast(num_accepted_tokens, torch.int32),
-                      max_seqlen=int(ssm_state_indices.shape[1]), out=plan.keep(out), **gate_kw)
+                      max_seqlen=int(ssm_state_indices.shape[1]), null_slot0=null_slot0, out=plan.keep(out),
+                      **gate_kw)
             args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
             return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
@@ -316,7 +325,8 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
         o_rows = plan.reshape(out, (rows, HV, V)) if out is not None else None
         args = (plan.reshape(q, (rows, H, K)), plan.reshape(k, (rows, H, K)), plan.reshape(v, (rows, HV, V)),
                 plan.reshape(g, (rows, HV, K)), plan.reshape(beta, (rows, HV)))
-        kw = dict(state=plan.keep(initial_state), state_indices=idx, slot_mode="padded", out=o_rows, **gate_kw)
+        kw = dict(state=plan.keep(initial_state), state_indices=idx, slot_mode="padded", null_slot0=null_slot0,
+                  out=o_rows, **gate_kw)
         return "kda_decode", args, kw, lambda o: (o.reshape(B, T, HV, V) if out is None else out, initial_state)
 
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
