@@ -1590,21 +1590,31 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     float acc[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    for (int ks = 0; ks <= m1; ++ks) {
-      const bool both = ks <= m0;  // warp-uniform
+    // k-steps 0..m0 feed both row blocks, then m0 + 1..m1 row block m1 alone (two loops: no
+    // predicated-off products taking issue slots); each element's k-steps stay in order.
+    for (int ks = 0; ks <= m0; ++ks) {
       uint32_t a0[4], a1[4];
+      load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
       load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
-      if (both) load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bfr[4];
+        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
+        mma_bf16(acc[2 * np], a0, bfr);
+        mma_bf16(acc[2 * np + 1], a0, bfr + 2);
+        mma_bf16(acc[8 + 2 * np], a1, bfr);
+        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
+      }
+    }
+    for (int ks = m0 + 1; ks <= m1; ++ks) {
+      uint32_t a1[4];
+      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bfr[4];
         load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
         mma_bf16(acc[8 + 2 * np], a1, bfr);
         mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
-        if (both) {
-          mma_bf16(acc[2 * np], a0, bfr);
-          mma_bf16(acc[2 * np + 1], a0, bfr + 2);
-        }
       }
     }
     const int g = lane >> 2, c0 = 2 * (lane & 3);
