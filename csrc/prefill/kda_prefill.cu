@@ -14,7 +14,10 @@
 // fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
 // 2^100), on tensor cores: 1 = one bf16 product (output rel. L2 ~4.3-4.7e-3 instead of ~3.9e-3,
 // H200), 2 = bf16 hi + lo operands and three products, the fp32 form's accuracy; blocks outside
-// that range take the fp32 form in both. A template parameter of the prep kernel.
+// that range take the fp32 form in both; 3 = one tf32 product (11-bit operands, no split; not
+// routed, issue 32). A template parameter of the prep kernel.
+// FKDA_PARAM_PREP_PROBE, FKDA_PARAM_PREP_WU_BALANCE: prep-kernel variants for issue 32 (timing probes
+// with wrong results by design; W / U products spread over the warps), kda_prefill_kernels.cuh.
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
@@ -28,8 +31,8 @@
 #ifndef FKDA_PARAM_DIAG_MMA
 #define FKDA_PARAM_DIAG_MMA 0
 #endif
-#if FKDA_PARAM_DIAG_MMA < 0 || FKDA_PARAM_DIAG_MMA > 2
-#error "FKDA_PARAM_DIAG_MMA must be 0 (fp32), 1 (one bf16 product) or 2 (split bf16)"
+#if FKDA_PARAM_DIAG_MMA < 0 || FKDA_PARAM_DIAG_MMA > 3
+#error "FKDA_PARAM_DIAG_MMA must be 0 (fp32), 1 (one bf16 product), 2 (split bf16) or 3 (one tf32 product)"
 #endif
 #if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
 #error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"
@@ -39,6 +42,9 @@
 #endif
 #if FKDA_PARAM_SINGLE != 0 && FKDA_PARAM_SINGLE != 1
 #error "FKDA_PARAM_SINGLE must be 0 or 1"
+#endif
+#if defined(FKDA_PARAM_PREP_PROBE) && FKDA_PARAM_PREP_PROBE != 0 && FKDA_PARAM_SINGLE != 0
+#error "the prep timing probes (FKDA_PARAM_PREP_PROBE) write no usable workspace: they need FKDA_PARAM_SINGLE 0"
 #endif
 #ifndef FKDA_PARAM_RING
 #define FKDA_PARAM_RING 0

@@ -727,8 +727,9 @@ __device__ __forceinline__ void store_l_pair(float* Lm, int row, int col, float 
 __device__ __forceinline__ void store_l_split_pair(float* Lm, int row, int col, float x0, float x1, float beta) {
   *reinterpret_cast<uint2*>(Lm + row * kLdM + col) = split_words(beta * x0, beta * x1);
 }
-__device__ __forceinline__ void store_a_pair(bf16* Aw, int row, int col, float x0, float x1) {
-  *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(col <= row ? x0 : 0.f, col + 1 <= row ? x1 : 0.f);
+// st: false only in the timing probe without workspace stores (prep_probe 1, never at run time).
+__device__ __forceinline__ void store_a_pair(bf16* Aw, int row, int col, float x0, float x1, bool st = true) {
+  if (st) *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(col <= row ? x0 : 0.f, col + 1 <= row ? x1 : 0.f);
 }
 
 // One row i of a diagonal 16x16 block (columns j = j0 + t): this lane's part (keys d = 32 c + 4 dq
@@ -779,14 +780,14 @@ __device__ __forceinline__ void diag_row_sums(const bf16* Qs, const bf16* Ks, co
 // are zeros).
 template <int NT>
 __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int blk, int dq, float beta,
-                                               const float (&sL)[NT], const float (&sA)[NT]) {
+                                               const float (&sL)[NT], const float (&sA)[NT], bool st = true) {
   float l[2] = {0.f, 0.f}, q[2] = {0.f, 0.f};
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if ((t >> 1) == dq) { l[t & 1] = sL[t]; q[t & 1] = sA[t]; }
   }
   store_l_pair(Lm, i, blk * 16 + 2 * dq, l[0], l[1], beta);
-  store_a_pair(Aw, i, blk * 16 + 2 * dq, q[0], q[1]);
+  store_a_pair(Aw, i, blk * 16 + 2 * dq, q[0], q[1], st);
 }
 
 // (diag_mma 1, 2) The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
@@ -870,10 +871,80 @@ __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16
     }
   return mine;
 }
+// D += A (16x8, row) * B (8x8, col), tf32 in, fp32 accumulate.
+__device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// x rounded to tf32, to nearest with ties away (cvt.rna's result in the 19 bits the tensor core
+// reads; it ignores the low 13): half a tf32 ulp added to the bits, one integer add where cvt.rna
+// compiled to two instructions with a range test. x must be finite (these operands are below 2^100).
+__device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+// (diag_mma 3) diag_block_mma's block on tf32 tensor cores: the same operands (mid-block anchor,
+// rows 16 I + g and + 8, keys 16 ks + 8 ch + 2 tq, + 1), each rounded once to tf32 (11 significant
+// bits: 8x finer than the one bf16 product of diag_mma 1, no hi + lo split), one m16n8k8 product a
+// (matrix, n-tile, 8 keys): 8 products a 16-key step where the split form takes 12. The reduction
+// over keys is order-free, so its index is permuted the same way in A and B: logical k = tq is key
+// 2 tq, k = tq + 4 is key 2 tq + 1 of the 8-key group (m16n8k8 tf32 fragments: A (g, tq), (g + 8,
+// tq), (g, tq + 4), (g + 8, tq + 4); B (k tq, n g), (k tq + 4, n g)); then a thread's B column g
+// (n-tile nn) is its own row g + 8 nn, as in diag_block_mma. C layout and the exchange are
+// diag_block_mma's.
+__device__ __forceinline__ DiagPartial diag_block_mma_tf32(const bf16* Qs, const bf16* Ks, const float* Gs,
+                                                           float* xch, int I, int half, int lane) {
+  const int g = lane >> 2, tq = lane & 3, m = 16 * I + 7;
+  float cL[2][4], cA[2][4];
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cL[nn][e] = cA[nn][e] = 0.f;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int ks = half * 4 + s;
+#pragma unroll
+    for (int ch = 0; ch < 2; ++ch) {
+      const int d = ks * 16 + 2 * tq + 8 * ch;
+      const float2 gm = *reinterpret_cast<const float2*>(Gs + m * kLdG + d);
+      uint32_t ak[4], aq[4], br[2][2];  // A: [2 e + rr] = (row g + 8 rr, key d + e); B of n-tile rr: [e]
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int i = 16 * I + g + 8 * rr;
+        const float2 gi = *reinterpret_cast<const float2*>(Gs + i * kLdG + d);
+        const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * kLdB + d));
+        const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
+        const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
+        const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
+        ak[rr] = to_tf32(kv.x * f0);
+        ak[2 + rr] = to_tf32(kv.y * f1);
+        aq[rr] = to_tf32(qv.x * f0);
+        aq[2 + rr] = to_tf32(qv.y * f1);
+        br[rr][0] = to_tf32(kv.x * b0);
+        br[rr][1] = to_tf32(kv.y * b1);
+      }
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn) {
+        mma_tf32(cL[nn], ak, br[nn]);
+        mma_tf32(cA[nn], aq, br[nn]);
+      }
+    }
+  }
+  DiagPartial mine;
+  float* out = xch + ((I * 2 + half) * 32 + lane) * 8;
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out[nn * 4 + e] = half ? cL[nn][e] : cA[nn][e];
+      mine.v[nn][e] = half ? cA[nn][e] : cL[nn][e];
+    }
+  return mine;
+}
 // After the barrier: add the other warp's partial (k-steps 0..3 first in both warps) and write
 // the block: L from half 0, Aqk from half 1.
 __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const float* xch, float* Lm, bf16* Aw,
-                                                  const float* betas, int I, int half, int lane) {
+                                                  const float* betas, int I, int half, int lane, bool st = true) {
   const int g = lane >> 2, tq = lane & 3;
   const float* in = xch + ((I * 2 + (half ^ 1)) * 32 + lane) * 8;
 #pragma unroll
@@ -888,7 +959,7 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
         x[e] = half ? other + my : my + other;
       }
       if (half == 0) store_l_pair(Lm, row, col, x[0], x[1], betas[row]);
-      else store_a_pair(Aw, row, col, x[0], x[1]);
+      else store_a_pair(Aw, row, col, x[0], x[1], st);
     }
 }
 
@@ -1052,6 +1123,24 @@ __device__ __forceinline__ void inverse_part2(QuarterTerms& t, const uint32_t* L
 //   [L: fp32 diagonal blocks, split words below them]
 //   [raw g, then operands] -> [beta exp(G) k] -> [U]
 constexpr int kLiteThreads = FKDA_PARAM_PREP_THREADS;  // the prep kernel's launch shape (record params)
+// Timing probes of the prep kernel (issue 32, stage 1; never routed, wrong results by design):
+// FKDA_PARAM_PREP_PROBE 1 = all of today's work, its workspace stores kept in the code but predicated
+// on a value that is never true at run time (so nothing is eliminated and nothing is written: the
+// prep's compute and latency without the workspace round trip); 2 = the memory side only: the same
+// loads, then the whole workspace slot written from shared memory by bulk copies, no math.
+#ifndef FKDA_PARAM_PREP_PROBE
+#define FKDA_PARAM_PREP_PROBE 0
+#endif
+// FKDA_PARAM_PREP_WU_BALANCE 1: step 7's W / U products spread evenly over the warps (row blocks
+// 0 + 3 and 1 + 2, half the columns each) instead of a row block a warp (1..4 k-steps); the same
+// k-step order per element, so bitwise the same results.
+#ifndef FKDA_PARAM_PREP_WU_BALANCE
+#define FKDA_PARAM_PREP_WU_BALANCE 0
+#endif
+constexpr int kPrepProbe = FKDA_PARAM_PREP_PROBE;
+constexpr int kWuBalance = FKDA_PARAM_PREP_WU_BALANCE;
+static_assert(kPrepProbe >= 0 && kPrepProbe <= 2, "prep_probe: 0, 1 (no workspace stores) or 2 (memory only)");
+static_assert(kWuBalance == 0 || kWuBalance == 1, "prep_wu_balance: 0 or 1");
 static_assert(FKDA_PARAM_PREP_THREADS == 256, "the prep kernel is written for 8 warps (record param prep_threads)");
 constexpr int kLOffG = 0;
 constexpr int kLOffX = 0;                                 // after G is dead
@@ -1148,7 +1237,7 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
 }
 
 // DIAG: the diagonal blocks' form where the gate range allows (0 fp32 elementwise, 1 one bf16
-// product, 2 split bf16 products), fixed per module (FKDA_PARAM_DIAG_MMA).
+// product, 2 split bf16 products, 3 one tf32 product), fixed per module (FKDA_PARAM_DIAG_MMA).
 template <typename ST, int DIAG>
 __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
@@ -1197,6 +1286,9 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   const int HV = a.HV;
   uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
   bf16* Aw = reinterpret_cast<bf16*>(ws + kWsA);
+  // prep_probe 1: the workspace stores happen only when sink holds, which it never does (beta_logit
+  // is 0 or 1), and which the compiler cannot know.
+  const bool sink = kPrepProbe != 1 || a.beta_logit == 0x5eed;
 
   // ---- 1. loads. q, k and the raw g go by cp.async straight into shared memory, all in flight at
   // once (rows >= nt zero-filled); v waits in registers until step 5. The raw g sits in the operand
@@ -1235,6 +1327,23 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kPrepProbe == 2) {  // the memory side alone: v beside the others, then the whole slot out
+    bf16* Vs = reinterpret_cast<bf16*>(Lm);  // 16 KB of L's 17 KB, unpadded rows
+#pragma unroll
+    for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(Vs)[tid + i * kLiteThreads] = vreg[i];
+    fkda::fence_smem_to_async();
+    __syncthreads();
+    if (tid == 0) {  // slot bytes: [W | Qg | Kd] from k, q, raw g; A from v; exp(G_C) from beta; U from v
+      fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
+      fkda::bulk_s2g(ws + kWsQg, Qs, uint32_t(kC * kLdB * 2));
+      fkda::bulk_s2g(ws + kWsKd, Graw, uint32_t(kC * kLdB * 2));
+      fkda::bulk_s2g(ws + kWsA, Vs, uint32_t(kC * kLdX * 2));
+      fkda::bulk_s2g(ws + kWsGc, betas, uint32_t(kK * 4));
+      fkda::bulk_s2g(ws + kWsU, Vs, uint32_t((kV / 16) * kUBlockBytes));
+      fkda::bulk_s2g_wait_read();
+    }
+    return;
+  }
   // l2norm of q (times scale) and k in place: 8 lanes a row (keys 8 j .. 8 j + 7 and 64 + 8 j ..),
   // 4 rows a warp at a time, so a row's sums take 3 shuffle steps (a warp a row took 5, and 5x
   // the shuffles in all); each 8-lane phase of a 16-byte load reads 128 contiguous bytes.
@@ -1310,7 +1419,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 2. exp(G_C) to the workspace. Aqk's strictly-upper 16x16 blocks are left unwritten, like
   // the slot's row padding: no product uses them (finish_output stops at the diagonal block;
   // output_and_update replaces their fragments by zeros).
-  if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
+  if (tid < kK && sink) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
 
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
   // Two warps a block. The 8 lanes of group p own the rows il = p and 15 - p: (p + 1) + (16 - p)
@@ -1321,26 +1430,27 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   const bool mma_diag = DIAG != 0 && safe[tid >> 6];  // warp-uniform
   DiagPartial part;
   if (mma_diag) {
-    part = diag_block_mma<DIAG == 2>(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
+    if constexpr (DIAG == 3) part = diag_block_mma_tf32(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
+    else part = diag_block_mma<DIAG == 2>(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
   } else if (!safe[tid >> 6]) {
     const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
     {
       const int i = blk * 16 + p;
       float sL[8], sA[8];
       diag_row_sums<8>(Qs, Ks, Gs, i, blk * 16, dq, (warp & 1) * 4 + 3, sL, sA);
-      diag_row_store<8>(Lm, Aw, i, blk, dq, betas[i], sL, sA);
+      diag_row_store<8>(Lm, Aw, i, blk, dq, betas[i], sL, sA, sink);
     }
     {
       const int i = blk * 16 + 15 - p;
       float sL[16], sA[16];
       diag_row_sums<16>(Qs, Ks, Gs, i, blk * 16, dq, 15 - (warp & 1) * 4, sL, sA);
-      diag_row_store<16>(Lm, Aw, i, blk, dq, betas[i], sL, sA);
+      diag_row_store<16>(Lm, Aw, i, blk, dq, betas[i], sL, sA, sink);
     }
   }
 
   if constexpr (DIAG != 0) {
     __syncthreads();  // every partial is in xch
-    if (mma_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane);
+    if (mma_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane, sink);
   }
   __syncthreads();  // q, k and xch are read: step 4 rewrites them
 
@@ -1388,10 +1498,10 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = fq[e] * ps[e];
-      *reinterpret_cast<uint2*>(ws + kWsQg + (i * kLdB + d0) * 2) = pack4(o);
+      if (sink) *reinterpret_cast<uint2*>(ws + kWsQg + (i * kLdB + d0) * 2) = pack4(o);
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = rk[e] * ce[e];
-      *reinterpret_cast<uint2*>(ws + kWsKd + (i * kLdB + d0) * 2) = pack4(o);
+      if (sink) *reinterpret_cast<uint2*>(ws + kWsKd + (i * kLdB + d0) * 2) = pack4(o);
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = fk[e] * ps[e] * b;
       bw[t] = pack4(o);
@@ -1438,7 +1548,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       for (int h = 0; h < 2; ++h) {
         const int row = 16 * I + g + 8 * h, col = 16 * J + nn * 8 + 2 * tq;
         store_l_split_pair(Lm, row, col, accL[nn][2 * h], accL[nn][2 * h + 1], betas[row]);
-        store_a_pair(Aw, row, col, accA[nn][2 * h], accA[nn][2 * h + 1]);
+        store_a_pair(Aw, row, col, accA[nn][2 * h], accA[nn][2 * h + 1], sink);
       }
   }
   __syncthreads();  // the operands are dead; L and the diagonal blocks of X are complete
@@ -1471,7 +1581,62 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
   // workspace layout (W where k was, U where beta exp(G) k was) and leave in two bulk copies
   // (fragment stores straight to global memory filled only half of each 32-byte sector).
-  {
+  if constexpr (kWuBalance == 1) {
+    // warp w of group `which` (W: warps 0-3, U: 4-7): row blocks m0 = w >> 1 and m1 = 3 - m0 (k-steps
+    // 0..m0 and 0..m1: 5 either way), columns 64 h .. 64 h + 63, h = w & 1; each B fragment loaded
+    // once for both row blocks. acc[8 r + j] is n-tile 8 h + j of row block m0 (r 0) or m1 (r 1).
+    const int w = warp & 3, which = warp >> 2, m0 = w >> 1, m1 = 3 - m0, h = w & 1;
+    const bf16* Bsrc = which ? Bu : Bw;
+    float acc[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    // k-steps 0..m0 feed both row blocks, then m0 + 1..m1 row block m1 alone (two loops: no
+    // predicated-off products taking issue slots); each element's k-steps stay in order.
+    for (int ks = 0; ks <= m0; ++ks) {
+      uint32_t a0[4], a1[4];
+      load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
+      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bfr[4];
+        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
+        mma_bf16(acc[2 * np], a0, bfr);
+        mma_bf16(acc[2 * np + 1], a0, bfr + 2);
+        mma_bf16(acc[8 + 2 * np], a1, bfr);
+        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
+      }
+    }
+    for (int ks = m0 + 1; ks <= m1; ++ks) {
+      uint32_t a1[4];
+      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bfr[4];
+        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
+        mma_bf16(acc[8 + 2 * np], a1, bfr);
+        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
+      }
+    }
+    const int g = lane >> 2, c0 = 2 * (lane & 3);
+    __syncthreads();  // every warp is done reading beta exp(G) k before U overwrites it
+    // rows 16 m + g and + 8 of row block m0 (r 0) and m1 (r 1), columns 8 (8 h + j) + c0, + 1: one base
+    // address a thread, a row-block offset and constant offsets per n-tile j, as the other form
+    auto stage = [&](bf16* base, int ld, auto offset) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        bf16* row = base + (r ? m1 : m0) * 16 * ld;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          bf16* d = row + offset(j);
+          *reinterpret_cast<uint32_t*>(d) = pack_bf16(acc[8 * r + j][0], acc[8 * r + j][1]);
+          *reinterpret_cast<uint32_t*>(d + 8 * ld) = pack_bf16(acc[8 * r + j][2], acc[8 * r + j][3]);
+        }
+      }
+    };
+    if (which) stage(Op + u_off(g, c0) + 4 * h * (kC * kLdU16), kLdU16,
+                     [](int j) { return (j >> 1) * (kC * kLdU16) + (j & 1) * 8; });
+    else stage(Ks + g * kLdB + c0 + 64 * h, kLdB, [](int j) { return j * 8; });
+  } else {
     const int mt = warp & 3, which = warp >> 2;
     const bf16* Bsrc = which ? Bu : Bw;
     float acc[16][4];
@@ -1506,7 +1671,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
   if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
-    if (tid == 0) {
+    if (tid == 0 && sink) {
       fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
       fkda::bulk_s2g(ws + kWsU, Op, uint32_t((kV / 16) * kUBlockBytes));
       fkda::bulk_s2g_wait_read();  // shared memory is read before the CTA exits

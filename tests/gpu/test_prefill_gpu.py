@@ -1,6 +1,7 @@
 """GPU tests of the CUDA kda_prefill modules (csrc/prefill) against a float64 token recurrence.
 
-Every module record of jit/modules/prefill_cuda.json (every route's module), both gates plus the
+Every module record of jit/modules/prefill_cuda.json (every route's module; the timing probes, whose
+results are wrong by design, only run), both gates plus the
 log gate (also slow decays with keys near one direction, where every block of the chunk inverse
 matters), extreme softplus decays, ragged lengths (0, 1, 63, 64, 65, ...), int32/int64 cu_seqlens,
 dense and pool states (padding index, null slot 0, untouched slots bitwise unchanged), checkpoints
@@ -27,7 +28,11 @@ if not torch.cuda.is_available():
 tvm_ffi = pytest.importorskip("tvm_ffi")
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS = json.loads((ROOT / "jit/modules/prefill_cuda.json").read_text())["modules"]
+ALL_RECORDS = json.loads((ROOT / "jit/modules/prefill_cuda.json").read_text())["modules"]
+# Timing probes (params.prep_probe, issue 32) compute wrong results by design: smoke-tested only
+# (test_prep_probe_runs); every other record is tested against the recurrence.
+PROBES = [r for r in ALL_RECORDS if r["params"].get("prep_probe", 0)]
+RECORDS = [r for r in ALL_RECORDS if not r["params"].get("prep_probe", 0)]
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
 K = V = 128
 TOL = 6e-3
@@ -312,3 +317,18 @@ def test_back_to_back_calls_on_one_pool(rec):
     torch.cuda.synchronize()
     assert torch.equal(pool, ref_pool), "back-to-back calls differ from synced calls (pool)"
     assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+
+
+@pytest.mark.parametrize("rec", PROBES, ids=lambda r: r["name"])
+def test_prep_probe_runs(rec):
+    """A timing probe (prep_probe 1: no workspace stores; 2: memory only) launches and completes on
+    ragged lengths (gap slots, a one-chunk sequence) with and without a caller workspace; its
+    results are not checked (wrong by design), only that the call and the device are fine after."""
+    mod = load(rec["name"])
+    d = make([130, 1, 63, 0, 200], 4, 4, "softplus")
+    init = (torch.randn(5, 4, V, K, device=DEV) * 0.5).to(sdtype(rec))
+    fin = torch.empty_like(init)
+    ws = torch.empty(mod["kda_prefill_workspace_bytes"](d["v"].shape[1], 5, 4), dtype=torch.uint8, device=DEV)
+    call(mod, d, "softplus", init=init, fin=fin, ws=ws)
+    call(mod, d, "bounded", init=init, fin=fin)
+    torch.cuda.synchronize()
