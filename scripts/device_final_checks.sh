@@ -10,7 +10,8 @@
 # included); TRACE=1 the trace tests on CUDA calls; SANITIZE=1 compute-sanitizer memcheck over every route
 # (scripts/sanitize_routes.py); RACE="glob" racecheck and synccheck over those modules; VERIFY_BENCH="stem,stem" bench_verify.py --quick with those candidate
 # modules beside the routed one and fla; FB=0 skips flashinfer-bench; BENCH_CP=0 skips the
-# context-parallel benchmark.
+# context-parallel benchmark. VERIFY_GRID=1 bench_verify.py over issue 30's whole grid (graph mode, fla beside the
+# routed module; VERIFY_GRID_MODULES=stem,stem adds candidate arms).
 # CONCURRENT=1 runs the correctness stages (tests, selftest, trace, memcheck, fla's tests) side by side
 # after the build: none of them times anything, and one device command has 10 minutes. The timed stages
 # (benchmarks) always run alone, after them.
@@ -60,6 +61,11 @@ if [ -n "${VERIFY_BENCH:-}" ]; then
   stage bench_verify ${VERIFY_LIMIT:-150} python3 benchmarks/bench_verify.py --quick --no-progress --no-plot \
     --modes graph --modules "$VERIFY_BENCH" --out "$OUT/verify.json"
   grep -E "geomean|summary|%copy|T=" "$OUT/bench_verify.log" | tail -34
+fi
+if [ "${VERIFY_GRID:-0}" = 1 ]; then   # issue 30's whole grid, routed against fla (VERIFY_GRID_MODULES: arms beside it)
+  stage verify_grid ${VERIFY_GRID_LIMIT:-200} python3 benchmarks/bench_verify.py --modes graph --no-progress \
+    --modules "${VERIFY_GRID_MODULES:-}" --out "$OUT/verify_grid.json"
+  grep -E "geomean|^summary" "$OUT/verify_grid.log" | tail -3
 fi
 if [ "${BENCH_CP:-1}" = 1 ]; then
   stage bench_cp 75 python3 benchmarks/bench_cp.py --quick --no-progress --no-plot --out "$OUT/bench_cp.json"
