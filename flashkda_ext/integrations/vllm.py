@@ -13,8 +13,9 @@ vllm/third_party/flash_linear_attention/ops/kda.py (vllm/model_executor/layers/f
 vLLM #48500) and the layer, vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py
 (vllm/model_executor/layers/kda.py before #41126), imports fused_recurrent_kda (decode) and
 chunk_kda_with_fused_gate (prefill; chunk_kda before #43667) by name. The state pool is
-[slots, HV, V, K]; slot 0 is vLLM's null block (NULL_BLOCK_ID): its kernel neither reads nor writes
-an index <= 0, which null_slot0=True gives here.
+[slots, HV, V, K], a view into vLLM's paged mamba cache whose slots sit a page apart (the conv states
+share the page): the kernels take it as it is (docs/semantics.md, "Strided pools"). Slot 0 is vLLM's null
+block (NULL_BLOCK_ID): its kernel neither reads nor writes an index <= 0, which null_slot0=True gives here.
 
 The argument mapping is fla.py's (vLLM's vendored arguments are a subset of fla's, with vLLM's fixed
 choices: state_v_first, no gate or beta activation in the recurrent kernel). This module adds what is
