@@ -254,6 +254,20 @@ def test_spec_decode_fwd_is_served_by_kda_verify(installed):
     rest = [0, 1, 2, 4, 8]
     assert torch.equal(bits(pool[rest]), bits(pool0[rest]))
 
+    # the same call on vLLM's paged cache (spec decode keeps 3 + drafts conv inputs a slot): bitwise the same
+    raw, views = paged_mamba_cache(9, *kda_state_shapes(H, K, HV, V, num_spec=2), seed=3)
+    views[3].copy_(pool0)
+    raw0 = raw.clone()
+    o_paged, final = installed.ops.fused_recurrent_kda_fwd(q, k, v, g, beta, K ** -0.5, views[3], True, cu, idx, acc,
+                                                           True)
+    assert final is views[3] and installed.calls == []
+    assert torch.equal(bits(o_paged), bits(o)) and torch.equal(bits(views[3]), bits(pool))
+    keep = torch.ones(raw.numel(), dtype=torch.bool)
+    for s in stored:
+        lo = views[3][s].data_ptr() - raw.data_ptr()
+        keep[lo:lo + HV * V * K * 4] = False
+    assert torch.equal(raw[keep], raw0[keep])
+
 
 # ---------------------------------------------------------------------------------------------
 # prefill: chunk_kda_with_fused_gate (the layer's call) and chunk_kda
