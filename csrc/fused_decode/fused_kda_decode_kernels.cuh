@@ -292,9 +292,7 @@ struct FusedCta {
     const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
     const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.slot_stride) +
                       static_cast<OffT>((h * D + vrow0) * D);
-    // 16-byte aligned (the binding checks the pool's base and slot stride): said so, or the compiler,
-    // no longer seeing a multiple of D*D, may split a 16-byte state store into four
-    Elem* sb = static_cast<Elem*>(__builtin_assume_aligned(static_cast<Elem*>(p.state) + base, 16));
+    Elem* sb = static_cast<Elem*>(p.state) + base;
     uint4 s[kSmemState ? 1 : PASSES][CHUNKS];  // in flight in registers (unless in shared memory)
     if constexpr (kSmemState == 2) issue_tile();  // the tile after the prologue's loads
     if constexpr (!kSmemState) {

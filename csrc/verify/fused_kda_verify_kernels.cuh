@@ -97,11 +97,8 @@ fused_kda_verify_row_kernel(const FusedVerifyParams vp) {
   // the state tile of this thread, from the read slot
   uint4 s[PASSES][CHUNKS];
   {
-    // 16-byte aligned: the binding checks the pool's base and slot stride (as in the fused decode)
-    const Elem* sb = static_cast<const Elem*>(__builtin_assume_aligned(
-        static_cast<const Elem*>(p.state) +
-            (static_cast<OffT>(read) * static_cast<OffT>(p.slot_stride) + static_cast<OffT>((h * D + vrow0) * D)),
-        16));
+    const Elem* sb = static_cast<const Elem*>(p.state) +
+                     (static_cast<OffT>(read) * static_cast<OffT>(p.slot_stride) + static_cast<OffT>((h * D + vrow0) * D));
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps)
 #pragma unroll
@@ -139,11 +136,9 @@ fused_kda_verify_row_kernel(const FusedVerifyParams vp) {
     const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
     const int32_t dst = t < vp.index_cols ? __ldg(row_idx + t) : -1;
     const bool store = !Cta::is_pad(p, dst);
-    Elem* db = static_cast<Elem*>(__builtin_assume_aligned(
-        static_cast<Elem*>(p.state) +
-            (store ? static_cast<OffT>(dst) * static_cast<OffT>(p.slot_stride) + static_cast<OffT>((h * D + vrow0) * D)
-                   : OffT(0)),
-        16));
+    Elem* db = static_cast<Elem*>(p.state) +
+               (store ? static_cast<OffT>(dst) * static_cast<OffT>(p.slot_stride) + static_cast<OffT>((h * D + vrow0) * D)
+                      : OffT(0));
     __syncthreads();  // #1: the token's prologue is in shared memory
     float qn[KPL], kn[KPL], dec[KPL];
     Cta::lane_keys(p, sm, c, qn, kn, dec);  // as the fused decode: each token bitwise its step
