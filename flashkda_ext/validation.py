@@ -271,14 +271,40 @@ def _out(out, expected_shape: tuple, what: str, dtype: torch.dtype, device, back
     return out
 
 
-def _pool(name: str, state, value_heads: int, head_dim_v: int, head_dim_k: int, device, backend: str) -> int:
+def _slot_stride(name: str, state: torch.Tensor) -> int:
+    """The slot stride (elements) of a pool [slots, HV, V, K] whose slots may sit apart, as serving
+    engines page them (vLLM keeps a request's conv and recurrent state in one page): dims 1-3 dense
+    (a dim of size 1 may carry any stride, as for is_contiguous), and a slot stride of HV*V*K or more,
+    then a multiple of 16 bytes (the bulk copies read 16-byte-aligned tiles from each slot's base).
+    Slots never overlap. docs/semantics.md, "Strided pools"; csrc/common/pool_args.h, the same rule."""
+    slots, a, b, d = state.shape
+    st = state.stride()
+    elems = a * b * d
+    inner = (d <= 1 or st[3] == 1) and (b <= 1 or st[2] == d) and (a <= 1 or st[1] == b * d)
+    stride = elems if slots <= 1 else st[0]
+    size = state.element_size()
+    if not inner or stride < elems or (stride != elems and stride * size % 16 != 0):
+        raise ValueError(f"{name}: expected a pool [slots, HV, V, K] with dims 1-3 contiguous (strides "
+                         f"[{b * d}, {d}, 1]) and a slot stride of {elems} elements, or more as a multiple of "
+                         f"16 bytes ({16 // size} elements of {dtype_name(state.dtype)}); got shape "
+                         f"{list(state.shape)} with strides {list(st)}")
+    return stride
+
+
+def _pool(name: str, state, value_heads: int, head_dim_v: int, head_dim_k: int, device, backend: str,
+          *, slots_apart: bool = True) -> int:
+    """A state pool [slots, HV, V, K]: its slot count. slots_apart: the slots may sit apart
+    (_slot_stride); else (a dense state) it must be contiguous."""
     state = _tensor(name, state)
     _same_device(name, state, device)
     _ndim(name, state, 4, "[slots, HV, V, K]")
     if tuple(state.shape[1:]) != (value_heads, head_dim_v, head_dim_k):
         raise ValueError(f"{name}: expected shape [slots, HV, V, K] = [slots, {value_heads}, {head_dim_v}, "
                          f"{head_dim_k}], got {list(state.shape)}")
-    _contiguous(name, state)
+    if slots_apart:
+        _slot_stride(name, state)
+    else:
+        _contiguous(name, state)
     _aligned(name, state, backend)
     return state.shape[0]
 
@@ -371,8 +397,8 @@ def _check_backend(backend: Optional[str], device: torch.device) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # memo: a serving loop calls with the same shapes every step, so the verdict of a full check is
-# reused for the next call whose tensors have the same shape, dtype, device, contiguity and 16-byte
-# alignment and whose other arguments are equal (same type too: True is not 1). Anything the key
+# reused for the next call whose tensors have the same shape, dtype, device, contiguity (strides when
+# not contiguous: a pool's slot stride decides its verdict and offset width) and 16-byte alignment and whose other arguments are equal (same type too: True is not 1). Anything the key
 # cannot capture (values inside a host tensor, unhashable arguments, tensor subclasses) takes the
 # full check every time.
 
@@ -395,11 +421,11 @@ def _memo_key(args, kwargs):
         if tx is _Tensor:
             flags = (x.requires_grad, x.is_inference(), x.is_neg(), x.is_conj())
             if x.is_cuda:
-                add((x.shape, x.dtype, x.device, x.is_contiguous(), x.data_ptr() & 15, flags))
+                add((x.shape, x.dtype, x.device, x.is_contiguous() or x.stride(), x.data_ptr() & 15, flags))
             elif name == "cu_seqlens":
                 return None  # host offsets are checked by value
             else:
-                add((x.shape, x.dtype, x.device, x.is_contiguous(), flags))
+                add((x.shape, x.dtype, x.device, x.is_contiguous() or x.stride(), flags))
         elif tx in _SCALAR_TYPES:
             add((tx, x))
         else:
@@ -462,9 +488,18 @@ def _state_tag(state_dtype: Optional[str]) -> str:
     return {"float32": "f32", "bfloat16": "bf16", "float64": "f64", None: "none"}[state_dtype]
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements from t's first to one past its last (numel for a contiguous tensor; more for a pool
+    whose slots sit apart): what the kernels' element offsets into it reach."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
 def _offset_bits(*tensors) -> int:
-    # Element offsets into any state-shaped tensor must fit the kernel's offset type.
-    return 64 if any(t is not None and t.numel() > INT32_MAX for t in tensors) else 32
+    # Element offsets into any state-shaped tensor (a strided pool: its whole span) must fit the
+    # kernel's offset type.
+    return 64 if any(t is not None and _span(t) > INT32_MAX for t in tensors) else 32
 
 
 def _pool_step_tail(op, slot_mode, dims, q, k, v, g, beta, state, A_log, dt_bias, lower_bound, gate, out,
@@ -607,7 +642,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
         if null_slot0:
             raise ValueError("null_slot0: only meaningful in pool mode (state + state_indices); expected False")
         if initial_state is not None:
-            n0 = _pool("initial_state", initial_state, HV, V, K, device, backend)
+            n0 = _pool("initial_state", initial_state, HV, V, K, device, backend, slots_apart=False)
             if n0 != N:
                 raise ValueError(f"initial_state: expected shape [N, HV, V, K] with N = {N} sequences, "
                                  f"got {list(initial_state.shape)}")
@@ -615,7 +650,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
         if final_state is not None:
             if not output_final_state:
                 raise ValueError("final_state: given but output_final_state=False; expected None")
-            n1 = _pool("final_state", final_state, HV, V, K, device, backend)
+            n1 = _pool("final_state", final_state, HV, V, K, device, backend, slots_apart=False)
             if n1 != N:
                 raise ValueError(f"final_state: expected shape [N, HV, V, K] with N = {N} sequences, "
                                  f"got {list(final_state.shape)}")
@@ -670,7 +705,8 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
                      ("state_indices", state_indices)),
                     (("state", state), ("final_state", final_state), ("checkpoints", checkpoints), ("out", out)))
     ckpt_numel = N * ckpt_slots * HV * V * K
-    offset_bits = 64 if max(slots * HV * V * K, ckpt_numel, T * HV * max(K, V)) > INT32_MAX else 32
+    pool_span = _span(state) if state_mode == "pool" else slots * HV * V * K
+    offset_bits = 64 if max(pool_span, ckpt_numel, T * HV * max(K, V)) > INT32_MAX else 32
     return PrefillCall(backend, B, T, N, B * T, H, HV, K, V, dtype_name(q.dtype), state_dtype, state_mode,
                        slots, output_final_state, checkpoint_every, ckpt_slots, max_seqlen, cu_dtype, gate,
                        GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, null_slot0, offset_bits)

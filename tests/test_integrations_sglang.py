@@ -94,6 +94,28 @@ def test_extend_commits_to_the_pool_and_returns_fla_style_chunk_states():
     torch.testing.assert_close(h[0].double(), want_h, **TOL)
 
 
+def test_decode_and_extend_serve_a_pool_whose_slots_sit_apart():
+    """SGLang's MambaPool hands each layer a dense slice; a paged pool (slots apart, docs/semantics.md "Strided
+    pools") is served too, as it is: bitwise the dense pool's results, the gaps between slots unchanged."""
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=5)
+    pages = torch.randn(SLOTS, 8 + H * V * K, generator=torch.Generator().manual_seed(6))
+    paged = pages[:, 4:4 + H * V * K].view(SLOTS, H, V, K)
+    paged.copy_(pool)
+    pages0 = pages.clone()
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    kernel = FlashKDAExtKernel(chunk_size=4)
+    for ssm in (paged, pool):
+        o = kernel.extend(q, k, v, g, beta, ssm_states=ssm, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
+                          dt_bias=dt_bias, extend_seq_lens_cpu=lens)
+        o_dec = kernel.decode(q[:, :3], k[:, :3], v[:, :3], g[0, :3].flatten(1), beta[:, :3], A_log=A_log,
+                              dt_bias=dt_bias, ssm_states=ssm, cache_indices=torch.tensor([4, -1, 2], dtype=torch.int32),
+                              query_start_loc=torch.arange(4, dtype=torch.int32))
+        if ssm is paged:
+            o_paged, dec_paged = o, o_dec
+    assert torch.equal(o_paged, o) and torch.equal(dec_paged, o_dec) and torch.equal(paged, pool)
+    assert torch.equal(pages[:, :4], pages0[:, :4]) and torch.equal(pages[:, 4 + H * V * K:], pages0[:, 4 + H * V * K:])
+
+
 def test_extend_spec_decode_never_writes_the_pool_and_pads():
     q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=3, lens=(3, 4))
     pool0 = pool.clone()

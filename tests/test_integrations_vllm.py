@@ -13,7 +13,7 @@ import torch
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.reference import kda_decode_step, kda_recurrent
 from flashkda_ext.reference import verify as ref_verify
-from vllm_fake import LAYER, OPS, install_fake_vllm
+from vllm_fake import LAYER, OPS, install_fake_vllm, kda_state_shapes, paged_mamba_cache
 
 H, HV, K, V = 2, 2, 8, 16           # K != V: a transposed state cannot pass
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -175,6 +175,52 @@ def test_decode_with_bf16_q_casts_the_fp32_gate_and_beta_once(installed):
     torch.testing.assert_close(call["initial_state"][[2, 5, 1]], want_pool[[2, 5, 1]].float(), rtol=2e-2, atol=2e-2)
 
 
+def paged_call(call, page_pad_bytes=0, num_spec=0):
+    """The decode call on vLLM's paged mamba cache: the pool's values moved into the recurrent-state view of
+    one page per slot (after the three conv states). Returns (call, raw buffer, conv views)."""
+    slots = call["initial_state"].shape[0]
+    raw, views = paged_mamba_cache(slots, *kda_state_shapes(H, K, HV, V, num_spec), page_pad_bytes, seed=11)
+    views[3].copy_(call["initial_state"])
+    return dict(call, initial_state=views[3]), raw, views[:3]
+
+
+@pytest.mark.parametrize("page_pad_bytes", [0, 48], ids=["page", "padded-page"])
+def test_decode_on_vllms_paged_cache_is_served_and_equals_the_dense_pool(installed, page_pad_bytes):
+    """vLLM's own layout: a slot's conv and recurrent states in one page, the pool a view a page per slot. Served
+    (no fallback), the outputs and the slots equal a dense pool's call bitwise, and every byte of the pages
+    outside the written slots' recurrent states (conv states, padding, other slots) is unchanged."""
+    dense = decode_case(12, 3, 5, 5, [4, 0, 2])
+    call, raw, _ = paged_call(dense, page_pad_bytes)
+    pool = call["initial_state"]
+    assert not pool.is_contiguous() and pool.stride(0) > HV * V * K
+    raw0 = raw.clone()
+    dense = dict(dense, initial_state=dense["initial_state"].clone())
+    before = served("fused_recurrent_kda")
+    o, final = installed.layer.fused_recurrent_kda(**call)
+    assert served("fused_recurrent_kda") == before + 1 and installed.calls == [], dict(fkda_vllm.REASONS)
+    assert final is pool
+    o_dense, pool_dense = installed.layer.fused_recurrent_kda(**dense)
+    assert torch.equal(bits(o[0, :3]), bits(o_dense[0, :3]))
+    assert torch.equal(bits(pool), bits(pool_dense))
+    written = torch.zeros_like(raw, dtype=torch.bool)
+    for s in (4, 2):    # the bytes of the two live slots' recurrent states
+        lo = (pool[s].data_ptr() - raw.data_ptr())
+        written[lo:lo + HV * V * K * 4] = True
+    assert torch.equal(raw[~written], raw0[~written])
+    assert not torch.equal(raw[written], raw0[written])
+
+
+def test_decode_on_a_paged_cache_with_an_unaligned_page_falls_back(installed):
+    call, raw, _ = paged_call(decode_case(13, 3, 3, 3, [1, 2, 3]), page_pad_bytes=4)   # page: 4 bytes past 16
+    raw0 = raw.clone()
+    fell = fkda_vllm.STATS["fused_recurrent_kda", "fell_back"]
+    assert installed.ops.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
+    assert fkda_vllm.STATS["fused_recurrent_kda", "fell_back"] == fell + 1
+    assert any(e == "fused_recurrent_kda" and "slot stride" in r and "16 bytes" in r
+               for (e, r) in fkda_vllm.REASONS), dict(fkda_vllm.REASONS)
+    assert torch.equal(raw, raw0)
+
+
 # ---------------------------------------------------------------------------------------------
 # speculative decoding: fused_recurrent_kda_fwd with per-token indices and num_accepted_tokens
 
@@ -207,6 +253,20 @@ def test_spec_decode_fwd_is_served_by_kda_verify(installed):
     assert not torch.equal(pool[stored], pool0[stored])
     rest = [0, 1, 2, 4, 8]
     assert torch.equal(bits(pool[rest]), bits(pool0[rest]))
+
+    # the same call on vLLM's paged cache (spec decode keeps 3 + drafts conv inputs a slot): bitwise the same
+    raw, views = paged_mamba_cache(9, *kda_state_shapes(H, K, HV, V, num_spec=2), seed=3)
+    views[3].copy_(pool0)
+    raw0 = raw.clone()
+    o_paged, final = installed.ops.fused_recurrent_kda_fwd(q, k, v, g, beta, K ** -0.5, views[3], True, cu, idx, acc,
+                                                           True)
+    assert final is views[3] and installed.calls == []
+    assert torch.equal(bits(o_paged), bits(o)) and torch.equal(bits(views[3]), bits(pool))
+    keep = torch.ones(raw.numel(), dtype=torch.bool)
+    for s in stored:
+        lo = views[3][s].data_ptr() - raw.data_ptr()
+        keep[lo:lo + HV * V * K * 4] = False
+    assert torch.equal(raw[keep], raw0[keep])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,10 +314,12 @@ def test_chunk_kda_with_a_log_gate_is_served(installed):
 # what is not claimed reaches vLLM's original, with the caller's own arguments
 
 
-def paged_pool(slots, extra=24):
-    """vLLM's mamba cache: per slot one page with the conv state first, the recurrent state after it."""
+def paged_pool(slots, extra=24, inner_swap=False):
+    """A pool a page per slot (vLLM's layout) with `extra` elements before each slot's state; inner_swap: V and
+    K swapped in memory (a K-first state seen as [V, K]), which no kernel reads."""
     pages = torch.randn(slots, extra + HV * V * K)
-    return pages[:, extra:].view(slots, HV, V, K)
+    pool = pages[:, extra:].view(slots, HV, V, K)
+    return pool.transpose(2, 3).contiguous().transpose(2, 3) if inner_swap else pool
 
 
 def _decode_kw(**change):
@@ -284,7 +346,8 @@ def _chunk_kw(**change):
 
 FALLBACKS = [
     ("fused_recurrent_kda", lambda: _decode_kw(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=True"),
-    ("fused_recurrent_kda", lambda: _decode_kw(initial_state=paged_pool(6)), "strided view"),
+    ("fused_recurrent_kda", lambda: _decode_kw(initial_state=paged_pool(6, extra=3)), "multiple of 16 bytes"),
+    ("fused_recurrent_kda", lambda: _decode_kw(initial_state=paged_pool(6, inner_swap=True)), "dims 1-3 contiguous"),
     ("fused_recurrent_kda", lambda: _decode_kw(ssm_state_indices=None, inplace_final_state=False), "state pool only"),
     ("fused_recurrent_kda", lambda: dict(_decode_kw(), q=torch.randn(2, 3, H, K)), "several rows"),
     ("fused_recurrent_kda", lambda: _decode_kw(beta=torch.rand(1, 3, HV, V)), "scalar beta per head"),

@@ -69,3 +69,39 @@ def install_fake_vllm(monkeypatch, impls=None) -> types.SimpleNamespace:
         monkeypatch.setitem(sys.modules, name, module)
     return types.SimpleNamespace(ops=modules[OPS], layer=modules[LAYER], stubs=stubs, calls=calls, impls=impls,
                                  modules=modules)
+
+
+def paged_mamba_cache(slots: int, shapes, dtypes, page_pad_bytes: int = 0, device="cpu", seed: int = 0) -> tuple:
+    """A KDA layer's mamba cache as vLLM lays it out (vllm/v1/worker/gpu_model_runner.py, the MambaSpec branch of
+    _reshape_kv_cache_tensors, at 638d6e97): one raw buffer of `slots` pages; state i is a view
+    [slots, *shapes[i]] of dtypes[i] whose dim-0 stride is the page (page_size_bytes / element size) and whose
+    storage offset is the bytes of the states before it, so each page holds every state of one slot back to back
+    (KDA: conv q, conv k, conv v, then the recurrent state [HV, V, K] fp32). page_pad_bytes stands in for
+    MambaSpec.page_size_padded (pages padded to the attention layers' page size). The buffer is random (never
+    zeros), so padding a kernel overwrote would show. Returns (raw uint8 buffer, [state views])."""
+    import math
+
+    import torch
+    sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+    page = sum(sizes) + page_pad_bytes
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (slots * page,), dtype=torch.uint8, generator=gen).to(device)
+    views, offset = [], 0
+    for shape, dtype, size in zip(shapes, dtypes, sizes):
+        esize = torch.empty((), dtype=dtype).element_size()
+        assert offset % esize == 0 and page % esize == 0
+        dense = torch.empty((slots, *shape), device="meta").stride()
+        views.append(torch.as_strided(raw.view(dtype), (slots, *shape), (page // esize, *dense[1:]),
+                                      offset // esize))
+        offset += size
+    return raw, views
+
+
+def kda_state_shapes(H: int, K: int, HV: int, V: int, num_spec: int = 0, conv_kernel: int = 4) -> tuple:
+    """vLLM's KDA state shapes and dtypes (MambaStateShapeCalculator.kda_state_shape, SD conv layout, and
+    kda_state_dtype with a bf16 model): three conv states [conv_kernel - 1 + num_spec, dim] and the recurrent
+    state [HV, V, K] fp32."""
+    import torch
+    state_len = conv_kernel - 1 + num_spec
+    shapes = ((state_len, HV * V), (state_len, H * K), (state_len, H * K), (HV, V, K))
+    return shapes, (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)

@@ -47,6 +47,49 @@ inline int64_t pool_slots(const Checker& c, const TensorView& state, const char*
   return slots;
 }
 
+// The slot stride, in elements, of a state pool [slots, a, b, d] (docs/semantics.md, "Strided
+// pools"): dims 1-3 dense (strides b*d, d, 1; a dim of size 1 may carry any stride), and a slot
+// stride of a*b*d (a dense pool) or more, then a multiple of 16 bytes: serving engines keep each
+// slot in a page of its own (vLLM: the conv and recurrent states of a request in one page), and the
+// bulk copies (TMA) move 16-byte-aligned tiles from each slot's base. Slots never overlap. A pool of
+// at most one slot returns a*b*d (its stride is never used).
+inline int64_t pool_slot_stride(const Checker& c, const TensorView& state, const char* name) {
+  const int64_t a = state.size(1), b = state.size(2), d = state.size(3), elems = a * b * d;
+  const bool inner = (d <= 1 || state.stride(3) == 1) && (b <= 1 || state.stride(2) == d) &&
+                     (a <= 1 || state.stride(1) == b * d);
+  const int64_t stride = state.size(0) <= 1 ? elems : state.stride(0);
+  const int64_t bytes = state.dtype().bits / 8;
+  if (!inner || stride < elems || (stride != elems && (stride * bytes) % 16 != 0)) {
+    const int64_t st[4] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3)};
+    FKDA_FAIL(c.fn()) << "argument '" << name << "' must have dims 1-3 contiguous (strides " << b * d << ", " << d
+                      << ", 1) and a slot stride of " << elems << " elements, or more as a multiple of 16 bytes ("
+                      << 16 / (bytes > 0 ? bytes : 1) << " elements); got shape " << shape_str(state)
+                      << " with strides " << list_str(st);
+  }
+  return stride;
+}
+
+// Elements from a pool's first to one past its last slot: what its element offsets reach.
+inline int64_t pool_span(const TensorView& state, int64_t slot_stride) {
+  const int64_t slots = state.size(0);
+  return slots <= 0 ? 0 : (slots - 1) * slot_stride + state.size(1) * state.size(2) * state.size(3);
+}
+
+// The largest element offset into the pool (span - 1) must fit a signed index of `bits` bits.
+inline void pool_offsets_fit(const Checker& c, const char* name, int64_t span, int bits) {
+  if (bits >= 64) return;
+  const int64_t limit = (int64_t{1} << (bits - 1)) - 1;
+  if (span - 1 > limit) {
+    FKDA_FAIL(c.fn()) << "argument '" << name << "' spans " << span << " elements, more than this module's "
+                      << bits << "-bit slot offsets address (max " << limit << "); use a module with 64-bit "
+                      << "offsets (o64)";
+  }
+}
+
+struct PoolLayout {
+  int64_t slots, slot_stride;  // slot_stride in elements
+};
+
 struct SlotTable {
   int64_t N, cols;  // requests, T_max
 };

@@ -25,16 +25,16 @@ inline SlotTable verify_slot_table(const Checker& c, const TensorView& state_ind
   return table;
 }
 
-// The state pool [slots, a, b, d] on ref's device, f32 or bf16, contiguous and 16-byte aligned: its
-// slot count.
-inline int64_t verify_pool_slots(const Checker& c, const TensorView& state, Dim a, Dim b, Dim d,
-                                 const TensorView& ref) {
+// The state pool [slots, a, b, d] on ref's device, f32 or bf16, 16-byte aligned, its slots dense and
+// possibly apart (pool_slot_stride; offsets checked against the module's width): slots and stride.
+inline PoolLayout verify_pool(const Checker& c, const TensorView& state, Dim a, Dim b, Dim d, const TensorView& ref) {
   check_cuda_device(c, state, "state", ref, "out");
   c.shape(state, "state", {{"slots", -1}, a, b, d});
   c.state_dtype(state, "state", {kF32, kBF16});
-  c.contiguous(state, "state");
+  const int64_t stride = pool_slot_stride(c, state, "state");
   c.aligned(state, "state", 16);
-  return state.size(0);
+  pool_offsets_fit(c, "state", pool_span(state, stride), FKDA_SLOT_OFFSET_BITS);
+  return PoolLayout{state.size(0), stride};
 }
 
 // state_indices int32 contiguous, cu_seqlens int32 [N+1], num_accepted_tokens int32 [N] or absent,

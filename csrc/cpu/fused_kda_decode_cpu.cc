@@ -28,7 +28,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
                                 {beta, "beta"}, {state_indices, "state_indices"}, {state, "state"},
                                 {output_gate, "output_gate"}, {norm_weight, "norm_weight"}, {out, "out"}}) {
     c.device_type(t, name, kDLCPU);
-    c.contiguous(t, name);
+    if (&t != &state) c.contiguous(t, name);  // the pool's slots may sit apart: pool_slot_stride below
   }
   const fkda::FusedHeads heads = fkda::fused_heads(c, g, 3, "[rows, H, D]");
   const int64_t rows = g.size(0), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
@@ -44,7 +44,8 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
 
   cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
-  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
+  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
 
   const fkda::GateMode mode = c.gate_mode(gate_mode);
@@ -90,7 +91,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
       double* q = y.data();
       double* k = y.data() + HD;
       const double* v = y.data() + 2 * HD;
-      TS* slot_state = pool + slot * H * D * D;
+      TS* slot_state = pool + slot * slot_stride;
       cpu::fused_token_step(slot_state, q, k, v, r, H, D, gate, io, scratch);
     }
   });

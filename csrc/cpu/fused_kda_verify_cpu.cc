@@ -31,7 +31,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
                                 {output_gate, "output_gate"}, {norm_weight, "norm_weight"},
                                 {state_indices, "state_indices"}, {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.device_type(t, name, kDLCPU);
-    c.contiguous(t, name);
+    if (&t != &state) c.contiguous(t, name);  // the pool's slots may sit apart: pool_slot_stride below
   }
   const fkda::FusedHeads heads = fkda::fused_heads(c, g, 4, "[1, T, H, D]");
   const int64_t T = g.size(1), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
@@ -57,7 +57,8 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
-  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
+  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
   const fkda::GateMode mode =
       fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, x, "x", scale);
@@ -97,8 +98,8 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
         xs.load((plan.off[n] + j) * C, C, y.data());
         for (int64_t ch = 0; ch < C; ++ch) hist[ch * HL + kConvWidth - 1 + j] = y[ch];
       }
-      std::copy(pool + static_cast<int64_t>(read) * H * D * D, pool + (static_cast<int64_t>(read) + 1) * H * D * D,
-                work.begin());
+      const TS* src = pool + static_cast<int64_t>(read) * slot_stride;
+      std::copy(src, src + H * D * D, work.begin());
       for (int64_t j = 0; j < len; ++j) {
         const int64_t r = plan.off[n] + j;
         for (int64_t ch = 0; ch < C; ++ch) {  // the conv in fused_kda_decode's order: x term first
@@ -113,7 +114,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
         const double* v = y.data() + 2 * HD;
         cpu::fused_token_step(work.data(), q, k, v, r, H, D, gate, io, scratch);
         const int32_t dst = plan.idx[n * cols + j];
-        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * H * D * D);
+        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * slot_stride);
       }
       // the line after the call: the two inputs before the first token, then every token's input
       for (int64_t ch = 0; ch < C; ++ch) {

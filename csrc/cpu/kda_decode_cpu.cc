@@ -39,11 +39,12 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},
-                                {g, "g"}, {beta, "beta"}, {state, "state"},
-                                {state_indices, "state_indices"}, {out, "out"}}) {
+                                {g, "g"}, {beta, "beta"}, {state_indices, "state_indices"}, {out, "out"}}) {
     c.contiguous(t, name);
   }
-  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  // the pool's slots may sit apart (a paged cache); each slot is dense
+  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
+  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
 
   const fkda::GateMode mode = c.gate_mode(gate_mode);
   c.lower_bound(mode, lower_bound);
@@ -72,7 +73,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
         cpu::l2norm_scale(qn.data() + h * K, K, scale);
         cpu::l2norm_scale(kn.data() + h * K, K, 1.0);
       }
-      TS* slot = pool + static_cast<int64_t>(idx[r]) * HV * V * K;
+      TS* slot = pool + static_cast<int64_t>(idx[r]) * slot_stride;
       for (int64_t hv = 0; hv < HV; ++hv) {
         const int64_t h = hv / group;  // value head hv reads q/k head hv / (HV / H)
         gs.load((r * HV + hv) * K, K, graw.data());

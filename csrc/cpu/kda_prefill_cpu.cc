@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../common/kda_cpu.h"
+#include "../common/pool_args.h"
 
 namespace {
 
@@ -16,14 +17,25 @@ using fkda::OptTensor;
 using fkda::TensorView;
 namespace cpu = fkda::cpu;
 
-// A state-shaped optional argument: on the CPU, contiguous, with the module's state dtype.
-void check_state_arg(const Checker& c, const OptTensor& t, const char* name) {
+// A state-shaped optional argument: on the CPU, with the module's state dtype; contiguous unless it
+// is the pool (slots: its slot stride is checked once its shape is, by pool_stride).
+void check_state_arg(const Checker& c, const OptTensor& t, const char* name, bool slots) {
   if (!t.has_value()) return;
   const TensorView& s = t.value();
   c.device_type(s, name, kDLCPU);
   c.state_dtype(s, name, {fkda::kF32, fkda::kF64, fkda::kBF16});
+  if (slots) return;
   c.contiguous(s, name);
   c.offsets_fit(s, name, FKDA_SLOT_OFFSET_BITS);
+}
+
+// The pool's slot stride in elements (its slots may sit apart, as in a paged cache; each is dense),
+// its offsets checked against the module's width.
+int64_t pool_stride(const Checker& c, const OptTensor& t, const char* name, int64_t dense) {
+  if (!t.has_value()) return dense;
+  const int64_t stride = fkda::pool_slot_stride(c, t.value(), name);
+  fkda::pool_offsets_fit(c, name, fkda::pool_span(t.value(), stride), FKDA_SLOT_OFFSET_BITS);
+  return stride;
 }
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
@@ -64,9 +76,10 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   if (workspace.has_value()) c.device_type(workspace.value(), "workspace", kDLCPU);  // unused on CPU
 
   // State arguments: one state dtype for all of them.
-  check_state_arg(c, initial_state, "initial_state");
-  check_state_arg(c, final_state, "final_state");
-  check_state_arg(c, checkpoints, "checkpoints");
+  const bool pool_mode = state_indices.has_value();
+  check_state_arg(c, initial_state, "initial_state", pool_mode);
+  check_state_arg(c, final_state, "final_state", pool_mode);
+  check_state_arg(c, checkpoints, "checkpoints", false);
   const TensorView* state_ref = nullptr;
   const char* state_ref_name = nullptr;
   for (const auto& [t, name] : {std::pair<const OptTensor&, const char*>{initial_state, "initial_state"},
@@ -81,7 +94,6 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   }
 
   // Dense mode: [N, HV, V, K]. Pool mode: both are [slots, HV, V, K] addressed by state_indices.
-  const bool pool_mode = state_indices.has_value();
   int64_t slots = N;
   std::vector<int64_t> slot_of(N);
   for (int64_t n = 0; n < N; ++n) slot_of[n] = n;
@@ -121,6 +133,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     c.shape(final_state.value(), "final_state",
             {{pool_mode ? "slots" : "N", slots}, {"HV", HV}, {"V", V}, {"K", K}});
   }
+  // elements between the states of consecutive slots (dense: one state)
+  const int64_t init_stride = pool_mode ? pool_stride(c, initial_state, "initial_state", HV * V * K) : HV * V * K;
+  const int64_t fin_stride = pool_mode ? pool_stride(c, final_state, "final_state", HV * V * K) : HV * V * K;
 
   // Checkpoints [N, C, HV, V, K]: C must hold every sequence's floor(len / checkpoint_every).
   c.non_negative(checkpoint_every, "checkpoint_every");
@@ -159,7 +174,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
       for (int64_t hv = 0; hv < HV; ++hv) {
         const int64_t h = hv / group;  // value head hv reads q/k head hv / (HV / H)
         if (init != nullptr && slot >= 0) {
-          const TS* src = init + (slot * HV + hv) * VK;
+          const TS* src = init + slot * init_stride + hv * VK;
           for (int64_t i = 0; i < VK; ++i) S[i] = fkda::to_double(src[i]);
         } else {
           std::fill(S.begin(), S.end(), 0.0);
@@ -184,7 +199,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
           }
         }
         if (fin != nullptr && slot >= 0) {
-          TS* dst = fin + (slot * HV + hv) * VK;
+          TS* dst = fin + slot * fin_stride + hv * VK;
           for (int64_t i = 0; i < VK; ++i) dst[i] = fkda::from_double<TS>(S[i]);
         }
       }

@@ -47,12 +47,13 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},
-                                {g, "g"}, {beta, "beta"}, {state, "state"}, {state_indices, "state_indices"},
+                                {g, "g"}, {beta, "beta"}, {state_indices, "state_indices"},
                                 {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.contiguous(t, name);
   }
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
-  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");  // slots may sit apart (paged)
+  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
   const fkda::GateMode mode =
       fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, q, "q", scale);
 
@@ -75,7 +76,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
         os.fill_zero(plan.off[n] * HV * V, (plan.off[n + 1] - plan.off[n]) * HV * V);
         continue;
       }
-      std::copy(pool + read * slot_elems, pool + (read + 1) * slot_elems, work.begin());
+      const TS* src = pool + static_cast<int64_t>(read) * slot_stride;
+      std::copy(src, src + slot_elems, work.begin());
       for (int64_t r = plan.off[n]; r < plan.off[n + 1]; ++r) {
         qs.load(r * H * K, H * K, qn.data());
         ks.load(r * H * K, H * K, kn.data());
@@ -95,7 +97,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
           os.store((r * HV + hv) * V, V, orow.data());
         }
         const int32_t dst = plan.idx[n * cols + (r - plan.off[n])];
-        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + dst * slot_elems);
+        if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * slot_stride);
       }
     }
   });

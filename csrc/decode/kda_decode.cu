@@ -118,22 +118,10 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(state, "state", {{"slots", -1}, {"HV", HV}, {"V", V}, {"K", K}});
   c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
   const int64_t slots = state.size(0);
-  if (!(state.stride(3) == 1 && state.stride(2) == K && state.stride(1) == V * K &&
-        (slots <= 1 || state.stride(0) >= HV * V * K))) {
-    FKDA_FAIL(c.fn()) << "argument 'state' must hold each slot [HV, V, K] contiguously";
-  }
-  const int64_t slot_stride = slots <= 1 ? HV * V * K : state.stride(0);
-  if (reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(state)) % 16 != 0 ||
-      (slot_stride * (kStateBf16 ? 2 : 4)) % 16 != 0) {
-    FKDA_FAIL(c.fn()) << "argument 'state' must start 16-byte aligned with a 16-byte slot stride";
-  }
-  if (FKDA_SLOT_OFFSET_BITS == 32 && slots > 0 &&
-      (slots - 1) * slot_stride + HV * V * K - 1 > INT32_MAX) {
-    // the largest element offset reached must fit int32
-    FKDA_FAIL(c.fn()) << "argument 'state' spans " << (slots - 1) * slot_stride + HV * V * K
-                      << " elements, more than this module's 32-bit slot offsets address (max "
-                      << INT32_MAX << "); use a module with 64-bit offsets (o64)";
-  }
+  // slots may sit apart (a paged cache), each one dense; offsets reach the pool's span
+  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
+  c.aligned(state, "state", 16);
+  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value() && reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(dt_bias.value())) % 16 != 0) {
     FKDA_FAIL(c.fn()) << "argument 'dt_bias' must be 16-byte aligned";

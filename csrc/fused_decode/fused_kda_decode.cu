@@ -88,19 +88,20 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   const int64_t slots = state.size(0);
   c.shape(state, "state", {{"slots", slots}, {"H", H}, {"D", D}, {"D", D}});
   c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
-  c.contiguous(state, "state");
+  // slots may sit apart (a paged cache), each one dense; offsets reach the pool's span
+  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
   c.aligned(state, "state", 16);
   check_bf16_input(c, conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}},
                    out);
-  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
+  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, out, "out", scale);
   c.positive_finite(norm_eps, "norm_eps");
   if (rows == 0) return;
 
   const FusedParams p = fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
-                                     output_gate, norm_weight, out, slots, rows, H, gate_mode, lower_bound, scale,
-                                     norm_eps, null_slot0);
+                                     output_gate, norm_weight, out, slots, slot_stride, rows, H, gate_mode,
+                                     lower_bound, scale, norm_eps, null_slot0);
 
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);

@@ -53,11 +53,12 @@ struct FusedParams {
   const float* A_log;        // [H] or nullptr (= 0)
   const float* dt_bias;      // [H*D] or nullptr (= 0)
   const int32_t* idx;        // [rows]
-  void* state;               // [slots, H, D, D] contiguous, in place
+  void* state;               // [slots, H, D, D] in place, each slot dense, slot_stride apart
   const bf16* output_gate;   // [rows, H, D] contiguous
   const float* norm_weight;  // [D]
   bf16* out;                 // [rows, H, D] contiguous
   int64_t num_slots;
+  int64_t slot_stride;       // elements between slots (>= H*D*D: a paged pool's slots sit apart)
   int rows, H;
   int gate_mode;             // 0 softplus, 1 bounded, 2 log
   float lower_bound, scale, norm_eps;
@@ -268,7 +269,7 @@ struct FusedCta {
     static_assert(!(kSmemState && kCoherent), "the bulk-copied tile is for the tile schedule (unique slots)");
     // this CTA's V_TILE rows of the slot's state: where the tile comes from (and goes back to)
     auto pool_tile = [&] {
-      return static_cast<Elem*>(p.state) + (static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
+      return static_cast<Elem*>(p.state) + (static_cast<OffT>(slot) * static_cast<OffT>(p.slot_stride) +
                                             static_cast<OffT>((h * D + rank * V_TILE) * D));
     };
     auto issue_tile = [&] {
@@ -289,7 +290,7 @@ struct FusedCta {
     const bool writer = c < PASSES;
     const float nw = writer ? __ldg(p.norm_weight + my_vr) : 0.f;
     const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
-    const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.H * D * D) +
+    const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.slot_stride) +
                       static_cast<OffT>((h * D + vrow0) * D);
     Elem* sb = static_cast<Elem*>(p.state) + base;
     uint4 s[kSmemState ? 1 : PASSES][CHUNKS];  // in flight in registers (unless in shared memory)

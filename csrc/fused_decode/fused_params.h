@@ -40,7 +40,7 @@ inline FusedParams fused_params(const fkda::TensorView& x, const fkda::TensorVie
                                 const fkda::OptTensor& dt_bias, const fkda::TensorView& state_indices,
                                 const fkda::TensorView& state, const fkda::TensorView& output_gate,
                                 const fkda::TensorView& norm_weight, const fkda::TensorView& out, int64_t slots,
-                                int64_t rows, int64_t H, int64_t gate_mode, double lower_bound, double scale,
+                                int64_t slot_stride, int64_t rows, int64_t H, int64_t gate_mode, double lower_bound, double scale,
                                 double norm_eps, bool null_slot0) {
   FusedParams p;
   p.x = fkda::data_ptr<const bf16>(x);
@@ -56,6 +56,7 @@ inline FusedParams fused_params(const fkda::TensorView& x, const fkda::TensorVie
   p.norm_weight = fkda::data_ptr<const float>(norm_weight);
   p.out = fkda::data_ptr<bf16>(out);
   p.num_slots = slots;
+  p.slot_stride = slot_stride;
   p.rows = static_cast<int>(rows);
   p.H = static_cast<int>(H);
   fkda::set_gate_scale(p, gate_mode, lower_bound, scale);

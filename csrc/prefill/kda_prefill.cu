@@ -23,6 +23,7 @@
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
 #include "../common/param_fill.h"
+#include "../common/pool_args.h"
 #include "kda_prefill_kernels.cuh"
 
 #ifndef FKDA_PARAM_VT
@@ -152,6 +153,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
         << "argument 'state_indices' needs the pool as initial_state and/or final_state";
     slots = (initial_state.has_value() ? initial_state.value() : final_state.value()).size(0);
   }
+  // elements between slots: dense states are contiguous; a pool's slots may sit apart (a paged
+  // cache), each dense, with one stride for initial and final state (the kernels take one)
+  int64_t slot_stride = -1;
   for (int i = 0; i < 2; ++i) {
     const OptTensor& st = i ? final_state : initial_state;
     const char* name = i ? "final_state" : "initial_state";
@@ -160,8 +164,18 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     ck.same_device(t, name, q, "q");
     ck.state_dtype(t, name, {kF32, kBF16});
     ck.shape(t, name, {{pool ? "slots" : "N", slots}, {"HV", HV}, {"V", V}, {"K", K}});
-    ck.contiguous(t, name);
+    if (!pool) {
+      ck.contiguous(t, name);
+      continue;
+    }
+    const int64_t stride = fkda::pool_slot_stride(ck, t, name);
+    ck.aligned(t, name, 16);
+    FKDA_CHECK(slot_stride < 0 || stride == slot_stride, fn)
+        << "arguments 'initial_state' and 'final_state' (the pool) must have one slot stride, got "
+        << slot_stride << " and " << stride;
+    slot_stride = stride;
   }
+  if (slot_stride < 0) slot_stride = HV * V * K;
   int64_t ckpt_count = 0;
   if (checkpoints.has_value()) {
     const TensorView& t = checkpoints.value();
@@ -212,6 +226,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.fin = final_state.has_value() ? data_ptr<void>(final_state.value()) : nullptr;
   sa.idx = pool ? data_ptr<int32_t>(state_indices.value()) : nullptr;
   sa.num_slots = slots;
+  sa.slot_stride = slot_stride;
   sa.null_slot0 = null_slot0 ? 1 : 0;
   sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
   sa.ckpt_count = ckpt_count;

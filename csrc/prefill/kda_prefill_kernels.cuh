@@ -329,6 +329,7 @@ struct StateArgs {
   void* fin;                // may alias init (pool in place)
   const int32_t* idx;       // pool indices or null
   int64_t num_slots;        // pool slots: an index >= this is treated as padding (never out of bounds)
+  int64_t slot_stride;      // elements between init / fin slots (HV*V*K dense; more for a paged pool)
   int null_slot0;
   void* ckpt;               // [N, Cc, HV, V, K] or null
   int tma;                  // 1: bulk copies on mbarriers; 0: cp.async
@@ -1206,7 +1207,7 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
   const StateArgs& sa = a.st;
   int64_t slot;
   const bool pad = state_slot(sa, n, slot);
-  const size_t head = (size_t(slot) * sa.HV + hv) * kV * kK;
+  const size_t head = size_t(slot) * size_t(sa.slot_stride) + size_t(hv) * kV * kK;
   const ST* src = sa.init && !pad ? static_cast<const ST*>(sa.init) + head : nullptr;
   ST* dst = sa.fin && !pad ? static_cast<ST*>(sa.fin) + head : nullptr;
   constexpr int kRounds = kV / (2 * VT);
@@ -1730,7 +1731,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   const bool pad = state_slot(a, n, slot);
 
   float s[2][NT][4];
-  load_state_tile<VT, ST>(s, a.init && !pad ? static_cast<const ST*>(a.init) + (size_t(slot) * HV + hv) * kV * kK
+  load_state_tile<VT, ST>(s, a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
                                             : nullptr,
                           w, lane, v0);
 
@@ -1792,7 +1793,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   }
 
   if (a.fin && !pad) {
-    ST* dst = static_cast<ST*>(a.fin) + (size_t(slot) * HV + hv) * kV * kK;
+    ST* dst = static_cast<ST*>(a.fin) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
     store_state_tile<VT, ST>(dst, s, w, lane, v0);
   }
 }

@@ -48,7 +48,8 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   const fkda::SlotTable table = fkda::verify_slot_table(c, state_indices, T, "x", "", out);
   const int64_t N = table.N, cols = table.cols;
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
-  const int64_t slots = fkda::verify_pool_slots(c, state, {"H", H}, {"D", D}, {"D", D}, out);
+  const fkda::PoolLayout pool = fkda::verify_pool(c, state, {"H", H}, {"D", D}, {"D", D}, out);
+  const int64_t slots = pool.slots;
   fkda::check_cuda_device(c, conv_state, "conv_state", out, "out");
   c.ndim(conv_state, "conv_state", 3, "[slots, 3*H*D, L]");
   const int64_t L = conv_state.size(2);
@@ -59,15 +60,14 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   }
   c.dtype(conv_state, "conv_state", {fkda::kBF16});
   c.contiguous(conv_state, "conv_state");
-  c.offsets_fit(state, "state", FKDA_SLOT_OFFSET_BITS);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, out, "out", scale);
   c.positive_finite(norm_eps, "norm_eps");
 
   fkda_fused_verify::FusedVerifyParams vp;
   vp.f = fkda_fused::fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
-                                  output_gate, norm_weight, out, slots, T, H, gate_mode, lower_bound, scale, norm_eps,
-                                  null_slot0);
+                                  output_gate, norm_weight, out, slots, pool.slot_stride, T, H, gate_mode,
+                                  lower_bound, scale, norm_eps, null_slot0);
   vp.conv_len = L;
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())

@@ -98,7 +98,7 @@ fused_kda_verify_row_kernel(const FusedVerifyParams vp) {
   uint4 s[PASSES][CHUNKS];
   {
     const Elem* sb = static_cast<const Elem*>(p.state) +
-                     (static_cast<OffT>(read) * static_cast<OffT>(p.H * D * D) + static_cast<OffT>((h * D + vrow0) * D));
+                     (static_cast<OffT>(read) * static_cast<OffT>(p.slot_stride) + static_cast<OffT>((h * D + vrow0) * D));
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps)
 #pragma unroll
@@ -137,7 +137,7 @@ fused_kda_verify_row_kernel(const FusedVerifyParams vp) {
     const int32_t dst = t < vp.index_cols ? __ldg(row_idx + t) : -1;
     const bool store = !Cta::is_pad(p, dst);
     Elem* db = static_cast<Elem*>(p.state) +
-               (store ? static_cast<OffT>(dst) * static_cast<OffT>(p.H * D * D) + static_cast<OffT>((h * D + vrow0) * D)
+               (store ? static_cast<OffT>(dst) * static_cast<OffT>(p.slot_stride) + static_cast<OffT>((h * D + vrow0) * D)
                       : OffT(0));
     __syncthreads();  // #1: the token's prologue is in shared memory
     float qn[KPL], kn[KPL], dec[KPL];

@@ -77,12 +77,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
       fkda::verify_slot_table(c, state_indices, T, "q", " (each request 1 .. T_max tokens)", out);
   const int64_t N = table.N, cols = table.cols;
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
-  const int64_t slots = fkda::verify_pool_slots(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
-  if (FKDA_SLOT_OFFSET_BITS == 32 && slots * HV * V * K - 1 > INT32_MAX) {
-    FKDA_FAIL(c.fn()) << "argument 'state' has " << slots * HV * V * K
-                      << " elements, more than this module's 32-bit slot offsets address (max " << INT32_MAX
-                      << "); use a module with 64-bit offsets (o64)";
-  }
+  const fkda::PoolLayout pool = fkda::verify_pool(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
+  const int64_t slots = pool.slots;
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
@@ -96,7 +92,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   p.v_row_stride = HV * V;
   p.g_row_stride = HV * K;
   p.beta_row_stride = HV;
-  p.slot_stride = HV * V * K;
+  p.slot_stride = pool.slot_stride;  // slots may sit apart (a paged cache)
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())
                                                 : nullptr;

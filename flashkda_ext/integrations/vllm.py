@@ -13,8 +13,9 @@ vllm/third_party/flash_linear_attention/ops/kda.py (vllm/model_executor/layers/f
 vLLM #48500) and the layer, vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py
 (vllm/model_executor/layers/kda.py before #41126), imports fused_recurrent_kda (decode) and
 chunk_kda_with_fused_gate (prefill; chunk_kda before #43667) by name. The state pool is
-[slots, HV, V, K]; slot 0 is vLLM's null block (NULL_BLOCK_ID): its kernel neither reads nor writes
-an index <= 0, which null_slot0=True gives here.
+[slots, HV, V, K], a view into vLLM's paged mamba cache whose slots sit a page apart (the conv states
+share the page): the kernels take it as it is (docs/semantics.md, "Strided pools"). Slot 0 is vLLM's null
+block (NULL_BLOCK_ID): its kernel neither reads nor writes an index <= 0, which null_slot0=True gives here.
 
 The argument mapping is fla.py's (vLLM's vendored arguments are a subset of fla's, with vLLM's fixed
 choices: state_v_first, no gate or beta activation in the recurrent kernel). This module adds what is
@@ -26,7 +27,6 @@ from __future__ import annotations
 import collections
 import importlib
 import inspect
-import math
 import os
 import sys
 
@@ -68,11 +68,10 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
                       "(ssm_state_indices given, inplace_final_state=True)")
     if beta is None or initial_state is None:
         raise Refused("flashkda_ext needs beta and initial_state (the state pool)")
-    if not initial_state.is_contiguous():
-        # vLLM's paged mamba cache puts the conv and recurrent states of a slot in one page
-        raise Refused(f"initial_state: flashkda_ext needs a contiguous state pool; this one is a strided view "
-                      f"(slot stride {initial_state.stride(0)} elements for {math.prod(initial_state.shape[1:])} "
-                      f"per slot, as vLLM's paged mamba cache lays it out)")
+    # vLLM's paged mamba cache keeps a slot's conv and recurrent states in one page, so the pool is a view
+    # whose slots sit a page apart: the kernels take it as it is (validation refuses, with its reason, a
+    # pool outside docs/semantics.md "Strided pools": inner dims not dense, a padded slot stride not a
+    # multiple of 16 bytes).
     if contiguous:
         q, k, v, g, beta = (_contiguous(x) for x in (q, k, v, g, beta))
     served = None

@@ -90,3 +90,21 @@ def prebuild_selected(request):
     if todo:
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as ex:
             list(ex.map(jit.build_module, todo))
+
+
+def paged_like(pool, lead_bytes=64, pad_bytes=48, seed=0):
+    """pool's values in a view whose slots sit apart, as vLLM's paged cache keeps them (docs/semantics.md,
+    "Strided pools"): each slot lead_bytes into a page of lead + slot + pad bytes of random filler (vLLM's conv
+    states; page padding). The slot stride is a multiple of 16 bytes and the view 16-byte aligned.
+    Returns (pages, view, filler): filler(pages) is every element outside the view, for bitwise checks."""
+    size = pool.element_size()
+    lead, pad, n = lead_bytes // size, pad_bytes // size, pool[0].numel()
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    pages = torch.randn(pool.shape[0], lead + n + pad, generator=gen, device=pool.device).to(pool.dtype)
+    view = pages[:, lead:lead + n].view(pool.shape)
+    view.copy_(pool)
+    assert not view.is_contiguous() and view.data_ptr() % 16 == 0 and view.stride(0) * size % 16 == 0
+
+    def filler(p):
+        return torch.cat([p[:, :lead].flatten(), p[:, lead + n:].flatten()])
+    return pages, view, filler

@@ -43,7 +43,7 @@ def _reference():
 
 
 REF = _reference()
-from gpu_common import bits, prebuild_selected, rel_l2, slot_list  # noqa: E402
+from gpu_common import bits, paged_like, prebuild_selected, rel_l2, slot_list  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,6 +172,38 @@ def test_matches_reference(name, case):
     case = dict(case)
     check_against_reference(name, case.pop("rows"), case.pop("H"), case.pop("HV"), case.pop("gate"),
                             case.pop("slot_mode"), seed=zlib.crc32(f"{name}{case}".encode()) % 10000, **case)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows,H,HV", [(13, 4, 16), (40, 16, 16)])
+def test_strided_pool_equals_the_dense_pool_bitwise(name, rows, H, HV):
+    """A pool whose slots sit a page apart (vLLM's paged cache; docs/semantics.md "Strided pools"): every
+    module (the bulk-copy ones read a tile from each slot's base) gives bitwise the dense pool's outputs and
+    slots, and leaves the filler between slots and the unnamed slots bitwise unchanged."""
+    rec = next(r for r in RECORDS if r["name"] == name)
+    sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(rows * 7 + HV)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen)
+    slots = 64
+    dense = make_pool(slots, HV, sdt, gen)
+    pages, pool, filler = paged_like(dense, seed=rows)
+    pages0, dense0 = pages.clone(), dense.clone()
+    il = slot_list(rows, slots, "padded", rows, null_slot0=True)
+    idx = torch.tensor(il, dtype=torch.int32, device="cuda")
+    outs = []
+    for p in (pool, dense):
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(name, q, k, v, g, beta, A_log, dt_bias, p, idx, out, "softplus", null_slot0=True)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(bits(outs[0]), bits(outs[1])), f"{name}: output differs from the dense pool's"
+    assert torch.equal(bits(pool), bits(dense)), f"{name}: slots differ from the dense pool's"
+    assert torch.equal(bits(filler(pages)), bits(filler(pages0))), f"{name}: filler between slots changed"
+    named = {i for i in il if i > 0}
+    rest = [s for s in range(slots) if s not in named]
+    assert torch.equal(bits(pool[rest]), bits(dense0[rest])), f"{name}: an unnamed slot changed"
+    assert not torch.equal(bits(pool[sorted(named)]), bits(dense0[sorted(named)]))
 
 
 @pytest.mark.parametrize("name", SEQ)

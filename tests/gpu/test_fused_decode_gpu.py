@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import bits, prebuild_selected, rel_l2, slot_list  # noqa: E402
+from gpu_common import bits, paged_like, prebuild_selected, rel_l2, slot_list  # noqa: E402
 
 RECORDS = json.loads((ROOT / "jit/modules/fused_decode_cuda.json").read_text())["modules"]
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
@@ -172,6 +172,39 @@ def test_matches_reference(name, sdt, abi, case):
 @pytest.mark.parametrize("rows,H,gate", [(2, 8, "softplus"), (17, 16, "bounded"), (40, 32, "log")])
 def test_repeated_slots_sequential(name, sdt, abi, rows, H, gate):
     check_against_reference(name, sdt, rows, H, gate, "repeated", seed=rows * 31 + H)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("name,sdt,abi", CASES, ids=IDS)
+@pytest.mark.parametrize("rows,H", [(9, 8), (40, 16)])
+def test_strided_pool_equals_the_dense_pool_bitwise(name, sdt, abi, rows, H):
+    """A state pool whose slots sit a page apart (vLLM's paged cache; docs/semantics.md "Strided pools"):
+    every module (rowtma* bulk-copy a tile from each slot's base) gives bitwise the dense pool's outputs, conv
+    cache and slots; the filler between slots and the unnamed slots stay bitwise unchanged."""
+    gen = torch.Generator(device=DEVICE).manual_seed(rows + H)
+    inp = make_inputs(rows, H, "softplus", gen)
+    slots = 48
+    conv0, dense = make_pools(slots, H, SDT[sdt], gen)
+    pages, pool, filler = paged_like(dense, seed=rows)
+    pages0, dense0 = pages.clone(), dense.clone()
+    il = slot_list(rows, slots, "padded", rows)
+    idx = torch.tensor(il, dtype=torch.int32, device=DEVICE)
+    outs, convs = [], []
+    for p in (pool, dense):
+        out = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        conv = conv0.clone()
+        call(name, inp, conv, p, idx, out, "softplus")
+        outs.append(out)
+        convs.append(conv)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0].float()).all()
+    assert torch.equal(bits(outs[0]), bits(outs[1])), f"{name}: output differs from the dense pool's"
+    assert torch.equal(bits(convs[0]), bits(convs[1])), f"{name}: conv cache differs"
+    assert torch.equal(bits(pool), bits(dense)), f"{name}: slots differ from the dense pool's"
+    assert torch.equal(bits(filler(pages)), bits(filler(pages0))), f"{name}: filler between slots changed"
+    named = {i for i in il if i >= 0}
+    rest = [s for s in range(slots) if s not in named]
+    assert torch.equal(bits(pool[rest]), bits(dense0[rest])), f"{name}: an unnamed slot changed"
 
 
 @pytest.mark.parametrize("name,sdt,abi", CASES, ids=IDS)

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
 from flashkda_ext.devtools.testing import fused_chain_start  # noqa: E402
-from gpu_common import GATES, bits, load, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
+from gpu_common import GATES, bits, load, paged_like, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
 RECORDS = records_by_name("fused_verify_cuda.json")
 NAMES = list(RECORDS)
@@ -98,6 +98,37 @@ def test_matches_reference(name, cols):
                 assert torch.equal(bits(a["state"][s]), bits(pool0[s])), (what, s)
         s, e = plan[1][:2]
         assert torch.equal(out[0, s:e], torch.zeros_like(out[0, s:e])), what
+
+
+@pytest.mark.parametrize("cols", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_strided_pool_equals_the_dense_pool_bitwise(name, cols):
+    """A state pool whose slots sit a page apart (vLLM's paged cache; docs/semantics.md "Strided pools"):
+    bitwise the dense pool's outputs, conv lines and slots; the filler between slots and the slots no token
+    stores stay bitwise unchanged."""
+    rec = RECORDS[name]
+    gen = torch.Generator(device="cuda").manual_seed(3000 + cols)
+    a = make(gen, LENS[cols], cols, 8, sdtype(rec), pad_request=1, extra_len=1)
+    dense, conv0 = a["state"], a["conv_state"].clone()
+    pages, pool, filler = paged_like(dense, seed=cols)
+    pages0, dense0 = pages.clone(), dense.clone()
+    outs, convs = [], []
+    for p in (pool, dense):
+        out = torch.full((1, sum(LENS[cols]), 8, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        conv = conv0.clone()
+        call_module(name, dict(a, state=p, conv_state=conv), out)
+        outs.append(out)
+        convs.append(conv)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0].float()).any()
+    assert torch.equal(bits(outs[0]), bits(outs[1])), f"{name}: output differs from the dense pool's"
+    assert torch.equal(bits(convs[0]), bits(convs[1])), f"{name}: conv lines differ"
+    assert torch.equal(bits(pool), bits(dense)), f"{name}: slots differ from the dense pool's"
+    assert torch.equal(bits(filler(pages)), bits(filler(pages0))), f"{name}: filler between slots changed"
+    plan, _ = live_plan(dict(a, state=dense0))
+    written = {w for _, _, rd, ws in plan if rd is not None for w in ws if w is not None and w >= 0}
+    rest = [s for s in range(dense.shape[0]) if s not in written]
+    assert written and torch.equal(bits(pool[rest]), bits(dense0[rest])), f"{name}: an unstored slot changed"
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("o32")])

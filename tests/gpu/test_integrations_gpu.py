@@ -248,12 +248,29 @@ def test_vllm_adapter_decode_and_prefill_match_fla_triton(vllm_fake):
         assert fkda_vllm.STATS["fused_recurrent_kda", "served"] == served + 1 and fake.calls == []
         o2, _ = fake.stubs["fused_recurrent_kda"](initial_state=theirs_pool, **kw)
         assert rel_l2(o1[:, :N], o2[:, :N]) < 1e-2 and rel_l2(ours_pool, theirs_pool) < 1e-2
-        # vLLM's paged mamba cache (conv and recurrent state in one page): a strided pool reaches the original
-        paged = torch.zeros(slots, 4096 + HV * 128 * 128, device=DEV)[:, 4096:].view(slots, HV, 128, 128)
+        # vLLM's paged mamba cache as vLLM lays it out (three bf16 conv states, then the fp32 recurrent state, in
+        # one page a slot; padded pages too): served as it is, bitwise the dense pool's call, every other byte of
+        # the pages (conv states, padding, the null block, unnamed slots) unchanged
+        from vllm_fake import kda_state_shapes, paged_mamba_cache
+        for pad in (0, 4096):
+            raw, views = paged_mamba_cache(slots, *kda_state_shapes(HV, 128, HV, 128), page_pad_bytes=pad,
+                                           device=DEV, seed=pad)
+            paged = views[3]
+            paged.copy_(pool0)
+            raw0, dense = raw.clone(), pool0.clone()
+            served = fkda_vllm.STATS["fused_recurrent_kda", "served"]
+            o_paged, st = fake.layer.fused_recurrent_kda(initial_state=paged, **kw)
+            assert st is paged and fkda_vllm.STATS["fused_recurrent_kda", "served"] == served + 1, \
+                dict(fkda_vllm.REASONS)
+            o_dense, _ = fake.layer.fused_recurrent_kda(initial_state=dense, **kw)
+            torch.cuda.synchronize()
+            assert torch.equal(o_paged[:, :N], o_dense[:, :N]) and torch.equal(paged, dense)
+            written = torch.zeros(raw.numel(), dtype=torch.bool, device=DEV)
+            for s in idx[:N].tolist():
+                lo = paged[s].data_ptr() - raw.data_ptr()
+                written[lo:lo + HV * 128 * 128 * 4] = True
+            assert torch.equal(raw[~written], raw0[~written])
         fake.calls.clear()
-        fake.impls.pop("fused_recurrent_kda")        # the bare recording stub
-        assert fake.layer.fused_recurrent_kda(initial_state=paged, **kw) == ("original", "fused_recurrent_kda")
-        assert [name for name, _ in fake.calls] == ["fused_recurrent_kda"]
 
         # prefill: the layer's chunk_kda_with_fused_gate with a dense initial state gathered from the pool
         cu = torch.tensor([0, 100, 250, 300], dtype=torch.int32, device=DEV)

@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 tvm_ffi = pytest.importorskip("tvm_ffi")
+from gpu_common import bits, paged_like  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_RECORDS = json.loads((ROOT / "jit/modules/prefill_cuda.json").read_text())["modules"]
@@ -206,6 +207,35 @@ def test_pool_in_place(rec):
     assert rel(pool[5], rf[0]) < TOL and rel(pool[2], rf[3]) < TOL
     for s in (0, 1, 3, 4, 6, 7, 8):
         assert torch.equal(pool[s], pool0[s])
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=[r["name"] for r in RECORDS])
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "read-only"])
+def test_strided_pool_equals_the_dense_pool_bitwise(rec, commit):
+    """Pool mode on a pool whose slots sit a page apart (vLLM's paged cache; docs/semantics.md "Strided
+    pools"): bitwise the dense pool's outputs, checkpoints and slots; the filler between slots and the slots
+    no sequence names stay bitwise unchanged. read-only: the pool as initial state only (nothing written)."""
+    mod = load(rec["name"])
+    st = sdtype(rec)
+    d = make([200, 1, 64, 0, 90, 33], 4, 4, "softplus")
+    dense = (torch.randn(11, 4, V, K, device=DEV) * 0.5).to(st)
+    pages, pool, filler = paged_like(dense, seed=5)
+    pages0, dense0 = pages.clone(), dense.clone()
+    idx = torch.tensor([5, 9, -1, 7, 0, 2], dtype=torch.int32, device=DEV)   # padding, null slot 0
+    res = []
+    for p in (pool, dense):
+        ckpt = torch.full((6, 3, 4, V, K), float("nan"), device=DEV).to(st)
+        o = call(mod, d, "softplus", init=p, fin=p if commit else None, idx=idx, null0=True, ckpt=ckpt, every=64)
+        res.append((o, ckpt))
+    torch.cuda.synchronize()
+    assert not torch.isnan(res[0][0]).any()
+    assert torch.equal(bits(res[0][0]), bits(res[1][0])), "output differs from the dense pool's"
+    assert torch.equal(bits(res[0][1]), bits(res[1][1])), "checkpoints differ"
+    assert torch.equal(bits(pool), bits(dense)), "slots differ from the dense pool's"
+    assert torch.equal(bits(filler(pages)), bits(filler(pages0))), "filler between slots changed"
+    named = {5, 9, 7, 2} if commit else set()
+    rest = [s for s in range(11) if s not in named]
+    assert torch.equal(bits(pool[rest]), bits(dense0[rest])), "an unnamed slot changed"
 
 
 @pytest.mark.parametrize("rec", RECORDS, ids=[r["name"] for r in RECORDS])

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import GATES, bits, load, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
+from gpu_common import GATES, bits, load, paged_like, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
 RECORDS = records_by_name("verify_cuda.json")
 NAMES = list(RECORDS)
@@ -105,6 +105,33 @@ def test_matches_reference(name, cols):
         out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
         call_module(name, a, out, gate)
         check(a, pool0, out, ref_out, ref_pool, f"{name} T_max={cols} {gate} HV={HV}")
+
+
+@pytest.mark.parametrize("cols", [2, 4, 8])
+@pytest.mark.parametrize("name", NAMES)
+def test_strided_pool_equals_the_dense_pool_bitwise(name, cols):
+    """A pool whose slots sit a page apart (vLLM's paged cache; docs/semantics.md "Strided pools"): every
+    module (bulk4's bulk copies move a tile from each slot's base) gives bitwise the dense pool's outputs and
+    slots; the filler between slots and the slots no token stores stay bitwise unchanged."""
+    rec = RECORDS[name]
+    gen = torch.Generator(device="cuda").manual_seed(2000 + cols)
+    a = make(gen, LENS[cols], cols, 2, 8, sdtype(rec), pad_request=1)
+    dense = a["state"]
+    pages, pool, filler = paged_like(dense, seed=cols)
+    pages0, dense0 = pages.clone(), dense.clone()
+    outs = []
+    for p in (pool, dense):
+        out = torch.full((1, sum(LENS[cols]), 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(name, dict(a, state=p), out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0].float()).any()
+    assert torch.equal(bits(outs[0]), bits(outs[1])), f"{name}: output differs from the dense pool's"
+    assert torch.equal(bits(pool), bits(dense)), f"{name}: slots differ from the dense pool's"
+    assert torch.equal(bits(filler(pages)), bits(filler(pages0))), f"{name}: filler between slots changed"
+    _, written = stored_slots(dict(a, state=dense0))
+    rest = [s for s in range(dense.shape[0]) if s not in written]
+    assert written and torch.equal(bits(pool[rest]), bits(dense0[rest])), f"{name}: an unstored slot changed"
 
 
 @pytest.mark.parametrize("name", NAMES)
