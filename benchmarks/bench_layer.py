@@ -204,7 +204,7 @@ def main(argv=None):
             notes["rel_l2_vs_fla"] = _agreement(layer, lambda impl, on: layer.decode(x, idx, impl), "ours")
         with torch.inference_mode():
             run.add(harness.Case(f"decode rows={rows}", {"phase": "decode", "rows": rows}, arms, notes=notes))
-    for rows in rows_list:   # what the SGLang adapter's one-pass casts cost: fp32 gate / beta beside bf16 q
+    for rows in rows_list:   # fp32 gate / beta beside bf16 q: read natively vs the one-pass casts they replaced
         run.add(_cast_case(layer, rows, slots, gen, dev, dtype))
     if use_fla:
         fla_switch(True)
@@ -213,8 +213,10 @@ def main(argv=None):
 
 
 def _cast_case(layer, rows, slots, gen, dev, dtype):
-    """The SGLang kernel's decode with the raw gate and beta logit in q's dtype vs in fp32 (cast inside
-    the adapter, one pass each): the difference is the price of accepting fp32 gate / beta."""
+    """The SGLang kernel's decode with the raw gate and beta logit in q's dtype ("ours"), in fp32 read as
+    they are by the _gb32 modules ("ours_fp32_gate_beta"), and in fp32 cast to q's dtype first, one pass
+    each, as the adapter did before kda_decode read them natively ("ours_fp32_cast"): native vs cast is
+    what the fp32 reads save; native vs ours what reading 4-byte gates costs."""
     from flashkda_ext.integrations.sglang import FlashKDAExtKernel
     H, D = layer.H, layer.D
     r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
@@ -228,7 +230,11 @@ def _cast_case(layer, rows, slots, gen, dev, dtype):
     def decode(a, b):
         return lambda: kern.decode(q, k, v, a, b, A_log=layer.A_log, dt_bias=layer.dt_bias, ssm_states=layer.state,
                                    cache_indices=idx, query_start_loc=qsl)
-    arms = [harness.Arm("ours", decode(a16, b16)), harness.Arm("ours_fp32_gate_beta", decode(a32, b32))]
+    def cast_then_decode():
+        return kern.decode(q, k, v, a32.to(dtype), b32.to(dtype), A_log=layer.A_log, dt_bias=layer.dt_bias,
+                           ssm_states=layer.state, cache_indices=idx, query_start_loc=qsl)
+    arms = [harness.Arm("ours", decode(a16, b16)), harness.Arm("ours_fp32_gate_beta", decode(a32, b32)),
+            harness.Arm("ours_fp32_cast", cast_then_decode)]
     with torch.inference_mode():
         return harness.Case(f"adapter casts rows={rows}", {"phase": "decode casts", "rows": rows}, arms)
 
