@@ -41,6 +41,9 @@ def parse(argv=None):
     p.add_argument("--name", default="layer")
     p.add_argument("--prefill", default=None, help="comma list of prefill token counts (default 4096,32768)")
     p.add_argument("--rows", default=None, help="comma list of decode rows (default 1,64,256)")
+    p.add_argument("--only-casts", action="store_true",
+                   help="only the 'adapter casts' cases (fp32 gate / beta read natively vs cast): no prefill or "
+                        "layer decode, so no fused or prefill module is built")
     return p.parse_args(argv)
 
 
@@ -158,7 +161,7 @@ def main(argv=None):
     cfg = harness.config_from_args(args)
     dry = not cfg.is_cuda
     sizes = TINY if dry else KIMI
-    use_fla = not args.no_fla and not dry and harness.fla_version() is not None
+    use_fla = not args.no_fla and not args.only_casts and not dry and harness.fla_version() is not None
     if use_fla:
         from flashkda_ext.integrations import fla as fkda_fla
         fkda_fla.register()
@@ -176,7 +179,9 @@ def main(argv=None):
             pass
     run = harness.Run(args.name, cfg, baseline="fla" if use_fla else "ours",
                       extra_meta={"layer": sizes, "fla_backend": use_fla})
-    run.start(len(prefill_T) + 2 * len(rows_list))
+    if args.only_casts:
+        prefill_T = []
+    run.start(len(prefill_T) + (1 if args.only_casts else 2) * len(rows_list))
     gen = torch.Generator().manual_seed(1)
     compiled_decode = torch.compile(lambda x, i: layer.decode(x, i, "ours"), fullgraph=True)
 
@@ -192,7 +197,7 @@ def main(argv=None):
         with torch.inference_mode():
             run.add(harness.Case(f"prefill T={T}", {"phase": "prefill", "tokens": T}, arms, notes=notes,
                                  reps=None if T <= 4096 else 10))
-    for rows in rows_list:
+    for rows in ([] if args.only_casts else rows_list):
         x = (torch.randn(rows, sizes["hidden"], generator=gen) * 0.5).to(dev, dtype)
         idx = torch.randperm(slots, generator=gen)[:rows].to(dev, torch.int32)
         arms = [harness.Arm("ours", lambda: layer.decode(x, idx, "ours")),

@@ -167,3 +167,35 @@ def test_trace_names_and_types_the_fp32_gate(tmp_path):
     assert "_gf32" in d["name"] and "betaf32" not in d["name"]
     inputs_ = {x["name"]: x for x in d["inputs"]} if isinstance(d["inputs"], list) else d["inputs"]
     assert inputs_["g"]["dtype"] == "float32" and inputs_["beta"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("g_dtype,beta_dtype", COMBOS)
+def test_jax_decode_reads_fp32_gate_and_beta(g_dtype, beta_dtype, monkeypatch):
+    """The JAX front end: the same module call as the torch op, bitwise, for fp32 / mixed g and beta; and
+    with a module that reads both as fp32 (forced, as on a GPU's _gb32 route) the bf16 one is converted
+    inside the jitted call, exactly."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax_tvm_ffi")
+    import jax.numpy as jnp
+    from flashkda_ext import jax as kj
+
+    def to_jax(t):
+        return jnp.array(jax.dlpack.from_dlpack(t.detach().contiguous().clone()), copy=True)
+
+    g, seed = gen()
+    a = inputs(g, g_dtype, beta_dtype)
+    b = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in a.items()}
+    t_out = run(a)
+    names = ("q", "k", "v", "g", "beta")
+    for forced in (False, True):
+        monkeypatch.setattr(kj, "_PREPARED", {})  # this call's plan alone (forced: planned again)
+        if forced:
+            monkeypatch.setattr(dispatch, "gb_read_dtype", lambda module, input_dtype: "float32")
+        j = {n: to_jax(x) for n, x in b.items() if isinstance(x, torch.Tensor)}
+        out, state = kj.kda_decode(*(j[n] for n in names), state=j["state"], state_indices=j["state_indices"],
+                                   A_log=j["A_log"], dt_bias=j["dt_bias"], donate=False)
+        prep = next(iter(kj._PREPARED.values()))
+        want = tuple((n, "float32") for n, d in (("g", g_dtype), ("beta", beta_dtype)) if d != f32) if forced else ()
+        assert prep.plan.casts == want
+        assert torch.equal(torch.from_dlpack(out).clone(), t_out), f"seed {seed}, forced {forced}"
+        assert torch.equal(torch.from_dlpack(state).clone(), a["state"]), f"seed {seed}, forced {forced}"
