@@ -34,7 +34,10 @@ def _route_fn(family: str, call):
 
 def _gb_casts(call) -> tuple:
     """kda_decode: the g / beta dtype conversions the routed module needs (validation.DecodeCall.gb_casts;
-    none when g and beta match what it reads), kept on the (memoized) call object."""
+    none when g and beta match what it reads), kept on the (memoized) call object. g and beta in q's
+    dtype (gb "input") are what every module a route gives such a call reads."""
+    if call.gb != "f32":
+        return ()
     casts = call.__dict__.get("_gb_casts")
     if casts is None:
         read = dispatch.gb_read_dtype(dispatch.module_name("kda_decode", call.route_meta()), call.input_dtype)
