@@ -111,6 +111,15 @@ def ours_call(name, case, pool, idx, out):
     return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, out, 0, 0.0, K ** -0.5, True, False)
 
 
+def cast_call(name, case, pool, idx, out):
+    """case's fp32 g and beta cast to bf16 (one pass each), then module `name`: what a caller holding an
+    fp32 gate paid before kda_decode read it natively (arm "gb32_cast")."""
+    q, k, v, g, beta, A_log, dt_bias = case
+    fn = load(name)["kda_decode"]
+    return lambda: fn(q, k, v, g.to(torch.bfloat16), beta.to(torch.bfloat16), A_log, dt_bias, pool, idx, out,
+                      0, 0.0, K ** -0.5, True, False)
+
+
 def op_call(case, pool, idx, out, fast=True):
     """The public op (validation, memo, routing, then the same module): what a caller pays. fast=False:
     with its signature fast path off, as FLASHKDA_EXT_FAST_PATH=0 sets it (arm "op_full")."""
@@ -126,7 +135,7 @@ def op_call(case, pool, idx, out, fast=True):
 
 # slot-copy references (benchmarks/slot_copy.py): (label, share of a tile a program moves, warps)
 SLOT_COPY_CONFIGS = (("copy_p1", 1, 8), ("copy_p2", 2, 8), ("copy_p4", 4, 4))
-NOT_OURS = ("fla", "op", "op_full") + tuple(c[0] for c in SLOT_COPY_CONFIGS)
+NOT_OURS = ("fla", "op", "op_full", "gb32", "gb32_cast") + tuple(c[0] for c in SLOT_COPY_CONFIGS)
 
 
 def fla_call(fla, case, pool, idx, out):
@@ -210,6 +219,9 @@ def parse(argv=None):
                     help="also time benchmarks/slot_copy.py (Triton): the same slots read and written back "
                          "unchanged, no arithmetic: the address pattern's own cost (arms copy_p1/p2/p4, a "
                          "comma list of them, or all when given alone)")
+    ap.add_argument("--gb32", action="store_true",
+                    help="also time fp32 g and beta: arm 'gb32' calls the routed module's _gb32 twin (reads them "
+                         "as fp32), arm 'gb32_cast' casts them to bf16 (one pass each) and calls the routed module")
     ap.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="pool slots (the issue's grid: 8192)")
     ap.add_argument("--offset", default="auto", choices=("auto", "o32", "o64"),
                     help="slot-offset width of the modules called: auto (as the dispatcher decides from the pool's "
@@ -283,6 +295,13 @@ def main(argv=None):
                     label = name.replace("decode_", "").replace(f"_{sname}_{offset}", "") if stems else "ours"
                     arms.append(harness.Arm(label, sequence([ours_call(name, case, pool, i, out) for i in idxs]),
                                             calls=M, bytes=traffic))
+                if args.gb32:
+                    case32 = case[:3] + (case[3].float(), case[4].float()) + case[5:]
+                    twin, _ = route(dict(meta, gb="f32"))
+                    arms.append(harness.Arm("gb32", sequence([ours_call(twin, case32, pool, i, out) for i in idxs]),
+                                            calls=M, bytes=traffic))
+                    arms.append(harness.Arm("gb32_cast", sequence([cast_call(routed, case32, pool, i, out)
+                                                                   for i in idxs]), calls=M, bytes=traffic))
                 if args.op_arm:
                     arms.append(harness.Arm("op", sequence([op_call(case, pool, i, out) for i in idxs]),
                                             calls=M, bytes=traffic))

@@ -41,6 +41,9 @@ def parse(argv=None):
     p.add_argument("--name", default="layer")
     p.add_argument("--prefill", default=None, help="comma list of prefill token counts (default 4096,32768)")
     p.add_argument("--rows", default=None, help="comma list of decode rows (default 1,64,256)")
+    p.add_argument("--only-casts", action="store_true",
+                   help="only the 'adapter casts' cases (fp32 gate / beta read natively vs cast): no prefill or "
+                        "layer decode, so no fused or prefill module is built")
     return p.parse_args(argv)
 
 
@@ -158,7 +161,7 @@ def main(argv=None):
     cfg = harness.config_from_args(args)
     dry = not cfg.is_cuda
     sizes = TINY if dry else KIMI
-    use_fla = not args.no_fla and not dry and harness.fla_version() is not None
+    use_fla = not args.no_fla and not args.only_casts and not dry and harness.fla_version() is not None
     if use_fla:
         from flashkda_ext.integrations import fla as fkda_fla
         fkda_fla.register()
@@ -176,7 +179,9 @@ def main(argv=None):
             pass
     run = harness.Run(args.name, cfg, baseline="fla" if use_fla else "ours",
                       extra_meta={"layer": sizes, "fla_backend": use_fla})
-    run.start(len(prefill_T) + 2 * len(rows_list))
+    if args.only_casts:
+        prefill_T = []
+    run.start(len(prefill_T) + (1 if args.only_casts else 2) * len(rows_list))
     gen = torch.Generator().manual_seed(1)
     compiled_decode = torch.compile(lambda x, i: layer.decode(x, i, "ours"), fullgraph=True)
 
@@ -192,7 +197,7 @@ def main(argv=None):
         with torch.inference_mode():
             run.add(harness.Case(f"prefill T={T}", {"phase": "prefill", "tokens": T}, arms, notes=notes,
                                  reps=None if T <= 4096 else 10))
-    for rows in rows_list:
+    for rows in ([] if args.only_casts else rows_list):
         x = (torch.randn(rows, sizes["hidden"], generator=gen) * 0.5).to(dev, dtype)
         idx = torch.randperm(slots, generator=gen)[:rows].to(dev, torch.int32)
         arms = [harness.Arm("ours", lambda: layer.decode(x, idx, "ours")),
@@ -204,7 +209,7 @@ def main(argv=None):
             notes["rel_l2_vs_fla"] = _agreement(layer, lambda impl, on: layer.decode(x, idx, impl), "ours")
         with torch.inference_mode():
             run.add(harness.Case(f"decode rows={rows}", {"phase": "decode", "rows": rows}, arms, notes=notes))
-    for rows in rows_list:   # what the SGLang adapter's one-pass casts cost: fp32 gate / beta beside bf16 q
+    for rows in rows_list:   # fp32 gate / beta beside bf16 q: read natively vs the one-pass casts they replaced
         run.add(_cast_case(layer, rows, slots, gen, dev, dtype))
     if use_fla:
         fla_switch(True)
@@ -213,8 +218,10 @@ def main(argv=None):
 
 
 def _cast_case(layer, rows, slots, gen, dev, dtype):
-    """The SGLang kernel's decode with the raw gate and beta logit in q's dtype vs in fp32 (cast inside
-    the adapter, one pass each): the difference is the price of accepting fp32 gate / beta."""
+    """The SGLang kernel's decode with the raw gate and beta logit in q's dtype ("ours"), in fp32 read as
+    they are by the _gb32 modules ("ours_fp32_gate_beta"), and in fp32 cast to q's dtype first, one pass
+    each, as the adapter did before kda_decode read them natively ("ours_fp32_cast"): native vs cast is
+    what the fp32 reads save; native vs ours what reading 4-byte gates costs."""
     from flashkda_ext.integrations.sglang import FlashKDAExtKernel
     H, D = layer.H, layer.D
     r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
@@ -228,7 +235,11 @@ def _cast_case(layer, rows, slots, gen, dev, dtype):
     def decode(a, b):
         return lambda: kern.decode(q, k, v, a, b, A_log=layer.A_log, dt_bias=layer.dt_bias, ssm_states=layer.state,
                                    cache_indices=idx, query_start_loc=qsl)
-    arms = [harness.Arm("ours", decode(a16, b16)), harness.Arm("ours_fp32_gate_beta", decode(a32, b32))]
+    def cast_then_decode():
+        return kern.decode(q, k, v, a32.to(dtype), b32.to(dtype), A_log=layer.A_log, dt_bias=layer.dt_bias,
+                           ssm_states=layer.state, cache_indices=idx, query_start_loc=qsl)
+    arms = [harness.Arm("ours", decode(a16, b16)), harness.Arm("ours_fp32_gate_beta", decode(a32, b32)),
+            harness.Arm("ours_fp32_cast", cast_then_decode)]
     with torch.inference_mode():
         return harness.Case(f"adapter casts rows={rows}", {"phase": "decode casts", "rows": rows}, arms)
 

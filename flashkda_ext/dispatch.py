@@ -74,3 +74,14 @@ def checked_function(family: str, meta: Mapping[str, Any]):
 
 def module_name(family: str, meta: Mapping[str, Any]) -> str:
     return select_rule(family, meta)["module"]
+
+
+@functools.lru_cache(maxsize=512)
+def gb_read_dtype(module: str, input_dtype: str) -> Optional[str]:
+    """The dtype a kda_decode module reads g and beta in: None for a CPU module (each in its own
+    dtype), "float32" for the CUDA twins with params.gb_f32 = 1 (routes' _gb32 rules), else the
+    input dtype (q's)."""
+    rec = jit.get_record(module)
+    if rec["backend"] == "cpu":
+        return None
+    return "float32" if rec.get("params", {}).get("gb_f32") else input_dtype

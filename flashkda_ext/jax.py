@@ -206,6 +206,8 @@ class _Plan:
     results: tuple                # (name, shape, dtype name, aliased operand name or None)
     attrs: tuple                  # ((name, value), ...) in the family's attribute order
     cuda_graph: bool              # allow XLA to capture the call into a command buffer
+    casts: tuple = ()             # ((operand name, dtype name), ...) converted before the call (kda_decode's
+                                  # g / beta when one is fp32 and the other not: DecodeCall.gb_casts)
 
 
 _TARGETS: dict = {}
@@ -335,6 +337,10 @@ def _ffi(plan: _Plan, arrays: dict) -> tuple:
     aliases = {plan.operands.index(alias): j for j, (_n, _s, _d, alias) in enumerate(plan.results)
                if alias is not None}
     call = jax.ffi.ffi_call(name, shapes, input_output_aliases=aliases)
+    if plan.casts:
+        arrays = dict(arrays)
+        for n, dtype in plan.casts:
+            arrays[n] = arrays[n].astype(jnp.dtype(dtype))
     return tuple(call(*[arrays[n] for n in plan.operands], **{a: _attr(v) for a, v in plan.attrs}))
 
 
@@ -469,7 +475,8 @@ def _prepare_decode(names, args, plat, key, *, lower_bound, gate, scale, beta_is
         family="kda_decode", platform=plat, module=module, operands=operands,
         results=(("out", (call.rows, call.value_heads, call.head_dim_v), _dtype_str(v), None),
                  ("state", tuple(state.shape), _dtype_str(state), "state")),
-        attrs=_attrs("kda_decode", call), cuda_graph=_GRAPH_SAFE["kda_decode"] and _command_buffers_allowed())
+        attrs=_attrs("kda_decode", call), cuda_graph=_GRAPH_SAFE["kda_decode"] and _command_buffers_allowed(),
+        casts=call.gb_casts(dispatch.gb_read_dtype(module, call.input_dtype)))
     return _remember(key, plan, _donate_positions(args, (8,), donate))
 
 

@@ -32,6 +32,20 @@ def _route_fn(family: str, call):
     return fn
 
 
+def _gb_casts(call) -> tuple:
+    """kda_decode: the g / beta dtype conversions the routed module needs (validation.DecodeCall.gb_casts;
+    none when g and beta match what it reads), kept on the (memoized) call object. g and beta in q's
+    dtype (gb "input") are what every module a route gives such a call reads."""
+    if call.gb != "f32":
+        return ()
+    casts = call.__dict__.get("_gb_casts")
+    if casts is None:
+        read = dispatch.gb_read_dtype(dispatch.module_name("kda_decode", call.route_meta()), call.input_dtype)
+        casts = call.gb_casts(read)
+        object.__setattr__(call, "_gb_casts", casts)
+    return casts
+
+
 def clear_call_caches() -> None:
     """Forget every fast-path entry and cached prefill route (tests that patch the launch path; the
     next call of each kind is validated and routed in full again)."""
@@ -52,9 +66,12 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     """
     key = dest = None
     if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor
+            and g is not None and beta is not None
             and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices), (state, out))):
-        key = ("kda_decode", q.shape[0], gate, slot_mode, type(lower_bound), lower_bound, type(scale), scale,
-               type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
+        # g's and beta's dtypes: fp32 and bf16 gates of one shape are two entries (the signature alone
+        # would keep them correct, but a loop alternating them would replace one entry by the other)
+        key = ("kda_decode", q.shape[0], g.dtype, beta.dtype, gate, slot_mode, type(lower_bound), lower_bound,
+               type(scale), scale, type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0)
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail = entry
@@ -84,10 +101,15 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out))
     fn = _route_fn("kda_decode", call)
+    casts = _gb_casts(call)
+    if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
+        conv = {name: getattr(torch, dtype) for name, dtype in casts}
+        g = g.to(conv["g"]) if "g" in conv else g
+        beta = beta.to(conv["beta"]) if "beta" in conv else beta
     sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, out)  # the caller's own tensors
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
-    if key is not None:
+    if key is not None and not casts:  # a converted copy's signature would never match the caller's tensor
         fast_path.put(key, "kda_decode", call, sig_args, tail)
     return out
 

@@ -216,7 +216,8 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
         return dict(common, rows=q.shape[0], num_heads=q.shape[1], head_dim_k=q.shape[2],
                     value_heads=v.shape[1], head_dim_v=v.shape[2], slots=state.shape[0],
                     input_dtype=_dtype(q), state_dtype=_dtype(state), slot_mode=a["slot_mode"],
-                    beta_is_logit=bool(a["beta_is_logit"]), scale=_resolved_scale(a["scale"], q.shape[2]))
+                    beta_is_logit=bool(a["beta_is_logit"]), scale=_resolved_scale(a["scale"], q.shape[2]),
+                    g_dtype=_dtype(a["g"]), beta_dtype=_dtype(a["beta"]))
     if op == "fused_kda_decode":
         g, state = a["g"], a["state"]
         return dict(common, rows=g.shape[0], num_heads=g.shape[1], head_dim=g.shape[2],
@@ -286,6 +287,9 @@ def facts(op: str, call: Any, inputs: Mapping[str, Any]) -> Dict[str, Any]:
         f["conv_weight_short"] = _SHORT.get(f["conv_weight_dtype"], f["conv_weight_dtype"])
     f["state_short"] = _SHORT.get(f.get("state_dtype"), f.get("state_dtype"))
     f["input_short"] = _SHORT.get(f["input_dtype"], f["input_dtype"])
+    for name in ("g", "beta"):  # kda_decode reads g and beta in their own dtype (q's or float32)
+        if f"{name}_dtype" in f:
+            f[f"{name}_short"] = _SHORT.get(f[f"{name}_dtype"], f[f"{name}_dtype"])
     return f
 
 

@@ -227,8 +227,9 @@ def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
         _in_set("slot_mode", slot_mode, sup["slot_modes"], "slot mode")
 
 
-def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str):
-    """Shapes of q, k [*lead, H, K], v [*lead, HV, V], g [*lead, HV, K], beta [*lead, HV]."""
+def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str, gb_f32: bool = False):
+    """Shapes of q, k [*lead, H, K], v [*lead, HV, V], g [*lead, HV, K], beta [*lead, HV]; all of q's
+    dtype, except that with gb_f32 g and beta may each be float32 instead (kda_decode reads them so)."""
     q = _tensor("q", q)
     k = _tensor("k", k)
     v = _tensor("v", v)
@@ -254,7 +255,13 @@ def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str):
     _shape("beta", beta, tuple(q.shape[:nl]) + (value_heads,), f"[{lead_names}, HV]")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _contiguous(name, x)
-        _same_dtype(name, x, q, "q")
+        if gb_f32 and name in ("g", "beta"):
+            if x.dtype not in (q.dtype, torch.float32):
+                also = "" if q.dtype == torch.float32 else " or float32"
+                raise ValueError(f"{name}: expected the dtype of q ({dtype_name(q.dtype)}){also}, "
+                                 f"got {dtype_name(x.dtype)}")
+        else:
+            _same_dtype(name, x, q, "q")
     return device, num_heads, head_dim_k, value_heads, head_dim_v
 
 
@@ -477,11 +484,29 @@ class DecodeCall:
     slot_mode: str
     null_slot0: bool
     offset_bits: int
+    g_dtype: str
+    beta_dtype: str
+
+    @property
+    def gb(self) -> str:
+        """Route metadata 'gb': "f32" when g or beta is float32 beside q of another dtype (the
+        routes' _gb32 twins read both as fp32), else "input" (both in q's dtype)."""
+        if self.input_dtype != "float32" and "float32" in (self.g_dtype, self.beta_dtype):
+            return "f32"
+        return "input"
 
     def route_meta(self) -> dict:
         return {"device": self.backend, "rows": self.rows, "value_heads": self.value_heads,
                 "work_items": self.rows * self.value_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "slot_mode": self.slot_mode, "gate": self.gate}
+                "offset": f"o{self.offset_bits}", "slot_mode": self.slot_mode, "gate": self.gate, "gb": self.gb}
+
+    def gb_casts(self, read: Optional[str]) -> tuple:
+        """((name, dtype), ...): g / beta to convert before the module that reads both in dtype `read`
+        (None: each in its own, the CPU module). Mixed fp32 / bf16 beside a _gb32 module: the bf16 one
+        goes up to fp32, exactly; a module without fp32 reads (none is routed so today) would round."""
+        if read is None:
+            return ()
+        return tuple((n, read) for n, d in (("g", self.g_dtype), ("beta", self.beta_dtype)) if d != read)
 
 
 def _state_tag(state_dtype: Optional[str]) -> str:
@@ -523,7 +548,7 @@ def _pool_step_tail(op, slot_mode, dims, q, k, v, g, beta, state, A_log, dt_bias
 def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None,
                      lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
                      slot_mode="unique", null_slot0=False, out=None, backend=None) -> DecodeCall:
-    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("rows",), lead_names="rows")
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("rows",), lead_names="rows", gb_f32=True)
     backend = _check_backend(backend, device)
     rows = q.shape[0]
     _choice("slot_mode", slot_mode, SLOT_MODES)
@@ -536,7 +561,7 @@ def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_b
                          (("state_indices", state_indices),), device, backend)
     return DecodeCall(backend, rows, H, HV, K, V, slots, dtype_name(q.dtype), dtype_name(state.dtype),
                       gate, GATE_MODE[gate], lb, _resolve_scale(scale, K), beta_is_logit, slot_mode,
-                      null_slot0, _offset_bits(state))
+                      null_slot0, _offset_bits(state), dtype_name(g.dtype), dtype_name(beta.dtype))
 
 
 @dataclass(frozen=True)
@@ -926,7 +951,7 @@ class VerifyCall:
         """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
         return {"device": self.backend, "rows": self.num_seqs, "value_heads": self.value_heads,
                 "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate}
+                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate, "gb": "input"}
 
 
 @_memoized

@@ -311,8 +311,13 @@ TABLE = {
     "q int32": (DECODE + PREFILL, _dtype("q", torch.int32)),
     "x int32": (FUSED, _dtype("x", torch.int32)),
     "k float16": (DECODE + PREFILL, _dtype("k", torch.float16)),
-    "beta float32": (DECODE + PREFILL, _dtype("beta", torch.float32)),
-    "g float32": (ALL, _dtype("g", torch.float32)),
+    "beta float32": (PREFILL, _dtype("beta", torch.float32)),
+    "g float32": (FUSED + PREFILL, _dtype("g", torch.float32)),
+    # kda_decode reads g and beta in q's dtype or fp32 (docs/semantics.md, "Dtypes"): valid there
+    "beta float32 (decode)": (DECODE, _dtype("beta", torch.float32)),
+    "g float32 (decode)": (DECODE, _dtype("g", torch.float32)),
+    "g float16": (DECODE, _dtype("g", torch.float16)),
+    "beta float64": (DECODE, _dtype("beta", torch.float64)),
     "A_log bfloat16": (ALL, _dtype("A_log", torch.bfloat16)),
     "dt_bias float64": (ALL, _dtype("dt_bias", torch.float64)),
     "dt_bias [K, HV]": (ALL, _dt_bias_transposed),
@@ -359,7 +364,8 @@ CASES = [(op, name) for name, (ops_, _) in TABLE.items() for op in ops_]
 # edges that must be accepted (and agree cold / warm); CUDA indices are device data, so an index
 # past the pool is a padding row there (docs/api.md) while the CPU binding refuses it; only CUDA
 # kernels need 16-byte aligned data (an offset view is fine on the CPU)
-EXPECT_VALID = {"cpu": {"T = 0", "q offset"}, "cuda": {"T = 0", "state_indices out of range"}}
+EXPECT_VALID = {"cpu": {"T = 0", "q offset", "beta float32 (decode)", "g float32 (decode)"},
+                "cuda": {"T = 0", "state_indices out of range", "beta float32 (decode)", "g float32 (decode)"}}
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -232,3 +232,46 @@ def test_speculative_decoding_call_is_served_by_kda_verify():
     torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
     for s in (0, 3, 6, 8):  # slots no entry names
         assert torch.equal(pool[s], pool0[s])
+
+
+@pytest.mark.parametrize("family", ["kda_decode", "kda_verify", "kda_prefill"])
+def test_fp32_gate_and_beta_reach_kda_decode_as_they_are(family, monkeypatch):
+    """fp32 g / beta beside bf16 q: kda_decode (vLLM's decode call) reads them natively, so the adapter
+    passes them uncast; kda_verify and kda_prefill read q's dtype, so they get the one-pass cast. The served
+    decode equals the reference on the fp32 values."""
+    from flashkda_ext import ops
+    seen = {}
+
+    def spy(name):
+        real = getattr(ops, name)
+
+        def wrapper(q, k, v, g, beta, **kw):
+            seen[name] = (g.dtype, beta.dtype)
+            return real(q, k, v, g, beta, **kw)
+        return wrapper
+    for name in ("kda_decode", "kda_verify", "kda_prefill"):
+        monkeypatch.setattr(ops, name, spy(name))
+    a = inputs(seed=4, B=1, T=3, dtype=torch.bfloat16)
+    a["g"], a["beta"] = torch.randn(1, 3, HV, K), torch.randn(1, 3, HV)   # fp32, as engines make them
+    pool = torch.randn(9, HV, V, K) * 0.3
+    pool0 = pool.clone()
+    if family == "kda_decode":
+        extra = dict(cu_seqlens=torch.arange(4, dtype=torch.int32), ssm_state_indices=torch.tensor(
+            [4, -1, 1], dtype=torch.int32), inplace_final_state=True)
+    elif family == "kda_verify":
+        extra = dict(cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32),
+                     ssm_state_indices=torch.tensor([[1, 4], [2, 7]], dtype=torch.int32), inplace_final_state=True)
+    else:
+        extra = dict(cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32), inplace_final_state=True)
+        pool = pool[:2].clone()
+    call = dict(a, initial_state=pool, **extra, **FLA_FLAGS)
+    assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
+    o, _ = fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+    want = (torch.float32, torch.float32) if family == "kda_decode" else (torch.bfloat16, torch.bfloat16)
+    assert seen == {family: want}
+    if family == "kda_decode":
+        want_o, want_pool = kda_decode_step(a["q"][0], a["k"][0], a["v"][0], a["g"][0], a["beta"][0], state=pool0,
+                                            state_indices=extra["ssm_state_indices"], A_log=a["A_log"],
+                                            dt_bias=a["dt_bias"])
+        torch.testing.assert_close(o[0].double(), want_o, rtol=6e-3, atol=1e-4)
+        torch.testing.assert_close(pool.double(), want_pool.double(), rtol=6e-3, atol=1e-4)

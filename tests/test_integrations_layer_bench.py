@@ -20,6 +20,8 @@ def test_layer_benchmark_dry_run(tmp_path):
     cases = {c["name"]: c for c in doc["cases"]}
     assert set(cases) == {"prefill T=64", "decode rows=2", "adapter casts rows=2"}
     assert set(cases["decode rows=2"]["arms"]) == {"ours", "ours_compiled"}
+    # fp32 gate / beta: native reads and the casts they replaced, side by side
+    assert set(cases["adapter casts rows=2"]["arms"]) == {"ours", "ours_fp32_gate_beta", "ours_fp32_cast"}
     for c in cases.values():
         for arm in c["arms"].values():
             assert arm["time_us"]["wall"]["median"] > 0

@@ -77,6 +77,42 @@ EDGES = {
         (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
         (decode_meta(rows=4096, value_heads=8, offset="o64"), "decode_row_f32_o64"),
     ],
+    # fp32 g / beta (gb = "f32"): the _gb32 twin of each band, at the same edges
+    ("kda_decode", "bf16_large_gb32", "work_items_min"): [
+        (decode_meta(rows=1024, value_heads=8, state="bf16", gb="f32"), "decode_rowtma_bf16_o32_gb32"),
+        (decode_meta(rows=1023, value_heads=8, state="bf16", gb="f32"), "decode_quartmabulk_bf16_o32_gb32"),
+        (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64", gb="f32"), "decode_rowtma_bf16_o64_gb32"),
+        (decode_meta(rows=1024, value_heads=8, state="bf16", gb="input"), "decode_rowtma_bf16_o32"),
+    ],
+    ("kda_decode", "bf16_tiles_bulk_gb32", "work_items_min"): [
+        (decode_meta(rows=64, value_heads=8, state="bf16", gb="f32"), "decode_quartmabulk_bf16_o32_gb32"),
+        (decode_meta(rows=511, value_heads=1, state="bf16", gb="f32"), "decode_quartma_bf16_o32_gb32"),
+        (decode_meta(rows=8, value_heads=64, state="bf16", offset="o64", gb="f32"), "decode_quartmabulk_bf16_o64_gb32"),
+    ],
+    ("kda_decode", "bf16_tiles_gb32", "work_items_min"): [
+        (decode_meta(rows=4, value_heads=8, state="bf16", gb="f32"), "decode_quartma_bf16_o32_gb32"),
+        (decode_meta(rows=31, value_heads=1, state="bf16", gb="f32"), "decode_split8_bf16_o32_gb32"),
+        (decode_meta(rows=1, value_heads=16, state="bf16", offset="o64", gb="f32"), "decode_split8_bf16_o64_gb32"),
+    ],
+    ("kda_decode", "f32_large_gb32", "work_items_min"): [
+        (decode_meta(rows=1024, value_heads=16, gb="f32"), "decode_halftma_f32_o32_gb32"),
+        (decode_meta(rows=1023, value_heads=16, gb="f32"), "decode_split8_f32_o32_gb32"),
+        (decode_meta(rows=256, value_heads=64, offset="o64", gb="f32"), "decode_halftma_f32_o64_gb32"),
+    ],
+    ("kda_decode", "f32_large_gb32", "value_heads_min"): [
+        (decode_meta(rows=4096, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
+        (decode_meta(rows=4096, value_heads=15, gb="f32"), "decode_split8_f32_o32_gb32"),
+    ],
+    ("kda_decode", "tiny_gb32", "work_items_max"): [
+        (decode_meta(rows=8, value_heads=16, gb="f32"), "decode_quartma_f32_o32_gb32"),
+        (decode_meta(rows=129, value_heads=1, gb="f32"), "decode_split8_f32_o32_gb32"),
+        (decode_meta(rows=2, value_heads=64, offset="o64", gb="f32"), "decode_quartma_f32_o64_gb32"),
+    ],
+    ("kda_decode", "hv8_row_gb32", "work_items_min"): [
+        (decode_meta(rows=32, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
+        (decode_meta(rows=31, value_heads=8, gb="f32"), "decode_split8_f32_o32_gb32"),
+        (decode_meta(rows=4096, value_heads=8, offset="o64", gb="f32"), "decode_row_f32_o64_gb32"),
+    ],
     ("fused_kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=2, value_heads=16), "fused_quad_f32_o32"),           # 32
         (decode_meta(rows=33, value_heads=1), "fused_rowtmalate_f32_o32"),     # 33
@@ -184,3 +220,52 @@ def test_unknown_band_value_stays_on_the_fallback():
     meta["work_items"] = None
     rule = dispatch.select_rule("kda_prefill", meta)
     assert rule["name"] == "fallback"
+
+
+def _decode_points():
+    for state in ("f32", "bf16"):
+        for offset in ("o32", "o64"):
+            for slot_mode in ("unique", "padded", "repeated"):
+                for hv in (1, 8, 15, 16, 64):
+                    for rows in (1, 2, 4, 16, 31, 32, 64, 128, 129, 256, 1023, 1024, 4096):
+                        yield decode_meta(rows=rows, value_heads=hv, state=state, offset=offset, slot_mode=slot_mode)
+
+
+def test_fp32_gate_beta_takes_the_gb32_twin_of_every_band():
+    """gb = "f32" picks, at every point, the module the same call with bf16 g and beta picks plus _gb32,
+    a record that reads g and beta as fp32; without the key (callers from before it) nothing changes."""
+    for meta in _decode_points():
+        base = dispatch.module_name("kda_decode", dict(meta, gb="input"))
+        assert dispatch.module_name("kda_decode", meta) == base  # no gb key: as before
+        twin = dispatch.module_name("kda_decode", dict(meta, gb="f32"))
+        assert twin == base + "_gb32", meta
+        rec, brec = jit.get_record(twin), jit.get_record(base)
+        assert rec["params"].get("gb_f32") == 1 and not brec["params"].get("gb_f32")
+        # the twin differs from its module only by the fp32 reads (and, for every routed one, is AOT-built)
+        for key in ("abi", "threads", "smem_bytes", "min_blocks", "cluster", "persistent_k", "state_dtype",
+                    "slot_offset_bits", "sources", "flags", "arches"):
+            assert rec[key] == brec[key], (twin, key)
+        assert {k: v for k, v in rec["params"].items() if k != "gb_f32"} == brec["params"]
+        assert rec["aot"]
+
+
+def test_gb32_rules_are_twins_of_the_rule_after_them():
+    rules = jit.routes_for("kda_decode")
+    for i, rule in enumerate(rules):
+        if rule["when"].get("device") != "cuda":
+            continue
+        if rule["name"].endswith("_gb32"):
+            nxt = rules[i + 1]
+            assert rule["name"] == nxt["name"] + "_gb32"
+            assert rule["module"] == nxt["module"] + "_gb32"
+            assert {k: v for k, v in rule["when"].items() if k != "gb"} == nxt["when"]
+            assert rule["when"]["gb"] == "f32"
+        else:
+            assert rules[i - 1]["name"] == rule["name"] + "_gb32", f"CUDA rule {rule['name']} has no _gb32 twin before it"
+
+
+def test_cpu_route_ignores_gb():
+    assert dispatch.module_name("kda_decode", decode_meta(device="cpu", gb="f32")) == "cpu_kda_decode"
+    assert dispatch.gb_read_dtype("cpu_kda_decode", "bfloat16") is None
+    assert dispatch.gb_read_dtype("decode_split8_f32_o32_gb32", "bfloat16") == "float32"
+    assert dispatch.gb_read_dtype("decode_split8_f32_o32", "bfloat16") == "bfloat16"

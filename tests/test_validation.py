@@ -51,6 +51,8 @@ DECODE_BAD = [
     ("g shape", {"g": _t((ROWS, HV, K - 1))}, {}, ValueError, ["g", "[rows, HV, K]"]),
     ("beta shape", {"beta": _t((ROWS, HV, 1))}, {}, ValueError, ["beta", "[rows, HV]"]),
     ("dtype mismatch", {"v": _t((ROWS, HV, V), torch.float64)}, {}, ValueError, ["v", "float32", "float64"]),
+    ("g dtype", {"g": _t((ROWS, HV, K), torch.float16)}, {}, ValueError, ["g", "dtype of q (float32)", "float16"]),
+    ("beta dtype", {"beta": _t((ROWS, HV), torch.float64)}, {}, ValueError, ["beta", "dtype of q (float32)", "float64"]),
     ("non-contiguous q", {"q": _t((ROWS, K, H)).transpose(1, 2)}, {}, ValueError, ["q", "contiguous", "strides"]),
     ("state shape", {"state": _t((SLOTS, HV, K, V))}, {}, ValueError, ["state", "[slots, HV, V, K]"]),
     ("state dtype", {"state": _t((SLOTS, HV, V, K), torch.float16)}, {}, ValueError, ["state", "float16"]),
@@ -117,6 +119,54 @@ def test_cuda_head_count_outside_set():
     args.update(q=r(2, 8, 128), k=r(2, 8, 128), v=r(2, 8, 128), g=r(2, 8, 128), beta=r(2, 8),
                 state=torch.randn(3, 8, 128, 128), A_log=torch.randn(8), dt_bias=torch.randn(8 * 128))
     assert call_decode(args, backend="cuda").value_heads == 8
+
+
+def _bf16_cuda_decode_args(g_dtype, beta_dtype, hv=8):
+    gen = torch.Generator().manual_seed(3)
+    r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen).to(dt)  # noqa: E731
+    return dict(q=r(2, hv, 128), k=r(2, hv, 128), v=r(2, hv, 128), g=r(2, hv, 128, dt=g_dtype),
+                beta=r(2, hv, dt=beta_dtype), state=torch.randn(3, hv, 128, 128),
+                state_indices=torch.tensor([0, 1], dtype=torch.int32), A_log=torch.randn(hv),
+                dt_bias=torch.randn(hv * 128))
+
+
+@pytest.mark.parametrize("g_dtype,beta_dtype,gb", [
+    (torch.bfloat16, torch.bfloat16, "input"), (torch.float32, torch.float32, "f32"),
+    (torch.float32, torch.bfloat16, "f32"), (torch.bfloat16, torch.float32, "f32")])
+def test_decode_takes_fp32_gate_and_beta_beside_bf16_q(g_dtype, beta_dtype, gb):
+    """kda_decode reads g and beta in their own dtype, q's or float32 (each on its own), on both backends'
+    supported sets; the route metadata says which (gb) and the call keeps both dtypes."""
+    for backend in ("cuda", "cpu"):
+        call = call_decode(_bf16_cuda_decode_args(g_dtype, beta_dtype), backend=backend)
+        assert call.route_meta()["gb"] == gb
+        assert (call.g_dtype, call.beta_dtype) == (val.dtype_name(g_dtype), val.dtype_name(beta_dtype))
+    casts = call.gb_casts("float32")
+    assert casts == tuple((n, "float32") for n, d in (("g", g_dtype), ("beta", beta_dtype)) if d != torch.float32)
+    assert call.gb_casts(None) == ()
+
+
+@pytest.mark.parametrize("name,dtype", [("g", torch.float16), ("beta", torch.float16), ("g", torch.float64),
+                                        ("beta", torch.float64)])
+def test_decode_refuses_other_gate_dtypes_naming_the_argument(name, dtype):
+    args = _bf16_cuda_decode_args(torch.bfloat16, torch.bfloat16)
+    args[name] = args[name].to(dtype)
+    with pytest.raises(ValueError, match=rf"^{name}: expected the dtype of q \(bfloat16\) or float32, got "):
+        call_decode(args, backend="cuda")
+
+
+def test_fp32_gate_is_read_as_is_by_decode_only():
+    """kda_prefill and kda_verify still read g and beta in q's dtype: an fp32 g beside bf16 q is refused
+    there, naming g (the adapters cast it for them)."""
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen).to(dt)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^g: expected the dtype of q \(bfloat16\), got float32"):
+        val.check_kda_prefill(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8, dt=torch.float32),
+                              r(1, 4, 2), A_log=torch.randn(2), dt_bias=torch.randn(16))
+    with pytest.raises(ValueError, match=r"^beta: expected the dtype of q \(bfloat16\), got float32"):
+        val.check_kda_verify(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, dt=torch.float32),
+                             state=torch.randn(4, 2, 8, 8), state_indices=torch.zeros(2, 2, dtype=torch.int32),
+                             cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32), A_log=torch.randn(2),
+                             dt_bias=torch.randn(16))
 
 
 def test_cpu_any_dims_accepted():

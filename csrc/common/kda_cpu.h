@@ -134,14 +134,21 @@ inline FloatSpan span_of(const TensorView& t) {
 }
 
 // The CPU backend's input dtypes for decode and prefill: q any float type, k, v, g and beta as q,
-// out as v (the CUDA modules take bf16 only).
+// out as v (the CUDA modules take bf16 only). gb_f32 (kda_decode): g and beta may each be float32
+// instead, read as they are (FloatSpan reads any float kind).
 inline void check_input_dtypes(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
-                               const TensorView& g, const TensorView& beta, const TensorView& out) {
+                               const TensorView& g, const TensorView& beta, const TensorView& out,
+                               bool gb_f32 = false) {
   c.dtype(q, "q", {kF32, kF64, kBF16, kF16});
   c.same_dtype_as(k, "k", q, "q");
   c.same_dtype_as(v, "v", q, "q");
-  c.same_dtype_as(g, "g", q, "q");
-  c.same_dtype_as(beta, "beta", q, "q");
+  if (gb_f32) {
+    c.dtype(g, "g", {q.dtype(), kF32});
+    c.dtype(beta, "beta", {q.dtype(), kF32});
+  } else {
+    c.same_dtype_as(g, "g", q, "q");
+    c.same_dtype_as(beta, "beta", q, "q");
+  }
   c.same_dtype_as(out, "out", v, "v");
 }
 

@@ -35,7 +35,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.shape(out, "out", {{"rows", rows}, {"HV", HV}, {"V", V}});
 
-  fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
+  fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out, /*gb_f32=*/true);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},

@@ -21,8 +21,8 @@ inline DecodeParams decode_params(const fkda::TensorView& q, const fkda::TensorV
   p.q = fkda::data_ptr<const bf16>(q);
   p.k = fkda::data_ptr<const bf16>(k);
   p.v = fkda::data_ptr<const bf16>(v);
-  p.g = fkda::data_ptr<const bf16>(g);
-  p.beta = fkda::data_ptr<const bf16>(beta);
+  p.g = fkda::data_ptr<const gb_t>(g);
+  p.beta = fkda::data_ptr<const gb_t>(beta);
   p.A_log = A_log.has_value() ? fkda::data_ptr<const float>(A_log.value()) : nullptr;
   p.dt_bias = dt_bias.has_value() ? fkda::data_ptr<const float>(dt_bias.value()) : nullptr;
   p.state = fkda::data_ptr<void>(state);

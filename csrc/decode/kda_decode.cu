@@ -6,6 +6,7 @@
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (8 or 16)
 //   FKDA_PARAM_STATE_SMEM      1 (tile schedule): the CTA's state tile by one bulk copy into shared memory
 //   FKDA_PARAM_BULK_STORE      1 (with state_smem): the updated tile goes back by one bulk copy
+//   FKDA_PARAM_GB_F32          1: g and beta are fp32 (read as they are), else bf16 like q, k, v
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -69,24 +70,29 @@ constexpr int kNumVT = FKDA_HEAD_DIM_V / FKDA_PARAM_V_TILE;
 using fkda::Checker;
 using fkda::Dim;
 
-// [rows, n, d] bf16 with the inner two dims dense; rows may be strided (views of packed projections).
+// [rows, n, d] of dtype `elem` (bf16; fp32 for g in a gb_f32 module) with the inner two dims dense;
+// rows may be strided (views of packed projections).
 void check_rows_tensor(const Checker& c, const TensorView& t, const char* name, int64_t rows,
                        const char* n_label, int64_t n, const char* d_label, int64_t d,
-                       const TensorView& ref) {
+                       const TensorView& ref, DLDataType elem = fkda::kBF16) {
   fkda::check_cuda_device(c, t, name, ref, "out");
   c.shape(t, name, {{"rows", rows}, {n_label, n}, {d_label, d}});
-  c.dtype(t, name, {fkda::kBF16});
+  c.dtype(t, name, {elem});
   if (!(t.stride(2) == 1 && (n == 1 || t.stride(1) == d) && (rows <= 1 || t.stride(0) >= n * d))) {
     FKDA_FAIL(c.fn()) << "argument '" << name << "' must have its two inner dims contiguous "
                       << "(rows may be strided)";
   }
   // vector loads along K / V need 16-byte aligned rows
+  const int64_t bytes = elem.bits / 8;
   if (reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(t)) % 16 != 0 ||
-      (rows > 1 && (t.stride(0) * 2) % 16 != 0)) {
+      (rows > 1 && (t.stride(0) * bytes) % 16 != 0)) {
     FKDA_FAIL(c.fn()) << "argument '" << name << "' must start 16-byte aligned with a row stride "
-                      << "that is a multiple of 8 elements";
+                      << "that is a multiple of " << 16 / bytes << " elements";
   }
 }
+
+// g and beta: fp32 in a gb_f32 module, else bf16 (kda_decode_kernels.cuh, gb_t)
+constexpr DLDataType kGbDtype = std::is_same_v<gb_t, float> ? fkda::kF32 : fkda::kBF16;
 
 void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                 Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
@@ -102,10 +108,10 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   check_rows_tensor(c, q, "q", rows, "H", H, "K", K, out);
   check_rows_tensor(c, k, "k", rows, "H", H, "K", K, out);
   check_rows_tensor(c, v, "v", rows, "HV", HV, "V", V, out);
-  check_rows_tensor(c, g, "g", rows, "HV", HV, "K", K, out);
+  check_rows_tensor(c, g, "g", rows, "HV", HV, "K", K, out, kGbDtype);
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"rows", rows}, {"HV", HV}});
-  c.dtype(beta, "beta", {fkda::kBF16});
+  c.dtype(beta, "beta", {kGbDtype});
   if (HV > 1 && beta.stride(1) != 1) FKDA_FAIL(c.fn()) << "argument 'beta' must have contiguous heads";
   c.shape(out, "out", {{"rows", rows}, {"HV", HV}, {"V", V}});
   c.dtype(out, "out", {fkda::kBF16});

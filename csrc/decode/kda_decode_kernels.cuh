@@ -30,12 +30,21 @@ namespace fkda_decode {
 namespace cg = cooperative_groups;
 using bf16 = __nv_bfloat16;
 
+// FKDA_PARAM_GB_F32 = 1: g and beta are fp32 tensors, read as they are (serving engines hand the
+// activated gate and sigmoid(beta) over in fp32 beside bf16 q/k/v; a cast to bf16 would cost a
+// kernel per call). Otherwise they are bf16 like q, k and v.
+#if defined(FKDA_PARAM_GB_F32) && FKDA_PARAM_GB_F32
+using gb_t = float;
+#else
+using gb_t = bf16;
+#endif
+
 struct DecodeParams {
   const bf16* q;
   const bf16* k;
   const bf16* v;
-  const bf16* g;
-  const bf16* beta;
+  const gb_t* g;
+  const gb_t* beta;
   const float* A_log;    // [HV] or nullptr (= 0)
   const float* dt_bias;  // [HV*K] or nullptr (= 0)
   void* state;           // pool base
@@ -80,6 +89,32 @@ __device__ __forceinline__ void unpack_bf(const BfVec<N>& b, float* f) {
 }
 
 __device__ __forceinline__ float bf_to_f(bf16 x) { return __bfloat162float(x); }
+
+// N fp32 values in 16-byte loads (fp32 g: 4 or 8 keys per state chunk).
+template <int N>
+struct F32Vec { float4 raw[N / 4]; };
+
+// g's chunk of N keys and beta, loaded and converted in their own dtype (gb_t).
+template <int N>
+__device__ __forceinline__ BfVec<N> load_gb(const bf16* p) { return load_bf<N>(p); }
+template <int N>
+__device__ __forceinline__ F32Vec<N> load_gb(const float* p) {
+  F32Vec<N> r;
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) r.raw[j] = __ldg(reinterpret_cast<const float4*>(p) + j);
+  return r;
+}
+template <int N>
+__device__ __forceinline__ void unpack_gb(const BfVec<N>& b, float* f) { unpack_bf<N>(b, f); }
+template <int N>
+__device__ __forceinline__ void unpack_gb(const F32Vec<N>& b, float* f) {
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    f[4 * j] = b.raw[j].x; f[4 * j + 1] = b.raw[j].y; f[4 * j + 2] = b.raw[j].z; f[4 * j + 3] = b.raw[j].w;
+  }
+}
+__device__ __forceinline__ float gb_to_f(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float gb_to_f(float x) { return x; }
 
 template <int LPR>
 __device__ __forceinline__ float group_sum(float x) {
@@ -186,10 +221,11 @@ struct WarpTile {
   // Everything one lane needs for one (row, head, warp's V-rows), loaded but not yet used.
   struct Item {
     uint4 s[PASSES][CHUNKS];
-    BfVec<VEC> qr[CHUNKS], kr[CHUNKS], gr[CHUNKS];
+    BfVec<VEC> qr[CHUNKS], kr[CHUNKS];
+    decltype(load_gb<VEC>(static_cast<const gb_t*>(nullptr))) gr[CHUNKS];
     float4 dt[CHUNKS][VEC / 4];
     bf16 vr[PASSES];
-    bf16 beta_raw;
+    gb_t beta_raw;
     float a_log;
   };
 
@@ -209,13 +245,13 @@ struct WarpTile {
     const int h = hv / p.group;
     const bf16* qp = p.q + row * p.q_row_stride + h * K;
     const bf16* kp = p.k + row * p.k_row_stride + h * K;
-    const bf16* gp = p.g + row * p.g_row_stride + hv * K;
+    const gb_t* gp = p.g + row * p.g_row_stride + hv * K;
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
       const int key = key_of(i, c);
       it.qr[i] = load_bf<VEC>(qp + key);
       it.kr[i] = load_bf<VEC>(kp + key);
-      it.gr[i] = load_bf<VEC>(gp + key);
+      it.gr[i] = load_gb<VEC>(gp + key);
 #pragma unroll
       for (int j = 0; j < VEC / 4; ++j) {
         it.dt[i][j] = p.dt_bias ? __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * K + key) + j)
@@ -260,7 +296,7 @@ struct WarpTile {
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
       float graw[VEC];
-      unpack_bf<VEC>(it.gr[i], graw);
+      unpack_gb<VEC>(it.gr[i], graw);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const float4 d4 = it.dt[i][e / 4];
@@ -278,7 +314,7 @@ struct WarpTile {
         pr.dec[i * VEC + e] = expf(gl);
       }
     }
-    const float b = bf_to_f(it.beta_raw);
+    const float b = gb_to_f(it.beta_raw);
     pr.beta = p.beta_is_logit ? 1.f / (1.f + expf(-b)) : b;
   }
 
@@ -502,7 +538,7 @@ kda_decode_tile_cluster_kernel(const DecodeParams p) {
   // barrier both CTAs have reached (compute-sanitizer racecheck flagged the unsynced writes).
   cluster.sync();
   for (int key = rank * (K / 2) + threadIdx.x; key < (rank + 1) * (K / 2); key += THREADS) {
-    const float graw = bf_to_f(p.g[row * p.g_row_stride + hv * K + key]);
+    const float graw = gb_to_f(p.g[row * p.g_row_stride + hv * K + key]);
     const float dt = p.dt_bias ? p.dt_bias[hv * K + key] : 0.f;
     const float a = p.A_log ? expf(p.A_log[hv]) : 1.f;
     float gl;

@@ -78,6 +78,7 @@ class Spec:
     name: str
     device: str
     dtype: str = "float32"            # input dtype
+    gb_dtype: Optional[str] = None    # kda_decode: g and beta in this dtype (None: the input dtype)
     state_dtype: str = "float32"
     gate: str = "softplus"
     H: int = 2
@@ -127,9 +128,10 @@ class _Rand:
 
 
 def _gate_args(rnd: _Rand, s: Spec, lead: tuple, HV: int, K: int):
+    dtype = s.gb_dtype or s.dtype
     if s.gate == "log":
-        return rnd.rand(*lead, HV, K, lo=-0.7, hi=-0.01, dtype=s.dtype), dict(gate="log")
-    g = rnd.randn(*lead, HV, K, dtype=s.dtype)
+        return rnd.rand(*lead, HV, K, lo=-0.7, hi=-0.01, dtype=dtype), dict(gate="log")
+    g = rnd.randn(*lead, HV, K, dtype=dtype)
     A_log = rnd.rand(HV, lo=-1.5, hi=0.4)
     dt_bias = rnd.randn(HV * K, scale=0.5)
     kw = dict(gate=s.gate, A_log=A_log, dt_bias=dt_bias)
@@ -233,7 +235,7 @@ def run_decode(s: Spec, seed: int) -> Outcome:
     q, k = rnd.randn(rows, H, K, dtype=s.dtype), rnd.randn(rows, H, K, dtype=s.dtype)
     v = rnd.randn(rows, HV, V, dtype=s.dtype)
     g, gkw = _gate_args(rnd, s, (rows,), HV, K)
-    beta = rnd.randn(rows, HV, dtype=s.dtype)
+    beta = rnd.randn(rows, HV, dtype=s.gb_dtype or s.dtype)
     state = rnd.randn(s.slots, HV, V, K, dtype=s.state_dtype, scale=0.5)
     idx_host = _slot_indices(rnd, s, rows)
     idx = idx_host.to(s.device)
@@ -438,6 +440,8 @@ def cpu_specs() -> List[Spec]:
              gate="bounded", H=3, HV=3, K=8, V=12, rows=6, slots=7, slot_mode="repeated"),
         Spec("kda_decode", "f64 log null-slot0", c, dtype="float64", state_dtype="float64", gate="log",
              H=1, HV=2, K=12, V=8, rows=4, slots=6, slot_mode="padded", null_slot0=True),
+        Spec("kda_decode", "bf16 fp32-g/beta softplus padded", c, dtype="bfloat16", gb_dtype="float32",
+             H=2, HV=4, K=16, V=24, rows=5, slots=9, slot_mode="padded"),
         Spec("kda_prefill", "f32 softplus varlen(+empty) dense", c, H=2, HV=4, K=16, V=24,
              lengths=(5, 0, 13, 9)),
         Spec("kda_prefill", "bf16 bounded pool ckpt=4", c, dtype="bfloat16", gate="bounded", H=2, HV=2,

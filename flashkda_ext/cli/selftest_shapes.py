@@ -11,19 +11,20 @@ from typing import Dict, List, Optional, Tuple
 from .common import FAMILIES, GATES, LOWER_BOUND
 from .selftest_cases import Spec, route_of
 
-def _meta_tensors_decode(rows, H, HV, K, V, slots, dtype, state_dtype, gate):
+def _meta_tensors_decode(rows, H, HV, K, V, slots, dtype, state_dtype, gate, gb_dtype=None):
     import torch
 
     m = dict(device="meta")
     dt, sdt = getattr(torch, dtype), getattr(torch, state_dtype)
+    gbt = getattr(torch, gb_dtype) if gb_dtype else dt
     q = torch.empty(rows, H, K, dtype=dt, **m)
     kw = {}
     if gate != "log":
         kw = dict(A_log=torch.empty(HV, **m), dt_bias=torch.empty(HV * K, **m))
     if gate == "bounded":
         kw["lower_bound"] = LOWER_BOUND
-    return (q, torch.empty_like(q), torch.empty(rows, HV, V, dtype=dt, **m), torch.empty(rows, HV, K, dtype=dt, **m),
-            torch.empty(rows, HV, dtype=dt, **m), torch.empty(slots, HV, V, K, dtype=sdt, **m),
+    return (q, torch.empty_like(q), torch.empty(rows, HV, V, dtype=dt, **m), torch.empty(rows, HV, K, dtype=gbt, **m),
+            torch.empty(rows, HV, dtype=gbt, **m), torch.empty(slots, HV, V, K, dtype=sdt, **m),
             torch.empty(rows, dtype=torch.int32, **m), kw)
 
 
@@ -74,12 +75,15 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
                     for mode in modes:
                         if mode != "unique" and rows < 3:
                             continue  # padding and repeats need a few rows to show up
-                        gate = gate_of()
-                        vv = V if family == "kda_decode" else K
-                        hh = hv // group if family == "kda_decode" else hv
-                        _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate,
-                                                     H=hh, HV=hv, K=K, V=vv, rows=rows, slots=max(rows + 2, 16),
-                                                     slot_mode=mode), big_pool_bytes, allow=rows <= 1024)
+                        # kda_decode: g and beta in q's dtype, and in fp32 (the routes' _gb32 twins)
+                        for gb in ((None, "float32") if family == "kda_decode" else (None,)):
+                            gate = gate_of()
+                            vv = V if family == "kda_decode" else K
+                            hh = hv // group if family == "kda_decode" else hv
+                            _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, gb_dtype=gb, state_dtype=st,
+                                                         gate=gate, H=hh, HV=hv, K=K, V=vv, rows=rows,
+                                                         slots=max(rows + 2, 16), slot_mode=mode),
+                                               big_pool_bytes, allow=rows <= 1024)
     elif family == "kda_verify":
         # requests of mixed draft lengths (T_max 2, 4, 8), one spec per (heads, state, gate) in turn
         shapes = [(2, 1, 2), (4, 2, 1, 3), (8, 5, 1, 8)]
@@ -127,7 +131,7 @@ def _spec_meta(s: Spec):
 
     if s.family == "kda_decode":
         q, k, v, g, beta, state, idx, kw = _meta_tensors_decode(s.rows, s.H, s.HV, s.K, s.V, s.slots, s.dtype,
-                                                                  s.state_dtype, s.gate)
+                                                                  s.state_dtype, s.gate, s.gb_dtype)
         call = validation.check_kda_decode(q, k, v, g, beta, state=state, state_indices=idx, backend="cuda",
                                            slot_mode=s.slot_mode, gate=s.gate, **kw)
     elif s.family == "fused_kda_decode":
@@ -250,5 +254,6 @@ def _spec_label(s: Spec) -> str:
             extra += f" slots={s.slots}"
         return f"T={shape} HV={s.HV} {st} {s.gate}{extra}"
     big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
-    return f"rows={s.rows} HV={s.HV} {st} {s.gate} {s.slot_mode}{big}"
+    gb = " g/beta f32" if s.gb_dtype == "float32" else ""
+    return f"rows={s.rows} HV={s.HV} {st} {s.gate} {s.slot_mode}{gb}{big}"
 

@@ -10,8 +10,9 @@ the rest (training, K-first state, context parallel, per-chunk intermediate stat
 
 The mapping itself (serve_chunk_kda, serve_fused_recurrent_kda_fwd and their verifiers) imports nothing
 from fla; only register() does. Conversions done here, each one pass, documented in docs/integrations.md:
-g and beta in a dtype other than q's (fp32 gate / beta beside bf16 q, as engines produce them) are cast
-to q's dtype (the kernels read them in q's dtype anyway); A_log / dt_bias are flattened to [HV] /
+g and beta in fp32 beside bf16 q (as engines produce them) go to kda_decode as they are (it reads fp32 g
+and beta natively); for kda_prefill and kda_verify, and in any other dtype than q's or fp32, they are
+cast to q's dtype (those kernels read them in q's dtype); A_log / dt_bias are flattened to [HV] /
 [HV*K] float32; int64 slot indices become int32; a non-fp32 dense initial state of fused_recurrent is
 read through an fp32 copy (fla's final state is fp32).
 """
@@ -284,7 +285,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate, A_log, dt_bias, lower_bound = _gate(plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV)
-    g, beta = plan.cast(g, q.dtype), plan.cast(beta, q.dtype)
+    # g and beta are cast where they are used: kda_decode keeps fp32 ones, kda_verify / kda_prefill take q's dtype
     gate_kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
                    beta_is_logit=bool(use_beta_sigmoid_in_kernel))
 
@@ -305,7 +306,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                       else plan.cast(num_accepted_tokens, torch.int32),
                       max_seqlen=int(ssm_state_indices.shape[1]), null_slot0=null_slot0, out=plan.keep(out),
                       **gate_kw)
-            args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
+            args = (plan.keep(q), plan.keep(k), plan.keep(v), plan.cast(g, q.dtype), plan.cast(beta, q.dtype))
             return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
             raise Refused(f"flashkda_ext serves ssm_state_indices of 1 or 2 dims, got {ssm_state_indices.dim()}")
@@ -322,6 +323,8 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                               f"(B = 1, one token per sequence: T == N), got B = {B}, T = {T}, N = {N}")
             rows = N
         idx = plan.cast(ssm_state_indices, torch.int32)
+        # kda_decode reads fp32 g and beta as they are: no cast kernel for the engines' fp32 gate / beta
+        g, beta = (plan.cast(x, torch.float32 if x.dtype == torch.float32 else q.dtype) for x in (g, beta))
         o_rows = plan.reshape(out, (rows, HV, V)) if out is not None else None
         args = (plan.reshape(q, (rows, H, K)), plan.reshape(k, (rows, H, K)), plan.reshape(v, (rows, HV, V)),
                 plan.reshape(g, (rows, HV, K)), plan.reshape(beta, (rows, HV)))
@@ -330,7 +333,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
         return "kda_decode", args, kw, lambda o: (o.reshape(B, T, HV, V) if out is None else out, initial_state)
 
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
+    args = (plan.keep(q), plan.keep(k), plan.keep(v), plan.cast(g, q.dtype), plan.cast(beta, q.dtype))
     kw = dict(cu_seqlens=plan.keep(cu_seqlens), out=plan.keep(out), **gate_kw)
     if inplace_final_state:
         if initial_state is None:

@@ -18,8 +18,9 @@ store it ([1, 1, HV, 1] or [HV]); dt_bias [HV*K]; ssm_states the pool [slots, HV
 int32 [N] (-1: padding, nothing read or written; its output rows are zeros); query_start_loc int32 [N+1].
 
 Conversions, each one pass over the tensor and only when needed (docs/integrations.md): views that are
-not contiguous are copied; g / a and beta / b in a dtype other than q's (fp32 gate or beta beside bf16 q)
-are cast to q's dtype (the kernels read them in q's dtype); A_log and dt_bias become flat fp32.
+not contiguous are copied; decode passes a fp32 a / b as it is (kda_decode reads fp32 g and beta natively);
+extend and target_verify cast g / a and beta / b in a dtype other than q's (fp32 gate or beta beside bf16
+q) to q's dtype (their kernels read them in q's dtype); A_log and dt_bias become flat fp32.
 
 target_verify follows SGLang's Triton KDA verify (read in sgl-project/sglang:
 python/sglang/srt/layers/attention/linear/kernels/kernel_backend.py @ 03a4a692 (the base signature),
@@ -48,6 +49,11 @@ def _as(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     if x.dtype != dtype:
         return x.to(dtype, memory_format=torch.contiguous_format)
     return x.contiguous()
+
+
+def _gb_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """kda_decode's g / beta dtype for x: float32 stays (read natively, no cast kernel), else q's dtype."""
+    return torch.float32 if x.dtype == torch.float32 else dtype
 
 
 def _params(A_log, dt_bias):
@@ -104,7 +110,7 @@ class FlashKDAExtKernel:
         A, dt = _params(A_log, dt_bias)
         gate, lb = _gate(lower_bound)
         o = kda_decode(_as(q, dtype, (T, H, K)), _as(k, dtype, (T, H, K)), _as(v, dtype, (T, HV, V)),
-                       _as(a, dtype, (T, HV, K)), _as(b, dtype, (T, HV)), state=ssm_states,
+                       _as(a, _gb_dtype(a, dtype), (T, HV, K)), _as(b, _gb_dtype(b, dtype), (T, HV)), state=ssm_states,
                        state_indices=_as(cache_indices, torch.int32, (N,)), A_log=A, dt_bias=dt, lower_bound=lb,
                        gate=gate, beta_is_logit=True, slot_mode="padded",
                        out=None if out is None else out.view(T, HV, V))

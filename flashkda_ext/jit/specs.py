@@ -25,7 +25,7 @@ from .toolchain import FORBIDDEN_FLAG_PREFIXES
 # Host-known route metadata per family (docs/architecture.md, "Routes").
 META_KEYS = {
     "kda_decode": {"device", "rows", "value_heads", "work_items", "state", "offset", "slot_mode",
-                   "gate"},
+                   "gate", "gb"},
     "fused_kda_decode": {"device", "rows", "value_heads", "work_items", "state", "offset",
                          "slot_mode", "gate"},
     "kda_prefill": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen",

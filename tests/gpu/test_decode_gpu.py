@@ -1,7 +1,9 @@
 """GPU tests of the CUDA kda_decode modules (csrc/decode) against the PyTorch reference.
 
-Every module record of jit/modules/decode_cuda.json (so every route's module) x fp32/bf16 state
-x slot modes. Fresh random inputs each case; outputs NaN-poisoned first; every pool slot not
+Every module record of jit/modules/decode_cuda.json (so every route's module, and the _gb32 twins that
+read g and beta as fp32: fed fp32 values bf16 cannot hold) x fp32/bf16 state x slot modes; each _gb32
+twin given bf16-exact fp32 g / beta equals its bf16 module bitwise; the public op with fp32 / mixed
+g and beta. Fresh random inputs each case; outputs NaN-poisoned first; every pool slot not
 addressed stays bitwise unchanged; padding rows are exact zeros; repeated slots apply in row order;
 bitwise determinism; CUDA-graph replay == eager bitwise; non-default streams; 64-bit slot offsets on
 a pool of more than 2^31 elements.
@@ -43,7 +45,7 @@ def _reference():
 
 
 REF = _reference()
-from gpu_common import bits, paged_like, prebuild_selected, rel_l2, slot_list  # noqa: E402
+from gpu_common import bits, paged_like, prebuild_selected, rel_l2, sdtype, slot_list  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,16 +58,26 @@ def load(name):
     return load_module(name)
 
 
-def make_inputs(rows, H, HV, gate, gen, device="cuda"):
+def gb_f32(rec):
+    """True for the _gb32 twins, which read g and beta as fp32."""
+    return bool(rec["params"].get("gb_f32"))
+
+
+def gb_dtype(rec):
+    return torch.float32 if gb_f32(rec) else torch.bfloat16
+
+
+def make_inputs(rows, H, HV, gate, gen, device="cuda", gb=torch.bfloat16):
+    """q, k, v bf16; g and beta in gb (fp32: values bf16 cannot hold, read as they are)."""
     r = lambda *s: torch.randn(*s, generator=gen, device=device)
     q = r(rows, H, K).to(torch.bfloat16)
     k = r(rows, H, K).to(torch.bfloat16)
     v = r(rows, HV, V).to(torch.bfloat16)
     if gate == "log":
-        g = (-torch.nn.functional.softplus(r(rows, HV, K))).to(torch.bfloat16)
+        g = (-torch.nn.functional.softplus(r(rows, HV, K))).to(gb)
     else:
-        g = (r(rows, HV, K) - 1.0).to(torch.bfloat16)
-    beta = r(rows, HV).to(torch.bfloat16)
+        g = (r(rows, HV, K) - 1.0).to(gb)
+    beta = r(rows, HV).to(gb)
     A_log = (torch.rand(HV, generator=gen, device=device) * 2.5 - 2.0).float()
     dt_bias = (r(HV * K) * 0.5).float()
     return q, k, v, g, beta, A_log, dt_bias
@@ -122,11 +134,11 @@ def check_against_reference(name, rows, H, HV, gate, slot_mode, seed, slots=64, 
     rec = next(r for r in RECORDS if r["name"] == name)
     sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, gate, gen)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, gate, gen, gb=gb_dtype(rec))
     if gate == "log" or not gate_params:  # log takes neither; bounded may omit both (= 0)
         A_log = dt_bias = None
     if not beta_is_logit:
-        beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
+        beta = torch.sigmoid(beta.float()).to(gb_dtype(rec))
     pool = make_pool(slots, HV, sdt, gen)
     il = slot_list(rows, slots, slot_mode, seed, null_slot0)
     idx = torch.tensor(il, dtype=torch.int32, device="cuda")
@@ -218,7 +230,7 @@ def test_deterministic_graph_and_stream(name):
     sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(7)
     rows, H, HV, slots = 37, 8, 16, 96
-    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen, gb=gb_dtype(rec))
     pool0 = make_pool(slots, HV, sdt, gen)
     idx = torch.randperm(slots, device="cuda")[:rows].to(torch.int32)
     idx[5] = -1
@@ -286,12 +298,13 @@ def test_o32_rejects_large_pool_and_o64_handles_it():
         if rec["state_dtype"] != "bfloat16":
             continue
         out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gg, bb = g.to(gb_dtype(rec)), beta.to(gb_dtype(rec))  # the same values (bf16 ones, exact in fp32)
         if rec["slot_offset_bits"] == 32:
             with pytest.raises(Exception, match="int32|o64"):
-                call(rec["name"], q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "bounded")
+                call(rec["name"], q, k, v, gg, bb, A_log, dt_bias, pool, idx, out, "bounded")
             continue
         pool[probe] = before
-        call(rec["name"], q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "bounded")
+        call(rec["name"], q, k, v, gg, bb, A_log, dt_bias, pool, idx, out, "bounded")
         torch.cuda.synchronize()
         assert rel_l2(out.float(), ref_out) < 1.2e-2, rec["name"]
         for s, st in ref_states.items():
@@ -329,7 +342,8 @@ def test_o32_largest_pool(sdt):
             continue
         pool[probe] = before
         out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        call(rec["name"], q, k, v, g, beta, A_log, dt_bias, pool, idx, out, "softplus")
+        call(rec["name"], q, k, v, g.to(gb_dtype(rec)), beta.to(gb_dtype(rec)), A_log, dt_bias, pool, idx, out,
+             "softplus")
         torch.cuda.synchronize()
         assert rel_l2(out.float(), ref_out) < 1.2e-2, rec["name"]
         for s, st in ref_states.items():
@@ -361,7 +375,7 @@ def test_back_to_back_calls_on_the_same_slots(name):
     sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
     rows, HV, steps = 12, 8, 8
-    inputs = [make_inputs(rows, HV, HV, "softplus", gen) for _ in range(steps)]
+    inputs = [make_inputs(rows, HV, HV, "softplus", gen, gb=gb_dtype(rec)) for _ in range(steps)]
     pool0 = make_pool(24, HV, sdt, gen)
     idx = torch.randperm(24, generator=torch.Generator().manual_seed(5))[:rows].to(torch.int32).cuda()
     outs = [torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(steps)]
@@ -399,3 +413,104 @@ def test_back_to_back_calls_on_the_same_slots(name):
     torch.cuda.synchronize()
     assert torch.equal(bits(pool), bits(ref_pool)), "graph replay of back-to-back calls differs"
     assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+
+
+GB32 = [r["name"] for r in RECORDS if gb_f32(r)]
+
+
+def test_every_routed_module_has_a_gb32_twin():
+    """The routes' _gb32 rules name these twins: one per routed module, the same record but gb_f32."""
+    assert GB32, "no _gb32 records"
+    for name in GB32:
+        assert name[:-len("_gb32")] in NAMES, name
+
+
+@pytest.mark.parametrize("name", GB32)
+@pytest.mark.parametrize("case", [
+    dict(rows=1, H=8, HV=8, gate="softplus", slot_mode="unique"),
+    dict(rows=29, H=4, HV=16, gate="bounded", slot_mode="padded"),
+    dict(rows=70, H=8, HV=8, gate="log", slot_mode="repeated"),
+])
+def test_gb32_with_bf16_exact_values_equals_the_bf16_module_bitwise(name, case):
+    """fp32 g and beta holding bf16 values exactly: the _gb32 twin reads the same numbers its bf16 module
+    reads after its own conversion, so output and pool agree bit for bit (the load path is the only
+    difference between them)."""
+    rec = next(r for r in RECORDS if r["name"] == name)
+    base = name[:-len("_gb32")]
+    if rec["abi"] != "sequential" and case["slot_mode"] == "repeated":
+        case = dict(case, slot_mode="padded")
+    seed = zlib.crc32(f"{name}{case}".encode()) % 10000
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, H, HV, gate = case["rows"], case["H"], case["HV"], case["gate"]
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, gate, gen)   # bf16 g, beta
+    if gate == "log":
+        A_log = dt_bias = None
+    slots = 3 * rows + 8
+    pool0 = make_pool(slots, HV, sdtype(rec), gen)
+    idx = torch.tensor(slot_list(rows, slots, case["slot_mode"], seed), dtype=torch.int32, device="cuda")
+    res = []
+    for mod, gg, bb in ((base, g, beta), (name, g.float(), beta.float())):
+        pool = pool0.clone()
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(mod, q, k, v, gg, bb, A_log, dt_bias, pool, idx, out, gate)
+        res.append((out, pool))
+    torch.cuda.synchronize()
+    assert torch.equal(bits(res[0][0]), bits(res[1][0])), f"{name}: output differs from {base}"
+    assert torch.equal(bits(res[0][1]), bits(res[1][1])), f"{name}: pool differs from {base}"
+
+
+@pytest.mark.parametrize("name", GB32[:1] + [n for n in NAMES if n.startswith("decode_split8_bf16_o32")])
+def test_binding_refuses_the_other_gate_dtype(name):
+    """A _gb32 module takes fp32 g and beta only, the others bf16 only: the binding names the argument
+    and launches nothing."""
+    rec = next(r for r in RECORDS if r["name"] == name)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(4, 8, 8, "softplus", gen, gb=gb_dtype(rec))
+    other = torch.bfloat16 if gb_f32(rec) else torch.float32
+    pool = make_pool(8, 8, sdtype(rec), gen)
+    before = pool.clone()
+    idx = torch.arange(4, dtype=torch.int32, device="cuda")
+    out = torch.full((4, 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for gg, bb, arg in ((g.to(other), beta, "'g'"), (g, beta.to(other), "'beta'")):
+        with pytest.raises(Exception, match=arg):
+            call(name, q, k, v, gg, bb, A_log, dt_bias, pool, idx, out, "softplus")
+    torch.cuda.synchronize()
+    assert out.isnan().all() and torch.equal(bits(pool), bits(before))
+
+
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,HV", [(1, 8), (4, 16), (16, 8), (32, 16), (64, 8), (1024, 8), (1024, 16)])
+@pytest.mark.parametrize("gdt,bdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                     (torch.bfloat16, torch.float32)])
+def test_public_op_reads_fp32_gate_and_beta(sdt, rows, HV, gdt, bdt):
+    """The public op with fp32 (or mixed) g / beta beside bf16 q: routed to the _gb32 twin of the band's
+    module, against the reference reading the fp32 values as they are; a mixed pair equals the same
+    call with the bf16 one given in fp32, bitwise; a second call (the fast path) the same again."""
+    import flashkda_ext as fk
+    from flashkda_ext import dispatch, validation
+    seed = zlib.crc32(f"{sdt}{rows}{HV}{gdt}{bdt}".encode()) % 10000
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, HV, HV, "softplus", gen, gb=torch.float32)
+    g, beta = g.to(gdt), beta.to(bdt)
+    slots = 2 * rows + 4
+    pool0 = make_pool(slots, HV, sdt, gen)
+    idx = torch.tensor(slot_list(rows, slots, "padded", seed), dtype=torch.int32, device="cuda")
+    meta = validation.check_kda_decode(q, k, v, g, beta, state=pool0, state_indices=idx, A_log=A_log,
+                                       dt_bias=dt_bias, slot_mode="padded").route_meta()
+    assert meta["gb"] == "f32" and dispatch.module_name("kda_decode", meta).endswith("_gb32")
+    ref_out, ref_states = reference(q, k, v, g, beta, A_log, dt_bias, pool0, idx.cpu(), "softplus")
+    results = []
+    for gg, bb in ((g, beta), (g, beta), (g.float(), beta.float())):
+        pool = pool0.clone()
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fk.kda_decode(q, k, v, gg, bb, state=pool, state_indices=idx, A_log=A_log, dt_bias=dt_bias,
+                      slot_mode="padded", out=out)
+        results.append((out, pool))
+    torch.cuda.synchronize()
+    out, pool = results[0]
+    assert rel_l2(out.float(), ref_out) < 1.2e-2
+    tol = 2e-5 if sdt == torch.float32 else 4e-3
+    for s, st in ref_states.items():
+        assert rel_l2(pool[s].float(), st.double()) < tol, s
+    for o, p in results[1:]:
+        assert torch.equal(bits(o), bits(out)) and torch.equal(bits(p), bits(pool))

@@ -318,7 +318,8 @@ def test_sglang_kernel_decode_and_extend_on_cuda():
     with torch.inference_mode():
         o = kern.decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=idx,
                         query_start_loc=torch.arange(N + 1, device=DEV, dtype=torch.int32))
-    want_o, want_pool = kda_decode_step(q[0], k[0], v[0], a.view(N, HV, 128).bfloat16(), b[0].bfloat16(),
+    # kda_decode reads the fp32 gate and beta as they are (no cast to bf16 first)
+    want_o, want_pool = kda_decode_step(q[0], k[0], v[0], a.view(N, HV, 128), b[0],
                                         state=pool0, state_indices=idx, A_log=A_log.flatten(), dt_bias=dt_bias)
     assert rel_l2(o[0], want_o) < 1e-2 and rel_l2(pool, want_pool) < 1e-3
     # extend with per-chunk states for the track buffer
@@ -338,6 +339,31 @@ def test_sglang_kernel_decode_and_extend_on_cuda():
     assert rel_l2(o, want_o) < 1e-2 and rel_l2(pool, want_pool) < 1e-2
     assert h.shape == (1, 2 + 3, HV, 128, 128)
     assert rel_l2(h[0, 1], want_ckpt[0, 0]) < 1e-2 and rel_l2(h[0, 4], want_ckpt[1, 1]) < 1e-2
+
+
+@pytest.mark.parametrize("ab_dtype", [torch.float32, torch.bfloat16])
+def test_sglang_decode_launches_one_kernel(ab_dtype):
+    """The adapter's decode with the gate and beta in fp32 (as engines produce them) or bf16 launches the
+    decode kernel alone: no conversion kernel before it."""
+    from torch.profiler import ProfilerActivity, profile
+    HV, N, slots = 16, 4, 8
+    kern, gen, bf, A_log, dt_bias, pool = _sglang_layer(7, HV, slots)
+    q, k, v = bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128)
+    a = torch.randn(N, HV * 128, generator=gen).to(DEV, ab_dtype)
+    b = torch.randn(1, N, HV, generator=gen).to(DEV, ab_dtype)
+    idx = torch.arange(N, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(N + 1, device=DEV, dtype=torch.int32)
+    A_flat = A_log.reshape(-1).contiguous()
+    with torch.inference_mode():
+        kern.decode(q, k, v, a, b, A_log=A_flat, dt_bias=dt_bias, ssm_states=pool, cache_indices=idx,
+                    query_start_loc=qsl)  # warm: module loaded, fast path armed
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            kern.decode(q, k, v, a, b, A_log=A_flat, dt_bias=dt_bias, ssm_states=pool, cache_indices=idx,
+                        query_start_loc=qsl)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "kda_decode" in kernels[0], kernels
 
 
 def _sglang_verify_reference(q, k, v, a, b, A_log, dt_bias, pool, cidx, rows, D, buf):
