@@ -34,7 +34,8 @@ def run_decode(fn, rec):
     idx = [1, 1, 4] if rec["abi"] == "sequential" else [1, -1, 4]
     state = _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
     out = torch.full((rows, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    fn(_r(rows, H, D), _r(rows, H, D), _r(rows, HV, D), _r(rows, HV, D), _r(rows, HV),
+    gb = torch.float32 if rec["params"].get("gb_f32") else torch.bfloat16  # the _gb32 twins read fp32 g, beta
+    fn(_r(rows, H, D), _r(rows, H, D), _r(rows, HV, D), _r(rows, HV, D, dtype=gb), _r(rows, HV, dtype=gb),
        _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
        state, torch.tensor(idx, dtype=torch.int32, device=DEV), out,
        validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)

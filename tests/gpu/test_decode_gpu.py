@@ -195,7 +195,7 @@ def test_strided_pool_equals_the_dense_pool_bitwise(name, rows, H, HV):
     rec = next(r for r in RECORDS if r["name"] == name)
     sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + HV)
-    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "softplus", gen, gb=gb_dtype(rec))
     slots = 64
     dense = make_pool(slots, HV, sdt, gen)
     pages, pool, filler = paged_like(dense, seed=rows)
