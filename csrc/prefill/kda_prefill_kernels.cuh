@@ -803,6 +803,35 @@ __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int b
 struct DiagPartial {
   float v[2][4];  // [n-tile][mma accumulator element]
 };
+// The operands of row i's keys d, d + 1 in a diagonal block anchored at row m (gm = G[m, d..d+1]):
+// k and q scaled by exp2(G_i - G_m), k by exp2(G_m - G_i); shared by the bf16 and tf32 block products.
+struct DiagOperands {
+  float k0, k1, q0, q1, r0, r1;
+};
+__device__ __forceinline__ DiagOperands diag_operands(const bf16* Qs, const bf16* Ks, const float* Gs, float2 gm,
+                                                      int i, int d) {
+  const float2 gi = *reinterpret_cast<const float2*>(Gs + i * kLdG + d);
+  const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * kLdB + d));
+  const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
+  const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
+  const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
+  return {kv.x * f0, kv.y * f1, qv.x * f0, qv.y * f1, kv.x * b0, kv.y * b1};
+}
+// A block product's partial sums of L and Aqk: the half this warp finishes stays in registers, the
+// other goes to the exchange for the partner warp (diag_block_finish adds them after the barrier).
+__device__ __forceinline__ DiagPartial diag_share(float* xch, const float (&L)[2][4], const float (&A)[2][4], int I,
+                                                  int half, int lane) {
+  DiagPartial mine;
+  float* out = xch + ((I * 2 + half) * 32 + lane) * 8;
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out[nn * 4 + e] = half ? L[nn][e] : A[nn][e];
+      mine.v[nn][e] = half ? A[nn][e] : L[nn][e];
+    }
+  return mine;
+}
 template <bool SPLIT>
 __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16* Ks, const float* Gs, float* xch,
                                                       int I, int half, int lane) {
@@ -824,19 +853,15 @@ __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int i = 16 * I + g + 8 * rr;
-        const float2 gi = *reinterpret_cast<const float2*>(Gs + i * kLdG + d);
-        const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * kLdB + d));
-        const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
-        const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
-        const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
+        const DiagOperands o = diag_operands(Qs, Ks, Gs, gm, i, d);
         if constexpr (SPLIT) {
-          split2(kv.x * f0, kv.y * f1, kh[rr][ch], kl[rr][ch]);
-          split2(qv.x * f0, qv.y * f1, qh[rr][ch], ql[rr][ch]);
-          split2(kv.x * b0, kv.y * b1, rh[rr][ch], rl[rr][ch]);
+          split2(o.k0, o.k1, kh[rr][ch], kl[rr][ch]);
+          split2(o.q0, o.q1, qh[rr][ch], ql[rr][ch]);
+          split2(o.r0, o.r1, rh[rr][ch], rl[rr][ch]);
         } else {
-          kh[rr][ch] = pack_bf16(kv.x * f0, kv.y * f1);
-          qh[rr][ch] = pack_bf16(qv.x * f0, qv.y * f1);
-          rh[rr][ch] = pack_bf16(kv.x * b0, kv.y * b1);
+          kh[rr][ch] = pack_bf16(o.k0, o.k1);
+          qh[rr][ch] = pack_bf16(o.q0, o.q1);
+          rh[rr][ch] = pack_bf16(o.r0, o.r1);
         }
       }
     }
@@ -860,17 +885,13 @@ __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16
       }
     }
   }
-  DiagPartial mine;
-  float* out = xch + ((I * 2 + half) * 32 + lane) * 8;
+  if constexpr (SPLIT) {
 #pragma unroll
-  for (int nn = 0; nn < 2; ++nn)
+    for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float l = SPLIT ? hL[nn][e] + cL[nn][e] : hL[nn][e], q = SPLIT ? hA[nn][e] + cA[nn][e] : hA[nn][e];
-      out[nn * 4 + e] = half ? l : q;
-      mine.v[nn][e] = half ? q : l;
-    }
-  return mine;
+      for (int e = 0; e < 4; ++e) hL[nn][e] += cL[nn][e], hA[nn][e] += cA[nn][e];
+  }
+  return diag_share(xch, hL, hA, I, half, lane);
 }
 // D += A (16x8, row) * B (8x8, col), tf32 in, fp32 accumulate.
 __device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
@@ -912,17 +933,13 @@ __device__ __forceinline__ DiagPartial diag_block_mma_tf32(const bf16* Qs, const
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int i = 16 * I + g + 8 * rr;
-        const float2 gi = *reinterpret_cast<const float2*>(Gs + i * kLdG + d);
-        const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * kLdB + d));
-        const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
-        const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
-        const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
-        ak[rr] = to_tf32(kv.x * f0);
-        ak[2 + rr] = to_tf32(kv.y * f1);
-        aq[rr] = to_tf32(qv.x * f0);
-        aq[2 + rr] = to_tf32(qv.y * f1);
-        br[rr][0] = to_tf32(kv.x * b0);
-        br[rr][1] = to_tf32(kv.y * b1);
+        const DiagOperands o = diag_operands(Qs, Ks, Gs, gm, i, d);
+        ak[rr] = to_tf32(o.k0);
+        ak[2 + rr] = to_tf32(o.k1);
+        aq[rr] = to_tf32(o.q0);
+        aq[2 + rr] = to_tf32(o.q1);
+        br[rr][0] = to_tf32(o.r0);
+        br[rr][1] = to_tf32(o.r1);
       }
 #pragma unroll
       for (int nn = 0; nn < 2; ++nn) {
@@ -931,16 +948,7 @@ __device__ __forceinline__ DiagPartial diag_block_mma_tf32(const bf16* Qs, const
       }
     }
   }
-  DiagPartial mine;
-  float* out = xch + ((I * 2 + half) * 32 + lane) * 8;
-#pragma unroll
-  for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      out[nn * 4 + e] = half ? cL[nn][e] : cA[nn][e];
-      mine.v[nn][e] = half ? cA[nn][e] : cL[nn][e];
-    }
-  return mine;
+  return diag_share(xch, cL, cA, I, half, lane);
 }
 // After the barrier: add the other warp's partial (k-steps 0..3 first in both warps) and write
 // the block: L from half 0, Aqk from half 1.
