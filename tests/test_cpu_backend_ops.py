@@ -127,8 +127,16 @@ def test_public_decode_call_time(capsys):
                                              A_log=A_log, dt_bias=dt_bias, out=out)
     fn = jit.load_module("cpu_kda_decode")["kda_decode"]
     bare = lambda: fn(q, k, v, gr, beta, A_log, dt_bias, pool, idx, out, 0, 0.0, 0.25, True, False)  # noqa: E731
+    # the two calls do the same work: one step from the same pool gives bitwise the same output and slot
+    pool0 = pool.clone()
+    public()
+    o_public, s_public = out.clone(), pool.clone()
+    pool.copy_(pool0)
+    bare()
+    assert torch.equal(out, o_public) and torch.equal(pool, s_public)
+    # the figures are printed, not asserted: a timing bound here failed under a loaded 2-core machine
+    # (2026-12-02); the bound on this cost lives in benchmarks/bench_overhead.py
     t_public, t_bare = _per_call_us(public), _per_call_us(bare)
     with capsys.disabled():
         print(f"\n[cpu backend] small kda_decode: public op {t_public:.1f} us, bare TVM-FFI call {t_bare:.1f} us "
               f"(median of 5 x 1000)")
-    assert t_bare < t_public < 10_000.0
