@@ -405,7 +405,8 @@ def _check_backend(backend: Optional[str], device: torch.device) -> str:
 # ---------------------------------------------------------------------------------------------
 # memo: a serving loop calls with the same shapes every step, so the verdict of a full check is
 # reused for the next call whose tensors have the same shape, dtype, device, contiguity (strides when
-# not contiguous: a pool's slot stride decides its verdict and offset width) and 16-byte alignment and whose other arguments are equal (same type too: True is not 1). Anything the key
+# not contiguous: a pool's slot stride decides its verdict and offset width) and 16-byte alignment
+# and whose other arguments are equal (same type too: True is not 1). Anything the key
 # cannot capture (values inside a host tensor, unhashable arguments, tensor subclasses) takes the
 # full check every time.
 

@@ -86,6 +86,17 @@ inline void pool_offsets_fit(const Checker& c, const char* name, int64_t span, i
   }
 }
 
+// The pool checks every binding makes, in this order: the slot stride (pool_slot_stride), the base
+// 16-byte aligned when align16 (the CUDA modules' vector and bulk copies), and the span within the
+// module's `bits`-bit offsets. Returns the slot stride in elements.
+inline int64_t checked_pool_stride(const Checker& c, const TensorView& state, const char* name, int bits,
+                                   bool align16) {
+  const int64_t stride = pool_slot_stride(c, state, name);
+  if (align16) c.aligned(state, name, 16);
+  pool_offsets_fit(c, name, pool_span(state, stride), bits);
+  return stride;
+}
+
 struct PoolLayout {
   int64_t slots, slot_stride;  // slot_stride in elements
 };

@@ -31,10 +31,7 @@ inline PoolLayout verify_pool(const Checker& c, const TensorView& state, Dim a, 
   check_cuda_device(c, state, "state", ref, "out");
   c.shape(state, "state", {{"slots", -1}, a, b, d});
   c.state_dtype(state, "state", {kF32, kBF16});
-  const int64_t stride = pool_slot_stride(c, state, "state");
-  c.aligned(state, "state", 16);
-  pool_offsets_fit(c, "state", pool_span(state, stride), FKDA_SLOT_OFFSET_BITS);
-  return PoolLayout{state.size(0), stride};
+  return PoolLayout{state.size(0), checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, true)};
 }
 
 // state_indices int32 contiguous, cu_seqlens int32 [N+1], num_accepted_tokens int32 [N] or absent,

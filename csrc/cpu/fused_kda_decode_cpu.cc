@@ -44,8 +44,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
 
   cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
-  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
-  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
 
   const fkda::GateMode mode = c.gate_mode(gate_mode);

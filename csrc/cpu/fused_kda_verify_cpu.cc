@@ -57,8 +57,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
-  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
-  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
   c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
   const fkda::GateMode mode =
       fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, x, "x", scale);

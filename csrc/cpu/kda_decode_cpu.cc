@@ -43,8 +43,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     c.contiguous(t, name);
   }
   // the pool's slots may sit apart (a paged cache); each slot is dense
-  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
-  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
 
   const fkda::GateMode mode = c.gate_mode(gate_mode);
   c.lower_bound(mode, lower_bound);

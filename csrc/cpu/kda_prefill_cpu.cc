@@ -33,9 +33,7 @@ void check_state_arg(const Checker& c, const OptTensor& t, const char* name, boo
 // its offsets checked against the module's width.
 int64_t pool_stride(const Checker& c, const OptTensor& t, const char* name, int64_t dense) {
   if (!t.has_value()) return dense;
-  const int64_t stride = fkda::pool_slot_stride(c, t.value(), name);
-  fkda::pool_offsets_fit(c, name, fkda::pool_span(t.value(), stride), FKDA_SLOT_OFFSET_BITS);
-  return stride;
+  return fkda::checked_pool_stride(c, t.value(), name, FKDA_SLOT_OFFSET_BITS, false);
 }
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,

@@ -52,8 +52,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     c.contiguous(t, name);
   }
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
-  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");  // slots may sit apart (paged)
-  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
+  // slots may sit apart (paged)
+  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
   const fkda::GateMode mode =
       fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, q, "q", scale);
 

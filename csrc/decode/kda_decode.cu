@@ -125,9 +125,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
   const int64_t slots = state.size(0);
   // slots may sit apart (a paged cache), each one dense; offsets reach the pool's span
-  const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
-  c.aligned(state, "state", 16);
-  fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
+  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, true);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value() && reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(dt_bias.value())) % 16 != 0) {
     FKDA_FAIL(c.fn()) << "argument 'dt_bias' must be 16-byte aligned";

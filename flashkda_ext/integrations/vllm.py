@@ -132,11 +132,17 @@ def _serve_chunk(**call):
     return _fla.serve_chunk_kda(**_chunk_form(**call))
 
 
+def _count_fallback(entry: str, reason: str) -> None:
+    STATS[entry, "fell_back"] += 1
+    REASONS[entry, reason] += 1
+
+
 def _claimed(entry: str, check, call: dict) -> bool:
     ok, reason = _fla._verdict("vllm." + entry, check, (), call)
-    STATS[entry, "served" if ok else "fell_back"] += 1
-    if not ok:
-        REASONS[entry, reason] += 1
+    if ok:
+        STATS[entry, "served"] += 1
+    else:
+        _count_fallback(entry, reason)
     return ok
 
 
@@ -198,11 +204,6 @@ def _adapt_chunk_kda_with_fused_gate(original):
             return _serve_chunk(**mapped)
         return original(raw_g=raw_g, A_log=A_log, g_bias=g_bias, **call, **kwargs)
     return chunk_kda_with_fused_gate
-
-
-def _count_fallback(entry: str, reason: str) -> None:
-    STATS[entry, "fell_back"] += 1
-    REASONS[entry, reason] += 1
 
 
 #: vLLM's name -> the adapter factory (fused_kda_gate and the causal conv calls stay vLLM's: docs/integrations.md)
