@@ -6,6 +6,7 @@
 #
 #   bash scripts/device_verify.sh            BENCH_ARGS="--quick" by default; BENCH_ARGS="" for the grid
 #   BENCH_MODULES=tile,stage,stage16w4 ...   the candidate stems timed beside the routed module (default tile,split16,split8)
+#   SANITIZE_ONLY=verify_pipe*,...            the modules compute-sanitizer launches (default every verify module)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -18,7 +19,7 @@ stage gpu_tests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
 if [ "${SANITIZE:-1}" = 1 ]; then
   for t in memcheck racecheck synccheck; do
-    stage "$t" 120 compute-sanitizer --tool "$t" --error-exitcode 7 python3 scripts/sanitize_routes.py --only 'verify_*,fused_verify_*'
+    stage "$t" 120 compute-sanitizer --tool "$t" --error-exitcode 7 python3 scripts/sanitize_routes.py --only "${SANITIZE_ONLY:-verify_*,fused_verify_*}"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -4
   done
 fi

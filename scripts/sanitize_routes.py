@@ -80,13 +80,18 @@ def run_fused(fn, rec):
 
 
 def run_verify(fn, rec):
-    # 3 requests of 2, 1, 3 tokens; request 1 is padding, token 1 of request 2 stores nothing
-    H, HV, slots = 2, 4, 12
-    idx = torch.tensor([[1, 2, 3], [-1, 5, 6], [7, -1, 9]], dtype=torch.int32, device=DEV)
-    cu = torch.tensor([0, 2, 3, 6], dtype=torch.int32, device=DEV)
-    nacc = torch.tensor([2, 1, 1], dtype=torch.int32, device=DEV)
-    out = torch.full((1, 6, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    fn(_r(1, 6, H, D), _r(1, 6, H, D), _r(1, 6, HV, D), _r(1, 6, HV, D), _r(1, 6, HV),
+    # 3 requests of 2, 1, 3 tokens; request 1 is padding, token 1 of request 2 stores nothing. A
+    # persistent module gets the three repeated 60 times (1440+ tiles against its 4 x 132 CTAs), so
+    # its CTAs walk several tiles with the next one's copies in flight.
+    reps = 60 if rec["persistent_k"] > 0 else 1
+    H, HV, slots = 2, 4, 12 * reps
+    base = torch.tensor([[1, 2, 3], [-1, 5, 6], [7, -1, 9]], dtype=torch.int32)
+    idx = torch.cat([torch.where(base >= 0, base + 12 * r, base) for r in range(reps)]).to(DEV)
+    cu = torch.tensor([0] + [6 * r + d for r in range(reps) for d in (2, 3, 6)], dtype=torch.int32, device=DEV)
+    nacc = torch.tensor([2, 1, 1] * reps, dtype=torch.int32, device=DEV)
+    T = 6 * reps
+    out = torch.full((1, T, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fn(_r(1, T, H, D), _r(1, T, H, D), _r(1, T, HV, D), _r(1, T, HV, D), _r(1, T, HV),
        _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
        _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1), idx, cu, nacc, out,
        validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)

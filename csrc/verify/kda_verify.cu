@@ -6,6 +6,9 @@
 //   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
 //                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
 //                              1: the token loop on state registers, 2: on the shared tiles
+//   FKDA_PERSISTENT_K > 0      (with STAGE_T, without BULK_STATE) the persistent staged kernel:
+//                              grid min(tiles, k x SMs), the next tile's inputs and state tile in
+//                              flight (smem_bytes = v_tile * K * elem, one state tile)
 // The index values live on the device, so nothing here reads them: the kernel treats a read entry
 // that is negative, 0 with null_slot0, >= slots, or a count outside [1, T_max] as a padding request,
 // and a token entry that is negative / null / >= slots as "not stored".
@@ -40,6 +43,13 @@ static_assert(FKDA_SMEM_BYTES == 2 * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA
 constexpr int kBulkState = FKDA_PARAM_BULK_STATE;
 #elif defined(FKDA_PARAM_STAGE_T)
 constexpr int kBulkState = 0;
+#endif
+#if FKDA_PERSISTENT_K > 0
+#if !defined(FKDA_PARAM_STAGE_T) || defined(FKDA_PARAM_BULK_STATE)
+#error "persistent_k goes with stage_t and without bulk_state (the persistent staged kernel)"
+#endif
+static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
+              "smem_bytes must equal v_tile * K * state element size (one state tile)");
 #endif
 
 // A packed [1, T, n, d] bf16 input, contiguous and 16-byte aligned (16-byte loads along K / V).
@@ -100,7 +110,13 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   vp.index_cols = static_cast<int>(cols);
 
   const fkda::cuda::LaunchContext ctx(out);
-#if defined(FKDA_PARAM_STAGE_T)  // every token's inputs prepared in shared memory before the token loop
+  int64_t grid = N * HV * kNumVT;  // one CTA per (request, head, V-tile)
+#if FKDA_PERSISTENT_K > 0  // CTAs that walk the tiles with the next one's loads in flight
+  const char* what = "kda_verify_pipe_kernel";
+  const auto kernel = fkda_verify::kda_verify_pipe_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
+                                                          FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T>;
+  grid = ctx.grid(grid);
+#elif defined(FKDA_PARAM_STAGE_T)  // every token's inputs prepared in shared memory before the token loop
   const char* what = "kda_verify_staged_kernel";
   const auto kernel = fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
                                                             FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T, kBulkState>;
@@ -109,7 +125,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const auto kernel =
       fkda_verify::kda_verify_tile_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT>;
 #endif
-  ctx.launch(what, kernel, dim3(static_cast<unsigned>(N * HV * kNumVT)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+  ctx.launch(what, kernel, dim3(static_cast<unsigned>(grid)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
 }
 
 tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }

@@ -151,30 +151,132 @@ kda_verify_tile_kernel(const VerifyParams vp) {
 // chunks from tile (t + 1) % 2, the one token t - 1 wrote (or the read tile). Each thread reads
 // and writes only its own chunks, so no barrier orders a tile's reads before its next writes. The
 // per-token arithmetic is the staged kernel's (the same step, packing and prep): bitwise equal.
+// The staged CTA's pieces, shared by the one-request kernel below and the persistent one after it:
+// a block of S tokens' raw inputs (Raw), their prepared values with the block's beta and slots
+// (Prepared), and the three steps that move them (issue, prepare_block, token_inputs).
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S, bool kWide = false>
+struct Staged {
+  using Cta = VerifyCta<kBf16, LPR, V_TILE, THREADS, OffT>;
+  using T = typename Cta::T;
+  using BfV = fkda_decode::BfVec<T::VEC>;
+  static constexpr int WARPS = Cta::WARPS, K = T::K;
+  static constexpr int G = THREADS / LPR;  // lane groups, each preparing whole tokens
+  // a CTA may hold more lane groups than S (kWide): the first S groups (whole warps) prepare
+  static_assert(S >= 1 && S <= THREADS && (S % G == 0 || (kWide && G % S == 0 && S % (32 / LPR) == 0)),
+                "S tokens split evenly over the lane groups");
+  static constexpr int M = S >= G ? S / G : 1;  // tokens each lane group prepares
+  static constexpr int F4 = T::KPL / 4;         // float4s of one Prep array a lane holds
+  static constexpr int KCH = K / 8;             // 16-byte chunks of a token's q (k, g)
+  static constexpr int VCH = V_TILE / 8;        // 16-byte chunks of a token's v in this V tile
+  static_assert(T::KPL % 4 == 0 && V_TILE % 8 == 0, "16-byte staging");
+  struct Raw {                  // raw q, k, g of each token and the CTA's v slice
+    __align__(16) bf16 qkg[S][3][K];
+    __align__(16) bf16 v[S][V_TILE];
+  };
+  struct Prepared {
+    float4 prep[S][3][F4][LPR];  // lane c's qn, kn, dec of each token: conflict-free float4s
+    float beta[S];
+    bf16 beta_raw[S];
+    int32_t dst[S];
+  };
+
+  // Tokens [t0, t0 + nb) of the request at bos: raw q, k, g and v in flight by cp.async (one group).
+  __device__ static void issue(const DecodeParams& p, Raw& raw, int bos, int t0, int nb, int h, int hv, int vt) {
+    for (int x = threadIdx.x; x < nb * 3 * KCH; x += THREADS) {
+      const int j = x / (3 * KCH), a = (x / KCH) % 3, w = x % KCH;
+      const int64_t row = bos + t0 + j;
+      const bf16* src = a == 0   ? p.q + row * p.q_row_stride + h * K
+                        : a == 1 ? p.k + row * p.k_row_stride + h * K
+                                 : p.g + row * p.g_row_stride + hv * K;
+      fkda_decode::cp_async16(&raw.qkg[j][a][w * 8], src + w * 8);
+    }
+    for (int x = threadIdx.x; x < nb * VCH; x += THREADS) {
+      const int j = x / VCH, w = x % VCH;
+      fkda_decode::cp_async16(&raw.v[j][w * 8], p.v + (bos + t0 + j) * p.v_row_stride + hv * T::V + vt * V_TILE + w * 8);
+    }
+    fkda_decode::cp_async_commit();
+  }
+
+  // The head's dt_bias and A_log into a prepare() input (the same for every token of the head).
+  __device__ static void head_inputs(const DecodeParams& p, typename T::Item& in, int hv, int c) {
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i) {
+#pragma unroll
+      for (int e = 0; e < T::VEC / 4; ++e) {
+        in.dt[i][e] = p.dt_bias ? __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * K + T::key_of(i, c)) + e)
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    in.a_log = p.A_log ? __ldg(p.A_log + hv) : 0.f;
+  }
+
+  // The block's nb tokens prepared into pp (raw and pp.beta_raw landed, behind a barrier): lane
+  // group grp prepares tokens grp, grp + G, ... with decode's prepare() in its own lane layout.
+  __device__ static void prepare_block(const DecodeParams& p, const Raw& raw, Prepared& pp, typename T::Item& in,
+                                       int nb, int grp, int c) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int j = grp + G * m;
+      if (G > S && j >= S) continue;  // warp-uniform (S % (32 / LPR) == 0)
+      const int js = j < nb ? j : 0;  // every lane runs prepare (its sums shuffle over the warp)
+#pragma unroll
+      for (int i = 0; i < T::CHUNKS; ++i) {
+        in.qr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][0][T::key_of(i, c)]);
+        in.kr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][1][T::key_of(i, c)]);
+        in.gr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][2][T::key_of(i, c)]);
+      }
+      in.beta_raw = pp.beta_raw[js];
+      typename T::Prep pr;
+      T::prepare(p, in, pr);
+      if (j < nb) {
+#pragma unroll
+        for (int f = 0; f < F4; ++f) {
+          pp.prep[j][0][f][c] = make_float4(pr.qn[4 * f], pr.qn[4 * f + 1], pr.qn[4 * f + 2], pr.qn[4 * f + 3]);
+          pp.prep[j][1][f][c] = make_float4(pr.kn[4 * f], pr.kn[4 * f + 1], pr.kn[4 * f + 2], pr.kn[4 * f + 3]);
+          pp.prep[j][2][f][c] = make_float4(pr.dec[4 * f], pr.dec[4 * f + 1], pr.dec[4 * f + 2], pr.dec[4 * f + 3]);
+        }
+        if (c == 0) pp.beta[j] = pr.beta;
+      }
+    }
+  }
+
+  // Token j of the block: lane c's Prep and the thread's v values, read back from shared memory.
+  __device__ static void token_inputs(const Raw& raw, const Prepared& pp, int j, int warp, int c, int r,
+                                      typename T::Item& cur, typename T::Prep& pr) {
+#pragma unroll
+    for (int f = 0; f < F4; ++f) {
+      const float4 a = pp.prep[j][0][f][c], b = pp.prep[j][1][f][c], d = pp.prep[j][2][f][c];
+      pr.qn[4 * f] = a.x, pr.qn[4 * f + 1] = a.y, pr.qn[4 * f + 2] = a.z, pr.qn[4 * f + 3] = a.w;
+      pr.kn[4 * f] = b.x, pr.kn[4 * f + 1] = b.y, pr.kn[4 * f + 2] = b.z, pr.kn[4 * f + 3] = b.w;
+      pr.dec[4 * f] = d.x, pr.dec[4 * f + 1] = d.y, pr.dec[4 * f + 2] = d.z, pr.dec[4 * f + 3] = d.w;
+    }
+    pr.beta = pp.beta[j];
+#pragma unroll
+    for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = raw.v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
+  }
+
+  // The thread's state chunks of a [V_TILE][K] tile in shared memory into its state registers.
+  __device__ static void state_from_tile(typename T::Item& cur, const typename T::Elem* tile, int warp, int c, int r) {
+    const typename T::Elem* src = tile + warp * (V_TILE / WARPS) * K;
+#pragma unroll
+    for (int ps = 0; ps < T::PASSES; ++ps) {
+#pragma unroll
+      for (int i = 0; i < T::CHUNKS; ++i)
+        cur.s[ps][i] = *reinterpret_cast<const uint4*>(src + (ps * T::RPW + r) * K + T::key_of(i, c));
+    }
+  }
+};
+
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S, int BULK = 0>
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_staged_kernel(const VerifyParams vp) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  using Cta = VerifyCta<kBf16, LPR, V_TILE, THREADS, OffT>;
-  using T = typename Cta::T;
-  using BfV = fkda_decode::BfVec<T::VEC>;
-  constexpr int WARPS = Cta::WARPS, K = T::K;
-  constexpr int G = THREADS / LPR;  // lane groups, each preparing whole tokens
-  // a bulk CTA may hold more lane groups than S: the first S groups (whole warps) prepare
   static_assert(BULK >= 0 && BULK <= 2, "bulk_state: 0, 1 (state registers) or 2 (state in the tiles)");
-  static_assert(S >= 1 && S <= THREADS && (S % G == 0 || (BULK && G % S == 0 && S % (32 / LPR) == 0)),
-                "S tokens split evenly over the lane groups");
-  constexpr int M = S >= G ? S / G : 1;  // tokens each lane group prepares
-  constexpr int F4 = T::KPL / 4;    // float4s of one Prep array a lane holds
-  constexpr int KCH = K / 8;        // 16-byte chunks of a token's q (k, g)
-  constexpr int VCH = V_TILE / 8;   // 16-byte chunks of a token's v in this V tile
-  static_assert(T::KPL % 4 == 0 && V_TILE % 8 == 0, "16-byte staging");
-  __shared__ __align__(16) bf16 s_qkg[S][3][K];  // raw q, k, g of each token
-  __shared__ __align__(16) bf16 s_v[S][V_TILE];
-  __shared__ bf16 s_beta_raw[S];
-  __shared__ int32_t s_dst[S];
-  __shared__ float4 s_prep[S][3][F4][LPR];  // lane c's qn, kn, dec of each token: conflict-free float4s
-  __shared__ float s_beta[S];
+  using St = Staged<kBf16, LPR, V_TILE, THREADS, OffT, S, (BULK > 0)>;
+  using T = typename St::T;
+  constexpr int WARPS = St::WARPS, K = St::K;
+  __shared__ __align__(16) typename St::Raw raw;
+  __shared__ __align__(16) typename St::Prepared pp;
   const DecodeParams& p = vp.d;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int c = lane % LPR, r = lane / LPR;
@@ -199,24 +301,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       fkda::mbar_init_fence();
     }
   }
-  // Tokens [t0, t0 + S)'s raw q, k, g and v in flight by cp.async (one group); needs only bos.
-  auto issue = [&](int t0) {
-    const int nb = min(S, len - t0);
-    for (int x = threadIdx.x; x < nb * 3 * KCH; x += THREADS) {
-      const int j = x / (3 * KCH), a = (x / KCH) % 3, w = x % KCH;
-      const int64_t row = bos + t0 + j;
-      const bf16* src = a == 0   ? p.q + row * p.q_row_stride + h * K
-                        : a == 1 ? p.k + row * p.k_row_stride + h * K
-                                 : p.g + row * p.g_row_stride + hv * K;
-      fkda_decode::cp_async16(&s_qkg[j][a][w * 8], src + w * 8);
-    }
-    for (int x = threadIdx.x; x < nb * VCH; x += THREADS) {
-      const int j = x / VCH, w = x % VCH;
-      fkda_decode::cp_async16(&s_v[j][w * 8], p.v + (bos + t0 + j) * p.v_row_stride + hv * T::V + vt * V_TILE + w * 8);
-    }
-    fkda_decode::cp_async_commit();
-  };
-  issue(0);  // before the read slot is known: the inputs arrive while the state is requested
+  // before the read slot is known: the inputs arrive while the state is requested
+  St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   if constexpr (BULK > 0) __syncthreads();  // the mbarrier is initialised before it is armed (racecheck
                                             // warned of init / expect_tx hazards without it, 2026-12-02)
   if (T::is_pad(p, rq.read)) {  // CTA-uniform
@@ -234,80 +320,32 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     T::load_state_regs(p, cur, T::slot_base(p, rq.read, hv, vrow0), lane);
   }
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
-#pragma unroll
-  for (int i = 0; i < T::CHUNKS; ++i) {
-#pragma unroll
-    for (int e = 0; e < T::VEC / 4; ++e) {
-      in.dt[i][e] = p.dt_bias ? __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * K + T::key_of(i, c)) + e)
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
-  in.a_log = p.A_log ? __ldg(p.A_log + hv) : 0.f;
+  St::head_inputs(p, in, hv, c);
   for (int t0 = 0; t0 < len; t0 += S) {
     const int nb = min(S, len - t0);
     if (t0 > 0) {
       __syncthreads();  // every warp is done with the previous block
-      issue(t0);
+      St::issue(p, raw, bos, t0, nb, h, hv, vt);
     }
     if (threadIdx.x < nb) {
       const int t = t0 + threadIdx.x;
-      s_beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];
-      s_dst[threadIdx.x] = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;  // past T_max: not stored
+      pp.beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];
+      pp.dst[threadIdx.x] = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;  // past T_max: not stored
     }
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int j = grp + G * m;
-      if (G > S && j >= S) continue;  // warp-uniform (S % (32 / LPR) == 0)
-      const int js = j < nb ? j : 0;  // every lane runs prepare (its sums shuffle over the warp)
-#pragma unroll
-      for (int i = 0; i < T::CHUNKS; ++i) {
-        in.qr[i] = *reinterpret_cast<const BfV*>(&s_qkg[js][0][T::key_of(i, c)]);
-        in.kr[i] = *reinterpret_cast<const BfV*>(&s_qkg[js][1][T::key_of(i, c)]);
-        in.gr[i] = *reinterpret_cast<const BfV*>(&s_qkg[js][2][T::key_of(i, c)]);
-      }
-      in.beta_raw = s_beta_raw[js];
-      typename T::Prep pr;
-      T::prepare(p, in, pr);
-      if (j < nb) {
-#pragma unroll
-        for (int f = 0; f < F4; ++f) {
-          s_prep[j][0][f][c] = make_float4(pr.qn[4 * f], pr.qn[4 * f + 1], pr.qn[4 * f + 2], pr.qn[4 * f + 3]);
-          s_prep[j][1][f][c] = make_float4(pr.kn[4 * f], pr.kn[4 * f + 1], pr.kn[4 * f + 2], pr.kn[4 * f + 3]);
-          s_prep[j][2][f][c] = make_float4(pr.dec[4 * f], pr.dec[4 * f + 1], pr.dec[4 * f + 2], pr.dec[4 * f + 3]);
-        }
-        if (c == 0) s_beta[j] = pr.beta;
-      }
-    }
+    St::prepare_block(p, raw, pp, in, nb, grp, c);
     __syncthreads();
     if constexpr (BULK > 0) {
       if (t0 == 0) fkda::mbar_wait(bar, 0);  // the read tile has landed (it arrived during the prep)
     }
     if constexpr (BULK == 1) {
-      if (t0 == 0) {  // this thread's chunks into its state registers
-        const Elem* src = tiles + V_TILE * K + warp * (V_TILE / WARPS) * K;
-#pragma unroll
-        for (int ps = 0; ps < T::PASSES; ++ps) {
-#pragma unroll
-          for (int i = 0; i < T::CHUNKS; ++i)
-            cur.s[ps][i] = *reinterpret_cast<const uint4*>(src + (ps * T::RPW + r) * K + T::key_of(i, c));
-        }
-      }
+      if (t0 == 0) St::state_from_tile(cur, tiles + V_TILE * K, warp, c, r);  // this thread's chunks
     }
     for (int j = 0; j < nb; ++j) {
       typename T::Prep pr;
-#pragma unroll
-      for (int f = 0; f < F4; ++f) {
-        const float4 a = s_prep[j][0][f][c], b = s_prep[j][1][f][c], d = s_prep[j][2][f][c];
-        pr.qn[4 * f] = a.x, pr.qn[4 * f + 1] = a.y, pr.qn[4 * f + 2] = a.z, pr.qn[4 * f + 3] = a.w;
-        pr.kn[4 * f] = b.x, pr.kn[4 * f + 1] = b.y, pr.kn[4 * f + 2] = b.z, pr.kn[4 * f + 3] = b.w;
-        pr.dec[4 * f] = d.x, pr.dec[4 * f + 1] = d.y, pr.dec[4 * f + 2] = d.z, pr.dec[4 * f + 3] = d.w;
-      }
-      pr.beta = s_beta[j];
-#pragma unroll
-      for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = s_v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
-      const int32_t dst = s_dst[j];
+      St::token_inputs(raw, pp, j, warp, c, r, cur, pr);
+      const int32_t dst = pp.dst[j];
       if constexpr (BULK > 0) {
         const int t = t0 + j;
         Elem* tile = tiles + (t & 1) * (V_TILE * K);           // token t's packed state
@@ -337,6 +375,155 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   }
   if constexpr (BULK > 0) {
     if (threadIdx.x == 0) fkda::bulk_s2g_wait_read();  // the last tile must outlive its copy's reads
+  }
+}
+
+// ---- the persistent staged variant (FKDA_PERSISTENT_K > 0 with FKDA_PARAM_STAGE_T) -----------
+// The staged CTA (state registers, stores straight from them) made persistent: grid =
+// min(tiles, PERSISTENT_K x SMs), each CTA walks tiles blockIdx.x, + gridDim.x, ... and keeps the
+// next tile's first block of inputs (cp.async, the other of two Raw buffers), its beta and slots
+// (registers) and its state tile (one bulk copy into dynamic shared memory, mbarrier) in flight
+// while the current tile's tokens run, so no load latency sits between two tiles of a CTA. The
+// one-request kernel pays three dependent loads (cu_seqlens / num_accepted_tokens, the read slot,
+// the state) before its first token, and its CTAs start in step; here they overlap the previous
+// tile's token loop. The request table runs ahead too: a tile's cu_seqlens and count are loaded
+// two tiles ahead, its read slot one tile ahead. The values are the staged kernel's (the same
+// prep, step and packing): bitwise equal, which the GPU tests check against chained decode.
+// Requests longer than S tokens run their later blocks as the staged kernel does.
+
+// A request's first-level loads (its tokens and the column of its read slot), issued ahead of use.
+struct RequestHead {
+  int n, bos, end, col;
+};
+__device__ __forceinline__ RequestHead request_head(const VerifyParams& vp, int n, bool valid) {
+  RequestHead rh{n, 0, 0, 0};
+  if (!valid) return rh;  // len 0: nothing to do
+  rh.bos = __ldg(vp.cu_seqlens + n);
+  rh.end = __ldg(vp.cu_seqlens + n + 1);
+  rh.col = vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
+  return rh;
+}
+// request_of's result from the head (the read slot's load is issued here).
+__device__ __forceinline__ Request request_resolve(const VerifyParams& vp, const RequestHead& rh) {
+  Request rq;
+  rq.bos = rh.bos;
+  rq.len = rh.end - rh.bos;
+  if (rq.len <= 0) return rq;
+  rq.row_idx = vp.d.idx + static_cast<int64_t>(rh.n) * vp.index_cols;
+  rq.read = (rh.col >= 0 && rh.col < vp.index_cols) ? __ldg(rq.row_idx + rh.col) : -1;
+  return rq;
+}
+
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
+__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
+kda_verify_pipe_kernel(const VerifyParams vp) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+  using St = Staged<kBf16, LPR, V_TILE, THREADS, OffT, S>;
+  using T = typename St::T;
+  using Elem = typename T::Elem;
+  constexpr int WARPS = St::WARPS, K = St::K, NVT = T::V / V_TILE;
+  constexpr uint32_t kTileBytes = uint32_t(V_TILE) * K * sizeof(Elem);
+  __shared__ __align__(16) typename St::Raw raw[2];  // a tile's first block, the two in turn
+  __shared__ __align__(16) typename St::Prepared pp;
+  __shared__ uint64_t bar;
+  extern __shared__ __align__(128) uint8_t verify_pipe_tile[];  // the next tile's state, [V_TILE][K]
+  Elem* const st_tile = reinterpret_cast<Elem*>(verify_pipe_tile);
+  const DecodeParams& p = vp.d;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = lane % LPR, r = lane / LPR;
+  const int grp = threadIdx.x / LPR;
+  const int num_tiles = vp.num_seqs * p.HV * NVT;
+  const int stride = gridDim.x;
+  int tile = blockIdx.x;
+  if (tile >= num_tiles) return;  // CTA-uniform; the grid never exceeds the tiles
+  if (threadIdx.x == 0) {
+    fkda::mbar_init(&bar, 1);
+    fkda::mbar_init_fence();
+  }
+  __syncthreads();  // initialised before it is armed
+  // decode's tile layout: tile = (request * HV + head) * NVT + V-tile
+  auto request_n = [&](int tl) { return tl / NVT / p.HV; };
+  // Tile tl's first block in flight: inputs into raw[b], beta and slots into (bq, dq) of the
+  // threads below the block's length, the state tile into st_tile (arms bar). Nothing for a
+  // padding or empty request.
+  bf16 bq = bf16(0.f);
+  int32_t dq = -1;
+  auto start = [&](int tl, const Request& q, int b) {
+    if (q.len <= 0 || T::is_pad(p, q.read)) return;
+    const int hv = (tl / NVT) % p.HV, vt = tl % NVT;
+    const int nb = min(S, q.len);
+    St::issue(p, raw[b], q.bos, 0, nb, hv / p.group, hv, vt);
+    if (threadIdx.x == 0) {
+      fkda::bulk_load(st_tile, static_cast<const Elem*>(p.state) + T::slot_base(p, q.read, hv, vt * V_TILE),
+                      kTileBytes, &bar);
+    }
+    if (threadIdx.x < nb) {
+      bq = p.beta[(q.bos + threadIdx.x) * p.beta_row_stride + hv];
+      dq = static_cast<int>(threadIdx.x) < vp.index_cols ? __ldg(q.row_idx + threadIdx.x) : -1;
+    }
+  };
+  Request rq = request_resolve(vp, request_head(vp, request_n(tile), true));
+  start(tile, rq, 0);
+  RequestHead next_head = request_head(vp, request_n(tile + stride), tile + stride < num_tiles);
+  uint32_t phase = 0;
+  for (int b = 0;; b ^= 1) {
+    const int next = tile + stride;
+    const Request next_rq = request_resolve(vp, next_head);  // its read slot, used after this tile's prep
+    const RequestHead after_head = request_head(vp, request_n(next + stride), next + stride < num_tiles);
+    const int hv = (tile / NVT) % p.HV, vt = tile % NVT;
+    const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
+    const int bos = rq.bos, len = rq.len;
+    const bool live = len > 0 && !T::is_pad(p, rq.read);  // CTA-uniform
+    __syncthreads();  // every warp is done with the previous tile's pp and raw[b ^ 1]
+    typename T::Item cur;  // the state registers and, per token, its v
+    typename T::Item in;   // a token's raw inputs for prepare()
+    if (live) {
+      const int nb = min(S, len);
+      if (threadIdx.x < nb) {
+        pp.beta_raw[threadIdx.x] = bq;
+        pp.dst[threadIdx.x] = dq;
+      }
+      St::head_inputs(p, in, hv, c);
+      fkda_decode::cp_async_wait<0>();
+      __syncthreads();
+      St::prepare_block(p, raw[b], pp, in, nb, grp, c);
+      fkda::mbar_wait(&bar, phase);  // the state tile has landed (it arrived during the last tile)
+      phase ^= 1;
+      St::state_from_tile(cur, st_tile, warp, c, r);
+      __syncthreads();  // pp is ready; st_tile and raw[b] are read: the next tile may take them
+    } else if (len > 0) {
+      for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
+    }
+    if (next < num_tiles) start(next, next_rq, b ^ 1);
+    if (live) {
+      const int h = hv / p.group;
+      for (int t0 = 0; t0 < len; t0 += S) {
+        const int nb = min(S, len - t0);
+        if (t0 > 0) {  // a later block of a long request, as the staged kernel runs it
+          __syncthreads();  // every warp is done with the previous block
+          St::issue(p, raw[b], bos, t0, nb, h, hv, vt);
+          if (threadIdx.x < nb) {
+            const int t = t0 + threadIdx.x;
+            pp.beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];
+            pp.dst[threadIdx.x] = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;  // past T_max: not stored
+          }
+          fkda_decode::cp_async_wait<0>();  // (the next tile's group too: waited on early, not lost)
+          __syncthreads();
+          St::prepare_block(p, raw[b], pp, in, nb, grp, c);
+          __syncthreads();
+        }
+        for (int j = 0; j < nb; ++j) {
+          typename T::Prep pr;
+          St::token_inputs(raw[b], pp, j, warp, c, r, cur, pr);
+          const int32_t dst = pp.dst[j];
+          token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
+        }
+      }
+    }
+    if (next >= num_tiles) break;
+    tile = next;
+    rq = next_rq;
+    next_head = after_head;
   }
 }
 

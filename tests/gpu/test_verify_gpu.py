@@ -268,3 +268,46 @@ def test_op_routes_deterministic_and_graph_replay_equals_eager():
         assert torch.equal(bits(out), bits(results[0][0])), "graph replay != eager (out)"
         assert torch.equal(bits(a["state"]), bits(results[0][1])), "graph replay != eager (state)"
         assert written
+
+
+# The persistent modules (persistent_k > 0) and the one-tile module of the same CTA, prep and step.
+PIPE_TWIN = {n: n.replace("pipe2", "stage2").replace("pipe4", "bulk4") for n in NAMES
+             if RECORDS[n]["persistent_k"] > 0}
+
+
+@pytest.mark.parametrize("name", sorted(PIPE_TWIN))
+def test_persistent_walks_many_tiles_bitwise_equal_to_its_one_tile_twin(name):
+    """Far more tiles than the persistent grid (about 4 x 132 CTAs), so each CTA walks about ten
+    tiles with the next one's inputs and state tile in flight: requests of 1-12 tokens (past the
+    8-token block), padding requests (a dead read slot, a count outside [1, T_max]) and dead token
+    slots between live ones. Outputs and the whole pool equal the one-tile twin's bitwise; the
+    twin is checked against the reference above."""
+    rec, twin = RECORDS[name], PIPE_TWIN[name]
+    assert RECORDS[twin]["persistent_k"] == 0 and RECORDS[twin]["state_dtype"] == rec["state_dtype"]
+    gen = torch.Generator(device="cuda").manual_seed(77)
+    cpu = torch.Generator().manual_seed(78)
+    N, cols, H, HV = 400, 12, 4, 8
+    lens = torch.randint(1, cols + 1, (N,), generator=cpu).tolist()
+    a = make(gen, lens, cols, H, HV, sdtype(rec), spare=3)
+    nacc = a["num_accepted_tokens"]
+    for n in range(0, N, 37):  # a dead read slot
+        a["state_indices"][n, int(nacc[n]) - 1] = -2
+    for n in range(5, N, 41):  # a count outside [1, T_max]
+        nacc[n] = 0 if n % 2 else cols + 1
+    for n in range(3, N, 13):  # a dead token slot (not the read column)
+        col = (int(nacc[n]) % cols)
+        if col != int(nacc[n]) - 1:
+            a["state_indices"][n, col] = -1
+    pool0 = a["state"].clone()
+    results = []
+    for mod in (name, twin):
+        a["state"].copy_(pool0)
+        out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(mod, a, out)
+        torch.cuda.synchronize()
+        results.append((out, a["state"].clone()))
+    (out, pool), (want_out, want_pool) = results
+    assert not torch.isnan(out.float()).any(), "an output element was never written"
+    assert torch.equal(bits(out), bits(want_out)), f"{name} != {twin} (out)"
+    assert torch.equal(bits(pool), bits(want_pool)), f"{name} != {twin} (state)"
+    assert not torch.equal(bits(pool), bits(pool0)), "nothing was stored"
