@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# issue 30: the persistent verify candidates (verify_pipe*, kda_verify_pipe_kernel) on a lent H200
-# (device tool): builds every verify module and the decode twins the tests compare with, runs
-# tests/gpu/test_verify_gpu.py (its persistent test walks ~10 tiles a CTA), compute-sanitizer over
-# the pipe modules (sanitize_routes.py gives them 1440+ tiles), then times the candidates beside
-# the routed modules over the large bands (graph replay, no peer: % of the memory floor is the
-# measure; BENCH_FLA=1 keeps fla). Everything lands in $OUT; logs.tgz holds the logs.
-#   BENCH_ROWS=64,256,1024 BENCH_BF16=stage2,pipe2,pipe4,bulk4 BENCH_F32=bulk4,pipe4 SANITIZE=1
+# issue 30: verify candidates on a lent H200 (device tool): builds every verify module and the decode
+# twins the tests compare with, runs tests/gpu/test_verify_gpu.py (its persistent test walks ~10
+# tiles a CTA), compute-sanitizer over SANITIZE_ONLY (sanitize_routes.py gives persistent modules
+# 1440+ tiles), times the candidate stems beside the routed modules (graph replay, no peer: % of the
+# memory floor is the measure; BENCH_FLA=1 keeps fla), and, with NCU_MODULES, profiles one launch
+# of each at T 2, HV 64, 1024 requests with Nsight Compute. $OUT/logs.tgz holds every result.
+#   BENCH_ROWS=1,8,64,256,1024 BENCH_BF16=stage2,... BENCH_F32=bulk4,... SANITIZE=1 SANITIZE_ONLY='verify_*'
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -16,15 +16,23 @@ stage gpu_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
 if [ "${SANITIZE:-1}" = 1 ]; then
   for t in memcheck racecheck synccheck; do
-    stage "$t" 120 compute-sanitizer --tool "$t" --error-exitcode 7 python3 scripts/sanitize_routes.py --only 'verify_pipe*'
+    stage "$t" 120 compute-sanitizer --tool "$t" --error-exitcode 7 python3 scripts/sanitize_routes.py \
+      --only "${SANITIZE_ONLY:-verify_*}"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ failed$|FAIL" "$OUT/$t.log" | head -3
   done
 fi
 fla=--no-fla; [ "${BENCH_FLA:-0}" = 1 ] && fla=""
 common=(--modes graph --tokens 2,4,8 --rows "${BENCH_ROWS:-64,256,1024}" --heads 16,32,64 $fla --no-progress --out "$OUT")
 stage bench_bf16 200 python3 benchmarks/bench_verify.py "${common[@]}" --states bf16 \
-  --modules "${BENCH_BF16:-stage2,pipe2,pipe4,bulk4}" --name pipe_bf16
+  --modules "${BENCH_BF16:-stage2,pipe2}" --name cand_bf16
 stage bench_f32 150 python3 benchmarks/bench_verify.py "${common[@]}" --states f32 \
-  --modules "${BENCH_F32:-bulk4,pipe4}" --name pipe_f32
+  --modules "${BENCH_F32:-bulk4,pipe4}" --name cand_f32
 for b in bench_bf16 bench_f32; do grep -E "^(summary)" "$OUT/$b.log" | cut -c1-600; done
-(cd "$OUT" && tar czf logs.tgz *.log gpu.txt)
+if [ -n "${NCU_MODULES:-}" ]; then
+  stage ncu 150 ncu --clock-control none --kernel-name regex:kda_verify --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+    python3 scripts/verify_ncu_case.py --modules "$NCU_MODULES" --tokens 2 --heads 64 --rows 1024
+  grep -E "kda_verify_|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Duration|Registers Per" \
+    "$OUT/ncu.log" | head -60
+fi
+(cd "$OUT" && tar czf logs.tgz *.log *.json gpu.txt 2>/dev/null)

@@ -154,16 +154,17 @@ kda_verify_tile_kernel(const VerifyParams vp) {
 // The staged CTA's pieces, shared by the one-request kernel below and the persistent one after it:
 // a block of S tokens' raw inputs (Raw), their prepared values with the block's beta and slots
 // (Prepared), and the three steps that move them (issue, prepare_block, token_inputs).
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S, bool kWide = false>
+template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
 struct Staged {
   using Cta = VerifyCta<kBf16, LPR, V_TILE, THREADS, OffT>;
   using T = typename Cta::T;
   using BfV = fkda_decode::BfVec<T::VEC>;
   static constexpr int WARPS = Cta::WARPS, K = T::K;
   static constexpr int G = THREADS / LPR;  // lane groups, each preparing whole tokens
-  // a CTA may hold more lane groups than S (kWide): the first S groups (whole warps) prepare
-  static_assert(S >= 1 && S <= THREADS && (S % G == 0 || (kWide && G % S == 0 && S % (32 / LPR) == 0)),
+  // a CTA may hold more lane groups than S: the first S groups (whole warps) prepare
+  static_assert(S >= 1 && S <= THREADS && (S % G == 0 || (G % S == 0 && S % (32 / LPR) == 0)),
                 "S tokens split evenly over the lane groups");
+  static constexpr int GPW = 32 / LPR;  // lane groups a warp
   static constexpr int M = S >= G ? S / G : 1;  // tokens each lane group prepares
   static constexpr int F4 = T::KPL / 4;         // float4s of one Prep array a lane holds
   static constexpr int KCH = K / 8;             // 16-byte chunks of a token's q (k, g)
@@ -218,7 +219,12 @@ struct Staged {
     for (int m = 0; m < M; ++m) {
       const int j = grp + G * m;
       if (G > S && j >= S) continue;  // warp-uniform (S % (32 / LPR) == 0)
-      const int js = j < nb ? j : 0;  // every lane runs prepare (its sums shuffle over the warp)
+#if !defined(FKDA_PARAM_PREP_ALL)
+      // a warp none of whose groups has a live token skips the prep (warp-uniform): with T_n < S
+      // most warps of the CTA have none (T 2 in a CTA of 4 warps: one warp prepares, not four)
+      if ((grp / GPW) * GPW + G * m >= nb) continue;
+#endif
+      const int js = j < nb ? j : 0;  // every lane of a preparing warp runs prepare (its sums shuffle over the warp)
 #pragma unroll
       for (int i = 0; i < T::CHUNKS; ++i) {
         in.qr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][0][T::key_of(i, c)]);
@@ -272,7 +278,7 @@ __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_staged_kernel(const VerifyParams vp) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   static_assert(BULK >= 0 && BULK <= 2, "bulk_state: 0, 1 (state registers) or 2 (state in the tiles)");
-  using St = Staged<kBf16, LPR, V_TILE, THREADS, OffT, S, (BULK > 0)>;
+  using St = Staged<kBf16, LPR, V_TILE, THREADS, OffT, S>;
   using T = typename St::T;
   constexpr int WARPS = St::WARPS, K = St::K;
   __shared__ __align__(16) typename St::Raw raw;
