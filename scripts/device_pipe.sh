@@ -31,8 +31,11 @@ for b in bench_bf16 bench_f32; do grep -E "^(summary)" "$OUT/$b.log" | cut -c1-6
 if [ -n "${NCU_MODULES:-}" ]; then
   stage ncu 150 ncu --clock-control none --kernel-name regex:kda_verify --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+    --metrics "$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard barrier \
+      lg_throttle short_scoreboard wait math_pipe_throttle drain membar mio_throttle no_instruction \
+      not_selected selected dispatch_stall sleeping branch_resolving)dram__bytes_read.sum,dram__bytes_write.sum" \
     python3 scripts/verify_ncu_case.py --modules "$NCU_MODULES" --tokens 2 --heads 64 --rows 1024
-  grep -E "kda_verify_|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Stall|Duration|Registers Per" \
-    "$OUT/ncu.log" | head -60
+  grep -E "kda_verify_|DRAM Throughput|Achieved Occupancy|Duration|stalled|dram__bytes|Warp Cycles Per Issued" \
+    "$OUT/ncu.log" | head -120
 fi
 (cd "$OUT" && tar czf logs.tgz *.log *.json gpu.txt 2>/dev/null)
