@@ -4,7 +4,7 @@
 # tiles a CTA), compute-sanitizer over SANITIZE_ONLY (sanitize_routes.py gives persistent modules
 # 1440+ tiles), times the candidate stems beside the routed modules (graph replay, no peer: % of the
 # memory floor is the measure; BENCH_FLA=1 keeps fla), and, with NCU_MODULES, profiles one launch
-# of each at T 2, HV 64, 1024 requests with Nsight Compute. $OUT/logs.tgz holds every result.
+# of each at T 2, HV 32, 1024 requests (o32 modules: the pool stays under 2^31 elements) with Nsight Compute. $OUT/logs.tgz holds every result.
 #   BENCH_ROWS=1,8,64,256,1024 BENCH_BF16=stage2,... BENCH_F32=bulk4,... SANITIZE=1 SANITIZE_ONLY='verify_*'
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -34,7 +34,7 @@ if [ -n "${NCU_MODULES:-}" ]; then
     --metrics "$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard barrier \
       lg_throttle short_scoreboard wait math_pipe_throttle drain membar mio_throttle no_instruction \
       not_selected selected dispatch_stall sleeping branch_resolving)dram__bytes_read.sum,dram__bytes_write.sum" \
-    python3 scripts/verify_ncu_case.py --modules "$NCU_MODULES" --tokens 2 --heads 64 --rows 1024
+    python3 scripts/verify_ncu_case.py --modules "$NCU_MODULES" --tokens 2 --heads 32 --rows 1024
   grep -E "kda_verify_|DRAM Throughput|Achieved Occupancy|Duration|stalled|dram__bytes|Warp Cycles Per Issued" \
     "$OUT/ncu.log" | head -120
 fi
