@@ -5,15 +5,16 @@
 # 1440+ tiles), times the candidate stems beside the routed modules (graph replay, no peer: % of the
 # memory floor is the measure; BENCH_FLA=1 keeps fla), and, with NCU_MODULES, profiles one launch
 # of each at T 2, HV 32, 1024 requests (o32 modules: the pool stays under 2^31 elements) with Nsight Compute. $OUT/logs.tgz holds every result.
-#   BENCH_ROWS=1,8,64,256,1024 BENCH_BF16=stage2,... BENCH_F32=bulk4,... SANITIZE=1 SANITIZE_ONLY='verify_*'
+#   BENCH_ROWS=1,8,64,256,1024 BENCH_BF16=stage2,... BENCH_F32=bulk4,... (empty: no bench of that state)
+#   BENCH_LIMIT=200 SANITIZE=1 SANITIZE_ONLY='verify_*' TESTS=1 BUILD='verify_* ...' (module globs)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-stage build 200 python3 -m flashkda_ext build --backend cuda --parallel 16 --jobs 1 'verify_*' \
-  decode_split8_f32_o32 decode_split4w2_bf16_o32
+stage build 200 python3 -m flashkda_ext build --backend cuda --parallel 16 --jobs 1 ${BUILD:-'verify_*' \
+  decode_split8_f32_o32 decode_split4w2_bf16_o32}
 tail -1 "$OUT/build.log"
-stage gpu_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_verify_gpu.py
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
+[ "${TESTS:-1}" = 1 ] && stage gpu_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_verify_gpu.py
+[ "${TESTS:-1}" = 1 ] && grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
 if [ "${SANITIZE:-1}" = 1 ]; then
   for t in memcheck racecheck synccheck; do
     stage "$t" 120 compute-sanitizer --tool "$t" --error-exitcode 7 python3 scripts/sanitize_routes.py \
@@ -23,11 +24,11 @@ if [ "${SANITIZE:-1}" = 1 ]; then
 fi
 fla=--no-fla; [ "${BENCH_FLA:-0}" = 1 ] && fla=""
 common=(--modes graph --tokens 2,4,8 --rows "${BENCH_ROWS:-64,256,1024}" --heads 16,32,64 $fla --no-progress --out "$OUT")
-stage bench_bf16 200 python3 benchmarks/bench_verify.py "${common[@]}" --states bf16 \
+[ -n "${BENCH_BF16-x}" ] && stage bench_bf16 "${BENCH_LIMIT:-200}" python3 benchmarks/bench_verify.py "${common[@]}" --states bf16 \
   --modules "${BENCH_BF16:-stage2,pipe2}" --name cand_bf16
-stage bench_f32 150 python3 benchmarks/bench_verify.py "${common[@]}" --states f32 \
+[ -n "${BENCH_F32-x}" ] && stage bench_f32 "${BENCH_LIMIT:-150}" python3 benchmarks/bench_verify.py "${common[@]}" --states f32 \
   --modules "${BENCH_F32:-bulk4,pipe4}" --name cand_f32
-for b in bench_bf16 bench_f32; do grep -E "^(summary)" "$OUT/$b.log" | cut -c1-600; done
+for b in bench_bf16 bench_f32; do [ -f "$OUT/$b.log" ] && grep -E "^(summary)" "$OUT/$b.log" | cut -c1-900; done
 if [ -n "${NCU_MODULES:-}" ]; then
   stage ncu 150 ncu --clock-control none --kernel-name regex:kda_verify --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
@@ -38,4 +39,5 @@ if [ -n "${NCU_MODULES:-}" ]; then
   grep -E "kda_verify_|DRAM Throughput|Achieved Occupancy|Duration|stalled|dram__bytes|Warp Cycles Per Issued" \
     "$OUT/ncu.log" | head -120
 fi
-(cd "$OUT" && tar czf logs.tgz *.log *.json gpu.txt 2>/dev/null)
+# the device returns at most 8 files: every log in logs.tgz, beside the results and plots
+(cd "$OUT" && tar czf logs.tgz *.log *.json gpu.txt 2>/dev/null && rm -f *.log gpu.txt)
