@@ -41,7 +41,7 @@ constexpr int kRowAhead = 8;
 __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
   Request rq;
   rq.row_idx = vp.d.idx + static_cast<int64_t>(n) * vp.index_cols;
-#if !defined(FKDA_PARAM_INDEX_CHAIN)
+#if !defined(FKDA_PARAM_INDEX_CHAIN) || FKDA_PARAM_INDEX_CHAIN == 0
   int32_t row[kRowAhead];
   const bool ahead = vp.index_cols <= kRowAhead;
 #pragma unroll
@@ -51,7 +51,7 @@ __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
   rq.len = __ldg(vp.cu_seqlens + n + 1) - rq.bos;
   const int col = vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
   if (rq.len <= 0) return rq;
-#if !defined(FKDA_PARAM_INDEX_CHAIN)
+#if !defined(FKDA_PARAM_INDEX_CHAIN) || FKDA_PARAM_INDEX_CHAIN == 0
   if (ahead) {
     rq.read = -1;
 #pragma unroll
@@ -237,7 +237,7 @@ struct Staged {
     for (int m = 0; m < M; ++m) {
       const int j = grp + G * m;
       if (G > S && j >= S) continue;  // warp-uniform (S % (32 / LPR) == 0)
-#if !defined(FKDA_PARAM_PREP_ALL)
+#if !defined(FKDA_PARAM_PREP_ALL) || FKDA_PARAM_PREP_ALL == 0
       // a warp none of whose groups has a live token skips the prep (warp-uniform): with T_n < S
       // most warps of the CTA have none (T 2 in a CTA of 4 warps: one warp prepares, not four)
       if ((grp / GPW) * GPW + G * m >= nb) continue;
