@@ -2,7 +2,7 @@
 e.g. one per pool dtype): per pool dtype a T x HV table of "routed / fla us, ratio, % of floor (stem)",
 then the geomean over fla of every point together and per dtype, the slowest point, the lowest % of the
 floor from 2048 work items, and, with --before (an earlier run's JSON files), each point's routed time
-against that run's.
+against that run's. --arm-for stage2=stage2chain reads the points routed to stage2 from that arm.
 
     python3 scripts/verify_grid_table.py RUN.json [RUN2.json] [--before OLD.json ...]
 """
@@ -38,8 +38,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--before", nargs="*", default=[])
+    ap.add_argument("--arm-for", action="append", default=[], metavar="STEM=ARM",
+                    help="read the points routed to STEM from arm ARM of the same run (a probe whose code the "
+                         "routed module took since)")
     args = ap.parse_args()
     pts = points(args.runs)
+    swap = dict(x.split("=", 1) for x in args.arm_for)
+    for c in pts.values():
+        arm = swap.get(c["params"]["module"].split("_")[1])
+        if arm:
+            c["arms"]["ours"] = c["arms"][arm]
     old = points(args.before) if args.before else {}
     ratios, by_state, floor = [], {}, {}
     for state in ("f32", "bf16"):

@@ -4,7 +4,8 @@
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (16: 8 keys a lane)
 //   FKDA_PARAM_STAGE_T         (optional) the staged kernel, S tokens' inputs prepared at a time
 //   FKDA_PARAM_PREP_ALL        (optional, a probe) every warp runs the staged prep, live token or not
-//   FKDA_PARAM_INDEX_CHAIN     (optional, a probe) the read slot loaded after the count, not beside it
+//   FKDA_PARAM_INDEX_CHAIN     (optional) the read slot loaded after the count, not beside it (stage2,
+//                              where other CTAs hide the latency; a probe elsewhere)
 //   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
 //                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
 //                              1: the token loop on state registers, 2: on the shared tiles
