@@ -28,12 +28,23 @@ struct VerifyParams {
 // Request n's tokens [bos, bos + len) and the slot it starts from (read; -1 when the request is
 // padding: a count outside [1, T_max] makes it so, as an out-of-range slot does). Tokens past
 // T_max have no slot column: never stored (a valid call has T_n <= T_max). len <= 0: nothing to
-// do, and neither row_idx nor read is set.
+// do, and read is not set.
 struct Request {
   int bos, len;
   const int32_t* row_idx;  // [T_max]: the slot of each token
   int32_t read;
 };
+// The slot a request starts from: its row's entry at column col, -1 (padding) for a column outside
+// [0, T_max).
+__device__ __forceinline__ int32_t read_slot(const VerifyParams& vp, const int32_t* row_idx, int col) {
+  return (col >= 0 && col < vp.index_cols) ? __ldg(row_idx + col) : -1;
+}
+// Token t of the request: its raw beta and the slot it stores to (-1 past T_max: not stored).
+__device__ __forceinline__ void token_beta_slot(const VerifyParams& vp, const Request& rq, int hv, int t,
+                                                bf16& beta, int32_t& dst) {
+  beta = vp.d.beta[(rq.bos + t) * vp.d.beta_row_stride + hv];
+  dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
+}
 // With T_max <= kRowAhead the whole slot row is loaded beside cu_seqlens and the count, and the read
 // slot picked from registers: one dependent load fewer (about one memory latency) before the state
 // load can start. Longer rows load the one entry once the count is known.
@@ -59,7 +70,7 @@ __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
     return rq;
   }
 #endif
-  rq.read = (col >= 0 && col < vp.index_cols) ? __ldg(rq.row_idx + col) : -1;
+  rq.read = read_slot(vp, rq.row_idx, col);
   return rq;
 }
 
@@ -351,11 +362,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       __syncthreads();  // every warp is done with the previous block
       St::issue(p, raw, bos, t0, nb, h, hv, vt);
     }
-    if (threadIdx.x < nb) {
-      const int t = t0 + threadIdx.x;
-      pp.beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];
-      pp.dst[threadIdx.x] = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;  // past T_max: not stored
-    }
+    if (threadIdx.x < nb)  // token t0 + threadIdx.x's beta and slot
+      token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
     St::prepare_block(p, raw, pp, in, nb, grp, c);
@@ -434,7 +442,7 @@ __device__ __forceinline__ Request request_resolve(const VerifyParams& vp, const
   rq.len = rh.end - rh.bos;
   if (rq.len <= 0) return rq;
   rq.row_idx = vp.d.idx + static_cast<int64_t>(rh.n) * vp.index_cols;
-  rq.read = (rh.col >= 0 && rh.col < vp.index_cols) ? __ldg(rq.row_idx + rh.col) : -1;
+  rq.read = read_slot(vp, rq.row_idx, rh.col);
   return rq;
 }
 
@@ -481,10 +489,7 @@ kda_verify_pipe_kernel(const VerifyParams vp) {
       fkda::bulk_load(st_tile, static_cast<const Elem*>(p.state) + T::slot_base(p, q.read, hv, vt * V_TILE),
                       kTileBytes, &bar);
     }
-    if (threadIdx.x < nb) {
-      bq = p.beta[(q.bos + threadIdx.x) * p.beta_row_stride + hv];
-      dq = static_cast<int>(threadIdx.x) < vp.index_cols ? __ldg(q.row_idx + threadIdx.x) : -1;
-    }
+    if (threadIdx.x < nb) token_beta_slot(vp, q, hv, threadIdx.x, bq, dq);
   };
   Request rq = request_resolve(vp, request_head(vp, request_n(tile), true));
   start(tile, rq, 0);
@@ -526,11 +531,8 @@ kda_verify_pipe_kernel(const VerifyParams vp) {
         if (t0 > 0) {  // a later block of a long request, as the staged kernel runs it
           __syncthreads();  // every warp is done with the previous block
           St::issue(p, raw[b], bos, t0, nb, h, hv, vt);
-          if (threadIdx.x < nb) {
-            const int t = t0 + threadIdx.x;
-            pp.beta_raw[threadIdx.x] = p.beta[(bos + t) * p.beta_row_stride + hv];
-            pp.dst[threadIdx.x] = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;  // past T_max: not stored
-          }
+          if (threadIdx.x < nb)
+            token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
           fkda_decode::cp_async_wait<0>();  // (the next tile's group too: waited on early, not lost)
           __syncthreads();
           St::prepare_block(p, raw[b], pp, in, nb, grp, c);
