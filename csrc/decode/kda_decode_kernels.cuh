@@ -147,6 +147,22 @@ __device__ __forceinline__ void l2norm_qk(float (&qn)[KPL], float (&kn)[KPL], co
   }
 }
 
+// One key's decay exp(gate): the raw gate graw, the key's dt_bias dt, a = exp(A_log). prepare()
+// runs it per key of a lane; verify's staged prep (wide_gate) spreads the keys over a whole CTA.
+__device__ __forceinline__ float gate_decay(const DecodeParams& p, float graw, float dt, float a) {
+  float gl;
+  if (p.gate_mode == 2) {
+    gl = graw;
+  } else if (p.gate_mode == 0) {
+    const float x = graw + dt;
+    gl = -a * (x > 20.f ? x : log1pf(expf(x)));
+  } else {
+    const float x = a * (graw + dt);
+    gl = p.lower_bound / (1.f + expf(-x));
+  }
+  return expf(gl);
+}
+
 // State chunk: 16 bytes = 4 fp32 or 8 bf16 keys.
 template <bool kBf16>
 struct StateTraits {
@@ -285,6 +301,8 @@ struct WarpTile {
     float beta;
   };
 
+  // kGate = false leaves pr.dec unset (verify's wide_gate prep computes the decays over the CTA).
+  template <bool kGate = true>
   __device__ static void prepare(const DecodeParams& p, const Item& it, Prep& pr) {
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
@@ -294,24 +312,14 @@ struct WarpTile {
     l2norm_qk<LPR, KPL>(pr.qn, pr.kn, p.scale);
     const float a = expf(it.a_log);
 #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
+    for (int i = 0; i < (kGate ? CHUNKS : 0); ++i) {
       float graw[VEC];
       unpack_gb<VEC>(it.gr[i], graw);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const float4 d4 = it.dt[i][e / 4];
         const float dt = (e % 4 == 0) ? d4.x : (e % 4 == 1) ? d4.y : (e % 4 == 2) ? d4.z : d4.w;
-        float gl;
-        if (p.gate_mode == 2) {
-          gl = graw[e];
-        } else if (p.gate_mode == 0) {
-          const float x = graw[e] + dt;
-          gl = -a * (x > 20.f ? x : log1pf(expf(x)));
-        } else {
-          const float x = a * (graw[e] + dt);
-          gl = p.lower_bound / (1.f + expf(-x));
-        }
-        pr.dec[i * VEC + e] = expf(gl);
+        pr.dec[i * VEC + e] = gate_decay(p, graw[e], dt, a);
       }
     }
     const float b = gb_to_f(it.beta_raw);

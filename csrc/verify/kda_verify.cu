@@ -6,6 +6,10 @@
 //   FKDA_PARAM_PREP_ALL        (optional, a probe) every warp runs the staged prep, live token or not
 //   FKDA_PARAM_INDEX_CHAIN     (optional) the read slot loaded after the count, not beside it (stage2,
 //                              where other CTAs hide the latency; a probe elsewhere)
+//   FKDA_PARAM_JOINT_PASSES    (optional, with STAGE_T) J > 1: the row sums of J passes share one
+//                              shuffle butterfly (bitwise the per-pass sums; kda_verify_kernels.cuh)
+//   FKDA_PARAM_WIDE_GATE       (optional, with STAGE_T) 1: the staged prep's decays computed by the
+//                              whole CTA, not by the lane groups that prepare the tokens
 //   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
 //                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
 //                              1: the token loop on state registers, 2: on the shared tiles
@@ -46,6 +50,12 @@ static_assert(FKDA_SMEM_BYTES == 2 * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA
 constexpr int kBulkState = FKDA_PARAM_BULK_STATE;
 #elif defined(FKDA_PARAM_STAGE_T)
 constexpr int kBulkState = 0;
+#endif
+#if defined(FKDA_PARAM_JOINT_PASSES) && !defined(FKDA_PARAM_STAGE_T)
+#error "joint_passes goes with stage_t (the staged token_inputs place each lane's own pass's v)"
+#endif
+#if defined(FKDA_PARAM_WIDE_GATE) && !defined(FKDA_PARAM_STAGE_T)
+#error "wide_gate goes with stage_t (the staged prep)"
 #endif
 #if FKDA_PERSISTENT_K > 0
 #if !defined(FKDA_PARAM_STAGE_T) || defined(FKDA_PARAM_BULK_STATE)

@@ -74,17 +74,152 @@ __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
   return rq;
 }
 
+// FKDA_PARAM_JOINT_PASSES = J > 1 (staged kernels): the step's row sums of J passes share one
+// butterfly (JointSum below); 1 (default): decode's step_passes, one butterfly per pass and sum.
+#if defined(FKDA_PARAM_JOINT_PASSES)
+constexpr int kJointPasses = FKDA_PARAM_JOINT_PASSES;
+#else
+constexpr int kJointPasses = 1;
+#endif
+
+// FKDA_PARAM_WIDE_GATE = 1 (staged kernels): the block's decays computed by the whole CTA
+// (Staged::prepare_block).
+#if defined(FKDA_PARAM_WIDE_GATE)
+constexpr bool kWideGate = FKDA_PARAM_WIDE_GATE != 0;
+#else
+constexpr bool kWideGate = false;
+#endif
+
+// The row sums of J passes (J values a lane) over each aligned group of LPR lanes, in one
+// butterfly. decode's group_sum runs one butterfly a value: log2(LPR) shuffles and adds each, every
+// lane ending with the sum. Here, at each of the first log2(J) levels, a lane keeps half of its values
+// (the upper half when its lane bit of that level is set) and sends the other half to its partner,
+// which keeps that half: J / 2 shuffles a level instead of J. After log2(J) levels a lane holds one
+// value's partial sum (the pass own(lane)), and the remaining levels finish it as group_sum does.
+// Every add has the operands group_sum gives it, in its order (the lane's own partial sum first, the
+// partner's second), so each sum is bitwise group_sum's. No library does a multi-value butterfly
+// with this operand order (cub's warp reductions fix their own tree), hence written here.
+template <int LPR, int J>
+struct JointSum {
+  static_assert(J >= 1 && (J & (J - 1)) == 0 && J <= LPR, "J: a power of two, at most LPR");
+  // The pass of a group whose sum `lane` ends with.
+  __device__ static int own(int lane) {
+    int q = 0;
+#pragma unroll
+    for (int h = J / 2, off = LPR / 2; h >= 1; h >>= 1, off >>= 1) q += (lane & off) ? h : 0;
+    return q;
+  }
+  // A lane of `lane`'s group that ends with pass q's sum.
+  __device__ static int owner(int lane, int q) {
+    int l = lane & ~(LPR - 1);
+#pragma unroll
+    for (int h = J / 2, off = LPR / 2; h >= 1; h >>= 1, off >>= 1) l += (q & h) ? off : 0;
+    return l;
+  }
+  // Lanes whose bits below the split levels are zero: one lane of each pass's owners.
+  __device__ static bool first_owner(int lane) { return (lane & (LPR / J - 1)) == 0; }
+  __device__ static float sum(float (&x)[J], int lane) {
+    int off = LPR / 2;
+#pragma unroll
+    for (int n = J; n > 1; n >>= 1, off >>= 1) {
+      const bool hi = lane & off;
+#pragma unroll
+      for (int j = 0; j < n / 2; ++j) {
+        const float send = hi ? x[j] : x[j + n / 2];
+        const float keep = hi ? x[j + n / 2] : x[j];
+        x[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+      }
+    }
+    float s = x[0];
+#pragma unroll
+    for (; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return s;
+  }
+};
+
+// A state chunk to fp32. bf16 -> fp32 is exact (the bf16 bits are the float's upper half), so
+// each bf16 is its 32-bit word shifted (low half) or masked (high half): one instruction an element,
+// where cuda_bf16.h's conversion of the high half compiles to two (PRMT then shift). Bitwise
+// StateTraits::unpack.
+template <typename State>
+__device__ __forceinline__ void unpack_state(const uint4& c, float* f) {
+  if constexpr (State::VEC == 8) {
+    const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+    State::unpack(c, f);
+  }
+}
+
+// decode's step (WarpTile::step_passes, o = S_new q) on groups of J passes with joint row sums:
+// per pass the same unpack, decay, k . S, update, q . S and packing, in the same order, so every
+// value is bitwise step_passes' (tests/gpu/test_verify_gpu.py: T tokens equal T chained decode
+// calls). The lane computes u = beta (v - k . S) for its own pass of the group only (cur.vr[g]: that
+// pass's v, placed by the staged token_inputs) and hands it to the group by J shuffles; it stores its
+// own pass's output when it is the first of that pass's owners.
+template <typename T, int J, typename Chunk, typename Put>
+__device__ __forceinline__ void token_step_joint(const DecodeParams& p, const typename T::Item& cur,
+                                                 const typename T::Prep& pr, int row, int hv, int vrow0, int lane,
+                                                 Chunk&& chunk, Put&& put) {
+  constexpr int LPR = 32 / T::RPW, KPL = T::KPL, VEC = T::VEC;
+  static_assert(T::PASSES % J == 0, "joint_passes must divide the passes a warp");
+  using JS = JointSum<LPR, J>;
+  using State = fkda_decode::StateTraits<std::is_same_v<typename T::Elem, bf16>>;
+  const int c = lane % LPR, r = lane / LPR;
+  auto off = [&](int ps, int i) { return (ps * T::RPW + r) * T::K + T::key_of(i, c); };
+  bf16* op = p.out + (static_cast<int64_t>(row) * p.HV + hv) * T::V + vrow0 + r;
+#pragma unroll
+  for (int g = 0; g < T::PASSES / J; ++g) {
+    float s[J][KPL], kv[J], o[J];
+#pragma unroll
+    for (int q = 0; q < J; ++q) {
+#pragma unroll
+      for (int i = 0; i < T::CHUNKS; ++i) unpack_state<State>(chunk(g * J + q, i, off(g * J + q, i)), &s[q][i * VEC]);
+      kv[q] = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        s[q][e] *= pr.dec[e];
+        kv[q] = fmaf(s[q][e], pr.kn[e], kv[q]);
+      }
+    }
+    const float u_own = pr.beta * (fkda_decode::bf_to_f(cur.vr[g]) - JS::sum(kv, lane));
+#pragma unroll
+    for (int q = 0; q < J; ++q) {
+      const float u = __shfl_sync(0xffffffffu, u_own, JS::owner(lane, q));
+      o[q] = 0.f;
+#pragma unroll
+      for (int e = 0; e < KPL; ++e) {
+        s[q][e] = fmaf(pr.kn[e], u, s[q][e]);
+        o[q] = fmaf(s[q][e], pr.qn[e], o[q]);
+      }
+#pragma unroll
+      for (int i = 0; i < T::CHUNKS; ++i) put(g * J + q, i, off(g * J + q, i), State::pack(&s[q][i * VEC]));
+    }
+    const float o_own = JS::sum(o, lane);
+    if (JS::first_owner(lane)) op[(g * J + JS::own(lane)) * T::RPW] = __float2bfloat16_rn(o_own);
+  }
+}
+
 // One token: the step of every V-row of the lane on the state chunks chunk(ps, i, e), the packed
 // new state handed to put(ps, i, e, packed); e is chunk (ps, i)'s element offset from the warp's
 // first V-row (rows of K elements, as in the pool). The next token must read what put was given.
+// With kJointPasses > 1, cur.vr holds the lane's own pass of each group (Staged::token_inputs).
 template <typename T, typename OffT, typename Chunk, typename Put>
 __device__ __forceinline__ void token_step_on(const DecodeParams& p, typename T::Item& cur, const typename T::Prep& pr,
                                               int row, int hv, int vrow0, int lane, Chunk&& chunk, Put&& put) {
-  const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
-  auto off = [&](int ps, int i) { return (ps * T::RPW + r) * T::K + T::key_of(i, c); };
-  T::template step_passes<false, false>(
-      p, cur, pr, 0.f, row, hv, vrow0, lane, OffT(0), [&](int ps, int i) { return chunk(ps, i, off(ps, i)); },
-      [&](int ps, int i, const uint4& packed) { put(ps, i, off(ps, i), packed); });
+  if constexpr (kJointPasses > 1) {
+    token_step_joint<T, kJointPasses>(p, cur, pr, row, hv, vrow0, lane, chunk, put);
+  } else {
+    const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
+    auto off = [&](int ps, int i) { return (ps * T::RPW + r) * T::K + T::key_of(i, c); };
+    T::template step_passes<false, false>(
+        p, cur, pr, 0.f, row, hv, vrow0, lane, OffT(0), [&](int ps, int i) { return chunk(ps, i, off(ps, i)); },
+        [&](int ps, int i, const uint4& packed) { put(ps, i, off(ps, i), packed); });
+  }
 }
 
 // One token on the state registers, the packed new state kept (the next token continues from the
@@ -242,8 +377,26 @@ struct Staged {
 
   // The block's nb tokens prepared into pp (raw and pp.beta_raw landed, behind a barrier): lane
   // group grp prepares tokens grp, grp + G, ... with decode's prepare() in its own lane layout.
+  // kWideGate: the decays (the gate's exp / log1p per key, most of the prep's work) are computed
+  // first by every thread of the CTA, one (token, key) each in turn, with decode's gate_decay, and
+  // placed where lane c's Prep reads them; the lane groups then do the l2norms and beta only. A
+  // key's decay depends on that key alone, so the values are bitwise the per-lane prep's; the CTA's
+  // warps share the work instead of waiting at the barrier while one warp prepares (T 2).
   __device__ static void prepare_block(const DecodeParams& p, const Raw& raw, Prepared& pp, typename T::Item& in,
-                                       int nb, int grp, int c) {
+                                       int nb, int grp, int c, int hv) {
+    if constexpr (kWideGate) {
+      const float a = expf(in.a_log);
+      const float* dt_head = p.dt_bias ? p.dt_bias + hv * K : nullptr;
+      for (int x = threadIdx.x; x < nb * K; x += THREADS) {
+        const int j = x / K, key = x % K;
+        const float dt = dt_head ? __ldg(dt_head + key) : 0.f;
+        const float d = fkda_decode::gate_decay(p, fkda_decode::bf_to_f(raw.qkg[j][2][key]), dt, a);
+        // key = key_of(i, col) + e: lane col's element i * VEC + e of its dec array
+        constexpr int SPAN = LPR * T::VEC;
+        const int i = key / SPAN, col = (key % SPAN) / T::VEC, e = key % T::VEC, idx = i * T::VEC + e;
+        reinterpret_cast<float*>(&pp.prep[j][2][idx / 4][col])[idx % 4] = d;
+      }
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const int j = grp + G * m;
@@ -262,13 +415,14 @@ struct Staged {
       }
       in.beta_raw = pp.beta_raw[js];
       typename T::Prep pr;
-      T::prepare(p, in, pr);
+      T::template prepare<!kWideGate>(p, in, pr);
       if (j < nb) {
 #pragma unroll
         for (int f = 0; f < F4; ++f) {
           pp.prep[j][0][f][c] = make_float4(pr.qn[4 * f], pr.qn[4 * f + 1], pr.qn[4 * f + 2], pr.qn[4 * f + 3]);
           pp.prep[j][1][f][c] = make_float4(pr.kn[4 * f], pr.kn[4 * f + 1], pr.kn[4 * f + 2], pr.kn[4 * f + 3]);
-          pp.prep[j][2][f][c] = make_float4(pr.dec[4 * f], pr.dec[4 * f + 1], pr.dec[4 * f + 2], pr.dec[4 * f + 3]);
+          if constexpr (!kWideGate)
+            pp.prep[j][2][f][c] = make_float4(pr.dec[4 * f], pr.dec[4 * f + 1], pr.dec[4 * f + 2], pr.dec[4 * f + 3]);
         }
         if (c == 0) pp.beta[j] = pr.beta;
       }
@@ -286,8 +440,15 @@ struct Staged {
       pr.dec[4 * f] = d.x, pr.dec[4 * f + 1] = d.y, pr.dec[4 * f + 2] = d.z, pr.dec[4 * f + 3] = d.w;
     }
     pr.beta = pp.beta[j];
+    if constexpr (kJointPasses > 1) {  // the lane's own pass of each group (token_step_joint)
+      const int own = JointSum<LPR, kJointPasses>::own(threadIdx.x % 32);
 #pragma unroll
-    for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = raw.v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
+      for (int g = 0; g < T::PASSES / kJointPasses; ++g)
+        cur.vr[g] = raw.v[j][warp * (V_TILE / WARPS) + (g * kJointPasses + own) * T::RPW + r];
+    } else {
+#pragma unroll
+      for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = raw.v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
+    }
   }
 
   // The thread's state chunks of a [V_TILE][K] tile in shared memory into its state registers.
@@ -366,7 +527,7 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
-    St::prepare_block(p, raw, pp, in, nb, grp, c);
+    St::prepare_block(p, raw, pp, in, nb, grp, c, hv);
     __syncthreads();
     if constexpr (BULK > 0) {
       if (t0 == 0) fkda::mbar_wait(bar, 0);  // the read tile has landed (it arrived during the prep)
@@ -515,7 +676,7 @@ kda_verify_pipe_kernel(const VerifyParams vp) {
       St::head_inputs(p, in, hv, c);
       fkda_decode::cp_async_wait<0>();
       __syncthreads();
-      St::prepare_block(p, raw[b], pp, in, nb, grp, c);
+      St::prepare_block(p, raw[b], pp, in, nb, grp, c, hv);
       fkda::mbar_wait(&bar, phase);  // the state tile has landed (it arrived during the last tile)
       phase ^= 1;
       St::state_from_tile(cur, st_tile, warp, c, r);
@@ -535,7 +696,7 @@ kda_verify_pipe_kernel(const VerifyParams vp) {
             token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
           fkda_decode::cp_async_wait<0>();  // (the next tile's group too: waited on early, not lost)
           __syncthreads();
-          St::prepare_block(p, raw[b], pp, in, nb, grp, c);
+          St::prepare_block(p, raw[b], pp, in, nb, grp, c, hv);
           __syncthreads();
         }
         for (int j = 0; j < nb; ++j) {

@@ -311,3 +311,48 @@ def test_persistent_walks_many_tiles_bitwise_equal_to_its_one_tile_twin(name):
     assert torch.equal(bits(out), bits(want_out)), f"{name} != {twin} (out)"
     assert torch.equal(bits(pool), bits(want_pool)), f"{name} != {twin} (state)"
     assert not torch.equal(bits(pool), bits(pool0)), "nothing was stored"
+
+
+# The step and prep variants (joint_passes: the row sums of several passes in one butterfly;
+# wide_gate: the decays computed by the whole CTA) and the module they vary: the record with the
+# same params but those two.
+VARIANT_KEYS = ("joint_passes", "wide_gate")
+
+
+def _base_of(name):
+    rec = RECORDS[name]
+    want = {k: v for k, v in rec["params"].items() if k not in VARIANT_KEYS}
+    same = [n for n in NAMES if n != name and RECORDS[n]["params"] == want
+            and all(RECORDS[n][f] == rec[f] for f in ("state_dtype", "slot_offset_bits", "threads", "smem_bytes"))]
+    assert len(same) == 1, (name, same)
+    return same[0]
+
+
+VARIANT_BASE = {n: _base_of(n) for n in NAMES if any(k in RECORDS[n]["params"] for k in VARIANT_KEYS)}
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded", "log"])
+@pytest.mark.parametrize("name", sorted(VARIANT_BASE))
+def test_step_and_prep_variants_bitwise_equal_their_base_module(name, gate):
+    """The same calls (every gate; requests of 1-12 tokens, so a second 8-token block runs; a padding
+    request, dead token slots, more heads than the CTA's prep threads see at once) through the
+    variant and the module it varies give bitwise equal outputs and pools; the base module is checked
+    against the reference and chained decode above."""
+    base = VARIANT_BASE[name]
+    rec = RECORDS[name]
+    gen = torch.Generator(device="cuda").manual_seed(91)
+    lens, cols, H, HV = [12, 1, 2, 7, 8, 3, 5, 9], 12, 2, 8
+    a = make(gen, lens, cols, H, HV, sdtype(rec), gate, pad_request=2, pad_token=(0, 5))
+    pool0 = a["state"].clone()
+    results = []
+    for mod in (name, base):
+        a["state"].copy_(pool0)
+        out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(mod, a, out, gate)
+        torch.cuda.synchronize()
+        results.append((out, a["state"].clone()))
+    (out, pool), (want_out, want_pool) = results
+    assert not torch.isnan(out.float()).any(), "an output element was never written"
+    assert torch.equal(bits(out), bits(want_out)), f"{name} != {base} (out, {gate})"
+    assert torch.equal(bits(pool), bits(want_pool)), f"{name} != {base} (state, {gate})"
+    assert not torch.equal(bits(pool), bits(pool0)), "nothing was stored"
