@@ -145,33 +145,40 @@ EDGES = {
         (prefill_meta(num_seqs=255, value_heads=1), "prefill_vt64_f32"),        # 255
         (prefill_meta(num_seqs=256, value_heads=1, state="bf16"), "prefill_vt64s_bf16"),
     ],
+    ("kda_verify", "few_items_short", "work_items_max"): [
+        (verify_meta(num_seqs=1, value_heads=16), "verify_stage16w4g_f32_o32"),             # 16, T 2
+        (verify_meta(num_seqs=16, value_heads=1, state="bf16", offset="o64"), "verify_stage16w4g_bf16_o64"),
+        (verify_meta(num_seqs=17, value_heads=1), "verify_bulk4j4g_f32_o32"),                # 17: small_short
+    ],
+    ("kda_verify", "few_items_short", "max_seqlen_max"): [
+        (verify_meta(num_seqs=1, value_heads=16, max_seqlen=2), "verify_stage16w4g_f32_o32"),
+        (verify_meta(num_seqs=1, value_heads=16, max_seqlen=3), "verify_stage16w4_f32_o32"),  # T 3: few_items
+    ],
     ("kda_verify", "few_items", "work_items_max"): [
-        (verify_meta(num_seqs=1, value_heads=16), "verify_stage16w4_f32_o32"),              # 16
-        (verify_meta(num_seqs=16, value_heads=1, state="bf16", offset="o64"), "verify_stage16w4_bf16_o64"),
-        (verify_meta(num_seqs=17, value_heads=1), "verify_bulk4_f32_o32"),                  # 17: fallback
-        (verify_meta(num_seqs=17, value_heads=1, state="bf16"), "verify_bulk4_bf16_o32"),   # 17: fallback
+        (verify_meta(num_seqs=1, value_heads=16, max_seqlen=8), "verify_stage16w4_f32_o32"),  # 16
+        (verify_meta(num_seqs=16, value_heads=1, max_seqlen=4, state="bf16", offset="o64"), "verify_stage16w4_bf16_o64"),
+        (verify_meta(num_seqs=17, value_heads=1, max_seqlen=8), "verify_bulk4j4_f32_o32"),    # 17: fallback
+        (verify_meta(num_seqs=17, value_heads=1, max_seqlen=8, state="bf16"), "verify_bulk4j4_bf16_o32"),
     ],
-    ("kda_verify", "f32_short", "max_seqlen_max"): [
-        (verify_meta(num_seqs=8, value_heads=16, max_seqlen=3), "verify_tile_f32_o32"),     # T 3
-        (verify_meta(num_seqs=8, value_heads=16, max_seqlen=4), "verify_bulk4_f32_o32"),    # T 4: fallback
-        (verify_meta(num_seqs=16, value_heads=16, max_seqlen=2, offset="o64"), "verify_tile_f32_o64"),
-        (verify_meta(num_seqs=8, value_heads=16, max_seqlen=2, state="bf16"), "verify_bulk4_bf16_o32"),  # bf16
+    ("kda_verify", "small_short", "work_items_min"): [
+        (verify_meta(num_seqs=17, value_heads=1, max_seqlen=4), "verify_bulk4j4g_f32_o32"),   # 17
+        (verify_meta(num_seqs=16, value_heads=1, max_seqlen=4), "verify_stage16w4_f32_o32"),  # 16: few_items
     ],
-    ("kda_verify", "f32_short", "work_items_min"): [
-        (verify_meta(num_seqs=65, value_heads=1), "verify_tile_f32_o32"),                   # 65
-        (verify_meta(num_seqs=4, value_heads=16), "verify_bulk4_f32_o32"),                  # 64: fallback
+    ("kda_verify", "small_short", "work_items_max"): [
+        (verify_meta(num_seqs=4, value_heads=16, state="bf16"), "verify_bulk4j4g_bf16_o32"),  # 64
+        (verify_meta(num_seqs=65, value_heads=1), "verify_bulk4j4_f32_o32"),                  # 65: fallback
+        (verify_meta(num_seqs=65, value_heads=1, state="bf16"), "verify_stage2j8_bf16_o32"),  # 65: bf16_large
     ],
-    ("kda_verify", "f32_short", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=16, max_seqlen=3), "verify_tile_f32_o32"),    # 256
-        (verify_meta(num_seqs=257, value_heads=1), "verify_bulk4_f32_o32"),                 # 257: fallback
-        (verify_meta(num_seqs=1024, value_heads=64, offset="o64"), "verify_bulk4_f32_o64"),
+    ("kda_verify", "small_short", "max_seqlen_max"): [
+        (verify_meta(num_seqs=2, value_heads=16, max_seqlen=4, offset="o64"), "verify_bulk4j4g_f32_o64"),
+        (verify_meta(num_seqs=2, value_heads=16, max_seqlen=5), "verify_bulk4j4_f32_o32"),    # T 5: fallback
     ],
     ("kda_verify", "bf16_large", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, state="bf16"), "verify_stage2_bf16_o32"),  # 129
-        (verify_meta(num_seqs=8, value_heads=16, state="bf16"), "verify_bulk4_bf16_o32"),    # 128: fallback
+        (verify_meta(num_seqs=65, value_heads=1, state="bf16", max_seqlen=8), "verify_stage2j8_bf16_o32"),  # 65
+        (verify_meta(num_seqs=4, value_heads=16, state="bf16", max_seqlen=8), "verify_bulk4j4_bf16_o32"),  # 64
         (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8, state="bf16", offset="o64"),
-         "verify_stage2_bf16_o64"),
-        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8), "verify_bulk4_f32_o32"),  # fp32: fallback
+         "verify_stage2j8_bf16_o64"),
+        (verify_meta(num_seqs=1024, value_heads=64, max_seqlen=8), "verify_bulk4j4_f32_o32"),  # fp32: fallback
     ],
     ("kda_prefill", "some_seq_heads", "work_items_max"): [
         (prefill_meta(num_seqs=5, value_heads=8), "prefill_vt32_f32"),         # 40
