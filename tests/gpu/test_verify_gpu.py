@@ -270,6 +270,25 @@ def test_op_routes_deterministic_and_graph_replay_equals_eager():
         assert written
 
 
+def assert_twins_bitwise(name, twin, a, HV, gate="softplus"):
+    """The call of a (from its pool as it is) through module name and through twin: every output
+    written, outputs and the whole pool bitwise equal, something stored."""
+    pool0 = a["state"].clone()
+    T = a["q"].shape[1]
+    results = []
+    for mod in (name, twin):
+        a["state"].copy_(pool0)
+        out = torch.full((1, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(mod, a, out, gate)
+        torch.cuda.synchronize()
+        results.append((out, a["state"].clone()))
+    (out, pool), (want_out, want_pool) = results
+    assert not torch.isnan(out.float()).any(), "an output element was never written"
+    assert torch.equal(bits(out), bits(want_out)), f"{name} != {twin} (out, {gate})"
+    assert torch.equal(bits(pool), bits(want_pool)), f"{name} != {twin} (state, {gate})"
+    assert not torch.equal(bits(pool), bits(pool0)), "nothing was stored"
+
+
 # The persistent modules (persistent_k > 0) and the one-tile module of the same CTA, prep and step.
 PIPE_TWIN = {n: n.replace("pipe2", "stage2").replace("pipe4", "bulk4") for n in NAMES
              if RECORDS[n]["persistent_k"] > 0}
@@ -298,19 +317,7 @@ def test_persistent_walks_many_tiles_bitwise_equal_to_its_one_tile_twin(name):
         col = (int(nacc[n]) % cols)
         if col != int(nacc[n]) - 1:
             a["state_indices"][n, col] = -1
-    pool0 = a["state"].clone()
-    results = []
-    for mod in (name, twin):
-        a["state"].copy_(pool0)
-        out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        call_module(mod, a, out)
-        torch.cuda.synchronize()
-        results.append((out, a["state"].clone()))
-    (out, pool), (want_out, want_pool) = results
-    assert not torch.isnan(out.float()).any(), "an output element was never written"
-    assert torch.equal(bits(out), bits(want_out)), f"{name} != {twin} (out)"
-    assert torch.equal(bits(pool), bits(want_pool)), f"{name} != {twin} (state)"
-    assert not torch.equal(bits(pool), bits(pool0)), "nothing was stored"
+    assert_twins_bitwise(name, twin, a, HV)
 
 
 # The step and prep variants (joint_passes: the row sums of several passes in one butterfly;
@@ -343,16 +350,4 @@ def test_step_and_prep_variants_bitwise_equal_their_base_module(name, gate):
     gen = torch.Generator(device="cuda").manual_seed(91)
     lens, cols, H, HV = [12, 1, 2, 7, 8, 3, 5, 9], 12, 2, 8
     a = make(gen, lens, cols, H, HV, sdtype(rec), gate, pad_request=2, pad_token=(0, 5))
-    pool0 = a["state"].clone()
-    results = []
-    for mod in (name, base):
-        a["state"].copy_(pool0)
-        out = torch.full((1, sum(lens), HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        call_module(mod, a, out, gate)
-        torch.cuda.synchronize()
-        results.append((out, a["state"].clone()))
-    (out, pool), (want_out, want_pool) = results
-    assert not torch.isnan(out.float()).any(), "an output element was never written"
-    assert torch.equal(bits(out), bits(want_out)), f"{name} != {base} (out, {gate})"
-    assert torch.equal(bits(pool), bits(want_pool)), f"{name} != {base} (state, {gate})"
-    assert not torch.equal(bits(pool), bits(pool0)), "nothing was stored"
+    assert_twins_bitwise(name, base, a, HV, gate)
