@@ -99,9 +99,18 @@ def fla_call(fla, case, pool, idx, nacc, out):
                        use_beta_sigmoid_in_kernel=True, out=out)
 
 
+# state-copy references (benchmarks/verify_copy.py): (label, share of a tile a program moves, warps)
+COPY_CONFIGS = (("copy_p1", 1, 8), ("copy_p2", 2, 8), ("copy_p4", 4, 4))
+
+
+def state_bytes(N, T, HV, esz):
+    """The state part of the floor: one read and T writes per (request, head)."""
+    return N * HV * V * K * esz * (1 + T)
+
+
 def floor_bytes(N, T, HV, esz):
     """One state read + T state writes per (request, head), plus q, k, v, g, beta in and out."""
-    state = N * HV * V * K * esz * (1 + T)
+    state = state_bytes(N, T, HV, esz)
     tokens = N * T
     io = tokens * HV * (K * 2 * 3 + V * 2 * 2 + 2)  # q, k, g, v, out (bf16), beta
     return state + io
@@ -148,6 +157,10 @@ def main(argv=None):
     ap.add_argument("--op-arm", action="store_true", help="also time the public op flashkda_ext.kda_verify")
     ap.add_argument("--modules", default="", help="comma list of module stems timed beside the routed one "
                     "(arm 'ours'), e.g. tile,split16,split8: arms named by stem (jit/modules/verify_cuda.json)")
+    ap.add_argument("--slot-copy", nargs="?", const="copy_p1,copy_p2,copy_p4", default="",
+                    help="also time benchmarks/verify_copy.py (Triton): each request's read tile copied unchanged "
+                         "to its token slots, no arithmetic, no inputs or outputs: the state traffic's own cost "
+                         "(arms copy_p1/p2/p4, % of their own state bytes; a comma list, or all when given alone)")
     ap.add_argument("--max-calls", type=int, default=64, help="calls per timed graph (cap)")
     ap.add_argument("--name", default="verify", help="results file stem (when --out is a folder)")
     args = ap.parse_args(argv)
@@ -162,6 +175,13 @@ def main(argv=None):
     rows_list = ints(args.rows, [1, 3] if dry else [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024])
     heads = ints(args.heads, [2] if dry else [16, 64] if args.quick else [16, 32, 64])
     states = ["f32"] if dry and args.states == "f32,bf16" else args.states.split(",")
+    wanted = [c for c in args.slot_copy.split(",") if c]
+    copies = [c for c in COPY_CONFIGS if c[0] in wanted]
+    if len(copies) != len(wanted):
+        raise SystemExit(f"--slot-copy: expected labels among {[c[0] for c in COPY_CONFIGS]}, got {wanted}")
+    if copies and not cfg.is_cuda:
+        print("--slot-copy: the Triton copy needs a CUDA device; left out of this dry run", file=sys.stderr)
+        copies = []
     from flashkda_ext.jit import all_records
     records = {r["name"] for r in all_records()}
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
@@ -199,6 +219,13 @@ def main(argv=None):
                     if args.op_arm:
                         arms.append(harness.Arm("op", sequence([op_call(case, pool, i, a, out, T) for i, a in tables]),
                                                 calls=M, bytes=nbytes))
+                    if copies:
+                        from verify_copy import verify_copy_fn
+                        cu = case[-1]
+                        for label, part, warps in copies:  # bytes: the state traffic only (module docstring)
+                            arms.append(harness.Arm(label, sequence([verify_copy_fn(pool, i, a, cu, T, part, warps)
+                                                                     for i, a in tables]),
+                                                    calls=M, bytes=state_bytes(N, T, HV, esz)))
                     if fla is not None:
                         arms.append(harness.Arm("fla", sequence([fla_call(fla, case, pool, i, a, out)
                                                                  for i, a in tables]), calls=M, bytes=nbytes))
@@ -244,7 +271,7 @@ def summarize(results, mode):
     out = {}
     for sname in sorted({p["params"]["state"] for p in results}):
         pts = [p for p in results if p["params"]["state"] == sname]
-        arms = sorted({a for p in pts for a in p["arms"] if a != "fla"})
+        arms = sorted({a for p in pts for a in p["arms"] if a != "fla"})  # copies: % of their own bytes
         out[sname] = dict(points=len(pts), **stats(pts, "ours"), arms={a: stats(pts, a) for a in arms})
     return out
 
