@@ -161,10 +161,6 @@ def main(argv=None):
                     help="also time benchmarks/verify_copy.py (Triton): each request's read tile copied unchanged "
                          "to its token slots, no arithmetic, no inputs or outputs: the state traffic's own cost "
                          "(arms copy_p1/p2/p4, % of their own state bytes; a comma list, or all when given alone)")
-    ap.add_argument("--memcpy", action="store_true",
-                    help="also time arm 'memcpy': a contiguous device-to-device copy (the copy ceiling's own "
-                         "method) moving the point's floor bytes, half read and half written, rotated over M "
-                         "buffer pairs: what the plainest kernel reaches at that size")
     ap.add_argument("--max-calls", type=int, default=64, help="calls per timed graph (cap)")
     ap.add_argument("--name", default="verify", help="results file stem (when --out is a folder)")
     args = ap.parse_args(argv)
@@ -230,12 +226,6 @@ def main(argv=None):
                             arms.append(harness.Arm(label, sequence([verify_copy_fn(pool, i, a, cu, T, part, warps)
                                                                      for i, a in tables]),
                                                     calls=M, bytes=state_bytes(N, T, HV, esz)))
-                    if args.memcpy:
-                        half = nbytes // 2
-                        pairs = [(torch.empty(half, dtype=torch.uint8, device=DEVICE),
-                                  torch.empty(half, dtype=torch.uint8, device=DEVICE)) for _ in range(M)]
-                        arms.append(harness.Arm("memcpy", sequence([(lambda s=s_, d=d_: d.copy_(s)) for s_, d_ in pairs]),
-                                                calls=M, bytes=2 * half))
                     if fla is not None:
                         arms.append(harness.Arm("fla", sequence([fla_call(fla, case, pool, i, a, out)
                                                                  for i, a in tables]), calls=M, bytes=nbytes))

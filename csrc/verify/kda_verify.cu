@@ -10,8 +10,6 @@
 //                              shuffle butterfly (bitwise the per-pass sums; kda_verify_kernels.cuh)
 //   FKDA_PARAM_WIDE_GATE       (optional, with STAGE_T) 1: the staged prep's decays computed by the
 //                              whole CTA, not by the lane groups that prepare the tokens
-//   FKDA_PARAM_HEAD_RELOAD     (optional, with STAGE_T, a probe) 1: the head's dt_bias / A_log loaded
-//                              for each block's prep, not held across the token loop
 //   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
 //                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
 //                              1: the token loop on state registers, 2: on the shared tiles
@@ -58,9 +56,6 @@ constexpr int kBulkState = 0;
 #endif
 #if defined(FKDA_PARAM_WIDE_GATE) && !defined(FKDA_PARAM_STAGE_T)
 #error "wide_gate goes with stage_t (the staged prep)"
-#endif
-#if defined(FKDA_PARAM_HEAD_RELOAD) && (!defined(FKDA_PARAM_STAGE_T) || FKDA_PERSISTENT_K > 0)
-#error "head_reload goes with stage_t in the one-tile staged kernel"
 #endif
 #if FKDA_PERSISTENT_K > 0
 #if !defined(FKDA_PARAM_STAGE_T) || defined(FKDA_PARAM_BULK_STATE)

@@ -90,15 +90,6 @@ constexpr bool kWideGate = FKDA_PARAM_WIDE_GATE != 0;
 constexpr bool kWideGate = false;
 #endif
 
-// FKDA_PARAM_HEAD_RELOAD = 1 (staged kernel): the head's dt_bias / A_log loaded again for each block's
-// prep instead of once before the token loop, so their registers are free inside the loop (a probe
-// for more resident CTAs an SM; the values are the same loads').
-#if defined(FKDA_PARAM_HEAD_RELOAD)
-constexpr bool kHeadReload = FKDA_PARAM_HEAD_RELOAD != 0;
-#else
-constexpr bool kHeadReload = false;
-#endif
-
 // The row sums of J passes (J values a lane) over each aligned group of LPR lanes, in one
 // butterfly. decode's group_sum runs one butterfly a value: log2(LPR) shuffles and adds each, every
 // lane ending with the sum. Here, at each of the first log2(J) levels, a lane keeps half of its values
@@ -525,7 +516,7 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     T::load_state_regs(p, cur, T::slot_base(p, rq.read, hv, vrow0), lane);
   }
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
-  if constexpr (!kHeadReload) St::head_inputs(p, in, hv, c);
+  St::head_inputs(p, in, hv, c);
   for (int t0 = 0; t0 < len; t0 += S) {
     const int nb = min(S, len - t0);
     if (t0 > 0) {
@@ -534,7 +525,6 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     }
     if (threadIdx.x < nb)  // token t0 + threadIdx.x's beta and slot
       token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
-    if constexpr (kHeadReload) St::head_inputs(p, in, hv, c);  // dead again after this block's prep
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
     St::prepare_block(p, raw, pp, in, nb, grp, c, hv);

@@ -321,9 +321,9 @@ def test_persistent_walks_many_tiles_bitwise_equal_to_its_one_tile_twin(name):
 
 
 # The step and prep variants (joint_passes: the row sums of several passes in one butterfly;
-# wide_gate: the decays computed by the whole CTA; head_reload: dt_bias / A_log loaded per block) and
-# the module they vary: the record with the same params but those (min_blocks may differ).
-VARIANT_KEYS = ("joint_passes", "wide_gate", "head_reload")
+# wide_gate: the decays computed by the whole CTA) and the module they vary: the record with the
+# same params but those two.
+VARIANT_KEYS = ("joint_passes", "wide_gate")
 
 
 def _base_of(name):
