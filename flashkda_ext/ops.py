@@ -321,12 +321,14 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     every token stored in a slot of its own.
 
     q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] (raw gate); beta [1, T, HV], the N requests
-    packed by cu_seqlens (int32 [N+1], every T_n >= 1); state [slots, HV, V, K] fp32 or bf16
+    packed by cu_seqlens (int32 [N+1], T_n >= 0: an empty request, such as an engine's CUDA-graph
+    padding, reads and writes nothing); state [slots, HV, V, K] fp32 or bf16
     (updated in place); state_indices int32 [N, T_max]: the state after token t of request n goes
     to state[state_indices[n, t]]; request n starts from state[state_indices[n, num_accepted_tokens[n]
     - 1]] (num_accepted_tokens int32 [N]; None = column 0). Negative entries are padding (docs/
     semantics.md, "Verify"). max_seqlen: a host bound on T_n for routing (default T_max). Returns out
-    [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it.
+    [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it
+    (then T = N: one token per request).
     """
     key = dest = None
     if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor

@@ -887,15 +887,20 @@ def _verify_index_table(state_indices, device):
     return state_indices, N, cols
 
 
-def _verify_lengths(first, T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device) -> int:
+def _verify_lengths(first, T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
+                    one_token_is_decode=False) -> int:
     """cu_seqlens, num_accepted_tokens and max_seqlen of a verify call with N requests of
-    1 .. T_max = cols tokens, T in all (errors about T name the token input `first`); returns
-    max_seqlen resolved (None: T_max)."""
+    0 .. T_max = cols tokens, T >= 1 in all (errors about T name the token input `first`); returns
+    max_seqlen resolved (None: T_max). one_token_is_decode: T_max = 1 is served as kda_decode, one
+    token per request, so it needs T = N."""
     _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
-    if not N <= T <= N * cols:
-        # every request has 1 .. T_max tokens
-        raise ValueError(f"{first}: expected T between N = {N} and N * T_max = {N * cols} tokens (each request "
-                         f"1 .. T_max = {cols} tokens), got T = {T}")
+    if not 1 <= T <= N * cols:
+        # every request has 0 .. T_max tokens (an empty request: an engine's graph padding)
+        raise ValueError(f"{first}: expected T between 1 and N * T_max = {N * cols} tokens (each request "
+                         f"0 .. T_max = {cols} tokens), got T = {T}")
+    if one_token_is_decode and cols == 1 and T != N:
+        raise ValueError(f"{first}: with T_max = 1 (state_indices [N, 1]) the call is kda_decode, one token per "
+                         f"request: expected T = N = {N}, got T = {T} (empty requests need T_max >= 2)")
     if num_accepted_tokens is not None:
         _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
     if max_seqlen is None:
@@ -971,7 +976,8 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     _bool("null_slot0", null_slot0)
     slots = _pool("state", state, HV, V, K, device, backend)
     state_indices, N, cols = _verify_index_table(state_indices, device)
-    max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device)
+    max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
+                                 one_token_is_decode=True)
     lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
                          lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
                          (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
@@ -990,9 +996,9 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
         return
     cs = cu_seqlens.tolist()
     T, cols = call.total_tokens, call.index_cols
-    if cs[0] != 0 or cs[-1] != T or any(b <= a for a, b in zip(cs, cs[1:])):
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets from 0 to T = {T} (every request "
-                         f"has >= 1 token), got {cs}")
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T} (a request has "
+                         f">= 0 tokens), got {cs}")
     lengths = [b - a for a, b in zip(cs, cs[1:])]
     longest = max(lengths)
     if longest > call.max_seqlen:
@@ -1025,7 +1031,7 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
             writer[s] = n
     for n, row in enumerate(idx):
         s = row[accepted[n] - 1]
-        if not pad(s) and writer.get(s, n) != n:
+        if lengths[n] and not pad(s) and writer.get(s, n) != n:  # an empty request reads nothing
             raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
                              f"writes; a request may read only a slot no other request writes")
 

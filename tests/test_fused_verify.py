@@ -96,6 +96,37 @@ def test_matches_reference(cols, lens, state_dtype):
     assert torch.equal(out[0, s:e], torch.zeros_like(out[0, s:e]))
 
 
+def test_empty_requests_touch_neither_cache():
+    """Requests of 0 tokens (among live ones, and trailing with null-slot rows and count 1, as vLLM pads
+    a speculative batch; T < N): the live requests match the reference; the empty requests' state slots
+    and conv lines, and every slot and line no live request stores, stay bitwise unchanged."""
+    gen = gen_()
+    lens = [3, 0, 2] + [0] * 4
+    a = make(gen, lens, 4)
+    a["state_indices"][3:] = 0
+    a["num_accepted_tokens"][3:] = 1
+    a["null_slot0"] = True
+    assert sum(lens) < len(lens)
+    conv0, pool0 = a["conv_state"].clone(), a["state"].clone()
+    ref_out, ref_conv, ref_pool = reference(a)
+    out = run(a)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a["state"].double(), ref_pool.double(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(a["conv_state"], ref_conv)
+    plan = R.verify_plan(a["cu_seqlens"], a["state_indices"], a["num_accepted_tokens"], pool0.shape[0], True)
+    live = [ws for s, e, read, ws in plan if e > s and read is not None and ws[0] is not None]
+    written = {w for ws in live for w in ws if w is not None}
+    lines = {ws[0] for ws in live}
+    assert len(lines) == 2
+    empty_row = [int(x) for x in a["state_indices"][1].tolist()]  # request 1: empty, live slots
+    for s in range(pool0.shape[0]):
+        if s not in written:
+            assert torch.equal(a["state"][s], pool0[s]), f"slot {s} changed"
+        if s not in lines:
+            assert torch.equal(a["conv_state"][s], conv0[s]), f"conv line {s} changed"
+    assert not set(empty_row) & (written | lines)
+
+
 @pytest.mark.parametrize("gate", ["bounded", "log"])
 def test_gates_bf16_inputs(gate):
     gen = gen_()
@@ -158,7 +189,7 @@ def _dup(a):
 BAD = [
     ("conv_state", lambda a: a["conv_state"][:, :, :-1].contiguous(), "conv_state"),
     ("state_indices", _dup, "state_indices"),
-    ("cu_seqlens", lambda a: torch.tensor([0, 4, 4, 7], dtype=torch.int32), "cu_seqlens"),
+    ("cu_seqlens", lambda a: torch.tensor([0, 4, 3, 7], dtype=torch.int32), "cu_seqlens"),
     ("num_accepted_tokens", lambda a: torch.tensor([1, 9, 1], dtype=torch.int32), "num_accepted_tokens"),
     ("norm_eps", 0.0, "norm_eps"),
     ("output_gate", lambda a: a["output_gate"][:, :, :, :-1].contiguous(), "output_gate"),

@@ -266,6 +266,22 @@ def test_target_verify_one_draft_and_requests_without_a_row():
     assert torch.isnan(buf[1]).all()
 
 
+def test_target_verify_empty_requests_write_nothing():
+    # requests 1 and 3 have no drafts (T_n = 0) but live cache indices and buffer rows, as a batch padded to a
+    # CUDA-graph size may have: they read nothing and their rows stay bitwise as they were (NaN)
+    case = verify_case([3, 0, 2, 0], steps=3, rows=[1, 0, 4, 2], cidx=[2, 5, 0, 3], seed=10)
+    buf0, pool0 = case["intermediate_states_buffer"].clone(), case["ssm_states"].clone()
+    o = call_verify(case)
+    assert o.shape == (1, 5, H, V) and not torch.isnan(o).any()
+    want_o, want_buf = reference_verify(dict(case, intermediate_states_buffer=buf0))
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    buf = case["intermediate_states_buffer"]
+    torch.testing.assert_close(buf[1, :3], want_buf[1, :3], **TOL)
+    torch.testing.assert_close(buf[4, :2], want_buf[4, :2], **TOL)
+    assert torch.isnan(buf[[0, 2, 3]]).all() and torch.isnan(buf[4, 2:]).all()
+    assert torch.equal(bits(case["ssm_states"]), bits(pool0))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64)), "retrieve_parent_token: draft trees"),
     (dict(intermediate_states_buffer=None), "intermediate_states_buffer: expected a tensor"),

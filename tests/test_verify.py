@@ -113,6 +113,48 @@ def test_matches_reference_with_padding_and_untouched_slots(cols, state_dtype):
     assert written and len(written) < pool0.shape[0]
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_empty_requests_read_and_write_nothing(state_dtype):
+    """Requests of 0 tokens among live ones and, as vLLM pads a speculative batch to a CUDA-graph size,
+    trailing empty requests with null-slot rows and count 1 (T < N): the live requests match the
+    reference, every slot no live token stores is bitwise unchanged, cold and warm calls agree."""
+    gen = gen_()
+    lens = [3, 0, 2, 0, 1] + [0] * 6  # 11 requests, 6 tokens, T_max 4
+    a = make(gen, lens, 4, state_dtype=state_dtype, pad_token=(2, 1))
+    tail = slice(5, 11)
+    a["state_indices"][tail] = 0  # the null block (null_slot0), as vLLM fills its padded rows
+    a["num_accepted_tokens"][tail] = 1
+    a["null_slot0"] = True
+    assert sum(lens) < len(lens)
+    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for attempt in ("cold", "warm"):
+        b = clone(a)
+        b["out"] = torch.full((1, sum(lens), HV, V), float("nan"))
+        ref_out, ref_pool = reference(b)
+        out = run(b)
+        assert torch.isfinite(out).all(), attempt
+        torch.testing.assert_close(out.double(), ref_out, **tol)
+        plan = R.verify_plan(b["cu_seqlens"], b["state_indices"], b["num_accepted_tokens"], a["state"].shape[0],
+                             null_slot0=True)
+        written = {w for s, e, read, ws in plan if read is not None for w in ws if w is not None}
+        assert len(written) >= 4
+        for s in range(a["state"].shape[0]):
+            if s in written:
+                torch.testing.assert_close(b["state"][s].double(), ref_pool[s].double(), **tol)
+            else:
+                assert torch.equal(b["state"][s], a["state"][s]), f"{attempt}: slot {s} changed"
+
+
+def test_one_column_with_empty_requests_is_refused():
+    """T_max = 1 is served as kda_decode, one token per request: T < N is refused, naming q."""
+    gen = gen_()
+    a = make(gen, [1, 1, 1], 1)
+    a.update(cu_seqlens=torch.tensor([0, 1, 2, 2], dtype=torch.int32),
+             **{n: a[n][:, :2].contiguous() for n in ("q", "k", "v", "g", "beta")})
+    c = call_outcome(run, a, ("state",))
+    assert c[0] == "raise" and c[1] is ValueError and c[2].startswith("q:") and "T_max = 1" in c[2], c
+
+
 @pytest.mark.parametrize("gate", ["softplus", "bounded", "log"])
 def test_gates_and_options_match_reference(gate):
     gen = gen_()
@@ -212,7 +254,7 @@ def _batch2(a):
 
 
 BAD = [  # (change, argument the message must name)
-    (_bad("cu_seqlens", lambda a: torch.tensor([0, 3, 3, 9], dtype=torch.int32)), "cu_seqlens"),
+    (_bad("cu_seqlens", lambda a: torch.tensor([0, 3, 2, 9], dtype=torch.int32)), "cu_seqlens"),
     (_bad("cu_seqlens", lambda a: torch.tensor([0, 5, 6, 9], dtype=torch.int32)), "state_indices"),
     (_bad("cu_seqlens", lambda a: torch.tensor([0, 3, 5, 8], dtype=torch.int32)), "cu_seqlens"),
     (_bad("cu_seqlens", lambda a: a["cu_seqlens"].long()), "cu_seqlens"),

@@ -11,16 +11,16 @@
 
 namespace fkda {
 
-// The slot table state_indices [N, T_max] on ref's device, and T within N .. N * T_max tokens (the
+// The slot table state_indices [N, T_max] on ref's device, and T within 1 .. N * T_max tokens (the
 // message names the token input `first` and ends with `what`).
 inline SlotTable verify_slot_table(const Checker& c, const TensorView& state_indices, int64_t T, const char* first,
                                    const char* what, const TensorView& ref) {
   check_cuda_device(c, state_indices, "state_indices", ref, "out");
   const SlotTable table = slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
-  if (T < N || T > N * cols) {
-    FKDA_FAIL(c.fn()) << "argument '" << first << "' has T = " << T << " tokens; expected N = " << N
-                      << " .. N * T_max = " << N * cols << what;
+  if (T < 1 || T > N * cols) {  // a request has 0 .. T_max tokens
+    FKDA_FAIL(c.fn()) << "argument '" << first << "' has T = " << T << " tokens; expected 1 .. N * T_max = "
+                      << N * cols << what;
   }
   return table;
 }

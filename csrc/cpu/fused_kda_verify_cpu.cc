@@ -81,6 +81,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
     std::vector<TS> work(H * D * D);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
       const int64_t len = plan.off[n + 1] - plan.off[n];
+      if (len == 0) continue;  // an empty request: its conv line and slots untouched
       const int32_t read = plan.idx[n * cols + plan.read_col[n]], line_slot = plan.idx[n * cols];
       if (plan.pad(read) || plan.pad(line_slot)) {
         os.fill_zero(plan.off[n] * HD, len * HD);

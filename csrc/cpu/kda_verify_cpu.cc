@@ -71,6 +71,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     TS* pool = fkda::data_ptr<TS>(state);
     std::vector<TS> work(slot_elems);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
+      if (plan.off[n + 1] == plan.off[n]) continue;  // an empty request: nothing read or written
       const int32_t read = plan.idx[n * cols + plan.read_col[n]];
       if (plan.pad(read)) {
         os.fill_zero(plan.off[n] * HV * V, (plan.off[n + 1] - plan.off[n]) * HV * V);

@@ -97,7 +97,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.dtype(beta, "beta", {fkda::kBF16});
   c.contiguous(beta, "beta");
   const fkda::SlotTable table =
-      fkda::verify_slot_table(c, state_indices, T, "q", " (each request 1 .. T_max tokens)", out);
+      fkda::verify_slot_table(c, state_indices, T, "q", " (each request 0 .. T_max tokens)", out);
   const int64_t N = table.N, cols = table.cols;
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
   const fkda::PoolLayout pool = fkda::verify_pool(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);

@@ -217,13 +217,15 @@ class FlashKDAExtKernel:
         # copied into step 0 of the request's row; kda_verify reads it there before token 0 overwrites it.
         flat = buf.view(R * S, HV, V, K)
         cidx = _as(cache_indices, torch.int32, (N,))
-        live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R)
+        qsl = _as(query_start_loc, torch.int32, (N + 1,))
+        # an empty request (T_n = 0, graph padding) is no live row either: its start state is not copied
+        live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R) & (qsl[1:] > qsl[:-1]).to(cidx.device)
         steps = torch.arange(S, dtype=torch.int32, device=rows.device)
         table = torch.where(live.view(N, 1), rows.view(N, 1) * S + steps, torch.full((), -1, dtype=torch.int32,
                                                                                     device=rows.device))
         args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(a, dtype, (1, T, HV, K)),
                 _as(b, dtype, (1, T, HV)))
-        kw = dict(state=flat, state_indices=table, cu_seqlens=_as(query_start_loc, torch.int32, (N + 1,)),
+        kw = dict(state=flat, state_indices=table, cu_seqlens=qsl,
                   max_seqlen=bound, A_log=A, dt_bias=dt, lower_bound=lb,
                   gate=gate, beta_is_logit=True, out=None if out is None else out.view(1, T, HV, V))
         # every check kda_verify makes runs before the start states are copied: a refused call writes nothing

@@ -23,8 +23,8 @@ def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot
     accepted = [1] * N if num_accepted_tokens is None else [int(a) for a in num_accepted_tokens.tolist()]
     plan = []
     for n, (_, s, e) in enumerate(segments):
-        if not 1 <= e - s <= cols:
-            raise ValueError(f"cu_seqlens: request {n} has {e - s} tokens; expected 1 .. T_max = {cols}")
+        if not 0 <= e - s <= cols:
+            raise ValueError(f"cu_seqlens: request {n} has {e - s} tokens; expected 0 .. T_max = {cols}")
         if not 1 <= accepted[n] <= cols:
             raise ValueError(f"num_accepted_tokens: entry {n} is {accepted[n]}; expected 1 .. T_max = {cols}")
         if any(x >= slots for x in idx[n]):
@@ -40,13 +40,13 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     """The verify step on a state pool.
 
     q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] raw gate; beta [1, T, HV]; state: pool
-    [slots, HV, V, K]; state_indices [N, T_max]; cu_seqlens [N+1] (T_n >= 1); num_accepted_tokens
+    [slots, HV, V, K]; state_indices [N, T_max]; cu_seqlens [N+1] (T_n >= 0); num_accepted_tokens
     [N] or None. Request n starts from the state in slot state_indices[n, num_accepted_tokens[n] - 1]
     (as the pool was before the call) and runs its tokens in order; after token t the state is
     stored in the pool's dtype into slot state_indices[n, t] (unless that entry is padding), and
     token t + 1 continues from that stored (rounded) value, so the outputs after any token are the
     ones a later call resuming from its slot reproduces. A request whose read entry is padding
-    outputs zeros and writes nothing. Returns (out [1, T, HV, V] in dtype, new pool); the input pool
+    outputs zeros and writes nothing; an empty request (T_n = 0) reads and writes nothing. Returns (out [1, T, HV, V] in dtype, new pool); the input pool
     is not modified.
     """
     if q.dim() != 4 or q.shape[0] != 1:
@@ -61,7 +61,7 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     pool = state.clone()
     out = torch.zeros(1, T, HV, V, dtype=dtype, device=v.device)
     for s, e, read, writes in plan:
-        if read is None:
+        if read is None or e == s:
             continue
         S = state[read].to(dtype)
         for t in range(s, e):
@@ -88,7 +88,8 @@ def fused_kda_verify_step(x, conv_weight, conv_state, g, beta, A_log, dt_bias, s
     there makes the request padding); with o = num_accepted_tokens[n] - 1 its three inputs before the
     first token are line[:, o:o+3], and afterwards line[:, 0:2] = old line[:, o+1:o+3] and
     line[:, 2 + j] = x of token j (entries past T_n + 2 unchanged), so the next call's window at
-    offset a - 1 is the three inputs up to its accepted token a - 1. Returns (out [1, T, H, D] in
+    offset a - 1 is the three inputs up to its accepted token a - 1. An empty request (T_n = 0) touches
+    nothing, its conv line included. Returns (out [1, T, H, D] in
     dtype, new conv_state, new state); the inputs are not modified.
     """
     T = x.shape[1]
@@ -106,6 +107,8 @@ def fused_kda_verify_step(x, conv_weight, conv_state, g, beta, A_log, dt_bias, s
     out = torch.zeros(1, T, H, D, dtype=dtype, device=x.device)
     w = conv_weight.to(dtype)
     for n, (s, e, read, writes) in enumerate(plan):
+        if e == s:
+            continue  # an empty request
         line_slot = writes[0]
         if read is None or line_slot is None:
             continue

@@ -69,7 +69,7 @@ def reference(a, gate="softplus", lb=-5.0):
 def live_plan(a):
     plan = REF.verify_plan(a["cu_seqlens"].cpu(), a["state_indices"].cpu(), a["num_accepted_tokens"].cpu(),
                            a["state"].shape[0])
-    return plan, [(s, e, rd, ws) for s, e, rd, ws in plan if rd is not None and ws[0] is not None]
+    return plan, [(s, e, rd, ws) for s, e, rd, ws in plan if e > s and rd is not None and ws[0] is not None]
 
 
 @pytest.mark.parametrize("cols", sorted(LENS))
@@ -98,6 +98,37 @@ def test_matches_reference(name, cols):
                 assert torch.equal(bits(a["state"][s]), bits(pool0[s])), (what, s)
         s, e = plan[1][:2]
         assert torch.equal(out[0, s:e], torch.zeros_like(out[0, s:e])), what
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_requests_touch_neither_cache(name):
+    """Empty requests (T_n = 0) with live slots among live requests, and trailing ones with padding rows and
+    count 1 (T < N, as an engine pads to a CUDA-graph size): the live requests match the reference; every
+    state slot and conv line no live request stores, the empty requests' included, stays bitwise unchanged."""
+    rec = RECORDS[name]
+    gen = torch.Generator(device="cuda").manual_seed(410)
+    lens = [3, 0, 2, 0, 4] + [0] * 8
+    a = make(gen, lens, 4, 8, sdtype(rec))
+    a["state_indices"][5:] = -1
+    a["num_accepted_tokens"][5:] = 1
+    assert sum(lens) < len(lens)
+    conv0, pool0 = a["conv_state"].clone(), a["state"].clone()
+    ref_out, ref_conv, ref_pool = reference(a)
+    out = torch.full((1, sum(lens), 8, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call_module(name, a, out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out.float()).any(), name
+    assert rel_l2(out.float(), ref_out) < 2e-2, name
+    assert torch.equal(bits(a["conv_state"]), bits(ref_conv)), name
+    _, live = live_plan(a)
+    written = {w for *_, ws in live for w in ws if w is not None}
+    lines = {ws[0] for *_, ws in live}
+    assert len(lines) == 3
+    for s in range(pool0.shape[0]):
+        if s not in written:
+            assert torch.equal(bits(a["state"][s]), bits(pool0[s])), (name, "slot", s)
+        if s not in lines:
+            assert torch.equal(bits(a["conv_state"][s]), bits(conv0[s])), (name, "conv line", s)
 
 
 @pytest.mark.parametrize("cols", [2, 4])

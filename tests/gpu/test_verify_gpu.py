@@ -270,6 +270,66 @@ def test_op_routes_deterministic_and_graph_replay_equals_eager():
         assert written
 
 
+def _graph_padded(a, live):
+    """a's requests past the first `live` made empty the way vLLM pads a speculative batch to a
+    CUDA-graph size: the last offset repeated, the null block (slot 0, null_slot0) in their rows,
+    count 1; the tokens past the live requests dropped."""
+    T = int(a["cu_seqlens"][live])
+    a["cu_seqlens"][live + 1:] = T
+    a["state_indices"][live:] = 0
+    a["num_accepted_tokens"][live:] = 1
+    for n in ("q", "k", "v", "g", "beta"):
+        a[n] = a[n][:, :T].contiguous()
+    return a
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_requests_read_and_write_nothing(name):
+    """Empty requests (T_n = 0) among live ones and trailing as vLLM's graph padding (T < N): the live
+    requests match the reference, every slot no live token stores (the empty requests' included) stays
+    bitwise unchanged, every output row is written."""
+    rec = RECORDS[name]
+    gen = torch.Generator(device="cuda").manual_seed(95)
+    a = _graph_padded(make(gen, [3, 0, 2, 0, 1, 4] + [2] * 10, 4, 2, 8, sdtype(rec), pad_token=(2, 1)), 6)
+    assert a["q"].shape[1] < a["state_indices"].shape[0]
+    pool0 = a["state"].clone()
+    ref_out, ref_pool = reference(a, null_slot0=True)
+    out = torch.full((1, a["q"].shape[1], 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call_module(name, a, out, null_slot0=True)
+    check(a, pool0, out, ref_out, ref_pool, f"{name} empty requests", null_slot0=True)
+
+
+def test_op_serves_a_graph_padded_batch_and_replays_it():
+    """The public op on vLLM's CUDA-graph-padded speculative batch (trailing empty requests, T < N), fp32
+    and bf16 pools: it matches the reference, and a captured graph replays it bitwise."""
+    gen = torch.Generator(device="cuda").manual_seed(96)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        a = _graph_padded(make(gen, [4, 2, 3, 4] + [4] * 12, 4, 8, 16, state_dtype), 4)
+        pool0 = a["state"].clone()
+        kw = dict(state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"], null_slot0=True,
+                  num_accepted_tokens=a["num_accepted_tokens"], A_log=a["A_log"], dt_bias=a["dt_bias"])
+        eager = flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], **kw)
+        torch.cuda.synchronize()
+        eager_pool = a["state"].clone()
+        ref_out, ref_pool = reference(dict(a, state=pool0), null_slot0=True)
+        check(dict(a, state=eager_pool), pool0, eager, ref_out, ref_pool, f"op {state_dtype}", null_slot0=True)
+        out = torch.full_like(eager, float("nan"))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
+        a["state"].copy_(pool0)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(eager)), "graph replay != eager (out)"
+        assert torch.equal(bits(a["state"]), bits(eager_pool)), "graph replay != eager (state)"
+
+
 def assert_twins_bitwise(name, twin, a, HV, gate="softplus"):
     """The call of a (from its pool as it is) through module name and through twin: every output
     written, outputs and the whole pool bitwise equal, something stored."""

@@ -20,6 +20,8 @@ def fused_kda_verify_reference(x, conv_weight, conv_state, g, beta, state, outpu
     out = torch.zeros(T, H, D, dtype=work, device=x.device)
     w = conv_weight.to(work)
     for s, e, read, stores, o in plan:
+        if e == s:
+            continue                            # an empty request touches nothing
         line_slot = stores[0]                   # column 0 names the request's conv line
         if read is None or line_slot is None:
             continue
