@@ -7,14 +7,14 @@
 # of each at T 2, HV 32, 1024 requests (o32 modules: the pool stays under 2^31 elements) with Nsight Compute. $OUT/logs.tgz holds every result.
 #   BENCH_ROWS=1,8,64,256,1024 BENCH_BF16=stage2,... BENCH_F32=bulk4,... (empty: no bench of that state)
 #   BENCH_LIMIT=200 SANITIZE=1 SANITIZE_ONLY='verify_*' TESTS=1 TESTS_K='pytest -k expression' BUILD='verify_* ...' (module globs)
-#   TEST_FILES='tests/gpu/test_verify_gpu.py ...' BENCH_COPY=copy_p1,copy_p2 (bench_verify's --slot-copy arms)
+#   TEST_FILES='tests/gpu/test_verify_gpu.py ...' TESTS_LIMIT=200 BENCH_COPY=copy_p1,copy_p2 (bench_verify's --slot-copy arms)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage build 200 python3 -m flashkda_ext build --backend cuda --parallel 16 --jobs 1 ${BUILD:-'verify_*' \
   decode_split8_f32_o32 decode_split4w2_bf16_o32}
 tail -1 "$OUT/build.log"
-[ "${TESTS:-1}" = 1 ] && stage gpu_tests 200 python3 -m pytest -q -rfE -p no:cacheprovider ${TEST_FILES:-tests/gpu/test_verify_gpu.py} \
+[ "${TESTS:-1}" = 1 ] && stage gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider ${TEST_FILES:-tests/gpu/test_verify_gpu.py} \
   ${TESTS_K:+-k "$TESTS_K"}
 [ "${TESTS:-1}" = 1 ] && grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
 if [ "${SANITIZE:-1}" = 1 ]; then

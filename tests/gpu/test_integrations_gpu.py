@@ -176,6 +176,41 @@ def test_fla_vllm_decode_served_matches_triton(fla_backend):
     assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
 
 
+def test_fla_verify_on_a_graph_padded_batch_served_matches_triton(fla_backend):
+    """fla's speculative-decoding call (2-D ssm_state_indices, num_accepted_tokens) on a batch padded as vLLM pads
+    one to a CUDA-graph size: 5 live requests of 1-4 drafts, then 11 empty ones (the last offset repeated, count
+    1, live slots in their rows). Served by kda_verify and run by fla's Triton kernel: the outputs and the pools
+    agree, and neither touches an empty request's slots."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    gen = torch.Generator().manual_seed(6)
+    lens, cols, HV = [4, 1, 3, 4, 2] + [0] * 11, 4, 16
+    N, T = len(lens), sum(lens)
+    slots = N * cols + 8
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = bf(1, T, HV, 128), bf(1, T, HV, 128), bf(1, T, HV, 128), bf(1, T, HV, 128), bf(1, T, HV)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) * 2).to(DEV), torch.randn(HV * 128, generator=gen).to(DEV)
+    pool0 = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    idx = torch.randperm(slots, generator=gen)[:N * cols].reshape(N, cols).to(DEV, torch.int32)
+    nacc = torch.randint(1, cols + 1, (N,), generator=gen, dtype=torch.int32).to(DEV)
+    nacc[5:] = 1
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    pools = []
+
+    def call():
+        pool = pool0.clone()
+        pools.append(pool)
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                                       inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+                                       ssm_state_indices=idx, num_accepted_tokens=nacc, use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)[0]
+    with torch.inference_mode():
+        o1, o2 = _both(fla_backend, "fused_recurrent_kda_fwd", call)
+    assert T < N and rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
+    empty = idx[5:].flatten().long()
+    for pool in pools:
+        assert torch.equal(pool[empty], pool0[empty]), "an empty request's slot changed"
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM adapter (no vllm here): tests/vllm_fake.py's stand-in modules, whose "original" ops run fla's Triton
 # kernels with vLLM's fixed choices (vLLM vendors fla's ops; only the signatures differ), against the
