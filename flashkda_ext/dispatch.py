@@ -78,7 +78,7 @@ def module_name(family: str, meta: Mapping[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=512)
 def gb_read_dtype(module: str, input_dtype: str) -> Optional[str]:
-    """The dtype a kda_decode module reads g and beta in: None for a CPU module (each in its own
+    """The dtype a kda_decode or kda_verify module reads g and beta in: None for a CPU module (each in its own
     dtype), "float32" for the CUDA twins with params.gb_f32 = 1 (routes' _gb32 rules), else the
     input dtype (q's)."""
     rec = jit.get_record(module)

@@ -206,8 +206,8 @@ class _Plan:
     results: tuple                # (name, shape, dtype name, aliased operand name or None)
     attrs: tuple                  # ((name, value), ...) in the family's attribute order
     cuda_graph: bool              # allow XLA to capture the call into a command buffer
-    casts: tuple = ()             # ((operand name, dtype name), ...) converted before the call (kda_decode's
-                                  # g / beta when one is fp32 and the other not: DecodeCall.gb_casts)
+    casts: tuple = ()             # ((operand name, dtype name), ...) converted before the call (kda_decode's and
+                                  # kda_verify's g / beta when one is fp32 and the other not: _GbDtypes.gb_casts)
 
 
 _TARGETS: dict = {}
@@ -750,7 +750,8 @@ def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, sc
     plan = _Plan(
         family=family, platform=plat, module=module, operands=operands,
         results=(("out", out_shape, _dtype_str(v), None), ("state", tuple(state.shape), _dtype_str(state), "state")),
-        attrs=_attrs(family, call), cuda_graph=_GRAPH_SAFE[family] and _command_buffers_allowed())
+        attrs=_attrs(family, call), cuda_graph=_GRAPH_SAFE[family] and _command_buffers_allowed(),
+        casts=call.gb_casts(dispatch.gb_read_dtype(module, call.input_dtype)))
     _VERIFY_CALLS[plan] = call  # the host value checks need it on every call (no slot for it on _Prepared)
     return _remember(key, plan, _donate_positions(args, (10,), donate))
 

@@ -32,18 +32,25 @@ def _route_fn(family: str, call):
     return fn
 
 
-def _gb_casts(call) -> tuple:
-    """kda_decode: the g / beta dtype conversions the routed module needs (validation.DecodeCall.gb_casts;
-    none when g and beta match what it reads), kept on the (memoized) call object. g and beta in q's
-    dtype (gb "input") are what every module a route gives such a call reads."""
+def _gb_casts(call, family: str = "kda_decode", meta=None) -> tuple:
+    """kda_decode / kda_verify: the g / beta dtype conversions the module `family` routes the call to
+    (route metadata `meta`, default the call's) needs (validation._GbDtypes.gb_casts; none when g and
+    beta match what it reads), kept on the (memoized) call object. g and beta in q's dtype (gb
+    "input") are what every module a route gives such a call reads."""
     if call.gb != "f32":
         return ()
     casts = call.__dict__.get("_gb_casts")
     if casts is None:
-        read = dispatch.gb_read_dtype(dispatch.module_name("kda_decode", call.route_meta()), call.input_dtype)
-        casts = call.gb_casts(read)
+        module = dispatch.module_name(family, call.route_meta() if meta is None else meta)
+        casts = call.gb_casts(dispatch.gb_read_dtype(module, call.input_dtype))
         object.__setattr__(call, "_gb_casts", casts)
     return casts
+
+
+def _cast_gb(casts, g, beta):
+    """g and beta converted as casts says (one of them fp32 and the other not: one exact pass)."""
+    conv = {name: getattr(torch, dtype) for name, dtype in casts}
+    return (g.to(conv["g"]) if "g" in conv else g), (beta.to(conv["beta"]) if "beta" in conv else beta)
 
 
 def clear_call_caches() -> None:
@@ -103,9 +110,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
     fn = _route_fn("kda_decode", call)
     casts = _gb_casts(call)
     if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
-        conv = {name: getattr(torch, dtype) for name, dtype in casts}
-        g = g.to(conv["g"]) if "g" in conv else g
-        beta = beta.to(conv["beta"]) if "beta" in conv else beta
+        g, beta = _cast_gb(casts, g, beta)
     sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, out)  # the caller's own tensors
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
@@ -378,15 +383,20 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
         # One token per request, read from and written to column 0: kda_decode's own module on views
         # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
         # would not cover cu_seqlens and num_accepted_tokens.
-        fn = dispatch.function("kda_decode", call.decode_route_meta())
+        meta = call.decode_route_meta()
+        fn = dispatch.function("kda_decode", meta)
+        g, beta = _cast_gb(_gb_casts(call, "kda_decode", meta), g, beta)
         fn(q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, state, state_indices[:, 0], out[0],
            call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
         return out
     fn = _route_fn("kda_verify", call)
+    casts = _gb_casts(call, "kda_verify")
+    if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
+        g, beta = _cast_gb(casts, g, beta)
     sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens, out)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
-    if key is not None:
+    if key is not None and not casts:  # a converted copy's signature would never match the caller's tensor
         fast_path.put(key, "kda_verify", call, sig_args, tail, extra=(call,))
     return out
 

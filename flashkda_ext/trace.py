@@ -234,7 +234,8 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
             return dict(common, **verify, total_tokens=q.shape[1], num_heads=q.shape[2], head_dim_k=q.shape[3],
                         value_heads=v.shape[2], head_dim_v=v.shape[3], slots=state.shape[0],
                         input_dtype=_dtype(q), state_dtype=_dtype(state), beta_is_logit=bool(a["beta_is_logit"]),
-                        scale=_resolved_scale(a["scale"], q.shape[3]))
+                        scale=_resolved_scale(a["scale"], q.shape[3]), g_dtype=_dtype(a["g"]),
+                        beta_dtype=_dtype(a["beta"]))
         g, state = a["g"], a["state"]
         return dict(common, **verify, total_tokens=g.shape[1], num_heads=g.shape[2], head_dim=g.shape[3],
                     slots=state.shape[0], conv_len=a["conv_state"].shape[-1], input_dtype=_dtype(a["x"]),
@@ -287,7 +288,7 @@ def facts(op: str, call: Any, inputs: Mapping[str, Any]) -> Dict[str, Any]:
         f["conv_weight_short"] = _SHORT.get(f["conv_weight_dtype"], f["conv_weight_dtype"])
     f["state_short"] = _SHORT.get(f.get("state_dtype"), f.get("state_dtype"))
     f["input_short"] = _SHORT.get(f["input_dtype"], f["input_dtype"])
-    for name in ("g", "beta"):  # kda_decode reads g and beta in their own dtype (q's or float32)
+    for name in ("g", "beta"):  # kda_decode and kda_verify read g and beta in their own dtype (q's or float32)
         if f"{name}_dtype" in f:
             f[f"{name}_short"] = _SHORT.get(f[f"{name}_dtype"], f[f"{name}_dtype"])
     return f

@@ -229,7 +229,8 @@ def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
 
 def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str, gb_f32: bool = False):
     """Shapes of q, k [*lead, H, K], v [*lead, HV, V], g [*lead, HV, K], beta [*lead, HV]; all of q's
-    dtype, except that with gb_f32 g and beta may each be float32 instead (kda_decode reads them so)."""
+    dtype, except that with gb_f32 g and beta may each be float32 instead (kda_decode and kda_verify
+    read them so)."""
     q = _tensor("q", q)
     k = _tensor("k", k)
     v = _tensor("v", v)
@@ -466,8 +467,28 @@ def _memoized(check):
 # the calls
 
 
+class _GbDtypes:
+    """g / beta dtype metadata of a decode or verify call (fields input_dtype, g_dtype, beta_dtype)."""
+
+    @property
+    def gb(self) -> str:
+        """Route metadata 'gb': "f32" when g or beta is float32 beside q of another dtype (the
+        routes' _gb32 twins read both as fp32), else "input" (both in q's dtype)."""
+        if self.input_dtype != "float32" and "float32" in (self.g_dtype, self.beta_dtype):
+            return "f32"
+        return "input"
+
+    def gb_casts(self, read: Optional[str]) -> tuple:
+        """((name, dtype), ...): g / beta to convert before the module that reads both in dtype `read`
+        (None: each in its own, the CPU module). Mixed fp32 / bf16 beside a _gb32 module: the bf16 one
+        goes up to fp32, exactly; a module without fp32 reads (none is routed so today) would round."""
+        if read is None:
+            return ()
+        return tuple((n, read) for n, d in (("g", self.g_dtype), ("beta", self.beta_dtype)) if d != read)
+
+
 @dataclass(frozen=True)
-class DecodeCall:
+class DecodeCall(_GbDtypes):
     backend: str
     rows: int
     num_heads: int
@@ -488,26 +509,10 @@ class DecodeCall:
     g_dtype: str
     beta_dtype: str
 
-    @property
-    def gb(self) -> str:
-        """Route metadata 'gb': "f32" when g or beta is float32 beside q of another dtype (the
-        routes' _gb32 twins read both as fp32), else "input" (both in q's dtype)."""
-        if self.input_dtype != "float32" and "float32" in (self.g_dtype, self.beta_dtype):
-            return "f32"
-        return "input"
-
     def route_meta(self) -> dict:
         return {"device": self.backend, "rows": self.rows, "value_heads": self.value_heads,
                 "work_items": self.rows * self.value_heads, "state": _state_tag(self.state_dtype),
                 "offset": f"o{self.offset_bits}", "slot_mode": self.slot_mode, "gate": self.gate, "gb": self.gb}
-
-    def gb_casts(self, read: Optional[str]) -> tuple:
-        """((name, dtype), ...): g / beta to convert before the module that reads both in dtype `read`
-        (None: each in its own, the CPU module). Mixed fp32 / bf16 beside a _gb32 module: the bf16 one
-        goes up to fp32, exactly; a module without fp32 reads (none is routed so today) would round."""
-        if read is None:
-            return ()
-        return tuple((n, read) for n, d in (("g", self.g_dtype), ("beta", self.beta_dtype)) if d != read)
 
 
 def _state_tag(state_dtype: Optional[str]) -> str:
@@ -921,7 +926,7 @@ def _verify_route_meta(call) -> dict:
 
 
 @dataclass(frozen=True)
-class VerifyCall:
+class VerifyCall(_GbDtypes):
     backend: str
     num_seqs: int
     total_tokens: int
@@ -942,6 +947,8 @@ class VerifyCall:
     null_slot0: bool
     has_accepted: bool
     offset_bits: int
+    g_dtype: str
+    beta_dtype: str
 
     @property
     def as_decode(self) -> bool:
@@ -951,13 +958,13 @@ class VerifyCall:
         return self.index_cols == 1
 
     def route_meta(self) -> dict:
-        return _verify_route_meta(self)
+        return dict(_verify_route_meta(self), gb=self.gb)
 
     def decode_route_meta(self) -> dict:
         """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
         return {"device": self.backend, "rows": self.num_seqs, "value_heads": self.value_heads,
                 "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
-                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate, "gb": "input"}
+                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate, "gb": self.gb}
 
 
 @_memoized
@@ -966,7 +973,7 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
                      scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
     """Everything about a verify call that its metadata shows; the values of host index tensors
     are checked by check_verify_values on every call."""
-    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T")
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True)
     backend = _check_backend(backend, device)
     if q.shape[0] != 1:
         raise ValueError(f"q: expected the packed layout [1, T, H, K] (requests packed by cu_seqlens), "
@@ -984,7 +991,8 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
                           ("num_accepted_tokens", num_accepted_tokens)), device, backend)
     return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
                       dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
-                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state))
+                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state),
+                      dtype_name(g.dtype), dtype_name(beta.dtype))
 
 
 def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashkda_ext.integrations import fla as fkda_fla
-from flashkda_ext.reference import kda_decode_step, kda_recurrent
+from flashkda_ext.reference import kda_decode_step, kda_recurrent, kda_verify_step
 
 B, T, H, HV, K, V = 2, 6, 2, 4, 8, 16
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -236,9 +236,9 @@ def test_speculative_decoding_call_is_served_by_kda_verify():
 
 @pytest.mark.parametrize("family", ["kda_decode", "kda_verify", "kda_prefill"])
 def test_fp32_gate_and_beta_reach_kda_decode_as_they_are(family, monkeypatch):
-    """fp32 g / beta beside bf16 q: kda_decode (vLLM's decode call) reads them natively, so the adapter
-    passes them uncast; kda_verify and kda_prefill read q's dtype, so they get the one-pass cast. The served
-    decode equals the reference on the fp32 values."""
+    """fp32 g / beta beside bf16 q: kda_decode (vLLM's decode call) and kda_verify (the speculative call) read
+    them natively, so the adapter passes them uncast; kda_prefill reads q's dtype, so it gets the one-pass cast.
+    The served decode and verify equal the reference on the fp32 values."""
     from flashkda_ext import ops
     seen = {}
 
@@ -267,8 +267,14 @@ def test_fp32_gate_and_beta_reach_kda_decode_as_they_are(family, monkeypatch):
     call = dict(a, initial_state=pool, **extra, **FLA_FLAGS)
     assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
     o, _ = fkda_fla.serve_fused_recurrent_kda_fwd(**call)
-    want = (torch.float32, torch.float32) if family == "kda_decode" else (torch.bfloat16, torch.bfloat16)
+    want = (torch.float32, torch.float32) if family != "kda_prefill" else (torch.bfloat16, torch.bfloat16)
     assert seen == {family: want}
+    if family == "kda_verify":
+        want_o, want_pool = kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], state=pool0,
+                                            state_indices=extra["ssm_state_indices"], cu_seqlens=extra["cu_seqlens"],
+                                            A_log=a["A_log"], dt_bias=a["dt_bias"])
+        torch.testing.assert_close(o.double(), want_o, rtol=6e-3, atol=1e-4)
+        torch.testing.assert_close(pool.double(), want_pool.double(), rtol=6e-3, atol=1e-4)
     if family == "kda_decode":
         want_o, want_pool = kda_decode_step(a["q"][0], a["k"][0], a["v"][0], a["g"][0], a["beta"][0], state=pool0,
                                             state_indices=extra["ssm_state_indices"], A_log=a["A_log"],

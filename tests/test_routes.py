@@ -188,6 +188,11 @@ EDGES = {
 }
 
 
+# kda_verify's _gb32 rules (fp32 g / beta): the twin of each band at its edges, module for module
+EDGES.update({(family, rule + "_gb32", band): [(dict(meta, gb="f32"), module + "_gb32") for meta, module in cases]
+              for (family, rule, band), cases in list(EDGES.items()) if family == "kda_verify"})
+
+
 @pytest.mark.parametrize("key", sorted(EDGES), ids=lambda k: "-".join(k))
 def test_band_edges(key):
     family = key[0]
@@ -238,13 +243,23 @@ def _decode_points():
                         yield decode_meta(rows=rows, value_heads=hv, state=state, offset=offset, slot_mode=slot_mode)
 
 
-def test_fp32_gate_beta_takes_the_gb32_twin_of_every_band():
+def _verify_points():
+    for state in ("f32", "bf16"):
+        for offset in ("o32", "o64"):
+            for hv in (1, 8, 16, 64):
+                for n in (1, 2, 4, 16, 17, 64, 65, 1024):
+                    for max_seqlen in (2, 3, 4, 5, 8):
+                        yield verify_meta(num_seqs=n, value_heads=hv, state=state, offset=offset, max_seqlen=max_seqlen)
+
+
+@pytest.mark.parametrize("family,points", [("kda_decode", _decode_points), ("kda_verify", _verify_points)])
+def test_fp32_gate_beta_takes_the_gb32_twin_of_every_band(family, points):
     """gb = "f32" picks, at every point, the module the same call with bf16 g and beta picks plus _gb32,
     a record that reads g and beta as fp32; without the key (callers from before it) nothing changes."""
-    for meta in _decode_points():
-        base = dispatch.module_name("kda_decode", dict(meta, gb="input"))
-        assert dispatch.module_name("kda_decode", meta) == base  # no gb key: as before
-        twin = dispatch.module_name("kda_decode", dict(meta, gb="f32"))
+    for meta in points():
+        base = dispatch.module_name(family, dict(meta, gb="input"))
+        assert dispatch.module_name(family, meta) == base  # no gb key: as before
+        twin = dispatch.module_name(family, dict(meta, gb="f32"))
         assert twin == base + "_gb32", meta
         rec, brec = jit.get_record(twin), jit.get_record(base)
         assert rec["params"].get("gb_f32") == 1 and not brec["params"].get("gb_f32")
@@ -256,8 +271,9 @@ def test_fp32_gate_beta_takes_the_gb32_twin_of_every_band():
         assert rec["aot"]
 
 
-def test_gb32_rules_are_twins_of_the_rule_after_them():
-    rules = jit.routes_for("kda_decode")
+@pytest.mark.parametrize("family", ["kda_decode", "kda_verify"])
+def test_gb32_rules_are_twins_of_the_rule_after_them(family):
+    rules = jit.routes_for(family)
     for i, rule in enumerate(rules):
         if rule["when"].get("device") != "cuda":
             continue
@@ -273,6 +289,7 @@ def test_gb32_rules_are_twins_of_the_rule_after_them():
 
 def test_cpu_route_ignores_gb():
     assert dispatch.module_name("kda_decode", decode_meta(device="cpu", gb="f32")) == "cpu_kda_decode"
+    assert dispatch.module_name("kda_verify", verify_meta(device="cpu", gb="f32")) == "cpu_kda_verify"
     assert dispatch.gb_read_dtype("cpu_kda_decode", "bfloat16") is None
     assert dispatch.gb_read_dtype("decode_split8_f32_o32_gb32", "bfloat16") == "float32"
     assert dispatch.gb_read_dtype("decode_split8_f32_o32", "bfloat16") == "bfloat16"

@@ -154,19 +154,23 @@ def test_decode_refuses_other_gate_dtypes_naming_the_argument(name, dtype):
         call_decode(args, backend="cuda")
 
 
-def test_fp32_gate_is_read_as_is_by_decode_only():
-    """kda_prefill and kda_verify still read g and beta in q's dtype: an fp32 g beside bf16 q is refused
-    there, naming g (the adapters cast it for them)."""
+def test_fp32_gate_is_read_as_is_by_decode_and_verify_only():
+    """kda_prefill still reads g and beta in q's dtype: an fp32 g beside bf16 q is refused there, naming g
+    (the adapters cast it for it); kda_verify takes fp32 g / beta as kda_decode does (gb "f32"), and
+    refuses another dtype naming it."""
     gen = torch.Generator().manual_seed(4)
     r = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen).to(dt)  # noqa: E731
     with pytest.raises(ValueError, match=r"^g: expected the dtype of q \(bfloat16\), got float32"):
         val.check_kda_prefill(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8, dt=torch.float32),
                               r(1, 4, 2), A_log=torch.randn(2), dt_bias=torch.randn(16))
-    with pytest.raises(ValueError, match=r"^beta: expected the dtype of q \(bfloat16\), got float32"):
-        val.check_kda_verify(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, dt=torch.float32),
-                             state=torch.randn(4, 2, 8, 8), state_indices=torch.zeros(2, 2, dtype=torch.int32),
-                             cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32), A_log=torch.randn(2),
-                             dt_bias=torch.randn(16))
+    verify = dict(state=torch.randn(4, 2, 8, 8), state_indices=torch.zeros(2, 2, dtype=torch.int32),
+                  cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32), A_log=torch.randn(2), dt_bias=torch.randn(16))
+    call = val.check_kda_verify(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8),
+                                r(1, 4, 2, dt=torch.float32), **verify)
+    assert call.gb == "f32" and call.route_meta()["gb"] == "f32" and call.gb_casts("float32") == (("g", "float32"),)
+    with pytest.raises(ValueError, match=r"^beta: expected the dtype of q \(bfloat16\) or float32, got float16"):
+        val.check_kda_verify(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, dt=torch.float16),
+                             **verify)
 
 
 def test_cpu_any_dims_accepted():

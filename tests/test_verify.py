@@ -113,6 +113,13 @@ def test_matches_reference_with_padding_and_untouched_slots(cols, state_dtype):
     assert written and len(written) < pool0.shape[0]
 
 
+def _free_slot0(a):
+    """Slot 0 out of the live rows (it is the null block below): an unnamed slot takes its place."""
+    idx = a["state_indices"]
+    spare = min(set(range(1, a["state"].shape[0])) - set(idx.flatten().tolist()))
+    idx[idx == 0] = spare
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_empty_requests_read_and_write_nothing(state_dtype):
     """Requests of 0 tokens among live ones and, as vLLM pads a speculative batch to a CUDA-graph size,
@@ -121,6 +128,7 @@ def test_empty_requests_read_and_write_nothing(state_dtype):
     gen = gen_()
     lens = [3, 0, 2, 0, 1] + [0] * 6  # 11 requests, 6 tokens, T_max 4
     a = make(gen, lens, 4, state_dtype=state_dtype, pad_token=(2, 1))
+    _free_slot0(a)
     tail = slice(5, 11)
     a["state_indices"][tail] = 0  # the null block (null_slot0), as vLLM fills its padded rows
     a["num_accepted_tokens"][tail] = 1
@@ -143,6 +151,25 @@ def test_empty_requests_read_and_write_nothing(state_dtype):
                 torch.testing.assert_close(b["state"][s].double(), ref_pool[s].double(), **tol)
             else:
                 assert torch.equal(b["state"][s], a["state"][s]), f"{attempt}: slot {s} changed"
+
+
+def test_fp32_gate_and_beta_are_read_as_they_are():
+    """bf16 q / k / v with fp32 g and beta (as engines make them): the result is the reference's on the fp32
+    values; fp32 g beside bf16 beta equals the all-fp32 call on the same values, bitwise."""
+    gen = gen_()
+    a = make(gen, [3, 2, 4], 4, dtype=torch.bfloat16)
+    a["g"] = torch.randn(a["g"].shape, generator=gen) - 1.0
+    a["beta"] = torch.randn(a["beta"].shape, generator=gen).bfloat16()
+    results = []
+    for beta in (a["beta"].float(), a["beta"]):
+        b = clone(dict(a, beta=beta))
+        results.append((run(b), b["state"]))
+    ref_out, ref_pool = reference(dict(a, beta=a["beta"].float()))
+    torch.testing.assert_close(results[0][0].double(), ref_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(results[0][1].double(), ref_pool.double(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    rounded = clone(dict(a, g=a["g"].bfloat16()))
+    assert not torch.equal(run(rounded), results[1][0])  # the fp32 gate was not rounded to bf16
 
 
 def test_one_column_with_empty_requests_is_refused():

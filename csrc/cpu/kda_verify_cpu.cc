@@ -42,7 +42,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const fkda::SlotTable table = fkda::slot_table(c, state_indices);
   const int64_t N = table.N, cols = table.cols;
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
-  fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out);
+  fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out, /*gb_f32=*/true);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});

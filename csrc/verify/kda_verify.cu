@@ -10,6 +10,7 @@
 //                              shuffle butterfly (bitwise the per-pass sums; kda_verify_kernels.cuh)
 //   FKDA_PARAM_WIDE_GATE       (optional, with STAGE_T) 1: the staged prep's decays computed by the
 //                              whole CTA, not by the lane groups that prepare the tokens
+//   FKDA_PARAM_GB_F32          (optional) 1: g and beta are fp32 (read as they are), else bf16 like q, k, v
 //   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
 //                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
 //                              1: the token loop on state registers, 2: on the shared tiles
@@ -65,12 +66,16 @@ static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STA
               "smem_bytes must equal v_tile * K * state element size (one state tile)");
 #endif
 
-// A packed [1, T, n, d] bf16 input, contiguous and 16-byte aligned (16-byte loads along K / V).
+// g and beta: fp32 in a gb_f32 module, else bf16 (decode/kda_decode_kernels.cuh, gb_t)
+constexpr DLDataType kGbDtype = std::is_same_v<fkda_decode::gb_t, float> ? fkda::kF32 : fkda::kBF16;
+
+// A packed [1, T, n, d] input of dtype `elem` (bf16; g: kGbDtype), contiguous and 16-byte aligned
+// (16-byte loads along K / V).
 void check_packed(const Checker& c, const TensorView& t, const char* name, int64_t T, const char* n_label,
-                  int64_t n, const char* d_label, int64_t d, const TensorView& ref) {
+                  int64_t n, const char* d_label, int64_t d, const TensorView& ref, DLDataType elem = fkda::kBF16) {
   fkda::check_cuda_device(c, t, name, ref, "out");
   c.shape(t, name, {{"1", 1}, {"T", T}, {n_label, n}, {d_label, d}});
-  c.dtype(t, name, {fkda::kBF16});
+  c.dtype(t, name, {elem});
   c.contiguous(t, name);
   c.aligned(t, name, 16);
 }
@@ -90,11 +95,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   check_packed(c, q, "q", T, "H", H, "K", K, out);
   check_packed(c, k, "k", T, "H", H, "K", K, out);
   check_packed(c, v, "v", T, "HV", HV, "V", V, out);
-  check_packed(c, g, "g", T, "HV", HV, "K", K, out);
+  check_packed(c, g, "g", T, "HV", HV, "K", K, out, kGbDtype);
   check_packed(c, out, "out", T, "HV", HV, "V", V, out);
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
-  c.dtype(beta, "beta", {fkda::kBF16});
+  c.dtype(beta, "beta", {kGbDtype});
   c.contiguous(beta, "beta");
   const fkda::SlotTable table =
       fkda::verify_slot_table(c, state_indices, T, "q", " (each request 0 .. T_max tokens)", out);

@@ -41,7 +41,7 @@ __device__ __forceinline__ int32_t read_slot(const VerifyParams& vp, const int32
 }
 // Token t of the request: its raw beta and the slot it stores to (-1 past T_max: not stored).
 __device__ __forceinline__ void token_beta_slot(const VerifyParams& vp, const Request& rq, int hv, int t,
-                                                bf16& beta, int32_t& dst) {
+                                                fkda_decode::gb_t& beta, int32_t& dst) {
   beta = vp.d.beta[(rq.bos + t) * vp.d.beta_row_stride + hv];
   dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
 }
@@ -334,26 +334,46 @@ struct Staged {
   static constexpr int KCH = K / 8;             // 16-byte chunks of a token's q (k, g)
   static constexpr int VCH = V_TILE / 8;        // 16-byte chunks of a token's v in this V tile
   static_assert(T::KPL % 4 == 0 && V_TILE % 8 == 0, "16-byte staging");
-  struct Raw {                  // raw q, k, g of each token and the CTA's v slice
+  // g in its own dtype (gb_t): bf16 beside q and k in qkg, or fp32 (FKDA_PARAM_GB_F32) in its own array
+  static constexpr bool kGbF32 = std::is_same_v<fkda_decode::gb_t, float>;
+  static constexpr int QKG = kGbF32 ? 2 : 3;    // arrays of qkg
+  static constexpr int GCH = K * int(sizeof(fkda_decode::gb_t)) / 16;  // 16-byte chunks of a token's g
+  struct RawBf {                // raw q, k, g of each token and the CTA's v slice
     __align__(16) bf16 qkg[S][3][K];
     __align__(16) bf16 v[S][V_TILE];
   };
+  struct RawF32 {               // raw q, k and the CTA's v slice, and fp32 g
+    __align__(16) bf16 qkg[S][2][K];
+    __align__(16) bf16 v[S][V_TILE];
+    __align__(16) float g[S][K];
+  };
+  using Raw = std::conditional_t<kGbF32, RawF32, RawBf>;
+  __device__ static const fkda_decode::gb_t* g_of(const Raw& raw, int j) {
+    if constexpr (kGbF32) return raw.g[j];
+    else return raw.qkg[j][2];
+  }
   struct Prepared {
     float4 prep[S][3][F4][LPR];  // lane c's qn, kn, dec of each token: conflict-free float4s
     float beta[S];
-    bf16 beta_raw[S];
+    fkda_decode::gb_t beta_raw[S];
     int32_t dst[S];
   };
 
   // Tokens [t0, t0 + nb) of the request at bos: raw q, k, g and v in flight by cp.async (one group).
   __device__ static void issue(const DecodeParams& p, Raw& raw, int bos, int t0, int nb, int h, int hv, int vt) {
-    for (int x = threadIdx.x; x < nb * 3 * KCH; x += THREADS) {
-      const int j = x / (3 * KCH), a = (x / KCH) % 3, w = x % KCH;
+    for (int x = threadIdx.x; x < nb * QKG * KCH; x += THREADS) {
+      const int j = x / (QKG * KCH), a = (x / KCH) % QKG, w = x % KCH;
       const int64_t row = bos + t0 + j;
       const bf16* src = a == 0   ? p.q + row * p.q_row_stride + h * K
                         : a == 1 ? p.k + row * p.k_row_stride + h * K
-                                 : p.g + row * p.g_row_stride + hv * K;
+                                 : reinterpret_cast<const bf16*>(p.g) + row * p.g_row_stride + hv * K;
       fkda_decode::cp_async16(&raw.qkg[j][a][w * 8], src + w * 8);
+    }
+    if constexpr (kGbF32) {
+      for (int x = threadIdx.x; x < nb * GCH; x += THREADS) {
+        const int j = x / GCH, w = x % GCH;
+        fkda_decode::cp_async16(&raw.g[j][w * 4], p.g + (bos + t0 + j) * p.g_row_stride + hv * K + w * 4);
+      }
     }
     for (int x = threadIdx.x; x < nb * VCH; x += THREADS) {
       const int j = x / VCH, w = x % VCH;
@@ -390,7 +410,7 @@ struct Staged {
       for (int x = threadIdx.x; x < nb * K; x += THREADS) {
         const int j = x / K, key = x % K;
         const float dt = dt_head ? __ldg(dt_head + key) : 0.f;
-        const float d = fkda_decode::gate_decay(p, fkda_decode::bf_to_f(raw.qkg[j][2][key]), dt, a);
+        const float d = fkda_decode::gate_decay(p, fkda_decode::gb_to_f(g_of(raw, j)[key]), dt, a);
         // key = key_of(i, col) + e: lane col's element i * VEC + e of its dec array
         constexpr int SPAN = LPR * T::VEC;
         const int i = key / SPAN, col = (key % SPAN) / T::VEC, e = key % T::VEC, idx = i * T::VEC + e;
@@ -411,7 +431,7 @@ struct Staged {
       for (int i = 0; i < T::CHUNKS; ++i) {
         in.qr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][0][T::key_of(i, c)]);
         in.kr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][1][T::key_of(i, c)]);
-        in.gr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[js][2][T::key_of(i, c)]);
+        in.gr[i] = *reinterpret_cast<const std::remove_reference_t<decltype(in.gr[i])>*>(g_of(raw, js) + T::key_of(i, c));
       }
       in.beta_raw = pp.beta_raw[js];
       typename T::Prep pr;
@@ -639,7 +659,7 @@ kda_verify_pipe_kernel(const VerifyParams vp) {
   // Tile tl's first block in flight: inputs into raw[b], beta and slots into (bq, dq) of the
   // threads below the block's length, the state tile into st_tile (arms bar). Nothing for a
   // padding or empty request.
-  bf16 bq = bf16(0.f);
+  fkda_decode::gb_t bq = fkda_decode::gb_t(0.f);
   int32_t dq = -1;
   auto start = [&](int tl, const Request& q, int b) {
     if (q.len <= 0 || T::is_pad(p, q.read)) return;

@@ -306,7 +306,9 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                       else plan.cast(num_accepted_tokens, torch.int32),
                       max_seqlen=int(ssm_state_indices.shape[1]), null_slot0=null_slot0, out=plan.keep(out),
                       **gate_kw)
-            args = (plan.keep(q), plan.keep(k), plan.keep(v), plan.cast(g, q.dtype), plan.cast(beta, q.dtype))
+            # kda_verify reads fp32 g and beta as they are, as kda_decode does: no cast kernel
+            g, beta = (plan.cast(x, torch.float32 if x.dtype == torch.float32 else q.dtype) for x in (g, beta))
+            args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
             return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
             raise Refused(f"flashkda_ext serves ssm_state_indices of 1 or 2 dims, got {ssm_state_indices.dim()}")

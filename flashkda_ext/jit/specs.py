@@ -31,7 +31,7 @@ META_KEYS = {
     "kda_prefill": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen",
                     "work_items", "state", "offset", "gate", "checkpoints"},
     "kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
-                   "state", "offset", "gate"},
+                   "state", "offset", "gate", "gb"},
     "fused_kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
                          "state", "offset", "gate"},
 }

@@ -56,7 +56,12 @@ def make(gen, lens, cols, H, HV, state_dtype, gate="softplus", pad_request=None,
 
 
 def call_module(name, a, out, gate="softplus", lb=-5.0, scale=None, beta_is_logit=True, null_slot0=False):
-    load(name)["kda_verify"](a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
+    """The module's own function on a's tensors; a _gb32 module (params.gb_f32) gets g and beta as fp32,
+    converted exactly from a's bf16 values, so every test holds it to its bf16 twin's results."""
+    g, beta = a["g"], a["beta"]
+    if RECORDS[name]["params"].get("gb_f32") and g.dtype != torch.float32:
+        g, beta = g.float(), beta.float()
+    load(name)["kda_verify"](a["q"], a["k"], a["v"], g, beta, a["A_log"], a["dt_bias"], a["state"],
                              a["state_indices"], a["cu_seqlens"], a["num_accepted_tokens"], out, GATES[gate],
                              float(lb), float(K ** -0.5 if scale is None else scale), bool(beta_is_logit),
                              bool(null_slot0))
@@ -330,6 +335,66 @@ def test_op_serves_a_graph_padded_batch_and_replays_it():
         assert torch.equal(bits(a["state"]), bits(eager_pool)), "graph replay != eager (state)"
 
 
+GB32 = sorted(n for n in NAMES if RECORDS[n]["params"].get("gb_f32"))
+
+
+@pytest.mark.parametrize("name", GB32)
+def test_gb32_module_reads_fp32_gate_and_beta_as_they_are(name):
+    """fp32 g and beta whose values bf16 cannot hold: the _gb32 module matches the reference on those values
+    and differs from its bf16 twin on the rounded values (it reads the fp32 values, not a rounding of them)."""
+    rec = RECORDS[name]
+    base = name[:-len("_gb32")]
+    gen = torch.Generator(device="cuda").manual_seed(97)
+    a = make(gen, LENS[4], 4, 2, 8, sdtype(rec), pad_request=1)
+    g32 = torch.randn(a["g"].shape, generator=gen, device="cuda") - 1.0
+    b32 = torch.randn(a["beta"].shape, generator=gen, device="cuda")
+    assert not torch.equal(g32, g32.bfloat16().float())
+    pool0 = a["state"].clone()
+    exact = dict(a, g=g32, beta=b32)
+    ref_out, ref_pool = reference(exact)
+    out = torch.full((1, sum(LENS[4]), 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call_module(name, exact, out)
+    check(exact, pool0, out, ref_out, ref_pool, name)
+    a["state"].copy_(pool0)
+    rounded = dict(a, g=g32.bfloat16(), beta=b32.bfloat16())
+    out16 = torch.full_like(out, float("nan"))
+    call_module(base, rounded, out16)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out16.float()).any() and not torch.equal(bits(out), bits(out16)), name
+
+
+def test_op_takes_fp32_gate_and_beta_to_the_gb32_twin():
+    """The public op with fp32 g and beta (and with fp32 g beside bf16 beta: one exact pass) beside bf16 q: bitwise
+    the routed _gb32 module's result, for each band a call of this size routes to."""
+    from flashkda_ext import dispatch
+    gen = torch.Generator(device="cuda").manual_seed(98)
+    for lens, HV, state_dtype in (([2], 8, torch.bfloat16), ([3, 1, 4, 2], 8, torch.float32),
+                                  ([4, 2, 3, 1] * 4, 8, torch.bfloat16)):
+        a = make(gen, lens, 4, 4, HV, state_dtype)
+        g32 = torch.randn(a["g"].shape, generator=gen, device="cuda") - 1.0
+        b16 = a["beta"]
+        pool0 = a["state"].clone()
+        kw = dict(state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"],
+                  num_accepted_tokens=a["num_accepted_tokens"], A_log=a["A_log"], dt_bias=a["dt_bias"])
+        results = []
+        for beta in (b16.float(), b16):
+            a["state"].copy_(pool0)
+            out = flashkda_ext.kda_verify(a["q"], a["k"], a["v"], g32, beta, state=a["state"], **kw)
+            torch.cuda.synchronize()
+            results.append((out, a["state"].clone()))
+        meta = dict(device="cuda", num_seqs=len(lens), value_heads=HV, total_tokens=sum(lens), max_seqlen=4,
+                    work_items=len(lens) * HV, state="f32" if state_dtype == torch.float32 else "bf16",
+                    offset="o32", gate="softplus", gb="f32")
+        name = dispatch.module_name("kda_verify", meta)
+        assert name.endswith("_gb32"), name
+        a["state"].copy_(pool0)
+        out = torch.full_like(results[0][0], float("nan"))
+        call_module(name, dict(a, g=g32, beta=b16.float()), out)
+        torch.cuda.synchronize()
+        for got, pool in results:
+            assert torch.equal(bits(got), bits(out)) and torch.equal(bits(pool), bits(a["state"])), name
+
+
 def assert_twins_bitwise(name, twin, a, HV, gate="softplus"):
     """The call of a (from its pool as it is) through module name and through twin: every output
     written, outputs and the whole pool bitwise equal, something stored."""
@@ -381,9 +446,9 @@ def test_persistent_walks_many_tiles_bitwise_equal_to_its_one_tile_twin(name):
 
 
 # The step and prep variants (joint_passes: the row sums of several passes in one butterfly;
-# wide_gate: the decays computed by the whole CTA) and the module they vary: the record with the
-# same params but those two.
-VARIANT_KEYS = ("joint_passes", "wide_gate")
+# wide_gate: the decays computed by the whole CTA; gb_f32: g and beta read as fp32, here given the
+# bf16 values exactly) and the module they vary: the record with the same params but those.
+VARIANT_KEYS = ("joint_passes", "wide_gate", "gb_f32")
 
 
 def _base_of(name):
