@@ -84,6 +84,15 @@ def ours_call(name, case, pool, idx, nacc, out):
     return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, cu, nacc, out, 0, 0.0, K ** -0.5, True, False)
 
 
+def cast_call(name, case, pool, idx, nacc, out):
+    """case's fp32 g and beta cast to bf16 (one pass each), then module `name`: what a caller holding an
+    fp32 gate paid before kda_verify read it natively (arm "gb32_cast")."""
+    q, k, v, g, beta, A_log, dt_bias, cu = case
+    fn = load(name)["kda_verify"]
+    return lambda: fn(q, k, v, g.to(torch.bfloat16), beta.to(torch.bfloat16), A_log, dt_bias, pool, idx, cu, nacc,
+                      out, 0, 0.0, K ** -0.5, True, False)
+
+
 def op_call(case, pool, idx, nacc, out, T):
     import flashkda_ext as fk
     q, k, v, g, beta, A_log, dt_bias, cu = case
@@ -161,6 +170,9 @@ def main(argv=None):
                     help="also time benchmarks/verify_copy.py (Triton): each request's read tile copied unchanged "
                          "to its token slots, no arithmetic, no inputs or outputs: the state traffic's own cost "
                          "(arms copy_p1/p2/p4, % of their own state bytes; a comma list, or all when given alone)")
+    ap.add_argument("--gb32", action="store_true",
+                    help="also time fp32 g and beta: arm 'gb32' calls the routed module's _gb32 twin (reads them "
+                         "as fp32), arm 'gb32_cast' casts them to bf16 (one pass each) and calls the routed module")
     ap.add_argument("--max-calls", type=int, default=64, help="calls per timed graph (cap)")
     ap.add_argument("--name", default="verify", help="results file stem (when --out is a folder)")
     args = ap.parse_args(argv)
@@ -216,6 +228,13 @@ def main(argv=None):
                         if other != name and other in records:
                             arms.append(harness.Arm(stem, sequence([ours_call(other, case, pool, i, a, out)
                                                                     for i, a in tables]), calls=M, bytes=nbytes))
+                    if args.gb32 and cfg.is_cuda:
+                        case32 = case[:3] + (case[3].float(), case[4].float()) + case[5:]
+                        twin = routed(dict(meta, gb="f32"))
+                        arms.append(harness.Arm("gb32", sequence([ours_call(twin, case32, pool, i, a, out)
+                                                                  for i, a in tables]), calls=M, bytes=nbytes))
+                        arms.append(harness.Arm("gb32_cast", sequence([cast_call(name, case32, pool, i, a, out)
+                                                                       for i, a in tables]), calls=M, bytes=nbytes))
                     if args.op_arm:
                         arms.append(harness.Arm("op", sequence([op_call(case, pool, i, a, out, T) for i, a in tables]),
                                                 calls=M, bytes=nbytes))

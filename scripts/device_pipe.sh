@@ -7,6 +7,7 @@
 # of each at T 2, HV 32, 1024 requests (o32 modules: the pool stays under 2^31 elements) with Nsight Compute. $OUT/logs.tgz holds every result.
 #   BENCH_ROWS=1,8,64,256,1024 BENCH_BF16=stage2,... BENCH_F32=bulk4,... (empty: no bench of that state)
 #   BENCH_LIMIT=200 SANITIZE=1 SANITIZE_ONLY='verify_*' TESTS=1 TESTS_K='pytest -k expression' BUILD='verify_* ...' (module globs)
+#   BENCH_HEADS=16,32,64 BENCH_TOKENS=2,4,8 BENCH_ARGS='--gb32' (more bench_verify flags)
 #   TEST_FILES='tests/gpu/test_verify_gpu.py ...' TESTS_LIMIT=200 BENCH_COPY=copy_p1,copy_p2 (bench_verify's --slot-copy arms)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -25,8 +26,8 @@ if [ "${SANITIZE:-1}" = 1 ]; then
   done
 fi
 fla=--no-fla; [ "${BENCH_FLA:-0}" = 1 ] && fla=""
-common=(--modes graph --tokens 2,4,8 --rows "${BENCH_ROWS:-64,256,1024}" --heads 16,32,64 $fla --no-progress --out "$OUT"
-        ${BENCH_COPY:+--slot-copy "$BENCH_COPY"})
+common=(--modes graph --rows "${BENCH_ROWS:-64,256,1024}" --heads "${BENCH_HEADS:-16,32,64}" --tokens "${BENCH_TOKENS:-2,4,8}" $fla --no-progress --out "$OUT"
+        ${BENCH_COPY:+--slot-copy "$BENCH_COPY"} ${BENCH_ARGS:-})
 [ -n "${BENCH_BF16-x}" ] && stage bench_bf16 "${BENCH_LIMIT:-200}" python3 benchmarks/bench_verify.py "${common[@]}" --states bf16 \
   --modules "${BENCH_BF16:-stage2,pipe2}" --name cand_bf16
 [ -n "${BENCH_F32-x}" ] && stage bench_f32 "${BENCH_LIMIT:-150}" python3 benchmarks/bench_verify.py "${common[@]}" --states f32 \
