@@ -78,7 +78,7 @@ class Spec:
     name: str
     device: str
     dtype: str = "float32"            # input dtype
-    gb_dtype: Optional[str] = None    # kda_decode: g and beta in this dtype (None: the input dtype)
+    gb_dtype: Optional[str] = None    # kda_decode / kda_verify: g and beta in this dtype (None: the input dtype)
     state_dtype: str = "float32"
     gate: str = "softplus"
     H: int = 2
@@ -383,7 +383,7 @@ def run_verify(s: Spec, seed: int) -> Outcome:
     q, k = rnd.randn(1, T, H, K, dtype=s.dtype), rnd.randn(1, T, H, K, dtype=s.dtype)
     v = rnd.randn(1, T, HV, V, dtype=s.dtype)
     g, gkw = _gate_args(rnd, s, (1, T), HV, K)
-    beta = rnd.randn(1, T, HV, dtype=s.dtype)
+    beta = rnd.randn(1, T, HV, dtype=s.gb_dtype or s.dtype)
     state = rnd.randn(s.slots, HV, V, K, dtype=s.state_dtype, scale=0.5)
     idx_host = rnd.perm(s.slots)[: N * cols].reshape(N, cols).to(torch.int32)
     nacc_host = torch.tensor([1 + (n % cols) for n in range(N)], dtype=torch.int32)

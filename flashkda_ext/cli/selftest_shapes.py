@@ -90,9 +90,10 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
         for lens in shapes:
             for hv in heads:
                 for st in states:
-                    _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate_of(),
-                                                 H=hv // group, HV=hv, K=K, V=V, lengths=lens,
-                                                 slots=len(lens) * max(lens) + 4), big_pool_bytes)
+                    for gb in (None, "float32"):  # g and beta in q's dtype, and in fp32 (the _gb32 twins)
+                        _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, gb_dtype=gb, state_dtype=st,
+                                                     gate=gate_of(), H=hv // group, HV=hv, K=K, V=V, lengths=lens,
+                                                     slots=len(lens) * max(lens) + 4), big_pool_bytes)
     else:
         shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
                   (4096,), (4 * [4096]), (8192,), (16384,)]
@@ -151,6 +152,7 @@ def _spec_meta(s: Spec):
     elif s.family == "kda_verify":
         m = dict(device="meta")
         dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
+        gbt = getattr(torch, s.gb_dtype) if s.gb_dtype else dt
         T, N, cols = sum(s.lengths), len(s.lengths), max(s.lengths)
         q = torch.empty(1, T, s.H, s.K, dtype=dt, **m)
         kw = {} if s.gate != "bounded" else {"lower_bound": LOWER_BOUND}
@@ -158,7 +160,7 @@ def _spec_meta(s: Spec):
             kw.update(A_log=torch.empty(s.HV, **m), dt_bias=torch.empty(s.HV * s.K, **m))
         call = validation.check_kda_verify(
             q, torch.empty_like(q), torch.empty(1, T, s.HV, s.V, dtype=dt, **m),
-            torch.empty(1, T, s.HV, s.K, dtype=dt, **m), torch.empty(1, T, s.HV, dtype=dt, **m),
+            torch.empty(1, T, s.HV, s.K, dtype=gbt, **m), torch.empty(1, T, s.HV, dtype=gbt, **m),
             state=torch.empty(s.slots, s.HV, s.V, s.K, dtype=sdt, **m),
             state_indices=torch.empty(N, cols, dtype=torch.int32, **m),
             cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m),
@@ -252,6 +254,8 @@ def _spec_label(s: Spec) -> str:
         extra = (" pool" if s.pool else "") + (f" ckpt={s.checkpoint_every}" if s.checkpoint_every else "")
         if s.pool and s.slots * s.HV * s.V * s.K > INT32_MAX:
             extra += f" slots={s.slots}"
+        if s.gb_dtype == "float32":
+            extra += " g/beta f32"
         return f"T={shape} HV={s.HV} {st} {s.gate}{extra}"
     big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
     gb = " g/beta f32" if s.gb_dtype == "float32" else ""
