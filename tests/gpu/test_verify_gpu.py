@@ -257,22 +257,27 @@ def test_op_routes_deterministic_and_graph_replay_equals_eager():
         ref_out, ref_pool = reference(dict(a, state=pool0))
         _, written = stored_slots(a)
         assert rel_l2(results[0][0].float(), ref_out) < 1.2e-2
-        out = torch.full_like(results[0][0], float("nan"))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up on the capture stream (fast-path entry, module load)
-            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
-        a["state"].copy_(pool0)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(bits(out), bits(results[0][0])), "graph replay != eager (out)"
-        assert torch.equal(bits(a["state"]), bits(results[0][1])), "graph replay != eager (state)"
+        assert_graph_replay_equals(a, kw, pool0, *results[0])
         assert written
+
+
+def assert_graph_replay_equals(a, kw, pool0, want_out, want_pool):
+    """The op on a (from pool0) captured in a CUDA graph and replayed: out and pool bitwise want_*."""
+    out = torch.full_like(want_out, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up on the capture stream (fast-path entry, module load)
+        flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
+    a["state"].copy_(pool0)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(want_out)), "graph replay != eager (out)"
+    assert torch.equal(bits(a["state"]), bits(want_pool)), "graph replay != eager (state)"
 
 
 def _graph_padded(a, live):
@@ -318,21 +323,7 @@ def test_op_serves_a_graph_padded_batch_and_replays_it():
         eager_pool = a["state"].clone()
         ref_out, ref_pool = reference(dict(a, state=pool0), null_slot0=True)
         check(dict(a, state=eager_pool), pool0, eager, ref_out, ref_pool, f"op {state_dtype}", null_slot0=True)
-        out = torch.full_like(eager, float("nan"))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"], out=out, **kw)
-        a["state"].copy_(pool0)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(bits(out), bits(eager)), "graph replay != eager (out)"
-        assert torch.equal(bits(a["state"]), bits(eager_pool)), "graph replay != eager (state)"
+        assert_graph_replay_equals(a, kw, pool0, eager, eager_pool)
 
 
 GB32 = sorted(n for n in NAMES if RECORDS[n]["params"].get("gb_f32"))
