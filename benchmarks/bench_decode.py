@@ -253,13 +253,7 @@ def main(argv=None):
         raise SystemExit(f"--slots {SLOTS}: a call of {max(rows_list)} rows needs at least that many unique slots")
     states = args.states.split(",") if not (dry and args.states == "f32,bf16") else ["f32"]
     stems = [s for s in args.modules.split(",") if s]
-    wanted = [c for c in args.slot_copy.split(",") if c]
-    copies = [c for c in SLOT_COPY_CONFIGS if c[0] in wanted]
-    if len(copies) != len(wanted):
-        raise SystemExit(f"--slot-copy: expected labels among {[c[0] for c in SLOT_COPY_CONFIGS]}, got {wanted}")
-    if copies and not cfg.is_cuda:
-        print("--slot-copy: the Triton slot copy needs a CUDA device; left out of this dry run", file=sys.stderr)
-        copies = []
+    copies = harness.pick_copy_arms(args.slot_copy, SLOT_COPY_CONFIGS, cfg.is_cuda)
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,
                       primary_mode="graph" if cfg.is_cuda else "wall",
                       extra_meta={"slots": SLOTS, "gate": "softplus", "fla_used": fla is not None,

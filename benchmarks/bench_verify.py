@@ -187,13 +187,7 @@ def main(argv=None):
     rows_list = ints(args.rows, [1, 3] if dry else [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024])
     heads = ints(args.heads, [2] if dry else [16, 64] if args.quick else [16, 32, 64])
     states = ["f32"] if dry and args.states == "f32,bf16" else args.states.split(",")
-    wanted = [c for c in args.slot_copy.split(",") if c]
-    copies = [c for c in COPY_CONFIGS if c[0] in wanted]
-    if len(copies) != len(wanted):
-        raise SystemExit(f"--slot-copy: expected labels among {[c[0] for c in COPY_CONFIGS]}, got {wanted}")
-    if copies and not cfg.is_cuda:
-        print("--slot-copy: the Triton copy needs a CUDA device; left out of this dry run", file=sys.stderr)
-        copies = []
+    copies = harness.pick_copy_arms(args.slot_copy, COPY_CONFIGS, cfg.is_cuda)
     from flashkda_ext.jit import all_records
     records = {r["name"] for r in all_records()}
     run = harness.Run(args.name, cfg, baseline="fla" if fla is not None else None,

@@ -758,6 +758,20 @@ def plot(doc: dict, path: Path) -> Optional[Path]:
 # inputs and peers shared by the scripts
 
 
+def pick_copy_arms(text: str, configs: Sequence[tuple], is_cuda: bool, option: str = "--slot-copy") -> list:
+    """The copy-reference arms a bench's `option` names (a comma list of labels, the first field of each
+    config), in config order; a label not among them exits naming them. The references are Triton:
+    none without a CUDA device (a dry run), said on stderr."""
+    wanted = [c for c in text.split(",") if c]
+    picked = [c for c in configs if c[0] in wanted]
+    if len(picked) != len(wanted):
+        raise SystemExit(f"{option}: expected labels among {[c[0] for c in configs]}, got {wanted}")
+    if picked and not is_cuda:
+        print(f"{option}: the Triton copy needs a CUDA device; left out of this dry run", file=sys.stderr)
+        return []
+    return picked
+
+
 def in_sequence(calls):
     """One timed run: the calls back to back (a bench's rotated slot tables)."""
     def run():

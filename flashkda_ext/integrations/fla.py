@@ -56,6 +56,11 @@ class _Plan:
             return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device="meta")
         return x.to(dtype)
 
+    def gate_beta(self, g, beta, q):
+        """g and beta as kda_decode / kda_verify read them: fp32 kept as it is (no cast kernel for the
+        engines' fp32 gate / beta), any other dtype cast to q's."""
+        return tuple(self.cast(x, torch.float32 if x.dtype == torch.float32 else q.dtype) for x in (g, beta))
+
     def reshape(self, x, shape):
         if x is None:
             return None
@@ -306,9 +311,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                       else plan.cast(num_accepted_tokens, torch.int32),
                       max_seqlen=int(ssm_state_indices.shape[1]), null_slot0=null_slot0, out=plan.keep(out),
                       **gate_kw)
-            # kda_verify reads fp32 g and beta as they are, as kda_decode does: no cast kernel
-            g, beta = (plan.cast(x, torch.float32 if x.dtype == torch.float32 else q.dtype) for x in (g, beta))
-            args = (plan.keep(q), plan.keep(k), plan.keep(v), g, beta)
+            args = (plan.keep(q), plan.keep(k), plan.keep(v), *plan.gate_beta(g, beta, q))
             return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
             raise Refused(f"flashkda_ext serves ssm_state_indices of 1 or 2 dims, got {ssm_state_indices.dim()}")
@@ -325,8 +328,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                               f"(B = 1, one token per sequence: T == N), got B = {B}, T = {T}, N = {N}")
             rows = N
         idx = plan.cast(ssm_state_indices, torch.int32)
-        # kda_decode reads fp32 g and beta as they are: no cast kernel for the engines' fp32 gate / beta
-        g, beta = (plan.cast(x, torch.float32 if x.dtype == torch.float32 else q.dtype) for x in (g, beta))
+        g, beta = plan.gate_beta(g, beta, q)
         o_rows = plan.reshape(out, (rows, HV, V)) if out is not None else None
         args = (plan.reshape(q, (rows, H, K)), plan.reshape(k, (rows, H, K)), plan.reshape(v, (rows, HV, V)),
                 plan.reshape(g, (rows, HV, K)), plan.reshape(beta, (rows, HV)))

@@ -219,7 +219,8 @@ class FlashKDAExtKernel:
         cidx = _as(cache_indices, torch.int32, (N,))
         qsl = _as(query_start_loc, torch.int32, (N + 1,))
         # an empty request (T_n = 0, graph padding) is no live row either: its start state is not copied
-        live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R) & (qsl[1:] > qsl[:-1]).to(cidx.device)
+        nonempty = (qsl[1:] > qsl[:-1]).to(cidx.device)
+        live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R) & nonempty
         steps = torch.arange(S, dtype=torch.int32, device=rows.device)
         table = torch.where(live.view(N, 1), rows.view(N, 1) * S + steps, torch.full((), -1, dtype=torch.int32,
                                                                                     device=rows.device))

@@ -46,8 +46,8 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     stored in the pool's dtype into slot state_indices[n, t] (unless that entry is padding), and
     token t + 1 continues from that stored (rounded) value, so the outputs after any token are the
     ones a later call resuming from its slot reproduces. A request whose read entry is padding
-    outputs zeros and writes nothing; an empty request (T_n = 0) reads and writes nothing. Returns (out [1, T, HV, V] in dtype, new pool); the input pool
-    is not modified.
+    outputs zeros and writes nothing; an empty request (T_n = 0) reads and writes nothing. Returns
+    (out [1, T, HV, V] in dtype, new pool); the input pool is not modified.
     """
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected packed [1, T, H, K], got shape {tuple(q.shape)}")
@@ -89,8 +89,8 @@ def fused_kda_verify_step(x, conv_weight, conv_state, g, beta, A_log, dt_bias, s
     first token are line[:, o:o+3], and afterwards line[:, 0:2] = old line[:, o+1:o+3] and
     line[:, 2 + j] = x of token j (entries past T_n + 2 unchanged), so the next call's window at
     offset a - 1 is the three inputs up to its accepted token a - 1. An empty request (T_n = 0) touches
-    nothing, its conv line included. Returns (out [1, T, H, D] in
-    dtype, new conv_state, new state); the inputs are not modified.
+    nothing, its conv line included. Returns (out [1, T, H, D] in dtype, new conv_state, new state); the
+    inputs are not modified.
     """
     T = x.shape[1]
     H, D = g.shape[2], g.shape[3]
