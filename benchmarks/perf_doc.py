@@ -382,7 +382,7 @@ HOW_TO_REPRODUCE = [
 
 
 def with_readme_block(text: str, block: str) -> str:
-    rx = re.compile(re.escape(BEGIN) + r"\n.*?\n" + re.escape(END), re.S)
+    rx = re.compile(re.escape(BEGIN) + r"\n(?:.*?\n)?" + re.escape(END), re.S)
     if not rx.search(text):
         raise ValueError("README.md has no generated performance block")
     return rx.sub(lambda _m: f"{BEGIN}\n{block}\n{END}", text)
