@@ -356,7 +356,7 @@ def render(sources) -> str:
         for i, src in enumerate(srcs):
             src.key = chr(ord("A") + i)
         out += [f"## {title}", ""] + make(srcs)
-        out += [f"- {src.when()}: {src.note}" for src in srcs if src.note] + [""]
+        out += [f"- Run {src.key}: {src.note}" for src in srcs if src.note] + [""]
         if srcs:
             out += ["Runs: " + "; ".join(f"{src.key}: {src.cite()}" for src in srcs) + ".", ""]
         for src in srcs:
