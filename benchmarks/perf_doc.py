@@ -95,9 +95,9 @@ def _table(head, rows) -> list:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def _ratios(src: Source, ours: str, peer: str, mode: str):
+def _ratios(cases, ours: str, peer: str, mode: str):
     out = []
-    for c in src.doc["cases"]:
+    for c in cases:
         a, b = _med(c["arms"].get(ours), mode), _med(c["arms"].get(peer), mode)
         if a and b:
             out.append(b / a)
@@ -106,7 +106,14 @@ def _ratios(src: Source, ours: str, peer: str, mode: str):
 
 def _state(src: Source) -> str:
     states = {c["params"].get("state") for c in src.doc["cases"]} - {None}
-    return "/".join(sorted(states)) or src.doc["meta"].get("state", "")
+    return "/".join(sorted(states, reverse=True)) or src.doc["meta"].get("state", "")
+
+
+def _by_state(src: Source):
+    """[(state, cases)] of one run: a run may time several state dtypes (f32 first)."""
+    default = src.doc["meta"].get("state", "")
+    states = sorted({c["params"].get("state", default) for c in src.doc["cases"]}, reverse=True)
+    return [(st, [c for c in src.doc["cases"] if c["params"].get("state", default) == st]) for st in states]
 
 
 # --- kda_decode ------------------------------------------------------------------------------
@@ -123,22 +130,23 @@ def decode_section(srcs) -> list:
         "(eager).", "",
         "Each cell: ours / fla us, graph replay (fla's time over ours).", ""]
     rows = []
-    for src in srcs:
-        by = {(c["params"]["heads"], c["params"]["rows"]): c for c in src.doc["cases"]}
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
+        by = {(c["params"]["heads"], c["params"]["rows"]): c for c in cases}
         for h in sorted({k[0] for k in by}):
             cells = []
             for r in DECODE_ROWS:
                 c = by.get((h, r))
                 a, f = (_med(c["arms"].get("ours"), "graph"), _med(c["arms"].get("fla"), "graph")) if c else (None, None)
                 cells.append("-" if a is None else f"{_us(a)} / {_us(f)} ({_x(f / a if f else None)})")
-            rows.append([_state(src), str(h)] + cells + [src.key])
+            rows.append([state, str(h)] + cells + [src.key])
     lines += _table(["state", "HV"] + [f"rows {r}" for r in DECODE_ROWS] + ["run"], rows)
     lines.append("")
     for src in srcs:
         for state, r in decode_targets.evaluate(src.doc).items():
             g = r["geomean"]
             gm = g.get("ours_graph")
-            worst = min(_ratios(src, "ours", "fla", "graph"), default=None)
+            worst = min(_ratios([c for c in src.doc["cases"] if c["params"]["state"] == state], "ours", "fla",
+                                "graph"), default=None)
             eager = g.get("op_eager") or g.get("ours_eager")
             bw = decode_targets.BANDWIDTH_TARGET.get(state)
             lines.append(
@@ -163,9 +171,9 @@ def fused_section(srcs) -> list:
         "replay. Targets: >= 3x over the unfused sequence at rows <= 64, >= 1.5x at rows >= 1024; the fused "
         "op within 1.15x of the plain step.", ""]
     rows, notes = [], []
-    for src in srcs:
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
         over, within = [], []
-        for c in src.doc["cases"]:
+        for c in cases:
             p, arms = c["params"], c["arms"]
             fu, un, st = (_med(arms.get(k), "graph") for k in ("fused", "unfused", "step"))
             x = un / fu if fu and un else None
@@ -176,10 +184,10 @@ def fused_section(srcs) -> list:
                 within.append(s)
             rows.append([p["state"], f"{p['rows']} x H{p['heads']}", _us(fu), _us(un), _x(x), _us(st),
                          "-" if s is None else f"{s:.2f}", src.key])
-        short = [un / fu for c in src.doc["cases"] if c["params"]["rows"] <= 64
+        short = [un / fu for c in cases if c["params"]["rows"] <= 64
                  for fu, un in [(_med(c["arms"].get("fused"), "graph"), _med(c["arms"].get("unfused"), "graph"))]
                  if fu and un]
-        notes.append(f"- {_state(src)} ({src.when()}): over the unfused sequence geomean {_x(_geomean(over))}, "
+        notes.append(f"- {state} ({src.when()}): over the unfused sequence geomean {_x(_geomean(over))}, "
                      f"lowest at rows <= 64 {_x(min(short, default=None))}; fused / step "
                      f"{min(within, default=0):.2f}-{max(within, default=0):.2f}.")
     lines += _table(["state", "point", "fused us", "unfused us", "x unfused", "step us", "fused / step", "run"],
@@ -198,8 +206,7 @@ def verify_section(srcs) -> list:
         "(requests x HV).", "",
         "Each cell: ours / fla us (fla's time over ours), % of the floor.", ""]
     rows, notes, every = [], [], []
-    for src in srcs:
-        cases = src.doc["cases"]
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
         reqs = sorted({c["params"]["rows"] for c in cases})
         by = {(c["params"]["T"], c["params"]["heads"], c["params"]["rows"]): c for c in cases}
         for t, h in sorted({k[:2] for k in by}):
@@ -209,12 +216,12 @@ def verify_section(srcs) -> list:
                 a, f = (_med(c["arms"].get("ours"), "graph"), _med(c["arms"].get("fla"), "graph")) if c else (None, None)
                 cells.append("-" if a is None else
                              f"{_us(a)} / {_us(f)} ({_x(f / a if f else None)}), {_pct(c['arms']['ours']):.0f}%")
-            rows.append([_state(src), str(t), str(h)] + cells + [src.key])
+            rows.append([state, str(t), str(h)] + cells + [src.key])
         head = ["state", "T", "HV"] + [f"{n} req" for n in reqs] + ["run"]
-        rx = _ratios(src, "ours", "fla", "graph")
+        rx = _ratios(cases, "ours", "fla", "graph")
         every += rx
         big = [_pct(c["arms"]["ours"]) for c in cases if c["params"]["work_items"] >= 2048]
-        notes.append(f"- {_state(src)} ({src.when()}): geomean {_x(_geomean(rx))} over fla, slowest "
+        notes.append(f"- {state} ({src.when()}): geomean {_x(_geomean(rx))} over fla, slowest "
                      f"{_x(min(rx, default=None))}; from 2048 work items {min(big):.1f}-{max(big):.1f}% of the "
                      "floor.")
     lines += _table(head, rows)
@@ -274,7 +281,7 @@ def prefill_section(srcs) -> list:
                      + "; ".join(f"{n}: {us / 1000:.3f} ms" for n, us in r["long"]) + ".")
         for peer in peers:
             if peer != "fla":
-                xs = _ratios(src, "ours", peer, "eager")
+                xs = _ratios(cases, "ours", peer, "eager")
                 notes.append(f"- {src.when()}: event time over {PEER_NAMES.get(peer, peer)} geomean "
                              f"{_x(_geomean(xs))}, lowest {_x(min(xs, default=None))}.")
     return lines + [""] + notes
@@ -303,13 +310,13 @@ def summary_rows(sources) -> list:
     pairs = {"kda_decode": ("ours", "fla", "graph"), "kda_verify": ("ours", "fla", "graph"),
              "fused_kda_decode": ("fused", "unfused", "graph"), "kda_prefill": ("ours", "fla", "eager")}
     for op, (ours, peer, mode) in pairs.items():
-        for src in sources.get(op, []):
-            peers = [peer] + ([p for p in _peers(src.doc["cases"]) if p != peer] if op == "kda_prefill" else [])
+        for src, state, cases in [(src, st, cs) for src in sources.get(op, []) for st, cs in _by_state(src)]:
+            peers = [peer] + ([p for p in _peers(cases) if p != peer] if op == "kda_prefill" else [])
             for p in peers:
-                xs = _ratios(src, ours, p, mode)
+                xs = _ratios(cases, ours, p, mode)
                 if xs:
                     who = "the unfused engine sequence (fla step)" if p == "unfused" else PEER_NAMES.get(p, p)
-                    out.append((f"`{op}`, {_state(src)} state", who, mode, _geomean(xs), min(xs), src))
+                    out.append((f"`{op}`, {state} state", who, mode, _geomean(xs), min(xs), src))
     return out
 
 

@@ -5,7 +5,7 @@ A harness run file (benchmarks/harness.py: {"benchmark", "meta", "copy_ceiling",
 "cases": [{"name", "params", "bytes", "arms": {arm: {"time_us": {mode: {median, p10, p90, min, n}},
 "bandwidth": {mode: {GBps, pct_copy}}}}}], ...}) keeps the same schema with less in it, so every
 reader of run files (decode_targets.py, prefill_targets.py, compare_runs.py, perf_doc.py,
-scripts/verify_grid_table.py) reads both forms:
+scripts/device.sh's ab stage) reads both forms:
 
     {"benchmark": str, "compact": 1, "primary_mode": str,
      "meta": {date_utc, gpu, sm_count, torch, triton, fla, flashkda_ext, gate, state, slots, slot_order,

@@ -81,6 +81,17 @@ def test_tables_follow_the_data(sources):
     assert "1234 / " in after
 
 
+def test_one_run_of_both_states_reads_as_two(sources):
+    """bench_decode.py --states f32,bf16 writes one file: its table is that of one file per state."""
+    merged = copy.deepcopy(sources)
+    f32, bf16 = merged["kda_decode"]
+    f32.doc["cases"] = f32.doc["cases"] + bf16.doc["cases"]
+    merged["kda_decode"] = [f32]
+    rows = lambda text: [r.rsplit("|", 2)[0] for r in text.splitlines() if r.startswith(("| f32 |", "| bf16 |"))]  # noqa: E731
+    assert rows("\n".join(perf_doc.decode_section(merged["kda_decode"]))) == \
+        rows("\n".join(perf_doc.decode_section(sources["kda_decode"])))
+
+
 def test_prefill_gets_a_column_per_peer(sources):
     """A cudnn arm in the prefill results adds a cuDNN column and a geomean line; without it, neither."""
     assert "cuDNN us" not in perf_doc.render(sources) or any(
