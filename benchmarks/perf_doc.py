@@ -95,6 +95,13 @@ def _table(head, rows) -> list:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _pair(case, ours="ours", peer="fla", mode="graph"):
+    """(ours, the peer's) medians of one case; (None, None) for a point the run does not have."""
+    if case is None:
+        return None, None
+    return _med(case["arms"].get(ours), mode), _med(case["arms"].get(peer), mode)
+
+
 def _ratios(cases, ours: str, peer: str, mode: str):
     out = []
     for c in cases:
@@ -135,8 +142,7 @@ def decode_section(srcs) -> list:
         for h in sorted({k[0] for k in by}):
             cells = []
             for r in DECODE_ROWS:
-                c = by.get((h, r))
-                a, f = (_med(c["arms"].get("ours"), "graph"), _med(c["arms"].get("fla"), "graph")) if c else (None, None)
+                a, f = _pair(by.get((h, r)))
                 cells.append("-" if a is None else f"{_us(a)} / {_us(f)} ({_x(f / a if f else None)})")
             rows.append([state, str(h)] + cells + [src.key])
     lines += _table(["state", "HV"] + [f"rows {r}" for r in DECODE_ROWS] + ["run"], rows)
@@ -145,14 +151,16 @@ def decode_section(srcs) -> list:
         for state, r in decode_targets.evaluate(src.doc).items():
             g = r["geomean"]
             gm = g.get("ours_graph")
-            worst = min(_ratios([c for c in src.doc["cases"] if c["params"]["state"] == state], "ours", "fla",
-                                "graph"), default=None)
+            cases = [c for c in src.doc["cases"] if c["params"]["state"] == state]
+            worst = min(_ratios(cases, "ours", "fla", "graph"), default=None)
+            who = "public op" if g.get("op_eager") else "module function"
             eager = g.get("op_eager") or g.get("ours_eager")
             bw = decode_targets.BANDWIDTH_TARGET.get(state)
+            slower = len(r["not_faster_than_fla"])
             lines.append(
                 f"- {state} ({src.when()}): graph geomean {_x(gm)} over fla, slowest {_x(worst)}, "
-                f"{'faster at every point' if not r['not_faster_than_fla'] else 'not faster at ' + str(len(r['not_faster_than_fla'])) + ' points'}; "
-                f"eager geomean {_x(eager)} (public op); "
+                + ("faster at every point" if not slower else f"not faster at {slower} points")
+                + f"; eager geomean {_x(eager)} ({who}); "
                 f">= {bw:g}% of copy from 2048 work items missed at {len(r['bandwidth_misses'])} points"
                 + (" (" + ", ".join(f"{h}x{n} {p:.1f}%" for h, n, p, _ in r["bandwidth_misses"]) + ")"
                    if r["bandwidth_misses"] else "")
@@ -213,7 +221,7 @@ def verify_section(srcs) -> list:
             cells = []
             for n in reqs:
                 c = by.get((t, h, n))
-                a, f = (_med(c["arms"].get("ours"), "graph"), _med(c["arms"].get("fla"), "graph")) if c else (None, None)
+                a, f = _pair(c)
                 cells.append("-" if a is None else
                              f"{_us(a)} / {_us(f)} ({_x(f / a if f else None)}), {_pct(c['arms']['ours']):.0f}%")
             rows.append([state, str(t), str(h)] + cells + [src.key])

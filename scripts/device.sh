@@ -119,7 +119,7 @@ if want tests && needs_gpu tests; then
     ${TESTS_K:+-k "$TESTS_K"}
   set +f
   show tests "$PASS" 25
-  if [ -n "${ACCURACY:-}" ]; then   # prefill modules' errors against the float64 recurrence (ACCURACY=routed: the routes')
+  if [ -n "${ACCURACY:-}" ]; then   # prefill modules' errors against the float64 recurrence
     [ "$ACCURACY" = routed ] && acc=() || acc=(--modules "$ACCURACY")
     step prefill_accuracy "${LIMIT_TESTS:-360}" python3 scripts/prefill_accuracy.py "${acc[@]}" --seeds 11,12,13
     show prefill_accuracy . 20
@@ -151,7 +151,10 @@ if want integrations && needs_gpu integrations; then
 fi
 
 if want sanitizers && needs_gpu sanitizers; then
-  RACE_ONLY=${RACE_ONLY:-"decode_split8_f32_o32,decode_quartma_bf16_o64,decode_rowtma_bf16_o64,decode_seq_f32_o32,prefill_*,fused_*_f32_o32,verify_*_bf16_o32,fused_verify_*"}
+  # racecheck and synccheck are slow: one module of each kind by default (memcheck covers every module)
+  race=decode_split8_f32_o32,decode_quartma_bf16_o64,decode_rowtma_bf16_o64,decode_seq_f32_o32
+  race+=,prefill_*,fused_*_f32_o32,verify_*_bf16_o32,fused_verify_*
+  RACE_ONLY=${RACE_ONLY:-$race}
   step memcheck "${LIMIT_SANITIZERS:-200}" compute-sanitizer --tool memcheck --error-exitcode 7 \
     python3 scripts/sanitize_routes.py ${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"}
   show memcheck "$SAN" 4

@@ -74,7 +74,9 @@ def _no_gpu_path(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
-    for tool in ("timeout", "tar", "gzip", "date", "grep", "tail", "cat", "tr", "rm", "mkdir", "dirname", "sed", "ls", "tee"):
+    tools = ("timeout", "tar", "gzip", "date", "grep", "tail", "cat", "tr", "rm", "mkdir", "dirname", "sed", "ls",
+             "tee")
+    for tool in tools:
         found = shutil.which(tool)
         if found:
             (bin_dir / tool).symlink_to(found)
