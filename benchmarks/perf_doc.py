@@ -254,7 +254,7 @@ def _peers(cases) -> list:
 
 def prefill_section(srcs) -> list:
     lines = [
-        "Cases (issue 8): packed variable-length input at H16, softplus and bounded gate (lower bound -5), "
+        "Cases (issue 8, the case name gives the head count): packed variable-length input, softplus and bounded gate (lower bound -5), "
         "fp32 initial state, head dim 128. Event time (eager, cold L2) and kernel time (the union of the "
         "call's kernels' spans under torch.profiler). Targets: bounded gate ahead of the better of fla and "
         "FlashKDA on every row with a geomean >= 2x over that per-row best; event time over fla geomean "
@@ -364,8 +364,8 @@ def render(sources) -> str:
         "same `[slots, HV, V, K]` pool, in place, for decode and verify; `chunk_kda` for prefill), with its "
         "gate, l2norm and beta sigmoid inside its kernels. vLLM's KDA layer calls its own vendored copy of "
         "fla's Triton ops (docs/integrations.md), so the fla column stands for it. cuDNN: a prefill column "
-        "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installable here: only "
-        "issue 8's quoted H200 times enter, in the prefill bounded-gate target.", ""]
+        "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installed on the GPU "
+        "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target.", ""]
     for op, title, make in SECTIONS:
         srcs = sources.get(op, [])
         for i, src in enumerate(srcs):
@@ -389,7 +389,9 @@ HOW_TO_REPRODUCE = [
     "`bench` runs bench_decode / bench_fused_decode / bench_verify / bench_prefill over the issues' grids; "
     "`peers` runs prefill against cuDNN and fla (`bench_prefill.py --peers cudnn,fla`) and decode and "
     "verify against fla. One benchmark by hand: `python3 -m flashkda_ext bench decode --quick`; on a CPU, "
-    "`python3 benchmarks/run_all.py --dry-run` checks the scripts on tiny shapes (no numbers).", "",
+    "`python3 benchmarks/run_all.py --dry-run` checks the scripts on tiny shapes (no numbers). One device "
+    "command has 10 minutes: spread the stages (or `OPS`, the benchmarks a bench / peers stage runs) over "
+    "calls, e.g. `STAGES=peers OPS=prefill`.", "",
     "To update this page: copy a run's JSON into `benchmarks/results/h200-<date>-<commit>/` (with a README "
     "saying what ran), `python3 benchmarks/results_compact.py FILE`, point its op's entry of "
     "`benchmarks/results/current.json` at it, then `python3 benchmarks/perf_doc.py` (tests/test_perf_doc.py "
