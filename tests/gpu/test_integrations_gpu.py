@@ -1,7 +1,7 @@
 """The adoption layer on the H200: torch.compile / CUDA-graph capture of a KDA layer through the custom ops,
 the fla backend and the vLLM adapter against fla's own Triton path, and the SGLang-shaped kernel against the
 reference.
-Skips without CUDA (fla parts also without fla >= 0.6). Run by scripts/device_integrations.sh."""
+Skips without CUDA (fla parts also without fla >= 0.6). Run by scripts/device.sh (STAGES=integrations)."""
 import importlib.util
 import os
 import sys
