@@ -229,7 +229,8 @@ def main(argv=None):
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
             nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * 4
             params = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname)
-            rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes))
+            rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,
+                                       notes={"checks": checks} if checks else {}))
             ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")
             r = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname,
                      ours_ms=None if ours_t is None else ours_t / 1e3, checks=checks)

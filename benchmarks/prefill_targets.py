@@ -11,7 +11,7 @@ Per file (usually one head count) and over all files together:
 
     python benchmarks/prefill_targets.py benchmarks/results/<run>/prefill_h16.json [more.json ...]
 
-Files whose rows carry a cuDNN arm (bench_prefill.py --peers cudnn) are also read against issue 46's
+Files whose cases carry a cuDNN arm (bench_prefill.py --peers cudnn) are also read against issue 46's
 targets: not slower than cuDNN wherever cuDNN's output is finite, geomean >= 1.5x cuDNN there, the long
 prompts (B1 T32K H8 <= 0.25 ms, H16 <= 0.45 ms, 1M tokens H16 <= 12 ms per gate) and the throughput
 shapes (64x512 H16, 4x4096 H32, 8K H64 <= 0.5 ms each).
@@ -80,21 +80,24 @@ ISSUE46_MS = {"H8 B1 T32K": 0.25, "H16 B1 T32K": 0.45, "H16 B1 T1M": 12.0,
               "H16 64x512": 0.5, "H32 4x4096": 0.5, "H64 B1 T8K": 0.5}
 
 
-def evaluate_cudnn(rows: list) -> dict:
-    """Issue 46's targets over bench_prefill rows (run.extra['rows']) that carry a cuDNN arm."""
+def evaluate_cudnn(cases: list) -> dict:
+    """Issue 46's targets over bench_prefill cases that carry a cuDNN arm or a cuDNN check (notes.checks:
+    whether cuDNN's output was finite); times are the eager medians."""
     r = {"ratios": [], "behind": [], "nonfinite": [], "limits": []}
-    for row in rows:
-        name = f"{row['case']} {row['gate']}"
-        chk = (row.get("checks") or {}).get("cudnn") or {}
-        if row.get("vs_cudnn") is not None:
+    for c in cases:
+        p, arms = c["params"], c["arms"]
+        name = f"{p['case']} {p['gate']}"
+        chk = ((c.get("notes") or {}).get("checks") or {}).get("cudnn") or {}
+        ours, cud = _med(arms.get("ours"), "eager"), _med(arms.get("cudnn"), "eager")
+        if ours and cud:
             if chk.get("finite", True):
-                r["ratios"].append((name, row["vs_cudnn"]))
-                if row["vs_cudnn"] < 1.0:
-                    r["behind"].append((name, row["ours_ms"], row["cudnn_ms"]))
+                r["ratios"].append((name, cud / ours))
+                if cud < ours:
+                    r["behind"].append((name, ours / 1e3, cud / 1e3))
             else:
                 r["nonfinite"].append(name)
-        if row["case"] in ISSUE46_MS and row.get("ours_ms") is not None:
-            r["limits"].append((name, row["ours_ms"], ISSUE46_MS[row["case"]]))
+        if p["case"] in ISSUE46_MS and ours:
+            r["limits"].append((name, ours / 1e3, ISSUE46_MS[p["case"]]))
     return r
 
 
@@ -147,9 +150,8 @@ def main(argv=None) -> int:
         cases = doc["cases"]
         everything += cases
         print(report(Path(path).name, evaluate(cases)))
-        rows = [row for row in doc.get("rows", []) if "cudnn_ms" in row or (row.get("checks") or {}).get("cudnn")]
-        if rows:
-            print(report_cudnn(Path(path).name, evaluate_cudnn(rows)))
+        if any("cudnn" in c["arms"] for c in cases):
+            print(report_cudnn(Path(path).name, evaluate_cudnn(cases)))
     if len(args.results) > 1:
         print(report("all files", evaluate(everything)))
     return 0

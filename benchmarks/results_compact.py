@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 META_KEYS = ("date_utc", "gpu", "sm_count", "torch", "triton", "fla", "flashkda_ext", "gate", "state",
-             "slots", "slot_order", "fla_used")
+             "slots", "slot_order", "fla_used", "cudnn")
 CONFIG_KEYS = ("modes", "reps", "rounds", "cold_l2")
 
 
