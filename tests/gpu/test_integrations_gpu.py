@@ -211,6 +211,63 @@ def test_fla_verify_on_a_graph_padded_batch_served_matches_triton(fla_backend):
         assert torch.equal(pool[empty], pool0[empty]), "an empty request's slot changed"
 
 
+def test_fla_decode_on_a_graph_padded_batch_served_matches_triton(fla_backend):
+    """fla's decode call (1-D ssm_state_indices) on a batch padded as vLLM pads one to a CUDA-graph size:
+    5 live one-token requests, then 11 empty ones (the last offset repeated, T = N = 16) whose indices name
+    live slots. The offsets are on the device, so the adapter routes the call to kda_verify (issue 45):
+    outputs and pools agree with fla's Triton kernel, no empty request's slot changes; replayed from a
+    CUDA graph it gives the same. An int64 index that would wrap to a live slot becomes padding."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    gen = torch.Generator().manual_seed(8)
+    live, N, HV, slots = 5, 16, 16, 40
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) * 2).to(DEV), torch.randn(HV * 128, generator=gen).to(DEV)
+    pool0 = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    idx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
+    cu = torch.tensor(list(range(live + 1)) + [live] * (N - live), dtype=torch.int32, device=DEV)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    pools = []
+
+    def call(index=idx):
+        pool = pool0.clone()
+        pools.append(pool)
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=index, **kw)[0]
+    with torch.inference_mode():
+        o1, o2 = _both(fla_backend, "fused_recurrent_kda_fwd", call)
+        assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
+        assert torch.equal(o1[0, live:], torch.zeros_like(o1[0, live:]))
+        empty = idx[live:].long()
+        for pool in pools:
+            assert torch.equal(pool[empty], pool0[empty]), "an empty request's slot changed"
+        # CUDA graph: captured once, replayed on the same static tensors
+        static_pool = pool0.clone()
+        call_graph = lambda: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=static_pool,  # noqa: E731
+                                                     ssm_state_indices=idx, **kw)[0]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call_graph()                     # warm-up (JIT, verdict memo)
+        torch.cuda.current_stream().wait_stream(s)
+        static_pool.copy_(pool0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph = call_graph()
+        static_pool.copy_(pool0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_graph, o1) and torch.equal(static_pool, pools[0])
+        # 2**32 + 1 would wrap to a live slot: padding instead (zero row, nothing written)
+        wrapped = idx.long()
+        wrapped[0] = 2 ** 32 + int(idx[1])
+        pool = pool0.clone()
+        o = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=wrapped, **kw)[0]
+        assert torch.equal(o[0, 0], torch.zeros_like(o[0, 0])) and torch.equal(pool[idx[0].long()],
+                                                                                pool0[idx[0].long()])
+        torch.testing.assert_close(o[0, 1:], o1[0, 1:], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM adapter (no vllm here): tests/vllm_fake.py's stand-in modules, whose "original" ops run fla's Triton
 # kernels with vLLM's fixed choices (vLLM vendors fla's ops; only the signatures differ), against the
