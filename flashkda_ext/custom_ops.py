@@ -17,7 +17,7 @@ Python work per call that grows with the argument count (~100 us for kda_decode'
 CPU, in torch 2.13's ADInplaceOrView wrapper), the plain definition only the dispatcher's own round trip
 (3.1-4.3 us for 16-23 arguments on that CPU, what a no-op kernel costs too: scripts/custom_op_floor.py;
 backend keys instead of CompositeExplicitAutograd, or an Autograd fallthrough, measured no faster:
-docs/perf-notes.md). What the decorator's extra kernels do (autograd checks, version-counter bumps of the
+the git history of docs/perf-notes.md). What the decorator's extra kernels do (autograd checks, version-counter bumps of the
 written tensors) an inference op does not need.
 
 Direct calls. torch.ops.flashkda_ext.<op> is public too, so the op layer refuses what the dispatcher
