@@ -362,7 +362,7 @@ def test_emitted_definition_and_workload_validate(op, kw, tmp_path):
     assert trace_consumer.check_call(d, lines[0]["workload"]["axes"]) == []
     var = {a for a, ax in d["axes"].items() if ax["type"] == "var"}
     for c in d["constraints"]:
-        assert trace._names(c) & var, c
+        assert trace.definitions._names(c) & var, c
     # every var axis is bound by an input (flashinfer-bench binds axes from inputs only), to the
     # value the workload recorded
     inputs = reference_inputs(d, args, lines[0], tmp_path)
@@ -457,12 +457,12 @@ def test_definition_cache_is_keyed_on_everything_the_template_reads():
     for op, kw in VARIANTS:
         args = CASE[op](**kw)
         f = trace.facts(op, CHECK[op](**args), args)
-        assert trace.build_definition(op, f) == trace._build_definition(op, f)
+        assert trace.build_definition(op, f) == trace.definitions._build_definition(op, f)
         # var-axis facts and workload scalars do not change the definition ...
         g = dict(f, rows=99, slots=98, seqlen=97, scale=0.5, lower_bound=-1.5)
         assert trace.build_definition(op, g) is trace.build_definition(op, f)
         # ... every other fact the template reads does
-        for key in trace._definition_keys(op):
+        for key in trace.definitions._definition_keys(op):
             assert key in f, (op, key)
         h = dict(f, gate="log" if f["gate"] != "log" else "bounded", has_A_log=True, has_dt_bias=True)
         assert trace.build_definition(op, h)["name"] != trace.build_definition(op, f)["name"]
@@ -524,7 +524,7 @@ def test_emit_is_a_noop_when_disabled(tmp_path):
 def test_failure_warns_once_and_never_raises(tmp_path, monkeypatch):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")                             # makedirs under a file fails
-    monkeypatch.setattr(trace, "_warned", set())
+    monkeypatch.setattr(trace.emission, "_warned", set())
     args = decode_case()
     call = CHECK["kda_decode"](**args)
     with trace.tracing(blocker / "sub"):
@@ -537,7 +537,7 @@ def test_failure_warns_once_and_never_raises(tmp_path, monkeypatch):
 
 
 def test_float64_calls_are_skipped_with_one_warning(tmp_path, monkeypatch):
-    monkeypatch.setattr(trace, "_warned", set())
+    monkeypatch.setattr(trace.emission, "_warned", set())
     args = decode_case(dtype=torch.float64)
     call = CHECK["kda_decode"](**args)
     with trace.tracing(tmp_path):
@@ -690,7 +690,7 @@ def test_consumer_flags_violations_and_refuses_code(tmp_path):
 def test_fused_calls_without_the_gate_parameters_a_gate_reads_are_not_traced(tmp_path, monkeypatch):
     """fused_kda_decode takes A_log and dt_bias positionally: its definitions carry both for the
     gates that read them, so a bounded call leaving them out has no definition."""
-    monkeypatch.setattr(trace, "_warned", set())
+    monkeypatch.setattr(trace.emission, "_warned", set())
     args = dict(fused_case(gate="bounded"), A_log=None, dt_bias=None)
     call = CHECK["fused_kda_decode"](**args)
     f = trace.facts("fused_kda_decode", call, args)
@@ -710,7 +710,7 @@ def test_fused_calls_without_the_gate_parameters_a_gate_reads_are_not_traced(tmp
 def test_index_tensors_that_cannot_be_read_are_not_traced(tmp_path, monkeypatch):
     """Meta index tensors hold no values (nor can CUDA ones be copied during graph capture): a
     workload without them could not be evaluated, so the call is not traced, with one warning."""
-    monkeypatch.setattr(trace, "_warned", set())
+    monkeypatch.setattr(trace.emission, "_warned", set())
     q = torch.empty(2, 2, 8, device="meta")
     args = dict(q=q, k=q, v=q, g=q, beta=torch.empty(2, 2, device="meta"), state=torch.empty(3, 2, 8, 8, device="meta"),
                 state_indices=torch.empty(2, dtype=torch.int32, device="meta"), A_log=torch.empty(2, device="meta"),
@@ -743,7 +743,7 @@ def test_host_index_tensors_are_saved_once_per_content(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_index_tensors_saved_and_calls_during_capture_not_traced(tmp_path, monkeypatch):
-    monkeypatch.setattr(trace, "_warned", set())
+    monkeypatch.setattr(trace.emission, "_warned", set())
     dev = "cuda"
     args = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in decode_case(slot_mode="padded").items()}
     call = validation.check_kda_decode(**args, backend="cpu")   # emission only: no kernel needed
