@@ -179,8 +179,8 @@ def _stub(root: pathlib.Path) -> None:
     _module("sglang.kernels.ops.mamba.causal_conv1d_triton", causal_conv1d_fn=identity,
             causal_conv1d_update=identity, PAD_SLOT_ID=-1)
     _module("sglang.kernels.ops.attention.kda_fused_decode", covered=no, kda_fused_decode=None)
-    _module("sglang.kernels.ops.attention", kda_fused_decode=sys.modules["sglang.kernels.ops.attention.kda_fused_decode"],
-            __path__=[])
+    fused = sys.modules["sglang.kernels.ops.attention.kda_fused_decode"]
+    _module("sglang.kernels.ops.attention", kda_fused_decode=fused, __path__=[])
     sys.modules["sglang.kernels.ops.attention.fla"].__path__ = []
     _module("sglang.kernels.ops.attention.fla.fused_recurrent",
             fused_recurrent_kda_packed_decode=_recording("fused_recurrent_kda_packed_decode"))

@@ -210,8 +210,9 @@ class FlashKDAExtKernel:
                              f"{list(cache_indices.shape) if torch.is_tensor(cache_indices) else cache_indices!r}")
         N = cache_indices.shape[0]
         if not torch.is_tensor(query_start_loc) or query_start_loc.shape != (N + 1,):
+            got = list(query_start_loc.shape) if torch.is_tensor(query_start_loc) else query_start_loc
             raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
-                             f"got {list(query_start_loc.shape) if torch.is_tensor(query_start_loc) else query_start_loc}")
+                             f"got {got}")
         want_h = bool(return_intermediate_states or output_intermediate_states)
         # h is materialized only where SGLang may read it: track_state replaces it, an empty
         # track_ssm_h_src says no row of it is read
