@@ -329,3 +329,22 @@ def test_a_missing_wheel_fails_under_ci_and_skips_elsewhere(ci, monkeypatch, tmp
     expected = pytest.fail.Exception if ci else pytest.skip.Exception
     with pytest.raises(expected, match="sglang==0.5.23 wheel not available"):
         sglang_wheel.find_wheel()
+
+
+def test_every_capability_flag_the_dispatcher_reads_is_declared(sgl):
+    """The flags kda_backend.py reads from a kernel, taken from its source: each is set on FlashKDAExtKernel
+    itself (not inherited by accident, not left to a getattr default)."""
+    import re
+    src = (sgl.root / "sglang/srt/layers/attention/linear/kda_backend.py").read_text()
+    names = set(re.findall(r"\b((?:supports|uses)_[a-z_]+)", src))
+    # read from the backend itself, or from other kernels' instances (cutedsl / ptx / nvidia prefill)
+    names -= {"supports_prefill_graph_extend", "supports_ragged_verify_graph", "supports_prefill"}
+    assert names and names <= set(vars(fk.FlashKDAExtKernel)), sorted(names - set(vars(fk.FlashKDAExtKernel)))
+
+
+def test_the_plugin_is_inert_until_a_phase_names_flashkda_ext(sgl):
+    d = select(sgl, decode="triton", prefill="triton", verify="triton")
+    assert all(isinstance(getattr(d, a), sgl.kda_triton.TritonKDAKernel)
+               for a in ("decode_kernel", "extend_kernel", "verify_kernel"))
+    target = "sglang.srt.layers.attention.linear.kda_backend.KDAKernelDispatcher.__init__"
+    assert target not in sgl.hook_registry.HookRegistry._patched
