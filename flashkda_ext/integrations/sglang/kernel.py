@@ -105,9 +105,10 @@ class FlashKDAExtKernel:
         if query_start_loc.device.type == "cpu" and query_start_loc.tolist() != list(range(N + 1)):
             raise ValueError(f"query_start_loc: decode expects offsets 0, 1, ..., N (one token per request), "
                              f"got {query_start_loc.tolist()}")
+        o = self._decode(q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a, b, A_log, dt_bias,
+                         ssm_states, cache_indices, lower_bound, None, out)
         STATS["decode", "served"] += 1
-        return self._decode(q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a, b, A_log, dt_bias,
-                            ssm_states, cache_indices, lower_bound, None, out)
+        return o
 
     def packed_decode(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, A_log: torch.Tensor,
                       dt_bias: torch.Tensor, scale: float, ssm_states: torch.Tensor, cache_indices: torch.Tensor,
@@ -135,9 +136,9 @@ class FlashKDAExtKernel:
                              f"(K from ssm_states)")
         H = qk // (2 * K)
         q, k, v = mixed_qkv.split([H * K, H * K, HV * V], dim=-1)
-        STATS["packed_decode", "served"] += 1
         o = self._decode(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, HV, V), a, b, A_log, dt_bias,
                          ssm_states, cache_indices, lower_bound, scale, None)
+        STATS["packed_decode", "served"] += 1
         return o
 
     def _decode(self, q, k, v, a, b, A_log, dt_bias, ssm_states, cache_indices, lower_bound, scale, out):
@@ -231,15 +232,16 @@ class FlashKDAExtKernel:
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
         if not ckpt:
+            o = kda_prefill(*args, **kw)[0]
             STATS["extend", "served"] += 1
-            return (kda_prefill(*args, **kw)[0], None) if want_h else kda_prefill(*args, **kw)[0]
+            return (o, None) if want_h else o
         kw.update(checkpoint_every=self.chunk_size, max_seqlen=max(lengths, default=0))
         # every check kda_prefill makes runs before the start states are read (a bad index is named, not an
         # IndexError of the gather)
         validation.check_kda_prefill(*args, **kw)
         initial = extend_states.gather_states(ssm_states, idx)
-        STATS["extend", "served"] += 1
         o, _, checkpoints = kda_prefill(*args, **kw)
+        STATS["extend", "served"] += 1
         if track_state is not None:
             extend_states.write_track(track_state, track_chunk_idx, initial, checkpoints, query_start_loc,
                                       self.chunk_size)
