@@ -1,7 +1,7 @@
 """Adapters that let serving stacks call flashkda_ext in their own call shapes (docs/integrations.md).
 
 fla: a backend for fla's registry (flashkda_ext.integrations.fla.register()).
-sglang: a kernel backend with SGLang's linear-attention call shapes (no sglang import).
+sglang: SGLang 0.5.23's KDA kernel backend (a package: the kernel, its sglang.srt.plugins entry point, install()).
 vllm: install() rebinds the KDA ops vLLM vendors from fla to adapters on the fla mapping (vllm imported then only).
 Here: the per-chunk state layout both adapters return.
 """

@@ -63,3 +63,13 @@ def narrow_int32(name: str, x: Optional[torch.Tensor], low: int = INT32_MIN, hig
         raise ValueError(f"{name}: {x.dtype} values on {x.device} cannot be range-checked before the int32 "
                          f"narrowing without a device-to-host copy; pass int32 or host values")
     return torch.where((x >= low) & (x <= high), x, pad).to(torch.int32)
+
+
+def int32_indices(name: str, x, shape) -> torch.Tensor:
+    """Slot indices (an int32 or int64 tensor) reshaped to `shape` as contiguous int32, through
+    narrow_int32: host values out of the int32 range raise naming `name`; device values out of it become
+    -1 (padding: touches nothing)."""
+    if not torch.is_tensor(x) or x.dtype not in (torch.int32, torch.int64):
+        got = x.dtype if torch.is_tensor(x) else type(x).__name__
+        raise ValueError(f"{name}: expected an int32 or int64 tensor, got {got}")
+    return narrow_int32(name, x.reshape(shape), pad=-1).contiguous()
