@@ -1,6 +1,6 @@
 """Output and final-state error of CUDA kda_prefill modules against the float64 token recurrence.
 
-    python3 scripts/prefill_accuracy.py [--modules prefill_vt16_f32,prefill_fast_vt16_f32] [--seeds 11,12,...]
+    python3 scripts/prefill_accuracy.py [--modules prefill_vt16_f32,prefill_vt64_f32] [--seeds 11,12,...]
 
 The same fresh random inputs for every module (bf16 q, k, v, g, beta, fp32 initial state), per
 case: the benchmark's softplus and bounded inputs (benchmarks/bench_prefill.py), the log gate, and
@@ -65,7 +65,7 @@ def run_module(mod, d, gate):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modules", default="prefill_vt16_f32,prefill_fast_vt16_f32")
+    ap.add_argument("--modules", default="prefill_vt16_f32,prefill_vt64_f32")
     ap.add_argument("--seeds", default="11", help="comma list of input seeds")
     a = ap.parse_args(argv)
     from flashkda_ext import jit
