@@ -969,8 +969,8 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
 // after its own wait for earlier grids), `started` tells the state pass that the prep runs.
 // StateArgs::single is 0 here (kda_prefill.cu): every chunk goes through the state pass.
 template <typename ST>
-__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_ov_kernel(const PrepArgs a,
-                                                                                                   const OvArgs o) {
+__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS)
+    kda_prep_ov_kernel(const PrepArgs a, const OvArgs o) {
   if (threadIdx.x == 0) {
     while (ld_acquire_gpu(o.go) != 1u) __nanosleep(64);
     st_release_gpu(o.started, 1u);
