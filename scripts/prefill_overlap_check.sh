@@ -20,7 +20,7 @@ tail -2 "$OUT/build.log"
 stage tests 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_prefill_gpu.py -k "ov_vt16"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15
 stage memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 7 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/gpu/test_prefill_gpu.py -k "overlap and ov_vt16_f32 and (b1_t4096 or varlen_pool or graph)"
+  tests/gpu/test_prefill_gpu.py -k "ov_vt16_f32 and (overlap_graph or (overlap_equals and (log_decay or gva)))"
 grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -4
 stage timing 180 python3 scripts/prefill_overlap_timing.py --out "$OUT/prefill_overlap_timing.json"
 cat "$OUT/timing.log"
