@@ -65,7 +65,7 @@ def test_scan_covers_the_project():
     # Guards the scan itself: it must see the performance page, the records and the kernels.
     names = {p.relative_to(ROOT).as_posix() for p in _scanned_files()}
     for expected in ("docs/performance.md", "jit/routes/kda_decode.json",
-                     "csrc/prefill/README.md", "tests/test_provenance.py"):
+                     "csrc/prefill/kda_prefill_prep.cuh", "tests/test_provenance.py"):
         assert expected in names
 
 

@@ -1,152 +1,31 @@
-// KDA prefill on sm_90a: the chunked (WY / UT) form of docs DESIGN.md 2b, in two kernels.
+// The chunk preparation of the sm_90a prefill (kda_prefill_layout.cuh for the shared layout):
 //
 //   kda_prep_lite_kernel  grid (chunk slots x HV), 256 threads, 2 CTAs/SM. Everything independent
 //                         across chunks: gate + cumsum, l2norm, L and Aqk, (I+L)^-1, W, U,
 //                         Q o exp(G), exp(G_C - G) o K, exp(G_C). Written to a workspace slot.
 //                         With StateArgs::single, a sequence of one chunk is finished here too
-//                         (prep_single_chunk_state): no state pass, no wait on the whole grid.
-//   kda_state_kernel      grid (V tiles, HV, N), 128 threads. The ordered part: the fp32 state tile
-//                         lives in registers across the sequence's chunks; three small GEMMs a
-//                         chunk (state_chunk_step); chunks arrive by bulk copies (TMA) into a 1-3
-//                         deep ring.
-//
-// Chunk slots: sequence n owns slots floor(cu[n]/64) + n + c, c < ceil(len_n/64). These never
-// overlap and are < floor(T/64) + N, so a CTA finds its (sequence, chunk) by a binary search of
-// cu_seqlens on the device (no host copy) and slots in the gaps exit at once.
+//                         (prep_single_chunk_state, on kda_prefill_state.cuh's chunk step): no
+//                         state pass, no wait on the whole grid.
 //
 // Numerics: G is kept in log2 units, relative to the chunk start, so every exponent taken is of
 // a non-positive number (exp(G_i - G_j), j <= i), whatever the gate: no inf, underflow to 0 only
 // where the true value is below fp32 range. The tensor-core form of the strictly-lower blocks of
 // L and Aqk uses, for row block I, the anchor a = 16 I - 1 (last row before the block):
 // exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j) with both factors <= 1 (i > a >= j).
-// The 16x16 diagonal blocks use the elementwise form in fp32, or (FKDA_PARAM_DIAG_MMA) tensor
-// cores with a mid-block anchor when the block's gate range keeps every factor below 2^100:
-// 1 = one bf16 product (faster, ~10% more output error), 2 = each operand split into bf16 hi + lo
-// and three products (hi hi + hi lo + lo hi: ~16 bits per operand, the accuracy of the fp32
-// elementwise form at a third of its instructions).
+// The 16x16 diagonal blocks go on tensor cores with a mid-block anchor when the block's gate range
+// keeps every factor below 2^100, each operand split into bf16 hi + lo and three products (hi hi +
+// hi lo + lo hi: ~16 bits per operand, the accuracy of the fp32 elementwise form at a third of its
+// instructions); a block outside that range takes the elementwise form in fp32.
 // The decay factors of q and k are taken once per element (prep step 4): F_i = exp(G_i - G_s) and
 // R_i = exp(G_e - G_i), s = 16 I - 1 and e = 16 I + 15 around row i's block I; every operand that
 // carries a decay is F_i or R_i times a per-key factor exp(G_x - G_y) with x >= y (so <= 1): a
 // product underflows only where the true value is below both.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#include "common/bulk_copy.cuh"
-#include "common/grid_dependency.cuh"
+#include "kda_prefill_layout.cuh"
+#include "kda_prefill_state.cuh"
 
 namespace fkda_prefill {
-
-using bf16 = __nv_bfloat16;
-
-constexpr int kC = 64;   // chunk
-constexpr int kK = 128;  // key head dim
-constexpr int kV = 128;  // value head dim
-
-constexpr int kLdB = kK + 8;       // bf16 rows of 128 (+16 B so ldmatrix rows hit distinct banks)
-constexpr int kLdG = kK + 4;       // fp32 rows of G
-constexpr int kLdM = kC + 4;       // 64x64 matrices of fp32 or split words (L, X): 16-byte rows
-constexpr int kLdX = kC + 8;       // bf16 64x64 matrices
-
-// One workspace slot per (chunk slot, value head), laid out exactly as the state pass keeps it in
-// shared memory (padded rows), so it moves with one bulk copy: [W | Qg | Kd] bf16 [64][kLdB],
-// Aqk bf16 [64][kLdX], exp(G_C) fp32 [128], then U in 16-column blocks bf16 [8][64][kLdU16]
-// (a V tile of the state pass is a run of whole blocks). U's rows are not padded: it is only read
-// and written as 4-byte pairs (2-way bank conflicts), and padding made it a third of every slot's
-// bytes that carry nothing.
-constexpr int kLdU16 = 16;
-constexpr size_t kWsW = 0;
-constexpr size_t kWsQg = kWsW + size_t(kC) * kLdB * 2;
-constexpr size_t kWsKd = kWsQg + size_t(kC) * kLdB * 2;
-constexpr size_t kWsA = kWsKd + size_t(kC) * kLdB * 2;
-constexpr size_t kWsGc = kWsA + size_t(kC) * kLdX * 2;
-constexpr size_t kWsU = kWsGc + size_t(kK) * 4;
-constexpr size_t kUBlockBytes = size_t(kC) * kLdU16 * 2;
-constexpr size_t kSlotBytes = kWsU + (kV / 16) * kUBlockBytes;
-static_assert(kWsU % 16 == 0 && kSlotBytes % 128 == 0, "bulk copies need 16 B alignment");
-// Element offset of U[row][col] inside the U area.
-__host__ __device__ constexpr int u_off(int row, int col) {
-  return (col >> 4) * (kC * kLdU16) + row * kLdU16 + (col & 15);
-}
-
-inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
-  return total_tokens / kC + num_seqs;
-}
-// The binding rounds a caller's workspace pointer up to kWorkspaceAlign (bulk copies want it; XLA
-// only promises 128-byte buffers), so the size asked for carries that slack.
-constexpr int64_t kWorkspaceAlign = 256;
-inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
-  return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes) + kWorkspaceAlign;
-}
-
-// ---- state kernel shared memory map --------------------------------------------------------------
-// Default ring depth of the state pass: chunk c+NS-1 is loading while chunk c is used (3 deep where
-// shared memory allows). One CTA an SM at these depths (168-214 KB).
-template <int VT>
-constexpr int default_ring() { return VT <= 32 ? 3 : 2; }
-
-// RING = 1: no prefetch, about half the shared memory, so 2 (V tile 32, 64) or 3 (16) CTAs an SM;
-// for many short sequences, where a CTA has one or two chunks and nothing to prefetch.
-template <int VT, int RING = default_ring<VT>()>
-struct StateSmem {
-  static_assert(RING >= 1 && RING <= 3, "ring depth 1..3");
-  static constexpr int NS = RING;
-  static constexpr int kLdU = VT + 8;                  // Sb and V' rows
-  static constexpr int kW = int(kWsW), kQg = int(kWsQg), kKd = int(kWsKd), kA = int(kWsA);
-  static constexpr int kGc = int(kWsGc), kU = int(kWsU);
-  static constexpr int kSide = int(kWsU);             // bytes of [W | Qg | Kd | A | gC]
-  static constexpr int kUBytes = (VT / 16) * int(kUBlockBytes);
-  static constexpr int kStage = kSide + kUBytes;
-  static constexpr int kSb = NS * kStage;          // bf16 [128][kLdU] state for the B operand
-  static constexpr int kVp = kSb + kK * kLdU * 2;  // bf16 [64][kLdU] V'
-  static constexpr int kBar = kVp + kC * kLdU * 2; // NS mbarriers
-  static constexpr int kTotal = kBar + NS * 8;
-  static_assert(kStage % 16 == 0 && kBar % 8 == 0, "alignment");
-};
-
-// ---- small PTX helpers ---------------------------------------------------------------------------
-using fkda::smem_u32;
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-// D += A (16x16, row) * B (16x8, col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float lg2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float rsqrt_ftz(float x) {
-  float y;
-  asm("rsqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_ftz(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 constexpr float kLog2e = 1.4426950408889634f;
 // The per-step log decay of one key in log2 units (G is kept in log2 units) is mult * value(raw)
@@ -196,74 +75,6 @@ __device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], const bf16* graw
   }
   return run;
 }
-__device__ __forceinline__ void cp_async16(void* s, const void* g) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g));
-}
-// 16 bytes, or zeros when bytes == 0 (nothing is read then; g must still be a mapped address).
-__device__ __forceinline__ void cp_async16_zfill(void* s, const void* g, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(g), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Fragment loaders (mma m16n8k16 layouts). A 16x16 tile from a row-major [m][k] array:
-__device__ __forceinline__ void load_a(uint32_t* a, const bf16* base, int ld, int m0, int k0,
-                                       int lane) {
-  ldsm_x4(a, base + (m0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 8);
-}
-// A 16x16 tile whose storage is transposed ([k][m] row-major):
-__device__ __forceinline__ void load_a_t(uint32_t* a, const bf16* base, int ld, int m0, int k0,
-                                         int lane) {
-  ldsm_x4_t(a, base + (k0 + (lane & 7) + (lane >> 4) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
-}
-// B for two n8 tiles (k16 x n16) from a [k][n] row-major array: b[0..1] tile n0, b[2..3] n0+8.
-__device__ __forceinline__ void load_b_kn(uint32_t* b, const bf16* base, int ld, int k0, int n0,
-                                          int lane) {
-  ldsm_x4_t(b, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
-}
-// B for two n8 tiles from an [n][k] row-major array.
-__device__ __forceinline__ void load_b_nk(uint32_t* b, const bf16* base, int ld, int n0, int k0,
-                                          int lane) {
-  ldsm_x4(b, base + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 x = __bfloat1622float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-__device__ __forceinline__ void unpack4(const uint2& u, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-  float2 x = __bfloat1622float2(h[0]), y = __bfloat1622float2(h[1]);
-  f[0] = x.x; f[1] = x.y; f[2] = y.x; f[3] = y.y;
-}
-__device__ __forceinline__ uint2 pack4(const float* f) {
-  return make_uint2(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]));
-}
-__device__ __forceinline__ void load4(const float* p, float* f) {
-  const float4 x = *reinterpret_cast<const float4*>(p);
-  f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
-}
-__device__ __forceinline__ uint4 pack8(const float* f) {
-  uint4 u;
-  u.x = pack_bf16(f[0], f[1]);
-  u.y = pack_bf16(f[2], f[3]);
-  u.z = pack_bf16(f[4], f[5]);
-  u.w = pack_bf16(f[6], f[7]);
-  return u;
-}
-
 // (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)): ~16 bits of each x.
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16(x0, x1);
@@ -297,9 +108,6 @@ __device__ __forceinline__ void store_x_row_pair(uint32_t* Xw, bf16* Xb, int row
 // consecutive lanes' 16-byte shared loads of fp32 G cover 128 contiguous bytes (no bank conflicts).
 __device__ __forceinline__ int col4(int e) { return ((e >> 4) & 1) * 64 + (e & 15) * 4; }
 
-__device__ __forceinline__ int64_t load_cu(const void* cu, int cu64, int64_t i) {
-  return cu64 ? static_cast<const int64_t*>(cu)[i] : int64_t(static_cast<const int32_t*>(cu)[i]);
-}
 // The sequence of a chunk slot: n, the largest with floor(cu[n]/64) + n <= slot (that key is
 // strictly increasing in n), its first token bos and its length; cu_at(i) reads offset i (global
 // memory, or the prep kernel's staged copy).
@@ -316,385 +124,6 @@ __device__ __forceinline__ SeqSpan find_seq(const CuAt& cu_at, int N, int64_t sl
   }
   const int64_t bos = cu_at(lo);
   return {lo, bos, cu_at(lo + 1) - bos};
-}
-
-// ---- the ordered state update of one chunk: shared by the state pass and by the prep kernel's
-// path for sequences of one chunk (StateArgs::single) ------------------------------------------
-struct StateArgs {
-  const uint8_t* ws;
-  const void* cu;
-  int cu64;
-  int N, HV;
-  const void* init;         // [slots or N, HV, V, K] or null
-  void* fin;                // may alias init (pool in place)
-  const int32_t* idx;       // pool indices or null
-  int64_t num_slots;        // pool slots: an index >= this is treated as padding (never out of bounds)
-  int64_t slot_stride;      // elements between init / fin slots (HV*V*K dense; more for a paged pool)
-  int null_slot0;
-  void* ckpt;               // [N, Cc, HV, V, K] or null
-  int tma;                  // 1: bulk copies on mbarriers; 0: cp.async
-  int single;               // 1: sequences of one chunk are finished by the prep kernel
-  int64_t ckpt_count;
-  int64_t ckpt_every;
-  bf16* out;                // [T, HV, V]
-};
-
-// acc[0] += acc[1] + ...: the partial sums of a k-reduction split over independent accumulator sets.
-template <int KS, int NT>
-__device__ __forceinline__ void fold_partial_sums(float (&acc)[KS][NT][4]) {
-#pragma unroll
-  for (int p = 1; p < KS; ++p)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[p][nt][e];
-}
-
-template <typename ST>
-__device__ __forceinline__ float ld_state(const ST* p);
-template <>
-__device__ __forceinline__ float ld_state<float>(const float* p) { return *p; }
-template <>
-__device__ __forceinline__ float ld_state<bf16>(const bf16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void st_state(float* p, float x) { *p = x; }
-__device__ __forceinline__ void st_state(bf16* p, float x) { *p = __float2bfloat16(x); }
-
-// Register state tile of a warp (w = 0..3 of a 4-warp group): rows d = 32 w + 16 mt + g (+8),
-// columns v = v0 + 8 nt + 2 tq (+1) of one [V][K] state.
-template <int VT, typename ST>
-__device__ __forceinline__ void store_state_tile(ST* base, const float (&s)[2][VT / 8][4], int w,
-                                                 int lane, int v0) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
-        st_state(base + size_t(vv) * kK + d, s[mt][nt][e]);
-      }
-}
-// The same tile from src, or zeros when src is null.
-template <int VT, typename ST>
-__device__ __forceinline__ void load_state_tile(float (&s)[2][VT / 8][4], const ST* src, int w, int lane,
-                                                int v0) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int d = w * 32 + mt * 16 + g + 8 * (e >> 1), vv = v0 + nt * 8 + 2 * tq + (e & 1);
-        s[mt][nt][e] = src ? ld_state(src + size_t(vv) * kK + d) : 0.f;
-      }
-}
-// The bf16 copy of the tile that feeds the B operand of V' = U - W S and O = Qg S ([K][VT + 8]).
-template <int VT>
-__device__ __forceinline__ void write_state_bf16(bf16* Sb, const float (&s)[2][VT / 8][4], int w, int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<uint32_t*>(Sb + (w * 32 + mt * 16 + g + 8 * h) * (VT + 8) + nt * 8 + 2 * tq) =
-            pack_bf16(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
-}
-
-// Sequence n's pool slot (or n); true when the row is padding (nothing read or written).
-__device__ __forceinline__ bool state_slot(const StateArgs& a, int n, int64_t& slot) {
-  slot = n;
-  if (!a.idx) return false;
-  const int s = a.idx[n];
-  slot = s;
-  return s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0);
-}
-
-// After chunk c of sequence n (length len): the checkpoint that falls on its end, if any
-// (checkpoints fall on whole chunks: every % 64 == 0).
-template <int VT, typename ST>
-__device__ __forceinline__ void store_checkpoint(const StateArgs& a, const float (&s)[2][VT / 8][4], int n,
-                                                 int hv, int64_t c, int64_t len, int w, int lane, int v0) {
-  if (!a.ckpt) return;
-  const int64_t done = (c + 1) * kC;
-  if (done <= len && done % a.ckpt_every == 0) {
-    const int64_t m = done / a.ckpt_every - 1;
-    if (m < a.ckpt_count) {
-      ST* dst = static_cast<ST*>(a.ckpt) + ((size_t(n) * a.ckpt_count + m) * a.HV + hv) * kV * kK;
-      store_state_tile<VT, ST>(dst, s, w, lane, v0);
-    }
-  }
-}
-
-// The pieces of one chunk for a VT-column tile. A group of 4 warps (w = 0..3) covers the chunk's
-// 64 rows, 16 a warp; the state tile of warp w is rows d = 32 w .. 32 w + 31 of S.
-// KS: independent accumulator sets per k-reduction. With few V columns a warp holds too few
-// independent accumulators to hide the mma latency, so even and odd k-steps go to separate ones
-// (KS = 2), summed at the end (H200, 1x32768 H16, vt16: 0.52 vs 0.545 ms).
-template <int VT>
-constexpr int default_ks() { return VT <= 32 ? 2 : 1; }
-
-// Reads moved to the start of the chunk, off the chain (H200 A/Bs, eager, 2 rounds):
-// - U before the W S products: 2-5.5% faster on the rows V tiles 32 and 64 serve (2026-11-29,
-//   d43aaf2); at V tile 16 about 0.8% (2026-11-30, 615ddfc, with the output and update interleaved;
-//   in the d43aaf2 (2026-11-29) runs, before that, it measured 0.4-2% slower). The prep kernel's
-//   one-chunk path (kSplit) keeps the late read.
-// - exp(G_C) of the thread's S rows, for the state update: 0.9% faster at V tile 16, 0.4% at 64,
-//   0.4-1% slower at 32 (2026-11-30, 615ddfc, 30 / 46 / 4 rows), so not there.
-template <int VT, bool kSplit>
-constexpr bool early_u() { return VT >= 32 || !kSplit; }
-template <int VT, bool kSplit>
-constexpr bool early_decay() { return VT != 32 && !kSplit; }
-
-// This thread's U entries of rows 16 w (the pairs store_vprime subtracts from), bf16 pairs.
-template <int VT>
-__device__ __forceinline__ void load_u_pairs(uint32_t (&u)[VT / 8][2], const bf16* Us, int w, int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      u[nt][h] = *reinterpret_cast<const uint32_t*>(Us + u_off(w * 16 + g + 8 * h, nt * 8 + 2 * tq));
-}
-
-// V' = U - (W S) for rows 16 w into Vp (ws: W S, partial sums already folded into set 0); U from
-// the pairs u (kEarlyU) or read from Us here.
-template <int VT, int KS, bool kEarlyU>
-__device__ __forceinline__ void store_vprime(bf16* Vp, const uint32_t (&u)[VT / 8][2], const bf16* Us,
-                                             const float (&ws)[KS][VT / 8][4], int w, int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
-      const float2 uf = __bfloat1622float2(
-          kEarlyU ? *reinterpret_cast<const __nv_bfloat162*>(&u[nt][h])
-                        : *reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
-      *reinterpret_cast<uint32_t*>(Vp + row * (VT + 8) + col) =
-          pack_bf16(uf.x - ws[0][nt][2 * h], uf.y - ws[0][nt][2 * h + 1]);
-    }
-}
-
-template <int KS, int NT>
-__device__ __forceinline__ void zero_acc(float (&acc)[KS][NT][4]) {
-#pragma unroll
-  for (int p = 0; p < KS; ++p)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[p][nt][e] = 0.f;
-}
-
-// The pieces of the two products that read V' (after it is complete):
-//   o (= Qg S for rows 16 w) += Aqk V' (Aqk lower triangular: k-steps 0..w), rows < valid stored
-//   at out + row * out_ld;
-//   S = Diag(exp(G_C)) S + Kd^T V' (this warp's 32 rows of S), and Sb refreshed from the new S (the
-//   caller makes sure every warp has read the old Sb).
-// This thread's rows of exp(G_C): [mt][h] for S rows 32 w + 16 mt + g + 8 h.
-__device__ __forceinline__ void load_decays(float (&gd)[2][2], const float* gc, int w, int lane) {
-  const int g = lane >> 2;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    gd[mt][0] = gc[w * 32 + mt * 16 + g];
-    gd[mt][1] = gc[w * 32 + mt * 16 + g + 8];
-  }
-}
-template <int VT>
-__device__ __forceinline__ void decay_state(float (&s)[2][VT / 8][4], const float (&gd)[2][2]) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int nt = 0; nt < VT / 8; ++nt) {
-      s[mt][nt][0] *= gd[mt][0]; s[mt][nt][1] *= gd[mt][0];
-      s[mt][nt][2] *= gd[mt][1]; s[mt][nt][3] *= gd[mt][1];
-    }
-  }
-}
-// With KS = 2 the odd k-steps of Kd^T V' go to a second accumulator set t (with few V columns a
-// warp holds too few independent accumulators to hide the mma latency), added to S at the end.
-template <int VT, int KS>
-using UpdatePartial = float[KS == 2 ? 2 : 1][VT / 8][4];
-// Kd^T V' at k-step ks for the V' fragment pair np (bb), both 16-row halves of the warp's S rows.
-template <int VT, int KS>
-__device__ __forceinline__ void update_mma(float (&s)[2][VT / 8][4], UpdatePartial<VT, KS>& t,
-                                           const uint32_t (&ak)[2][4], const uint32_t* bb, int ks, int np) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    if (KS == 2 && (ks & 1)) {  // resolved at compile time (unrolled)
-      mma_bf16(t[KS == 2 ? mt : 0][2 * np], ak[mt], bb);
-      mma_bf16(t[KS == 2 ? mt : 0][2 * np + 1], ak[mt], bb + 2);
-    } else {
-      mma_bf16(s[mt][2 * np], ak[mt], bb);
-      mma_bf16(s[mt][2 * np + 1], ak[mt], bb + 2);
-    }
-  }
-}
-template <int VT, int KS>
-__device__ __forceinline__ void add_update_partial(float (&s)[2][VT / 8][4], const UpdatePartial<VT, KS>& t) {
-  if (KS == 2) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < VT / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] += t[KS == 2 ? mt : 0][nt][e];
-  }
-}
-template <int VT, int KS>
-__device__ __forceinline__ void store_output_rows(float (&o)[KS][VT / 8][4], bf16* out, size_t out_ld, int valid,
-                                                  int w, int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-  fold_partial_sums(o);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = w * 16 + g + 8 * h;
-    if (row < valid) {
-      bf16* op = out + size_t(row) * out_ld;
-#pragma unroll
-      for (int nt = 0; nt < VT / 8; ++nt)
-        *reinterpret_cast<uint32_t*>(op + nt * 8 + 2 * tq) = pack_bf16(o[0][nt][2 * h], o[0][nt][2 * h + 1]);
-    }
-  }
-}
-
-// Both products k-step by k-step (the state pass): each V' fragment is loaded once for both, and
-// their mma chains interleave. One after the other, the output's load -> mma latencies sat on the
-// state's path to the next chunk (H200 A/B, 2026-11-30, 615ddfc: 2.5% faster on the rows V tile 16
-// serves, 3.8% on V tile 32's, 0.3-0.7% on V tile 64's).
-// Every accumulator sees the same products in the same order as in the split form below.
-template <int VT, int KS>
-__device__ __forceinline__ void output_and_update(float (&o)[KS][VT / 8][4], float (&s)[2][VT / 8][4], bf16* Sb,
-                                                  const bf16* Vp, const bf16* As, const bf16* Kd,
-                                                  const float (&gd)[2][2], bf16* out, size_t out_ld, int valid, int w,
-                                                  int lane) {
-  constexpr int NP = VT / 16, LDU = VT + 8;
-  decay_state<VT>(s, gd);
-  UpdatePartial<VT, KS> t;
-  zero_acc(t);
-#pragma unroll
-  for (int ks = 0; ks < kC / 16; ++ks) {
-    // Aqk's blocks above the diagonal (ks > w) are never written: their fragment is loaded anyway
-    // and replaced by zeros, so every warp runs the same straight-line code. A branch on the
-    // warp-uniform ks <= w made each guarded ldmatrix / mma a predicated one behind a WARPSYNC;
-    // warp 3 does every k-step either way, and the others wait for it at the next barrier.
-    const bool out_step = ks <= w;
-    uint32_t ak[2][4], aa[4];
-    load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
-    load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
-    load_a(aa, As, kLdX, w * 16, ks * 16, lane);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) aa[e] = out_step ? aa[e] : 0u;
-#pragma unroll
-    for (int np = 0; np < NP; ++np) {
-      uint32_t bb[4];
-      load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-      update_mma<VT, KS>(s, t, ak, bb, ks, np);
-      mma_bf16(o[ks % KS][2 * np], aa, bb);
-      mma_bf16(o[ks % KS][2 * np + 1], aa, bb + 2);
-    }
-  }
-  add_update_partial<VT, KS>(s, t);
-  write_state_bf16<VT>(Sb, s, w, lane);
-  store_output_rows<VT, KS>(o, out, out_ld, valid, w, lane);
-}
-
-// The split form (the prep kernel's one-chunk path, whose code stays as it was measured): the
-// output first, then the state update.
-template <int VT, int KS>
-__device__ __forceinline__ void finish_output(float (&o)[KS][VT / 8][4], const bf16* As, const bf16* Vp, bf16* out,
-                                              size_t out_ld, int valid, int w, int lane) {
-  constexpr int NP = VT / 16, LDU = VT + 8;
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if (ks > w) break;  // warp-uniform; unrolled so that p stays a constant (register arrays)
-    const int p = ks % KS;
-    uint32_t aa[4];
-    load_a(aa, As, kLdX, w * 16, ks * 16, lane);
-#pragma unroll
-    for (int np = 0; np < NP; ++np) {
-      uint32_t bb[4];
-      load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-      mma_bf16(o[p][2 * np], aa, bb);
-      mma_bf16(o[p][2 * np + 1], aa, bb + 2);
-    }
-  }
-  store_output_rows<VT, KS>(o, out, out_ld, valid, w, lane);
-}
-template <int VT, int KS>
-__device__ __forceinline__ void update_state(float (&s)[2][VT / 8][4], bf16* Sb, const bf16* Vp, const bf16* Kd,
-                                             const float (&gd)[2][2], int w, int lane) {
-  constexpr int NP = VT / 16, LDU = VT + 8;
-  decay_state<VT>(s, gd);
-  UpdatePartial<VT, KS> t;
-  zero_acc(t);
-#pragma unroll
-  for (int ks = 0; ks < kC / 16; ++ks) {
-    uint32_t ak[2][4];
-    load_a_t(ak[0], Kd, kLdB, w * 32, ks * 16, lane);
-    load_a_t(ak[1], Kd, kLdB, w * 32 + 16, ks * 16, lane);
-#pragma unroll
-    for (int np = 0; np < NP; ++np) {
-      uint32_t bb[4];
-      load_b_kn(bb, Vp, LDU, ks * 16, np * 16, lane);
-      update_mma<VT, KS>(s, t, ak, bb, ks, np);
-    }
-  }
-  add_update_partial<VT, KS>(s, t);
-  write_state_bf16<VT>(Sb, s, w, lane);
-}
-
-// One chunk for a VT-column tile, by one group of 4 warps: V' = U - W S, O = Qg S + Aqk V' (rows
-// < valid stored at out + row * out_ld), S = Diag(exp(G_C)) S + Kd^T V', and Sb refreshed from
-// the new S. On entry Sb holds bf16(S); Us is the tile's U blocks (u_off layout, tile-local
-// columns). One __syncthreads inside (V' complete): every thread of the CTA calls it. kSplit: the
-// output and the update one after the other instead of interleaved (see output_and_update).
-template <int VT, int KS = default_ks<VT>(), bool kSplit = false>
-__device__ __forceinline__ void state_chunk_step(float (&s)[2][VT / 8][4], bf16* Sb, bf16* Vp, const bf16* Ws,
-                                                 const bf16* Qg, const bf16* Kd, const bf16* As, const bf16* Us,
-                                                 const float* gc, bf16* out, size_t out_ld, int valid, int w,
-                                                 int lane) {
-  static_assert(KS == 1 || KS == 2, "one or two accumulator sets");
-  constexpr int NT = VT / 8, NP = VT / 16, LDU = VT + 8;
-  // V' = U - W S and O = Qg S: rows 16 w of the chunk, one pass over Sb for both.
-  uint32_t u[NT][2];
-  if (early_u<VT, kSplit>()) load_u_pairs<VT>(u, Us, w, lane);
-  float gd[2][2];  // exp(G_C) of this thread's S rows
-  if (early_decay<VT, kSplit>()) load_decays(gd, gc, w, lane);
-  float a1[KS][NT][4], a2[KS][NT][4];
-  zero_acc(a1);
-  zero_acc(a2);
-#pragma unroll
-  for (int ks = 0; ks < kK / 16; ++ks) {
-    const int p = ks % KS;
-    uint32_t aw[4], aq[4];
-    load_a(aw, Ws, kLdB, w * 16, ks * 16, lane);
-    load_a(aq, Qg, kLdB, w * 16, ks * 16, lane);
-#pragma unroll
-    for (int np = 0; np < NP; ++np) {
-      uint32_t bb[4];
-      load_b_kn(bb, Sb, LDU, ks * 16, np * 16, lane);
-      mma_bf16(a1[p][2 * np], aw, bb);
-      mma_bf16(a1[p][2 * np + 1], aw, bb + 2);
-      mma_bf16(a2[p][2 * np], aq, bb);
-      mma_bf16(a2[p][2 * np + 1], aq, bb + 2);
-    }
-  }
-  fold_partial_sums(a1);
-  store_vprime<VT, KS, early_u<VT, kSplit>()>(Vp, u, Us, a1, w, lane);
-  __syncthreads();  // V' complete
-  // Every warp read Sb before the V' barrier above, so the update may overwrite it.
-  if constexpr (kSplit) {
-    finish_output<VT, KS>(a2, As, Vp, out, out_ld, valid, w, lane);
-    load_decays(gd, gc, w, lane);
-    update_state<VT, KS>(s, Sb, Vp, Kd, gd, w, lane);
-  } else {
-    if (!early_decay<VT, kSplit>()) load_decays(gd, gc, w, lane);
-    output_and_update<VT, KS>(a2, s, Sb, Vp, As, Kd, gd, out, out_ld, valid, w, lane);
-  }
 }
 
 struct PrepArgs {
@@ -728,9 +157,8 @@ __device__ __forceinline__ void store_l_pair(float* Lm, int row, int col, float 
 __device__ __forceinline__ void store_l_split_pair(float* Lm, int row, int col, float x0, float x1, float beta) {
   *reinterpret_cast<uint2*>(Lm + row * kLdM + col) = split_words(beta * x0, beta * x1);
 }
-// st: false only in the timing probe without workspace stores (prep_probe 1, never at run time).
-__device__ __forceinline__ void store_a_pair(bf16* Aw, int row, int col, float x0, float x1, bool st = true) {
-  if (st) *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(col <= row ? x0 : 0.f, col + 1 <= row ? x1 : 0.f);
+__device__ __forceinline__ void store_a_pair(bf16* Aw, int row, int col, float x0, float x1) {
+  *reinterpret_cast<uint32_t*>(Aw + row * kLdX + col) = pack_bf16(col <= row ? x0 : 0.f, col + 1 <= row ? x1 : 0.f);
 }
 
 // One row i of a diagonal 16x16 block (columns j = j0 + t): this lane's part (keys d = 32 c + 4 dq
@@ -781,21 +209,21 @@ __device__ __forceinline__ void diag_row_sums(const bf16* Qs, const bf16* Ks, co
 // are zeros).
 template <int NT>
 __device__ __forceinline__ void diag_row_store(float* Lm, bf16* Aw, int i, int blk, int dq, float beta,
-                                               const float (&sL)[NT], const float (&sA)[NT], bool st = true) {
+                                               const float (&sL)[NT], const float (&sA)[NT]) {
   float l[2] = {0.f, 0.f}, q[2] = {0.f, 0.f};
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if ((t >> 1) == dq) { l[t & 1] = sL[t]; q[t & 1] = sA[t]; }
   }
   store_l_pair(Lm, i, blk * 16 + 2 * dq, l[0], l[1], beta);
-  store_a_pair(Aw, i, blk * 16 + 2 * dq, q[0], q[1], st);
+  store_a_pair(Aw, i, blk * 16 + 2 * dq, q[0], q[1]);
 }
 
-// (diag_mma 1, 2) The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
+// The diagonal block I of L and Aqk on tensor cores, by its two warps, with no
 // staging: each thread builds its mma fragments in registers from shared memory (rows 16 I + g
 // and + 8, keys 16 ks + 2 tq, + 1, + 8, + 9): left k_i (q_i) exp2(G_i - G_m), right k_j exp2(G_m -
-// G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100). SPLIT (diag_mma 2):
-// each operand split into bf16 hi + lo, products hi hi + (hi lo + lo hi); else one bf16 product.
+// G_j), m = 16 I + 7 (the caller checked every factor stays below 2^100), each operand split into
+// bf16 hi + lo, products hi hi + (hi lo + lo hi).
 // Warp `half` takes the k-steps 4 half .. 4 half + 3 of both matrices and returns its partial sums
 // of the matrix it finishes (half 0: L, half 1: Aqk) in `mine`; the other matrix's partial goes to
 // `xch` for the other warp (diag_block_finish, after a CTA barrier: one barrier for every block,
@@ -804,7 +232,7 @@ struct DiagPartial {
   float v[2][4];  // [n-tile][mma accumulator element]
 };
 // The operands of row i's keys d, d + 1 in a diagonal block anchored at row m (gm = G[m, d..d+1]):
-// k and q scaled by exp2(G_i - G_m), k by exp2(G_m - G_i); shared by the bf16 and tf32 block products.
+// k and q scaled by exp2(G_i - G_m), k by exp2(G_m - G_i).
 struct DiagOperands {
   float k0, k1, q0, q1, r0, r1;
 };
@@ -832,7 +260,6 @@ __device__ __forceinline__ DiagPartial diag_share(float* xch, const float (&L)[2
     }
   return mine;
 }
-template <bool SPLIT>
 __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16* Ks, const float* Gs, float* xch,
                                                       int I, int half, int lane) {
   const int g = lane >> 2, tq = lane & 3, m = 16 * I + 7;
@@ -854,15 +281,9 @@ __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16
       for (int rr = 0; rr < 2; ++rr) {
         const int i = 16 * I + g + 8 * rr;
         const DiagOperands o = diag_operands(Qs, Ks, Gs, gm, i, d);
-        if constexpr (SPLIT) {
-          split2(o.k0, o.k1, kh[rr][ch], kl[rr][ch]);
-          split2(o.q0, o.q1, qh[rr][ch], ql[rr][ch]);
-          split2(o.r0, o.r1, rh[rr][ch], rl[rr][ch]);
-        } else {
-          kh[rr][ch] = pack_bf16(o.k0, o.k1);
-          qh[rr][ch] = pack_bf16(o.q0, o.q1);
-          rh[rr][ch] = pack_bf16(o.r0, o.r1);
-        }
+        split2(o.k0, o.k1, kh[rr][ch], kl[rr][ch]);
+        split2(o.q0, o.q1, qh[rr][ch], ql[rr][ch]);
+        split2(o.r0, o.r1, rh[rr][ch], rl[rr][ch]);
       }
     }
     // A fragment: (row g, keys 2tq), (row g+8, 2tq), (row g, 2tq+8), (row g+8, 2tq+8);
@@ -874,86 +295,25 @@ __device__ __forceinline__ DiagPartial diag_block_mma(const bf16* Qs, const bf16
       const uint32_t bh[2] = {rh[nn][0], rh[nn][1]};
       mma_bf16(hL[nn], akh, bh);
       mma_bf16(hA[nn], aqh, bh);
-      if constexpr (SPLIT) {
-        const uint32_t akl[4] = {kl[0][0], kl[1][0], kl[0][1], kl[1][1]};
-        const uint32_t aql[4] = {ql[0][0], ql[1][0], ql[0][1], ql[1][1]};
-        const uint32_t bl[2] = {rl[nn][0], rl[nn][1]};
-        mma_bf16(cL[nn], akh, bl);
-        mma_bf16(cL[nn], akl, bh);
-        mma_bf16(cA[nn], aqh, bl);
-        mma_bf16(cA[nn], aql, bh);
-      }
+      const uint32_t akl[4] = {kl[0][0], kl[1][0], kl[0][1], kl[1][1]};
+      const uint32_t aql[4] = {ql[0][0], ql[1][0], ql[0][1], ql[1][1]};
+      const uint32_t bl[2] = {rl[nn][0], rl[nn][1]};
+      mma_bf16(cL[nn], akh, bl);
+      mma_bf16(cL[nn], akl, bh);
+      mma_bf16(cA[nn], aqh, bl);
+      mma_bf16(cA[nn], aql, bh);
     }
   }
-  if constexpr (SPLIT) {
-#pragma unroll
-    for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) hL[nn][e] += cL[nn][e], hA[nn][e] += cA[nn][e];
-  }
-  return diag_share(xch, hL, hA, I, half, lane);
-}
-// D += A (16x8, row) * B (8x8, col), tf32 in, fp32 accumulate.
-__device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// x rounded to tf32, to nearest with ties away (cvt.rna's result in the 19 bits the tensor core
-// reads; it ignores the low 13): half a tf32 ulp added to the bits, one integer add where cvt.rna
-// compiled to two instructions with a range test. x must be finite (these operands are below 2^100).
-__device__ __forceinline__ uint32_t to_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
-// (diag_mma 3) diag_block_mma's block on tf32 tensor cores: the same operands (mid-block anchor,
-// rows 16 I + g and + 8, keys 16 ks + 8 ch + 2 tq, + 1), each rounded once to tf32 (11 significant
-// bits: 8x finer than the one bf16 product of diag_mma 1, no hi + lo split), one m16n8k8 product a
-// (matrix, n-tile, 8 keys): 8 products a 16-key step where the split form takes 12. The reduction
-// over keys is order-free, so its index is permuted the same way in A and B: logical k = tq is key
-// 2 tq, k = tq + 4 is key 2 tq + 1 of the 8-key group (m16n8k8 tf32 fragments: A (g, tq), (g + 8,
-// tq), (g, tq + 4), (g + 8, tq + 4); B (k tq, n g), (k tq + 4, n g)); then a thread's B column g
-// (n-tile nn) is its own row g + 8 nn, as in diag_block_mma. C layout and the exchange are
-// diag_block_mma's.
-__device__ __forceinline__ DiagPartial diag_block_mma_tf32(const bf16* Qs, const bf16* Ks, const float* Gs,
-                                                           float* xch, int I, int half, int lane) {
-  const int g = lane >> 2, tq = lane & 3, m = 16 * I + 7;
-  float cL[2][4], cA[2][4];
 #pragma unroll
   for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) cL[nn][e] = cA[nn][e] = 0.f;
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int ks = half * 4 + s;
-#pragma unroll
-    for (int ch = 0; ch < 2; ++ch) {
-      const int d = ks * 16 + 2 * tq + 8 * ch;
-      const float2 gm = *reinterpret_cast<const float2*>(Gs + m * kLdG + d);
-      uint32_t ak[4], aq[4], br[2][2];  // A: [2 e + rr] = (row g + 8 rr, key d + e); B of n-tile rr: [e]
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int i = 16 * I + g + 8 * rr;
-        const DiagOperands o = diag_operands(Qs, Ks, Gs, gm, i, d);
-        ak[rr] = to_tf32(o.k0);
-        ak[2 + rr] = to_tf32(o.k1);
-        aq[rr] = to_tf32(o.q0);
-        aq[2 + rr] = to_tf32(o.q1);
-        br[rr][0] = to_tf32(o.r0);
-        br[rr][1] = to_tf32(o.r1);
-      }
-#pragma unroll
-      for (int nn = 0; nn < 2; ++nn) {
-        mma_tf32(cL[nn], ak, br[nn]);
-        mma_tf32(cA[nn], aq, br[nn]);
-      }
-    }
-  }
-  return diag_share(xch, cL, cA, I, half, lane);
+    for (int e = 0; e < 4; ++e) hL[nn][e] += cL[nn][e], hA[nn][e] += cA[nn][e];
+  return diag_share(xch, hL, hA, I, half, lane);
 }
 // After the barrier: add the other warp's partial (k-steps 0..3 first in both warps) and write
 // the block: L from half 0, Aqk from half 1.
 __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const float* xch, float* Lm, bf16* Aw,
-                                                  const float* betas, int I, int half, int lane, bool st = true) {
+                                                  const float* betas, int I, int half, int lane) {
   const int g = lane >> 2, tq = lane & 3;
   const float* in = xch + ((I * 2 + (half ^ 1)) * 32 + lane) * 8;
 #pragma unroll
@@ -968,7 +328,7 @@ __device__ __forceinline__ void diag_block_finish(const DiagPartial& mine, const
         x[e] = half ? other + my : my + other;
       }
       if (half == 0) store_l_pair(Lm, row, col, x[0], x[1], betas[row]);
-      else store_a_pair(Aw, row, col, x[0], x[1], st);
+      else store_a_pair(Aw, row, col, x[0], x[1]);
     }
 }
 
@@ -1132,24 +492,6 @@ __device__ __forceinline__ void inverse_part2(QuarterTerms& t, const uint32_t* L
 //   [L: fp32 diagonal blocks, split words below them]
 //   [raw g, then operands] -> [beta exp(G) k] -> [U]
 constexpr int kLiteThreads = FKDA_PARAM_PREP_THREADS;  // the prep kernel's launch shape (record params)
-// Timing probes of the prep kernel (issue 32, stage 1; never routed, wrong results by design):
-// FKDA_PARAM_PREP_PROBE 1 = all of today's work, its workspace stores kept in the code but predicated
-// on a value that is never true at run time (so nothing is eliminated and nothing is written: the
-// prep's compute and latency without the workspace round trip); 2 = the memory side only: the same
-// loads, then the whole workspace slot written from shared memory by bulk copies, no math.
-#ifndef FKDA_PARAM_PREP_PROBE
-#define FKDA_PARAM_PREP_PROBE 0
-#endif
-// FKDA_PARAM_PREP_WU_BALANCE 1: step 7's W / U products spread evenly over the warps (row blocks
-// 0 + 3 and 1 + 2, half the columns each) instead of a row block a warp (1..4 k-steps); the same
-// k-step order per element, so bitwise the same results.
-#ifndef FKDA_PARAM_PREP_WU_BALANCE
-#define FKDA_PARAM_PREP_WU_BALANCE 0
-#endif
-constexpr int kPrepProbe = FKDA_PARAM_PREP_PROBE;
-constexpr int kWuBalance = FKDA_PARAM_PREP_WU_BALANCE;
-static_assert(kPrepProbe >= 0 && kPrepProbe <= 2, "prep_probe: 0, 1 (no workspace stores) or 2 (memory only)");
-static_assert(kWuBalance == 0 || kWuBalance == 1, "prep_wu_balance: 0 or 1");
 static_assert(FKDA_PARAM_PREP_THREADS == 256, "the prep kernel is written for 8 warps (record param prep_threads)");
 constexpr int kLOffG = 0;
 constexpr int kLOffX = 0;                                 // after G is dead
@@ -1245,11 +587,11 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
   }
 }
 
-// DIAG: the diagonal blocks' form where the gate range allows (0 fp32 elementwise, 1 one bf16
-// product, 2 split bf16 products, 3 one tf32 product), fixed per module (FKDA_PARAM_DIAG_MMA).
-template <typename ST, int DIAG>
-__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+// The preparation of one chunk-head (CTA blockIdx.x = chunk slot x HV + value head). OV: for the
+// overlapped launch, which publishes the slot's flag once every byte of it is written: true for the
+// thread that issued the slot's bulk stores (they are then still in flight).
+template <typename ST, bool OV>
+__device__ __forceinline__ bool prep_chunk(const PrepArgs& a) {
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   uint32_t* Xw = reinterpret_cast<uint32_t*>(smem + kLOffX);  // X: split words (diagonal blocks, X_10, X_32)
@@ -1285,19 +627,16 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   const int n = span.n;
   const int64_t bos = span.bos, len = span.len;
   const int64_t c = slot - (bos / kC + n);
-  if (c * kC >= len) return;  // a gap slot (or an empty sequence)
+  if (c * kC >= len) return false;  // a gap slot (or an empty sequence)
   SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);
   if (tid == 0) *seq = SeqOfChunk{bos, n, a.st.single && len <= kC ? int(len) : -1};  // read at the end
-  if (tid < 4) safe[tid] = DIAG != 0;  // cleared by the gate step for a block whose range is too wide
+  if (tid < 4) safe[tid] = 1;  // cleared by the gate step for a block whose range is too wide
   const int64_t t0 = bos + c * kC;
   const int nt = static_cast<int>(len - c * kC < kC ? len - c * kC : kC);
   const int hk = a.group == 1 ? hv : hv / a.group;  // no integer division for plain MHA
   const int HV = a.HV;
   uint8_t* ws = a.ws + (size_t(slot) * HV + hv) * kSlotBytes;
   bf16* Aw = reinterpret_cast<bf16*>(ws + kWsA);
-  // prep_probe 1: the workspace stores happen only when sink holds, which it never does (beta_logit
-  // is 0 or 1), and which the compiler cannot know.
-  const bool sink = kPrepProbe != 1 || a.beta_logit == 0x5eed;
 
   // ---- 1. loads. q, k and the raw g go by cp.async straight into shared memory, all in flight at
   // once (rows >= nt zero-filled); v waits in registers until step 5. The raw g sits in the operand
@@ -1336,23 +675,6 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   }
   cp_async_wait<0>();
   __syncthreads();
-  if constexpr (kPrepProbe == 2) {  // the memory side alone: v beside the others, then the whole slot out
-    bf16* Vs = reinterpret_cast<bf16*>(Lm);  // 16 KB of L's 17 KB, unpadded rows
-#pragma unroll
-    for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(Vs)[tid + i * kLiteThreads] = vreg[i];
-    fkda::fence_smem_to_async();
-    __syncthreads();
-    if (tid == 0) {  // slot bytes: [W | Qg | Kd] from k, q, raw g; A from v; exp(G_C) from beta; U from v
-      fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
-      fkda::bulk_s2g(ws + kWsQg, Qs, uint32_t(kC * kLdB * 2));
-      fkda::bulk_s2g(ws + kWsKd, Graw, uint32_t(kC * kLdB * 2));
-      fkda::bulk_s2g(ws + kWsA, Vs, uint32_t(kC * kLdX * 2));
-      fkda::bulk_s2g(ws + kWsGc, betas, uint32_t(kK * 4));
-      fkda::bulk_s2g(ws + kWsU, Vs, uint32_t((kV / 16) * kUBlockBytes));
-      fkda::bulk_s2g_wait_read();
-    }
-    return;
-  }
   // l2norm of q (times scale) and k in place: 8 lanes a row (keys 8 j .. 8 j + 7 and 64 + 8 j ..),
   // 4 rows a warp at a time, so a row's sums take 3 shuffle steps (a warp a row took 5, and 5x
   // the shuffles in all); each 8-lane phase of a 16-byte load reads 128 contiguous bytes.
@@ -1407,7 +729,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     // decays of more than ~9 nats a step fall back to the elementwise form). This thread's running
     // sums already hold G of its keys there (the quarter base cancels), so the check needs neither
     // G from shared memory nor barriers of its own; a warp with a wide key clears the flag.
-    if (DIAG != 0) {
+    {
       const bool wide = !(fmaxf(gl[0].x - gl[7].x, gl[7].x - gl[15].x) <= 100.f) ||
                         !(fmaxf(gl[0].y - gl[7].y, gl[7].y - gl[15].y) <= 100.f);
       if (__any_sync(0xffffffffu, wide) && lane == 0) safe[q] = 0;
@@ -1428,39 +750,36 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 2. exp(G_C) to the workspace. Aqk's strictly-upper 16x16 blocks are left unwritten, like
   // the slot's row padding: no product uses them (finish_output stops at the diagonal block;
   // output_and_update replaces their fragments by zeros).
-  if (tid < kK && sink) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
+  if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
 
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
   // Two warps a block. The 8 lanes of group p own the rows il = p and 15 - p: (p + 1) + (16 - p)
   // = 17 products (i, j <= i) whatever p, so no warp waits on a longer row (a lane per row left
   // the first warp of a block idle half the time). One row after the other, so only one row's
   // sums are live (both at once made the compiler reload operands to stay within 128 registers).
-  float* xch = reinterpret_cast<float*>(Op);  // (diag_mma 1, 2) partial sums, 8 KB; Op is free until step 4
-  const bool mma_diag = DIAG != 0 && safe[tid >> 6];  // warp-uniform
+  float* xch = reinterpret_cast<float*>(Op);  // the tensor-core blocks' partial sums, 8 KB; Op is free until step 4
+  const bool mma_diag = safe[tid >> 6];  // warp-uniform
   DiagPartial part;
   if (mma_diag) {
-    if constexpr (DIAG == 3) part = diag_block_mma_tf32(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
-    else part = diag_block_mma<DIAG == 2>(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
-  } else if (!safe[tid >> 6]) {
+    part = diag_block_mma(Qs, Ks, Gs, xch, tid >> 6, warp & 1, lane);
+  } else {
     const int blk = tid >> 6, p = (tid >> 3) & 7, dq = tid & 7;
     {
       const int i = blk * 16 + p;
       float sL[8], sA[8];
       diag_row_sums<8>(Qs, Ks, Gs, i, blk * 16, dq, (warp & 1) * 4 + 3, sL, sA);
-      diag_row_store<8>(Lm, Aw, i, blk, dq, betas[i], sL, sA, sink);
+      diag_row_store<8>(Lm, Aw, i, blk, dq, betas[i], sL, sA);
     }
     {
       const int i = blk * 16 + 15 - p;
       float sL[16], sA[16];
       diag_row_sums<16>(Qs, Ks, Gs, i, blk * 16, dq, 15 - (warp & 1) * 4, sL, sA);
-      diag_row_store<16>(Lm, Aw, i, blk, dq, betas[i], sL, sA, sink);
+      diag_row_store<16>(Lm, Aw, i, blk, dq, betas[i], sL, sA);
     }
   }
 
-  if constexpr (DIAG != 0) {
-    __syncthreads();  // every partial is in xch
-    if (mma_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane, sink);
-  }
+  __syncthreads();  // every partial is in xch
+  if (mma_diag) diag_block_finish(part, xch, Lm, Aw, betas, tid >> 6, warp & 1, lane);
   __syncthreads();  // q, k and xch are read: step 4 rewrites them
 
   // ---- 4. One pass over q, k and G makes every operand that carries a decay (see the top of the
@@ -1507,10 +826,10 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = fq[e] * ps[e];
-      if (sink) *reinterpret_cast<uint2*>(ws + kWsQg + (i * kLdB + d0) * 2) = pack4(o);
+      *reinterpret_cast<uint2*>(ws + kWsQg + (i * kLdB + d0) * 2) = pack4(o);
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = rk[e] * ce[e];
-      if (sink) *reinterpret_cast<uint2*>(ws + kWsKd + (i * kLdB + d0) * 2) = pack4(o);
+      *reinterpret_cast<uint2*>(ws + kWsKd + (i * kLdB + d0) * 2) = pack4(o);
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[e] = fk[e] * ps[e] * b;
       bw[t] = pack4(o);
@@ -1557,7 +876,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
       for (int h = 0; h < 2; ++h) {
         const int row = 16 * I + g + 8 * h, col = 16 * J + nn * 8 + 2 * tq;
         store_l_split_pair(Lm, row, col, accL[nn][2 * h], accL[nn][2 * h + 1], betas[row]);
-        store_a_pair(Aw, row, col, accA[nn][2 * h], accA[nn][2 * h + 1], sink);
+        store_a_pair(Aw, row, col, accA[nn][2 * h], accA[nn][2 * h + 1]);
       }
   }
   __syncthreads();  // the operands are dead; L and the diagonal blocks of X are complete
@@ -1590,62 +909,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
   // workspace layout (W where k was, U where beta exp(G) k was) and leave in two bulk copies
   // (fragment stores straight to global memory filled only half of each 32-byte sector).
-  if constexpr (kWuBalance == 1) {
-    // warp w of group `which` (W: warps 0-3, U: 4-7): row blocks m0 = w >> 1 and m1 = 3 - m0 (k-steps
-    // 0..m0 and 0..m1: 5 either way), columns 64 h .. 64 h + 63, h = w & 1; each B fragment loaded
-    // once for both row blocks. acc[8 r + j] is n-tile 8 h + j of row block m0 (r 0) or m1 (r 1).
-    const int w = warp & 3, which = warp >> 2, m0 = w >> 1, m1 = 3 - m0, h = w & 1;
-    const bf16* Bsrc = which ? Bu : Bw;
-    float acc[16][4];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    // k-steps 0..m0 feed both row blocks, then m0 + 1..m1 row block m1 alone (two loops: no
-    // predicated-off products taking issue slots); each element's k-steps stay in order.
-    for (int ks = 0; ks <= m0; ++ks) {
-      uint32_t a0[4], a1[4];
-      load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
-      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bfr[4];
-        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
-        mma_bf16(acc[2 * np], a0, bfr);
-        mma_bf16(acc[2 * np + 1], a0, bfr + 2);
-        mma_bf16(acc[8 + 2 * np], a1, bfr);
-        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
-      }
-    }
-    for (int ks = m0 + 1; ks <= m1; ++ks) {
-      uint32_t a1[4];
-      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bfr[4];
-        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
-        mma_bf16(acc[8 + 2 * np], a1, bfr);
-        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
-      }
-    }
-    const int g = lane >> 2, c0 = 2 * (lane & 3);
-    __syncthreads();  // every warp is done reading beta exp(G) k before U overwrites it
-    // rows 16 m + g and + 8 of row block m0 (r 0) and m1 (r 1), columns 8 (8 h + j) + c0, + 1: one base
-    // address a thread, a row-block offset and constant offsets per n-tile j, as the other form
-    auto stage = [&](bf16* base, int ld, auto offset) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        bf16* row = base + (r ? m1 : m0) * 16 * ld;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          bf16* d = row + offset(j);
-          *reinterpret_cast<uint32_t*>(d) = pack_bf16(acc[8 * r + j][0], acc[8 * r + j][1]);
-          *reinterpret_cast<uint32_t*>(d + 8 * ld) = pack_bf16(acc[8 * r + j][2], acc[8 * r + j][3]);
-        }
-      }
-    };
-    if (which) stage(Op + u_off(g, c0) + 4 * h * (kC * kLdU16), kLdU16,
-                     [](int j) { return (j >> 1) * (kC * kLdU16) + (j & 1) * 8; });
-    else stage(Ks + g * kLdB + c0 + 64 * h, kLdB, [](int j) { return j * 8; });
-  } else {
+  {
     const int mt = warp & 3, which = warp >> 2;
     const bf16* Bsrc = which ? Bu : Bw;
     float acc[16][4];
@@ -1677,132 +941,45 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     if (which) stage(Op + u_off(r0, c0), 8 * kLdU16, [](int nn) { return (nn >> 1) * (kC * kLdU16) + (nn & 1) * 8; });
     else stage(Ks + r0 * kLdB + c0, 8 * kLdB, [](int nn) { return nn * 8; });
   }
+  if constexpr (OV) __threadfence();  // this thread's slot stores (Qg, Kd, Aqk, exp(G_C)) before the flag
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
   if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
-    if (tid == 0 && sink) {
+    if (tid == 0) {
       fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
       fkda::bulk_s2g(ws + kWsU, Op, uint32_t((kV / 16) * kUBlockBytes));
+      if constexpr (OV) return true;  // the caller waits for the stores (not only their reads)
       fkda::bulk_s2g_wait_read();  // shared memory is read before the CTA exits
     }
-    return;
+    return false;
   }
   const SeqOfChunk sq = *seq;
   prep_single_chunk_state<ST>(a, smem, ws, Ks, Op, sq.n, hv, sq.bos, sq.len, tid);
+  return false;
 }
 
-// ---------------------------------------------------------------------------------------------
-using fkda::bulk_g2s;
-using fkda::mbar_expect_tx;
-using fkda::mbar_init;
-using fkda::mbar_init_fence;
-using fkda::mbar_wait;
-
-// Chunk data for one V tile: [W | Qg | Kd | A | gC] and the tile's U blocks, both contiguous in the
-// workspace. tma: thread 0 issues two bulk copies on the stage's mbarrier; else every thread
-// issues 16 B cp.async (one commit group per chunk).
-template <int VT, int NS>
-__device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid, bool tma,
-                                            uint64_t* bar) {
-  using SM = StateSmem<VT, NS>;
-  const uint8_t* usrc = ws + kWsU + size_t(vt) * SM::kUBytes;
-  if (tma) {
-    if (tid == 0) {
-      mbar_expect_tx(bar, SM::kSide + SM::kUBytes);
-      bulk_g2s(st, ws, SM::kSide, bar);
-      bulk_g2s(st + SM::kU, usrc, SM::kUBytes, bar);
-    }
-  } else {
-    for (int e = tid; e < SM::kSide / 16; e += 128) cp_async16(st + e * 16, ws + size_t(e) * 16);
-    for (int e = tid; e < SM::kUBytes / 16; e += 128) cp_async16(st + SM::kU + e * 16, usrc + size_t(e) * 16);
-  }
-}
-
-template <int VT, int RING, typename ST>
-__global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
+template <typename ST>
+__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  using SM = StateSmem<VT, RING>;
-  constexpr int NT = VT / 8;
-  extern __shared__ __align__(128) uint8_t smem[];
-  bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb);
-  bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  const int vt = blockIdx.x, hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
-  const int v0 = vt * VT;
+  prep_chunk<ST, false>(a);
+}
 
-  const int64_t bos = load_cu(a.cu, a.cu64, n);
-  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
-  const int64_t base = bos / kC + n;
-  const int64_t nch = (len + kC - 1) / kC;
-  if (a.single && nch == 1) return;  // the prep kernel did this sequence (CTA-uniform)
-  int64_t slot;
-  const bool pad = state_slot(a, n, slot);
-
-  float s[2][NT][4];
-  load_state_tile<VT, ST>(s, a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
-                                            : nullptr,
-                          w, lane, v0);
-
-  constexpr int NS = SM::NS;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + SM::kBar);
-  const bool tma = a.tma != 0;
-  if (tma) {
-    if (tid == 0) {
-#pragma unroll
-      for (int i = 0; i < NS; ++i) mbar_init(bars + i, 1);
-      mbar_init_fence();
-    }
-    __syncthreads();
+// The overlapped launch (kda_state_ov_kernel runs before it and never ends first, so this kernel
+// must not wait for the previous grid): `go` stands for that wait (the state pass published it
+// after its own wait for earlier grids), `started` tells the state pass that the prep runs.
+// StateArgs::single is 0 here (kda_prefill.cu): every chunk goes through the state pass.
+template <typename ST>
+__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS)
+    kda_prep_ov_kernel(const PrepArgs a, const OvArgs o) {
+  if (threadIdx.x == 0) {
+    while (ld_acquire_gpu(o.go) != 1u) __nanosleep(64);
+    st_release_gpu(o.started, 1u);
   }
-  // Chunks 0..NS-2 in flight before the loop (chunk 0 alone with a 1-deep ring).
-  constexpr int kAhead = NS > 1 ? NS - 1 : 1;
-  if (nch > 0) {
-#pragma unroll
-    for (int i = 0; i < kAhead; ++i) {
-      if (i < nch)
-        issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
-                            tid, tma, bars + i);
-      cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
-    }
-    write_state_bf16<VT>(Sb, s, w, lane);
-  }
-
-  int stage = 0;
-  uint32_t parity = 0;  // of the current use of each stage's mbarrier (flips after NS chunks)
-  for (int64_t c = 0; c < nch; ++c) {
-    uint8_t* st = smem + stage * SM::kStage;
-    if (tma) mbar_wait(bars + stage, parity);
-    else cp_async_wait<kAhead - 1>();
-    __syncthreads();  // chunk c visible; every warp is done with chunk c-1 (its stage is free)
-    if (NS > 1) {
-      const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
-      if (c + NS - 1 < nch)
-        issue_chunk<VT, NS>(smem + ns * SM::kStage,
-                            a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
-                            bars + ns);
-      cp_async_commit();
-    }
-    if (stage == NS - 1) parity ^= 1u;
-    stage = stage + 1 == NS ? 0 : stage + 1;
-    const int64_t left = len - c * kC;
-    state_chunk_step<VT>(s, Sb, Vp, reinterpret_cast<const bf16*>(st + SM::kW),
-                         reinterpret_cast<const bf16*>(st + SM::kQg), reinterpret_cast<const bf16*>(st + SM::kKd),
-                         reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU),
-                         reinterpret_cast<const float*>(st + SM::kGc),
-                         a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0, size_t(HV) * kV,
-                         left < kC ? int(left) : kC, w, lane);
-
-    if (NS == 1 && c + 1 < nch) {
-      __syncthreads();  // every warp is done with the one stage (and has written its Sb rows)
-      issue_chunk<VT, NS>(smem, a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid, tma, bars);
-      cp_async_commit();
-    }
-    store_checkpoint<VT, ST>(a, s, n, hv, c, len, w, lane, v0);
-  }
-
-  if (a.fin && !pad) {
-    ST* dst = static_cast<ST*>(a.fin) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
-    store_state_tile<VT, ST>(dst, s, w, lane, v0);
+  __syncthreads();
+  if (prep_chunk<ST, true>(a)) {
+    bulk_s2g_wait_all();  // the slot's W and U written to global memory, not only read from shared memory
+    fence_proxy_async_global();
+    st_release_gpu(o.flags + blockIdx.x, 1u);
   }
 }
 
