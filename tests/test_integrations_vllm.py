@@ -141,6 +141,29 @@ def test_install_without_vllm_says_so(monkeypatch):
     assert fkda_vllm.install_from_env() is None
 
 
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_missing_wheel_fails_under_ci_and_skips_elsewhere(monkeypatch, ci):
+    def no_wheel():
+        raise RuntimeError("pip download vllm==0.34.0 failed: no network")
+
+    monkeypatch.setattr(vllm_wheel, "_wheel", no_wheel)
+    monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(expected, match="no network"):
+        vllm_wheel.require()
+
+
+def test_importing_the_adapter_does_not_import_vllm(tmp_path):
+    import subprocess
+    import sys
+    poison = tmp_path / "vllm"
+    poison.mkdir()
+    (poison / "__init__.py").write_text("raise RuntimeError('vllm was imported')\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import flashkda_ext.integrations.vllm; "
+            "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+
+
 def test_the_entry_point_names_install_from_env():
     import tomllib
     from pathlib import Path
