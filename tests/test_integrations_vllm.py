@@ -128,7 +128,7 @@ def test_install_skips_a_name_whose_signature_changed(real, monkeypatch):
 
     monkeypatch.setattr(real.k3, "fused_recurrent_kda_packed_decode", fused_recurrent_kda_packed_decode)
     report = fkda_vllm.install()
-    assert report["k3.fused_recurrent_kda_packed_decode"].startswith("skipped: vLLM's signature")
+    assert report["k3.fused_recurrent_kda_packed_decode"].startswith("skipped: original: vLLM's signature")
     assert real.k3.fused_recurrent_kda_packed_decode is fused_recurrent_kda_packed_decode
 
 

@@ -27,7 +27,7 @@ import sys
 from . import k3, vendored
 from ._common import REASONS, STATS, Refused, serve_or_fall_back
 
-__all__ = ["install", "uninstall", "installed", "install_from_env", "STATS", "REASONS", "Refused", "PATCH_POINTS"]
+__all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "Refused", "PATCH_POINTS"]
 
 ENV_VAR = "FLASHKDA_EXT_VLLM"       # "1": install() when vLLM loads its general plugins (pyproject entry point)
 #: (patch point, vLLM module whose names are rebound, {name: adapter body})
@@ -60,6 +60,19 @@ def _adapter(site: str, serve, original):
     adapter.__wrapped__ = original
     adapter.__doc__ = f"flashkda_ext adapter of vLLM's {site}; falls back to the original (__wrapped__)."
     return adapter
+
+
+def adapter_for(site: str, original):
+    """The adapter of a call site ("k3.fused_recurrent_kda_packed_decode", ...) around vLLM's `original` (what
+    install() binds in vLLM's modules); ValueError when the site is unknown or the signature is not the adapted one."""
+    point, _, name = site.partition(".")
+    bodies = {p: b for p, _, b in PATCH_POINTS}.get(point, {})
+    if name not in bodies:
+        raise ValueError(f"site: expected one of {[f'{p}.{n}' for p, _, b in PATCH_POINTS for n in b]}, got {site!r}")
+    if _params(original) != _params(bodies[name]):
+        raise ValueError(f"original: vLLM's signature {inspect.signature(original)} is not the adapted "
+                         f"{inspect.signature(bodies[name])}")
+    return _adapter(site, bodies[name], original)
 
 
 def _vllm_modules():
@@ -101,11 +114,11 @@ def install() -> dict:
             if current is None:
                 report[site] = f"skipped: {module_name} has no {name}"
                 continue
-            if _params(current) != _params(body):
-                report[site] = (f"skipped: vLLM's signature {inspect.signature(current)} is not the adapted "
-                                f"{inspect.signature(body)}")
+            try:
+                adapter = adapter_for(site, current)
+            except ValueError as e:
+                report[site] = f"skipped: {e}"
                 continue
-            adapter = _adapter(site, body, current)
             _ACTIVE[site] = (current, adapter)
             report[site] = _rebind(current, adapter)
     if len(errors) == len(PATCH_POINTS):

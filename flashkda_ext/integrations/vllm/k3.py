@@ -76,8 +76,8 @@ def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound,
             or tuple(raw_beta.shape) != (1, B, H) or state_indices.shape[0] != B):
         raise Refused("shapes outside vLLM's packed decode contract; vLLM's wrapper reports them")
     # q | k | v of each token are consecutive channel ranges of one row: views, dense at B = 1 (no copy)
-    q, k, v = dense_qkv(mixed_qkv[:, :hk].unflatten(1, (H, K)), mixed_qkv[:, hk:2 * hk].unflatten(1, (H, K)),
-                        mixed_qkv[:, 2 * hk:].unflatten(1, (H, V)))
+    q, k, v = dense_qkv(mixed_qkv[:, :hk].view(B, H, K), mixed_qkv[:, hk:2 * hk].view(B, H, K),
+                        mixed_qkv[:, 2 * hk:].view(B, H, V))
     g, beta = _gate_beta(raw_g[0], raw_beta[0], q, allow_fp32=True)
     o = _dense_out(out, (1, B, H, V))
     res = run_op(kda_decode, q, k, v, g, beta, state=initial_state,
@@ -131,8 +131,6 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
         idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices[:N]).contiguous()
         nat = None if num_accepted_tokens is None else \
             _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N]).contiguous()
-        if o is None:
-            o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         used = T
         if cu.device.type == "cpu":
             # tokens past the last offset belong to no request: on the host that is visible, and the op takes
@@ -140,6 +138,12 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
             used = int(cu[-1])
             if not 0 <= used <= T:
                 raise Refused(f"cu_seqlens ends at {used}, outside the {T} tokens given")
+        if used == T:
+            res = run_op(kda_verify, q, k, v, g, beta, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nat,
+                         out=o, **common)
+            return (o if o is not None else res), initial_state
+        if o is None:
+            o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         if used:
             run_op(kda_verify, *(x[:, :used] for x in (q, k, v, g, beta)), state_indices=idx, cu_seqlens=cu,
                    num_accepted_tokens=nat, out=o[:, :used], **common)
