@@ -280,6 +280,34 @@ def test_packed_decode_bounded_gate_is_not_the_softplus_gate(recorded):
     assert (o[0].double() - soft).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("B", [1, 4])
+def test_packed_decode_copies_q_k_v_at_most_once(recorded, monkeypatch, B):
+    """At one row the packed buffer's ranges go to kda_decode as views; above it one permuting copy."""
+    import flashkda_ext.ops as ops
+    seen, real_decode = [], ops.kda_decode
+
+    def decode(q, k, v, *args, **kwargs):
+        seen.append((q, k, v))
+        return real_decode(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "kda_decode", decode)
+    call = packed_decode_call(B, list(range(1, B + 1)), torch.randn(B + 1, H, V, K), -5.0)
+    recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    (q, k, v), = seen
+    base = call["mixed_qkv"].data_ptr()
+    if B == 1:
+        assert [t.data_ptr() for t in (q, k, v)] == [base + i * H * K * 4 for i in range(3)]
+    else:
+        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        assert q.untyped_storage().data_ptr() != call["mixed_qkv"].untyped_storage().data_ptr()
+
+
+def test_install_leaves_a_rocm_build_alone(real, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    report = fkda_vllm.install()
+    assert not fkda_vllm.installed() and all(r.startswith("skipped: a ROCm build") for r in report.values())
+
+
 def test_packed_decode_unknown_layout_falls_back_with_the_reason(recorded):
     pool = torch.randn(4, H, V, K)
     call = packed_decode_call(2, [1, 2], pool, None, dtype=torch.float32)

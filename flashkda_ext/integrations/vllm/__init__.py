@@ -96,6 +96,11 @@ def install() -> dict:
     (a second call rebinds modules loaded since). Returns {site: [module.attr rebound]} or {site: "skipped:
     why"} (a signature that is not the adapted one, a module that does not import). Raises ImportError when
     no patch point's module imports (vllm not installed)."""
+    import torch
+    if torch.version.hip is not None:
+        # vLLM's ROCm layers read the kimi_k3.amd ops; bailing_moe_v3 would reach CUDA-only kernels
+        return {point: "skipped: a ROCm build of torch (the kernels are CUDA sm_90a and CPU)"
+                for point, _, _ in PATCH_POINTS}
     report, errors = {}, []
     for point, module_name, bodies in PATCH_POINTS:
         try:

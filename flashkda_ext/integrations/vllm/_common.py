@@ -81,7 +81,8 @@ def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride() and q.dtype == k.dtype == v.dtype
             and q.stride()[-2:] == (q.shape[-1], 1)):
         hk = q.shape[-2] * q.shape[-1]
-        if k.data_ptr() == q.data_ptr() + hk * esize and v.data_ptr() == q.data_ptr() + 2 * hk * esize:
+        same = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        if same and k.data_ptr() == q.data_ptr() + hk * esize and v.data_ptr() == q.data_ptr() + 2 * hk * esize:
             packed = q.as_strided((3, *q.shape), (hk, *q.stride())).contiguous()
             return packed.unbind(0)
     return q.contiguous(), k.contiguous(), v.contiguous()

@@ -49,6 +49,11 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
     if num_accepted_tokens is not None:
         num_accepted_tokens = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens)
     ssm_state_indices = _indices.slot_indices("ssm_state_indices", ssm_state_indices)
+    if ssm_state_indices.dim() == 2 and cu_seqlens is not None:
+        # the table and counts padded to the CUDA-graph batch; cu_seqlens holds the real requests
+        N = cu_seqlens.shape[0] - 1
+        ssm_state_indices = ssm_state_indices[:N]
+        num_accepted_tokens = None if num_accepted_tokens is None else num_accepted_tokens[:N]
     if ssm_state_indices.dim() == 1 and cu_seqlens is not None and B == 1:
         N = cu_seqlens.shape[0] - 1
         # A decode batch under a CUDA graph: cu_seqlens holds the N real requests while q holds the graph's
