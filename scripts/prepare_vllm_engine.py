@@ -17,6 +17,7 @@ The wheel is a local file (--wheel, or FLASHKDA_EXT_ENGINE_WHEELS naming a folde
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -54,7 +55,8 @@ _EMPTY_PACKAGES = ("vllm", "vllm/utils", "vllm/model_executor", "vllm/model_exec
                    "vllm/models/kimi_k3/nvidia/ops/third_party", "vllm/third_party",
                    "vllm/third_party/flash_linear_attention", "vllm/third_party/flash_linear_attention/ops")
 
-_PLATFORM = '''"""flashkda_ext stub of vllm.platforms (scripts/prepare_vllm_engine.py): what the KDA ops ask, from torch."""
+_PLATFORM = '''"""flashkda_ext stub of vllm.platforms (scripts/prepare_vllm_engine.py): what the KDA ops ask,
+answered from torch."""
 from typing import NamedTuple
 
 import torch
@@ -116,7 +118,8 @@ def vllm_version_matches_substr(substr: str) -> bool:
     return False
 '''
 
-_CUSTOM_OP = '''"""flashkda_ext stub of vllm.model_executor.custom_op: the vendored fla module's norm class derives from it."""
+_CUSTOM_OP = '''"""flashkda_ext stub of vllm.model_executor.custom_op: the vendored fla module's norm class
+derives from it."""
 import torch
 
 
@@ -154,9 +157,10 @@ def find_wheel(wheel: str | None = None) -> Path:
 
 
 def prepare(wheel: Path, dest: Path) -> Path:
-    """FILES from the wheel and STUBS into dest (done once: dest/.complete names the wheel)."""
+    """FILES from the wheel and STUBS into dest (done once: dest/.complete names the wheel and this list)."""
     stamp = dest / ".complete"
-    if stamp.exists() and stamp.read_text() == wheel.name:
+    tag = f"{wheel.name} {hashlib.sha256(repr((FILES, STUBS)).encode()).hexdigest()[:16]}"
+    if stamp.exists() and stamp.read_text() == tag:
         return dest
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
@@ -166,7 +170,7 @@ def prepare(wheel: Path, dest: Path) -> Path:
         path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    stamp.write_text(wheel.name)
+    stamp.write_text(tag)
     return dest
 
 

@@ -27,7 +27,8 @@ import sys
 from . import k3, vendored
 from ._common import REASONS, STATS, Refused, serve_or_fall_back
 
-__all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "Refused", "PATCH_POINTS"]
+__all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "Refused",
+           "PATCH_POINTS"]
 
 ENV_VAR = "FLASHKDA_EXT_VLLM"       # "1": install() when vLLM loads its general plugins (pyproject entry point)
 #: (patch point, vLLM module whose names are rebound, {name: adapter body})

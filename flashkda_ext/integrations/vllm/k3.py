@@ -55,7 +55,8 @@ def _dense_out(out, shape: tuple):
     if out is None:
         return None
     if tuple(out.shape) != shape or not out.is_contiguous():
-        raise Refused(f"out must be a contiguous {list(shape)}, got shape {list(out.shape)} strides {list(out.stride())}")
+        raise Refused(f"out must be a contiguous {list(shape)}, got shape {list(out.shape)} "
+                      f"strides {list(out.stride())}")
     return out
 
 
