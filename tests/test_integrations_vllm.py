@@ -569,3 +569,20 @@ def test_vendored_spec_fwd_and_chunk_are_served(recorded):
     torch.testing.assert_close(h.double(), want_h, **TOL)
     assert stat("vendored.fused_recurrent_kda_fwd") >= 1 and stat("vendored.chunk_kda") >= 1
     assert recorded.calls == []
+
+
+def test_the_benchmark_dry_run_serves_every_kind_and_agrees_with_the_reference(tree, tmp_path):
+    """benchmarks/bench_vllm.py's logic on the CPU (a process of its own: it imports vLLM's modules itself)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vllm.py"), "--dry-run", "--no-plot",
+                          "--no-progress", "--state-dtypes", "bfloat16", "--engine-dir", str(tree),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "bench_vllm.json").read_text())
+    assert {a["case"].split()[0] for a in doc["accuracy"]} == {"decode", "verify", "prefill"}
+    assert all(a["served"] and a["ok"] for a in doc["accuracy"])
+    assert not doc["fallback_reasons"]

@@ -70,6 +70,8 @@ def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound,
                           ("initial_state", initial_state, 4), ("state_indices", state_indices, 1)):
         if not isinstance(x, torch.Tensor) or x.dim() != dims:
             raise Refused(f"{name} outside vLLM's contract (a {dims}-D tensor); vLLM's wrapper reports it")
+    if dt_bias is None:
+        raise Refused("dt_bias=None (vLLM's packed decode requires it and reports it)")
     _, H, V, K = initial_state.shape
     B = mixed_qkv.shape[0]
     hk = H * K
