@@ -525,6 +525,22 @@ def test_vendored_decode_is_served_with_bailings_ignored_keywords(recorded):
     torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
 
 
+def test_vendored_decode_of_a_cuda_graph_padded_batch(recorded):
+    """T = 5 tokens and indices for the graph's batch, cu_seqlens for the 3 real requests: the 3 are served,
+    the padded rows are not (vLLM's kernel runs the N; the layer drops the rest)."""
+    pool = torch.randn(6, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = bailing_decode_call([0, 1, 2, 3], [4, 0, 2, 0, 0], pool)
+    before = stat("vendored.fused_recurrent_kda")
+    o, _ = recorded.vendored.fused_recurrent_kda(**call)
+    assert stat("vendored.fused_recurrent_kda") == before + 1 and o.shape == (1, 5, H, V)
+    want_o, want_pool = kda_decode_step(*(call[n][0, :3] for n in ("q", "k", "v", "g", "beta")), state=pool0,
+                                        state_indices=call["ssm_state_indices"][:3], gate="log", beta_is_logit=False,
+                                        null_slot0=True)
+    torch.testing.assert_close(o[0, :3].double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+
+
 def test_vendored_decode_empty_request_is_not_a_row(recorded):
     pool = torch.randn(6, H, V, K) * 0.3
     pool0 = pool.clone()
