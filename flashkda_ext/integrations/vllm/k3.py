@@ -154,8 +154,9 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
 
     # one token per request (1-D indices, or a one-column table): kda_decode over rows, where row r is served
     # only when request r is exactly token r (an empty request is never served as a row)
-    if ssm_state_indices.dim() not in (1, 2) or T != N:
-        raise Refused(f"one-token ssm_state_indices need T == N (vLLM asserts it), got T = {T}, N = {N}")
+    if ssm_state_indices.dim() not in (1, 2) or T != N or ssm_state_indices.shape[0] < N:
+        raise Refused(f"one-token ssm_state_indices need T == N (vLLM asserts it) and N rows, got T = {T}, N = {N}, "
+                      f"indices {list(ssm_state_indices.shape)}")
     first = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
     if ssm_state_indices.dim() == 1 and num_accepted_tokens is not None:
         raise Refused("num_accepted_tokens with 1-D ssm_state_indices (vLLM asserts it is None)")
@@ -168,7 +169,7 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     return (o if o is not None else res.unsqueeze(0)), initial_state
 
 
-#: vLLM's name -> (adapter body, the signature it must match); the names rebound in the K3 ops package
+#: vLLM's name -> the adapter body (vLLM 0.34.0's signature of that name), rebound in the K3 ops package
 SERVE = {
     "fused_recurrent_kda_packed_decode": serve_packed_decode,
     "chunk_kda_with_fused_gate": serve_chunk_with_fused_gate,
