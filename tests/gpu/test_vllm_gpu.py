@@ -105,28 +105,34 @@ def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype):
 
 
 def test_decode_on_a_paged_pool_matches_vllm_triton(vllm_ops):
-    """vLLM's page: the conv state then the recurrent state, a page per slot; the pool a strided view."""
+    """vLLM's page: the conv state then the recurrent state, a page per slot; the pool a strided view. Ours and
+    vLLM's each on a copy of the whole paged buffer; ours writes only the named slots' states."""
     ops, fk = vllm_ops
     H, rows, slots = 16, 20, 33
     call, dense = bench_vllm.inputs("decode", rows, H, torch.bfloat16, -5.0, Args, DEV, seed=9)
     conv_bytes, state_bytes = 3 * 3 * H * 128 * 2, H * 128 * 128 * 2
     page = conv_bytes + state_bytes + 512
-    raw = torch.zeros(slots * page, dtype=torch.uint8, device=DEV)
-    pool = torch.as_strided(raw.view(torch.bfloat16), (slots, H, 128, 128), (page // 2, 128 * 128, 128, 1),
-                            conv_bytes // 2)
-    pool[: dense.shape[0]].copy_(dense)
-    raw0 = raw.clone()
-    (o1, p1), (o2, p2) = both(ops, fk, "fused_recurrent_kda_packed_decode", call, pool)
-    assert rel_l2(o1, o2) < TOL and rel_l2(p1, p2) < TOL
-    # the adapter wrote only the named slots' states (bitwise elsewhere in the pages)
+    raw0 = torch.randint(0, 256, (slots * page,), dtype=torch.uint8, device=DEV)
+
+    def paged(raw):
+        return torch.as_strided(raw.view(torch.bfloat16), (slots, H, 128, 128), (page // 2, 128 * 128, 128, 1),
+                                conv_bytes // 2)
+
+    paged(raw0)[: dense.shape[0]].copy_(dense)
+    raw_a, raw_b = raw0.clone(), raw0.clone()
+    adapter = ops.fused_recurrent_kda_packed_decode
+    served = fk.STATS["k3.fused_recurrent_kda_packed_decode", "served"]
     with torch.inference_mode():
-        ops.fused_recurrent_kda_packed_decode(**bench_vllm.with_pool(call, pool))
+        o1, _ = adapter(**bench_vllm.with_pool(call, paged(raw_a)))
+        o2, _ = adapter.__wrapped__(**bench_vllm.with_pool(call, paged(raw_b)))
     torch.cuda.synchronize()
-    written = torch.zeros_like(raw, dtype=torch.bool)
+    assert fk.STATS["k3.fused_recurrent_kda_packed_decode", "served"] == served + 1, dict(fk.REASONS)
+    assert rel_l2(o1, o2) < TOL and rel_l2(paged(raw_a), paged(raw_b)) < TOL
+    written = torch.zeros_like(raw0, dtype=torch.bool)
     for s in call["state_indices"].tolist():
-        lo = pool[s].data_ptr() - raw.data_ptr()
+        lo = paged(raw_a)[s].data_ptr() - raw_a.data_ptr()
         written[lo:lo + state_bytes] = True
-    assert torch.equal(raw[~written], raw0[~written])
+    assert torch.equal(raw_a[~written], raw0[~written])
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify"])
