@@ -16,7 +16,8 @@ serve: a fallback is reported as an error of the case), "vllm_triton" calls the 
 - verify: fused_recurrent_kda with a [rows, T_max] slot table and num_accepted_tokens in [1, T_max], q/k/v
   row-strided views of the post-conv buffer;
 - prefill: chunk_kda_with_fused_gate over `rows` sequences of --prefill-len tokens from gathered states.
-Each point: bf16 and fp32 pools (--state-dtypes), softplus or bounded gate (--lower-bound), heads H = HV.
+Each point: bf16 and fp32 pools (--state-dtypes; --paged: laid out as vLLM pages them), softplus or bounded
+gate (--lower-bound), heads H = HV.
 Agreement is checked first on fresh copies (output and pool / final state, rel. L2 below --tol); the table is
 the harness's (graph replay, eager, wall), baseline vllm_triton; JSON with the agreement and the served /
 fallback counts per call site.
@@ -52,6 +53,28 @@ def load_vllm(engine_dir: Path):
     return ops, fkda_vllm
 
 
+def copy_pool(pool):
+    """A copy with the same strides (a paged pool stays paged; clone() would make it dense)."""
+    if pool is None:
+        return None
+    out = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype, device=pool.device)
+    return out.copy_(pool)
+
+
+def new_pool(slots, H, state_dtype, args, dev, gen):
+    """The pool as vLLM lays it out with --paged (a page per slot: the conv state [3, 3*H*K] in bf16, then the
+    recurrent state [H, V, K]), else dense; random small states."""
+    states = (torch.randn(slots, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+    if not args.paged:
+        return states
+    esize = states.element_size()
+    conv = 3 * 3 * H * K * 2
+    page = conv + H * V * K * esize
+    raw = torch.zeros(slots * page, dtype=torch.uint8, device=dev)
+    pool = torch.as_strided(raw.view(state_dtype), states.shape, (page // esize, V * K, K, 1), conv // esize)
+    return pool.copy_(states)
+
+
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -63,7 +86,7 @@ def inputs(kind, rows, H, state_dtype, lower_bound, args, dev, seed=0):
     A_log = (torch.rand(H, generator=gen) * 0.5).to(dev)
     dt_bias = (torch.randn(H * K, generator=gen) * 0.5).to(dev)
     if kind == "decode":
-        pool = (torch.randn(rows + 1, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+        pool = new_pool(rows + 1, H, state_dtype, args, dev, gen)
         proj = bf(rows, H + 8)
         idx = (torch.randperm(rows, generator=gen) + 1).to(dev, torch.int32)
         return dict(mixed_qkv=bf(rows, 3 * H * K), raw_g=bf(1, rows, H, K), raw_beta=proj[:, :H].unsqueeze(0),
@@ -73,7 +96,7 @@ def inputs(kind, rows, H, state_dtype, lower_bound, args, dev, seed=0):
         T = rows * tm
         mixed = bf(T, 3 * H * K)
         q, k, v = (x.unflatten(1, (H, K)).unsqueeze(0) for x in mixed.split(H * K, dim=-1))
-        pool = (torch.randn(rows * tm + 1, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+        pool = new_pool(rows * tm + 1, H, state_dtype, args, dev, gen)
         table = (torch.randperm(rows * tm, generator=gen) + 1).view(rows, tm).to(dev, torch.int32)
         nat = torch.randint(1, tm + 1, (rows,), generator=gen).to(dev, torch.int32)
         return dict(q=q, k=k, v=v, raw_g=bf(1, T, H, K), raw_beta=bf(1, T, H + 8)[..., :H], A_log=A_log,
@@ -123,8 +146,7 @@ def reference(kind, call):
 
 def agreement(kind, call, pool, ours_fn, theirs_fn):
     """(rel. L2 of the outputs, of the pools / final states) on fresh copies of the inputs."""
-    a_pool = None if pool is None else pool.clone()
-    b_pool = None if pool is None else pool.clone()
+    a_pool, b_pool = copy_pool(pool), copy_pool(pool)
     o1, s1 = ours_fn(**with_pool(call, a_pool))
     if theirs_fn is None:
         o2, s2 = reference(kind, with_pool(call, b_pool))
@@ -175,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-tokens", type=int, default=4, help="verify: T_max (draft tokens + 1)")
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--prefill-max-rows", type=int, default=64, help="prefill: rows above this are left out")
+    ap.add_argument("--paged", action="store_true", help="pools as vLLM pages them (conv state first in a page)")
     ap.add_argument("--tol", type=float, default=1e-2, help="rel. L2 agreement bound (bf16 inputs)")
     args = ap.parse_args(argv)
     cfg = harness.config_from_args(args)
@@ -191,7 +214,8 @@ def main(argv=None) -> int:
     dtypes = [getattr(torch, d) for d in args.state_dtypes.split(",")]
     run = harness.Run("bench_vllm", cfg, baseline="vllm_triton" if cfg.is_cuda else None,
                       extra_meta={"vllm": "0.34.0 (wheel, kimi_k3 nvidia ops)", "lower_bound": lb,
-                                  "spec_tokens": args.spec_tokens, "prefill_len": args.prefill_len})
+                                  "spec_tokens": args.spec_tokens, "prefill_len": args.prefill_len,
+                                  "paged": args.paged})
     points = [(kind, r, H, sd) for kind in kinds for r in rows_list for H in heads for sd in dtypes
               if not (kind == "prefill" and r > args.prefill_max_rows)]
     run.start(len(points))
@@ -218,13 +242,13 @@ def main(argv=None) -> int:
                 failed.append(name)
             arms = []
             if ok:
-                mine = with_pool(call, None if pool is None else pool.clone())
+                mine = with_pool(call, copy_pool(pool))
                 arms.append(harness.Arm("ours", lambda c=mine: adapter(**c)))
             if original is not None:
-                theirs = with_pool(call, None if pool is None else pool.clone())
+                theirs = with_pool(call, copy_pool(pool))
                 arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
                 if not args.no_fla:
-                    fla = fla_arm(kind, call, None if pool is None else pool.clone())
+                    fla = fla_arm(kind, call, copy_pool(pool))
                     if fla is not None:
                         arms.append(harness.Arm("fla", fla))
             nbytes = None if pool is None else harness.state_bytes(

@@ -25,6 +25,7 @@ TOL = 1e-2
 class Args:
     spec_tokens = 4
     prefill_len = 100
+    paged = False
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,7 @@ def both(ops, fkda_vllm, name, call, pool):
     adapter = getattr(ops, name)
     site = f"k3.{name}"
     served = fkda_vllm.STATS[site, "served"]
-    a = None if pool is None else pool.clone()
-    b = None if pool is None else pool.clone()
+    a, b = bench_vllm.copy_pool(pool), bench_vllm.copy_pool(pool)
     with torch.inference_mode():
         o1, s1 = adapter(**bench_vllm.with_pool(call, a))
         assert fkda_vllm.STATS[site, "served"] == served + 1, dict(fkda_vllm.REASONS)
