@@ -2,7 +2,7 @@
 
 fla: a backend for fla's registry (flashkda_ext.integrations.fla.register()).
 sglang: SGLang 0.5.23's KDA kernel backend (a package: the kernel, its sglang.srt.plugins entry point, install()).
-vllm: install() rebinds the KDA ops vLLM vendors from fla to adapters on the fla mapping (vllm imported then only).
+vllm: install() rebinds the KDA ops of vLLM 0.34 (Kimi K3 / Kimi-Linear, and the vendored fla copy) to adapters.
 Here: the per-chunk state layout both adapters return.
 """
 import torch
