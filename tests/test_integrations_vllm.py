@@ -542,12 +542,18 @@ def test_vendored_decode_of_a_cuda_graph_padded_batch(recorded):
 
 
 def test_vendored_decode_empty_request_is_not_a_row(recorded):
+    """[0, 2, 2, 3]: an empty request beside a two-token one. Served as rows, the empty request's slot would be
+    written and request 0 stepped once; fla's kernel steps request 0 twice on its slot. The fla mapping refuses
+    a request of more than one token in a one-slot-per-request decode, so the call goes to vLLM's own kernel
+    (counted) and our kernels write nothing."""
     pool = torch.randn(6, H, V, K) * 0.3
     pool0 = pool.clone()
     call = bailing_decode_call([0, 2, 2, 3], [4, 5, 2], pool)
-    recorded.vendored.fused_recurrent_kda(**call)
-    assert torch.equal(pool[5], pool0[5]) and torch.equal(pool[4], pool0[4])
-    assert not torch.equal(pool[2], pool0[2])
+    fell = stat("vendored.fused_recurrent_kda", "fell_back")
+    assert recorded.vendored.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
+    assert stat("vendored.fused_recurrent_kda", "fell_back") == fell + 1
+    assert any(s == "vendored.fused_recurrent_kda" and "cu_seqlens" in r for s, r in fkda_vllm.REASONS)
+    assert torch.equal(pool, pool0)
 
 
 def test_vendored_unknown_keyword_falls_back(recorded):

@@ -1,4 +1,5 @@
-"""Integer metadata an engine hands an adapter, narrowed to the int32 the ops take without ever wrapping.
+"""Integer metadata vLLM hands its adapters, narrowed to the int32 the ops take without ever wrapping
+(through common_checks.narrow_int32, the narrowing every adapter shares).
 
 An int64 value outside int32 would wrap to another slot (2**32 + 1 -> 1) and write it. Host tensors
 (the CPU backend) are range-checked and refused with an error naming the argument; device tensors are
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_I32 = torch.iinfo(torch.int32)
+from .common_checks import narrow_int32, unchecked_on_device
 
 
 class NotNarrowable(Exception):
@@ -21,18 +22,9 @@ class NotNarrowable(Exception):
 def _int32(name: str, x: torch.Tensor, invalid: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected an int32 or int64 tensor, got {type(x).__name__}")
-    if x.dtype == torch.int32:
-        return x
-    if x.dtype != torch.int64:
+    if x.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: expected an int32 or int64 tensor, got {x.dtype}")
-    if x.device.type == "cpu":
-        if x.numel() and (int(x.min()) < _I32.min or int(x.max()) > _I32.max):
-            bad = x[(x < _I32.min) | (x > _I32.max)].flatten()[0].item()
-            raise ValueError(f"{name}: value {bad} does not fit int32 (the kernels index with int32); "
-                             f"expected values in [{_I32.min}, {_I32.max}]")
-        return x.to(torch.int32)
-    fits = (x >= _I32.min) & (x <= _I32.max)
-    return torch.where(fits, x, invalid).to(torch.int32)
+    return narrow_int32(name, x, pad=invalid)
 
 
 def slot_indices(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +39,7 @@ def accepted_counts(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def offsets(name: str, x: torch.Tensor) -> torch.Tensor:
     """cu_seqlens as int32: int64 is range-checked on the host; on a device it raises NotNarrowable."""
-    if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.device.type != "cpu":
+    if isinstance(x, torch.Tensor) and unchecked_on_device(x):
         raise NotNarrowable(f"{name}: int64 offsets on {x.device} cannot be narrowed to int32 without a host read")
     return _int32(name, x, 0)
 
