@@ -172,6 +172,8 @@ class Registry:
         self.records: Dict[str, dict] = {}
         self.files: Dict[str, str] = {}  # record name -> spec file (relative to the root)
         self.routes: Dict[str, dict] = {}
+        self.routed: set = set()       # names some rule can reach
+        self.opt_in_tags: set = set()  # the names rules' "opt_in" use ($FLASHKDA_EXT_OPT_IN)
         self._load()
 
     def _load(self) -> None:
@@ -224,6 +226,7 @@ class Registry:
                     fail(f"device '{d}' has no entry for {fam} in jit/supported.json")
                 if d in fallback_for:
                     fail(f"unreachable: an earlier always-true rule already catches device '{d}'")
+            opt_in = rule.get("opt_in")
             for d in devices:
                 for name in self._expand(rule["module"], when, fam, d, fname, rname):
                     rec = self.records.get(name)
@@ -233,7 +236,15 @@ class Registry:
                     if rec["family"] != fam or rec["backend"] != d:
                         fail(f"module '{name}' is {rec['family']}/{rec['backend']}, "
                              f"not {fam}/{d}")
-            if set(when) <= {"device"}:
+                    # an opt-in module is reached by opt-in rules only, and they reach nothing else
+                    if bool(opt_in) != rec.get("opt_in", False):
+                        fail(f"module '{name}' is {'not ' * (not rec.get('opt_in', False))}marked "
+                             f"opt_in in jit/modules, but the rule is "
+                             f"{'an opt-in' if opt_in else 'not an opt-in'} rule")
+                    self.routed.add(name)
+            if opt_in:
+                self.opt_in_tags.add(opt_in)
+            elif set(when) <= {"device"}:
                 fallback_for.update(devices)
         # every backend that has modules of this family must be reachable by a fallback
         served = {r["backend"] for r in self.records.values() if r["family"] == fam}
@@ -316,6 +327,11 @@ def all_records(root=None) -> List[dict]:
 
 def record_file(name: str, root=None) -> str:
     return registry(root).files[name]
+
+
+def opt_in_tags(root=None) -> frozenset:
+    """The opt-in names the route rules declare (their "opt_in"; docs/jit.md, "Opt-in routes")."""
+    return frozenset(registry(root).opt_in_tags)
 
 
 def routes_for(family: str, root=None) -> List[dict]:
