@@ -349,3 +349,20 @@ def test_the_spec_mechanisms_have_live_modules():
     assert any(r["persistent_k"] > 0 for r in live)
     clustered = {r["abi"] for r in live if r["cluster"] != [1, 1, 1]}
     assert {"cluster_split", "sequential"} <= clustered, clustered
+
+
+def test_measured_bases_cite_results_that_exist():
+    """A rule's structured `measured` names its date, the tree's commit and results files that this
+    checkout holds (a wheel ships no benchmarks/: nothing to check there)."""
+    root = jit_dir().parent
+    if not (root / "benchmarks" / "results").is_dir():
+        pytest.skip("no benchmarks/results in this tree")
+    cited = 0
+    for path in sorted(jit_dir().glob("routes/*.json")):
+        for rule in json.loads(path.read_text())["rules"]:
+            m = rule.get("measured")
+            if isinstance(m, dict):
+                for res in m["results"]:
+                    assert (root / res).is_file(), (path.name, rule["name"], res)
+                    cited += 1
+    assert cited >= 20, cited
