@@ -40,15 +40,12 @@ constexpr int kNumVT = FKDA_HEAD_DIM_V / FKDA_PARAM_V_TILE;
 #if !defined(FKDA_PARAM_STAGE_T)
 #error "kda_verify.cu is built from a module record: FKDA_PARAM_STAGE_T missing"
 #endif
-static_assert(FKDA_PERSISTENT_K == 0 && FKDA_CLUSTER_X * FKDA_CLUSTER_Y * FKDA_CLUSTER_Z == 1,
-              "one CTA per (request, head, V-tile): no persistent or clustered verify schedule");
 #if defined(FKDA_PARAM_BULK_STATE)
 static_assert(FKDA_PARAM_BULK_STATE == 1, "bulk_state: 1");
 static_assert(FKDA_SMEM_BYTES == 2 * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
               "smem_bytes must equal 2 * v_tile * K * state element size");
 constexpr int kBulkState = FKDA_PARAM_BULK_STATE;
 #else
-static_assert(FKDA_SMEM_BYTES == 0, "only bulk_state uses dynamic shared memory");
 constexpr int kBulkState = 0;
 #endif
 
