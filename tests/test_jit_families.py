@@ -103,3 +103,11 @@ def test_a_generated_twin_rule_is_not_written_by_hand(tmp_path):
         {"name": "fallback_gb32", "when": {"device": "cuda", "gb": "f32"}, "module": "toy_fam_{state}_{offset}_gb32"}])
     with pytest.raises(SpecError, match="rule names must be unique"):
         registry(root)
+
+
+def test_a_family_without_an_offset_axis_names_no_offset():
+    """prefill's naming: {stem}_{state}, slot_offset_bits from the fields."""
+    recs = expand_family({"stem": "p", "slot_offset_bits": 64, "description": "d"}, {"params": {}},
+                         {"state": ["float32", "bfloat16"]})
+    assert [(r["name"], r["slot_offset_bits"], r["state_dtype"]) for r in recs] == [
+        ("p_f32", 64, "float32"), ("p_bf16", 64, "bfloat16")]

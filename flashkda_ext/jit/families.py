@@ -10,7 +10,8 @@ the twin axes ("twins": the file's, each key overridden by the family's):
     offset  slot-offset widths  name + _o32 / _o64      slot_offset_bits
     gb32    true: a second twin  name + _gb32            params.gb_f32 = 1 (g and beta read as fp32)
 
-so `{stem}_{state}_o{offset}[_gb32]`. The result is an ordinary record, checked like a plain one.
+so `{stem}_{state}_o{offset}[_gb32]`; without an "offset" axis the names carry no `_oNN` and
+slot_offset_bits comes from the fields. The result is an ordinary record, checked like a plain one.
 """
 from __future__ import annotations
 
@@ -35,12 +36,17 @@ def expand_family(fam: dict, common: dict, twins: dict) -> List[dict]:
     axes = {**twins, **fam.get("twins", {})}
     base = _merge(common, {k: v for k, v in fam.items() if k not in _FAMILY_ONLY})
     out = []
-    for state, bits, gb in itertools.product(axes["state"], axes["offset"],
+    # no "offset" axis: no _oNN in the names, slot_offset_bits from the fields (prefill's naming);
+    # no "state" axis leaves state_dtype unset, which the record schema then refuses
+    for state, bits, gb in itertools.product(axes.get("state", [None]), axes.get("offset", [None]),
                                              (False, True) if axes.get("gb32") else (False,)):
         rec = _merge(base, fam.get("by_state", {}).get(state, {}))
-        rec["name"] = f"{fam['stem']}_{STATE_TAGS[state]}_o{bits}" + (GB32_SUFFIX if gb else "")
-        rec["state_dtype"] = state
-        rec["slot_offset_bits"] = bits
+        rec["name"] = (fam["stem"] + (f"_{STATE_TAGS[state]}" if state else "") + (f"_o{bits}" if bits else "")
+                       + (GB32_SUFFIX if gb else ""))
+        if state:
+            rec["state_dtype"] = state
+        if bits:
+            rec["slot_offset_bits"] = bits
         if gb:
             rec["params"] = {**rec["params"], "gb_f32": 1}
             rec["description"] = f"{rec['description']}; g and beta read as fp32"
