@@ -96,7 +96,8 @@ def spec_summary(verbose: bool = False) -> dict:
     routes = {}
     for fam in FAMILIES:
         try:
-            routes[fam] = [{"name": r["name"], "when": r.get("when", {}), "module": r["module"]}
+            routes[fam] = [{"name": r["name"], "when": r.get("when", {}), "module": r["module"],
+                            **({"opt_in": r["opt_in"]} if "opt_in" in r else {})}
                            for r in jit.routes_for(fam)]
         except KeyError:
             routes[fam] = None
@@ -173,6 +174,8 @@ def _print_info(info: dict) -> None:
             continue
         for r in rules:
             when = ", ".join(f"{k}={v}" for k, v in r["when"].items()) or "always"
+            if "opt_in" in r:  # considered only when opted in ($FLASHKDA_EXT_OPT_IN)
+                when += f" (opt-in: {r['opt_in']})"
             rows.append([fam, r["name"], when, r["module"]])
     print(table(rows, ["family", "rule", "when", "module"]))
     if "modules" in spec:
