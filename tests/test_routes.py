@@ -326,18 +326,13 @@ def test_opt_in_comes_from_the_environment_and_is_validated(monkeypatch):
 
 # Records no route reaches yet because their family's files belong to another branch of issue 44
 # (the prefill probes); empty it once that branch is merged.
-PENDING_UNROUTED = {"prefill_vt32r1_f32", "prefill_fast_vt16_f32", "prefill_lp_nostore_vt16_f32",
-                    "prefill_lp_memonly_vt16_f32", "prefill_lp_tf32_vt16_f32", "prefill_lp_wub_vt16_f32",
-                    "prefill_lp_both_vt16_f32"}
-
-
 def test_every_kernel_record_is_routed_or_an_opt_in():
     """Live kernels only: every record of a routed family is reached by some rule (an opt_in record by
     an opt-in rule only: the registry checks that side); helper families are loaded by name."""
     reg = jit.registry()
     unrouted = {n for n, r in reg.records.items()
                 if r["family"] not in jit.specs.HELPER_FAMILIES and n not in reg.routed}
-    assert unrouted <= PENDING_UNROUTED, sorted(unrouted - PENDING_UNROUTED)
+    assert not unrouted, sorted(unrouted)
     assert {n for n, r in reg.records.items() if r.get("opt_in")} <= reg.routed
 
 

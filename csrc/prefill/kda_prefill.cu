@@ -8,10 +8,6 @@
 // FKDA_PARAM_SINGLE: 1 = a sequence of one chunk is finished inside the prep kernel (its state update
 // run by the same CTA; the state pass skips it). Wins with many CTAs (>= 256 sequences x heads
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
-// FKDA_PARAM_OVERLAP: 1 = the state pass launched first and fed chunk by chunk while the prep runs
-// beside it on the SMs it leaves free (flags in the workspace; kda_prefill_layout.cuh, OvArgs), when
-// its CTAs take at most half the SMs; otherwise, and always with identical results, the two kernels
-// in order. For one or a few long sequences with few heads, where the ordered chain leaves SMs idle.
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
@@ -29,12 +25,6 @@
 #endif
 #if FKDA_PARAM_SINGLE != 0 && FKDA_PARAM_SINGLE != 1
 #error "FKDA_PARAM_SINGLE must be 0 or 1"
-#endif
-#ifndef FKDA_PARAM_OVERLAP
-#define FKDA_PARAM_OVERLAP 0
-#endif
-#if FKDA_PARAM_OVERLAP != 0 && (FKDA_PARAM_OVERLAP != 1 || FKDA_PARAM_SINGLE != 0 || FKDA_PARAM_VT != 16)
-#error "FKDA_PARAM_OVERLAP 1 needs FKDA_PARAM_SINGLE 0 and FKDA_PARAM_VT 16"
 #endif
 // The module record states the state pass launch shape; keep it and the kernels in step.
 static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
@@ -58,14 +48,6 @@ using StateT = float;
 // Fixed per module (its record's params), never switched at run time: one module, one behaviour.
 constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
 constexpr int kSingle = FKDA_PARAM_SINGLE;       // sequences of one chunk finished inside the prep kernel
-constexpr bool kOverlap = FKDA_PARAM_OVERLAP != 0;  // the overlapped launch where it is safe
-constexpr int kVt = FKDA_PARAM_VT;
-
-// Workspace bytes of this module: the chunk slots, and the overlapped launch's flag words after them.
-int64_t module_workspace_bytes(int64_t T, int64_t N, int64_t HV) {
-  const int64_t flags = kOverlap ? fkda_prefill::ov_flag_words(T, N, HV, kVt) * 4 : 0;
-  return fkda_prefill::workspace_bytes(T, N, HV) + flags;
-}
 
 template <int VT, int RING = fkda_prefill::default_ring<VT>()>
 void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
@@ -166,7 +148,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
         << "argument 'checkpoint_every' must be a positive multiple of the chunk ("
         << fkda_prefill::kC << ") when checkpoints are given, got " << checkpoint_every;
   }
-  const int64_t need = module_workspace_bytes(T, N, HV);
+  const int64_t need = fkda_prefill::workspace_bytes(T, N, HV);
   if (workspace.has_value()) {
     const TensorView& w = workspace.value();
     ck.same_device(w, "workspace", q, "q");
@@ -232,32 +214,6 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.st = sa;
     // one CTA a (chunk slot, value head), heads adjacent (see the kernel)
     FKDA_CHECK(slots_chunks * HV <= 0x7fffffff, fn) << "too many chunks x value heads: " << slots_chunks * HV;
-    // The overlapped launch needs every state CTA resident (one an SM) with SMs to spare for the
-    // prep: at most half the SMs (host-known: sequences x heads, the device's SM count).
-#if FKDA_PARAM_OVERLAP  // (the overlapped kernels exist only in the modules that use them)
-    const int64_t state_ctas = (fkda_prefill::kV / kVt) * HV * N;
-    if (2 * state_ctas <= ctx.sm_count()) {
-      fkda_prefill::OvArgs o;
-      const int64_t words = fkda_prefill::ov_flag_words(T, N, HV, kVt);
-      o.flags = reinterpret_cast<unsigned*>(ws + slots_chunks * HV * int64_t(fkda_prefill::kSlotBytes));
-      o.go = o.flags + slots_chunks * HV;
-      o.started = o.go + 1;
-      o.status = o.started + 1;
-      o.repair = 0;
-      FKDA_CUDA_CHECK(cudaMemsetAsync(o.flags, 0, size_t(words) * 4, stream), "cudaMemsetAsync(overlap flags)");
-      using SM = fkda_prefill::StateSmem<kVt>;
-      const dim3 sgrid(fkda_prefill::kV / kVt, static_cast<unsigned>(HV), static_cast<unsigned>(N));
-      const auto state_ov = fkda_prefill::kda_state_ov_kernel<kVt, SM::NS, StateT>;
-      ctx.launch("kda_state_ov_kernel", state_ov, sgrid, dim3(FKDA_THREADS), SM::kTotal, sa, o);
-      ctx.launch("kda_prep_ov_kernel", fkda_prefill::kda_prep_ov_kernel<StateT>,
-                 dim3(static_cast<unsigned>(slots_chunks * HV)), dim3(fkda_prefill::kLiteThreads),
-                 fkda_prefill::kLiteSmem, pa, o);
-      o.repair = 1;
-      ctx.launch("kda_state_ov_kernel (repair)", state_ov, sgrid, dim3(FKDA_THREADS), SM::kTotal, sa, o);
-      if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
-      return;
-    }
-#endif
     ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT>,
                dim3(static_cast<unsigned>(slots_chunks * HV)), dim3(fkda_prefill::kLiteThreads),
                fkda_prefill::kLiteSmem, pa);
@@ -268,7 +224,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
-  return module_workspace_bytes(total_tokens, num_seqs, value_heads);
+  return fkda_prefill::workspace_bytes(total_tokens, num_seqs, value_heads);
 }
 
 }  // namespace

@@ -193,41 +193,5 @@ struct StateArgs {
   bf16* out;                // [T, HV, V]
 };
 
-// ---- the overlapped launch (FKDA_PARAM_OVERLAP; kda_prefill.cu says when it is used) -------------
-// The state pass starts first and each of its CTAs takes a chunk as soon as the prep CTA that makes
-// it has published the chunk's flag; the prep runs beside it on the SMs the state pass leaves free.
-// Flags and statuses follow the chunk slots in the workspace, zeroed by the binding before each call.
-struct OvArgs {
-  unsigned* flags;    // [chunk slots * HV]: 1 = the slot is complete (prep, release)
-  unsigned* go;       // 1 = the state pass is running and past its wait for earlier grids
-  unsigned* started;  // 1 = a prep CTA has started (the state pass's proof that prep runs beside it)
-  unsigned* status;   // [state CTAs]: 1 done, 2 gave up waiting for the prep (nothing written)
-  int repair;         // 1: the launch after the prep, which redoes the CTAs whose status is 2
-};
-// Flag words after the slots: chunk flags, go, started, one status per state CTA (V tiles x HV x N).
-inline int64_t ov_flag_words(int64_t total_tokens, int64_t num_seqs, int64_t value_heads, int vt) {
-  return num_chunk_slots(total_tokens, num_seqs) * value_heads + 2 + (kV / vt) * value_heads * num_seqs;
-}
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned x;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(x) : "l"(p) : "memory");
-  return x;
-}
-__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned x) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(x) : "memory");
-}
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
-  return t;
-}
-// Generic-proxy accesses (a flag) ordered with the async proxy's (bulk copies) on global memory.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-// Every bulk store of this thread complete (written, not only read from shared memory).
-__device__ __forceinline__ void bulk_s2g_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
 
 }  // namespace fkda_prefill

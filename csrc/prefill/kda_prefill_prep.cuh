@@ -587,11 +587,9 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
   }
 }
 
-// The preparation of one chunk-head (CTA blockIdx.x = chunk slot x HV + value head). OV: for the
-// overlapped launch, which publishes the slot's flag once every byte of it is written: true for the
-// thread that issued the slot's bulk stores (they are then still in flight).
-template <typename ST, bool OV>
-__device__ __forceinline__ bool prep_chunk(const PrepArgs& a) {
+template <typename ST>
+__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   uint32_t* Xw = reinterpret_cast<uint32_t*>(smem + kLOffX);  // X: split words (diagonal blocks, X_10, X_32)
@@ -627,7 +625,7 @@ __device__ __forceinline__ bool prep_chunk(const PrepArgs& a) {
   const int n = span.n;
   const int64_t bos = span.bos, len = span.len;
   const int64_t c = slot - (bos / kC + n);
-  if (c * kC >= len) return false;  // a gap slot (or an empty sequence)
+  if (c * kC >= len) return;  // a gap slot (or an empty sequence)
   SeqOfChunk* seq = reinterpret_cast<SeqOfChunk*>(smem + kLOffSeq);
   if (tid == 0) *seq = SeqOfChunk{bos, n, a.st.single && len <= kC ? int(len) : -1};  // read at the end
   if (tid < 4) safe[tid] = 1;  // cleared by the gate step for a block whose range is too wide
@@ -941,46 +939,19 @@ __device__ __forceinline__ bool prep_chunk(const PrepArgs& a) {
     if (which) stage(Op + u_off(r0, c0), 8 * kLdU16, [](int nn) { return (nn >> 1) * (kC * kLdU16) + (nn & 1) * 8; });
     else stage(Ks + r0 * kLdB + c0, 8 * kLdB, [](int nn) { return nn * 8; });
   }
-  if constexpr (OV) __threadfence();  // this thread's slot stores (Qg, Kd, Aqk, exp(G_C)) before the flag
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
   if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
     if (tid == 0) {
       fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
       fkda::bulk_s2g(ws + kWsU, Op, uint32_t((kV / 16) * kUBlockBytes));
-      if constexpr (OV) return true;  // the caller waits for the stores (not only their reads)
       fkda::bulk_s2g_wait_read();  // shared memory is read before the CTA exits
     }
-    return false;
+    return;
   }
   const SeqOfChunk sq = *seq;
   prep_single_chunk_state<ST>(a, smem, ws, Ks, Op, sq.n, hv, sq.bos, sq.len, tid);
-  return false;
 }
 
-template <typename ST>
-__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  prep_chunk<ST, false>(a);
-}
-
-// The overlapped launch (kda_state_ov_kernel runs before it and never ends first, so this kernel
-// must not wait for the previous grid): `go` stands for that wait (the state pass published it
-// after its own wait for earlier grids), `started` tells the state pass that the prep runs.
-// StateArgs::single is 0 here (kda_prefill.cu): every chunk goes through the state pass.
-template <typename ST>
-__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS)
-    kda_prep_ov_kernel(const PrepArgs a, const OvArgs o) {
-  if (threadIdx.x == 0) {
-    while (ld_acquire_gpu(o.go) != 1u) __nanosleep(64);
-    st_release_gpu(o.started, 1u);
-  }
-  __syncthreads();
-  if (prep_chunk<ST, true>(a)) {
-    bulk_s2g_wait_all();  // the slot's W and U written to global memory, not only read from shared memory
-    fence_proxy_async_global();
-    st_release_gpu(o.flags + blockIdx.x, 1u);
-  }
-}
 
 }  // namespace fkda_prefill

@@ -402,20 +402,14 @@ using fkda::mbar_wait;
 
 // Chunk data for one V tile: [W | Qg | Kd | A | gC] and the tile's U blocks, both contiguous in the
 // workspace. tma: thread 0 issues two bulk copies on the stage's mbarrier; else every thread
-// issues 16 B cp.async (one commit group per chunk). kWait (the overlapped launch, tma only): thread 0
-// first waits for the chunk's flag (the prep has published the slot), with no time limit: once a prep
-// CTA has started, every prep CTA runs to its end.
-template <int VT, int NS, bool kWait = false>
+// issues 16 B cp.async (one commit group per chunk).
+template <int VT, int NS>
 __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid, bool tma,
-                                            uint64_t* bar, const unsigned* flag = nullptr) {
+                                            uint64_t* bar) {
   using SM = StateSmem<VT, NS>;
   const uint8_t* usrc = ws + kWsU + size_t(vt) * SM::kUBytes;
   if (tma) {
     if (tid == 0) {
-      if constexpr (kWait) {
-        while (ld_acquire_gpu(flag) != 1u) __nanosleep(32);
-        fence_proxy_async_global();  // the bulk copies read what the flag published
-      }
       mbar_expect_tx(bar, SM::kSide + SM::kUBytes);
       bulk_g2s(st, ws, SM::kSide, bar);
       bulk_g2s(st + SM::kU, usrc, SM::kUBytes, bar);
@@ -426,10 +420,9 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
   }
 }
 
-// The state pass of one CTA. OV: the overlapped launch's waits (kWait of issue_chunk) on chunks the
-// prep kernel is still making; its caller has checked that the prep runs (or is done).
-template <int VT, int RING, typename ST, bool OV>
-__device__ __forceinline__ void state_pass(const StateArgs& a, const OvArgs& o) {
+template <int VT, int RING, typename ST>
+__global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -469,8 +462,8 @@ __device__ __forceinline__ void state_pass(const StateArgs& a, const OvArgs& o) 
 #pragma unroll
     for (int i = 0; i < kAhead; ++i) {
       if (i < nch)
-        issue_chunk<VT, NS, OV>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
-                                tid, tma, bars + i, OV ? o.flags + (size_t(base + i) * HV + hv) : nullptr);
+        issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
+                            tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
     write_state_bf16<VT>(Sb, s, w, lane);
@@ -486,9 +479,9 @@ __device__ __forceinline__ void state_pass(const StateArgs& a, const OvArgs& o) 
     if (NS > 1) {
       const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
       if (c + NS - 1 < nch)
-        issue_chunk<VT, NS, OV>(smem + ns * SM::kStage,
-                                a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
-                                bars + ns, OV ? o.flags + (size_t(base + c + NS - 1) * HV + hv) : nullptr);
+        issue_chunk<VT, NS>(smem + ns * SM::kStage,
+                            a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
+                            bars + ns);
       cp_async_commit();
     }
     if (stage == NS - 1) parity ^= 1u;
@@ -513,58 +506,6 @@ __device__ __forceinline__ void state_pass(const StateArgs& a, const OvArgs& o) 
     ST* dst = static_cast<ST*>(a.fin) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
     store_state_tile<VT, ST>(dst, s, w, lane, v0);
   }
-}
-
-template <int VT, int RING, typename ST>
-__global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  state_pass<VT, RING, ST, false>(a, OvArgs{});
-}
-
-// Waits up to this long for the first prep CTA (the overlapped launch relies on the prep kernel,
-// launched after this one, starting beside it: PDL allows that but does not promise it).
-constexpr uint64_t kOvStartLimitNs = 20000000;  // 20 ms
-
-// The overlapped launch (OvArgs): the first launch (repair 0) runs before the prep kernel and
-// publishes `go` (earlier grids are done: the prep may read its inputs); a CTA that sees no prep
-// CTA start within kOvStartLimitNs writes nothing and sets its status to 2. The second launch
-// (repair 1) runs after the prep: each CTA waits for its twin's status and redoes the CTA if it
-// gave up. Either way every CTA of the first launch has ended when the second one has.
-template <int VT, int RING, typename ST>
-__global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_ov_kernel(const StateArgs a,
-                                                                                      const OvArgs o) {
-  static_assert(RING > 1, "the overlapped launch waits for chunks ahead of the one in use");
-  fkda::wait_for_previous_grid();
-  const unsigned cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  __shared__ unsigned verdict;
-  if (o.repair) {
-    if (threadIdx.x == 0) {
-      unsigned st;
-      while ((st = ld_acquire_gpu(o.status + cta)) == 0u) __nanosleep(64);
-      verdict = st;
-    }
-    __syncthreads();
-    if (verdict == 1u) return;
-    state_pass<VT, RING, ST, false>(a, o);  // the prep is complete (this launch waited for it)
-    return;
-  }
-  if (cta == 0 && threadIdx.x == 0) st_release_gpu(o.go, 1u);
-  fkda::allow_next_grid();
-  if (threadIdx.x == 0) {
-    const uint64_t t0 = global_ns();
-    unsigned ok;
-    while ((ok = ld_acquire_gpu(o.started)) == 0u && global_ns() - t0 < kOvStartLimitNs) __nanosleep(256);
-    verdict = ok;
-  }
-  __syncthreads();
-  if (verdict == 0u) {
-    if (threadIdx.x == 0) st_release_gpu(o.status + cta, 2u);
-    return;
-  }
-  state_pass<VT, RING, ST, true>(a, o);
-  __threadfence();  // this CTA's outputs and state, before its status
-  __syncthreads();
-  if (threadIdx.x == 0) st_release_gpu(o.status + cta, 1u);
 }
 
 }  // namespace fkda_prefill
