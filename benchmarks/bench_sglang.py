@@ -284,7 +284,8 @@ def main(argv=None):
                                      notes=dict(agreement=res)))
             del a_args, kw
             torch.cuda.empty_cache()
-        run.extra.update(agreement=agree, served=dict(STATS), fallbacks={f"{m}: {r}": n for (m, r), n in
+        run.extra.update(agreement=agree, served={"|".join(map(str, k)) if isinstance(k, tuple) else k: n
+                                                  for k, n in STATS.items()}, fallbacks={f"{m}: {r}": n for (m, r), n in
                                                                           REASONS.items()})
         run.finish()
         summary[phase] = run.summary()

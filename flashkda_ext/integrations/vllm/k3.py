@@ -135,6 +135,17 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
         nat = None if num_accepted_tokens is None else \
             _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N]).contiguous()
         used = T
+        if cu.device.type != "cpu" and ssm_state_indices.shape[0] > N:
+            # the same padding with the offsets on the device (no host read): the padded rows become empty
+            # requests (the last offset repeated: they read and write nothing), so T fits the padded batch;
+            # tokens past the last real offset belong to no request and stay zero in an output made here
+            pad = ssm_state_indices.shape[0] - N
+            cu = torch.cat([cu, cu[-1:].expand(pad)])
+            idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices).contiguous()
+            nat = None if num_accepted_tokens is None else \
+                _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens).contiguous()
+            if o is None:
+                o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         if cu.device.type == "cpu":
             # tokens past the last offset belong to no request: on the host that is visible, and the op takes
             # exactly the requests' tokens (a GPU kernel leaves those rows unwritten, as vLLM's does)
