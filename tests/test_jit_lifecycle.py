@@ -271,3 +271,23 @@ def test_lock_timeout_names_the_lock_file(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="FLASHKDA_EXT_LOCK_TIMEOUT='soon'"):
         with file_lock(path):
             pass
+
+
+_FORK_COUNT = textwrap.dedent("""
+    import os, sys
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))   # the hook JAX's fork warning hangs on
+    from flashkda_ext.jit import ensure_built
+    ensure_built("toy_cpu", root=sys.argv[1])
+    print(len(forks))
+""")
+
+
+def test_a_build_forks_no_python_process(tree, tmp_path):
+    """Subprocesses of a build start without a Python-level fork (no preexec_fn), so a process with
+    JAX's (or anyone's) threads is never forked: JAX warned on each such fork in the tests."""
+    env = dict(os.environ, FLASHKDA_EXT_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", _FORK_COUNT, str(tree)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "building module 'toy_cpu'" in r.stderr and r.stdout.split() == ["0"]
