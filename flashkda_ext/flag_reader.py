@@ -12,9 +12,11 @@ caller; one stderr line before and after), as <cache>/flag_reader-<identity[:16]
 hash of the source, the compile and link flags, and the torch, Python ABI and scheme versions.
 
 When: a built one is loaded at import (a file test, a hash and a dlopen). Otherwise the first call
-that arms the fast path starts its build in a background thread (~10 s of one core, parsing torch's
-headers) and returns at once: the Python test serves until the build is done, then the compiled one
-replaces it (fast_path.plain_ok), so no call waits for it. FLASHKDA_EXT_DISABLE_JIT=1 forbids the
+that arms the fast path starts its build and returns at once: a child interpreter in a session of its
+own, at low priority (~10 s of one core, parsing torch's headers), watched by a daemon thread. The
+Python test serves until the build is done, then the compiled one replaces it (fast_path.plain_ok),
+so no call waits for it; a script that exits sooner leaves the child to finish the build for the
+next process (not killed with it, so short runs do not each start and lose it). FLASHKDA_EXT_DISABLE_JIT=1 forbids the
 build, FLASHKDA_EXT_NATIVE_FLAGS=0 keeps the Python test; `python -m flashkda_ext build` builds it
 ahead. A failed build warns once and the Python test stays, which gives the same answers
 (tests/test_flag_reader.py holds the two to one table); a build of the same identity that failed
@@ -149,14 +151,54 @@ def failed_before() -> Optional[Path]:
     return failed if failed.is_dir() else None
 
 
-def _background(on_ready: Callable[[Callable], None]) -> None:
+def start_child():
+    """Start build() in a child interpreter of its own session, at low priority, and return its
+    Popen (wait_child reads the outcome). Started in the caller's thread (a few ms) so that a script
+    that exits at once has started it: the child is not tied to this process, and finishes the
+    build for the next one. Its stderr is this process's (the builder's two lines)."""
+    import subprocess
+
+    env = dict(os.environ)  # the child imports this very package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(paths.PACKAGE_DIR.parent), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-c", f"from {__name__} import _child_main; _child_main()"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_child(proc) -> Optional[str]:
+    """None when the child built the test, else the reason it did not."""
+    reason, _ = proc.communicate()
+    if proc.returncode == 0:
+        return None
+    return reason.strip() or f"the build process exited with status {proc.returncode}"
+
+
+def _child_main() -> None:
+    """The child of start_child: build, or print the reason on one line and exit 3."""
     try:
-        fn = build(jobs=1)  # one core: the caller's own work goes on beside it
-    except Exception as e:  # noqa: BLE001 - any build failure leaves the Python test in place
+        os.nice(10)  # the caller's own work (its modules' builds) goes first
+    except OSError:
+        pass
+    try:
+        build(jobs=1)
+    except Exception as e:  # noqa: BLE001 - reported by the parent, once
+        try:
+            print(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+        except OSError:  # the parent is gone: nobody to tell
+            pass
+        sys.exit(3)
+
+
+def _background(proc, on_ready: Callable[[Callable], None]) -> None:
+    try:
+        reason = wait_child(proc)
+        fn = load() if reason is None else None
+    except Exception as e:  # noqa: BLE001 - e.g. the built .so does not load
+        reason, fn = f"{type(e).__name__}: {e}", None
+    if fn is None:
         warnings.warn(f"flashkda_ext: the fast path's compiled flag test did not build "
-                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the "
-                      f"Python test serves instead (same checks, ~0.3 us more a tensor)",
-                      RuntimeWarning, stacklevel=2)
+                      f"({reason or 'its artifact does not verify'}); the Python test serves instead "
+                      f"(same checks, ~0.3 us more a tensor)", RuntimeWarning, stacklevel=2)
         return
     on_ready(fn)
 
@@ -183,7 +225,14 @@ def ensure(on_ready: Callable[[Callable], None]) -> Optional[Callable]:
                           f"(see {failed}); the Python test serves instead. `python -m flashkda_ext "
                           f"build` retries it", RuntimeWarning, stacklevel=3)
             return None
-        _worker = threading.Thread(target=_background, args=(on_ready,), daemon=True,
+        try:
+            proc = start_child()
+        except OSError as e:
+            warnings.warn(f"flashkda_ext: the fast path's compiled flag test did not build (the build "
+                          f"process did not start: {e}); the Python test serves instead",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        _worker = threading.Thread(target=_background, args=(proc, on_ready), daemon=True,
                                    name="flashkda_ext flag reader build")
         _worker.start()
     return None

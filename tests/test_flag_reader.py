@@ -100,26 +100,28 @@ def unbuilt(monkeypatch):
 def test_the_armed_call_does_not_wait_for_the_build(unbuilt, monkeypatch):
     release, ready = threading.Event(), []
 
-    def slow_build(jobs=None):
-        assert release.wait(60)
-        flag_reader._native = fast_path._py_plain_ok  # stands for the compiled function
-        return flag_reader._native
+    def compiled(read, written):  # stands for the compiled test
+        return True
 
-    monkeypatch.setattr(flag_reader, "build", slow_build)
+    def slow_child(proc):
+        assert proc == "child" and release.wait(60)
+        flag_reader._native = compiled  # what load() finds once the child has built it
+        return None
+
+    monkeypatch.setattr(flag_reader, "start_child", lambda: "child")
+    monkeypatch.setattr(flag_reader, "wait_child", slow_child)
     t0 = time.perf_counter()
     assert flag_reader.ensure(ready.append) is None
     assert time.perf_counter() - t0 < 1.0 and ready == []   # returned while the build still runs
     assert flag_reader.ensure(ready.append) is None          # one build per process
     release.set()
-    assert flag_reader.wait(60) is fast_path._py_plain_ok
-    assert ready == [fast_path._py_plain_ok]                 # handed over once, when done
+    assert flag_reader.wait(60) is compiled
+    assert ready == [compiled]                               # handed over once, when done
 
 
 def test_a_failed_build_warns_once_and_leaves_the_python_test(unbuilt, monkeypatch):
-    def broken(jobs=None):
-        raise OSError("no compiler")
-
-    monkeypatch.setattr(flag_reader, "build", broken)
+    monkeypatch.setattr(flag_reader, "start_child", lambda: "child")
+    monkeypatch.setattr(flag_reader, "wait_child", lambda proc: "OSError: no compiler")
     ready = []
     with pytest.warns(RuntimeWarning, match="did not build.*no compiler"):
         assert flag_reader.ensure(ready.append) is None
@@ -129,6 +131,31 @@ def test_a_failed_build_warns_once_and_leaves_the_python_test(unbuilt, monkeypat
         assert flag_reader.ensure(ready.append) is None  # one attempt per process: no second warning
         assert flag_reader.wait(60) is None
     assert ready == []
+
+
+def test_the_child_builds_for_the_next_process_after_this_one_exits(tmp_path):
+    """A short script arms the fast path and exits at once; the build it started still finishes
+    (here with a compiler that takes 2 s), and the next process loads the compiled test at import."""
+    cxx = tmp_path / "slow-g++"
+    cxx.write_text('#!/bin/sh\ncase " $* " in *" -c "*) sleep 2 ;; esac\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    env = dict(os.environ, CXX=str(cxx), FLASHKDA_EXT_CACHE_DIR=str(tmp_path / "cache"))
+    for name in ("FLASHKDA_EXT_DISABLE_JIT", "FLASHKDA_EXT_NATIVE_FLAGS"):
+        env.pop(name, None)
+    arm = ("from flashkda_ext import fast_path, flag_reader; "
+           "fast_path._install(flag_reader.ensure(fast_path._install)); print(fast_path.plain_ok is fast_path._py_plain_ok)")
+    r = subprocess.run([sys.executable, "-c", arm], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr   # exited before the build was done
+    check = ("import flashkda_ext; from flashkda_ext import fast_path, flag_reader; "
+             "print(fast_path.plain_ok is flag_reader.load() is not None)")
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+        if r.stdout.split() == ["True"]:
+            break
+        time.sleep(2)
+    assert r.stdout.split() == ["True"], r.stderr
+    assert list((tmp_path / "cache" / ".tmp").iterdir()) == []
 
 
 def test_a_build_that_failed_before_is_not_retried(unbuilt, monkeypatch, tmp_path):

@@ -108,6 +108,7 @@ def _kill_mid_build(argv, env) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.stderr.close()
         for p in procs:  # never leave a sleeper behind, pass or fail (by the pids seen alive)
             if not _alive(p):
                 continue
