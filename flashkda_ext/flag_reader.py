@@ -134,7 +134,7 @@ def build(jobs: Optional[int] = None) -> Callable:
     ident = identity()
     folder, meta, _ = builder.ensure_artifact(
         paths.cache_dir(), ARTIFACT, ident, "the fast path's flag reader (torch extension)",
-        f"the ops keep the Python flag test; `python -m flashkda_ext build` retries",
+        "the ops keep the Python flag test; `python -m flashkda_ext build` retries",
         _write, {"name": ARTIFACT, "identity": ident, "torch": torch.__version__}, jobs=jobs)
     fn = _import(folder / meta["file"])
     with _lock:
@@ -158,11 +158,11 @@ def start_child():
     build for the next one. Its stderr is this process's (the builder's two lines)."""
     import subprocess
 
-    env = dict(os.environ)  # the child imports this very package
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(paths.PACKAGE_DIR.parent), env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-c", f"from {__name__} import _child_main; _child_main()"],
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    # the child imports this very package, whatever its working folder holds
+    code = (f"import sys; sys.path.insert(0, {str(paths.PACKAGE_DIR.parent)!r}); "
+            f"from {__name__} import _child_main; _child_main()")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
 
 
 def wait_child(proc) -> Optional[str]:
@@ -204,9 +204,9 @@ def _background(proc, on_ready: Callable[[Callable], None]) -> None:
 
 
 def ensure(on_ready: Callable[[Callable], None]) -> Optional[Callable]:
-    """load(); else, once per process and when builds are allowed, start the build in a background
-    thread that calls on_ready(fn) when it is done, and return None (the caller keeps the Python
-    test meanwhile). A build of this identity that failed before is not retried here."""
+    """load(); else, once per process and when builds are allowed, start the build (start_child)
+    with a daemon thread that calls on_ready(fn) when it is done, and return None (the caller keeps
+    the Python test meanwhile). A build of this identity that failed before is not retried here."""
     global _tried, _worker
     fn = load()
     if fn is not None or _tried or not wanted():

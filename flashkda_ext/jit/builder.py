@@ -10,10 +10,13 @@ Cache layout (root: $FLASHKDA_EXT_CACHE_DIR, default ~/.cache/flashkda_ext):
                                                    is removed by the next build
     <cache>/.deps/                                 cached compiler dependency scans (depscan.py)
     <cache>/.failed/<name>-<identity[:16]>/        the last failed (or unloadable) build, to inspect
+    <cache>/flag_reader-<identity[:16]>/           the fast path's torch-linked flag test (flag_reader.py),
+                                                   built here too (ensure_artifact)
 
 An artifact counts only when meta.json names the identity and the .so's size and sha256 match;
 anything else (truncated, corrupt, half-written) is moved away and rebuilt. ninja runs in its own
-process group that dies with the calling process, so a killed build leaves no compiler running.
+process group that dies with the calling process, so a killed build leaves no compiler running. Each
+build says on stderr what it builds and why, then how long it took.
 """
 from __future__ import annotations
 
