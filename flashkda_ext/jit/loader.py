@@ -81,7 +81,7 @@ def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[s
     """(path of a verified AOT .so, or None; why each candidate was rejected)."""
     why = []
     csrc = roots.csrc_dir(root)
-    shipped = include_closure(record["sources"], csrc)
+    shipped = None
     for d in aot_dirs():
         man = _manifest(d)
         if man is None:
@@ -91,6 +91,8 @@ def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[s
         if not entries:
             why.append(f"{d}: no entry for {record['name']} ({arch})")
             continue
+        if shipped is None:  # read only when an AOT folder has an entry for the module
+            shipped = include_closure(record["sources"], csrc)
         for e in entries:
             files = sorted(set(e["files"]) | set(shipped))
             want = module_identity(record, arch, root, compiler=e["compiler"], files=files)
