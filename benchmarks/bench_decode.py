@@ -198,7 +198,7 @@ def accuracy(fla):
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)   # --out (folder or .json), --quick, --no-fla, --dry-run, --reps, ...
-    ap.add_argument("--modules", default="", help="comma list of module stems (e.g. split4,row); "
+    ap.add_argument("--modules", default="", help="comma list of module stems (e.g. split8,row,stream); "
                     "default: the routed module only")
     ap.add_argument("--max-calls", type=int, default=128, help="calls per timed graph (cap)")
     ap.add_argument("--quiet", action="store_true", help="no per-point lines")

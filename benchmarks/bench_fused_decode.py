@@ -48,7 +48,7 @@ def parse(argv=None):
     p.add_argument("--slots", type=int, default=4096, help="pool slots (at least rows)")
     p.add_argument("--head-dim", type=int, default=None, help="D (128 on GPU)")
     p.add_argument("--name", default="fused_decode", help="results file stem")
-    p.add_argument("--modules", default="", help="comma list of module stems (e.g. pair,quad,oct): "
+    p.add_argument("--modules", default="", help="comma list of module stems (e.g. quad,rowtma): "
                    "each module called directly as its own arm (route band measurements)")
     p.add_argument("--no-unfused", action="store_true", help="leave the unfused sequence out")
     return p.parse_args(argv)

@@ -4,6 +4,14 @@ Cases (issue 8): layer {8192, 16384, 2x8192, 3000+13384, 4x4096, 2x(8128+64), 8x
 tokens}, wrapper {4x64, 16x64, 64x64, 16x128, 16x256, 16 random lengths in 17..255}, heads 12 and
 16 (--heads), softplus and bounded (lower_bound -5) gates, fp32 initial and final state; plus the
 small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
+`--grid issue46` takes issue 46's grid instead: H in {8, 12, 16, 24, 32, 48, 96} (--heads narrows it)
+x {B1 T 2K, 8K, 32K, 128K; 4x8192; 64x512; 8x(1024+64); 7 ragged sequences summing to 8192}, and
+`--long` adds 1 x 1,048,576 tokens at H16.
+
+Peers (--peers, default fla,cudnn): fla's chunk_kda and cuDNN's kda_hopper_cuda engine
+(benchmarks/peer_cudnn.py), each when importable; --fla-heads limits fla to some head counts (each
+new head count costs fla a Triton compile). Before timing, each peer's output and final state are
+compared with ours (relative L2, and whether the peer's output is finite): rows record both.
 
 Timing goes through benchmarks/harness.py: CUDA events around one call with L2 flushed before each
 call (cold L2), median of --reps, ours and fla interleaved A B B A; also the host-inclusive wall time
@@ -14,6 +22,7 @@ CUDA-graph capture would have). fla gets the same tensors: its state in the same
 (state_v_first=True), gates and l2norm in its kernels.
 
     python benchmarks/bench_prefill.py --out bench_prefill.json [--heads 16] [--quick] [--no-fla]
+    python benchmarks/bench_prefill.py --grid issue46 --long --modes eager --out DIR --name prefill_grid
     python benchmarks/bench_prefill.py --dry-run       # CPU backend, tiny shapes: checks the logic
 """
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+import peer_cudnn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,6 +75,20 @@ def cases(heads, quick):
     return out[:6] if quick else out
 
 
+ISSUE46_HEADS = (8, 12, 16, 24, 32, 48, 96)
+RAGGED_8K = [3000, 1500, 1200, 900, 700, 500, 392]   # 7 sequences, 8192 tokens
+
+
+def issue46_cases(heads, long):
+    shapes = {**{f"B1 T{T // 1024}K": [T] for T in (2048, 8192, 32768, 131072)},
+              "4x8192": [8192] * 4, "64x512": [512] * 64, "8x(1024+64)": [1024, 64] * 8, "ragged7 8K": RAGGED_8K}
+    out = [(f"H{H} {k}", v, H) for H in heads for k, v in shapes.items()]
+    out += [("H32 4x4096", [4096] * 4, 32), ("H64 B1 T8K", [8192], 64)]   # issue 46's throughput targets
+    if long:
+        out.append(("H16 B1 T1M", [1 << 20], 16))
+    return out
+
+
 def dry_cases():
     return [("H2 5+0+9", [5, 0, 9], 2), ("B1 T12 H1", [12], 1)]
 
@@ -83,10 +107,31 @@ def make(lens, H, gate, dev):
     return d
 
 
+def agreement(ours, out, fin, peer) -> dict:
+    """One call of ours and of the peer on the same inputs: the peer's output and final state against
+    ours (relative L2) and whether the peer's output is finite."""
+    ours()
+    o, s = peer()[:2]
+    torch.cuda.synchronize()
+    o = o.reshape(out.shape)
+    finite = bool(torch.isfinite(o).all())
+
+    def rel(a, b):   # on the device: the largest cases hold billions of elements
+        a, b = a.float(), b.float()
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    return {"finite": finite, "out_rel_l2": rel(o, out) if finite else float("nan"),
+            "state_rel_l2": rel(s, fin) if s.numel() else None}
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)   # --out (folder or .json), --reps, --quick, --no-fla, --dry-run, --modes, ...
-    ap.add_argument("--heads", default="16,12")
+    ap.add_argument("--heads", default=None, help="head counts (default 16,12; issue46 grid: all of it)")
+    ap.add_argument("--grid", choices=("layer", "issue46"), default="layer")
+    ap.add_argument("--long", action="store_true", help="issue46 grid: add 1 x 1,048,576 tokens at H16")
+    ap.add_argument("--peers", default="fla,cudnn", help="comma list of fla, cudnn (each when importable)")
+    ap.add_argument("--fla-heads", default=None, help="run fla only at these head counts")
     ap.add_argument("--gates", default="softplus,bounded")
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
     ap.add_argument("--skip-small", action="store_true",
@@ -108,13 +153,27 @@ def main(argv=None):
     import tvm_ffi
     dev = torch.device(DEVICE)
     torch.manual_seed(0)
+    peers = {p.strip() for p in args.peers.split(",") if p.strip()}
     chunk_kda = None
-    if not args.no_fla and cfg.is_cuda:
+    if not args.no_fla and "fla" in peers and cfg.is_cuda:
         try:
             from fla.ops.kda import chunk_kda
         except Exception as e:  # noqa: BLE001
             print("fla not importable:", repr(e)[:200])
-    case_list = dry_cases() if dry else cases([int(h) for h in args.heads.split(",")], args.quick)
+    cudnn_ok = False
+    if "cudnn" in peers and cfg.is_cuda:
+        why = peer_cudnn.available()
+        cudnn_ok = why is None
+        if why:
+            print("cuDNN frontend not importable:", why)
+    fla_heads = None if args.fla_heads is None else {int(h) for h in args.fla_heads.split(",")}
+    if dry:
+        case_list = dry_cases()
+    elif args.grid == "issue46":
+        heads = ISSUE46_HEADS if args.heads is None else [int(h) for h in args.heads.split(",")]
+        case_list = issue46_cases(heads, args.long)
+    else:
+        case_list = cases([int(h) for h in (args.heads or "16,12").split(",")], args.quick)
     if args.skip_small:
         case_list = [c for c in case_list if not c[0].startswith("B1 ")]
     if args.only_small:
@@ -122,7 +181,9 @@ def main(argv=None):
     gates = args.gates.split(",")
     run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
                       primary_mode="eager" if cfg.is_cuda else "wall",
-                      extra_meta={"fla_used": chunk_kda is not None, "state": "f32"})
+                      extra_meta={"fla_used": chunk_kda is not None, "state": "f32",
+                                  "cudnn": {"version": peer_cudnn.version(), "engine": peer_cudnn.ENGINE}
+                                  if cudnn_ok else None})
     run.start(len(gates) * len(case_list))
     rows = []
     pm = run.primary_mode
@@ -147,7 +208,17 @@ def main(argv=None):
                     mod["kda_prefill"](*args_)
 
             arms = [harness.Arm("ours", ours)]
-            if chunk_kda is not None:
+            checks = {}
+            if cudnn_ok:
+                try:
+                    cud = peer_cudnn.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
+                                                dt_bias=d["dt_bias"], gate=gate, lower_bound=-5.0, scale=K ** -0.5,
+                                                cu_seqlens=d["cu"], initial_state=d["init"])
+                    checks["cudnn"] = agreement(ours, out, fin, cud)
+                    arms.append(harness.Arm("cudnn", cud))
+                except Exception as e:  # noqa: BLE001 - a shape cuDNN refuses is recorded, not fatal
+                    checks["cudnn"] = {"error": repr(e)[:300]}
+            if chunk_kda is not None and (fla_heads is None or H in fla_heads):
                 kw = dict(scale=K ** -0.5, initial_state=d["init"], output_final_state=True, use_qk_l2norm_in_kernel=True,
                           use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=d["A_log"],
                           dt_bias=d["dt_bias"], state_v_first=True, cu_seqlens=d["cu"].long())
@@ -158,10 +229,17 @@ def main(argv=None):
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
             nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * 4
             params = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname)
-            rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes))
+            rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,
+                                       notes={"checks": checks} if checks else {}))
             ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")
             r = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname,
-                     ours_ms=None if ours_t is None else ours_t / 1e3)
+                     ours_ms=None if ours_t is None else ours_t / 1e3, checks=checks)
+            if "cudnn" in rec["arms"]:
+                cud_t = rec["arms"]["cudnn"]["time_us"].get(pm, {}).get("median")
+                if cud_t is not None:
+                    r["cudnn_ms"] = cud_t / 1e3
+                    if ours_t:
+                        r["vs_cudnn"] = cud_t / ours_t
             if "fla" in rec["arms"]:
                 fla_t = rec["arms"]["fla"]["time_us"].get(pm, {}).get("median")
                 if fla_t is not None:
@@ -172,18 +250,25 @@ def main(argv=None):
             print(json.dumps(r), flush=True)
             del ws
     sp = [r["speedup"] for r in rows if "speedup" in r]
+    vc = [r["vs_cudnn"] for r in rows if "vs_cudnn" in r and r["checks"].get("cudnn", {}).get("finite")]
     run.extra.update(device=torch.cuda.get_device_name() if cfg.is_cuda else "cpu", rows=rows,
                      geomean_speedup=harness.geomean(sp), min_speedup=(min(sp) if sp else None),
-                     time=time.strftime("%Y-%m-%d %H:%M:%S"))
+                     geomean_vs_cudnn_finite=harness.geomean(vc), time=time.strftime("%Y-%m-%d %H:%M:%S"))
     run.finish()
-    print("\n%-22s %-9s %-18s %9s %9s %6s" % ("case", "gate", "module", "ours ms", "fla ms", "x"))
+    f = lambda r, k, fmt="%.4f": fmt % r[k] if r.get(k) is not None else "-"  # noqa: E731
+    print("\n%-22s %-9s %-22s %9s %9s %9s %6s %6s %s" % ("case", "gate", "module", "ours ms", "cudnn ms", "fla ms",
+                                                         "x cud", "x fla", "cudnn check"))
     for r in rows:
-        print("%-22s %-9s %-18s %9s %9s %6s" % (r["case"], r["gate"], r["module"],
-                                                 "-" if r["ours_ms"] is None else "%.4f" % r["ours_ms"],
-                                                 "%.4f" % r["fla_ms"] if "fla_ms" in r else "-",
-                                                 "%.2f" % r["speedup"] if "speedup" in r else "-"))
+        c = r["checks"].get("cudnn", {})
+        note = ("err" if "error" in c else f"rel {c['out_rel_l2']:.1e}" + ("" if c["finite"] else " NONFINITE")) if c else "-"
+        print("%-22s %-9s %-22s %9s %9s %9s %6s %6s %s" % (r["case"], r["gate"], r["module"], f(r, "ours_ms"),
+                                                          f(r, "cudnn_ms"), f(r, "fla_ms"), f(r, "vs_cudnn", "%.2f"),
+                                                          f(r, "speedup", "%.2f"), note))
     if sp:
         print("geomean speedup over fla: %.2fx, min %.2fx" % (harness.geomean(sp), min(sp)))
+    if vc:
+        print("over cuDNN where its output is finite: geomean %.2fx, min %.2fx over %d rows"
+              % (harness.geomean(vc), min(vc), len(vc)))
     return 0
 
 

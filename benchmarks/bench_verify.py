@@ -165,7 +165,7 @@ def main(argv=None):
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--op-arm", action="store_true", help="also time the public op flashkda_ext.kda_verify")
     ap.add_argument("--modules", default="", help="comma list of module stems timed beside the routed one "
-                    "(arm 'ours'), e.g. tile,split16,split8: arms named by stem (jit/modules/verify_cuda.json)")
+                    "(arm 'ours'), e.g. bulk4j4,stage2j8: arms named by stem (jit/modules/verify_cuda.json)")
     ap.add_argument("--slot-copy", nargs="?", const="copy_p1,copy_p2,copy_p4", default="",
                     help="also time benchmarks/verify_copy.py (Triton): each request's read tile copied unchanged "
                          "to its token slots, no arithmetic, no inputs or outputs: the state traffic's own cost "

@@ -3,7 +3,7 @@
 
     python benchmarks/overhead_ab.py base1.json change1.json [base2.json change2.json ...]
 
-Files alternate base, change (the order scripts/device_fastpath.sh runs them in). For every case,
+Files alternate base, change (scripts/device.sh's ab stage with AB_COMPARE=overhead passes them so). For every case,
 prints per file the host-mode medians (us per call) of op - direct (grad mode),
 op_inference - direct_inference (inside torch.inference_mode()) and custom_op - op where the file has
 that arm, then per case the change's mean minus the base's mean of each difference. The host mode

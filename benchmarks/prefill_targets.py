@@ -10,6 +10,11 @@ Per file (usually one head count) and over all files together:
   - 32768 tokens at H16: ours <= 0.5 ms.
 
     python benchmarks/prefill_targets.py benchmarks/results/<run>/prefill_h16.json [more.json ...]
+
+Files whose cases carry a cuDNN arm (bench_prefill.py --peers cudnn) are also read against issue 46's
+targets: not slower than cuDNN wherever cuDNN's output is finite, geomean >= 1.5x cuDNN there, the long
+prompts (B1 T32K H8 <= 0.25 ms, H16 <= 0.45 ms, 1M tokens H16 <= 12 ms per gate) and the throughput
+shapes (64x512 H16, 4x4096 H32, 8K H64 <= 0.5 ms each).
 """
 from __future__ import annotations
 
@@ -70,6 +75,46 @@ def evaluate(cases: list) -> dict:
     return r
 
 
+CUDNN_GEOMEAN = 1.5
+ISSUE46_MS = {"H8 B1 T32K": 0.25, "H16 B1 T32K": 0.45, "H16 B1 T1M": 12.0,
+              "H16 64x512": 0.5, "H32 4x4096": 0.5, "H64 B1 T8K": 0.5}
+
+
+def evaluate_cudnn(cases: list) -> dict:
+    """Issue 46's targets over bench_prefill cases that carry a cuDNN arm or a cuDNN check (notes.checks:
+    whether cuDNN's output was finite); times are the eager medians."""
+    r = {"ratios": [], "behind": [], "nonfinite": [], "limits": []}
+    for c in cases:
+        p, arms = c["params"], c["arms"]
+        name = f"{p['case']} {p['gate']}"
+        chk = ((c.get("notes") or {}).get("checks") or {}).get("cudnn") or {}
+        ours, cud = _med(arms.get("ours"), "eager"), _med(arms.get("cudnn"), "eager")
+        if ours and cud:
+            if chk.get("finite", True):
+                r["ratios"].append((name, cud / ours))
+                if cud < ours:
+                    r["behind"].append((name, ours / 1e3, cud / 1e3))
+            else:
+                r["nonfinite"].append(name)
+        if p["case"] in ISSUE46_MS and ours:
+            r["limits"].append((name, ours / 1e3, ISSUE46_MS[p["case"]]))
+    return r
+
+
+def report_cudnn(title: str, r: dict) -> str:
+    lines = [f"== {title}: against cuDNN (issue 46)"]
+    if r["ratios"]:
+        g = _geomean([x for _, x in r["ratios"]])
+        lines.append(f"  where cuDNN is finite: geomean {g:.2f}x (target {CUDNN_GEOMEAN:g}x) over {len(r['ratios'])} "
+                     f"rows; behind at {len(r['behind'])}: " + ", ".join(
+                         f"{n} {o:.3f} vs {c:.3f} ms" for n, o, c in r["behind"]))
+    if r["nonfinite"]:
+        lines.append(f"  cuDNN non-finite at {len(r['nonfinite'])}: " + ", ".join(r["nonfinite"]))
+    for name, ms, lim in r["limits"]:
+        lines.append(f"  {name}: {ms:.3f} ms (target <= {lim:g} ms){'' if ms <= lim else '  MISSED'}")
+    return "\n".join(lines)
+
+
 def report(title: str, r: dict) -> str:
     fmt = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     ev = [x for _, x in r["event"]]
@@ -101,9 +146,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     everything = []
     for path in args.results:
-        cases = json.loads(Path(path).read_text())["cases"]
+        doc = json.loads(Path(path).read_text())
+        cases = doc["cases"]
         everything += cases
         print(report(Path(path).name, evaluate(cases)))
+        if any("cudnn" in c["arms"] for c in cases):
+            print(report_cudnn(Path(path).name, evaluate_cudnn(cases)))
     if len(args.results) > 1:
         print(report("all files", evaluate(everything)))
     return 0

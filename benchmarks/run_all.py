@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Run every benchmark in one go and write a summary for docs/perf-notes.md.
+"""Run every benchmark in one go and write a summary of the run.
 
     python benchmarks/run_all.py [--quick] [--dry-run] [--only decode,prefill,fused,trace] [--out DIR]
 
 Each script runs in its own process (one crash or OOM does not take the others down) with the
 common flags (harness.add_common_args) passed on; flags this script does not know go to every
 script too. Afterwards <out>/summary.md holds, per benchmark, the GPU, versions, date, copy ceiling
-and the geomean speedups, plus the per-case table: paste it into docs/perf-notes.md.
+and the geomean speedups, plus the per-case table. docs/performance.md is generated from the run
+files themselves (benchmarks/perf_doc.py; its docstring says how a new run replaces a cited one).
 """
 from __future__ import annotations
 

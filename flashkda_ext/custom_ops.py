@@ -17,8 +17,15 @@ Python work per call that grows with the argument count (~100 us for kda_decode'
 CPU, in torch 2.13's ADInplaceOrView wrapper), the plain definition only the dispatcher's own round trip
 (3.1-4.3 us for 16-23 arguments on that CPU, what a no-op kernel costs too: scripts/custom_op_floor.py;
 backend keys instead of CompositeExplicitAutograd, or an Autograd fallthrough, measured no faster:
-docs/perf-notes.md). What the decorator's extra kernels do (autograd checks, version-counter bumps of the
+the git history of docs/perf-notes.md). What the decorator's extra kernels do (autograd checks, version-counter bumps of the
 written tensors) an inference op does not need.
+
+Direct calls. torch.ops.flashkda_ext.<op> is public too, so the op layer refuses what the dispatcher
+would otherwise let through: the flags are typed `Scalar` in the schema (a `bool` argument converts 1 to
+True before any check; a Scalar keeps the caller's Python type, so validation refuses the int as the
+public op does); a meta tensor among real ones (the dispatcher then runs the fake, which writes nothing)
+is refused naming it; prefill's outputs the op would compute and drop (checkpoints, a dense final state)
+must be given.
 
 Validation. The real implementation calls the public op on real tensors, so the full validation (which
 reads jit/supported.json and memoizes) and the fast path run there, outside any traced region. The fake
@@ -27,7 +34,9 @@ values), so a bad call fails at trace time with the eager error message.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+from typing import Optional, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake as _is_fake
@@ -38,6 +47,8 @@ from . import validation
 from . import ops as _ops
 
 Tensor = torch.Tensor
+#: a flag's annotation: schema type Scalar (see "Direct calls" above); validation requires a real bool
+Flag = Union[int, float, bool]
 _is_compiling = torch.compiler.is_compiling
 _LIB = torch.library.Library("flashkda_ext", "DEF")  # kept alive: dropping it unregisters the ops
 
@@ -54,9 +65,41 @@ def _register(name: str, mutates_args: tuple):
 
 def _fake(name: str):
     def decorate(fn):
-        torch.library.register_fake(f"flashkda_ext::{name}", fn, lib=_LIB)
+        names = list(inspect.signature(fn).parameters)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            _refuse_meta_among_real(list(zip(names, args)) + list(kwargs.items()))
+            return fn(*args, **kwargs)
+        torch.library.register_fake(f"flashkda_ext::{name}", checked, lib=_LIB)
         return fn
     return decorate
+
+
+def _refuse_meta_among_real(named) -> None:
+    """The dispatcher sends a call with one meta tensor among real ones to the fake implementation, which
+    computes and writes nothing: refused, naming the meta argument. (Fake tensors are tracing; all-meta
+    calls meet validation's device check.)"""
+    tensors = [(n, t) for n, t in named if isinstance(t, Tensor)]
+    if any(_is_fake(t) for _, t in tensors):
+        return
+    meta = [n for n, t in tensors if t.is_meta]
+    real = [t.device for _, t in tensors if not t.is_meta]
+    if meta and real:
+        raise ValueError(f"{meta[0]}: a meta tensor among tensors on {real[0]} (it has no data: the op could "
+                         f"neither compute from it nor write it); pass every tensor on one device")
+
+
+def _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every,
+                            checkpoints) -> None:
+    """kda_prefill's op returns nothing: an output it is asked to compute needs a tensor to be written to."""
+    if isinstance(checkpoint_every, int) and not isinstance(checkpoint_every, bool) and checkpoint_every > 0 \
+            and checkpoints is None:
+        raise ValueError(f"checkpoints: flashkda_ext::kda_prefill writes its outputs into its arguments; "
+                         f"checkpoint_every = {checkpoint_every} needs a checkpoints tensor, got None")
+    if output_final_state is True and final_state is None and state is None and state_indices is None:
+        raise ValueError("final_state: flashkda_ext::kda_prefill writes its outputs into its arguments; "
+                         "output_final_state=True (no pool) needs a final_state tensor, got None")
 
 
 def tracing(x) -> bool:
@@ -89,7 +132,7 @@ def _check_on_meta(check, device: torch.device, args: tuple, kwargs: dict):
 @_register("kda_decode", mutates_args=("state", "out"))
 def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
-                  scale: Optional[float], beta_is_logit: bool, slot_mode: str, null_slot0: bool,
+                  scale: Optional[float], beta_is_logit: Flag, slot_mode: str, null_slot0: Flag,
                   out: Tensor) -> None:
     _ops.kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
@@ -123,7 +166,7 @@ def traced_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_
 def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: Tensor, beta: Tensor,
                         A_log: Optional[Tensor], dt_bias: Optional[Tensor], state_indices: Tensor, state: Tensor,
                         output_gate: Tensor, norm_weight: Tensor, lower_bound: Optional[float], gate: str,
-                        norm_eps: float, scale: Optional[float], slot_mode: str, null_slot0: bool,
+                        norm_eps: float, scale: Optional[float], slot_mode: str, null_slot0: Flag,
                         out: Tensor) -> None:
     _ops.fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                           norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
@@ -160,10 +203,11 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
 @_register("kda_prefill", mutates_args=("state", "final_state", "checkpoints", "workspace", "out"))
 def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
                    dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str, scale: Optional[float],
-                   beta_is_logit: bool, cu_seqlens: Optional[Tensor], initial_state: Optional[Tensor],
-                   state: Optional[Tensor], state_indices: Optional[Tensor], output_final_state: bool,
+                   beta_is_logit: Flag, cu_seqlens: Optional[Tensor], initial_state: Optional[Tensor],
+                   state: Optional[Tensor], state_indices: Optional[Tensor], output_final_state: Flag,
                    final_state: Optional[Tensor], checkpoint_every: int, checkpoints: Optional[Tensor],
-                   max_seqlen: Optional[int], null_slot0: bool, workspace: Optional[Tensor], out: Tensor) -> None:
+                   max_seqlen: Optional[int], null_slot0: Flag, workspace: Optional[Tensor], out: Tensor) -> None:
+    _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
     _ops.kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
                      beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
                      state_indices=state_indices, output_final_state=output_final_state, final_state=final_state,
@@ -175,6 +219,7 @@ def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
 def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, beta_is_logit, cu_seqlens,
                       initial_state, state, state_indices, output_final_state, final_state, checkpoint_every,
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
+    _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
     _check_on_meta(validation.check_kda_prefill, q.device, (q, k, v, g, beta), dict(
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         cu_seqlens=cu_seqlens, initial_state=initial_state, state=state, state_indices=state_indices,
@@ -225,7 +270,7 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
 def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
                   cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
-                  scale: Optional[float], beta_is_logit: bool, null_slot0: bool, out: Tensor) -> None:
+                  scale: Optional[float], beta_is_logit: Flag, null_slot0: Flag, out: Tensor) -> None:
     _ops.kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                     num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
@@ -259,7 +304,7 @@ def fused_kda_verify_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
                         norm_weight: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
                         num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
                         lower_bound: Optional[float], gate: str, norm_eps: float, scale: Optional[float],
-                        null_slot0: bool, out: Tensor) -> None:
+                        null_slot0: Flag, out: Tensor) -> None:
     _ops.fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
                           state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
                           max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,

@@ -6,7 +6,8 @@ evaluates them. Selection never looks at device memory, so it never synchronizes
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Optional
+import os
+from typing import Any, Iterable, Mapping, Optional
 
 from . import jit
 
@@ -39,9 +40,33 @@ def prefill_workspace_need(module, total_tokens: int, num_seqs: int, value_heads
     return int(module["kda_prefill_workspace_bytes"](total_tokens, num_seqs, value_heads))
 
 
-def select_rule(family: str, meta: Mapping[str, Any]) -> dict:
-    """The first rule of the family whose conditions hold, with its module name formatted."""
+OPT_IN_ENV = "FLASHKDA_EXT_OPT_IN"
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_opt_in(raw: str) -> frozenset:
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    known = jit.opt_in_tags()
+    unknown = sorted(names - known)
+    if unknown:
+        raise ValueError(f"flashkda_ext: environment variable {OPT_IN_ENV}={raw!r} names unknown opt-in "
+                         f"route(s) {unknown}; known: {sorted(known)} (docs/jit.md, 'Opt-in routes')")
+    return names
+
+
+def opt_in() -> frozenset:
+    """The opt-in route names enabled by $FLASHKDA_EXT_OPT_IN (comma-separated); an unknown name is a
+    ValueError naming the variable, raised before anything launches, on every call."""
+    return _parse_opt_in(os.environ.get(OPT_IN_ENV, ""))
+
+
+def select_rule(family: str, meta: Mapping[str, Any], opted_in: Optional[Iterable[str]] = None) -> dict:
+    """The first rule of the family whose conditions hold, with its module name formatted. A rule with
+    "opt_in" is considered only when its name is opted in (`opted_in`, default $FLASHKDA_EXT_OPT_IN)."""
+    enabled = opt_in() if opted_in is None else frozenset(opted_in)
     for rule in jit.routes_for(family):
+        if "opt_in" in rule and rule["opt_in"] not in enabled:
+            continue
         if rule_matches(rule.get("when", {}), meta):
             chosen = dict(rule)
             chosen["module"] = rule["module"].format(**meta)
@@ -72,8 +97,8 @@ def checked_function(family: str, meta: Mapping[str, Any]):
     return module[name] if module.implements_function(name) else None
 
 
-def module_name(family: str, meta: Mapping[str, Any]) -> str:
-    return select_rule(family, meta)["module"]
+def module_name(family: str, meta: Mapping[str, Any], opted_in: Optional[Iterable[str]] = None) -> str:
+    return select_rule(family, meta, opted_in)["module"]
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,6 +1,6 @@
 """The ops' fast path: a serving loop repeats the same call metadata every step.
 
-The first call of a kind is validated in full (flashkda_ext/validation.py); the op then keeps an
+The first call of a kind is validated in full (flashkda_ext/validation/); the op then keeps an
 entry here: the routed module's signature-checked function (`<function>_checked`,
 csrc/common/binding.h "Call signatures"), the signature of the call's tensor arguments and the
 scalars the function takes, under a key of the op's scalar arguments and leading dims. A later call
@@ -44,7 +44,7 @@ _grad_enabled = torch.is_grad_enabled
 def _py_plain_ok(read: tuple, written: tuple) -> bool:
     """True when every tensor of the call (None skipped: an absent required tensor changes the
     signature, so the checked function refuses it) is a plain torch.Tensor and has no property the
-    signature cannot see but the full check refuses (validation._tensor, validation._inference_only):
+    signature cannot see but the full check refuses (validation.common._tensor, _inference_only):
     a neg bit; under grad mode requires_grad; outside inference mode, a written inference tensor.
     The exact-type test and the flag reads share one loop per tuple: called on every fast call, and
     plain loops with method-call syntax measured the cheapest form on CPython 3.11 (map() and

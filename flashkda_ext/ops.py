@@ -34,7 +34,7 @@ def _route_fn(family: str, call):
 
 def _gb_casts(call, family: str = "kda_decode", meta=None) -> tuple:
     """kda_decode / kda_verify: the g / beta dtype conversions the module `family` routes the call to
-    (route metadata `meta`, default the call's) needs (validation._GbDtypes.gb_casts; none when g and
+    (route metadata `meta`, default the call's) needs (validation.decode._GbDtypes.gb_casts; none when g and
     beta match what it reads), kept on the (memoized) call object. g and beta in q's dtype (gb
     "input") are what every module a route gives such a call reads."""
     if call.gb != "f32":

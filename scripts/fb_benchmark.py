@@ -7,7 +7,7 @@ Solution per definition (flashkda_ext.trace_consumer.solution), runs flashinfer_
 (and OUT_DIR/fb_report.json). A file, not a heredoc: the benchmark's runner starts its worker with
 multiprocessing's spawn, which re-imports the main module from its path.
 
-    python scripts/fb_benchmark.py ROOT OUT_DIR          (scripts/device_fb.sh runs it on the H200)
+    python scripts/fb_benchmark.py ROOT OUT_DIR          (the integrations stage of scripts/device.sh)
 """
 import json
 import os

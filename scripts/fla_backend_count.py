@@ -1,4 +1,4 @@
-"""pytest plugin for scripts/device_integrations.sh: registers the flashkda_ext backend with fla before fla's
+"""pytest plugin for scripts/device.sh's integrations stage: registers the flashkda_ext backend with fla before fla's
 own tests run, and counts per test how many chunk_kda / fused_recurrent_kda_fwd calls flashkda_ext served and
 how many it refused (fla then ran Triton), with the refusal reasons. Load with `-p fla_backend_count`
 (scripts/ on PYTHONPATH); the table goes to the terminal and to $OUT/fla_backend_counts.json.

@@ -1,6 +1,6 @@
 """Output and final-state error of CUDA kda_prefill modules against the float64 token recurrence.
 
-    python3 scripts/prefill_accuracy.py [--modules prefill_vt16_f32,prefill_fast_vt16_f32] [--seeds 11,12,...]
+    python3 scripts/prefill_accuracy.py [--modules prefill_vt16_f32,prefill_vt64_f32] [--seeds 11,12,...]
 
 The same fresh random inputs for every module (bf16 q, k, v, g, beta, fp32 initial state), per
 case: the benchmark's softplus and bounded inputs (benchmarks/bench_prefill.py), the log gate, and
@@ -63,9 +63,13 @@ def run_module(mod, d, gate):
     return out, fin
 
 
+# the modules kda_prefill routes fp32-state calls to (jit/routes/kda_prefill.json)
+ROUTED = "prefill_vt16_f32,prefill_vt32_f32,prefill_vt64_f32,prefill_vt64s_f32"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modules", default="prefill_vt16_f32,prefill_fast_vt16_f32")
+    ap.add_argument("--modules", default=ROUTED)
     ap.add_argument("--seeds", default="11", help="comma list of input seeds")
     a = ap.parse_args(argv)
     from flashkda_ext import jit

@@ -1,7 +1,7 @@
 """Runs one kda_decode module on one grid point a few times, for a profiler (ncu) to attach to.
 
     ncu --clock-control none -k regex:kda_decode --launch-skip 4 --launch-count 1 \
-        python3 scripts/profile_decode.py --module decode_split4w2_bf16_o32 --heads 8 --rows 2048
+        python3 scripts/profile_decode.py --module decode_split8_bf16_o32 --heads 8 --rows 2048
 
 The inputs are bench_decode.py's for that point (pool of --slots slots, random unique slots or
 --slot-order, softplus gate), so a profile explains a benchmark row. Each call takes the next of

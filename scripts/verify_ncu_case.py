@@ -1,7 +1,7 @@
 """One kda_verify launch per named module at one point of issue 30's grid, for Nsight Compute:
 
     ncu --clock-control none --kernel-name regex:kda_verify --section SpeedOfLight ... \
-        python3 scripts/verify_ncu_case.py --modules verify_stage2_bf16_o32,verify_stage1_bf16_o32 --tokens 2
+        python3 scripts/verify_ncu_case.py --modules verify_stage2j8_bf16_o32,verify_bulk4j4_bf16_o32 --tokens 2
 
 The inputs are bench_verify.py's (random, T tokens a request, distinct slots). Each module is loaded
 first and launched once, so the profiled launches are exactly one per module, in the order named.

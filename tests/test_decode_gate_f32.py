@@ -188,13 +188,13 @@ def test_jax_decode_reads_fp32_gate_and_beta(g_dtype, beta_dtype, monkeypatch):
     t_out = run(a)
     names = ("q", "k", "v", "g", "beta")
     for forced in (False, True):
-        monkeypatch.setattr(kj, "_PREPARED", {})  # this call's plan alone (forced: planned again)
+        monkeypatch.setattr(kj.plan, "_PREPARED", {})  # this call's plan alone (forced: planned again)
         if forced:
             monkeypatch.setattr(dispatch, "gb_read_dtype", lambda module, input_dtype: "float32")
         j = {n: to_jax(x) for n, x in b.items() if isinstance(x, torch.Tensor)}
         out, state = kj.kda_decode(*(j[n] for n in names), state=j["state"], state_indices=j["state_indices"],
                                    A_log=j["A_log"], dt_bias=j["dt_bias"], donate=False)
-        prep = next(iter(kj._PREPARED.values()))
+        prep = next(iter(kj.plan._PREPARED.values()))
         want = tuple((n, "float32") for n, d in (("g", g_dtype), ("beta", beta_dtype)) if d != f32) if forced else ()
         assert prep.plan.casts == want
         assert torch.equal(torch.from_dlpack(out).clone(), t_out), f"seed {seed}, forced {forced}"

@@ -128,18 +128,39 @@ def test_decode_and_extend_serve_a_pool_whose_slots_sit_apart():
     assert torch.equal(pages[:, :4], pages0[:, :4]) and torch.equal(pages[:, 4 + H * V * K:], pages0[:, 4 + H * V * K:])
 
 
-def test_extend_spec_decode_never_writes_the_pool_and_pads():
+class Recorder:
+    """Stands in for SGLang's TritonKDAKernel as the fallback: records the call, returns a marker."""
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        def call(*args, **kwargs):
+            self.calls.append((method, args, kwargs))
+            return ("triton", method)
+        return call
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (dict(is_spec_decode=True), "draft extend"),
+    (dict(chunk_indices=torch.zeros(3, 2, dtype=torch.int32), chunk_offsets=torch.zeros(3, dtype=torch.int32)),
+     "chunk tables"),
+    (dict(num_state_checkpoints=2, state_checkpoint_indices=torch.zeros(2, dtype=torch.int32)), "checkpoint plan"),
+])
+def test_extend_fallbacks_are_counted_and_write_nothing(extra, reason):
+    from flashkda_ext.integrations.sglang import REASONS, STATS
     q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=3, lens=(3, 4))
     pool0 = pool.clone()
-    idx = torch.tensor([2, -1], dtype=torch.int32)
-    o = FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl,
-                                   A_log=A_log, dt_bias=dt_bias, is_spec_decode=True)
+    call = dict(ssm_states=pool, cache_indices=torch.tensor([2, -1], dtype=torch.int32), query_start_loc=qsl,
+                A_log=A_log, dt_bias=dt_bias, **extra)
+    before = STATS["extend", "fell_back"]
+    with pytest.raises(NotImplementedError, match=reason):
+        FlashKDAExtKernel().extend(q, k, v, g, beta, **call)
+    fallback = Recorder()
+    assert FlashKDAExtKernel(fallback=fallback).extend(q, k, v, g, beta, **call) == ("triton", "extend")
+    (method, args, kwargs), = fallback.calls
+    assert method == "extend" and args[0] is q and all(kwargs[key] is val for key, val in call.items())
+    assert STATS["extend", "fell_back"] == before + 2 and any(reason in r for (m, r) in REASONS if m == "extend")
     assert torch.equal(pool, pool0)
-    # padding request: starts from a zero state (read as zeros), like the pool path's padding
-    init = torch.stack([pool0[2], torch.zeros(H, V, K)])
-    want_o, _, _ = kda_recurrent(q, k, v, g, beta, A_log=A_log.flatten(), dt_bias=dt_bias, beta_is_logit=False,
-                                 cu_seqlens=qsl, initial_state=init)
-    torch.testing.assert_close(o[:, :3].double(), want_o[:, :3], **TOL)
 
 
 def test_extend_raw_beta_and_bounded_gate():
@@ -283,7 +304,6 @@ def test_target_verify_empty_requests_write_nothing():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64)), "retrieve_parent_token: draft trees"),
     (dict(intermediate_states_buffer=None), "intermediate_states_buffer: expected a tensor"),
     (dict(intermediate_states_buffer=torch.zeros(5, 3, H, K, V)), r"intermediate_states_buffer: expected \[R, S"),
     (dict(intermediate_states_buffer=torch.zeros(5, 3, H, V, K, dtype=torch.bfloat16)), "dtype of ssm_states"),
@@ -291,6 +311,8 @@ def test_target_verify_empty_requests_write_nothing():
     (dict(intermediate_state_indices=torch.tensor([1, 1], dtype=torch.int32)), "row 1 is used by requests 0 and 1"),
     (dict(intermediate_state_indices=torch.tensor([0, 5], dtype=torch.int32)), "entry 1 = 5 is out of range"),
     (dict(intermediate_state_indices=torch.tensor([0], dtype=torch.int32)), r"intermediate_state_indices: expected"),
+    (dict(intermediate_state_indices=torch.tensor([0, 2**32 + 1])), r"entry \[1\] = 4294967297 is out of range: expected values <= 2147483647"),
+    (dict(cache_indices=torch.tensor([1, 2**32 + 4])), r"cache_indices: entry \[1\] = 4294967300 is out of range: expected values <= 2147483647"),
     (dict(cache_indices=torch.tensor([0, SLOTS], dtype=torch.int32)), "cache_indices: entry 1"),
     (dict(ssm_states=torch.zeros(SLOTS, H, K, V)), r"ssm_states: expected the pool"),
     (dict(cache_steps=4), r"cache_steps: expected an int in \[1, S = 3\]"),
@@ -304,3 +326,169 @@ def test_target_verify_refusals_write_nothing(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call_verify(case, **bad)
     assert torch.equal(bits(buf), bits(buf0)) and torch.equal(pool, pool0)
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang 0.5.23's additions: packed decode, the track snapshot, the per-pool row table, index ranges
+
+def test_packed_decode_matches_decode_and_the_reference():
+    gen = torch.Generator().manual_seed(11)
+    N = 4
+    mixed = torch.randn(N, 2 * H * K + H * V, generator=gen)
+    a, b = torch.randn(N, H * K, generator=gen), torch.randn(N, H, generator=gen)
+    A_log, dt_bias = params(gen)
+    pool = torch.randn(SLOTS, H, V, K, generator=gen) * 0.3
+    pool0 = pool.clone()
+    idx = torch.tensor([3, 0, -1, 5], dtype=torch.int32)
+    o = FlashKDAExtKernel().packed_decode(mixed, a, b, A_log=A_log, dt_bias=dt_bias, scale=0.7, ssm_states=pool,
+                                          cache_indices=idx, num_v_heads=H, head_v_dim=V, lower_bound=-4.0,
+                                          replayssm_d=None, replayssm_k=None, replayssm_g=None,
+                                          replayssm_write_pos=None, replayssm_force_flush=None)
+    q, k, v = (x.reshape(N, -1, d) for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
+    want_o, want_pool = kda_decode_step(q, k, v, a.view(N, H, K), b, state=pool0, state_indices=idx,
+                                        A_log=A_log.flatten(), dt_bias=dt_bias, gate="bounded", lower_bound=-4.0,
+                                        scale=0.7)
+    assert o.shape == (1, N, H, V)
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    torch.testing.assert_close(pool, want_pool, **TOL)
+
+
+def test_packed_decode_ring_falls_back_exactly_when_sglangs_triton_switches_kernels():
+    gen = torch.Generator().manual_seed(12)
+    mixed, a, b = torch.randn(2, 2 * H * K + H * V, generator=gen), torch.randn(2, H * K), torch.randn(2, H)
+    A_log, dt_bias = params(gen)
+    ring = dict(replayssm_d=torch.zeros(1), replayssm_k=torch.zeros(1), replayssm_g=torch.zeros(1),
+                replayssm_write_pos=torch.zeros(2, dtype=torch.int32), replayssm_force_flush=None)
+    call = dict(A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5, ssm_states=torch.zeros(SLOTS, H, V, K),
+                cache_indices=torch.tensor([1, 2], dtype=torch.int32), num_v_heads=H, head_v_dim=V, **ring)
+    fallback = Recorder()
+    assert FlashKDAExtKernel(fallback=fallback).packed_decode(mixed, a, b, **call) == ("triton", "packed_decode")
+    assert fallback.calls[0][2]["replayssm_write_pos"] is ring["replayssm_write_pos"]
+    # with a lower_bound SGLang's Triton kernel runs its plain packed decode (the ring is unused): served
+    o = FlashKDAExtKernel(fallback=fallback).packed_decode(mixed, a, b, lower_bound=-5.0, **call)
+    assert o.shape == (1, 2, H, V) and len(fallback.calls) == 1
+
+
+@pytest.mark.parametrize("where", ["decode", "packed_decode"])
+def test_decode_int64_index_past_int32_is_named_and_writes_nothing(where):
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = packed_qkv(2, gen)
+    A_log, dt_bias = params(gen)
+    pool = torch.randn(SLOTS, H, V, K, generator=gen)
+    pool0 = pool.clone()
+    idx = torch.tensor([2**32 + 1, 0])           # wraps to slot 1 if narrowed without a check
+    kern = FlashKDAExtKernel()
+    with pytest.raises(ValueError, match=r"cache_indices: entry \[0\] = 4294967297 is out of range"):
+        if where == "decode":
+            kern.decode(q, k, v, torch.zeros(2, H * K), torch.zeros(2, H), A_log=A_log, dt_bias=dt_bias,
+                        ssm_states=pool, cache_indices=idx, query_start_loc=torch.arange(3, dtype=torch.int32))
+        else:
+            kern.packed_decode(torch.randn(2, 2 * H * K + H * V), torch.zeros(2, H * K), torch.zeros(2, H),
+                               A_log=A_log, dt_bias=dt_bias, scale=0.3, ssm_states=pool, cache_indices=idx,
+                               num_v_heads=H, head_v_dim=V)
+    assert torch.equal(pool, pool0)
+
+
+def test_decode_reads_host_offsets():
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = packed_qkv(3, gen)
+    A_log, dt_bias = params(gen)
+    with pytest.raises(ValueError, match=r"query_start_loc: decode expects offsets 0, 1, \.\.\., N"):
+        FlashKDAExtKernel().decode(q, k, v, torch.zeros(3, H * K), torch.zeros(3, H), A_log=A_log, dt_bias=dt_bias,
+                                   ssm_states=torch.zeros(SLOTS, H, V, K),
+                                   cache_indices=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                   query_start_loc=torch.tensor([0, 2, 2, 3], dtype=torch.int32))
+
+
+def test_extend_writes_the_track_snapshot_as_sglangs_chunk_kda():
+    """track_state[n] = the fp32 state entering chunk track_chunk_idx[n] (chunks of 4 here); -1 and a chunk
+    past the request leave the row alone; h is not materialized (SGLang reads the snapshot instead)."""
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=15, lens=(5, 9))
+    qsl = torch.tensor([0, 5, 14, 14], dtype=torch.int32)           # a third, empty request
+    idx = torch.tensor([4, 1, 3], dtype=torch.int32)
+    pool0 = pool.clone()
+    track = torch.full((4, H, V, K), 7.0)
+    chunk_idx = torch.tensor([1, 2, 0, 0], dtype=torch.int32)        # request 2 is empty: chunk 0 is past it
+    o, h = FlashKDAExtKernel(chunk_size=4).extend(
+        q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias,
+        extend_seq_lens_cpu=[5, 9, 0], return_intermediate_states=True, track_state=track,
+        track_chunk_idx=chunk_idx, track_ssm_h_src=torch.tensor([1, 4]), track_ssm_h_batch_src=torch.tensor([0, 1]),
+        extend_prefix_lens=torch.tensor([0, 3, 0]), layer_id=3)
+    assert h is None
+    want_o, want_pool, ckpt = reference_extend(q, k, v, g, beta, A_log, dt_bias, pool0, qsl, idx, checkpoint_every=4)
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(pool, want_pool, **TOL)
+    torch.testing.assert_close(track[0].double(), ckpt[0, 0], **TOL)   # after 4 tokens of request 0
+    torch.testing.assert_close(track[1].double(), ckpt[1, 1], **TOL)   # after 8 tokens of request 1
+    assert torch.equal(track[2:], torch.full((2, H, V, K), 7.0))
+
+
+def test_extend_h_only_where_sglang_reads_it():
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=16)
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    kern = FlashKDAExtKernel(chunk_size=4)
+    o, h = kern.extend(q, k, v, g, beta, ssm_states=pool.clone(), cache_indices=idx, query_start_loc=qsl,
+                       A_log=A_log, dt_bias=dt_bias, return_intermediate_states=True,
+                       track_ssm_h_src=torch.zeros(0, dtype=torch.int64))
+    assert h is None and o.shape == (1, sum(lens), H, V)
+    o2, h2 = kern.extend(q, k, v, g, beta, ssm_states=pool.clone(), cache_indices=idx, query_start_loc=qsl,
+                         A_log=A_log, dt_bias=dt_bias, return_intermediate_states=True,
+                         track_ssm_h_src=torch.tensor([1]))
+    assert torch.equal(o, o2) and h2.shape == (1, 5, H, V, K)
+
+
+def test_extend_out_of_range_index_with_intermediate_states_is_named_not_an_index_error():
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=17)
+    pool0 = pool.clone()
+    with pytest.raises(ValueError, match="state_indices"):
+        FlashKDAExtKernel(chunk_size=4).extend(q, k, v, g, beta, ssm_states=pool,
+                                               cache_indices=torch.tensor([1, SLOTS + 3], dtype=torch.int32),
+                                               query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias,
+                                               return_intermediate_states=True)
+    assert torch.equal(pool, pool0)
+
+
+@pytest.mark.parametrize("intermediate", [False, True])
+def test_extend_host_lengths_are_compared_with_the_offsets(intermediate):
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=18, lens=(5, 9))
+    pool0 = pool.clone()
+    for bad, match in (([9, 5], r"\[9, 5\] disagrees with the lengths in query_start_loc \[5, 9\]"),
+                       ([5, 8], "summing to T = 14"), ([14], "expected N = 2 lengths")):
+        with pytest.raises(ValueError, match=f"extend_seq_lens_cpu: .*{match}"):
+            FlashKDAExtKernel(chunk_size=4).extend(q, k, v, g, beta, ssm_states=pool,
+                                                   cache_indices=torch.tensor([1, 2], dtype=torch.int32),
+                                                   query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias,
+                                                   extend_seq_lens_cpu=bad, return_intermediate_states=intermediate)
+    assert torch.equal(pool, pool0)
+
+
+def test_extend_and_verify_refuse_unknown_keywords():
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=19)
+    with pytest.raises(TypeError, match=r"extend: unexpected keyword arguments \['chunk_size_hint'\]"):
+        FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool, cache_indices=torch.tensor([1, 2]),
+                                   query_start_loc=qsl, chunk_size_hint=64)
+
+
+def test_target_verify_takes_the_per_pool_row_table():
+    """SGLang 0.5.23 passes its whole row table (pool size + padding rows); request n uses entry n."""
+    case = verify_case([3, 3], steps=3, rows=[2, 0], cidx=[1, 4], seed=20)
+    short = dict(case, intermediate_states_buffer=case["intermediate_states_buffer"].clone())
+    o_short = call_verify(short, cache_steps=3)
+    table = torch.tensor([2, 0, 1, 3, 4, 4], dtype=torch.int64)
+    o = call_verify(case, intermediate_state_indices=table, cache_steps=3)
+    assert torch.equal(o, o_short)
+    assert torch.equal(bits(case["intermediate_states_buffer"]), bits(short["intermediate_states_buffer"]))
+
+
+def test_target_verify_tree_falls_back():
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=21)
+    fallback = Recorder()
+    parents = torch.zeros(2, 3, dtype=torch.int64)
+    c = dict(case)
+    out = FlashKDAExtKernel(fallback=fallback).target_verify(
+        c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"), c.pop("a"), c.pop("b"),
+        retrieve_parent_token=parents, cache_steps=3, **c)
+    assert out == ("triton", "target_verify")
+    assert fallback.calls[0][2]["retrieve_parent_token"] is parents
+    with pytest.raises(NotImplementedError, match="draft tree"):
+        call_verify(case, retrieve_parent_token=parents)

@@ -1,35 +1,71 @@
-"""flashkda_ext.integrations.vllm without vllm installed: a fake vllm (tests/vllm_fake.py: vLLM's module
-paths, its KDA ops as recording stubs) is rebound by install() and restored by uninstall(); claimed calls,
-made as vLLM's KDA layer makes them, are checked against flashkda_ext.reference on the CPU backend, and
-unclaimed ones must reach the original stub with the caller's own arguments."""
+"""flashkda_ext.integrations.vllm against the real vLLM 0.34.0 code (conformance, CPU).
+
+The pinned wheel is fetched and its KDA modules imported by path (tests/vllm_wheel.py: which files, and the
+only stubs: vllm.platforms.current_platform as a CPU-only platform, vllm.logger.init_logger, the CustomOp base
+of the vendored module's norm class, and bare parent packages). With no wheel: a failure under CI=true, a skip
+elsewhere.
+
+- install() rebinds the real modules' names and uninstall() restores them; the adapters keep vLLM's signatures.
+- The keyword arguments of every call the real layers make (read from the real sources with ast) are named
+  parameters of the adapters: none is swallowed by **kwargs.
+- Calls made as the layers make them (packed decode, chunk prefill with the bounded or softplus gate,
+  speculative verify; bf16 and fp32 pools, a paged pool, the null block, CUDA-graph padding) are served on the
+  CPU backend and compared with flashkda_ext.reference; calls outside what the kernels serve reach vLLM's
+  function (a recorder with the real signature: Triton does not run here) with the reason counted.
+"""
+import ast
+import functools
 import inspect
-import subprocess
-import sys
-import types
 
 import pytest
 import torch
 
+import vllm_wheel
 from flashkda_ext.integrations import vllm as fkda_vllm
-from flashkda_ext.reference import kda_decode_step, kda_recurrent
-from flashkda_ext.reference import verify as ref_verify
-from vllm_fake import LAYER, OPS, install_fake_vllm, kda_state_shapes, paged_mamba_cache
+from flashkda_ext.reference import kda_decode_step, kda_recurrent, kda_verify_step
 
-H, HV, K, V = 2, 2, 8, 16           # K != V: a transposed state cannot pass
+H, K, V = 2, 8, 8               # K = V: vLLM's recurrent state is [H, D, D]
 TOL = dict(rtol=2e-5, atol=2e-5)
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+K3_NAMES = ("fused_recurrent_kda_packed_decode", "chunk_kda_with_fused_gate", "fused_recurrent_kda")
+VENDORED_NAMES = ("fused_recurrent_kda_fwd", "chunk_kda", "fused_recurrent_kda")
+LAYERS = ("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn", "vllm.models.kimi_k3.nvidia.kda")
+
+
+@pytest.fixture(scope="module")
+def tree():
+    return vllm_wheel.require()
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    ns = install_fake_vllm(monkeypatch)
+def real(tree, monkeypatch):
+    ns = vllm_wheel.load(tree, monkeypatch)
     yield ns
     fkda_vllm.uninstall()
 
 
 @pytest.fixture
-def installed(fake):
+def recorded(real, monkeypatch):
+    """The real modules with vLLM's functions replaced by recorders of the same signature (a fallback here
+    cannot run Triton), then install()."""
+    calls = []
+
+    def recorder(module, name):
+        fn = getattr(module, name)
+
+        @functools.wraps(fn)
+        def original(*args, **kwargs):
+            calls.append((module.__name__, name, inspect.signature(fn).bind(*args, **kwargs).arguments))
+            return ("original", name)
+        monkeypatch.setattr(module, name, original)
+
+    for name in K3_NAMES:
+        recorder(real.k3, name)
+    for name in VENDORED_NAMES:
+        recorder(real.vendored, name)
     fkda_vllm.install()
-    return fake
+    real.calls = calls
+    return real
 
 
 @pytest.fixture(autouse=True)
@@ -38,348 +74,537 @@ def no_grad():
         yield
 
 
+def stat(site, what="served"):
+    return fkda_vllm.STATS[site, what]
+
+
 def bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def served(entry):
-    return fkda_vllm.STATS[entry, "served"]
+def paged_pool(slots, dtype, conv_dim, conv_len=3, pad_bytes=0, seed=0):
+    """vLLM's paged mamba cache for one KDA layer: a page per slot holding the conv state [conv_len, conv_dim]
+    (bf16) then the recurrent state [H, V, K] (dtype); returns (raw bytes, recurrent view [slots, H, V, K])."""
+    conv = conv_len * conv_dim * 2
+    esize = torch.empty((), dtype=dtype).element_size()
+    page = conv + H * V * K * esize + pad_bytes
+    raw = torch.randint(0, 256, (slots * page,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    view = torch.as_strided(raw.view(dtype), (slots, H, V, K), (page // esize, V * K, K, 1), conv // esize)
+    view.copy_(torch.randn(slots, H, V, K, generator=torch.Generator().manual_seed(seed + 1)) * 0.3)
+    return raw, view
 
 
 # ---------------------------------------------------------------------------------------------
-# install / uninstall
+# install / uninstall on the real modules
 
 
-def test_install_rebinds_the_ops_and_the_layer_and_uninstall_restores(fake, monkeypatch):
-    stubs = fake.stubs
-    other = types.ModuleType("not_vllm")            # outside vllm: never touched
-    other.fused_recurrent_kda = stubs["fused_recurrent_kda"]
-    monkeypatch.setitem(sys.modules, "not_vllm", other)
-
+def test_install_rebinds_the_real_ops_and_uninstall_restores(real):
+    originals = {("k3", n): getattr(real.k3, n) for n in K3_NAMES}
+    originals.update({("vendored", n): getattr(real.vendored, n) for n in VENDORED_NAMES})
+    submodule = real.k3.fused_recurrent          # defines fused_recurrent_kda(_packed_decode): rebound too
     report = fkda_vllm.install()
     assert fkda_vllm.installed()
-    for name in fkda_vllm.ADAPTERS:
-        adapter = getattr(fake.ops, name)
-        assert adapter is not stubs[name] and adapter.__wrapped__ is stubs[name], name
-        assert list(inspect.signature(adapter).parameters) == list(inspect.signature(stubs[name]).parameters)
-    assert fake.layer.fused_recurrent_kda is fake.ops.fused_recurrent_kda
-    assert fake.layer.chunk_kda_with_fused_gate is fake.ops.chunk_kda_with_fused_gate
-    assert sorted(report["fused_recurrent_kda"]) == sorted([f"{OPS}.fused_recurrent_kda", f"{LAYER}.fused_recurrent_kda"])
-    assert report["chunk_kda"] == [f"{OPS}.chunk_kda"]
-    assert fake.ops.fused_kda_gate is stubs["fused_kda_gate"] and fake.layer.fused_kda_gate is stubs["fused_kda_gate"]
-    assert other.fused_recurrent_kda is stubs["fused_recurrent_kda"]
-
-    adapters = {name: getattr(fake.ops, name) for name in fkda_vllm.ADAPTERS}
-    # a layer module imported after install() reads the adapter from the ops module
-    late = types.ModuleType("vllm.model_executor.layers.late")
-    late.fused_recurrent_kda = fake.ops.fused_recurrent_kda
-    monkeypatch.setitem(sys.modules, late.__name__, late)
-    again = fkda_vllm.install()                      # idempotent: the same adapters, nothing new to rebind
-    assert all(getattr(fake.ops, n) is a for n, a in adapters.items()) and all(v == [] for v in again.values())
-
-    restored = fkda_vllm.uninstall()
-    assert f"{late.__name__}.fused_recurrent_kda" in restored["fused_recurrent_kda"]
-    for name in fkda_vllm.ADAPTERS:
-        assert getattr(fake.ops, name) is stubs[name], name
-    assert fake.layer.fused_recurrent_kda is stubs["fused_recurrent_kda"]
-    assert fake.layer.chunk_kda_with_fused_gate is stubs["chunk_kda_with_fused_gate"]
-    assert late.fused_recurrent_kda is stubs["fused_recurrent_kda"]
-    assert not fkda_vllm.installed() and fkda_vllm.uninstall() == {}
+    for (point, name), original in originals.items():
+        module = real.k3 if point == "k3" else real.vendored
+        adapter = getattr(module, name)
+        assert adapter is not original and adapter.__wrapped__ is original
+        assert inspect.signature(adapter) == inspect.signature(original)
+        assert f"{module.__name__}.{name}" in report[f"{point}.{name}"]
+    assert submodule.fused_recurrent_kda_packed_decode is real.k3.fused_recurrent_kda_packed_decode
+    again = fkda_vllm.install()                    # idempotent: the same adapters
+    assert all(isinstance(v, list) for v in again.values())
+    assert real.k3.fused_recurrent_kda.__wrapped__ is originals["k3", "fused_recurrent_kda"]
+    fkda_vllm.uninstall()
+    assert not fkda_vllm.installed()
+    for (point, name), original in originals.items():
+        assert getattr(real.k3 if point == "k3" else real.vendored, name) is original
+    assert submodule.fused_recurrent_kda_packed_decode is originals["k3", "fused_recurrent_kda_packed_decode"]
 
 
-def test_install_skips_an_op_whose_vllm_signature_changed(fake):
-    def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, new_flag=False):
-        raise AssertionError("not called")
-    fake.ops.chunk_kda = chunk_kda
+def test_install_skips_a_name_whose_signature_changed(real, monkeypatch):
+    def fused_recurrent_kda_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, initial_state,
+                                          state_indices, scale=None, out=None):   # lower_bound dropped
+        raise AssertionError
+
+    monkeypatch.setattr(real.k3, "fused_recurrent_kda_packed_decode", fused_recurrent_kda_packed_decode)
     report = fkda_vllm.install()
-    assert report["chunk_kda"].startswith("skipped: vLLM's signature") and fake.ops.chunk_kda is chunk_kda
-    assert fake.ops.fused_recurrent_kda is not fake.stubs["fused_recurrent_kda"]
+    assert report["k3.fused_recurrent_kda_packed_decode"].startswith("skipped: original: vLLM's signature")
+    assert real.k3.fused_recurrent_kda_packed_decode is fused_recurrent_kda_packed_decode
 
 
 def test_install_without_vllm_says_so(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)           # import vllm fails
-    with pytest.raises(ImportError, match="vLLM's KDA ops module is not importable"):
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)
+    with pytest.raises(ImportError, match="is vllm installed"):
         fkda_vllm.install()
     assert not fkda_vllm.installed()
     monkeypatch.delenv(fkda_vllm.ENV_VAR, raising=False)
     assert fkda_vllm.install_from_env() is None
-    monkeypatch.setenv(fkda_vllm.ENV_VAR, "1")
-    with pytest.raises(ImportError, match="is vllm installed"):
-        fkda_vllm.install_from_env()
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_missing_wheel_fails_under_ci_and_skips_elsewhere(monkeypatch, ci):
+    def no_wheel():
+        raise RuntimeError("pip download vllm==0.34.0 failed: no network")
+
+    monkeypatch.setattr(vllm_wheel, "_wheel", no_wheel)
+    monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(expected, match="no network"):
+        vllm_wheel.require()
 
 
 def test_importing_the_adapter_does_not_import_vllm(tmp_path):
+    import subprocess
+    import sys
     poison = tmp_path / "vllm"
     poison.mkdir()
     (poison / "__init__.py").write_text("raise RuntimeError('vllm was imported')\n")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import flashkda_ext, flashkda_ext.integrations.vllm; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import flashkda_ext.integrations.vllm; "
             "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
 
 
+def test_the_entry_point_names_install_from_env():
+    import tomllib
+    from pathlib import Path
+    py = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    target = py["project"]["entry-points"]["vllm.general_plugins"]["flashkda_ext"]
+    module, _, attr = target.partition(":")
+    assert getattr(__import__(module, fromlist=[attr]), attr) is fkda_vllm.install_from_env
+
+
 # ---------------------------------------------------------------------------------------------
-# decode: the layer's fused_recurrent_kda call
+# what the real layers pass
 
 
-def decode_case(seed, N, T, batch, idx, slots=6, dtype=torch.float32):
-    """vLLM's decode call: q, k, v views into one projection ([1, T, ., .], T >= N when a CUDA graph padded
-    the tokens), the fp32 log gate fused_kda_gate returns, the activated fp32 beta, the fp32 pool with a
-    NaN null block (slot 0), ssm_state_indices padded to `batch` entries with the null block."""
+def _calls(tree, module, names):
+    """(callee, [keywords]) of every call to `names` in the real module's source."""
+    found = []
+    for node in ast.walk(ast.parse(vllm_wheel.source(tree, module))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+            assert not node.args, f"{module} calls {node.func.id} positionally"
+            found.append((node.func.id, [kw.arg for kw in node.keywords]))
+    return found
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_the_layers_import_the_k3_ops_at_call_time(tree, layer):
+    """The patch point: both layers import the three names from the nvidia K3 ops package inside _forward,
+    so the package attributes install() rebinds are what every call reads."""
+    src = ast.parse(vllm_wheel.source(tree, layer))
+    forwards = [f for f in ast.walk(src) if isinstance(f, ast.FunctionDef) and f.name == "_forward"]
+    imported = {a.name for f in forwards for n in ast.walk(f) if isinstance(n, ast.ImportFrom)
+                and n.module == vllm_wheel.K3_OPS for a in n.names}
+    assert set(K3_NAMES) <= imported
+
+
+@pytest.mark.parametrize("module,point,names", [
+    (LAYERS[0], "k3", K3_NAMES), (LAYERS[1], "k3", K3_NAMES),
+    ("vllm.model_executor.models.bailing_moe_v3", "vendored", VENDORED_NAMES)])
+def test_every_keyword_the_layers_pass_is_known_to_the_adapter(tree, module, point, names):
+    bodies = dict(fkda_vllm.PATCH_POINTS[[p for p, _, _ in fkda_vllm.PATCH_POINTS].index(point)][2])
+    calls = _calls(tree, module, names)
+    assert {c for c, _ in calls} == set(names)
+    for callee, keywords in calls:
+        params = inspect.signature(bodies[callee]).parameters
+        named = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
+        extra = set(keywords) - named
+        # the vendored wrappers ignore bailing_moe_v3's safe_gate / lower_bound: the only keywords not named
+        assert extra <= (set(fkda_vllm.vendored.IGNORED_BY_VLLM) if point == "vendored" else set()), (callee, extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed decode (K3 and Kimi-Linear plain decode)
+
+
+def packed_decode_call(B, idx, state, lower_bound, seed=0, dtype=torch.float32, out=False):
+    """The layer's call: the post-conv packed buffer [B, 3*H*K], g1 [1, B, H, K], beta a strided view of the
+    projection [1, B, H] (its row also holds the gate), fp32 A_log [H] and dt_bias [H*K]."""
     gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(dtype)
-    q, k, v = mixed.split([H * K, H * K, HV * V], dim=-1)
-    q, k, v = q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, HV, V)
-    g = -torch.rand(1, T, HV, K, generator=gen) * 2
-    beta = torch.rand(1, T, HV, generator=gen)
-    pool = torch.randn(slots, HV, V, K, generator=gen) * 0.3
-    pool[0] = float("nan")
-    idx = torch.tensor(idx + [0] * (batch - len(idx)), dtype=torch.int32)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool, use_qk_l2norm_in_kernel=True,
-                cu_seqlens=torch.arange(N + 1, dtype=torch.int32), ssm_state_indices=idx)
+    proj = torch.randn(B, H + 5, generator=gen).to(dtype)
+    call = dict(mixed_qkv=torch.randn(B, 3 * H * K, generator=gen).to(dtype),
+                raw_g=torch.randn(1, B, H, K, generator=gen).to(dtype), raw_beta=proj[:, :H].unsqueeze(0),
+                A_log=torch.randn(H, generator=gen) * 0.5, dt_bias=torch.randn(H * K, generator=gen) * 0.5,
+                lower_bound=lower_bound, initial_state=state,
+                state_indices=torch.tensor(idx, dtype=torch.int32))
+    if out:
+        call["out"] = torch.full((1, B, H, V), 7.0, dtype=dtype)
+    return call
 
 
-@pytest.mark.parametrize("N,T,batch,idx", [(3, 3, 3, [4, -1, 2]),      # eager: T == N
-                                           (3, 5, 5, [4, 0, 2])],      # a CUDA graph's padded batch
-                         ids=["eager", "graph-padded"])
-def test_decode_is_served_and_matches_the_reference(installed, N, T, batch, idx):
-    call = decode_case(0, N, T, batch, idx)
-    assert not call["q"].is_contiguous()
-    pool = call["initial_state"]
-    pool0 = pool.clone()
-    before = served("fused_recurrent_kda")
-    o, final = installed.layer.fused_recurrent_kda(**call)
-    assert served("fused_recurrent_kda") == before + 1 and installed.calls == []
-    assert final is pool and o.shape == (1, T, HV, V) and o.dtype == call["v"].dtype
-    c = {n: call[n][0, :N] for n in ("q", "k", "v", "g", "beta")}
-    want_o, want_pool = kda_decode_step(c["q"], c["k"], c["v"], c["g"], c["beta"], state=pool0,
-                                        state_indices=call["ssm_state_indices"][:N], gate="log", beta_is_logit=False,
-                                        null_slot0=True)
-    torch.testing.assert_close(o[0, :N].double(), want_o, **TOL)
-    assert torch.equal(o[0, 1], torch.zeros(HV, V))          # the padding request (-1, or the null block 0)
+def packed_decode_reference(call, pool0):
+    m = call["mixed_qkv"]
+    B = m.shape[0]
+    q, k, v = m.view(B, 3, H, K).unbind(1)
+    gate = dict(gate="softplus") if call["lower_bound"] is None else dict(gate="bounded",
+                                                                          lower_bound=call["lower_bound"])
+    return kda_decode_step(q, k, v, call["raw_g"][0], call["raw_beta"][0], state=pool0,
+                           state_indices=call["state_indices"], A_log=call["A_log"], dt_bias=call["dt_bias"],
+                           null_slot0=True, **gate)
+
+
+@pytest.mark.parametrize("B,idx", [(1, [3]), (4, [5, 0, 2, -1])], ids=["one-row", "null-block-and-padding"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_packed_decode_is_served_and_matches_the_reference(recorded, B, idx, lower_bound, pool_dtype):
+    raw, pool = paged_pool(7, pool_dtype, conv_dim=3 * H * K, seed=B)
+    raw0, pool0 = raw.clone(), pool.clone()
+    call = packed_decode_call(B, idx, pool, lower_bound, seed=B, out=B > 1)
+    before = stat("k3.fused_recurrent_kda_packed_decode")
+    o, final = recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    assert stat("k3.fused_recurrent_kda_packed_decode") == before + 1 and recorded.calls == []
+    assert final is pool and o.shape == (1, B, H, V)
+    if B > 1:
+        assert o is call["out"]
+    want_o, want_pool = packed_decode_reference(call, pool0)
+    tol = TOL if pool_dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(o[0].double(), want_o, **tol)
     live = [s for s in idx if s > 0]
-    torch.testing.assert_close(pool[live], want_pool[live].to(pool.dtype), **TOL)
-    rest = [s for s in range(pool.shape[0]) if s not in live]
-    assert torch.equal(bits(pool[rest]), bits(pool0[rest]))   # the null block and unnamed slots, bitwise
-
-
-def test_decode_with_bf16_q_casts_the_fp32_gate_and_beta_once(installed):
-    call = decode_case(1, 3, 3, 4, [2, 5, 1], dtype=torch.bfloat16)
-    pool0 = call["initial_state"].clone()
-    o, _ = installed.ops.fused_recurrent_kda(**call, num_accepted_tokens=torch.ones(3))   # swallowed, as vLLM does
-    assert o.dtype == torch.bfloat16 and installed.calls == []
-    c = {n: call[n][0] for n in ("q", "k", "v")}
-    want_o, want_pool = kda_decode_step(c["q"], c["k"], c["v"], call["g"][0].bfloat16(), call["beta"][0].bfloat16(),
-                                        state=pool0, state_indices=call["ssm_state_indices"][:3], gate="log",
-                                        beta_is_logit=False, null_slot0=True)
-    torch.testing.assert_close(o[0].double(), want_o, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(call["initial_state"][[2, 5, 1]], want_pool[[2, 5, 1]].float(), rtol=2e-2, atol=2e-2)
-
-
-def paged_call(call, page_pad_bytes=0, num_spec=0):
-    """The decode call on vLLM's paged mamba cache: the pool's values moved into the recurrent-state view of
-    one page per slot (after the three conv states). Returns (call, raw buffer, conv views)."""
-    slots = call["initial_state"].shape[0]
-    raw, views = paged_mamba_cache(slots, *kda_state_shapes(H, K, HV, V, num_spec), page_pad_bytes, seed=11)
-    views[3].copy_(call["initial_state"])
-    return dict(call, initial_state=views[3]), raw, views[:3]
-
-
-@pytest.mark.parametrize("page_pad_bytes", [0, 48], ids=["page", "padded-page"])
-def test_decode_on_vllms_paged_cache_is_served_and_equals_the_dense_pool(installed, page_pad_bytes):
-    """vLLM's own layout: a slot's conv and recurrent states in one page, the pool a view a page per slot. Served
-    (no fallback), the outputs and the slots equal a dense pool's call bitwise, and every byte of the pages
-    outside the written slots' recurrent states (conv states, padding, other slots) is unchanged."""
-    dense = decode_case(12, 3, 5, 5, [4, 0, 2])
-    call, raw, _ = paged_call(dense, page_pad_bytes)
-    pool = call["initial_state"]
-    assert not pool.is_contiguous() and pool.stride(0) > HV * V * K
-    raw0 = raw.clone()
-    dense = dict(dense, initial_state=dense["initial_state"].clone())
-    before = served("fused_recurrent_kda")
-    o, final = installed.layer.fused_recurrent_kda(**call)
-    assert served("fused_recurrent_kda") == before + 1 and installed.calls == [], dict(fkda_vllm.REASONS)
-    assert final is pool
-    o_dense, pool_dense = installed.layer.fused_recurrent_kda(**dense)
-    assert torch.equal(bits(o[0, :3]), bits(o_dense[0, :3]))
-    assert torch.equal(bits(pool), bits(pool_dense))
+    torch.testing.assert_close(pool[live].double(), want_pool[live].double(), **tol)
+    for r, s in enumerate(idx):
+        if s <= 0:
+            assert torch.equal(o[0, r], torch.zeros(H, V))          # padding rows: zeros, as vLLM's kernel
     written = torch.zeros_like(raw, dtype=torch.bool)
-    for s in (4, 2):    # the bytes of the two live slots' recurrent states
-        lo = (pool[s].data_ptr() - raw.data_ptr())
-        written[lo:lo + HV * V * K * 4] = True
-    assert torch.equal(raw[~written], raw0[~written])
-    assert not torch.equal(raw[written], raw0[written])
+    for s in live:
+        lo = pool[s].data_ptr() - raw.data_ptr()
+        written[lo:lo + pool[s].numel() * pool.element_size()] = True
+    assert torch.equal(raw[~written], raw0[~written])               # conv states, null block, other slots
 
 
-def test_decode_on_a_paged_cache_with_an_unaligned_page_falls_back(installed):
-    call, raw, _ = paged_call(decode_case(13, 3, 3, 3, [1, 2, 3]), page_pad_bytes=4)   # page: 4 bytes past 16
-    raw0 = raw.clone()
-    fell = fkda_vllm.STATS["fused_recurrent_kda", "fell_back"]
-    assert installed.ops.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
-    assert fkda_vllm.STATS["fused_recurrent_kda", "fell_back"] == fell + 1
-    assert any(e == "fused_recurrent_kda" and "slot stride" in r and "16 bytes" in r
-               for (e, r) in fkda_vllm.REASONS), dict(fkda_vllm.REASONS)
-    assert torch.equal(raw, raw0)
+def test_packed_decode_bounded_gate_is_not_the_softplus_gate(recorded):
+    """The bound changes the answer by far more than the tolerance: serving it as softplus would fail above."""
+    pool = torch.randn(4, H, V, K) * 0.3
+    call = packed_decode_call(2, [1, 2], pool.clone(), -5.0)
+    o, _ = recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    soft, _ = packed_decode_reference(dict(call, lower_bound=None), pool)
+    assert (o[0].double() - soft).abs().max() > 1e-2
 
 
-# ---------------------------------------------------------------------------------------------
-# speculative decoding: fused_recurrent_kda_fwd with per-token indices and num_accepted_tokens
+@pytest.mark.parametrize("B", [1, 4])
+def test_packed_decode_copies_q_k_v_at_most_once(recorded, monkeypatch, B):
+    """At one row the packed buffer's ranges go to kda_decode as views; above it one permuting copy."""
+    import flashkda_ext.ops as ops
+    seen, real_decode = [], ops.kda_decode
+
+    def decode(q, k, v, *args, **kwargs):
+        seen.append((q, k, v))
+        return real_decode(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "kda_decode", decode)
+    call = packed_decode_call(B, list(range(1, B + 1)), torch.randn(B + 1, H, V, K), -5.0)
+    recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    (q, k, v), = seen
+    base = call["mixed_qkv"].data_ptr()
+    if B == 1:
+        assert [t.data_ptr() for t in (q, k, v)] == [base + i * H * K * 4 for i in range(3)]
+    else:
+        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        assert q.untyped_storage().data_ptr() != call["mixed_qkv"].untyped_storage().data_ptr()
 
 
-def test_spec_decode_fwd_is_served_by_kda_verify(installed):
-    gen = torch.Generator().manual_seed(2)
-    T = 7
-    q, k = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen)
-    v, g = torch.randn(1, T, HV, V, generator=gen), -torch.rand(1, T, HV, K, generator=gen)
-    beta = torch.rand(1, T, HV, generator=gen)
-    pool = torch.randn(9, HV, V, K, generator=gen) * 0.3
-    pool[0] = float("nan")
-    cu = torch.tensor([0, 2, 5, 7], dtype=torch.int32)
-    # request 0: token 1's state stored nowhere (0, the null block); request 1 resumes from its 2nd slot;
-    # request 2 reads the null block: padding, its entry 4 is never written
-    idx = torch.tensor([[3, 0, -1], [5, 6, 7], [0, 4, -1]], dtype=torch.int32)
-    acc = torch.tensor([1, 2, 1], dtype=torch.int32)
+def test_install_leaves_a_rocm_build_alone(real, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    report = fkda_vllm.install()
+    assert not fkda_vllm.installed() and all(r.startswith("skipped: a ROCm build") for r in report.values())
+
+
+def test_packed_decode_unknown_layout_falls_back_with_the_reason(recorded):
+    pool = torch.randn(4, H, V, K)
+    call = packed_decode_call(2, [1, 2], pool, None, dtype=torch.float32)
+    call["raw_g"] = call["raw_g"].half()                 # a dtype the op would have to cast
+    fell = stat("k3.fused_recurrent_kda_packed_decode", "fell_back")
+    assert recorded.k3.fused_recurrent_kda_packed_decode(**call) == ("original", "fused_recurrent_kda_packed_decode")
+    assert stat("k3.fused_recurrent_kda_packed_decode", "fell_back") == fell + 1
+    assert recorded.calls[-1][2]["raw_g"] is call["raw_g"]
+    assert any(s == "k3.fused_recurrent_kda_packed_decode" and "raw_g" in r for s, r in fkda_vllm.REASONS)
+
+
+def test_packed_decode_int64_index_past_int32_raises_and_writes_nothing(recorded):
+    pool = torch.randn(4, H, V, K)
     pool0 = pool.clone()
-    before = served("fused_recurrent_kda_fwd")
-    o, final = installed.ops.fused_recurrent_kda_fwd(q, k, v, g, beta, K ** -0.5, pool, True, cu, idx, acc, True)
-    assert served("fused_recurrent_kda_fwd") == before + 1 and installed.calls == []
-    assert final is pool and o.shape == (1, T, HV, V)
-    want_o, want_pool = ref_verify.kda_verify_step(q, k, v, g, beta, state=pool0, state_indices=idx, cu_seqlens=cu,
-                                                   num_accepted_tokens=acc, gate="log", beta_is_logit=False,
-                                                   null_slot0=True)
-    torch.testing.assert_close(o.double(), want_o, **TOL)
-    assert torch.equal(o[0, 5:], torch.zeros(2, HV, V))
-    stored = [3, 5, 6, 7]
-    torch.testing.assert_close(pool[stored], want_pool[stored].to(pool.dtype), **TOL)
-    assert not torch.equal(pool[stored], pool0[stored])
-    rest = [0, 1, 2, 4, 8]
-    assert torch.equal(bits(pool[rest]), bits(pool0[rest]))
-
-    # the same call on vLLM's paged cache (spec decode keeps 3 + drafts conv inputs a slot): bitwise the same
-    raw, views = paged_mamba_cache(9, *kda_state_shapes(H, K, HV, V, num_spec=2), seed=3)
-    views[3].copy_(pool0)
-    raw0 = raw.clone()
-    o_paged, final = installed.ops.fused_recurrent_kda_fwd(q, k, v, g, beta, K ** -0.5, views[3], True, cu, idx, acc,
-                                                           True)
-    assert final is views[3] and installed.calls == []
-    assert torch.equal(bits(o_paged), bits(o)) and torch.equal(bits(views[3]), bits(pool))
-    keep = torch.ones(raw.numel(), dtype=torch.bool)
-    for s in stored:
-        lo = views[3][s].data_ptr() - raw.data_ptr()
-        keep[lo:lo + HV * V * K * 4] = False
-    assert torch.equal(raw[keep], raw0[keep])
+    call = packed_decode_call(2, [1, 2], pool, None)
+    call["state_indices"] = torch.tensor([2 ** 32 + 1, 2], dtype=torch.int64)     # would wrap to slot 1
+    with pytest.raises(ValueError, match="state_indices"):
+        recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    assert torch.equal(pool, pool0) and recorded.calls == []
 
 
 # ---------------------------------------------------------------------------------------------
-# prefill: chunk_kda_with_fused_gate (the layer's call) and chunk_kda
+# chunk prefill with the fused gate
 
 
-def prefill_case(seed, T=11, cu=(0, 4, 11)):
+def chunk_call(lengths, lower_bound, h0_dtype=torch.float32, seed=0, **extra):
     gen = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen)
-    v, raw_g = torch.randn(1, T, HV, V, generator=gen), torch.randn(1, T, HV, K, generator=gen) * 3
-    raw_g[0, 2, :, 0] = 25.0                              # past softplus's threshold (20): linear there
-    beta = torch.rand(1, T, HV, generator=gen)
-    A_log, g_bias = torch.randn(1, 1, HV, 1, generator=gen) * 0.3, torch.randn(HV * K, generator=gen) * 0.5
-    h0 = torch.randn(len(cu) - 1, HV, V, K, generator=gen) * 0.3
-    return q, k, v, raw_g, beta, A_log, g_bias, h0, torch.tensor(cu, dtype=torch.int32)
+    T = sum(lengths)
+    N = len(lengths)
+    proj = torch.randn(1, T, H + 3, generator=gen)
+    call = dict(q=torch.randn(1, T, H, K, generator=gen), k=torch.randn(1, T, H, K, generator=gen),
+                v=torch.randn(1, T, H, V, generator=gen), raw_g=torch.randn(1, T, H, K, generator=gen),
+                raw_beta=proj[..., :H], A_log=torch.randn(H, generator=gen) * 0.5,
+                g_bias=torch.randn(H * K, generator=gen) * 0.5, lower_bound=lower_bound,
+                initial_state=(torch.randn(N, H, V, K, generator=gen) * 0.3).to(h0_dtype), output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                cu_seqlens=torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32))
+    call.update(extra)
+    return call
 
 
-def test_prefill_with_fused_gate_is_served_and_matches_the_reference(installed):
-    q, k, v, raw_g, beta, A_log, g_bias, h0, cu = prefill_case(3)
-    v0 = v.clone()
-    before = served("chunk_kda_with_fused_gate")
-    o, ht = installed.layer.chunk_kda_with_fused_gate(q=q, k=k, v=v, raw_g=raw_g, beta=beta, A_log=A_log,
-                                                      g_bias=g_bias, initial_state=h0, output_final_state=True,
-                                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    assert served("chunk_kda_with_fused_gate") == before + 1 and installed.calls == []
-    assert o.shape == (1, 11, HV, V) and ht.shape == (2, HV, V, K) and ht.dtype == torch.float32
-    want_o, want_ht, _ = kda_recurrent(q, k, v0, raw_g, beta, gate="softplus", A_log=A_log.flatten(),
-                                       dt_bias=g_bias, beta_is_logit=False, cu_seqlens=cu, initial_state=h0)
+def chunk_reference(call, lower_bound):
+    gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
+    o, h, _ = kda_recurrent(call["q"], call["k"], call["v"], call["raw_g"], call["raw_beta"], A_log=call["A_log"],
+                            dt_bias=call["g_bias"], cu_seqlens=call["cu_seqlens"],
+                            initial_state=call["initial_state"], **gate)
+    return o, h
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize("h0_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_prefill_is_served_with_the_gate_vllm_computes(recorded, lower_bound, h0_dtype):
+    call = chunk_call([5, 0, 11], lower_bound, h0_dtype)
+    before = stat("k3.chunk_kda_with_fused_gate")
+    o, h = recorded.k3.chunk_kda_with_fused_gate(**call)
+    assert stat("k3.chunk_kda_with_fused_gate") == before + 1 and recorded.calls == []
+    assert h.dtype == torch.float32                 # vLLM's final state is fp32 whatever the pool's dtype
+    want_o, want_h = chunk_reference(call, lower_bound)
     torch.testing.assert_close(o.double(), want_o, **TOL)
-    torch.testing.assert_close(ht.double(), want_ht, **TOL)
-    assert torch.equal(v, v0)       # vLLM's Triton writes o over v's storage; the adapter leaves v alone
+    torch.testing.assert_close(h.double(), want_h, **TOL)
+    if lower_bound is not None:
+        # the issue's silent wrong answer: the softplus gate differs from the bounded one by far more than TOL
+        assert (chunk_reference(call, None)[0] - want_o).abs().max() > 1e-2
 
 
-def test_chunk_kda_with_a_log_gate_is_served(installed):
-    q, k, v, _, beta, _, _, h0, cu = prefill_case(4)
-    g = -torch.rand(1, 11, HV, K, generator=torch.Generator().manual_seed(5))
-    o, ht = installed.ops.chunk_kda(q, k, v, g, beta, initial_state=h0, use_qk_l2norm_in_kernel=True,
-                                    cu_seqlens=cu, ignored_by_vllm=1)
-    assert ht is None and installed.calls == []
-    want_o, _, _ = kda_recurrent(q, k, v, g, beta, gate="log", beta_is_logit=False, cu_seqlens=cu, initial_state=h0)
-    torch.testing.assert_close(o.double(), want_o, **TOL)
+def test_chunk_prefill_without_final_state_and_with_out(recorded):
+    call = chunk_call([4, 3], -5.0, output_final_state=False, out=torch.empty(1, 7, H, V))
+    o, h = recorded.k3.chunk_kda_with_fused_gate(**call)
+    assert h is None and o is call["out"]
+    torch.testing.assert_close(o.double(), chunk_reference(call, -5.0)[0], **TOL)
+
+
+@pytest.mark.parametrize("extra,reason", [
+    (dict(chunk_indices=None), "unknown arguments ['chunk_indices']"),
+    (dict(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=False")])
+def test_chunk_prefill_falls_back_on_what_it_does_not_know(recorded, extra, reason):
+    call = chunk_call([3], -5.0, **extra)
+    fell = stat("k3.chunk_kda_with_fused_gate", "fell_back")
+    assert recorded.k3.chunk_kda_with_fused_gate(**call) == ("original", "chunk_kda_with_fused_gate")
+    assert stat("k3.chunk_kda_with_fused_gate", "fell_back") == fell + 1
+    args = recorded.calls[-1][2]
+    for key, value in extra.items():           # the caller's own arguments reach vLLM's function
+        assert key in args.get("kwargs", args) and args.get("kwargs", args)[key] is value
+    assert any(s == "k3.chunk_kda_with_fused_gate" and reason in r for s, r in fkda_vllm.REASONS)
 
 
 # ---------------------------------------------------------------------------------------------
-# what is not claimed reaches vLLM's original, with the caller's own arguments
+# speculative verify: fused_recurrent_kda with [N, T_max] indices and num_accepted_tokens
 
 
-def paged_pool(slots, extra=24, inner_swap=False):
-    """A pool a page per slot (vLLM's layout) with `extra` elements before each slot's state; inner_swap: V and
-    K swapped in memory (a K-first state seen as [V, K]), which no kernel reads."""
-    pages = torch.randn(slots, extra + HV * V * K)
-    pool = pages[:, extra:].view(slots, HV, V, K)
-    return pool.transpose(2, 3).contiguous().transpose(2, 3) if inner_swap else pool
+def spec_call(lengths, table, accepted, pool, lower_bound=-5.0, padded_tokens=0, seed=3, packed=True):
+    """The layer's spec call: q/k/v row-strided views of the post-conv buffer (rearranged splits), the index
+    table and counts padded to the CUDA-graph batch (null block, count 1) while cu_seqlens holds the real N."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths) + padded_tokens
+    mixed = torch.randn(T, 3 * H * K, generator=gen)
+    q, k, v = (x.unflatten(1, (H, K)).unsqueeze(0) for x in mixed.split(H * K, dim=-1))
+    if not packed:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return dict(q=q, k=k, v=v, raw_g=torch.randn(1, T, H, K, generator=gen),
+                raw_beta=torch.randn(1, T, H + 2, generator=gen)[..., :H],
+                A_log=torch.randn(H, generator=gen) * 0.5, dt_bias=torch.randn(H * K, generator=gen) * 0.5,
+                lower_bound=lower_bound, initial_state=pool,
+                cu_seqlens=torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32),
+                ssm_state_indices=torch.tensor(table, dtype=torch.int32),
+                num_accepted_tokens=None if accepted is None else torch.tensor(accepted, dtype=torch.int32))
 
 
-def _decode_kw(**change):
-    call = decode_case(6, 3, 3, 3, [1, 2, 3])
-    call.update(change)
-    return call
+def spec_reference(call, pool0, n_real):
+    T = int(call["cu_seqlens"][-1])
+    gate = dict(gate="softplus") if call["lower_bound"] is None else dict(gate="bounded",
+                                                                          lower_bound=call["lower_bound"])
+    acc = call["num_accepted_tokens"]
+    return kda_verify_step(*(call[n][:, :T] for n in ("q", "k", "v", "raw_g", "raw_beta")), state=pool0,
+                           state_indices=call["ssm_state_indices"][:n_real], cu_seqlens=call["cu_seqlens"],
+                           num_accepted_tokens=None if acc is None else acc[:n_real], A_log=call["A_log"],
+                           dt_bias=call["dt_bias"], null_slot0=True, **gate)
 
 
-def _prefill_kw(**change):
-    q, k, v, raw_g, beta, A_log, g_bias, h0, cu = prefill_case(7)
-    call = dict(q=q, k=k, v=v, raw_g=raw_g, beta=beta, A_log=A_log, g_bias=g_bias, initial_state=h0,
-                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    call.update(change)
-    return call
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_spec_verify_is_served_and_matches_the_reference(recorded, pool_dtype, lower_bound):
+    pool = (torch.randn(16, H, V, K) * 0.3).to(pool_dtype)
+    pool0 = pool.clone()
+    table = [[1, 2, 3], [4, 5, 6], [0, 8, 9],               # request 2 starts from the null block: padding
+             [0, 0, 0], [0, 0, 0]]                          # CUDA-graph padded requests (not in cu_seqlens)
+    call = spec_call([3, 2, 2], table, [2, 1, 1, 1, 1], pool, lower_bound, padded_tokens=2)
+    before = stat("k3.fused_recurrent_kda")
+    o, final = recorded.k3.fused_recurrent_kda(**call)
+    assert stat("k3.fused_recurrent_kda") == before + 1 and recorded.calls == [], dict(fkda_vllm.REASONS)
+    assert final is pool and o.shape == (1, 9, H, V)
+    want_o, want_pool = spec_reference(call, pool0, 3)
+    tol = TOL if pool_dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(o[:, :7].double(), want_o, **tol)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **tol)
+    for s in (0, 7, 8, 9, 10):      # the null block, unnamed slots, request 2's slots: bitwise
+        assert torch.equal(bits(pool[s]), bits(pool0[s]))
 
 
-def _chunk_kw(**change):
-    call = _prefill_kw(**change)
-    call["g"] = -call.pop("raw_g").abs()
-    for n in ("A_log", "g_bias"):
-        call.pop(n)
-    return call
+def test_spec_verify_on_dense_q_and_with_out(recorded):
+    pool = torch.randn(8, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = spec_call([2, 1], [[1, 2], [3, 4]], [1, 2], pool, packed=False)
+    call["out"] = torch.empty(1, 3, H, V)
+    o, _ = recorded.k3.fused_recurrent_kda(**call)
+    assert o is call["out"]
+    want_o, want_pool = spec_reference(call, pool0, 2)
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
 
 
-FALLBACKS = [
-    ("fused_recurrent_kda", lambda: _decode_kw(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=True"),
-    ("fused_recurrent_kda", lambda: _decode_kw(initial_state=paged_pool(6, extra=3)), "multiple of 16 bytes"),
-    ("fused_recurrent_kda", lambda: _decode_kw(initial_state=paged_pool(6, inner_swap=True)), "dims 1-3 contiguous"),
-    ("fused_recurrent_kda", lambda: _decode_kw(ssm_state_indices=None, inplace_final_state=False), "state pool only"),
-    ("fused_recurrent_kda", lambda: dict(_decode_kw(), q=torch.randn(2, 3, H, K)), "several rows"),
-    ("fused_recurrent_kda", lambda: _decode_kw(beta=torch.rand(1, 3, HV, V)), "scalar beta per head"),
-    ("fused_recurrent_kda_fwd", lambda: dict(_decode_kw(), scale=None, inplace_final_state=False), "state pool only"),
-    ("fused_recurrent_kda_fwd", lambda: dict(_decode_kw(), scale=0.3, num_accepted_tokens=torch.ones(3, dtype=torch.int32)),
-     "per-token"),
-    ("chunk_kda_with_fused_gate", lambda: _prefill_kw(g_bias=None), "requires A_log and dt_bias"),
-    ("chunk_kda_with_fused_gate", lambda: _prefill_kw(initial_state=torch.zeros(2, HV, K, V)), "initial_state"),
-    ("chunk_kda", lambda: _chunk_kw(use_qk_l2norm_in_kernel=False, some_vllm_kwarg=3), "use_qk_l2norm_in_kernel"),
-]
+def test_one_token_indices_never_serve_an_empty_request_as_a_row(recorded):
+    """cu_seqlens [0, 2, 2, 3] with 1-D indices (T == N = 3): request 1 is empty and request 0 owns tokens 0
+    and 1, so only row 2 is a one-token request. Its slot is stepped; the empty request's slot and request
+    0's slot are left alone (vLLM's kernel would write the empty request's slot)."""
+    pool = torch.randn(8, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = spec_call([2, 0, 1], [5, 6, 7], None, pool)
+    o, _ = recorded.k3.fused_recurrent_kda(**call)
+    assert recorded.calls == []
+    assert torch.equal(pool[5], pool0[5]) and torch.equal(pool[6], pool0[6])
+    one = {n: call[n][:, 2:3] for n in ("q", "k", "v", "raw_g", "raw_beta")}
+    want_o, want_pool = kda_decode_step(*(one[n][0] for n in ("q", "k", "v", "raw_g", "raw_beta")), state=pool0,
+                                        state_indices=torch.tensor([7], dtype=torch.int32), gate="bounded",
+                                        lower_bound=-5.0, A_log=call["A_log"], dt_bias=call["dt_bias"])
+    torch.testing.assert_close(o[0, 2:3].double(), want_o, **TOL)
+    torch.testing.assert_close(pool[7].double(), want_pool[7].double(), **TOL)
+    assert torch.equal(o[0, :2], torch.zeros(2, H, V))
 
 
-@pytest.mark.parametrize("entry,make,reason", FALLBACKS, ids=[f"{e}-{r}" for e, _, r in FALLBACKS])
-def test_unclaimed_calls_reach_the_original(installed, entry, make, reason):
-    call = make()
-    fell = fkda_vllm.STATS[entry, "fell_back"]
-    result = getattr(installed.ops, entry)(**call)
-    assert result == ("original", entry)
-    assert fkda_vllm.STATS[entry, "fell_back"] == fell + 1
-    assert any(e == entry and reason in r for (e, r) in fkda_vllm.REASONS), dict(fkda_vllm.REASONS)
-    [(name, got)] = installed.calls
-    assert name == entry
-    extra = got.pop("kwargs", {})
-    for key, value in call.items():
-        assert (extra[key] if key in extra else got[key]) is value, key   # the caller's own objects
+@pytest.mark.parametrize("name,value", [("ssm_state_indices", [[2 ** 32 + 1, 2], [3, 4]]),
+                                        ("num_accepted_tokens", [2 ** 32 + 1, 1])])
+def test_spec_int64_past_int32_raises_naming_it_and_writes_nothing(recorded, name, value):
+    pool = torch.randn(8, H, V, K)
+    pool0 = pool.clone()
+    call = spec_call([2, 1], [[1, 2], [3, 4]], [1, 1], pool)
+    call[name] = torch.tensor(value, dtype=torch.int64)
+    with pytest.raises(ValueError, match=name):
+        recorded.k3.fused_recurrent_kda(**call)
+    assert torch.equal(pool, pool0) and recorded.calls == []
 
 
-def test_training_falls_back(installed):
-    q, k, v, _, beta, _, _, h0, cu = prefill_case(8)
-    g = -torch.rand(1, 11, HV, K)
-    with torch.inference_mode(False), torch.enable_grad():
-        q = q.clone().requires_grad_()
-        assert installed.ops.chunk_kda(q, k, v, g, beta, initial_state=h0, use_qk_l2norm_in_kernel=True,
-                                       cu_seqlens=cu) == ("original", "chunk_kda")
-    assert any(e == "chunk_kda" and "inference only" in r for (e, r) in fkda_vllm.REASONS)
+def test_spec_unknown_fuse_gate_value_falls_back(recorded):
+    call = spec_call([1], [[1, 2]], [1], torch.randn(4, H, V, K))
+    call["fuse_gate"] = "sometimes"
+    assert recorded.k3.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
+    assert any(s == "k3.fused_recurrent_kda" and "fuse_gate" in r for s, r in fkda_vllm.REASONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# the vendored fla copy (bailing_moe_v3)
+
+
+def bailing_decode_call(cu, idx, pool, **extra):
+    gen = torch.Generator().manual_seed(9)
+    T = len(idx)
+    mixed = torch.randn(T, 3 * H * K, generator=gen)
+    q, k, v = (x.unflatten(1, (H, K)).unsqueeze(0) for x in mixed.split(H * K, dim=-1))
+    return dict(q=q, k=k, v=v, g=-torch.rand(1, T, H, K, generator=gen), beta=torch.rand(1, T, H, generator=gen),
+                initial_state=pool, use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                ssm_state_indices=torch.tensor(idx, dtype=torch.int32), **extra)
+
+
+def test_vendored_decode_is_served_with_bailings_ignored_keywords(recorded):
+    pool = torch.randn(6, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = bailing_decode_call([0, 1, 2, 3], [4, 0, 2], pool, safe_gate=True, lower_bound=-5.0)
+    before = stat("vendored.fused_recurrent_kda")
+    o, _ = recorded.vendored.fused_recurrent_kda(**call)
+    assert stat("vendored.fused_recurrent_kda") == before + 1 and recorded.calls == []
+    want_o, want_pool = kda_decode_step(*(call[n][0] for n in ("q", "k", "v", "g", "beta")), state=pool0,
+                                        state_indices=call["ssm_state_indices"], gate="log", beta_is_logit=False,
+                                        null_slot0=True)
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+
+
+def test_vendored_decode_of_a_cuda_graph_padded_batch(recorded):
+    """T = 5 tokens and indices for the graph's batch, cu_seqlens for the 3 real requests: the 3 are served,
+    the padded rows are not (vLLM's kernel runs the N; the layer drops the rest)."""
+    pool = torch.randn(6, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = bailing_decode_call([0, 1, 2, 3], [4, 0, 2, 0, 0], pool)
+    before = stat("vendored.fused_recurrent_kda")
+    o, _ = recorded.vendored.fused_recurrent_kda(**call)
+    assert stat("vendored.fused_recurrent_kda") == before + 1 and o.shape == (1, 5, H, V)
+    want_o, want_pool = kda_decode_step(*(call[n][0, :3] for n in ("q", "k", "v", "g", "beta")), state=pool0,
+                                        state_indices=call["ssm_state_indices"][:3], gate="log", beta_is_logit=False,
+                                        null_slot0=True)
+    torch.testing.assert_close(o[0, :3].double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+
+
+def test_vendored_decode_empty_request_is_not_a_row(recorded):
+    """[0, 2, 2, 3]: an empty request beside a two-token one. Served as rows, the empty request's slot would be
+    written and request 0 stepped once; fla's kernel steps request 0 twice on its slot. The fla mapping refuses
+    a request of more than one token in a one-slot-per-request decode, so the call goes to vLLM's own kernel
+    (counted) and our kernels write nothing."""
+    pool = torch.randn(6, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = bailing_decode_call([0, 2, 2, 3], [4, 5, 2], pool)
+    fell = stat("vendored.fused_recurrent_kda", "fell_back")
+    assert recorded.vendored.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
+    assert stat("vendored.fused_recurrent_kda", "fell_back") == fell + 1
+    assert any(s == "vendored.fused_recurrent_kda" and "cu_seqlens" in r for s, r in fkda_vllm.REASONS)
+    assert torch.equal(pool, pool0)
+
+
+def test_vendored_unknown_keyword_falls_back(recorded):
+    call = bailing_decode_call([0, 1], [1], torch.randn(3, H, V, K), num_accepted_tokens=torch.ones(1))
+    assert recorded.vendored.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
+    assert any(s == "vendored.fused_recurrent_kda" and "num_accepted_tokens" in r for s, r in fkda_vllm.REASONS)
+
+
+def test_vendored_spec_fwd_and_chunk_are_served(recorded):
+    pool = torch.randn(10, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = spec_call([2, 1], [[1, 2], [3, 4]], [2, 1], pool)
+    fwd = dict(q=call["q"].contiguous(), k=call["k"].contiguous(), v=call["v"].contiguous(),
+               g=-torch.rand(1, 3, H, K), beta=torch.rand(1, 3, H), scale=K ** -0.5, initial_state=pool,
+               inplace_final_state=True, cu_seqlens=call["cu_seqlens"], ssm_state_indices=call["ssm_state_indices"],
+               num_accepted_tokens=call["num_accepted_tokens"], use_qk_l2norm_in_kernel=True)
+    o, _ = recorded.vendored.fused_recurrent_kda_fwd(**fwd)
+    want_o, want_pool = kda_verify_step(fwd["q"], fwd["k"], fwd["v"], fwd["g"], fwd["beta"], state=pool0,
+                                        state_indices=fwd["ssm_state_indices"], cu_seqlens=fwd["cu_seqlens"],
+                                        num_accepted_tokens=fwd["num_accepted_tokens"], gate="log",
+                                        beta_is_logit=False, null_slot0=True)
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+
+    ch = chunk_call([4, 3], None)
+    g = -torch.rand(1, 7, H, K)
+    o, h = recorded.vendored.chunk_kda(q=ch["q"], k=ch["k"], v=ch["v"], g=g, beta=torch.sigmoid(ch["raw_beta"]),
+                                       initial_state=ch["initial_state"], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                       cu_seqlens=ch["cu_seqlens"])
+    want_o, want_h, _ = kda_recurrent(ch["q"], ch["k"], ch["v"], g, torch.sigmoid(ch["raw_beta"]), gate="log",
+                                      beta_is_logit=False, cu_seqlens=ch["cu_seqlens"],
+                                      initial_state=ch["initial_state"])
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(h.double(), want_h, **TOL)
+    assert stat("vendored.fused_recurrent_kda_fwd") >= 1 and stat("vendored.chunk_kda") >= 1
+    assert recorded.calls == []
+
+
+def test_the_benchmark_dry_run_serves_every_kind_and_agrees_with_the_reference(tree, tmp_path):
+    """benchmarks/bench_vllm.py's logic on the CPU (a process of its own: it imports vLLM's modules itself)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_vllm.py"), "--dry-run", "--no-plot",
+                          "--no-progress", "--state-dtypes", "bfloat16", "--engine-dir", str(tree),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    doc = json.loads((tmp_path / "bench_vllm.json").read_text())
+    assert {a["case"].split()[0] for a in doc["accuracy"]} == {"decode", "verify", "prefill"}
+    assert all(a["served"] and a["ok"] for a in doc["accuracy"])
+    assert not doc["fallback_reasons"]

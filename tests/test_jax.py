@@ -176,7 +176,7 @@ def test_command_buffer_switch(gen, monkeypatch):
     monkeypatch.setenv("FLASHKDA_EXT_JAX_COMMAND_BUFFER", "0")
     out0, state0 = jax_decode(jaxify(d), gate="softplus")
     assert torch.equal(to_torch(out0), to_torch(out1)) and torch.equal(to_torch(state0), to_torch(state1))
-    plans = [p.plan for p in kj._PREPARED.values() if p.plan.family == "kda_decode"]
+    plans = [p.plan for p in kj.plan._PREPARED.values() if p.plan.family == "kda_decode"]
     assert any(not p.cuda_graph for p in plans) and any(p.cuda_graph for p in plans)
     monkeypatch.setenv("FLASHKDA_EXT_JAX_COMMAND_BUFFER", "maybe")
     with pytest.raises(ValueError, match="FLASHKDA_EXT_JAX_COMMAND_BUFFER"):
@@ -487,7 +487,7 @@ def test_targets_reorder_in_cpp_no_python_per_jitted_call(gen):
     assert torch.equal(to_torch(out), t_out) and torch.equal(to_torch(pool), t_state)
 
     names = [n for n in kj.registered_targets() if ".kda_decode." in n]
-    assert names and all(kj._ADAPTERS[n][0] == "c++" for n in kj.registered_targets())
+    assert names and all(kj.targets._ADAPTERS[n][0] == "c++" for n in kj.registered_targets())
 
     box = {"pool": pool}
 
@@ -515,7 +515,7 @@ def test_cpp_reorder_semantics_and_errors():
     assert _reorder_calls(make, [2, -1, 0, 2, 1], 3, args) == [("c", None, "a", "c", "b", 7, 0.5, True)]
     assert _reorder_calls(make, [], 0, (1, 2)) == [(1, 2)]
     # the Python fallback does exactly the same
-    fallback = lambda fn, order, n: kj._python_adapter(fn, tuple(None if i < 0 else i for i in order), n)  # noqa: E731
+    fallback = lambda fn, order, n: kj.targets._python_adapter(fn, tuple(None if i < 0 else i for i in order), n)  # noqa: E731
     assert _reorder_calls(fallback, [2, -1, 0, 2, 1], 3, args) == [("c", None, "a", "c", "b", 7, 0.5, True)]
     with pytest.raises(ValueError, match=r"order\[1\] = 3 is not a buffer index"):
         _reorder_calls(make, [0, 3], 3, args)
@@ -534,12 +534,12 @@ def test_python_adapter_fallback_warns_when_helper_unavailable(monkeypatch):
             raise jit.JitDisabledError("no artifact for ffi_reorder (test)")
         return real(name, *a, **kw)
 
-    monkeypatch.setattr(kj, "_REORDER", {})
+    monkeypatch.setattr(kj.targets, "_REORDER", {})
     monkeypatch.setattr(jit, "load_module", broken)
     with pytest.warns(RuntimeWarning, match="Python adapter"):
-        adapter, kind = kj._make_adapter(jax_noop_fn(), (1, None, 0), 2)
+        adapter, kind = kj.targets._make_adapter(jax_noop_fn(), (1, None, 0), 2)
     assert kind == "python"
-    adapter, kind = kj._make_adapter(jax_noop_fn(), (1, None, 0), 2)      # warned once, then quiet
+    adapter, kind = kj.targets._make_adapter(jax_noop_fn(), (1, None, 0), 2)      # warned once, then quiet
     assert kind == "python"
 
 
@@ -558,7 +558,7 @@ def test_eager_calls_validate_once_per_signature_and_bad_calls_always(gen, monke
 
     d = decode_inputs(gen, rows=3, slots=5, gate="softplus")
     t_out, _ = torch_decode(d)
-    monkeypatch.setattr(kj, "_PREPARED", {})
+    monkeypatch.setattr(kj.plan, "_PREPARED", {})
     monkeypatch.setattr(kj.validation, "check_kda_decode", counting)
     for _ in range(3):
         jd = jaxify(d)

@@ -6,7 +6,6 @@ same ptxas report as a full build, a fifth of its time), MAX_JOBS at a time (def
 all started at the first case. The first CUDA module runs by default, the rest are marked slow;
 test_compile_only_report_matches_a_build holds the shortcut to what a full build reports.
 """
-import json
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +25,10 @@ CUDA = [r for r in RECORDS if r["backend"] == "cuda"]
 
 
 def test_unique_names_across_files():
-    names = []
-    for p in sorted((paths.jit_dir() / "modules").glob("*.json")):
-        names += [r["name"] for r in json.loads(p.read_text())["modules"]]
+    # the registry refuses a duplicate (tests/test_jit_specs.py); here: none slipped through it
+    names = [r["name"] for r in RECORDS]
     dups = [n for n, c in Counter(names).items() if c > 1]
-    assert not dups
+    assert not dups and len(names) == len(registry().records)
 
 
 def test_sources_exist():

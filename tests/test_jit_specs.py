@@ -237,3 +237,27 @@ def test_repository_files_satisfy_their_schemas():
         schema = json.loads((paths.jit_dir() / "schema" / f"{kind}.schema.json").read_text())
         for p in sorted(paths.jit_dir().glob(pattern)):
             assert validate(schema, json.loads(p.read_text())) == [], p
+
+
+def test_opt_in_marks_agree_between_records_and_rules(tmp_path):
+    """An opt_in record is reached by opt-in rules only, and an opt-in rule reaches opt_in records only."""
+    root = testing.make_tree(tmp_path, cuda=True)
+    path = root / "jit" / "modules" / "toy_cuda.json"
+    opt = testing.cuda_record(name="toy_opt", opt_in=True)
+    testing.write_json(path, {"description": "d", "modules": [testing.cuda_record(), opt]})
+    cpu = {"name": "cpu", "when": {"device": "cpu"}, "module": "toy_cpu"}
+    fallback = {"name": "fallback", "when": {"device": "cuda"}, "module": "toy_cuda"}
+    _write_rules(root, [cpu, {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_opt"},
+                        fallback])
+    assert registry(root).opt_in_tags == {"toy"} and "toy_opt" in registry(root).routed
+    for rules, rule in [([cpu, {"name": "mine", "when": {"device": "cuda"}, "module": "toy_opt"}, fallback],
+                         "module 'toy_opt' is marked opt_in in jit/modules, but the rule is not an opt-in rule"),
+                        ([cpu, {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_cuda"},
+                          fallback], "module 'toy_cuda' is not marked opt_in"),
+                        # an opt-in rule is no fallback: the device still needs an always-true rule
+                        ([cpu, {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_opt"}],
+                         "no always-true fallback rule")]:
+        _write_rules(root, rules)
+        with pytest.raises(SpecError) as ei:
+            registry(root)
+        assert rule in str(ei.value), str(ei.value)

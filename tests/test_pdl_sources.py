@@ -2,9 +2,10 @@
 previous grid before it touches memory (csrc/common/grid_dependency.cuh). Source-level checks, no GPU."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
+
+from flashkda_ext.jit import all_records
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -20,10 +21,9 @@ def kernel_bodies(text: str):
 
 
 def pdl_records():
-    for f in sorted((ROOT / "jit/modules").glob("*.json")):
-        for rec in json.loads(f.read_text())["modules"]:
-            if rec["backend"] == "cuda" and rec["params"].get("pdl"):
-                yield rec
+    for rec in all_records():
+        if rec["backend"] == "cuda" and rec["params"].get("pdl"):
+            yield rec
 
 
 def test_every_kernel_of_a_pdl_module_waits_first():
@@ -39,14 +39,13 @@ def test_every_kernel_of_a_pdl_module_waits_first():
             assert first.startswith(WAITS), (
                 f"{path.relative_to(ROOT)}: kernel {name} must start with one of {WAITS} "
                 f"(it is launched with PDL), starts with: {first!r}")
-    assert len(seen) >= 9, seen  # decode 5, fused decode 2, prefill 2
+    assert len(seen) >= 9, seen  # decode 4, fused decode 2, verify 2, prefill 2
 
 
 def test_pdl_param_is_zero_or_one():
-    for f in sorted((ROOT / "jit/modules").glob("*.json")):
-        for rec in json.loads(f.read_text())["modules"]:
-            if "pdl" in rec["params"]:
-                assert rec["params"]["pdl"] in (0, 1), rec["name"]
+    for rec in all_records():
+        if "pdl" in rec["params"]:
+            assert rec["params"]["pdl"] in (0, 1), rec["name"]
 
 
 def test_the_launcher_reads_the_param():

@@ -3,8 +3,8 @@
 Older notes called a set of device runs "session N" and filed its data under
 benchmarks/results/h200-<date>-sN/, which a reader cannot resolve. The folders are now
 h200-<date>-<commit> and benchmarks/results/INDEX.json maps every old label to its date, commit and
-folder. These tests keep the labels from coming back and the folder names, the index and the
-references to the folders in agreement.
+folder (a folder cut from the tree stays listed: git history keeps it). These tests keep the labels
+from coming back and the folder names, the index and the references to the folders in agreement.
 """
 from __future__ import annotations
 
@@ -62,10 +62,10 @@ def _results_folders():
 
 
 def test_scan_covers_the_project():
-    # Guards the scan itself: it must see the perf notes, the records and the kernels.
+    # Guards the scan itself: it must see the performance page, the records and the kernels.
     names = {p.relative_to(ROOT).as_posix() for p in _scanned_files()}
-    for expected in ("docs/perf-notes.md", "jit/routes/kda_decode.json",
-                     "csrc/prefill/kda_prefill_kernels.cuh", "tests/test_provenance.py"):
+    for expected in ("docs/performance.md", "jit/routes/kda_decode.json",
+                     "csrc/prefill/kda_prefill_prep.cuh", "tests/test_provenance.py"):
         assert expected in names
 
 
@@ -98,15 +98,13 @@ def test_results_folders_are_named_by_date_and_commit():
     assert not bad, f"results folders must be h200-<date>-<7-hex commit>: {bad}"
 
 
-def test_index_matches_the_folders():
+def test_index_lists_every_folder():
     entries = _index()["sessions"]
     later = _index().get("folders", [])  # folders named by date and commit from the start
     folders = set(_results_folders())
     listed = [Path(e["folder"]).name for e in entries + later]
     assert len(listed) == len(set(listed)), "a folder is listed twice in INDEX.json"
-    assert set(listed) == folders, (
-        f"only in INDEX.json: {sorted(set(listed) - folders)}; "
-        f"not in INDEX.json: {sorted(folders - set(listed))}")
+    assert folders <= set(listed), f"not in INDEX.json: {sorted(folders - set(listed))}"
     for e in later:
         assert (e["date"], e["commit"]) == FOLDER_NAME.match(Path(e["folder"]).name).groups(), e
     labels = [e["label"] for e in entries]
@@ -118,12 +116,10 @@ def test_index_matches_the_folders():
         assert SESSION_FOLDER.search(e["former_folder"]) or e["former_folder"].endswith(date), e
 
 
-def test_perf_notes_has_a_section_for_every_folder():
-    # Each folder README points at the perf-notes sections headed "<date>, <commit>".
-    notes = (ROOT / "docs" / "perf-notes.md").read_text(encoding="utf-8")
-    missing = [e["folder"] for e in _index()["sessions"] + _index().get("folders", [])
-               if f"### {e['date']}, {e['commit']}" not in notes]
-    assert not missing, f"no perf-notes section headed '<date>, <commit>' for {missing}"
+def test_every_folder_has_a_readme():
+    # The README says what ran (command, tree) for the files kept there.
+    missing = [name for name in _results_folders() if not (RESULTS / name / "README.md").is_file()]
+    assert not missing, f"results folders without a README: {missing}"
 
 
 def test_folder_references_name_existing_folders():

@@ -188,7 +188,7 @@ def _judge(op, backend, cfg):
 def _axis_values(op, f):
     """Every axis of the call's would-be definition (const values and var binds), refused or not."""
     t = trace.load_template(op)
-    axes = trace._axes(t, f)
+    axes = trace.definitions._axes(t, f)
     return {a: (ax["value"] if ax["type"] == "const" else trace_consumer.safe_eval(t["axes"][a]["bind"], f))
             for a, ax in axes.items()}
 
@@ -204,7 +204,7 @@ def test_constraints_agree_with_validation_both_ways(op, backend):
             assert violated == [], f"{op}/{backend} {cfg}: validation accepts, constraints reject {violated}"
             # the facts read from the arguments are the facts of the validated call
             f_call = trace.facts(op, call, args)
-            assert trace._build_definition(op, f_call) == d, f"{op}/{backend} {cfg}: facts from args differ"
+            assert trace.definitions._build_definition(op, f_call) == d, f"{op}/{backend} {cfg}: facts from args differ"
             f_args = trace.args_facts(op, args, backend)
             assert trace.build_workload(op, f_call, d, args)["workload"]["axes"] == \
                 trace.build_workload(op, f_args, d, args)["workload"]["axes"], f"{op}/{backend} {cfg}"

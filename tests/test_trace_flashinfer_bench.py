@@ -32,7 +32,7 @@ from flashinfer_bench.data import EvaluationStatus, Solution, SourceFile, TraceS
 import flashkda_ext  # noqa: E402
 from flashkda_ext import trace, trace_consumer  # noqa: E402
 
-from test_trace import CASE, VARIANTS, VERIFY_OPS  # noqa: E402
+from trace_cases import CASE, VARIANTS, VERIFY_OPS  # noqa: E402
 
 # beyond test_trace's variants: batched prefill without a state given (final states only), batched
 # and packed pool mode with checkpoints

@@ -1,7 +1,7 @@
 // Binding conventions shared by every family and backend (CPU and CUDA).
 //
 // Every exported function checks its arguments here before touching memory: the last line of
-// defence behind flashkda_ext/validation.py. A failed check raises a Python ValueError whose
+// defence behind flashkda_ext/validation/. A failed check raises a Python ValueError whose
 // message names the module, the function, the argument, what was expected and what was received.
 // The supported set (head dims, value heads, group sizes, state dtype) is read from the FKDA_*
 // macros that the JIT renders from the module record and jit/supported.json, never from literals.
@@ -254,7 +254,7 @@ class Checker {
 
   // A_log float32 [HV] and dt_bias float32 [HV*K] or [HV, K], on ref's device. softplus needs
   // both; log takes neither (it is the decay itself); bounded takes each optionally (absent = 0),
-  // the same rule as flashkda_ext/validation.py and the reference.
+  // the same rule as flashkda_ext/validation/ and the reference.
   void gate_params(GateMode mode, const OptTensor& A_log, const OptTensor& dt_bias, int64_t HV,
                    int64_t K, const TensorView& ref, const char* ref_name) const {
     if (mode == GateMode::kSoftplus && (!A_log.has_value() || !dt_bias.has_value())) {

@@ -14,8 +14,8 @@
 static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
 static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA verify modules fix the state dtype");
 static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clusters");
-#if !defined(FKDA_PARAM_BULK_STATE) && FKDA_PERSISTENT_K == 0  // kda_verify.cu checks the bulk_state
-                                                                 // and persistent modules' shared tiles
+static_assert(FKDA_PERSISTENT_K == 0, "no persistent verify schedule: one CTA per (request, head, V-tile)");
+#if !defined(FKDA_PARAM_BULK_STATE)  // kda_verify.cu checks the bulk_state modules' shared tiles
 static_assert(FKDA_SMEM_BYTES == 0, "the verify kernels hold their state in registers (static shared memory only)");
 #endif
 

@@ -1,7 +1,7 @@
 // TVM-FFI binding of the family kda_decode on sm_90a (contract: docs/architecture.md).
 // One source builds every decode module; the module record's macros pick the schedule:
-//   FKDA_PARAM_SCHEDULE        0 tile (cluster when FKDA_CLUSTER_X == 2), 1 persistent (registers),
-//                              2 sequential, 3 persistent stream (cp.async ring, FKDA_PARAM_STAGES deep)
+//   FKDA_PARAM_SCHEDULE        0 tile, 2 sequential, 3 persistent stream (cp.async ring,
+//                              FKDA_PARAM_STAGES deep; grid min(tiles, FKDA_PERSISTENT_K x SMs))
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (8 or 16)
 //   FKDA_PARAM_STATE_SMEM      1 (tile schedule): the CTA's state tile by one bulk copy into shared memory
@@ -35,17 +35,13 @@ constexpr bool kStateBf16 = FKDA_STATE_BF16 == 1;
 using OffT = std::conditional_t<FKDA_SLOT_OFFSET_BITS == 64, int64_t, int32_t>;
 static_assert(FKDA_SLOT_OFFSET_BITS == 32 || FKDA_SLOT_OFFSET_BITS == 64, "offset bits");
 static_assert(FKDA_STATE_BF16 == 0 || FKDA_STATE_BF16 == 1, "CUDA decode modules fix the state dtype");
-static_assert(FKDA_PARAM_SCHEDULE >= 0 && FKDA_PARAM_SCHEDULE <= 3, "schedule");
-static_assert(FKDA_CLUSTER_X == 1 || (FKDA_CLUSTER_X == 2 && FKDA_PARAM_SCHEDULE == 0),
-              "clusters only in the tile schedule, pairs only");
-static_assert(FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "cluster y/z");
-static_assert((FKDA_PARAM_SCHEDULE != 1 && FKDA_PARAM_SCHEDULE != 3) || FKDA_PERSISTENT_K > 0,
-              "persistent schedules need k > 0");
+static_assert(FKDA_PARAM_SCHEDULE == 0 || FKDA_PARAM_SCHEDULE == 2 || FKDA_PARAM_SCHEDULE == 3, "schedule");
+static_assert(FKDA_CLUSTER_X == 1 && FKDA_CLUSTER_Y == 1 && FKDA_CLUSTER_Z == 1, "no clustered decode schedule");
+static_assert((FKDA_PARAM_SCHEDULE == 3) == (FKDA_PERSISTENT_K > 0), "the stream schedule, and only it, is persistent");
 #ifndef FKDA_PARAM_STATE_SMEM
 #define FKDA_PARAM_STATE_SMEM 0
 #endif
-static_assert(FKDA_PARAM_STATE_SMEM == 0 || (FKDA_PARAM_SCHEDULE == 0 && FKDA_CLUSTER_X == 1),
-              "state_smem: the tile schedule without clusters");
+static_assert(FKDA_PARAM_STATE_SMEM == 0 || FKDA_PARAM_SCHEDULE == 0, "state_smem: the tile schedule");
 #ifndef FKDA_PARAM_BULK_STORE
 #define FKDA_PARAM_BULK_STORE 0
 #endif
@@ -148,20 +144,13 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const dim3 block(FKDA_THREADS);
   const int64_t tiles = rows * HV * kNumVT;
 #if FKDA_PARAM_SCHEDULE == 0
-#if FKDA_CLUSTER_X == 2
-  ctx.launch("kda_decode_tile_cluster_kernel", kda_decode_tile_cluster_kernel<FKDA_KERNEL_ARGS>,
-             dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
-#elif FKDA_PARAM_STATE_SMEM
+#if FKDA_PARAM_STATE_SMEM
   ctx.launch("kda_decode_tile_tma_kernel", kda_decode_tile_tma_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_BULK_STORE != 0>,
              dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
 #else
   ctx.launch("kda_decode_tile_kernel", kda_decode_tile_kernel<FKDA_KERNEL_ARGS>,
              dim3(static_cast<unsigned>(tiles)), block, FKDA_SMEM_BYTES, p);
 #endif
-#elif FKDA_PARAM_SCHEDULE == 1
-  ctx.launch("kda_decode_persistent_kernel", kda_decode_persistent_kernel<FKDA_KERNEL_ARGS>,
-             dim3(static_cast<unsigned>(ctx.grid(tiles))), block, FKDA_SMEM_BYTES, p,
-             static_cast<int>(tiles));
 #elif FKDA_PARAM_SCHEDULE == 3
   ctx.launch("kda_decode_stream_kernel",
              kda_decode_stream_kernel<FKDA_KERNEL_ARGS, FKDA_PARAM_STAGES>,

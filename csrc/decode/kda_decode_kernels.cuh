@@ -8,14 +8,12 @@
 // normalised q/k and decay for its own keys (cheap, L1-resident), so warps never synchronise.
 //
 // Schedules (chosen by FKDA_PARAM_SCHEDULE, see README.md):
-//   0 tile        grid = rows*HV*(V/V_TILE) CTAs, each one (row, head, V-tile); cluster variant
-//                 (FKDA_CLUSTER_X = 2) shares the token prep of the pair through DSMEM
-//   1 persistent  grid = min(tiles, PERSISTENT_K * SMs), grid-stride, next tile's loads in flight
+//   0 tile        grid = rows*HV*(V/V_TILE) CTAs, each one (row, head, V-tile)
 //   2 sequential  grid = HV*(V/V_TILE); each warp walks all rows in order (repeated slots safe),
 //                 next row prefetched, forwarded in registers when it hits the same slot
+//   3 stream      grid = min(tiles, PERSISTENT_K * SMs), grid-stride, a cp.async ring of state tiles
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -27,7 +25,6 @@
 
 namespace fkda_decode {
 
-namespace cg = cooperative_groups;
 using bf16 = __nv_bfloat16;
 
 // FKDA_PARAM_GB_F32 = 1: g and beta are fp32 tensors, read as they are (serving engines hand the
@@ -198,20 +195,14 @@ struct StateTraits {
 // Streaming loads/stores: the pool is touched once per call, keep it from evicting inputs in L2.
 // kCoherent (sequential schedule) uses plain ld/st so a thread's later load of a slot it stored
 // earlier is ordered by program order on the ordinary path.
-// FKDA_PARAM_EVICT_FIRST = 0 turns the streaming hints off (plain ld/st) for comparison.
-#if defined(FKDA_PARAM_EVICT_FIRST) && FKDA_PARAM_EVICT_FIRST == 0
-constexpr bool kStreamingHints = false;
-#else
-constexpr bool kStreamingHints = true;
-#endif
 template <bool kCoherent>
 __device__ __forceinline__ uint4 load_state(const uint4* p) {
-  if constexpr (kCoherent || !kStreamingHints) return *p;
+  if constexpr (kCoherent) return *p;
   else return __ldcs(p);
 }
 template <bool kCoherent>
 __device__ __forceinline__ void store_state(uint4* p, const uint4& c) {
-  if constexpr (kCoherent || !kStreamingHints) *p = c;
+  if constexpr (kCoherent) *p = c;
   else __stcs(p, c);
 }
 
@@ -515,118 +506,9 @@ kda_decode_tile_tma_kernel(const DecodeParams p) {
   }
 }
 
-// ---- schedule 0 with a 2-CTA cluster: the pair splits the token prep --------------------------
-// Each CTA of the pair computes the decay exp(g) for half the keys (the expensive part of prep:
-// transcendental per key) and writes it into both CTAs' shared memory; q/k normalisation stays
-// per warp (two shuffles). One cluster barrier; the state loads are in flight across it.
-
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
-__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
-kda_decode_tile_cluster_kernel(const DecodeParams p) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  constexpr int WARPS = THREADS / 32;
-  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
-  constexpr int K = T::K;
-  constexpr int NVT = T::V / V_TILE;
-  static_assert(NVT % 2 == 0, "a cluster pair must cover V-tiles of one item");
-  __shared__ float s_dec[K];
-  cg::cluster_group cluster = cg::this_cluster();
-  const unsigned rank = cluster.block_rank();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const auto [row, hv, vt, vrow0] = tile_coords<V_TILE, WARPS>(p, warp);
-  const int32_t slot = __ldg(p.idx + row);
-  const bool pad = T::is_pad(p, slot);
-  typename T::Item it;
-  T::load_inputs(p, it, row, hv, vrow0, lane);
-  const OffT base = pad ? OffT(0) : T::slot_base(p, slot, hv, vrow0);
-  if (!pad) T::load_state_regs(p, it, base, lane);
-  // this CTA's half of the keys: one key per thread while threads cover it
-  float* peer = cluster.map_shared_rank(s_dec, rank ^ 1u);
-  // The peer CTA may not have started yet: its shared memory is writable only after a cluster
-  // barrier both CTAs have reached (compute-sanitizer racecheck flagged the unsynced writes).
-  cluster.sync();
-  for (int key = rank * (K / 2) + threadIdx.x; key < (rank + 1) * (K / 2); key += THREADS) {
-    const float graw = gb_to_f(p.g[row * p.g_row_stride + hv * K + key]);
-    const float dt = p.dt_bias ? p.dt_bias[hv * K + key] : 0.f;
-    const float a = p.A_log ? expf(p.A_log[hv]) : 1.f;
-    float gl;
-    if (p.gate_mode == 2) gl = graw;
-    else if (p.gate_mode == 0) {
-      const float x = graw + dt;
-      gl = -a * (x > 20.f ? x : log1pf(expf(x)));
-    } else {
-      gl = p.lower_bound / (1.f + expf(-(a * (graw + dt))));
-    }
-    const float d = expf(gl);
-    s_dec[key] = d;
-    peer[key] = d;
-  }
-  cluster.sync();  // both halves written into both CTAs
-  if (!pad) {
-    typename T::Prep pr;
-    T::prepare(p, it, pr);  // q/k norms and beta (its decay is overwritten below)
-    const int c = lane % LPR;
-#pragma unroll
-    for (int i = 0; i < T::CHUNKS; ++i) {
-#pragma unroll
-      for (int e = 0; e < T::VEC; ++e) pr.dec[i * T::VEC + e] = s_dec[T::key_of(i, c) + e];
-    }
-    T::compute_and_store(p, it, pr, row, hv, vrow0, lane, base);
-  } else {
-    T::write_zeros(p, row, hv, vrow0, lane);
-  }
-}
-
-// ---- schedule 1: persistent grid-stride over tiles, next tile in flight -----------------------
-
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
-__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
-kda_decode_persistent_kernel(const DecodeParams p, int num_tiles) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  constexpr int WARPS = THREADS / 32;
-  using T = WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
-  constexpr int NVT = T::V / V_TILE;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int t = blockIdx.x;
-  if (t >= num_tiles) return;
-  auto row_of = [&](int tt) { return (tt / NVT) / p.HV; };
-  auto hv_of = [&](int tt) { return (tt / NVT) % p.HV; };
-  auto vrow_of = [&](int tt) { return (tt % NVT) * V_TILE + warp * (V_TILE / WARPS); };
-  int slot = __ldg(p.idx + row_of(t));
-  int t1 = t + gridDim.x;
-  int slot1 = t1 < num_tiles ? __ldg(p.idx + row_of(t1)) : -1;  // one tile ahead of the loads
-  typename T::Item cur;
-  T::load_inputs(p, cur, row_of(t), hv_of(t), vrow_of(t), lane);
-  if (!T::is_pad(p, slot)) T::load_state_regs(p, cur, T::slot_base(p, slot, hv_of(t), vrow_of(t)), lane);
-  while (true) {
-    const int t2 = t1 + gridDim.x;
-    const int slot2 = t2 < num_tiles ? __ldg(p.idx + row_of(t2)) : -1;
-    typename T::Item nxt;
-    if (t1 < num_tiles) {
-      T::load_inputs(p, nxt, row_of(t1), hv_of(t1), vrow_of(t1), lane);
-      if (!T::is_pad(p, slot1))
-        T::load_state_regs(p, nxt, T::slot_base(p, slot1, hv_of(t1), vrow_of(t1)), lane);
-    }
-    const int row = row_of(t), hv = hv_of(t), vrow0 = vrow_of(t);
-    if (T::is_pad(p, slot)) {
-      T::write_zeros(p, row, hv, vrow0, lane);
-    } else {
-      typename T::Prep pr;
-      T::prepare(p, cur, pr);
-      T::compute_and_store(p, cur, pr, row, hv, vrow0, lane, T::slot_base(p, slot, hv, vrow0));
-    }
-    if (t1 >= num_tiles) break;
-    cur = nxt;
-    t = t1;
-    slot = slot1;
-    t1 = t2;
-    slot1 = slot2;
-  }
-}
-
 // ---- schedule 3: persistent stream with a cp.async ring in shared memory -----------------------
-// Like schedule 1, but the state of the next STAGES-1 tiles is in flight through cp.async into a
-// per-thread ring (each thread copies exactly the 16-byte chunks it later reads, so no barrier is
+// grid = min(tiles, PERSISTENT_K x SMs), each CTA walks tiles grid-stride; the state of the next
+// STAGES-1 tiles is in flight through cp.async into a per-thread ring (each thread copies exactly the 16-byte chunks it later reads, so no barrier is
 // needed, only cp.async.wait_group). The slot index runs one tile further ahead in a register and
 // the token inputs one tile ahead, so no dependent global load sits on the tile's critical path.
 

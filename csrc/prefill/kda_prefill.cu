@@ -3,40 +3,22 @@
 // Exports: kda_prefill (the family ABI), kda_prefill_workspace_bytes(total_tokens, num_seqs,
 // value_heads) -> bytes of the optional workspace argument, fkda_contract().
 // FKDA_PARAM_VT: the value-column tile of the state pass (16, 32 or 64: one module per tile, picked
-// by jit/routes/kda_prefill.json from sequences x heads); 0 picks it at run time (benchmarks).
-// FKDA_PARAM_RING: the state pass's chunk ring depth; 0 = the V tile's default (3 for tiles 16 and 32,
-// 2 for 64: one CTA an SM), 1 = no prefetch at about half the shared memory (2-3 CTAs an SM), for
-// many short sequences.
+// by jit/routes/kda_prefill.json from sequences x heads); its chunk ring depth follows the tile
+// (default_ring: 3 for tiles 16 and 32, 2 for 64: one CTA an SM).
 // FKDA_PARAM_SINGLE: 1 = a sequence of one chunk is finished inside the prep kernel (its state update
 // run by the same CTA; the state pass skips it). Wins with many CTAs (>= 256 sequences x heads
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
-// FKDA_PARAM_DIAG_MMA: the diagonal 16x16 blocks of L / Aqk. 0 = elementwise fp32 (as accurate as
-// fla chunk_kda on the same inputs); where the gate range allows (mid-block anchor, factors below
-// 2^100), on tensor cores: 1 = one bf16 product (output rel. L2 ~4.3-4.7e-3 instead of ~3.9e-3,
-// H200), 2 = bf16 hi + lo operands and three products, the fp32 form's accuracy; blocks outside
-// that range take the fp32 form in both; 3 = one tf32 product (11-bit operands, no split; not
-// routed, issue 32). A template parameter of the prep kernel.
-// FKDA_PARAM_PREP_PROBE, FKDA_PARAM_PREP_WU_BALANCE: prep-kernel variants for issue 32 (timing probes
-// with wrong results by design; W / U products spread over the warps), kda_prefill_kernels.cuh.
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
 #include "../common/param_fill.h"
 #include "../common/pool_args.h"
-#include "kda_prefill_kernels.cuh"
+#include "kda_prefill_prep.cuh"
+#include "kda_prefill_state.cuh"
 
-#ifndef FKDA_PARAM_VT
-#define FKDA_PARAM_VT 0
-#endif
-#ifndef FKDA_PARAM_DIAG_MMA
-#define FKDA_PARAM_DIAG_MMA 0
-#endif
-#if FKDA_PARAM_DIAG_MMA < 0 || FKDA_PARAM_DIAG_MMA > 3
-#error "FKDA_PARAM_DIAG_MMA must be 0 (fp32), 1 (one bf16 product), 2 (split bf16) or 3 (one tf32 product)"
-#endif
-#if FKDA_PARAM_VT != 0 && FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64
-#error "FKDA_PARAM_VT must be 0 (pick at run time), 16, 32 or 64"
+#if !defined(FKDA_PARAM_VT) || (FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64)
+#error "FKDA_PARAM_VT must be 16, 32 or 64"
 #endif
 #ifndef FKDA_PARAM_SINGLE
 #define FKDA_PARAM_SINGLE 0
@@ -44,25 +26,13 @@
 #if FKDA_PARAM_SINGLE != 0 && FKDA_PARAM_SINGLE != 1
 #error "FKDA_PARAM_SINGLE must be 0 or 1"
 #endif
-#if defined(FKDA_PARAM_PREP_PROBE) && FKDA_PARAM_PREP_PROBE != 0 && FKDA_PARAM_SINGLE != 0
-#error "the prep timing probes (FKDA_PARAM_PREP_PROBE) write no usable workspace: they need FKDA_PARAM_SINGLE 0"
-#endif
-#ifndef FKDA_PARAM_RING
-#define FKDA_PARAM_RING 0
-#endif
-#if FKDA_PARAM_RING < 0 || FKDA_PARAM_RING > 3 || (FKDA_PARAM_RING != 0 && FKDA_PARAM_VT == 0)
-#error "FKDA_PARAM_RING must be 0 (the V tile's default) or 1..3 with a fixed FKDA_PARAM_VT"
-#endif
 // The module record states the state pass launch shape; keep it and the kernels in step.
 static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_prefill::kC, "the kernels are written for chunk 64");
 #endif
-#if FKDA_PARAM_VT != 0
-constexpr int kRing = FKDA_PARAM_RING ? FKDA_PARAM_RING : fkda_prefill::default_ring<FKDA_PARAM_VT>();
-static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT, kRing>::kTotal,
-              "module record 'smem_bytes' must equal the state pass shared memory of its V tile and ring");
-#endif
+static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT>::kTotal,
+              "module record 'smem_bytes' must equal the state pass shared memory of its V tile");
 
 namespace {
 
@@ -77,7 +47,6 @@ using StateT = float;
 
 // Fixed per module (its record's params), never switched at run time: one module, one behaviour.
 constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
-constexpr int kDiagMma = FKDA_PARAM_DIAG_MMA;   // prep: diagonal blocks on tensor cores where safe
 constexpr int kSingle = FKDA_PARAM_SINGLE;       // sequences of one chunk finished inside the prep kernel
 
 template <int VT, int RING = fkda_prefill::default_ring<VT>()>
@@ -87,16 +56,6 @@ void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::Stat
   ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
              dim3(fkda_prefill::kV / VT, HV, N), dim3(FKDA_THREADS), SM::kTotal, sa);
 }
-
-#if FKDA_PARAM_VT == 0
-int pick_vt(int64_t N, int64_t HV) {
-  // Enough CTAs for 132 SMs first; then wider tiles (fewer repeated K-side loads).
-  const int64_t items = N * HV;
-  if (items <= 16) return 16;
-  if (items <= 40) return 32;
-  return 64;
-}
-#endif
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                  OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
@@ -255,20 +214,12 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     pa.st = sa;
     // one CTA a (chunk slot, value head), heads adjacent (see the kernel)
     FKDA_CHECK(slots_chunks * HV <= 0x7fffffff, fn) << "too many chunks x value heads: " << slots_chunks * HV;
-    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT, kDiagMma>,
+    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT>,
                dim3(static_cast<unsigned>(slots_chunks * HV)), dim3(fkda_prefill::kLiteThreads),
                fkda_prefill::kLiteSmem, pa);
   }
 
-#if FKDA_PARAM_VT != 0
-  launch_state<FKDA_PARAM_VT, kRing>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
-#else
-  switch (pick_vt(N, HV)) {
-    case 16: launch_state<16>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;
-    case 32: launch_state<32>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;
-    default: launch_state<64>(ctx, sa, static_cast<int>(N), static_cast<int>(HV)); break;
-  }
-#endif
+  launch_state<FKDA_PARAM_VT>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
   if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
 }
 

@@ -2,21 +2,17 @@
 // docs/semantics.md, "Verify"). One source builds every verify module; the record's macros pick
 //   FKDA_PARAM_V_TILE          V-rows per CTA (one CTA covers V_TILE of the 128 value columns)
 //   FKDA_PARAM_LANES_PER_ROW   lanes sharing one V-row (16: 8 keys a lane)
-//   FKDA_PARAM_STAGE_T         (optional) the staged kernel, S tokens' inputs prepared at a time
-//   FKDA_PARAM_PREP_ALL        (optional, a probe) every warp runs the staged prep, live token or not
-//   FKDA_PARAM_INDEX_CHAIN     (optional) the read slot loaded after the count, not beside it (stage2,
-//                              where other CTAs hide the latency; a probe elsewhere)
-//   FKDA_PARAM_JOINT_PASSES    (optional, with STAGE_T) J > 1: the row sums of J passes share one
-//                              shuffle butterfly (bitwise the per-pass sums; kda_verify_kernels.cuh)
-//   FKDA_PARAM_WIDE_GATE       (optional, with STAGE_T) 1: the staged prep's decays computed by the
-//                              whole CTA, not by the lane groups that prepare the tokens
+//   FKDA_PARAM_STAGE_T         S tokens' inputs prepared at a time in shared memory (the staged kernel)
+//   FKDA_PARAM_INDEX_CHAIN     (optional) the read slot loaded after the count, not beside it (stage2j8,
+//                              where other CTAs hide the latency)
+//   FKDA_PARAM_JOINT_PASSES    (optional) J > 1: the row sums of J passes share one shuffle butterfly
+//                              (bitwise the per-pass sums; kda_verify_kernels.cuh)
+//   FKDA_PARAM_WIDE_GATE       (optional) 1: the staged prep's decays computed by the whole CTA, not
+//                              by the lane groups that prepare the tokens
 //   FKDA_PARAM_GB_F32          (optional) 1: g and beta are fp32 (read as they are), else bf16 like q, k, v
-//   FKDA_PARAM_BULK_STATE      (optional, with STAGE_T) the state tile by bulk copy both ways through
-//                              two tiles of dynamic shared memory (smem_bytes = 2 * v_tile * K * elem);
-//                              1: the token loop on state registers, 2: on the shared tiles
-//   FKDA_PERSISTENT_K > 0      (with STAGE_T, without BULK_STATE) the persistent staged kernel:
-//                              grid min(tiles, k x SMs), the next tile's inputs and state tile in
-//                              flight (smem_bytes = v_tile * K * elem, one state tile)
+//   FKDA_PARAM_BULK_STATE      (optional) 1: the state tile by bulk copy both ways through two tiles of
+//                              dynamic shared memory (smem_bytes = 2 * v_tile * K * elem), the token
+//                              loop on state registers
 // The index values live on the device, so nothing here reads them: the kernel treats a read entry
 // that is negative, 0 with null_slot0, >= slots, or a count outside [1, T_max] as a padding request,
 // and a token entry that is negative / null / >= slots as "not stored".
@@ -41,29 +37,16 @@ namespace {
 
 using namespace fkda::verify_module;
 constexpr int kNumVT = FKDA_HEAD_DIM_V / FKDA_PARAM_V_TILE;
-#if defined(FKDA_PARAM_BULK_STATE)
 #if !defined(FKDA_PARAM_STAGE_T)
-#error "bulk_state goes with stage_t (the staged kernel)"
+#error "kda_verify.cu is built from a module record: FKDA_PARAM_STAGE_T missing"
 #endif
-static_assert(FKDA_PARAM_BULK_STATE == 1 || FKDA_PARAM_BULK_STATE == 2, "bulk_state: 1 or 2");
+#if defined(FKDA_PARAM_BULK_STATE)
+static_assert(FKDA_PARAM_BULK_STATE == 1, "bulk_state: 1");
 static_assert(FKDA_SMEM_BYTES == 2 * FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
               "smem_bytes must equal 2 * v_tile * K * state element size");
 constexpr int kBulkState = FKDA_PARAM_BULK_STATE;
-#elif defined(FKDA_PARAM_STAGE_T)
+#else
 constexpr int kBulkState = 0;
-#endif
-#if defined(FKDA_PARAM_JOINT_PASSES) && !defined(FKDA_PARAM_STAGE_T)
-#error "joint_passes goes with stage_t (the staged token_inputs place each lane's own pass's v)"
-#endif
-#if defined(FKDA_PARAM_WIDE_GATE) && !defined(FKDA_PARAM_STAGE_T)
-#error "wide_gate goes with stage_t (the staged prep)"
-#endif
-#if FKDA_PERSISTENT_K > 0
-#if !defined(FKDA_PARAM_STAGE_T) || defined(FKDA_PARAM_BULK_STATE)
-#error "persistent_k goes with stage_t and without bulk_state (the persistent staged kernel)"
-#endif
-static_assert(FKDA_SMEM_BYTES == FKDA_PARAM_V_TILE * FKDA_HEAD_DIM_K * (FKDA_STATE_BF16 ? 2 : 4),
-              "smem_bytes must equal v_tile * K * state element size (one state tile)");
 #endif
 
 // g and beta: fp32 in a gb_f32 module, else bf16 (decode/kda_decode_kernels.cuh, gb_t)
@@ -128,22 +111,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   vp.index_cols = static_cast<int>(cols);
 
   const fkda::cuda::LaunchContext ctx(out);
-  int64_t grid = N * HV * kNumVT;  // one CTA per (request, head, V-tile)
-#if FKDA_PERSISTENT_K > 0  // CTAs that walk the tiles with the next one's loads in flight
-  const char* what = "kda_verify_pipe_kernel";
-  const auto kernel = fkda_verify::kda_verify_pipe_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
-                                                          FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T>;
-  grid = ctx.grid(grid);
-#elif defined(FKDA_PARAM_STAGE_T)  // every token's inputs prepared in shared memory before the token loop
-  const char* what = "kda_verify_staged_kernel";
-  const auto kernel = fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
-                                                            FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T, kBulkState>;
-#else
-  const char* what = "kda_verify_tile_kernel";
-  const auto kernel =
-      fkda_verify::kda_verify_tile_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE, FKDA_THREADS, OffT>;
-#endif
-  ctx.launch(what, kernel, dim3(static_cast<unsigned>(grid)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
+  const int64_t grid = N * HV * kNumVT;  // one CTA per (request, head, V-tile)
+  ctx.launch("kda_verify_staged_kernel",
+             fkda_verify::kda_verify_staged_kernel<kStateBf16, FKDA_PARAM_LANES_PER_ROW, FKDA_PARAM_V_TILE,
+                                                   FKDA_THREADS, OffT, FKDA_PARAM_STAGE_T, kBulkState>,
+             dim3(static_cast<unsigned>(grid)), dim3(FKDA_THREADS), FKDA_SMEM_BYTES, vp);
 }
 
 tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); }

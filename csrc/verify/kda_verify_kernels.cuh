@@ -6,7 +6,7 @@
 // stays there; after each token it is packed to the pool's dtype (kept packed: the next token
 // continues from exactly the stored value, so T = 1 is the decode step and token t equals a decode
 // call on the state stored after token t - 1) and, when the token's entry is live, stored to its
-// slot. Per token the CTA reads only that token's q, k, g, v, beta, issued one token ahead.
+// slot. The tokens' inputs are staged and prepared in shared memory, S at a time (below).
 #pragma once
 
 #include "decode/kda_decode_kernels.cuh"
@@ -245,51 +245,6 @@ struct VerifyCta {
   using T = fkda_decode::WarpTile<kBf16, LPR, V_TILE / WARPS, OffT, false>;
 };
 
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT>
-__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
-kda_verify_tile_kernel(const VerifyParams vp) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  using Cta = VerifyCta<kBf16, LPR, V_TILE, THREADS, OffT>;
-  using T = typename Cta::T;
-  const DecodeParams& p = vp.d;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // decode's tile layout: blockIdx.x = (request * HV + head) * (V / V_TILE) + V-tile
-  [[maybe_unused]] const auto [n, hv, vt, vrow0] = fkda_decode::tile_coords<V_TILE, Cta::WARPS>(p, warp);
-  const Request rq = request_of(vp, n);
-  if (rq.len <= 0) return;
-  const int bos = rq.bos, len = rq.len, read = rq.read;
-  const int32_t* row_idx = rq.row_idx;
-  typename T::Item cur;
-  T::load_inputs(p, cur, bos, hv, vrow0, lane);
-  if (T::is_pad(p, read)) {
-    for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
-    return;
-  }
-  T::load_state_regs(p, cur, T::slot_base(p, read, hv, vrow0), lane);
-  int32_t dst = __ldg(row_idx);  // token 0's slot (index_cols >= 1)
-  for (int t = 0; t < len; ++t) {
-    const int32_t dst_next = (t + 1 < len && t + 1 < vp.index_cols) ? __ldg(row_idx + t + 1) : -1;
-    typename T::Prep pr;
-    T::prepare(p, cur, pr);
-    typename T::Item nxt;  // the next token's inputs (its state fields stay unused)
-    if (t + 1 < len) T::load_inputs(p, nxt, bos + t + 1, hv, vrow0, lane);
-    const bool store = t < vp.index_cols && !T::is_pad(p, dst);
-    token_step<T, OffT>(p, cur, pr, bos + t, hv, vrow0, lane, dst, store);
-    if (t + 1 < len) {
-#pragma unroll
-      for (int i = 0; i < T::CHUNKS; ++i) {
-        cur.qr[i] = nxt.qr[i];
-        cur.kr[i] = nxt.kr[i];
-        cur.gr[i] = nxt.gr[i];  // dt_bias and A_log are the head's, the same for every token
-      }
-#pragma unroll
-      for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = nxt.vr[ps];
-      cur.beta_raw = nxt.beta_raw;
-    }
-    dst = dst_next;
-  }
-}
-
 // ---- the staged variant (FKDA_PARAM_STAGE_T = S > 0) ------------------------------------------
 // The same CTA, state registers and per-token step, but every token's inputs are read and
 // prepared before the token loop, S tokens at a time, so the loop reads only shared memory: a
@@ -310,13 +265,10 @@ kda_verify_tile_kernel(const VerifyParams vp) {
 // each thread fences them for the async proxy, and after a CTA barrier thread 0 sends the tile to
 // the token's slot in one bulk copy when the slot is live. Before that barrier thread 0 waits until
 // token t - 1's copy has read its tile, which token t + 1 overwrites: with two tiles a copy reads
-// while the next token computes, and one barrier a token orders both. BULK = 1: the state stays in
-// the registers (taken from the read tile once); BULK = 2: no state registers, token t reads its
-// chunks from tile (t + 1) % 2, the one token t - 1 wrote (or the read tile). Each thread reads
-// and writes only its own chunks, so no barrier orders a tile's reads before its next writes. The
-// per-token arithmetic is the staged kernel's (the same step, packing and prep): bitwise equal.
-// The staged CTA's pieces, shared by the one-request kernel below and the persistent one after it:
-// a block of S tokens' raw inputs (Raw), their prepared values with the block's beta and slots
+// while the next token computes, and one barrier a token orders both. The state stays in the
+// registers (taken from the read tile once). The per-token arithmetic is the staged kernel's (the
+// same step, packing and prep): bitwise equal.
+// The staged CTA's pieces: a block of S tokens' raw inputs (Raw), their prepared values with the block's beta and slots
 // (Prepared), and the three steps that move them (issue, prepare_block, token_inputs).
 template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
 struct Staged {
@@ -421,11 +373,9 @@ struct Staged {
     for (int m = 0; m < M; ++m) {
       const int j = grp + G * m;
       if (G > S && j >= S) continue;  // warp-uniform (S % (32 / LPR) == 0)
-#if !defined(FKDA_PARAM_PREP_ALL) || FKDA_PARAM_PREP_ALL == 0
       // a warp none of whose groups has a live token skips the prep (warp-uniform): with T_n < S
       // most warps of the CTA have none (T 2 in a CTA of 4 warps: one warp prepares, not four)
       if ((grp / GPW) * GPW + G * m >= nb) continue;
-#endif
       const int js = j < nb ? j : 0;  // every lane of a preparing warp runs prepare (its sums shuffle over the warp)
 #pragma unroll
       for (int i = 0; i < T::CHUNKS; ++i) {
@@ -487,7 +437,7 @@ template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S, in
 __global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
 kda_verify_staged_kernel(const VerifyParams vp) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  static_assert(BULK >= 0 && BULK <= 2, "bulk_state: 0, 1 (state registers) or 2 (state in the tiles)");
+  static_assert(BULK == 0 || BULK == 1, "bulk_state: 0 or 1");
   using St = Staged<kBf16, LPR, V_TILE, THREADS, OffT, S>;
   using T = typename St::T;
   constexpr int WARPS = St::WARPS, K = St::K;
@@ -550,10 +500,10 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     St::prepare_block(p, raw, pp, in, nb, grp, c, hv);
     __syncthreads();
     if constexpr (BULK > 0) {
-      if (t0 == 0) fkda::mbar_wait(bar, 0);  // the read tile has landed (it arrived during the prep)
-    }
-    if constexpr (BULK == 1) {
-      if (t0 == 0) St::state_from_tile(cur, tiles + V_TILE * K, warp, c, r);  // this thread's chunks
+      if (t0 == 0) {
+        fkda::mbar_wait(bar, 0);  // the read tile has landed (it arrived during the prep)
+        St::state_from_tile(cur, tiles + V_TILE * K, warp, c, r);  // this thread's chunks
+      }
     }
     for (int j = 0; j < nb; ++j) {
       typename T::Prep pr;
@@ -561,18 +511,12 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       const int32_t dst = pp.dst[j];
       if constexpr (BULK > 0) {
         const int t = t0 + j;
-        Elem* tile = tiles + (t & 1) * (V_TILE * K);           // token t's packed state
-        const Elem* prev = tiles + (~t & 1) * (V_TILE * K);    // token t - 1's (or the read tile)
+        Elem* tile = tiles + (t & 1) * (V_TILE * K);  // token t's packed state
         Elem* wt = tile + warp * (V_TILE / WARPS) * K;
-        const Elem* rt = prev + warp * (V_TILE / WARPS) * K;
         token_step_on<T, OffT>(
-            p, cur, pr, bos + t, hv, vrow0, lane,
-            [&](int ps, int i, int e) {
-              if constexpr (BULK == 1) return cur.s[ps][i];
-              else return *reinterpret_cast<const uint4*>(rt + e);
-            },
+            p, cur, pr, bos + t, hv, vrow0, lane, [&](int ps, int i, int) { return cur.s[ps][i]; },
             [&](int ps, int i, int e, const uint4& packed) {
-              if constexpr (BULK == 1) cur.s[ps][i] = packed;  // the next token continues from the stored value
+              cur.s[ps][i] = packed;  // the next token continues from the stored value
               *reinterpret_cast<uint4*>(wt + e) = packed;
             });
         fkda::fence_smem_to_async();  // this thread's tile writes, for the bulk copy
@@ -588,149 +532,6 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   }
   if constexpr (BULK > 0) {
     if (threadIdx.x == 0) fkda::bulk_s2g_wait_read();  // the last tile must outlive its copy's reads
-  }
-}
-
-// ---- the persistent staged variant (FKDA_PERSISTENT_K > 0 with FKDA_PARAM_STAGE_T) -----------
-// The staged CTA (state registers, stores straight from them) made persistent: grid =
-// min(tiles, PERSISTENT_K x SMs), each CTA walks tiles blockIdx.x, + gridDim.x, ... and keeps the
-// next tile's first block of inputs (cp.async, the other of two Raw buffers), its beta and slots
-// (registers) and its state tile (one bulk copy into dynamic shared memory, mbarrier) in flight
-// while the current tile's tokens run, so no load latency sits between two tiles of a CTA. The
-// one-request kernel pays three dependent loads (cu_seqlens / num_accepted_tokens, the read slot,
-// the state) before its first token, and its CTAs start in step; here they overlap the previous
-// tile's token loop. The request table runs ahead too: a tile's cu_seqlens and count are loaded
-// two tiles ahead, its read slot one tile ahead. The values are the staged kernel's (the same
-// prep, step and packing): bitwise equal, which the GPU tests check against chained decode.
-// Requests longer than S tokens run their later blocks as the staged kernel does.
-
-// A request's first-level loads (its tokens and the column of its read slot), issued ahead of use.
-struct RequestHead {
-  int n, bos, end, col;
-};
-__device__ __forceinline__ RequestHead request_head(const VerifyParams& vp, int n, bool valid) {
-  RequestHead rh{n, 0, 0, 0};
-  if (!valid) return rh;  // len 0: nothing to do
-  rh.bos = __ldg(vp.cu_seqlens + n);
-  rh.end = __ldg(vp.cu_seqlens + n + 1);
-  rh.col = vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
-  return rh;
-}
-// request_of's result from the head (the read slot's load is issued here).
-__device__ __forceinline__ Request request_resolve(const VerifyParams& vp, const RequestHead& rh) {
-  Request rq;
-  rq.bos = rh.bos;
-  rq.len = rh.end - rh.bos;
-  if (rq.len <= 0) return rq;
-  rq.row_idx = vp.d.idx + static_cast<int64_t>(rh.n) * vp.index_cols;
-  rq.read = read_slot(vp, rq.row_idx, rh.col);
-  return rq;
-}
-
-template <bool kBf16, int LPR, int V_TILE, int THREADS, typename OffT, int S>
-__global__ void __launch_bounds__(THREADS, FKDA_MIN_BLOCKS)
-kda_verify_pipe_kernel(const VerifyParams vp) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  using St = Staged<kBf16, LPR, V_TILE, THREADS, OffT, S>;
-  using T = typename St::T;
-  using Elem = typename T::Elem;
-  constexpr int WARPS = St::WARPS, K = St::K, NVT = T::V / V_TILE;
-  constexpr uint32_t kTileBytes = uint32_t(V_TILE) * K * sizeof(Elem);
-  __shared__ __align__(16) typename St::Raw raw[2];  // a tile's first block, the two in turn
-  __shared__ __align__(16) typename St::Prepared pp;
-  __shared__ uint64_t bar;
-  extern __shared__ __align__(128) uint8_t verify_pipe_tile[];  // the next tile's state, [V_TILE][K]
-  Elem* const st_tile = reinterpret_cast<Elem*>(verify_pipe_tile);
-  const DecodeParams& p = vp.d;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c = lane % LPR, r = lane / LPR;
-  const int grp = threadIdx.x / LPR;
-  const int num_tiles = vp.num_seqs * p.HV * NVT;
-  const int stride = gridDim.x;
-  int tile = blockIdx.x;
-  if (tile >= num_tiles) return;  // CTA-uniform; the grid never exceeds the tiles
-  if (threadIdx.x == 0) {
-    fkda::mbar_init(&bar, 1);
-    fkda::mbar_init_fence();
-  }
-  __syncthreads();  // initialised before it is armed
-  // decode's tile layout: tile = (request * HV + head) * NVT + V-tile
-  auto request_n = [&](int tl) { return tl / NVT / p.HV; };
-  // Tile tl's first block in flight: inputs into raw[b], beta and slots into (bq, dq) of the
-  // threads below the block's length, the state tile into st_tile (arms bar). Nothing for a
-  // padding or empty request.
-  fkda_decode::gb_t bq = fkda_decode::gb_t(0.f);
-  int32_t dq = -1;
-  auto start = [&](int tl, const Request& q, int b) {
-    if (q.len <= 0 || T::is_pad(p, q.read)) return;
-    const int hv = (tl / NVT) % p.HV, vt = tl % NVT;
-    const int nb = min(S, q.len);
-    St::issue(p, raw[b], q.bos, 0, nb, hv / p.group, hv, vt);
-    if (threadIdx.x == 0) {
-      fkda::bulk_load(st_tile, static_cast<const Elem*>(p.state) + T::slot_base(p, q.read, hv, vt * V_TILE),
-                      kTileBytes, &bar);
-    }
-    if (threadIdx.x < nb) token_beta_slot(vp, q, hv, threadIdx.x, bq, dq);
-  };
-  Request rq = request_resolve(vp, request_head(vp, request_n(tile), true));
-  start(tile, rq, 0);
-  RequestHead next_head = request_head(vp, request_n(tile + stride), tile + stride < num_tiles);
-  uint32_t phase = 0;
-  for (int b = 0;; b ^= 1) {
-    const int next = tile + stride;
-    const Request next_rq = request_resolve(vp, next_head);  // its read slot, used after this tile's prep
-    const RequestHead after_head = request_head(vp, request_n(next + stride), next + stride < num_tiles);
-    const int hv = (tile / NVT) % p.HV, vt = tile % NVT;
-    const int vrow0 = vt * V_TILE + warp * (V_TILE / WARPS);
-    const int bos = rq.bos, len = rq.len;
-    const bool live = len > 0 && !T::is_pad(p, rq.read);  // CTA-uniform
-    __syncthreads();  // every warp is done with the previous tile's pp and raw[b ^ 1]
-    typename T::Item cur;  // the state registers and, per token, its v
-    typename T::Item in;   // a token's raw inputs for prepare()
-    if (live) {
-      const int nb = min(S, len);
-      if (threadIdx.x < nb) {
-        pp.beta_raw[threadIdx.x] = bq;
-        pp.dst[threadIdx.x] = dq;
-      }
-      St::head_inputs(p, in, hv, c);
-      fkda_decode::cp_async_wait<0>();
-      __syncthreads();
-      St::prepare_block(p, raw[b], pp, in, nb, grp, c, hv);
-      fkda::mbar_wait(&bar, phase);  // the state tile has landed (it arrived during the last tile)
-      phase ^= 1;
-      St::state_from_tile(cur, st_tile, warp, c, r);
-      __syncthreads();  // pp is ready; st_tile and raw[b] are read: the next tile may take them
-    } else if (len > 0) {
-      for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
-    }
-    if (next < num_tiles) start(next, next_rq, b ^ 1);
-    if (live) {
-      const int h = hv / p.group;
-      for (int t0 = 0; t0 < len; t0 += S) {
-        const int nb = min(S, len - t0);
-        if (t0 > 0) {  // a later block of a long request, as the staged kernel runs it
-          __syncthreads();  // every warp is done with the previous block
-          St::issue(p, raw[b], bos, t0, nb, h, hv, vt);
-          if (threadIdx.x < nb)
-            token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
-          fkda_decode::cp_async_wait<0>();  // (the next tile's group too: waited on early, not lost)
-          __syncthreads();
-          St::prepare_block(p, raw[b], pp, in, nb, grp, c, hv);
-          __syncthreads();
-        }
-        for (int j = 0; j < nb; ++j) {
-          typename T::Prep pr;
-          St::token_inputs(raw[b], pp, j, warp, c, r, cur, pr);
-          const int32_t dst = pp.dst[j];
-          token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
-        }
-      }
-    }
-    if (next >= num_tiles) break;
-    tile = next;
-    rq = next_rq;
-    next_head = after_head;
   }
 }
 

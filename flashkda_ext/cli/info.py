@@ -93,7 +93,8 @@ def spec_summary(verbose: bool = False) -> dict:
         modules.append({"name": rec["name"], "family": rec["family"], "backend": rec["backend"],
                         "arch": arch, "abi": rec.get("abi"), "aot": bool(rec.get("aot")),
                         "aot_prebuilt": aot, "jit_cached": cached})
-    routes = {fam: [{"name": r["name"], "when": r.get("when", {}), "module": r["module"]}
+    routes = {fam: [{"name": r["name"], "when": r.get("when", {}), "module": r["module"],
+                     **({"opt_in": r["opt_in"]} if "opt_in" in r else {})}
                     for r in jit.routes_for(fam)] for fam in families()}
     out = {"families": fams, "routes": routes}
     if verbose:
@@ -165,6 +166,8 @@ def _print_info(info: dict) -> None:
     for fam, rules in spec["routes"].items():
         for r in rules:
             when = ", ".join(f"{k}={v}" for k, v in r["when"].items()) or "always"
+            if "opt_in" in r:  # considered only when opted in ($FLASHKDA_EXT_OPT_IN)
+                when += f" (opt-in: {r['opt_in']})"
             rows.append([fam, r["name"], when, r["module"]])
     print(table(rows, ["family", "rule", "when", "module"]))
     if "modules" in spec:

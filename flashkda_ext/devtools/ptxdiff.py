@@ -11,7 +11,7 @@ register numbers and labels" is the same instruction stream renamed; ptxas's all
 follow the numbering, so treat it as very likely, not certainly, unchanged. For the others the
 report gives the instruction counts that changed (moved integer address arithmetic shows up
 there) and the number of differing lines. A change of ptxas's schedule alone can move a
-latency-bound kernel by a few per cent (docs/perf-notes.md, 2026-11-29, d43aaf2): measure those.
+latency-bound kernel by a few per cent (2026-11-29, d43aaf2; git history of docs/perf-notes.md): measure those.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Adapters that let serving stacks call flashkda_ext in their own call shapes (docs/integrations.md).
 
 fla: a backend for fla's registry (flashkda_ext.integrations.fla.register()).
-sglang: a kernel backend with SGLang's linear-attention call shapes (no sglang import).
-vllm: install() rebinds the KDA ops vLLM vendors from fla to adapters on the fla mapping (vllm imported then only).
+sglang: SGLang 0.5.23's KDA kernel backend (a package: the kernel, its sglang.srt.plugins entry point, install()).
+vllm: install() rebinds the KDA ops of vLLM 0.34 (Kimi K3 / Kimi-Linear, and the vendored fla copy) to adapters.
 Here: the per-chunk state layout both adapters return.
 """
 import torch

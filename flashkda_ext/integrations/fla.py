@@ -13,7 +13,8 @@ from fla; only register() does. Conversions done here, each one pass, documented
 g and beta in fp32 beside bf16 q (as engines produce them) go to kda_decode as they are (it reads fp32 g
 and beta natively); for kda_prefill and kda_verify, and in any other dtype than q's or fp32, they are
 cast to q's dtype (those kernels read them in q's dtype); A_log / dt_bias are flattened to [HV] /
-[HV*K] float32; int64 slot indices become int32; a non-fp32 dense initial state of fused_recurrent is
+[HV*K] float32; int64 slot indices, offsets and counts become int32 through common_checks.narrow_int32
+(range-checked, never wrapped); a non-fp32 dense initial state of fused_recurrent is
 read through an fp32 copy (fla's final state is fp32).
 """
 from __future__ import annotations
@@ -23,9 +24,10 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import validation
-from . import fla_chunk_states
+from . import common_checks, fla_chunk_states
 from ..custom_ops import _check_on_meta
 
 BACKEND_TYPE = "flashkda_ext"
@@ -68,6 +70,16 @@ class _Plan:
 
     def keep(self, x):
         return _meta_like(x) if self.meta and x is not None else x
+
+    def index(self, name: str, x, low: int = common_checks.INT32_MIN, high: int = common_checks.INT32_MAX,
+              pad=None, what: str = ""):
+        """An integer argument as the int32 the op reads (common_checks.narrow_int32: host values checked,
+        device values out of range made `pad`); on meta stand-ins only the dtype changes."""
+        if x is None or x.dtype.is_floating_point or x.dtype.is_complex:
+            return self.keep(x)     # the op's own check names a non-integer dtype
+        if self.meta:
+            return self.cast(x, torch.int32)
+        return common_checks.narrow_int32(name, x, low, high, pad, what)
 
     def arange(self, n: int, device):
         return torch.arange(n, dtype=torch.int32, device="meta" if self.meta else device)
@@ -148,6 +160,8 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
     if cp_context is not None:
         raise Refused("flashkda_ext does not support context parallel (cp_context)")
     chunk = kwargs.pop("chunk_size", 64)
+    if cu_seqlens_cpu is not None and not plan.meta:
+        _check_host_offsets(cu_seqlens_cpu, cu_seqlens, q.shape[1])
     lengths = None
     if return_intermediate_states:
         # fla's h: the state entering each chunk, built from our checkpoints with host lengths
@@ -181,6 +195,32 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
     if lengths is not None:
         kw["checkpoint_every"] = chunk
     return args, kw, lengths
+
+
+def _check_host_offsets(cu_seqlens_cpu, cu_seqlens, T: int) -> None:
+    """fla's cu_seqlens_cpu is the host copy of cu_seqlens; the per-chunk layout and max_seqlen are read
+    from it. Where cu_seqlens is in host memory too the two are compared (no synchronisation). Device
+    offsets are not read (that would cost a device-to-host copy every call): there the host copy is
+    trusted, as fla trusts it (docs/integrations.md)."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu: given without cu_seqlens (it is the host copy of cu_seqlens)")
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
+            or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64) or cu_seqlens_cpu.dim() != 1:
+        raise ValueError(f"cu_seqlens_cpu: expected a 1-D int32 or int64 tensor in host memory (the host copy of "
+                         f"cu_seqlens), got {_describe(cu_seqlens_cpu)}")
+    host = cu_seqlens_cpu.tolist()
+    if len(host) != cu_seqlens.shape[0]:
+        raise ValueError(f"cu_seqlens_cpu: expected the {cu_seqlens.shape[0]} offsets of cu_seqlens, got {host}")
+    if host[0] != 0 or host[-1] != T or any(b < a for a, b in zip(host, host[1:])):
+        raise ValueError(f"cu_seqlens_cpu: expected non-decreasing offsets from 0 to T = {T}, got {host}")
+    if common_checks.host_values(cu_seqlens) and cu_seqlens.tolist() != host:
+        raise ValueError(f"cu_seqlens_cpu: expected the host copy of cu_seqlens {cu_seqlens.tolist()}, got {host}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {list(x.shape)} on {x.device}"
+    return type(x).__name__
 
 
 # Verdicts by call signature: a serving loop repeats the same call every step, and the checks on meta
@@ -290,6 +330,11 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate, A_log, dt_bias, lower_bound = _gate(plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV)
+    slots = initial_state.shape[0] if initial_state is not None and initial_state.dim() > 0 else 0
+
+    def slot_index(x):   # out of the pool: refused on the host, padding on a device (never written)
+        return plan.index("ssm_state_indices", x, high=slots - 1, pad=-1,
+                          what=f" (a pool of {slots} slots; negative = padding)")
     # g and beta are cast where they are used: kda_decode keeps fp32 ones, kda_verify / kda_prefill take q's dtype
     gate_kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
                    beta_is_logit=bool(use_beta_sigmoid_in_kernel))
@@ -305,29 +350,40 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
             if cu_seqlens is None or B != 1:
                 raise Refused("flashkda_ext serves per-token ssm_state_indices [N, T_max] on packed input "
                               "(B = 1 with cu_seqlens)")
-            kw = dict(state=plan.keep(initial_state), state_indices=plan.cast(ssm_state_indices, torch.int32),
-                      cu_seqlens=plan.cast(cu_seqlens, torch.int32),
-                      num_accepted_tokens=None if num_accepted_tokens is None
-                      else plan.cast(num_accepted_tokens, torch.int32),
-                      max_seqlen=int(ssm_state_indices.shape[1]), null_slot0=null_slot0, out=plan.keep(out),
-                      **gate_kw)
+            _refuse_unchecked_offsets(cu_seqlens)
+            t_max = int(ssm_state_indices.shape[1])
+            kw = dict(state=plan.keep(initial_state), state_indices=slot_index(ssm_state_indices),
+                      cu_seqlens=plan.index("cu_seqlens", cu_seqlens, 0, T, what=f" (T = {T} tokens)"),
+                      num_accepted_tokens=plan.index("num_accepted_tokens", num_accepted_tokens, 1, t_max, pad=0,
+                                                     what=f" (T_max = {t_max})"),
+                      max_seqlen=t_max, null_slot0=null_slot0, out=plan.keep(out), **gate_kw)
             args = (plan.keep(q), plan.keep(k), plan.keep(v), *plan.gate_beta(g, beta, q))
             return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
             raise Refused(f"flashkda_ext serves ssm_state_indices of 1 or 2 dims, got {ssm_state_indices.dim()}")
+        idx = slot_index(ssm_state_indices)
         if cu_seqlens is None:
             if T != 1:
                 raise Refused(f"flashkda_ext serves ssm_state_indices for one token per sequence, got T = {T}")
             rows = B
         else:
-            # fla reads index [n + t] for token t of sequence n with 1-D indices, so these are one-token
-            # sequences; T == N means none is empty and row n is token n (vLLM's decode batch)
+            # 1-D indices: one slot a request, so a request has at most one token (fla would store token
+            # t of request n in slot [n + t], another request's). T == N: a decode batch, where an empty
+            # request (CUDA-graph padding) shifts the rows of the requests after it.
             N = cu_seqlens.shape[0] - 1
             if B != 1 or T != N:
                 raise Refused(f"flashkda_ext serves varlen ssm_state_indices only as a decode batch "
                               f"(B = 1, one token per sequence: T == N), got B = {B}, T = {T}, N = {N}")
+            if tuple(ssm_state_indices.shape) != (N,):
+                raise Refused(f"flashkda_ext serves 1-D ssm_state_indices of one slot a request [N = {N}], "
+                              f"got {list(ssm_state_indices.shape)}")
+            if not common_checks.host_values(cu_seqlens):
+                # the offsets are on the device: kda_verify reads them there (empty requests touch nothing)
+                return _decode_as_verify(plan, q, k, v, g, beta, initial_state, idx, cu_seqlens, null_slot0,
+                                         out, gate_kw)
+            if not plan.meta:
+                idx = _rows_of_requests(cu_seqlens, idx, T)
             rows = N
-        idx = plan.cast(ssm_state_indices, torch.int32)
         g, beta = plan.gate_beta(g, beta, q)
         o_rows = plan.reshape(out, (rows, HV, V)) if out is not None else None
         args = (plan.reshape(q, (rows, H, K)), plan.reshape(k, (rows, H, K)), plan.reshape(v, (rows, HV, V)),
@@ -347,6 +403,50 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
         return "kda_prefill", args, kw, lambda r: (r[0], initial_state)
     kw.update(initial_state=plan.cast(initial_state, torch.float32), output_final_state=bool(output_final_state))
     return "kda_prefill", args, kw, lambda r: (r[0], r[1])
+
+
+def _refuse_unchecked_offsets(cu_seqlens) -> None:
+    if common_checks.unchecked_on_device(cu_seqlens):
+        raise Refused(f"flashkda_ext serves device cu_seqlens of int32 here ({cu_seqlens.dtype} offsets on "
+                      f"{cu_seqlens.device} cannot be range-checked for the int32 kernels without a sync)")
+
+
+def _rows_of_requests(cu_seqlens, idx, T: int):
+    """Host offsets of a decode batch: the slot index of each of the T rows (the row of request n's one
+    token gets idx[n]; a row no request owns gets -1, padding: zero output, nothing written)."""
+    cs = cu_seqlens.tolist()
+    if cs[0] != 0 or cs[-1] > T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to at most T = {T}, got {cs}")
+    for n, (a, b) in enumerate(zip(cs, cs[1:])):
+        if b - a > 1:
+            raise ValueError(f"cu_seqlens: with 1-D ssm_state_indices (one state slot a request) a request has "
+                             f"at most one token; request {n} has {b - a} (cu_seqlens {cs})")
+    if cs == list(range(T + 1)):
+        return idx                                     # row n is request n's token
+    rows = torch.full((T,), -1, dtype=torch.int32)
+    for n, (a, b) in enumerate(zip(cs, cs[1:])):
+        if b > a:
+            rows[a] = idx[n]
+    return rows
+
+
+def _decode_as_verify(plan, q, k, v, g, beta, initial_state, idx, cu_seqlens, null_slot0, out, gate_kw):
+    """A decode batch whose offsets are only on the device, as kda_verify with state_indices [N, 2] =
+    (idx[n], -1): a one-token request reads and writes slot idx[n] exactly as decode; an empty request
+    touches nothing; a request of more tokens (outside the contract, undecidable without a sync) has
+    every output computed, its first token's state stored in its own slot, the rest stored nowhere."""
+    _refuse_unchecked_offsets(cu_seqlens)
+    N = cu_seqlens.shape[0] - 1
+    if plan.meta:
+        table = torch.empty((N, 2), dtype=torch.int32, device="meta")
+    else:
+        table = F.pad(idx.reshape(N, 1), (0, 1), value=-1)
+        if out is None:
+            out = torch.zeros_like(v)                  # rows no request owns: zeros, as fla's output
+    kw = dict(state=plan.keep(initial_state), state_indices=table, cu_seqlens=plan.index("cu_seqlens", cu_seqlens),
+              num_accepted_tokens=None, max_seqlen=None, null_slot0=null_slot0, out=plan.keep(out), **gate_kw)
+    args = (plan.keep(q), plan.keep(k), plan.keep(v), *plan.gate_beta(g, beta, q))
+    return "kda_verify", args, kw, lambda o: (o, initial_state)
 
 
 def _check_fused_recurrent(*args, **kwargs):

@@ -17,7 +17,7 @@ import string
 from pathlib import Path
 from typing import Dict, List
 
-from . import roots
+from . import families, roots
 from .errors import SpecError
 from .schema_check import validate
 from .toolchain import FORBIDDEN_FLAG_PREFIXES
@@ -36,7 +36,7 @@ META_KEYS = {
                          "state", "offset", "gate"},
 }
 NUMERIC_META = {"rows", "value_heads", "work_items", "num_seqs", "total_tokens", "max_seqlen"}
-STATE_TAGS = {"float32": "f32", "bfloat16": "bf16", "float64": "f64", "float16": "f16"}
+STATE_TAGS = families.STATE_TAGS
 OFFSET_TAGS = {32: "o32", 64: "o64"}
 PERSISTENT_ABIS = {"persistent_rows", "chunked_persistent"}
 CLUSTER_ABIS = {"cluster_pair", "cluster_split"}
@@ -172,6 +172,9 @@ class Registry:
         self.records: Dict[str, dict] = {}
         self.files: Dict[str, str] = {}  # record name -> spec file (relative to the root)
         self.routes: Dict[str, dict] = {}
+        self.gb32_twin: Dict[str, str] = {}  # generated record -> its _gb32 twin (families.py)
+        self.routed: set = set()       # names some rule can reach
+        self.opt_in_tags: set = set()  # the names rules' "opt_in" use ($FLASHKDA_EXT_OPT_IN)
         self._load()
 
     def _load(self) -> None:
@@ -180,7 +183,12 @@ class Registry:
             fname = _rel(path, self.root)
             data = _read_json(path)
             _schema_check("modules", Path(fname), data, "modules")
-            for rec in data["modules"]:
+            records, twin_of = families.expand_file(data)
+            # a generated record meets the same schema as a plain one
+            _schema_check("modules", Path(fname), {"description": data["description"], "modules": records},
+                          "modules")
+            self.gb32_twin.update(twin_of)
+            for rec in records:
                 _check_record(rec, fname, csrc, self.root)
                 if rec["name"] in self.records:
                     raise SpecError(fname, rec["name"],
@@ -191,6 +199,7 @@ class Registry:
             fname = _rel(path, self.root)
             data = _read_json(path)
             _schema_check("routes", Path(fname), data, "rules")
+            data["rules"] = self._with_gb32_twins(data, fname)
             self._check_routes(data, fname, path.stem)
             self.routes[data["family"]] = data
 
@@ -203,11 +212,17 @@ class Registry:
         keys = META_KEYS[fam]
         backends = _supported.families(self.root).get(fam, [])
         fallback_for = set()
+        seen = set()
         for rule in data["rules"]:
             rname = f"rule {rule['name']}"
 
             def fail(msg):
                 raise SpecError(fname, rname, msg)
+
+            if rule["name"] in seen:
+                fail("rule names must be unique in a routes file (a _gb32 twin rule is generated: "
+                     "do not write it)")
+            seen.add(rule["name"])
 
             when = rule["when"]
             for k, v in when.items():
@@ -224,6 +239,7 @@ class Registry:
                     fail(f"device '{d}' has no entry for {fam} in jit/supported.json")
                 if d in fallback_for:
                     fail(f"unreachable: an earlier always-true rule already catches device '{d}'")
+            opt_in = rule.get("opt_in")
             for d in devices:
                 for name in self._expand(rule["module"], when, fam, d, fname, rname):
                     rec = self.records.get(name)
@@ -233,7 +249,15 @@ class Registry:
                     if rec["family"] != fam or rec["backend"] != d:
                         fail(f"module '{name}' is {rec['family']}/{rec['backend']}, "
                              f"not {fam}/{d}")
-            if set(when) <= {"device"}:
+                    # an opt-in module is reached by opt-in rules only, and they reach nothing else
+                    if bool(opt_in) != rec.get("opt_in", False):
+                        fail(f"module '{name}' is {'not ' * (not rec.get('opt_in', False))}marked "
+                             f"opt_in in jit/modules, but the rule is "
+                             f"{'an opt-in' if opt_in else 'not an opt-in'} rule")
+                    self.routed.add(name)
+            if opt_in:
+                self.opt_in_tags.add(opt_in)
+            elif set(when) <= {"device"}:
                 fallback_for.update(devices)
         # every backend that has modules of this family must be reachable by a fallback
         served = {r["backend"] for r in self.records.values() if r["family"] == fam}
@@ -241,6 +265,35 @@ class Registry:
         if missing:
             raise SpecError(fname, None, f"no always-true fallback rule (when == {{\"device\": d}}) "
                                          f"for device(s) {missing}")
+
+    def _with_gb32_twins(self, data: dict, fname: str) -> List[dict]:
+        """The rules with, before each rule whose modules all have gb32 twins (families.py), its twin
+        `<rule>_gb32`: the calls with fp32 g or beta (metadata gb = "f32") to the twin modules, in the
+        same band. A rule that names `gb` itself is left as it is."""
+        fam = data["family"]
+        out = []
+        for rule in data["rules"]:
+            when = rule["when"]
+            devices = when.get("device", [])
+            devices = [devices] if isinstance(devices, str) else list(devices)
+            names = [n for d in devices
+                     for n in self._expand(rule["module"], when, fam, d, fname, f"rule {rule['name']}")]
+            has = [n in self.gb32_twin for n in names if n in self.records]  # (a missing one: _check_routes)
+            if "gb" not in when and names and any(has):
+                if not all(has) or "gb" not in META_KEYS[fam]:
+                    raise SpecError(fname, f"rule {rule['name']}",
+                                    f"some of its modules have a gb32 twin and some not (or {fam} has no "
+                                    f"'gb' metadata): a rule's modules need the same twin axes")
+                twin = {"name": rule["name"] + families.GB32_SUFFIX, "when": {**when, "gb": "f32"},
+                        "module": rule["module"] + families.GB32_SUFFIX,
+                        "description": f"as {rule['name']}, for calls whose g or beta is fp32: the modules' "
+                                       f"_gb32 twins read both as fp32 (params.gb_f32); the same band, not "
+                                       f"measured apart"}
+                if "opt_in" in rule:
+                    twin["opt_in"] = rule["opt_in"]
+                out.append(twin)
+            out.append(rule)
+        return out
 
     def _expand(self, pattern, when, fam, device, fname, rname) -> List[str]:
         """Every module name the pattern can produce for this device under the rule's conditions."""
@@ -316,6 +369,11 @@ def all_records(root=None) -> List[dict]:
 
 def record_file(name: str, root=None) -> str:
     return registry(root).files[name]
+
+
+def opt_in_tags(root=None) -> frozenset:
+    """The opt-in names the route rules declare (their "opt_in"; docs/jit.md, "Opt-in routes")."""
+    return frozenset(registry(root).opt_in_tags)
 
 
 def routes_for(family: str, root=None) -> List[dict]:

@@ -1,7 +1,6 @@
 """Helpers the GPU test files share (imported by name: pytest puts this folder on sys.path)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,8 +11,10 @@ GATES = {"softplus": 0, "bounded": 1, "log": 2}  # the bindings' gate_mode
 
 
 def module_records(json_name):
-    """The module records of jit/modules/<json_name>."""
-    return json.loads((ROOT / "jit/modules" / json_name).read_text())["modules"]
+    """The module records of jit/modules/<json_name> as the registry loads them (family records
+    expanded into their twins), in the file's order."""
+    from flashkda_ext.jit import all_records, specs
+    return [r for r in all_records() if specs.record_file(r["name"]) == f"jit/modules/{json_name}"]
 
 
 def records_by_name(json_name):

@@ -26,7 +26,6 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS = json.loads((ROOT / "jit/modules/decode_cuda.json").read_text())["modules"]
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
 K = V = 128
 
@@ -45,7 +44,9 @@ def _reference():
 
 
 REF = _reference()
-from gpu_common import bits, paged_like, prebuild_selected, rel_l2, sdtype, slot_list  # noqa: E402
+from gpu_common import bits, module_records, paged_like, prebuild_selected, rel_l2, sdtype, slot_list  # noqa: E402,E501
+
+RECORDS = module_records("decode_cuda.json")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -514,3 +515,57 @@ def test_public_op_reads_fp32_gate_and_beta(sdt, rows, HV, gdt, bdt):
         assert rel_l2(pool[s].float(), st.double()) < tol, s
     for o, p in results[1:]:
         assert torch.equal(bits(o), bits(out)) and torch.equal(bits(p), bits(pool))
+
+
+# The opt-in route (docs/jit.md, "Opt-in routes"): run in a child process, since a process picks a
+# call's route once (the environment is read at the first routing).
+_OPT_IN_CHILD = r"""
+import sys, torch, flashkda_ext as fk
+from flashkda_ext import dispatch, validation
+a = torch.load(sys.argv[1])
+meta = validation.check_kda_decode(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["pool"],
+                                   state_indices=a["idx"], A_log=a["A_log"], dt_bias=a["dt_bias"],
+                                   slot_mode="padded").route_meta()
+module = dispatch.module_name("kda_decode", meta)
+outs = []
+for _ in range(2):  # the second call takes the fast path
+    pool = a["pool"].clone()
+    out = fk.kda_decode(a["q"], a["k"], a["v"], a["g"], a["beta"], state=pool, state_indices=a["idx"],
+                        A_log=a["A_log"], dt_bias=a["dt_bias"], slot_mode="padded")
+    outs.append((out, pool))
+torch.cuda.synchronize()
+torch.save({"module": module, "outs": outs}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("sdt,gb", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_opt_in_persistent_route_through_the_op(sdt, gb, tmp_path):
+    """FLASHKDA_EXT_OPT_IN=persistent: the public op sends a padded call to the persistent stream module
+    (fp32 g / beta: its _gb32 twin) and matches the reference; 2048 rows x 16 heads are 65536 tiles of
+    64 V-rows, so each CTA of the persistent grid walks about 250 of them through its cp.async ring."""
+    import os
+    import subprocess
+    rows, HV = 2048, 16
+    seed = zlib.crc32(f"opt_in{sdt}{gb}".encode()) % 10000
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, HV, HV, "softplus", gen, gb=gb)
+    slots = rows + 64
+    pool0 = make_pool(slots, HV, sdt, gen)
+    idx = torch.tensor(slot_list(rows, slots, "padded", seed), dtype=torch.int32, device="cuda")
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save(dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, pool=pool0, idx=idx), src)
+    env = dict(os.environ, FLASHKDA_EXT_OPT_IN="persistent")
+    subprocess.run([sys.executable, "-c", _OPT_IN_CHILD, str(src), str(dst)], env=env, check=True, timeout=900)
+    res = torch.load(dst)
+    tag = "f32" if sdt == torch.float32 else "bf16"
+    assert res["module"] == f"decode_stream_{tag}_o32" + ("_gb32" if gb == torch.float32 else "")
+    ref_out, ref_states = reference(q, k, v, g, beta, A_log, dt_bias, pool0, idx.cpu(), "softplus")
+    out, pool = res["outs"][0]
+    assert rel_l2(out.float(), ref_out) < 1.2e-2
+    tol = 2e-5 if sdt == torch.float32 else 4e-3
+    for s, st in ref_states.items():
+        assert rel_l2(pool[s].float(), st.double()) < tol, s
+    untouched = [s for s in range(slots) if s not in ref_states]
+    assert torch.equal(bits(pool[untouched]), bits(pool0[untouched]))
+    out2, pool2 = res["outs"][1]
+    assert torch.equal(bits(out2), bits(out)) and torch.equal(bits(pool2), bits(pool))

@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import bits, paged_like, prebuild_selected, rel_l2, slot_list  # noqa: E402
+from gpu_common import bits, module_records, paged_like, prebuild_selected, rel_l2, slot_list  # noqa: E402
 
-RECORDS = json.loads((ROOT / "jit/modules/fused_decode_cuda.json").read_text())["modules"]
+RECORDS = module_records("fused_decode_cuda.json")
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
 D = 128
 CUDA_ONLY = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA-only check")

@@ -1,7 +1,7 @@
 """The adoption layer on the H200: torch.compile / CUDA-graph capture of a KDA layer through the custom ops,
-the fla backend and the vLLM adapter against fla's own Triton path, and the SGLang-shaped kernel against the
-reference.
-Skips without CUDA (fla parts also without fla >= 0.6). Run by scripts/device_integrations.sh."""
+the fla backend against fla's own Triton path, and the SGLang-shaped kernel against the reference (the vLLM
+adapters: tests/gpu/test_vllm_gpu.py).
+Skips without CUDA (fla parts also without fla >= 0.6). Run by scripts/device.sh (STAGES=integrations)."""
 import importlib.util
 import os
 import sys
@@ -211,118 +211,61 @@ def test_fla_verify_on_a_graph_padded_batch_served_matches_triton(fla_backend):
         assert torch.equal(pool[empty], pool0[empty]), "an empty request's slot changed"
 
 
-# ---------------------------------------------------------------------------------------------
-# vLLM adapter (no vllm here): tests/vllm_fake.py's stand-in modules, whose "original" ops run fla's Triton
-# kernels with vLLM's fixed choices (vLLM vendors fla's ops; only the signatures differ), against the
-# adapters install() puts in their place
-
-
-def _fla_triton(fn, **kw):
-    """fla's Triton path, never our fla backend (FLA_FLASHKDA_EXT=0 for the call)."""
-    from flashkda_ext.integrations import fla as fkda_fla
-    os.environ[fkda_fla.ENV_VAR] = "0"
-    try:
-        return fn(**kw)
-    finally:
-        os.environ.pop(fkda_fla.ENV_VAR)
-
-
-def _vllm_as_fla():
-    """vLLM's fused_recurrent_kda and chunk_kda_with_fused_gate (vLLM 638d6e97) in fla's terms. fla's kernel
-    reads every index (vLLM's skips those <= 0), so the calls below name live slots only."""
-    from fla.ops.kda import chunk_kda
+def test_fla_decode_on_a_graph_padded_batch_served_matches_triton(fla_backend):
+    """fla's decode call (1-D ssm_state_indices) on a batch padded as vLLM pads one to a CUDA-graph size:
+    5 live one-token requests, then 11 empty ones (the last offset repeated, T = N = 16) whose indices name
+    live slots. The offsets are on the device, so the adapter routes the call to kda_verify (issue 45):
+    outputs and pools agree with fla's Triton kernel, no empty request's slot changes; replayed from a
+    CUDA graph it gives the same. An int64 index that would wrap to a live slot becomes padding."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
-    def decode(q, k, v, g, beta=None, scale=None, initial_state=None, inplace_final_state=True,
-               use_qk_l2norm_in_kernel=True, cu_seqlens=None, ssm_state_indices=None, kwargs=None):
-        return _fla_triton(fused_recurrent_kda_fwd, q=q, k=k, v=v, g=g, beta=beta, scale=scale,
-                           initial_state=initial_state, inplace_final_state=inplace_final_state, state_v_first=True,
-                           cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
-                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-
-    def prefill(q, k, v, raw_g, beta, A_log, g_bias, scale=None, initial_state=None, output_final_state=False,
-                use_qk_l2norm_in_kernel=False, cu_seqlens=None, kwargs=None):
-        return _fla_triton(chunk_kda, q=q, k=k, v=v, g=raw_g, beta=beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                           use_gate_in_kernel=True, A_log=A_log.flatten(), dt_bias=g_bias, state_v_first=True,
-                           cu_seqlens=cu_seqlens)
-
-    return {"fused_recurrent_kda": decode, "chunk_kda_with_fused_gate": prefill}
-
-
-@pytest.fixture
-def vllm_fake(monkeypatch):
-    if not HAS_FLA:
-        pytest.skip("fla is not installed")
-    from vllm_fake import install_fake_vllm
-
-    from flashkda_ext.integrations import vllm as fkda_vllm
-    fake = install_fake_vllm(monkeypatch, impls=_vllm_as_fla())
-    fkda_vllm.install()
-    yield fake, fkda_vllm
-    fkda_vllm.uninstall()
-
-
-def test_vllm_adapter_decode_and_prefill_match_fla_triton(vllm_fake):
-    fake, fkda_vllm = vllm_fake
-    gen = torch.Generator().manual_seed(6)
-    HV, N, Tpad, slots = 16, 24, 32, 64
+    gen = torch.Generator().manual_seed(8)
+    live, N, HV, slots = 5, 16, 16, 40
     bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    q, k, v, g, beta = bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV, 128), bf(1, N, HV)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) * 2).to(DEV), torch.randn(HV * 128, generator=gen).to(DEV)
     pool0 = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
-    # decode as the layer calls it under a CUDA graph: Tpad tokens, N requests, the index padded to Tpad
-    q, k, v = bf(1, Tpad, HV, 128), bf(1, Tpad, HV, 128), bf(1, Tpad, HV, 128)
-    g = (-torch.rand(1, Tpad, HV, 128, generator=gen)).to(DEV)          # fused_kda_gate's fp32 log decay
-    beta = torch.rand(1, Tpad, HV, generator=gen).to(DEV)                # activated, fp32
-    idx = torch.cat([torch.randperm(slots - 1, generator=gen)[:N] + 1, torch.zeros(Tpad - N, dtype=torch.long)])
-    kw = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
-              cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=DEV), ssm_state_indices=idx.to(DEV, torch.int32))
-    with torch.inference_mode():
-        served = fkda_vllm.STATS["fused_recurrent_kda", "served"]
-        ours_pool, theirs_pool = pool0.clone(), pool0.clone()
-        o1, _ = fake.layer.fused_recurrent_kda(initial_state=ours_pool, **kw)
-        assert fkda_vllm.STATS["fused_recurrent_kda", "served"] == served + 1 and fake.calls == []
-        o2, _ = fake.stubs["fused_recurrent_kda"](initial_state=theirs_pool, **kw)
-        assert rel_l2(o1[:, :N], o2[:, :N]) < 1e-2 and rel_l2(ours_pool, theirs_pool) < 1e-2
-        # vLLM's paged mamba cache as vLLM lays it out (three bf16 conv states, then the fp32 recurrent state, in
-        # one page a slot; padded pages too): served as it is, bitwise the dense pool's call, every other byte of
-        # the pages (conv states, padding, the null block, unnamed slots) unchanged
-        from vllm_fake import kda_state_shapes, paged_mamba_cache
-        for pad in (0, 4096):
-            raw, views = paged_mamba_cache(slots, *kda_state_shapes(HV, 128, HV, 128), page_pad_bytes=pad,
-                                           device=DEV, seed=pad)
-            paged = views[3]
-            paged.copy_(pool0)
-            raw0, dense = raw.clone(), pool0.clone()
-            served = fkda_vllm.STATS["fused_recurrent_kda", "served"]
-            o_paged, st = fake.layer.fused_recurrent_kda(initial_state=paged, **kw)
-            assert st is paged and fkda_vllm.STATS["fused_recurrent_kda", "served"] == served + 1, \
-                dict(fkda_vllm.REASONS)
-            o_dense, _ = fake.layer.fused_recurrent_kda(initial_state=dense, **kw)
-            torch.cuda.synchronize()
-            assert torch.equal(o_paged[:, :N], o_dense[:, :N]) and torch.equal(paged, dense)
-            written = torch.zeros(raw.numel(), dtype=torch.bool, device=DEV)
-            for s in idx[:N].tolist():
-                lo = paged[s].data_ptr() - raw.data_ptr()
-                written[lo:lo + HV * 128 * 128 * 4] = True
-            assert torch.equal(raw[~written], raw0[~written])
-        fake.calls.clear()
+    idx = torch.randperm(slots, generator=gen)[:N].to(DEV, torch.int32)
+    cu = torch.tensor(list(range(live + 1)) + [live] * (N - live), dtype=torch.int32, device=DEV)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    pools = []
 
-        # prefill: the layer's chunk_kda_with_fused_gate with a dense initial state gathered from the pool
-        cu = torch.tensor([0, 100, 250, 300], dtype=torch.int32, device=DEV)
-        Tt = 300
-        q, k, v, raw_g = bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128), bf(1, Tt, HV, 128)
-        beta = torch.rand(1, Tt, HV, generator=gen).to(DEV)
-        A_log = torch.rand(1, 1, HV, 1, generator=gen).to(DEV)
-        g_bias = torch.randn(HV * 128, generator=gen).to(DEV)
-        kw = dict(q=q, k=k, v=v, raw_g=raw_g, beta=beta, A_log=A_log, g_bias=g_bias, initial_state=pool0[1:4].clone(),
-                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-        served = fkda_vllm.STATS["chunk_kda_with_fused_gate", "served"]
-        ours = fake.layer.chunk_kda_with_fused_gate(**kw)
-        assert fkda_vllm.STATS["chunk_kda_with_fused_gate", "served"] == served + 1
-        theirs = fake.stubs["chunk_kda_with_fused_gate"](**kw)
-    for name, a, b in zip(("o", "final_state"), ours, theirs):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert rel_l2(a, b) < 1e-2, name
+    def call(index=idx):
+        pool = pool0.clone()
+        pools.append(pool)
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=index, **kw)[0]
+    with torch.inference_mode():
+        o1, o2 = _both(fla_backend, "fused_recurrent_kda_fwd", call)
+        assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
+        assert torch.equal(o1[0, live:], torch.zeros_like(o1[0, live:]))
+        empty = idx[live:].long()
+        for pool in pools:
+            assert torch.equal(pool[empty], pool0[empty]), "an empty request's slot changed"
+        # CUDA graph: captured once, replayed on the same static tensors
+        static_pool = pool0.clone()
+        call_graph = lambda: fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=static_pool,  # noqa: E731
+                                                     ssm_state_indices=idx, **kw)[0]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call_graph()                     # warm-up (JIT, verdict memo)
+        torch.cuda.current_stream().wait_stream(s)
+        static_pool.copy_(pool0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph = call_graph()
+        static_pool.copy_(pool0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_graph, o1) and torch.equal(static_pool, pools[0])
+        # 2**32 + 1 would wrap to a live slot: padding instead (zero row, nothing written)
+        wrapped = idx.long()
+        wrapped[0] = 2 ** 32 + int(idx[1])
+        pool = pool0.clone()
+        o = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=wrapped, **kw)[0]
+        assert torch.equal(o[0, 0], torch.zeros_like(o[0, 0])) and torch.equal(pool[idx[0].long()],
+                                                                                pool0[idx[0].long()])
+        torch.testing.assert_close(o[0, 1:], o1[0, 1:], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -239,4 +239,4 @@ def test_registration_targets_cuda_modules(gen):
     names = [n for n in kj.registered_targets() if ".kda_decode." in n]
     assert names and not any(n.startswith("flashkda_ext.cpu_") for n in names)
     # the CUDA targets reorder their arguments in C++ too (no Python per call)
-    assert all(kj._ADAPTERS[n][0] == "c++" for n in names)
+    assert all(kj.targets._ADAPTERS[n][0] == "c++" for n in names)

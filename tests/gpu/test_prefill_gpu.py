@@ -29,11 +29,7 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 from gpu_common import bits, paged_like  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL_RECORDS = json.loads((ROOT / "jit/modules/prefill_cuda.json").read_text())["modules"]
-# Timing probes (params.prep_probe, issue 32) compute wrong results by design: smoke-tested only
-# (test_prep_probe_runs); every other record is tested against the recurrence.
-PROBES = [r for r in ALL_RECORDS if r["params"].get("prep_probe", 0)]
-RECORDS = [r for r in ALL_RECORDS if not r["params"].get("prep_probe", 0)]
+RECORDS = json.loads((ROOT / "jit/modules/prefill_cuda.json").read_text())["modules"]
 GATES = {"softplus": 0, "bounded": 1, "log": 2}
 K = V = 128
 TOL = 6e-3
@@ -149,7 +145,7 @@ CASES = [
     # 4.7-4.9e-3 / 5.0-5.3e-3 (H200), so this case has its own bound
     dict(id="log_slow_shared_keys", lens=[256, 100], H=4, HV=4, gate="log", slow=True, init=True, tol=7.5e-3),
     dict(id="long_h16", lens=[2048], H=16, HV=16, gate="softplus", init=True),
-    # 2200 sequences: at least kCuStaged (2176, kda_prefill_kernels.cuh), so the preparation kernel
+    # 2200 sequences: at least kCuStaged (2176, kda_prefill_prep.cuh), so the preparation kernel
     # searches cu_seqlens in global memory instead of its staged copy; mostly 0-4 tokens (one-chunk
     # sequences, empty ones) with a few of several chunks
     dict(id="many_seqs_global_search", lens=[i % 5 for i in range(2190)] + [64, 65, 130, 1, 0, 63, 200, 2, 9, 70],
@@ -347,18 +343,3 @@ def test_back_to_back_calls_on_one_pool(rec):
     torch.cuda.synchronize()
     assert torch.equal(pool, ref_pool), "back-to-back calls differ from synced calls (pool)"
     assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
-
-
-@pytest.mark.parametrize("rec", PROBES, ids=lambda r: r["name"])
-def test_prep_probe_runs(rec):
-    """A timing probe (prep_probe 1: no workspace stores; 2: memory only) launches and completes on
-    ragged lengths (gap slots, a one-chunk sequence) with and without a caller workspace; its
-    results are not checked (wrong by design), only that the call and the device are fine after."""
-    mod = load(rec["name"])
-    d = make([130, 1, 63, 0, 200], 4, 4, "softplus")
-    init = (torch.randn(5, 4, V, K, device=DEV) * 0.5).to(sdtype(rec))
-    fin = torch.empty_like(init)
-    ws = torch.empty(mod["kda_prefill_workspace_bytes"](d["v"].shape[1], 5, 4), dtype=torch.uint8, device=DEV)
-    call(mod, d, "softplus", init=init, fin=fin, ws=ws)
-    call(mod, d, "bounded", init=init, fin=fin)
-    torch.cuda.synchronize()

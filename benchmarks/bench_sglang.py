@@ -1,0 +1,298 @@
+"""SGLang 0.5.23's own Triton KDA kernels against flashkda_ext through its SGLang adapter, on the same inputs.
+
+    python benchmarks/bench_sglang.py --prepare      # once: copy SGLang's kernel files out of the pinned wheel
+    python benchmarks/bench_sglang.py [--quick] [--phases decode,extend,verify] [--out DIR]
+
+--prepare finds the sglang 0.5.23 wheel (--wheel, FLASHKDA_EXT_ENGINE_WHEELS, .cache/engines/, else a pinned
+`pip download --no-deps`) and copies exactly the files below into the ignored .engines/sglang/. The run then
+imports them by path with the stubs named in `_stub` (platform probes answered for this GPU; nothing else of
+SGLang is imported) and calls SGLang's real TritonKDAKernel methods, as its KDAKernelDispatcher does:
+
+  packed_decode  (forward_decode's route: mixed_qkv after the conv)   vs FlashKDAExtKernel.packed_decode
+  extend         (chunk_kda on the pool, raw gate and beta logits)    vs FlashKDAExtKernel.extend
+  target_verify  (chains of D drafts into the intermediate buffer)    vs FlashKDAExtKernel.target_verify
+
+over rows (requests) 1-1024, H = HV in {8, 12, 24, 32}, K = V = 128, bf16 activations, fp32 and bf16 state
+pools, softplus gate. Each point first checks agreement (rel. L2 of outputs and written states from identical
+copies; the run exits 1 if any point disagrees), then times ours / SGLang's Triton / fla (decode and extend;
+fla has no entry in SGLang's verify layout) with benchmarks/harness.py, speedups quoted against SGLang.
+Not run here: SGLang's CUDA packed-decode fast path (sglang/kernels/ops/attention/kda_packed_decode.py, a
+JIT module taken for B >= 8, K = V = 128, bf16 activations, fp32 pool): its JIT needs SGLang's runtime, so
+`covered()` is stubbed False and SGLang's packed decode runs its Triton kernel at every point.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+VERSION = "0.5.23"
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / ".engines" / "sglang"
+FLA = "sglang/kernels/ops/attention/fla/"
+FLA_FILES = ("chunk_delta_h", "chunk_intra", "chunk_intra_token_parallel", "cumsum", "fused_norm_gate",
+             "fused_recurrent", "index", "kda", "l2norm", "op", "utils")
+FILES = tuple(FLA + f + ".py" for f in FLA_FILES) + (
+    "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
+    "sglang/srt/layers/attention/linear/kernels/kernel_backend.py",
+    "sglang/srt/layers/attention/linear/kernels/kda_triton.py")
+K = V = 128
+TOL = {"o": 2e-2, torch.float32: 1e-2, torch.bfloat16: 2e-2}
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's kernels from the wheel
+
+
+def find_wheel(given=None) -> Path:
+    if given:
+        return Path(given)
+    dirs = [Path(d) for d in os.environ.get("FLASHKDA_EXT_ENGINE_WHEELS", "").split(os.pathsep) if d]
+    cache = ROOT / ".cache" / "engines"
+    for d in dirs + [cache]:
+        hits = sorted(d.glob(f"sglang-{VERSION}-*.whl"))
+        if hits:
+            return hits[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}", "--only-binary=:all:",
+                    "--python-version", "311", "--implementation", "cp", "--abi", "cp311",
+                    "--platform", "manylinux_2_34_x86_64", "-d", str(cache)], check=True)
+    return sorted(cache.glob(f"sglang-{VERSION}-*.whl"))[0]
+
+
+def prepare(wheel=None) -> Path:
+    with zipfile.ZipFile(find_wheel(wheel)) as z:
+        for name in FILES:
+            target = ENGINE / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(name))
+    (ENGINE / "VERSION").write_text(VERSION + "\n")
+    return ENGINE
+
+
+def _module(name, **attrs):
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    sys.modules[name] = m
+    return m
+
+
+def _stub() -> None:
+    """What the copied files import from the rest of SGLang, answered for this process's GPU."""
+    for name in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.attention.linear",
+                 "sglang.kernels.jit", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.attention",
+                 "sglang.srt.layers.attention.linear", "sglang.srt.layers.attention.linear.kernels"):
+        _module(name, __path__=[str(ENGINE / name.replace(".", "/"))])
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    no = lambda *a, **k: False  # noqa: E731
+    _module("sglang.srt.utils", __path__=[], is_cpu=no, is_hip=no, is_npu=no, is_xpu=no,
+            is_cuda=torch.cuda.is_available, is_gfx95_supported=no, cpu_has_amx_support=no,
+            get_device_sm=lambda: cap[0] * 10 + cap[1], is_sm90_supported=lambda: cap == (9, 0),
+            cdiv=lambda a, b: -(-a // b), next_power_of_2=lambda n: 1 << (n - 1).bit_length())
+    _module("sglang.srt.utils.common", torch_release=tuple(int(x) for x in torch.__version__.split("+")[0]
+                                                           .split(".")[:2]))
+    _module("sglang.kernels.jit.utils", is_arch_support_pdl=lambda: cap[0] >= 9,
+            get_jit_cuda_arch=lambda: types.SimpleNamespace(major=cap[0], minor=cap[1]))
+    # the CUDA packed-decode JIT module is not built here (module docstring): SGLang then runs Triton
+    packed = _module("sglang.kernels.ops.attention.kda_packed_decode", covered=no)
+    _module("sglang.kernels.ops.attention", __path__=[str(ENGINE / "sglang/kernels/ops/attention")],
+            kda_packed_decode=packed)
+
+    def ring(*a, **k):
+        raise NotImplementedError("ReplaySSM is not part of this benchmark")
+    _module("sglang.kernels.ops.attention.linear.fused_recurrent_linear_replayssm",
+            fused_recurrent_linear_replayssm_decode=ring)
+
+
+def load_sglang():
+    """SGLang's TritonKDAKernel (the real class, on its real Triton ops) from .engines/sglang/."""
+    if not (ENGINE / "VERSION").exists():
+        raise SystemExit(f"{ENGINE} is missing: run `python benchmarks/bench_sglang.py --prepare` first")
+    _stub()
+    from sglang.srt.layers.attention.linear.kernels.kda_triton import TritonKDAKernel
+    return TritonKDAKernel()
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs and agreement
+
+
+def params(H, gen, dev):
+    A_log = (torch.rand(H, generator=gen, device=dev) * 2.5 - 2.0).float()
+    return A_log, (torch.randn(H * K, generator=gen, device=dev) * 0.5).float()
+
+
+def decode_inputs(rows, H, sdt, gen, dev, slots):
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    mixed = r(rows, 3 * H * K).bfloat16()                 # H = HV, K = V: q | k | v after the conv
+    a, b = (r(rows, H * K) - 1.0).bfloat16(), r(rows, H).bfloat16()
+    A_log, dt_bias = params(H, gen, dev)
+    pool = (r(slots, H, V, K) * 0.3).to(sdt)
+    idx = torch.randperm(slots, generator=gen, device=dev)[:rows].to(torch.int32)
+    return dict(mixed_qkv=mixed, a=a, b=b, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5, ssm_states=pool,
+                cache_indices=idx, num_v_heads=H, head_v_dim=V)
+
+
+def extend_inputs(rows, length, H, sdt, gen, dev, slots):
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    T = rows * length
+    q, k, v = (r(1, T, H, K).bfloat16() for _ in range(3))
+    g, beta = (r(1, T, H, K) - 1.0).bfloat16(), r(1, T, H).bfloat16()
+    A_log, dt_bias = params(H, gen, dev)
+    pool = (r(slots, H, V, K) * 0.3).to(sdt)
+    idx = torch.randperm(slots, generator=gen, device=dev)[:rows].to(torch.int32)
+    qsl = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
+    return (q, k, v, g, beta), dict(ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
+                                    dt_bias=dt_bias, lower_bound=None, beta_is_raw=True,
+                                    extend_seq_lens_cpu=[length] * rows)
+
+
+def verify_inputs(rows, D, H, sdt, gen, dev, slots):
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    T = rows * D
+    q, k, v = (r(1, T, H, K).bfloat16() for _ in range(3))
+    a, b = (r(T, H * K) - 1.0).bfloat16(), r(T, H).bfloat16()
+    A_log, dt_bias = params(H, gen, dev)
+    pool = (r(slots, H, V, K) * 0.3).to(sdt)
+    idx = torch.randperm(slots, generator=gen, device=dev)[:rows].to(torch.int32)
+    buf = torch.zeros(rows + 1, D, H, V, K, dtype=sdt, device=dev)     # MambaPool's rows + its discard row
+    table = torch.arange(rows + 1, dtype=torch.int32, device=dev)      # build_verify_intermediate_state_indices
+    return (A_log, dt_bias, q, k, v, a, b), dict(
+        ssm_states=pool, cache_indices=idx, query_start_loc=torch.arange(0, T + 1, D, dtype=torch.int32, device=dev),
+        intermediate_states_buffer=buf, intermediate_state_indices=table, cache_steps=D, retrieve_parent_token=None)
+
+
+def _out(x):
+    """[1, T, HV, V] from either kernel (SGLang's packed decode returns a transposed view)."""
+    return x[0] if isinstance(x, tuple) else x
+
+
+def agreement(phase, ours, sglang, args, kw) -> dict:
+    """Both kernels once from identical copies of every state they write: rel. L2 of the outputs and of the
+    states written (the pool for decode / extend, the buffer for verify)."""
+    written = "intermediate_states_buffer" if phase == "target_verify" else "ssm_states"
+    runs = {}
+    for name, kern in (("ours", ours), ("sglang", sglang)):
+        kw2 = dict(kw, **{written: kw[written].clone()})
+        with torch.inference_mode():
+            o = _out(getattr(kern, phase)(*args, **kw2))
+        runs[name] = (o.reshape(-1, o.shape[-2], o.shape[-1]).float(), kw2[written].float())
+    (o1, s1), (o2, s2) = runs["ours"], runs["sglang"]
+    if phase == "target_verify":   # rows past the requests (the discard row) are written by neither
+        s1, s2 = s1[:-1], s2[:-1]
+    res = {"o": harness.rel_l2(o1, o2), "state": harness.rel_l2(s1, s2)}
+    res["ok"] = res["o"] < TOL["o"] and res["state"] < TOL[kw[written].dtype]
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def fla_decode(inp):
+    H = inp["num_v_heads"]
+    q, k, v = (x.reshape(-1, H, K) for x in inp["mixed_qkv"].split([H * K] * 3, -1))
+    return harness.fla_decode_fn(q.contiguous(), k.contiguous(), v.contiguous(), inp["a"].view(-1, H, K),
+                                 inp["b"], state=inp["ssm_states"], state_indices=inp["cache_indices"],
+                                 A_log=inp["A_log"], dt_bias=inp["dt_bias"], scale=inp["scale"])
+
+
+def fla_extend(args, kw):
+    q, k, v, g, beta = args
+    pool = kw["ssm_states"]
+    return harness.fla_prefill_fn(q, k, v, g, beta, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
+                                  cu_seqlens=kw["query_start_loc"],
+                                  initial_state=pool.index_select(0, kw["cache_indices"].long()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_args(ap)
+    ap.add_argument("--prepare", action="store_true", help="copy SGLang's kernel files from the wheel and exit")
+    ap.add_argument("--wheel", default=None, help="the sglang 0.5.23 wheel (default: found or downloaded)")
+    ap.add_argument("--phases", default="decode,extend,verify")
+    ap.add_argument("--rows", default="", help="comma list of requests (decode, verify)")
+    ap.add_argument("--heads", default="", help="comma list of H = HV")
+    ap.add_argument("--states", default="f32,bf16")
+    ap.add_argument("--drafts", type=int, default=3, help="draft tokens per request (verify)")
+    args = ap.parse_args(argv)
+    if args.prepare:
+        print(f"prepared {prepare(args.wheel)}")
+        return 0
+    cfg = harness.config_from_args(args)
+    if not cfg.is_cuda:
+        raise SystemExit("bench_sglang.py needs a CUDA GPU (SGLang's kernels are Triton)")
+    from flashkda_ext.integrations.sglang import REASONS, STATS, FlashKDAExtKernel
+    sglang = load_sglang()
+    ours = FlashKDAExtKernel(fallback=None)       # a fallback would be a silent SGLang arm: none here
+    ints = lambda s, d: [int(x) for x in s.split(",")] if s else d  # noqa: E731
+    rows_list = ints(args.rows, [1, 64, 1024] if args.quick else [1, 8, 32, 128, 512, 1024])
+    heads = ints(args.heads, [8, 32] if args.quick else [8, 12, 24, 32])
+    extend_grid = [(1, 4096), (16, 256), (1024, 16)] if args.quick else \
+        [(1, 4096), (4, 1024), (16, 512), (64, 128), (256, 64), (1024, 16)]
+    states = {"f32": torch.float32, "bf16": torch.bfloat16}
+    phases = args.phases.split(",")
+    no_fla = args.no_fla or importlib.util.find_spec("fla") is None
+    dev, disagree, summary = cfg.device, [], {}
+    for phase in phases:
+        method = {"decode": "packed_decode", "extend": "extend", "verify": "target_verify"}[phase]
+        run = harness.Run(f"sglang_{phase}", cfg, baseline="sglang",
+                          primary_mode="eager" if phase == "extend" else "graph",
+                          extra_meta={"sglang": VERSION, "gate": "softplus", "K": K, "V": V})
+        grid = [(s, H, p) for s in args.states.split(",") for H in heads
+                for p in (extend_grid if phase == "extend" else rows_list)]
+        run.start(len(grid))
+        agree = {}
+        for sname, H, point in grid:
+            sdt = states[sname]
+            gen = torch.Generator(device=dev).manual_seed(H * 7919 + (point[0] if phase == "extend" else point))
+            if phase == "decode":
+                inp = decode_inputs(point, H, sdt, gen, dev, slots=max(2 * point, 64))
+                a_args, kw, name, rows = (inp.pop("mixed_qkv"), inp.pop("a"), inp.pop("b")), inp, f"r{point}", point
+                fla_fn = None if no_fla else fla_decode(dict(inp, mixed_qkv=a_args[0], a=a_args[1], b=a_args[2]))
+            elif phase == "extend":
+                rows, length = point
+                a_args, kw = extend_inputs(rows, length, H, sdt, gen, dev, slots=max(2 * rows, 64))
+                name, fla_fn = f"r{rows}x{length}", None if no_fla else fla_extend(a_args, kw)
+            else:
+                rows = point
+                a_args, kw = verify_inputs(rows, args.drafts, H, sdt, gen, dev, slots=max(2 * rows, 64))
+                name, fla_fn = f"r{rows}_d{args.drafts}", None
+            label = f"{sname}_h{H}_{name}"
+            res = agreement(method, ours, sglang, a_args, kw)
+            agree[label] = res
+            if not res["ok"]:
+                disagree.append((phase, label, res))
+            graph = phase != "extend"       # SGLang's chunk_kda reads its offsets on the host (a sync)
+            arms = [harness.Arm("ours", lambda m=getattr(ours, method): m(*a_args, **kw), graph=graph),
+                    harness.Arm("sglang", lambda m=getattr(sglang, method): m(*a_args, **kw), graph=graph)]
+            if fla_fn is not None:
+                arms.append(harness.Arm("fla", fla_fn, graph=graph))
+            with torch.inference_mode():
+                run.add(harness.Case(label, dict(state=sname, heads=H, rows=rows, phase=phase), arms,
+                                     notes=dict(agreement=res)))
+            del a_args, kw
+            torch.cuda.empty_cache()
+        run.extra.update(agreement=agree, served=dict(STATS), fallbacks={f"{m}: {r}": n for (m, r), n in
+                                                                          REASONS.items()})
+        run.finish()
+        summary[phase] = run.summary()
+    print("summary", json.dumps(summary, default=str))
+    for phase, label, res in disagree:
+        print(f"DISAGREE {phase} {label}: {res}", file=sys.stderr)
+    return 1 if disagree else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

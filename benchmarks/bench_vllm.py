@@ -1,0 +1,273 @@
+"""vLLM 0.34.0's own Triton KDA kernels (Kimi K3 / Kimi-Linear) against flashkda_ext through the vLLM adapters,
+on identical inputs, one run (issue 45, the vLLM half of the GPU acceptance).
+
+The vLLM side is the real wheel's kimi_k3 nvidia ops package, prepared here (no GPU needed) and carried:
+
+    python3 scripts/prepare_vllm_engine.py                # -> .engines/vllm (ignored; carry it)
+    python3 benchmarks/bench_vllm.py --out results/       # on the GPU: the whole grid
+    python3 benchmarks/bench_vllm.py --quick              # rows {1, 64, 1024}, H {8, 32}
+    python3 benchmarks/bench_vllm.py --dry-run            # CPU: the adapters against flashkda_ext.reference
+
+install() rebinds the package's three names; "ours" calls them as the layers do (the adapter, which must
+serve: a fallback is reported as an error of the case), "vllm_triton" calls the original each adapter wraps,
+"fla" runs fla's kernels on the same inputs where fla imports. Kinds, as the layers call them:
+- decode: fused_recurrent_kda_packed_decode, packed post-conv q|k|v [rows, 3*H*128], raw gate, beta logit
+  a strided view of the projection, rows distinct slots of a pool whose slot 0 is vLLM's null block;
+- verify: fused_recurrent_kda with a [rows, T_max] slot table and num_accepted_tokens in [1, T_max], q/k/v
+  row-strided views of the post-conv buffer;
+- prefill: chunk_kda_with_fused_gate over `rows` sequences of --prefill-len tokens from gathered states.
+Each point: bf16 and fp32 pools (--state-dtypes; --paged: laid out as vLLM pages them), softplus or bounded
+gate (--lower-bound), heads H = HV.
+Agreement is checked first on fresh copies (output and pool / final state, rel. L2 below --tol); the table is
+the harness's (graph replay, eager, wall), baseline vllm_triton; JSON with the agreement and the served /
+fallback counts per call site.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+K = V = 128
+K3_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+
+
+def load_vllm(engine_dir: Path):
+    """The real K3 ops package from the prepared folder, with the flashkda_ext adapters installed on it."""
+    if not (engine_dir / "vllm").is_dir():
+        raise SystemExit(f"{engine_dir}: no prepared vLLM folder; run `python3 scripts/prepare_vllm_engine.py`")
+    sys.path.insert(0, str(engine_dir))
+    ops = importlib.import_module(K3_OPS)
+    from flashkda_ext.integrations import vllm as fkda_vllm
+    report = fkda_vllm.install()
+    skipped = {s: r for s, r in report.items() if isinstance(r, str)}
+    if any(s.startswith("k3") for s in skipped):
+        raise SystemExit(f"the adapters were not installed: {skipped}")
+    return ops, fkda_vllm
+
+
+def copy_pool(pool):
+    """A copy with the same strides (a paged pool stays paged; clone() would make it dense)."""
+    if pool is None:
+        return None
+    out = torch.empty_strided(pool.shape, pool.stride(), dtype=pool.dtype, device=pool.device)
+    return out.copy_(pool)
+
+
+def new_pool(slots, H, state_dtype, args, dev, gen):
+    """The pool as vLLM lays it out with --paged (a page per slot: the conv state [3, 3*H*K] in bf16, then the
+    recurrent state [H, V, K]), else dense; random small states."""
+    states = (torch.randn(slots, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+    if not args.paged:
+        return states
+    esize = states.element_size()
+    conv = 3 * 3 * H * K * 2
+    page = conv + H * V * K * esize
+    raw = torch.zeros(slots * page, dtype=torch.uint8, device=dev)
+    pool = torch.as_strided(raw.view(state_dtype), states.shape, (page // esize, V * K, K, 1), conv // esize)
+    return pool.copy_(states)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def inputs(kind, rows, H, state_dtype, lower_bound, args, dev, seed=0):
+    """(call kwargs with the pool / initial state, the pool or None) as the layers build them."""
+    gen = _gen(seed)
+    bf = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(dev, torch.bfloat16)  # noqa: E731
+    A_log = (torch.rand(H, generator=gen) * 0.5).to(dev)
+    dt_bias = (torch.randn(H * K, generator=gen) * 0.5).to(dev)
+    if kind == "decode":
+        pool = new_pool(rows + 1, H, state_dtype, args, dev, gen)
+        proj = bf(rows, H + 8)
+        idx = (torch.randperm(rows, generator=gen) + 1).to(dev, torch.int32)
+        return dict(mixed_qkv=bf(rows, 3 * H * K), raw_g=bf(1, rows, H, K), raw_beta=proj[:, :H].unsqueeze(0),
+                    A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=pool, state_indices=idx), pool
+    if kind == "verify":
+        tm = args.spec_tokens
+        T = rows * tm
+        mixed = bf(T, 3 * H * K)
+        q, k, v = (x.unflatten(1, (H, K)).unsqueeze(0) for x in mixed.split(H * K, dim=-1))
+        pool = new_pool(rows * tm + 1, H, state_dtype, args, dev, gen)
+        table = (torch.randperm(rows * tm, generator=gen) + 1).view(rows, tm).to(dev, torch.int32)
+        nat = torch.randint(1, tm + 1, (rows,), generator=gen).to(dev, torch.int32)
+        return dict(q=q, k=k, v=v, raw_g=bf(1, T, H, K), raw_beta=bf(1, T, H + 8)[..., :H], A_log=A_log,
+                    dt_bias=dt_bias, lower_bound=lower_bound, initial_state=pool,
+                    cu_seqlens=torch.arange(0, T + 1, tm, dtype=torch.int32, device=dev),
+                    ssm_state_indices=table, num_accepted_tokens=nat), pool
+    L = args.prefill_len
+    T = rows * L
+    h0 = (torch.randn(rows, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+    return dict(q=bf(1, T, H, K), k=bf(1, T, H, K), v=bf(1, T, H, V), raw_g=bf(1, T, H, K),
+                raw_beta=bf(1, T, H + 8)[..., :H], A_log=A_log, g_bias=dt_bias, lower_bound=lower_bound,
+                initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=torch.arange(0, T + 1, L, dtype=torch.int32, device=dev)), None
+
+
+NAMES = {"decode": "fused_recurrent_kda_packed_decode", "verify": "fused_recurrent_kda",
+         "prefill": "chunk_kda_with_fused_gate"}
+
+
+def with_pool(call, pool):
+    return dict(call, initial_state=pool) if pool is not None else call
+
+
+def reference(kind, call):
+    """flashkda_ext.reference on the call (the dry run's comparison, where Triton cannot run)."""
+    from flashkda_ext.reference import kda_decode_step, kda_recurrent, kda_verify_step
+    lb = call["lower_bound"]
+    gate = dict(gate="softplus") if lb is None else dict(gate="bounded", lower_bound=lb)
+    if kind == "decode":
+        m = call["mixed_qkv"]
+        B, H = m.shape[0], call["raw_g"].shape[2]
+        q, k, v = m.view(B, 3, H, K).unbind(1)
+        o, pool = kda_decode_step(q, k, v, call["raw_g"][0], call["raw_beta"][0], state=call["initial_state"],
+                                  state_indices=call["state_indices"], A_log=call["A_log"], dt_bias=call["dt_bias"],
+                                  null_slot0=True, **gate)
+        return o.unsqueeze(0), pool
+    if kind == "verify":
+        return kda_verify_step(*(call[n] for n in ("q", "k", "v", "raw_g", "raw_beta")), state=call["initial_state"],
+                               state_indices=call["ssm_state_indices"], cu_seqlens=call["cu_seqlens"],
+                               num_accepted_tokens=call["num_accepted_tokens"], A_log=call["A_log"],
+                               dt_bias=call["dt_bias"], null_slot0=True, **gate)
+    o, h, _ = kda_recurrent(*(call[n] for n in ("q", "k", "v", "raw_g", "raw_beta")), A_log=call["A_log"],
+                            dt_bias=call["g_bias"], cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"],
+                            **gate)
+    return o, h
+
+
+def agreement(kind, call, pool, ours_fn, theirs_fn):
+    """(rel. L2 of the outputs, of the pools / final states) on fresh copies of the inputs."""
+    a_pool, b_pool = copy_pool(pool), copy_pool(pool)
+    o1, s1 = ours_fn(**with_pool(call, a_pool))
+    if theirs_fn is None:
+        o2, s2 = reference(kind, with_pool(call, b_pool))
+    else:
+        o2, s2 = theirs_fn(**with_pool(call, b_pool))
+    if pool is not None:
+        s1, s2 = a_pool, (b_pool if theirs_fn is not None else s2)
+    return harness.rel_l2(o1, o2), harness.rel_l2(s1, s2)
+
+
+def fla_arm(kind, call, pool):
+    """fla's kernels on the same inputs (None where fla does not import or lacks the path)."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception:  # noqa: BLE001  fla absent: no third arm
+        return None
+    lb = call["lower_bound"]
+    gate = "softplus" if lb is None else "bounded"
+    if kind == "decode":
+        m = call["mixed_qkv"]
+        B, H = m.shape[0], call["raw_g"].shape[2]
+        q, k, v = (x.contiguous() for x in m.view(B, 3, H, K).unbind(1))
+        return harness.fla_decode_fn(q, k, v, call["raw_g"][0].contiguous(), call["raw_beta"][0].contiguous(),
+                                     state=pool, state_indices=call["state_indices"], A_log=call["A_log"],
+                                     dt_bias=call["dt_bias"], gate=gate, lower_bound=lb)
+    if kind == "verify":
+        q, k, v = (call[n].contiguous() for n in ("q", "k", "v"))
+        g, beta = call["raw_g"], call["raw_beta"].contiguous()
+        return lambda: fused_recurrent_kda_fwd(
+            q, k, v, g, beta, A_log=call["A_log"], dt_bias=call["dt_bias"], initial_state=pool, scale=K ** -0.5,
+            inplace_final_state=True, state_v_first=True, cu_seqlens=call["cu_seqlens"],
+            ssm_state_indices=call["ssm_state_indices"], num_accepted_tokens=call["num_accepted_tokens"],
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lb)
+    return harness.fla_prefill_fn(call["q"], call["k"], call["v"], call["raw_g"], call["raw_beta"].contiguous(),
+                                  A_log=call["A_log"], dt_bias=call["g_bias"], gate=gate, lower_bound=lb,
+                                  cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_args(ap)
+    ap.add_argument("--engine-dir", default=str(ROOT / ".engines" / "vllm"))
+    ap.add_argument("--kinds", default="decode,verify,prefill")
+    ap.add_argument("--rows", default="1,4,16,64,256,1024", help="decode rows / verify requests / prefill sequences")
+    ap.add_argument("--heads", default="8,12,24,32")
+    ap.add_argument("--state-dtypes", default="float32,bfloat16")
+    ap.add_argument("--lower-bound", type=float, default=-5.0, help="the bounded gate (K3); nan: softplus")
+    ap.add_argument("--spec-tokens", type=int, default=4, help="verify: T_max (draft tokens + 1)")
+    ap.add_argument("--prefill-len", type=int, default=256)
+    ap.add_argument("--prefill-max-rows", type=int, default=64, help="prefill: rows above this are left out")
+    ap.add_argument("--paged", action="store_true", help="pools as vLLM pages them (conv state first in a page)")
+    ap.add_argument("--tol", type=float, default=1e-2, help="rel. L2 agreement bound (bf16 inputs)")
+    args = ap.parse_args(argv)
+    cfg = harness.config_from_args(args)
+    if args.quick:
+        args.rows, args.heads = "1,64,1024", "8,32"
+    if args.dry_run:
+        args.rows, args.heads, args.prefill_len = "1,3", "2", 32
+    dev = torch.device(cfg.device)
+    ops, fkda_vllm = load_vllm(Path(args.engine_dir))
+    lb = None if args.lower_bound != args.lower_bound else args.lower_bound   # nan: softplus
+    kinds = [k for k in args.kinds.split(",") if k]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    heads = [int(h) for h in args.heads.split(",")]
+    dtypes = [getattr(torch, d) for d in args.state_dtypes.split(",")]
+    run = harness.Run("bench_vllm", cfg, baseline="vllm_triton" if cfg.is_cuda else None,
+                      extra_meta={"vllm": "0.34.0 (wheel, kimi_k3 nvidia ops)", "lower_bound": lb,
+                                  "spec_tokens": args.spec_tokens, "prefill_len": args.prefill_len,
+                                  "paged": args.paged})
+    points = [(kind, r, H, sd) for kind in kinds for r in rows_list for H in heads for sd in dtypes
+              if not (kind == "prefill" and r > args.prefill_max_rows)]
+    run.start(len(points))
+    accuracy, failed = [], []
+    with torch.inference_mode():
+        for kind, rows, H, sd in points:
+            name = f"{kind} rows={rows} H={H} {str(sd).split('.')[-1]}"
+            adapter = getattr(ops, NAMES[kind])
+            original = adapter.__wrapped__ if cfg.is_cuda else None
+            call, pool = inputs(kind, rows, H, sd, lb, args, dev)
+            site = f"k3.{NAMES[kind]}"
+            served = fkda_vllm.STATS[site, "served"]
+            try:
+                rel_o, rel_s = agreement(kind, call, pool, adapter, original)
+            except Exception as e:  # noqa: BLE001  a point that cannot run is recorded, the sweep goes on
+                run.skipped.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
+                failed.append(name)
+                continue
+            ok = fkda_vllm.STATS[site, "served"] == served + 1
+            good = ok and rel_o < args.tol and rel_s < args.tol
+            accuracy.append({"case": name, "served": ok, "rel_l2_out": rel_o, "rel_l2_state": rel_s, "ok": good,
+                             "against": "vllm_triton" if original else "reference"})
+            if not good:
+                failed.append(name)
+            arms = []
+            if ok:
+                mine = with_pool(call, copy_pool(pool))
+                arms.append(harness.Arm("ours", lambda c=mine: adapter(**c)))
+            if original is not None:
+                theirs = with_pool(call, copy_pool(pool))
+                arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
+                if not args.no_fla:
+                    fla = fla_arm(kind, call, copy_pool(pool))
+                    if fla is not None:
+                        arms.append(harness.Arm("fla", fla))
+            nbytes = None if pool is None else harness.state_bytes(
+                rows * H * (args.spec_tokens if kind == "verify" else 1), K, V, sd)
+            run.add(harness.Case(name, dict(kind=kind, rows=rows, H=H, state_dtype=str(sd), lower_bound=lb),
+                                 arms, bytes=nbytes,
+                                 notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "served": ok}))
+    run.extra["accuracy"] = accuracy
+    run.extra["adapter_counts"] = {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()}
+    run.extra["fallback_reasons"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}
+    run.finish()
+    for a in accuracy:
+        print(f"{a['case']:<40} served={a['served']} out {a['rel_l2_out']:.2e} state {a['rel_l2_state']:.2e} "
+              f"vs {a['against']}{'' if a['ok'] else '  <-- FAIL'}")
+    if failed:
+        print(f"{len(failed)} point(s) failed agreement or did not run: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+#!/usr/bin/env python
+"""docs/performance.md and the README's speed block, generated from the results they cite.
+
+The sources are benchmarks/results/current.json: {"ops": {op: [{"file": F, "plot": P}]}}, F and P
+paths under benchmarks/results/ in folders named h200-<date>-<commit>, so each figure's date and
+commit come from its file's folder; an optional "note" (what changed since the run) is printed under
+the op's table. F is a harness run document (benchmarks/harness.py) in its full
+or compact form (benchmarks/results_compact.py); the tables read the arms' medians:
+
+    kda_decode        bench_decode.py      arms ours (routed module), fla; graph, eager, wall
+    fused_kda_decode  bench_fused_decode.py arms fused, unfused (the engine's sequence), step; graph
+    kda_verify        bench_verify.py      arms ours (routed module), fla; graph
+    kda_prefill       bench_prefill.py     arms ours, then one column per peer arm the run has
+                                           (fla, cudnn, ...); eager (event time) and kernel
+
+The targets come from the same data through benchmarks/decode_targets.py and prefill_targets.py.
+
+    python benchmarks/perf_doc.py            # rewrite docs/performance.md and the README block
+    python benchmarks/perf_doc.py --check    # exit 1 when either differs from what the data give
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_targets  # noqa: E402
+import prefill_targets  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SOURCES = RESULTS / "current.json"
+DOC = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+FOLDER = re.compile(r"^h200-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")
+BEGIN = "<!-- begin generated: performance (benchmarks/perf_doc.py; edit the data, not this block) -->"
+END = "<!-- end generated: performance -->"
+# Peers named in the tables; an arm not listed here gets its own name as the heading.
+PEER_NAMES = {"fla": "fla", "cudnn": "cuDNN", "flashkda": "FlashKDA"}
+
+
+class Source:
+    """One cited results file: its document, the date and commit of its folder, its links."""
+
+    def __init__(self, entry: dict, root: Path = RESULTS):
+        self.file, self.plot, self.note = entry["file"], entry.get("plot"), entry.get("note")
+        self.key = ""  # the table's label for it (A, B, ... in the order of the op's sources)
+        m = FOLDER.match(Path(self.file).parent.name)
+        if not m:
+            raise ValueError(f"{self.file}: results folders are named h200-<date>-<commit>")
+        self.date, self.commit = m.groups()
+        self.doc = json.loads((root / self.file).read_text())
+
+    def cite(self) -> str:
+        """'<date>, <commit>, [file](link)', the form every figure carries."""
+        return f"{self.date}, {self.commit}, [{Path(self.file).name}](../benchmarks/results/{self.file})"
+
+    def when(self) -> str:
+        return f"{self.date}, {self.commit}"
+
+
+def load(path: Path = SOURCES, root: Path = RESULTS) -> dict:
+    ops = json.loads(path.read_text())["ops"]
+    return {op: [Source(e, root) for e in entries] for op, entries in ops.items()}
+
+
+def _med(arm, mode):
+    return ((arm or {}).get("time_us", {}).get(mode) or {}).get("median")
+
+
+def _pct(arm, mode="graph"):
+    return ((arm or {}).get("bandwidth", {}).get(mode) or {}).get("pct_copy")
+
+
+def _geomean(xs):
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def _us(t) -> str:
+    if t is None:
+        return "-"
+    return f"{t:.0f}" if t >= 1000 else f"{t:.1f}"
+
+
+def _x(r) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _table(head, rows) -> list:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _pair(case, ours="ours", peer="fla", mode="graph"):
+    """(ours, the peer's) medians of one case; (None, None) for a point the run does not have."""
+    if case is None:
+        return None, None
+    return _med(case["arms"].get(ours), mode), _med(case["arms"].get(peer), mode)
+
+
+def _ratios(cases, ours: str, peer: str, mode: str):
+    out = []
+    for c in cases:
+        a, b = _med(c["arms"].get(ours), mode), _med(c["arms"].get(peer), mode)
+        if a and b:
+            out.append(b / a)
+    return out
+
+
+def _state(src: Source) -> str:
+    states = {c["params"].get("state") for c in src.doc["cases"]} - {None}
+    return "/".join(sorted(states, reverse=True)) or src.doc["meta"].get("state", "")
+
+
+def _by_state(src: Source):
+    """[(state, cases)] of one run: a run may time several state dtypes (f32 first)."""
+    default = src.doc["meta"].get("state", "")
+    states = sorted({c["params"].get("state", default) for c in src.doc["cases"]}, reverse=True)
+    return [(st, [c for c in src.doc["cases"] if c["params"].get("state", default) == st]) for st in states]
+
+
+# --- kda_decode ------------------------------------------------------------------------------
+
+DECODE_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+def decode_section(srcs) -> list:
+    lines = [
+        "Grid (issue 6): heads 8 / 16 / 32 / 64 x rows 1 ... 4096, a pool of 8192 slots, random unique "
+        "slots, softplus gate; CUDA-graph replay. Targets: >= 90% (fp32) / 85% (bf16) of copy bandwidth "
+        "from 2048 work items (rows x heads); <= 6 us graph replay and <= 20 us per eager call through the "
+        "public op at <= 128 work items; faster than fla at every point, geomean >= 1.5x (graph) and >= 5x "
+        "(eager).", "",
+        "Each cell: ours / fla us, graph replay (fla's time over ours).", ""]
+    rows = []
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
+        by = {(c["params"]["heads"], c["params"]["rows"]): c for c in cases}
+        for h in sorted({k[0] for k in by}):
+            cells = []
+            for r in DECODE_ROWS:
+                a, f = _pair(by.get((h, r)))
+                cells.append("-" if a is None else f"{_us(a)} / {_us(f)} ({_x(f / a if f else None)})")
+            rows.append([state, str(h)] + cells + [src.key])
+    lines += _table(["state", "HV"] + [f"rows {r}" for r in DECODE_ROWS] + ["run"], rows)
+    lines.append("")
+    for src in srcs:
+        for state, r in decode_targets.evaluate(src.doc).items():
+            g = r["geomean"]
+            gm = g.get("ours_graph")
+            cases = [c for c in src.doc["cases"] if c["params"]["state"] == state]
+            worst = min(_ratios(cases, "ours", "fla", "graph"), default=None)
+            who = "public op" if g.get("op_eager") else "module function"
+            eager = g.get("op_eager") or g.get("ours_eager")
+            bw = decode_targets.BANDWIDTH_TARGET.get(state)
+            slower = len(r["not_faster_than_fla"])
+            lines.append(
+                f"- {state} ({src.when()}): graph geomean {_x(gm)} over fla, slowest {_x(worst)}, "
+                + ("faster at every point" if not slower else f"not faster at {slower} points")
+                + f"; eager geomean {_x(eager)} ({who}); "
+                f">= {bw:g}% of copy from 2048 work items missed at {len(r['bandwidth_misses'])} points"
+                + (" (" + ", ".join(f"{h}x{n} {p:.1f}%" for h, n, p, _ in r["bandwidth_misses"]) + ")"
+                   if r["bandwidth_misses"] else "")
+                + f"; <= 6 us graph at <= 128 work items missed at {len(r['small_graph_misses'])}"
+                + f"; <= 20 us eager missed at {len(r['small_eager_misses'])}.")
+    return lines
+
+
+# --- fused_kda_decode ------------------------------------------------------------------------
+
+def fused_section(srcs) -> list:
+    lines = [
+        "Arms (issue 9): the fused op; the unfused sequence an engine runs today (causal conv update with "
+        "its cache in torch, fla's gate kernel, fla's recurrent step on the pool in place, gated RMSNorm in "
+        "torch); the plain `kda_decode` step at the same shape. Pool of 4096 slots, softplus gate, CUDA-graph "
+        "replay. Targets: >= 3x over the unfused sequence at rows <= 64, >= 1.5x at rows >= 1024; the fused "
+        "op within 1.15x of the plain step.", ""]
+    rows, notes = [], []
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
+        over, within = [], []
+        for c in cases:
+            p, arms = c["params"], c["arms"]
+            fu, un, st = (_med(arms.get(k), "graph") for k in ("fused", "unfused", "step"))
+            x = un / fu if fu and un else None
+            s = fu / st if fu and st else None
+            if x is not None:
+                over.append(x)
+            if s is not None:
+                within.append(s)
+            rows.append([p["state"], f"{p['rows']} x H{p['heads']}", _us(fu), _us(un), _x(x), _us(st),
+                         "-" if s is None else f"{s:.2f}", src.key])
+        short = [un / fu for c in cases if c["params"]["rows"] <= 64
+                 for fu, un in [(_med(c["arms"].get("fused"), "graph"), _med(c["arms"].get("unfused"), "graph"))]
+                 if fu and un]
+        notes.append(f"- {state} ({src.when()}): over the unfused sequence geomean {_x(_geomean(over))}, "
+                     f"lowest at rows <= 64 {_x(min(short, default=None))}; fused / step "
+                     f"{min(within, default=0):.2f}-{max(within, default=0):.2f}.")
+    lines += _table(["state", "point", "fused us", "unfused us", "x unfused", "step us", "fused / step", "run"],
+                    rows)
+    return lines + [""] + notes
+
+
+# --- kda_verify ------------------------------------------------------------------------------
+
+def verify_section(srcs) -> list:
+    lines = [
+        "Grid (issue 30): draft length T 2 / 4 / 8, HV 16 / 32 / 64, 1-1024 requests; fla's "
+        "`fused_recurrent_kda_fwd` with `num_accepted_tokens` in the same run; CUDA-graph replay. % of the "
+        "floor: one state read + T state writes + inputs and outputs at the run's copy bandwidth. Targets: "
+        "faster than fla at every point, geomean >= 1.5x, >= 85% of the floor from 2048 work items "
+        "(requests x HV).", "",
+        "Each cell: ours / fla us (fla's time over ours), % of the floor.", ""]
+    rows, notes, every = [], [], []
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
+        reqs = sorted({c["params"]["rows"] for c in cases})
+        by = {(c["params"]["T"], c["params"]["heads"], c["params"]["rows"]): c for c in cases}
+        for t, h in sorted({k[:2] for k in by}):
+            cells = []
+            for n in reqs:
+                c = by.get((t, h, n))
+                a, f = _pair(c)
+                cells.append("-" if a is None else
+                             f"{_us(a)} / {_us(f)} ({_x(f / a if f else None)}), {_pct(c['arms']['ours']):.0f}%")
+            rows.append([state, str(t), str(h)] + cells + [src.key])
+        head = ["state", "T", "HV"] + [f"{n} req" for n in reqs] + ["run"]
+        rx = _ratios(cases, "ours", "fla", "graph")
+        every += rx
+        big = [_pct(c["arms"]["ours"]) for c in cases if c["params"]["work_items"] >= 2048]
+        notes.append(f"- {state} ({src.when()}): geomean {_x(_geomean(rx))} over fla, slowest "
+                     f"{_x(min(rx, default=None))}; from 2048 work items {min(big):.1f}-{max(big):.1f}% of the "
+                     "floor.")
+    lines += _table(head, rows)
+    return lines + [""] + notes + [f"- all {len(every)} points: geomean {_x(_geomean(every))} over fla."]
+
+
+# --- fused_kda_verify ------------------------------------------------------------------------
+
+def fused_verify_section(srcs) -> list:
+    if not srcs:
+        return ["Not measured yet: no benchmark script times `fused_kda_verify` (its GPU tests check it "
+                "against the reference). Its route is one module, `fused_verify_row_{state}_{offset}`."]
+    raise NotImplementedError("a fused_kda_verify source needs its table here")
+
+
+# --- kda_prefill -----------------------------------------------------------------------------
+
+def _peers(cases) -> list:
+    arms = {a for c in cases for a in c["arms"] if a != "ours"}
+    return sorted(arms, key=lambda a: (list(PEER_NAMES).index(a) if a in PEER_NAMES else len(PEER_NAMES), a))
+
+
+def prefill_section(srcs) -> list:
+    lines = [
+        "Cases (the case name gives the head count): packed variable-length input, softplus and bounded gate "
+        "(lower bound -5), fp32 initial and final state, head dim 128; event time (eager, cold L2). Targets (issue "
+        "46): not slower than cuDNN's Hopper engine wherever its output is finite, geomean >= 1.5x cuDNN; B1 T32K "
+        "H8 <= 0.25 ms, H16 <= 0.45 ms; 1 x 1M tokens H16 <= 12 ms; 64x512 H16, 4x4096 H32 and 8K H64 <= 0.5 ms "
+        "each. cuDNN takes the softplus gate as a precomputed fp32 log decay (computed outside its timed call).",
+        "", "Each peer cell: its event time in us (its time over ours).", ""]
+    notes = []
+    for src in srcs:
+        cases = src.doc["cases"]
+        peers = _peers(cases)
+        rows = []
+        kernel = any(_med(c["arms"].get("ours"), "kernel") for c in cases)
+        for c in cases:
+            p, arms = c["params"], c["arms"]
+            ours = _med(arms.get("ours"), "eager")
+            cells = [p["case"], p["gate"], f"`{p['module']}`" if p.get("module") else "-", _us(ours)]
+            for peer in peers:
+                t = _med(arms.get(peer), "eager")
+                cells.append("-" if t is None else f"{_us(t)} ({_x(t / ours if ours else None)})")
+            if kernel:
+                ko, kf = _med(arms.get("ours"), "kernel"), _med(arms.get("fla"), "kernel")
+                cells.append(_x(kf / ko) if ko and kf else "-")
+            rows.append(cells + [src.key])
+        lines += _table(["case", "gate", "module", "ours us"] + [f"{PEER_NAMES.get(a, a)} us" for a in peers]
+                        + (["kernel time x fla"] if kernel else []) + ["run"], rows)
+        r = prefill_targets.evaluate(cases)
+        ev = [x for _, x in r["event"]]
+        kn = [x for _, x in r["kernel"]]
+        best = [x for _, x, _ in r["best"]]
+        notes.append(f"- {src.when()}: event time over fla geomean {_x(_geomean(ev))}, lowest "
+                     f"{_x(min(ev, default=None))}; kernel time over fla geomean {_x(_geomean(kn))}; bounded "
+                     f"gate over the better of fla and FlashKDA (FlashKDA: issue 8's quoted H200 times, "
+                     f"benchmarks/prefill_targets.py, not measured here) geomean {_x(_geomean(best))}, "
+                     f"not ahead at {len(r['not_ahead'])} rows; "
+                     + "; ".join(f"{n}: {us / 1000:.3f} ms" for n, us in r["long"]) + ".")
+        cud_rows = [c for c in cases if "cudnn" in c["arms"]]
+        if cud_rows:
+            rc = prefill_targets.evaluate_cudnn(cud_rows)
+            missed = [f"{n} {ms:.3f} ms (target {lim:g})" for n, ms, lim in rc["limits"] if ms > lim]
+            notes.append(f"- {src.when()}: against cuDNN where its output is finite ({len(rc['ratios'])} rows, "
+                         f"{len(rc['nonfinite'])} non-finite): geomean {_x(_geomean([x for _, x in rc['ratios']]))}, "
+                         f"behind at {len(rc['behind'])} rows; time limits missed: "
+                         + ("; ".join(missed) if missed else "none") + ".")
+        for peer in peers:
+            if peer not in ("fla", "cudnn") or not cud_rows:
+                xs = _ratios(cases, "ours", peer, "eager")
+                notes.append(f"- {src.when()}: event time over {PEER_NAMES.get(peer, peer)} geomean "
+                             f"{_x(_geomean(xs))}, lowest {_x(min(xs, default=None))}.")
+    return lines + [""] + notes
+
+
+SECTIONS = (("kda_decode", "Decode (`kda_decode`)", decode_section),
+            ("fused_kda_decode", "Fused decode (`fused_kda_decode`)", fused_section),
+            ("kda_verify", "Verify (`kda_verify`)", verify_section),
+            ("fused_kda_verify", "Fused verify (`fused_kda_verify`)", fused_verify_section),
+            ("kda_prefill", "Prefill (`kda_prefill`)", prefill_section))
+
+
+def _versions(sources) -> str:
+    metas = [s.doc["meta"] for srcs in sources.values() for s in srcs]
+    parts = []
+    for key, name in (("gpu", "GPU"), ("torch", "torch"), ("triton", "triton"), ("fla", "fla")):
+        vals = sorted({str(m[key]) for m in metas if m.get(key)})
+        if vals:
+            parts.append(f"{name} {' / '.join(vals)}")
+    return ", ".join(parts)
+
+
+def summary_rows(sources) -> list:
+    """(op and state, peer, geomean, slowest, when): the figures the README quotes."""
+    out = []
+    pairs = {"kda_decode": ("ours", "fla", "graph"), "kda_verify": ("ours", "fla", "graph"),
+             "fused_kda_decode": ("fused", "unfused", "graph"), "kda_prefill": ("ours", "fla", "eager")}
+    for op, (ours, peer, mode) in pairs.items():
+        for src, state, cases in [(src, st, cs) for src in sources.get(op, []) for st, cs in _by_state(src)]:
+            peers = [peer] + ([p for p in _peers(cases) if p != peer] if op == "kda_prefill" else [])
+            for p in peers:
+                xs = _ratios(cases, ours, p, mode)
+                if xs:
+                    who = "the unfused engine sequence (fla step)" if p == "unfused" else PEER_NAMES.get(p, p)
+                    out.append((f"`{op}`, {state} state", who, mode, _geomean(xs), min(xs), src))
+    return out
+
+
+def readme_block(sources) -> str:
+    rows = [[label, who, f"{_x(g)} ({_x(lo)})", "graph replay" if mode == "graph" else "event time",
+             f"{src.when()}"] for label, who, mode, g, lo, src in summary_rows(sources)]
+    return "\n".join(["On one H200, the peer's time over ours (geomean over the run's grid, slowest point in "
+                      "brackets); docs/performance.md has the tables, the targets and the runs:", ""]
+                     + _table(["op", "against", "speedup", "timing", "run (date, commit)"], rows))
+
+
+def render(sources) -> str:
+    out = [
+        "<!-- generated by benchmarks/perf_doc.py from benchmarks/results/current.json and the files it "
+        "names; edit those, not this file -->",
+        "# Performance", "",
+        "What each public op does today on an H200, against its targets and its peers. Each figure names "
+        "its run: the date, the last commit measured and the results file (under `benchmarks/results/`, "
+        "compact JSON). The measurements before these, and the changes tried and not kept, are in the git "
+        "history: `git log -- docs/perf-notes.md benchmarks/results` finds the dated notebook and the raw "
+        "runs, and `git show <commit>^:docs/perf-notes.md` reads it as it was before its removal.",
+        "", "## Method", "",
+        f"- **Machine**: {_versions(sources)}; one lent GPU, its host.",
+        "- **Harness** (`benchmarks/harness.py`, every benchmark): warm-up calls first (module load, JIT build "
+        "and Triton autotuning stay out); arms interleaved A B, B A, ... so clock or thermal drift hits "
+        "every arm alike; each figure a **median** over many timed runs (p10 / p90 in the raw output).",
+        "- **Cold L2**: before every timed run a buffer of at least twice the L2 is overwritten outside the "
+        "timed region (decode and verify rotate their inputs instead: each timed graph holds up to 128 calls "
+        "on different slot lists, and times are divided by their count).",
+        "- **CUDA-graph replay** (`graph`): a graph of the call replayed and timed with device events; the "
+        "number for decode and verify, which engines replay. **Event time** (`eager`): one eager call timed "
+        "with device events; **wall**: the host clock around a synchronized call. **Kernel time** "
+        "(prefill): the union of the call's kernels' spans from torch.profiler.",
+        "- **Copy ceiling** in the same run: a 2 GiB device-to-device copy (bytes read + written); "
+        "\"% of copy\" is a case's essential traffic over its median time, divided by it.",
+        "- **Peers on identical inputs**, in the same run: fla 0.6 (Triton; `fused_recurrent_kda` on the "
+        "same `[slots, HV, V, K]` pool, in place, for decode and verify; `chunk_kda` for prefill), with its "
+        "gate, l2norm and beta sigmoid inside its kernels. vLLM's KDA layer calls its own vendored copy of "
+        "fla's Triton ops (docs/integrations.md), so the fla column stands for it. cuDNN: a prefill column "
+        "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installed on the GPU "
+        "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target.", ""]
+    for op, title, make in SECTIONS:
+        srcs = sources.get(op, [])
+        for i, src in enumerate(srcs):
+            src.key = chr(ord("A") + i)
+        out += [f"## {title}", ""] + make(srcs)
+        out += [f"- Run {src.key}: {src.note}" for src in srcs if src.note] + [""]
+        if srcs:
+            out += ["Runs: " + "; ".join(f"{src.key}: {src.cite()}" for src in srcs) + ".", ""]
+        for src in srcs:
+            if src.plot:
+                out += [f"![{op} {_state(src)} {src.when()}](../benchmarks/results/{src.plot})", ""]
+    out += HOW_TO_REPRODUCE
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+HOW_TO_REPRODUCE = [
+    "## How to reproduce", "",
+    "On the GPU machine, from a checkout (`scripts/device.sh`; its knobs are at its top, logs and results "
+    "go to `$OUT`):", "",
+    "    STAGES=\"build tests bench peers\" bash scripts/device.sh", "",
+    "`bench` runs bench_decode / bench_fused_decode / bench_verify / bench_prefill over the issues' grids; "
+    "`peers` runs prefill against cuDNN and fla (`bench_prefill.py --peers cudnn,fla`) and decode and "
+    "verify against fla. One benchmark by hand: `python3 -m flashkda_ext bench decode --quick`; on a CPU, "
+    "`python3 benchmarks/run_all.py --dry-run` checks the scripts on tiny shapes (no numbers). One device "
+    "command has 10 minutes: spread the stages (or `OPS`, the benchmarks a bench / peers stage runs) over "
+    "calls, e.g. `STAGES=peers OPS=prefill`.", "",
+    "To update this page: copy a run's JSON into `benchmarks/results/h200-<date>-<commit>/` (with a README "
+    "saying what ran), `python3 benchmarks/results_compact.py FILE`, point its op's entry of "
+    "`benchmarks/results/current.json` at it, then `python3 benchmarks/perf_doc.py` (tests/test_perf_doc.py "
+    "fails while this page or the README block differs from the data)."]
+
+
+def with_readme_block(text: str, block: str) -> str:
+    rx = re.compile(re.escape(BEGIN) + r"\n(?:.*?\n)?" + re.escape(END), re.S)
+    if not rx.search(text):
+        raise ValueError("README.md has no generated performance block")
+    return rx.sub(lambda _m: f"{BEGIN}\n{block}\n{END}", text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale; write nothing")
+    args = ap.parse_args(argv)
+    sources = load()
+    want = {DOC: render(sources), README: with_readme_block(README.read_text(), readme_block(sources))}
+    stale = [p for p, text in want.items() if not p.is_file() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"{p.relative_to(ROOT)} is stale: python3 benchmarks/perf_doc.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(want[p])
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

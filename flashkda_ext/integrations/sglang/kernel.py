@@ -1,0 +1,304 @@
+"""FlashKDAExtKernel: SGLang 0.5.23's KDA kernel interface (LinearAttnKernelBase) on flashkda_ext.
+
+Every keyword SGLang 0.5.23's call sites pass is named in the signatures below; a call the kernels cannot
+serve exactly goes to SGLang's own TritonKDAKernel (`fallback`, handed in by the plugin) with its reason
+counted in REASONS; without a fallback it raises NotImplementedError with that reason. Any other keyword is
+a TypeError. Which call site passes what: docs/integrations.md, "SGLang".
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+
+from .. import fla_chunk_states
+from ... import validation
+from ..common_checks import int32_indices
+from . import extend_states, verify
+
+#: calls per (method, "served" | "fell_back")
+STATS: collections.Counter = collections.Counter()
+#: fallbacks per (method, reason)
+REASONS: collections.Counter = collections.Counter()
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """x reshaped, in dtype and contiguous: at most one copy."""
+    x = x.reshape(shape)
+    if x.dtype != dtype:
+        return x.to(dtype, memory_format=torch.contiguous_format)
+    return x.contiguous()
+
+
+def _params(A_log, dt_bias):
+    A = None if A_log is None else _as(A_log, torch.float32, (-1,))
+    dt = None if dt_bias is None else _as(dt_bias, torch.float32, (-1,))
+    return A, dt
+
+
+def _gate(lower_bound, A_log):
+    """SGLang's rule (its chunk_kda): with A_log the raw gate is activated in the kernel, bounded when
+    lower_bound is set, else softplus; without A_log g is already the log decay."""
+    if A_log is None:
+        return "log", None
+    return ("softplus" if lower_bound is None else "bounded"), lower_bound
+
+
+def _no_unknown(where: str, kwargs: dict) -> None:
+    if kwargs:
+        raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)} for flashkda_ext's SGLang kernel "
+                        f"(SGLang 0.5.23's call sites pass none of them)")
+
+
+def _qkv_dims(q, v):
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected shape [1, T, H, K], got {list(q.shape)}")
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v: expected shape [1, T, HV, V] with T = {q.shape[1]}, got {list(v.shape)}")
+    return q.shape[1], q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+
+
+class FlashKDAExtKernel:
+    """decode / packed_decode / extend / target_verify with SGLang 0.5.23's signatures.
+
+    The capability flags, with the meaning KDAKernelDispatcher / KDAAttnBackend give them in 0.5.23:
+    """
+
+    supports_packed_decode = True             # forward_decode hands over the post-conv packed qkv
+    supports_packed_decode_safe_gate = True   # ... also for models with a gate lower_bound
+    supports_safe_gate = True                 # effective_extend_kernel keeps this kernel under lower_bound
+    supports_safe_gate_verify = True          # the dispatcher lets target_verify take lower_bound
+    supports_track_state_snapshot = True      # extend writes track_state at track_chunk_idx (radix cache)
+    uses_state_checkpoints = False            # no FlashInfer checkpoint plan is needed (track_state serves it)
+    supports_fused_chain_verify = False       # SGLang's fused conv+verify Triton kernel is not ours
+    supports_strided_target_verify_qkv = False
+
+    def __init__(self, chunk_size: int = 64, fallback=None):
+        # SGLang's track_chunk_idx and h count chunks of its chunk_kda's 64 tokens
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size: expected an int > 0, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.fallback = fallback
+
+    def _fall_back(self, method: str, reason: str, *args, **kwargs):
+        STATS[method, "fell_back"] += 1
+        REASONS[method, reason] += 1
+        if self.fallback is None:
+            raise NotImplementedError(f"{method}: {reason}; flashkda_ext does not serve this call and no fallback "
+                                      f"kernel was given (the SGLang plugin passes SGLang's TritonKDAKernel)")
+        return getattr(self.fallback, method)(*args, **kwargs)
+
+    # -----------------------------------------------------------------------------------------
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, cache_indices: torch.Tensor,
+               query_start_loc: torch.Tensor, lower_bound: Optional[float] = None, out: Optional[torch.Tensor] = None,
+               **kwargs) -> torch.Tensor:
+        """One token per request: kda_decode on the pool, updated in place. Returns [1, T, HV, V]."""
+        _no_unknown("decode", kwargs)
+        T, H, K, HV, V = _qkv_dims(q, v)
+        N = cache_indices.shape[0] if torch.is_tensor(cache_indices) else -1
+        if not torch.is_tensor(query_start_loc) or query_start_loc.shape != (N + 1,) or T != N:
+            got = list(query_start_loc.shape) if torch.is_tensor(query_start_loc) else type(query_start_loc).__name__
+            raise ValueError(f"query_start_loc: decode takes one token per request (T == N); got T = {T}, "
+                             f"{N} cache_indices and query_start_loc of shape {got}")
+        if query_start_loc.device.type == "cpu" and query_start_loc.tolist() != list(range(N + 1)):
+            raise ValueError(f"query_start_loc: decode expects offsets 0, 1, ..., N (one token per request), "
+                             f"got {query_start_loc.tolist()}")
+        o = self._decode(q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a, b, A_log, dt_bias,
+                         ssm_states, cache_indices, lower_bound, None, out)
+        STATS["decode", "served"] += 1
+        return o
+
+    def packed_decode(self, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, A_log: torch.Tensor,
+                      dt_bias: torch.Tensor, scale: float, ssm_states: torch.Tensor, cache_indices: torch.Tensor,
+                      num_v_heads: int, head_v_dim: int, lower_bound: Optional[float] = None,
+                      replayssm_d=None, replayssm_k=None, replayssm_g=None, replayssm_write_pos=None,
+                      replayssm_force_flush=None, **kwargs) -> torch.Tensor:
+        """forward_decode's packed call: mixed_qkv [B, H*K + H*K + HV*V] after the conv. Returns [1, B, HV, V]."""
+        _no_unknown("packed_decode", kwargs)
+        ring = (replayssm_d, replayssm_k, replayssm_g, replayssm_write_pos)
+        if lower_bound is None and all(x is not None for x in ring):
+            # SGLang's Triton packed decode switches to its ReplaySSM ring kernel exactly then
+            return self._fall_back(
+                "packed_decode", "ReplaySSM ring decode (--enable-linear-replayssm)", mixed_qkv, a, b, A_log=A_log,
+                dt_bias=dt_bias, scale=scale, ssm_states=ssm_states, cache_indices=cache_indices,
+                num_v_heads=num_v_heads, head_v_dim=head_v_dim, lower_bound=lower_bound, replayssm_d=replayssm_d,
+                replayssm_k=replayssm_k, replayssm_g=replayssm_g, replayssm_write_pos=replayssm_write_pos,
+                replayssm_force_flush=replayssm_force_flush)
+        if mixed_qkv.dim() != 2:
+            raise ValueError(f"mixed_qkv: expected [B, 2*H*K + HV*V], got {list(mixed_qkv.shape)}")
+        B, dim = mixed_qkv.shape
+        HV, V, K = num_v_heads, head_v_dim, ssm_states.shape[-1]
+        qk = dim - HV * V
+        if qk <= 0 or qk % (2 * K):
+            raise ValueError(f"mixed_qkv: width {dim} is not 2*H*K + HV*V for HV = {HV}, V = {V}, K = {K} "
+                             f"(K from ssm_states)")
+        H = qk // (2 * K)
+        q, k, v = mixed_qkv.split([H * K, H * K, HV * V], dim=-1)
+        o = self._decode(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, HV, V), a, b, A_log, dt_bias,
+                         ssm_states, cache_indices, lower_bound, scale, None)
+        STATS["packed_decode", "served"] += 1
+        return o
+
+    def _decode(self, q, k, v, a, b, A_log, dt_bias, ssm_states, cache_indices, lower_bound, scale, out):
+        from ...ops import kda_decode
+        T, H, K = q.shape
+        HV, V = v.shape[1], v.shape[2]
+        dtype = q.dtype
+        A, dt = _params(A_log, dt_bias)
+        if A is None or dt is None:
+            raise ValueError("A_log: decode activates the raw gate a in the kernel and needs A_log and dt_bias")
+        gate, lb = _gate(lower_bound, A)
+        # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype
+        a = _as(a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K))
+        b = _as(b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV))
+        idx = int32_indices("cache_indices", cache_indices, (T,))
+        o = kda_decode(_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), a, b, state=ssm_states,
+                       state_indices=idx, A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, scale=scale,
+                       beta_is_logit=True, slot_mode="padded", out=None if out is None else out.view(T, HV, V))
+        return o.view(1, T, HV, V) if out is None else out
+
+    # -----------------------------------------------------------------------------------------
+    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+               ssm_states: torch.Tensor, cache_indices: torch.Tensor, query_start_loc: torch.Tensor,
+               A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+               lower_bound: Optional[float] = None, beta_is_raw: bool = False,
+               extend_seq_lens_cpu=None, extend_prefix_lens: Optional[torch.Tensor] = None,
+               layer_id: Optional[int] = None, is_spec_decode: bool = False,
+               return_intermediate_states: bool = False, output_intermediate_states: Optional[bool] = None,
+               track_ssm_h_src: Optional[torch.Tensor] = None, track_state: Optional[torch.Tensor] = None,
+               track_chunk_idx: Optional[torch.Tensor] = None, track_ssm_h_batch_src: Optional[torch.Tensor] = None,
+               state_checkpoint_cu_starts: Optional[torch.Tensor] = None, num_state_checkpoints: int = 0,
+               state_checkpoint_every_n_tokens: int = 0, state_checkpoint_indices: Optional[torch.Tensor] = None,
+               chunk_indices: Optional[torch.Tensor] = None, chunk_offsets: Optional[torch.Tensor] = None,
+               **kwargs):
+        """Chunked prefill of packed requests from their pool slots, committed in place (as SGLang's chunk_kda).
+
+        Returns o [1, T, HV, V], or (o, h) with return_intermediate_states (also spelled
+        output_intermediate_states): h is FLA's per-chunk states [1, NT, HV, V, K] in the pool's dtype, or None
+        where SGLang reads none of its rows (track_state given, or track_ssm_h_src empty). track_state
+        [>= N, HV, V, K] fp32: row n gets the state entering chunk track_chunk_idx[n] (chunks of chunk_size
+        tokens; -1 or past the request: the row is left alone), as SGLang's chunk_kda writes it.
+        extend_prefix_lens and layer_id do not change the result (SGLang's chunk kernel reads neither: a new
+        request's slot is zeroed by the pool); track_ssm_h_batch_src names the track_state rows SGLang reads.
+        """
+        _no_unknown("extend", kwargs)
+        call = dict(ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc, A_log=A_log,
+                    dt_bias=dt_bias, lower_bound=lower_bound, beta_is_raw=beta_is_raw,
+                    extend_seq_lens_cpu=extend_seq_lens_cpu, extend_prefix_lens=extend_prefix_lens, layer_id=layer_id,
+                    is_spec_decode=is_spec_decode, return_intermediate_states=return_intermediate_states,
+                    track_ssm_h_src=track_ssm_h_src, track_state=track_state, track_chunk_idx=track_chunk_idx,
+                    track_ssm_h_batch_src=track_ssm_h_batch_src,
+                    state_checkpoint_cu_starts=state_checkpoint_cu_starts, num_state_checkpoints=num_state_checkpoints,
+                    state_checkpoint_every_n_tokens=state_checkpoint_every_n_tokens,
+                    state_checkpoint_indices=state_checkpoint_indices, chunk_indices=chunk_indices,
+                    chunk_offsets=chunk_offsets)
+        if output_intermediate_states is not None:
+            call["output_intermediate_states"] = output_intermediate_states
+        reason = _extend_fallback_reason(call)
+        if reason is not None:
+            return self._fall_back("extend", reason, q, k, v, g, beta, **call)
+        return self._extend(q, k, v, g, beta, **call)
+
+    def _extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log, dt_bias, lower_bound,
+                beta_is_raw, extend_seq_lens_cpu, return_intermediate_states, track_ssm_h_src, track_state,
+                track_chunk_idx, output_intermediate_states=None, **_read_by_the_fallback_check):
+        from ...ops import kda_prefill
+        T, H, K, HV, V = _qkv_dims(q, v)
+        if not torch.is_tensor(cache_indices) or cache_indices.dim() != 1:
+            raise ValueError(f"cache_indices: expected a 1-D tensor [N], got "
+                             f"{list(cache_indices.shape) if torch.is_tensor(cache_indices) else cache_indices!r}")
+        N = cache_indices.shape[0]
+        if not torch.is_tensor(query_start_loc) or query_start_loc.shape != (N + 1,):
+            got = list(query_start_loc.shape) if torch.is_tensor(query_start_loc) else query_start_loc
+            raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
+                             f"got {got}")
+        want_h = bool(return_intermediate_states or output_intermediate_states)
+        # h is materialized only where SGLang may read it: track_state replaces it, an empty
+        # track_ssm_h_src says no row of it is read
+        need_h = want_h and track_state is None and (track_ssm_h_src is None or track_ssm_h_src.numel() > 0)
+        if track_state is not None:
+            extend_states.check_track(track_state, track_chunk_idx, ssm_states, N)
+        ckpt = need_h or track_state is not None
+        lengths = extend_states.host_lengths(query_start_loc, extend_seq_lens_cpu, T, exact=ckpt)
+        dtype = q.dtype
+        A, dt = _params(A_log, dt_bias)
+        gate, lb = _gate(lower_bound, A)
+        idx = int32_indices("cache_indices", cache_indices, (N,))
+        # kda_prefill reads g and beta in q's dtype
+        args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(g, dtype, (1, T, HV, K)),
+                _as(beta, dtype, (1, T, HV)))
+        kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
+                  cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
+        if not ckpt:
+            o = kda_prefill(*args, **kw)[0]
+            STATS["extend", "served"] += 1
+            return (o, None) if want_h else o
+        kw.update(checkpoint_every=self.chunk_size, max_seqlen=max(lengths, default=0))
+        # every check kda_prefill makes runs before the start states are read (a bad index is named, not an
+        # IndexError of the gather)
+        validation.check_kda_prefill(*args, **kw)
+        initial = extend_states.gather_states(ssm_states, idx)
+        o, _, checkpoints = kda_prefill(*args, **kw)
+        STATS["extend", "served"] += 1
+        if track_state is not None:
+            extend_states.write_track(track_state, track_chunk_idx, initial, checkpoints, query_start_loc,
+                                      self.chunk_size)
+        if not want_h:
+            return o
+        return o, (fla_chunk_states(initial, checkpoints, lengths, self.chunk_size) if need_h else None)
+
+    # -----------------------------------------------------------------------------------------
+    def target_verify(self, A_log: torch.Tensor, dt_bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, ssm_states: torch.Tensor,
+                      cache_indices: torch.Tensor, query_start_loc: torch.Tensor,
+                      intermediate_states_buffer: Optional[torch.Tensor] = None,
+                      intermediate_state_indices: Optional[torch.Tensor] = None, cache_steps: Optional[int] = None,
+                      retrieve_parent_token: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None,
+                      cache_ring: bool = False, replayssm_rawv=None, replayssm_rawk=None, replayssm_g=None,
+                      replayssm_beta=None, fused_accept_state_indices=None, fused_accept_num_accepted=None,
+                      out: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+        """Speculative-decoding verify of chains of draft tokens (docs/integrations.md, "SGLang"). Returns
+        [1, T, HV, V]; ssm_states is never written; the state after token t of request n goes to
+        intermediate_states_buffer[intermediate_state_indices[n], t] (the table may be longer than N: SGLang
+        passes its per-pool table, request n uses entry n)."""
+        _no_unknown("target_verify", kwargs)
+        reason = None
+        if retrieve_parent_token is not None:
+            reason = "draft tree (retrieve_parent_token, speculative topk > 1): kda_verify runs chains"
+        elif cache_ring or any(x is not None for x in (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)):
+            reason = "ReplaySSM ring write (--enable-linear-replayssm-spec)"
+        elif fused_accept_state_indices is not None or fused_accept_num_accepted is not None:
+            reason = "fused-accept verify indices (FlashInfer's recurrent_kda contract)"
+        if reason is not None:
+            ring = dict(cache_ring=cache_ring, replayssm_rawv=replayssm_rawv, replayssm_rawk=replayssm_rawk,
+                        replayssm_g=replayssm_g, replayssm_beta=replayssm_beta)
+            if fused_accept_state_indices is not None or fused_accept_num_accepted is not None:
+                ring.update(fused_accept_state_indices=fused_accept_state_indices,
+                            fused_accept_num_accepted=fused_accept_num_accepted)
+            return self._fall_back(
+                "target_verify", reason, A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b,
+                ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc,
+                intermediate_states_buffer=intermediate_states_buffer,
+                intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
+                retrieve_parent_token=retrieve_parent_token, lower_bound=lower_bound, **ring)
+        o = verify.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
+                                 query_start_loc=query_start_loc, buf=intermediate_states_buffer,
+                                 table=intermediate_state_indices, cache_steps=cache_steps,
+                                 lower_bound=lower_bound, gate_of=_gate, out=out)
+        STATS["target_verify", "served"] += 1
+        return o
+
+
+def _extend_fallback_reason(call: dict) -> Optional[str]:
+    """Why SGLang's own kernel must run this extend, or None when flashkda_ext serves it exactly."""
+    if call["is_spec_decode"]:
+        # SGLang's chunk_kda commits draft_extend_v2 in place while its comment asks kernels not to:
+        # its own kernel stays the reference for that contract
+        return "draft extend (is_spec_decode): SGLang's chunk_kda defines its state contract"
+    if call["chunk_indices"] is not None or call["chunk_offsets"] is not None:
+        return "prefill CUDA-graph chunk tables (chunk_indices / chunk_offsets)"
+    if call["num_state_checkpoints"] or call["state_checkpoint_indices"] is not None:
+        return "a FlashInfer state-checkpoint plan (num_state_checkpoints > 0)"
+    return None

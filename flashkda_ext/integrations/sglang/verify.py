@@ -1,0 +1,150 @@
+"""target_verify in SGLang's call shape, on kda_verify over the intermediate state buffer seen as a pool.
+
+SGLang's Triton KDA verify (0.5.23: kernels/kda_triton.py TritonKDAKernel.target_verify, the kernel in
+sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py): q, k [1, T, H, K], v [1, T, HV, V], raw
+gate a and beta logit b; requests packed by query_start_loc, at most cache_steps tokens each; request n
+starts from ssm_states[cache_indices[n]] (negative: zero state), the state after its token t is stored to
+intermediate_states_buffer[intermediate_state_indices[n], t] (buffer [R, S, HV, V, K]); ssm_states is never
+written. 0.5.23 passes the backend's whole per-pool row table (build_verify_intermediate_state_indices:
+longer than N, padded onto the discard row R - 1); request n uses entry n, as the Triton kernel does.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import validation
+from ..common_checks import int32_indices
+
+
+def _as(x, dtype, shape):
+    x = x.reshape(shape)
+    return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
+
+
+def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, buf, table,
+                  cache_steps, lower_bound, gate_of, out):
+    from ...ops import kda_verify
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected shape [1, T, H, K], got {list(q.shape)}")
+    _, T, H, K = q.shape
+    HV, V = v.shape[-2], v.shape[-1]
+    if not torch.is_tensor(cache_indices) or cache_indices.dim() != 1:
+        raise ValueError(f"cache_indices: expected [N], got {getattr(cache_indices, 'shape', cache_indices)}")
+    N = cache_indices.shape[0]
+    if not torch.is_tensor(query_start_loc) or query_start_loc.shape != (N + 1,):
+        raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
+                         f"got {getattr(query_start_loc, 'shape', query_start_loc)}")
+    buf = _verify_buffer(buf, ssm_states, HV, V, K)
+    R, S = buf.shape[0], buf.shape[1]
+    cidx = int32_indices("cache_indices", cache_indices, (N,))
+    rows = _verify_rows(table, N, R, cidx, ssm_states.shape[0])
+    if cache_steps is not None and (isinstance(cache_steps, bool) or not isinstance(cache_steps, int)
+                                    or not 1 <= cache_steps <= S):
+        raise ValueError(f"cache_steps: expected an int in [1, S = {S}] (the draft token count, at most the "
+                         f"buffer's steps), got {cache_steps!r}")
+    bound = S if cache_steps is None else cache_steps
+    if query_start_loc.device.type == "cpu":
+        offsets = query_start_loc.tolist()
+        longest = max((e - s for s, e in zip(offsets, offsets[1:])), default=0)
+        if longest > bound:
+            raise ValueError(f"query_start_loc: a request has {longest} draft tokens, more than "
+                             f"{'cache_steps' if cache_steps is not None else 'the buffer steps S'} = {bound}")
+    dtype = q.dtype
+    A = None if A_log is None else _as(A_log, torch.float32, (-1,))
+    dt = None if dt_bias is None else _as(dt_bias, torch.float32, (-1,))
+    if A is None or dt is None:
+        raise ValueError("A_log: target_verify activates the raw gate a in the kernel and needs A_log and dt_bias")
+    gate, lb = gate_of(lower_bound, A)
+    # The buffer seen as a pool of R * S slots: slot r * S + t holds step t of row r. kda_verify reads and
+    # writes one pool, SGLang reads ssm_states and writes the buffer, so the start state is first copied into
+    # step 0 of the request's row; kda_verify reads it there before token 0 overwrites it.
+    flat = buf.view(R * S, HV, V, K)
+    qsl = _as(query_start_loc, torch.int32, (N + 1,))
+    # an empty request (T_n = 0, graph padding) is no live row either: its start state is not copied
+    nonempty = (qsl[1:] > qsl[:-1]).to(cidx.device)
+    live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R) & nonempty
+    steps = torch.arange(S, dtype=torch.int32, device=rows.device)
+    slots = torch.where(live.view(N, 1), rows.view(N, 1) * S + steps,
+                        torch.full((), -1, dtype=torch.int32, device=rows.device))
+    args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(a, dtype, (1, T, HV, K)),
+            _as(b, dtype, (1, T, HV)))
+    kw = dict(state=flat, state_indices=slots, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
+              lower_bound=lb, gate=gate, beta_is_logit=True, out=None if out is None else out.view(1, T, HV, V))
+    # every check kda_verify makes runs before the start states are copied: a refused call writes nothing
+    call = validation.check_kda_verify(*args, **kw)
+    validation.check_verify_values(call, kw["cu_seqlens"], slots, None, kw["max_seqlen"])
+    validation.check_apart((("out", kw["out"]), ("intermediate_states_buffer", flat)),
+                           tuple(zip(("q", "k", "v", "a", "b"), args)) + (("ssm_states", ssm_states),))
+    _copy_start_states(flat, ssm_states, cidx, rows, live, S, R)
+    o = kda_verify(*args, **kw)
+    return o if out is None else out
+
+
+def _verify_buffer(buf, pool, HV, V, K) -> torch.Tensor:
+    """SGLang's per-layer intermediate state cache [R, S, HV, V, K], checked: written in place as a pool of
+    R * S slots, so it must be one contiguous block in the pool's dtype (no copy can stand in for it)."""
+    if not torch.is_tensor(buf):
+        raise TypeError(f"intermediate_states_buffer: expected a tensor [R, S, HV, V, K], got {type(buf).__name__}")
+    if not torch.is_tensor(pool) or pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, V, K):
+        got = list(pool.shape) if torch.is_tensor(pool) else type(pool).__name__
+        raise ValueError(f"ssm_states: expected the pool [slots, HV, V, K] = [slots, {HV}, {V}, {K}], got {got}")
+    if buf.device != pool.device:
+        raise ValueError(f"intermediate_states_buffer: expected the device of ssm_states ({pool.device}), "
+                         f"got {buf.device}")
+    if buf.dim() != 5 or tuple(buf.shape[2:]) != (HV, V, K):
+        raise ValueError(f"intermediate_states_buffer: expected [R, S, HV, V, K] = [R, S, {HV}, {V}, {K}], "
+                         f"got {list(buf.shape)}")
+    if buf.dtype != pool.dtype:
+        # SGLang's kernel reads the start state from the pool unrounded: a copy into another dtype would round it
+        raise ValueError(f"intermediate_states_buffer: expected the dtype of ssm_states "
+                         f"({pool.dtype}), got {buf.dtype}")
+    if not buf.is_contiguous():
+        raise ValueError("intermediate_states_buffer: expected a contiguous tensor (it is written in place)")
+    if buf.shape[0] * buf.shape[1] > validation.INT32_MAX:
+        raise ValueError(f"intermediate_states_buffer: R * S = {buf.shape[0] * buf.shape[1]} steps do not fit "
+                         f"the int32 slot indices")
+    return buf
+
+
+def _verify_rows(table, N, R, cidx, slots) -> torch.Tensor:
+    """Entries 0..N-1 of intermediate_state_indices as int32 [N] (range-checked, never wrapped). Where index
+    values live in host memory (the CPU backend) the rows of live requests must be distinct and < R. On a GPU
+    nothing reads them: out-of-range rows make the request padding, repeated rows leave those rows undefined,
+    as in SGLang's kernel (which lets the pad rows of an over-padded warmup batch race onto its discard row
+    R - 1)."""
+    if not torch.is_tensor(table) or table.dim() != 1 or table.shape[0] < N:
+        got = list(table.shape) if torch.is_tensor(table) else type(table).__name__
+        raise ValueError(f"intermediate_state_indices: expected a 1-D int tensor of >= N = {N} buffer rows "
+                         f"(request n uses entry n), got {got}")
+    rows = int32_indices("intermediate_state_indices", table[:N], (N,))
+    if rows.device.type == "cpu" and cidx.device.type == "cpu":
+        seen = {}
+        for n, (r, c) in enumerate(zip(rows.tolist(), cidx.tolist())):
+            if r < 0 or c < 0:
+                continue
+            if c >= slots:
+                raise ValueError(f"cache_indices: entry {n} = {c} is out of range for a pool of {slots} slots")
+            if r >= R:
+                raise ValueError(f"intermediate_state_indices: entry {n} = {r} is out of range for a buffer of "
+                                 f"{R} rows")
+            if r in seen:
+                raise ValueError(f"intermediate_state_indices: row {r} is used by requests {seen[r]} and {n}; "
+                                 f"every request needs a row of its own")
+            seen[r] = n
+    return rows
+
+
+def _copy_start_states(flat, pool, cidx, rows, live, S, R) -> None:
+    """flat[rows[n] * S] = pool[cidx[n]] for every live request, without a host sync (CUDA-graph safe).
+    A padding request with a row copies that row's step 0 onto itself (bitwise unchanged); one without a
+    row (negative or >= R) repeats the first request with a row, write for write, so no index_copy_
+    target ever gets two different values."""
+    has_row = (rows >= 0) & (rows < R)
+    # the first request with a row (0 if none has one), as a 1-element index: indexing with a 0-d tensor syncs
+    first = torch.argmax(has_row.to(torch.int32)).view(1)
+    dst = rows.clamp(0, R - 1).long() * S
+    start = pool.index_select(0, cidx.clamp(0, pool.shape[0] - 1).long())
+    src = torch.where(live.view(-1, 1, 1, 1), start, flat.index_select(0, dst))
+    dst = torch.where(has_row, dst, dst.index_select(0, first))
+    src = torch.where(has_row.view(-1, 1, 1, 1), src, src.index_select(0, first))
+    flat.index_copy_(0, dst, src)

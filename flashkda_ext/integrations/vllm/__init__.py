@@ -1,0 +1,153 @@
+"""vLLM's KDA ops rebound to flashkda_ext adapters (pinned: vLLM 0.34.0; docs/integrations.md, "vLLM").
+
+    import flashkda_ext.integrations.vllm as fkda_vllm
+    fkda_vllm.install()          # or FLASHKDA_EXT_VLLM=1 in the environment (a vLLM general plugin)
+    ...
+    fkda_vllm.uninstall()        # the originals again
+
+Patch points (PATCH_POINTS), each name rebound wherever a loaded vllm module holds it:
+- k3 (k3.py): vllm.models.kimi_k3.nvidia.ops.third_party.kda, read at call time by both Kimi KDA layers
+  (Kimi-Linear's shared GDN layer and K3's own): fused_recurrent_kda_packed_decode, chunk_kda_with_fused_gate,
+  fused_recurrent_kda. The AMD copy (kimi_k3.amd) is left alone: the kernels are CUDA sm_90a and CPU.
+- vendored (vendored.py): vllm.third_party.flash_linear_attention.ops.kda, still called by bailing_moe_v3:
+  fused_recurrent_kda_fwd, chunk_kda, fused_recurrent_kda.
+
+Every adapter has vLLM's signature of its name (install() checks it and skips a name whose signature differs),
+serves a call exactly or runs vLLM's original with the reason counted (STATS / REASONS, per call site
+"<patch point>.<name>"), and falls back on any argument it does not know. Nothing here imports vllm until
+install() runs.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+
+from . import k3, vendored
+from ._common import REASONS, STATS, Refused, serve_or_fall_back
+
+__all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "Refused",
+           "PATCH_POINTS"]
+
+ENV_VAR = "FLASHKDA_EXT_VLLM"       # "1": install() when vLLM loads its general plugins (pyproject entry point)
+#: (patch point, vLLM module whose names are rebound, {name: adapter body})
+PATCH_POINTS = (
+    ("k3", "vllm.models.kimi_k3.nvidia.ops.third_party.kda", k3.SERVE),
+    ("vendored", "vllm.third_party.flash_linear_attention.ops.kda", vendored.SERVE),
+)
+
+_ACTIVE: dict = {}      # call site -> (original, adapter) while installed
+
+
+def _params(fn) -> list:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _adapter(site: str, serve, original):
+    """A function with `serve`'s (= vLLM's) signature: flashkda_ext when it serves the call, else original."""
+    sig = inspect.signature(serve)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    def adapter(*args, **kwargs):
+        if args:    # the layers pass keywords; a positional call is bound by the signature
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            kwargs = {**{k: v for k, v in bound.items() if k != var_kw}, **bound.get(var_kw, {})}
+        return serve_or_fall_back(site, serve, original, kwargs)
+
+    adapter.__signature__ = inspect.signature(original)     # the same parameters (install() checked)
+    adapter.__name__ = adapter.__qualname__ = original.__name__
+    adapter.__module__ = __name__
+    adapter.__wrapped__ = original
+    adapter.__doc__ = f"flashkda_ext adapter of vLLM's {site}; falls back to the original (__wrapped__)."
+    return adapter
+
+
+def adapter_for(site: str, original):
+    """The adapter of a call site ("k3.fused_recurrent_kda_packed_decode", ...) around vLLM's `original` (what
+    install() binds in vLLM's modules); ValueError when the site is unknown or the signature is not the adapted one."""
+    point, _, name = site.partition(".")
+    bodies = {p: b for p, _, b in PATCH_POINTS}.get(point, {})
+    if name not in bodies:
+        raise ValueError(f"site: expected one of {[f'{p}.{n}' for p, _, b in PATCH_POINTS for n in b]}, got {site!r}")
+    if _params(original) != _params(bodies[name]):
+        raise ValueError(f"original: vLLM's signature {inspect.signature(original)} is not the adapted "
+                         f"{inspect.signature(bodies[name])}")
+    return _adapter(site, bodies[name], original)
+
+
+def _vllm_modules():
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "vllm" or name.startswith("vllm."))]
+
+
+def _rebind(old, new) -> list:
+    """Set every vLLM module attribute that is `old` (by identity) to `new`; the attributes touched."""
+    touched = []
+    for module in _vllm_modules():
+        for attr, value in list(vars(module).items()):
+            if value is old:
+                setattr(module, attr, new)
+                touched.append(f"{module.__name__}.{attr}")
+    return touched
+
+
+def install() -> dict:
+    """Rebind the names of PATCH_POINTS to adapters in every loaded vllm module that holds them. Idempotent
+    (a second call rebinds modules loaded since). Returns {site: [module.attr rebound]} or {site: "skipped:
+    why"} (a signature that is not the adapted one, a module that does not import). Raises ImportError when
+    no patch point's module imports (vllm not installed)."""
+    import torch
+    if torch.version.hip is not None:
+        # vLLM's ROCm layers read the kimi_k3.amd ops; bailing_moe_v3 would reach CUDA-only kernels
+        return {point: "skipped: a ROCm build of torch (the kernels are CUDA sm_90a and CPU)"
+                for point, _, _ in PATCH_POINTS}
+    report, errors = {}, []
+    for point, module_name, bodies in PATCH_POINTS:
+        try:
+            ops = importlib.import_module(module_name)
+        except ImportError as e:
+            errors.append(f"{module_name}: {e}")
+            report[point] = f"skipped: {module_name} does not import ({e})"
+            continue
+        for name, body in bodies.items():
+            site = f"{point}.{name}"
+            if site in _ACTIVE:
+                original, adapter = _ACTIVE[site]
+                report[site] = _rebind(original, adapter)
+                continue
+            current = getattr(ops, name, None)
+            if current is None:
+                report[site] = f"skipped: {module_name} has no {name}"
+                continue
+            try:
+                adapter = adapter_for(site, current)
+            except ValueError as e:
+                report[site] = f"skipped: {e}"
+                continue
+            _ACTIVE[site] = (current, adapter)
+            report[site] = _rebind(current, adapter)
+    if len(errors) == len(PATCH_POINTS):
+        raise ImportError("flashkda_ext.integrations.vllm.install: no vLLM KDA ops module imports (is vllm "
+                          "installed?); " + "; ".join(errors))
+    return report
+
+
+def uninstall() -> dict:
+    """Put vLLM's originals back wherever an adapter is bound (also in modules imported after install()).
+    Returns {site: [module.attr restored]}; a no-op when nothing is installed."""
+    report = {site: _rebind(adapter, original) for site, (original, adapter) in _ACTIVE.items()}
+    _ACTIVE.clear()
+    return report
+
+
+def installed() -> bool:
+    return bool(_ACTIVE)
+
+
+def install_from_env():
+    """install() when FLASHKDA_EXT_VLLM=1, else nothing (None). The pyproject entry point in vLLM's
+    'vllm.general_plugins' group calls it, so vLLM runs it in every process (engine core and workers)."""
+    if os.environ.get(ENV_VAR, "0") not in ("", "0"):
+        return install()
+    return None

@@ -1,0 +1,88 @@
+"""What every vLLM adapter shares: the served / fallback counters and the rule that runs a call site."""
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from .._indices import NotNarrowable
+
+#: calls per call site: STATS[site, "served"] ran flashkda_ext, STATS[site, "fell_back"] ran vLLM's original
+STATS: collections.Counter = collections.Counter()
+#: fallbacks per (call site, reason)
+REASONS: collections.Counter = collections.Counter()
+
+
+class Refused(Exception):
+    """A call the kernels cannot serve exactly; the message is the counted reason."""
+
+
+class OpRefused(Exception):
+    """The flashkda_ext op refused the mapped call (validation runs before any launch or write)."""
+
+
+def run_op(op, *args, **kwargs):
+    try:
+        return op(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise OpRefused() from e
+
+
+def fall_back(site: str, reason: str) -> None:
+    STATS[site, "fell_back"] += 1
+    REASONS[site, reason] += 1
+
+
+_FALLING_BACK = threading.local()
+
+
+def _original(original, call: dict):
+    """vLLM's own function; an adapted name it calls inside (the vendored fused_recurrent_kda calls
+    fused_recurrent_kda_fwd) passes straight through to its original, uncounted."""
+    _FALLING_BACK.active = True
+    try:
+        return original(**call)
+    finally:
+        _FALLING_BACK.active = False
+
+
+def serve_or_fall_back(site: str, serve, original, call: dict):
+    """serve(**call) counted as served, or original(**call) with the reason counted when serve raises Refused,
+    or when the op refuses the mapped call (its TypeError / ValueError is raised before anything is written).
+    Bad metadata (an int64 index that does not fit int32 on the host) raises to the caller instead."""
+    if getattr(_FALLING_BACK, "active", False):
+        return original(**call)
+    try:
+        result = serve(**call)
+    except (Refused, NotNarrowable) as e:
+        fall_back(site, str(e))
+        return _original(original, call)
+    except OpRefused as e:
+        fall_back(site, f"flashkda_ext does not serve this call: {e.__cause__}")
+        return _original(original, call)
+    STATS[site, "served"] += 1
+    return result
+
+
+def unknown(kwargs: dict) -> None:
+    """An argument the adapter does not know is never ignored: the call falls back."""
+    if kwargs:
+        raise Refused(f"unknown arguments {sorted(kwargs)} (the adapter serves only arguments it knows)")
+
+
+def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k, v as the ops take them (contiguous). vLLM's are row-strided views of one packed [T, 2*H*K + H*V]
+    buffer (q | k | v per token): when they are, one permuting copy makes all three dense (as vLLM's own
+    rearrange_mixed_qkv does); a dense tensor is taken as it is."""
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        return q, k, v
+    esize = q.element_size()
+    if (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride() and q.dtype == k.dtype == v.dtype
+            and q.stride()[-2:] == (q.shape[-1], 1)):
+        hk = q.shape[-2] * q.shape[-1]
+        same = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        if same and k.data_ptr() == q.data_ptr() + hk * esize and v.data_ptr() == q.data_ptr() + 2 * hk * esize:
+            packed = q.as_strided((3, *q.shape), (hk, *q.stride())).contiguous()
+            return packed.unbind(0)
+    return q.contiguous(), k.contiguous(), v.contiguous()

@@ -1,0 +1,177 @@
+"""Adapters for the Kimi K3 / Kimi-Linear KDA ops of vLLM 0.34.0
+(vllm/models/kimi_k3/nvidia/ops/third_party/kda), with vLLM's signatures and return conventions.
+
+Both KDA layers that reach them (model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py for Kimi-Linear,
+models/kimi_k3/nvidia/kda.py for K3's full-rank gate with its Triton backends) import the three names
+from the package at call time, so rebinding the package attributes reaches every call.
+
+- fused_recurrent_kda_packed_decode -> kda_decode: one token per row from the packed post-conv
+  [B, 2*H*K + H*V] buffer (q | k | v), raw gate, beta logit, softplus or bounded gate, pool in place.
+- chunk_kda_with_fused_gate -> kda_prefill (dense mode): raw gate and beta logit, softplus or bounded
+  gate (lower_bound), the fp32 final state vLLM returns.
+- fused_recurrent_kda -> kda_verify (speculative decoding: ssm_state_indices [N, T_max] with
+  num_accepted_tokens), or kda_decode for one-token requests.
+
+Conventions carried over from vLLM's kernels: slot indices <= 0 are padding (vLLM's null block is slot 0,
+CUDA-graph padding repeats it: null_slot0=True, slot_mode="padded"); the pool may be bf16 or fp32 and a
+strided view of vLLM's paged cache; vLLM passes only the real requests' offsets, so tokens past the
+last offset (CUDA-graph padding) belong to no request and are not written.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _indices
+from ._common import Refused, dense_qkv, run_op, unknown
+
+
+def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device) -> dict:
+    """vLLM's gate in flashkda_ext's terms: lower_bound set -> lower_bound * sigmoid(exp(A_log) * (g + dt_bias)),
+    else -exp(A_log) * softplus(g + dt_bias) (threshold 20 in both)."""
+    if not isinstance(A_log, torch.Tensor) or A_log.numel() != HV:
+        raise Refused(f"A_log must be a tensor of {HV} elements (one per head)")
+    if dt_bias is None:
+        dt_bias = torch.zeros(HV * K, dtype=torch.float32, device=device)   # vLLM: no bias added
+    elif not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K:
+        raise Refused(f"dt_bias must be a tensor of {HV * K} elements")
+    if lower_bound is not None and not isinstance(lower_bound, (int, float)):
+        raise Refused(f"lower_bound must be a number or None, got {type(lower_bound).__name__}")
+    return dict(A_log=A_log.reshape(-1).float(), dt_bias=dt_bias.reshape(-1).float(),
+                lower_bound=None if lower_bound is None else float(lower_bound),
+                gate="softplus" if lower_bound is None else "bounded")
+
+
+def _gate_beta(g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, allow_fp32: bool):
+    """g and beta dense, in a dtype the op reads as it is (q's, or fp32 for decode / verify): never cast,
+    since vLLM reads them in their own dtype."""
+    ok = (q.dtype, torch.float32) if allow_fp32 else (q.dtype,)
+    if g.dtype not in ok or beta.dtype not in ok:
+        raise Refused(f"raw_g / raw_beta of dtype {g.dtype} / {beta.dtype}: the op reads them in "
+                      f"{' or '.join(map(str, ok))} (a cast would change the gate vLLM computes)")
+    return g.contiguous(), beta.contiguous()
+
+
+def _dense_out(out, shape: tuple):
+    if out is None:
+        return None
+    if tuple(out.shape) != shape or not out.is_contiguous():
+        raise Refused(f"out must be a contiguous {list(shape)}, got shape {list(out.shape)} "
+                      f"strides {list(out.stride())}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
+                        scale=None, out=None):
+    from ...ops import kda_decode
+    for name, x, dims in (("mixed_qkv", mixed_qkv, 2), ("raw_g", raw_g, 4), ("raw_beta", raw_beta, 3),
+                          ("initial_state", initial_state, 4), ("state_indices", state_indices, 1)):
+        if not isinstance(x, torch.Tensor) or x.dim() != dims:
+            raise Refused(f"{name} outside vLLM's contract (a {dims}-D tensor); vLLM's wrapper reports it")
+    if dt_bias is None:
+        raise Refused("dt_bias=None (vLLM's packed decode requires it and reports it)")
+    _, H, V, K = initial_state.shape
+    B = mixed_qkv.shape[0]
+    hk = H * K
+    if (mixed_qkv.shape[1] != 2 * hk + H * V or mixed_qkv.stride(1) != 1 or tuple(raw_g.shape) != (1, B, H, K)
+            or tuple(raw_beta.shape) != (1, B, H) or state_indices.shape[0] != B):
+        raise Refused("shapes outside vLLM's packed decode contract; vLLM's wrapper reports them")
+    # q | k | v of each token are consecutive channel ranges of one row: views, dense at B = 1 (no copy)
+    q, k, v = dense_qkv(mixed_qkv[:, :hk].view(B, H, K), mixed_qkv[:, hk:2 * hk].view(B, H, K),
+                        mixed_qkv[:, 2 * hk:].view(B, H, V))
+    g, beta = _gate_beta(raw_g[0], raw_beta[0], q, allow_fp32=True)
+    o = _dense_out(out, (1, B, H, V))
+    res = run_op(kda_decode, q, k, v, g, beta, state=initial_state,
+                 state_indices=_indices.slot_indices("state_indices", state_indices),
+                 **_gate(A_log, dt_bias, lower_bound, H, K, q.device), scale=scale, beta_is_logit=True,
+                 slot_mode="padded", null_slot0=True, out=None if o is None else o.view(B, H, V))
+    return (o if o is not None else res.view(1, B, H, V)), initial_state
+
+
+def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=None, initial_state=None,
+                                output_final_state=False, lower_bound=None, use_qk_l2norm_in_kernel=False,
+                                cu_seqlens=None, out=None, **kwargs):
+    from ...ops import kda_prefill
+    unknown(kwargs)     # vLLM's wrapper swallows **kwargs; an adapter must not guess what they mean
+    if not use_qk_l2norm_in_kernel:
+        raise Refused("use_qk_l2norm_in_kernel=False (flashkda_ext always l2-normalizes q and k)")
+    if q.dim() != 4 or v.dim() != 4:
+        raise Refused("q / v outside vLLM's contract ([B, T, H, D])")
+    q, k, v = dense_qkv(q, k, v)
+    g, beta = _gate_beta(raw_g, raw_beta, q, allow_fp32=False)
+    HV, K = v.shape[2], q.shape[3]
+    cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens)
+    # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state
+    init = None if initial_state is None else initial_state.contiguous().float()
+    res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, g_bias, lower_bound, HV, K, q.device), scale=scale,
+                 beta_is_logit=True, cu_seqlens=cu, initial_state=init,
+                 output_final_state=bool(output_final_state), out=_dense_out(out, tuple(v.shape)))
+    return res[0], res[1]
+
+
+def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                          ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
+    from ...ops import kda_decode, kda_verify
+    # fuse_gate picks where vLLM computes the same gate (in the recurrent kernel or before it): no effect here
+    if fuse_gate not in (None, True, False):
+        raise Refused(f"fuse_gate={fuse_gate!r} (vLLM takes None, True or False)")
+    if q.dim() != 4 or q.shape[0] != 1 or cu_seqlens is None or ssm_state_indices is None:
+        raise Refused("outside vLLM's contract (packed q [1, T, H, K], cu_seqlens and ssm_state_indices given)")
+    q, k, v = dense_qkv(q, k, v)
+    g, beta = _gate_beta(raw_g, raw_beta, q, allow_fp32=True)
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    gate = _gate(A_log, dt_bias, lower_bound, HV, K, q.device)
+    o = _dense_out(out, (1, T, HV, V))
+    N = cu_seqlens.shape[0] - 1
+    cu = _indices.offsets("cu_seqlens", cu_seqlens)
+    common = dict(state=initial_state, **gate, scale=K ** -0.5, beta_is_logit=True, null_slot0=True)
+
+    if ssm_state_indices.dim() == 2 and ssm_state_indices.shape[1] >= 2:
+        # vLLM pads the index table and counts to the CUDA-graph batch but passes the real requests' offsets
+        idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices[:N]).contiguous()
+        nat = None if num_accepted_tokens is None else \
+            _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N]).contiguous()
+        used = T
+        if cu.device.type == "cpu":
+            # tokens past the last offset belong to no request: on the host that is visible, and the op takes
+            # exactly the requests' tokens (a GPU kernel leaves those rows unwritten, as vLLM's does)
+            used = int(cu[-1])
+            if not 0 <= used <= T:
+                raise Refused(f"cu_seqlens ends at {used}, outside the {T} tokens given")
+        if used == T:
+            res = run_op(kda_verify, q, k, v, g, beta, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nat,
+                         out=o, **common)
+            return (o if o is not None else res), initial_state
+        if o is None:
+            o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
+        if used:
+            run_op(kda_verify, *(x[:, :used] for x in (q, k, v, g, beta)), state_indices=idx, cu_seqlens=cu,
+                   num_accepted_tokens=nat, out=o[:, :used], **common)
+        return o, initial_state
+
+    # one token per request (1-D indices, or a one-column table): kda_decode over rows, where row r is served
+    # only when request r is exactly token r (an empty request is never served as a row)
+    if ssm_state_indices.dim() not in (1, 2) or T != N or ssm_state_indices.shape[0] < N:
+        raise Refused(f"one-token ssm_state_indices need T == N (vLLM asserts it) and N rows, got T = {T}, N = {N}, "
+                      f"indices {list(ssm_state_indices.shape)}")
+    first = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
+    if ssm_state_indices.dim() == 1 and num_accepted_tokens is not None:
+        raise Refused("num_accepted_tokens with 1-D ssm_state_indices (vLLM asserts it is None)")
+    rows = _indices.one_token_rows(cu, _indices.slot_indices("ssm_state_indices", first))
+    if num_accepted_tokens is not None:      # a one-column table: only count 1 names a column
+        nat = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N])
+        rows = torch.where(nat == 1, rows, -1).to(torch.int32)
+    res = run_op(kda_decode, q[0], k[0], v[0], g[0], beta[0], state_indices=rows, slot_mode="padded",
+                 out=None if o is None else o[0], **common)
+    return (o if o is not None else res.unsqueeze(0)), initial_state
+
+
+#: vLLM's name -> the adapter body (vLLM 0.34.0's signature of that name), rebound in the K3 ops package
+SERVE = {
+    "fused_recurrent_kda_packed_decode": serve_packed_decode,
+    "chunk_kda_with_fused_gate": serve_chunk_with_fused_gate,
+    "fused_recurrent_kda": serve_fused_recurrent,
+}

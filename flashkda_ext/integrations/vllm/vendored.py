@@ -1,0 +1,128 @@
+"""Adapters for vLLM's vendored copy of fla's KDA ops (vllm/third_party/flash_linear_attention/ops/kda.py), which
+vLLM 0.34.0 still calls from one model, bailing_moe_v3 (imported by name at module level): fused_recurrent_kda_fwd
+(speculative decoding), chunk_kda (prefill from a precomputed log decay) and fused_recurrent_kda (decode). Its
+chunk_kda_with_fused_gate has no caller in vLLM 0.34.0 and is left alone.
+
+The argument mapping is fla.py's (these ops are fla's with vLLM's fixed choices: state_v_first, no gate or beta
+activation in the recurrent kernel, slot 0 the null block). vLLM's wrappers swallow **kwargs: bailing_moe_v3
+passes safe_gate= and lower_bound=, which those wrappers ignore (g is already the log decay, computed by
+fused_kda_gate with the bound), so the adapters accept exactly these two as the no-ops they are there; any
+other extra argument falls back.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _indices
+from .. import fla as _fla
+from ._common import Refused, run_op, unknown
+
+#: extra keyword arguments vLLM's vendored chunk_kda / fused_recurrent_kda accept and ignore (bailing_moe_v3)
+IGNORED_BY_VLLM = ("safe_gate", "lower_bound")
+
+
+def _contiguous(x):
+    """vLLM's wrappers call .contiguous() on their inputs."""
+    return x if x is None or x.is_contiguous() else x.contiguous()
+
+
+def _no_unknown(kwargs: dict) -> None:
+    unknown({k: v for k, v in kwargs.items() if k not in IGNORED_BY_VLLM})
+
+
+def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+                    num_accepted_tokens, use_qk_l2norm_in_kernel, contiguous):
+    """fla's fused_recurrent_kda_fwd arguments for a vLLM fused_recurrent_kda(_fwd) call, and the number of
+    leading tokens served when vLLM padded the decode batch (else None)."""
+    if ssm_state_indices is None or not inplace_final_state:
+        # without indices vLLM's kernel keeps the state after every token ([T, HV, V, K]), not a final state
+        raise Refused("flashkda_ext serves vLLM's fused_recurrent_kda on the state pool only "
+                      "(ssm_state_indices given, inplace_final_state=True)")
+    if beta is None or initial_state is None:
+        raise Refused("flashkda_ext needs beta and initial_state (the state pool)")
+    if contiguous:
+        q, k, v, g, beta = (_contiguous(x) for x in (q, k, v, g, beta))
+    served = None
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is not None:
+        cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens)
+    if num_accepted_tokens is not None:
+        num_accepted_tokens = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens)
+    ssm_state_indices = _indices.slot_indices("ssm_state_indices", ssm_state_indices)
+    if ssm_state_indices.dim() == 2 and cu_seqlens is not None:
+        # the table and counts padded to the CUDA-graph batch; cu_seqlens holds the real requests
+        N = cu_seqlens.shape[0] - 1
+        ssm_state_indices = ssm_state_indices[:N]
+        num_accepted_tokens = None if num_accepted_tokens is None else num_accepted_tokens[:N]
+    if ssm_state_indices.dim() == 1 and cu_seqlens is not None and B == 1:
+        N = cu_seqlens.shape[0] - 1
+        # A decode batch under a CUDA graph: cu_seqlens holds the N real requests while q holds the graph's
+        # padded token count; vLLM's kernel runs the N.
+        if T > N:
+            q, k, v, g, beta = (x[:, :N] for x in (q, k, v, g, beta))
+            served = N
+        # row n is request n only where request n is exactly token n: an empty request is never a row
+        ssm_state_indices = _indices.one_token_rows(cu_seqlens, ssm_state_indices)
+    form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, inplace_final_state=True,
+                cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=True, use_gate_in_kernel=False,
+                use_beta_sigmoid_in_kernel=False, null_slot0=True)
+    return form, served
+
+
+def _serve_recurrent(**call):
+    form, served = _recurrent_form(**call)
+    ok, reason = _fla._verdict("vllm.vendored.fused_recurrent", _fla._check_fused_recurrent, (), form)
+    if not ok:
+        raise Refused(reason)
+    if served is None:
+        return run_op(_fla.serve_fused_recurrent_kda_fwd, **form)
+    q, v = call["q"], call["v"]
+    # rows past the N requests are left unwritten, as vLLM's kernel leaves them (the layer drops them)
+    o = torch.empty((1, q.shape[1], v.shape[2], v.shape[3]), dtype=v.dtype, device=q.device)
+    form["out"] = o[:, :served]
+    run_op(_fla.serve_fused_recurrent_kda_fwd, **form)
+    return o, call["initial_state"]
+
+
+def serve_fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, inplace_final_state=True, cu_seqlens=None,
+                                  ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False):
+    return _serve_recurrent(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                            inplace_final_state=inplace_final_state, cu_seqlens=cu_seqlens,
+                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, contiguous=False)
+
+
+def serve_fused_recurrent_kda(q, k, v, g, beta=None, scale=None, initial_state=None, inplace_final_state=True,
+                              use_qk_l2norm_in_kernel=True, cu_seqlens=None, ssm_state_indices=None, **kwargs):
+    _no_unknown(kwargs)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise Refused("cu_seqlens with a batch of several rows (vLLM raises)")
+    return _serve_recurrent(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                            inplace_final_state=inplace_final_state, cu_seqlens=cu_seqlens,
+                            ssm_state_indices=ssm_state_indices, num_accepted_tokens=None,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, contiguous=True)
+
+
+def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
+    _no_unknown(kwargs)
+    if cu_seqlens is not None:
+        cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens)
+    q, k, v, g, beta, initial_state = (_contiguous(x) for x in (q, k, v, g, beta, initial_state))
+    form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, state_v_first=True, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False)
+    ok, reason = _fla._verdict("vllm.vendored.chunk_kda", _fla._check_chunk_kda, (), form)
+    if not ok:
+        raise Refused(reason)
+    return run_op(_fla.serve_chunk_kda, **form)
+
+
+#: vLLM's name -> adapter body (with vLLM 0.34.0's signature of that name)
+SERVE = {
+    "fused_recurrent_kda_fwd": serve_fused_recurrent_kda_fwd,
+    "fused_recurrent_kda": serve_fused_recurrent_kda,
+    "chunk_kda": serve_chunk_kda,
+}

@@ -1,0 +1,180 @@
+"""kda_verify's check and its call (VerifyCall), the value check of every verify call's host index
+tensors (check_verify_values), and the index-table and length rules fused_kda_verify shares."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .common import (GATE_MODE, _bool, _check_backend, _contiguous, _indices, _int, _ndim, _offset_bits,
+                     _pool, _qkv_common, _resolve_scale, _same_device, _state_tag, _tensor, dtype_name)
+from .memo import _memoized
+from .decode import _GbDtypes, _pool_step_tail
+
+
+def _verify_index_table(state_indices, device):
+    """A verify call's state_indices [N, T_max] (int32, one slot per request and token): the
+    tensor, N and T_max."""
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
+    _contiguous("state_indices", state_indices)
+    N, cols = state_indices.shape
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
+                         f"{list(state_indices.shape)}")
+    return state_indices, N, cols
+
+
+def _verify_lengths(first, T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
+                    one_token_is_decode=False) -> int:
+    """cu_seqlens, num_accepted_tokens and max_seqlen of a verify call with N requests of
+    0 .. T_max = cols tokens, T >= 1 in all (errors about T name the token input `first`); returns
+    max_seqlen resolved (None: T_max). one_token_is_decode: T_max = 1 is served as kda_decode, one
+    token per request, so it needs T = N."""
+    _indices("cu_seqlens", cu_seqlens, N + 1, device, "[N+1] (N = state_indices.shape[0])")
+    if not 1 <= T <= N * cols:
+        # every request has 0 .. T_max tokens (an empty request: an engine's graph padding)
+        raise ValueError(f"{first}: expected T between 1 and N * T_max = {N * cols} tokens (each request "
+                         f"0 .. T_max = {cols} tokens), got T = {T}")
+    if one_token_is_decode and cols == 1 and T != N:
+        raise ValueError(f"{first}: with T_max = 1 (state_indices [N, 1]) the call is kda_decode, one token per "
+                         f"request: expected T = N = {N}, got T = {T} (empty requests need T_max >= 2)")
+    if num_accepted_tokens is not None:
+        _indices("num_accepted_tokens", num_accepted_tokens, N, device, "[N] (one count per request)")
+    if max_seqlen is None:
+        return cols
+    _int("max_seqlen", max_seqlen, "or None")
+    if not 1 <= max_seqlen <= cols:
+        raise ValueError(f"max_seqlen: expected an int in [1, T_max = {cols}] (the columns of "
+                         f"state_indices) or None, got {max_seqlen}")
+    return max_seqlen
+
+
+def _verify_route_meta(call) -> dict:
+    """The route metadata of a verify call (VerifyCall, FusedVerifyCall)."""
+    return {"device": call.backend, "num_seqs": call.num_seqs, "value_heads": call.value_heads,
+            "total_tokens": call.total_tokens, "max_seqlen": call.max_seqlen,
+            "work_items": call.num_seqs * call.value_heads, "state": _state_tag(call.state_dtype),
+            "offset": f"o{call.offset_bits}", "gate": call.gate}
+
+
+@dataclass(frozen=True)
+class VerifyCall(_GbDtypes):
+    backend: str
+    num_seqs: int
+    total_tokens: int
+    index_cols: int                 # T_max: columns of state_indices
+    max_seqlen: int                 # host bound on T_n used for routing (<= index_cols)
+    num_heads: int
+    value_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    slots: int
+    input_dtype: str
+    state_dtype: str
+    gate: str
+    gate_mode: int
+    lower_bound: float
+    scale: float
+    beta_is_logit: bool
+    null_slot0: bool
+    has_accepted: bool
+    offset_bits: int
+    g_dtype: str
+    beta_dtype: str
+
+    @property
+    def as_decode(self) -> bool:
+        """T_max = 1: every request is one token read from and written to column 0, which is
+        kda_decode on state_indices[:, 0]; the op serves it with the decode module (bitwise
+        kda_decode by construction)."""
+        return self.index_cols == 1
+
+    def route_meta(self) -> dict:
+        return dict(_verify_route_meta(self), gb=self.gb)
+
+    def decode_route_meta(self) -> dict:
+        """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
+        return {"device": self.backend, "rows": self.num_seqs, "value_heads": self.value_heads,
+                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype),
+                "offset": f"o{self.offset_bits}", "slot_mode": "padded", "gate": self.gate, "gb": self.gb}
+
+
+@_memoized
+def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
+                     max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
+                     scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
+    """Everything about a verify call that its metadata shows; the values of host index tensors
+    are checked by check_verify_values on every call."""
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True)
+    backend = _check_backend(backend, device)
+    if q.shape[0] != 1:
+        raise ValueError(f"q: expected the packed layout [1, T, H, K] (requests packed by cu_seqlens), "
+                         f"got batch {q.shape[0]} in {list(q.shape)}")
+    T = q.shape[1]
+    _bool("beta_is_logit", beta_is_logit)
+    _bool("null_slot0", null_slot0)
+    slots = _pool("state", state, HV, V, K, device, backend)
+    state_indices, N, cols = _verify_index_table(state_indices, device)
+    max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
+                                 one_token_is_decode=True)
+    lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
+                         lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
+                         (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                          ("num_accepted_tokens", num_accepted_tokens)), device, backend)
+    return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
+                      dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
+                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state),
+                      dtype_name(g.dtype), dtype_name(beta.dtype))
+
+
+def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,
+                        max_seqlen=None) -> None:
+    """The values of the index tensors, where they live in host memory (the CPU backend); on a GPU
+    they are never read here (no synchronisation), and the kernels treat what they cannot serve as
+    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata."""
+    if call.backend != "cpu" or cu_seqlens.device.type != "cpu":
+        return
+    cs = cu_seqlens.tolist()
+    T, cols = call.total_tokens, call.index_cols
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T} (a request has "
+                         f">= 0 tokens), got {cs}")
+    lengths = [b - a for a, b in zip(cs, cs[1:])]
+    longest = max(lengths)
+    if longest > call.max_seqlen:
+        what = "max_seqlen" if max_seqlen is not None else "state_indices"
+        raise ValueError(f"{what}: a request has {longest} tokens, more than T_max = {call.max_seqlen} "
+                         f"(cu_seqlens {cs})")
+    idx = state_indices.tolist()
+    accepted = [1] * call.num_seqs if num_accepted_tokens is None else num_accepted_tokens.tolist()
+    for n, a in enumerate(accepted):
+        if not 1 <= a <= cols:
+            raise ValueError(f"num_accepted_tokens: expected values in [1, T_max = {cols}], got "
+                             f"num_accepted_tokens[{n}] = {a}")
+    for n, row in enumerate(idx):
+        for t, s in enumerate(row):
+            if s >= call.slots:
+                raise ValueError(f"state_indices: entry [{n}, {t}] = {s} is out of range for a pool of "
+                                 f"{call.slots} slots (expected < {call.slots}; negative = padding)")
+    pad = (lambda s: s < 0 or (call.null_slot0 and s == 0))
+    writer = {}  # slot -> request that writes it
+    for n, row in enumerate(idx):
+        if pad(row[accepted[n] - 1]):
+            continue  # a padding request touches nothing
+        for t in range(lengths[n]):
+            s = row[t]
+            if pad(s):
+                continue
+            if s in writer:
+                raise ValueError(f"state_indices: slot {s} is written twice (request {writer[s]} and request "
+                                 f"{n}, token {t}); every written slot must be distinct")
+            writer[s] = n
+    for n, row in enumerate(idx):
+        s = row[accepted[n] - 1]
+        if lengths[n] and not pad(s) and writer.get(s, n) != n:  # an empty request reads nothing
+            raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
+                             f"writes; a request may read only a slot no other request writes")

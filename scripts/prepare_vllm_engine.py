@@ -1,0 +1,188 @@
+"""Extract vLLM 0.34.0's KDA ops (Kimi K3 Triton kernels and the vendored fla copy) from the pinned wheel into a
+folder that imports on its own: `sys.path.insert(0, folder); import vllm.models.kimi_k3.nvidia.ops.third_party.kda`.
+
+    python3 scripts/prepare_vllm_engine.py                      # -> .engines/vllm (ignored), for the GPU run
+    python3 scripts/prepare_vllm_engine.py --wheel /path/vllm-0.34.0-*.whl --dest DIR
+
+Only FILES are taken from the wheel (the modules those ops import, and the layer sources the conformance tests
+read). Written over them, STUBS stand in for what those modules import and do not use for the KDA ops, so neither
+vLLM's dependencies nor its heavy package __init__s are needed:
+- vllm/platforms: current_platform answered from torch (CUDA or not, device capability, PDL from sm_90 on, as
+  vLLM's CUDA platform decides it); vllm_version_matches_substr -> False;
+- vllm/logger.py: init_logger = logging.getLogger;
+- vllm/model_executor/custom_op.py: CustomOp (only the vendored module's norm class derives from it);
+- the package __init__s on the way (vllm, vllm.models.kimi_k3, fla's ops, ...): empty.
+The wheel is a local file (--wheel, or FLASHKDA_EXT_ENGINE_WHEELS naming a folder) or `pip download --no-deps`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+VERSION = "0.34.0"
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "engines"
+K3_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+VENDORED_OPS = "vllm.third_party.flash_linear_attention.ops.kda"
+
+#: files (or folder prefixes) taken from the wheel
+FILES = (
+    "vllm/models/kimi_k3/nvidia/ops/third_party/kda/",
+    "vllm/third_party/flash_linear_attention/",
+    "vllm/triton_utils/",
+    "vllm/envs.py",
+    "vllm/utils/math_utils.py",
+    "vllm/utils/gpu_sync_debug.py",
+    "vllm/utils/torch_utils.py",
+    "vllm/utils/platform_utils.py",
+    "vllm/utils/torch_version.py",
+    "vllm/model_executor/warmup/jit_warmup.py",
+    "vllm/model_executor/warmup/jit_warmup_triton_helper.py",
+    # read (not imported) by the conformance tests: the call sites and the state dtypes
+    "vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py",
+    "vllm/model_executor/layers/mamba/mamba_utils.py",
+    "vllm/models/kimi_k3/nvidia/kda.py",
+    "vllm/model_executor/models/bailing_moe_v3.py",
+)
+
+_EMPTY_PACKAGES = ("vllm", "vllm/utils", "vllm/model_executor", "vllm/model_executor/warmup", "vllm/models",
+                   "vllm/models/kimi_k3", "vllm/models/kimi_k3/nvidia", "vllm/models/kimi_k3/nvidia/ops",
+                   "vllm/models/kimi_k3/nvidia/ops/third_party", "vllm/third_party",
+                   "vllm/third_party/flash_linear_attention", "vllm/third_party/flash_linear_attention/ops")
+
+_PLATFORM = '''"""flashkda_ext stub of vllm.platforms (scripts/prepare_vllm_engine.py): what the KDA ops ask,
+answered from torch."""
+from typing import NamedTuple
+
+import torch
+
+
+class DeviceCapability(NamedTuple):
+    major: int
+    minor: int
+
+    def to_int(self) -> int:
+        return self.major * 10 + self.minor
+
+
+class _Platform:
+    def is_cuda(self) -> bool:
+        return torch.version.cuda is not None and torch.cuda.is_available()
+
+    is_cuda_alike = is_cuda
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def get_device_capability(self, device_id: int = 0):
+        return DeviceCapability(*torch.cuda.get_device_capability(device_id)) if self.is_cuda() else None
+
+    def _cap(self) -> int:
+        cap = self.get_device_capability()
+        return -1 if cap is None else cap.to_int()
+
+    def has_device_capability(self, capability) -> bool:
+        return self._cap() >= (capability if isinstance(capability, int) else capability[0] * 10 + capability[1])
+
+    def is_device_capability(self, capability) -> bool:
+        return self._cap() == (capability if isinstance(capability, int) else capability[0] * 10 + capability[1])
+
+    def is_device_capability_family(self, capability: int) -> bool:
+        return self._cap() // 10 == capability // 10
+
+    def is_arch_support_pdl(self) -> bool:    # vLLM's CUDA platform: sm_90 and newer
+        return self._cap() >= 90
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return torch.cuda.get_device_name(device_id) if self.is_cuda() else "cpu"
+
+    def is_pin_memory_available(self) -> bool:
+        return self.is_cuda()
+
+    def is_confidential_compute(self) -> bool:
+        return False
+
+
+current_platform = _Platform()
+
+
+def vllm_version_matches_substr(substr: str) -> bool:
+    return False
+'''
+
+_CUSTOM_OP = '''"""flashkda_ext stub of vllm.model_executor.custom_op: the vendored fla module's norm class
+derives from it."""
+import torch
+
+
+class CustomOp(torch.nn.Module):
+    @classmethod
+    def register(cls, name):
+        return lambda op_cls: op_cls
+'''
+
+#: path -> source written over the wheel's files
+STUBS = {
+    **{f"{p}/__init__.py": "" for p in _EMPTY_PACKAGES},
+    "vllm/platforms/__init__.py": _PLATFORM,
+    "vllm/logger.py": "import logging\n\ninit_logger = logging.getLogger\n",
+    "vllm/model_executor/custom_op.py": _CUSTOM_OP,
+}
+
+
+def find_wheel(wheel: str | None = None) -> Path:
+    """The pinned wheel: `wheel`, else one in FLASHKDA_EXT_ENGINE_WHEELS or the cache, else pip download."""
+    if wheel:
+        return Path(wheel)
+    pattern = f"vllm-{VERSION}-*.whl"
+    for folder in filter(None, (os.environ.get("FLASHKDA_EXT_ENGINE_WHEELS"), str(CACHE))):
+        found = sorted(Path(folder).glob(pattern))
+        if found:
+            return found[0]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                          "--dest", str(CACHE), f"vllm=={VERSION}"], capture_output=True, text=True)
+    found = sorted(CACHE.glob(pattern))
+    if not found:
+        raise RuntimeError(f"pip download vllm=={VERSION} failed: {res.stderr.strip()[-400:]}")
+    return found[0]
+
+
+def prepare(wheel: Path, dest: Path) -> Path:
+    """FILES from the wheel and STUBS into dest (done once: dest/.complete names the wheel and this list)."""
+    stamp = dest / ".complete"
+    tag = f"{wheel.name} {hashlib.sha256(repr((FILES, STUBS)).encode()).hexdigest()[:16]}"
+    if stamp.exists() and stamp.read_text() == tag:
+        return dest
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith(FILES) and name.endswith(".py"):
+                z.extract(name, dest)
+    for rel, text in STUBS.items():
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    stamp.write_text(tag)
+    return dest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--wheel", help=f"the vllm-{VERSION} wheel (default: a local copy, else pip download)")
+    ap.add_argument("--dest", default=str(ROOT / ".engines" / "vllm"))
+    args = ap.parse_args(argv)
+    dest = prepare(find_wheel(args.wheel), Path(args.dest))
+    print(dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

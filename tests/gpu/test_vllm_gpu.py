@@ -1,0 +1,173 @@
+"""The vLLM adapters on the H200 against vLLM 0.34.0's own Triton KDA kernels (the real wheel's kimi_k3 nvidia
+ops, prepared beforehand with `python3 scripts/prepare_vllm_engine.py` into .engines/vllm and carried):
+packed decode, speculative verify and chunk prefill as the layers call them, bf16 and fp32 pools, vLLM's null
+block and CUDA-graph padding, a paged pool, CUDA-graph capture of the adapter, int64 indices past int32.
+Skips without CUDA; fails when the prepared folder is missing (the acceptance needs vLLM's kernels)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from gpu_common import rel_l2  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_vllm  # noqa: E402  (the benchmark's loader and input builders: the layers' calls)
+
+DEV = torch.device("cuda")
+TOL = 1e-2
+
+
+class Args:
+    spec_tokens = 4
+    prefill_len = 100
+    paged = False
+
+
+@pytest.fixture(scope="module")
+def vllm_ops():
+    engine = ROOT / ".engines" / "vllm"
+    if not (engine / "vllm").is_dir():
+        pytest.fail(f"{engine} missing: run `python3 scripts/prepare_vllm_engine.py` and carry .engines/vllm")
+    ops, fkda_vllm = bench_vllm.load_vllm(engine)
+    yield ops, fkda_vllm
+    fkda_vllm.uninstall()
+
+
+def both(ops, fkda_vllm, name, call, pool):
+    """(ours (out, state), vLLM's (out, state)) on copies of the pool; asserts the adapter served."""
+    adapter = getattr(ops, name)
+    site = f"k3.{name}"
+    served = fkda_vllm.STATS[site, "served"]
+    a, b = bench_vllm.copy_pool(pool), bench_vllm.copy_pool(pool)
+    with torch.inference_mode():
+        o1, s1 = adapter(**bench_vllm.with_pool(call, a))
+        assert fkda_vllm.STATS[site, "served"] == served + 1, dict(fkda_vllm.REASONS)
+        o2, s2 = adapter.__wrapped__(**bench_vllm.with_pool(call, b))
+    torch.cuda.synchronize()
+    return (o1, a if pool is not None else s1), (o2, b if pool is not None else s2)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize("rows,H", [(1, 8), (37, 12), (256, 32)])
+def test_packed_decode_matches_vllm_triton(vllm_ops, rows, H, lower_bound, state_dtype):
+    ops, fk = vllm_ops
+    call, pool = bench_vllm.inputs("decode", rows, H, state_dtype, lower_bound, Args, DEV, seed=rows)
+    if rows > 1:      # CUDA-graph padding: the null block (0) and -1 in the last rows
+        call["state_indices"][-1] = 0
+        call["state_indices"][-2] = -1
+    (o1, p1), (o2, p2) = both(ops, fk, "fused_recurrent_kda_packed_decode", call, pool)
+    assert rel_l2(o1, o2) < TOL and rel_l2(p1, p2) < TOL
+    if rows > 1:
+        assert torch.equal(o1[0, -2:], torch.zeros_like(o1[0, -2:]))
+        assert torch.equal(p1[0], pool[0])               # the null block is never written
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,H", [(1, 8), (24, 24), (200, 32)])
+def test_verify_matches_vllm_triton(vllm_ops, rows, H, state_dtype):
+    ops, fk = vllm_ops
+    call, pool = bench_vllm.inputs("verify", rows, H, state_dtype, -5.0, Args, DEV, seed=rows)
+    (o1, p1), (o2, p2) = both(ops, fk, "fused_recurrent_kda", call, pool)
+    assert rel_l2(o1, o2) < TOL and rel_l2(p1, p2) < TOL
+
+
+def test_verify_with_cuda_graph_padding_matches_vllm_triton(vllm_ops):
+    """vLLM's padded spec batch: table and counts padded to the graph batch (null block, count 1), cu_seqlens
+    of the real requests, more tokens than they own; the owned tokens agree and no padded slot is written."""
+    ops, fk = vllm_ops
+    call, pool = bench_vllm.inputs("verify", 6, 16, torch.float32, -5.0, Args, DEV, seed=3)
+    tm = Args.spec_tokens
+    n_real = 4
+    call["cu_seqlens"] = call["cu_seqlens"][:n_real + 1].clone()
+    call["ssm_state_indices"][n_real:] = 0
+    call["num_accepted_tokens"][n_real:] = 1
+    (o1, p1), (o2, p2) = both(ops, fk, "fused_recurrent_kda", call, pool)
+    used = n_real * tm
+    assert rel_l2(o1[:, :used], o2[:, :used]) < TOL and rel_l2(p1, p2) < TOL
+    assert torch.equal(p1[0], pool[0])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype):
+    ops, fk = vllm_ops
+    call, _ = bench_vllm.inputs("prefill", 3, 16, state_dtype, lower_bound, Args, DEV, seed=5)
+    call["cu_seqlens"] = torch.tensor([0, 100, 160, 300], dtype=torch.int32, device=DEV)   # unequal lengths
+    (o1, h1), (o2, h2) = both(ops, fk, "chunk_kda_with_fused_gate", call, None)
+    assert h1.dtype == h2.dtype == torch.float32
+    assert rel_l2(o1, o2) < 2 * TOL and rel_l2(h1, h2) < 2 * TOL
+
+
+def test_decode_on_a_paged_pool_matches_vllm_triton(vllm_ops):
+    """vLLM's page: the conv state then the recurrent state, a page per slot; the pool a strided view. Ours and
+    vLLM's each on a copy of the whole paged buffer; ours writes only the named slots' states."""
+    ops, fk = vllm_ops
+    H, rows, slots = 16, 20, 33
+    call, dense = bench_vllm.inputs("decode", rows, H, torch.bfloat16, -5.0, Args, DEV, seed=9)
+    conv_bytes, state_bytes = 3 * 3 * H * 128 * 2, H * 128 * 128 * 2
+    page = conv_bytes + state_bytes + 512
+    raw0 = torch.randint(0, 256, (slots * page,), dtype=torch.uint8, device=DEV)
+
+    def paged(raw):
+        return torch.as_strided(raw.view(torch.bfloat16), (slots, H, 128, 128), (page // 2, 128 * 128, 128, 1),
+                                conv_bytes // 2)
+
+    paged(raw0)[: dense.shape[0]].copy_(dense)
+    raw_a, raw_b = raw0.clone(), raw0.clone()
+    adapter = ops.fused_recurrent_kda_packed_decode
+    served = fk.STATS["k3.fused_recurrent_kda_packed_decode", "served"]
+    with torch.inference_mode():
+        o1, _ = adapter(**bench_vllm.with_pool(call, paged(raw_a)))
+        o2, _ = adapter.__wrapped__(**bench_vllm.with_pool(call, paged(raw_b)))
+    torch.cuda.synchronize()
+    assert fk.STATS["k3.fused_recurrent_kda_packed_decode", "served"] == served + 1, dict(fk.REASONS)
+    assert rel_l2(o1, o2) < TOL and rel_l2(paged(raw_a), paged(raw_b)) < TOL
+    written = torch.zeros_like(raw0, dtype=torch.bool)
+    for s in call["state_indices"].tolist():
+        lo = paged(raw_a)[s].data_ptr() - raw_a.data_ptr()
+        written[lo:lo + state_bytes] = True
+    assert torch.equal(raw_a[~written], raw0[~written])
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_adapter_captured_in_a_cuda_graph_replays_as_vllm(vllm_ops, kind):
+    ops, fk = vllm_ops
+    name = bench_vllm.NAMES[kind]
+    call, pool = bench_vllm.inputs(kind, 16, 8, torch.bfloat16, -5.0, Args, DEV, seed=11)
+    adapter = getattr(ops, name)
+    mine, ref = pool.clone(), pool.clone()
+    c = bench_vllm.with_pool(call, mine)
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            adapter(**c)                                # warm-up (the validation memo; the module loaded)
+        torch.cuda.current_stream().wait_stream(s)
+        mine.copy_(pool)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, _ = adapter(**c)
+        mine.copy_(pool)
+        g.replay()
+        o2, _ = adapter.__wrapped__(**bench_vllm.with_pool(call, ref))
+    torch.cuda.synchronize()
+    assert rel_l2(out, o2) < TOL and rel_l2(mine, ref) < TOL
+
+
+def test_int64_index_past_int32_is_padding_on_the_gpu(vllm_ops):
+    """2**32 + 1 would wrap to slot 1: on the device it becomes padding (zero output, nothing written)."""
+    ops, fk = vllm_ops
+    call, pool = bench_vllm.inputs("decode", 4, 8, torch.float32, -5.0, Args, DEV, seed=13)
+    call["state_indices"] = torch.tensor([2 ** 32 + 1, 2, 3, 4], dtype=torch.int64, device=DEV)
+    before = pool.clone()
+    with torch.inference_mode():
+        o, _ = ops.fused_recurrent_kda_packed_decode(**call)
+    torch.cuda.synchronize()
+    assert torch.equal(o[0, 0], torch.zeros_like(o[0, 0])) and torch.equal(pool[1], before[1])
+    assert not torch.equal(pool[2], before[2])

@@ -1,0 +1,105 @@
+"""scripts/device.sh's stage logic on a CPU: the order of its steps, the commands the stages run (DRY=1),
+what it refuses, the skip without a GPU and the exit status and logs of a failed step."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "device.sh"
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None or not SCRIPT.is_file(), reason="needs bash and scripts/")
+
+
+def run(tmp_path, env=None, args=(), path=None):
+    e = {k: v for k, v in os.environ.items() if k not in ("STAGES", "DRY", "OUT", "TESTS")}
+    e.update(OUT=str(tmp_path / "out"), **(env or {}))
+    if path is not None:
+        e["PATH"] = path
+    return subprocess.run([BASH, str(SCRIPT), *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_syntax():
+    assert subprocess.run([BASH, "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_dry_run_lists_the_steps_in_stage_order(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "peers selftest build"})
+    assert r.returncode == 0, r.stderr
+    steps = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("DRY ")]
+    assert steps == ["build", "selftest", "peers_decode", "peers_fused", "peers_verify", "peers_prefill"]
+    lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("DRY ")}
+    assert "benchmarks/bench_prefill.py" in lines["peers_prefill"]
+    assert "--peers cudnn,fla" in lines["peers_prefill"] and "--modes eager,kernel" in lines["peers_prefill"]
+    for op in ("decode", "verify", "fused"):
+        assert "--no-fla" not in lines[f"peers_{op}"] and "--no-unfused" not in lines[f"peers_{op}"]
+    assert "--op-arm" in lines["peers_decode"]
+
+
+def test_bench_leaves_the_peers_out_and_ops_pick(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "bench", "OPS": "verify prefill", "BENCH_QUICK": "1"})
+    lines = [line for line in r.stdout.splitlines() if line.startswith("DRY ")]
+    assert [line.split()[1] for line in lines] == ["bench_verify", "bench_prefill"]
+    assert all("--no-fla" in line and "--quick" in line for line in lines)
+
+
+def test_knobs_reach_the_commands(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "build tests sanitizers", "BUILD": "verify_* decode_seq_*",
+                       "TESTS": "tests/gpu/test_verify_gpu.py", "TESTS_K": "stage2", "SANITIZE_ONLY": "verify_*",
+                       "LIMIT_TESTS": "77"})
+    out = r.stdout
+    assert "build --backend cuda --parallel 16 --jobs 1 verify_* decode_seq_*" in out
+    assert "DRY tests (77 s):" in out and "tests/gpu/test_verify_gpu.py -k stage2" in out
+    assert "sanitize_routes.py --only verify_*" in out
+
+
+def test_unknown_stage_and_arguments_are_refused(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "build benchmark"})
+    assert r.returncode == 2 and "unknown stage 'benchmark'" in r.stderr and "DRY" not in r.stdout
+    r = run(tmp_path, {"DRY": "1"}, args=("build",))
+    assert r.returncode == 2 and "STAGES" in r.stderr
+
+
+def test_ab_needs_its_base(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "ab"})
+    assert r.returncode != 0 and "AB_BASE" in r.stderr
+
+
+def _no_gpu_path(tmp_path):
+    """PATH without nvidia-smi (this machine has none; the test makes sure)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    tools = ("timeout", "tar", "gzip", "date", "grep", "tail", "cat", "tr", "rm", "mkdir", "dirname", "sed", "ls",
+             "tee")
+    for tool in tools:
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    return str(bin_dir)
+
+
+def test_gpu_stages_skip_without_a_gpu(tmp_path):
+    r = run(tmp_path, {"STAGES": "tests sanitizers bench peers profile"}, path=_no_gpu_path(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for stage in ("tests", "sanitizers", "bench", "peers", "profile"):
+        assert f"== {stage} skipped: no GPU" in r.stdout
+
+
+def test_a_failed_step_sets_the_exit_status_and_its_log_comes_back(tmp_path):
+    # a fake nvidia-smi makes this a "GPU" machine; the tests step then fails on a missing path
+    path = _no_gpu_path(tmp_path)
+    fake = Path(path) / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'Fake GPU, 0.0'\n")
+    fake.chmod(0o755)
+    r = run(tmp_path, {"STAGES": "tests", "TESTS": "tests/no_such_dir"}, path=path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "failed steps: tests "
+    out = tmp_path / "out"
+    with tarfile.open(out / "logs.tgz") as t:
+        assert {"tests.log", "gpu.txt"} <= set(t.getnames())
+    assert not (out / "tests.log").exists() and not (out / ".failed").exists()
