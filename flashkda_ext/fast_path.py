@@ -51,7 +51,7 @@ def _py_plain_ok(read: tuple, written: tuple) -> bool:
     comprehensions cost more); a serving loop under torch.inference_mode() pays for the type test and
     the neg bit alone. Outputs the op allocates itself are not passed: they have none of these.
     The compiled twin (flag_reader.py) gives the same answers ~20x faster and replaces it as
-    `plain_ok` once built."""
+    `plain_ok` once built (in the background: no call waits for that build)."""
     if _inference_mode():
         for x in read:
             if x is not None and (type(x) is not Tensor or x.is_neg()):
@@ -73,6 +73,13 @@ def _py_plain_ok(read: tuple, written: tuple) -> bool:
 plain_ok = flag_reader.load() or _py_plain_ok
 
 
+def _install(native) -> None:
+    """Make the compiled test plain_ok (called at once, or by its background build when done)."""
+    global plain_ok
+    if native is not None:
+        plain_ok = native
+
+
 def get(key):
     """The entry under key: (checked function, signature, tail, *extra), or None."""
     try:
@@ -91,9 +98,8 @@ def put(key, family: str, call, sig_args: tuple, tail: tuple, extra: tuple = ())
         hash(key)
     except TypeError:
         return
-    global plain_ok
     if plain_ok is _py_plain_ok:  # the first armed call: build the compiled test if it is missing
-        plain_ok = flag_reader.ensure() or _py_plain_ok
+        _install(flag_reader.ensure(_install))
     if len(_ENTRIES) >= _LIMIT:
         _ENTRIES.clear()
     _ENTRIES[key] = (fn, fn(0, *sig_args, *tail), tail) + extra  # expected 0: the signature alone, no launch

@@ -263,3 +263,93 @@ def test_unloadable_aot_artifact(aot_env, tmp_path, monkeypatch):
     y = torch.empty(1)
     mod["kda_decode"](torch.zeros(1), y)
     assert y.tolist() == [1.5]
+
+
+# --- the loader trusts neither the entry's file list nor the file's contents ----------------------
+
+def test_an_entry_that_omits_an_edited_header_is_refused(aot_env, tmp_path, monkeypatch):
+    """An entry whose own identity agrees with its own (short) file list: before, an edit to the
+    header it leaves out went unseen and the stale .so loaded; the source set is recomputed from
+    the shipped sources."""
+    from flashkda_ext.jit.builder import sha256_file
+    from flashkda_ext.jit.identity import module_identity
+    tree, res = aot_env
+    rec = get_record("toy_cpu", tree)
+    assert "common/toy.h" in res.files
+    short = {rel: h for rel, h in res.files.items() if rel != "common/toy.h"}
+    e = _entry(res)
+    e["files"] = short
+    e["identity"] = module_identity(rec, "host", tree, compiler=res.compiler, files=short)
+    folder = tmp_path / "aot"
+    _folder(folder, res, {"format": 2, "modules": [e]})
+    e["sha256"] = sha256_file(folder / e["file"])
+    (folder / "manifest.json").write_text(json.dumps({"format": 2, "modules": [e]}))
+    hdr = tree / "csrc" / "common" / "toy.h"
+    old = hdr.read_text()
+    hdr.write_text(old + "// edited after the AOT build\n")
+    try:
+        monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(folder))
+        so, why = loader.find_aot(rec, "host", tree)
+        assert so is None
+        assert "toy_cpu" in why[-1] and "omits csrc/ files the sources include: common/toy.h" in why[-1]
+        monkeypatch.setenv("FLASHKDA_EXT_DISABLE_JIT", "1")
+        with pytest.raises(JitDisabledError, match="module 'toy_cpu'.*omits csrc/ files.*common/toy.h"):
+            load_module("toy_cpu", root=tree)
+    finally:
+        hdr.write_text(old)
+
+
+def test_the_include_closure_is_the_compilers_file_list_for_every_record():
+    """The loader's recomputed source set (identity.include_closure, no compiler needed) against the
+    compiler's own dependency scan (depscan), once per distinct source set of the AOT records: a
+    file only the closure reaches would refuse valid artifacts, one only the compiler reads would
+    go unchecked unless the entry lists it."""
+    from flashkda_ext import jit
+    from flashkda_ext.jit import depscan, toolchain
+    from flashkda_ext.jit.identity import include_closure
+    from flashkda_ext.jit.macros import render_header
+    distinct = {}
+    for rec in jit.all_records():
+        if rec["aot"] and (rec["backend"] == "cpu" or toolchain.have_nvcc()):
+            distinct.setdefault((tuple(rec["sources"]), rec["backend"]), rec)
+    assert distinct
+    for rec in distinct.values():
+        arch = "host" if rec["backend"] == "cpu" else rec["arches"][0]
+        scanned = depscan.dependency_hashes(rec, arch, None, render_header(rec))
+        assert include_closure(rec["sources"], paths.csrc_dir()) == sorted(scanned), rec["name"]
+
+
+@pytest.fixture
+def foreign(tmp_path, monkeypatch):
+    """A tree whose toy_cpu source exports another function than its record's entry (as a .so of
+    another module would), built into a fresh cache."""
+    from flashkda_ext.jit import ensure_built
+    tree = testing.make_tree(tmp_path / "tree")
+    src = tree / "csrc" / "cpu" / "toy.cc"
+    text = src.read_text()
+    assert "EXPORT_TYPED_FUNC(kda_decode," in text
+    src.write_text(text.replace("EXPORT_TYPED_FUNC(kda_decode,", "EXPORT_TYPED_FUNC(kda_other,"))
+    monkeypatch.setenv("FLASHKDA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLASHKDA_EXT_AOT_DIR", raising=False)
+    monkeypatch.delenv("FLASHKDA_EXT_DISABLE_JIT", raising=False)
+    loader.clear_cache()
+    yield tree, ensure_built("toy_cpu", root=tree)
+    loader.clear_cache()
+
+
+def test_a_foreign_aot_file_is_a_clear_error_naming_the_module(foreign, tmp_path, monkeypatch):
+    tree, res = foreign
+    folder = _folder(tmp_path / "aot", res)  # sha256 and identity agree: only its exports differ
+    monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(folder))
+    monkeypatch.setenv("FLASHKDA_EXT_DISABLE_JIT", "1")
+    with pytest.raises(JitDisabledError, match=r"does not export 'kda_decode', the entry function "
+                                               r"of module 'toy_cpu': a foreign or mismatched"):
+        load_module("toy_cpu", root=tree)
+
+
+def test_a_mismatched_cached_build_is_a_clear_error_naming_the_module(foreign):
+    from flashkda_ext.jit import BuildError
+    tree, _ = foreign
+    with pytest.raises(BuildError, match=r"module 'toy_cpu' \(host\) was rebuilt .* does not export "
+                                         r"'kda_decode', the entry function of module 'toy_cpu'"):
+        load_module("toy_cpu", root=tree)

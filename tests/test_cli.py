@@ -1,6 +1,7 @@
 """The command line: `python -m flashkda_ext info` and `selftest` run on a CPU machine and return 0;
 selftest reports a wrong result as a failure; the subcommands' helpers behave."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashkda_ext import cli, jit
+from flashkda_ext import cli, jit, paths
 from flashkda_ext.cli import bench, selftest, selftest_cases, selftest_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +35,11 @@ def test_info_runs_and_reports_versions():
     fams = info["spec"]["families"]
     assert "kda_decode/cpu" in fams and fams["kda_decode/cpu"]["modules"] >= 1
     assert info["gpu"]["available"] == torch.cuda.is_available()
+    # every family a route file routes, each with its rules in file order
+    route_files = sorted(p.stem for p in (paths.data_root() / "jit" / "routes").glob("*.json"))
+    assert len(route_files) >= 5 and sorted(info["spec"]["routes"]) == route_files
+    for fam in route_files:
+        assert [r["name"] for r in info["spec"]["routes"][fam]] == [r["name"] for r in jit.routes_for(fam)]
 
 
 def test_info_text():
@@ -41,6 +47,9 @@ def test_info_text():
     assert r.returncode == 0, r.stderr
     for word in ("tvm-ffi", "torch", "JIT cache", "AOT dirs", "routes"):
         assert word in r.stdout
+    routes = r.stdout.split("routes (first match wins)")[1]
+    for p in (paths.data_root() / "jit" / "routes").glob("*.json"):
+        assert f"\n{p.stem} " in routes, p.stem
 
 
 def test_selftest_cpu_passes():
@@ -48,7 +57,10 @@ def test_selftest_cpu_passes():
     r = run_cli("selftest", "--cpu-only", "--no-compile-check", timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "PASS" in r.stdout and "FAIL" not in r.stdout
-    for fam in ("kda_decode", "kda_prefill", "fused_kda_decode"):
+    route_files = [p.stem for p in (paths.data_root() / "jit" / "routes").glob("*.json")]
+    assert "fused_kda_verify" in route_files
+    for fam in route_files:  # every family the route files route has a CPU case that passed
+        assert re.search(rf"^PASS  {fam} cpu ", r.stdout, re.M), fam
         assert f"cpu_{fam}" in r.stdout
     wide = [line for line in r.stdout.splitlines() if len(line) > selftest_cases.LINE_WIDTH]
     assert not wide, wide
@@ -73,6 +85,17 @@ def test_selftest_json(tmp_path, capsys):
     ran = [o for o in doc["outcomes"] if o["family"] == "fused_kda_decode"]
     assert ran and all(o["status"] == "PASS" for o in ran)
     assert all(o["out_err"] is not None and o["out_err"] <= o["tol"] for o in ran)
+
+
+def test_a_routed_family_the_selftest_cannot_run_fails(monkeypatch):
+    monkeypatch.setattr(selftest, "families", lambda: ["kda_decode", "kda_new"])
+    (o,) = selftest.uncovered_families(selftest_cases.cpu_specs())
+    assert o.status == "FAIL" and o.family == "kda_new" and "jit/routes/kda_new.json" in o.detail
+    monkeypatch.setattr(selftest, "families", lambda: ["kda_decode", "fused_kda_verify"])
+    cases = [c for c in selftest_cases.cpu_specs() if c.family != "fused_kda_verify"]
+    (o,) = selftest.uncovered_families(cases)
+    assert o.status == "FAIL" and o.family == "fused_kda_verify" and "no CPU case" in o.detail
+    assert selftest.uncovered_families(selftest_cases.cpu_specs()) == []
 
 
 def test_max_rel_err_catches_nan_and_shape():
@@ -120,11 +143,15 @@ def test_cuda_case_choice_hits_every_reachable_rule():
         rules = set()
     if "repeated" in rules:
         assert any(selftest_shapes._spec_meta(s)[0] == "repeated" for s in specs if s.family == "kda_decode")
-    # kda_verify's CUDA modules are in the GPU selftest too (run by selftest_cases.run_verify)
-    verify_cuda = {r["name"] for r in jit.all_records() if r["family"] == "kda_verify" and r["backend"] == "cuda"}
-    routed = {s.extra["module"] for s in specs if s.family == "kda_verify"}
-    assert routed and routed <= verify_cuda
-    assert not [u for u in unreached if u.startswith("kda_verify")], unreached
+    # every routed family's CUDA modules are in the GPU selftest (the families from the route files)
+    for fam in (p.stem for p in (paths.data_root() / "jit" / "routes").glob("*.json")):
+        cuda = {r["name"] for r in jit.all_records() if r["family"] == fam and r["backend"] == "cuda"}
+        routed = {s.extra["module"] for s in specs if s.family == fam}
+        assert routed and routed <= cuda, fam
+        opt_in = {r["name"] for r in jit.routes_for(fam) if "opt_in" in r}  # taken only when opted in
+        assert not [u for u in unreached if u.startswith(f"{fam}: rule") and u.split("'")[1] not in opt_in], unreached
+        if fam.endswith("verify"):  # and every verify module (decode's shadowed twins are reported)
+            assert not [u for u in unreached if u.startswith(fam + ":")], unreached
 
 
 def test_build_list_and_trace_commands(capsys, tmp_path):

@@ -1,8 +1,10 @@
-"""Every ```python block of README.md and docs/*.md runs, so no example rots.
+"""Every ```python block of README.md and docs/*.md runs on its own, so no example rots and a reader
+can paste any one of them into a fresh interpreter.
 
-Blocks of one file run in order in one namespace (a later block may use names an earlier one made),
-each in a fresh namespace per file. A block is skipped only when it says so on its first line:
-`# gpu-only` (runs when CUDA is available) or when it imports jax and jax is not installed.
+Each block is a test of its own (id: file:line), run in a fresh namespace (no name an earlier block
+made), from an empty working folder, with os.environ restored afterwards. A block is skipped only when
+it says so on its first line: `# gpu-only` (runs when CUDA is available) or when it imports jax and jax
+is not installed.
 """
 import importlib.util
 import os
@@ -51,29 +53,37 @@ def test_fence_parser():
     assert skip_reason("import numpy\n") is None
 
 
-@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_doc_examples(path, tmp_path, monkeypatch):
-    blocks = python_blocks(path.read_text())
-    if not blocks:
-        pytest.skip("no python blocks")
+def all_blocks():
+    """pytest params: one per python block of every doc file, id 'file:line'."""
+    out = []
+    for path in doc_files():
+        rel = str(path.relative_to(ROOT))
+        out += [pytest.param(rel, line, code, id=f"{rel}:{line}") for line, code in python_blocks(path.read_text())]
+    return out
+
+
+def test_every_doc_file_with_examples_is_collected():
+    files = {p.values[0] for p in all_blocks()}
+    assert "README.md" in files and "docs/api.md" in files and "docs/integrations.md" in files
+
+
+@pytest.mark.parametrize("rel,line,code", all_blocks())
+def test_doc_example_runs_on_its_own(rel, line, code, tmp_path, monkeypatch):
+    why = skip_reason(code)
+    if why:
+        pytest.skip(why)
     monkeypatch.chdir(tmp_path)  # an example that writes files writes them here
     # examples that start `python -m flashkda_ext` find this checkout even without `pip install -e`
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    ns = {"__name__": f"doc_{path.stem}"}
-    ran, skipped = 0, []
-    for line, code in blocks:
-        why = skip_reason(code)
-        if why:
-            skipped.append(f"line {line}: {why}")
-            continue
-        try:
-            exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), ns)
-        except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"{path.relative_to(ROOT)}, python block at line {line} failed: "
-                                 f"{type(e).__name__}: {e}") from e
-        ran += 1
-    if not ran:
-        pytest.skip("; ".join(skipped))
+    saved_env = dict(os.environ)
+    ns = {"__name__": f"doc_example_{Path(rel).stem}_{line}"}
+    try:
+        exec(compile(code, f"{rel}:{line}", "exec"), ns)
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{rel}, python block at line {line} failed on its own: {type(e).__name__}: {e}") from e
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def test_api_reference_covers_every_public_op_and_argument():

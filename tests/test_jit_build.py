@@ -52,6 +52,28 @@ def test_build_load_call(tree, tmp_path):
     assert json.loads(mod["fkda_contract"]())["FKDA_MODULE_NAME"] == "toy_cpu"
 
 
+def test_a_build_says_what_it_builds_and_why(tree, capfd):
+    """No call waits in silence: one stderr line before a build (module, backend, arch, reason) and
+    one after (seconds); nothing when the cache serves."""
+    ensure_built("toy_cpu", root=tree)
+    err = capfd.readouterr().err.splitlines()
+    assert err[0] == "flashkda_ext: building module 'toy_cpu' (cpu, host): not in the cache ..."
+    assert err[1].startswith("flashkda_ext: built module 'toy_cpu' (cpu, host) in ") and err[1].endswith(" s")
+    assert len(err) == 2
+    ensure_built("toy_cpu", root=tree)
+    assert capfd.readouterr().err == ""
+    hdr = tree / "csrc" / "common" / "toy.h"
+    hdr.write_text(hdr.read_text() + "// edited\n")
+    ensure_built("toy_cpu", root=tree)
+    assert "building module 'toy_cpu' (cpu, host): sources changed (common/toy.h) ..." in capfd.readouterr().err
+    res = ensure_built("toy_cpu", root=tree)
+    res.path.write_bytes(b"truncated")
+    ensure_built("toy_cpu", root=tree)
+    assert "(cpu, host): the cached copy is incomplete or corrupt ..." in capfd.readouterr().err
+    ensure_built("toy_cpu", root=tree, force=True)
+    assert "(cpu, host): forced ..." in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "meta"])
 def test_corrupt_artifact_is_rebuilt(tree, damage):
     first = ensure_built("toy_cpu", root=tree)

@@ -78,14 +78,17 @@ _BUILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigkill_during_build_stops_ninja_and_its_compilers(tree, tmp_path):
+def _slow_cxx(tmp_path) -> str:
     cxx = tmp_path / "slow-g++"
     cxx.write_text(_SLOW_CXX)
     cxx.chmod(0o755)
-    env = dict(os.environ, CXX=str(cxx), FLASHKDA_EXT_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-c", _BUILD, str(tree)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return str(cxx)
+
+
+def _kill_mid_build(argv, env) -> None:
+    """Start argv, wait until its build's compiler runs (the slow g++'s sleep, under ninja), SIGKILL
+    the process, and check that nothing it started is left running."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     procs = {}
     try:
         deadline = time.time() + 180
@@ -105,6 +108,7 @@ def test_sigkill_during_build_stops_ninja_and_its_compilers(tree, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.stderr.close()
         for p in procs:  # never leave a sleeper behind, pass or fail (by the pids seen alive)
             if not _alive(p):
                 continue
@@ -112,11 +116,94 @@ def test_sigkill_during_build_stops_ninja_and_its_compilers(tree, tmp_path):
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
-    # the dead build's temp folder is still there; its lock is free, so it is reclaimed
+
+
+def _lock_is_free(cache: Path, prefix: str) -> bool:
+    """Every lock file of prefix's builds under cache exists (the dead build left it) and is free."""
+    locks = list((cache / ".locks").glob(prefix + "-*.lock"))
+    for path in locks:
+        held = try_lock(path)
+        if held is None:
+            return False
+        held.release()
+    return bool(locks)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_during_build_stops_ninja_and_its_compilers(tree, tmp_path):
     cache = tmp_path / "cache"
+    env = dict(os.environ, CXX=_slow_cxx(tmp_path), FLASHKDA_EXT_CACHE_DIR=str(cache))
+    _kill_mid_build([sys.executable, "-c", _BUILD, str(tree)], env)
+    # the dead build's temp folder is still there; its lock is free, so it is reclaimed
     left_tmp = [p for p in (cache / ".tmp").iterdir() if p.name.startswith("toy_cpu-")]
-    assert len(left_tmp) == 1
+    assert len(left_tmp) == 1 and _lock_is_free(cache, "toy_cpu")
     assert builder.reclaim_abandoned(cache) == left_tmp and not left_tmp[0].exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_process_after_a_killed_build_does_not_block(tree, tmp_path):
+    """The next process takes the dead build's lock at once, builds, says so, and leaves no temp
+    folder: bounded by the subprocess timeout, not by the lock's 30-minute one."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, CXX=_slow_cxx(tmp_path), FLASHKDA_EXT_CACHE_DIR=str(cache))
+    _kill_mid_build([sys.executable, "-c", _BUILD, str(tree)], env)
+    env.pop("CXX")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", _BUILD, str(tree)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "building module 'toy_cpu' (cpu, host): not in the cache" in r.stderr
+    assert time.time() - t0 < 120 and list((cache / ".tmp").iterdir()) == []
+    assert len(list(cache.glob("toy_cpu-*/toy_cpu.so"))) == 1
+
+
+_FLAG_BUILD = textwrap.dedent("""
+    from flashkda_ext import flag_reader
+    flag_reader.build()
+""")
+
+# the next process's armed call: the background build, then which test serves
+_FLAG_ARM = textwrap.dedent("""
+    from flashkda_ext import fast_path, flag_reader
+    fast_path._install(flag_reader.ensure(fast_path._install))
+    flag_reader.wait(300)
+    print(fast_path.plain_ok is fast_path._py_plain_ok)
+""")
+
+# a compiler that fails every compile at once (the fallback path, without a 10 s torch compile)
+_BROKEN_CXX = """#!/bin/sh
+case " $* " in *" -c "*) echo "broken compiler" >&2; exit 1 ;; esac
+exec g++ "$@"
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_flag_reader_build_killed_midway_blocks_nothing(tmp_path):
+    """torch's FileBaton left `lock` behind and every later process hung; the builder's lock is
+    free once its holder dies. The next process builds (here with a failing compiler: one warning,
+    the Python test serves), in bounded time, and reclaims the dead build's temp folder."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, CXX=_slow_cxx(tmp_path), FLASHKDA_EXT_CACHE_DIR=str(cache))
+    env.pop("FLASHKDA_EXT_DISABLE_JIT", None)
+    env.pop("FLASHKDA_EXT_NATIVE_FLAGS", None)
+    _kill_mid_build([sys.executable, "-c", _FLAG_BUILD], env)
+    assert len(list((cache / ".tmp").glob("flag_reader-*"))) == 1 and _lock_is_free(cache, "flag_reader")
+    broken = tmp_path / "broken-g++"
+    broken.write_text(_BROKEN_CXX)
+    broken.chmod(0o755)
+    env["CXX"] = str(broken)
+    r = subprocess.run([sys.executable, "-c", _FLAG_ARM], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
+    assert "building the fast path's flag reader" in r.stderr
+    assert r.stderr.count("RuntimeWarning") == 1 and "did not build" in r.stderr, r.stderr
+    assert list((cache / ".tmp").iterdir()) == []
+    # the next process does not retry the failed identity: one warning, no build
+    r = subprocess.run([sys.executable, "-c", _FLAG_ARM], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
+    assert "building" not in r.stderr and r.stderr.count("RuntimeWarning") == 1, r.stderr
+    assert "failed to build before" in r.stderr
 
 
 def test_reclaim_keeps_the_folder_of_a_live_build(tmp_path):
@@ -185,3 +272,23 @@ def test_lock_timeout_names_the_lock_file(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="FLASHKDA_EXT_LOCK_TIMEOUT='soon'"):
         with file_lock(path):
             pass
+
+
+_FORK_COUNT = textwrap.dedent("""
+    import os, sys
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))   # the hook JAX's fork warning hangs on
+    from flashkda_ext.jit import ensure_built
+    ensure_built("toy_cpu", root=sys.argv[1])
+    print(len(forks))
+""")
+
+
+def test_a_build_forks_no_python_process(tree, tmp_path):
+    """Subprocesses of a build start without a Python-level fork (no preexec_fn), so a process with
+    JAX's (or anyone's) threads is never forked: JAX warned on each such fork in the tests."""
+    env = dict(os.environ, FLASHKDA_EXT_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", _FORK_COUNT, str(tree)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "building module 'toy_cpu'" in r.stderr and r.stdout.split() == ["0"]

@@ -3,9 +3,16 @@ from __future__ import annotations
 
 from typing import Callable, List
 
-FAMILIES = ("kda_decode", "kda_prefill", "fused_kda_decode")
 GATES = ("softplus", "bounded", "log")
 LOWER_BOUND = -5.0
+
+
+def families() -> List[str]:
+    """Every op family, as the route files name them (jit/routes/<family>.json): a family added
+    there reaches `info` and the selftest without a list in code to update."""
+    from .. import jit
+
+    return sorted(jit.registry().routes)
 
 
 def table(rows: List[List[str]], head: List[str]) -> str:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
-from .common import FAMILIES, first_line, table, try_
+from .common import families, first_line, table, try_
 
 
 def _compiler_versions() -> Dict[str, str]:
@@ -93,14 +93,9 @@ def spec_summary(verbose: bool = False) -> dict:
         modules.append({"name": rec["name"], "family": rec["family"], "backend": rec["backend"],
                         "arch": arch, "abi": rec.get("abi"), "aot": bool(rec.get("aot")),
                         "aot_prebuilt": aot, "jit_cached": cached})
-    routes = {}
-    for fam in FAMILIES:
-        try:
-            routes[fam] = [{"name": r["name"], "when": r.get("when", {}), "module": r["module"],
-                            **({"opt_in": r["opt_in"]} if "opt_in" in r else {})}
-                           for r in jit.routes_for(fam)]
-        except KeyError:
-            routes[fam] = None
+    routes = {fam: [{"name": r["name"], "when": r.get("when", {}), "module": r["module"],
+                     **({"opt_in": r["opt_in"]} if "opt_in" in r else {})}
+                    for r in jit.routes_for(fam)] for fam in families()}
     out = {"families": fams, "routes": routes}
     if verbose:
         out["modules"] = modules
@@ -169,9 +164,6 @@ def _print_info(info: dict) -> None:
     print("\nroutes (first match wins)")
     rows = []
     for fam, rules in spec["routes"].items():
-        if rules is None:
-            rows.append([fam, "-", "no routes file", "-"])
-            continue
         for r in rules:
             when = ", ".join(f"{k}={v}" for k, v in r["when"].items()) or "always"
             if "opt_in" in r:  # considered only when opted in ($FLASHKDA_EXT_OPT_IN)

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .common import first_line, shorten
+from .common import families, first_line, shorten
 from .selftest_cases import (FIRST_LOAD_S, LINE_WIDTH, RUNNERS, Outcome, Spec, cpu_specs,
                              load_seconds)
 from .selftest_shapes import cuda_specs
@@ -150,6 +150,29 @@ def prebuild(names: List[str], workers: Optional[int] = None) -> Dict[str, str]:
     return failed
 
 
+def uncovered_families(cases: List[Spec]) -> List[Outcome]:
+    """A FAIL for each family the route files route (jit/routes/<family>.json) that the selftest
+    cannot run: no runner, or a CPU module but no CPU case. So a new family is never skipped
+    silently."""
+    from .. import jit
+
+    try:
+        fams = families()
+        cpu = {r["family"] for r in jit.all_records() if r["backend"] == "cpu"}
+    except Exception as e:  # noqa: BLE001  a broken spec tree is reported by the cases themselves
+        return [Outcome("spec", "route files", "-", status="FAIL", detail=f"{type(e).__name__}: {first_line(e)}")]
+    out = []
+    for fam in fams:
+        if fam not in RUNNERS:
+            out.append(Outcome(fam, "every case", "-", status="FAIL",
+                               detail=f"jit/routes/{fam}.json routes it, but the selftest has no runner "
+                                      f"for it (cli/selftest_cases.py RUNNERS)"))
+        elif fam in cpu and not any(c.family == fam for c in cases):
+            out.append(Outcome(fam, "cpu cases", "cpu", status="FAIL",
+                               detail="it has a CPU module but no CPU case (cli/selftest_cases.py cpu_specs)"))
+    return out
+
+
 def _select(specs: List[Spec], outcomes: List[Outcome], pats: List[str]):
     """The cases and pre-failed outcomes that --only's patterns match ('family:case' or family)."""
     specs = [s for s in specs if any(fnmatch.fnmatchcase(f"{s.family}:{s.name}", p)
@@ -181,6 +204,7 @@ def cmd_selftest(args) -> int:
             specs.append(s)
         else:
             outcomes.append(Outcome(s.family, s.name, "cpu", status="FAIL", detail=why_none))
+    outcomes += uncovered_families(cpu_specs())
     unreached: List[str] = []
     if torch.cuda.is_available() and not args.cpu_only:
         free = torch.cuda.mem_get_info()[0]
@@ -208,10 +232,10 @@ def cmd_selftest(args) -> int:
         outcomes.append(o)
         print(f" {o.status}", flush=True)
     if not torch.cuda.is_available() and not args.no_compile_check:
-        print("[compile] CUDA compile check ...", end="", flush=True)
+        print("[compile] CUDA compile check ...", flush=True)  # a build may say more on stderr
         o = compile_check(args.fresh_compile)
         outcomes.append(o)
-        print(f" {o.status}", flush=True)
+        print(f"[compile] {o.status}", flush=True)
         if o.status == "FAIL" and args.verbose and hasattr(o, "extra_text"):
             print(o.extra_text)  # type: ignore[attr-defined]
     elif not torch.cuda.is_available():

@@ -412,6 +412,63 @@ def run_verify(s: Spec, seed: int) -> Outcome:
     return _finish(o, problems)
 
 
+def run_fused_verify(s: Spec, seed: int) -> Outcome:
+    """fused_kda_verify: run_verify's requests through the fused op (conv + SiLU + step + gated
+    RMSNorm per draft token); against the reference (outputs, every named state slot and conv line,
+    the others bitwise unchanged)."""
+    import torch
+
+    import flashkda_ext as fk
+    from .. import validation
+    from ..reference.verify import fused_kda_verify_step
+
+    o = Outcome(s.family, s.name, s.device)
+    rnd = _Rand(seed, s.device)
+    H, D, lens = s.H, s.K, s.lengths
+    N, T, cols, C = len(lens), sum(lens), max(lens), 3 * s.H * s.K
+    x = rnd.randn(1, T, C, dtype=s.dtype)
+    conv_weight = rnd.randn(C, 4, dtype=s.dtype, scale=0.5)
+    conv_state = rnd.randn(s.slots, C, cols + 2, dtype=s.dtype)
+    g, gkw = _gate_args(rnd, s, (1, T), H, D)
+    beta = rnd.randn(1, T, H, dtype=s.dtype)
+    state = rnd.randn(s.slots, H, D, D, dtype=s.state_dtype, scale=0.5)
+    output_gate = rnd.randn(1, T, H, D, dtype=s.dtype)
+    norm_weight = 1 + rnd.randn(D, scale=0.1)
+    idx_host = rnd.perm(s.slots)[: N * cols].reshape(N, cols).to(torch.int32)
+    nacc_host = torch.tensor([1 + (n % cols) for n in range(N)], dtype=torch.int32)
+    if cols > 1:  # one token's state not stored (not the read entry)
+        idx_host[0, cols - 1 if int(nacc_host[0]) != cols else 0] = -1
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    idx, nacc, cu = idx_host.to(s.device), nacc_host.to(s.device), cu.to(s.device)
+    A_log, dt_bias = gkw.pop("A_log", None), gkw.pop("dt_bias", None)
+    args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight)
+    kw = dict(state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nacc, **gkw)
+    call = validation.check_fused_kda_verify(*args, max_seqlen=cols, **kw)
+    o.route, o.module = route_of("fused_kda_verify", call)
+    o.load_s = load_seconds(o.module)
+    out = torch.full((1, T, H, D), float("nan"), dtype=x.dtype, device=s.device)   # poisoned
+    pool, cpool = state.clone(), conv_state.clone()
+    _, o.call_ms = _timed_call(s.device, lambda: fk.fused_kda_verify(
+        x, conv_weight, cpool, g, beta, A_log, dt_bias, pool, output_gate, norm_weight, out=out, max_seqlen=cols,
+        **kw))
+    ref_out, ref_conv, ref_pool = fused_kda_verify_step(*args, **kw)
+    touched = torch.zeros(s.slots, dtype=torch.bool)
+    touched[idx_host[idx_host >= 0].long()] = True
+    lines = torch.zeros(s.slots, dtype=torch.bool)
+    lines[idx_host[:, 0][idx_host[:, 0] >= 0].long()] = True
+    t, tl = touched.to(s.device), lines.to(s.device)
+    o.out_err = max_rel_err(out, ref_out)
+    o.state_err = max(max_rel_err(pool[t], ref_pool[t].to(pool.dtype)),
+                      max_rel_err(cpool[tl], ref_conv[tl].to(cpool.dtype)))
+    o.tol = tolerance(getattr(torch, s.dtype), getattr(torch, s.state_dtype))
+    problems = []
+    if not (torch.equal(pool[~t], state[~t]) and torch.equal(cpool[~tl], conv_state[~tl])):
+        problems.append("a slot or conv line no entry names was written")
+    if torch.isnan(out).any():
+        problems.append("unwritten output")
+    return _finish(o, problems)
+
+
 def _finish(o: Outcome, problems: List[str]) -> Outcome:
     import math
 
@@ -426,7 +483,7 @@ def _finish(o: Outcome, problems: List[str]) -> Outcome:
 
 
 RUNNERS = {"kda_decode": run_decode, "fused_kda_decode": run_fused, "kda_prefill": run_prefill,
-           "kda_verify": run_verify}
+           "kda_verify": run_verify, "fused_kda_verify": run_fused_verify}
 
 
 def cpu_specs() -> List[Spec]:
@@ -456,5 +513,9 @@ def cpu_specs() -> List[Spec]:
              slots=12),
         Spec("kda_verify", "bf16/bf16-state bounded T_n=4,2", c, dtype="bfloat16", state_dtype="bfloat16",
              gate="bounded", H=2, HV=2, K=8, V=12, lengths=(4, 2), slots=11),
+        Spec("fused_kda_verify", "f32 softplus T_n=3,1,2 accepted", c, H=2, HV=2, K=16, V=16,
+             lengths=(3, 1, 2), slots=12),
+        Spec("fused_kda_verify", "bf16/bf16-state log T_n=4,2", c, dtype="bfloat16", state_dtype="bfloat16",
+             gate="log", H=3, HV=3, K=8, V=8, lengths=(4, 2), slots=11),
     ]
 

@@ -8,7 +8,7 @@ import fnmatch
 import itertools
 from typing import Dict, List, Optional, Tuple
 
-from .common import FAMILIES, GATES, LOWER_BOUND
+from .common import GATES, LOWER_BOUND, families
 from .selftest_cases import Spec, route_of
 
 def _meta_tensors_decode(rows, H, HV, K, V, slots, dtype, state_dtype, gate, gb_dtype=None):
@@ -84,6 +84,14 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
                                                          gate=gate, H=hh, HV=hv, K=K, V=vv, rows=rows,
                                                          slots=max(rows + 2, 16), slot_mode=mode),
                                                big_pool_bytes, allow=rows <= 1024)
+    elif family == "fused_kda_verify":
+        # kda_verify's request shapes through the fused op (H == HV, K == V: one head dim D)
+        for lens in [(2, 1, 2), (4, 2, 1, 3), (8, 5, 1, 8)]:
+            for hv in heads:
+                for st in states:
+                    _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, state_dtype=st, gate=gate_of(),
+                                                 H=hv, HV=hv, K=K, V=K, lengths=lens,
+                                                 slots=len(lens) * max(lens) + 4), big_pool_bytes)
     elif family == "kda_verify":
         # requests of mixed draft lengths (T_max 2, 4, 8), one spec per (heads, state, gate) in turn
         shapes = [(2, 1, 2), (4, 2, 1, 3), (8, 5, 1, 8)]
@@ -94,7 +102,7 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
                         _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, gb_dtype=gb, state_dtype=st,
                                                      gate=gate_of(), H=hv // group, HV=hv, K=K, V=V, lengths=lens,
                                                      slots=len(lens) * max(lens) + 4), big_pool_bytes)
-    else:
+    elif family == "kda_prefill":
         shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
                   (4096,), (4 * [4096]), (8192,), (16384,)]
         if quick:
@@ -119,7 +127,7 @@ def _spec_cost(s: Spec) -> int:
     per = s.HV * s.V * s.K
     if s.family == "kda_prefill":
         return 20 * sum(s.lengths) * per + (s.slots if s.pool else len(s.lengths)) * per
-    if s.family == "kda_verify":
+    if s.family in ("kda_verify", "fused_kda_verify"):
         return 20 * sum(s.lengths) * per + s.slots * per
     return 20 * s.rows * per + s.slots * per
 
@@ -166,7 +174,24 @@ def _spec_meta(s: Spec):
             cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m),
             num_accepted_tokens=torch.empty(N, dtype=torch.int32, **m), max_seqlen=cols, backend="cuda",
             gate=s.gate, **kw)
-    else:
+    elif s.family == "fused_kda_verify":
+        m = dict(device="meta")
+        dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
+        T, N, cols, H, D = sum(s.lengths), len(s.lengths), max(s.lengths), s.H, s.K
+        C = 3 * H * D
+        kw = {} if s.gate != "bounded" else {"lower_bound": LOWER_BOUND}
+        A_log = None if s.gate == "log" else torch.empty(H, **m)
+        dt_bias = None if s.gate == "log" else torch.empty(H * D, **m)
+        call = validation.check_fused_kda_verify(
+            torch.empty(1, T, C, dtype=dt, **m), torch.empty(C, 4, dtype=dt, **m),
+            torch.empty(s.slots, C, cols + 2, dtype=dt, **m), torch.empty(1, T, H, D, dtype=dt, **m),
+            torch.empty(1, T, H, dtype=dt, **m), A_log, dt_bias, torch.empty(s.slots, H, D, D, dtype=sdt, **m),
+            torch.empty(1, T, H, D, dtype=dt, **m), torch.empty(D, **m),
+            state_indices=torch.empty(N, cols, dtype=torch.int32, **m),
+            cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m),
+            num_accepted_tokens=torch.empty(N, dtype=torch.int32, **m), max_seqlen=cols, backend="cuda",
+            gate=s.gate, **kw)
+    elif s.family == "kda_prefill":
         m = dict(device="meta")
         dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
         T, N = sum(s.lengths), len(s.lengths)
@@ -187,6 +212,8 @@ def _spec_meta(s: Spec):
         call = validation.check_kda_prefill(q, torch.empty_like(q), torch.empty(1, T, s.HV, s.V, dtype=dt, **m),
                                             torch.empty(1, T, s.HV, s.K, dtype=dt, **m),
                                             torch.empty(1, T, s.HV, dtype=dt, **m), **kw)
+    else:
+        raise LookupError(f"the selftest has no CUDA shapes for family '{s.family}'")
     return route_of(s.family, call)
 
 
@@ -208,7 +235,7 @@ def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[
 
     chosen: List[Spec] = []
     unreached: List[str] = []
-    for fam in FAMILIES + ("kda_verify",):   # verify: run by selftest_cases.run_verify like the others
+    for fam in families():
         cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes), key=_spec_cost)
         if quick:  # no multi-GiB pools: the 64-bit-offset twins are left to the full run
             cands = [c for c in cands if c.slots * c.HV * c.V * c.K <= INT32_MAX]
@@ -242,7 +269,7 @@ def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[
 
 def _spec_label(s: Spec) -> str:
     st = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}.get(s.state_dtype, s.state_dtype)
-    if s.family == "kda_verify":
+    if s.family in ("kda_verify", "fused_kda_verify"):
         big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
         return f"T_n={','.join(map(str, s.lengths))} HV={s.HV} {st} {s.gate}{big}"
     if s.family == "kda_prefill":

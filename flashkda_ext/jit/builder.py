@@ -10,14 +10,16 @@ Cache layout (root: $FLASHKDA_EXT_CACHE_DIR, default ~/.cache/flashkda_ext):
                                                    is removed by the next build
     <cache>/.deps/                                 cached compiler dependency scans (depscan.py)
     <cache>/.failed/<name>-<identity[:16]>/        the last failed (or unloadable) build, to inspect
+    <cache>/flag_reader-<identity[:16]>/           the fast path's torch-linked flag test (flag_reader.py),
+                                                   built here too (ensure_artifact)
 
 An artifact counts only when meta.json names the identity and the .so's size and sha256 match;
 anything else (truncated, corrupt, half-written) is moved away and rebuilt. ninja runs in its own
-process group that dies with the calling process, so a killed build leaves no compiler running.
+process group that dies with the calling process, so a killed build leaves no compiler running. Each
+build says on stderr what it builds and why, then how long it took.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -150,10 +152,9 @@ def include_flags(csrc: Path) -> List[str]:
     return commands.include_flags(csrc)
 
 
-def _write_ninja(tmp: Path, record: dict, arch: str, csrc: Path) -> str:
-    """build.ninja in tmp, written with ninja's own ninja_syntax; returns the .so's name."""
-    so_name = f"{record['name']}.so"
-    steps = commands.compile_steps(record, arch, csrc, tmp / "fkda_macros.h")
+def write_ninja(tmp: Path, so_name: str, steps: List[commands.Compile], link: List[str],
+                libs: List[str]) -> None:
+    """build.ninja in tmp (ninja's own ninja_syntax): compile each step, link the objects to so_name."""
     with open(tmp / "build.ninja", "w") as f:
         w = ninja_syntax.Writer(f, width=120)
         w.variable("ninja_required_version", "1.3")
@@ -168,36 +169,29 @@ def _write_ninja(tmp: Path, record: dict, arch: str, csrc: Path) -> str:
             objs.append(obj)
             w.build(obj, step.rule, str(step.source),
                     variables={"cmd": ninja_syntax.escape(_sh(step.argv))})
-        w.build(so_name, "link", objs,
-                variables={"link": ninja_syntax.escape(_sh(commands.link_argv(record))),
-                           "ldflags": ninja_syntax.escape(_sh(commands.link_libs(record)))})
+        w.build(so_name, "link", objs, variables={"link": ninja_syntax.escape(_sh(link)),
+                                                  "ldflags": ninja_syntax.escape(_sh(libs))})
         w.default(so_name)
-    return so_name
 
 
-def _die_with_parent():
-    """preexec_fn for the build: SIGTERM when the process that started it dies (even by SIGKILL).
-
-    ninja, on SIGTERM, terminates the process group of every command it runs (each compiler runs
-    in its own group), so nothing outlives the Python process. Linux only (prctl); elsewhere the
-    new session and the killpg on exceptions still apply. The kernel ties PDEATHSIG to the thread
-    that forked: that thread waits for ninja, so it outlives the build."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def pre():  # runs between fork and exec: one C call and two syscalls, no Python lock
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-    return pre
+def _module_writer(record: dict, arch: str, macros: str, csrc: Path):
+    """The build-folder writer of a spec record: its macro header and build.ninja."""
+    def write(tmp: Path) -> str:
+        (tmp / "fkda_macros.h").write_text(macros)
+        so_name = f"{record['name']}.so"
+        write_ninja(tmp, so_name, commands.compile_steps(record, arch, csrc, tmp / "fkda_macros.h"),
+                    commands.link_argv(record), commands.link_libs(record))
+        return so_name
+    return write
 
 
-_PR_SET_PDEATHSIG = 1
+def _with_death_signal(cmd: List[str]) -> List[str]:
+    """cmd, started through _die_with_parent.py: SIGTERM when this process dies (even by SIGKILL).
+    ninja, on SIGTERM, terminates the process group of every command it runs (each compiler runs in
+    its own group), so nothing outlives the Python process. The kernel ties the signal to the thread
+    that started the process: that thread waits for ninja, so it outlives the build."""
+    return [sys.executable, "-S", "-E", "-s", str(Path(__file__).with_name("_die_with_parent.py")),
+            str(os.getpid())] + cmd
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -217,8 +211,8 @@ def _stop_group(proc: subprocess.Popen) -> None:
 def _run_ninja(cmd: List[str]) -> Tuple[int, str]:
     """Run ninja in its own session (a terminal's Ctrl-C reaches Python, which stops the group)
     that dies with this process; (returncode, combined output)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=_die_with_parent())
+    proc = subprocess.Popen(_with_death_signal(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
         out, _ = proc.communicate()
     except BaseException:
@@ -263,18 +257,50 @@ def reclaim_abandoned(cache: Path, held: Optional[str] = None) -> List[Path]:
     return removed
 
 
-def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache: Path,
+def announce(line: str) -> None:
+    """One line on stderr: a build never keeps a caller waiting in silence."""
+    sys.stderr.write(f"flashkda_ext: {line}\n")
+    sys.stderr.flush()
+
+
+def build_reason(cache: Path, name: str, identity: str, files: Optional[dict] = None) -> str:
+    """Why <name>-<identity> is being built: a corrupt copy of it, or an older build of the same
+    name whose inputs differ (the changed csrc/ files named when its meta.json lists them)."""
+    if (cache / artifact_name(name, identity)).exists():
+        return "the cached copy is incomplete or corrupt"
+    changed: set = set()
+    older = False
+    for meta_path in cache.glob(f"{name}-*/meta.json"):
+        try:
+            old = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(old, dict) or old.get("name") != name:
+            continue
+        older = True
+        old_files = old.get("files") or {}
+        if files:
+            changed.update(r for r in set(old_files) | set(files) if old_files.get(r) != files.get(r))
+    if changed:
+        shown = sorted(changed)
+        return "sources changed (" + ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "") + ")"
+    if older:
+        return "inputs changed (spec, flags, compiler or versions)"
+    return "not in the cache"
+
+
+def _run_build(cache: Path, art: str, label: str, hint: str, write, meta_extra: dict,
                jobs: Optional[int]) -> float:
-    name = record["name"]
-    art = artifact_name(name, identity)
+    """Build into a fresh .tmp/ folder (write(tmp) writes build.ninja there and returns the .so's
+    name), then rename it to <cache>/<art>. The caller holds art's lock; a failed build goes to
+    .failed/<art>."""
     (cache / ".tmp").mkdir(parents=True, exist_ok=True)
     reclaim_abandoned(cache, held=art)
     tmp = Path(tempfile.mkdtemp(prefix=art + "-", dir=cache / ".tmp"))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the artifact dir should be readable
     t0 = time.perf_counter()
     try:
-        (tmp / "fkda_macros.h").write_text(inputs["macros"])
-        so_name = _write_ninja(tmp, record, arch, roots.csrc_dir(root))
+        so_name = write(tmp)
         rc, output = _run_ninja(_ninja() + ["-C", str(tmp), "-j", str(_jobs(jobs))])
         (tmp / "build.log").write_text(output)
         if os.environ.get("FLASHKDA_EXT_VERBOSE") == "1":
@@ -284,12 +310,8 @@ def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache
             shutil.rmtree(failed, ignore_errors=True)
             failed.parent.mkdir(parents=True, exist_ok=True)
             os.rename(tmp, failed)
-            tail = output[-12000:]
-            raise BuildError(
-                f"flashkda_ext: building module '{name}' ({record['backend']}, {arch}) failed. "
-                f"Compiler output:\n{tail}\n"
-                f"The build files are kept in {failed}; fix the source or the spec record "
-                f"({name}) and call again.")
+            raise BuildError(f"flashkda_ext: building {label} failed. Compiler output:\n"
+                             f"{output[-12000:]}\nThe build files are kept in {failed}; {hint}.")
         ptxas = sorted((tmp / "obj").glob("*.o.log"))
         if ptxas:
             (tmp / "ptxas.log").write_text("".join(p.read_text() for p in ptxas))
@@ -298,11 +320,10 @@ def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache
             (tmp / junk).unlink(missing_ok=True)
         so = tmp / so_name
         seconds = time.perf_counter() - t0
-        meta = {"name": name, "arch": arch, "identity": identity, "file": so_name,
-                "size": so.stat().st_size, "sha256": sha256_file(so), "build_id": uuid.uuid4().hex,
+        meta = {**meta_extra, "file": so_name, "size": so.stat().st_size, "sha256": sha256_file(so),
+                "build_id": uuid.uuid4().hex,
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "build_seconds": round(seconds, 3), "compiler": inputs["compiler"],
-                "tvm_ffi": inputs["tvm_ffi"], "files": inputs["files"]}
+                "build_seconds": round(seconds, 3)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         final = cache / art
         if final.exists():  # an invalid leftover: move it out of the way, then drop it
@@ -316,36 +337,53 @@ def _run_build(record: dict, arch: str, inputs: dict, identity: str, root, cache
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def ensure_artifact(cache: Path, name: str, identity: str, label: str, hint: str, write,
+                    meta_extra: dict, *, jobs: Optional[int] = None, force: bool = False,
+                    files: Optional[dict] = None) -> Tuple[Path, dict, bool]:
+    """(folder, meta, built) of the valid artifact <cache>/<name>-<identity[:16]>, built under its
+    lock when missing or invalid, with one stderr line before the build (what and why) and one
+    after. meta_extra holds "name" and "identity"; files ({csrc path: sha256}) lets the reason name
+    the changed files; hint ends a build error (what to do)."""
+    art = artifact_name(name, identity)
+    art_dir = cache / art
+    if not force:
+        meta = read_valid_meta(art_dir, identity)
+        if meta is not None:
+            return art_dir, meta, False
+    with file_lock(lock_path(cache, art), what=f"the build of {label}"):
+        meta = None if force else read_valid_meta(art_dir, identity)  # another process built it
+        if meta is not None:
+            return art_dir, meta, False
+        why = "forced" if force else build_reason(cache, name, identity, files)
+        announce(f"building {label}: {why} ...")
+        seconds = _run_build(cache, art, label, hint, write, meta_extra, jobs)
+        meta = read_valid_meta(art_dir, identity)
+        if meta is None:
+            raise BuildError(f"flashkda_ext: {label} was built but its artifact in {art_dir} does "
+                             f"not verify; remove that folder and retry")
+        announce(f"built {label} in {seconds:.1f} s")
+        return art_dir, meta, True
+
+
 def ensure_built(name: str, arch: Optional[str] = None, *, root=None, cache=None,
                  jobs: Optional[int] = None, force: bool = False) -> BuildResult:
     """Build the module unless a valid artifact of its identity is cached; return where it is."""
     record = get_record(name, root)
     arch = resolve_arch(record, arch)
     cache_root = roots.cache_dir(cache)
+    label = f"module '{name}' ({record['backend']}, {arch})"
     try:
         inputs = identity_inputs(record, arch, root, cache=cache_root)
     except ToolchainError as e:
-        raise ToolchainError(f"flashkda_ext: cannot build module '{name}' "
-                             f"({record['backend']}, {arch}): {e}") from None
+        raise ToolchainError(f"flashkda_ext: cannot build {label}: {e}") from None
     identity = identity_of(inputs)
-    art_dir = cache_root / artifact_name(name, identity)
     t0 = time.perf_counter()
-    if not force:
-        meta = read_valid_meta(art_dir, identity)
-        if meta is not None:
-            return BuildResult(name, arch, identity, art_dir / meta["file"], False,
-                               time.perf_counter() - t0, inputs["compiler"], inputs["files"])
-    with file_lock(lock_path(cache_root, artifact_name(name, identity)),
-                   what=f"the build of module '{name}'"):
-        meta = None if force else read_valid_meta(art_dir, identity)
-        built = False
-        if meta is None:
-            _run_build(record, arch, inputs, identity, root, cache_root, jobs)
-            meta = read_valid_meta(art_dir, identity)
-            if meta is None:
-                raise BuildError(f"flashkda_ext: module '{name}' was built but its artifact in "
-                                 f"{art_dir} does not verify; remove that folder and retry")
-            built = True
+    meta_extra = {"name": name, "arch": arch, "identity": identity, "compiler": inputs["compiler"],
+                  "tvm_ffi": inputs["tvm_ffi"], "files": inputs["files"]}
+    art_dir, meta, built = ensure_artifact(
+        cache_root, name, identity, label, f"fix the source or the spec record ({name}) and call again",
+        _module_writer(record, arch, inputs["macros"], roots.csrc_dir(root)), meta_extra,
+        jobs=jobs, force=force, files=inputs["files"])
     return BuildResult(name, arch, identity, art_dir / meta["file"], built,
                        time.perf_counter() - t0, inputs["compiler"], inputs["files"])
 

@@ -25,6 +25,11 @@ class JitDisabledError(RuntimeError):
     """FLASHKDA_EXT_DISABLE_JIT=1 and no valid AOT artifact for the module."""
 
 
+class ModuleMismatchError(RuntimeError):
+    """A .so loaded as a module does not export that module's entry function (a foreign or
+    mismatched file)."""
+
+
 class LockTimeoutError(TimeoutError):
     """A cache lock was not acquired in time; names the lock file."""
 

@@ -5,11 +5,15 @@ flashkda_ext/_aot shipped inside the package. Each folder's manifest.json is che
 jit/schema/aot_manifest.schema.json (a bad one: ManifestError naming the file and field with JIT
 disabled; a warning, then a JIT build, otherwise). An artifact there is used only when its manifest
 entry's identity equals the identity recomputed here from the current record, macros, flags, arch,
-tvm-ffi version and the current bytes of the files the entry lists (with the compiler versions
-the manifest records: the loading machine needs no compiler) and the file's sha256 matches.
+tvm-ffi version and the current bytes of its source set (with the compiler versions the manifest
+records: the loading machine needs no compiler) and the file's sha256 matches. The source set is
+recomputed from the shipped sources (their #include closure, which for every record equals the
+compiler's own dependency scan: tests/test_aot.py), joined with the files the entry lists; so an
+entry that omits a header its sources include, edited or not, never verifies.
 Otherwise the module is JIT-built, unless FLASHKDA_EXT_DISABLE_JIT=1, which raises
 JitDisabledError. An artifact that verifies but does not load (dlopen refuses it) is moved away
-and rebuilt once (JIT cache), or skipped with a warning (AOT, JIT on), or named in the error.
+and rebuilt once (JIT cache), or skipped with a warning (AOT, JIT on), or named in the error; so is
+one that loads but does not export its record's entry function (a foreign or mismatched module).
 """
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ from .. import paths
 from . import roots
 from .builder import discard_artifact, ensure_built, resolve_arch, sha256_file
 from .depscan import sha256_bytes
-from .errors import BuildError, JitDisabledError, ManifestError
-from .identity import module_identity
+from .errors import BuildError, JitDisabledError, ManifestError, ModuleMismatchError
+from .identity import include_closure, module_identity
 from .manifest import read_manifest
 from .specs import get_record
 
@@ -77,6 +81,7 @@ def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[s
     """(path of a verified AOT .so, or None; why each candidate was rejected)."""
     why = []
     csrc = roots.csrc_dir(root)
+    shipped = None
     for d in aot_dirs():
         man = _manifest(d)
         if man is None:
@@ -86,13 +91,22 @@ def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[s
         if not entries:
             why.append(f"{d}: no entry for {record['name']} ({arch})")
             continue
+        if shipped is None:  # read only when an AOT folder has an entry for the module
+            shipped = include_closure(record["sources"], csrc)
         for e in entries:
-            want = module_identity(record, arch, root, compiler=e["compiler"], files=e["files"])
+            files = sorted(set(e["files"]) | set(shipped))
+            want = module_identity(record, arch, root, compiler=e["compiler"], files=files)
             if e["identity"] != want:
+                omitted = [rel for rel in shipped if rel not in e["files"]]
                 changed = sorted(rel for rel, h in e["files"].items()
                                  if sha256_bytes(csrc / rel) != h)
-                what = (f"csrc/ files changed since: {', '.join(changed[:5])}" if changed
-                        else "other spec, macros, flags or tvm-ffi")
+                if omitted:
+                    what = (f"its entry omits csrc/ files the sources include: "
+                            f"{', '.join(omitted[:5])}")
+                elif changed:
+                    what = f"csrc/ files changed since: {', '.join(changed[:5])}"
+                else:
+                    what = "other spec, macros, flags or tvm-ffi"
                 why.append(f"{d}: {record['name']} was built from other inputs ({what}; identity "
                            f"{e['identity'][:16]} != {want[:16]}); rebuild it with aot.py")
                 continue
@@ -109,10 +123,25 @@ def _load(so: Path):
     return tvm_ffi.load_module(str(so))
 
 
-def _load_aot(name: str, arch: str, so: Path):
-    """The module from a verified AOT file, or None (JIT on: warned) when dlopen refuses it."""
+def _open(so: Path, record: dict):
+    """The loaded module, checked to export its record's entry function: a foreign or mismatched
+    .so (another module's, an old build's) is refused here by name, not at the call as a raw
+    AttributeError."""
+    mod = _load(so)
+    entry = record["entry"]
+    if not mod.implements_function(entry):
+        raise ModuleMismatchError(
+            f"{so} does not export '{entry}', the entry function of module '{record['name']}': "
+            f"a foreign or mismatched module file")
+    return mod
+
+
+def _load_aot(record: dict, arch: str, so: Path):
+    """The module from a verified AOT file, or None (JIT on: warned) when dlopen refuses it or it
+    is not the module its manifest says."""
+    name = record["name"]
     try:
-        return _load(so)
+        return _open(so, record)
     except Exception as e:  # noqa: BLE001  dlopen's reasons are many (bad ELF, missing symbol)
         msg = (f"flashkda_ext: the AOT artifact {so} of module '{name}' ({arch}) matches its "
                f"manifest but does not load: {e}")
@@ -124,17 +153,18 @@ def _load_aot(name: str, arch: str, so: Path):
         return None
 
 
-def _load_built(name: str, arch: str, root, cache):
-    """Build (or reuse) and load; a cached artifact that verifies but does not load is moved to
-    .failed/ and rebuilt once, so one bad file cannot wedge the cache."""
+def _load_built(record: dict, arch: str, root, cache):
+    """Build (or reuse) and load; a cached artifact that verifies but does not load (or is not
+    the module) is moved to .failed/ and rebuilt once, so one bad file cannot wedge the cache."""
+    name = record["name"]
     res = ensure_built(name, arch, root=root, cache=cache)
     try:
-        return _load(res.path)
+        return _open(res.path, record)
     except Exception as first:  # noqa: BLE001
         failed = discard_artifact(res.path.parent, f"{res.path} did not load: {first}")
         res = ensure_built(name, arch, root=root, cache=cache)
         try:
-            return _load(res.path)
+            return _open(res.path, record)
         except Exception as second:  # noqa: BLE001
             raise BuildError(
                 f"flashkda_ext: module '{name}' ({arch}) was rebuilt in {res.path.parent} but "
@@ -152,7 +182,7 @@ def load_module(name: str, arch: Optional[str] = None, *, root=None, cache=None)
         record = get_record(name, root)
         real_arch = resolve_arch(record, arch)
         so, why = find_aot(record, real_arch, root)
-        mod = _load_aot(name, real_arch, so) if so is not None else None
+        mod = _load_aot(record, real_arch, so) if so is not None else None
         if mod is None:
             if jit_disabled():
                 searched = "; ".join(why) or "no AOT directory (set FLASHKDA_EXT_AOT_DIR)"
@@ -161,7 +191,7 @@ def load_module(name: str, arch: Optional[str] = None, *, root=None, cache=None)
                     f"FLASHKDA_EXT_DISABLE_JIT=1 forbids building it. Searched: {searched}. "
                     f"Build one with `python aot.py --arch {real_arch} --out DIR --only {name}` and "
                     f"set FLASHKDA_EXT_AOT_DIR=DIR, or unset FLASHKDA_EXT_DISABLE_JIT.")
-            mod = _load_built(name, real_arch, root, cache)
+            mod = _load_built(record, real_arch, root, cache)
         _modules[key] = mod
         return mod
 
