@@ -29,12 +29,17 @@ def _state_dtype(rec):
     return torch.bfloat16 if rec["state_dtype"] == "bfloat16" else torch.float32
 
 
+def _gb_dtype(rec):
+    """The _gb32 twins (decode and verify) read g and beta as fp32; the rest in the inputs' bf16."""
+    return torch.float32 if rec["params"].get("gb_f32") else torch.bfloat16
+
+
 def run_decode(fn, rec):
     rows, H, HV, slots = 3, 2, 4, 6
     idx = [1, 1, 4] if rec["abi"] == "sequential" else [1, -1, 4]
     state = _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
     out = torch.full((rows, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    gb = torch.float32 if rec["params"].get("gb_f32") else torch.bfloat16  # the _gb32 twins read fp32 g, beta
+    gb = _gb_dtype(rec)
     fn(_r(rows, H, D), _r(rows, H, D), _r(rows, HV, D), _r(rows, HV, D, dtype=gb), _r(rows, HV, dtype=gb),
        _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
        state, torch.tensor(idx, dtype=torch.int32, device=DEV), out,
@@ -91,7 +96,8 @@ def run_verify(fn, rec):
     nacc = torch.tensor([2, 1, 1] * reps, dtype=torch.int32, device=DEV)
     T = 6 * reps
     out = torch.full((1, T, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
-    fn(_r(1, T, H, D), _r(1, T, H, D), _r(1, T, HV, D), _r(1, T, HV, D), _r(1, T, HV),
+    gb = _gb_dtype(rec)
+    fn(_r(1, T, H, D), _r(1, T, H, D), _r(1, T, HV, D), _r(1, T, HV, D, dtype=gb), _r(1, T, HV, dtype=gb),
        _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
        _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1), idx, cu, nacc, out,
        validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)
