@@ -27,7 +27,7 @@ D = 128
 LENS = {1: [1, 1, 1], 2: [2, 1, 2], 4: [4, 2, 1, 3], 8: [8, 5, 1, 8]}
 # the fused decode module with the verify kernel's CTA (8 warps x 16 V-rows, one CTA per (row, head),
 # the same step and RMSNorm order; its state tile arrives by bulk copy, which changes no value)
-FUSED_TWIN = {"float32": "fused_rowtma_f32_o32", "bfloat16": "fused_rowtma_bf16_o32"}
+FUSED_TWIN = {"float32": "fused_rowtma_f32_o32", "bfloat16": "fused_rowtmalate_bf16_o32"}
 
 
 @pytest.fixture(scope="module", autouse=True)
