@@ -30,13 +30,15 @@ def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device) -> dict:
     else -exp(A_log) * softplus(g + dt_bias) (threshold 20 in both)."""
     if not isinstance(A_log, torch.Tensor) or A_log.numel() != HV:
         raise Refused(f"A_log must be a tensor of {HV} elements (one per head)")
-    if dt_bias is None:
-        dt_bias = torch.zeros(HV * K, dtype=torch.float32, device=device)   # vLLM: no bias added
-    elif not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K:
-        raise Refused(f"dt_bias must be a tensor of {HV * K} elements")
     if lower_bound is not None and not isinstance(lower_bound, (int, float)):
         raise Refused(f"lower_bound must be a number or None, got {type(lower_bound).__name__}")
-    return dict(A_log=A_log.reshape(-1).float(), dt_bias=dt_bias.reshape(-1).float(),
+    if dt_bias is None:
+        # vLLM adds no bias; the bounded gate takes an absent dt_bias as 0 (no zero-filled tensor to launch)
+        if lower_bound is None:
+            dt_bias = torch.zeros(HV * K, dtype=torch.float32, device=device)
+    elif not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K:
+        raise Refused(f"dt_bias must be a tensor of {HV * K} elements")
+    return dict(A_log=A_log.reshape(-1).float(), dt_bias=None if dt_bias is None else dt_bias.reshape(-1).float(),
                 lower_bound=None if lower_bound is None else float(lower_bound),
                 gate="softplus" if lower_bound is None else "bounded")
 
@@ -103,8 +105,12 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     g, beta = _gate_beta(raw_g, raw_beta, q, allow_fp32=False)
     HV, K = v.shape[2], q.shape[3]
     cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens)
-    # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state
-    init = None if initial_state is None else initial_state.contiguous().float()
+    # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
+    # at most (to() alone keeps an fp32 tensor's strides)
+    init = initial_state
+    if init is not None:
+        init = init.contiguous() if init.dtype == torch.float32 else \
+            init.to(torch.float32, memory_format=torch.contiguous_format)
     res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, g_bias, lower_bound, HV, K, q.device), scale=scale,
                  beta_is_logit=True, cu_seqlens=cu, initial_state=init,
                  output_final_state=bool(output_final_state), out=_dense_out(out, tuple(v.shape)))
@@ -134,24 +140,19 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
         idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices[:N]).contiguous()
         nat = None if num_accepted_tokens is None else \
             _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N]).contiguous()
-        used = T
-        if cu.device.type != "cpu" and ssm_state_indices.shape[0] > N:
-            # the same padding with the offsets on the device (no host read): the padded rows become empty
-            # requests (the last offset repeated: they read and write nothing), so T fits the padded batch;
-            # tokens past the last real offset belong to no request and stay zero in an output made here
-            pad = ssm_state_indices.shape[0] - N
-            cu = torch.cat([cu, cu[-1:].expand(pad)])
-            idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices).contiguous()
-            nat = None if num_accepted_tokens is None else \
-                _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens).contiguous()
-            if o is None:
-                o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         if cu.device.type == "cpu":
             # tokens past the last offset belong to no request: on the host that is visible, and the op takes
             # exactly the requests' tokens (a GPU kernel leaves those rows unwritten, as vLLM's does)
             used = int(cu[-1])
             if not 0 <= used <= T:
                 raise Refused(f"cu_seqlens ends at {used}, outside the {T} tokens given")
+        else:
+            # no host read: a request holds at most T_max tokens, so tokens past N * T_max (vLLM's CUDA-graph
+            # padding of the token count) belong to none and are not passed (views: nothing launched)
+            used = min(T, N * ssm_state_indices.shape[1])
+            if o is None and ssm_state_indices.shape[0] > N:
+                # a graph-padded batch: tokens past the last real offset stay zero in an output made here
+                o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         if used == T:
             res = run_op(kda_verify, q, k, v, g, beta, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nat,
                          out=o, **common)
