@@ -366,6 +366,19 @@ def run_prefill(s: Spec, seed: int) -> Outcome:
     return _finish(o, problems)
 
 
+
+def _verify_requests(rnd, s, N, cols, lens):
+    """A verify batch's slot table (on the host, then on s.device), accepted counts and offsets: N requests
+    of up to `cols` tokens on distinct slots, request 0 storing one token's state nowhere (not its read
+    entry)."""
+    import torch
+    idx = rnd.perm(s.slots)[: N * cols].reshape(N, cols).to(torch.int32)
+    nacc = torch.tensor([1 + (n % cols) for n in range(N)], dtype=torch.int32)
+    if cols > 1:
+        idx[0, cols - 1 if int(nacc[0]) != cols else 0] = -1
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return idx, idx.to(s.device), nacc.to(s.device), cu.to(s.device)
+
 def run_verify(s: Spec, seed: int) -> Outcome:
     """kda_verify: requests of s.lengths draft tokens, state_indices [N, max length] of distinct
     slots with one padding entry, num_accepted_tokens in [1, max length]; against the reference
@@ -385,12 +398,7 @@ def run_verify(s: Spec, seed: int) -> Outcome:
     g, gkw = _gate_args(rnd, s, (1, T), HV, K)
     beta = rnd.randn(1, T, HV, dtype=s.gb_dtype or s.dtype)
     state = rnd.randn(s.slots, HV, V, K, dtype=s.state_dtype, scale=0.5)
-    idx_host = rnd.perm(s.slots)[: N * cols].reshape(N, cols).to(torch.int32)
-    nacc_host = torch.tensor([1 + (n % cols) for n in range(N)], dtype=torch.int32)
-    if cols > 1:  # one token's state not stored (not the read entry)
-        idx_host[0, cols - 1 if int(nacc_host[0]) != cols else 0] = -1
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    idx, nacc, cu = idx_host.to(s.device), nacc_host.to(s.device), cu.to(s.device)
+    idx_host, idx, nacc, cu = _verify_requests(rnd, s, N, cols, lens)
     kw = dict(state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nacc, max_seqlen=cols, **gkw)
     call = validation.check_kda_verify(q, k, v, g, beta, state=state, **kw)
     o.route, o.module = route_of("kda_verify", call)
@@ -434,12 +442,7 @@ def run_fused_verify(s: Spec, seed: int) -> Outcome:
     state = rnd.randn(s.slots, H, D, D, dtype=s.state_dtype, scale=0.5)
     output_gate = rnd.randn(1, T, H, D, dtype=s.dtype)
     norm_weight = 1 + rnd.randn(D, scale=0.1)
-    idx_host = rnd.perm(s.slots)[: N * cols].reshape(N, cols).to(torch.int32)
-    nacc_host = torch.tensor([1 + (n % cols) for n in range(N)], dtype=torch.int32)
-    if cols > 1:  # one token's state not stored (not the read entry)
-        idx_host[0, cols - 1 if int(nacc_host[0]) != cols else 0] = -1
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    idx, nacc, cu = idx_host.to(s.device), nacc_host.to(s.device), cu.to(s.device)
+    idx_host, idx, nacc, cu = _verify_requests(rnd, s, N, cols, lens)
     A_log, dt_bias = gkw.pop("A_log", None), gkw.pop("dt_bias", None)
     args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight)
     kw = dict(state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nacc, **gkw)
