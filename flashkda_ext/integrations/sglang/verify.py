@@ -57,9 +57,11 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     flat = buf.view(R * S, HV, V, K)
     qsl = _as(query_start_loc, torch.int32, (N + 1,))
     c, r, idle = _idle(cidx, rows, qsl, ssm_states.shape[0], R)
-    base = r * S                        # step 0 of each request's row (int32: R * S fits, _verify_buffer)
-    steps = torch.arange(S, dtype=torch.int32, device=rows.device)
-    slots = (base.view(N, 1) + steps).masked_fill_(idle.view(N, 1), -1)
+    # slot of step t of each request's row (int32: R * S fits, _verify_buffer); column 0 is where the start
+    # state goes, taken (stack copies it) before idle requests' slots become padding
+    slots = torch.add(torch.arange(S, dtype=torch.int32, device=rows.device), r.view(N, 1), alpha=S)
+    pair = torch.stack((c, slots[:, 0]))    # [2, N]: source slot in the pool, destination slot in the buffer
+    slots.masked_fill_(idle.view(N, 1), -1)
     q, k, v = dense_qkv(q, k, v)        # one copy kernel for SGLang's views into mixed_qkv, not three
     args = (q, k, v, _as(a, dtype, (1, T, HV, K)), _as(b, dtype, (1, T, HV)))
     kw = dict(state=flat, state_indices=slots, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
@@ -69,7 +71,7 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     validation.check_verify_values(call, kw["cu_seqlens"], slots, None, kw["max_seqlen"])
     validation.check_apart((("out", kw["out"]), ("intermediate_states_buffer", flat)),
                            tuple(zip(("q", "k", "v", "a", "b"), args)) + (("ssm_states", ssm_states),))
-    _copy_start_states(flat, ssm_states, c, base, idle)
+    _copy_start_states(flat, ssm_states, pair, idle)
     o = kda_verify(*args, **kw)
     return o if out is None else out
 
@@ -138,16 +140,15 @@ def _idle(cidx, rows, qsl, slots, R):
     return c, r, idle
 
 
-def _copy_start_states(flat, pool, c, base, idle) -> None:
-    """flat[base[n]] = pool[c[n]] for every live request n, every other byte of flat unchanged, without a
+def _copy_start_states(flat, pool, pair, idle) -> None:
+    """flat[pair[1, n]] = pool[pair[0, n]] for every live request n, every other byte of flat unchanged, without a
     host sync (CUDA-graph safe): one gather and one scatter of N states, no pass over the buffer. An idle
     request repeats the copy of one live request (same slot, same value: repeated index_put_ entries
     agree). Where every request is idle that copy lands on a slot nobody owns: its value is read before and
     put back after (one state each way)."""
     all_idle, first = torch.min(idle, 0)    # a live request's index (0 where all are idle)
     first = first.view(1)                   # a 1-element index: indexing with a 0-d tensor syncs
-    pair = torch.stack((c, base))           # [2, N]: source slot and destination slot per request
-    one = pair.index_select(1, first)       # ... of that request
+    one = pair.index_select(1, first)       # its source and destination slots
     src, dst = torch.where(idle, one, pair)
     keep = flat.index_select(0, one[1])
     start = pool.index_select(0, src)
