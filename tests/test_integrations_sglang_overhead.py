@@ -189,27 +189,31 @@ def test_dense_qkv_copies_values_bitwise_and_leaves_dense_tensors_alone():
     assert all(torch.equal(d, x) and d.is_contiguous() for d, x in ((dq, q), (dk, k), (dv, v)))
 
 
-def verify_case(lens, steps, rows, cidx, seed, dtype, state_dtype, buf_rows=5):
+def verify_case(lens, steps, rows, cidx, seed, dtype, state_dtype, buf_rows=5, dims=(H, K, V), device="cpu"):
+    heads, dk, dv = dims
     gen = torch.Generator().manual_seed(seed)
     T = sum(lens)
-    _, (q, k, v) = mixed_views(T, gen, dtype)
-    a, b = torch.randn(T, H * K, generator=gen), torch.randn(T, H, generator=gen)
-    A_log, dt_bias = torch.randn(1, 1, H, 1, generator=gen) * 0.3, torch.randn(H * K, generator=gen) * 0.5
-    pool = (torch.randn(SLOTS, H, V, K, generator=gen) * 0.3).to(state_dtype)
-    buf = torch.randn(buf_rows, steps, H, V, K, generator=gen).to(state_dtype)
+    mixed = torch.randn(T, heads * (2 * dk + dv), generator=gen).to(dtype)
+    q, k, v = (x.unflatten(-1, (heads, d)).unsqueeze(0)
+               for x, d in zip(mixed.to(device).split([heads * dk, heads * dk, heads * dv], dim=-1), (dk, dk, dv)))
+    a, b = torch.randn(T, heads * dk, generator=gen), torch.randn(T, heads, generator=gen)
+    A_log, dt_bias = torch.randn(1, 1, heads, 1, generator=gen) * 0.3, torch.randn(heads * dk, generator=gen) * 0.5
+    pool = (torch.randn(SLOTS, heads, dv, dk, generator=gen) * 0.3).to(state_dtype)
+    buf = torch.randn(buf_rows, steps, heads, dv, dk, generator=gen).to(state_dtype)
     buf[0, 0, 0, 0, :2] = float("nan")
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    return dict(A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, ssm_states=pool,
-                cache_indices=torch.tensor(cidx, dtype=torch.int32), query_start_loc=qsl,
-                intermediate_states_buffer=buf, intermediate_state_indices=torch.tensor(rows, dtype=torch.int32))
+    case = dict(A_log=A_log, dt_bias=dt_bias, a=a, b=b, ssm_states=pool, cache_indices=torch.tensor(cidx,
+                dtype=torch.int32), query_start_loc=qsl, intermediate_states_buffer=buf,
+                intermediate_state_indices=torch.tensor(rows, dtype=torch.int32))
+    return dict({n: x.to(device) for n, x in case.items()}, q=q, k=k, v=v)
 
 
 def by_hand(c):
     """kda_verify on the buffer as a pool of R * S slots, each live request's start state put into step 0 of
     its row by hand; returns (out, buffer)."""
     buf = c["intermediate_states_buffer"].clone()
-    R, S = buf.shape[:2]
-    flat = buf.view(R * S, H, V, K)
+    R, S, heads, dv, dk = buf.shape
+    flat = buf.view(R * S, heads, dv, dk)
     offsets = c["query_start_loc"].tolist()
     slots = torch.full((len(offsets) - 1, S), -1, dtype=torch.int32)
     for n, (slot, row) in enumerate(zip(c["cache_indices"].tolist(), c["intermediate_state_indices"].tolist())):
@@ -217,11 +221,17 @@ def by_hand(c):
             flat[row * S] = c["ssm_states"][slot]
             slots[n] = row * S + torch.arange(S, dtype=torch.int32)
     q = c["q"]
-    o = ops.kda_verify(q.contiguous(), c["k"].contiguous(), c["v"].contiguous(), c["a"].to(q.dtype).view(1, -1, H, K),
-                       c["b"].to(q.dtype).view(1, -1, H), state=flat, state_indices=slots,
-                       cu_seqlens=c["query_start_loc"], max_seqlen=S, A_log=c["A_log"].flatten(),
-                       dt_bias=c["dt_bias"], gate="softplus", beta_is_logit=True)
+    o = ops.kda_verify(q.contiguous(), c["k"].contiguous(), c["v"].contiguous(),
+                       c["a"].to(q.dtype).view(1, -1, heads, dk), c["b"].to(q.dtype).view(1, -1, heads), state=flat,
+                       state_indices=slots.to(q.device), cu_seqlens=c["query_start_loc"], max_seqlen=S,
+                       A_log=c["A_log"].flatten(), dt_bias=c["dt_bias"], gate="softplus", beta_is_logit=True)
     return o, buf
+
+
+def call_verify(c):
+    c = dict(c)
+    return FlashKDAExtKernel().target_verify(c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"),
+                                             c.pop("a"), c.pop("b"), cache_steps=3, **c)
 
 
 @pytest.mark.parametrize("lens, rows, cidx", [
@@ -237,9 +247,7 @@ def test_target_verify_is_kda_verify_on_the_buffer_bitwise(lens, rows, cidx, dty
     case = verify_case(lens, 3, rows, cidx, seed=len(lens) * 10 + sum(rows), dtype=dtype, state_dtype=state_dtype)
     want_o, want_buf = by_hand(case)
     pool0 = case["ssm_states"].clone()
-    c = dict(case)
-    o = FlashKDAExtKernel().target_verify(c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"),
-                                          c.pop("a"), c.pop("b"), cache_steps=3, **c)
+    o = call_verify(case)
     assert torch.equal(bits(o), bits(want_o))
     assert torch.equal(bits(case["intermediate_states_buffer"]), bits(want_buf))
     assert torch.equal(bits(case["ssm_states"]), bits(pool0))
@@ -268,3 +276,29 @@ def test_decode_and_packed_decode_of_mixed_qkv_views_are_bitwise_the_dense_call(
     (o0, p0), *rest = results
     for o, p in rest:
         assert torch.equal(bits(o), bits(o0)) and torch.equal(bits(p), bits(p0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cidx", [[4, -1, 2], [-1, -1, -1]], ids=["one_padding_request", "all_idle"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_target_verify_on_cuda_replays_in_a_cuda_graph_bitwise(cidx, state_dtype):
+    """On a GPU: no host synchronisation (a CUDA graph captures the call), and a replay gives bitwise
+    kda_verify on the hand-filled buffer, every other byte of the buffer and the pool unchanged."""
+    case = verify_case([3, 3, 3], 3, [3, 0, 1], cidx, seed=31, dtype=torch.bfloat16, state_dtype=state_dtype,
+                       dims=(4, 128, 128), device="cuda")
+    buf, pool = case["intermediate_states_buffer"], case["ssm_states"]
+    buf0, pool0 = buf.clone(), pool.clone()
+    want_o, want_buf = by_hand(case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):          # warm-up off the capture (validation, routes, fast path)
+        call_verify(case)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = call_verify(case)
+    buf.copy_(buf0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(o), bits(want_o))
+    assert torch.equal(bits(buf), bits(want_buf)) and torch.equal(bits(pool), bits(pool0))
