@@ -2,7 +2,7 @@
 
 On an H200 the adapter's target_verify cost 4x SGLang's Triton kernel: besides kda_verify it ran 32 tensor
 ops, five of them passes over N states (two gathers, two torch.where, an index_copy_ of the start states),
-and packed_decode copied q, k and v out of mixed_qkv in three kernels. Each op is a kernel launch in a
+and packed_decode (decode, extend) copied q, k and v out of mixed_qkv in three kernels. Each op is a launch in a
 CUDA graph, each N-state pass costs as much memory traffic as the verify kernel's own start-state read.
 
 GPU proxy: the calls run on meta tensors (shapes and dtypes, no memory), with validation told the device is
@@ -60,6 +60,8 @@ def gpu_proxy(monkeypatch):
         return kernel
     monkeypatch.setattr(ops, "kda_verify", recorder("kda_verify"))
     monkeypatch.setattr(ops, "kda_decode", recorder("kda_decode"))
+    prefill = recorder("kda_prefill")
+    monkeypatch.setattr(ops, "kda_prefill", lambda *a, **kw: (prefill(*a, **kw), None))
     return calls
 
 
@@ -152,6 +154,21 @@ def test_decode_of_mixed_qkv_views_copies_once(gpu_proxy):
         query_start_loc=ints(T + 1)))
     assert seen == [("clone", T * 3 * HB * KB * 2)]
     assert gpu_proxy == [dict(op="kda_decode", dense=True, g=torch.bfloat16, beta=torch.bfloat16)]
+
+
+def test_extend_of_mixed_qkv_views_copies_once(gpu_proxy):
+    T = 256
+    _, (q, k, v) = _packed_views(T, HB, HB)
+    g = torch.empty(1, T, HB, KB, device="meta", dtype=torch.bfloat16)
+    beta = torch.empty(1, T, HB, device="meta", dtype=torch.bfloat16)
+    pool = torch.empty(8, HB, VB, KB, device="meta")
+    ints = lambda *s: torch.empty(*s, device="meta", dtype=torch.int32)  # noqa: E731
+    seen = _counted(lambda: FlashKDAExtKernel().extend(
+        q, k, v, g, beta, ssm_states=pool, cache_indices=ints(2), query_start_loc=ints(3),
+        A_log=torch.empty(HB, device="meta"), dt_bias=torch.empty(HB * KB, device="meta"),
+        extend_seq_lens_cpu=[100, 156]))
+    assert seen == [("clone", T * 3 * HB * KB * 2)]
+    assert gpu_proxy == [dict(op="kda_prefill", dense=True, g=torch.bfloat16, beta=torch.bfloat16)]
 
 
 # ---------------------------------------------------------------------------------------------

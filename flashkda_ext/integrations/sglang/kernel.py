@@ -221,8 +221,7 @@ class FlashKDAExtKernel:
         gate, lb = _gate(lower_bound, A)
         idx = int32_indices("cache_indices", cache_indices, (N,))
         # kda_prefill reads g and beta in q's dtype
-        args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(g, dtype, (1, T, HV, K)),
-                _as(beta, dtype, (1, T, HV)))
+        args = (*dense_qkv(q, k, v), _as(g, dtype, (1, T, HV, K)), _as(beta, dtype, (1, T, HV)))
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
         if not ckpt:
