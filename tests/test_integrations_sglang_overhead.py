@@ -10,6 +10,8 @@ a GPU (so no host value is read, as on CUDA) and the kernels replaced by recorde
 counts every non-view op with a device output and the bytes it writes. A change that adds an op, or a
 copy proportional to the pool or the buffer, fails here; one that removes an op updates the pinned count.
 """
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -204,6 +206,12 @@ def test_dense_qkv_copies_values_bitwise_and_leaves_dense_tensors_alone():
     q, k, v = q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)), v.unflatten(-1, (H, V))
     dq, dk, dv = dense_qkv(q, k, v)
     assert all(torch.equal(d, x) and d.is_contiguous() for d, x in ((dq, q), (dk, k), (dv, v)))
+    # traced (FakeTensor, torch.compile): plain copies, no storage address read (FakeTensor warns on one)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("error")
+        _, (q, k, v) = mixed_views(5, None, torch.float32)
+        assert all(x.is_contiguous() for x in dense_qkv(q, k, v))
 
 
 def verify_case(lens, steps, rows, cidx, seed, dtype, state_dtype, buf_rows=5, dims=(H, K, V), device="cpu"):

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ...custom_ops import tracing
+
 
 def as_dense(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     """x reshaped, in dtype and contiguous: at most one copy."""
@@ -25,7 +27,8 @@ def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     where already dense."""
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == q.dtype:
         return q, k, v
-    blocks = _side_by_side(q, k, v)
+    # a compiler traces the plain copies (it cannot trace storage addresses) and may fuse them
+    blocks = None if tracing(q) else _side_by_side(q, k, v)
     if blocks is None:
         return q.contiguous(), as_dense(k, q.dtype, k.shape), as_dense(v, q.dtype, v.shape)
     q2, W, wv = blocks
