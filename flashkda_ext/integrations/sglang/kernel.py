@@ -16,19 +16,12 @@ from .. import fla_chunk_states
 from ... import validation
 from ..common_checks import int32_indices
 from . import extend_states, verify
+from .dense import as_dense as _as, dense_qkv
 
 #: calls per (method, "served" | "fell_back")
 STATS: collections.Counter = collections.Counter()
 #: fallbacks per (method, reason)
 REASONS: collections.Counter = collections.Counter()
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
-    """x reshaped, in dtype and contiguous: at most one copy."""
-    x = x.reshape(shape)
-    if x.dtype != dtype:
-        return x.to(dtype, memory_format=torch.contiguous_format)
-    return x.contiguous()
 
 
 def _params(A_log, dt_bias):
@@ -154,9 +147,10 @@ class FlashKDAExtKernel:
         a = _as(a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K))
         b = _as(b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV))
         idx = int32_indices("cache_indices", cache_indices, (T,))
-        o = kda_decode(_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), a, b, state=ssm_states,
-                       state_indices=idx, A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, scale=scale,
-                       beta_is_logit=True, slot_mode="padded", out=None if out is None else out.view(T, HV, V))
+        q, k, v = dense_qkv(q, k, v)   # one copy kernel for SGLang's views into mixed_qkv, not three
+        o = kda_decode(q, k, v, a, b, state=ssm_states, state_indices=idx, A_log=A, dt_bias=dt, lower_bound=lb,
+                       gate=gate, scale=scale, beta_is_logit=True, slot_mode="padded",
+                       out=None if out is None else out.view(T, HV, V))
         return o.view(1, T, HV, V) if out is None else out
 
     # -----------------------------------------------------------------------------------------
@@ -227,8 +221,7 @@ class FlashKDAExtKernel:
         gate, lb = _gate(lower_bound, A)
         idx = int32_indices("cache_indices", cache_indices, (N,))
         # kda_prefill reads g and beta in q's dtype
-        args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(g, dtype, (1, T, HV, K)),
-                _as(beta, dtype, (1, T, HV)))
+        args = (*dense_qkv(q, k, v), _as(g, dtype, (1, T, HV, K)), _as(beta, dtype, (1, T, HV)))
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
         if not ckpt:

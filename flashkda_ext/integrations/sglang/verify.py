@@ -14,11 +14,7 @@ import torch
 
 from ... import validation
 from ..common_checks import int32_indices
-
-
-def _as(x, dtype, shape):
-    x = x.reshape(shape)
-    return x.to(dtype, memory_format=torch.contiguous_format) if x.dtype != dtype else x.contiguous()
+from .dense import as_dense as _as, dense_qkv
 
 
 def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, buf, table,
@@ -60,14 +56,14 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     # step 0 of the request's row; kda_verify reads it there before token 0 overwrites it.
     flat = buf.view(R * S, HV, V, K)
     qsl = _as(query_start_loc, torch.int32, (N + 1,))
-    # an empty request (T_n = 0, graph padding) is no live row either: its start state is not copied
-    nonempty = (qsl[1:] > qsl[:-1]).to(cidx.device)
-    live = (cidx >= 0) & (cidx < ssm_states.shape[0]) & (rows >= 0) & (rows < R) & nonempty
-    steps = torch.arange(S, dtype=torch.int32, device=rows.device)
-    slots = torch.where(live.view(N, 1), rows.view(N, 1) * S + steps,
-                        torch.full((), -1, dtype=torch.int32, device=rows.device))
-    args = (_as(q, dtype, q.shape), _as(k, dtype, k.shape), _as(v, dtype, v.shape), _as(a, dtype, (1, T, HV, K)),
-            _as(b, dtype, (1, T, HV)))
+    c, r, idle = _idle(cidx, rows, qsl, ssm_states.shape[0], R)
+    # slot of step t of each request's row (int32: R * S fits, _verify_buffer); column 0 is where the start
+    # state goes, taken (stack copies it) before idle requests' slots become padding
+    slots = torch.add(torch.arange(S, dtype=torch.int32, device=rows.device), r.view(N, 1), alpha=S)
+    pair = torch.stack((c, slots[:, 0]))    # [2, N]: source slot in the pool, destination slot in the buffer
+    slots.masked_fill_(idle.view(N, 1), -1)
+    q, k, v = dense_qkv(q, k, v)        # one copy kernel for SGLang's views into mixed_qkv, not three
+    args = (q, k, v, _as(a, dtype, (1, T, HV, K)), _as(b, dtype, (1, T, HV)))
     kw = dict(state=flat, state_indices=slots, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
               lower_bound=lb, gate=gate, beta_is_logit=True, out=None if out is None else out.view(1, T, HV, V))
     # every check kda_verify makes runs before the start states are copied: a refused call writes nothing
@@ -75,7 +71,7 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     validation.check_verify_values(call, kw["cu_seqlens"], slots, None, kw["max_seqlen"])
     validation.check_apart((("out", kw["out"]), ("intermediate_states_buffer", flat)),
                            tuple(zip(("q", "k", "v", "a", "b"), args)) + (("ssm_states", ssm_states),))
-    _copy_start_states(flat, ssm_states, cidx, rows, live, S, R)
+    _copy_start_states(flat, ssm_states, pair, idle)
     o = kda_verify(*args, **kw)
     return o if out is None else out
 
@@ -134,17 +130,27 @@ def _verify_rows(table, N, R, cidx, slots) -> torch.Tensor:
     return rows
 
 
-def _copy_start_states(flat, pool, cidx, rows, live, S, R) -> None:
-    """flat[rows[n] * S] = pool[cidx[n]] for every live request, without a host sync (CUDA-graph safe).
-    A padding request with a row copies that row's step 0 onto itself (bitwise unchanged); one without a
-    row (negative or >= R) repeats the first request with a row, write for write, so no index_copy_
-    target ever gets two different values."""
-    has_row = (rows >= 0) & (rows < R)
-    # the first request with a row (0 if none has one), as a 1-element index: indexing with a 0-d tensor syncs
-    first = torch.argmax(has_row.to(torch.int32)).view(1)
-    dst = rows.clamp(0, R - 1).long() * S
-    start = pool.index_select(0, cidx.clamp(0, pool.shape[0] - 1).long())
-    src = torch.where(live.view(-1, 1, 1, 1), start, flat.index_select(0, dst))
-    dst = torch.where(has_row, dst, dst.index_select(0, first))
-    src = torch.where(has_row.view(-1, 1, 1, 1), src, src.index_select(0, first))
-    flat.index_copy_(0, dst, src)
+def _idle(cidx, rows, qsl, slots, R):
+    """(cache indices clamped into the pool, rows clamped into the buffer, which requests are idle): a
+    request is live where its start slot and its buffer row are in range and it has at least one draft token
+    (an empty request, T_n = 0, is CUDA-graph padding: its start state is not copied); every other one is
+    idle. A clamped index equals the index exactly where it is in range."""
+    c, r = cidx.clamp(0, slots - 1), rows.clamp(0, R - 1)
+    idle = (c != cidx) | (r != rows) | (qsl[1:] <= qsl[:-1]).to(cidx.device)
+    return c, r, idle
+
+
+def _copy_start_states(flat, pool, pair, idle) -> None:
+    """flat[pair[1, n]] = pool[pair[0, n]] for every live request n, every other byte of flat unchanged, without a
+    host sync (CUDA-graph safe): one gather and one scatter of N states, no pass over the buffer. An idle
+    request repeats the copy of one live request (same slot, same value: repeated index_put_ entries
+    agree). Where every request is idle that copy lands on a slot nobody owns: its value is read before and
+    put back after (one state each way)."""
+    all_idle, first = torch.min(idle, 0)    # a live request's index (0 where all are idle)
+    first = first.view(1)                   # a 1-element index: indexing with a 0-d tensor syncs
+    one = pair.index_select(1, first)       # its source and destination slots
+    src, dst = torch.where(idle, one, pair)
+    keep = flat.index_select(0, one[1])
+    start = pool.index_select(0, src)
+    flat.index_put_((dst,), start)
+    flat.index_put_((one[1],), torch.where(all_idle, keep, start.index_select(0, first)))

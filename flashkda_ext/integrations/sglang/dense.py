@@ -1,0 +1,73 @@
+"""Tensors made dense for the kernels with the fewest copy kernels (each one a launch on the serving path).
+
+SGLang hands q, k, v over as column blocks of one packed projection (mixed_qkv split, unflattened): views
+whose rows are `2*H*K + HV*V` elements apart. kda_decode and kda_verify read dense tensors, and a
+`.contiguous()` per tensor is three copy kernels; where the three blocks sit side by side in one row-major
+buffer, one strided copy into a [3, rows, w] tensor gives all three (two when v's width differs from q's).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...custom_ops import tracing
+
+
+def as_dense(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """x reshaped, in dtype and contiguous: at most one copy."""
+    x = x.reshape(shape)
+    if x.dtype != dtype:
+        return x.to(dtype, memory_format=torch.contiguous_format)
+    return x.contiguous()
+
+
+def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q [..., H, K], k [..., H, K], v [..., HV, V] contiguous, in q's dtype, values unchanged; as they are
+    where already dense."""
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == q.dtype:
+        return q, k, v
+    # a compiler traces the plain copies (it cannot trace storage addresses) and may fuse them
+    blocks = None if tracing(q) else _side_by_side(q, k, v)
+    if blocks is None:
+        return q.contiguous(), as_dense(k, q.dtype, k.shape), as_dense(v, q.dtype, v.shape)
+    q2, W, wv = blocks
+    rows, w = q2.shape
+    if wv == w:
+        dense = q2.as_strided((3, rows, w), (w, W, 1)).contiguous()
+        return dense[0].view(q.shape), dense[1].view(k.shape), dense[2].view(v.shape)
+    qk = q2.as_strided((2, rows, w), (w, W, 1)).contiguous()
+    return qk[0].view(q.shape), qk[1].view(k.shape), v.contiguous()
+
+
+def _side_by_side(q, k, v):
+    """(q as [rows, w], the row stride, v's width) where q, k and v are the consecutive column blocks
+    q | k | v of one row-major buffer in one dtype (each row of each one dense block); else None."""
+    lead = q.shape[:-2]
+    if k.shape != q.shape or v.shape[:-2] != lead or not (q.dtype == k.dtype == v.dtype):
+        return None
+    rows = math.prod(lead)
+    views = [_rows(x, rows) for x in (q, k, v)]
+    if rows == 0 or any(x is None for x in views):
+        return None
+    q2, k2, v2 = views
+    w, wv = q2.shape[1], v2.shape[1]
+    W = q2.stride(0)
+    if rows > 1 and not (k2.stride(0) == v2.stride(0) == W and W >= 2 * w + wv):
+        return None
+    if any(x.shape[1] > 1 and x.stride(1) != 1 for x in views):
+        return None
+    base = q.untyped_storage().data_ptr()
+    if k.untyped_storage().data_ptr() != base or v.untyped_storage().data_ptr() != base:
+        return None
+    if k2.storage_offset() != q2.storage_offset() + w or v2.storage_offset() != k2.storage_offset() + w:
+        return None
+    return q2, W, wv
+
+
+def _rows(x, rows):
+    """x [..., h, d] as a [rows, h*d] view, or None where its rows are not each one dense block."""
+    try:
+        return x.view(rows, x.shape[-2] * x.shape[-1])
+    except RuntimeError:
+        return None
