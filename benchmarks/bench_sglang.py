@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import types
 import zipfile
@@ -35,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import engine_wheels  # noqa: E402
 import harness  # noqa: E402
 
 VERSION = "0.5.23"
@@ -56,19 +56,7 @@ TOL = {"o": 2e-2, torch.float32: 1e-2, torch.bfloat16: 2e-2}
 
 
 def find_wheel(given=None) -> Path:
-    if given:
-        return Path(given)
-    dirs = [Path(d) for d in os.environ.get("FLASHKDA_EXT_ENGINE_WHEELS", "").split(os.pathsep) if d]
-    cache = ROOT / ".cache" / "engines"
-    for d in dirs + [cache]:
-        hits = sorted(d.glob(f"sglang-{VERSION}-*.whl"))
-        if hits:
-            return hits[0]
-    cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}", "--only-binary=:all:",
-                    "--python-version", "311", "--implementation", "cp", "--abi", "cp311",
-                    "--platform", "manylinux_2_34_x86_64", "-d", str(cache)], check=True)
-    return sorted(cache.glob(f"sglang-{VERSION}-*.whl"))[0]
+    return engine_wheels.find_wheel("sglang", VERSION, given=given)
 
 
 def prepare(wheel=None) -> Path:

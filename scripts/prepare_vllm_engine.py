@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_wheels  # noqa: E402
+
 VERSION = "0.34.0"
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / ".cache" / "engines"
+CACHE = engine_wheels.CACHE
 K3_OPS = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 VENDORED_OPS = "vllm.third_party.flash_linear_attention.ops.kda"
 
@@ -140,20 +141,7 @@ STUBS = {
 
 def find_wheel(wheel: str | None = None) -> Path:
     """The pinned wheel: `wheel`, else one in FLASHKDA_EXT_ENGINE_WHEELS or the cache, else pip download."""
-    if wheel:
-        return Path(wheel)
-    pattern = f"vllm-{VERSION}-*.whl"
-    for folder in filter(None, (os.environ.get("FLASHKDA_EXT_ENGINE_WHEELS"), str(CACHE))):
-        found = sorted(Path(folder).glob(pattern))
-        if found:
-            return found[0]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                          "--dest", str(CACHE), f"vllm=={VERSION}"], capture_output=True, text=True)
-    found = sorted(CACHE.glob(pattern))
-    if not found:
-        raise RuntimeError(f"pip download vllm=={VERSION} failed: {res.stderr.strip()[-400:]}")
-    return found[0]
+    return engine_wheels.find_wheel("vllm", VERSION, given=wheel, cache=CACHE)
 
 
 def prepare(wheel: Path, dest: Path) -> Path:

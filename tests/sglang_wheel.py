@@ -30,19 +30,19 @@ import ast
 import importlib.util
 import os
 import pathlib
-import subprocess
 import sys
 import types
 import zipfile
 
 import pytest
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+import engine_wheels  # noqa: E402
+
 VERSION = "0.5.23"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CACHE = ROOT / ".cache" / "engines"
-PIP_DOWNLOAD = [sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={VERSION}", "--only-binary=:all:",
-                "--python-version", "311", "--implementation", "cp", "--abi", "cp311",
-                "--platform", "manylinux_2_34_x86_64", "-d"]
+CACHE = engine_wheels.CACHE
+PIP_DOWNLOAD = engine_wheels.pip_download("sglang", VERSION)
 LINEAR = "sglang/srt/layers/attention/linear/"
 FILES = (LINEAR + "kda_backend.py", LINEAR + "utils.py", LINEAR + "kernels/kernel_backend.py",
          LINEAR + "kernels/kda_triton.py", "sglang/srt/plugins/__init__.py", "sglang/srt/plugins/hook_registry.py",
@@ -58,20 +58,13 @@ CONFIG = types.SimpleNamespace()
 
 def find_wheel() -> pathlib.Path:
     """The pinned wheel, downloaded into the cache when missing; fails under CI=true, else skips, if absent."""
-    dirs = [pathlib.Path(d) for d in os.environ.get("FLASHKDA_EXT_ENGINE_WHEELS", "").split(os.pathsep) if d]
-    for d in dirs + [CACHE]:
-        hits = sorted(d.glob(f"sglang-{VERSION}-*.whl"))
-        if hits:
-            return hits[0]
-    CACHE.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run(PIP_DOWNLOAD + [str(CACHE)], check=True, capture_output=True, timeout=600)
-    except (subprocess.SubprocessError, OSError) as e:
+        return engine_wheels.find_wheel("sglang", VERSION, cache=CACHE, pip=PIP_DOWNLOAD)
+    except RuntimeError as e:
         msg = f"sglang=={VERSION} wheel not available ({e}); set FLASHKDA_EXT_ENGINE_WHEELS or allow pip download"
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
         pytest.skip(msg)
-    return sorted(CACHE.glob(f"sglang-{VERSION}-*.whl"))[0]
 
 
 def extract(wheel: pathlib.Path) -> pathlib.Path:
