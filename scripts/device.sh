@@ -66,10 +66,6 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 DRY=${DRY:-0}
 
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1 && [ "$DRY" != 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} || exit 1
-fi
 export PYTHONUNBUFFERED=1 FLASHKDA_EXT_CACHE_DIR=${FLASHKDA_EXT_CACHE_DIR:-/tmp/fkda_cache}
 export PYTHONPATH=$PWD/scripts:${PYTHONPATH:-}   # fla_backend_count (a pytest plugin) lives there
 [ -d .triton_cache ] && export TRITON_CACHE_DIR=$PWD/.triton_cache
@@ -78,6 +74,21 @@ export PYTHONPATH=$PWD/scripts:${PYTHONPATH:-}   # fla_backend_count (a pytest p
 GPU=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   GPU=1; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+fi
+# the carried wheels are fetched for the device image's Python: installed only where this python3 is that one
+# (a checkout that holds them, run elsewhere, skips them with a line)
+whl_ok() {
+  local tag; tag=cp$(python3 -c 'import sys; print("%d%d" % sys.version_info[:2])')
+  local w
+  for w in .whl/*.whl; do   # (bash alone: the CPU test runs this with a bare PATH)
+    if [[ $w =~ -(cp3[0-9]+)- && ${BASH_REMATCH[1]} != "$tag" ]]; then
+      echo "== .whl skipped: its wheels are for ${BASH_REMATCH[1]}, this python3 is $tag"; return 1
+    fi
+  done
+}
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$DRY" != 1 ] && whl_ok; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} || exit 1
 fi
 
 # step NAME LIMIT CMD...: one bounded, logged command (DRY=1: its line only)
