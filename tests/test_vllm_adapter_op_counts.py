@@ -215,8 +215,8 @@ def test_the_counter_sees_a_launch_the_adapter_makes(launches, monkeypatch):
 
 def test_graph_padded_verify_on_a_device_passes_views_of_the_real_requests(launches):
     """Device offsets (no host read), the table padded to 5 rows and 20 tokens for 3 requests of at most 4: the
-    op gets the 3 requests' rows and offsets as given (no cat) and the first 3 * 4 tokens, views of the dense
-    copies, writing into the caller's out."""
+    op gets the 3 requests' rows and offsets as given (no cat) and the first 3 * 4 tokens, views of vLLM's own
+    row-strided views (no copy), writing into the caller's out."""
     call = verify("meta", [4, 2, 3], 4, rows=5, tokens=20, out=True)
     _, made = launches(k3.serve_fused_recurrent, call)
     (name, args, kw), = made
