@@ -230,3 +230,39 @@ def test_a_strided_view_traces_and_fakes():
         fa["g"] = mode.from_tensor(heads_apart(a["g"]))
         with pytest.raises(ValueError, match=r"^g: expected .*inner dims contiguous"):
             fk.kda_decode(**fa)
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_fla_fused_recurrent_serves_row_strided_views_bitwise_as_dense(kind, monkeypatch):
+    """fla's fused_recurrent_kda_fwd (vLLM's decode / spec call) with q, k, v views of one packed buffer and g,
+    beta slices of a projection: accepted by the verifier and served without a copy, bitwise the dense call."""
+    from flashkda_ext.integrations import fla as fkda_fla
+    gen = torch.Generator().manual_seed(13)
+    T = 4
+    views = tuple(x.unsqueeze(0) for x in packed(T, gen, torch.float32, torch.float32))
+    views[3].copy_(-torch.rand(1, T, HV, K, generator=gen))      # g: fla's log decay (<= 0), in the projection
+    pool = torch.randn(SLOTS, HV, V, K, generator=gen) * 0.3
+    if kind == "decode":
+        extra = dict(cu_seqlens=torch.arange(T + 1, dtype=torch.int32),
+                     ssm_state_indices=torch.tensor([4, -1, 1, 7], dtype=torch.int32))
+    else:
+        extra = dict(cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32),
+                     ssm_state_indices=torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
+                     num_accepted_tokens=torch.tensor([2, 1], dtype=torch.int32))
+    import flashkda_ext.ops as ops
+    seen = []
+    for name in ("kda_decode", "kda_verify"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, **kw: seen.append(a[0].data_ptr()) or _real(*a, **kw))
+    results = []
+    for inputs in (tuple(x.contiguous() for x in views), views):
+        p = pool.clone()
+        call = dict(zip(("q", "k", "v", "g", "beta"), inputs), initial_state=p, inplace_final_state=True,
+                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True, **extra)
+        assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
+        o, _ = fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+        results.append((o, p))
+    (o0, p0), (o1, p1) = results
+    assert seen[-1] == views[0].data_ptr()          # the caller's q reached the op (no copy)
+    assert not torch.equal(p0, pool)
+    assert torch.equal(o1, o0) and torch.equal(p1, p0)

@@ -1,7 +1,6 @@
 // Host side: the DecodeParams fields kda_decode and kda_verify fill the same way (pointers, counts
 // and options) and the rule on their row-strided inputs (vector_rows); each binding sets the row and
-// slot strides of its own layout. Include after
-// decode/kda_decode_kernels.cuh.
+// slot strides of its own layout. Include after decode/kda_decode_kernels.cuh.
 #pragma once
 
 #include <cstdint>
