@@ -197,7 +197,7 @@ def test_verify_checks_the_token_dim():
 
 
 def test_the_cpu_bindings_refuse_overlapping_rows_on_their_own():
-    """Straight through TVM-FFI (no Python check in front): the binding's Checker::row_stride."""
+    """Straight through TVM-FFI (no Python check in front): the bindings' rule (csrc/common/row_stride.h)."""
     a = decode_args(dtype=torch.float32)
     out = torch.full((4, HV, V), math.nan)
     args = [a["q"], overlapping_rows(a["k"]), a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],

@@ -214,30 +214,6 @@ class Checker {
                    << shape_str(t) << " with strides " << list_str(st);
   }
 
-  // An input of kda_decode ([rows, n, d], row_dim 0) or kda_verify ([1, T, n, d], row_dim 1): the dims
-  // after row_dim dense (one of size 1 may carry any stride), the dims before it of size 1 (shapes are
-  // checked before), and the rows any stride >= one row's elements apart (views of an engine's packed
-  // projection). Returns the row stride in elements (one row's elements where there is at most one row).
-  // The same rule as flashkda_ext/validation/common.py, _row_strided.
-  int64_t row_stride(const TensorView& t, const char* name, int row_dim) const {
-    int64_t inner = 1;
-    bool ok = true;
-    for (int i = t.ndim() - 1; i > row_dim; --i) {
-      if (t.size(i) > 1 && t.stride(i) != inner) ok = false;
-      inner *= t.size(i);
-    }
-    for (int i = 0; i < row_dim; ++i) ok = ok && t.size(i) == 1;
-    const bool many = t.size(row_dim) > 1;
-    if (!ok || (many && t.stride(row_dim) < inner)) {
-      std::vector<int64_t> st(t.ndim());
-      for (int i = 0; i < t.ndim(); ++i) st[i] = t.stride(i);
-      FKDA_FAIL(fn_) << "argument '" << name << "' must have its inner dims contiguous (row-major; the rows may "
-                     << "sit any stride >= " << inner << " elements apart), got shape " << shape_str(t)
-                     << " with strides " << list_str(st);
-    }
-    return many ? t.stride(row_dim) : inner;
-  }
-
   void aligned(const TensorView& t, const char* name, int64_t bytes) const {
     auto addr = reinterpret_cast<std::uintptr_t>(data_ptr<char>(t));
     if (t.numel() > 0 && addr % static_cast<std::uintptr_t>(bytes) != 0) {

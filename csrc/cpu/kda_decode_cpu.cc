@@ -6,6 +6,7 @@
 
 #include "../common/kda_cpu.h"
 #include "../common/pool_args.h"
+#include "../common/row_stride.h"
 
 namespace {
 
@@ -39,8 +40,9 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   // the rows of q..beta may sit apart (views of a packed projection), each row dense
-  const int64_t qr = c.row_stride(q, "q", 0), kr = c.row_stride(k, "k", 0), vr = c.row_stride(v, "v", 0),
-                gr = c.row_stride(g, "g", 0), br = c.row_stride(beta, "beta", 0);
+  const int64_t qr = fkda::row_stride(c, q, "q", 0), kr = fkda::row_stride(c, k, "k", 0),
+                vr = fkda::row_stride(c, v, "v", 0), gr = fkda::row_stride(c, g, "g", 0),
+                br = fkda::row_stride(c, beta, "beta", 0);
   c.contiguous(state_indices, "state_indices");
   c.contiguous(out, "out");
   // the pool's slots may sit apart (a paged cache); each slot is dense

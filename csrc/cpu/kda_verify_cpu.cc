@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../common/row_stride.h"
 #include "../common/verify_cpu.h"
 
 namespace {
@@ -47,8 +48,9 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
   // the tokens of q..beta may sit apart (views of a packed projection), each token dense
-  const int64_t qr = c.row_stride(q, "q", 1), kr = c.row_stride(k, "k", 1), vr = c.row_stride(v, "v", 1),
-                gr = c.row_stride(g, "g", 1), br = c.row_stride(beta, "beta", 1);
+  const int64_t qr = fkda::row_stride(c, q, "q", 1), kr = fkda::row_stride(c, k, "k", 1),
+                vr = fkda::row_stride(c, v, "v", 1), gr = fkda::row_stride(c, g, "g", 1),
+                br = fkda::row_stride(c, beta, "beta", 1);
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{state_indices, "state_indices"},
                                 {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.contiguous(t, name);

@@ -7,14 +7,15 @@
 
 #include "common/binding.h"
 #include "common/param_fill.h"
+#include "common/row_stride.h"
 
 namespace fkda_decode {
 
 // q, k, v, g of kda_decode (row_dim 0) and kda_verify (row_dim 1): rows any stride apart
-// (Checker::row_stride), each row starting 16-byte aligned for the kernels' 16-byte loads along K / V.
+// (fkda::row_stride), each row starting 16-byte aligned for the kernels' 16-byte loads along K / V.
 // Returns the row stride in elements.
 inline int64_t vector_rows(const fkda::Checker& c, const fkda::TensorView& t, const char* name, int row_dim) {
-  const int64_t stride = c.row_stride(t, name, row_dim);
+  const int64_t stride = fkda::row_stride(c, t, name, row_dim);
   const int64_t bytes = t.dtype().bits / 8;
   if (reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(t)) % 16 != 0 ||
       (t.size(row_dim) > 1 && (stride * bytes) % 16 != 0)) {

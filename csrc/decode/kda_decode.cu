@@ -98,7 +98,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"rows", rows}, {"HV", HV}});
   c.dtype(beta, "beta", {kGbDtype});
-  c.row_stride(beta, "beta", 0);  // read element by element: any row stride
+  fkda::row_stride(c, beta, "beta", 0);  // read element by element: any row stride
   c.shape(out, "out", {{"rows", rows}, {"HV", HV}, {"V", V}});
   c.dtype(out, "out", {fkda::kBF16});
   c.contiguous(out, "out");

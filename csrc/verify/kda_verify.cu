@@ -87,7 +87,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.dtype(beta, "beta", {kGbDtype});
-  const int64_t beta_stride = c.row_stride(beta, "beta", 1);  // read element by element: any token stride
+  const int64_t beta_stride = fkda::row_stride(c, beta, "beta", 1);  // read element by element: any token stride
   const fkda::SlotTable table =
       fkda::verify_slot_table(c, state_indices, T, "q", " (each request 0 .. T_max tokens)", out);
   const int64_t N = table.N, cols = table.cols;

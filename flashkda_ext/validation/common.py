@@ -84,7 +84,7 @@ def _row_strided(name: str, x: torch.Tensor, row_dim: int, layout: str) -> None:
     """x [1.., rows, *inner] as kda_decode / kda_verify read it: each row's inner block dense, the rows any
     stride >= one row's elements apart (views of an engine's packed projection). The dims before row_dim
     must have size 1, else x must be contiguous (the op's own shape check then names the dim). The CUDA
-    rule on the row stride is _row_aligned's; csrc/common/binding.h, Checker::row_stride, is this rule."""
+    rule on the row stride is _row_aligned's; csrc/common/row_stride.h is this rule in the bindings."""
     if any(n != 1 for n in x.shape[:row_dim]):
         _contiguous(name, x)
     elif not _rows_apart(x, row_dim):
