@@ -65,7 +65,8 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
                out=None):
     """One recurrent KDA step per row on a state pool, updated in place.
 
-    q, k [rows, H, K]; v [rows, HV, V]; g [rows, HV, K] (raw gate); beta [rows, HV];
+    q, k [rows, H, K]; v [rows, HV, V]; g [rows, HV, K] (raw gate); beta [rows, HV] (each may be a
+    row-strided view, its rows dense: docs/api.md "Layouts");
     state [slots, HV, V, K] fp32 or bf16 (updated in place); state_indices int32 [rows]
     (negative = padding row: zero output, no state touched). Returns out [rows, HV, V] (v's dtype).
     slot_mode declares what state_indices may hold: "unique", "padded" (negatives) or "repeated"

@@ -57,7 +57,8 @@ def gpu_proxy(monkeypatch):
 
     def recorder(name):
         def kernel(q, k, v, g, beta, **kw):
-            calls.append(dict(op=name, dense=all(x.is_contiguous() for x in (q, k, v)), g=g.dtype, beta=beta.dtype))
+            calls.append(dict(op=name, dense=all(x.is_contiguous() for x in (q, k, v, g, beta)), g=g.dtype,
+                              beta=beta.dtype))
             return torch.empty_like(v) if kw.get("out") is None else kw["out"]
         return kernel
     monkeypatch.setattr(ops, "kda_verify", recorder("kda_verify"))
@@ -77,9 +78,10 @@ def _counted(fn):
 HB, KB, VB = 8, 128, 128     # Kimi-Linear's head dims; meta tensors cost nothing at any size
 
 
-def _packed_views(T, H, HV, dtype=torch.bfloat16):
-    """q, k, v as SGLang makes them: views into one [T, 2*H*K + HV*V] projection, as [1, T, heads, dim]."""
-    mixed = torch.empty(T, 2 * H * KB + HV * VB, device="meta", dtype=dtype)
+def _packed_views(T, H, HV, dtype=torch.bfloat16, pad=0):
+    """q, k, v as SGLang makes them: views into one [T, 2*H*K + HV*V] projection, as [1, T, heads, dim]. pad > 0:
+    the projection a column slice of a [T, 2*H*K + HV*V + pad] buffer (its rows that far apart)."""
+    mixed = torch.empty(T, 2 * H * KB + HV * VB + pad, device="meta", dtype=dtype)[:, :2 * H * KB + HV * VB]
     q, k, v = mixed.split([H * KB, H * KB, HV * VB], dim=-1)
     return mixed, tuple(x.unflatten(-1, (-1, d)).unsqueeze(0) for x, d in ((q, KB), (k, KB), (v, VB)))
 
@@ -87,22 +89,28 @@ def _packed_views(T, H, HV, dtype=torch.bfloat16):
 # the adapter's device ops per target_verify call, besides kda_verify: the live-request mask (2 clamp, 2 ne,
 # le, 2 or), the slot table (arange, add, masked_fill_), and the start-state copy (stack, min, 2
 # index_select + where for the slots, the N-state gather and scatter, 1-state keep / restore: index_select,
-# index_select, where, index_put_); one more (a copy) for q / k / v as views into mixed_qkv
+# index_select, where, index_put_). q / k / v as views into mixed_qkv and a / b as column slices of the
+# projection are passed as they are (kda_verify reads row-strided views: was one more op, a copy of q / k / v);
+# views whose rows are not 16 bytes apart take one copy of q / k / v (a GPU's 16-byte loads cannot read them)
 VERIFY_OPS = 20
 
 
 @pytest.mark.parametrize("N", [1, 64, 1024])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [False, True], ids=["dense_qkv", "mixed_qkv_views"])
+@pytest.mark.parametrize("packed", ["dense", "views", "unaligned"],
+                         ids=["dense_qkv", "mixed_qkv_views", "mixed_qkv_unaligned_rows"])
 def test_target_verify_device_ops_and_bytes(gpu_proxy, N, state_dtype, packed):
     D, P, R = 3, 4 * N + 8, 2 * N + 1     # pool and buffer larger than N states: a pool-sized copy shows
     T = N * D
-    if packed:
-        _, (q, k, v) = _packed_views(T, HB, HB)
-    else:
+    if packed == "dense":
         q, k, v = (torch.empty(1, T, HB, d, device="meta", dtype=torch.bfloat16) for d in (KB, KB, VB))
-    a = torch.empty(T, HB * KB, device="meta", dtype=torch.bfloat16)
-    b = torch.empty(T, HB, device="meta", dtype=torch.bfloat16)
+        a = torch.empty(T, HB * KB, device="meta", dtype=torch.bfloat16)
+        b = torch.empty(T, HB, device="meta", dtype=torch.bfloat16)
+    else:   # a and b column slices of one projection, as SGLang's fused projection gives them
+        _, (q, k, v) = _packed_views(T, HB, HB, pad=1 if packed == "unaligned" else 0)
+        proj = torch.empty(T, HB * KB + HB + 8, device="meta", dtype=torch.bfloat16)
+        a, b = proj[:, :HB * KB], proj[:, HB * KB:HB * KB + HB]
+    copied = packed == "unaligned"
     A_log, dt_bias = torch.empty(1, 1, HB, 1, device="meta"), torch.empty(HB * KB, device="meta")
     pool = torch.empty(P, HB, VB, KB, device="meta", dtype=state_dtype)
     buf = torch.empty(R, D, HB, VB, KB, device="meta", dtype=state_dtype)
@@ -112,22 +120,23 @@ def test_target_verify_device_ops_and_bytes(gpu_proxy, N, state_dtype, packed):
         intermediate_states_buffer=buf, intermediate_state_indices=ints(R), cache_steps=D,
         retrieve_parent_token=None))
     names = [n for n, _ in seen]
-    assert len(seen) == VERIFY_OPS + packed, names
-    assert gpu_proxy == [dict(op="kda_verify", dense=True, g=torch.bfloat16, beta=torch.bfloat16)]
+    assert len(seen) == VERIFY_OPS + copied, names
+    assert gpu_proxy == [dict(op="kda_verify", dense=packed == "dense", g=torch.bfloat16, beta=torch.bfloat16)]
     state = HB * VB * KB * state_dtype.itemsize
     # the start states: one gather and one scatter of N states, and where no request may be live, one state
     # kept and put back; every other op writes less than one state (indices) ...
     states = [(n, w / state) for n, w in seen if w >= state and n != "clone"]
     assert states == [("index_select", 1), ("index_select", N), ("index_put_", N), ("index_select", 1),
                       ("where", 1), ("index_put_", 1)], states
-    # ... and the q / k / v copy writes exactly q, k and v once
-    assert [w for n, w in seen if n == "clone"] == ([T * HB * (2 * KB + VB) * 2] if packed else [])
+    # ... and the q / k / v copy, where there is one, writes exactly q, k and v once
+    assert [w for n, w in seen if n == "clone"] == ([T * HB * (2 * KB + VB) * 2] if copied else [])
 
 
 @pytest.mark.parametrize("HV, copies", [(HB, 1), (2 * HB, 2)], ids=["H_eq_HV", "GVA"])
 @pytest.mark.parametrize("rows", [1, 64])
-def test_packed_decode_copies_q_k_v_once(gpu_proxy, HV, copies, rows):
-    mixed, _ = _packed_views(rows, HB, HV)
+@pytest.mark.parametrize("pad", [0, 1], ids=["aligned_rows", "unaligned_rows"])
+def test_packed_decode_copies_q_k_v_only_where_kda_decode_cannot_read_them(gpu_proxy, HV, copies, rows, pad):
+    mixed, _ = _packed_views(rows, HB, HV, pad=pad)
     a = torch.empty(rows, HV * KB, device="meta", dtype=torch.bfloat16)
     b = torch.empty(rows, HV, device="meta", dtype=torch.bfloat16)
     A_log, dt_bias = torch.empty(HV, device="meta"), torch.empty(HV * KB, device="meta")
@@ -136,26 +145,28 @@ def test_packed_decode_copies_q_k_v_once(gpu_proxy, HV, copies, rows):
     seen = _counted(lambda: FlashKDAExtKernel().packed_decode(
         mixed, a, b, A_log=A_log, dt_bias=dt_bias, scale=KB ** -0.5, ssm_states=pool, cache_indices=idx,
         num_v_heads=HV, head_v_dim=VB))
-    # one row of mixed_qkv is q, k and v dense already; more rows: q | k in one copy, v with them when as wide
-    want = [] if rows == 1 else [("clone", rows * (2 * HB * KB + HV * VB) * 2)] if copies == 1 else [
+    # one row of mixed_qkv is q, k and v dense already; more rows are row-strided views kda_decode reads as
+    # they are (were one or two copies), unless the rows are not 16 bytes apart: q | k in one copy, v with them
+    # when as wide
+    want = [] if rows == 1 or not pad else [("clone", rows * (2 * HB * KB + HV * VB) * 2)] if copies == 1 else [
         ("clone", rows * 2 * HB * KB * 2), ("clone", rows * HV * VB * 2)]
     assert seen == want
-    assert gpu_proxy == [dict(op="kda_decode", dense=True, g=torch.bfloat16, beta=torch.bfloat16)]
+    assert gpu_proxy == [dict(op="kda_decode", dense=rows == 1 or bool(pad), g=torch.bfloat16, beta=torch.bfloat16)]
 
 
-def test_decode_of_mixed_qkv_views_copies_once(gpu_proxy):
+def test_decode_of_mixed_qkv_views_copies_nothing(gpu_proxy):
     T = 32
     _, (q, k, v) = _packed_views(T, HB, HB)
-    a = torch.empty(T, HB * KB, device="meta", dtype=torch.bfloat16)
-    b = torch.empty(1, T, HB, device="meta", dtype=torch.bfloat16)
+    proj = torch.empty(T, HB * KB + HB + 8, device="meta", dtype=torch.bfloat16)   # a, b: slices of one projection
+    a, b = proj[:, :HB * KB], proj[:, HB * KB:HB * KB + HB].unsqueeze(0)
     A_log, dt_bias = torch.empty(HB, device="meta"), torch.empty(HB * KB, device="meta")
     pool = torch.empty(2 * T, HB, VB, KB, device="meta")
     ints = lambda *s: torch.empty(*s, device="meta", dtype=torch.int32)  # noqa: E731
     seen = _counted(lambda: FlashKDAExtKernel().decode(
         q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=ints(T),
         query_start_loc=ints(T + 1)))
-    assert seen == [("clone", T * 3 * HB * KB * 2)]
-    assert gpu_proxy == [dict(op="kda_decode", dense=True, g=torch.bfloat16, beta=torch.bfloat16)]
+    assert seen == []       # was one copy of q / k / v (and one each of a and b)
+    assert gpu_proxy == [dict(op="kda_decode", dense=False, g=torch.bfloat16, beta=torch.bfloat16)]
 
 
 def test_extend_of_mixed_qkv_views_copies_once(gpu_proxy):

@@ -83,10 +83,12 @@ def _i32(values, dev):
     return torch.tensor(values, dtype=torch.int32).to(dev)
 
 
-def decode(dev, B, out=False):
-    """The K3 layer's packed decode: post-conv [B, 3*H*K], g1 [1, B, H, K], beta a [1, B, H] view of the projection."""
+def decode(dev, B, out=False, pad=0):
+    """The K3 layer's packed decode: post-conv [B, 3*H*K], g1 [1, B, H, K], beta a [1, B, H] view of the projection.
+    pad > 0: mixed_qkv a column slice of a [B, 3*H*K + pad] buffer (rows that far apart)."""
     proj = _t(dev, torch.bfloat16, B, H + 8)
-    call = dict(mixed_qkv=_t(dev, torch.bfloat16, B, 3 * H * K), raw_g=_t(dev, torch.bfloat16, 1, B, H, K),
+    mixed = _t(dev, torch.bfloat16, B, 3 * H * K + pad)[:, :3 * H * K]
+    call = dict(mixed_qkv=mixed, raw_g=_t(dev, torch.bfloat16, 1, B, H, K),
                 raw_beta=proj[:, :H].unsqueeze(0), A_log=_t(dev, torch.float32, H) * 0.5,
                 dt_bias=_t(dev, torch.float32, H * K) * 0.5, lower_bound=-5.0,
                 initial_state=_t(dev, torch.float32, B + 1, H, K, K) * 0.1, state_indices=_i32(range(1, B + 1), dev))
@@ -149,13 +151,19 @@ def strided_h0(call):
     return call
 
 
-PACKED_COPIES = {"clone": 2}    # q|k|v out of the post-conv rows (one permuting copy) and beta out of its projection
+# kda_decode / kda_verify read q|k|v as row-strided views of the post-conv rows and beta as a column slice of its
+# projection: no copy (were {"clone": 2}: one permuting copy of q|k|v, one of beta)
+PACKED_COPIES = {}
 CASES = [
     # (case, serve, build(dev), {device: launches})
     ("decode 1 row", k3.serve_packed_decode, lambda d: decode(d, 1), {"cpu": {}, "meta": {}}),
     ("decode 16 rows", k3.serve_packed_decode, lambda d: decode(d, 16), {"cpu": PACKED_COPIES, "meta": PACKED_COPIES}),
     ("decode 16 rows, out", k3.serve_packed_decode, lambda d: decode(d, 16, out=True),
      {"cpu": PACKED_COPIES, "meta": PACKED_COPIES}),
+    # rows 49 elements (98 bytes) apart: the CPU backend reads them as they are; a GPU's 16-byte loads cannot, so
+    # on a device the one permuting copy of q|k|v comes back
+    ("decode 16 rows, unaligned rows", k3.serve_packed_decode, lambda d: decode(d, 16, pad=1),
+     {"cpu": {}, "meta": {"clone": 1}}),
     ("verify 1 request", k3.serve_fused_recurrent, lambda d: verify(d, [4], 4),
      {"cpu": PACKED_COPIES, "meta": PACKED_COPIES}),
     ("verify 3 requests", k3.serve_fused_recurrent, lambda d: verify(d, [4, 2, 3], 4),
@@ -199,16 +207,16 @@ def test_adapter_launches_are_pinned(launches, dev, case, serve, build, want):
 
 def test_the_counter_sees_a_launch_the_adapter_makes(launches, monkeypatch):
     """The proxy can fail: one more copy in the adapter shows up as one more clone."""
-    real = k3.dense_qkv
-    monkeypatch.setattr(k3, "dense_qkv", lambda q, k, v: tuple(x.clone() for x in real(q, k, v)))
-    got, _ = launches(k3.serve_packed_decode, decode("meta", 1))
+    real = k3.qkv_rows
+    monkeypatch.setattr(k3, "qkv_rows", lambda q, k, v, d: tuple(x.clone() for x in real(q, k, v, d)))
+    got, _ = launches(k3.serve_packed_decode, decode("meta", 16))
     assert got == {"clone": 3}
 
 
 def test_graph_padded_verify_on_a_device_passes_views_of_the_real_requests(launches):
     """Device offsets (no host read), the table padded to 5 rows and 20 tokens for 3 requests of at most 4: the
-    op gets the 3 requests' rows and offsets as given (no cat) and the first 3 * 4 tokens, views of the dense
-    copies, writing into the caller's out."""
+    op gets the 3 requests' rows and offsets as given (no cat) and the first 3 * 4 tokens, views of vLLM's own
+    row-strided views (no copy), writing into the caller's out."""
     call = verify("meta", [4, 2, 3], 4, rows=5, tokens=20, out=True)
     _, made = launches(k3.serve_fused_recurrent, call)
     (name, args, kw), = made

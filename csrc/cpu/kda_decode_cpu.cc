@@ -6,6 +6,7 @@
 
 #include "../common/kda_cpu.h"
 #include "../common/pool_args.h"
+#include "../common/row_stride.h"
 
 namespace {
 
@@ -38,10 +39,12 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out, /*gb_f32=*/true);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
-  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},
-                                {g, "g"}, {beta, "beta"}, {state_indices, "state_indices"}, {out, "out"}}) {
-    c.contiguous(t, name);
-  }
+  // the rows of q..beta may sit apart (views of a packed projection), each row dense
+  const int64_t qr = fkda::row_stride(c, q, "q", 0), kr = fkda::row_stride(c, k, "k", 0),
+                vr = fkda::row_stride(c, v, "v", 0), gr = fkda::row_stride(c, g, "g", 0),
+                br = fkda::row_stride(c, beta, "beta", 0);
+  c.contiguous(state_indices, "state_indices");
+  c.contiguous(out, "out");
   // the pool's slots may sit apart (a paged cache); each slot is dense
   const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
 
@@ -66,8 +69,8 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
         os.fill_zero(r * HV * V, HV * V);
         continue;
       }
-      qs.load(r * H * K, H * K, qn.data());
-      ks.load(r * H * K, H * K, kn.data());
+      qs.load(r * qr, H * K, qn.data());
+      ks.load(r * kr, H * K, kn.data());
       for (int64_t h = 0; h < H; ++h) {
         cpu::l2norm_scale(qn.data() + h * K, K, scale);
         cpu::l2norm_scale(kn.data() + h * K, K, 1.0);
@@ -75,11 +78,11 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
       TS* slot = pool + static_cast<int64_t>(idx[r]) * slot_stride;
       for (int64_t hv = 0; hv < HV; ++hv) {
         const int64_t h = hv / group;  // value head hv reads q/k head hv / (HV / H)
-        gs.load((r * HV + hv) * K, K, graw.data());
+        gs.load(r * gr + hv * K, K, graw.data());
         gate.decay(graw.data(), hv, K, decay.data());
-        double b = bs.get(r * HV + hv);
+        double b = bs.get(r * br + hv);
         if (beta_is_logit) b = cpu::sigmoid(b);
-        vs.load((r * HV + hv) * V, V, vrow.data());
+        vs.load(r * vr + hv * V, V, vrow.data());
         cpu::delta_step(slot + hv * V * K, K, V, qn.data() + h * K, kn.data() + h * K,
                         decay.data(), b, vrow.data(), orow.data(), row.data());
         os.store((r * HV + hv) * V, V, orow.data());

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../common/row_stride.h"
 #include "../common/verify_cpu.h"
 
 namespace {
@@ -46,8 +47,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   c.dtype(cu_seqlens, "cu_seqlens", {fkda::kI32});
-  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},
-                                {g, "g"}, {beta, "beta"}, {state_indices, "state_indices"},
+  // the tokens of q..beta may sit apart (views of a packed projection), each token dense
+  const int64_t qr = fkda::row_stride(c, q, "q", 1), kr = fkda::row_stride(c, k, "k", 1),
+                vr = fkda::row_stride(c, v, "v", 1), gr = fkda::row_stride(c, g, "g", 1),
+                br = fkda::row_stride(c, beta, "beta", 1);
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{state_indices, "state_indices"},
                                 {cu_seqlens, "cu_seqlens"}, {out, "out"}}) {
     c.contiguous(t, name);
   }
@@ -80,19 +84,19 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
       const TS* src = pool + static_cast<int64_t>(read) * slot_stride;
       std::copy(src, src + slot_elems, work.begin());
       for (int64_t r = plan.off[n]; r < plan.off[n + 1]; ++r) {
-        qs.load(r * H * K, H * K, qn.data());
-        ks.load(r * H * K, H * K, kn.data());
+        qs.load(r * qr, H * K, qn.data());
+        ks.load(r * kr, H * K, kn.data());
         for (int64_t h = 0; h < H; ++h) {
           cpu::l2norm_scale(qn.data() + h * K, K, scale);
           cpu::l2norm_scale(kn.data() + h * K, K, 1.0);
         }
         for (int64_t hv = 0; hv < HV; ++hv) {
           const int64_t h = hv / group;
-          gs.load((r * HV + hv) * K, K, graw.data());
+          gs.load(r * gr + hv * K, K, graw.data());
           gate.decay(graw.data(), hv, K, decay.data());
-          double b = bs.get(r * HV + hv);
+          double b = bs.get(r * br + hv);
           if (beta_is_logit) b = cpu::sigmoid(b);
-          vs.load((r * HV + hv) * V, V, vrow.data());
+          vs.load(r * vr + hv * V, V, vrow.data());
           cpu::delta_step(work.data() + hv * V * K, K, V, qn.data() + h * K, kn.data() + h * K,
                           decay.data(), b, vrow.data(), orow.data(), row.data());
           os.store((r * HV + hv) * V, V, orow.data());

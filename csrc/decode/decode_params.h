@@ -1,14 +1,29 @@
 // Host side: the DecodeParams fields kda_decode and kda_verify fill the same way (pointers, counts
-// and options); each binding sets the row and slot strides of its own layout. Include after
-// decode/kda_decode_kernels.cuh.
+// and options) and the rule on their row-strided inputs (vector_rows); each binding sets the row and
+// slot strides of its own layout. Include after decode/kda_decode_kernels.cuh.
 #pragma once
 
 #include <cstdint>
 
 #include "common/binding.h"
 #include "common/param_fill.h"
+#include "common/row_stride.h"
 
 namespace fkda_decode {
+
+// q, k, v, g of kda_decode (row_dim 0) and kda_verify (row_dim 1): rows any stride apart
+// (fkda::row_stride), each row starting 16-byte aligned for the kernels' 16-byte loads along K / V.
+// Returns the row stride in elements.
+inline int64_t vector_rows(const fkda::Checker& c, const fkda::TensorView& t, const char* name, int row_dim) {
+  const int64_t stride = fkda::row_stride(c, t, name, row_dim);
+  const int64_t bytes = t.dtype().bits / 8;
+  if (reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(t)) % 16 != 0 ||
+      (t.size(row_dim) > 1 && (stride * bytes) % 16 != 0)) {
+    FKDA_FAIL(c.fn()) << "argument '" << name << "' must start 16-byte aligned with a row stride "
+                      << "that is a multiple of " << 16 / bytes << " elements, got row stride " << stride;
+  }
+  return stride;
+}
 
 inline DecodeParams decode_params(const fkda::TensorView& q, const fkda::TensorView& k, const fkda::TensorView& v,
                                   const fkda::TensorView& g, const fkda::TensorView& beta,

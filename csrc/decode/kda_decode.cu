@@ -74,17 +74,7 @@ void check_rows_tensor(const Checker& c, const TensorView& t, const char* name, 
   fkda::check_cuda_device(c, t, name, ref, "out");
   c.shape(t, name, {{"rows", rows}, {n_label, n}, {d_label, d}});
   c.dtype(t, name, {elem});
-  if (!(t.stride(2) == 1 && (n == 1 || t.stride(1) == d) && (rows <= 1 || t.stride(0) >= n * d))) {
-    FKDA_FAIL(c.fn()) << "argument '" << name << "' must have its two inner dims contiguous "
-                      << "(rows may be strided)";
-  }
-  // vector loads along K / V need 16-byte aligned rows
-  const int64_t bytes = elem.bits / 8;
-  if (reinterpret_cast<uintptr_t>(fkda::data_ptr<char>(t)) % 16 != 0 ||
-      (rows > 1 && (t.stride(0) * bytes) % 16 != 0)) {
-    FKDA_FAIL(c.fn()) << "argument '" << name << "' must start 16-byte aligned with a row stride "
-                      << "that is a multiple of " << 16 / bytes << " elements";
-  }
+  vector_rows(c, t, name, 0);
 }
 
 // g and beta: fp32 in a gb_f32 module, else bf16 (kda_decode_kernels.cuh, gb_t)
@@ -108,7 +98,7 @@ void kda_decode(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"rows", rows}, {"HV", HV}});
   c.dtype(beta, "beta", {kGbDtype});
-  if (HV > 1 && beta.stride(1) != 1) FKDA_FAIL(c.fn()) << "argument 'beta' must have contiguous heads";
+  fkda::row_stride(c, beta, "beta", 0);  // read element by element: any row stride
   c.shape(out, "out", {{"rows", rows}, {"HV", HV}, {"V", V}});
   c.dtype(out, "out", {fkda::kBF16});
   c.contiguous(out, "out");

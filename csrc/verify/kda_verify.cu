@@ -52,15 +52,19 @@ constexpr int kBulkState = 0;
 // g and beta: fp32 in a gb_f32 module, else bf16 (decode/kda_decode_kernels.cuh, gb_t)
 constexpr DLDataType kGbDtype = std::is_same_v<fkda_decode::gb_t, float> ? fkda::kF32 : fkda::kBF16;
 
-// A packed [1, T, n, d] input of dtype `elem` (bf16; g: kGbDtype), contiguous and 16-byte aligned
-// (16-byte loads along K / V).
-void check_packed(const Checker& c, const TensorView& t, const char* name, int64_t T, const char* n_label,
-                  int64_t n, const char* d_label, int64_t d, const TensorView& ref, DLDataType elem = fkda::kBF16) {
+// A packed [1, T, n, d] input of dtype `elem` (bf16; g: kGbDtype); the tokens may sit apart (views of
+// an engine's packed projection), each one dense and 16-byte aligned (16-byte loads along K / V).
+// Returns the token stride in elements. Without `strided` (out): contiguous.
+int64_t check_packed(const Checker& c, const TensorView& t, const char* name, int64_t T, const char* n_label,
+                     int64_t n, const char* d_label, int64_t d, const TensorView& ref, DLDataType elem = fkda::kBF16,
+                     bool strided = true) {
   fkda::check_cuda_device(c, t, name, ref, "out");
   c.shape(t, name, {{"1", 1}, {"T", T}, {n_label, n}, {d_label, d}});
   c.dtype(t, name, {elem});
+  if (strided) return fkda_decode::vector_rows(c, t, name, 1);
   c.contiguous(t, name);
   c.aligned(t, name, 16);
+  return n * d;
 }
 
 void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
@@ -75,15 +79,15 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const fkda::QVHeads heads = fkda::qv_heads(c, q, v, 4, "[1, T, H, K]", "[1, T, HV, V]");
   const int64_t T = v.size(1), HV = heads.HV, H = heads.H;
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
-  check_packed(c, q, "q", T, "H", H, "K", K, out);
-  check_packed(c, k, "k", T, "H", H, "K", K, out);
-  check_packed(c, v, "v", T, "HV", HV, "V", V, out);
-  check_packed(c, g, "g", T, "HV", HV, "K", K, out, kGbDtype);
-  check_packed(c, out, "out", T, "HV", HV, "V", V, out);
+  const int64_t q_stride = check_packed(c, q, "q", T, "H", H, "K", K, out);
+  const int64_t k_stride = check_packed(c, k, "k", T, "H", H, "K", K, out);
+  const int64_t v_stride = check_packed(c, v, "v", T, "HV", HV, "V", V, out);
+  const int64_t g_stride = check_packed(c, g, "g", T, "HV", HV, "K", K, out, kGbDtype);
+  check_packed(c, out, "out", T, "HV", HV, "V", V, out, fkda::kBF16, /*strided=*/false);
   fkda::check_cuda_device(c, beta, "beta", out, "out");
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.dtype(beta, "beta", {kGbDtype});
-  c.contiguous(beta, "beta");
+  const int64_t beta_stride = fkda::row_stride(c, beta, "beta", 1);  // read element by element: any token stride
   const fkda::SlotTable table =
       fkda::verify_slot_table(c, state_indices, T, "q", " (each request 0 .. T_max tokens)", out);
   const int64_t N = table.N, cols = table.cols;
@@ -98,11 +102,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   fkda_decode::DecodeParams& p = vp.d;
   p = fkda_decode::decode_params(q, k, v, g, beta, A_log, dt_bias, state, state_indices, out, slots, T, H, HV,
                                  gate_mode, lower_bound, scale, beta_is_logit, null_slot0);
-  p.q_row_stride = H * K;  // a "row" of the decode tile is one packed token
-  p.k_row_stride = H * K;
-  p.v_row_stride = HV * V;
-  p.g_row_stride = HV * K;
-  p.beta_row_stride = HV;
+  p.q_row_stride = q_stride;  // a "row" of the decode tile is one packed token
+  p.k_row_stride = k_stride;
+  p.v_row_stride = v_stride;
+  p.g_row_stride = g_stride;
+  p.beta_row_stride = beta_stride;
   p.slot_stride = pool.slot_stride;  // slots may sit apart (a paged cache)
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())

@@ -69,6 +69,58 @@ def _contiguous(name: str, x: torch.Tensor) -> None:
                          f"{list(x.shape)} with strides {list(x.stride())}; call .contiguous() first")
 
 
+def _rows_apart(x: torch.Tensor, row_dim: int) -> bool:
+    """x's dims after row_dim row-major dense (a dim of size <= 1 may carry any stride, as for
+    is_contiguous) and its rows (dim row_dim) any stride >= one row's elements apart."""
+    want = 1
+    for n, st in zip(reversed(x.shape[row_dim + 1:]), reversed(x.stride()[row_dim + 1:])):
+        if n > 1 and st != want:
+            return False
+        want *= n
+    return x.shape[row_dim] <= 1 or x.stride(row_dim) >= want
+
+
+def _row_strided(name: str, x: torch.Tensor, row_dim: int, layout: str) -> None:
+    """x [1.., rows, *inner] as kda_decode / kda_verify read it: each row's inner block dense, the rows any
+    stride >= one row's elements apart (views of an engine's packed projection). The dims before row_dim
+    must have size 1, else x must be contiguous (the op's own shape check then names the dim). The CUDA
+    rule on the row stride is _row_aligned's; csrc/common/row_stride.h is this rule in the bindings."""
+    if any(n != 1 for n in x.shape[:row_dim]):
+        _contiguous(name, x)
+    elif not _rows_apart(x, row_dim):
+        raise ValueError(f"{name}: expected {layout} with its inner dims contiguous (row-major; the rows may sit "
+                         f"any stride >= {math.prod(x.shape[row_dim + 1:])} elements apart), got shape "
+                         f"{list(x.shape)} with strides {list(x.stride())}; call .contiguous() first")
+
+
+def _row_misaligned(x: torch.Tensor, row_dim: int) -> bool:
+    # CUDA reads each row of q, k, v, g by 16-byte vectors: every row must start 16-byte aligned
+    return x.shape[row_dim] > 1 and x.stride(row_dim) * x.element_size() % 16 != 0
+
+
+def _row_aligned(name: str, x: torch.Tensor, row_dim: int, backend: str) -> None:
+    if backend == "cuda" and _row_misaligned(x, row_dim):
+        raise ValueError(f"{name}: expected a row stride that is a multiple of 16 bytes "
+                         f"({16 // x.element_size()} elements of {dtype_name(x.dtype)}) on CUDA, got "
+                         f"{x.stride(row_dim)} elements (strides {list(x.stride())}); call .contiguous() first")
+
+
+def rows_as_read(x: torch.Tensor, row_dim: int, *, vector: bool = True) -> bool:
+    """True when kda_decode (row_dim 0) / kda_verify (row_dim 1) take x as it is (_row_strided and, off
+    the CPU, _row_aligned and _aligned; meta tensors stand in for a device, without an address). vector:
+    q, k, v, g (beta is read element by element: no rule on its row stride). For the adapters, which pass
+    an engine's views through where the ops take them and copy where not."""
+    if any(n != 1 for n in x.shape[:row_dim]):
+        return x.is_contiguous()
+    if not _rows_apart(x, row_dim):
+        return False
+    if x.device.type == "cpu":
+        return True
+    if vector and _row_misaligned(x, row_dim):
+        return False
+    return x.device.type == "meta" or x.numel() == 0 or x.data_ptr() % 16 == 0
+
+
 def _same_device(name: str, x: torch.Tensor, device: torch.device) -> None:
     if x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got {x.device}")
@@ -222,10 +274,14 @@ def _supported_dims(family: str, backend: str, head_dim_k: int, head_dim_v: int,
         _in_set("slot_mode", slot_mode, sup["slot_modes"], "slot mode")
 
 
-def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str, gb_f32: bool = False):
+_INNER = {"q": "H, K", "k": "H, K", "v": "HV, V", "g": "HV, K", "beta": "HV"}
+
+
+def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str, gb_f32: bool = False,
+                row_dim: Optional[int] = None):
     """Shapes of q, k [*lead, H, K], v [*lead, HV, V], g [*lead, HV, K], beta [*lead, HV]; all of q's
     dtype, except that with gb_f32 g and beta may each be float32 instead (kda_decode and kda_verify
-    read them so)."""
+    read them so). Contiguous, or with row_dim (kda_decode 0, kda_verify 1) row-strided (_row_strided)."""
     q = _tensor("q", q)
     k = _tensor("k", k)
     v = _tensor("v", v)
@@ -250,7 +306,10 @@ def _qkv_common(q, k, v, g, beta, *, lead: tuple, lead_names: str, gb_f32: bool 
     _shape("g", g, tuple(q.shape[:nl]) + (value_heads, head_dim_k), f"[{lead_names}, HV, K]")
     _shape("beta", beta, tuple(q.shape[:nl]) + (value_heads,), f"[{lead_names}, HV]")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _contiguous(name, x)
+        if row_dim is None:
+            _contiguous(name, x)
+        else:
+            _row_strided(name, x, row_dim, f"[{lead_names}, {_INNER[name]}]")
         if gb_f32 and name in ("g", "beta"):
             if x.dtype not in (q.dtype, torch.float32):
                 also = "" if q.dtype == torch.float32 else " or float32"

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .common import (GATE_MODE, SLOT_MODES, _aligned, _bool, _check_backend, _choice, _gate_args, _indices,
-                     _inference_only, _offset_bits, _out, _pool, _qkv_common, _resolve_scale, _state_tag,
-                     _supported_dims, dtype_name)
+                     _inference_only, _offset_bits, _out, _pool, _qkv_common, _resolve_scale, _row_aligned,
+                     _state_tag, _supported_dims, dtype_name)
 from .memo import _memoized
 
 
@@ -68,8 +68,11 @@ def _pool_step_tail(op, slot_mode, dims, q, k, v, g, beta, state, A_log, dt_bias
     H, K, HV, V = dims
     lb = _gate_args(gate, A_log, dt_bias, lower_bound, HV, K, device, backend)
     _supported_dims(op, backend, K, V, H, HV, dtype_name(q.dtype), dtype_name(state.dtype), gate, slot_mode)
+    row_dim = q.dim() - 3  # the rows (kda_decode) or tokens (kda_verify) may sit apart
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _aligned(name, x, backend)
+        if name != "beta":  # beta is read element by element
+            _row_aligned(name, x, row_dim, backend)
     _out(out, out_shape, out_layout, v.dtype, device, backend)
     _inference_only((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
                      ("dt_bias", dt_bias)) + index_args, (("state", state), ("out", out)))
@@ -80,7 +83,8 @@ def _pool_step_tail(op, slot_mode, dims, q, k, v, g, beta, state, A_log, dt_bias
 def check_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=None,
                      lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
                      slot_mode="unique", null_slot0=False, out=None, backend=None) -> DecodeCall:
-    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("rows",), lead_names="rows", gb_f32=True)
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("rows",), lead_names="rows", gb_f32=True,
+                                      row_dim=0)
     backend = _check_backend(backend, device)
     rows = q.shape[0]
     _choice("slot_mode", slot_mode, SLOT_MODES)

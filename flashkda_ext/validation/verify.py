@@ -109,7 +109,8 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
                      scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
     """Everything about a verify call that its metadata shows; the values of host index tensors
     are checked by check_verify_values on every call."""
-    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True)
+    device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True,
+                                      row_dim=1)
     backend = _check_backend(backend, device)
     if q.shape[0] != 1:
         raise ValueError(f"q: expected the packed layout [1, T, H, K] (requests packed by cu_seqlens), "

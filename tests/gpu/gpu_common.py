@@ -1,6 +1,7 @@
 """Helpers the GPU test files share (imported by name: pytest puts this folder on sys.path)."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -109,3 +110,24 @@ def paged_like(pool, lead_bytes=64, pad_bytes=48, seed=0):
     def filler(p):
         return torch.cat([p[:, :lead].flatten(), p[:, lead + n:].flatten()])
     return pages, view, filler
+
+
+def packed_rows(tensors, row_dim, extra=0):
+    """Copies of `tensors` (one dtype, each [1.., rows, *inner] with row_dim the rows) as consecutive column
+    blocks of one row-major buffer, as an engine's packed projection holds them (q | k | v; g | beta): row-strided
+    views, each row dense, the rows one buffer row apart. The buffer row is padded past the blocks to a 16-byte
+    multiple plus 16 bytes, then `extra` elements more (extra > 0 off a 16-byte multiple: rows the CUDA kernels'
+    16-byte loads cannot read). The buffer starts 16-byte aligned; so does each view whose offset is."""
+    rows = tensors[0].shape[row_dim]
+    widths = [math.prod(t.shape[row_dim + 1:]) for t in tensors]
+    per16 = 16 // tensors[0].element_size()
+    width = sum(widths) + (-sum(widths)) % per16 + per16 + extra
+    buf = torch.full((rows, width), float("nan"), dtype=tensors[0].dtype, device=tensors[0].device)
+    views, at = [], 0
+    for t, w in zip(tensors, widths):
+        view = buf[:, at:at + w].view(t.shape)
+        view.copy_(t)
+        assert rows <= 1 or not view.is_contiguous()
+        views.append(view)
+        at += w
+    return views

@@ -44,7 +44,7 @@ def _reference():
 
 
 REF = _reference()
-from gpu_common import bits, module_records, paged_like, prebuild_selected, rel_l2, sdtype, slot_list  # noqa: E402,E501
+from gpu_common import bits, module_records, packed_rows, paged_like, prebuild_selected, rel_l2, sdtype, slot_list  # noqa: E402,E501
 
 RECORDS = module_records("decode_cuda.json")
 
@@ -217,6 +217,44 @@ def test_strided_pool_equals_the_dense_pool_bitwise(name, rows, H, HV):
     rest = [s for s in range(slots) if s not in named]
     assert torch.equal(bits(pool[rest]), bits(dense0[rest])), f"{name}: an unnamed slot changed"
     assert not torch.equal(bits(pool[sorted(named)]), bits(dense0[sorted(named)]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows,H,HV", [(13, 4, 16), (40, 8, 8)])
+def test_row_strided_inputs_equal_the_dense_inputs_bitwise(name, rows, H, HV):
+    """q | k | v as column blocks of one packed buffer and g | beta of one projection (the layouts vLLM and SGLang
+    hand over; docs/api.md "Layouts"): every module reads the views as they are, bitwise the dense call (outputs
+    and slots). Rows off a 16-byte multiple are refused naming the argument, nothing written."""
+    rec = next(r for r in RECORDS if r["name"] == name)
+    sdt = torch.float32 if rec["state_dtype"] == "float32" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(rows * 11 + HV)
+    q, k, v, g, beta, A_log, dt_bias = make_inputs(rows, H, HV, "bounded", gen, gb=gb_dtype(rec))
+    views = (*packed_rows([q, k, v], 0), *packed_rows([g, beta], 0))
+    slots = 64
+    pool0 = make_pool(slots, HV, sdt, gen)
+    il = slot_list(rows, slots, "padded", rows, null_slot0=True)
+    idx = torch.tensor(il, dtype=torch.int32, device="cuda")
+    results = []
+    for inputs in ((q, k, v, g, beta), views):
+        pool = pool0.clone()
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(name, *inputs, A_log, dt_bias, pool, idx, out, "bounded", null_slot0=True)
+        results.append((out, pool))
+    torch.cuda.synchronize()
+    (o0, p0), (o1, p1) = results
+    assert torch.isfinite(o1.float()).all()
+    assert torch.equal(bits(o1), bits(o0)), f"{name}: output differs from the dense inputs'"
+    assert torch.equal(bits(p1), bits(p0)), f"{name}: slots differ from the dense inputs'"
+    assert not torch.equal(bits(p1), bits(pool0))
+    for i, what in ((0, "q"), (3, "g")):
+        bad = list(views)
+        bad[i] = packed_rows([(q, k, v, g)[i]], 0, extra=2)[0]      # rows 2 elements off 16 bytes
+        pool = pool0.clone()
+        out = torch.full((rows, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match=f"'{what}'.*16-byte"):
+            call(name, *bad, A_log, dt_bias, pool, idx, out, "bounded", null_slot0=True)
+        torch.cuda.synchronize()
+        assert out.isnan().all() and torch.equal(bits(pool), bits(pool0))
 
 
 @pytest.mark.parametrize("name", SEQ)

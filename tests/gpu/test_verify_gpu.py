@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 import flashkda_ext  # noqa: E402
 from flashkda_ext import reference as REF  # noqa: E402
-from gpu_common import GATES, bits, load, paged_like, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
+from gpu_common import GATES, bits, load, packed_rows, paged_like, prebuild_selected, records_by_name, rel_l2, sdtype, verify_tables  # noqa: E402,E501
 
 RECORDS = records_by_name("verify_cuda.json")
 NAMES = list(RECORDS)
@@ -140,6 +140,68 @@ def test_strided_pool_equals_the_dense_pool_bitwise(name, cols):
     _, written = stored_slots(dict(a, state=dense0))
     rest = [s for s in range(dense.shape[0]) if s not in written]
     assert written and torch.equal(bits(pool[rest]), bits(dense0[rest])), f"{name}: an unstored slot changed"
+
+
+@pytest.mark.parametrize("cols", [1, 4, 12])
+@pytest.mark.parametrize("name", NAMES)
+def test_row_strided_inputs_equal_the_dense_inputs_bitwise(name, cols):
+    """q | k | v as column blocks of one packed buffer and g | beta of one projection, token-major (the layouts
+    vLLM and SGLang hand over; docs/api.md "Layouts"): every module reads the views as they are (the staged
+    cp.async loads, a token stride apart), bitwise the dense call; tokens off a 16-byte multiple are refused
+    naming the argument, nothing written."""
+    rec = RECORDS[name]
+    gen = torch.Generator(device="cuda").manual_seed(4000 + cols)
+    a = make(gen, LENS[cols], cols, 2, 8, sdtype(rec), pad_request=1)
+    if rec["params"].get("gb_f32"):      # the module's own g / beta dtype, so the views reach it as they are
+        a["g"], a["beta"] = a["g"].float(), a["beta"].float()
+    views = dict(zip(("q", "k", "v"), packed_rows([a["q"], a["k"], a["v"]], 1)))
+    views.update(zip(("g", "beta"), packed_rows([a["g"], a["beta"]], 1)))
+    pool0 = a["state"].clone()
+    T = sum(LENS[cols])
+    results = []
+    for inputs in ({}, views):
+        a["state"] = pool0.clone()
+        out = torch.full((1, T, 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(name, dict(a, **inputs), out)
+        results.append((out, a["state"]))
+    torch.cuda.synchronize()
+    (o0, p0), (o1, p1) = results
+    assert not torch.isnan(o1.float()).any()
+    assert torch.equal(bits(o1), bits(o0)), f"{name}: output differs from the dense inputs'"
+    assert torch.equal(bits(p1), bits(p0)), f"{name}: slots differ from the dense inputs'"
+    for what in ("k", "g"):
+        bad = dict(views, **{what: packed_rows([a[what]], 1, extra=2)[0]})   # tokens 2 elements off 16 bytes
+        a["state"] = pool0.clone()
+        out = torch.full((1, T, 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match=f"'{what}'.*16-byte"):
+            call_module(name, dict(a, **bad), out)
+        torch.cuda.synchronize()
+        assert out.isnan().all() and torch.equal(bits(a["state"]), bits(pool0))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 4])
+def test_op_reads_row_strided_views_bitwise(state_dtype, cols):
+    """Through the public op (its checks on real addresses, its routes, the fast path on the second strided
+    call; T_max = 1 served by the decode module): views of packed buffers give bitwise the dense call."""
+    gen = torch.Generator(device="cuda").manual_seed(77 + cols)
+    a = make(gen, LENS[cols], cols, 4, 8, state_dtype, pad_request=1)
+    views = dict(zip(("q", "k", "v"), packed_rows([a["q"], a["k"], a["v"]], 1)))
+    views.update(zip(("g", "beta"), packed_rows([a["g"], a["beta"]], 1)))
+    pool0 = a["state"].clone()
+    kw = dict(state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"],
+              num_accepted_tokens=a["num_accepted_tokens"], A_log=a["A_log"], dt_bias=a["dt_bias"])
+    results = []
+    for inputs in (a, views, views):
+        pool = pool0.clone()
+        out = torch.full((1, sum(LENS[cols]), 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        flashkda_ext.kda_verify(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), state=pool, out=out, **kw)
+        results.append((out, pool))
+    torch.cuda.synchronize()
+    (o0, p0), *rest = results
+    assert not torch.isnan(o0.float()).any() and not torch.equal(bits(p0), bits(pool0))
+    for o, p in rest:
+        assert torch.equal(bits(o), bits(o0)) and torch.equal(bits(p), bits(p0))
 
 
 @pytest.mark.parametrize("name", NAMES)

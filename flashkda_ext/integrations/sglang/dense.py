@@ -1,9 +1,11 @@
-"""Tensors made dense for the kernels with the fewest copy kernels (each one a launch on the serving path).
+"""Tensors as the kernels read them, with the fewest copy kernels (each one a launch on the serving path).
 
 SGLang hands q, k, v over as column blocks of one packed projection (mixed_qkv split, unflattened): views
-whose rows are `2*H*K + HV*V` elements apart. kda_decode and kda_verify read dense tensors, and a
-`.contiguous()` per tensor is three copy kernels; where the three blocks sit side by side in one row-major
-buffer, one strided copy into a [3, rows, w] tensor gives all three (two when v's width differs from q's).
+whose rows are `2*H*K + HV*V` elements apart, and a, b as column slices of its fused projection.
+kda_decode and kda_verify read such row-strided views as they are (as_rows, qkv_rows: no copy);
+kda_prefill reads dense tensors, and a `.contiguous()` per tensor is three copy kernels: where the three
+blocks sit side by side in one row-major buffer, one strided copy into a [3, rows, w] tensor gives all
+three (two when v's width differs from q's).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import math
 import torch
 
 from ...custom_ops import tracing
+from ..rows import as_read, rows_view
 
 
 def as_dense(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -20,6 +23,24 @@ def as_dense(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     if x.dtype != dtype:
         return x.to(dtype, memory_format=torch.contiguous_format)
     return x.contiguous()
+
+
+def as_rows(x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int, vector: bool = True) -> torch.Tensor:
+    """x reshaped and in dtype as kda_decode (row_dim 0) / kda_verify (row_dim 1) read it: SGLang's
+    row-strided view as it is where the op takes it (vector: g; beta is read element by element), else dense
+    (at most one copy)."""
+    x = x.reshape(shape)
+    if x.dtype != dtype:
+        return x.to(dtype, memory_format=torch.contiguous_format)
+    return rows_view(x, row_dim, vector=vector)
+
+
+def qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_dim: int):
+    """q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): SGLang's views into mixed_qkv as they
+    are where the op reads them so (no copy), else dense_qkv."""
+    if k.dtype == v.dtype == q.dtype and all(as_read(x, row_dim) for x in (q, k, v)):
+        return q, k, v
+    return dense_qkv(q, k, v)
 
 
 def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

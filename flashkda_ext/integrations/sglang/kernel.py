@@ -16,7 +16,7 @@ from .. import fla_chunk_states
 from ... import validation
 from ..common_checks import int32_indices
 from . import extend_states, verify
-from .dense import as_dense as _as, dense_qkv
+from .dense import as_dense as _as, as_rows, dense_qkv, qkv_rows
 
 #: calls per (method, "served" | "fell_back")
 STATS: collections.Counter = collections.Counter()
@@ -143,11 +143,12 @@ class FlashKDAExtKernel:
         if A is None or dt is None:
             raise ValueError("A_log: decode activates the raw gate a in the kernel and needs A_log and dt_bias")
         gate, lb = _gate(lower_bound, A)
-        # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype
-        a = _as(a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K))
-        b = _as(b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV))
+        # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype; SGLang's row-strided views
+        # (a, b column slices of its projection; q, k, v of mixed_qkv) go as they are where kda_decode reads them
+        a = as_rows(a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K), 0)
+        b = as_rows(b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV), 0, vector=False)
         idx = int32_indices("cache_indices", cache_indices, (T,))
-        q, k, v = dense_qkv(q, k, v)   # one copy kernel for SGLang's views into mixed_qkv, not three
+        q, k, v = qkv_rows(q, k, v, 0)
         o = kda_decode(q, k, v, a, b, state=ssm_states, state_indices=idx, A_log=A, dt_bias=dt, lower_bound=lb,
                        gate=gate, scale=scale, beta_is_logit=True, slot_mode="padded",
                        out=None if out is None else out.view(T, HV, V))

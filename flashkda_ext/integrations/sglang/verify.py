@@ -14,7 +14,7 @@ import torch
 
 from ... import validation
 from ..common_checks import int32_indices
-from .dense import as_dense as _as, dense_qkv
+from .dense import as_dense as _as, as_rows, qkv_rows
 
 
 def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, buf, table,
@@ -62,8 +62,8 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     slots = torch.add(torch.arange(S, dtype=torch.int32, device=rows.device), r.view(N, 1), alpha=S)
     pair = torch.stack((c, slots[:, 0]))    # [2, N]: source slot in the pool, destination slot in the buffer
     slots.masked_fill_(idle.view(N, 1), -1)
-    q, k, v = dense_qkv(q, k, v)        # one copy kernel for SGLang's views into mixed_qkv, not three
-    args = (q, k, v, _as(a, dtype, (1, T, HV, K)), _as(b, dtype, (1, T, HV)))
+    q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
+    args = (q, k, v, as_rows(a, dtype, (1, T, HV, K), 1), as_rows(b, dtype, (1, T, HV), 1, vector=False))
     kw = dict(state=flat, state_indices=slots, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
               lower_bound=lb, gate=gate, beta_is_logit=True, out=None if out is None else out.view(1, T, HV, V))
     # every check kda_verify makes runs before the start states are copied: a refused call writes nothing

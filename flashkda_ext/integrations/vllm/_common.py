@@ -7,6 +7,7 @@ import threading
 import torch
 
 from .._indices import NotNarrowable
+from ..rows import as_read
 
 #: calls per call site: STATS[site, "served"] ran flashkda_ext, STATS[site, "fell_back"] ran vLLM's original
 STATS: collections.Counter = collections.Counter()
@@ -86,3 +87,11 @@ def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             packed = q.as_strided((3, *q.shape), (hk, *q.stride())).contiguous()
             return packed.unbind(0)
     return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_dim: int):
+    """q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): vLLM's row-strided views of its post-conv
+    buffer as they are where the op reads them so (no copy), else dense_qkv's one permuting copy."""
+    if all(as_read(x, row_dim) for x in (q, k, v)):
+        return q, k, v
+    return dense_qkv(q, k, v)

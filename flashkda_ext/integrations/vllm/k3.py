@@ -6,7 +6,8 @@ models/kimi_k3/nvidia/kda.py for K3's full-rank gate with its Triton backends) i
 from the package at call time, so rebinding the package attributes reaches every call.
 
 - fused_recurrent_kda_packed_decode -> kda_decode: one token per row from the packed post-conv
-  [B, 2*H*K + H*V] buffer (q | k | v), raw gate, beta logit, softplus or bounded gate, pool in place.
+  [B, 2*H*K + H*V] buffer (q | k | v: its row-strided views, no copy), raw gate, beta logit, softplus or
+  bounded gate, pool in place.
 - chunk_kda_with_fused_gate -> kda_prefill (dense mode): raw gate and beta logit, softplus or bounded
   gate (lower_bound), the fp32 final state vLLM returns.
 - fused_recurrent_kda -> kda_verify (speculative decoding: ssm_state_indices [N, T_max] with
@@ -22,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from .. import _indices
-from ._common import Refused, dense_qkv, run_op, unknown
+from ..rows import rows_view
+from ._common import Refused, dense_qkv, qkv_rows, run_op, unknown
 
 
 def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device) -> dict:
@@ -43,14 +45,17 @@ def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device) -> dict:
                 gate="softplus" if lower_bound is None else "bounded")
 
 
-def _gate_beta(g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, allow_fp32: bool):
-    """g and beta dense, in a dtype the op reads as it is (q's, or fp32 for decode / verify): never cast,
-    since vLLM reads them in their own dtype."""
-    ok = (q.dtype, torch.float32) if allow_fp32 else (q.dtype,)
+def _gate_beta(g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, row_dim=None):
+    """g and beta in a dtype the op reads as it is (q's, or fp32 for decode / verify, row_dim given): never
+    cast, since vLLM reads them in their own dtype. Dense for prefill; for decode (row_dim 0) / verify
+    (row_dim 1) vLLM's views (beta: a column slice of its projection) as they are where the op reads them."""
+    ok = (q.dtype,) if row_dim is None else (q.dtype, torch.float32)
     if g.dtype not in ok or beta.dtype not in ok:
         raise Refused(f"raw_g / raw_beta of dtype {g.dtype} / {beta.dtype}: the op reads them in "
                       f"{' or '.join(map(str, ok))} (a cast would change the gate vLLM computes)")
-    return g.contiguous(), beta.contiguous()
+    if row_dim is None:
+        return g.contiguous(), beta.contiguous()
+    return rows_view(g, row_dim), rows_view(beta, row_dim, vector=False)
 
 
 def _dense_out(out, shape: tuple):
@@ -80,10 +85,11 @@ def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     if (mixed_qkv.shape[1] != 2 * hk + H * V or mixed_qkv.stride(1) != 1 or tuple(raw_g.shape) != (1, B, H, K)
             or tuple(raw_beta.shape) != (1, B, H) or state_indices.shape[0] != B):
         raise Refused("shapes outside vLLM's packed decode contract; vLLM's wrapper reports them")
-    # q | k | v of each token are consecutive channel ranges of one row: views, dense at B = 1 (no copy)
-    q, k, v = dense_qkv(mixed_qkv[:, :hk].view(B, H, K), mixed_qkv[:, hk:2 * hk].view(B, H, K),
-                        mixed_qkv[:, 2 * hk:].view(B, H, V))
-    g, beta = _gate_beta(raw_g[0], raw_beta[0], q, allow_fp32=True)
+    # q | k | v of each token are consecutive channel ranges of one row: row-strided views kda_decode reads
+    # as they are (one permuting copy where it cannot)
+    q, k, v = qkv_rows(mixed_qkv[:, :hk].view(B, H, K), mixed_qkv[:, hk:2 * hk].view(B, H, K),
+                       mixed_qkv[:, 2 * hk:].view(B, H, V), 0)
+    g, beta = _gate_beta(raw_g[0], raw_beta[0], q, row_dim=0)
     o = _dense_out(out, (1, B, H, V))
     res = run_op(kda_decode, q, k, v, g, beta, state=initial_state,
                  state_indices=_indices.slot_indices("state_indices", state_indices),
@@ -102,7 +108,7 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     if q.dim() != 4 or v.dim() != 4:
         raise Refused("q / v outside vLLM's contract ([B, T, H, D])")
     q, k, v = dense_qkv(q, k, v)
-    g, beta = _gate_beta(raw_g, raw_beta, q, allow_fp32=False)
+    g, beta = _gate_beta(raw_g, raw_beta, q)
     HV, K = v.shape[2], q.shape[3]
     cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens)
     # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
@@ -125,8 +131,9 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
         raise Refused(f"fuse_gate={fuse_gate!r} (vLLM takes None, True or False)")
     if q.dim() != 4 or q.shape[0] != 1 or cu_seqlens is None or ssm_state_indices is None:
         raise Refused("outside vLLM's contract (packed q [1, T, H, K], cu_seqlens and ssm_state_indices given)")
-    q, k, v = dense_qkv(q, k, v)
-    g, beta = _gate_beta(raw_g, raw_beta, q, allow_fp32=True)
+    # kda_verify reads the tokens (dim 1) of vLLM's views as they are; so does kda_decode their rows (q[0])
+    q, k, v = qkv_rows(q, k, v, 1)
+    g, beta = _gate_beta(raw_g, raw_beta, q, row_dim=1)
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     gate = _gate(A_log, dt_bias, lower_bound, HV, K, q.device)

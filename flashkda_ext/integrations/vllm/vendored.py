@@ -15,6 +15,7 @@ import torch
 
 from .. import _indices
 from .. import fla as _fla
+from ..rows import rows_view
 from ._common import Refused, run_op, unknown
 
 #: extra keyword arguments vLLM's vendored chunk_kda / fused_recurrent_kda accept and ignore (bailing_moe_v3)
@@ -41,7 +42,10 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
     if beta is None or initial_state is None:
         raise Refused("flashkda_ext needs beta and initial_state (the state pool)")
     if contiguous:
-        q, k, v, g, beta = (_contiguous(x) for x in (q, k, v, g, beta))
+        # vLLM's wrapper makes them dense; the ops this form reaches (kda_decode, kda_verify) read the tokens
+        # (dim 1) of row-strided views as they are, so only what they cannot read is copied
+        q, k, v, g = (x if x is None else rows_view(x, 1) for x in (q, k, v, g))
+        beta = rows_view(beta, 1, vector=False)
     served = None
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is not None:
