@@ -113,6 +113,49 @@ inline SlotTable slot_table(const Checker& c, const TensorView& state_indices) {
   return SlotTable{N, cols};
 }
 
+// kda_verify's optional second start-state pool (docs/semantics.md, "Verify"): initial_state
+// [slots2, HV, V, K] in state's dtype, read only, its slots dense and possibly apart like state's;
+// initial_state_indices int32 [N]. Given together or not at all, and never with num_accepted_tokens
+// (the start slot is then initial_state_indices[n], no column of state_indices). Devices: the caller.
+struct InitialPool {
+  const void* data = nullptr;
+  const int32_t* idx = nullptr;  // nullptr: no second pool
+  int64_t slots = 0, slot_stride = 0;
+};
+
+inline InitialPool initial_pool(const Checker& c, const OptTensor& initial_state, const OptTensor& initial_state_indices,
+                                const OptTensor& num_accepted_tokens, const TensorView& state, int64_t N, int bits,
+                                bool align16) {
+  if (initial_state.has_value() != initial_state_indices.has_value()) {
+    FKDA_FAIL(c.fn()) << "argument '" << (initial_state.has_value() ? "initial_state_indices" : "initial_state")
+                      << "' is missing: initial_state and initial_state_indices are given together or not at all";
+  }
+  if (!initial_state.has_value()) return InitialPool{};
+  if (num_accepted_tokens.has_value()) {
+    FKDA_FAIL(c.fn()) << "argument 'num_accepted_tokens' must be absent with initial_state (request n starts "
+                         "from initial_state[initial_state_indices[n]])";
+  }
+  const TensorView& init = initial_state.value();
+  const TensorView& idx = initial_state_indices.value();
+  c.ndim(init, "initial_state", 4, "[slots, HV, V, K]");
+  c.shape(init, "initial_state", {{"slots", -1}, {"HV", state.size(1)}, {"V", state.size(2)}, {"K", state.size(3)}});
+  c.same_dtype_as(init, "initial_state", state, "state");
+  c.shape(idx, "initial_state_indices", {{"N", N}});
+  c.dtype(idx, "initial_state_indices", {kI32});
+  c.contiguous(idx, "initial_state_indices");
+  InitialPool p;
+  p.slot_stride = checked_pool_stride(c, init, "initial_state", bits, align16);
+  // read while state is written: state itself (the same slots), or memory apart from it
+  if (Extent::of(init).overlaps(Extent::of(state)) && !same_view(init, state)) {
+    FKDA_FAIL(c.fn()) << "argument 'initial_state' overlaps 'state' without being the same view: pass state "
+                         "itself or a pool apart from it";
+  }
+  p.data = data_ptr<const void>(init);
+  p.idx = data_ptr<const int32_t>(idx);
+  p.slots = init.size(0);
+  return p;
+}
+
 // gate_mode, lower_bound, A_log [HV] and dt_bias [HV*K] (on ref's device, ref named ref_name), scale.
 inline GateMode gate_and_scale(const Checker& c, int64_t gate_mode, double lower_bound, const OptTensor& A_log,
                                const OptTensor& dt_bias, int64_t HV, int64_t K, const TensorView& ref,

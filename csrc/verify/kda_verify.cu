@@ -66,6 +66,7 @@ void check_packed(const Checker& c, const TensorView& t, const char* name, int64
 void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                 Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
                 TensorView state_indices, TensorView cu_seqlens, Optional<TensorView> num_accepted_tokens,
+                Optional<TensorView> initial_state, Optional<TensorView> initial_state_indices,
                 TensorView out, int64_t gate_mode, double lower_bound, double scale, bool beta_is_logit,
                 bool null_slot0) {
   constexpr int64_t K = FKDA_HEAD_DIM_K, V = FKDA_HEAD_DIM_V;
@@ -90,6 +91,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
   const fkda::PoolLayout pool = fkda::verify_pool(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
   const int64_t slots = pool.slots;
+  const fkda::InitialPool init = fkda::verify_initial_pool(c, initial_state, initial_state_indices,
+                                                           num_accepted_tokens, state, N, FKDA_SLOT_OFFSET_BITS, out);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
@@ -109,6 +112,10 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                                 : nullptr;
   vp.num_seqs = static_cast<int>(N);
   vp.index_cols = static_cast<int>(cols);
+  vp.init_state = init.data;
+  vp.init_idx = init.idx;
+  vp.init_slots = init.slots;
+  vp.init_slot_stride = init.slot_stride;
 
   const fkda::cuda::LaunchContext ctx(out);
   const int64_t grid = N * HV * kNumVT;  // one CTA per (request, head, V-tile)
@@ -123,6 +130,6 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_verify, kda_verify);
-// written: state (7), out (11)
-FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 11), -1, -1);
+// written: state (7), out (13); initial_state (11) may be the identical view of state
+FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 13), 7, 11);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

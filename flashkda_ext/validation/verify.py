@@ -85,13 +85,19 @@ class VerifyCall(_GbDtypes):
     offset_bits: int
     g_dtype: str
     beta_dtype: str
+    initial_slots: int = -1         # slots of initial_state; -1: no second start pool
+
+    @property
+    def has_initial(self) -> bool:
+        return self.initial_slots >= 0
 
     @property
     def as_decode(self) -> bool:
-        """T_max = 1: every request is one token read from and written to column 0, which is
-        kda_decode on state_indices[:, 0]; the op serves it with the decode module (bitwise
-        kda_decode by construction)."""
-        return self.index_cols == 1
+        """T_max = 1 without initial_state: every request is one token read from and written to
+        column 0, which is kda_decode on state_indices[:, 0]; the op serves it with the decode module
+        (bitwise kda_decode by construction). With initial_state the read is elsewhere: the verify
+        module serves it."""
+        return self.index_cols == 1 and not self.has_initial
 
     def route_meta(self) -> dict:
         return dict(_verify_route_meta(self), gb=self.gb)
@@ -106,9 +112,10 @@ class VerifyCall(_GbDtypes):
 @_memoized
 def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                      max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
-                     scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
+                     scale=None, beta_is_logit=True, null_slot0=False, out=None, initial_state=None,
+                     initial_state_indices=None, backend=None) -> VerifyCall:
     """Everything about a verify call that its metadata shows; the values of host index tensors
-    are checked by check_verify_values on every call."""
+    are checked by check_verify_values on every call (and the addresses by check_apart)."""
     device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True)
     backend = _check_backend(backend, device)
     if q.shape[0] != 1:
@@ -119,23 +126,48 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     _bool("null_slot0", null_slot0)
     slots = _pool("state", state, HV, V, K, device, backend)
     state_indices, N, cols = _verify_index_table(state_indices, device)
+    initial_slots = _initial_pool(initial_state, initial_state_indices, num_accepted_tokens, state, N, device,
+                                  backend)
     max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
-                                 one_token_is_decode=True)
+                                 one_token_is_decode=initial_state is None)
     lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
                          lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
                          (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                          ("num_accepted_tokens", num_accepted_tokens)), device, backend)
+                          ("num_accepted_tokens", num_accepted_tokens), ("initial_state", initial_state),
+                          ("initial_state_indices", initial_state_indices)), device, backend)
     return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
                       dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
-                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state),
-                      dtype_name(g.dtype), dtype_name(beta.dtype))
+                      beta_is_logit, null_slot0, num_accepted_tokens is not None,
+                      _offset_bits(state, initial_state), dtype_name(g.dtype), dtype_name(beta.dtype), initial_slots)
+
+
+def _initial_pool(initial_state, initial_state_indices, num_accepted_tokens, state, N, device, backend) -> int:
+    """kda_verify's second start pool: initial_state [slots2, HV, V, K] in state's dtype (read only;
+    its slots may sit apart, as state's) with initial_state_indices int32 [N], given together and
+    without num_accepted_tokens. Returns its slot count, -1 when absent."""
+    if initial_state is None and initial_state_indices is None:
+        return -1
+    if initial_state is None or initial_state_indices is None:
+        missing = "initial_state" if initial_state is None else "initial_state_indices"
+        raise ValueError(f"{missing}: initial_state and initial_state_indices are given together (request n "
+                         f"starts from initial_state[initial_state_indices[n]]) or not at all")
+    if num_accepted_tokens is not None:
+        raise ValueError("num_accepted_tokens: expected None with initial_state (request n starts from "
+                         "initial_state[initial_state_indices[n]], not from a column of state_indices)")
+    slots = _pool("initial_state", initial_state, state.shape[1], state.shape[2], state.shape[3], device, backend)
+    if initial_state.dtype != state.dtype:
+        raise ValueError(f"initial_state: expected the dtype of state ({dtype_name(state.dtype)}), got "
+                         f"{dtype_name(initial_state.dtype)}")
+    _indices("initial_state_indices", initial_state_indices, N, device, "[N] (one start slot per request)")
+    return slots
 
 
 def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,
-                        max_seqlen=None) -> None:
+                        max_seqlen=None, initial_state_indices=None, initial_is_state=False) -> None:
     """The values of the index tensors, where they live in host memory (the CPU backend); on a GPU
     they are never read here (no synchronisation), and the kernels treat what they cannot serve as
-    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata."""
+    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata.
+    initial_is_state: initial_state is the identical view of state (its reads then meet the writes)."""
     if call.backend != "cpu" or cu_seqlens.device.type != "cpu":
         return
     cs = cu_seqlens.tolist()
@@ -160,10 +192,18 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
             if s >= call.slots:
                 raise ValueError(f"state_indices: entry [{n}, {t}] = {s} is out of range for a pool of "
                                  f"{call.slots} slots (expected < {call.slots}; negative = padding)")
+    if call.has_initial:
+        reads = initial_state_indices.tolist()
+        for n, s in enumerate(reads):
+            if s >= call.initial_slots:
+                raise ValueError(f"initial_state_indices: entry {n} = {s} is out of range for initial_state's "
+                                 f"{call.initial_slots} slots (expected < {call.initial_slots}; negative = padding)")
+    else:
+        reads = [row[accepted[n] - 1] for n, row in enumerate(idx)]
     pad = (lambda s: s < 0 or (call.null_slot0 and s == 0))
     writer = {}  # slot -> request that writes it
     for n, row in enumerate(idx):
-        if pad(row[accepted[n] - 1]):
+        if pad(reads[n]):
             continue  # a padding request touches nothing
         for t in range(lengths[n]):
             s = row[t]
@@ -173,8 +213,10 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
                 raise ValueError(f"state_indices: slot {s} is written twice (request {writer[s]} and request "
                                  f"{n}, token {t}); every written slot must be distinct")
             writer[s] = n
-    for n, row in enumerate(idx):
-        s = row[accepted[n] - 1]
+    if call.has_initial and not initial_is_state:
+        return  # the start states come from a pool apart from the one written
+    what = "initial_state_indices" if call.has_initial else "state_indices"
+    for n, s in enumerate(reads):
         if lengths[n] and not pad(s) and writer.get(s, n) != n:  # an empty request reads nothing
-            raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
+            raise ValueError(f"{what}: request {n} starts from slot {s}, which request {writer[s]} "
                              f"writes; a request may read only a slot no other request writes")
