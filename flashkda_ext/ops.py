@@ -387,7 +387,7 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
         trace.emit("kda_verify", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
             num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            scale=call.scale, out=out))
+            scale=call.scale, out=out, initial_state=initial_state, initial_state_indices=initial_state_indices))
     if call.as_decode:
         # One token per request, read from and written to column 0: kda_decode's own module on views
         # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature

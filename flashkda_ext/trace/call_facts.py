@@ -24,7 +24,8 @@ _OP_DEFAULTS = {
     "fused_kda_decode": dict(lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
                              slot_mode="unique", null_slot0=False),
     "kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None,
-                       gate="softplus", scale=None, beta_is_logit=True, null_slot0=False),
+                       gate="softplus", scale=None, beta_is_logit=True, null_slot0=False, initial_state=None,
+                       initial_state_indices=None),
     "fused_kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, lower_bound=None, gate="softplus",
                              norm_eps=1e-5, scale=None, null_slot0=False),
 }
@@ -66,7 +67,8 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
                         value_heads=v.shape[2], head_dim_v=v.shape[3], slots=state.shape[0],
                         input_dtype=_dtype(q), state_dtype=_dtype(state), beta_is_logit=bool(a["beta_is_logit"]),
                         scale=_resolved_scale(a["scale"], q.shape[3]), g_dtype=_dtype(a["g"]),
-                        beta_dtype=_dtype(a["beta"]))
+                        beta_dtype=_dtype(a["beta"]),
+                        initial_slots=-1 if a["initial_state"] is None else a["initial_state"].shape[0])
         g, state = a["g"], a["state"]
         return dict(common, **verify, total_tokens=g.shape[1], num_heads=g.shape[2], head_dim=g.shape[3],
                     slots=state.shape[0], conv_len=a["conv_state"].shape[-1], input_dtype=_dtype(a["x"]),
