@@ -192,7 +192,7 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
             if s >= call.slots:
                 raise ValueError(f"state_indices: entry [{n}, {t}] = {s} is out of range for a pool of "
                                  f"{call.slots} slots (expected < {call.slots}; negative = padding)")
-    if call.has_initial:
+    if initial_state_indices is not None:  # kda_verify's second pool (a VerifyCall with initial_slots)
         reads = initial_state_indices.tolist()
         for n, s in enumerate(reads):
             if s >= call.initial_slots:
@@ -213,9 +213,9 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
                 raise ValueError(f"state_indices: slot {s} is written twice (request {writer[s]} and request "
                                  f"{n}, token {t}); every written slot must be distinct")
             writer[s] = n
-    if call.has_initial and not initial_is_state:
+    if initial_state_indices is not None and not initial_is_state:
         return  # the start states come from a pool apart from the one written
-    what = "initial_state_indices" if call.has_initial else "state_indices"
+    what = "state_indices" if initial_state_indices is None else "initial_state_indices"
     for n, s in enumerate(reads):
         if lengths[n] and not pad(s) and writer.get(s, n) != n:  # an empty request reads nothing
             raise ValueError(f"{what}: request {n} starts from slot {s}, which request {writer[s]} "
