@@ -1,7 +1,8 @@
-"""kda_verify with a second, read-only start-state pool (initial_state, initial_state_indices) on the CPU
-backend: against the reference on fresh random data (outputs poisoned first), padding and out-of-range
-start indices, initial_state apart from state and identical to it, refusals naming the argument (cold and
-warm, nothing written), and the binding's own checks (docs/semantics.md, "Verify")."""
+"""kda_verify with a second, read-only start-state pool (initial_state, initial_state_indices) and with
+step rows (state [R, T_max, HV, V, K], state_indices [N]) on the CPU backend: against the reference on
+fresh random data (outputs poisoned first), padding and out-of-range start indices and rows, initial_state
+apart from state and identical to it, step rows bitwise the slot table they stand for, refusals naming
+the argument (cold and warm, nothing written), and the binding's own checks (docs/semantics.md, "Verify")."""
 from __future__ import annotations
 
 import random
@@ -266,3 +267,130 @@ def test_custom_op_takes_the_second_pool():
                                       a["cu_seqlens"], None, None, a["A_log"], a["dt_bias"], None, "softplus", None,
                                       True, False, out, a["initial_state"], a["initial_state_indices"])
     assert torch.equal(out, run(b)) and torch.equal(a["state"], b["state"])
+
+
+# ---------------------------------------------------------------------------------------------
+# step rows: state [R, T_max, HV, V, K], state_indices [N] (one row of T_max slots per request)
+
+
+def step_rows(gen, lens, cols, rows, *, R=6, starts=None, state_dtype=torch.float32):
+    """make()'s call on step rows: a buffer of R rows of cols slots and one row per request (rows)."""
+    a = make(gen, lens, cols, state_dtype=state_dtype, starts=starts)
+    a["state"] = (torch.randn(R, cols, HV, V, K, generator=gen) * 0.5).to(state_dtype)
+    a["state_indices"] = torch.tensor(rows, dtype=torch.int32)
+    return a
+
+
+def as_table(a):
+    """The same call on the R * T_max slots with the [N, T_max] table step rows stand for (a padding row:
+    -1 everywhere and, with initial_state, a padding start)."""
+    R, cols = a["state"].shape[:2]
+    rows = a["state_indices"].tolist()
+    pad = [r < 0 or (a.get("null_slot0", False) and r == 0) for r in rows]
+    b = dict(a, state=a["state"].clone().view(R * cols, HV, V, K), state_indices=torch.tensor(
+        [[-1] * cols if p else [r * cols + t for t in range(cols)] for r, p in zip(rows, pad)], dtype=torch.int32))
+    if "initial_state_indices" in a:
+        b["initial_state_indices"] = a["initial_state_indices"].masked_fill(torch.tensor(pad), -1)
+    return b
+
+
+@pytest.mark.parametrize("second_pool", [True, False])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens, cols, rows, starts", [
+    ([3, 1, 2], 3, [4, 0, 2], [1, 3, 1]),
+    ([2, 0, 2, 1], 2, [5, 1, -1, 3], [4, 0, 2, -1]),   # an empty request; a padding row; a padding start
+    ([1, 1, 1], 1, [2, -1, 0], [0, 1, 4]),             # T_max = 1: the verify module, not kda_decode
+    ([3, 2], 3, [-1, 1], [2, 2]),                       # a padding row with a live start: padding
+])
+def test_step_rows_are_the_slot_table_bitwise_and_match_reference(second_pool, state_dtype, lens, cols, rows, starts):
+    gen = gen_()
+    a = step_rows(gen, lens, cols, rows, starts=starts, state_dtype=state_dtype)
+    if not second_pool:
+        del a["initial_state"], a["initial_state_indices"]
+        a["num_accepted_tokens"] = torch.randint(1, cols + 1, (len(lens),), generator=gen, dtype=torch.int32)
+    a["out"] = poisoned_out(a)
+    b = as_table(dict(a, out=poisoned_out(a)))
+    ref_out, ref_pool = reference(a)
+    buf0 = a["state"].clone()
+    out = run(a)
+    assert out is a["out"] and torch.isfinite(out).all()
+    assert torch.equal(out, run(b)) and torch.equal(a["state"].view(b["state"].shape), b["state"])
+    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(a["state"].double(), ref_pool.double(), **tol)
+    offsets = a["cu_seqlens"].tolist()
+    for n, r in enumerate(rows):
+        s, e = offsets[n], offsets[n + 1]
+        if r < 0 or (second_pool and starts[n] < 0):  # a padding request: zeros, its row untouched
+            assert torch.equal(out[0, s:e], torch.zeros_like(out[0, s:e]))
+            if r >= 0:
+                assert torch.equal(a["state"][r], buf0[r])
+        elif r >= 0:
+            assert torch.equal(a["state"][r, e - s:], buf0[r, e - s:]), "steps past T_n changed"
+    for r in set(range(a["state"].shape[0])) - set(rows):
+        assert torch.equal(a["state"][r], buf0[r]), f"row {r} is named by nobody but changed"
+
+
+def _rows_table_of_2d(a):
+    a["state_indices"] = a["state_indices"].view(-1, 1).expand(-1, 3).contiguous()
+
+
+def _rows_out_of_range(a):
+    a["state_indices"] = torch.tensor([1, 6, 2], dtype=torch.int32)    # R = 6
+
+
+def _rows_with_a_table_state(a):
+    a["state"] = a["state"][:, 0].contiguous()
+
+
+def _rows_apart(a):
+    a["state"] = torch.randn(6, 4, HV, V, K)[:, :3]                     # rows 4 steps apart, 3 steps each
+
+
+def _rows_initial_state_inside(a):
+    a["initial_state"] = a["state"][2]                                 # a row of the buffer itself
+
+
+ROW_BAD = [(_rows_table_of_2d, "state_indices"), (_rows_out_of_range, "state_indices"),
+           (_rows_with_a_table_state, "state_indices"), (_rows_apart, "state"),
+           (_rows_initial_state_inside, "state")]
+
+
+@pytest.mark.parametrize("change,argname", ROW_BAD, ids=[c.__name__ for c, _ in ROW_BAD])
+def test_step_rows_bad_input_names_the_argument_writes_nothing_cold_and_warm(change, argname):
+    seed = random.SystemRandom().randrange(2 ** 31)
+
+    def base():
+        return step_rows(torch.Generator().manual_seed(seed), [3, 2, 3], 3, [4, 0, 2], starts=[0, 2, 1])
+
+    def bad():
+        a = base()
+        change(a)
+        return a
+    c = call_outcome(run, bad(), ("state",))
+    assert c[0] == "raise" and c[1] in (TypeError, ValueError), c
+    assert c[2].startswith(f"{argname}:"), c[2]
+    cold()
+    assert call_outcome(run, base(), ("state",))[0] == "ok"  # arms the fast path
+    w = call_outcome(run, bad(), ("state",))
+    assert (c[0], c[1], c[2]) == (w[0], w[1], w[2])
+
+
+def test_binding_checks_step_rows_itself():
+    a = step_rows(gen_(), [3, 2, 3], 3, [4, 0, 2])
+    fn = jit.load_module("cpu_kda_verify")["kda_verify"]
+    out = torch.empty(1, 8, HV, V)
+
+    def call(state=a["state"], idx=a["state_indices"]):
+        fn(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], state, idx, a["cu_seqlens"], None,
+           a["initial_state"], a["initial_state_indices"], out, 0, 0.0, K ** -0.5, True, False)
+
+    buf0 = a["state"].clone()
+    for kw, name in ((dict(idx=torch.tensor([4, 6, 2], dtype=torch.int32)), "state_indices"),
+                     (dict(idx=torch.zeros(3, 3, dtype=torch.int32)), "state_indices"),
+                     (dict(state=torch.randn(6, 4, HV, V, K)[:, :3]), "state")):
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            call(**kw)
+        assert torch.equal(a["state"], buf0)
+    call()
+    assert not torch.equal(a["state"], buf0)

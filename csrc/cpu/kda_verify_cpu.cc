@@ -40,9 +40,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(g, "g", {{"1", 1}, {"T", T}, {"HV", HV}, {"K", K}});
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.shape(out, "out", {{"1", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  const int64_t slots = fkda::pool_slots(c, state, "[slots, HV, V, K]", {"HV", HV}, {"V", V}, {"K", K});
-  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
-  const int64_t N = table.N, cols = table.cols;
+  // a pool with a slot table, or step rows (one row of T_max slots per request); slots may sit apart
+  const fkda::VerifyLayout layout =
+      fkda::verify_layout(c, state, state_indices, {"HV", HV}, {"V", V}, {"K", K}, FKDA_SLOT_OFFSET_BITS, false);
+  const int64_t N = layout.N, cols = layout.cols, slots = layout.slots, slot_stride = layout.slot_stride;
+  const fkda::SlotTable table{N, cols};
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
   fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out, /*gb_f32=*/true);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
@@ -54,8 +56,6 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     c.contiguous(t, name);
   }
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
-  // slots may sit apart (paged)
-  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
   const fkda::GateMode mode =
       fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, q, "q", scale);
 
@@ -64,10 +64,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     if (t.has_value()) c.device_type(t.value(), name, kDLCPU);
   }
   const fkda::InitialPool init = fkda::initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens,
-                                                    state, N, FKDA_SLOT_OFFSET_BITS, false);
+                                                    state, {"HV", HV}, {"V", V}, {"K", K}, N, FKDA_SLOT_OFFSET_BITS,
+                                                    false);
   const bool init_is_state = init.idx && fkda::same_view(initial_state.value(), state);
   const cpu::VerifyPlan plan = cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table,
-                                                     slots, null_slot0, init, init_is_state);
+                                                     slots, null_slot0, init, init_is_state, layout.rows);
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);

@@ -85,14 +85,21 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.dtype(beta, "beta", {kGbDtype});
   c.contiguous(beta, "beta");
-  const fkda::SlotTable table =
-      fkda::verify_slot_table(c, state_indices, T, "q", " (each request 0 .. T_max tokens)", out);
-  const int64_t N = table.N, cols = table.cols;
+  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
+  fkda::check_cuda_device(c, state, "state", out, "out");
+  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
+  // a pool with a slot table, or step rows (one row of T_max slots per request)
+  const fkda::VerifyLayout pool =
+      fkda::verify_layout(c, state, state_indices, {"HV", HV}, {"V", V}, {"K", K}, FKDA_SLOT_OFFSET_BITS, true);
+  const int64_t N = pool.N, cols = pool.cols, slots = pool.slots;
+  if (T < 1 || T > N * cols) {  // a request has 0 .. T_max tokens
+    FKDA_FAIL(c.fn()) << "argument 'q' has T = " << T << " tokens; expected 1 .. N * T_max = " << N * cols
+                      << " (each request 0 .. T_max tokens)";
+  }
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
-  const fkda::PoolLayout pool = fkda::verify_pool(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
-  const int64_t slots = pool.slots;
-  const fkda::InitialPool init = fkda::verify_initial_pool(c, initial_state, initial_state_indices,
-                                                           num_accepted_tokens, state, N, FKDA_SLOT_OFFSET_BITS, out);
+  const fkda::InitialPool init =
+      fkda::verify_initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens, state, {"HV", HV},
+                                {"V", V}, {"K", K}, N, FKDA_SLOT_OFFSET_BITS, out);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
@@ -112,6 +119,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                                 : nullptr;
   vp.num_seqs = static_cast<int>(N);
   vp.index_cols = static_cast<int>(cols);
+  vp.num_rows = static_cast<int>(pool.rows);
   vp.init_state = init.data;
   vp.init_idx = init.idx;
   vp.init_slots = init.slots;

@@ -23,6 +23,9 @@ struct VerifyParams {
   const int32_t* cu_seqlens;  // [N+1]
   const int32_t* accepted;    // [N] or nullptr (= column 0)
   int num_seqs, index_cols;   // N, T_max (columns of d.idx, which is [N, T_max])
+  // > 0: step rows, the pool is R = num_rows rows of T_max slots (state [R, T_max, HV, V, K] seen as R * T_max
+  // slots) and d.idx is [N]: entry (n, t) is d.idx[n] * T_max + t, every entry padding for a padding row
+  int num_rows;
   // initial_state [init_slots, HV, V, K] (read only, the pool's dtype) and initial_state_indices [N]:
   // request n starts from init_state[init_idx[n]]; nullptr init_idx: from d.state at its read entry
   const void* init_state;
@@ -37,6 +40,7 @@ struct VerifyParams {
 struct Request {
   int bos, len;
   const int32_t* row_idx;  // [T_max]: the slot of each token
+  int32_t base;            // step rows: the row's first slot, -1 for a padding row
   int32_t read;
 };
 // The slot a request starts from: its row's entry at column col, -1 (padding) for a column outside
@@ -52,16 +56,31 @@ __device__ __forceinline__ int32_t live_or_pad(const VerifyParams& vp, int32_t s
 __device__ __forceinline__ void token_beta_slot(const VerifyParams& vp, const Request& rq, int hv, int t,
                                                 fkda_decode::gb_t& beta, int32_t& dst) {
   beta = vp.d.beta[(rq.bos + t) * vp.d.beta_row_stride + hv];
-  dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
+  if (vp.num_rows > 0) dst = rq.base >= 0 && t < vp.index_cols ? rq.base + t : -1;
+  else dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
 }
 // With T_max <= kRowAhead the whole slot row is loaded beside cu_seqlens and the count, and the read
 // slot picked from registers: one dependent load fewer (about one memory latency) before the state
 // load can start. Longer rows load the one entry once the count is known.
 constexpr int kRowAhead = 8;
-// With a second start pool (init_idx) the read entry is its [N] index, loaded beside cu_seqlens.
+// With a second start pool (init_idx) the read entry is its [N] index, loaded beside cu_seqlens. Step
+// rows: the row (d.idx[n]) is loaded beside them too; a padding row makes the request padding (as a
+// padding row of kda_decode does), whatever its read entry.
 __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
   Request rq;
   rq.row_idx = vp.d.idx + static_cast<int64_t>(n) * vp.index_cols;
+  if (vp.num_rows > 0) {
+    const int32_t row = __ldg(vp.d.idx + n);
+    const int32_t init = vp.init_idx ? __ldg(vp.init_idx + n) : 0;
+    const int col = !vp.init_idx && vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
+    rq.bos = __ldg(vp.cu_seqlens + n);
+    rq.len = __ldg(vp.cu_seqlens + n + 1) - rq.bos;
+    rq.base = live_or_pad(vp, row, vp.num_rows) < 0 ? -1 : row * vp.index_cols;  // < 2^31: the binding
+    if (rq.base < 0) rq.read = -1;
+    else if (vp.init_idx) rq.read = live_or_pad(vp, init, vp.init_slots);
+    else rq.read = col >= 0 && col < vp.index_cols ? rq.base + col : -1;
+    return rq;
+  }
   if (vp.init_idx) {
     const int32_t init = __ldg(vp.init_idx + n);
     rq.bos = __ldg(vp.cu_seqlens + n);

@@ -58,6 +58,9 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     token t + 1 continues from that stored (rounded) value, so the outputs after any token are the
     ones a later call resuming from its slot reproduces. A request whose read entry is padding
     outputs zeros and writes nothing; an empty request (T_n = 0) reads and writes nothing.
+    With state as step rows [R, T_max, HV, V, K] and state_indices [N] (one row each), entry (n, t) is
+    slot row * T_max + t of the R * T_max, and a padding row makes the request padding (also with
+    initial_state); the pool returned has state's shape.
     With initial_state (a pool [slots2, HV, V, K] in state's dtype, never written) and
     initial_state_indices [N] (num_accepted_tokens then None), request n starts from
     initial_state[initial_state_indices[n]] instead (negative, or 0 with null_slot0: the request is
@@ -66,6 +69,16 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     """
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected packed [1, T, H, K], got shape {tuple(q.shape)}")
+    if state.dim() == 5:  # step rows: the R * T_max slots with the table they stand for
+        flat, table, pad_rows = _step_rows_table(state, state_indices, null_slot0)
+        if initial_state_indices is not None:
+            initial_state_indices = initial_state_indices.masked_fill(pad_rows.to(initial_state_indices.device), -1)
+        out, pool = kda_verify_step(
+            q, k, v, g, beta, state=flat, state_indices=table, cu_seqlens=cu_seqlens,
+            num_accepted_tokens=num_accepted_tokens, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, initial_state=initial_state,
+            initial_state_indices=initial_state_indices, dtype=dtype)
+        return out, pool.view(state.shape)
     T, HV, V, K = q.shape[1], v.shape[2], v.shape[3], q.shape[3]
     if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K):
         raise ValueError(f"state: expected pool [slots, {HV}, {V}, {K}], got {tuple(state.shape)}")
@@ -93,6 +106,21 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
             if writes[t - s] is not None:
                 pool[writes[t - s]] = stored
     return out, pool
+
+
+def _step_rows_table(state, rows, null_slot0):
+    """Step rows (state [R, T_max, HV, V, K], rows [N]) as a pool of R * T_max slots (a copy) and the
+    [N, T_max] table they stand for (row * T_max + t, all -1 for a padding row), and which rows pad."""
+    R, cols = state.shape[0], state.shape[1]
+    if rows.dim() != 1:
+        raise ValueError(f"state_indices: expected [N] with step rows, got {tuple(rows.shape)}")
+    values = [int(r) for r in rows.tolist()]
+    if any(r >= R for r in values):
+        raise ValueError(f"state_indices: {values} has a row >= R = {R}")
+    pad = torch.tensor([is_padding(r, null_slot0) for r in values])
+    table = torch.tensor([[-1] * cols if p else [r * cols + t for t in range(cols)] for r, p in zip(values, pad)],
+                         dtype=torch.int32)
+    return state.reshape(R * cols, *state.shape[2:]), table, pad
 
 
 CONV_WIDTH = 4

@@ -51,28 +51,22 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     if A is None or dt is None:
         raise ValueError("A_log: target_verify activates the raw gate a in the kernel and needs A_log and dt_bias")
     gate, lb = gate_of(lower_bound, A)
-    # kda_verify with two pools: the start state of request n is read from ssm_states[cache_indices[n]]
-    # (initial_state: read only; a cache index that is negative or past the pool makes the request padding),
-    # and the buffer, seen as a pool of R * S slots (slot r * S + t holds step t of row r), takes the state
-    # after each token. Five small device ops beside the kernel: a request whose buffer row is out of range
-    # is padding too (its start index becomes -1: zero output, nothing written; clamp, ne, masked_fill), and
-    # the slot table (arange, add) is computed from the clamped row, so int32 cannot wrap
-    # (r * S + t < R * S, _verify_buffer); a padding request's slots are never used.
-    flat = buf.view(R * S, HV, V, K)
+    # kda_verify with SGLang's two pools as they are, no device op beside the kernel: the buffer is step rows
+    # (state [R, S, HV, V, K], state_indices = the request's row: the state after token t goes to
+    # buf[rows[n], t]; a row out of range makes the request padding), and the start state of request n is
+    # read from ssm_states[cache_indices[n]] (initial_state: read only; an index that is negative or past
+    # the pool makes the request padding too).
     qsl = _as(query_start_loc, torch.int32, (N + 1,))
-    r = rows.clamp(0, R - 1)
-    start = cidx.masked_fill(r != rows, -1)
-    slots = torch.add(torch.arange(S, dtype=torch.int32, device=rows.device), r.view(N, 1), alpha=S)
     q, k, v = dense_qkv(q, k, v)        # one copy kernel for SGLang's views into mixed_qkv, not three
     args = (q, k, v, _as(a, dtype, (1, T, HV, K)), _as(b, dtype, (1, T, HV)))
     dest = None if out is None else out.view(1, T, HV, V)
     # SGLang never writes ssm_states: refused even as the identical view kda_verify would accept
-    validation.check_apart((("out", dest), ("intermediate_states_buffer", flat)),
+    validation.check_apart((("out", dest), ("intermediate_states_buffer", buf)),
                            tuple(zip(("q", "k", "v", "a", "b"), args)) + (("ssm_states", ssm_states),))
     # kda_verify checks everything before it launches: a refused call writes nothing
-    o = kda_verify(*args, state=flat, state_indices=slots, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
+    o = kda_verify(*args, state=buf, state_indices=rows, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
                    lower_bound=lb, gate=gate, beta_is_logit=True, out=dest, initial_state=ssm_states,
-                   initial_state_indices=start)
+                   initial_state_indices=cidx)
     return o if out is None else out
 
 
