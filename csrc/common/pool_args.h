@@ -143,7 +143,8 @@ inline VerifyLayout verify_layout(const Checker& c, const TensorView& state, con
     FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N] and state [R, T_max, ..] with N, T_max >= 1";
   }
   if (l.rows * l.cols > INT32_MAX) {
-    FKDA_FAIL(c.fn()) << "argument 'state' has R * T_max = " << l.rows * l.cols << " slots, more than int32 indices address";
+    FKDA_FAIL(c.fn()) << "argument 'state' has R * T_max = " << l.rows * l.cols
+                      << " slots, more than int32 indices address";
   }
   const int64_t elems = a.value * b.value * d.value;
   // the stride between consecutive slots of the R * T_max (with T_max = 1: between rows)
@@ -175,9 +176,9 @@ struct InitialPool {
   int64_t slots = 0, slot_stride = 0;
 };
 
-inline InitialPool initial_pool(const Checker& c, const OptTensor& initial_state, const OptTensor& initial_state_indices,
-                                const OptTensor& num_accepted_tokens, const TensorView& state, Dim a, Dim b, Dim d,
-                                int64_t N, int bits, bool align16) {
+inline InitialPool initial_pool(const Checker& c, const OptTensor& initial_state,
+                                const OptTensor& initial_state_indices, const OptTensor& num_accepted_tokens,
+                                const TensorView& state, Dim a, Dim b, Dim d, int64_t N, int bits, bool align16) {
   if (initial_state.has_value() != initial_state_indices.has_value()) {
     FKDA_FAIL(c.fn()) << "argument '" << (initial_state.has_value() ? "initial_state_indices" : "initial_state")
                       << "' is missing: initial_state and initial_state_indices are given together or not at all";

@@ -60,7 +60,8 @@ inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_ind
                           << rows << " rows (negative = padding)";
       }
       pad_row[n] = is_padding(r, null_slot0);
-      for (int64_t t = 0; t < cols; ++t) rows_table[n * cols + t] = pad_row[n] ? -1 : static_cast<int32_t>(r * cols + t);
+      for (int64_t t = 0; t < cols; ++t)
+        rows_table[n * cols + t] = pad_row[n] ? -1 : static_cast<int32_t>(r * cols + t);
     }
     idx = rows_table.data();
   } else {

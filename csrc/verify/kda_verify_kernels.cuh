@@ -120,7 +120,8 @@ __device__ __forceinline__ const typename T::Elem* read_tile(const VerifyParams&
   const bool second = vp.init_idx != nullptr;
   const Elem* pool = static_cast<const Elem*>(second ? vp.init_state : vp.d.state);
   const int64_t stride = second ? vp.init_slot_stride : vp.d.slot_stride;
-  return pool + (static_cast<OffT>(rq.read) * static_cast<OffT>(stride) + static_cast<OffT>((hv * T::V + vrow0) * T::K));
+  return pool +
+         (static_cast<OffT>(rq.read) * static_cast<OffT>(stride) + static_cast<OffT>((hv * T::V + vrow0) * T::K));
 }
 
 // The thread's state chunks of the tile at sb (decode's load_state_regs from a given tile).
@@ -540,7 +541,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   }
   typename T::Item cur;  // the state registers and, per token, its v (the rest stays unused)
   if constexpr (BULK > 0) {
-    if (threadIdx.x == 0) fkda::bulk_load(tiles + V_TILE * K, read_tile<T, OffT>(vp, rq, hv, vt * V_TILE), kTileBytes, bar);
+    if (threadIdx.x == 0)
+      fkda::bulk_load(tiles + V_TILE * K, read_tile<T, OffT>(vp, rq, hv, vt * V_TILE), kTileBytes, bar);
   } else {
     load_tile_regs<T>(cur, read_tile<T, OffT>(vp, rq, hv, vrow0), lane);
   }

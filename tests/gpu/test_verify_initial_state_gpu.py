@@ -1,5 +1,7 @@
-"""GPU tests of kda_verify's second start pool (initial_state, initial_state_indices) on every CUDA
-kda_verify module (jit/modules/verify_cuda.json), and of SGLang's target_verify on it.
+"""GPU tests of kda_verify's second start pool (initial_state, initial_state_indices) and step rows
+(state [R, T_max, HV, V, K], state_indices [N]) on every CUDA kda_verify module
+(jit/modules/verify_cuda.json); SGLang's target_verify on them is tested in
+tests/test_integrations_sglang_overhead.py (CUDA graph, bitwise) and tests/gpu/test_sglang_gpu.py.
 
 Per module: against the reference on fresh random inputs (outputs NaN-poisoned), with padding start
 indices (negative, 0 with null_slot0) and indices past the second pool (padding on a GPU: nothing reads
@@ -7,7 +9,9 @@ the values), a paged (strided) second pool, empty requests; the second pool bitw
 slot no stored token names bitwise unchanged; padding requests exact zeros; and bitwise equal to the
 same call without initial_state whose read slots hold copies of the start states (the second pool
 changes where the start state is read, nothing else). initial_state = state (the same pool) through the
-op. Run: python3 -m pytest -q tests/gpu/test_verify_initial_state_gpu.py
+op. Step rows: bitwise the call on the R * T_max slots with the slot table they stand for, rows out of
+range (negative, past R) making the request padding. Run:
+python3 -m pytest -q tests/gpu/test_verify_initial_state_gpu.py
 """
 from __future__ import annotations
 
@@ -140,3 +144,42 @@ def test_op_with_initial_state_equal_to_state(state_dtype, lens, cols):
     for s in range(pool0.shape[0]):
         if s not in named:
             assert torch.equal(bits(a["state"][s]), bits(pool0[s]))
+
+
+@pytest.mark.parametrize("second_pool", [True, False], ids=["initial_state", "accepted"])
+@pytest.mark.parametrize("cols", [1, 3, 8, 12])
+@pytest.mark.parametrize("name", NAMES)
+def test_step_rows_equal_the_slot_table_bitwise(name, cols, second_pool):
+    gen = torch.Generator(device="cuda").manual_seed(6000 + cols)
+    lens = list(LENS[cols]) + [0]
+    N = len(lens)
+    R = N + 3
+    a = make(gen, lens, cols, 2, 8, sdtype(RECORDS[name]))
+    if second_pool:
+        a = with_second_pool(gen, a, starts_for(N))
+    buf = (torch.randn(R, cols, 8, V, K, generator=gen, device="cuda") * 0.5).to(a["state"].dtype)
+    pattern = [R - 1, -1, 0, R + 4, 2, 1, 3, 4, 5, 6]   # a padding row and one past R: padding requests
+    rows = [pattern[n % len(pattern)] for n in range(N)]
+    live = [0 <= r < R for r in rows]
+    table = torch.tensor([[r * cols + t for t in range(cols)] if ok else [-1] * cols for r, ok in zip(rows, live)],
+                         dtype=torch.int32, device="cuda")
+    flat = buf.clone().view(R * cols, 8, V, K)
+    b = dict(a, state=flat, state_indices=table)
+    if second_pool:
+        b["initial_state_indices"] = a["initial_state_indices"].masked_fill(
+            ~torch.tensor(live, device="cuda"), -1)
+    a = dict(a, state=buf, state_indices=torch.tensor(rows, dtype=torch.int32, device="cuda"))
+    outs = []
+    for x in (a, b):
+        out = torch.full((1, sum(lens), 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(name, x, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0].float()).any(), name
+    assert torch.equal(bits(outs[0]), bits(outs[1])), name
+    assert torch.equal(bits(buf.view(R * cols, 8, V, K)), bits(flat)), name
+    offsets = a["cu_seqlens"].tolist()
+    for n, ok in enumerate(live):
+        if not ok:
+            s, e = offsets[n], offsets[n + 1]
+            assert torch.equal(outs[0][0, s:e], torch.zeros_like(outs[0][0, s:e])), (name, n)
