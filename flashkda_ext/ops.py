@@ -339,6 +339,11 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     with initial_state_indices int32 [N]: request n starts from initial_state[initial_state_indices[n]]
     instead (num_accepted_tokens must be None); a padding entry (negative, 0 with null_slot0, on a GPU
     also >= slots2) makes the request padding. Nothing else changes.
+
+    Step rows: state [R, T_max, HV, V, K] with state_indices int32 [N] (request n's row) stands for the
+    table state_indices[n] * T_max + t over the R * T_max slots (the state after token t goes to
+    state[row, t]); a padding row (negative, 0 with null_slot0, on a GPU also >= R) makes the request
+    padding. docs/semantics.md, "Verify".
     """
     key = dest = None
     if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor

@@ -36,7 +36,8 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     g [1, T, HV, K]; beta [1, T, HV]; state [slots, HV, V, K]; state_indices int32 [N, T_max];
     cu_seqlens int32 [N+1]; num_accepted_tokens int32 [N] or None; initial_state [slots2, HV, V, K] with
     initial_state_indices int32 [N] (or both None): the requests' start states, read only, instead of
-    state's (num_accepted_tokens then None). new_state is the pool after the
+    state's (num_accepted_tokens then None); state may be step rows [R, T_max, HV, V, K] with
+    state_indices [N] (one row per request). new_state is the pool after the
     step, written in place of `state` (eagerly donated unless donate=False; under jax.jit, donate it
     on your jit). Index arrays that are concrete on the CPU have their values checked as the torch op
     does; T_max = 1 runs kda_decode's module on column 0.
