@@ -99,8 +99,8 @@ def test_fused_verify_equals_the_torch_op_eager_and_jitted():
 @pytest.mark.parametrize("lens,cols", [([3, 1, 4], 4), ([1, 0, 1], 1)])
 def test_second_start_pool_equals_the_torch_op(lens, cols, step_rows):
     """initial_state / initial_state_indices (kda_verify's read-only start pool), with a pool and table or step
-    rows, through XLA: the torch op's
-    results bitwise, eagerly and jitted; the second pool's host indices checked with the torch message."""
+    rows, through XLA: the torch op's results bitwise, eagerly and jitted; the second pool's host indices
+    checked with the torch message."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     a = case(gen, lens, cols)
     del a["num_accepted_tokens"]
