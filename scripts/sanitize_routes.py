@@ -106,6 +106,10 @@ def run_verify(fn, rec):
     init = _r(4, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
     starts = torch.tensor([3, -1, 9] * reps, dtype=torch.int32, device=DEV)
     fn(*inputs, None, init, starts, *tail)
+    # and onto step rows (state [R, T_max, HV, V, K], one row per request; a row past R: padding)
+    rows = torch.tensor([2, 0, 5] * reps, dtype=torch.int32, device=DEV)
+    buf = _r(3, 3, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
+    fn(*inputs[:7], buf, rows, cu, None, init, torch.tensor([3, 1, 0] * reps, dtype=torch.int32, device=DEV), *tail)
     return out
 
 
