@@ -394,3 +394,17 @@ def test_binding_checks_step_rows_itself():
         assert torch.equal(a["state"], buf0)
     call()
     assert not torch.equal(a["state"], buf0)
+
+
+def test_second_pool_with_slots_apart_equals_the_dense_one_bitwise():
+    """initial_state may be a strided pool (slots a page apart, as vLLM pages them): the same results."""
+    a = _base(gen_())
+    b = clone(a)
+    n = HV * V * K
+    pages = torch.randn(a["initial_state"].shape[0], n + 12)      # 48 bytes of filler a slot
+    b["initial_state"] = pages[:, 8:8 + n].view(a["initial_state"].shape)
+    b["initial_state"].copy_(a["initial_state"])
+    filler = pages.clone()
+    assert not b["initial_state"].is_contiguous()
+    assert torch.equal(run(a), run(b)) and torch.equal(a["state"], b["state"])
+    assert torch.equal(pages, filler), "initial_state (or the memory between its slots) was written"
