@@ -81,7 +81,8 @@ def slot_table(N, T, slots, gen):
 def ours_call(name, case, pool, idx, nacc, out):
     q, k, v, g, beta, A_log, dt_bias, cu = case
     fn = load(name)["kda_verify"]
-    return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, cu, nacc, out, 0, 0.0, K ** -0.5, True, False)
+    return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, cu, nacc, None, None, out, 0, 0.0, K ** -0.5, True,
+                      False)
 
 
 def cast_call(name, case, pool, idx, nacc, out):
@@ -90,7 +91,7 @@ def cast_call(name, case, pool, idx, nacc, out):
     q, k, v, g, beta, A_log, dt_bias, cu = case
     fn = load(name)["kda_verify"]
     return lambda: fn(q, k, v, g.to(torch.bfloat16), beta.to(torch.bfloat16), A_log, dt_bias, pool, idx, cu, nacc,
-                      out, 0, 0.0, K ** -0.5, True, False)
+                      None, None, out, 0, 0.0, K ** -0.5, True, False)
 
 
 def op_call(case, pool, idx, nacc, out, T):

@@ -270,31 +270,35 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
 def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
                   cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
-                  scale: Optional[float], beta_is_logit: Flag, null_slot0: Flag, out: Tensor) -> None:
+                  scale: Optional[float], beta_is_logit: Flag, null_slot0: Flag, out: Tensor,
+                  initial_state: Optional[Tensor] = None, initial_state_indices: Optional[Tensor] = None) -> None:
     _ops.kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                     num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-                    out=out)
+                    out=out, initial_state=initial_state, initial_state_indices=initial_state_indices)
 
 
 @_fake("kda_verify")
 def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
-                     dt_bias, lower_bound, gate, scale, beta_is_logit, null_slot0, out) -> None:
+                     dt_bias, lower_bound, gate, scale, beta_is_logit, null_slot0, out, initial_state=None,
+                     initial_state_indices=None) -> None:
     # the index values are checked by the real implementation (a graph has none to read)
     _check_on_meta(validation.check_kda_verify, q.device, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
         max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
-        beta_is_logit=beta_is_logit, null_slot0=null_slot0, out=out))
+        beta_is_logit=beta_is_logit, null_slot0=null_slot0, out=out, initial_state=initial_state,
+        initial_state_indices=initial_state_indices))
 
 
 def traced_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                       max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None,
-                      beta_is_logit=True, null_slot0=False, out=None):
+                      beta_is_logit=True, null_slot0=False, out=None, initial_state=None, initial_state_indices=None):
     """kda_verify under tracing: same arguments and result as the public op."""
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kda_verify_op(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
-                  dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit, null_slot0, out)
+                  dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit, null_slot0, out,
+                  initial_state, initial_state_indices)
     return out
 
 

@@ -322,7 +322,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
 
 def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None,
                A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
-               null_slot0=False, out=None):
+               null_slot0=False, out=None, initial_state=None, initial_state_indices=None):
     """Speculative-decoding verify: T_n draft tokens per request on a state pool, the state after
     every token stored in a slot of its own.
 
@@ -335,15 +335,25 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     semantics.md, "Verify"). max_seqlen: a host bound on T_n for routing (default T_max). Returns out
     [1, T, HV, V] (v's dtype). T_max = 1 is kda_decode on state_indices[:, 0], and is served by it
     (then T = N: one token per request).
+
+    initial_state [slots2, HV, V, K] (state's dtype, read only; state itself or memory apart from it)
+    with initial_state_indices int32 [N]: request n starts from initial_state[initial_state_indices[n]]
+    instead (num_accepted_tokens must be None); a padding entry (negative, 0 with null_slot0, on a GPU
+    also >= slots2) makes the request padding. Nothing else changes.
+
+    Step rows: state [R, T_max, HV, V, K] with state_indices int32 [N] (request n's row) stands for the
+    table state_indices[n] * T_max + t over the R * T_max slots (the state after token t goes to
+    state[row, t]); a padding row (negative, 0 with null_slot0, on a GPU also >= R) makes the request
+    padding. docs/semantics.md, "Verify".
     """
     key = dest = None
     if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor
             and type(state_indices) is _Tensor
-            and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens),
-                                   (state, out))):
+            and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens,
+                                    initial_state, initial_state_indices), (state, out))):
         key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
-               num_accepted_tokens is None)
+               num_accepted_tokens is None, initial_state is None, initial_state_indices is None)
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail, seen = entry
@@ -351,9 +361,10 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
             # the launch (fast_path's docstring), takes the full path, which raises the full check's error.
             try:
                 dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out  # a valid call's out
-                validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+                validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen,
+                                               initial_state_indices, _initial_is_state(seen, initial_state, state))
                 if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
-                      dest, *tail) == sig:
+                      initial_state, initial_state_indices, dest, *tail) == sig:
                     return dest
             except Exception:  # noqa: BLE001
                 pass
@@ -362,24 +373,27 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
             q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
             num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-            out=out)
+            out=out, initial_state=initial_state, initial_state_indices=initial_state_indices)
     call = validation.check_kda_verify(
         q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
         num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-        out=out)
-    validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen)
+        out=out, initial_state=initial_state, initial_state_indices=initial_state_indices)
+    validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen,
+                                   initial_state_indices, _initial_is_state(call, initial_state, state))
     validation.check_apart((("out", out), ("state", state)),
                            (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
                             ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                            ("num_accepted_tokens", num_accepted_tokens)))
+                            ("num_accepted_tokens", num_accepted_tokens), ("initial_state", initial_state),
+                            ("initial_state_indices", initial_state_indices)),
+                           same_view_ok=("state", "initial_state"))
     if out is None:
         out = dest if dest is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if trace.enabled():  # before the launch (either module): a crashing call leaves its trace
         trace.emit("kda_verify", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
             num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            scale=call.scale, out=out))
+            scale=call.scale, out=out, initial_state=initial_state, initial_state_indices=initial_state_indices))
     if call.as_decode:
         # One token per request, read from and written to column 0: kda_decode's own module on views
         # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
@@ -394,12 +408,19 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     casts = _gb_casts(call, "kda_verify")
     if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
         g, beta = _cast_gb(casts, g, beta)
-    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens, out)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
+                initial_state, initial_state_indices, out)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None and not casts:  # a converted copy's signature would never match the caller's tensor
         fast_path.put(key, "kda_verify", call, sig_args, tail, extra=(call,))
     return out
+
+
+def _initial_is_state(call, initial_state, state) -> bool:
+    """Whether kda_verify's initial_state is state itself (same view): then its reads meet the call's writes
+    (a rule on host values only, so only the CPU backend asks)."""
+    return call.has_initial and call.backend == "cpu" and validation.same_view(initial_state, state)
 
 
 def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight, *,

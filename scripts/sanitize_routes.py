@@ -97,10 +97,19 @@ def run_verify(fn, rec):
     T = 6 * reps
     out = torch.full((1, T, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
     gb = _gb_dtype(rec)
-    fn(_r(1, T, H, D), _r(1, T, H, D), _r(1, T, HV, D), _r(1, T, HV, D, dtype=gb), _r(1, T, HV, dtype=gb),
-       _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
-       _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1), idx, cu, nacc, out,
-       validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)
+    inputs = (_r(1, T, H, D), _r(1, T, H, D), _r(1, T, HV, D), _r(1, T, HV, D, dtype=gb), _r(1, T, HV, dtype=gb),
+              _r(HV, dtype=torch.float32, scale=0.3), _r(HV * D, dtype=torch.float32, scale=0.3),
+              _r(slots, HV, D, D, dtype=_state_dtype(rec), scale=0.1), idx, cu)
+    tail = (out, validation.GATE_MODE["softplus"], 0.0, D ** -0.5, True, False)
+    fn(*inputs, nacc, None, None, *tail)
+    # again from a second, read-only start pool (initial_state): 4 slots, one start index past them (padding)
+    init = _r(4, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
+    starts = torch.tensor([3, -1, 9] * reps, dtype=torch.int32, device=DEV)
+    fn(*inputs, None, init, starts, *tail)
+    # and onto step rows (state [R, T_max, HV, V, K], one row per request; a row past R: padding)
+    rows = torch.tensor([2, 0, 5] * reps, dtype=torch.int32, device=DEV)
+    buf = _r(3, 3, HV, D, D, dtype=_state_dtype(rec), scale=0.1)
+    fn(*inputs[:7], buf, rows, cu, None, init, torch.tensor([3, 1, 0] * reps, dtype=torch.int32, device=DEV), *tail)
     return out
 
 

@@ -93,3 +93,33 @@ def test_fused_verify_equals_the_torch_op_eager_and_jitted():
     out2, conv2, state2 = fn(*j.values(), *jkw.values())
     assert torch.equal(torch.from_dlpack(out2), t_out) and torch.equal(torch.from_dlpack(state2), t["state"])
     assert torch.equal(torch.from_dlpack(conv2), t["conv_state"])
+
+
+@pytest.mark.parametrize("step_rows", [False, True])
+@pytest.mark.parametrize("lens,cols", [([3, 1, 4], 4), ([1, 0, 1], 1)])
+def test_second_start_pool_equals_the_torch_op(lens, cols, step_rows):
+    """initial_state / initial_state_indices (kda_verify's read-only start pool), with a pool and table or step
+    rows, through XLA: the torch op's results bitwise, eagerly and jitted; the second pool's host indices
+    checked with the torch message."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    a = case(gen, lens, cols)
+    del a["num_accepted_tokens"]
+    a["initial_state"] = torch.randn(5, HV, V, K, generator=gen)
+    a["initial_state_indices"] = torch.tensor([4, -1, 2][:len(lens)], dtype=torch.int32)
+    if step_rows:  # state [R, T_max, HV, V, K], one row per request (the last one padding)
+        a["state"] = torch.randn(5, cols, HV, V, K, generator=gen)
+        a["state_indices"] = torch.tensor([3, 0, -1][:len(lens)], dtype=torch.int32)
+    j = {n: to_jax(x) for n, x in a.items()}
+    t_state = a["state"].clone()
+    t_out = fk.kda_verify(*(a[n] for n in POS), **{n: (t_state if n == "state" else x) for n, x in a.items()
+                                                  if n not in POS})
+    out, new_state = kj.kda_verify(*(j[n] for n in POS), **{n: x for n, x in j.items() if n not in POS},
+                                   donate=False)
+    assert torch.equal(torch.from_dlpack(out), t_out) and torch.equal(torch.from_dlpack(new_state), t_state)
+    names = tuple(j)
+    fn = jax.jit(lambda *xs: kj.kda_verify(*xs[:5], **dict(zip(names[5:], xs[5:]))))
+    out2, state2 = fn(*(j[n] for n in names))
+    assert torch.equal(torch.from_dlpack(out2), t_out) and torch.equal(torch.from_dlpack(state2), t_state)
+    bad = dict(j, initial_state_indices=to_jax(torch.tensor([0, 5, 1][:len(lens)], dtype=torch.int32)))
+    with pytest.raises(ValueError, match="^initial_state_indices:"):
+        kj.kda_verify(*(bad[n] for n in POS), **{n: x for n, x in bad.items() if n not in POS}, donate=False)

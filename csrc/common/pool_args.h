@@ -3,6 +3,7 @@
 // slot table state_indices [N, T_max], the gate / scale options.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "binding.h"
@@ -111,6 +112,101 @@ inline SlotTable slot_table(const Checker& c, const TensorView& state_indices) {
   const int64_t N = state_indices.size(0), cols = state_indices.size(1);
   if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
   return SlotTable{N, cols};
+}
+
+// kda_verify's state and state_indices (docs/semantics.md, "Verify"): a pool [slots, HV, V, K] with a
+// slot table [N, T_max], or step rows [R, T_max, HV, V, K] with one row per request [N], entry (n, t)
+// being slot row * T_max + t of the R * T_max slots (SGLang's intermediate state buffer). A row's T_max
+// slots are dense or apart as a strided pool's (the step stride), rows follow each other at T_max
+// steps, and R * T_max fits int32 (the slot indices). Devices and dtypes: the caller.
+struct VerifyLayout {
+  int64_t N, cols;          // requests, T_max
+  int64_t slots, slot_stride;
+  int64_t rows;             // step rows: R; 0 for a slot table
+};
+
+inline VerifyLayout verify_layout(const Checker& c, const TensorView& state, const TensorView& state_indices, Dim a,
+                                  Dim b, Dim d, int bits, bool align16) {
+  VerifyLayout l{};
+  if (state.ndim() != 5) {
+    c.ndim(state, "state", 4, "[slots, HV, V, K] (or step rows [R, T_max, HV, V, K])");
+    c.shape(state, "state", {{"slots", -1}, a, b, d});
+    const SlotTable t = slot_table(c, state_indices);
+    l.N = t.N, l.cols = t.cols, l.slots = state.size(0);
+    l.slot_stride = checked_pool_stride(c, state, "state", bits, align16);
+    return l;
+  }
+  c.shape(state, "state", {{"R", -1}, {"T_max", -1}, a, b, d});
+  c.ndim(state_indices, "state_indices", 1, "[N] (one row of state per request)");
+  l.N = state_indices.size(0), l.cols = state.size(1), l.rows = state.size(0);
+  if (l.N < 1 || l.cols < 1) {
+    FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N] and state [R, T_max, ..] with N, T_max >= 1";
+  }
+  if (l.rows * l.cols > INT32_MAX) {
+    FKDA_FAIL(c.fn()) << "argument 'state' has R * T_max = " << l.rows * l.cols
+                      << " slots, more than int32 indices address";
+  }
+  const int64_t elems = a.value * b.value * d.value;
+  // the stride between consecutive slots of the R * T_max (with T_max = 1: between rows)
+  const int64_t step = l.cols > 1 ? state.stride(1) : (l.rows > 1 ? state.stride(0) : elems);
+  const bool inner = (d.value <= 1 || state.stride(4) == 1) && (b.value <= 1 || state.stride(3) == d.value) &&
+                     (a.value <= 1 || state.stride(2) == b.value * d.value);
+  const int64_t bytes = state.dtype().bits / 8;
+  if (!inner || step < elems || (step != elems && (step * bytes) % 16 != 0) ||
+      (l.rows > 1 && state.stride(0) != l.cols * step)) {
+    const int64_t st[5] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3), state.stride(4)};
+    FKDA_FAIL(c.fn()) << "argument 'state' (step rows [R, T_max, HV, V, K]) must have dims 2-4 contiguous, a step "
+                      << "stride of " << elems << " elements or more as a multiple of 16 bytes, and rows T_max steps "
+                      << "apart; got shape " << shape_str(state) << " with strides " << list_str(st);
+  }
+  if (align16) c.aligned(state, "state", 16);
+  l.slots = l.rows * l.cols;
+  l.slot_stride = step;
+  pool_offsets_fit(c, "state", l.slots <= 0 ? 0 : (l.slots - 1) * step + elems, bits);
+  return l;
+}
+
+// kda_verify's optional second start-state pool (docs/semantics.md, "Verify"): initial_state
+// [slots2, HV, V, K] in state's dtype, read only, its slots dense and possibly apart like state's;
+// initial_state_indices int32 [N]. Given together or not at all, and never with num_accepted_tokens
+// (the start slot is then initial_state_indices[n], no column of state_indices). Devices: the caller.
+struct InitialPool {
+  const void* data = nullptr;
+  const int32_t* idx = nullptr;  // nullptr: no second pool
+  int64_t slots = 0, slot_stride = 0;
+};
+
+inline InitialPool initial_pool(const Checker& c, const OptTensor& initial_state,
+                                const OptTensor& initial_state_indices, const OptTensor& num_accepted_tokens,
+                                const TensorView& state, Dim a, Dim b, Dim d, int64_t N, int bits, bool align16) {
+  if (initial_state.has_value() != initial_state_indices.has_value()) {
+    FKDA_FAIL(c.fn()) << "argument '" << (initial_state.has_value() ? "initial_state_indices" : "initial_state")
+                      << "' is missing: initial_state and initial_state_indices are given together or not at all";
+  }
+  if (!initial_state.has_value()) return InitialPool{};
+  if (num_accepted_tokens.has_value()) {
+    FKDA_FAIL(c.fn()) << "argument 'num_accepted_tokens' must be absent with initial_state (request n starts "
+                         "from initial_state[initial_state_indices[n]])";
+  }
+  const TensorView& init = initial_state.value();
+  const TensorView& idx = initial_state_indices.value();
+  c.ndim(init, "initial_state", 4, "[slots, HV, V, K]");
+  c.shape(init, "initial_state", {{"slots", -1}, a, b, d});
+  c.same_dtype_as(init, "initial_state", state, "state");
+  c.shape(idx, "initial_state_indices", {{"N", N}});
+  c.dtype(idx, "initial_state_indices", {kI32});
+  c.contiguous(idx, "initial_state_indices");
+  InitialPool p;
+  p.slot_stride = checked_pool_stride(c, init, "initial_state", bits, align16);
+  // read while state is written: state itself (the same slots), or memory apart from it
+  if (Extent::of(init).overlaps(Extent::of(state)) && !same_view(init, state)) {
+    FKDA_FAIL(c.fn()) << "argument 'initial_state' overlaps 'state' without being the same view: pass state "
+                         "itself or a pool apart from it";
+  }
+  p.data = data_ptr<const void>(init);
+  p.idx = data_ptr<const int32_t>(idx);
+  p.slots = init.size(0);
+  return p;
 }
 
 // gate_mode, lower_bound, A_log [HV] and dt_bias [HV*K] (on ref's device, ref named ref_name), scale.

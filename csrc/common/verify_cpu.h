@@ -23,26 +23,50 @@ inline void check_accepted_tokens(const Checker& c, const OptTensor& num_accepte
 }
 
 // What the host values say once checked: request n runs tokens off[n] .. off[n+1]-1 from the state
-// in slot idx[n * cols + read_col[n]].
+// in slot read[n]: idx[n * cols + read_col[n]] of the pool, or initial_state_indices[n] of the second
+// pool when there is one (kda_verify's initial_state).
 struct VerifyPlan {
   std::vector<int64_t> off;
-  const int32_t* idx;
+  const int32_t* idx;  // [N, cols]: state_indices, or the table step rows stand for (rows_table)
   std::vector<int64_t> read_col;
+  std::vector<int32_t> read;
   bool null_slot0;
+  std::vector<int32_t> rows_table;
 
   // An entry that names no slot: negative, or 0 with null_slot0.
   bool pad(int64_t s) const { return is_padding(s, null_slot0); }
 };
 
 // Offsets, token counts, accepted counts, slot ranges; no slot written twice, none read by one
-// request while another writes it (padding entries exempt).
+// request while another writes it (padding entries exempt). init: kda_verify's second start pool
+// (its indices range-checked; its reads collide with writes only when it is the pool itself, init_is_state).
+// rows > 0: step rows (pool_args.h verify_layout), state_indices [N] one row each: entry (n, t) is slot
+// row * cols + t, and a padding row makes the request padding.
 inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_indices, const TensorView& cu_seqlens,
                                    const OptTensor& num_accepted_tokens, int64_t T, SlotTable table, int64_t slots,
-                                   bool null_slot0) {
+                                   bool null_slot0, const InitialPool& init = InitialPool{},
+                                   bool init_is_state = false, int64_t rows = 0) {
   const int64_t N = table.N, cols = table.cols;
   std::vector<int64_t> off = c.cu_seqlens_host(cu_seqlens, "cu_seqlens", T);
   const int32_t* idx = data_ptr<const int32_t>(state_indices);
-  c.slot_indices_host(state_indices, "state_indices", slots);
+  std::vector<int32_t> rows_table;
+  std::vector<bool> pad_row(N, false);
+  if (rows > 0) {
+    rows_table.resize(N * cols);
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t r = idx[n];
+      if (r >= rows) {
+        FKDA_FAIL(c.fn()) << "argument 'state_indices': entry " << n << " = " << r << " is out of range for state's "
+                          << rows << " rows (negative = padding)";
+      }
+      pad_row[n] = is_padding(r, null_slot0);
+      for (int64_t t = 0; t < cols; ++t)
+        rows_table[n * cols + t] = pad_row[n] ? -1 : static_cast<int32_t>(r * cols + t);
+    }
+    idx = rows_table.data();
+  } else {
+    c.slot_indices_host(state_indices, "state_indices", slots);
+  }
   std::vector<int64_t> read_col(N, 0);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t len = off[n + 1] - off[n];
@@ -59,10 +83,19 @@ inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_ind
       read_col[n] = a - 1;
     }
   }
+  std::vector<int32_t> read(N);
+  for (int64_t n = 0; n < N; ++n) {
+    read[n] = init.idx ? init.idx[n] : idx[n * cols + read_col[n]];
+    if (init.idx && read[n] >= init.slots) {
+      FKDA_FAIL(c.fn()) << "argument 'initial_state_indices': entry " << n << " = " << read[n]
+                        << " is out of range for initial_state's " << init.slots << " slots (negative = padding)";
+    }
+    if (pad_row[n]) read[n] = -1;  // a padding row: a padding request
+  }
   auto pad = [&](int64_t s) { return is_padding(s, null_slot0); };
   std::map<int32_t, int64_t> writer;  // slot -> the request writing it
   for (int64_t n = 0; n < N; ++n) {
-    if (pad(idx[n * cols + read_col[n]])) continue;
+    if (pad(read[n])) continue;
     for (int64_t t = 0; t < off[n + 1] - off[n]; ++t) {
       const int32_t s = idx[n * cols + t];
       if (pad(s)) continue;
@@ -73,14 +106,18 @@ inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_ind
     }
   }
   for (int64_t n = 0; n < N; ++n) {
-    const int32_t s = idx[n * cols + read_col[n]];
+    if (init.idx && !init_is_state) break;  // a pool apart from the one written
+    const int32_t s = read[n];
     auto it = writer.find(s);
     if (off[n + 1] > off[n] && !pad(s) && it != writer.end() && it->second != n) {  // an empty request reads nothing
-      FKDA_FAIL(c.fn()) << "argument 'state_indices': request " << n << " reads slot " << s
+      FKDA_FAIL(c.fn()) << "argument '" << (init.idx ? "initial_state_indices" : "state_indices") << "': request "
+                        << n << " reads slot " << s
                         << ", which request " << it->second << " writes";
     }
   }
-  return VerifyPlan{std::move(off), idx, std::move(read_col), null_slot0};
+  VerifyPlan plan{std::move(off), idx, std::move(read_col), std::move(read), null_slot0, std::move(rows_table)};
+  if (rows > 0) plan.idx = plan.rows_table.data();
+  return plan;
 }
 
 }  // namespace cpu

@@ -1,7 +1,8 @@
 // CPU backend, family kda_verify: speculative-decoding verify on a state pool [slots, HV, V, K].
 //
 // Requests run in order; request n reads its initial state from slot
-// state_indices[n, num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens), runs its
+// state_indices[n, num_accepted_tokens[n] - 1] (column 0 without num_accepted_tokens), or from
+// initial_state[initial_state_indices[n]] when that second pool is given (read only), runs its
 // T_n tokens in order and stores the state after token t into slot state_indices[n, t] (negative,
 // or 0 with null_slot0: not stored). The state is kept in the pool's dtype between tokens, so
 // token t + 1 continues from exactly what was stored after token t (docs/semantics.md, "Verify").
@@ -23,7 +24,8 @@ namespace cpu = fkda::cpu;
 
 void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, OptTensor A_log,
                 OptTensor dt_bias, TensorView state, TensorView state_indices, TensorView cu_seqlens,
-                OptTensor num_accepted_tokens, TensorView out, int64_t gate_mode, double lower_bound,
+                OptTensor num_accepted_tokens, OptTensor initial_state, OptTensor initial_state_indices,
+                TensorView out, int64_t gate_mode, double lower_bound,
                 double scale, bool beta_is_logit, bool null_slot0) {
   const Checker c("kda_verify");
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},
@@ -39,9 +41,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(g, "g", {{"1", 1}, {"T", T}, {"HV", HV}, {"K", K}});
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.shape(out, "out", {{"1", 1}, {"T", T}, {"HV", HV}, {"V", V}});
-  const int64_t slots = fkda::pool_slots(c, state, "[slots, HV, V, K]", {"HV", HV}, {"V", V}, {"K", K});
-  const fkda::SlotTable table = fkda::slot_table(c, state_indices);
-  const int64_t N = table.N, cols = table.cols;
+  // a pool with a slot table, or step rows (one row of T_max slots per request); slots may sit apart
+  const fkda::VerifyLayout layout =
+      fkda::verify_layout(c, state, state_indices, {"HV", HV}, {"V", V}, {"K", K}, FKDA_SLOT_OFFSET_BITS, false);
+  const int64_t N = layout.N, cols = layout.cols, slots = layout.slots, slot_stride = layout.slot_stride;
+  const fkda::SlotTable table{N, cols};
   c.shape(cu_seqlens, "cu_seqlens", {{"N+1", N + 1}});
   fkda::cpu::check_input_dtypes(c, q, k, v, g, beta, out, /*gb_f32=*/true);
   c.state_dtype(state, "state", {fkda::kF32, fkda::kF64, fkda::kBF16});
@@ -56,13 +60,19 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     c.contiguous(t, name);
   }
   cpu::check_accepted_tokens(c, num_accepted_tokens, N);
-  // slots may sit apart (paged)
-  const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
   const fkda::GateMode mode =
       fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, q, "q", scale);
 
-  const cpu::VerifyPlan plan =
-      cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table, slots, null_slot0);
+  for (const auto& [t, name] : {std::pair<const OptTensor&, const char*>{initial_state, "initial_state"},
+                                {initial_state_indices, "initial_state_indices"}}) {
+    if (t.has_value()) c.device_type(t.value(), name, kDLCPU);
+  }
+  const fkda::InitialPool init = fkda::initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens,
+                                                    state, {"HV", HV}, {"V", V}, {"K", K}, N, FKDA_SLOT_OFFSET_BITS,
+                                                    false);
+  const bool init_is_state = init.idx && fkda::same_view(initial_state.value(), state);
+  const cpu::VerifyPlan plan = cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table,
+                                                     slots, null_slot0, init, init_is_state, layout.rows);
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
@@ -73,15 +83,18 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
     using TS = decltype(tag);
     TS* pool = fkda::data_ptr<TS>(state);
+    // where requests start: the second pool (read only) or this one
+    const TS* src_pool = init.idx ? static_cast<const TS*>(init.data) : pool;
+    const int64_t src_stride = init.idx ? init.slot_stride : slot_stride;
     std::vector<TS> work(slot_elems);  // the request's state between tokens, in the pool's dtype
     for (int64_t n = 0; n < N; ++n) {
       if (plan.off[n + 1] == plan.off[n]) continue;  // an empty request: nothing read or written
-      const int32_t read = plan.idx[n * cols + plan.read_col[n]];
+      const int32_t read = plan.read[n];
       if (plan.pad(read)) {
         os.fill_zero(plan.off[n] * HV * V, (plan.off[n + 1] - plan.off[n]) * HV * V);
         continue;
       }
-      const TS* src = pool + static_cast<int64_t>(read) * slot_stride;
+      const TS* src = src_pool + static_cast<int64_t>(read) * src_stride;
       std::copy(src, src + slot_elems, work.begin());
       for (int64_t r = plan.off[n]; r < plan.off[n + 1]; ++r) {
         qs.load(r * qr, H * K, qn.data());
@@ -111,6 +124,6 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_verify, kda_verify);
-// written: state (7), out (11)
-FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 11), -1, -1);
+// written: state (7), out (13); initial_state (11) may be the identical view of state
+FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 13), 7, 11);
 FKDA_EXPORT_CONTRACT();

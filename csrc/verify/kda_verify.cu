@@ -70,6 +70,7 @@ int64_t check_packed(const Checker& c, const TensorView& t, const char* name, in
 void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                 Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
                 TensorView state_indices, TensorView cu_seqlens, Optional<TensorView> num_accepted_tokens,
+                Optional<TensorView> initial_state, Optional<TensorView> initial_state_indices,
                 TensorView out, int64_t gate_mode, double lower_bound, double scale, bool beta_is_logit,
                 bool null_slot0) {
   constexpr int64_t K = FKDA_HEAD_DIM_K, V = FKDA_HEAD_DIM_V;
@@ -88,12 +89,21 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   c.shape(beta, "beta", {{"1", 1}, {"T", T}, {"HV", HV}});
   c.dtype(beta, "beta", {kGbDtype});
   const int64_t beta_stride = fkda::row_stride(c, beta, "beta", 1);  // read element by element: any token stride
-  const fkda::SlotTable table =
-      fkda::verify_slot_table(c, state_indices, T, "q", " (each request 0 .. T_max tokens)", out);
-  const int64_t N = table.N, cols = table.cols;
+  fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
+  fkda::check_cuda_device(c, state, "state", out, "out");
+  c.state_dtype(state, "state", {fkda::kF32, fkda::kBF16});
+  // a pool with a slot table, or step rows (one row of T_max slots per request)
+  const fkda::VerifyLayout pool =
+      fkda::verify_layout(c, state, state_indices, {"HV", HV}, {"V", V}, {"K", K}, FKDA_SLOT_OFFSET_BITS, true);
+  const int64_t N = pool.N, cols = pool.cols, slots = pool.slots;
+  if (T < 1 || T > N * cols) {  // a request has 0 .. T_max tokens
+    FKDA_FAIL(c.fn()) << "argument 'q' has T = " << T << " tokens; expected 1 .. N * T_max = " << N * cols
+                      << " (each request 0 .. T_max tokens)";
+  }
   fkda::check_verify_indices(c, state_indices, cu_seqlens, num_accepted_tokens, N, out);
-  const fkda::PoolLayout pool = fkda::verify_pool(c, state, {"HV", HV}, {"V", V}, {"K", K}, out);
-  const int64_t slots = pool.slots;
+  const fkda::InitialPool init =
+      fkda::verify_initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens, state, {"HV", HV},
+                                {"V", V}, {"K", K}, N, FKDA_SLOT_OFFSET_BITS, out);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
@@ -113,6 +123,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                                                 : nullptr;
   vp.num_seqs = static_cast<int>(N);
   vp.index_cols = static_cast<int>(cols);
+  vp.num_rows = static_cast<int>(pool.rows);
+  vp.init_state = init.data;
+  vp.init_idx = init.idx;
+  vp.init_slots = init.slots;
+  vp.init_slot_stride = init.slot_stride;
 
   const fkda::cuda::LaunchContext ctx(out);
   const int64_t grid = N * HV * kNumVT;  // one CTA per (request, head, V-tile)
@@ -127,6 +142,6 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_verify, kda_verify);
-// written: state (7), out (11)
-FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 11), -1, -1);
+// written: state (7), out (13); initial_state (11) may be the identical view of state
+FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 13), 7, 11);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

@@ -17,21 +17,30 @@ using fkda_decode::DecodeParams;
 using fkda_decode::bf16;
 
 // The decode parameters (q .. out with token-major rows: a "row" is a packed token) plus the
-// request table.
+// request table and, optionally, a second pool the start states are read from.
 struct VerifyParams {
   DecodeParams d;
   const int32_t* cu_seqlens;  // [N+1]
   const int32_t* accepted;    // [N] or nullptr (= column 0)
   int num_seqs, index_cols;   // N, T_max (columns of d.idx, which is [N, T_max])
+  // > 0: step rows, the pool is R = num_rows rows of T_max slots (state [R, T_max, HV, V, K] seen as R * T_max
+  // slots) and d.idx is [N]: entry (n, t) is d.idx[n] * T_max + t, every entry padding for a padding row
+  int num_rows;
+  // initial_state [init_slots, HV, V, K] (read only, the pool's dtype) and initial_state_indices [N]:
+  // request n starts from init_state[init_idx[n]]; nullptr init_idx: from d.state at its read entry
+  const void* init_state;
+  const int32_t* init_idx;
+  int64_t init_slots, init_slot_stride;  // init_slot_stride in elements
 };
 
-// Request n's tokens [bos, bos + len) and the slot it starts from (read; -1 when the request is
-// padding: a count outside [1, T_max] makes it so, as an out-of-range slot does). Tokens past
-// T_max have no slot column: never stored (a valid call has T_n <= T_max). len <= 0: nothing to
-// do, and read is not set.
+// Request n's tokens [bos, bos + len) and the slot it starts from (read, in the pool it is read
+// from; -1 when the request is padding: a count outside [1, T_max] makes it so, as a padding or
+// out-of-range slot does). Tokens past T_max have no slot column: never stored (a valid call has
+// T_n <= T_max). len <= 0: nothing to do, and read is not set.
 struct Request {
   int bos, len;
   const int32_t* row_idx;  // [T_max]: the slot of each token
+  int32_t base;            // step rows: the row's first slot, -1 for a padding row
   int32_t read;
 };
 // The slot a request starts from: its row's entry at column col, -1 (padding) for a column outside
@@ -39,19 +48,46 @@ struct Request {
 __device__ __forceinline__ int32_t read_slot(const VerifyParams& vp, const int32_t* row_idx, int col) {
   return (col >= 0 && col < vp.index_cols) ? __ldg(row_idx + col) : -1;
 }
+// slot, or -1 where it names no slot of a pool of `slots` (negative, 0 with null_slot0, >= slots)
+__device__ __forceinline__ int32_t live_or_pad(const VerifyParams& vp, int32_t slot, int64_t slots) {
+  return (slot < 0 || (vp.d.null_slot0 && slot == 0) || slot >= slots) ? -1 : slot;
+}
 // Token t of the request: its raw beta and the slot it stores to (-1 past T_max: not stored).
 __device__ __forceinline__ void token_beta_slot(const VerifyParams& vp, const Request& rq, int hv, int t,
                                                 fkda_decode::gb_t& beta, int32_t& dst) {
   beta = vp.d.beta[(rq.bos + t) * vp.d.beta_row_stride + hv];
-  dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
+  if (vp.num_rows > 0) dst = rq.base >= 0 && t < vp.index_cols ? rq.base + t : -1;
+  else dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
 }
 // With T_max <= kRowAhead the whole slot row is loaded beside cu_seqlens and the count, and the read
 // slot picked from registers: one dependent load fewer (about one memory latency) before the state
 // load can start. Longer rows load the one entry once the count is known.
 constexpr int kRowAhead = 8;
+// With a second start pool (init_idx) the read entry is its [N] index, loaded beside cu_seqlens. Step
+// rows: the row (d.idx[n]) is loaded beside them too; a padding row makes the request padding (as a
+// padding row of kda_decode does), whatever its read entry.
 __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
   Request rq;
   rq.row_idx = vp.d.idx + static_cast<int64_t>(n) * vp.index_cols;
+  if (vp.num_rows > 0) {
+    const int32_t row = __ldg(vp.d.idx + n);
+    const int32_t init = vp.init_idx ? __ldg(vp.init_idx + n) : 0;
+    const int col = !vp.init_idx && vp.accepted ? __ldg(vp.accepted + n) - 1 : 0;
+    rq.bos = __ldg(vp.cu_seqlens + n);
+    rq.len = __ldg(vp.cu_seqlens + n + 1) - rq.bos;
+    rq.base = live_or_pad(vp, row, vp.num_rows) < 0 ? -1 : row * vp.index_cols;  // < 2^31: the binding
+    if (rq.base < 0) rq.read = -1;
+    else if (vp.init_idx) rq.read = live_or_pad(vp, init, vp.init_slots);
+    else rq.read = col >= 0 && col < vp.index_cols ? rq.base + col : -1;
+    return rq;
+  }
+  if (vp.init_idx) {
+    const int32_t init = __ldg(vp.init_idx + n);
+    rq.bos = __ldg(vp.cu_seqlens + n);
+    rq.len = __ldg(vp.cu_seqlens + n + 1) - rq.bos;
+    rq.read = live_or_pad(vp, init, vp.init_slots);
+    return rq;
+  }
 #if !defined(FKDA_PARAM_INDEX_CHAIN) || FKDA_PARAM_INDEX_CHAIN == 0
   int32_t row[kRowAhead];
   const bool ahead = vp.index_cols <= kRowAhead;
@@ -67,11 +103,38 @@ __device__ __forceinline__ Request request_of(const VerifyParams& vp, int n) {
     rq.read = -1;
 #pragma unroll
     for (int i = 0; i < kRowAhead; ++i) rq.read = i == col ? row[i] : rq.read;  // col outside: -1
+    rq.read = live_or_pad(vp, rq.read, vp.d.num_slots);
     return rq;
   }
 #endif
-  rq.read = read_slot(vp, rq.row_idx, col);
+  rq.read = live_or_pad(vp, read_slot(vp, rq.row_idx, col), vp.d.num_slots);
   return rq;
+}
+
+// The first element of request n's start tile (value head hv, V-rows from vrow0): in the second
+// pool when there is one, else in the state pool. rq.read must be live.
+template <typename T, typename OffT>
+__device__ __forceinline__ const typename T::Elem* read_tile(const VerifyParams& vp, const Request& rq, int hv,
+                                                             int vrow0) {
+  using Elem = typename T::Elem;
+  const bool second = vp.init_idx != nullptr;
+  const Elem* pool = static_cast<const Elem*>(second ? vp.init_state : vp.d.state);
+  const int64_t stride = second ? vp.init_slot_stride : vp.d.slot_stride;
+  return pool +
+         (static_cast<OffT>(rq.read) * static_cast<OffT>(stride) + static_cast<OffT>((hv * T::V + vrow0) * T::K));
+}
+
+// The thread's state chunks of the tile at sb (decode's load_state_regs from a given tile).
+template <typename T>
+__device__ __forceinline__ void load_tile_regs(typename T::Item& it, const typename T::Elem* sb, int lane) {
+  const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
+#pragma unroll
+  for (int ps = 0; ps < T::PASSES; ++ps) {
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i)
+      it.s[ps][i] = fkda_decode::load_state<false>(reinterpret_cast<const uint4*>(sb + (ps * T::RPW + r) * T::K +
+                                                                                   T::key_of(i, c)));
+  }
 }
 
 // FKDA_PARAM_JOINT_PASSES = J > 1 (staged kernels): the step's row sums of J passes share one
@@ -471,19 +534,17 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   if constexpr (BULK > 0) __syncthreads();  // the mbarrier is initialised before it is armed (racecheck
                                             // warned of init / expect_tx hazards without it, 2026-12-02)
-  if (T::is_pad(p, rq.read)) {  // CTA-uniform
+  if (rq.read < 0) {  // CTA-uniform (request_of: -1 for every padding read entry)
     fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
     for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
     return;
   }
   typename T::Item cur;  // the state registers and, per token, its v (the rest stays unused)
   if constexpr (BULK > 0) {
-    if (threadIdx.x == 0) {
-      fkda::bulk_load(tiles + V_TILE * K, static_cast<const Elem*>(p.state) + T::slot_base(p, rq.read, hv, vt * V_TILE),
-                      kTileBytes, bar);
-    }
+    if (threadIdx.x == 0)
+      fkda::bulk_load(tiles + V_TILE * K, read_tile<T, OffT>(vp, rq, hv, vt * V_TILE), kTileBytes, bar);
   } else {
-    T::load_state_regs(p, cur, T::slot_base(p, rq.read, hv, vrow0), lane);
+    load_tile_regs<T>(cur, read_tile<T, OffT>(vp, rq, hv, vrow0), lane);
   }
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
   St::head_inputs(p, in, hv, c);

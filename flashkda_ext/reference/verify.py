@@ -9,10 +9,12 @@ from .prefill import _segments, is_padding
 from .step import delta_step
 
 
-def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot0=False):
+def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot0=False, initial_state_indices=None,
+                initial_slots=None):
     """[(start, end, read slot or None, [write slot or None per token])] for every request, from
     host values: the read slot is state_indices[n, num_accepted_tokens[n] - 1] (column 0 when
-    num_accepted_tokens is None); None marks padding. Raises ValueError on values the op refuses."""
+    num_accepted_tokens is None), or initial_state_indices[n] (a slot of the second pool, of
+    initial_slots slots) when given; None marks padding. Raises ValueError on values the op refuses."""
     idx = [[int(x) for x in row] for row in state_indices.tolist()]
     N = len(idx)
     cols = len(idx[0]) if N else 0
@@ -21,6 +23,14 @@ def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot
     if len(segments) != N:
         raise ValueError(f"state_indices: expected {len(segments)} rows (one per request), got {N}")
     accepted = [1] * N if num_accepted_tokens is None else [int(a) for a in num_accepted_tokens.tolist()]
+    if initial_state_indices is not None:
+        if num_accepted_tokens is not None:
+            raise ValueError("num_accepted_tokens: expected None with initial_state_indices")
+        reads = [int(x) for x in initial_state_indices.tolist()]
+        if len(reads) != N or any(x >= initial_slots for x in reads):
+            raise ValueError(f"initial_state_indices: expected N = {N} entries < {initial_slots}, got {reads}")
+    else:
+        reads = [idx[n][accepted[n] - 1] for n in range(N)]
     plan = []
     for n, (_, s, e) in enumerate(segments):
         if not 0 <= e - s <= cols:
@@ -30,13 +40,14 @@ def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot
         if any(x >= slots for x in idx[n]):
             raise ValueError(f"state_indices: row {n} = {idx[n]} has an entry >= slots = {slots}")
         live = lambda x: None if is_padding(x, null_slot0) else x  # noqa: E731
-        plan.append((s, e, live(idx[n][accepted[n] - 1]), [live(idx[n][t]) for t in range(e - s)]))
+        plan.append((s, e, live(reads[n]), [live(idx[n][t]) for t in range(e - s)]))
     return plan
 
 
 def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                     gate="softplus", A_log=None, dt_bias=None, lower_bound=None, scale=None,
-                    beta_is_logit=True, null_slot0=False, dtype=torch.float64):
+                    beta_is_logit=True, null_slot0=False, initial_state=None, initial_state_indices=None,
+                    dtype=torch.float64):
     """The verify step on a state pool.
 
     q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] raw gate; beta [1, T, HV]; state: pool
@@ -46,15 +57,39 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     stored in the pool's dtype into slot state_indices[n, t] (unless that entry is padding), and
     token t + 1 continues from that stored (rounded) value, so the outputs after any token are the
     ones a later call resuming from its slot reproduces. A request whose read entry is padding
-    outputs zeros and writes nothing; an empty request (T_n = 0) reads and writes nothing. Returns
-    (out [1, T, HV, V] in dtype, new pool); the input pool is not modified.
+    outputs zeros and writes nothing; an empty request (T_n = 0) reads and writes nothing.
+    With state as step rows [R, T_max, HV, V, K] and state_indices [N] (one row each), entry (n, t) is
+    slot row * T_max + t of the R * T_max, and a padding row makes the request padding (also with
+    initial_state); the pool returned has state's shape.
+    With initial_state (a pool [slots2, HV, V, K] in state's dtype, never written) and
+    initial_state_indices [N] (num_accepted_tokens then None), request n starts from
+    initial_state[initial_state_indices[n]] instead (negative, or 0 with null_slot0: the request is
+    padding); everything else is unchanged. Returns (out [1, T, HV, V] in dtype, new pool); the
+    input pools are not modified.
     """
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected packed [1, T, H, K], got shape {tuple(q.shape)}")
+    if state.dim() == 5:  # step rows: the R * T_max slots with the table they stand for
+        flat, table, pad_rows = _step_rows_table(state, state_indices, null_slot0)
+        if initial_state_indices is not None:
+            initial_state_indices = initial_state_indices.masked_fill(pad_rows.to(initial_state_indices.device), -1)
+        out, pool = kda_verify_step(
+            q, k, v, g, beta, state=flat, state_indices=table, cu_seqlens=cu_seqlens,
+            num_accepted_tokens=num_accepted_tokens, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, initial_state=initial_state,
+            initial_state_indices=initial_state_indices, dtype=dtype)
+        return out, pool.view(state.shape)
     T, HV, V, K = q.shape[1], v.shape[2], v.shape[3], q.shape[3]
     if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K):
         raise ValueError(f"state: expected pool [slots, {HV}, {V}, {K}], got {tuple(state.shape)}")
-    plan = verify_plan(cu_seqlens, state_indices, num_accepted_tokens, state.shape[0], null_slot0)
+    if (initial_state is None) != (initial_state_indices is None):
+        raise ValueError("initial_state: expected together with initial_state_indices, or neither")
+    source = state if initial_state is None else initial_state
+    if source.dim() != 4 or source.shape[1:] != state.shape[1:] or source.dtype != state.dtype:
+        raise ValueError(f"initial_state: expected a pool [slots, {HV}, {V}, {K}] of {state.dtype}, got "
+                         f"{tuple(source.shape)} {source.dtype}")
+    plan = verify_plan(cu_seqlens, state_indices, num_accepted_tokens, state.shape[0], null_slot0,
+                       initial_state_indices, source.shape[0])
     qn, kn, vv, gl, bb = prepare_token_inputs(
         q[0], k[0], v[0], g[0], beta[0], gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         scale=scale, beta_is_logit=beta_is_logit, dtype=dtype)
@@ -63,7 +98,7 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     for s, e, read, writes in plan:
         if read is None or e == s:
             continue
-        S = state[read].to(dtype)
+        S = source[read].to(dtype)  # as the pool was before the call
         for t in range(s, e):
             out[0, t], S = delta_step(S, qn[t], kn[t], vv[t], gl[t], bb[t])
             stored = S.to(pool.dtype)
@@ -71,6 +106,21 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
             if writes[t - s] is not None:
                 pool[writes[t - s]] = stored
     return out, pool
+
+
+def _step_rows_table(state, rows, null_slot0):
+    """Step rows (state [R, T_max, HV, V, K], rows [N]) as a pool of R * T_max slots (a copy) and the
+    [N, T_max] table they stand for (row * T_max + t, all -1 for a padding row), and which rows pad."""
+    R, cols = state.shape[0], state.shape[1]
+    if rows.dim() != 1:
+        raise ValueError(f"state_indices: expected [N] with step rows, got {tuple(rows.shape)}")
+    values = [int(r) for r in rows.tolist()]
+    if any(r >= R for r in values):
+        raise ValueError(f"state_indices: {values} has a row >= R = {R}")
+    pad = torch.tensor([is_padding(r, null_slot0) for r in values])
+    table = torch.tensor([[-1] * cols if p else [r * cols + t for t in range(cols)] for r, p in zip(values, pad)],
+                         dtype=torch.int32)
+    return state.reshape(R * cols, *state.shape[2:]), table, pad
 
 
 CONV_WIDTH = 4

@@ -24,7 +24,8 @@ _OP_DEFAULTS = {
     "fused_kda_decode": dict(lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None,
                              slot_mode="unique", null_slot0=False),
     "kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None,
-                       gate="softplus", scale=None, beta_is_logit=True, null_slot0=False),
+                       gate="softplus", scale=None, beta_is_logit=True, null_slot0=False, initial_state=None,
+                       initial_state_indices=None),
     "fused_kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, lower_bound=None, gate="softplus",
                              norm_eps=1e-5, scale=None, null_slot0=False),
 }
@@ -56,17 +57,20 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
                     slot_mode=a["slot_mode"], norm_eps=float(a["norm_eps"]),
                     scale=_resolved_scale(a["scale"], g.shape[2]))
     if op in ("kda_verify", "fused_kda_verify"):
-        idx = a["state_indices"]
-        N, cols = idx.shape[0], idx.shape[1]
+        idx, state = a["state_indices"], a["state"]
+        rows = state.shape[0] if op == "kda_verify" and state.dim() == 5 else 0  # kda_verify's step rows
+        N, cols = idx.shape[0], (state.shape[1] if rows else idx.shape[1])
         verify = dict(num_seqs=N, index_cols=cols, max_seqlen=cols if a["max_seqlen"] is None else a["max_seqlen"],
                       has_accepted=a["num_accepted_tokens"] is not None, slot_mode="padded")
         if op == "kda_verify":
             q, v, state = a["q"], a["v"], a["state"]
             return dict(common, **verify, total_tokens=q.shape[1], num_heads=q.shape[2], head_dim_k=q.shape[3],
-                        value_heads=v.shape[2], head_dim_v=v.shape[3], slots=state.shape[0],
+                        value_heads=v.shape[2], head_dim_v=v.shape[3], slots=rows * cols if rows else state.shape[0],
+                        rows=rows,
                         input_dtype=_dtype(q), state_dtype=_dtype(state), beta_is_logit=bool(a["beta_is_logit"]),
                         scale=_resolved_scale(a["scale"], q.shape[3]), g_dtype=_dtype(a["g"]),
-                        beta_dtype=_dtype(a["beta"]))
+                        beta_dtype=_dtype(a["beta"]),
+                        initial_slots=-1 if a["initial_state"] is None else a["initial_state"].shape[0])
         g, state = a["g"], a["state"]
         return dict(common, **verify, total_tokens=g.shape[1], num_heads=g.shape[2], head_dim=g.shape[3],
                     slots=state.shape[0], conv_len=a["conv_state"].shape[-1], input_dtype=_dtype(a["x"]),

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (GATE_MODE, _bool, _check_backend, _contiguous, _indices, _int, _ndim, _offset_bits,
-                     _pool, _qkv_common, _resolve_scale, _same_device, _state_tag, _tensor, dtype_name)
+from .common import (GATE_MODE, INT32_MAX, _bool, _check_backend, _contiguous, _indices, _int, _ndim,
+                     _offset_bits, _pool, _qkv_common, _resolve_scale, _same_device, _state_tag, _tensor, dtype_name)
 from .memo import _memoized
 from .decode import _GbDtypes, _pool_step_tail
 
@@ -26,6 +26,34 @@ def _verify_index_table(state_indices, device):
         raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
                          f"{list(state_indices.shape)}")
     return state_indices, N, cols
+
+
+def _step_rows(state, state_indices, HV, V, K, device, backend):
+    """kda_verify's step rows: state [R, T_max, HV, V, K] (a row of T_max slots per request, rows T_max
+    slots apart; the R * T_max slots dense or apart as a strided pool's) with state_indices int32 [N], one
+    row each. Returns (state_indices, N, T_max, R)."""
+    R, cols = state.shape[0], state.shape[1]
+    if tuple(state.shape[2:]) != (HV, V, K):
+        raise ValueError(f"state: expected step rows [R, T_max, HV, V, K] = [R, T_max, {HV}, {V}, {K}], got "
+                         f"{list(state.shape)}")
+    if R > 1 and cols > 1 and state.stride(0) != cols * state.stride(1):
+        raise ValueError(f"state: the rows of step rows [R, T_max, HV, V, K] must follow each other at T_max "
+                         f"steps (stride(0) = T_max * stride(1) = {cols * state.stride(1)}), got strides "
+                         f"{list(state.stride())}")
+    if R * cols > INT32_MAX:
+        raise ValueError(f"state: R * T_max = {R * cols} slots do not fit the int32 slot indices")
+    _pool("state", state.view(R * cols, HV, V, K), HV, V, K, device, backend)
+    state_indices = _tensor("state_indices", state_indices)
+    _same_device("state_indices", state_indices, device)
+    if state_indices.dtype != torch.int32:
+        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
+    _ndim("state_indices", state_indices, 1, "[N] (one row of state per request: state is step rows)")
+    _contiguous("state_indices", state_indices)
+    N = state_indices.shape[0]
+    if N < 1 or cols < 1:
+        raise ValueError(f"state_indices: expected [N] with N >= 1 and state [R, T_max, ...] with T_max >= 1, got "
+                         f"{list(state_indices.shape)} and {list(state.shape)}")
+    return state_indices, N, cols, R
 
 
 def _verify_lengths(first, T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
@@ -85,13 +113,20 @@ class VerifyCall(_GbDtypes):
     offset_bits: int
     g_dtype: str
     beta_dtype: str
+    initial_slots: int = -1         # slots of initial_state; -1: no second start pool
+    rows: int = 0                   # step rows (state [R, T_max, ...], state_indices [N]): R; 0: a slot table
+
+    @property
+    def has_initial(self) -> bool:
+        return self.initial_slots >= 0
 
     @property
     def as_decode(self) -> bool:
-        """T_max = 1: every request is one token read from and written to column 0, which is
-        kda_decode on state_indices[:, 0]; the op serves it with the decode module (bitwise
-        kda_decode by construction)."""
-        return self.index_cols == 1
+        """T_max = 1 without initial_state: every request is one token read from and written to
+        column 0, which is kda_decode on state_indices[:, 0]; the op serves it with the decode module
+        (bitwise kda_decode by construction). With initial_state the read is elsewhere: the verify
+        module serves it."""
+        return self.index_cols == 1 and not self.has_initial and not self.rows
 
     def route_meta(self) -> dict:
         return dict(_verify_route_meta(self), gb=self.gb)
@@ -106,9 +141,10 @@ class VerifyCall(_GbDtypes):
 @_memoized
 def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                      max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
-                     scale=None, beta_is_logit=True, null_slot0=False, out=None, backend=None) -> VerifyCall:
+                     scale=None, beta_is_logit=True, null_slot0=False, out=None, initial_state=None,
+                     initial_state_indices=None, backend=None) -> VerifyCall:
     """Everything about a verify call that its metadata shows; the values of host index tensors
-    are checked by check_verify_values on every call."""
+    are checked by check_verify_values on every call (and the addresses by check_apart)."""
     device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True,
                                       row_dim=1)
     backend = _check_backend(backend, device)
@@ -118,25 +154,57 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
     T = q.shape[1]
     _bool("beta_is_logit", beta_is_logit)
     _bool("null_slot0", null_slot0)
-    slots = _pool("state", state, HV, V, K, device, backend)
-    state_indices, N, cols = _verify_index_table(state_indices, device)
+    if isinstance(state, torch.Tensor) and state.dim() == 5:  # step rows: one row of T_max slots per request
+        state = _tensor("state", state)
+        _same_device("state", state, device)
+        state_indices, N, cols, rows = _step_rows(state, state_indices, HV, V, K, device, backend)
+        slots = rows * cols
+    else:
+        slots, rows = _pool("state", state, HV, V, K, device, backend), 0
+        state_indices, N, cols = _verify_index_table(state_indices, device)
+    initial_slots = _initial_pool(initial_state, initial_state_indices, num_accepted_tokens, state, (HV, V, K), N,
+                                  device, backend)
     max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
-                                 one_token_is_decode=True)
+                                 one_token_is_decode=initial_state is None and not rows)
     lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
                          lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
                          (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
-                          ("num_accepted_tokens", num_accepted_tokens)), device, backend)
+                          ("num_accepted_tokens", num_accepted_tokens), ("initial_state", initial_state),
+                          ("initial_state_indices", initial_state_indices)), device, backend)
     return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
                       dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
-                      beta_is_logit, null_slot0, num_accepted_tokens is not None, _offset_bits(state),
-                      dtype_name(g.dtype), dtype_name(beta.dtype))
+                      beta_is_logit, null_slot0, num_accepted_tokens is not None,
+                      _offset_bits(state, initial_state), dtype_name(g.dtype), dtype_name(beta.dtype), initial_slots,
+                      rows)
+
+
+def _initial_pool(initial_state, initial_state_indices, num_accepted_tokens, state, dims, N, device, backend) -> int:
+    """kda_verify's second start pool: initial_state [slots2, HV, V, K] in state's dtype (read only;
+    its slots may sit apart, as state's) with initial_state_indices int32 [N], given together and
+    without num_accepted_tokens. Returns its slot count, -1 when absent."""
+    if initial_state is None and initial_state_indices is None:
+        return -1
+    if initial_state is None or initial_state_indices is None:
+        missing = "initial_state" if initial_state is None else "initial_state_indices"
+        raise ValueError(f"{missing}: initial_state and initial_state_indices are given together (request n "
+                         f"starts from initial_state[initial_state_indices[n]]) or not at all")
+    if num_accepted_tokens is not None:
+        raise ValueError("num_accepted_tokens: expected None with initial_state (request n starts from "
+                         "initial_state[initial_state_indices[n]], not from a column of state_indices)")
+    slots = _pool("initial_state", initial_state, *dims, device, backend)
+    if initial_state.dtype != state.dtype:
+        raise ValueError(f"initial_state: expected the dtype of state ({dtype_name(state.dtype)}), got "
+                         f"{dtype_name(initial_state.dtype)}")
+    _indices("initial_state_indices", initial_state_indices, N, device, "[N] (one start slot per request)")
+    return slots
 
 
 def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,
-                        max_seqlen=None) -> None:
+                        max_seqlen=None, initial_state_indices=None, initial_is_state=False) -> None:
     """The values of the index tensors, where they live in host memory (the CPU backend); on a GPU
     they are never read here (no synchronisation), and the kernels treat what they cannot serve as
-    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata."""
+    padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata.
+    initial_is_state: initial_state is the identical view of state (its reads then meet the writes)."""
     if call.backend != "cpu" or cu_seqlens.device.type != "cpu":
         return
     cs = cu_seqlens.tolist()
@@ -151,6 +219,15 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
         raise ValueError(f"{what}: a request has {longest} tokens, more than T_max = {call.max_seqlen} "
                          f"(cu_seqlens {cs})")
     idx = state_indices.tolist()
+    pad_row = [False] * call.num_seqs
+    rows = getattr(call, "rows", 0)  # a VerifyCall's step rows (fused_kda_verify has none)
+    if rows:  # step rows: the table they stand for (row * T_max + t; a padding row's entries padding)
+        for n, r in enumerate(idx):
+            if r >= rows:
+                raise ValueError(f"state_indices: entry {n} = {r} is out of range for state's {rows} rows "
+                                 f"(expected < {rows}; negative = padding)")
+        pad_row = [r < 0 or (call.null_slot0 and r == 0) for r in idx]
+        idx = [[-1] * cols if p else [r * cols + t for t in range(cols)] for r, p in zip(idx, pad_row)]
     accepted = [1] * call.num_seqs if num_accepted_tokens is None else num_accepted_tokens.tolist()
     for n, a in enumerate(accepted):
         if not 1 <= a <= cols:
@@ -161,10 +238,19 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
             if s >= call.slots:
                 raise ValueError(f"state_indices: entry [{n}, {t}] = {s} is out of range for a pool of "
                                  f"{call.slots} slots (expected < {call.slots}; negative = padding)")
+    if initial_state_indices is not None:  # kda_verify's second pool (a VerifyCall with initial_slots)
+        reads = initial_state_indices.tolist()
+        for n, s in enumerate(reads):
+            if s >= call.initial_slots:
+                raise ValueError(f"initial_state_indices: entry {n} = {s} is out of range for initial_state's "
+                                 f"{call.initial_slots} slots (expected < {call.initial_slots}; negative = padding)")
+    else:
+        reads = [row[accepted[n] - 1] for n, row in enumerate(idx)]
+    reads = [-1 if p else s for s, p in zip(reads, pad_row)]  # a padding row: a padding request
     pad = (lambda s: s < 0 or (call.null_slot0 and s == 0))
     writer = {}  # slot -> request that writes it
     for n, row in enumerate(idx):
-        if pad(row[accepted[n] - 1]):
+        if pad(reads[n]):
             continue  # a padding request touches nothing
         for t in range(lengths[n]):
             s = row[t]
@@ -174,8 +260,10 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
                 raise ValueError(f"state_indices: slot {s} is written twice (request {writer[s]} and request "
                                  f"{n}, token {t}); every written slot must be distinct")
             writer[s] = n
-    for n, row in enumerate(idx):
-        s = row[accepted[n] - 1]
+    if initial_state_indices is not None and not initial_is_state:
+        return  # the start states come from a pool apart from the one written
+    what = "state_indices" if initial_state_indices is None else "initial_state_indices"
+    for n, s in enumerate(reads):
         if lengths[n] and not pad(s) and writer.get(s, n) != n:  # an empty request reads nothing
-            raise ValueError(f"state_indices: request {n} starts from slot {s}, which request {writer[s]} "
+            raise ValueError(f"{what}: request {n} starts from slot {s}, which request {writer[s]} "
                              f"writes; a request may read only a slot no other request writes")

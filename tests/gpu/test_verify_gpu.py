@@ -60,14 +60,15 @@ def make(gen, lens, cols, H, HV, state_dtype, gate="softplus", pad_request=None,
 
 def call_module(name, a, out, gate="softplus", lb=-5.0, scale=None, beta_is_logit=True, null_slot0=False):
     """The module's own function on a's tensors; a _gb32 module (params.gb_f32) gets g and beta as fp32,
-    converted exactly from a's bf16 values, so every test holds it to its bf16 twin's results."""
+    converted exactly from a's bf16 values, so every test holds it to its bf16 twin's results. a's
+    initial_state / initial_state_indices (the second start pool) are passed when present."""
     g, beta = a["g"], a["beta"]
     if RECORDS[name]["params"].get("gb_f32") and g.dtype != torch.float32:
         g, beta = g.float(), beta.float()
     load(name)["kda_verify"](a["q"], a["k"], a["v"], g, beta, a["A_log"], a["dt_bias"], a["state"],
-                             a["state_indices"], a["cu_seqlens"], a["num_accepted_tokens"], out, GATES[gate],
-                             float(lb), float(K ** -0.5 if scale is None else scale), bool(beta_is_logit),
-                             bool(null_slot0))
+                             a["state_indices"], a["cu_seqlens"], a["num_accepted_tokens"], a.get("initial_state"),
+                             a.get("initial_state_indices"), out, GATES[gate], float(lb),
+                             float(K ** -0.5 if scale is None else scale), bool(beta_is_logit), bool(null_slot0))
 
 
 def reference(a, gate="softplus", lb=-5.0, **kw):
