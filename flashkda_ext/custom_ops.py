@@ -21,9 +21,10 @@ the git history of docs/perf-notes.md). What the decorator's extra kernels do (a
 written tensors) an inference op does not need.
 
 Direct calls. torch.ops.flashkda_ext.<op> is public too, so the op layer refuses what the dispatcher
-would otherwise let through: the flags are typed `Scalar` in the schema (a `bool` argument converts 1 to
-True before any check; a Scalar keeps the caller's Python type, so validation refuses the int as the
-public op does); a meta tensor among real ones (the dispatcher then runs the fake, which writes nothing)
+would otherwise let through: the flags and the integer arguments (checkpoint_every, max_seqlen) are typed
+`Scalar` in the schema (a `bool` argument converts 1 to True, an `int` one True to 1, before any check; a
+Scalar keeps the caller's Python type, so validation refuses the int flag or the bool count as the public
+op does); a meta tensor among real ones (the dispatcher then runs the fake, which writes nothing)
 is refused naming it; prefill's outputs the op would compute and drop (checkpoints, a dense final state)
 must be given.
 
@@ -49,6 +50,9 @@ from . import ops as _ops
 Tensor = torch.Tensor
 #: a flag's annotation: schema type Scalar (see "Direct calls" above); validation requires a real bool
 Flag = Union[int, float, bool]
+#: an integer argument's annotation, Scalar for the same reason: an `int` schema argument would turn True into
+#: 1 before any check; validation requires a real int
+Count = Union[int, float, bool]
 _is_compiling = torch.compiler.is_compiling
 _LIB = torch.library.Library("flashkda_ext", "DEF")  # kept alive: dropping it unregisters the ops
 
@@ -205,8 +209,8 @@ def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                    dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str, scale: Optional[float],
                    beta_is_logit: Flag, cu_seqlens: Optional[Tensor], initial_state: Optional[Tensor],
                    state: Optional[Tensor], state_indices: Optional[Tensor], output_final_state: Flag,
-                   final_state: Optional[Tensor], checkpoint_every: int, checkpoints: Optional[Tensor],
-                   max_seqlen: Optional[int], null_slot0: Flag, workspace: Optional[Tensor], out: Tensor) -> None:
+                   final_state: Optional[Tensor], checkpoint_every: Count, checkpoints: Optional[Tensor],
+                   max_seqlen: Optional[Count], null_slot0: Flag, workspace: Optional[Tensor], out: Tensor) -> None:
     _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
     _ops.kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
                      beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
@@ -268,7 +272,7 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
 
 @_register("kda_verify", mutates_args=("state", "out"))
 def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
-                  cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
+                  cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[Count],
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
                   scale: Optional[float], beta_is_logit: Flag, null_slot0: Flag, out: Tensor,
                   initial_state: Optional[Tensor] = None, initial_state_indices: Optional[Tensor] = None) -> None:
@@ -306,7 +310,7 @@ def traced_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num
 def fused_kda_verify_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: Tensor, beta: Tensor,
                         A_log: Optional[Tensor], dt_bias: Optional[Tensor], state: Tensor, output_gate: Tensor,
                         norm_weight: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
-                        num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[int],
+                        num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[Count],
                         lower_bound: Optional[float], gate: str, norm_eps: float, scale: Optional[float],
                         null_slot0: Flag, out: Tensor) -> None:
     _ops.fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,

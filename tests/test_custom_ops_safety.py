@@ -108,6 +108,26 @@ def test_an_int_for_a_bool_flag_is_refused_as_the_public_op_refuses_it(op, name,
     refused_cold_and_warm(op, change, f"{name}: expected a bool, got int")
 
 
+COUNTS = [("kda_prefill", "checkpoint_every", "expected an int >= 0, got bool"),
+          ("kda_prefill", "max_seqlen", "expected an int or None, got bool"),
+          ("kda_verify", "max_seqlen", "expected an int or None, got bool")]
+
+
+@pytest.mark.parametrize("op,name,message", COUNTS, ids=[f"{o}-{n}" for o, n, _ in COUNTS])
+def test_a_bool_for_an_integer_argument_is_refused_as_the_public_op_refuses_it(op, name, message):
+    # an `int` schema argument would turn True into 1 before any check (checkpoint_every=True served as 1)
+    def change(a):
+        a[name] = True
+    refused_cold_and_warm(op, change, f"{name}: {message}")
+
+
+def test_no_integer_argument_is_typed_int_in_a_schema():
+    for op in (OPS.kda_decode.default, OPS.kda_verify.default, OPS.kda_prefill.default,
+               OPS.fused_kda_decode.default, OPS.fused_kda_verify.default):
+        ints = [a.name for a in op._schema.arguments if str(a.type) in ("int", "int?", "SymInt", "SymInt?")]
+        assert not ints, f"{op}: the dispatcher would turn True into 1 for {ints}"
+
+
 def test_the_fused_ops_refuse_an_int_null_slot0_too():
     for op in (OPS.fused_kda_decode.default, OPS.fused_kda_verify.default):
         arg = next(a for a in op._schema.arguments if a.name == "null_slot0")
