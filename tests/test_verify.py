@@ -13,6 +13,7 @@ import flashkda_ext
 from flashkda_ext import fast_path, jit, ops, validation
 from flashkda_ext import reference as R
 from flashkda_ext.devtools.testing import call_outcome
+from verify_cases import clone, reference, run
 
 H, HV, K, V = 2, 4, 8, 16  # K != V: a transposed state cannot pass
 
@@ -57,20 +58,6 @@ def make(gen, lens, cols, *, slots=None, dtype=torch.float32, state_dtype=torch.
     if gate == "log":
         a["g"] = -torch.rand(1, T, HV, K, generator=gen).to(dtype) - 0.01
     return a
-
-
-def run(a):
-    kw = {n: x for n, x in a.items() if n not in ("q", "k", "v", "g", "beta")}
-    return flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
-
-
-def reference(a):
-    kw = {n: x for n, x in a.items() if n not in ("q", "k", "v", "g", "beta", "out", "max_seqlen")}
-    return R.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
-
-
-def clone(a):
-    return {n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in a.items()}
 
 
 def named_slots(a):

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-import flashkda_ext
 from flashkda_ext import fast_path, jit, ops, validation
 from flashkda_ext import reference as R
 from flashkda_ext.devtools.testing import call_outcome
+from verify_cases import clone, reference, run
 
 H, HV, K, V = 2, 4, 8, 16  # K != V: a transposed state cannot pass
 
@@ -49,20 +49,6 @@ def make(gen, lens, cols, *, init_slots=5, state_dtype=torch.float32, dtype=torc
                 A_log=torch.randn(HV, generator=gen) * 0.3, dt_bias=torch.randn(HV * K, generator=gen) * 0.5,
                 initial_state=(torch.randn(init_slots, HV, V, K, generator=gen) * 0.5).to(state_dtype),
                 initial_state_indices=torch.tensor(starts, dtype=torch.int32))
-
-
-def run(a):
-    kw = {n: x for n, x in a.items() if n not in ("q", "k", "v", "g", "beta")}
-    return flashkda_ext.kda_verify(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
-
-
-def reference(a):
-    kw = {n: x for n, x in a.items() if n not in ("q", "k", "v", "g", "beta", "out", "max_seqlen")}
-    return R.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
-
-
-def clone(a):
-    return {n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in a.items()}
 
 
 def poisoned_out(a):

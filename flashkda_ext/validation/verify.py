@@ -12,15 +12,22 @@ from .memo import _memoized
 from .decode import _GbDtypes, _pool_step_tail
 
 
+def _int32_indices(name, idx, device, ndim, what):
+    """An int32 index tensor of ndim dims on device, contiguous (what: the layout named in the error)."""
+    idx = _tensor(name, idx)
+    _same_device(name, idx, device)
+    if idx.dtype != torch.int32:
+        raise ValueError(f"{name}: expected dtype int32, got {dtype_name(idx.dtype)}")
+    _ndim(name, idx, ndim, what)
+    _contiguous(name, idx)
+    return idx
+
+
 def _verify_index_table(state_indices, device):
     """A verify call's state_indices [N, T_max] (int32, one slot per request and token): the
     tensor, N and T_max."""
-    state_indices = _tensor("state_indices", state_indices)
-    _same_device("state_indices", state_indices, device)
-    if state_indices.dtype != torch.int32:
-        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
-    _ndim("state_indices", state_indices, 2, "[N, T_max] (one slot per request and token)")
-    _contiguous("state_indices", state_indices)
+    state_indices = _int32_indices("state_indices", state_indices, device, 2,
+                                   "[N, T_max] (one slot per request and token)")
     N, cols = state_indices.shape
     if N < 1 or cols < 1:
         raise ValueError(f"state_indices: expected [N, T_max] with N >= 1 and T_max >= 1, got "
@@ -43,12 +50,8 @@ def _step_rows(state, state_indices, HV, V, K, device, backend):
     if R * cols > INT32_MAX:
         raise ValueError(f"state: R * T_max = {R * cols} slots do not fit the int32 slot indices")
     _pool("state", state.view(R * cols, HV, V, K), HV, V, K, device, backend)
-    state_indices = _tensor("state_indices", state_indices)
-    _same_device("state_indices", state_indices, device)
-    if state_indices.dtype != torch.int32:
-        raise ValueError(f"state_indices: expected dtype int32, got {dtype_name(state_indices.dtype)}")
-    _ndim("state_indices", state_indices, 1, "[N] (one row of state per request: state is step rows)")
-    _contiguous("state_indices", state_indices)
+    state_indices = _int32_indices("state_indices", state_indices, device, 1,
+                                   "[N] (one row of state per request: state is step rows)")
     N = state_indices.shape[0]
     if N < 1 or cols < 1:
         raise ValueError(f"state_indices: expected [N] with N >= 1 and state [R, T_max, ...] with T_max >= 1, got "
