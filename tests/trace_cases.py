@@ -181,7 +181,7 @@ VARIANTS = [
     ("kda_verify", {"step_rows": True, "initial": True, "accepted": False, "gate": "bounded",
                     "dtype": torch.bfloat16, "state_dtype": torch.bfloat16}),
     ("kda_verify", {"step_rows": True, "initial": True, "accepted": False, "null_slot0": True, "lens": (2, 0, 1)}),
-    ("kda_verify", {"lens": (1, 1, 1), "initial": True, "accepted": False}),  # T_max = 1: the verify module
+    ("kda_verify", {"lens": (1, 1, 1), "initial": True, "accepted": False, "gate": "log"}),  # T_max = 1: verify module
     ("fused_kda_verify", {}),
     ("fused_kda_verify", {"gate": "log", "accepted": False, "state_dtype": torch.bfloat16, "null_slot0": True}),
     ("fused_kda_verify", {"gate": "bounded", "dtype": torch.bfloat16, "conv_dtype": torch.float32, "extra_len": 0}),
