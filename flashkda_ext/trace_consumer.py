@@ -283,7 +283,8 @@ def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
     elif op == "kda_verify":
         out = flashkda_ext.kda_verify(*qkvgb, state=kw["state"], state_indices=kw["state_indices"],
                                       cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"),
-                                      beta_is_logit=fixed["beta_is_logit"], **gate)
+                                      beta_is_logit=fixed["beta_is_logit"], initial_state=kw.get("initial_state"),
+                                      initial_state_indices=kw.get("initial_state_indices"), **gate)
         results = {"out": out, "state_out": kw["state"]}
     elif op == "kda_prefill":
         every = int(kw.get("checkpoint_every", 0))

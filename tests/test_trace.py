@@ -15,7 +15,8 @@ import torch
 import flashkda_ext
 from flashkda_ext import ops, reference, trace, trace_consumer, validation
 from flashkda_ext.paths import trace_templates_dir
-from trace_cases import CASE, CHECK, IDS, VARIANTS, VERIFY_OPS, decode_case, fused_case, prefill_case
+from trace_cases import (CASE, CHECK, IDS, VARIANTS, VERIFY_OPS, decode_case, fused_case, prefill_case,
+                         verify_case)
 
 SCHEMAS = ("definition", "workload", "template")
 
@@ -88,7 +89,8 @@ def package_reference(op, a, run_inputs):
                     num_accepted_tokens=a.get("num_accepted_tokens"))
         if op == "kda_verify":
             return list(reference.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"],
-                                                  beta_is_logit=a["beta_is_logit"], **opts))
+                                                  beta_is_logit=a["beta_is_logit"], initial_state=a.get("initial_state"),
+                                                  initial_state_indices=a.get("initial_state_indices"), **opts))
         opts.pop("A_log"), opts.pop("dt_bias")
         return list(reference.fused_kda_verify_step(
             a["x"], a["conv_weight"], a["conv_state"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
@@ -246,6 +248,43 @@ def test_emitted_reference_runs_standalone_and_matches_package_reference(op, kw,
         tol = 2e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-5
         torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol, msg=name)
         assert torch.isfinite(x.float()).all(), name
+
+
+@pytest.mark.parametrize("kw", [dict(initial=True, accepted=False), dict(step_rows=True),
+                                dict(step_rows=True, initial=True, accepted=False)], ids=["init", "rows", "rows_init"])
+def test_verify_start_pool_and_step_rows_are_in_the_description(kw, tmp_path, monkeypatch):
+    """kda_verify's initial_state / initial_state_indices and step rows are traced (no warning), described
+    as they are (shapes, axes, the stored start indices), and they matter: the op agrees with the emitted
+    reference, which, with the start pool left out, computes something else."""
+    monkeypatch.setattr(trace.emission, "_warned", set())
+    args = verify_case(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d, lines = traced("kda_verify", args, tmp_path)
+    ins, wl = d["inputs"], lines[0]["workload"]
+    pool = ["num_v_heads", "head_dim_v", "head_dim_k"]
+    if kw.get("initial"):
+        assert ins["initial_state"]["shape"] == ["num_initial_slots"] + pool
+        assert ins["initial_state_indices"]["shape"] == ["num_seqs"] and "num_accepted_tokens" not in ins
+        assert wl["axes"]["num_initial_slots"] == 5 and wl["inputs"]["initial_state_indices"]["type"] == "safetensors"
+        assert "_init" in d["name"] and "noaccepted" not in d["name"]
+    if kw.get("step_rows"):
+        assert ins["state"]["shape"] == d["outputs"]["state_out"]["shape"] == ["num_rows", "max_draft"] + pool
+        assert ins["state_indices"]["shape"] == ["num_seqs"] and "num_slots" not in d["axes"]
+        assert wl["axes"]["num_rows"] == 5 and wl["axes"]["max_draft"] == 3
+        assert "_rows" in d["name"] and "state_layout:rows" in d["tags"]
+        assert "domain:state_indices=slot_index(num_rows)" in d["tags"]
+    namespace = {}
+    exec(compile(d["reference"], "<emitted reference>", "exec"), namespace)
+    run_inputs = reference_inputs(d, args, lines[0], tmp_path)
+    want_out, want_state = namespace["run"](**run_inputs)
+    op_args = verify_case(**kw)
+    got_out = flashkda_ext.kda_verify(**op_args)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(op_args["state"], want_state, rtol=1e-5, atol=1e-5)
+    if kw.get("initial"):
+        dropped = dict(run_inputs, initial_state=None, initial_state_indices=None)
+        assert not torch.allclose(namespace["run"](**dropped)[0], got_out, atol=1e-3)
 
 
 def test_definition_written_once_per_name_workloads_appended(tmp_path):
@@ -498,7 +537,8 @@ def test_index_tensors_for_new_axes_are_valid_calls():
         call = CHECK[op](**dict(args, **idx))
         if op in VERIFY_OPS:                    # verify index values are checked apart from the metadata
             validation.check_verify_values(call, idx["cu_seqlens"], idx["state_indices"],
-                                           idx.get("num_accepted_tokens"))
+                                           idx.get("num_accepted_tokens"),
+                                           initial_state_indices=idx.get("initial_state_indices"))
 
 
 def test_consumer_flags_violations_and_refuses_code(tmp_path):

@@ -99,18 +99,27 @@ def fused_args(HV=32, K=128, dtype=torch.bfloat16, state_dtype=torch.float32, ga
                 norm_weight=_t(D), slot_mode=slot_mode, **ga)
 
 
-def _verify_indices():
-    # 3 requests, T_max = 2, T = 5 tokens (any value would do: meta tensors hold none)
-    return dict(state_indices=_t(3, 2, dtype=torch.int32), cu_seqlens=_t(4, dtype=torch.int32),
+def _verify_indices(cols=2):
+    # 3 requests, T_max = cols (2: T = 5 tokens fit; any value would do: meta tensors hold none)
+    return dict(state_indices=_t(3, cols, dtype=torch.int32), cu_seqlens=_t(4, dtype=torch.int32),
                 num_accepted_tokens=_t(3, dtype=torch.int32))
 
 
 def verify_args(HV=32, group=1, K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.float32,
-                gate="softplus", **_):
+                gate="softplus", layout="table", draft=(2, 5), **_):
+    """layout: table (pool + [N, T_max] slots), rows (step rows [R, T_max, ...] + [N] rows), init / rows_init
+    (the same with the read-only start pool); draft: (T_max, T)."""
     H = max(HV // group, 1)
-    return dict(q=_t(1, 5, H, K, dtype=dtype), k=_t(1, 5, H, K, dtype=dtype), v=_t(1, 5, HV, V, dtype=dtype),
-                g=_t(1, 5, HV, K, dtype=dtype), beta=_t(1, 5, HV, dtype=dtype),
-                state=_t(6, HV, V, K, dtype=state_dtype), **_verify_indices(), **_gate(gate, HV, K))
+    cols, T = draft
+    a = dict(q=_t(1, T, H, K, dtype=dtype), k=_t(1, T, H, K, dtype=dtype), v=_t(1, T, HV, V, dtype=dtype),
+             g=_t(1, T, HV, K, dtype=dtype), beta=_t(1, T, HV, dtype=dtype),
+             state=_t(6, HV, V, K, dtype=state_dtype), **_verify_indices(cols), **_gate(gate, HV, K))
+    if layout.startswith("rows"):
+        a.update(state=_t(4, cols, HV, V, K, dtype=state_dtype), state_indices=_t(3, dtype=torch.int32))
+    if layout.endswith("init"):
+        a.update(initial_state=_t(5, HV, V, K, dtype=state_dtype), initial_state_indices=_t(3, dtype=torch.int32),
+                 num_accepted_tokens=None)
+    return a
 
 
 def fused_verify_args(HV=32, K=128, dtype=torch.bfloat16, state_dtype=torch.float32, gate="softplus", **_):
@@ -144,6 +153,8 @@ def configs(op):
         axes.update(state_mode=["none", "dense", "pool"], varlen=[True, False], ckpt=[False, True])
     elif op in ("kda_decode", "fused_kda_decode"):      # verify: no slot mode argument
         axes["slot_mode"] = list(SLOT_MODES)
+    if op == "kda_verify":          # T_max = 1 with T < N: refused with a slot table only (it is decode's)
+        axes.update(layout=["table", "rows", "init", "rows_init"], draft=[(2, 5), (1, 3), (1, 2), (2, 7)])
     if op.startswith("fused_"):
         axes.pop("group")
         axes["dims"] = [(k, v) for k, v in DIMS if k == v]
@@ -157,6 +168,8 @@ def configs(op):
     # heads x groups in full: the combination the binding's two lists judge together
     if "group" in axes:
         out += [{"HV": h, "group": g} for h, g in itertools.product(HEADS, axes["group"])]
+    if "layout" in axes:            # verify layouts x draft shapes in full: the T_max = 1 rule depends on both
+        out += [{"layout": x, "draft": y} for x, y in itertools.product(axes["layout"], axes["draft"])]
     result = []
     for c in out:
         c = dict(c)
@@ -259,7 +272,10 @@ def test_constraints_agree_with_module_contracts(op, backend):
         H, HV, K, V, sdt = _dims_and_state(op, f)
         binding_ok = any(_contract_accepts(c, H, HV, K, V, sdt) for c in contracts)
         values = _axis_values(op, f)
-        keys = {key for expr, key in trace.render_constraints(trace.load_template(op), f, sources=True)
+        var = {a for a, ax in trace.definitions._axes(trace.load_template(op), f).items() if ax["type"] == "var"}
+        # a violated relation over var axes (token counts, T_max) is no key: "var" (no macro carries it)
+        keys = {"var" if key is None and trace.definitions._names(expr) & var else key
+                for expr, key in trace.render_constraints(trace.load_template(op), f, sources=True)
                 if not trace_consumer.safe_eval(expr, values)}
         # the macros carry dims, head counts, group sizes and (unless -1 = any) the state dtype
         state_in_macros = all(c["FKDA_STATE_BF16"] in (0, 1) for c in contracts)

@@ -113,6 +113,9 @@ def test_trace_set_loads_every_definition_and_workload(dataset):
     assert any("varlen" not in d.tags for d in prefill)                     # batched
     assert any("checkpoints" in d.inputs for d in prefill)
     assert any("final_state" in s and "initial_state" not in s for s in inputs.values())
+    verify = [d for d in ts.definitions.values() if "op:kda_verify" in d.tags]
+    assert any("state_layout:rows" in d.tags for d in verify)                # step rows
+    assert any({"initial_state", "initial_state_indices"} <= set(d.inputs) for d in verify)  # start pool
 
 
 def test_var_axes_are_bound_by_inputs_and_index_inputs_stored(dataset):
@@ -154,12 +157,13 @@ def test_check_correctness_passes_the_flashkda_solution(dataset, cpu_sync):
     assert checked == 2 * sum(len(v) for v in ts.workloads.values())
 
 
-@pytest.mark.parametrize("op,nudged", [("kda_decode", 0), ("kda_verify", 1), ("fused_kda_verify", 2)])
-def test_check_correctness_fails_a_wrong_solution(dataset, cpu_sync, op, nudged):
+@pytest.mark.parametrize("op,tag,nudged", [("kda_decode", None, 0), ("kda_verify", None, 1),
+                                           ("kda_verify", "state_layout:rows", 1), ("fused_kda_verify", None, 2)])
+def test_check_correctness_fails_a_wrong_solution(dataset, cpu_sync, op, tag, nudged):
     """The evaluator really compares: the same Solution with one output nudged is refused (verify:
-    the in-place state pool, so the per-token slot writes are what is checked)."""
+    the in-place state pool, so the per-token slot writes are what is checked; step rows too)."""
     ts, _ = dataset
-    name = next(n for n, d in ts.definitions.items() if f"op:{op}" in d.tags)
+    name = next(n for n, d in ts.definitions.items() if f"op:{op}" in d.tags and (tag is None or tag in d.tags))
     d = ts.definitions[name]
     assert list(d.outputs)[nudged] in ("out", "state_out")
     good = trace_consumer.solution(d, target="cpu")

@@ -86,6 +86,10 @@ def fused_case(*, H=2, D=8, rows=4, slots=6, dtype=torch.float32, state_dtype=to
 VERIFY_LENS = (3, 1, 2)
 VERIFY_SLOTS = [[1, 2, 3], [4, -1, -1], [5, 6, -1]]
 VERIFY_ACCEPTED = [2, 1, 1]
+# the new forms: step rows (a row of state [R, T_max, ...] per request; -1: a padding request) and a
+# read-only start pool (initial_state [5, ...], a start slot per request; -1: a padding request)
+VERIFY_ROWS = [3, -1, 0]
+VERIFY_STARTS = [4, 1, -1]
 
 
 def _verify_indices(lens, slots, accepted, cols, with_accepted):
@@ -102,18 +106,25 @@ def _verify_indices(lens, slots, accepted, cols, with_accepted):
 
 def verify_case(*, H=2, HV=4, K=8, V=6, lens=VERIFY_LENS, slots=9, dtype=torch.float32,
                 state_dtype=torch.float32, gate="softplus", accepted=True, null_slot0=False, beta_is_logit=True,
-                index_slots=VERIFY_SLOTS, num_accepted=VERIFY_ACCEPTED, seed=3):
+                index_slots=VERIFY_SLOTS, num_accepted=VERIFY_ACCEPTED, step_rows=False, initial=False, seed=3):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
-    T = sum(lens)
+    T, cols = sum(lens), max(lens)
     g = r(1, T, HV, K)
     if gate == "log":
         g = -torch.nn.functional.softplus(g.float()).to(dtype)
     beta = r(1, T, HV) if beta_is_logit else torch.rand(1, T, HV, generator=gen).to(dtype)
-    return dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, HV, V), g=g, beta=beta,
-                state=(torch.randn(slots, HV, V, K, generator=gen) * 0.1).to(state_dtype),
-                null_slot0=null_slot0, beta_is_logit=beta_is_logit, **_gate_args(gate, HV, K, gen),
-                **_verify_indices(lens, index_slots, num_accepted, max(lens), accepted))
+    pool = lambda *lead: (torch.randn(*lead, HV, V, K, generator=gen) * 0.1).to(state_dtype)  # noqa: E731
+    a = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, HV, V), g=g, beta=beta, state=pool(slots),
+             null_slot0=null_slot0, beta_is_logit=beta_is_logit, **_gate_args(gate, HV, K, gen),
+             **_verify_indices(lens, index_slots, num_accepted, cols, accepted))
+    if step_rows:
+        a["state"] = pool(len(lens) + 2, cols)
+        a["state_indices"] = torch.tensor(VERIFY_ROWS[:len(lens)], dtype=torch.int32)
+    if initial:
+        a["initial_state"] = pool(5)
+        a["initial_state_indices"] = torch.tensor(VERIFY_STARTS[:len(lens)], dtype=torch.int32)
+    return a
 
 
 def fused_verify_case(*, H=2, D=8, lens=VERIFY_LENS, slots=9, extra_len=1, dtype=torch.float32,
@@ -165,6 +176,12 @@ VARIANTS = [
     ("kda_verify", {"gate": "bounded", "accepted": False, "dtype": torch.bfloat16, "state_dtype": torch.bfloat16}),
     ("kda_verify", {"gate": "log", "null_slot0": True, "beta_is_logit": False, "H": 4, "HV": 4, "K": 6, "V": 6}),
     ("kda_verify", {"lens": (1, 1, 1), "accepted": False}),                  # T_max = 1: served by kda_decode
+    ("kda_verify", {"initial": True, "accepted": False}),
+    ("kda_verify", {"step_rows": True}),
+    ("kda_verify", {"step_rows": True, "initial": True, "accepted": False, "gate": "bounded",
+                    "dtype": torch.bfloat16, "state_dtype": torch.bfloat16}),
+    ("kda_verify", {"step_rows": True, "initial": True, "accepted": False, "null_slot0": True, "lens": (2, 0, 1)}),
+    ("kda_verify", {"lens": (1, 1, 1), "initial": True, "accepted": False, "gate": "log"}),  # T_max = 1: verify module
     ("fused_kda_verify", {}),
     ("fused_kda_verify", {"gate": "log", "accepted": False, "state_dtype": torch.bfloat16, "null_slot0": True}),
     ("fused_kda_verify", {"gate": "bounded", "dtype": torch.bfloat16, "conv_dtype": torch.float32, "extra_len": 0}),

@@ -71,6 +71,11 @@ def add_parser(sub) -> None:
     d.add_argument("--tokens", type=int, default=256, help="prefill, verify: total tokens")
     d.add_argument("--seqs", type=int, default=2,
                    help="prefill: sequences; verify: requests (T_max = ceil(tokens / seqs))")
+    d.add_argument("--step-rows", action="store_true",
+                   help="kda_verify: state as step rows [slots, T_max, HV, V, K], state_indices [seqs] (a row each)")
+    d.add_argument("--initial-slots", type=int, default=0,
+                   help="kda_verify: slots of a read-only start pool initial_state (0: none; then no "
+                        "num_accepted_tokens)")
     d.add_argument("--checkpoint-every", type=int, default=0,
                    help="prefill: state checkpoint interval in tokens (0: none)")
     d.add_argument("--check", action="store_true", help="validate against the definition schema")

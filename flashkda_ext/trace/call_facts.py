@@ -118,6 +118,9 @@ def facts(op: str, call: Any, inputs: Mapping[str, Any]) -> Dict[str, Any]:
     if op in ("kda_verify", "fused_kda_verify"):
         f["has_accepted"] = inputs.get("num_accepted_tokens") is not None
         f["slot_mode"] = "padded"       # what validation checks a verify call's indices as
+    if op == "kda_verify":              # flags, not the counts: R and slots2 are var axes
+        f["step_rows"] = f["rows"] > 0
+        f["has_initial"] = f["initial_slots"] >= 0
     if op in ("fused_kda_decode", "fused_kda_verify"):
         f["conv_weight_dtype"] = _dtype(inputs["conv_weight"])
         f["conv_weight_short"] = _SHORT.get(f["conv_weight_dtype"], f["conv_weight_dtype"])

@@ -72,10 +72,6 @@ def emit(op: str, call: Any, inputs: Mapping[str, Any]) -> Optional[str]:
     trace_dir = _dir
     if trace_dir is None:
         return None
-    if op == "kda_verify" and (inputs.get("initial_state") is not None or inputs["state"].dim() == 5):
-        _warn_once("verify_pools", "kda_verify calls with initial_state or step rows (state [R, T_max, ...]) are not "
-                                   "traced: the kda_verify template describes one pool with a slot table")
-        return None
     try:
         f = facts(op, call, inputs)
         definition = build_definition(op, f)

@@ -39,6 +39,9 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
     e = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
     gate_kw = dict(gate=gate, lower_bound=o["lower_bound"] if gate == "bounded" else None)
     T, N = o["tokens"], o["seqs"]
+    for key, option in (("step_rows", "--step-rows"), ("initial_slots", "--initial-slots")):
+        if o.get(key) and op != "kda_verify":
+            raise ValueError(f"{option}: kda_verify's option, not {op}'s")
     if op in ("kda_verify", "fused_kda_verify"):
         if T < N:
             raise ValueError(f"--tokens: expected at least --seqs = {N} tokens (every request has one), got {T}")
@@ -68,9 +71,18 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
                     g=e(rows, HV, K, dtype=dt), beta=e(rows, HV, dtype=dt), state=e(slots, HV, V, K, dtype=sdt),
                     state_indices=e(rows, dtype=torch.int32), slot_mode=o["slot_mode"], **gate_kw)
     if op == "kda_verify":
-        return dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
-                    g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), state=e(slots, HV, V, K, dtype=sdt),
-                    **verify, **gate_kw)
+        a = dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
+                 g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), state=e(slots, HV, V, K, dtype=sdt),
+                 **verify, **gate_kw)
+        if o.get("step_rows"):          # --slots rows of T_max slots, a row per request
+            a.update(state=e(slots, cols, HV, V, K, dtype=sdt), state_indices=e(N, dtype=torch.int32))
+        initial = int(o.get("initial_slots") or 0)
+        if initial < 0:
+            raise ValueError(f"--initial-slots: expected 0 (no start pool) or a positive integer, got {initial}")
+        if initial:
+            a.update(initial_state=e(initial, HV, V, K, dtype=sdt), initial_state_indices=e(N, dtype=torch.int32),
+                     num_accepted_tokens=None)
+        return a
     return dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
                 g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), cu_seqlens=e(N + 1, dtype=torch.int32),
                 initial_state=e(N, HV, V, K, dtype=sdt), checkpoint_every=int(o["checkpoint_every"]), **gate_kw)
@@ -80,7 +92,8 @@ def definition_for_options(op: str, options: Mapping[str, Any]) -> dict:
     """The definition `flashkda-ext trace dump OP` prints for its options (argparse's names:
     heads, value_heads, head_dim, head_dim_k, head_dim_v, input_dtype, state_dtype, gate,
     lower_bound, slot_mode, backend, rows, slots, tokens, seqs, checkpoint_every; verify ops: seqs
-    requests of tokens in all, T_max = ceil(tokens / seqs), with num_accepted_tokens). Raises
+    requests of tokens in all, T_max = ceil(tokens / seqs), with num_accepted_tokens; kda_verify also
+    step_rows and initial_slots, read with .get: absent means neither). Raises
     ValueError naming the option for a value or combination that has no definition."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")

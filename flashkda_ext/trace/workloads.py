@@ -48,7 +48,9 @@ def save_index_tensors(trace_dir: str, definition: Mapping[str, Any], tensors: M
 
 def index_inputs(op: str, definition: Mapping[str, Any]) -> list:
     """The definition's index inputs (stored in every workload, never drawn at random)."""
-    return [e["name"] for e in load_template(op)["inputs"] if e.get("index") and e["name"] in definition["inputs"]]
+    # dict.fromkeys: a name the template lists once per layout (kda_verify's state_indices) counts once
+    return list(dict.fromkeys(e["name"] for e in load_template(op)["inputs"]
+                              if e.get("index") and e["name"] in definition["inputs"]))
 
 
 def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapping[str, Any],

@@ -1,25 +1,55 @@
-# KDA speculative-decoding verify on a state pool. Fragment appended after kda_common.py and
-# verify_common.py.
+# KDA speculative-decoding verify on a state pool or step rows, optionally from a second, read-only
+# start pool. Fragment appended after kda_common.py and verify_common.py.
+
+
+def _row_table(rows, num_rows, cols):
+    """Step rows: state_indices [N] (a row of state [R, T_max, ...] per request) as the [N, T_max]
+    slot table of the R * T_max slots it stands for (all padding for a padding row)."""
+    values = [int(r) for r in rows.tolist()]
+    if any(r >= num_rows for r in values):
+        raise ValueError(f"state_indices: expected rows < num_rows = {num_rows} or negative (padding), "
+                         f"got {max(values)}")
+    table = [[-1] * cols if _is_padding(r) else [r * cols + t for t in range(cols)] for r in values]
+    return torch.tensor(table, dtype=torch.int32).reshape(len(values), cols)
+
+
+def _start_slots(initial_state_indices, num_initial_slots, pad_rows):
+    """initial_state's slot per request, None for padding (its own entry, or a padding row)."""
+    values = [int(x) for x in initial_state_indices.tolist()]
+    if any(x >= num_initial_slots for x in values):
+        raise ValueError(f"initial_state_indices: expected slots < num_initial_slots = {num_initial_slots} "
+                         f"or negative (padding), got {max(values)}")
+    return [None if p or _is_padding(x) else x for x, p in zip(values, pad_rows)]
 
 
 def kda_verify_reference(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens=None,
-                         A_log=None, dt_bias=None, lower_bound=None, scale=None):
-    """Returns (out [1, T, HV, V] in v's dtype, the updated pool); the input pool is not modified."""
+                         A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
+                         initial_state_indices=None):
+    """Returns (out [1, T, HV, V] in v's dtype, the updated state in state's shape); the inputs are not
+    modified. state [R, T_max, HV, V, K] (step rows) takes state_indices [N], one row per request."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     T = q.shape[1]
-    plan = _verify_plan(state_indices, cu_seqlens, num_accepted_tokens, state.shape[0], T)
+    flat = state.reshape(-1, *state.shape[-3:])    # step rows: slot (n, t) is state[row n, t], of R * T_max
+    pad_rows = [False] * state_indices.shape[0]
+    if state.dim() == 5:
+        pad_rows = [_is_padding(int(r)) for r in state_indices.tolist()]
+        state_indices = _row_table(state_indices, state.shape[0], state.shape[1])
+    plan = _verify_plan(state_indices, cu_seqlens, num_accepted_tokens, flat.shape[0], T)
+    pool = flat.clone()
+    source, reads = flat, [read for _, _, read, _, _ in plan]     # the pool as it was before the call
+    if initial_state is not None:
+        source, reads = initial_state, _start_slots(initial_state_indices, initial_state.shape[0], pad_rows)
     qn, kn, vv, gl, bb = _prepare(q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, lower_bound, scale)
-    pool = state.clone()
     out = torch.zeros(vv.shape, dtype=vv.dtype, device=v.device)
-    for s, e, read, stores, _ in plan:
+    for (s, e, _, stores, _), read in zip(plan, reads):
         if read is None:
             continue
-        S = _work(state[read])                  # the pool as it was before the call
+        S = _work(source[read])
         for t in range(s, e):
             out[t], S = _step(S, qn[t], kn[t], vv[t], gl[t], bb[t])
             stored = S.to(pool.dtype)
             S = _work(stored)                   # the next token continues from the stored value
             if stores[t - s] is not None:
                 pool[stores[t - s]] = stored
-    return out[None].to(v.dtype), pool
+    return out[None].to(v.dtype), pool.reshape(state.shape)
