@@ -543,7 +543,8 @@ def render(sources) -> str:
         "- **Peers on identical inputs**, in the same run: fla 0.6 (Triton; `fused_recurrent_kda` on the "
         "same `[slots, HV, V, K]` pool, in place, for decode and verify; `chunk_kda` for prefill), with its "
         "gate, l2norm and beta sigmoid inside its kernels. vLLM's KDA layer calls its own vendored copy of "
-        "fla's Triton ops (docs/integrations.md), so the fla column stands for it. cuDNN: a prefill column "
+        "fla's Triton ops (docs/integrations.md), so the fla column stands for it; the Engines section times "
+        "vLLM's and SGLang's own kernels through the adapters. cuDNN: a prefill column "
         "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installed on the GPU "
         "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target.", ""]
     for op, title, make in SECTIONS:
