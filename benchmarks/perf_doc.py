@@ -15,6 +15,10 @@ or compact form (benchmarks/results_compact.py); the tables read the arms' media
 
 The targets come from the same data through benchmarks/decode_targets.py and prefill_targets.py.
 
+current.json's "engines" (one entry per serving-engine call site, its keys in current.json's "about") feeds
+the Engines section: bench_vllm.py / bench_sglang.py runs, arm ours (the adapter as the engine calls it)
+against the entry's "arm" (the engine's own Triton kernel), graph medians, each case's agreement in its notes.
+
     python benchmarks/perf_doc.py            # rewrite docs/performance.md and the README block
     python benchmarks/perf_doc.py --check    # exit 1 when either differs from what the data give
 """
@@ -63,9 +67,32 @@ class Source:
         return f"{self.date}, {self.commit}"
 
 
+class Site:
+    """One engine call site of current.json's "engines": its entry and the cases of its file it selects."""
+
+    def __init__(self, entry: dict, src: Source):
+        self.engine, self.phase, self.site = entry["engine"], entry["phase"], entry["site"]
+        self.arm, self.tol, self.tokens = entry["arm"], entry.get("tol"), entry.get("tokens")
+        self.note = entry.get("note")
+        self.select = entry.get("select", {})
+        self.src = src
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {self.site.split(' (')[0]}"
+
+    def cases(self):
+        return [c for c in self.src.doc["cases"] if all(c["params"].get(k) == v for k, v in self.select.items())]
+
+
 def load(path: Path = SOURCES, root: Path = RESULTS) -> dict:
-    ops = json.loads(path.read_text())["ops"]
-    return {op: [Source(e, root) for e in entries] for op, entries in ops.items()}
+    """{op: [Source]}, and "engines": [Site] (sites sharing a results file share its Source)."""
+    data = json.loads(path.read_text())
+    out = {op: [Source(e, root) for e in entries] for op, entries in data["ops"].items()}
+    files = {}
+    out["engines"] = [Site(e, files.setdefault(e["file"], Source({"file": e["file"]}, root)))
+                      for e in data.get("engines", [])]
+    return out
 
 
 def _med(arm, mode):
@@ -305,15 +332,153 @@ def prefill_section(srcs) -> list:
     return lines + [""] + notes
 
 
+# --- engines (issue 45) ------------------------------------------------------------------------
+
+# Issue 45's acceptance grid: every served call faster than the engine's own Triton kernel at every point.
+ISSUE45 = {"rows": (1, 1024), "heads": (8, 12, 24, 32), "states": ("f32", "bf16"),
+           "phases": ("decode", "verify", "prefill")}
+STATE_NAMES = {"f32": "f32", "bf16": "bf16", "torch.float32": "f32", "torch.bfloat16": "bf16"}
+
+
+def _point(case):
+    """(state, H, rows) of a case of bench_vllm.py or bench_sglang.py (their params differ in name only)."""
+    p = case["params"]
+    return STATE_NAMES[p.get("state", p.get("state_dtype"))], p.get("heads", p.get("H")), p["rows"]
+
+
+def _label(point) -> str:
+    st, h, r = point
+    return f"{r} row{'' if r == 1 else 's'} H{h} {st}"
+
+
+def _agreement(site: Site, case):
+    """(agrees, the larger rel. L2 of output and written state) from the case's notes."""
+    notes = case.get("notes") or {}
+    if "agreement" in notes:   # bench_sglang.py: the run's own verdict
+        a = notes["agreement"]
+        return a["ok"], max(a["o"], a["state"])
+    if "rel_l2_out" in notes:  # bench_vllm.py: the errors and whether the adapter served; the bound is the entry's
+        if site.tol is None:
+            raise ValueError(f"{site.name}: its cases hold rel. L2 but no verdict; give its entry a 'tol'")
+        worst = max(notes["rel_l2_out"], notes["rel_l2_state"])
+        return notes.get("served") is True and worst < site.tol, worst
+    raise ValueError(f"{site.name}: case {case['name']!r} has no agreement in its notes")
+
+
+def _site_points(site: Site):
+    """[(point, ours us, engine us, fla us, agrees, rel. L2)] in grid order (f32 first)."""
+    out = []
+    for c in site.cases():
+        a, e = _pair(c, "ours", site.arm)
+        out.append((_point(c), a, e, _med(c["arms"].get("fla"), "graph")) + _agreement(site, c))
+    return sorted(out, key=lambda r: (ISSUE45["states"].index(r[0][0]), r[0][1], r[0][2]))
+
+
+def _engine_ratios(pts):
+    return [(p, e / a) for p, a, e, *_ in pts if a and e]
+
+
+def _gaps(site: Site, pts) -> list:
+    """What of issue 45's grid this site's run does not have, each as a phrase."""
+    states, heads, rows = ({p[0][i] for p in pts} for i in range(3))
+    lo, hi = ISSUE45["rows"]
+    out = []
+    if set(ISSUE45["heads"]) - heads:
+        out.append("H " + " / ".join(map(str, sorted(set(ISSUE45["heads"]) - heads))))
+    if set(ISSUE45["states"]) - states:
+        out.append(" and ".join(sorted(set(ISSUE45["states"]) - states, reverse=True)) + " state")
+    if rows != set(range(lo, hi + 1)):
+        out.append(f"rows {lo}-{hi} other than " + " / ".join(map(str, sorted(rows))))
+    have = {p[0] for p in pts}
+    holes = [(st, h, r) for st in sorted(states, key=ISSUE45["states"].index) for h in sorted(heads)
+             for r in sorted(rows) if (st, h, r) not in have]
+    if holes:
+        out.append(f"{site.name} at " + ", ".join(map(_label, holes)) + " (inside its run's grid)")
+    if not any(p[3] for p in pts):
+        out.append("an fla arm, issue 45's third column")
+    return out
+
+
+def engines_section(sites) -> list:
+    if not sites:
+        return ["Not measured yet: benchmarks/results/current.json lists no engine call site."]
+    lo, hi = ISSUE45["rows"]
+    grid = (f"rows {lo}-{hi}, H " + " / ".join(map(str, ISSUE45["heads"])) + ", "
+            + " and ".join(ISSUE45["states"]) + " state")
+    lines = [
+        "The serving engines' KDA call sites, each through its flashkda_ext adapter (\"ours\", called as the engine "
+        "calls it) against the engine's own Triton kernel from its pinned wheel, on identical inputs in one run "
+        "(`benchmarks/bench_vllm.py`, `benchmarks/bench_sglang.py`); CUDA-graph replay, cold L2. Target (issue 45): "
+        f"every served call faster than the engine's kernel at every measured point of {grid} (rows: decode rows, "
+        "verify requests). Before timing, each point runs both kernels once from identical copies: \"agrees\" is "
+        "that check (the larger rel. L2 of the output and the written state in brackets): the run's own verdict "
+        "where its cases hold one (SGLang), else the adapter served the call and both are below the entry's "
+        "bound (vLLM).", ""]
+    gaps, phases = {}, {}
+    for site in sites:
+        pts = _site_points(site)
+        who = site.engine.split()[0]
+        fla = any(p[3] for p in pts)
+        bounds = {c["params"].get("lower_bound") for c in site.cases()} - {None}
+        gate = f"bounded (lower bound {min(bounds):g})" if bounds else site.src.doc["meta"].get("gate")
+        facts = ([f"Gate {gate}"] if gate else []) + ([f"{site.tokens} tokens per request"] if site.tokens else []) \
+            + ([f"agreement bound rel. L2 {site.tol:g}"] if site.tol is not None else [])
+        lines += [f"### {site.engine} {site.site}", "",
+                  "; ".join(facts) + (". " if facts else "")
+                  + f"Each row: ours and {who}'s Triton us, graph replay, and {who}'s time over ours.", ""]
+        rows = []
+        for (st, h, r), a, e, f, ok, rel in pts:
+            rows.append([st, str(h), str(r)] + ([str(site.tokens)] if site.tokens else [])
+                        + [_us(a), _us(e)] + ([_us(f)] if fla else [])
+                        + [_x(e / a if a and e else None), f"{'yes' if ok else 'no'} ({rel:.1e})", site.src.key])
+        lines += _table(["state", "H", "rows"] + (["tokens"] if site.tokens else []) + ["ours us", f"{who} us"]
+                        + (["fla us"] if fla else []) + [f"{who} / ours", "agrees", "run"], rows)
+        rx = _engine_ratios(pts)
+        slow = min(rx, key=lambda t: t[1], default=None)
+        behind = [(p, f"{x:.3f}x") for p, x in rx if x <= 1]
+        behind += [(p[0], "not timed") for p in pts if not (p[1] and p[2])]
+        agree = sum(1 for p in pts if p[4])
+        lines += ["", f"- {site.name} ({site.src.when()}): {who}'s Triton over ours geomean "
+                  f"{_x(_geomean(x for _, x in rx))}, slowest {_x(slow and slow[1])}"
+                  + (f" ({_label(slow[0])})" if slow else "") + "; issue 45's target (faster at every point) "
+                  + (f"met at all {len(pts)} points" if not behind else
+                     f"missed at {len(behind)} of {len(pts)} points: "
+                     + ", ".join(f"{_label(p)} {x}" for p, x in behind))
+                  + f"; outputs agree at {agree} of {len(pts)}."]
+        lines += [f"- {site.name}: {site.note}"] if site.note else []
+        lines.append("")
+        for g in _gaps(site, pts):
+            gaps.setdefault(g, []).append(site.name)
+        phases.setdefault(site.engine, set()).add(site.phase)
+    parts = [g if g.startswith(tuple(names)) else f"{g} (every call site)" if len(names) == len(sites)
+             else f"{g} ({', '.join(names)})" for g, names in gaps.items()]
+    for engine, have in phases.items():
+        parts += [f"{ph} through the {engine} adapter (no run)" for ph in ISSUE45["phases"] if ph not in have]
+    lines += [f"Not measured of issue 45's grid ({grid}; decode, verify and prefill per engine): "
+              + "; ".join(parts) + "."]
+    return lines
+
+
 SECTIONS = (("kda_decode", "Decode (`kda_decode`)", decode_section),
             ("fused_kda_decode", "Fused decode (`fused_kda_decode`)", fused_section),
             ("kda_verify", "Verify (`kda_verify`)", verify_section),
             ("fused_kda_verify", "Fused verify (`fused_kda_verify`)", fused_verify_section),
-            ("kda_prefill", "Prefill (`kda_prefill`)", prefill_section))
+            ("kda_prefill", "Prefill (`kda_prefill`)", prefill_section),
+            ("engines", "Engines (vLLM, SGLang)", engines_section))
+
+
+def _runs(srcs) -> list:
+    """The distinct results files of a section, in order (engine call sites may share one)."""
+    out = []
+    for s in srcs:
+        s = getattr(s, "src", s)
+        if all(s is not o for o in out):
+            out.append(s)
+    return out
 
 
 def _versions(sources) -> str:
-    metas = [s.doc["meta"] for srcs in sources.values() for s in srcs]
+    metas = [s.doc["meta"] for srcs in sources.values() for s in _runs(srcs)]
     parts = []
     for key, name in (("gpu", "GPU"), ("torch", "torch"), ("triton", "triton"), ("fla", "fla")):
         vals = sorted({str(m[key]) for m in metas if m.get(key)})
@@ -335,6 +500,11 @@ def summary_rows(sources) -> list:
                 if xs:
                     who = "the unfused engine sequence (fla step)" if p == "unfused" else PEER_NAMES.get(p, p)
                     out.append((f"`{op}`, {state} state", who, mode, _geomean(xs), min(xs), src))
+    for site in sources.get("engines", []):
+        xs = [x for _, x in _engine_ratios(_site_points(site))]
+        if xs:
+            out.append((f"{site.name} (adapter)", f"{site.engine.split()[0]}'s Triton", "graph", _geomean(xs),
+                        min(xs), site.src))
     return out
 
 
@@ -373,18 +543,20 @@ def render(sources) -> str:
         "- **Peers on identical inputs**, in the same run: fla 0.6 (Triton; `fused_recurrent_kda` on the "
         "same `[slots, HV, V, K]` pool, in place, for decode and verify; `chunk_kda` for prefill), with its "
         "gate, l2norm and beta sigmoid inside its kernels. vLLM's KDA layer calls its own vendored copy of "
-        "fla's Triton ops (docs/integrations.md), so the fla column stands for it. cuDNN: a prefill column "
+        "fla's Triton ops (docs/integrations.md), so the fla column stands for it; the Engines section times "
+        "vLLM's and SGLang's own kernels through the adapters. cuDNN: a prefill column "
         "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installed on the GPU "
         "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target.", ""]
     for op, title, make in SECTIONS:
         srcs = sources.get(op, [])
-        for i, src in enumerate(srcs):
+        runs = _runs(srcs)
+        for i, src in enumerate(runs):
             src.key = chr(ord("A") + i)
         out += [f"## {title}", ""] + make(srcs)
-        out += [f"- Run {src.key}: {src.note}" for src in srcs if src.note] + [""]
-        if srcs:
-            out += ["Runs: " + "; ".join(f"{src.key}: {src.cite()}" for src in srcs) + ".", ""]
-        for src in srcs:
+        out += [f"- Run {src.key}: {src.note}" for src in runs if src.note] + [""]
+        if runs:
+            out += ["Runs: " + "; ".join(f"{src.key}: {src.cite()}" for src in runs) + ".", ""]
+        for src in runs:
             if src.plot:
                 out += [f"![{op} {_state(src)} {src.when()}](../benchmarks/results/{src.plot})", ""]
     out += HOW_TO_REPRODUCE
@@ -402,6 +574,12 @@ HOW_TO_REPRODUCE = [
     "`python3 benchmarks/run_all.py --dry-run` checks the scripts on tiny shapes (no numbers). One device "
     "command has 10 minutes: spread the stages (or `OPS`, the benchmarks a bench / peers stage runs) over "
     "calls, e.g. `STAGES=peers OPS=prefill`.", "",
+    "The engines (Engines): prepare their kernels here, `python3 scripts/prepare_vllm_engine.py` and "
+    "`python3 benchmarks/bench_sglang.py --prepare` (both into the ignored `.engines/`, carried to the device), "
+    "then on the device `python3 benchmarks/bench_vllm.py --quick --kinds decode,verify --modes graph` and "
+    "`python3 benchmarks/bench_sglang.py --quick --phases decode` (then `--phases verify`); without `--quick` "
+    "they run issue 45's four head counts and more rows; prefill is `--kinds prefill` / `--phases extend`. "
+    "Point the call sites' entries under `engines` in `benchmarks/results/current.json` at the results.", "",
     "To update this page: copy a run's JSON into `benchmarks/results/h200-<date>-<commit>/` (with a README "
     "saying what ran), `python3 benchmarks/results_compact.py FILE`, point its op's entry of "
     "`benchmarks/results/current.json` at it, then `python3 benchmarks/perf_doc.py` (tests/test_perf_doc.py "

@@ -45,7 +45,8 @@ def test_every_op_has_a_section(sources):
 def test_cited_results_exist():
     doc = perf_doc.DOC.read_text()
     cited = re.findall(r"\(\.\./(benchmarks/results/[^)\s]+)\)", doc)
-    entries = [e for es in json.loads(perf_doc.SOURCES.read_text())["ops"].values() for e in es]
+    data = json.loads(perf_doc.SOURCES.read_text())
+    entries = [e for es in data["ops"].values() for e in es] + data["engines"]
     named = [f"benchmarks/results/{e[k]}" for e in entries for k in ("file", "plot") if e.get(k)]
     assert set(named) <= set(cited), "a source of current.json is not cited by the page"
     missing = [p for p in cited if not (ROOT / p).is_file()]
@@ -106,6 +107,93 @@ def test_prefill_gets_a_column_per_peer(sources):
     assert "| fla us | cuDNN us |" in text
     assert "against cuDNN where its output is finite" in text and "geomean 2.00x, behind at 0 rows" in text
     assert "| `kda_prefill`, f32 state | cuDNN | 2.00x (2.00x) |" in perf_doc.readme_block(with_cudnn)
+
+
+def _site(sources, name):
+    return next(s for s in sources["engines"] if s.name == name)
+
+
+def _engine_case(site, name):
+    return next(c for c in site.cases() if c["name"] == name)
+
+
+def test_engines_section_lists_every_call_site(sources):
+    text = perf_doc.DOC.read_text()
+    assert re.search(r"^## Engines \(vLLM, SGLang\)$", text, re.M)
+    names = [s.name for s in sources["engines"]]
+    assert names == ["vLLM 0.34.0 packed decode", "vLLM 0.34.0 speculative verify", "SGLang 0.5.23 packed decode",
+                     "SGLang 0.5.23 target_verify"]
+    for site in sources["engines"]:
+        assert site.cases(), site.name
+        assert re.search(rf"^- {re.escape(site.name)} \(\d{{4}}-\d\d-\d\d, [0-9a-f]{{7}}\): ", text, re.M), site.name
+        assert f"| {site.name} (adapter) |" in perf_doc.README.read_text()
+
+
+def test_engine_tables_follow_the_data(sources):
+    """A changed engine median or agreement changes the row, the summary line and the README row."""
+    changed = copy.deepcopy(sources)
+    site = _site(changed, "vLLM 0.34.0 packed decode")
+    case = _engine_case(site, "decode rows=1 H=8 float32")
+    ours = case["arms"]["ours"]["time_us"]["graph"]["median"]
+    case["arms"]["vllm_triton"]["time_us"]["graph"]["median"] = 2 * ours
+    other = _engine_case(site, "decode rows=64 H=8 float32")
+    other["notes"]["served"] = False
+    before, after = perf_doc.render(sources), perf_doc.render(changed)
+    row = f"| f32 | 8 | 1 | {perf_doc._us(ours)} | {perf_doc._us(2 * ours)} | 2.00x | yes ("
+    assert row not in before and row in after
+    engines = after.split("## Engines")[1]
+    assert engines.split("| f32 | 8 | 64 |")[1].splitlines()[0].endswith(" | no (6.6e-06) | A |")
+    line = next(x for x in after.splitlines() if x.startswith("- vLLM 0.34.0 packed decode ("))
+    assert "missed at 3 of 12 points" in line and "outputs agree at 11 of 12" in line
+    assert "missed at 4 of 12 points" in before and "outputs agree at 12 of 12" in before
+    assert perf_doc.readme_block(changed) != perf_doc.readme_block(sources)
+
+
+def test_engine_target_met_and_missed_come_from_the_ratios(sources):
+    fast = copy.deepcopy(sources)
+    site = _site(fast, "SGLang 0.5.23 packed decode")
+    for c in site.cases():
+        c["arms"]["sglang"]["time_us"]["graph"]["median"] = 1.5 * c["arms"]["ours"]["time_us"]["graph"]["median"]
+    line = next(x for x in perf_doc.engines_section(fast["engines"]) if x.startswith("- SGLang 0.5.23 packed decode ("))
+    assert "geomean 1.50x, slowest 1.50x" in line and f"met at all {len(site.cases())} points" in line
+    del site.cases()[0]["arms"]["sglang"]   # a point without the engine's time is not a point met
+    line = next(x for x in perf_doc.engines_section(fast["engines"]) if x.startswith("- SGLang 0.5.23 packed decode ("))
+    assert f"missed at 1 of {len(site.cases())} points: 1 row H8 f32 not timed" in line
+
+
+def test_engines_not_measured_is_derived_from_the_data(sources):
+    def gaps(srcs):
+        return next(x for x in perf_doc.engines_section(srcs) if x.startswith("Not measured of issue 45's grid"))
+
+    now = gaps(sources["engines"])
+    assert "H 12 / 24 (every call site)" in now and "rows 1-1024 other than 1 / 64 / 1024 (every call site)" in now
+    assert "an fla arm" in now and "prefill through the vLLM 0.34.0 adapter" in now
+    holes = "vLLM 0.34.0 speculative verify at 1024 rows H32 f32, 1024 rows H32 bf16"
+    assert holes in now
+    filled = copy.deepcopy(sources)
+    verify = _site(filled, "vLLM 0.34.0 speculative verify")
+    doc = verify.src.doc
+    for dtype in ("torch.float32", "torch.bfloat16"):   # the two points the run did not reach, and H 12 / 24
+        for h, rows in ((32, 1024), (12, 1), (24, 1)):
+            c = copy.deepcopy(_engine_case(verify, f"verify rows=64 H=32 {dtype.split('.')[1]}"))
+            c["params"].update(rows=rows, H=h)
+            c["name"] = f"verify rows={rows} H={h} {dtype.split('.')[1]}"
+            doc["cases"].append(c)
+    for c in doc["cases"]:
+        c["arms"]["fla"] = {"time_us": {"graph": {"median": 100.0}}}
+    text = "\n".join(perf_doc.engines_section(filled["engines"]))
+    after = gaps(filled["engines"])
+    assert holes not in after and "an fla arm" in after
+    assert "H 12 / 24 (vLLM 0.34.0 packed decode, SGLang 0.5.23 packed decode, SGLang 0.5.23 target_verify)" in after
+    assert "| fla us |" in text and "| f32 | 12 | 1 | 4 |" in text
+
+
+def test_engine_agreement_needs_a_verdict(sources):
+    """A vLLM run records the errors, not the verdict: without the entry's bound the page is refused."""
+    no_tol = copy.deepcopy(sources)
+    _site(no_tol, "vLLM 0.34.0 packed decode").tol = None
+    with pytest.raises(ValueError, match="tol"):
+        perf_doc.engines_section(no_tol["engines"])
 
 
 def test_results_folder_names_give_date_and_commit(tmp_path):
