@@ -245,7 +245,7 @@ WRONG = [
     # kda_verify: dtypes, shapes, index dtypes
     ("kda_verify", _dtype("v", torch.float64), ["'v'", "'q'", "float32", "float64"]),
     ("kda_verify", _dtype("q", torch.int32), ["'q'", "int32"]),
-    ("kda_verify", _dtype("g", torch.float16), ["'g'", "float32", "float16"]),
+    ("kda_verify", _dtype("g", torch.float16), ["'g' must have dtype float32, got float16"]),
     ("kda_verify", _dtype("state", torch.float16), ["'state'", "float16"]),
     ("kda_verify", _dtype("out", torch.bfloat16), ["'out'", "float32", "bfloat16"]),
     ("kda_verify", lambda a: a.update(k=a["k"][..., :5].contiguous()), ["'k'", "K=6", "[1, 6, 2, 5]"]),

@@ -14,6 +14,7 @@
 #include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -162,8 +163,9 @@ class Checker {
   void dtype(const TensorView& t, const char* name, std::initializer_list<DLDataType> allowed) const {
     for (DLDataType a : allowed)
       if (same_dtype(t.dtype(), a)) return;
-    std::vector<std::string> names;
-    for (DLDataType a : allowed) names.push_back(dtype_name(a));
+    std::vector<std::string> names;  // each once: a list like {q's dtype, float32} can name one twice
+    for (DLDataType a : allowed)
+      if (std::find(names.begin(), names.end(), dtype_name(a)) == names.end()) names.push_back(dtype_name(a));
     FKDA_FAIL(fn_) << "argument '" << name << "' must have dtype "
                    << (names.size() == 1 ? names[0] : "one of " + list_str(names)) << ", got "
                    << dtype_name(t.dtype());
