@@ -312,11 +312,12 @@ class Checker {
     }
   }
 
-  // HV must be a supported value-head count and a multiple of H with a supported group size.
-  void heads(int64_t H, int64_t HV) const {
+  // HV must be a supported value-head count and a multiple of H with a supported group size. The
+  // arguments the counts come from are named in the error (q and v; g for the fused ops, HV = H).
+  void heads(int64_t H, int64_t HV, const char* v_name = "v", const char* q_name = "q") const {
     if (H <= 0 || HV <= 0 || HV % H != 0) {
-      FKDA_FAIL(fn_) << "value heads HV must be a positive multiple of key heads H, got H=" << H
-                     << ", HV=" << HV;
+      FKDA_FAIL(fn_) << "argument '" << v_name << "' has HV = " << HV << " value heads; expected a positive "
+                     << "multiple of the key heads H = " << H << " of '" << q_name << "'";
     }
     // Arrays are one longer than their list so an empty brace list ({} = any) stays valid C++.
     static constexpr int64_t kHeads[FKDA_NUM_SUPPORTED_VALUE_HEADS + 1] = FKDA_SUPPORTED_VALUE_HEADS;

@@ -35,7 +35,7 @@ inline FusedHeads fused_heads(const Checker& c, const TensorView& g, int rank, c
   c.ndim(g, "g", rank, layout);
   const FusedHeads h{g.size(rank - 2), g.size(rank - 1)};
   c.head_dims(h.D, h.D);
-  c.heads(h.H, h.H);
+  c.heads(h.H, h.H, "g", "g");
   return h;
 }
 
@@ -110,7 +110,10 @@ struct SlotTable {
 inline SlotTable slot_table(const Checker& c, const TensorView& state_indices) {
   c.ndim(state_indices, "state_indices", 2, "[N, T_max]");
   const int64_t N = state_indices.size(0), cols = state_indices.size(1);
-  if (N < 1 || cols < 1) FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1";
+  if (N < 1 || cols < 1) {
+    FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N, T_max] with N, T_max >= 1, got [" << N << ", "
+                      << cols << "]";
+  }
   return SlotTable{N, cols};
 }
 
@@ -140,7 +143,8 @@ inline VerifyLayout verify_layout(const Checker& c, const TensorView& state, con
   c.ndim(state_indices, "state_indices", 1, "[N] (one row of state per request)");
   l.N = state_indices.size(0), l.cols = state.size(1), l.rows = state.size(0);
   if (l.N < 1 || l.cols < 1) {
-    FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N] and state [R, T_max, ..] with N, T_max >= 1";
+    FKDA_FAIL(c.fn()) << "argument 'state_indices' must be [N] and state [R, T_max, ..] with N, T_max >= 1, got N = "
+                      << l.N << ", T_max = " << l.cols;
   }
   if (l.rows * l.cols > INT32_MAX) {
     FKDA_FAIL(c.fn()) << "argument 'state' has R * T_max = " << l.rows * l.cols

@@ -71,7 +71,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.ndim(g, "g", 3, "[rows, H, D]");
   const int64_t rows = g.size(0), H = g.size(1), HD = H * g.size(2), C = 3 * HD;
   c.head_dims(g.size(2), g.size(2));
-  c.heads(H, H);
+  c.heads(H, H, "g", "g");
   if (rows >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 rows per call, got " << rows;
   check_bf16_input(c, g, "g", {{"rows", rows}, {"H", H}, {"D", D}}, out);
   check_bf16_input(c, x, "x", {{"rows", rows}, {"3*H*D", C}}, out);

@@ -37,7 +37,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.ndim(g, "g", 4, "[1, T, H, D]");
   const int64_t T = g.size(1), H = g.size(2), C = 3 * H * D;
   c.head_dims(g.size(3), g.size(3));
-  c.heads(H, H);
+  c.heads(H, H, "g", "g");
   if (T >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 tokens per call, got " << T;
   fkda_fused::check_bf16_input(c, g, "g", {{"1", 1}, {"T", T}, {"H", H}, {"D", D}}, out);
   fkda_fused::check_bf16_input(c, x, "x", {{"1", 1}, {"T", T}, {"3*H*D", C}}, out);
