@@ -177,6 +177,13 @@ def _init_is_state(a):
              initial_state_indices=torch.tensor([1, 3, 8, -1], dtype=torch.int32))
 
 
+def _init_over_out(a):
+    # a second start pool whose first slots are out's memory: out is written while they are read
+    _with_init(a)
+    buf = a["initial_state"].flatten().clone()
+    a.update(initial_state=buf.view(a["initial_state"].shape), out=buf[:a["out"].numel()].view(a["out"].shape))
+
+
 def _step_rows(a, R=5):
     # kda_verify's step rows: state [R, T_max, HV, V, K], one row a request (-1: padding)
     a.update(state=torch.randn(R, COLS, *a["state"].shape[-3:]).to(a["state"].dtype),
@@ -287,6 +294,7 @@ WRONG = [
      ["'initial_state'", "K=6", "[3, 4, 5, 5]"]),
     ("kda_verify", _then(_with_init, lambda a: a.update(initial_state=a["state"][1:])),
      ["'initial_state' overlaps 'state'", "same view"]),
+    ("kda_verify", _init_over_out, ["'initial_state' overlaps 'out'"]),
     ("kda_verify", _then(_init_is_state, _set(initial_state_indices=torch.tensor([1, 3, 2, -1], dtype=torch.int32))),
      ["'initial_state_indices'", "request 2 reads slot 2", "request 0 writes"]),
     # cu_seqlens, num_accepted_tokens, the slot table

@@ -182,7 +182,8 @@ struct InitialPool {
 
 inline InitialPool initial_pool(const Checker& c, const OptTensor& initial_state,
                                 const OptTensor& initial_state_indices, const OptTensor& num_accepted_tokens,
-                                const TensorView& state, Dim a, Dim b, Dim d, int64_t N, int bits, bool align16) {
+                                const TensorView& state, const TensorView& out, Dim a, Dim b, Dim d, int64_t N,
+                                int bits, bool align16) {
   if (initial_state.has_value() != initial_state_indices.has_value()) {
     FKDA_FAIL(c.fn()) << "argument '" << (initial_state.has_value() ? "initial_state_indices" : "initial_state")
                       << "' is missing: initial_state and initial_state_indices are given together or not at all";
@@ -206,6 +207,10 @@ inline InitialPool initial_pool(const Checker& c, const OptTensor& initial_state
   if (Extent::of(init).overlaps(Extent::of(state)) && !same_view(init, state)) {
     FKDA_FAIL(c.fn()) << "argument 'initial_state' overlaps 'state' without being the same view: pass state "
                          "itself or a pool apart from it";
+  }
+  // out is written while initial_state is read (python: check_apart refuses it first)
+  if (Extent::of(init).overlaps(Extent::of(out))) {
+    FKDA_FAIL(c.fn()) << "argument 'initial_state' overlaps 'out': the start states are read while out is written";
   }
   p.data = data_ptr<const void>(init);
   p.idx = data_ptr<const int32_t>(idx);

@@ -53,16 +53,17 @@ inline void check_verify_indices(const Checker& c, const TensorView& state_indic
   }
 }
 
-// kda_verify's second start pool (pool_args.h initial_pool) on ref's device, 16-byte aligned, its
-// offsets within the module's `bits`.
+// kda_verify's second start pool (pool_args.h initial_pool) on the device of out (the call's output, which
+// it must not overlap), 16-byte aligned, its offsets within the module's `bits`.
 inline InitialPool verify_initial_pool(const Checker& c, const OptTensor& initial_state,
                                        const OptTensor& initial_state_indices, const OptTensor& num_accepted_tokens,
                                        const TensorView& state, Dim a, Dim b, Dim d, int64_t N, int bits,
-                                       const TensorView& ref) {
-  if (initial_state.has_value()) check_cuda_device(c, initial_state.value(), "initial_state", ref, "out");
+                                       const TensorView& out) {
+  if (initial_state.has_value()) check_cuda_device(c, initial_state.value(), "initial_state", out, "out");
   if (initial_state_indices.has_value())
-    check_cuda_device(c, initial_state_indices.value(), "initial_state_indices", ref, "out");
-  return initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens, state, a, b, d, N, bits, true);
+    check_cuda_device(c, initial_state_indices.value(), "initial_state_indices", out, "out");
+  return initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens, state, out, a, b, d, N, bits,
+                      true);
 }
 
 }  // namespace fkda

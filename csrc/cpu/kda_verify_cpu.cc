@@ -68,8 +68,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
     if (t.has_value()) c.device_type(t.value(), name, kDLCPU);
   }
   const fkda::InitialPool init = fkda::initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens,
-                                                    state, {"HV", HV}, {"V", V}, {"K", K}, N, FKDA_SLOT_OFFSET_BITS,
-                                                    false);
+                                                    state, out, {"HV", HV}, {"V", V}, {"K", K}, N,
+                                                    FKDA_SLOT_OFFSET_BITS, false);
   const bool init_is_state = init.idx && fkda::same_view(initial_state.value(), state);
   const cpu::VerifyPlan plan = cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table,
                                                      slots, null_slot0, init, init_is_state, layout.rows);
