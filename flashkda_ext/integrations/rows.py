@@ -25,3 +25,11 @@ def as_read(x: torch.Tensor, row_dim: int, *, vector: bool = True) -> bool:
 def rows_view(x: torch.Tensor, row_dim: int, *, vector: bool = True) -> torch.Tensor:
     """x itself where the op reads it so, else a dense copy (one kernel)."""
     return x if as_read(x, row_dim, vector=vector) else x.contiguous()
+
+
+def qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_dim: int, dense):
+    """q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): an engine's views into its packed buffer
+    as they are where the op reads them so (no copy), else dense(q, k, v), the engine's fewest-copies form."""
+    if k.dtype == v.dtype == q.dtype and all(as_read(x, row_dim) for x in (q, k, v)):
+        return q, k, v
+    return dense(q, k, v)

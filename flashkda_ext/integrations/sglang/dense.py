@@ -9,12 +9,14 @@ three (two when v's width differs from q's).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ...custom_ops import tracing
-from ..rows import as_read, rows_view
+from .. import rows
+from ..rows import rows_view
 
 
 def as_dense(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -33,14 +35,6 @@ def as_rows(x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int, vector: bo
     if x.dtype != dtype:
         return x.to(dtype, memory_format=torch.contiguous_format)
     return rows_view(x, row_dim, vector=vector)
-
-
-def qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_dim: int):
-    """q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): SGLang's views into mixed_qkv as they
-    are where the op reads them so (no copy), else dense_qkv."""
-    if k.dtype == v.dtype == q.dtype and all(as_read(x, row_dim) for x in (q, k, v)):
-        return q, k, v
-    return dense_qkv(q, k, v)
 
 
 def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -92,3 +86,8 @@ def _rows(x, rows):
         return x.view(rows, x.shape[-2] * x.shape[-1])
     except RuntimeError:
         return None
+
+
+#: q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): SGLang's views into mixed_qkv as they are where
+#: the op reads them so (no copy), else dense_qkv
+qkv_rows = functools.partial(rows.qkv_rows, dense=dense_qkv)

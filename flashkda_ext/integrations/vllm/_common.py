@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 
 import torch
 
 from .._indices import NotNarrowable
-from ..rows import as_read
+from .. import rows
 
 #: calls per call site: STATS[site, "served"] ran flashkda_ext, STATS[site, "fell_back"] ran vLLM's original
 STATS: collections.Counter = collections.Counter()
@@ -89,9 +90,6 @@ def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_dim: int):
-    """q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): vLLM's row-strided views of its post-conv
-    buffer as they are where the op reads them so (no copy), else dense_qkv's one permuting copy."""
-    if all(as_read(x, row_dim) for x in (q, k, v)):
-        return q, k, v
-    return dense_qkv(q, k, v)
+#: q, k, v for kda_decode (row_dim 0) / kda_verify (row_dim 1): vLLM's row-strided views of its post-conv buffer
+#: as they are where the op reads them, else dense_qkv's one permuting copy
+qkv_rows = functools.partial(rows.qkv_rows, dense=dense_qkv)
