@@ -371,11 +371,17 @@ def _pool(name: str, state, value_heads: int, head_dim_v: int, head_dim_k: int, 
     return state.shape[0]
 
 
-def _indices(name: str, idx, length: int, device, what: str) -> None:
+def _int32_tensor(name: str, idx, device) -> torch.Tensor:
+    """An index argument: a tensor on device, of dtype int32 (its shape: the caller's)."""
     idx = _tensor(name, idx)
     _same_device(name, idx, device)
     if idx.dtype != torch.int32:
         raise ValueError(f"{name}: expected dtype int32, got {dtype_name(idx.dtype)}")
+    return idx
+
+
+def _indices(name: str, idx, length: int, device, what: str) -> None:
+    idx = _int32_tensor(name, idx, device)
     _shape(name, idx, (length,), what)
     _contiguous(name, idx)
 

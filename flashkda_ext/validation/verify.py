@@ -6,18 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (GATE_MODE, INT32_MAX, _bool, _check_backend, _contiguous, _indices, _int, _ndim,
-                     _offset_bits, _pool, _qkv_common, _resolve_scale, _same_device, _state_tag, _tensor, dtype_name)
+from .common import (GATE_MODE, INT32_MAX, _bool, _check_backend, _contiguous, _indices, _int, _int32_tensor,
+                     _ndim, _offset_bits, _pool, _qkv_common, _resolve_scale, _same_device, _state_tag, _tensor,
+                     dtype_name)
 from .memo import _memoized
 from .decode import _GbDtypes, _pool_step_tail
 
 
 def _int32_indices(name, idx, device, ndim, what):
     """An int32 index tensor of ndim dims on device, contiguous (what: the layout named in the error)."""
-    idx = _tensor(name, idx)
-    _same_device(name, idx, device)
-    if idx.dtype != torch.int32:
-        raise ValueError(f"{name}: expected dtype int32, got {dtype_name(idx.dtype)}")
+    idx = _int32_tensor(name, idx, device)
     _ndim(name, idx, ndim, what)
     _contiguous(name, idx)
     return idx
