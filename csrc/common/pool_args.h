@@ -48,6 +48,20 @@ inline int64_t pool_slots(const Checker& c, const TensorView& state, const char*
   return slots;
 }
 
+// The rule on one slot's layout, shared with kda_verify's step rows (verify_layout): dims first..first+2
+// of t, a slot's [a, b, d], row-major dense (a dim of size 1 may carry any stride).
+inline bool slot_dense(const TensorView& t, int first) {
+  const int64_t a = t.size(first), b = t.size(first + 1), d = t.size(first + 2);
+  return (d <= 1 || t.stride(first + 2) == 1) && (b <= 1 || t.stride(first + 1) == d) &&
+         (a <= 1 || t.stride(first) == b * d);
+}
+
+// ... and on the stride between slots (elements of `bytes` bytes): one slot's elements, or more as a
+// multiple of 16 bytes.
+inline bool slot_stride_ok(int64_t stride, int64_t elems, int64_t bytes) {
+  return stride == elems || (stride > elems && (stride * bytes) % 16 == 0);
+}
+
 // The slot stride, in elements, of a state pool [slots, a, b, d] (docs/semantics.md, "Strided
 // pools"): dims 1-3 dense (strides b*d, d, 1; a dim of size 1 may carry any stride), and a slot
 // stride of a*b*d (a dense pool) or more, then a multiple of 16 bytes: serving engines keep each
@@ -56,11 +70,9 @@ inline int64_t pool_slots(const Checker& c, const TensorView& state, const char*
 // at most one slot returns a*b*d (its stride is never used).
 inline int64_t pool_slot_stride(const Checker& c, const TensorView& state, const char* name) {
   const int64_t a = state.size(1), b = state.size(2), d = state.size(3), elems = a * b * d;
-  const bool inner = (d <= 1 || state.stride(3) == 1) && (b <= 1 || state.stride(2) == d) &&
-                     (a <= 1 || state.stride(1) == b * d);
   const int64_t stride = state.size(0) <= 1 ? elems : state.stride(0);
   const int64_t bytes = state.dtype().bits / 8;
-  if (!inner || stride < elems || (stride != elems && (stride * bytes) % 16 != 0)) {
+  if (!slot_dense(state, 1) || !slot_stride_ok(stride, elems, bytes)) {
     const int64_t st[4] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3)};
     FKDA_FAIL(c.fn()) << "argument '" << name << "' must have dims 1-3 contiguous (strides " << b * d << ", " << d
                       << ", 1) and a slot stride of " << elems << " elements, or more as a multiple of 16 bytes ("
@@ -153,10 +165,8 @@ inline VerifyLayout verify_layout(const Checker& c, const TensorView& state, con
   const int64_t elems = a.value * b.value * d.value;
   // the stride between consecutive slots of the R * T_max (with T_max = 1: between rows)
   const int64_t step = l.cols > 1 ? state.stride(1) : (l.rows > 1 ? state.stride(0) : elems);
-  const bool inner = (d.value <= 1 || state.stride(4) == 1) && (b.value <= 1 || state.stride(3) == d.value) &&
-                     (a.value <= 1 || state.stride(2) == b.value * d.value);
   const int64_t bytes = state.dtype().bits / 8;
-  if (!inner || step < elems || (step != elems && (step * bytes) % 16 != 0) ||
+  if (!slot_dense(state, 2) || !slot_stride_ok(step, elems, bytes) ||
       (l.rows > 1 && state.stride(0) != l.cols * step)) {
     const int64_t st[5] = {state.stride(0), state.stride(1), state.stride(2), state.stride(3), state.stride(4)};
     FKDA_FAIL(c.fn()) << "argument 'state' (step rows [R, T_max, HV, V, K]) must have dims 2-4 contiguous, a step "
