@@ -273,9 +273,12 @@ struct WarpTile {
   }
 
   __device__ static void load_state_regs(const DecodeParams& p, Item& it, OffT base, int lane) {
-    const int c = lane % LPR, r = lane / LPR;
     // typed pointer arithmetic: the element offset (OffT) is scaled to bytes in 64 bits
-    const Elem* sb = static_cast<const Elem*>(p.state) + base;
+    load_state_at(it, static_cast<const Elem*>(p.state) + base, lane);
+  }
+  // The same from the tile's first element sb, in whichever pool (kda_verify's second start pool too).
+  __device__ static void load_state_at(Item& it, const Elem* sb, int lane) {
+    const int c = lane % LPR, r = lane / LPR;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ++ps) {
 #pragma unroll

@@ -124,19 +124,6 @@ __device__ __forceinline__ const typename T::Elem* read_tile(const VerifyParams&
          (static_cast<OffT>(rq.read) * static_cast<OffT>(stride) + static_cast<OffT>((hv * T::V + vrow0) * T::K));
 }
 
-// The thread's state chunks of the tile at sb (decode's load_state_regs from a given tile).
-template <typename T>
-__device__ __forceinline__ void load_tile_regs(typename T::Item& it, const typename T::Elem* sb, int lane) {
-  const int c = lane % (32 / T::RPW), r = lane / (32 / T::RPW);
-#pragma unroll
-  for (int ps = 0; ps < T::PASSES; ++ps) {
-#pragma unroll
-    for (int i = 0; i < T::CHUNKS; ++i)
-      it.s[ps][i] = fkda_decode::load_state<false>(reinterpret_cast<const uint4*>(sb + (ps * T::RPW + r) * T::K +
-                                                                                   T::key_of(i, c)));
-  }
-}
-
 // FKDA_PARAM_JOINT_PASSES = J > 1 (staged kernels): the step's row sums of J passes share one
 // butterfly (JointSum below); 1 (default): decode's step_passes, one butterfly per pass and sum.
 #if defined(FKDA_PARAM_JOINT_PASSES)
@@ -544,7 +531,7 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     if (threadIdx.x == 0)
       fkda::bulk_load(tiles + V_TILE * K, read_tile<T, OffT>(vp, rq, hv, vt * V_TILE), kTileBytes, bar);
   } else {
-    load_tile_regs<T>(cur, read_tile<T, OffT>(vp, rq, hv, vrow0), lane);
+    T::load_state_at(cur, read_tile<T, OffT>(vp, rq, hv, vrow0), lane);
   }
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
   St::head_inputs(p, in, hv, c);
