@@ -68,21 +68,29 @@ class Source:
 
 
 class Site:
-    """One engine call site of current.json's "engines": its entry and the cases of its file it selects."""
+    """One engine call site of current.json's "engines": its entry and the cases of its files it selects.
+    "file" is one file or a list of them (runs that add points or measure again): where two hold the
+    same point, the later file's case is the one shown."""
 
-    def __init__(self, entry: dict, src: Source):
+    def __init__(self, entry: dict, srcs: list):
         self.engine, self.phase, self.site = entry["engine"], entry["phase"], entry["site"]
         self.arm, self.tol, self.tokens = entry["arm"], entry.get("tol"), entry.get("tokens")
         self.note = entry.get("note")
         self.select = entry.get("select", {})
-        self.src = src
+        self.srcs = srcs
 
     @property
     def name(self) -> str:
         return f"{self.engine} {self.site.split(' (')[0]}"
 
     def cases(self):
-        return [c for c in self.src.doc["cases"] if all(c["params"].get(k) == v for k, v in self.select.items())]
+        """[(case, its Source)], one a point, the later file's where files overlap."""
+        by_point = {}
+        for src in self.srcs:
+            for c in src.doc["cases"]:
+                if all(c["params"].get(k) == v for k, v in self.select.items()):
+                    by_point[_point(c)] = (c, src)
+        return list(by_point.values())
 
 
 def load(path: Path = SOURCES, root: Path = RESULTS) -> dict:
@@ -90,7 +98,8 @@ def load(path: Path = SOURCES, root: Path = RESULTS) -> dict:
     data = json.loads(path.read_text())
     out = {op: [Source(e, root) for e in entries] for op, entries in data["ops"].items()}
     files = {}
-    out["engines"] = [Site(e, files.setdefault(e["file"], Source({"file": e["file"]}, root)))
+    out["engines"] = [Site(e, [files.setdefault(f, Source({"file": f}, root))
+                               for f in ([e["file"]] if isinstance(e["file"], str) else e["file"])])
                       for e in data.get("engines", [])]
     return out
 
@@ -366,11 +375,14 @@ def _agreement(site: Site, case):
 
 
 def _site_points(site: Site):
-    """[(point, ours us, engine us, fla us, agrees, rel. L2)] in grid order (f32 first)."""
+    """[(point, ours us, engine us, fla us, agrees, rel. L2, engine over ours in kernel time or None,
+    Source)] in grid order (f32 first)."""
     out = []
-    for c in site.cases():
+    for c, src in site.cases():
         a, e = _pair(c, "ours", site.arm)
-        out.append((_point(c), a, e, _med(c["arms"].get("fla"), "graph")) + _agreement(site, c))
+        ka, ke = _pair(c, "ours", site.arm, "kernel")
+        out.append((_point(c), a, e, _med(c["arms"].get("fla"), "graph")) + _agreement(site, c)
+                   + (ke / ka if ka and ke else None, src))
     return sorted(out, key=lambda r: (ISSUE45["states"].index(r[0][0]), r[0][1], r[0][2]))
 
 
@@ -419,18 +431,19 @@ def engines_section(sites) -> list:
         pts = _site_points(site)
         who = site.engine.split()[0]
         fla = any(p[3] for p in pts)
-        bounds = {c["params"].get("lower_bound") for c in site.cases()} - {None}
-        gate = f"bounded (lower bound {min(bounds):g})" if bounds else site.src.doc["meta"].get("gate")
+        bounds = {c["params"].get("lower_bound") for c, _ in site.cases()} - {None}
+        gates = {src.doc["meta"].get("gate") for _, src in site.cases()} - {None}
+        gate = f"bounded (lower bound {min(bounds):g})" if bounds else " / ".join(sorted(gates))
         facts = ([f"Gate {gate}"] if gate else []) + ([f"{site.tokens} tokens per request"] if site.tokens else []) \
             + ([f"agreement bound rel. L2 {site.tol:g}"] if site.tol is not None else [])
         lines += [f"### {site.engine} {site.site}", "",
                   "; ".join(facts) + (". " if facts else "")
                   + f"Each row: ours and {who}'s Triton us, graph replay, and {who}'s time over ours.", ""]
         rows = []
-        for (st, h, r), a, e, f, ok, rel in pts:
+        for (st, h, r), a, e, f, ok, rel, _, src in pts:
             rows.append([st, str(h), str(r)] + ([str(site.tokens)] if site.tokens else [])
                         + [_us(a), _us(e)] + ([_us(f)] if fla else [])
-                        + [_x(e / a if a and e else None), f"{'yes' if ok else 'no'} ({rel:.1e})", site.src.key])
+                        + [_x(e / a if a and e else None), f"{'yes' if ok else 'no'} ({rel:.1e})", src.key])
         lines += _table(["state", "H", "rows"] + (["tokens"] if site.tokens else []) + ["ours us", f"{who} us"]
                         + (["fla us"] if fla else []) + [f"{who} / ours", "agrees", "run"], rows)
         rx = _engine_ratios(pts)
@@ -438,13 +451,17 @@ def engines_section(sites) -> list:
         behind = [(p, f"{x:.3f}x") for p, x in rx if x <= 1]
         behind += [(p[0], "not timed") for p in pts if not (p[1] and p[2])]
         agree = sum(1 for p in pts if p[4])
-        lines += ["", f"- {site.name} ({site.src.when()}): {who}'s Triton over ours geomean "
+        kernel = [(p, k) for p, *_, k, _ in pts if k]
+        lines += ["", f"- {site.name} ({'; '.join(dict.fromkeys(s.when() for s in _runs([site])))}): {who}'s Triton over ours geomean "
                   f"{_x(_geomean(x for _, x in rx))}, slowest {_x(slow and slow[1])}"
                   + (f" ({_label(slow[0])})" if slow else "") + "; issue 45's target (faster at every point) "
                   + (f"met at all {len(pts)} points" if not behind else
                      f"missed at {len(behind)} of {len(pts)} points: "
                      + ", ".join(f"{_label(p)} {x}" for p, x in behind))
                   + f"; outputs agree at {agree} of {len(pts)}."]
+        if kernel:   # the profiler's kernel time: the graph replay of a 1-row call is mostly launch
+            lines += [f"- {site.name}, kernel time (torch.profiler device spans of one eager call; "
+                      f"{who}'s over ours): " + ", ".join(f"{_label(p)} {k:.2f}x" for p, k in kernel) + "."]
         lines += [f"- {site.name}: {site.note}"] if site.note else []
         lines.append("")
         for g in _gaps(site, pts):
@@ -470,8 +487,7 @@ SECTIONS = (("kda_decode", "Decode (`kda_decode`)", decode_section),
 def _runs(srcs) -> list:
     """The distinct results files of a section, in order (engine call sites may share one)."""
     out = []
-    for s in srcs:
-        s = getattr(s, "src", s)
+    for s in [x for s in srcs for x in getattr(s, "srcs", [s])]:
         if all(s is not o for o in out):
             out.append(s)
     return out
@@ -504,7 +520,7 @@ def summary_rows(sources) -> list:
         xs = [x for _, x in _engine_ratios(_site_points(site))]
         if xs:
             out.append((f"{site.name} (adapter)", f"{site.engine.split()[0]}'s Triton", "graph", _geomean(xs),
-                        min(xs), site.src))
+                        min(xs), _runs([site])[-1]))
     return out
 
 
