@@ -64,7 +64,7 @@ def copy_pool(pool):
 def new_pool(slots, H, state_dtype, args, dev, gen):
     """The pool as vLLM lays it out with --paged (a page per slot: the conv state [3, 3*H*K] in bf16, then the
     recurrent state [H, V, K]), else dense; random small states."""
-    states = (torch.randn(slots, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+    states = (torch.randn(slots, H, V, K, generator=gen, device=dev) * 0.05).to(state_dtype)
     if not args.paged:
         return states
     esize = states.element_size()
@@ -75,20 +75,21 @@ def new_pool(slots, H, state_dtype, args, dev, gen):
     return pool.copy_(states)
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
+def _gen(seed, dev):
+    # on the device: a 1024-request verify pool at H32 is 8.6 GB of fp32, slow to draw on the host
+    return torch.Generator(device=dev).manual_seed(seed)
 
 
 def inputs(kind, rows, H, state_dtype, lower_bound, args, dev, seed=0):
     """(call kwargs with the pool / initial state, the pool or None) as the layers build them."""
-    gen = _gen(seed)
-    bf = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(dev, torch.bfloat16)  # noqa: E731
-    A_log = (torch.rand(H, generator=gen) * 0.5).to(dev)
-    dt_bias = (torch.randn(H * K, generator=gen) * 0.5).to(dev)
+    gen = _gen(seed, dev)
+    bf = lambda *s, scale=1.0: (torch.randn(*s, generator=gen, device=dev) * scale).bfloat16()  # noqa: E731
+    A_log = torch.rand(H, generator=gen, device=dev) * 0.5
+    dt_bias = torch.randn(H * K, generator=gen, device=dev) * 0.5
     if kind == "decode":
         pool = new_pool(rows + 1, H, state_dtype, args, dev, gen)
         proj = bf(rows, H + 8)
-        idx = (torch.randperm(rows, generator=gen) + 1).to(dev, torch.int32)
+        idx = (torch.randperm(rows, generator=gen, device=dev) + 1).to(torch.int32)
         return dict(mixed_qkv=bf(rows, 3 * H * K), raw_g=bf(1, rows, H, K), raw_beta=proj[:, :H].unsqueeze(0),
                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=pool, state_indices=idx), pool
     if kind == "verify":
@@ -97,15 +98,15 @@ def inputs(kind, rows, H, state_dtype, lower_bound, args, dev, seed=0):
         mixed = bf(T, 3 * H * K)
         q, k, v = (x.unflatten(1, (H, K)).unsqueeze(0) for x in mixed.split(H * K, dim=-1))
         pool = new_pool(rows * tm + 1, H, state_dtype, args, dev, gen)
-        table = (torch.randperm(rows * tm, generator=gen) + 1).view(rows, tm).to(dev, torch.int32)
-        nat = torch.randint(1, tm + 1, (rows,), generator=gen).to(dev, torch.int32)
+        table = (torch.randperm(rows * tm, generator=gen, device=dev) + 1).view(rows, tm).to(torch.int32)
+        nat = torch.randint(1, tm + 1, (rows,), generator=gen, device=dev).to(torch.int32)
         return dict(q=q, k=k, v=v, raw_g=bf(1, T, H, K), raw_beta=bf(1, T, H + 8)[..., :H], A_log=A_log,
                     dt_bias=dt_bias, lower_bound=lower_bound, initial_state=pool,
                     cu_seqlens=torch.arange(0, T + 1, tm, dtype=torch.int32, device=dev),
                     ssm_state_indices=table, num_accepted_tokens=nat), pool
     L = args.prefill_len
     T = rows * L
-    h0 = (torch.randn(rows, H, V, K, generator=gen) * 0.05).to(dev, state_dtype)
+    h0 = (torch.randn(rows, H, V, K, generator=gen, device=dev) * 0.05).to(state_dtype)
     return dict(q=bf(1, T, H, K), k=bf(1, T, H, K), v=bf(1, T, H, V), raw_g=bf(1, T, H, K),
                 raw_beta=bf(1, T, H + 8)[..., :H], A_log=A_log, g_bias=dt_bias, lower_bound=lower_bound,
                 initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
