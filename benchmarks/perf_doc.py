@@ -592,9 +592,10 @@ HOW_TO_REPRODUCE = [
     "calls, e.g. `STAGES=peers OPS=prefill`.", "",
     "The engines (Engines): prepare their kernels here, `python3 scripts/prepare_vllm_engine.py` and "
     "`python3 benchmarks/bench_sglang.py --prepare` (both into the ignored `.engines/`, carried to the device), "
-    "then on the device `python3 benchmarks/bench_vllm.py --quick --kinds decode,verify --modes graph` and "
-    "`python3 benchmarks/bench_sglang.py --quick --phases decode` (then `--phases verify`); without `--quick` "
-    "they run issue 45's four head counts and more rows; prefill is `--kinds prefill` / `--phases extend`. "
+    "then on the device `STAGES=engines bash scripts/device.sh` (both benches over rows 1 / 64 / 1024 and H 8 / "
+    "12 / 24 / 32, graph replay; its knobs pick engines, rows, heads, modes, phases and the fla arm), or "
+    "`python3 benchmarks/bench_vllm.py --kinds decode,verify --modes graph` and `python3 benchmarks/bench_sglang.py "
+    "--phases decode,verify` by hand; prefill is `--kinds prefill` / `--phases extend`. "
     "Point the call sites' entries under `engines` in `benchmarks/results/current.json` at the results.", "",
     "To update this page: copy a run's JSON into `benchmarks/results/h200-<date>-<commit>/` (with a README "
     "saying what ran), `python3 benchmarks/results_compact.py FILE`, point its op's entry of "

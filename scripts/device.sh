@@ -20,6 +20,11 @@
 #   peers         the same grids beside the peers, the runs docs/performance.md cites: prefill with cuDNN and
 #                 fla (bench_prefill.py --peers cudnn,fla, kernel time too), decode (with the public-op arm)
 #                 and verify with fla, fused decode with the unfused fla sequence; OPS as for bench
+#   engines       issue 45's acceptance: vLLM's and SGLang's own Triton kernels (their wheels' files, carried in
+#                 .engines/) against the adapters on identical inputs, graph replay (bench_vllm.py, bench_sglang.py):
+#                 ENGINES (default "vllm sglang"), ENGINE_ROWS (1,64,1024), ENGINE_HEADS (8,12,24,32), ENGINE_MODES
+#                 (graph; add kernel for the profiler's kernel time), VLLM_KINDS / SGLANG_PHASES (decode,verify;
+#                 prefill / extend too), ENGINE_FLA=1 adds the fla arm; a run cut by LIMIT_ENGINES keeps its cases
 #   profile       Nsight Compute over one launch: PROFILE=prefill (default; PROFILE_ARGS, e.g. "--tokens
 #                 32768 --heads 16"; SASS_KERNEL "kda_prep kda_state": per-instruction stalls split at
 #                 barriers), decode (PROFILE_ARGS "--module M --heads H --rows N") or verify ("--modules M,...")
@@ -45,7 +50,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-ORDER=(build tests integrations sanitizers selftest bench peers profile ab)
+ORDER=(build tests integrations sanitizers selftest bench peers engines profile ab)
 
 if [ "${1:-}" = "--prepare-fla" ]; then
   mirror=${2:-/work/.mirror/fla-org+flash-linear-attention/repo}
@@ -216,6 +221,22 @@ if want peers && needs_gpu peers; then
       prefill) run_bench peers prefill --peers cudnn,fla --modes eager,kernel;;
       *) run_bench peers "$op";;
     esac
+  done
+fi
+
+if want engines && needs_gpu engines; then
+  eng=(--rows "${ENGINE_ROWS:-1,64,1024}" --heads "${ENGINE_HEADS:-8,12,24,32}" --modes "${ENGINE_MODES:-graph}"
+       --no-plot --no-progress --out "$OUT")
+  [ "${ENGINE_FLA:-0}" = 1 ] || eng+=(--no-fla)
+  for e in ${ENGINES:-vllm sglang}; do
+    case $e in
+      vllm) step engines_vllm "${LIMIT_ENGINES:-280}" python3 benchmarks/bench_vllm.py --kinds "${VLLM_KINDS:-decode,verify}" \
+              "${eng[@]}";;
+      sglang) step engines_sglang "${LIMIT_ENGINES:-280}" python3 benchmarks/bench_sglang.py \
+                --phases "${SGLANG_PHASES:-decode,verify}" "${eng[@]}";;
+      *) echo "unknown engine '$e' in ENGINES (vllm sglang)" >&2; continue;;
+    esac
+    show "engines_$e" "geomean" 6
   done
 fi
 

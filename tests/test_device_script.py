@@ -47,6 +47,21 @@ def test_bench_leaves_the_peers_out_and_ops_pick(tmp_path):
     assert all("--no-fla" in line and "--quick" in line for line in lines)
 
 
+def test_engines_run_both_benches_over_issue_45s_grid(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "engines peers", "OPS": "decode"})
+    lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("DRY ")}
+    assert list(lines) == ["peers_decode", "engines_vllm", "engines_sglang"], r.stdout
+    assert "bench_vllm.py --kinds decode,verify" in lines["engines_vllm"]
+    assert "bench_sglang.py --phases decode,verify" in lines["engines_sglang"]
+    for line in (lines["engines_vllm"], lines["engines_sglang"]):
+        assert "--rows 1,64,1024 --heads 8,12,24,32 --modes graph" in line and "--no-fla" in line
+    r = run(tmp_path, {"DRY": "1", "STAGES": "engines", "ENGINES": "sglang", "ENGINE_FLA": "1",
+                       "ENGINE_MODES": "graph,kernel", "SGLANG_PHASES": "extend", "LIMIT_ENGINES": "99"})
+    lines = [line for line in r.stdout.splitlines() if line.startswith("DRY ")]
+    assert len(lines) == 1 and lines[0].startswith("DRY engines_sglang (99 s):")
+    assert "--phases extend" in lines[0] and "--modes graph,kernel" in lines[0] and "--no-fla" not in lines[0]
+
+
 def test_knobs_reach_the_commands(tmp_path):
     r = run(tmp_path, {"DRY": "1", "STAGES": "build tests sanitizers", "BUILD": "verify_* decode_seq_*",
                        "TESTS": "tests/gpu/test_verify_gpu.py", "TESTS_K": "stage2", "SANITIZE_ONLY": "verify_*",
