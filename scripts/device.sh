@@ -27,7 +27,9 @@
 #                 prefill / extend too), ENGINE_FLA=1 adds the fla arm; a run cut by LIMIT_ENGINES keeps its cases
 #   profile       Nsight Compute over one launch: PROFILE=prefill (default; PROFILE_ARGS, e.g. "--tokens
 #                 32768 --heads 16"; SASS_KERNEL "kda_prep kda_state": per-instruction stalls split at
-#                 barriers), decode (PROFILE_ARGS "--module M --heads H --rows N") or verify ("--modules M,...")
+#                 barriers), decode (PROFILE_ARGS "--module M --heads H --rows N") or verify ("--modules M,...");
+#                 PROFILE=timeline: one prefill call's kernels on a timeline instead (torch.profiler, no ncu: which
+#                 kernels ran side by side; PROFILE_ARGS as for prefill, default "--tokens 32768 --heads 8")
 #   ab            A/B of a change: AB_BASE (a folder with the baseline's csrc/ and jit/, e.g. `git archive
 #                 <rev> csrc jit | tar x -C .ab_base/base`, carried) against this tree, AB_BENCH (default:
 #                 prefill, no peer, H16 + H64) in AB_ROUNDS interleaved rounds (base change, change base, ...),
@@ -277,7 +279,12 @@ if want profile && needs_gpu profile; then
         --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
         python3 scripts/verify_ncu_case.py --tokens 2 --heads 32 --rows 1024 \
         ${PROFILE_ARGS:---modules verify_stage2j8_bf16_o32,verify_bulk4j4_f32_o32};;
-    *) echo "PROFILE must be prefill, decode or verify (got ${PROFILE})" >&2;;
+    timeline)   # one prefill call's kernels on a timeline (torch.profiler): does the state pass run beside the prep
+      # shellcheck disable=SC2086
+      step timeline "${LIMIT_PROFILE:-300}" python3 scripts/profile_prefill.py --calls 4 --timeline \
+        ${PROFILE_ARGS:---tokens 32768 --heads 8}
+      show timeline . 30;;
+    *) echo "PROFILE must be prefill, decode, verify or timeline (got ${PROFILE})" >&2;;
   esac
   set +f
   show "ncu_${PROFILE:-prefill}" "kda_|Duration|Throughput|Occupancy|stalled" 60

@@ -1,9 +1,16 @@
 """Runs kda_prefill on one shape a few times, for a profiler (ncu) to attach to, or (--kernels) prints
-each kernel's GPU time from torch.profiler.
+each kernel's GPU time from torch.profiler, or (--timeline) one call's kernels on a timeline.
 
     ncu --clock-control none -k regex:kda_prep --launch-skip 2 --launch-count 1 \
         python3 scripts/profile_prefill.py --tokens 32768 --heads 16
     python3 scripts/profile_prefill.py --lens 1024,64 --repeat 8 --kernels --module prefill_vt64_f32
+    python3 scripts/profile_prefill.py --tokens 32768 --heads 8 --timeline
+
+--timeline shows when each kernel of the last call ran, from the first kernel's start (torch.profiler's
+device spans: a kernel's first to its last CTA), and how long two kernels ran side by side: whether the
+state pass overlaps the prep, ncu (which serializes kernels) cannot show. A PDL dependent's span starts
+when its CTAs start, so the routed modules' state pass shows beside the prep even where its CTAs only
+wait there (griddepcontrol.wait) for the prep to complete.
 
 Fresh random bf16 inputs, softplus gate (or --gate bounded), fp32 initial state; the first calls
 load the module and warm the allocator, so skip them in the profiler. Prints the median event
@@ -41,6 +48,36 @@ def kernel_times(call, calls: int) -> dict[str, float]:
     return {k: v / calls for k, v in total.items()}
 
 
+def call_timeline(call, calls: int) -> list[tuple[str, float, float]]:
+    """[(kernel name, start us, end us)] of the last of `calls` calls, from its first kernel's start."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(calls - 1):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    t0 = spans[0][0] if spans else 0.0
+    return [(name, start - t0, end - t0) for start, end, name in spans]
+
+
+def timeline_lines(spans: list[tuple[str, float, float]]) -> list[str]:
+    """One line a kernel (start, end, duration in us), then how long each pair of kernels ran side by side."""
+    lines = [f"  {'start us':>9} {'end us':>9} {'dur us':>9}  kernel"]
+    lines += [f"  {s:9.1f} {e:9.1f} {e - s:9.1f}  {n[:80]}" for n, s, e in spans]
+    for i, (na, sa, ea) in enumerate(spans):
+        for nb, sb, eb in spans[i + 1:]:
+            both = min(ea, eb) - max(sa, sb)
+            if both > 0:
+                lines.append(f"  side by side {both:.1f} us: {na[:40]} | {nb[:40]}")
+    end = max((e for _, _, e in spans), default=0.0)
+    busy = sum(e - s for _, s, e in spans)
+    lines.append(f"  call: {end:.1f} us from the first kernel's start to the last one's end; kernels' sum {busy:.1f} us")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768)
@@ -52,6 +89,7 @@ def main():
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--module", default="", help="call this module record directly instead of the route's")
     p.add_argument("--kernels", action="store_true", help="print each kernel's GPU time (torch.profiler)")
+    p.add_argument("--timeline", action="store_true", help="print the last call's kernels on a timeline (torch.profiler)")
     a = p.parse_args()
     torch.manual_seed(0)
     lens = seq_lens(a)
@@ -97,6 +135,8 @@ def main():
     name = a.lens and f"lens {a.lens} x{a.repeat}" or f"T={T} N={N}"
     print(f"{name} H={H} gate={a.gate}{' ' + a.module if a.module else ''}: median "
           f"{warm[len(warm) // 2]:.3f} ms over {len(warm)} warm calls (event time, warm L2)")
+    if a.timeline:
+        print("\n".join(timeline_lines(call_timeline(call, a.calls))))
     if a.kernels:
         for kname, us in sorted(kernel_times(call, a.calls).items(), key=lambda kv: -kv[1]):
             print(f"  {us:9.1f} us  {kname[:90]}")

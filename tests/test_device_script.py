@@ -62,6 +62,14 @@ def test_engines_run_both_benches_over_issue_45s_grid(tmp_path):
     assert "--phases extend" in lines[0] and "--modes graph,kernel" in lines[0] and "--no-fla" not in lines[0]
 
 
+def test_profile_timeline_runs_the_prefill_timeline(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "profile", "PROFILE": "timeline"})
+    lines = [line for line in r.stdout.splitlines() if line.startswith("DRY ")]
+    assert len(lines) == 1 and lines[0].startswith("DRY timeline"), r.stdout
+    assert "scripts/profile_prefill.py --calls 4 --timeline --tokens 32768 --heads 8" in lines[0]
+    assert "ncu" not in lines[0]
+
+
 def test_knobs_reach_the_commands(tmp_path):
     r = run(tmp_path, {"DRY": "1", "STAGES": "build tests sanitizers", "BUILD": "verify_* decode_seq_*",
                        "TESTS": "tests/gpu/test_verify_gpu.py", "TESTS_K": "stage2", "SANITIZE_ONLY": "verify_*",
