@@ -209,6 +209,21 @@ def test_an_engine_point_measured_twice_shows_the_later_run(sources):
         assert shown == (src == "later"), src
 
 
+def test_engine_kernel_time_line_follows_the_data(sources):
+    prefix = "- vLLM 0.34.0 packed decode, kernel time"
+    before = next(x for x in perf_doc.render(sources).splitlines() if x.startswith(prefix))
+    assert "1 row H8 f32 0.99x" in before
+    changed = copy.deepcopy(sources)
+    case = _engine_case(_site(changed, "vLLM 0.34.0 packed decode"), "decode rows=1 H=8 float32")
+    ours = case["arms"]["ours"]["time_us"]["kernel"]["median"]
+    case["arms"]["vllm_triton"]["time_us"]["kernel"]["median"] = 3 * ours
+    after = next(x for x in perf_doc.render(changed).splitlines() if x.startswith(prefix))
+    assert "1 row H8 f32 3.00x" in after
+    for c, _ in _site(changed, "vLLM 0.34.0 packed decode").cases():   # no kernel time: no line
+        c["arms"]["ours"]["time_us"].pop("kernel", None)
+    assert not any(x.startswith(prefix) for x in perf_doc.render(changed).splitlines())
+
+
 def test_engine_agreement_needs_a_verdict(sources):
     """A vLLM run records the errors, not the verdict: without the entry's bound the page is refused."""
     no_tol = copy.deepcopy(sources)
