@@ -24,7 +24,8 @@
 #                 .engines/) against the adapters on identical inputs, graph replay (bench_vllm.py, bench_sglang.py):
 #                 ENGINES (default "vllm sglang"), ENGINE_ROWS (1,64,1024), ENGINE_HEADS (8,12,24,32), ENGINE_MODES
 #                 (graph; add kernel for the profiler's kernel time), VLLM_KINDS / SGLANG_PHASES (decode,verify;
-#                 prefill / extend too), ENGINE_FLA=1 adds the fla arm; a run cut by LIMIT_ENGINES keeps its cases
+#                 prefill / extend too), VLLM_ARGS / SGLANG_ARGS more flags (e.g. "--prefill-len 4096"), ENGINE_FLA=1
+#                 adds the fla arm; a run cut by LIMIT_ENGINES keeps its cases
 #   profile       Nsight Compute over one launch: PROFILE=prefill (default; PROFILE_ARGS, e.g. "--tokens
 #                 32768 --heads 16"; SASS_KERNEL "kda_prep kda_state": per-instruction stalls split at
 #                 barriers), decode (PROFILE_ARGS "--module M --heads H --rows N") or verify ("--modules M,...");
@@ -232,10 +233,12 @@ if want engines && needs_gpu engines; then
   [ "${ENGINE_FLA:-0}" = 1 ] || eng+=(--no-fla)
   for e in ${ENGINES:-vllm sglang}; do
     case $e in
+      # shellcheck disable=SC2086
       vllm) step engines_vllm "${LIMIT_ENGINES:-280}" python3 benchmarks/bench_vllm.py --kinds "${VLLM_KINDS:-decode,verify}" \
-              "${eng[@]}";;
+              "${eng[@]}" ${VLLM_ARGS:-};;
+      # shellcheck disable=SC2086
       sglang) step engines_sglang "${LIMIT_ENGINES:-280}" python3 benchmarks/bench_sglang.py \
-                --phases "${SGLANG_PHASES:-decode,verify}" "${eng[@]}";;
+                --phases "${SGLANG_PHASES:-decode,verify}" "${eng[@]}" ${SGLANG_ARGS:-};;
       *) echo "unknown engine '$e' in ENGINES (vllm sglang)" >&2; continue;;
     esac
     show "engines_$e" "geomean" 6

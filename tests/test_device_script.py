@@ -56,10 +56,12 @@ def test_engines_run_both_benches_over_issue_45s_grid(tmp_path):
     for line in (lines["engines_vllm"], lines["engines_sglang"]):
         assert "--rows 1,64,1024 --heads 8,12,24,32 --modes graph" in line and "--no-fla" in line
     r = run(tmp_path, {"DRY": "1", "STAGES": "engines", "ENGINES": "sglang", "ENGINE_FLA": "1",
-                       "ENGINE_MODES": "graph,kernel", "SGLANG_PHASES": "extend", "LIMIT_ENGINES": "99"})
+                       "ENGINE_MODES": "graph,kernel", "SGLANG_PHASES": "extend", "LIMIT_ENGINES": "99",
+                       "SGLANG_ARGS": "--states f32 --drafts 4"})
     lines = [line for line in r.stdout.splitlines() if line.startswith("DRY ")]
     assert len(lines) == 1 and lines[0].startswith("DRY engines_sglang (99 s):")
     assert "--phases extend" in lines[0] and "--modes graph,kernel" in lines[0] and "--no-fla" not in lines[0]
+    assert lines[0].endswith("--states f32 --drafts 4")
 
 
 def test_profile_timeline_runs_the_prefill_timeline(tmp_path):
