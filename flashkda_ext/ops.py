@@ -54,9 +54,10 @@ def _cast_gb(casts, g, beta):
 
 
 def clear_call_caches() -> None:
-    """Forget every fast-path entry and cached prefill route (tests that patch the launch path; the
-    next call of each kind is validated and routed in full again)."""
+    """Forget every fast-path entry, memoized validation verdict and cached prefill route (tests that
+    patch the launch path; the next call of each kind is validated and routed in full again)."""
     fast_path.clear()
+    validation.memo.clear_memos()
     _prefill_route_for.cache_clear()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashkda_ext  # noqa: F401  (registers the ops)
-from flashkda_ext import ops, validation
+from flashkda_ext import ops
 
 R, H, HV, K, V, SLOTS, T = 3, 2, 4, 8, 16, 6, 8
 OPS = torch.ops.flashkda_ext
@@ -15,9 +15,6 @@ OPS = torch.ops.flashkda_ext
 
 def cold():
     ops.clear_call_caches()
-    validation.check_kda_decode.cache_clear()
-    validation.check_fused_kda_decode.cache_clear()
-    validation.check_kda_prefill.cache_clear()
 
 
 def rand(*s, seed=[0]):

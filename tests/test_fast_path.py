@@ -21,9 +21,6 @@ ROWS, H, HV, K, V, SLOTS = 3, 2, 4, 8, 8, 6
 def fresh_paths():
     """No fast entry or validation verdict leaks between tests."""
     ops.clear_call_caches()
-    validation.check_kda_decode.cache_clear()
-    validation.check_fused_kda_decode.cache_clear()
-    validation.check_kda_prefill.cache_clear()
     yield
     ops.clear_call_caches()
 

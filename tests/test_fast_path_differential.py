@@ -45,9 +45,6 @@ def fresh_paths():
 def cold():
     """Forget every fast entry and memoized verdict: the next call is checked in full."""
     ops.clear_call_caches()
-    validation.check_kda_decode.cache_clear()
-    validation.check_fused_kda_decode.cache_clear()
-    validation.check_kda_prefill.cache_clear()
 
 
 def _rand(gen, dev, *shape, scale=1.0, dtype=torch.float32):

@@ -21,10 +21,8 @@ C = 3 * H * D
 @pytest.fixture(autouse=True)
 def fresh():
     ops.clear_call_caches()
-    validation.check_fused_kda_verify.cache_clear()
     yield
     ops.clear_call_caches()
-    validation.check_fused_kda_verify.cache_clear()
 
 
 def gen_():

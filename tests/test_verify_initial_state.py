@@ -20,7 +20,6 @@ H, HV, K, V = 2, 4, 8, 16  # K != V: a transposed state cannot pass
 
 def cold():
     ops.clear_call_caches()
-    validation.check_kda_verify.cache_clear()
 
 
 @pytest.fixture(autouse=True)

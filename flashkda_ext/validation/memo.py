@@ -42,8 +42,18 @@ def _memo_key(args, kwargs):
     return tuple(key)
 
 
+_CACHES: list = []  # every memoized check's cache, for clear_memos
+
+
+def clear_memos() -> None:
+    """Forget every memoized verdict: the next call of each op is checked in full."""
+    for cache in _CACHES:
+        cache.clear()
+
+
 def _memoized(check):
     cache: dict = {}
+    _CACHES.append(cache)
 
     @functools.wraps(check)
     def wrapper(*args, **kwargs):

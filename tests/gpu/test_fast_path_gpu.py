@@ -25,8 +25,6 @@ K = V = 128
 @pytest.fixture(autouse=True)
 def fresh_paths():
     ops.clear_call_caches()
-    validation.check_kda_decode.cache_clear()
-    validation.check_fused_kda_decode.cache_clear()
     yield
     ops.clear_call_caches()
 
