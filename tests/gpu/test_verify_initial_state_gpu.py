@@ -56,6 +56,17 @@ def reference(a, null_slot0=False):
         initial_state=a["initial_state"], initial_state_indices=starts)
 
 
+def outs_of(name, cases, T, HV):
+    """Each case run through module name into its own NaN-poisoned output [1, T, HV, V], synchronized."""
+    outs = []
+    for x in cases:
+        out = torch.full((1, T, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call_module(name, x, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
+
+
 def starts_for(N):
     """Live starts (one repeated: a read-only pool), a negative one, one past the pool, one 0."""
     pattern = [3, -1, 3, INIT_SLOTS + 5, 0, 6, 2]
@@ -108,12 +119,7 @@ def test_second_pool_equals_copied_start_states_bitwise(name, cols):
              num_accepted_tokens=torch.ones(len(lens), dtype=torch.int32, device="cuda"))
     for n, i in enumerate(a["initial_state_indices"].tolist()):
         b["state"][int(a["state_indices"][n, 0])] = a["initial_state"][i]
-    outs = []
-    for x in (a, b):
-        out = torch.full((1, sum(lens), 4, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        call_module(name, x, out)
-        outs.append(out)
-    torch.cuda.synchronize()
+    outs = outs_of(name, (a, b), sum(lens), 4)
     assert torch.equal(bits(outs[0]), bits(outs[1])), name
     assert torch.equal(bits(a["state"]), bits(b["state"])), name
 
@@ -169,12 +175,7 @@ def test_step_rows_equal_the_slot_table_bitwise(name, cols, second_pool):
         b["initial_state_indices"] = a["initial_state_indices"].masked_fill(
             ~torch.tensor(live, device="cuda"), -1)
     a = dict(a, state=buf, state_indices=torch.tensor(rows, dtype=torch.int32, device="cuda"))
-    outs = []
-    for x in (a, b):
-        out = torch.full((1, sum(lens), 8, V), float("nan"), dtype=torch.bfloat16, device="cuda")
-        call_module(name, x, out)
-        outs.append(out)
-    torch.cuda.synchronize()
+    outs = outs_of(name, (a, b), sum(lens), 8)
     assert not torch.isnan(outs[0].float()).any(), name
     assert torch.equal(bits(outs[0]), bits(outs[1])), name
     assert torch.equal(bits(buf.view(R * cols, 8, V, K)), bits(flat)), name
