@@ -39,6 +39,21 @@ def gate_args(gen, gate):
                 dt_bias=torch.randn(HV * K, generator=gen) * 0.5)
 
 
+def assert_strided_is_dense(views, pool, call):
+    """call(inputs, pool copy) -> out on the dense copies of views, then on the views cold and warm (fast path):
+    the same output and pool bitwise, the pool written, the output dense."""
+    clear_call_caches()
+    results = []
+    for inputs in (tuple(x.contiguous() for x in views), views, views):   # dense; strided cold; strided warm
+        p = pool.clone()
+        results.append((call(inputs, p), p))
+    (o0, p0), *rest = results
+    assert not torch.equal(bits(p0), bits(pool))
+    for o, p in rest:
+        assert o.is_contiguous()
+        assert torch.equal(bits(o), bits(o0)) and torch.equal(bits(p), bits(p0))
+
+
 CASES = [(torch.float32, torch.float32, torch.float32, "softplus"),
          (torch.bfloat16, torch.float32, torch.bfloat16, "bounded"),
          (torch.bfloat16, torch.bfloat16, torch.float32, "softplus")]
@@ -53,17 +68,9 @@ def test_decode_of_row_strided_views_is_bitwise_the_dense_call(dtype, gb_dtype, 
     pool = (torch.randn(SLOTS, HV, V, K, generator=gen) * 0.3).to(state_dtype)
     idx = torch.tensor([4, -1, 0, 8, 2, 6], dtype=torch.int32)
     kw = gate_args(gen, gate)
-    clear_call_caches()
-    results = []
-    for inputs in (tuple(x.contiguous() for x in views), views, views):   # dense; strided cold; strided warm
-        p = pool.clone()
-        o = fk.kda_decode(*inputs, state=p, state_indices=idx, slot_mode="padded", **kw)
-        results.append((o, p))
-    (o0, p0), *rest = results
-    assert not torch.equal(bits(p0), bits(pool))
-    for o, p in rest:
-        assert o.is_contiguous()
-        assert torch.equal(bits(o), bits(o0)) and torch.equal(bits(p), bits(p0))
+    assert_strided_is_dense(views, pool,
+                            lambda inputs, p: fk.kda_decode(*inputs, state=p, state_indices=idx, slot_mode="padded",
+                                                            **kw))
 
 
 @pytest.mark.parametrize("dtype, gb_dtype, state_dtype, gate", CASES)
@@ -78,17 +85,9 @@ def test_verify_of_row_strided_views_is_bitwise_the_dense_call(dtype, gb_dtype, 
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     nat = None if cols == 1 else torch.tensor([2, 1, 3], dtype=torch.int32)
     kw = gate_args(gen, gate)
-    clear_call_caches()
-    results = []
-    for inputs in (tuple(x.contiguous() for x in views), views, views):
-        p = pool.clone()
-        o = fk.kda_verify(*inputs, state=p, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nat, **kw)
-        results.append((o, p))
-    (o0, p0), *rest = results
-    assert not torch.equal(bits(p0), bits(pool))
-    for o, p in rest:
-        assert o.is_contiguous()
-        assert torch.equal(bits(o), bits(o0)) and torch.equal(bits(p), bits(p0))
+    assert_strided_is_dense(views, pool,
+                            lambda inputs, p: fk.kda_verify(*inputs, state=p, state_indices=idx, cu_seqlens=cu,
+                                                            num_accepted_tokens=nat, **kw))
 
 
 def test_fast_path_keeps_dense_and_strided_calls_apart():

@@ -183,6 +183,20 @@ def _base(gen):
     return make(gen, [3, 2, 3], 3)
 
 
+def assert_refused_cold_and_warm(bad, good, argname, *, fast_entries=None):
+    """bad() is refused naming argname with the state unwritten, cold and again after good() armed the fast
+    path (with fast_entries entries, where given), the same way both times."""
+    c = call_outcome(run, bad(), ("state",))
+    assert c[0] == "raise" and c[1] in (TypeError, ValueError), c
+    assert c[2].startswith(f"{argname}:"), c[2]
+    cold()
+    assert call_outcome(run, good(), ("state",))[0] == "ok"  # arms the fast path
+    if fast_entries is not None:
+        assert fast_path.size() == fast_entries
+    w = call_outcome(run, bad(), ("state",))
+    assert (c[0], c[1], c[2]) == (w[0], w[1], w[2])
+
+
 @pytest.mark.parametrize("change,argname", BAD, ids=[c.__name__ for c, _ in BAD])
 def test_bad_input_names_the_argument_writes_nothing_cold_and_warm(change, argname):
     seed = random.SystemRandom().randrange(2 ** 31)
@@ -191,14 +205,7 @@ def test_bad_input_names_the_argument_writes_nothing_cold_and_warm(change, argna
         a = _base(torch.Generator().manual_seed(seed))
         change(a)
         return a
-    c = call_outcome(run, bad(), ("state",))
-    assert c[0] == "raise" and c[1] in (TypeError, ValueError), c
-    assert c[2].startswith(f"{argname}:"), c[2]
-    cold()
-    assert call_outcome(run, _base(gen_()), ("state",))[0] == "ok"  # arms the fast path
-    assert fast_path.size() == 1
-    w = call_outcome(run, bad(), ("state",))
-    assert (c[0], c[1], c[2]) == (w[0], w[1], w[2])
+    assert_refused_cold_and_warm(bad, lambda: _base(gen_()), argname, fast_entries=1)
 
 
 def test_valid_warm_call_takes_the_fast_path_and_equals_cold(monkeypatch):
@@ -352,13 +359,7 @@ def test_step_rows_bad_input_names_the_argument_writes_nothing_cold_and_warm(cha
         a = base()
         change(a)
         return a
-    c = call_outcome(run, bad(), ("state",))
-    assert c[0] == "raise" and c[1] in (TypeError, ValueError), c
-    assert c[2].startswith(f"{argname}:"), c[2]
-    cold()
-    assert call_outcome(run, base(), ("state",))[0] == "ok"  # arms the fast path
-    w = call_outcome(run, bad(), ("state",))
-    assert (c[0], c[1], c[2]) == (w[0], w[1], w[2])
+    assert_refused_cold_and_warm(bad, base, argname)
 
 
 def test_binding_checks_step_rows_itself():

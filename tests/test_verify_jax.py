@@ -36,24 +36,30 @@ def case(gen, lens, cols, state_dtype=torch.float32):
 POS = ("q", "k", "v", "g", "beta")
 
 
-@pytest.mark.parametrize("lens,cols,sd", [([3, 1, 4], 4, torch.float32), ([2, 2], 2, torch.bfloat16),
-                                          ([1, 1, 1], 1, torch.bfloat16)])
-def test_equals_the_torch_op_eager_and_jitted(lens, cols, sd):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    a = case(gen, lens, cols, sd)
+def assert_equals_the_torch_op(a, donate_argnums=()):
+    """kj.kda_verify on the case a (torch tensors by name, q..beta first) gives the torch op's output and state
+    bitwise, eagerly and under jax.jit (donate_argnums passed to it); returns the case as JAX arrays."""
     j = {n: to_jax(x) for n, x in a.items()}
     t_state = a["state"].clone()
     t_out = fk.kda_verify(*(a[n] for n in POS), **{n: (t_state if n == "state" else x) for n, x in a.items()
                                                   if n not in POS})
     out, new_state = kj.kda_verify(*(j[n] for n in POS), **{n: x for n, x in j.items() if n not in POS},
                                    donate=False)
-    assert torch.equal(torch.from_dlpack(out), t_out)
-    assert torch.equal(torch.from_dlpack(new_state), t_state)
+    assert torch.equal(torch.from_dlpack(out), t_out) and torch.equal(torch.from_dlpack(new_state), t_state)
     names = tuple(j)
-    fn = jax.jit(lambda *xs: kj.kda_verify(*xs[:5], **dict(zip(names[5:], xs[5:]))), donate_argnums=(5,))
+    fn = jax.jit(lambda *xs: kj.kda_verify(*xs[:5], **dict(zip(names[5:], xs[5:]))), donate_argnums=donate_argnums)
     out2, state2 = fn(*(j[n] for n in names))
-    assert torch.equal(torch.from_dlpack(out2), t_out)
-    assert torch.equal(torch.from_dlpack(state2), t_state)
+    assert torch.equal(torch.from_dlpack(out2), t_out) and torch.equal(torch.from_dlpack(state2), t_state)
+    return j
+
+
+@pytest.mark.parametrize("lens,cols,sd", [([3, 1, 4], 4, torch.float32), ([2, 2], 2, torch.bfloat16),
+                                          ([1, 1, 1], 1, torch.bfloat16)])
+def test_equals_the_torch_op_eager_and_jitted(lens, cols, sd):
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    a = case(gen, lens, cols, sd)
+    assert list(a)[5] == "state"
+    assert_equals_the_torch_op(a, donate_argnums=(5,))
 
 
 def test_host_values_are_checked_with_the_torch_messages():
@@ -109,17 +115,7 @@ def test_second_start_pool_equals_the_torch_op(lens, cols, step_rows):
     if step_rows:  # state [R, T_max, HV, V, K], one row per request (the last one padding)
         a["state"] = torch.randn(5, cols, HV, V, K, generator=gen)
         a["state_indices"] = torch.tensor([3, 0, -1][:len(lens)], dtype=torch.int32)
-    j = {n: to_jax(x) for n, x in a.items()}
-    t_state = a["state"].clone()
-    t_out = fk.kda_verify(*(a[n] for n in POS), **{n: (t_state if n == "state" else x) for n, x in a.items()
-                                                  if n not in POS})
-    out, new_state = kj.kda_verify(*(j[n] for n in POS), **{n: x for n, x in j.items() if n not in POS},
-                                   donate=False)
-    assert torch.equal(torch.from_dlpack(out), t_out) and torch.equal(torch.from_dlpack(new_state), t_state)
-    names = tuple(j)
-    fn = jax.jit(lambda *xs: kj.kda_verify(*xs[:5], **dict(zip(names[5:], xs[5:]))))
-    out2, state2 = fn(*(j[n] for n in names))
-    assert torch.equal(torch.from_dlpack(out2), t_out) and torch.equal(torch.from_dlpack(state2), t_state)
+    j = assert_equals_the_torch_op(a)
     bad = dict(j, initial_state_indices=to_jax(torch.tensor([0, 5, 1][:len(lens)], dtype=torch.int32)))
     with pytest.raises(ValueError, match="^initial_state_indices:"):
         kj.kda_verify(*(bad[n] for n in POS), **{n: x for n, x in bad.items() if n not in POS}, donate=False)
