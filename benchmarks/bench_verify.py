@@ -170,7 +170,7 @@ def main(argv=None):
     ap.add_argument("--slot-copy", nargs="?", const="copy_p1,copy_p2,copy_p4", default="",
                     help="also time benchmarks/verify_copy.py (Triton): each request's read tile copied unchanged "
                          "to its token slots, no arithmetic, no inputs or outputs: the state traffic's own cost "
-                         "(arms copy_p1/p2/p4, % of their own state bytes; a comma list, or all when given alone)")
+                         "(arms copy_p1/p2/p4, %% of their own state bytes; a comma list, or all when given alone)")
     ap.add_argument("--gb32", action="store_true",
                     help="also time fp32 g and beta: arm 'gb32' calls the routed module's _gb32 twin (reads them "
                          "as fp32), arm 'gb32_cast' casts them to bf16 (one pass each) and calls the routed module")

@@ -370,3 +370,15 @@ def test_kernel_mode_rounds_come_after_every_other_mode(tmp_path, monkeypatch):
     for mode in ("eager", "kernel", "wall"):
         assert [a for m, a in seen if m == mode] == ["a", "b", "b", "a"]
     assert all(res[a][m]["n"] == 4 for a in "ab" for m in ("eager", "kernel", "wall"))
+
+
+SCRIPTS_WITH_MAIN = sorted(p.stem for p in BENCH.glob("*.py") if "def main(argv" in p.read_text() and "ArgumentParser(" in p.read_text())
+
+
+@pytest.mark.parametrize("name", SCRIPTS_WITH_MAIN)
+def test_every_script_prints_its_help(name, capsys):
+    """--help renders (argparse formats every help string: a bare '%' in one made bench_verify's raise)."""
+    with pytest.raises(SystemExit) as done:
+        _script(name).main(["--help"])
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
