@@ -40,7 +40,7 @@ EDGES = {
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
         (decode_meta(rows=1023, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 8184
         (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
-        (decode_meta(rows=1024, value_heads=8), "decode_row_f32_o32"),                      # fp32: hv8_row
+        (decode_meta(rows=1023, value_heads=8), "decode_row_f32_o32"),                      # fp32: hv8_row
     ],
     ("kda_decode", "bf16_tiles_bulk", "work_items_min"): [
         (decode_meta(rows=64, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 512
@@ -55,14 +55,11 @@ EDGES = {
         (decode_meta(rows=4, value_heads=8), "decode_quartma_f32_o32"),                     # fp32: tiny
     ],
     ("kda_decode", "f32_large", "work_items_min"): [
-        (decode_meta(rows=1024, value_heads=16), "decode_halftma_f32_o32"),    # 16384
-        (decode_meta(rows=1023, value_heads=16), "decode_split8_f32_o32"),     # 16368: fallback
-        (decode_meta(rows=256, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),
-    ],
-    ("kda_decode", "f32_large", "value_heads_min"): [
-        (decode_meta(rows=1024, value_heads=16), "decode_halftma_f32_o32"),
-        (decode_meta(rows=4096, value_heads=8), "decode_row_f32_o32"),         # 8 heads: hv8_row first
-        (decode_meta(rows=4096, value_heads=15), "decode_split8_f32_o32"),     # 61440 items, 15 heads
+        (decode_meta(rows=512, value_heads=16), "decode_halftma_f32_o32"),     # 8192
+        (decode_meta(rows=511, value_heads=16), "decode_split8_f32_o32"),      # 8176: fallback
+        (decode_meta(rows=1024, value_heads=8), "decode_halftma_f32_o32"),     # 8192 with 8 heads: before hv8_row
+        (decode_meta(rows=1023, value_heads=8), "decode_row_f32_o32"),         # 8184: hv8_row
+        (decode_meta(rows=128, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),
     ],
     ("kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=8, value_heads=16), "decode_quartma_f32_o32"),       # 128 work items
@@ -75,7 +72,7 @@ EDGES = {
         (decode_meta(rows=31, value_heads=8), "decode_split8_f32_o32"),        # 248
         (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),   # bf16 band
         (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
-        (decode_meta(rows=4096, value_heads=8, offset="o64"), "decode_row_f32_o64"),
+        (decode_meta(rows=1023, value_heads=8, offset="o64"), "decode_row_f32_o64"),
     ],
     # fp32 g / beta (gb = "f32"): the _gb32 twin of each band, at the same edges
     ("kda_decode", "bf16_large_gb32", "work_items_min"): [
@@ -95,13 +92,11 @@ EDGES = {
         (decode_meta(rows=1, value_heads=16, state="bf16", offset="o64", gb="f32"), "decode_split8_bf16_o64_gb32"),
     ],
     ("kda_decode", "f32_large_gb32", "work_items_min"): [
-        (decode_meta(rows=1024, value_heads=16, gb="f32"), "decode_halftma_f32_o32_gb32"),
-        (decode_meta(rows=1023, value_heads=16, gb="f32"), "decode_split8_f32_o32_gb32"),
-        (decode_meta(rows=256, value_heads=64, offset="o64", gb="f32"), "decode_halftma_f32_o64_gb32"),
-    ],
-    ("kda_decode", "f32_large_gb32", "value_heads_min"): [
-        (decode_meta(rows=4096, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
-        (decode_meta(rows=4096, value_heads=15, gb="f32"), "decode_split8_f32_o32_gb32"),
+        (decode_meta(rows=512, value_heads=16, gb="f32"), "decode_halftma_f32_o32_gb32"),
+        (decode_meta(rows=511, value_heads=16, gb="f32"), "decode_split8_f32_o32_gb32"),
+        (decode_meta(rows=1024, value_heads=8, gb="f32"), "decode_halftma_f32_o32_gb32"),
+        (decode_meta(rows=1023, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
+        (decode_meta(rows=128, value_heads=64, offset="o64", gb="f32"), "decode_halftma_f32_o64_gb32"),
     ],
     ("kda_decode", "tiny_gb32", "work_items_max"): [
         (decode_meta(rows=8, value_heads=16, gb="f32"), "decode_quartma_f32_o32_gb32"),
@@ -111,7 +106,7 @@ EDGES = {
     ("kda_decode", "hv8_row_gb32", "work_items_min"): [
         (decode_meta(rows=32, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
         (decode_meta(rows=31, value_heads=8, gb="f32"), "decode_split8_f32_o32_gb32"),
-        (decode_meta(rows=4096, value_heads=8, offset="o64", gb="f32"), "decode_row_f32_o64_gb32"),
+        (decode_meta(rows=1023, value_heads=8, offset="o64", gb="f32"), "decode_row_f32_o64_gb32"),
     ],
     ("fused_kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=2, value_heads=16), "fused_quad_f32_o32"),           # 32
