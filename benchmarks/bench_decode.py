@@ -200,7 +200,8 @@ def parse(argv=None):
     harness.add_common_args(ap)   # --out (folder or .json), --quick, --no-fla, --dry-run, --reps, ...
     ap.add_argument("--modules", default="", help="comma list of module stems (e.g. split8,row,stream); "
                     "default: the routed module only")
-    ap.add_argument("--max-calls", type=int, default=128, help="calls per timed graph (cap)")
+    ap.add_argument("--max-calls", type=int, default=128, help="calls per timed graph (cap; 1: one call a graph, "
+                    "as the engines' benchmarks time it)")
     ap.add_argument("--quiet", action="store_true", help="no per-point lines")
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--heads", default="")
@@ -272,7 +273,7 @@ def main(argv=None):
                 case = make_case(rows, HV, gen)
                 out = torch.empty(rows, HV, V, dtype=torch.bfloat16, device=DEVICE)
                 traffic = rows * HV * V * K * esz * 2
-                M = max(2, min(args.max_calls, math.ceil(256e6 / traffic))) if cfg.is_cuda else 2
+                M = harness.calls_per_graph(args.max_calls, traffic) if cfg.is_cuda else 2
                 reps = 5 if traffic * M > 1e9 else 8
                 idxs = [slot_list(rows, args.slot_order, gen, HV * V * K * esz) for _ in range(M)]
                 offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"  # as the dispatcher decides

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -174,7 +173,8 @@ def main(argv=None):
     ap.add_argument("--gb32", action="store_true",
                     help="also time fp32 g and beta: arm 'gb32' calls the routed module's _gb32 twin (reads them "
                          "as fp32), arm 'gb32_cast' casts them to bf16 (one pass each) and calls the routed module")
-    ap.add_argument("--max-calls", type=int, default=64, help="calls per timed graph (cap)")
+    ap.add_argument("--max-calls", type=int, default=64, help="calls per timed graph (cap; 1: one call a graph, "
+                    "as the engines' benchmarks time it)")
     ap.add_argument("--name", default="verify", help="results file stem (when --out is a folder)")
     args = ap.parse_args(argv)
     cfg = harness.config_from_args(args)
@@ -210,7 +210,7 @@ def main(argv=None):
                     case = make_case(N, T, HV, gen)
                     out = torch.empty(1, N * T, HV, V, dtype=torch.bfloat16, device=DEVICE)
                     nbytes = floor_bytes(N, T, HV, esz)
-                    M = max(2, min(args.max_calls, math.ceil(256e6 / nbytes))) if cfg.is_cuda else 2
+                    M = harness.calls_per_graph(args.max_calls, nbytes) if cfg.is_cuda else 2
                     tables = [slot_table(N, T, slots, gen) for _ in range(M)]
                     offset = "o64" if pool.numel() > 2 ** 31 - 1 else "o32"
                     meta = dict(device=DEVICE, num_seqs=N, value_heads=HV, total_tokens=N * T, max_seqlen=T,

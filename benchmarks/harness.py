@@ -772,6 +772,15 @@ def pick_copy_arms(text: str, configs: Sequence[tuple], is_cuda: bool, option: s
     return picked
 
 
+def calls_per_graph(max_calls: int, call_bytes: float, rotate_bytes: float = 256e6) -> int:
+    """Calls (one rotated input set each) in one timed graph: enough sets that together they overflow L2
+    (rotate_bytes of traffic), at least 2 and at most max_calls. max_calls 1 times a single call per
+    graph, as the engines' benchmarks do (its launch latency shows, the L2 flush keeps it cold)."""
+    if max_calls < 1:
+        raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+    return max(min(2, max_calls), min(max_calls, math.ceil(rotate_bytes / call_bytes)))
+
+
 def in_sequence(calls):
     """One timed run: the calls back to back (a bench's rotated slot tables)."""
     def run():

@@ -382,3 +382,13 @@ def test_every_script_prints_its_help(name, capsys):
         _script(name).main(["--help"])
     assert done.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_calls_per_graph_rotates_past_l2_within_the_cap():
+    assert harness.calls_per_graph(128, 1e6) == 128         # small calls: the cap
+    assert harness.calls_per_graph(128, 64e6) == 4          # 4 x 64 MB overflow L2
+    assert harness.calls_per_graph(128, 4e9) == 2           # a huge call: still two input sets
+    assert harness.calls_per_graph(1, 1e6) == 1             # one call a graph, as the engines time it
+    assert harness.calls_per_graph(1, 4e9) == 1
+    with pytest.raises(ValueError, match="max_calls"):
+        harness.calls_per_graph(0, 1e6)
