@@ -41,24 +41,10 @@ def load(name):
 
 
 def route(meta):
-    """First rule of jit/routes/kda_decode.json whose 'when' holds (docs/architecture.md)."""
-    rules = json.loads((ROOT / "jit/routes/kda_decode.json").read_text())["rules"]
-    for rule in rules:
-        ok = True
-        for key, want in rule["when"].items():
-            if key.endswith("_min") or key.endswith("_max"):
-                val = meta.get(key[:-4])
-                if val is None or (val < want if key.endswith("_min") else val > want):
-                    ok = False
-            elif isinstance(want, list):
-                ok = meta.get(key) in want
-            else:
-                ok = meta.get(key) == want
-            if not ok:
-                break
-        if ok:
-            return rule["module"].format(**meta), rule["name"]
-    raise RuntimeError("no route")
+    """The module and rule name the op would pick (flashkda_ext.dispatch: opt-in rules only when opted in)."""
+    from flashkda_ext import dispatch
+    rule = dispatch.select_rule("kda_decode", meta)
+    return rule["module"], rule["name"]
 
 
 def fla_fn():

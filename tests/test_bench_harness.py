@@ -392,3 +392,16 @@ def test_calls_per_graph_rotates_past_l2_within_the_cap():
     assert harness.calls_per_graph(1, 4e9) == 1
     with pytest.raises(ValueError, match="max_calls"):
         harness.calls_per_graph(0, 1e6)
+
+
+def test_decode_bench_routes_as_the_op_does(monkeypatch):
+    """Its 'ours' arm is the module the op picks: an opt-in rule (persistent) is skipped unless opted in
+    (the bench's own rule walk once took it for every unique-slot call)."""
+    from flashkda_ext import dispatch
+    mod = _script("bench_decode")
+    monkeypatch.delenv("FLASHKDA_EXT_OPT_IN", raising=False)
+    meta = dict(device="cuda", rows=1024, value_heads=8, work_items=8192, state="f32", offset="o32",
+                slot_mode="unique", gate="softplus")
+    module, rule = mod.route(meta)
+    assert rule != "persistent" and not module.startswith("decode_stream")
+    assert module == dispatch.module_name("kda_decode", meta)
