@@ -77,11 +77,23 @@ class Site:
         self.arm, self.tol, self.tokens = entry["arm"], entry.get("tol"), entry.get("tokens")
         self.note = entry.get("note")
         self.select = entry.get("select", {})
+        self.mode = entry.get("mode", "graph")   # eager: prefill / extend, whose engine path syncs on the host
         self.srcs = srcs
 
     @property
     def name(self) -> str:
         return f"{self.engine} {self.site.split(' (')[0]}"
+
+    def kernel_cases(self):
+        """[(case, its Source)] with both arms' kernel time, one a point, the later file's where files overlap:
+        a later graph-only run of a point does not hide an earlier kernel-time run of it."""
+        by_point = {}
+        for src in self.srcs:
+            for c in src.doc["cases"]:
+                if all(c["params"].get(k) == v for k, v in self.select.items()) \
+                        and all(_med(c["arms"].get(a), "kernel") for a in ("ours", self.arm)):
+                    by_point[_point(c)] = (c, src)
+        return list(by_point.values())
 
     def cases(self):
         """[(case, its Source)], one a point, the later file's where files overlap."""
@@ -349,6 +361,10 @@ ISSUE45 = {"rows": (1, 1024), "heads": (8, 12, 24, 32), "states": ("f32", "bf16"
 STATE_NAMES = {"f32": "f32", "bf16": "bf16", "torch.float32": "f32", "torch.bfloat16": "bf16"}
 
 
+def _timing(mode: str) -> str:
+    return "graph replay" if mode == "graph" else "event time (eager)" if mode == "eager" else f"{mode} time"
+
+
 def _point(case):
     """(state, H, rows) of a case of bench_vllm.py or bench_sglang.py (their params differ in name only)."""
     p = case["params"]
@@ -375,15 +391,16 @@ def _agreement(site: Site, case):
 
 
 def _site_points(site: Site):
-    """[(point, ours us, engine us, fla us, agrees, rel. L2, engine over ours in kernel time or None,
-    Source)] in grid order (f32 first)."""
+    """[(point, ours us, engine us, fla us, agrees, rel. L2, Source)] in grid order (f32 first)."""
     out = []
     for c, src in site.cases():
-        a, e = _pair(c, "ours", site.arm)
-        ka, ke = _pair(c, "ours", site.arm, "kernel")
-        out.append((_point(c), a, e, _med(c["arms"].get("fla"), "graph")) + _agreement(site, c)
-                   + (ke / ka if ka and ke else None, src))
-    return sorted(out, key=lambda r: (ISSUE45["states"].index(r[0][0]), r[0][1], r[0][2]))
+        a, e = _pair(c, "ours", site.arm, site.mode)
+        out.append((_point(c), a, e, _med(c["arms"].get("fla"), site.mode)) + _agreement(site, c) + (src,))
+    return sorted(out, key=lambda r: _grid_order(r[0]))
+
+
+def _grid_order(point):
+    return ISSUE45["states"].index(point[0]), point[1], point[2]
 
 
 def _engine_ratios(pts):
@@ -420,7 +437,8 @@ def engines_section(sites) -> list:
     lines = [
         "The serving engines' KDA call sites, each through its flashkda_ext adapter (\"ours\", called as the engine "
         "calls it) against the engine's own Triton kernel from its pinned wheel, on identical inputs in one run "
-        "(`benchmarks/bench_vllm.py`, `benchmarks/bench_sglang.py`); CUDA-graph replay, cold L2. Target (issue 45): "
+        "(`benchmarks/bench_vllm.py`, `benchmarks/bench_sglang.py`); CUDA-graph replay unless a site says "
+        "otherwise, cold L2. Target (issue 45): "
         f"every served call faster than the engine's kernel at every measured point of {grid} (rows: decode rows, "
         "verify requests). Before timing, each point runs both kernels once from identical copies: \"agrees\" is "
         "that check (the larger rel. L2 of the output and the written state in brackets): the run's own verdict "
@@ -438,9 +456,9 @@ def engines_section(sites) -> list:
             + ([f"agreement bound rel. L2 {site.tol:g}"] if site.tol is not None else [])
         lines += [f"### {site.engine} {site.site}", "",
                   "; ".join(facts) + (". " if facts else "")
-                  + f"Each row: ours and {who}'s Triton us, graph replay, and {who}'s time over ours.", ""]
+                  + f"Each row: ours and {who}'s Triton us, {_timing(site.mode)}, and {who}'s time over ours.", ""]
         rows = []
-        for (st, h, r), a, e, f, ok, rel, _, src in pts:
+        for (st, h, r), a, e, f, ok, rel, src in pts:
             rows.append([st, str(h), str(r)] + ([str(site.tokens)] if site.tokens else [])
                         + [_us(a), _us(e)] + ([_us(f)] if fla else [])
                         + [_x(e / a if a and e else None), f"{'yes' if ok else 'no'} ({rel:.1e})", src.key])
@@ -451,7 +469,8 @@ def engines_section(sites) -> list:
         behind = [(p, f"{x:.3f}x") for p, x in rx if x <= 1]
         behind += [(p[0], "not timed") for p in pts if not (p[1] and p[2])]
         agree = sum(1 for p in pts if p[4])
-        kernel = [(p, k) for p, *_, k, _ in pts if k]
+        kernel = sorted(((_point(c), _med(c["arms"][site.arm], "kernel") / _med(c["arms"]["ours"], "kernel"), src)
+                         for c, src in site.kernel_cases()), key=lambda t: _grid_order(t[0]))
         lines += ["", f"- {site.name} ({'; '.join(dict.fromkeys(s.when() for s in _runs([site])))}): {who}'s Triton over ours geomean "
                   f"{_x(_geomean(x for _, x in rx))}, slowest {_x(slow and slow[1])}"
                   + (f" ({_label(slow[0])})" if slow else "") + "; issue 45's target (faster at every point) "
@@ -461,7 +480,8 @@ def engines_section(sites) -> list:
                   + f"; outputs agree at {agree} of {len(pts)}."]
         if kernel:   # the profiler's kernel time: the graph replay of a 1-row call is mostly launch
             lines += [f"- {site.name}, kernel time (torch.profiler device spans of one eager call; "
-                      f"{who}'s over ours): " + ", ".join(f"{_label(p)} {k:.2f}x" for p, k in kernel) + "."]
+                      f"{who}'s over ours): " + ", ".join(f"{_label(p)} {k:.2f}x ({src.key})" for p, k, src in kernel)
+                      + "."]
         lines += [f"- {site.name}: {site.note}"] if site.note else []
         lines.append("")
         for g in _gaps(site, pts):
@@ -519,7 +539,7 @@ def summary_rows(sources) -> list:
     for site in sources.get("engines", []):
         xs = [x for _, x in _engine_ratios(_site_points(site))]
         if xs:
-            out.append((f"{site.name} (adapter)", f"{site.engine.split()[0]}'s Triton", "graph", _geomean(xs),
+            out.append((f"{site.name} (adapter)", f"{site.engine.split()[0]}'s Triton", site.mode, _geomean(xs),
                         min(xs), _runs([site])[-1]))
     return out
 

@@ -123,7 +123,7 @@ def test_engines_section_lists_every_call_site(sources):
     assert re.search(r"^## Engines \(vLLM, SGLang\)$", text, re.M)
     names = [s.name for s in sources["engines"]]
     assert names == ["vLLM 0.34.0 packed decode", "vLLM 0.34.0 speculative verify", "SGLang 0.5.23 packed decode",
-                     "SGLang 0.5.23 target_verify"]
+                     "SGLang 0.5.23 target_verify", "SGLang 0.5.23 extend"]
     for site in sources["engines"]:
         assert site.cases(), site.name
         run = r"\d{4}-\d\d-\d\d, [0-9a-f]{7}"
@@ -137,18 +137,19 @@ def test_engine_tables_follow_the_data(sources):
     site = _site(changed, "vLLM 0.34.0 packed decode")
     case = _engine_case(site, "decode rows=1 H=8 float32")
     ours = case["arms"]["ours"]["time_us"]["graph"]["median"]
+    fla = case["arms"]["fla"]["time_us"]["graph"]["median"]
     case["arms"]["vllm_triton"]["time_us"]["graph"]["median"] = 2 * ours
     other = _engine_case(site, "decode rows=64 H=8 float32")
     other["notes"]["served"] = False
     before, after = perf_doc.render(sources), perf_doc.render(changed)
-    row = f"| f32 | 8 | 1 | {perf_doc._us(ours)} | {perf_doc._us(2 * ours)} | 2.00x | yes ("
+    row = f"| f32 | 8 | 1 | {perf_doc._us(ours)} | {perf_doc._us(2 * ours)} | {perf_doc._us(fla)} | 2.00x | yes ("
     assert row not in before and row in after
     engines = after.split("## Engines")[1]
     assert engines.split("| f32 | 8 | 64 |")[1].splitlines()[0].endswith(" | no (6.6e-06) | A |")
     line = next(x for x in after.splitlines() if x.startswith("- vLLM 0.34.0 packed decode ("))
-    # the 1-row H8 f32 point was behind (0.99x) and is now 2.00x; the 64-row one no longer agrees
-    assert "missed at 2 of 20 points" in line and "outputs agree at 19 of 20" in line
-    assert "missed at 3 of 20 points" in before and "outputs agree at 20 of 20" in before
+    # the 1-row H8 f32 point was behind (0.95x) and is now 2.00x; the 64-row one no longer agrees
+    assert "missed at 1 of 24 points" in line and "outputs agree at 23 of 24" in line
+    assert "missed at 2 of 24 points" in before and "outputs agree at 24 of 24" in before
     assert perf_doc.readme_block(changed) != perf_doc.readme_block(sources)
 
 
@@ -169,10 +170,13 @@ def test_engines_not_measured_is_derived_from_the_data(sources):
         return next(x for x in perf_doc.engines_section(srcs) if x.startswith("Not measured of issue 45's grid"))
 
     now = gaps(sources["engines"])
-    assert "H 12 / 24" not in now and "rows 1-1024 other than 1 / 64 / 1024 (every call site)" in now
+    four = "vLLM 0.34.0 packed decode, vLLM 0.34.0 speculative verify, SGLang 0.5.23 packed decode, " \
+        "SGLang 0.5.23 target_verify"
+    assert now.count("H 12") == 1 and "H 12 / 24 / 32 (SGLang 0.5.23 extend)" in now   # the extend run: H8 only
+    assert f"rows 1-1024 other than 1 / 64 / 1024 ({four})" in now
     assert "an fla arm" in now and "prefill through the vLLM 0.34.0 adapter" in now
     holes = "vLLM 0.34.0 speculative verify at "
-    assert holes + "1 row H12 f32" in now and "1024 rows H32 f32" in now.split(holes)[1].split(";")[0]
+    assert now.split(holes)[1].split(";")[0].startswith("1024 rows H32 bf16 (inside its run's grid)")
     filled = copy.deepcopy(sources)
     verify = _site(filled, "vLLM 0.34.0 speculative verify")
     doc = verify.srcs[-1].doc   # the points the runs did not reach, added to the last file
@@ -214,13 +218,15 @@ def test_engine_kernel_time_line_follows_the_data(sources):
     before = next(x for x in perf_doc.render(sources).splitlines() if x.startswith(prefix))
     assert "1 row H8 f32 0.99x" in before
     changed = copy.deepcopy(sources)
-    case = _engine_case(_site(changed, "vLLM 0.34.0 packed decode"), "decode rows=1 H=8 float32")
+    case = next(c for c, _ in _site(changed, "vLLM 0.34.0 packed decode").kernel_cases()
+                if c["name"] == "decode rows=1 H=8 float32")
     ours = case["arms"]["ours"]["time_us"]["kernel"]["median"]
     case["arms"]["vllm_triton"]["time_us"]["kernel"]["median"] = 3 * ours
     after = next(x for x in perf_doc.render(changed).splitlines() if x.startswith(prefix))
     assert "1 row H8 f32 3.00x" in after
-    for c, _ in _site(changed, "vLLM 0.34.0 packed decode").cases():   # no kernel time: no line
-        c["arms"]["ours"]["time_us"].pop("kernel", None)
+    for src in _site(changed, "vLLM 0.34.0 packed decode").srcs:   # no kernel time in any run: no line
+        for c in src.doc["cases"]:
+            c["arms"]["ours"]["time_us"].pop("kernel", None)
     assert not any(x.startswith(prefix) for x in perf_doc.render(changed).splitlines())
 
 
@@ -267,3 +273,17 @@ def test_kept_results_are_compact():
         if results_compact.dumps(results_compact.compact(doc)) != p.read_text():
             loose.append(p.relative_to(ROOT).as_posix())
     assert not loose, f"not in compact form (python3 benchmarks/results_compact.py FILE): {loose}"
+
+
+def test_engine_kernel_time_outlives_a_later_graph_only_run(sources):
+    """A point's kernel time stays on its line, citing its own run, when a later run times it in graph
+    replay only (the later run's graph time is the table's)."""
+    site = _site(sources, "vLLM 0.34.0 packed decode")
+    name = "decode rows=1 H=8 float32"
+    shown = next(src for c, src in site.cases() if c["name"] == name)
+    timed = next(src for c, src in site.kernel_cases() if c["name"] == name)
+    assert shown is site.srcs[-1] and timed is not shown
+    assert "kernel" not in _engine_case(site, name)["arms"]["ours"]["time_us"]
+    line = next(x for x in perf_doc.render(sources).splitlines()
+                if x.startswith("- vLLM 0.34.0 packed decode, kernel time"))
+    assert f"1 row H8 f32 0.99x ({timed.key})" in line
