@@ -34,8 +34,28 @@ def verify_meta(**kw):
     return m
 
 
-# (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it
+# (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
+# rule's cases carry the opted-in names as a third item
+PIECES = frozenset({"pieces"})
 EDGES = {
+    ("kda_prefill", "long_pieces", "work_items_max"): [
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc4_vt32_f32", PIECES),       # 8
+        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),       # 9
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
+    ],
+    ("kda_prefill", "long_pieces", "total_tokens_min"): [
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc4_vt32_f32", PIECES),
+        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", PIECES),
+    ],
+    ("kda_prefill", "long_pieces_16", "work_items_max"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),      # 16
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32", PIECES),          # 17
+        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),
+    ],
+    ("kda_prefill", "long_pieces_16", "total_tokens_min"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),
+        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", PIECES),
+    ],
     ("kda_decode", "bf16_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
         (decode_meta(rows=1023, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 8184
@@ -191,8 +211,8 @@ EDGES.update({(family, rule + "_gb32", band): [(dict(meta, gb="f32"), module + "
 @pytest.mark.parametrize("key", sorted(EDGES), ids=lambda k: "-".join(k))
 def test_band_edges(key):
     family = key[0]
-    for meta, expected in EDGES[key]:
-        assert dispatch.module_name(family, meta) == expected, (key, meta)
+    for meta, expected, *opted in EDGES[key]:
+        assert dispatch.module_name(family, meta, *opted) == expected, (key, meta)
         assert jit.get_record(expected)["family"] == family
 
 
@@ -305,6 +325,30 @@ def test_opt_in_persistent_route_is_reachable_only_when_opted_in():
             rec = jit.get_record(opted)
             assert rec["opt_in"] and rec["persistent_k"] > 0 and rec["abi"] == "persistent_rows"
     assert dispatch.module_name("kda_decode", decode_meta(device="cpu"), {"persistent"}) == "cpu_kda_decode"
+
+
+def test_opt_in_pieces_route_is_reachable_only_when_opted_in_and_never_with_checkpoints():
+    """The piece-split prefill modules (not exact: no checkpoints) serve long prompts at <= 16 sequences x
+    heads only when 'pieces' is opted in; every other call, and every call without the opt-in, routes as
+    before."""
+    for state in ("f32", "bf16"):
+        for hv in (1, 2, 4, 8, 9, 16, 17, 64):
+            for seqs in (1, 2):
+                for tokens in (64, 8191, 8192, 32768, 131072):
+                    for ckpt in (False, True):
+                        meta = prefill_meta(num_seqs=seqs, value_heads=hv, total_tokens=tokens, state=state,
+                                            checkpoints=ckpt)
+                        plain = dispatch.module_name("kda_prefill", meta, ())
+                        assert not jit.get_record(plain).get("opt_in"), meta
+                        opted = dispatch.module_name("kda_prefill", meta, PIECES)
+                        items = seqs * hv
+                        if ckpt or tokens < 8192 or items > 16:
+                            assert opted == plain, meta
+                            continue
+                        assert opted == f"prefill_pc{4 if items <= 8 else 2}_vt32_{state}", meta
+                        rec = jit.get_record(opted)
+                        assert rec["opt_in"] and rec["params"]["pieces"] > 1 and rec["state_dtype"] == jit.get_record(plain)["state_dtype"]
+    assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), PIECES) == "cpu_kda_prefill"
 
 
 def test_opt_in_comes_from_the_environment_and_is_validated(monkeypatch):

@@ -8,6 +8,10 @@
 // FKDA_PARAM_SINGLE: 1 = a sequence of one chunk is finished inside the prep kernel (its state update
 // run by the same CTA; the state pass skips it). Wins with many CTAs (>= 256 sequences x heads
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
+// FKDA_PARAM_PIECES (kda_prefill_layout.cuh; default 1 = one CTA walks a sequence's chunks): P > 1
+// splits each sequence's state pass into P pieces run in parallel, each from a zero state after a
+// warm-up that attenuates the dropped state below 2^-24 (kda_prefill_state.cuh, piece_start). Not
+// exact, so it writes no checkpoints: a call with checkpoints is refused (the routes never send one).
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
@@ -25,6 +29,9 @@
 #endif
 #if FKDA_PARAM_SINGLE != 0 && FKDA_PARAM_SINGLE != 1
 #error "FKDA_PARAM_SINGLE must be 0 or 1"
+#endif
+#if FKDA_PARAM_PIECES > 1 && FKDA_PARAM_SINGLE != 0
+#error "FKDA_PARAM_PIECES > 1 is built without FKDA_PARAM_SINGLE (its initial-state copy is the prep's multi-chunk path)"
 #endif
 // The module record states the state pass launch shape; keep it and the kernels in step.
 static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
@@ -53,8 +60,8 @@ template <int VT, int RING = fkda_prefill::default_ring<VT>()>
 void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
                   int HV) {
   using SM = fkda_prefill::StateSmem<VT, RING>;
-  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
-             dim3(fkda_prefill::kV / VT, HV, N), dim3(FKDA_THREADS), SM::kTotal, sa);
+  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT, fkda_prefill::kPieces>,
+             dim3(fkda_prefill::kV / VT, HV, N * fkda_prefill::kPieces), dim3(FKDA_THREADS), SM::kTotal, sa);
 }
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
@@ -98,7 +105,8 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   ck.contiguous(cu_seqlens, "cu_seqlens");
   const int64_t N = cu_seqlens.size(0) - 1;
   FKDA_CHECK(N >= 1, fn) << "argument 'cu_seqlens' must hold at least 2 offsets, got " << N + 1;
-  FKDA_CHECK(N <= 65535, fn) << "at most 65535 sequences per call, got " << N;
+  FKDA_CHECK(N <= 65535 / fkda_prefill::kPieces, fn)
+      << "at most " << 65535 / fkda_prefill::kPieces << " sequences per call, got " << N;
 
   const bool pool = state_indices.has_value();
   int64_t slots = N;
@@ -144,11 +152,14 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     ckpt_count = t.size(1);
     ck.shape(t, "checkpoints", {{"N", N}, {"C", ckpt_count}, {"HV", HV}, {"V", V}, {"K", K}});
     ck.contiguous(t, "checkpoints");
+    FKDA_CHECK(fkda_prefill::kPieces == 1, fn)
+        << "argument 'checkpoints': this module splits each sequence into " << fkda_prefill::kPieces
+        << " pieces (not exact), so it writes no checkpoints; use a module without pieces";
     FKDA_CHECK(checkpoint_every > 0 && checkpoint_every % fkda_prefill::kC == 0, fn)
         << "argument 'checkpoint_every' must be a positive multiple of the chunk ("
         << fkda_prefill::kC << ") when checkpoints are given, got " << checkpoint_every;
   }
-  const int64_t need = fkda_prefill::workspace_bytes(T, N, HV);
+  const int64_t need = fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
   if (workspace.has_value()) {
     const TensorView& w = workspace.value();
     ck.same_device(w, "workspace", q, "q");
@@ -193,6 +204,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.out = data_ptr<bf16>(out);
   sa.tma = kTma;
   sa.single = kSingle;
+#if FKDA_PARAM_PIECES > 1
+  sa.init_copy = ws + fkda_prefill::init_copy_offset(T, N, HV);
+#endif
 
   const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
   if (T > 0) {
@@ -224,7 +238,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
-  return fkda_prefill::workspace_bytes(total_tokens, num_seqs, value_heads);
+  return fkda_prefill::workspace_bytes(total_tokens, num_seqs, value_heads, sizeof(StateT));
 }
 
 }  // namespace

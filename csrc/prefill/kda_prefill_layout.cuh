@@ -42,8 +42,21 @@ constexpr size_t kWsA = kWsKd + size_t(kC) * kLdB * 2;
 constexpr size_t kWsGc = kWsA + size_t(kC) * kLdX * 2;
 constexpr size_t kWsU = kWsGc + size_t(kK) * 4;
 constexpr size_t kUBlockBytes = size_t(kC) * kLdU16 * 2;
-constexpr size_t kSlotBytes = kWsU + (kV / 16) * kUBlockBytes;
-static_assert(kWsU % 16 == 0 && kSlotBytes % 128 == 0, "bulk copies need 16 B alignment");
+// After U, one fp32: the chunk's log2 attenuation bound (sum over its valid tokens of the largest
+// per-token log2 decay over the 128 keys, <= 0 for the decaying gates), written only by the piece-split
+// modules (FKDA_PARAM_PIECES > 1), whose state pass reads it to size a piece's warm-up
+// (kda_prefill_state.cuh, piece_start). Its own 128 bytes keep the slot a multiple of 128.
+constexpr size_t kWsBound = kWsU + (kV / 16) * kUBlockBytes;
+constexpr size_t kSlotBytes = kWsBound + 128;
+static_assert(kWsU % 16 == 0 && kWsBound % 16 == 0 && kSlotBytes % 128 == 0, "bulk copies need 16 B alignment");
+
+#ifndef FKDA_PARAM_PIECES
+#define FKDA_PARAM_PIECES 1
+#endif
+// Pieces a sequence's state pass is split into (1: one CTA walks every chunk, exact). With P > 1 the
+// prep also writes the bound above and a copy of each sequence's initial state (see workspace_bytes).
+constexpr int kPieces = FKDA_PARAM_PIECES;
+static_assert(kPieces >= 1 && kPieces <= 16, "FKDA_PARAM_PIECES must be 1..16");
 // Element offset of U[row][col] inside the U area.
 __host__ __device__ constexpr int u_off(int row, int col) {
   return (col >> 4) * (kC * kLdU16) + row * kLdU16 + (col & 15);
@@ -55,8 +68,16 @@ inline int64_t num_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
 // The binding rounds a caller's workspace pointer up to kWorkspaceAlign (bulk copies want it; XLA
 // only promises 128-byte buffers), so the size asked for carries that slack.
 constexpr int64_t kWorkspaceAlign = 256;
-inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
-  return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes) + kWorkspaceAlign;
+// With pieces, after the chunk slots: a copy of every (sequence, head)'s initial state, [N][HV][V][K]
+// of the state dtype, made by the prep (a piece that is not the one writing the final state reads it
+// there, never from initial_state, which may be final_state itself: a pool updated in place).
+inline int64_t init_copy_offset(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
+  return num_chunk_slots(total_tokens, num_seqs) * value_heads * int64_t(kSlotBytes);
+}
+inline int64_t workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads,
+                               int64_t state_bytes) {
+  const int64_t copy = kPieces > 1 ? num_seqs * value_heads * kV * kK * state_bytes : 0;
+  return init_copy_offset(total_tokens, num_seqs, value_heads) + copy + kWorkspaceAlign;
 }
 
 // ---- small PTX helpers ---------------------------------------------------------------------------
@@ -191,7 +212,19 @@ struct StateArgs {
   int64_t ckpt_count;
   int64_t ckpt_every;
   bf16* out;                // [T, HV, V]
+#if FKDA_PARAM_PIECES > 1  // (only there, so the kernels' parameters of the other modules stay as they were)
+  uint8_t* init_copy;       // the prep's copy of the initial states, [N][HV][V][K] (workspace_bytes)
+#endif
 };
+// The prep's copy of sequence n's initial state (head hv) in the workspace; null without pieces.
+template <typename ST>
+__device__ __forceinline__ ST* init_copy_of(const StateArgs& a, int n, int hv) {
+#if FKDA_PARAM_PIECES > 1
+  return reinterpret_cast<ST*>(a.init_copy) + (size_t(n) * a.HV + hv) * kV * kK;
+#else
+  return nullptr;
+#endif
+}
 
 
 }  // namespace fkda_prefill

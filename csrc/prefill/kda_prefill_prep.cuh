@@ -59,10 +59,11 @@ struct Log2Gate<2> {  // the log decay itself
 };
 // Running sums of two adjacent keys' log decays over 16 rows (rows >= nt add 0: their raw input
 // is the zero fill, so the value is finite and its multiplier is 0). The pair comes in one 4-byte
-// shared load per row.
-template <int GATE>
-__device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], const bf16* graw, int r0, int nt, float2 dtb,
-                                             float ea, float lb2) {
+// shared load per row. kBound (the piece-split modules): mx[i] = the larger of the pair's log2 decays
+// at row i (0 past the chunk's end), for the chunk's attenuation bound (bound_row_max).
+template <int GATE, bool kBound>
+__device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], float (&mx)[16], const bf16* graw, int r0, int nt,
+                                             float2 dtb, float ea, float lb2) {
   const Log2Gate<GATE> g0(dtb.x, ea, lb2), g1(dtb.y, ea, lb2);
   float2 run = make_float2(0.f, 0.f);
 #pragma unroll
@@ -72,8 +73,38 @@ __device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], const bf16* graw
     run.x = fmaf(in ? g0.mult : 0.f, g0.value(raw.x), run.x);
     run.y = fmaf(in ? g1.mult : 0.f, g1.value(raw.y), run.y);
     gl[i] = run;
+    if constexpr (kBound) mx[i] = in ? fmaxf(g0.mult * g0.value(raw.x), g1.mult * g1.value(raw.y)) : 0.f;
   }
   return run;
+}
+// Piece-split modules: the chunk's log2 attenuation bound, sum over rows of the largest log2 decay over
+// the 128 keys (kda_prefill_layout.cuh, kWsBound). Each gate warp (64 keys over the 16 rows of quarter
+// q) reduces its lanes' row maxima to one row a lane pair in 16 shuffles (each step halves the rows a
+// lane holds) and leaves them in rowmax[warp & 1][16 q + row]; bound_store sums them after a barrier.
+__device__ __forceinline__ void bound_row_max(const float (&m)[16], float* rowmax, int q, int warp, int lane) {
+  const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
+  float a8[8], a4[4], a2[2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)  // rows 8 b4 + i
+    a8[i] = fmaxf(b4 ? m[i + 8] : m[i], __shfl_xor_sync(0xffffffffu, b4 ? m[i] : m[i + 8], 16));
+#pragma unroll
+  for (int i = 0; i < 4; ++i)  // rows 8 b4 + 4 b3 + i
+    a4[i] = fmaxf(b3 ? a8[i + 4] : a8[i], __shfl_xor_sync(0xffffffffu, b3 ? a8[i] : a8[i + 4], 8));
+#pragma unroll
+  for (int i = 0; i < 2; ++i)  // rows 8 b4 + 4 b3 + 2 b2 + i
+    a2[i] = fmaxf(b2 ? a4[i + 2] : a4[i], __shfl_xor_sync(0xffffffffu, b2 ? a4[i] : a4[i + 2], 4));
+  float a1 = fmaxf(b1 ? a2[1] : a2[0], __shfl_xor_sync(0xffffffffu, b1 ? a2[0] : a2[1], 2));
+  a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, 1));  // row (lane >> 1) & 15, over the warp's 64 keys
+  if (!(lane & 1)) rowmax[(warp & 1) * kC + 16 * q + ((lane >> 1) & 15)] = a1;
+}
+// One warp: the larger of the two warps' maxima a row, summed over the 64 rows, to the slot.
+__device__ __forceinline__ void bound_store(const float* rowmax, uint8_t* ws, int lane) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) s += fmaxf(rowmax[2 * lane + i], rowmax[kC + 2 * lane + i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (lane == 0) *reinterpret_cast<float*>(ws + kWsBound) = s;
 }
 // (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)): ~16 bits of each x.
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
@@ -504,7 +535,8 @@ constexpr int kLOffBeta = kLOffOp + 96 * kLdB * 2;
 constexpr int kLOffTot = kLOffBeta + kC * 4;
 constexpr int kLOffSafe = kLOffTot + 4 * kK * 4;         // int [4]: diagonal block I on tensor cores
 constexpr int kLOffSeq = kLOffSafe + 16;                  // SeqOfChunk: kept here, not in registers
-constexpr int kLiteSmem = kLOffSeq + 16;
+constexpr int kLOffBound = kLOffSeq + 16;                 // pieces > 1: float [2][64] row maxima (bound_row_max)
+constexpr int kLiteSmem = kLOffBound + (kPieces > 1 ? 2 * kC * 4 : 0);
 static_assert(kLOffXb + kC * kLdX * 2 <= kLOffQ, "X as split words and in bf16 fits where G was");
 static_assert(kLOffOp % 16 == 0 && kLOffXb % 16 == 0 && kLOffL % 16 == 0, "16 B alignment");
 static_assert(2 * (kLiteSmem + 1024) <= 228 * 1024, "two CTAs per SM");
@@ -585,6 +617,22 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
     store_checkpoint<VT, ST>(sa, s, n, hv, 0, len, w, lane, v0);
     if (dst) store_state_tile<VT, ST>(dst, s, w, lane, v0);
   }
+}
+
+// Piece-split modules: the CTA of a sequence's first chunk copies the sequence's initial state (this
+// head) to the workspace (StateArgs::init_copy), where the state pass's pieces read it: the final
+// state may be the same memory (a pool updated in place), written by another piece. The prep
+// finishes before the state pass reads anything (PDL wait), so the copy is never raced.
+template <typename ST>
+__device__ __forceinline__ void stash_initial_state(const PrepArgs& a, const SeqOfChunk& sq, int hv, int tid) {
+  const StateArgs& sa = a.st;
+  const int64_t cslot = blockIdx.x / unsigned(a.HV);
+  int64_t slot;
+  if (cslot != sq.bos / kC + sq.n || !sa.init || state_slot(sa, sq.n, slot)) return;
+  const ST* src = static_cast<const ST*>(sa.init) + size_t(slot) * size_t(sa.slot_stride) + size_t(hv) * kV * kK;
+  ST* dst = init_copy_of<ST>(sa, sq.n, hv);
+#pragma unroll 8
+  for (int i = tid; i < kV * kK; i += kLiteThreads) dst[i] = src[i];
 }
 
 template <typename ST>
@@ -717,11 +765,14 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
     const float lb2 = a.lower_bound * kLog2e;
     float2 gl[16];
+    float mx[16];  // read only with pieces (kBound)
+    constexpr bool kBound = kPieces > 1;
     const bf16* graw = Graw + q * 16 * kLdB + d;
-    const float2 run = a.gate_mode == 0   ? gate_cumsum<0>(gl, graw, q * 16, nt, dtb, ea, lb2)
-                       : a.gate_mode == 1 ? gate_cumsum<1>(gl, graw, q * 16, nt, dtb, ea, lb2)
-                                          : gate_cumsum<2>(gl, graw, q * 16, nt, dtb, ea, lb2);
+    const float2 run = a.gate_mode == 0   ? gate_cumsum<0, kBound>(gl, mx, graw, q * 16, nt, dtb, ea, lb2)
+                       : a.gate_mode == 1 ? gate_cumsum<1, kBound>(gl, mx, graw, q * 16, nt, dtb, ea, lb2)
+                                          : gate_cumsum<2, kBound>(gl, mx, graw, q * 16, nt, dtb, ea, lb2);
     *reinterpret_cast<float2*>(tot + q * kK + d) = run;
+    if constexpr (kBound) bound_row_max(mx, reinterpret_cast<float*>(smem + kLOffBound), q, warp, lane);
     // Quarter q is diagonal block q: it goes on tensor cores with the anchor m = 16 q + 7 when every
     // factor exp2(+-(G - G_m)) inside it stays below 2^100 (always for the bounded gate; softplus
     // decays of more than ~9 nats a step fall back to the elementwise form). This thread's running
@@ -749,6 +800,9 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // the slot's row padding: no product uses them (finish_output stops at the diagonal block;
   // output_and_update replaces their fragments by zeros).
   if (tid < kK) reinterpret_cast<float*>(ws + kWsGc)[tid] = ex2(Gs[(kC - 1) * kLdG + tid]);
+  if constexpr (kPieces > 1) {
+    if (warp == 4) bound_store(reinterpret_cast<const float*>(smem + kLOffBound), ws, lane);
+  }
 
   // ---- 3. diagonal 16x16 blocks of L and Aqk that cannot go on tensor cores: elementwise, fp32.
   // Two warps a block. The 8 lanes of group p own the rows il = p and 15 - p: (p + 1) + (16 - p)
@@ -942,6 +996,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
   if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
+    if constexpr (kPieces > 1) stash_initial_state<ST>(a, *seq, hv, tid);
     if (tid == 0) {
       fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
       fkda::bulk_s2g(ws + kWsU, Op, uint32_t((kV / 16) * kUBlockBytes));

@@ -1,9 +1,10 @@
 // The ordered state pass of the sm_90a prefill (kda_prefill_layout.cuh for the shared layout):
 //
-//   kda_state_kernel      grid (V tiles, HV, N), 128 threads. The fp32 state tile lives in
+//   kda_state_kernel      grid (V tiles, HV, N x PIECES), 128 threads. The fp32 state tile lives in
 //                         registers across the sequence's chunks; three small GEMMs a chunk
 //                         (state_chunk_step); chunks arrive by bulk copies (TMA) into a 2-3 deep
-//                         ring.
+//                         ring. PIECES > 1 (issue 46): a sequence's chunks are split into PIECES runs
+//                         done in parallel, each after a warm-up from a zero state (piece_start).
 //
 // state_chunk_step is also the prep kernel's one-chunk path (StateArgs::single).
 #pragma once
@@ -420,16 +421,61 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
   }
 }
 
-template <int VT, int RING, typename ST>
+// ---- piece split (PIECES > 1) ------------------------------------------------------------------
+// A piece that starts at chunk cb > 0 runs from a zero state a few chunks earlier. Dropping the true
+// state S there changes the state at cb by P S, P the product of the per-token transitions
+// (I - beta k k^T) Diag(alpha_t) in between (K side; keys l2-normalised, beta in (0, 1)), whose
+// operator norm is at most prod_t max_d alpha_t[d] = 2^(sum of the chunks' bounds, kWsBound). So the
+// warm-up is the shortest run of chunks cb-1, cb-2, ... whose bounds sum to <= -24 (the dropped term
+// is below 2^-24 |S|), or reaches chunk 0, where the piece starts from the true initial state and is
+// exact: the same operations in the same order as PIECES = 1. Every warp walks (no barrier): a lane
+// sums 4 chunks' bounds, a warp scan orders the 128 partial sums, and the first crossing ends it.
+constexpr float kPieceLog2Eps = -24.f;
+__device__ __forceinline__ int64_t piece_start(const StateArgs& a, int64_t base, int hv, int64_t cb, int lane) {
+  float carry = 0.f;  // sum of the chunks already walked
+  for (int64_t top = cb; top > 0; top -= 128) {
+    float b[4], part = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t c = top - 1 - 4 * lane - i;
+      b[i] = c >= 0 ? *reinterpret_cast<const float*>(a.ws + (size_t(base + c) * a.HV + hv) * kSlotBytes + kWsBound)
+                    : 0.f;
+      part += b[i];
+    }
+    float incl = part;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    float run = carry + incl - part;  // the chunks before this lane's four
+    int hit = 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      run += b[i];
+      if (hit == 4 && run <= kPieceLog2Eps) hit = i;  // false for NaN: walk on (to chunk 0, exact)
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, hit < 4);
+    if (m) {
+      const int l = __ffs(m) - 1;
+      return top - 1 - 4 * l - __shfl_sync(0xffffffffu, hit, l);
+    }
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return 0;
+}
+
+template <int VT, int RING, typename ST, int PIECES = 1>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh (the pieces' bounds are the prep's)
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
   bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb);
   bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  const int vt = blockIdx.x, hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int vt = blockIdx.x, hv = blockIdx.y, HV = a.HV;
+  const int n = PIECES == 1 ? int(blockIdx.z) : int(blockIdx.z / PIECES);
   const int v0 = vt * VT;
 
   const int64_t bos = load_cu(a.cu, a.cu64, n);
@@ -440,10 +486,27 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   int64_t slot;
   const bool pad = state_slot(a, n, slot);
 
+  // Chunks [c0, c1) write output; [cs, c0) are the warm-up. One piece, the last non-empty one (piece
+  // 0 for an empty sequence), writes the final state.
+  int64_t cs = 0, c0 = 0, c1 = nch;
+  bool writer = true;
+  const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
+                                 : nullptr;
+  if constexpr (PIECES > 1) {
+    const int piece = int(blockIdx.z % PIECES);
+    const int64_t per = (nch + PIECES - 1) / PIECES;
+    c0 = piece * per;
+    c1 = c0 + per < nch ? c0 + per : nch;
+    if (piece > 0 && c0 >= c1) return;  // an empty piece (CTA-uniform)
+    writer = c1 == nch;
+    if (piece > 0) cs = piece_start(a, base, hv, c0, lane);
+    if (cs > 0) src = nullptr;  // a zero state
+    else if (!writer && src)    // the prep's copy (initial_state may be final_state)
+      src = init_copy_of<ST>(a, n, hv);
+  }
+
   float s[2][NT][4];
-  load_state_tile<VT, ST>(s, a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
-                                            : nullptr,
-                          w, lane, v0);
+  load_state_tile<VT, ST>(s, src, w, lane, v0);
 
   constexpr int NS = SM::NS;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + SM::kBar);
@@ -456,13 +519,13 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     }
     __syncthreads();
   }
-  // Chunks 0..NS-2 in flight before the loop (chunk 0 alone with a 1-deep ring).
+  // Chunks cs..cs+NS-2 in flight before the loop (chunk cs alone with a 1-deep ring).
   constexpr int kAhead = NS > 1 ? NS - 1 : 1;
-  if (nch > 0) {
+  if (c1 > cs) {
 #pragma unroll
     for (int i = 0; i < kAhead; ++i) {
-      if (i < nch)
-        issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + i) * HV + hv) * kSlotBytes, vt,
+      if (cs + i < c1)
+        issue_chunk<VT, NS>(smem + i * SM::kStage, a.ws + (size_t(base + cs + i) * HV + hv) * kSlotBytes, vt,
                             tid, tma, bars + i);
       cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     }
@@ -471,14 +534,14 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
 
   int stage = 0;
   uint32_t parity = 0;  // of the current use of each stage's mbarrier (flips after NS chunks)
-  for (int64_t c = 0; c < nch; ++c) {
+  for (int64_t c = cs; c < c1; ++c) {
     uint8_t* st = smem + stage * SM::kStage;
     if (tma) mbar_wait(bars + stage, parity);
     else cp_async_wait<kAhead - 1>();
     __syncthreads();  // chunk c visible; every warp is done with chunk c-1 (its stage is free)
     if (NS > 1) {
       const int ns = stage == 0 ? NS - 1 : stage - 1;  // == (c + NS - 1) % NS, chunk c-1's stage
-      if (c + NS - 1 < nch)
+      if (c + NS - 1 < c1)
         issue_chunk<VT, NS>(smem + ns * SM::kStage,
                             a.ws + (size_t(base + c + NS - 1) * HV + hv) * kSlotBytes, vt, tid, tma,
                             bars + ns);
@@ -486,7 +549,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     }
     if (stage == NS - 1) parity ^= 1u;
     stage = stage + 1 == NS ? 0 : stage + 1;
-    const int64_t left = len - c * kC;
+    const int64_t left = c < c0 ? 0 : len - c * kC;  // a warm-up chunk stores no output row
     state_chunk_step<VT>(s, Sb, Vp, reinterpret_cast<const bf16*>(st + SM::kW),
                          reinterpret_cast<const bf16*>(st + SM::kQg), reinterpret_cast<const bf16*>(st + SM::kKd),
                          reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU),
@@ -494,15 +557,15 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
                          a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0, size_t(HV) * kV,
                          left < kC ? int(left) : kC, w, lane);
 
-    if (NS == 1 && c + 1 < nch) {
+    if (NS == 1 && c + 1 < c1) {
       __syncthreads();  // every warp is done with the one stage (and has written its Sb rows)
       issue_chunk<VT, NS>(smem, a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid, tma, bars);
       cp_async_commit();
     }
-    store_checkpoint<VT, ST>(a, s, n, hv, c, len, w, lane, v0);
+    if constexpr (PIECES == 1) store_checkpoint<VT, ST>(a, s, n, hv, c, len, w, lane, v0);  // (refused with pieces)
   }
 
-  if (a.fin && !pad) {
+  if (writer && a.fin && !pad) {
     ST* dst = static_cast<ST*>(a.fin) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
     store_state_tile<VT, ST>(dst, s, w, lane, v0);
   }

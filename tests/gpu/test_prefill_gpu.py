@@ -9,6 +9,9 @@ dense and pool states (padding index, null slot 0, untouched slots bitwise uncha
 determinism, CUDA-graph replay == eager (bitwise), non-default streams. Fresh random inputs each
 case; every output is NaN-poisoned before the call.
 
+The piece-split modules (params.pieces > 1, tests/gpu/test_prefill_pieces_gpu.py for their own cases)
+run every case here; a case with checkpoints must be refused by them, writing nothing.
+
 Modules load through flashkda_ext.jit.load_module; FKDA_PREFILL_PREBUILT=<dir> loads <dir>/<name>.so
 instead (bring-up builds). Tolerance: rel. L2 6e-3 unless a case names its own (fla chunk_kda on
 the same inputs: ~4e-3 out, ~3e-3 state; these kernels measured the same on an H200).
@@ -135,6 +138,10 @@ def sdtype(rec):
     return torch.bfloat16 if rec["state_dtype"] == "bfloat16" else torch.float32
 
 
+def pieces(rec):
+    return rec["params"].get("pieces", 1)
+
+
 CASES = [
     dict(id="softplus_ragged_ckpt", lens=[130, 1, 63, 65, 0, 64, 200], H=4, HV=4, gate="softplus", init=True, every=64, nck=3),
     dict(id="bounded_cu64", lens=[256, 100], H=16, HV=16, gate="bounded", cu64=True),
@@ -167,6 +174,13 @@ def test_against_recurrence(rec, case):
     fin = torch.full((N, HV, V, K), float("nan"), device=DEV).to(st)
     ckpt = torch.full((N, case["nck"], HV, V, K), float("nan"), device=DEV).to(st) if case.get("every") else None
     ws = torch.full((mod["kda_prefill_workspace_bytes"](d["v"].shape[1], N, HV),), 0xFF, dtype=torch.uint8, device=DEV)
+    if ckpt is not None and pieces(rec) > 1:  # not exact: refused before anything launches
+        out = torch.full_like(d["v"], float("nan"))
+        with pytest.raises(ValueError, match="checkpoints"):
+            call(mod, d, case["gate"], init=init, fin=fin, ckpt=ckpt, every=case["every"], ws=ws, out=out)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all() and torch.isnan(fin.float()).all() and torch.isnan(ckpt.float()).all()
+        return
     o = call(mod, d, case["gate"], init=init, fin=fin, ckpt=ckpt, every=case.get("every", 0), ws=ws)
     torch.cuda.synchronize()
     assert not torch.isnan(o).any()
@@ -219,9 +233,11 @@ def test_strided_pool_equals_the_dense_pool_bitwise(rec, commit):
     pages0, dense0 = pages.clone(), dense.clone()
     idx = torch.tensor([5, 9, -1, 7, 0, 2], dtype=torch.int32, device=DEV)   # padding, null slot 0
     res = []
+    every = 64 if pieces(rec) == 1 else 0  # the piece-split modules refuse checkpoints
     for p in (pool, dense):
-        ckpt = torch.full((6, 3, 4, V, K), float("nan"), device=DEV).to(st)
-        o = call(mod, d, "softplus", init=p, fin=p if commit else None, idx=idx, null0=True, ckpt=ckpt, every=64)
+        ckpt = torch.full((6, 3, 4, V, K), float("nan"), device=DEV).to(st) if every else torch.zeros(0)
+        o = call(mod, d, "softplus", init=p, fin=p if commit else None, idx=idx, null0=True,
+                 ckpt=ckpt if every else None, every=every)
         res.append((o, ckpt))
     torch.cuda.synchronize()
     assert not torch.isnan(res[0][0]).any()

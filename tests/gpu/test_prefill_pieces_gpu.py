@@ -1,0 +1,213 @@
+"""GPU tests of the piece-split prefill modules (params.pieces > 1, opt-in 'pieces'; issue 46).
+
+A piece-split module runs each sequence's state pass as P pieces in parallel; piece p > 0 starts from a
+zero state at the latest earlier chunk where the chunks' log2 attenuation bounds sum to <= -24 (or from
+the true initial state at chunk 0). Against the unsplit module of the same V tile (params.pieces
+absent, the same record otherwise):
+  - piece 0's chunks (and every piece whose warm-up reaches chunk 0) are the same operations in the same
+    order: bitwise equal;
+  - the other pieces differ only by the dropped term (below 2^-24 of the state it drops), which the bf16
+    roundings of the state path then spread to their own noise level (a perturbation d of a value rounded
+    to bf16 comes out with rms sqrt(d ulp)), so those rows are held to the float64 recurrence like the
+    unsplit module: the same tolerance, and an error at most 1.1x the unsplit module's on the same rows
+    (plus 1e-4). A piece started too late (a wrong bound, wrong units) fails that.
+  - slow decays (every piece walks back to chunk 0): bitwise equal everywhere, also with the pool updated
+    in place (initial_state is final_state: a piece reading the pool after another wrote it fails this).
+Every output is NaN-poisoned before the call. Helpers (inputs, the float64 recurrence, the module call)
+are tests/gpu/test_prefill_gpu.py's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+from gpu_common import bits  # noqa: E402
+from test_prefill_gpu import DEV, K, RECORDS, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
+
+PIECE_RECS = [r for r in RECORDS if r["params"].get("pieces", 1) > 1]
+BY_NAME = {r["name"]: r for r in RECORDS}
+
+
+def unsplit(rec):
+    """The record of the same module without pieces (its V tile, state dtype and every other param)."""
+    want = {k: v for k, v in rec["params"].items() if k != "pieces"}
+    same = [r for r in RECORDS if r["params"].get("pieces", 1) == 1 and r["params"] == want
+            and r["state_dtype"] == rec["state_dtype"]]
+    assert len(same) == 1, (rec["name"], [r["name"] for r in same])
+    return same[0]
+
+
+def run(rec, d, gate, init, lb=-5.0, pool_idx=None):
+    mod = load(rec["name"])
+    N, HV = len(d["cu"]) - 1, d["v"].shape[2]
+    if pool_idx is None:
+        fin = torch.full((N, HV, V, K), float("nan"), device=DEV).to(sdtype(rec))
+        o = call(mod, d, gate, lb=lb, init=init, fin=fin)
+    else:  # the pool in place: init is final_state
+        fin = init
+        o = call(mod, d, gate, lb=lb, init=init, fin=init, idx=pool_idx)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any(), rec["name"]
+    return o, fin
+
+
+def piece0_tokens(lens, P):
+    """Token indices (of the packed row) in piece 0 of their sequence: exact, whatever the decay."""
+    rows, start = [], 0
+    for L in lens:
+        nch = -(-L // 64)
+        per = -(-nch // P)
+        rows.extend(range(start, start + min(L, per * 64)))
+        start += L
+    return torch.tensor(rows, dtype=torch.long, device=DEV)
+
+
+CASES = [
+    dict(id="one_chunk_h2", lens=[64], H=2, gate="softplus"),
+    dict(id="b1_t4096_h4_bounded", lens=[4096], H=4, gate="bounded"),
+    dict(id="b1_t4096_h8_softplus", lens=[4096], H=8, gate="softplus"),
+    dict(id="b1_t16384_h8_bounded", lens=[16384], H=8, gate="bounded"),
+    dict(id="b1_t16384_h2_softplus", lens=[16384], H=2, gate="softplus"),
+    dict(id="varlen_h3", lens=[0, 1, 4096, 63, 2000, 1, 0, 130, 700], H=3, gate="softplus"),
+    dict(id="varlen_h6_bounded", lens=[1, 3000, 0, 65, 1500], H=6, gate="bounded"),
+]
+
+
+@pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_against_recurrence_and_the_unsplit_module(rec, case):
+    torch.manual_seed(zlib.crc32(f"{rec['name']}{case['id']}".encode()))
+    base = unsplit(rec)
+    st = sdtype(rec)
+    d = make(case["lens"], case["H"], case["H"], case["gate"])
+    N = len(case["lens"])
+    init = (torch.randn(N, case["H"], V, K, device=DEV) * 0.5).to(st)
+    ro, rf, _ = recurrence(d, case["gate"], -5.0, init)
+    o, fin = run(rec, d, case["gate"], init)
+    ob, finb = run(base, d, case["gate"], init)
+    eo, ef = rel(o[0], ro), rel(fin, rf)
+    ebo, ebf = rel(ob[0], ro), rel(finb, rf)
+    msg = (f"{rec['name']} vs {base['name']}: out {eo:.3e} / {ebo:.3e}, state {ef:.3e} / {ebf:.3e}, "
+           f"out vs unsplit {rel(o[0], ob[0]):.3e}, state vs unsplit {rel(fin, finb):.3e}")
+    assert eo < TOL and ef < TOL, msg
+    assert eo <= 1.1 * ebo + 1e-4 and ef <= 1.1 * ebf + 1e-4, msg
+    rows = piece0_tokens(case["lens"], rec["params"]["pieces"])
+    assert torch.equal(bits(o[0, rows]), bits(ob[0, rows])), "piece 0 is not bitwise the unsplit module: " + msg
+    # a sequence of at most one piece's chunks is one piece: bitwise, final state included
+    for n, L in enumerate(case["lens"]):
+        if -(-L // 64) <= 1:
+            assert torch.equal(bits(fin[n]), bits(finb[n])), (n, L, msg)
+    # deterministic
+    o2, fin2 = run(rec, d, case["gate"], init)
+    assert torch.equal(bits(o2), bits(o)) and torch.equal(bits(fin2), bits(fin))
+
+
+def slow(d, HV):
+    """Softplus decays of ~1e-9 a token: no chunk run reaches the 2^-24 bound, every piece starts at chunk 0."""
+    d["A_log"] = torch.full((HV,), -20.0, device=DEV)
+    return d
+
+
+SLOW_CASES = [
+    dict(id="b1_t16384_h4", lens=[16384], H=4),
+    dict(id="varlen_h2", lens=[0, 1, 4096, 63, 2000, 1, 0, 130], H=2),
+]
+
+
+@pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
+@pytest.mark.parametrize("case", SLOW_CASES, ids=[c["id"] for c in SLOW_CASES])
+def test_slow_decay_is_bitwise_the_unsplit_module(rec, case):
+    torch.manual_seed(zlib.crc32(f"slow{rec['name']}{case['id']}".encode()))
+    base = unsplit(rec)
+    d = slow(make(case["lens"], case["H"], case["H"], "softplus"), case["H"])
+    N = len(case["lens"])
+    init = (torch.randn(N, case["H"], V, K, device=DEV) * 0.5).to(sdtype(rec))
+    o, fin = run(rec, d, "softplus", init)
+    ob, finb = run(base, d, "softplus", init)
+    assert torch.equal(bits(o), bits(ob)), f"out differs: rel {rel(o[0], ob[0]):.3e}"
+    assert torch.equal(bits(fin), bits(finb)), f"final state differs: rel {rel(fin, finb):.3e}"
+    if case["lens"] == [16384]:  # and right: against the float64 recurrence
+        ro, rf, _ = recurrence(d, "softplus", -5.0, init)
+        assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL
+
+
+@pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
+def test_pool_in_place_is_bitwise_the_unsplit_module(rec):
+    """initial_state is final_state (a pool with slot indices, a padding row, a null slot 0): the pieces read
+    the prep's copy of the initial state, so the piece that writes the final state cannot feed another's
+    start. Slow decays: every piece starts from the initial state at chunk 0, so any such read shows."""
+    torch.manual_seed(zlib.crc32(f"pool{rec['name']}".encode()))
+    base = unsplit(rec)
+    lens = [3000, 5, 4096, 700]
+    d = slow(make(lens, 4, 4, "softplus"), 4)
+    pool0 = (torch.randn(7, 4, V, K, device=DEV) * 0.5).to(sdtype(rec))
+    idx = torch.tensor([5, -1, 2, 0], dtype=torch.int32, device=DEV)  # padding, and slot 0 (null_slot0 off)
+    pool, poolb = pool0.clone(), pool0.clone()
+    o, _ = run(rec, d, "softplus", pool, pool_idx=idx)
+    ob, _ = run(base, d, "softplus", poolb, pool_idx=idx)
+    assert torch.equal(bits(o), bits(ob)), f"out differs: rel {rel(o[0], ob[0]):.3e}"
+    assert torch.equal(bits(pool), bits(poolb)), "pool differs from the unsplit module's"
+    assert torch.equal(bits(pool[[1, 3, 4, 6]]), bits(pool0[[1, 3, 4, 6]])), "an unnamed slot changed"
+    ro, rf, _ = recurrence(d, "softplus", -5.0, pool0, idx=idx.tolist())
+    assert rel(o[0], ro) < TOL
+    assert rel(pool[5], rf[0]) < TOL and rel(pool[2], rf[2]) < TOL and rel(pool[0], rf[3]) < TOL
+
+
+@pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
+def test_workspace_holds_the_initial_state_copy(rec):
+    """kda_prefill_workspace_bytes of a piece-split module: the unsplit module's (one slot size for all) plus
+    N x HV copies of a state; a caller workspace one byte short is refused, naming the argument."""
+    mod, modb = load(rec["name"]), load(unsplit(rec)["name"])
+    esize = 4 if rec["state_dtype"] == "float32" else 2
+    for T, N, HV in ((4096, 1, 8), (100, 3, 2), (0, 2, 1)):
+        assert mod["kda_prefill_workspace_bytes"](T, N, HV) == modb["kda_prefill_workspace_bytes"](T, N, HV) + N * HV * V * K * esize
+    d = make([300, 200], 2, 2, "bounded")
+    need = mod["kda_prefill_workspace_bytes"](500, 2, 2)
+    ws = torch.empty(need - 1, dtype=torch.uint8, device=DEV)
+    out = torch.full_like(d["v"], float("nan"))
+    with pytest.raises(ValueError, match="workspace"):
+        call(mod, d, "bounded", ws=ws, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+
+
+# The opt-in route through the public op, in a child process (a process routes a call once).
+_OPT_IN_CHILD = r"""
+import sys, torch, flashkda_ext as fk
+from flashkda_ext import dispatch, validation
+a = torch.load(sys.argv[1])
+kw = dict(A_log=a["A_log"], dt_bias=a["dt_bias"], initial_state=a["init"], output_final_state=True)
+meta = validation.check_kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw).route_meta()
+module = dispatch.module_name("kda_prefill", meta)
+ckpt_module = dispatch.module_name("kda_prefill", dict(meta, checkpoints=True))
+out, fin = fk.kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
+torch.cuda.synchronize()
+torch.save({"module": module, "ckpt_module": ckpt_module, "out": out, "fin": fin}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("HV,want", [(8, "prefill_pc4_vt32_f32"), (16, "prefill_pc2_vt32_f32")])
+def test_opt_in_pieces_route_through_the_op(HV, want, tmp_path):
+    """FLASHKDA_EXT_OPT_IN=pieces: 1 x 8192 tokens at 8 (16) heads goes to the 4-piece (2-piece) module, a call
+    with checkpoints does not, and the op's result is the module's own (bitwise) and right."""
+    torch.manual_seed(HV)
+    d = make([8192], HV, HV, "softplus")
+    init = (torch.randn(1, HV, V, K, device=DEV) * 0.5)
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
+                    dt_bias=d["dt_bias"], init=init), src)
+    env = dict(os.environ, FLASHKDA_EXT_OPT_IN="pieces")
+    subprocess.run([sys.executable, "-c", _OPT_IN_CHILD, str(src), str(dst)], env=env, check=True, timeout=900)
+    res = torch.load(dst)
+    assert res["module"] == want and not BY_NAME[res["ckpt_module"]]["params"].get("pieces")
+    o, fin = run(BY_NAME[want], d, "softplus", init)
+    assert torch.equal(bits(res["out"]), bits(o)) and torch.equal(bits(res["fin"]), bits(fin))
+    ro, rf, _ = recurrence(d, "softplus", -5.0, init)
+    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL
