@@ -12,7 +12,8 @@ absent, the same record otherwise):
     unsplit module: the same tolerance, and an error at most 1.1x the unsplit module's on the same rows
     (plus 1e-4). A piece started too late (a wrong bound, wrong units) fails that.
   - slow decays (every piece walks back to chunk 0): bitwise equal everywhere, also with the pool updated
-    in place (initial_state is final_state: a piece reading the pool after another wrote it fails this).
+    in place (initial_state is final_state; the pieces read the prep's copy, so the writer's store cannot
+    feed another piece's start: a test cannot force that ordering, only check the in-place result).
 Every output is NaN-poisoned before the call. Helpers (inputs, the float64 recurrence, the module call)
 are tests/gpu/test_prefill_gpu.py's.
 """
@@ -133,16 +134,13 @@ def test_slow_decay_is_bitwise_the_unsplit_module(rec, case):
     ob, finb = run(base, d, "softplus", init)
     assert torch.equal(bits(o), bits(ob)), f"out differs: rel {rel(o[0], ob[0]):.3e}"
     assert torch.equal(bits(fin), bits(finb)), f"final state differs: rel {rel(fin, finb):.3e}"
-    if case["lens"] == [16384]:  # and right: against the float64 recurrence
-        ro, rf, _ = recurrence(d, "softplus", -5.0, init)
-        assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL
 
 
 @pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
 def test_pool_in_place_is_bitwise_the_unsplit_module(rec):
-    """initial_state is final_state (a pool with slot indices, a padding row, a null slot 0): the pieces read
-    the prep's copy of the initial state, so the piece that writes the final state cannot feed another's
-    start. Slow decays: every piece starts from the initial state at chunk 0, so any such read shows."""
+    """initial_state is final_state (a pool with slot indices, a padding row, slot 0 as a real slot): the
+    pieces read the prep's copy of the initial state, so the piece that writes the final state cannot feed
+    another's start. Slow decays: every piece starts from the initial state at chunk 0."""
     torch.manual_seed(zlib.crc32(f"pool{rec['name']}".encode()))
     base = unsplit(rec)
     lens = [3000, 5, 4096, 700]
