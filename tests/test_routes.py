@@ -37,7 +37,27 @@ def verify_meta(**kw):
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
 # rule's cases carry the opted-in names as a third item
 PIECES = frozenset({"pieces"})
+PIECES_VT64 = frozenset({"pieces_vt64"})
+BOTH = PIECES | PIECES_VT64
 EDGES = {
+    ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", PIECES_VT64),     # 8
+        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc4_vt64_f32", PIECES_VT64),     # 9
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16", PIECES_VT64),
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", BOTH),
+    ],
+    ("kda_prefill", "long_pieces_vt64", "total_tokens_min"): [
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", BOTH),
+        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", BOTH),
+    ],
+    ("kda_prefill", "long_pieces_vt64_16", "work_items_max"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32", BOTH),          # 16
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32", BOTH),              # 17
+    ],
+    ("kda_prefill", "long_pieces_vt64_16", "total_tokens_min"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32", PIECES_VT64),
+        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", PIECES_VT64),
+    ],
     ("kda_prefill", "long_pieces", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc4_vt32_f32", PIECES),       # 8
         (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),       # 9
@@ -349,6 +369,23 @@ def test_opt_in_pieces_route_is_reachable_only_when_opted_in_and_never_with_chec
                         rec = jit.get_record(opted)
                         assert rec["opt_in"] and rec["params"]["pieces"] > 1 and rec["state_dtype"] == jit.get_record(plain)["state_dtype"]
     assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), PIECES) == "cpu_kda_prefill"
+
+
+def test_opt_in_pieces_vt64_takes_fp32_long_prompts_first():
+    """'pieces_vt64' (fp32 state only) comes before 'pieces' where both are opted in; a bf16 call falls to
+    'pieces' (or, without it, the default bands); checkpoints never take a piece-split module."""
+    for hv in (1, 4, 8, 9, 16, 17):
+        for tokens in (8191, 8192, 65536):
+            for ckpt in (False, True):
+                f32 = prefill_meta(value_heads=hv, total_tokens=tokens, checkpoints=ckpt)
+                bf16 = dict(f32, state="bf16")
+                long = tokens >= 8192 and hv <= 16 and not ckpt
+                want = (f"prefill_pc{8 if hv <= 8 else 4}_vt64_f32" if long
+                        else dispatch.module_name("kda_prefill", f32, ()))
+                assert dispatch.module_name("kda_prefill", f32, PIECES_VT64) == want, f32
+                assert dispatch.module_name("kda_prefill", f32, BOTH) == want, f32
+                assert dispatch.module_name("kda_prefill", bf16, PIECES_VT64) == dispatch.module_name("kda_prefill", bf16, ())
+                assert dispatch.module_name("kda_prefill", bf16, BOTH) == dispatch.module_name("kda_prefill", bf16, PIECES)
 
 
 def test_opt_in_comes_from_the_environment_and_is_validated(monkeypatch):
