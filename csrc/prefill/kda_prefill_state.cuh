@@ -453,7 +453,10 @@ __device__ __forceinline__ int64_t piece_start(const StateArgs& a, int64_t base,
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       run += b[i];
-      if (hit == 4 && run <= kPieceLog2Eps) hit = i;  // false for NaN: walk on (to chunk 0, exact)
+      // Only a real chunk may end the walk: this lane's start (carry + incl - part) is rounded apart
+      // from the previous lane's end, so past chunk 0 (b = 0) it could cross -24 where the walk did not
+      // and return a negative chunk. NaN compares false: walk on (to chunk 0, exact).
+      if (hit == 4 && top - 1 - 4 * lane - i >= 0 && run <= kPieceLog2Eps) hit = i;
     }
     const unsigned m = __ballot_sync(0xffffffffu, hit < 4);
     if (m) {
