@@ -136,6 +136,54 @@ def test_slow_decay_is_bitwise_the_unsplit_module(rec, case):
     assert torch.equal(bits(fin), bits(finb)), f"final state differs: rel {rel(fin, finb):.3e}"
 
 
+SLOW_KEY = (77, 10)  # per head: the one slowly decaying key (the other warp half of the prep in each)
+SLOW_G = -0.057373046875  # bf16-exact; x 64 tokens x log2(e) = -5.297 a chunk: 4 chunks -21.2, 5 chunks -26.5
+
+
+@pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
+def test_warm_up_starts_where_the_bounds_cross(rec):
+    """The split does split, and where the bound says. Log gate: every key decays by 0.5 a token but one per
+    head (SLOW_KEY, a different prep warp per head), whose bound is -5.297 a chunk, and a weak delta rule
+    (beta ~0.01), so the bound is nearly tight: piece p > 0 (first chunk c0) must start from zero at
+    c0 - 5. The values of chunk c0 - 5 are scaled by 1e9 and those of c0 - 6 by 1e11: chunk c0's outputs
+    are then dominated by what chunk c0 - 5 left (warm-up too short: missing) or by c0 - 6 (too long, or
+    no split at all: present). They must match the float64 recurrence run from zero at c0 - 5, and the
+    recurrences from c0 - 6 and c0 - 4 must be far from it (checked: the test can tell)."""
+    torch.manual_seed(zlib.crc32(f"cut{rec['name']}".encode()))
+    P, C, HV = rec["params"]["pieces"], 64, 2
+    nch = 64
+    per = nch // P
+    d = make([nch * C], HV, HV, "log")
+    g = torch.full_like(d["g"], -0.5)
+    for h, s in enumerate(SLOW_KEY):
+        g[0, :, h, s] = SLOW_G
+    d["g"] = g
+    d["beta"] = torch.full_like(d["beta"], -4.6)  # sigmoid: ~0.01
+    v = d["v"].float()
+    for p in range(1, P):
+        c0 = p * per
+        v[0, (c0 - 5) * C:(c0 - 4) * C] *= 1e9
+        v[0, (c0 - 6) * C:(c0 - 5) * C] *= 1e11
+    d["v"] = v.bfloat16()
+    o = call(load(rec["name"]), d, "log")
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all(), rec["name"]
+
+    def from_zero(cs, c0):  # float64 outputs of chunk c0, the state zero at chunk cs
+        t0, t1 = cs * C, (c0 + 1) * C
+        sub = {key: d[key][:, t0:t1] for key in ("q", "k", "v", "g", "beta")}
+        sub.update(A_log=None, dt_bias=None, cu=[0, t1 - t0])
+        return recurrence(sub, "log", -5.0, None)[0][-C:]
+
+    for p in range(1, P):
+        c0 = p * per
+        want = from_zero(c0 - 5, c0)
+        for other in (c0 - 6, c0 - 4):
+            assert rel(from_zero(other, c0), want) > 0.5, (p, other)  # the test's own power
+        err = rel(o[0, c0 * C:(c0 + 1) * C], want)
+        assert err < 2e-2, f"{rec['name']} piece {p} (chunk {c0}): {err:.3e} from the recurrence started at {c0 - 5}"
+
+
 @pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
 def test_pool_in_place_is_bitwise_the_unsplit_module(rec):
     """initial_state is final_state (a pool with slot indices, a padding row, slot 0 as a real slot): the
