@@ -45,8 +45,8 @@
 # need one say so and are skipped.
 # Carried inputs: .whl/*.whl (tvm-ffi, jax-tvm-ffi, fla-core, einops, jsonschema and its deps: not in the
 # device image), .devaot/ (modules built here by `python aot.py --arch 9.0a --out .devaot --only GLOBS`:
-# loaded without a rebuild), .triton_cache/ (fla's compiled Triton kernels from an earlier run's
-# triton_cache.tgz), .fla_tests/, .ab_base/.
+# loaded without a rebuild), .triton_cache/ (fla's and the engines' compiled Triton kernels from an earlier
+# run's triton_cache.tgz), .fla_tests/, .ab_base/.
 # The device returns at most 8 files: logs and text go into $OUT/logs.tgz, results JSON and plots stay
 # beside it unless there are more than 6 of them (then $OUT/results.tgz). Exit status 1 when a step failed
 # (its name on the last line), 2 for a bad STAGES or argument.
@@ -335,8 +335,9 @@ if want ab && needs_gpu ab; then
   show ab_compare "geomean|  ours on|  [a-z]+ on " 40
 fi
 
-# fla's Triton kernels compiled in this run, for a later one to carry (.triton_cache/)
-if [ "$DRY" != 1 ] && { want integrations || want peers; }; then
+# Triton kernels compiled in this run (fla's; the engines' own), for a later one to carry (.triton_cache/): the
+# first call of vLLM's chunk prefill compiles and autotunes for longer than a short LIMIT_ENGINES
+if [ "$DRY" != 1 ] && { want integrations || want peers || want engines; }; then
   tc=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
   [ -d "$tc" ] && tar czf "$OUT/triton_cache.tgz" -C "$tc" .
 fi
