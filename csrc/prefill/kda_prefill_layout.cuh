@@ -42,21 +42,21 @@ constexpr size_t kWsA = kWsKd + size_t(kC) * kLdB * 2;
 constexpr size_t kWsGc = kWsA + size_t(kC) * kLdX * 2;
 constexpr size_t kWsU = kWsGc + size_t(kK) * 4;
 constexpr size_t kUBlockBytes = size_t(kC) * kLdU16 * 2;
-// After U, one fp32: the chunk's log2 attenuation bound (sum over its valid tokens of the largest
-// per-token log2 decay over the 128 keys, <= 0 for the decaying gates), written only by the piece-split
-// modules (FKDA_PARAM_PIECES > 1), whose state pass reads it to size a piece's warm-up
-// (kda_prefill_state.cuh, piece_start). Its own 128 bytes keep the slot a multiple of 128.
-constexpr size_t kWsBound = kWsU + (kV / 16) * kUBlockBytes;
-constexpr size_t kSlotBytes = kWsBound + 128;
-static_assert(kWsU % 16 == 0 && kWsBound % 16 == 0 && kSlotBytes % 128 == 0, "bulk copies need 16 B alignment");
-
 #ifndef FKDA_PARAM_PIECES
 #define FKDA_PARAM_PIECES 1
 #endif
 // Pieces a sequence's state pass is split into (1: one CTA walks every chunk, exact). With P > 1 the
-// prep also writes the bound above and a copy of each sequence's initial state (see workspace_bytes).
+// prep also writes the bound below and a copy of each sequence's initial state (see workspace_bytes).
 constexpr int kPieces = FKDA_PARAM_PIECES;
 static_assert(kPieces >= 1 && kPieces <= 16, "FKDA_PARAM_PIECES must be 1..16");
+// After U, with pieces only, one fp32: the chunk's log2 attenuation bound (sum over its valid tokens of
+// the largest per-token log2 decay over the 128 keys, <= 0 for the decaying gates), whose state pass
+// reads it to size a piece's warm-up (kda_prefill_state.cuh, piece_start). Its own 128 bytes keep the
+// slot a multiple of 128; without pieces the slot stays as it was (the unsplit modules' layout and
+// workspace size untouched).
+constexpr size_t kWsBound = kWsU + (kV / 16) * kUBlockBytes;
+constexpr size_t kSlotBytes = kWsBound + (kPieces > 1 ? 128 : 0);
+static_assert(kWsU % 16 == 0 && kWsBound % 16 == 0 && kSlotBytes % 128 == 0, "bulk copies need 16 B alignment");
 // Element offset of U[row][col] inside the U area.
 __host__ __device__ constexpr int u_off(int row, int col) {
   return (col >> 4) * (kC * kLdU16) + row * kLdU16 + (col & 15);

@@ -208,12 +208,15 @@ def test_pool_in_place_is_bitwise_the_unsplit_module(rec):
 
 @pytest.mark.parametrize("rec", PIECE_RECS, ids=[r["name"] for r in PIECE_RECS])
 def test_workspace_holds_the_initial_state_copy(rec):
-    """kda_prefill_workspace_bytes of a piece-split module: the unsplit module's (one slot size for all) plus
-    N x HV copies of a state; a caller workspace one byte short is refused, naming the argument."""
+    """kda_prefill_workspace_bytes of a piece-split module: the unsplit module's, 128 more bytes a slot (the
+    chunk's bound; slots: T // 64 + N a head) and N x HV copies of a state; a caller workspace one byte short
+    is refused, naming the argument."""
     mod, modb = load(rec["name"]), load(unsplit(rec)["name"])
     esize = 4 if rec["state_dtype"] == "float32" else 2
     for T, N, HV in ((4096, 1, 8), (100, 3, 2), (0, 2, 1)):
-        assert mod["kda_prefill_workspace_bytes"](T, N, HV) == modb["kda_prefill_workspace_bytes"](T, N, HV) + N * HV * V * K * esize
+        slots = (T // 64 + N) * HV
+        assert (mod["kda_prefill_workspace_bytes"](T, N, HV)
+                == modb["kda_prefill_workspace_bytes"](T, N, HV) + slots * 128 + N * HV * V * K * esize)
     d = make([300, 200], 2, 2, "bounded")
     need = mod["kda_prefill_workspace_bytes"](500, 2, 2)
     ws = torch.empty(need - 1, dtype=torch.uint8, device=DEV)
