@@ -470,9 +470,9 @@ __device__ __forceinline__ int64_t piece_start(const StateArgs& a, int64_t base,
 
 template <int VT, int RING, typename ST, int PIECES = 1>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh (the pieces' bounds are the prep's)
   // the slot holds the bound (kWsBound) and the workspace the initial-state copy only in a P > 1 build
   static_assert(PIECES == kPieces, "kda_state_kernel's PIECES is the module's FKDA_PARAM_PIECES");
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh (the pieces' bounds are the prep's)
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
