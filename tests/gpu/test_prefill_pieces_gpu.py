@@ -11,6 +11,9 @@ absent, the same record otherwise):
     to bf16 comes out with rms sqrt(d ulp)), so those rows are held to the float64 recurrence like the
     unsplit module: the same tolerance, and an error at most 1.1x the unsplit module's on the same rows
     (plus 1e-4). A piece started too late (a wrong bound, wrong units) fails that.
+  - the cases above also pass if no piece ever cuts (every walk to chunk 0 is exact), so one case makes the
+    cut observable: a nearly tight bound and huge values in the chunks either side of the expected start
+    (test_warm_up_starts_where_the_bounds_cross);
   - slow decays (every piece walks back to chunk 0): bitwise equal everywhere, also with the pool updated
     in place (initial_state is final_state; the pieces read the prep's copy, so the writer's store cannot
     feed another piece's start: a test cannot force that ordering, only check the in-place result).
