@@ -17,7 +17,8 @@ The targets come from the same data through benchmarks/decode_targets.py and pre
 
 current.json's "engines" (one entry per serving-engine call site, its keys in current.json's "about") feeds
 the Engines section: bench_vllm.py / bench_sglang.py runs, arm ours (the adapter as the engine calls it)
-against the entry's "arm" (the engine's own Triton kernel), graph medians, each case's agreement in its notes.
+against the entry's "arm" (the engine's own Triton kernel), medians in the entry's "mode" (graph unless it says
+eager), the profiler's kernel time where a run has it, each case's agreement in its notes.
 
     python benchmarks/perf_doc.py            # rewrite docs/performance.md and the README block
     python benchmarks/perf_doc.py --check    # exit 1 when either differs from what the data give
@@ -84,25 +85,20 @@ class Site:
     def name(self) -> str:
         return f"{self.engine} {self.site.split(' (')[0]}"
 
-    def kernel_cases(self):
-        """[(case, its Source)] with both arms' kernel time, one a point, the later file's where files overlap:
-        a later graph-only run of a point does not hide an earlier kernel-time run of it."""
+    def cases(self, keep=lambda case: True):
+        """[(case, its Source)] of the selected cases that `keep` accepts, one a point, the later file's
+        where files overlap."""
         by_point = {}
         for src in self.srcs:
             for c in src.doc["cases"]:
-                if all(c["params"].get(k) == v for k, v in self.select.items()) \
-                        and all(_med(c["arms"].get(a), "kernel") for a in ("ours", self.arm)):
+                if all(c["params"].get(k) == v for k, v in self.select.items()) and keep(c):
                     by_point[_point(c)] = (c, src)
         return list(by_point.values())
 
-    def cases(self):
-        """[(case, its Source)], one a point, the later file's where files overlap."""
-        by_point = {}
-        for src in self.srcs:
-            for c in src.doc["cases"]:
-                if all(c["params"].get(k) == v for k, v in self.select.items()):
-                    by_point[_point(c)] = (c, src)
-        return list(by_point.values())
+    def kernel_cases(self):
+        """cases() with both arms' kernel time: a later graph-only run of a point does not hide an earlier
+        kernel-time run of it."""
+        return self.cases(lambda c: all(_med(c["arms"].get(a), "kernel") for a in ("ours", self.arm)))
 
 
 def load(path: Path = SOURCES, root: Path = RESULTS) -> dict:

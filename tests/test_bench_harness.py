@@ -372,7 +372,12 @@ def test_kernel_mode_rounds_come_after_every_other_mode(tmp_path, monkeypatch):
     assert all(res[a][m]["n"] == 4 for a in "ab" for m in ("eager", "kernel", "wall"))
 
 
-SCRIPTS_WITH_MAIN = sorted(p.stem for p in BENCH.glob("*.py") if "def main(argv" in p.read_text() and "ArgumentParser(" in p.read_text())
+def _argparse_main(path: Path) -> bool:
+    text = path.read_text()
+    return "def main(argv" in text and "ArgumentParser(" in text
+
+
+SCRIPTS_WITH_MAIN = sorted(p.stem for p in BENCH.glob("*.py") if _argparse_main(p))
 
 
 @pytest.mark.parametrize("name", SCRIPTS_WITH_MAIN)
