@@ -79,8 +79,8 @@ CASES = [
     dict(id="b1_t4096_h8_softplus", lens=[4096], H=8, gate="softplus"),
     dict(id="b1_t16384_h8_bounded", lens=[16384], H=8, gate="bounded"),
     dict(id="b1_t16384_h2_softplus", lens=[16384], H=2, gate="softplus"),
-    dict(id="varlen_h3", lens=[0, 1, 4096, 63, 2000, 1, 0, 130, 700], H=3, gate="softplus"),
-    dict(id="varlen_h6_bounded", lens=[1, 3000, 0, 65, 1500], H=6, gate="bounded"),
+    dict(id="varlen_h4", lens=[0, 1, 4096, 63, 2000, 1, 0, 130, 700], H=4, gate="softplus"),
+    dict(id="varlen_h12_bounded", lens=[1, 3000, 0, 65, 1500], H=12, gate="bounded"),
 ]
 
 
