@@ -410,3 +410,15 @@ def test_decode_bench_routes_as_the_op_does(monkeypatch):
     module, rule = mod.route(meta)
     assert rule != "persistent" and not module.startswith("decode_stream")
     assert module == dispatch.module_name("kda_decode", meta)
+
+
+def test_prefill_b1_filter_holds_in_both_grids():
+    """--only-small / --skip-small pick the B=1 rows of the layer grid ("B1 T2048 H1") and of the issue46
+    grid ("H8 B1 T2K"); the filter once read only the layer grid's names and left the issue46 grid empty."""
+    bp = _script("bench_prefill")
+    b1 = [c for c in bp.issue46_cases([8, 16], False) if bp.is_b1(c[0])]
+    assert [c[0] for c in b1] == [f"H{h} B1 T{t}K" for h in (8, 16) for t in (2, 8, 32, 128)] + ["H64 B1 T8K"]
+    assert all(len(c[1]) == 1 for c in b1)
+    layer = [c for c in bp.cases([16], False) if bp.is_b1(c[0])]
+    assert layer and all(c[0].startswith("B1 T") for c in layer)
+    assert not bp.is_b1("H16 64x512") and not bp.is_b1("H32 4x4096")
