@@ -24,6 +24,9 @@ CUDA-graph capture would have). fla gets the same tensors: its state in the same
     python benchmarks/bench_prefill.py --out bench_prefill.json [--heads 16] [--quick] [--no-fla]
     python benchmarks/bench_prefill.py --grid issue46 --long --modes eager --out DIR --name prefill_grid
     python benchmarks/bench_prefill.py --dry-run       # CPU backend, tiny shapes: checks the logic
+
+`--slow-keys N --slow-bias B` gives N key channels a head the dt_bias B (default -20: those keys barely
+decay), as a trained model's long-memory channels do; random gates decay every key fast.
 """
 from __future__ import annotations
 
@@ -98,7 +101,7 @@ def dry_cases():
     return [("H2 5+0+9", [5, 0, 9], 2), ("B1 T12 H1", [12], 1)]
 
 
-def make(lens, H, gate, dev):
+def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0):
     T = sum(lens)
     d = dict(q=torch.randn(1, T, H, K, device=dev).bfloat16(), k=torch.randn(1, T, H, K, device=dev).bfloat16(),
              v=torch.randn(1, T, H, V, device=dev).bfloat16(), g=torch.randn(1, T, H, K, device=dev).bfloat16(),
@@ -109,6 +112,8 @@ def make(lens, H, gate, dev):
         cu.append(cu[-1] + L)
     d["cu"] = torch.tensor(cu, dtype=torch.int32, device=dev)
     d["init"] = torch.randn(len(lens), H, V, K, device=dev)
+    if slow_keys:   # long-memory channels: a very negative dt_bias gives those keys a log decay near 0 a token
+        d["dt_bias"].view(H, K)[:, :slow_keys] = slow_bias
     return d
 
 
@@ -142,6 +147,10 @@ def parse(argv=None):
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
+    ap.add_argument("--slow-keys", type=int, default=0,
+                    help="this many key channels a head decay slowly (dt_bias --slow-bias): a model's long-memory "
+                         "channels; a split of the chain must then warm up from further back")
+    ap.add_argument("--slow-bias", type=float, default=-20.0, help="dt_bias of the --slow-keys channels")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
     return ap.parse_args(argv)
@@ -194,7 +203,7 @@ def main(argv=None):
     pm = run.primary_mode
     for gate in gates:
         for name, lens, H in case_list:
-            d = make(lens, H, gate, dev)
+            d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias)
             N, T = len(lens), sum(lens)
             mname = args.module or route_module(N, H, T, gate)
             mod = load(mname)
@@ -234,6 +243,8 @@ def main(argv=None):
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
             nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * 4
             params = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname)
+            if args.slow_keys:
+                params.update(slow_keys=args.slow_keys, slow_bias=args.slow_bias)
             rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,
                                        notes={"checks": checks} if checks else {}))
             ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")

@@ -422,3 +422,21 @@ def test_prefill_b1_filter_holds_in_both_grids():
     layer = [c for c in bp.cases([16], False) if bp.is_b1(c[0])]
     assert layer and all(c[0].startswith("B1 T") for c in layer)
     assert not bp.is_b1("H16 64x512") and not bp.is_b1("H32 4x4096")
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_prefill_slow_keys_barely_decay(gate):
+    """--slow-keys 2: the first two keys of every head decay by less than 1e-2 a token (the bench's model of
+    long-memory channels), the other keys as before."""
+    from flashkda_ext.reference.gates import gate_log_decay
+    bp = _script("bench_prefill")
+    H, K = 3, bp.K
+    torch.manual_seed(1)
+    d = bp.make([40], H, gate, torch.device("cpu"), slow_keys=2)
+    torch.manual_seed(1)
+    ref = bp.make([40], H, gate, torch.device("cpu"))
+    lb = -5.0 if gate == "bounded" else None
+    g = gate_log_decay(d["g"].float(), gate, d["A_log"], d["dt_bias"].view(H, K), lb)
+    g0 = gate_log_decay(ref["g"].float(), gate, ref["A_log"], ref["dt_bias"].view(H, K), lb)
+    assert g[..., :2].abs().max() < 1e-2 < g0[..., :2].abs().max()
+    assert torch.equal(g[..., 2:], g0[..., 2:])
