@@ -49,6 +49,8 @@ def run_decode(fn, rec):
 
 def run_prefill(fn, rec, module):
     lens, HV = [70, 0, 65, 40], 2  # 40: a one-chunk sequence (finished by the prep kernel where 'single')
+    if rec["params"].get("pieces", 1) > 1:   # 16 chunks: pieces that start from zero after a warm-up, not only at chunk 0
+        lens = lens + [1024]
     T, N = sum(lens), len(lens)
     cu = torch.tensor([0] + lens, dtype=torch.int32, device=DEV).cumsum(0).to(torch.int32)
     sdt = _state_dtype(rec)
