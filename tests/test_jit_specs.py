@@ -240,7 +240,8 @@ def test_repository_files_satisfy_their_schemas():
 
 
 def test_opt_in_marks_agree_between_records_and_rules(tmp_path):
-    """An opt_in record is reached by opt-in rules only, and an opt-in rule reaches opt_in records only."""
+    """An opt_in record is reached by opt-in rules only; an opt-in rule may reach a default record too (an
+    escape hatch back to it, kda_prefill's exact_chain)."""
     root = testing.make_tree(tmp_path, cuda=True)
     path = root / "jit" / "modules" / "toy_cuda.json"
     opt = testing.cuda_record(name="toy_opt", opt_in=True)
@@ -250,10 +251,11 @@ def test_opt_in_marks_agree_between_records_and_rules(tmp_path):
     _write_rules(root, [cpu, {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_opt"},
                         fallback])
     assert registry(root).opt_in_tags == {"toy"} and "toy_opt" in registry(root).routed
+    _write_rules(root, [cpu, {"name": "back", "when": {"device": "cuda"}, "opt_in": "plain", "module": "toy_cuda"},
+                        {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_opt"}, fallback])
+    assert registry(root).opt_in_tags == {"plain", "toy"}
     for rules, rule in [([cpu, {"name": "mine", "when": {"device": "cuda"}, "module": "toy_opt"}, fallback],
                          "module 'toy_opt' is marked opt_in in jit/modules, but the rule is not an opt-in rule"),
-                        ([cpu, {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_cuda"},
-                          fallback], "module 'toy_cuda' is not marked opt_in"),
                         # an opt-in rule is no fallback: the device still needs an always-true rule
                         ([cpu, {"name": "mine", "when": {"device": "cuda"}, "opt_in": "toy", "module": "toy_opt"}],
                          "no always-true fallback rule")]:

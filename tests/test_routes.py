@@ -37,44 +37,52 @@ def verify_meta(**kw):
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
 # rule's cases carry the opted-in names as a third item
 PIECES = frozenset({"pieces"})
-PIECES_VT64 = frozenset({"pieces_vt64"})
-BOTH = PIECES | PIECES_VT64
+EXACT = frozenset({"exact_chain"})
 EDGES = {
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", PIECES_VT64),     # 8
-        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc4_vt64_f32", PIECES_VT64),     # 9
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16", PIECES_VT64),
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", BOTH),
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8
+        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc4_vt64_f32"),                  # 9
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16"),
+        (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32"),
     ],
     ("kda_prefill", "long_pieces_vt64", "total_tokens_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", BOTH),
-        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", BOTH),
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),
+        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32"),
     ],
     ("kda_prefill", "long_pieces_vt64_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32", BOTH),          # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32", BOTH),              # 17
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),                 # 16
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17
     ],
     ("kda_prefill", "long_pieces_vt64_16", "total_tokens_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32", PIECES_VT64),
-        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", PIECES_VT64),
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),
+        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32"),
+    ],
+    ("kda_prefill", "long_exact_chain", "work_items_max"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_vt16_f32", EXACT),
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32", EXACT),
+    ],
+    # the unsplit module on both sides of the edge: exact_chain sends a call where the bands below would
+    ("kda_prefill", "long_exact_chain", "total_tokens_min"): [
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_vt16_f32", EXACT),
+        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", EXACT),
     ],
     ("kda_prefill", "long_pieces", "work_items_max"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc4_vt32_f32", PIECES),       # 8
-        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),       # 9
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),   # 8
+        (prefill_meta(value_heads=9, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),   # 9
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", PIECES),          # fp32: the default
     ],
     ("kda_prefill", "long_pieces", "total_tokens_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc4_vt32_f32", PIECES),
-        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", PIECES),
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=8, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
     ],
     ("kda_prefill", "long_pieces_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),      # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32", PIECES),          # 17
-        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),  # 16
+        (prefill_meta(value_heads=17, total_tokens=8192, state="bf16"), "prefill_vt32_bf16", PIECES),      # 17
     ],
     ("kda_prefill", "long_pieces_16", "total_tokens_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc2_vt32_f32", PIECES),
-        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", PIECES),
+        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=16, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
     ],
     ("kda_decode", "bf16_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
@@ -347,10 +355,11 @@ def test_opt_in_persistent_route_is_reachable_only_when_opted_in():
     assert dispatch.module_name("kda_decode", decode_meta(device="cpu"), {"persistent"}) == "cpu_kda_decode"
 
 
-def test_opt_in_pieces_route_is_reachable_only_when_opted_in_and_never_with_checkpoints():
-    """The piece-split prefill modules (not exact: no checkpoints) serve long prompts at <= 16 sequences x
-    heads only when 'pieces' is opted in; every other call, and every call without the opt-in, routes as
-    before."""
+def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
+    """fp32 state, >= 8192 tokens, <= 16 sequences x heads, no checkpoints: the vt64 piece split (8 pieces at
+    <= 8 items, 4 at 9..16) by default; 'exact_chain' keeps such calls on the unsplit module the bands below
+    would pick, and changes nothing else; bf16 state takes the vt32 split only with 'pieces'; a piece-split
+    module is never picked for a call with checkpoints."""
     for state in ("f32", "bf16"):
         for hv in (1, 2, 4, 8, 9, 16, 17, 64):
             for seqs in (1, 2):
@@ -358,34 +367,21 @@ def test_opt_in_pieces_route_is_reachable_only_when_opted_in_and_never_with_chec
                     for ckpt in (False, True):
                         meta = prefill_meta(num_seqs=seqs, value_heads=hv, total_tokens=tokens, state=state,
                                             checkpoints=ckpt)
-                        plain = dispatch.module_name("kda_prefill", meta, ())
-                        assert not jit.get_record(plain).get("opt_in"), meta
+                        got = dispatch.module_name("kda_prefill", meta, ())
+                        exact = dispatch.module_name("kda_prefill", meta, EXACT)
                         opted = dispatch.module_name("kda_prefill", meta, PIECES)
-                        items = seqs * hv
-                        if ckpt or tokens < 8192 or items > 16:
-                            assert opted == plain, meta
-                            continue
-                        assert opted == f"prefill_pc{4 if items <= 8 else 2}_vt32_{state}", meta
-                        rec = jit.get_record(opted)
-                        assert rec["opt_in"] and rec["params"]["pieces"] > 1 and rec["state_dtype"] == jit.get_record(plain)["state_dtype"]
-    assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), PIECES) == "cpu_kda_prefill"
-
-
-def test_opt_in_pieces_vt64_takes_fp32_long_prompts_first():
-    """'pieces_vt64' (fp32 state only) comes before 'pieces' where both are opted in; a bf16 call falls to
-    'pieces' (or, without it, the default bands); checkpoints never take a piece-split module."""
-    for hv in (1, 4, 8, 9, 16, 17):
-        for tokens in (8191, 8192, 65536):
-            for ckpt in (False, True):
-                f32 = prefill_meta(value_heads=hv, total_tokens=tokens, checkpoints=ckpt)
-                bf16 = dict(f32, state="bf16")
-                long = tokens >= 8192 and hv <= 16 and not ckpt
-                want = (f"prefill_pc{8 if hv <= 8 else 4}_vt64_f32" if long
-                        else dispatch.module_name("kda_prefill", f32, ()))
-                assert dispatch.module_name("kda_prefill", f32, PIECES_VT64) == want, f32
-                assert dispatch.module_name("kda_prefill", f32, BOTH) == want, f32
-                assert dispatch.module_name("kda_prefill", bf16, PIECES_VT64) == dispatch.module_name("kda_prefill", bf16, ())
-                assert dispatch.module_name("kda_prefill", bf16, BOTH) == dispatch.module_name("kda_prefill", bf16, PIECES)
+                        items, long = seqs * hv, tokens >= 8192 and seqs * hv <= 16 and not ckpt
+                        assert not jit.get_record(exact)["params"].get("pieces"), meta
+                        assert not jit.get_record(got).get("opt_in"), meta
+                        if state == "f32" and long:
+                            assert got == f"prefill_pc{8 if items <= 8 else 4}_vt64_f32" == opted, meta
+                            assert exact == f"prefill_vt{16 if items <= 16 else 32}_f32", meta
+                        elif state == "bf16" and long:
+                            assert exact == got and not jit.get_record(got)["params"].get("pieces"), meta
+                            assert opted == f"prefill_pc{4 if items <= 8 else 2}_vt32_bf16", meta
+                        else:
+                            assert exact == got == opted and not jit.get_record(got)["params"].get("pieces"), meta
+    assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), ()) == "cpu_kda_prefill"
 
 
 def test_opt_in_comes_from_the_environment_and_is_validated(monkeypatch):

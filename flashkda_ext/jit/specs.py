@@ -249,11 +249,11 @@ class Registry:
                     if rec["family"] != fam or rec["backend"] != d:
                         fail(f"module '{name}' is {rec['family']}/{rec['backend']}, "
                              f"not {fam}/{d}")
-                    # an opt-in module is reached by opt-in rules only, and they reach nothing else
-                    if bool(opt_in) != rec.get("opt_in", False):
-                        fail(f"module '{name}' is {'not ' * (not rec.get('opt_in', False))}marked "
-                             f"opt_in in jit/modules, but the rule is "
-                             f"{'an opt-in' if opt_in else 'not an opt-in'} rule")
+                    # an opt-in module is reached by opt-in rules only; an opt-in rule may also send a call
+                    # back to a default module (kda_prefill's exact_chain: the unsplit chain)
+                    if rec.get("opt_in", False) and not opt_in:
+                        fail(f"module '{name}' is marked opt_in in jit/modules, but the rule is not an "
+                             f"opt-in rule")
                     self.routed.add(name)
             if opt_in:
                 self.opt_in_tags.add(opt_in)

@@ -1,4 +1,4 @@
-"""GPU tests of the piece-split prefill modules (params.pieces > 1, opt-in 'pieces'; issue 46).
+"""GPU tests of the piece-split prefill modules (params.pieces > 1: fp32 routed by default, bf16 by opt-in 'pieces'; issue 46).
 
 A piece-split module runs each sequence's state pass as P pieces in parallel; piece p > 0 starts from a
 zero state at the latest earlier chunk where the chunks' log2 attenuation bounds sum to <= -24 (or from
@@ -230,7 +230,7 @@ def test_workspace_holds_the_initial_state_copy(rec):
     assert torch.isnan(out).all()
 
 
-# The opt-in route through the public op, in a child process (a process routes a call once).
+# The route through the public op, in a child process (a process routes a call once; opt-in is read then).
 _OPT_IN_CHILD = r"""
 import sys, torch, flashkda_ext as fk
 from flashkda_ext import dispatch, validation
@@ -245,17 +245,19 @@ torch.save({"module": module, "ckpt_module": ckpt_module, "out": out, "fin": fin
 """
 
 
-@pytest.mark.parametrize("HV,want", [(8, "prefill_pc4_vt32_f32"), (16, "prefill_pc2_vt32_f32")])
-def test_opt_in_pieces_route_through_the_op(HV, want, tmp_path):
-    """FLASHKDA_EXT_OPT_IN=pieces: 1 x 8192 tokens at 8 (16) heads goes to the 4-piece (2-piece) module, a call
-    with checkpoints does not, and the op's result is the module's own (bitwise) and right."""
+@pytest.mark.parametrize("HV,opt_in,want", [(8, "", "prefill_pc8_vt64_f32"), (16, "", "prefill_pc4_vt64_f32"),
+                                            (8, "exact_chain", "prefill_vt16_f32")])
+def test_pieces_route_through_the_op(HV, opt_in, want, tmp_path):
+    """1 x 8192 tokens, fp32 state, at 8 (16) heads goes to the 8-piece (4-piece) vt64 module by default and to
+    the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with checkpoints never takes a piece split;
+    the op's result is the module's own (bitwise) and right."""
     torch.manual_seed(HV)
     d = make([8192], HV, HV, "softplus")
     init = (torch.randn(1, HV, V, K, device=DEV) * 0.5)
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
                     dt_bias=d["dt_bias"], init=init), src)
-    env = dict(os.environ, FLASHKDA_EXT_OPT_IN="pieces")
+    env = dict(os.environ, FLASHKDA_EXT_OPT_IN=opt_in)
     subprocess.run([sys.executable, "-c", _OPT_IN_CHILD, str(src), str(dst)], env=env, check=True, timeout=900)
     res = torch.load(dst)
     assert res["module"] == want and not BY_NAME[res["ckpt_module"]]["params"].get("pieces")
