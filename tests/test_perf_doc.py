@@ -123,7 +123,7 @@ def test_engines_section_lists_every_call_site(sources):
     assert re.search(r"^## Engines \(vLLM, SGLang\)$", text, re.M)
     names = [s.name for s in sources["engines"]]
     assert names == ["vLLM 0.34.0 packed decode", "vLLM 0.34.0 speculative verify", "SGLang 0.5.23 packed decode",
-                     "SGLang 0.5.23 target_verify", "SGLang 0.5.23 extend"]
+                     "SGLang 0.5.23 target_verify", "SGLang 0.5.23 extend", "vLLM 0.34.0 chunk prefill"]
     for site in sources["engines"]:
         assert site.cases(), site.name
         run = r"\d{4}-\d\d-\d\d, [0-9a-f]{7}"
@@ -172,9 +172,10 @@ def test_engines_not_measured_is_derived_from_the_data(sources):
     now = gaps(sources["engines"])
     four = "vLLM 0.34.0 packed decode, vLLM 0.34.0 speculative verify, SGLang 0.5.23 packed decode, " \
         "SGLang 0.5.23 target_verify"
-    assert now.count("H 12") == 1 and "H 12 / 24 / 32 (SGLang 0.5.23 extend)" in now   # the extend run: H8 only
+    assert "H 12 / 24 / 32 (SGLang 0.5.23 extend)" in now   # the extend run: H8 only
+    assert "H 12 / 24 (vLLM 0.34.0 chunk prefill)" in now     # the vLLM prefill run: H8 and H32
     assert f"rows 1-1024 other than 1 / 64 / 1024 ({four})" in now
-    assert "an fla arm" in now and "prefill through the vLLM 0.34.0 adapter" in now
+    assert "an fla arm" in now and "prefill through the vLLM 0.34.0 adapter" not in now   # a run now exists
     holes = "vLLM 0.34.0 speculative verify at "
     assert now.split(holes)[1].split(";")[0].startswith("1024 rows H32 bf16 (inside its run's grid)")
     filled = copy.deepcopy(sources)
