@@ -327,12 +327,15 @@ def prefill_section(srcs) -> list:
         ev = [x for _, x in r["event"]]
         kn = [x for _, x in r["kernel"]]
         best = [x for _, x, _ in r["best"]]
-        notes.append(f"- {src.when()}: event time over fla geomean {_x(_geomean(ev))}, lowest "
-                     f"{_x(min(ev, default=None))}; kernel time over fla geomean {_x(_geomean(kn))}; bounded "
-                     f"gate over the better of fla and FlashKDA (FlashKDA: issue 8's quoted H200 times, "
-                     f"benchmarks/prefill_targets.py, not measured here) geomean {_x(_geomean(best))}, "
-                     f"not ahead at {len(r['not_ahead'])} rows; "
-                     + "; ".join(f"{n}: {us / 1000:.3f} ms" for n, us in r["long"]) + ".")
+        long = "; ".join(f"{n}: {us / 1000:.3f} ms" for n, us in r["long"])
+        if "fla" in peers:
+            notes.append(f"- {src.when()}: event time over fla geomean {_x(_geomean(ev))}, lowest "
+                         f"{_x(min(ev, default=None))}; kernel time over fla geomean {_x(_geomean(kn))}; bounded "
+                         f"gate over the better of fla and FlashKDA (FlashKDA: issue 8's quoted H200 times, "
+                         f"benchmarks/prefill_targets.py, not measured here) geomean {_x(_geomean(best))}, "
+                         f"not ahead at {len(r['not_ahead'])} rows; " + long + ".")
+        else:   # a cuDNN-only run: no fla figures to state
+            notes.append(f"- {src.when()}: no fla arm in this run" + (f"; {long}" if long else "") + ".")
         cud_rows = [c for c in cases if "cudnn" in c["arms"]]
         if cud_rows:
             rc = prefill_targets.evaluate_cudnn(cud_rows)
@@ -527,11 +530,13 @@ def summary_rows(sources) -> list:
     for op, (ours, peer, mode) in pairs.items():
         for src, state, cases in [(src, st, cs) for src in sources.get(op, []) for st, cs in _by_state(src)]:
             peers = [peer] + ([p for p in _peers(cases) if p != peer] if op == "kda_prefill" else [])
+            gates = {c["params"].get("gate") for c in cases} if op == "kda_prefill" else set()
+            label = f"`{op}`, {state} state" + (f", {gates.pop()} gate" if len(gates) == 1 else "")
             for p in peers:
                 xs = _ratios(cases, ours, p, mode)
                 if xs:
                     who = "the unfused engine sequence (fla step)" if p == "unfused" else PEER_NAMES.get(p, p)
-                    out.append((f"`{op}`, {state} state", who, mode, _geomean(xs), min(xs), src))
+                    out.append((label, who, mode, _geomean(xs), min(xs), src))
     for site in sources.get("engines", []):
         xs = [x for _, x in _engine_ratios(_site_points(site))]
         if xs:

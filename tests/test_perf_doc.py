@@ -97,17 +97,37 @@ def test_one_run_of_both_states_reads_as_two(sources):
 
 
 def test_prefill_gets_a_column_per_peer(sources):
-    """A cudnn arm in the prefill results adds a cuDNN column and a geomean line; without it, neither."""
-    assert "cuDNN us" not in perf_doc.render(sources) or any(
-        "cudnn" in c["arms"] for c in _doc(sources, "kda_prefill")["cases"])
-    with_cudnn = copy.deepcopy(sources)
-    for c in _doc(with_cudnn, "kda_prefill")["cases"]:
-        ours = c["arms"]["ours"]["time_us"]["eager"]["median"]
-        c["arms"]["cudnn"] = {"time_us": {"eager": {"median": 2 * ours}}}
-    text = perf_doc.render(with_cudnn)
-    assert "| fla us | cuDNN us |" in text
+    """Each peer arm in the prefill results (fla, cudnn) adds its column and its lines; without fla the notes say
+    the run had no fla arm; a run of one gate names the gate in the README row."""
+    def arms(with_fla, with_cudnn):
+        srcs = copy.deepcopy(sources)
+        for src in srcs["kda_prefill"]:
+            for c in src.doc["cases"]:
+                a = c["arms"]
+                ours = a["ours"]["time_us"]["eager"]["median"]
+                a.pop("fla", None)
+                a.pop("cudnn", None)
+                if with_fla:
+                    a["fla"] = {"time_us": {"eager": {"median": 3 * ours}}}
+                if with_cudnn:
+                    a["cudnn"] = {"time_us": {"eager": {"median": 2 * ours}}}
+                c.setdefault("notes", {}).pop("checks", None)
+        return srcs
+    gates = sorted({c["params"]["gate"] for src in sources["kda_prefill"] for c in src.doc["cases"]})
+    both = arms(True, True)
+    text = perf_doc.render(both)
+    assert "| fla us | cuDNN us |" in text and "event time over fla geomean 3.00x" in text
     assert "against cuDNN where its output is finite" in text and "geomean 2.00x, behind at 0 rows" in text
-    assert "| `kda_prefill`, f32 state | cuDNN | 2.00x (2.00x) |" in perf_doc.readme_block(with_cudnn)
+    readme = perf_doc.readme_block(both)
+    for src in sources["kda_prefill"]:
+        g = {c["params"]["gate"] for c in src.doc["cases"]}
+        label = "`kda_prefill`, f32 state" + (f", {g.pop()} gate" if len(g) == 1 else "")
+        assert f"| {label} | cuDNN | 2.00x (2.00x) |" in readme and f"| {label} | fla | 3.00x (3.00x) |" in readme
+    only_cudnn = "\n".join(perf_doc.prefill_section(arms(False, True)["kda_prefill"]))
+    assert "fla us" not in only_cudnn and "cuDNN us" in only_cudnn and "no fla arm in this run" in only_cudnn
+    neither = "\n".join(perf_doc.prefill_section(arms(False, False)["kda_prefill"]))
+    assert "cuDNN us" not in neither and "against cuDNN" not in neither
+    assert gates
 
 
 def _site(sources, name):
@@ -177,7 +197,10 @@ def test_engines_not_measured_is_derived_from_the_data(sources):
     assert f"rows 1-1024 other than 1 / 64 / 1024 ({four})" in now
     assert "an fla arm" in now and "prefill through the vLLM 0.34.0 adapter" not in now   # a run now exists
     holes = "vLLM 0.34.0 speculative verify at "
-    assert now.split(holes)[1].split(";")[0].startswith("1024 rows H32 bf16 (inside its run's grid)")
+    assert holes not in now   # the f7cb79b run timed the one point the earlier runs' limits cut off
+    holed = copy.deepcopy(sources)
+    _site(holed, "vLLM 0.34.0 speculative verify").srcs.pop()
+    assert gaps(holed["engines"]).split(holes)[1].split(";")[0].startswith("1024 rows H32 bf16 (inside its run's grid)")
     filled = copy.deepcopy(sources)
     verify = _site(filled, "vLLM 0.34.0 speculative verify")
     doc = verify.srcs[-1].doc   # the points the runs did not reach, added to the last file
