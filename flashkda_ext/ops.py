@@ -148,7 +148,7 @@ def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = "f32"
     meta = {"device": "cuda", "num_seqs": N, "value_heads": v.shape[2], "total_tokens": B * T,
-            "max_seqlen": None, "work_items": N * v.shape[2], "state": state, "offset": "o32",
+            "max_seqlen": None, "mean_seqlen": B * T // max(1, N), "work_items": N * v.shape[2], "state": state, "offset": "o32",
             "gate": "softplus", "checkpoints": False}
     module = jit.load_module(dispatch.module_name("kda_prefill", meta))
     need = dispatch.prefill_workspace_need(module, B * T, N, v.shape[2])

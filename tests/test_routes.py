@@ -23,6 +23,7 @@ def prefill_meta(**kw):
          "work_items": 16, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
     m.update(kw)
     m["work_items"] = m["num_seqs"] * m["value_heads"]
+    m["mean_seqlen"] = m["total_tokens"] // max(1, m["num_seqs"])
     return m
 
 
@@ -45,15 +46,17 @@ EDGES = {
         (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16"),
         (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32"),
     ],
-    ("kda_prefill", "long_pieces_vt64", "total_tokens_min"): [
+    ("kda_prefill", "long_pieces_vt64", "mean_seqlen_min"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),
         (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32"),
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384), "prefill_pc8_vt64_f32"),   # mean 8192
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16383), "prefill_vt16_f32"),       # mean 8191
     ],
     ("kda_prefill", "long_pieces_vt64_16", "work_items_max"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),                 # 16
         (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17
     ],
-    ("kda_prefill", "long_pieces_vt64_16", "total_tokens_min"): [
+    ("kda_prefill", "long_pieces_vt64_16", "mean_seqlen_min"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),
         (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32"),
     ],
@@ -62,17 +65,17 @@ EDGES = {
         (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32", EXACT),
     ],
     # the unsplit module on both sides of the edge: exact_chain sends a call where the bands below would
-    ("kda_prefill", "long_exact_chain", "total_tokens_min"): [
+    ("kda_prefill", "long_exact_chain", "mean_seqlen_min"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_vt16_f32", EXACT),
         (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", EXACT),
     ],
     ("kda_prefill", "long_pieces", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),   # 8
         (prefill_meta(value_heads=9, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),   # 9
-        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", PIECES),          # fp32: the default
     ],
-    ("kda_prefill", "long_pieces", "total_tokens_min"): [
+    ("kda_prefill", "long_pieces", "mean_seqlen_min"): [
         (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
         (prefill_meta(value_heads=8, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
     ],
@@ -80,7 +83,7 @@ EDGES = {
         (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),  # 16
         (prefill_meta(value_heads=17, total_tokens=8192, state="bf16"), "prefill_vt32_bf16", PIECES),      # 17
     ],
-    ("kda_prefill", "long_pieces_16", "total_tokens_min"): [
+    ("kda_prefill", "long_pieces_16", "mean_seqlen_min"): [
         (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),
         (prefill_meta(value_heads=16, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
     ],
@@ -356,7 +359,8 @@ def test_opt_in_persistent_route_is_reachable_only_when_opted_in():
 
 
 def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
-    """fp32 state, >= 8192 tokens, <= 16 sequences x heads, no checkpoints: the vt64 piece split (8 pieces at
+    """fp32 state, >= 8192 tokens a sequence on average, <= 16 sequences x heads, no checkpoints: the vt64 piece
+    split (8 pieces at
     <= 8 items, 4 at 9..16) by default; 'exact_chain' keeps such calls on the unsplit module the bands below
     would pick, and changes nothing else; bf16 state takes the vt32 split only with 'pieces'; a piece-split
     module is never picked for a call with checkpoints."""
@@ -370,7 +374,7 @@ def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
                         got = dispatch.module_name("kda_prefill", meta, ())
                         exact = dispatch.module_name("kda_prefill", meta, EXACT)
                         opted = dispatch.module_name("kda_prefill", meta, PIECES)
-                        items, long = seqs * hv, tokens >= 8192 and seqs * hv <= 16 and not ckpt
+                        items, long = seqs * hv, tokens // seqs >= 8192 and seqs * hv <= 16 and not ckpt
                         assert not jit.get_record(exact)["params"].get("pieces"), meta
                         assert not jit.get_record(got).get("opt_in"), meta
                         if state == "f32" and long:

@@ -43,6 +43,7 @@ class PrefillCall:
     def route_meta(self) -> dict:
         return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
                 "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
+                "mean_seqlen": self.total_tokens // max(1, self.num_seqs),
                 "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype or "float32"),
                 "offset": f"o{self.offset_bits}", "gate": self.gate,
                 "checkpoints": self.checkpoint_every > 0}

@@ -138,7 +138,7 @@ def test_fused_decode_equals_torch(gen, rows, Hf, mode):
 
 
 PREFILL_META = {"device": "cuda", "num_seqs": 3, "value_heads": 8, "total_tokens": 300, "max_seqlen": None,
-                "work_items": 24, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
+                "mean_seqlen": 100, "work_items": 24, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
 
 
 def _close_or_equal(a: torch.Tensor, b: torch.Tensor, rerun_equal: bool):
