@@ -55,9 +55,8 @@ def load(name):
 
 
 def route_module(num_seqs, heads, total_tokens, gate):
-    from flashkda_ext import dispatch
-    meta = dict(device=DEVICE, num_seqs=num_seqs, value_heads=heads, total_tokens=total_tokens, max_seqlen=None,
-                mean_seqlen=total_tokens // max(1, num_seqs), work_items=num_seqs * heads, state="f32", offset="o64", gate=gate, checkpoints=False)
+    from flashkda_ext import dispatch, validation
+    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, "f32", "o64", gate, False)
     return dispatch.module_name("kda_prefill", meta)
 
 

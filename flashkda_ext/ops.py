@@ -146,10 +146,7 @@ def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
         return 0
     B, T, _, _ = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state = "f32"
-    meta = {"device": "cuda", "num_seqs": N, "value_heads": v.shape[2], "total_tokens": B * T,
-            "max_seqlen": None, "mean_seqlen": B * T // max(1, N), "work_items": N * v.shape[2], "state": state, "offset": "o32",
-            "gate": "softplus", "checkpoints": False}
+    meta = validation.prefill_route_meta("cuda", N, v.shape[2], B * T, None, "f32", "o32", "softplus", False)
     module = jit.load_module(dispatch.module_name("kda_prefill", meta))
     need = dispatch.prefill_workspace_need(module, B * T, N, v.shape[2])
     return 0 if need is None else need

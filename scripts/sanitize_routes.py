@@ -49,7 +49,8 @@ def run_decode(fn, rec):
 
 def run_prefill(fn, rec, module):
     lens, HV = [70, 0, 65, 40], 2  # 40: a one-chunk sequence (finished by the prep kernel where 'single')
-    if rec["params"].get("pieces", 1) > 1:   # 16 chunks: pieces that start from zero after a warm-up, not only at chunk 0
+    split = rec["params"].get("pieces", 1) > 1
+    if split:   # 16 chunks: pieces that start from zero after a warm-up, not only at chunk 0
         lens = lens + [1024]
     T, N = sum(lens), len(lens)
     cu = torch.tensor([0] + lens, dtype=torch.int32, device=DEV).cumsum(0).to(torch.int32)
@@ -57,7 +58,7 @@ def run_prefill(fn, rec, module):
     init = _r(N, HV, D, D, dtype=sdt, scale=0.1)
     final = torch.full_like(init, float("nan"))
     # the piece-split modules (params.pieces > 1) refuse checkpoints (not exact)
-    every = 64 if rec["params"].get("pieces", 1) == 1 else 0
+    every = 0 if split else 64
     ckpt = torch.full((N, 1, HV, D, D), float("nan"), dtype=sdt, device=DEV) if every else None
     out = torch.full((1, T, HV, D), float("nan"), dtype=torch.bfloat16, device=DEV)
     ws = None

@@ -12,6 +12,16 @@ from .common import (GATE_MODE, INT32_MAX, _aligned, _bool, _check_backend, _con
 from .memo import _memoized
 
 
+def prefill_route_meta(backend: str, num_seqs: int, value_heads: int, total_tokens: int,
+                       max_seqlen: Optional[int], state: str, offset: str, gate: str, checkpoints: bool) -> dict:
+    """kda_prefill's route metadata (docs/architecture.md), its derived fields (mean_seqlen, work_items) in
+    one place for the op and for callers that route without a call (ops.prefill_workspace_bytes)."""
+    return {"device": backend, "num_seqs": num_seqs, "value_heads": value_heads, "total_tokens": total_tokens,
+            "max_seqlen": max_seqlen, "mean_seqlen": total_tokens // max(1, num_seqs),
+            "work_items": num_seqs * value_heads, "state": state, "offset": offset, "gate": gate,
+            "checkpoints": checkpoints}
+
+
 @dataclass(frozen=True)
 class PrefillCall:
     backend: str
@@ -41,12 +51,9 @@ class PrefillCall:
     offset_bits: int
 
     def route_meta(self) -> dict:
-        return {"device": self.backend, "num_seqs": self.num_seqs, "value_heads": self.value_heads,
-                "total_tokens": self.total_tokens, "max_seqlen": self.max_seqlen,
-                "mean_seqlen": self.total_tokens // max(1, self.num_seqs),
-                "work_items": self.num_seqs * self.value_heads, "state": _state_tag(self.state_dtype or "float32"),
-                "offset": f"o{self.offset_bits}", "gate": self.gate,
-                "checkpoints": self.checkpoint_every > 0}
+        return prefill_route_meta(self.backend, self.num_seqs, self.value_heads, self.total_tokens,
+                                  self.max_seqlen, _state_tag(self.state_dtype or "float32"),
+                                  f"o{self.offset_bits}", self.gate, self.checkpoint_every > 0)
 
 
 @_memoized
