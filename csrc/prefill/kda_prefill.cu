@@ -60,7 +60,7 @@ template <int VT, int RING = fkda_prefill::default_ring<VT>()>
 void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
                   int HV) {
   using SM = fkda_prefill::StateSmem<VT, RING>;
-  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT, fkda_prefill::kPieces>,
+  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
              dim3(fkda_prefill::kV / VT, HV, N * fkda_prefill::kPieces), dim3(FKDA_THREADS), SM::kTotal, sa);
 }
 

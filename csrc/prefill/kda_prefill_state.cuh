@@ -1,9 +1,9 @@
 // The ordered state pass of the sm_90a prefill (kda_prefill_layout.cuh for the shared layout):
 //
-//   kda_state_kernel      grid (V tiles, HV, N x PIECES), 128 threads. The fp32 state tile lives in
+//   kda_state_kernel      grid (V tiles, HV, N x kPieces), 128 threads. The fp32 state tile lives in
 //                         registers across the sequence's chunks; three small GEMMs a chunk
 //                         (state_chunk_step); chunks arrive by bulk copies (TMA) into a 2-3 deep
-//                         ring. PIECES > 1 (issue 46): a sequence's chunks are split into PIECES runs
+//                         ring. kPieces > 1 (issue 46): a sequence's chunks are split into kPieces runs
 //                         done in parallel, each after a warm-up from a zero state (piece_start).
 //
 // state_chunk_step is also the prep kernel's one-chunk path (StateArgs::single).
@@ -421,14 +421,14 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
   }
 }
 
-// ---- piece split (PIECES > 1) ------------------------------------------------------------------
+// ---- piece split (kPieces > 1) -----------------------------------------------------------------
 // A piece that starts at chunk cb > 0 runs from a zero state a few chunks earlier. Dropping the true
 // state S there changes the state at cb by P S, P the product of the per-token transitions
 // (I - beta k k^T) Diag(alpha_t) in between (K side; keys l2-normalised, beta in (0, 1)), whose
 // operator norm is at most prod_t max_d alpha_t[d] = 2^(sum of the chunks' bounds, kWsBound). So the
 // warm-up is the shortest run of chunks cb-1, cb-2, ... whose bounds sum to <= -24 (the dropped term
 // is below 2^-24 |S|), or reaches chunk 0, where the piece starts from the true initial state and is
-// exact: the same operations in the same order as PIECES = 1. Every warp walks (no barrier): a lane
+// exact: the same operations in the same order as kPieces = 1. Every warp walks (no barrier): a lane
 // sums 4 chunks' bounds, a warp scan orders the 128 partial sums, and the first crossing ends it.
 constexpr float kPieceLog2Eps = -24.f;
 __device__ __forceinline__ int64_t piece_start(const StateArgs& a, int64_t base, int hv, int64_t cb, int lane) {
@@ -468,11 +468,9 @@ __device__ __forceinline__ int64_t piece_start(const StateArgs& a, int64_t base,
   return 0;
 }
 
-template <int VT, int RING, typename ST, int PIECES = 1>
+template <int VT, int RING, typename ST>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh (the pieces' bounds are the prep's)
-  // the slot holds the bound (kWsBound) and the workspace the initial-state copy only in a P > 1 build
-  static_assert(PIECES == kPieces, "kda_state_kernel's PIECES is the module's FKDA_PARAM_PIECES");
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -480,7 +478,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int vt = blockIdx.x, hv = blockIdx.y, HV = a.HV;
-  const int n = PIECES == 1 ? int(blockIdx.z) : int(blockIdx.z / PIECES);
+  const int n = kPieces == 1 ? int(blockIdx.z) : int(blockIdx.z / kPieces);
   const int v0 = vt * VT;
 
   const int64_t bos = load_cu(a.cu, a.cu64, n);
@@ -497,9 +495,9 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   bool writer = true;
   const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
                                  : nullptr;
-  if constexpr (PIECES > 1) {
-    const int piece = int(blockIdx.z % PIECES);
-    const int64_t per = (nch + PIECES - 1) / PIECES;
+  if constexpr (kPieces > 1) {
+    const int piece = int(blockIdx.z % kPieces);
+    const int64_t per = (nch + kPieces - 1) / kPieces;
     c0 = piece * per;
     c1 = c0 + per < nch ? c0 + per : nch;
     if (piece > 0 && c0 >= c1) return;  // an empty piece (CTA-uniform)
@@ -567,7 +565,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
       issue_chunk<VT, NS>(smem, a.ws + (size_t(base + c + 1) * HV + hv) * kSlotBytes, vt, tid, tma, bars);
       cp_async_commit();
     }
-    if constexpr (PIECES == 1) store_checkpoint<VT, ST>(a, s, n, hv, c, len, w, lane, v0);  // (refused with pieces)
+    if constexpr (kPieces == 1) store_checkpoint<VT, ST>(a, s, n, hv, c, len, w, lane, v0);  // (refused with pieces)
   }
 
   if (writer && a.fin && !pad) {
