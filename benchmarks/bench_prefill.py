@@ -54,10 +54,10 @@ def load(name):
     return jit.load_module(name)
 
 
-def route_module(num_seqs, heads, total_tokens, gate):
+def route_module(num_seqs, heads, total_tokens, gate, opted_in=None):
     from flashkda_ext import dispatch, validation
     meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, "f32", "o64", gate, False)
-    return dispatch.module_name("kda_prefill", meta)
+    return dispatch.module_name("kda_prefill", meta, opted_in)
 
 
 def cases(heads, quick):
@@ -143,6 +143,9 @@ def parse(argv=None):
     ap.add_argument("--fla-heads", default=None, help="run fla only at these head counts")
     ap.add_argument("--gates", default="softplus,bounded")
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
+    ap.add_argument("--opt-in-arm", default=None, metavar="TAG",
+                    help="A/B in one run: where the route with opt-in TAG picks another module, time it as arm "
+                         "'opt_in' beside 'ours' (same inputs, interleaved) and check it against ours")
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
@@ -211,17 +214,33 @@ def main(argv=None):
                 ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
             fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
 
-            def ours(d=d, mod=mod, ws=ws, fin=fin, out=out, gate=gate):
-                args_ = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin,
-                         None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
-                if DEVICE == "cuda":
-                    with tvm_ffi.use_torch_stream():
+            def module_fn(mod, ws, fin, out, d=d, gate=gate):
+                def fn():
+                    args_ = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"],
+                             fin, None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
+                    if DEVICE == "cuda":
+                        with tvm_ffi.use_torch_stream():
+                            mod["kda_prefill"](*args_)
+                    else:
                         mod["kda_prefill"](*args_)
-                else:
-                    mod["kda_prefill"](*args_)
+                return fn
 
+            ours = module_fn(mod, ws, fin, out)
             arms = [harness.Arm("ours", ours)]
             checks = {}
+            alt_name = route_module(N, H, T, gate, {args.opt_in_arm}) if args.opt_in_arm and not args.module else None
+            if alt_name is not None and alt_name != mname:
+                alt = load(alt_name)
+                alt_ws = None
+                if alt.implements_function("kda_prefill_workspace_bytes"):
+                    alt_ws = torch.empty(max(1, alt["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8,
+                                         device=dev)
+                alt_fin, alt_out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
+                alt_fn = module_fn(alt, alt_ws, alt_fin, alt_out)
+                checks["opt_in"] = agreement(ours, out, fin, lambda f=alt_fn, o=alt_out, s=alt_fin: (f(), o, s)[1:])
+                checks["opt_in"].update(module=alt_name, bitwise=bool(torch.equal(alt_out.view(torch.int16),
+                                                                                  out.view(torch.int16))))
+                arms.append(harness.Arm("opt_in", alt_fn))
             if cudnn_ok:
                 try:
                     cud = peer_cudnn.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
@@ -255,6 +274,14 @@ def main(argv=None):
                     r["cudnn_ms"] = cud_t / 1e3
                     if ours_t:
                         r["vs_cudnn"] = cud_t / ours_t
+            if "opt_in" in rec["arms"]:
+                alt_t = rec["arms"]["opt_in"]["time_us"].get(pm, {}).get("median")
+                if alt_t is not None:
+                    r.update(opt_in_module=alt_name, opt_in_ms=alt_t / 1e3)
+                    if ours_t:
+                        r["opt_in_vs_ours"] = ours_t / alt_t
+                    if r.get("cudnn_ms"):
+                        r["opt_in_vs_cudnn"] = r["cudnn_ms"] / r["opt_in_ms"]
             if "fla" in rec["arms"]:
                 fla_t = rec["arms"]["fla"]["time_us"].get(pm, {}).get("median")
                 if fla_t is not None:
@@ -284,6 +311,17 @@ def main(argv=None):
     if vc:
         print("over cuDNN where its output is finite: geomean %.2fx, min %.2fx over %d rows"
               % (harness.geomean(vc), min(vc), len(vc)))
+    alts = [r for r in rows if "opt_in_ms" in r]
+    if alts:
+        print("\nopt-in %r arm (A/B in this run): %d rows, geomean %.3fx of ours, min %.3fx"
+              % (args.opt_in_arm, len(alts), harness.geomean([r["opt_in_vs_ours"] for r in alts]),
+                 min(r["opt_in_vs_ours"] for r in alts)))
+        for r in alts:
+            c = r["checks"].get("opt_in", {})
+            print("%-22s %-9s %-24s %9.4f vs %9.4f  %.3fx%s  %s" % (
+                r["case"], r["gate"], r["opt_in_module"], r["opt_in_ms"], r["ours_ms"], r["opt_in_vs_ours"],
+                " (cudnn %.2fx)" % r["opt_in_vs_cudnn"] if "opt_in_vs_cudnn" in r else "",
+                "bitwise" if c.get("bitwise") else "rel %.1e" % c.get("out_rel_l2", float("nan"))))
     return 0
 
 

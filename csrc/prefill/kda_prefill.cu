@@ -8,6 +8,8 @@
 // FKDA_PARAM_SINGLE: 1 = a sequence of one chunk is finished inside the prep kernel (its state update
 // run by the same CTA; the state pass skips it). Wins with many CTAs (>= 256 sequences x heads
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
+// FKDA_PARAM_GROUPS (kda_prefill_state.cuh; default 1): 4-warp groups a state-pass CTA, each its own
+// V tile, sharing one copy of every chunk's side data (grid V / (VT x groups) x HV x N).
 // FKDA_PARAM_PIECES (kda_prefill_layout.cuh; default 1 = one CTA walks a sequence's chunks): P > 1
 // splits each sequence's state pass into P pieces run in parallel, each from a zero state after a
 // warm-up that attenuates the dropped state below 2^-24 (kda_prefill_state.cuh, piece_start). Not
@@ -34,7 +36,9 @@
 #error "FKDA_PARAM_PIECES > 1 is built without FKDA_PARAM_SINGLE (its initial-state copy is the prep's multi-chunk path)"
 #endif
 // The module record states the state pass launch shape; keep it and the kernels in step.
-static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
+static_assert(FKDA_THREADS == 128 * fkda_prefill::kGroups,
+              "the state pass runs 4 warps a group (module record 'threads' = 128 x params.groups)");
+static_assert(fkda_prefill::kV % (FKDA_PARAM_VT * fkda_prefill::kGroups) == 0, "groups x V tile must divide V");
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_prefill::kC, "the kernels are written for chunk 64");
 #endif
@@ -61,7 +65,8 @@ void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::Stat
                   int HV) {
   using SM = fkda_prefill::StateSmem<VT, RING>;
   ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
-             dim3(fkda_prefill::kV / VT, HV, N * fkda_prefill::kPieces), dim3(FKDA_THREADS), SM::kTotal, sa);
+             dim3(fkda_prefill::kV / (VT * fkda_prefill::kGroups), HV, N * fkda_prefill::kPieces), dim3(FKDA_THREADS),
+             SM::kTotal, sa);
 }
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
