@@ -41,40 +41,17 @@ PIECES = frozenset({"pieces"})
 EXACT = frozenset({"exact_chain"})
 GROUPS = frozenset({"groups"})
 EDGES = {
-    ("kda_prefill", "long_pieces_groups_8", "work_items_max"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc16_vt64g2_f32", GROUPS),            # 8
-        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc8_vt64g2_f32", GROUPS),             # 9
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16", GROUPS),   # fp32 only
+    ("kda_prefill", "long_pieces_groups", "work_items_max"): [
+        (prefill_meta(value_heads=64, total_tokens=8192), "prefill_pc16_vt64g2_f32", GROUPS),            # 64
+        (prefill_meta(value_heads=65, total_tokens=8192), "prefill_vt64_f32", GROUPS),                   # 65
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                        # not opted in
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16", GROUPS),    # fp32 only
+        (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32", GROUPS),
     ],
-    ("kda_prefill", "long_pieces_groups_8", "mean_seqlen_min"): [
+    ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc16_vt64g2_f32", GROUPS),
         (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", GROUPS),
-    ],
-    ("kda_prefill", "long_pieces_groups_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc8_vt64g2_f32", GROUPS),            # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_pc4_vt64g2_f32", GROUPS),            # 17
-    ],
-    ("kda_prefill", "long_pieces_groups_16", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc8_vt64g2_f32", GROUPS),
-        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", GROUPS),
-    ],
-    ("kda_prefill", "long_pieces_groups_32", "work_items_max"): [
-        (prefill_meta(value_heads=32, total_tokens=8192), "prefill_pc4_vt64g2_f32", GROUPS),            # 32
-        (prefill_meta(value_heads=33, total_tokens=8192), "prefill_vt32_f32", GROUPS),                  # 33
-        (prefill_meta(value_heads=32, total_tokens=8192), "prefill_vt32_f32"),                          # not opted in
-    ],
-    ("kda_prefill", "long_pieces_groups_32", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=24, total_tokens=8192), "prefill_pc4_vt64g2_f32", GROUPS),
-        (prefill_meta(value_heads=24, total_tokens=8191), "prefill_vt32_f32", GROUPS),
-    ],
-    ("kda_prefill", "many_seq_heads_groups", "work_items_min"): [
-        (prefill_meta(num_seqs=16, value_heads=16), "prefill_vt64g2s_f32", GROUPS),                   # 256
-        (prefill_meta(num_seqs=255, value_heads=1), "prefill_vt64g2_f32", GROUPS),                    # 255
-        (prefill_meta(num_seqs=256, value_heads=1, state="bf16"), "prefill_vt64s_bf16", GROUPS),
-    ],
-    ("kda_prefill", "fallback_groups", "work_items_min"): [
-        (prefill_meta(num_seqs=41, value_heads=1), "prefill_vt64g2_f32", GROUPS),                     # 41
-        (prefill_meta(num_seqs=5, value_heads=8), "prefill_vt32_f32", GROUPS),                        # 40
+        (prefill_meta(num_seqs=4, value_heads=8, total_tokens=32768), "prefill_pc16_vt64g2_f32", GROUPS),
     ],
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8

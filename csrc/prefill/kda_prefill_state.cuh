@@ -495,7 +495,12 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb + group * SM::kSbGroup);
   bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp + group * SM::kVpGroup);
   const int vt = blockIdx.x, hv = blockIdx.y, HV = a.HV;
-  const int n = kPieces == 1 ? int(blockIdx.z) : int(blockIdx.z / kPieces);
+#if FKDA_PARAM_PIECES > 1
+  const int P = a.pieces;  // this call's pieces a sequence (<= kPieces)
+#else
+  constexpr int P = 1;
+#endif
+  const int n = kPieces == 1 ? int(blockIdx.z) : int(blockIdx.z / unsigned(P));
   const int v0 = (vt * kGroups + group) * VT;
   const int u_group = group * SM::kGroupUBytes;  // the group's U blocks within the stage's
 
@@ -514,8 +519,8 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
                                  : nullptr;
   if constexpr (kPieces > 1) {
-    const int piece = int(blockIdx.z % kPieces);
-    const int64_t per = (nch + kPieces - 1) / kPieces;
+    const int piece = int(blockIdx.z - unsigned(n) * unsigned(P));
+    const int64_t per = (nch + P - 1) / P;
     c0 = piece * per;
     c1 = c0 + per < nch ? c0 + per : nch;
     if (piece > 0 && c0 >= c1) return;  // an empty piece (CTA-uniform)
