@@ -39,23 +39,10 @@ def verify_meta(**kw):
 # rule's cases carry the opted-in names as a third item
 PIECES = frozenset({"pieces"})
 EXACT = frozenset({"exact_chain"})
-GROUPS = frozenset({"groups"})
 EDGES = {
-    ("kda_prefill", "long_pieces_groups", "work_items_max"): [
-        (prefill_meta(value_heads=64, total_tokens=8192), "prefill_pc16_vt64g2_f32", GROUPS),            # 64
-        (prefill_meta(value_heads=65, total_tokens=8192), "prefill_vt64_f32", GROUPS),                   # 65
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                        # not opted in
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16", GROUPS),    # fp32 only
-        (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32", GROUPS),
-    ],
-    ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc16_vt64g2_f32", GROUPS),
-        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", GROUPS),
-        (prefill_meta(num_seqs=4, value_heads=8, total_tokens=32768), "prefill_pc16_vt64g2_f32", GROUPS),
-    ],
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8
-        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc4_vt64_f32"),                  # 9
+        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc16_vt64g2_f32"),               # 9
         (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16"),
         (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32"),
     ],
@@ -65,13 +52,35 @@ EDGES = {
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384), "prefill_pc8_vt64_f32"),   # mean 8192
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16383), "prefill_vt16_f32"),       # mean 8191
     ],
-    ("kda_prefill", "long_pieces_vt64_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),                 # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17
+    ("kda_prefill", "long_pieces_groups", "work_items_max"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 16
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17, mean 8192
+        (prefill_meta(value_heads=17, total_tokens=16384), "prefill_pc16_vt64g2_f32"),             # 17: the _32 band
+        (prefill_meta(value_heads=12, total_tokens=8192, state="bf16"), "prefill_vt16_bf16"),
     ],
-    ("kda_prefill", "long_pieces_vt64_16", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),
+    ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),
         (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32"),
+        (prefill_meta(num_seqs=3, value_heads=4, total_tokens=3 * 8192), "prefill_pc16_vt64g2_f32"),  # 12 items
+    ],
+    ("kda_prefill", "long_pieces_groups_32", "work_items_max"): [
+        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_pc16_vt64g2_f32"),             # 32
+        (prefill_meta(value_heads=33, total_tokens=16384), "prefill_vt32_f32"),                    # 33
+        (prefill_meta(value_heads=32, total_tokens=16384, checkpoints=True), "prefill_vt32_f32"),
+    ],
+    ("kda_prefill", "long_pieces_groups_32", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=24, total_tokens=16384), "prefill_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=24, total_tokens=16383), "prefill_vt32_f32"),
+        (prefill_meta(num_seqs=4, value_heads=8, total_tokens=4 * 8192), "prefill_vt32_f32"),     # 4x8192 H8: mean 8192
+    ],
+    ("kda_prefill", "long_exact_chain_32", "work_items_max"): [
+        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=33, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=12, total_tokens=16384), "prefill_vt16_f32", EXACT),             # long_exact_chain
+    ],
+    ("kda_prefill", "long_exact_chain_32", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=24, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=24, total_tokens=16383), "prefill_vt32_f32", EXACT),
     ],
     ("kda_prefill", "long_exact_chain", "work_items_max"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_vt16_f32", EXACT),
@@ -372,28 +381,31 @@ def test_opt_in_persistent_route_is_reachable_only_when_opted_in():
 
 
 def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
-    """fp32 state, >= 8192 tokens a sequence on average, <= 16 sequences x heads, no checkpoints: the vt64 piece
-    split (8 pieces at
-    <= 8 items, 4 at 9..16) by default; 'exact_chain' keeps such calls on the unsplit module the bands below
-    would pick, and changes nothing else; bf16 state takes the vt32 split only with 'pieces'; a piece-split
-    module is never picked for a call with checkpoints."""
+    """fp32 state, no checkpoints, long prompts: <= 8 sequences x heads at >= 8192 tokens a sequence on average
+    take the one-group vt64 split (up to 8 pieces), 9..16 at >= 8192 and 17..32 at >= 16384 the two-group
+    split (up to 16 pieces) by default; 'exact_chain' keeps such calls on the unsplit module the bands below
+    would pick, and changes nothing else; bf16 state takes the vt32 split only with 'pieces' (<= 16 items,
+    >= 8192); a piece-split module is never picked for a call with checkpoints."""
     for state in ("f32", "bf16"):
-        for hv in (1, 2, 4, 8, 9, 16, 17, 64):
+        for hv in (1, 2, 4, 8, 9, 16, 17, 24, 32, 33, 64):
             for seqs in (1, 2):
-                for tokens in (64, 8191, 8192, 32768, 131072):
+                for tokens in (64, 8191, 8192, 16384, 32768, 65536, 131072):
                     for ckpt in (False, True):
                         meta = prefill_meta(num_seqs=seqs, value_heads=hv, total_tokens=tokens, state=state,
                                             checkpoints=ckpt)
                         got = dispatch.module_name("kda_prefill", meta, ())
                         exact = dispatch.module_name("kda_prefill", meta, EXACT)
                         opted = dispatch.module_name("kda_prefill", meta, PIECES)
-                        items, long = seqs * hv, tokens // seqs >= 8192 and seqs * hv <= 16 and not ckpt
+                        items, mean = seqs * hv, tokens // seqs
+                        long16 = mean >= 8192 and items <= 16 and not ckpt
+                        long32 = long16 or (mean >= 16384 and items <= 32 and not ckpt)
                         assert not jit.get_record(exact)["params"].get("pieces"), meta
                         assert not jit.get_record(got).get("opt_in"), meta
-                        if state == "f32" and long:
-                            assert got == f"prefill_pc{8 if items <= 8 else 4}_vt64_f32" == opted, meta
+                        if state == "f32" and long32:
+                            want = "prefill_pc8_vt64_f32" if items <= 8 else "prefill_pc16_vt64g2_f32"
+                            assert got == want == opted, meta
                             assert exact == f"prefill_vt{16 if items <= 16 else 32}_f32", meta
-                        elif state == "bf16" and long:
+                        elif state == "bf16" and long16:
                             assert exact == got and not jit.get_record(got)["params"].get("pieces"), meta
                             assert opted == f"prefill_pc{4 if items <= 8 else 2}_vt32_bf16", meta
                         else:

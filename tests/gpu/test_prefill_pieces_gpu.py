@@ -259,15 +259,17 @@ torch.save({"module": module, "ckpt_module": ckpt_module, "out": out, "fin": fin
 """
 
 
-@pytest.mark.parametrize("HV,opt_in,want", [(8, "", "prefill_pc8_vt64_f32"), (16, "", "prefill_pc4_vt64_f32"),
-                                            (8, "exact_chain", "prefill_vt16_f32"),
-                                            (24, "groups", "prefill_pc16_vt64g2_f32")])
-def test_pieces_route_through_the_op(HV, opt_in, want, tmp_path):
-    """1 x 8192 tokens, fp32 state, at 8 (16) heads goes to the 8-piece (4-piece) vt64 module by default and to
-    the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with checkpoints never takes a piece split;
-    the op's result is the module's own (bitwise) and right."""
+@pytest.mark.parametrize("HV,T,opt_in,want", [(8, 8192, "", "prefill_pc8_vt64_f32"),
+                                              (16, 8192, "", "prefill_pc16_vt64g2_f32"),
+                                              (8, 8192, "exact_chain", "prefill_vt16_f32"),
+                                              (24, 16384, "", "prefill_pc16_vt64g2_f32"),
+                                              (24, 16384, "exact_chain", "prefill_vt32_f32")])
+def test_pieces_route_through_the_op(HV, T, opt_in, want, tmp_path):
+    """1 x T tokens, fp32 state: at 8 heads the one-group vt64 split by default, at 16 (24, T >= 16384) the
+    two-group split, and the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with checkpoints never
+    takes a piece split; the op's result is the module's own (bitwise) and right."""
     torch.manual_seed(HV)
-    d = make([8192], HV, HV, "softplus")
+    d = make([T], HV, HV, "softplus")
     init = (torch.randn(1, HV, V, K, device=DEV) * 0.5)
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
