@@ -54,9 +54,9 @@ def load(name):
     return jit.load_module(name)
 
 
-def route_module(num_seqs, heads, total_tokens, gate, opted_in=None):
+def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32"):
     from flashkda_ext import dispatch, validation
-    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, "f32", "o64", gate, False)
+    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, state, "o64", gate, False)
     return dispatch.module_name("kda_prefill", meta, opted_in)
 
 
@@ -153,6 +153,7 @@ def parse(argv=None):
                     help="this many key channels a head decay slowly (dt_bias --slow-bias): a model's long-memory "
                          "channels; a split of the chain must then warm up from further back")
     ap.add_argument("--slow-bias", type=float, default=-20.0, help="dt_bias of the --slow-keys channels")
+    ap.add_argument("--state", choices=("f32", "bf16"), default="f32", help="the recurrent state's dtype")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
     return ap.parse_args(argv)
@@ -197,7 +198,7 @@ def main(argv=None):
     gates = args.gates.split(",")
     run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
                       primary_mode="eager" if cfg.is_cuda else "wall",
-                      extra_meta={"fla_used": chunk_kda is not None, "state": "f32",
+                      extra_meta={"fla_used": chunk_kda is not None, "state": args.state,
                                   "cudnn": {"version": peer_cudnn.version(), "engine": peer_cudnn.ENGINE}
                                   if cudnn_ok else None})
     run.start(len(gates) * len(case_list))
@@ -206,8 +207,10 @@ def main(argv=None):
     for gate in gates:
         for name, lens, H in case_list:
             d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias)
+            if args.state == "bf16":
+                d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
-            mname = args.module or route_module(N, H, T, gate)
+            mname = args.module or route_module(N, H, T, gate, state=args.state)
             mod = load(mname)
             ws = None
             if mod.implements_function("kda_prefill_workspace_bytes"):
@@ -228,7 +231,7 @@ def main(argv=None):
             ours = module_fn(mod, ws, fin, out)
             arms = [harness.Arm("ours", ours)]
             checks = {}
-            alt_name = route_module(N, H, T, gate, {args.opt_in_arm}) if args.opt_in_arm and not args.module else None
+            alt_name = route_module(N, H, T, gate, {args.opt_in_arm}, args.state) if args.opt_in_arm and not args.module else None
             if alt_name is not None and alt_name != mname:
                 alt = load(alt_name)
                 alt_ws = None
@@ -259,8 +262,10 @@ def main(argv=None):
                 arms.append(harness.Arm("fla", lambda d=d, kw=kw: chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"],
                                                                               **kw)))
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
-            nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * 4
+            nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * d["init"].element_size()
             params = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname)
+            if args.state != "f32":
+                params["state"] = args.state
             if args.slow_keys:
                 params.update(slow_keys=args.slow_keys, slow_bias=args.slow_bias)
             rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,

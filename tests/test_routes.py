@@ -92,22 +92,30 @@ EDGES = {
         (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", EXACT),
     ],
     ("kda_prefill", "long_pieces", "work_items_max"): [
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),   # 8
-        (prefill_meta(value_heads=9, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),   # 9
-        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc8_vt64_bf16", PIECES),   # 8
+        (prefill_meta(value_heads=9, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16", PIECES),   # 9
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384, state="bf16"), "prefill_pc8_vt64_bf16", PIECES),
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", PIECES),          # fp32: the default
     ],
     ("kda_prefill", "long_pieces", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc8_vt64_bf16", PIECES),
         (prefill_meta(value_heads=8, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
     ],
     ("kda_prefill", "long_pieces_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),  # 16
+        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16", PIECES),  # 16
         (prefill_meta(value_heads=17, total_tokens=8192, state="bf16"), "prefill_vt32_bf16", PIECES),      # 17
     ],
     ("kda_prefill", "long_pieces_16", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),
+        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16", PIECES),
         (prefill_meta(value_heads=16, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
+    ],
+    ("kda_prefill", "long_pieces_32", "work_items_max"): [
+        (prefill_meta(value_heads=32, total_tokens=16384, state="bf16"), "prefill_pc16_vt64g2_bf16", PIECES),  # 32
+        (prefill_meta(value_heads=33, total_tokens=16384, state="bf16"), "prefill_vt32_bf16", PIECES),         # 33
+    ],
+    ("kda_prefill", "long_pieces_32", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=24, total_tokens=16384, state="bf16"), "prefill_pc16_vt64g2_bf16", PIECES),
+        (prefill_meta(value_heads=24, total_tokens=16383, state="bf16"), "prefill_vt32_bf16", PIECES),
     ],
     ("kda_decode", "bf16_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
@@ -384,8 +392,7 @@ def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
     """fp32 state, no checkpoints, long prompts: <= 8 sequences x heads at >= 8192 tokens a sequence on average
     take the one-group vt64 split (up to 8 pieces), 9..16 at >= 8192 and 17..32 at >= 16384 the two-group
     split (up to 16 pieces) by default; 'exact_chain' keeps such calls on the unsplit module the bands below
-    would pick, and changes nothing else; bf16 state takes the vt32 split only with 'pieces' (<= 16 items,
-    >= 8192); a piece-split module is never picked for a call with checkpoints."""
+    would pick, and changes nothing else; bf16 state takes the same splits only with 'pieces'; a piece-split module is never picked for a call with checkpoints."""
     for state in ("f32", "bf16"):
         for hv in (1, 2, 4, 8, 9, 16, 17, 24, 32, 33, 64):
             for seqs in (1, 2):
@@ -405,9 +412,9 @@ def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
                             want = "prefill_pc8_vt64_f32" if items <= 8 else "prefill_pc16_vt64g2_f32"
                             assert got == want == opted, meta
                             assert exact == f"prefill_vt{16 if items <= 16 else 32}_f32", meta
-                        elif state == "bf16" and long16:
+                        elif state == "bf16" and long32:
                             assert exact == got and not jit.get_record(got)["params"].get("pieces"), meta
-                            assert opted == f"prefill_pc{4 if items <= 8 else 2}_vt32_bf16", meta
+                            assert opted == ("prefill_pc8_vt64_bf16" if items <= 8 else "prefill_pc16_vt64g2_bf16"), meta
                         else:
                             assert exact == got == opted and not jit.get_record(got)["params"].get("pieces"), meta
     assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), ()) == "cpu_kda_prefill"
