@@ -263,14 +263,17 @@ torch.save({"module": module, "ckpt_module": ckpt_module, "out": out, "fin": fin
                                               (16, 8192, "", "prefill_pc16_vt64g2_f32"),
                                               (8, 8192, "exact_chain", "prefill_vt16_f32"),
                                               (24, 16384, "", "prefill_pc16_vt64g2_f32"),
-                                              (24, 16384, "exact_chain", "prefill_vt32_f32")])
+                                              (24, 16384, "exact_chain", "prefill_vt32_f32"),
+                                              (8, 8192, "", "prefill_pc8_vt64_bf16"),
+                                              (12, 8192, "", "prefill_pc16_vt64g2_bf16"),
+                                              (12, 8192, "exact_chain", "prefill_vt16_bf16")])
 def test_pieces_route_through_the_op(HV, T, opt_in, want, tmp_path):
-    """1 x T tokens, fp32 state: at 8 heads the one-group vt64 split by default, at 16 (24, T >= 16384) the
-    two-group split, and the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with checkpoints never
-    takes a piece split; the op's result is the module's own (bitwise) and right."""
+    """1 x T tokens, fp32 or bf16 state (the module's): at 8 heads the one-group vt64 split by default, at 12 / 16
+    (24, T >= 16384) the two-group split, and the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with
+    checkpoints never takes a piece split; the op's result is the module's own (bitwise) and right."""
     torch.manual_seed(HV)
     d = make([T], HV, HV, "softplus")
-    init = (torch.randn(1, HV, V, K, device=DEV) * 0.5)
+    init = (torch.randn(1, HV, V, K, device=DEV) * 0.5).to(sdtype(BY_NAME[want]))
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
                     dt_bias=d["dt_bias"], init=init), src)
