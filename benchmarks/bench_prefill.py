@@ -54,10 +54,10 @@ def load(name):
     return jit.load_module(name)
 
 
-def route_module(num_seqs, heads, total_tokens, gate):
+def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32"):
     from flashkda_ext import dispatch, validation
-    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, "f32", "o64", gate, False)
-    return dispatch.module_name("kda_prefill", meta)
+    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, state, "o64", gate, False)
+    return dispatch.module_name("kda_prefill", meta, opted_in)
 
 
 def cases(heads, quick):
@@ -143,6 +143,9 @@ def parse(argv=None):
     ap.add_argument("--fla-heads", default=None, help="run fla only at these head counts")
     ap.add_argument("--gates", default="softplus,bounded")
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
+    ap.add_argument("--opt-in-arm", default=None, metavar="TAG",
+                    help="A/B in one run: where the route with opt-in TAG picks another module, time it as arm "
+                         "'opt_in' beside 'ours' (same inputs, interleaved) and check it against ours")
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
@@ -150,6 +153,7 @@ def parse(argv=None):
                     help="this many key channels a head decay slowly (dt_bias --slow-bias): a model's long-memory "
                          "channels; a split of the chain must then warm up from further back")
     ap.add_argument("--slow-bias", type=float, default=-20.0, help="dt_bias of the --slow-keys channels")
+    ap.add_argument("--state", choices=("f32", "bf16"), default="f32", help="the recurrent state's dtype")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
     return ap.parse_args(argv)
@@ -194,7 +198,7 @@ def main(argv=None):
     gates = args.gates.split(",")
     run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
                       primary_mode="eager" if cfg.is_cuda else "wall",
-                      extra_meta={"fla_used": chunk_kda is not None, "state": "f32",
+                      extra_meta={"fla_used": chunk_kda is not None, "state": args.state,
                                   "cudnn": {"version": peer_cudnn.version(), "engine": peer_cudnn.ENGINE}
                                   if cudnn_ok else None})
     run.start(len(gates) * len(case_list))
@@ -203,25 +207,43 @@ def main(argv=None):
     for gate in gates:
         for name, lens, H in case_list:
             d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias)
+            if args.state == "bf16":
+                d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
-            mname = args.module or route_module(N, H, T, gate)
+            mname = args.module or route_module(N, H, T, gate, state=args.state)
             mod = load(mname)
             ws = None
             if mod.implements_function("kda_prefill_workspace_bytes"):
                 ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
             fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
 
-            def ours(d=d, mod=mod, ws=ws, fin=fin, out=out, gate=gate):
-                args_ = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin,
-                         None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
-                if DEVICE == "cuda":
-                    with tvm_ffi.use_torch_stream():
+            def module_fn(mod, ws, fin, out, d=d, gate=gate):
+                def fn():
+                    args_ = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"],
+                             fin, None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
+                    if DEVICE == "cuda":
+                        with tvm_ffi.use_torch_stream():
+                            mod["kda_prefill"](*args_)
+                    else:
                         mod["kda_prefill"](*args_)
-                else:
-                    mod["kda_prefill"](*args_)
+                return fn
 
+            ours = module_fn(mod, ws, fin, out)
             arms = [harness.Arm("ours", ours)]
             checks = {}
+            alt_name = route_module(N, H, T, gate, {args.opt_in_arm}, args.state) if args.opt_in_arm and not args.module else None
+            if alt_name is not None and alt_name != mname:
+                alt = load(alt_name)
+                alt_ws = None
+                if alt.implements_function("kda_prefill_workspace_bytes"):
+                    alt_ws = torch.empty(max(1, alt["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8,
+                                         device=dev)
+                alt_fin, alt_out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
+                alt_fn = module_fn(alt, alt_ws, alt_fin, alt_out)
+                checks["opt_in"] = agreement(ours, out, fin, lambda f=alt_fn, o=alt_out, s=alt_fin: (f(), o, s)[1:])
+                checks["opt_in"].update(module=alt_name, bitwise=bool(torch.equal(alt_out.view(torch.int16),
+                                                                                  out.view(torch.int16))))
+                arms.append(harness.Arm("opt_in", alt_fn))
             if cudnn_ok:
                 try:
                     cud = peer_cudnn.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
@@ -240,8 +262,10 @@ def main(argv=None):
                 arms.append(harness.Arm("fla", lambda d=d, kw=kw: chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"],
                                                                               **kw)))
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
-            nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * 4
+            nbytes = T * H * (3 * K + V + 1) * 2 + T * H * V * 2 + 2 * N * H * V * K * d["init"].element_size()
             params = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname)
+            if args.state != "f32":
+                params["state"] = args.state
             if args.slow_keys:
                 params.update(slow_keys=args.slow_keys, slow_bias=args.slow_bias)
             rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,
@@ -255,6 +279,14 @@ def main(argv=None):
                     r["cudnn_ms"] = cud_t / 1e3
                     if ours_t:
                         r["vs_cudnn"] = cud_t / ours_t
+            if "opt_in" in rec["arms"]:
+                alt_t = rec["arms"]["opt_in"]["time_us"].get(pm, {}).get("median")
+                if alt_t is not None:
+                    r.update(opt_in_module=alt_name, opt_in_ms=alt_t / 1e3)
+                    if ours_t:
+                        r["opt_in_vs_ours"] = ours_t / alt_t
+                    if r.get("cudnn_ms"):
+                        r["opt_in_vs_cudnn"] = r["cudnn_ms"] / r["opt_in_ms"]
             if "fla" in rec["arms"]:
                 fla_t = rec["arms"]["fla"]["time_us"].get(pm, {}).get("median")
                 if fla_t is not None:
@@ -284,6 +316,17 @@ def main(argv=None):
     if vc:
         print("over cuDNN where its output is finite: geomean %.2fx, min %.2fx over %d rows"
               % (harness.geomean(vc), min(vc), len(vc)))
+    alts = [r for r in rows if "opt_in_ms" in r]
+    if alts:
+        print("\nopt-in %r arm (A/B in this run): %d rows, geomean %.3fx of ours, min %.3fx"
+              % (args.opt_in_arm, len(alts), harness.geomean([r["opt_in_vs_ours"] for r in alts]),
+                 min(r["opt_in_vs_ours"] for r in alts)))
+        for r in alts:
+            c = r["checks"].get("opt_in", {})
+            print("%-22s %-9s %-24s %9.4f vs %9.4f  %.3fx%s  %s" % (
+                r["case"], r["gate"], r["opt_in_module"], r["opt_in_ms"], r["ours_ms"], r["opt_in_vs_ours"],
+                " (cudnn %.2fx)" % r["opt_in_vs_cudnn"] if "opt_in_vs_cudnn" in r else "",
+                "bitwise" if c.get("bitwise") else "rel %.1e" % c.get("out_rel_l2", float("nan"))))
     return 0
 
 

@@ -37,13 +37,12 @@ def verify_meta(**kw):
 
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
 # rule's cases carry the opted-in names as a third item
-PIECES = frozenset({"pieces"})
 EXACT = frozenset({"exact_chain"})
 EDGES = {
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8
-        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc4_vt64_f32"),                  # 9
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16"),
+        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_pc16_vt64g2_f32"),               # 9
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc8_vt64_bf16"),
         (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32"),
     ],
     ("kda_prefill", "long_pieces_vt64", "mean_seqlen_min"): [
@@ -52,13 +51,35 @@ EDGES = {
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384), "prefill_pc8_vt64_f32"),   # mean 8192
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16383), "prefill_vt16_f32"),       # mean 8191
     ],
-    ("kda_prefill", "long_pieces_vt64_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),                 # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17
+    ("kda_prefill", "long_pieces_groups", "work_items_max"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 16
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17, mean 8192
+        (prefill_meta(value_heads=17, total_tokens=16384), "prefill_pc16_vt64g2_f32"),             # 17: the _32 band
+        (prefill_meta(value_heads=12, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),
     ],
-    ("kda_prefill", "long_pieces_vt64_16", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc4_vt64_f32"),
+    ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),
         (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32"),
+        (prefill_meta(num_seqs=3, value_heads=4, total_tokens=3 * 8192), "prefill_pc16_vt64g2_f32"),  # 12 items
+    ],
+    ("kda_prefill", "long_pieces_groups_32", "work_items_max"): [
+        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_pc16_vt64g2_f32"),             # 32
+        (prefill_meta(value_heads=33, total_tokens=16384), "prefill_vt32_f32"),                    # 33
+        (prefill_meta(value_heads=32, total_tokens=16384, checkpoints=True), "prefill_vt32_f32"),
+    ],
+    ("kda_prefill", "long_pieces_groups_32", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=24, total_tokens=16384), "prefill_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=24, total_tokens=16383), "prefill_vt32_f32"),
+        (prefill_meta(num_seqs=4, value_heads=8, total_tokens=4 * 8192), "prefill_vt32_f32"),     # 4x8192 H8: mean 8192
+    ],
+    ("kda_prefill", "long_exact_chain_32", "work_items_max"): [
+        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=33, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=12, total_tokens=16384), "prefill_vt16_f32", EXACT),             # long_exact_chain
+    ],
+    ("kda_prefill", "long_exact_chain_32", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=24, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=24, total_tokens=16383), "prefill_vt32_f32", EXACT),
     ],
     ("kda_prefill", "long_exact_chain", "work_items_max"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_vt16_f32", EXACT),
@@ -69,23 +90,17 @@ EDGES = {
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_vt16_f32", EXACT),
         (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", EXACT),
     ],
-    ("kda_prefill", "long_pieces", "work_items_max"): [
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),   # 8
-        (prefill_meta(value_heads=9, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),   # 9
-        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", PIECES),          # fp32: the default
+    # bf16 state: the same bands, the bf16 twins
+    ("kda_prefill", "long_pieces_vt64", "work_items_max", "bf16"): [
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc8_vt64_bf16"),            # 8
+        (prefill_meta(value_heads=9, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),         # 9
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16", checkpoints=True), "prefill_vt16_bf16"),
+        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_vt16_bf16", EXACT),
     ],
-    ("kda_prefill", "long_pieces", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192, state="bf16"), "prefill_pc4_vt32_bf16", PIECES),
-        (prefill_meta(value_heads=8, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
-    ],
-    ("kda_prefill", "long_pieces_16", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),  # 16
-        (prefill_meta(value_heads=17, total_tokens=8192, state="bf16"), "prefill_vt32_bf16", PIECES),      # 17
-    ],
-    ("kda_prefill", "long_pieces_16", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192, state="bf16"), "prefill_pc2_vt32_bf16", PIECES),
-        (prefill_meta(value_heads=16, total_tokens=8191, state="bf16"), "prefill_vt16_bf16", PIECES),
+    ("kda_prefill", "long_pieces_groups_32", "work_items_max", "bf16"): [
+        (prefill_meta(value_heads=32, total_tokens=16384, state="bf16"), "prefill_pc16_vt64g2_bf16"),       # 32
+        (prefill_meta(value_heads=33, total_tokens=16384, state="bf16"), "prefill_vt32_bf16"),              # 33
+        (prefill_meta(value_heads=24, total_tokens=16384, state="bf16"), "prefill_vt32_bf16", EXACT),
     ],
     ("kda_decode", "bf16_large", "work_items_min"): [
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
@@ -236,7 +251,7 @@ EDGES = {
 
 # kda_verify's _gb32 rules (fp32 g / beta): the twin of each band at its edges, module for module
 EDGES.update({(family, rule + "_gb32", band): [(dict(meta, gb="f32"), module + "_gb32") for meta, module in cases]
-              for (family, rule, band), cases in list(EDGES.items()) if family == "kda_verify"})
+              for (family, rule, band, *_), cases in list(EDGES.items()) if family == "kda_verify"})
 
 
 @pytest.mark.parametrize("key", sorted(EDGES), ids=lambda k: "-".join(k))
@@ -358,33 +373,31 @@ def test_opt_in_persistent_route_is_reachable_only_when_opted_in():
     assert dispatch.module_name("kda_decode", decode_meta(device="cpu"), {"persistent"}) == "cpu_kda_decode"
 
 
-def test_piece_split_serves_fp32_long_prompts_and_never_checkpoints():
-    """fp32 state, >= 8192 tokens a sequence on average, <= 16 sequences x heads, no checkpoints: the vt64 piece
-    split (8 pieces at
-    <= 8 items, 4 at 9..16) by default; 'exact_chain' keeps such calls on the unsplit module the bands below
-    would pick, and changes nothing else; bf16 state takes the vt32 split only with 'pieces'; a piece-split
-    module is never picked for a call with checkpoints."""
+def test_piece_split_serves_long_prompts_and_never_checkpoints():
+    """fp32 or bf16 state, no checkpoints, long prompts: <= 8 sequences x heads at >= 8192 tokens a sequence on
+    average take the one-group vt64 split (up to 8 pieces), 9..16 at >= 8192 and 17..32 at >= 16384 the two-group
+    split (up to 16 pieces), each in the state's dtype; 'exact_chain' keeps such calls on the unsplit module the
+    bands below would pick, and changes nothing else; a piece-split module is never picked for a call with
+    checkpoints."""
     for state in ("f32", "bf16"):
-        for hv in (1, 2, 4, 8, 9, 16, 17, 64):
+        for hv in (1, 2, 4, 8, 9, 16, 17, 24, 32, 33, 64):
             for seqs in (1, 2):
-                for tokens in (64, 8191, 8192, 32768, 131072):
+                for tokens in (64, 8191, 8192, 16384, 32768, 65536, 131072):
                     for ckpt in (False, True):
                         meta = prefill_meta(num_seqs=seqs, value_heads=hv, total_tokens=tokens, state=state,
                                             checkpoints=ckpt)
                         got = dispatch.module_name("kda_prefill", meta, ())
                         exact = dispatch.module_name("kda_prefill", meta, EXACT)
-                        opted = dispatch.module_name("kda_prefill", meta, PIECES)
-                        items, long = seqs * hv, tokens // seqs >= 8192 and seqs * hv <= 16 and not ckpt
+                        items, mean = seqs * hv, tokens // seqs
+                        long = not ckpt and ((mean >= 8192 and items <= 16) or (mean >= 16384 and items <= 32))
                         assert not jit.get_record(exact)["params"].get("pieces"), meta
                         assert not jit.get_record(got).get("opt_in"), meta
-                        if state == "f32" and long:
-                            assert got == f"prefill_pc{8 if items <= 8 else 4}_vt64_f32" == opted, meta
-                            assert exact == f"prefill_vt{16 if items <= 16 else 32}_f32", meta
-                        elif state == "bf16" and long:
-                            assert exact == got and not jit.get_record(got)["params"].get("pieces"), meta
-                            assert opted == f"prefill_pc{4 if items <= 8 else 2}_vt32_bf16", meta
+                        if long:
+                            want = "prefill_pc8_vt64" if items <= 8 else "prefill_pc16_vt64g2"
+                            assert got == f"{want}_{state}", meta
+                            assert exact == f"prefill_vt{16 if items <= 16 else 32}_{state}", meta
                         else:
-                            assert exact == got == opted and not jit.get_record(got)["params"].get("pieces"), meta
+                            assert exact == got and not jit.get_record(got)["params"].get("pieces"), meta
     assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), ()) == "cpu_kda_prefill"
 
 

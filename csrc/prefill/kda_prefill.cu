@@ -8,11 +8,15 @@
 // FKDA_PARAM_SINGLE: 1 = a sequence of one chunk is finished inside the prep kernel (its state update
 // run by the same CTA; the state pass skips it). Wins with many CTAs (>= 256 sequences x heads
 // measured), loses with few (the CTA's 4 serial rounds are exposed): a route band, not a default.
+// FKDA_PARAM_GROUPS (kda_prefill_state.cuh; default 1): 4-warp groups a state-pass CTA, each its own
+// V tile, sharing one copy of every chunk's side data (grid V / (VT x groups) x HV x N).
 // FKDA_PARAM_PIECES (kda_prefill_layout.cuh; default 1 = one CTA walks a sequence's chunks): P > 1
-// splits each sequence's state pass into P pieces run in parallel, each from a zero state after a
+// splits each sequence's state pass into up to P pieces run in parallel (state_pieces: one wave), each from a zero state after a
 // warm-up that attenuates the dropped state below 2^-24 (kda_prefill_state.cuh, piece_start). Not
 // exact, so it writes no checkpoints: a call with checkpoints is refused (the routes never send one).
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
@@ -34,7 +38,9 @@
 #error "FKDA_PARAM_PIECES > 1 is built without FKDA_PARAM_SINGLE (its initial-state copy is the prep's multi-chunk path)"
 #endif
 // The module record states the state pass launch shape; keep it and the kernels in step.
-static_assert(FKDA_THREADS == 128, "the state pass runs 4 warps (module record 'threads')");
+static_assert(FKDA_THREADS == 128 * fkda_prefill::kGroups,
+              "the state pass runs 4 warps a group (module record 'threads' = 128 x params.groups)");
+static_assert(fkda_prefill::kV % (FKDA_PARAM_VT * fkda_prefill::kGroups) == 0, "groups x V tile must divide V");
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_prefill::kC, "the kernels are written for chunk 64");
 #endif
@@ -56,12 +62,25 @@ using StateT = float;
 constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
 constexpr int kSingle = FKDA_PARAM_SINGLE;       // sequences of one chunk finished inside the prep kernel
 
+// State-pass CTAs a (sequence, head): one per V tile group.
+constexpr int kTileCtas = fkda_prefill::kV / (FKDA_PARAM_VT * fkda_prefill::kGroups);
+
+// A piece-split module's pieces for this call: as many as one wave of state-pass CTAs holds (one CTA
+// an SM: the state pass's shared memory), at most the module's kPieces, at least 1 (then the chain is
+// walked whole: the unsplit module's operations, bitwise). From the device's SM count, so the same
+// module fills an H200 (132 SMs) at 8 heads with 16 pieces and at 48 heads with 2.
+int state_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
+  if (fkda_prefill::kPieces == 1) return 1;
+  const int64_t fit = ctx.sm_count() / (kTileCtas * HV * N);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_prefill::kPieces, fit)));
+}
+
 template <int VT, int RING = fkda_prefill::default_ring<VT>()>
 void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
-                  int HV) {
+                  int HV, int pieces) {
   using SM = fkda_prefill::StateSmem<VT, RING>;
   ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
-             dim3(fkda_prefill::kV / VT, HV, N * fkda_prefill::kPieces), dim3(FKDA_THREADS), SM::kTotal, sa);
+             dim3(kTileCtas, HV, N * pieces), dim3(FKDA_THREADS), SM::kTotal, sa);
 }
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
@@ -105,8 +124,8 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   ck.contiguous(cu_seqlens, "cu_seqlens");
   const int64_t N = cu_seqlens.size(0) - 1;
   FKDA_CHECK(N >= 1, fn) << "argument 'cu_seqlens' must hold at least 2 offsets, got " << N + 1;
-  FKDA_CHECK(N <= 65535 / fkda_prefill::kPieces, fn)
-      << "at most " << 65535 / fkda_prefill::kPieces << " sequences per call, got " << N;
+  // (a piece-split call has N x pieces <= the SM count CTAs in z, or one piece: N)
+  FKDA_CHECK(N <= 65535, fn) << "at most 65535 sequences per call, got " << N;
 
   const bool pool = state_indices.has_value();
   int64_t slots = N;
@@ -204,8 +223,10 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.out = data_ptr<bf16>(out);
   sa.tma = kTma;
   sa.single = kSingle;
+  const int pieces = state_pieces(ctx, N, HV);
 #if FKDA_PARAM_PIECES > 1
   sa.init_copy = ws + fkda_prefill::init_copy_offset(T, N, HV);
+  sa.pieces = pieces;
 #endif
 
   const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
@@ -233,7 +254,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                fkda_prefill::kLiteSmem, pa);
   }
 
-  launch_state<FKDA_PARAM_VT>(ctx, sa, static_cast<int>(N), static_cast<int>(HV));
+  launch_state<FKDA_PARAM_VT>(ctx, sa, static_cast<int>(N), static_cast<int>(HV), pieces);
   if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
 }
 

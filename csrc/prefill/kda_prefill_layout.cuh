@@ -45,8 +45,9 @@ constexpr size_t kUBlockBytes = size_t(kC) * kLdU16 * 2;
 #ifndef FKDA_PARAM_PIECES
 #define FKDA_PARAM_PIECES 1
 #endif
-// Pieces a sequence's state pass is split into (1: one CTA walks every chunk, exact). With P > 1 the
-// prep also writes the bound below and a copy of each sequence's initial state (see workspace_bytes).
+// The most pieces a sequence's state pass is split into (1: one CTA walks every chunk, exact). With
+// P > 1 the prep also writes the bound below and a copy of each sequence's initial state (see
+// workspace_bytes), and the binding picks the pieces of a call at launch (StateArgs::pieces, <= P).
 constexpr int kPieces = FKDA_PARAM_PIECES;
 static_assert(kPieces >= 1 && kPieces <= 16, "FKDA_PARAM_PIECES must be 1..16");
 // After U, with pieces only, one fp32: the chunk's log2 attenuation bound (sum over its valid tokens of
@@ -214,6 +215,7 @@ struct StateArgs {
   bf16* out;                // [T, HV, V]
 #if FKDA_PARAM_PIECES > 1  // (only there, so the kernels' parameters of the other modules stay as they were)
   uint8_t* init_copy;       // the prep's copy of the initial states, [N][HV][V][K] (workspace_bytes)
+  int pieces;               // this call's pieces a sequence, 1..kPieces (state_pieces in the binding)
 #endif
 };
 // The prep's copy of sequence n's initial state (head hv) in the workspace; null without pieces.

@@ -1,10 +1,13 @@
 // The ordered state pass of the sm_90a prefill (kda_prefill_layout.cuh for the shared layout):
 //
-//   kda_state_kernel      grid (V tiles, HV, N x kPieces), 128 threads. The fp32 state tile lives in
-//                         registers across the sequence's chunks; three small GEMMs a chunk
-//                         (state_chunk_step); chunks arrive by bulk copies (TMA) into a 2-3 deep
-//                         ring. kPieces > 1 (issue 46): a sequence's chunks are split into kPieces runs
-//                         done in parallel, each after a warm-up from a zero state (piece_start).
+//   kda_state_kernel      grid (V tiles / kGroups, HV, N x kPieces), 128 x kGroups threads. The fp32
+//                         state tile lives in registers across the sequence's chunks; three small GEMMs
+//                         a chunk (state_chunk_step); chunks arrive by bulk copies (TMA) into a 2-3 deep
+//                         ring. kGroups > 1: one CTA holds kGroups 4-warp groups, each its own V tile,
+//                         that share one copy of a chunk's [W | Qg | Kd | A | gC] (kGroups x fewer bytes
+//                         a chunk moved, kGroups x the warps an SM to hide the mma latency). kPieces > 1
+//                         (issue 46): a sequence's chunks are split into kPieces runs done in parallel,
+//                         each after a warm-up from a zero state (piece_start).
 //
 // state_chunk_step is also the prep kernel's one-chunk path (StateArgs::single).
 #pragma once
@@ -14,12 +17,20 @@
 namespace fkda_prefill {
 
 // ---- state kernel shared memory map --------------------------------------------------------------
+#ifndef FKDA_PARAM_GROUPS
+#define FKDA_PARAM_GROUPS 1
+#endif
+// 4-warp groups a state-pass CTA (each a V tile of its own; record param 'groups', default 1).
+constexpr int kGroups = FKDA_PARAM_GROUPS;
+static_assert(kGroups == 1 || kGroups == 2 || kGroups == 4, "FKDA_PARAM_GROUPS must be 1, 2 or 4");
 // Default ring depth of the state pass: chunk c+NS-1 is loading while chunk c is used (3 deep where
 // shared memory allows). One CTA an SM at these depths (168-214 KB).
 template <int VT>
 constexpr int default_ring() { return VT <= 32 ? 3 : 2; }
 
-template <int VT, int RING = default_ring<VT>()>
+// G groups of 4 warps: a stage holds the side data once and the U blocks of all G V tiles (a run of
+// whole blocks: group j's are the j-th VT / 16 of them); Sb and V' are per group.
+template <int VT, int RING = default_ring<VT>(), int G = kGroups>
 struct StateSmem {
   static_assert(RING >= 1 && RING <= 3, "ring depth 1..3");
   static constexpr int NS = RING;
@@ -27,13 +38,16 @@ struct StateSmem {
   static constexpr int kW = int(kWsW), kQg = int(kWsQg), kKd = int(kWsKd), kA = int(kWsA);
   static constexpr int kGc = int(kWsGc), kU = int(kWsU);
   static constexpr int kSide = int(kWsU);             // bytes of [W | Qg | Kd | A | gC]
-  static constexpr int kUBytes = (VT / 16) * int(kUBlockBytes);
+  static constexpr int kGroupUBytes = (VT / 16) * int(kUBlockBytes);
+  static constexpr int kUBytes = G * kGroupUBytes;    // the CTA's U blocks
   static constexpr int kStage = kSide + kUBytes;
-  static constexpr int kSb = NS * kStage;          // bf16 [128][kLdU] state for the B operand
-  static constexpr int kVp = kSb + kK * kLdU * 2;  // bf16 [64][kLdU] V'
-  static constexpr int kBar = kVp + kC * kLdU * 2; // NS mbarriers
+  static constexpr int kSbGroup = kK * kLdU * 2;      // bf16 [128][kLdU] state for the B operand
+  static constexpr int kVpGroup = kC * kLdU * 2;      // bf16 [64][kLdU] V'
+  static constexpr int kSb = NS * kStage;
+  static constexpr int kVp = kSb + G * kSbGroup;
+  static constexpr int kBar = kVp + G * kVpGroup;     // NS mbarriers
   static constexpr int kTotal = kBar + NS * 8;
-  static_assert(kStage % 16 == 0 && kBar % 8 == 0, "alignment");
+  static_assert(kStage % 16 == 0 && kBar % 8 == 0 && kSbGroup % 16 == 0 && kVpGroup % 16 == 0, "alignment");
 };
 
 // acc[0] += acc[1] + ...: the partial sums of a k-reduction split over independent accumulator sets.
@@ -401,13 +415,14 @@ using fkda::mbar_init;
 using fkda::mbar_init_fence;
 using fkda::mbar_wait;
 
-// Chunk data for one V tile: [W | Qg | Kd | A | gC] and the tile's U blocks, both contiguous in the
-// workspace. tma: thread 0 issues two bulk copies on the stage's mbarrier; else every thread
-// issues 16 B cp.async (one commit group per chunk).
+// Chunk data for one CTA (V tile block vt: its G tiles): [W | Qg | Kd | A | gC] and the tiles' U
+// blocks, both contiguous in the workspace. tma: thread 0 issues two bulk copies on the stage's
+// mbarrier; else every thread issues 16 B cp.async (one commit group per chunk).
 template <int VT, int NS>
 __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int vt, int tid, bool tma,
                                             uint64_t* bar) {
   using SM = StateSmem<VT, NS>;
+  constexpr int kThreads = 128 * kGroups;
   const uint8_t* usrc = ws + kWsU + size_t(vt) * SM::kUBytes;
   if (tma) {
     if (tid == 0) {
@@ -416,8 +431,8 @@ __device__ __forceinline__ void issue_chunk(uint8_t* st, const uint8_t* ws, int 
       bulk_g2s(st + SM::kU, usrc, SM::kUBytes, bar);
     }
   } else {
-    for (int e = tid; e < SM::kSide / 16; e += 128) cp_async16(st + e * 16, ws + size_t(e) * 16);
-    for (int e = tid; e < SM::kUBytes / 16; e += 128) cp_async16(st + SM::kU + e * 16, usrc + size_t(e) * 16);
+    for (int e = tid; e < SM::kSide / 16; e += kThreads) cp_async16(st + e * 16, ws + size_t(e) * 16);
+    for (int e = tid; e < SM::kUBytes / 16; e += kThreads) cp_async16(st + SM::kU + e * 16, usrc + size_t(e) * 16);
   }
 }
 
@@ -474,12 +489,20 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
-  bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb);
-  bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp);
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  // w: the warp within its group; group j takes V tile kGroups x blockIdx.x + j
+  const int tid = threadIdx.x, lane = tid & 31, w = kGroups == 1 ? tid >> 5 : (tid >> 5) & 3;
+  const int group = kGroups == 1 ? 0 : tid >> 7;
+  bf16* Sb = reinterpret_cast<bf16*>(smem + SM::kSb + group * SM::kSbGroup);
+  bf16* Vp = reinterpret_cast<bf16*>(smem + SM::kVp + group * SM::kVpGroup);
   const int vt = blockIdx.x, hv = blockIdx.y, HV = a.HV;
-  const int n = kPieces == 1 ? int(blockIdx.z) : int(blockIdx.z / kPieces);
-  const int v0 = vt * VT;
+#if FKDA_PARAM_PIECES > 1
+  const int P = a.pieces;  // this call's pieces a sequence (<= kPieces)
+#else
+  constexpr int P = 1;
+#endif
+  const int n = kPieces == 1 ? int(blockIdx.z) : int(blockIdx.z / unsigned(P));
+  const int v0 = (vt * kGroups + group) * VT;
+  const int u_group = group * SM::kGroupUBytes;  // the group's U blocks within the stage's
 
   const int64_t bos = load_cu(a.cu, a.cu64, n);
   const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
@@ -496,8 +519,8 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
   const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK
                                  : nullptr;
   if constexpr (kPieces > 1) {
-    const int piece = int(blockIdx.z % kPieces);
-    const int64_t per = (nch + kPieces - 1) / kPieces;
+    const int piece = int(blockIdx.z - unsigned(n) * unsigned(P));
+    const int64_t per = (nch + P - 1) / P;
     c0 = piece * per;
     c1 = c0 + per < nch ? c0 + per : nch;
     if (piece > 0 && c0 >= c1) return;  // an empty piece (CTA-uniform)
@@ -555,7 +578,7 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     const int64_t left = c < c0 ? 0 : len - c * kC;  // a warm-up chunk stores no output row
     state_chunk_step<VT>(s, Sb, Vp, reinterpret_cast<const bf16*>(st + SM::kW),
                          reinterpret_cast<const bf16*>(st + SM::kQg), reinterpret_cast<const bf16*>(st + SM::kKd),
-                         reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU),
+                         reinterpret_cast<const bf16*>(st + SM::kA), reinterpret_cast<const bf16*>(st + SM::kU + u_group),
                          reinterpret_cast<const float*>(st + SM::kGc),
                          a.out + (size_t(bos + c * kC) * HV + hv) * kV + v0, size_t(HV) * kV,
                          left < kC ? int(left) : kC, w, lane);

@@ -40,12 +40,24 @@ BY_NAME = {r["name"]: r for r in RECORDS}
 
 
 def unsplit(rec):
-    """The record of the same module without pieces (its V tile, state dtype and every other param)."""
-    want = {k: v for k, v in rec["params"].items() if k != "pieces"}
-    same = [r for r in RECORDS if r["params"].get("pieces", 1) == 1 and r["params"] == want
-            and r["state_dtype"] == rec["state_dtype"]]
+    """The record of the same module without pieces and with one 4-warp group a state-pass CTA (its V tile,
+    state dtype and every other param): a group does exactly one one-group CTA's operations
+    (test_prefill_groups_gpu.py), so piece 0 of a two-group module is bitwise this module too."""
+    want = {k: v for k, v in rec["params"].items() if k not in ("pieces", "groups")}
+    same = [r for r in RECORDS if r["params"].get("pieces", 1) == 1 and r["params"].get("groups", 1) == 1
+            and r["params"] == want and r["state_dtype"] == rec["state_dtype"]]
     assert len(same) == 1, (rec["name"], [r["name"] for r in same])
     return same[0]
+
+
+SMS = torch.cuda.get_device_properties(DEV).multi_processor_count
+
+
+def launch_pieces(rec, N, HV):
+    """The pieces the binding picks for a call (kda_prefill.cu, state_pieces): one wave of state-pass CTAs,
+    V / (vt x groups) a (sequence, head), at most params.pieces, at least 1."""
+    tiles = V // (rec["params"]["vt"] * rec["params"].get("groups", 1))
+    return max(1, min(rec["params"]["pieces"], SMS // (tiles * HV * N)))
 
 
 def run(rec, d, gate, init, lb=-5.0, pool_idx=None):
@@ -102,7 +114,7 @@ def test_against_recurrence_and_the_unsplit_module(rec, case):
            f"out vs unsplit {rel(o[0], ob[0]):.3e}, state vs unsplit {rel(fin, finb):.3e}")
     assert eo < TOL and ef < TOL, msg
     assert eo <= 1.1 * ebo + 1e-4 and ef <= 1.1 * ebf + 1e-4, msg
-    rows = piece0_tokens(case["lens"], rec["params"]["pieces"])
+    rows = piece0_tokens(case["lens"], launch_pieces(rec, len(case["lens"]), case["H"]))
     assert torch.equal(bits(o[0, rows]), bits(ob[0, rows])), "piece 0 is not bitwise the unsplit module: " + msg
     # a sequence of at most one piece's chunks is one piece: bitwise, final state included
     for n, L in enumerate(case["lens"]):
@@ -153,8 +165,10 @@ def test_warm_up_starts_where_the_bounds_cross(rec):
     no split at all: present). They must match the float64 recurrence run from zero at c0 - 5, and the
     recurrences from c0 - 6 and c0 - 4 must be far from it (checked: the test can tell)."""
     torch.manual_seed(zlib.crc32(f"cut{rec['name']}".encode()))
-    P, C, HV = rec["params"]["pieces"], 64, 2
-    nch = 64
+    C, HV = 64, 2
+    P = launch_pieces(rec, 1, HV)
+    assert P > 1, (rec["name"], P)
+    nch = max(64, 8 * P)  # >= 7 chunks a piece: the scaled chunks c0 - 6, c0 - 5 stay inside piece p - 1
     per = nch // P
     d = make([nch * C], HV, HV, "log")
     g = torch.full_like(d["g"], -0.5)
@@ -245,15 +259,21 @@ torch.save({"module": module, "ckpt_module": ckpt_module, "out": out, "fin": fin
 """
 
 
-@pytest.mark.parametrize("HV,opt_in,want", [(8, "", "prefill_pc8_vt64_f32"), (16, "", "prefill_pc4_vt64_f32"),
-                                            (8, "exact_chain", "prefill_vt16_f32")])
-def test_pieces_route_through_the_op(HV, opt_in, want, tmp_path):
-    """1 x 8192 tokens, fp32 state, at 8 (16) heads goes to the 8-piece (4-piece) vt64 module by default and to
-    the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with checkpoints never takes a piece split;
-    the op's result is the module's own (bitwise) and right."""
+@pytest.mark.parametrize("HV,T,opt_in,want", [(8, 8192, "", "prefill_pc8_vt64_f32"),
+                                              (16, 8192, "", "prefill_pc16_vt64g2_f32"),
+                                              (8, 8192, "exact_chain", "prefill_vt16_f32"),
+                                              (24, 16384, "", "prefill_pc16_vt64g2_f32"),
+                                              (24, 16384, "exact_chain", "prefill_vt32_f32"),
+                                              (8, 8192, "", "prefill_pc8_vt64_bf16"),
+                                              (12, 8192, "", "prefill_pc16_vt64g2_bf16"),
+                                              (12, 8192, "exact_chain", "prefill_vt16_bf16")])
+def test_pieces_route_through_the_op(HV, T, opt_in, want, tmp_path):
+    """1 x T tokens, fp32 or bf16 state (the module's): at 8 heads the one-group vt64 split by default, at 12 / 16
+    (24, T >= 16384) the two-group split, and the unsplit module with FLASHKDA_EXT_OPT_IN=exact_chain; a call with
+    checkpoints never takes a piece split; the op's result is the module's own (bitwise) and right."""
     torch.manual_seed(HV)
-    d = make([8192], HV, HV, "softplus")
-    init = (torch.randn(1, HV, V, K, device=DEV) * 0.5)
+    d = make([T], HV, HV, "softplus")
+    init = (torch.randn(1, HV, V, K, device=DEV) * 0.5).to(sdtype(BY_NAME[want]))
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
                     dt_bias=d["dt_bias"], init=init), src)
