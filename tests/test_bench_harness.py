@@ -440,3 +440,18 @@ def test_prefill_slow_keys_barely_decay(gate):
     g0 = gate_log_decay(ref["g"].float(), gate, ref["A_log"], ref["dt_bias"].view(H, K), lb)
     assert g[..., :2].abs().max() < 1e-2 < g0[..., :2].abs().max()
     assert torch.equal(g[..., 2:], g0[..., 2:])
+
+
+def test_replot_rebases_speedups_on_another_arm():
+    """replot --baseline ARM: each other arm's speedup is ARM's median time over the arm's, in the primary mode;
+    a case without ARM has none, and the saved results are not changed."""
+    doc = {"primary_mode": "eager", "baseline": None, "cases": [
+        {"name": "a", "arms": {"ours": {"time_us": {"eager": {"median": 2.0}}},
+                               "cudnn": {"time_us": {"eager": {"median": 3.0}}},
+                               "fla": {"time_us": {"eager": {"median": 8.0}}}}},
+        {"name": "b", "arms": {"ours": {"time_us": {"eager": {"median": 5.0}}}}, "speedup": {"x": {"eager": 9.0}}}]}
+    out = _script("replot").rebase(doc, "cudnn")
+    assert out["baseline"] == "cudnn"
+    assert out["cases"][0]["speedup"] == {"ours": {"eager": 1.5}, "fla": {"eager": 0.375}}
+    assert "speedup" not in out["cases"][1]
+    assert doc["baseline"] is None and "speedup" in doc["cases"][1]
