@@ -1,4 +1,4 @@
-"""GPU tests of the piece-split prefill modules (params.pieces > 1: fp32 routed by default, bf16 by opt-in 'pieces'; issue 46).
+"""GPU tests of the piece-split prefill modules (params.pieces > 1: routed by default for long prompts, fp32 and bf16 state; issue 46).
 
 A piece-split module runs each sequence's state pass as P pieces in parallel; piece p > 0 starts from a
 zero state at the latest earlier chunk where the chunks' log2 attenuation bounds sum to <= -24 (or from
