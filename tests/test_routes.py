@@ -53,8 +53,7 @@ EDGES = {
     ],
     ("kda_prefill", "long_pieces_groups", "work_items_max"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_vt32_f32"),                     # 17, mean 8192
-        (prefill_meta(value_heads=17, total_tokens=16384), "prefill_pc16_vt64g2_f32"),             # 17: the _32 band
+        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 17: the _24 band
         (prefill_meta(value_heads=12, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),
     ],
     ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
@@ -68,9 +67,27 @@ EDGES = {
         (prefill_meta(value_heads=32, total_tokens=16384, checkpoints=True), "prefill_vt32_f32"),
     ],
     ("kda_prefill", "long_pieces_groups_32", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=24, total_tokens=16384), "prefill_pc16_vt64g2_f32"),
-        (prefill_meta(value_heads=24, total_tokens=16383), "prefill_vt32_f32"),
+        (prefill_meta(value_heads=25, total_tokens=16384), "prefill_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=25, total_tokens=16383), "prefill_vt32_f32"),
         (prefill_meta(num_seqs=4, value_heads=8, total_tokens=4 * 8192), "prefill_vt32_f32"),     # 4x8192 H8: mean 8192
+    ],
+    ("kda_prefill", "long_pieces_groups_24", "work_items_max"): [
+        (prefill_meta(value_heads=24, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 24
+        (prefill_meta(value_heads=25, total_tokens=8192), "prefill_vt32_f32"),                     # 25, mean 8192
+        (prefill_meta(value_heads=24, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),
+    ],
+    ("kda_prefill", "long_pieces_groups_24", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=24, total_tokens=8192), "prefill_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=24, total_tokens=8191), "prefill_vt32_f32"),
+    ],
+    ("kda_prefill", "long_exact_chain_24", "work_items_max"): [
+        (prefill_meta(value_heads=24, total_tokens=8192), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=25, total_tokens=8192), "prefill_vt32_f32", EXACT),              # some_seq_heads
+        (prefill_meta(value_heads=25, total_tokens=16384), "prefill_vt32_f32", EXACT),             # long_exact_chain_32
+    ],
+    ("kda_prefill", "long_exact_chain_24", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=20, total_tokens=8192, state="bf16"), "prefill_vt32_bf16", EXACT),
+        (prefill_meta(value_heads=20, total_tokens=8191, state="bf16"), "prefill_vt32_bf16", EXACT),
     ],
     ("kda_prefill", "long_exact_chain_32", "work_items_max"): [
         (prefill_meta(value_heads=32, total_tokens=16384), "prefill_vt32_f32", EXACT),
@@ -78,8 +95,8 @@ EDGES = {
         (prefill_meta(value_heads=12, total_tokens=16384), "prefill_vt16_f32", EXACT),             # long_exact_chain
     ],
     ("kda_prefill", "long_exact_chain_32", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=24, total_tokens=16384), "prefill_vt32_f32", EXACT),
-        (prefill_meta(value_heads=24, total_tokens=16383), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=25, total_tokens=16384), "prefill_vt32_f32", EXACT),
+        (prefill_meta(value_heads=25, total_tokens=16383), "prefill_vt32_f32", EXACT),
     ],
     ("kda_prefill", "long_exact_chain", "work_items_max"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_vt16_f32", EXACT),
@@ -375,7 +392,7 @@ def test_opt_in_persistent_route_is_reachable_only_when_opted_in():
 
 def test_piece_split_serves_long_prompts_and_never_checkpoints():
     """fp32 or bf16 state, no checkpoints, long prompts: <= 8 sequences x heads at >= 8192 tokens a sequence on
-    average take the one-group vt64 split (up to 8 pieces), 9..16 at >= 8192 and 17..32 at >= 16384 the two-group
+    average take the one-group vt64 split (up to 8 pieces), 9..24 at >= 8192 and 25..32 at >= 16384 the two-group
     split (up to 16 pieces), each in the state's dtype; 'exact_chain' keeps such calls on the unsplit module the
     bands below would pick, and changes nothing else; a piece-split module is never picked for a call with
     checkpoints."""
@@ -389,7 +406,7 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
                         got = dispatch.module_name("kda_prefill", meta, ())
                         exact = dispatch.module_name("kda_prefill", meta, EXACT)
                         items, mean = seqs * hv, tokens // seqs
-                        long = not ckpt and ((mean >= 8192 and items <= 16) or (mean >= 16384 and items <= 32))
+                        long = not ckpt and ((mean >= 8192 and items <= 24) or (mean >= 16384 and items <= 32))
                         assert not jit.get_record(exact)["params"].get("pieces"), meta
                         assert not jit.get_record(got).get("opt_in"), meta
                         if long:
