@@ -81,6 +81,27 @@ ISSUE46_HEADS = (8, 12, 16, 24, 32, 48, 96)
 RAGGED_8K = [3000, 1500, 1200, 900, 700, 500, 392]   # 7 sequences, 8192 tokens
 
 
+def module_call(name, d, gate, N, T, H, dev):
+    """(fn, out, fin): one kda_prefill call of module `name` on inputs d, its workspace (when the module asks
+    for one), output and final state allocated once, outside the timed call."""
+    import tvm_ffi
+    mod = load(name)
+    ws = None
+    if mod.implements_function("kda_prefill_workspace_bytes"):
+        ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
+    fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
+    args = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin, None, None,
+            out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
+
+    def fn():
+        if DEVICE == "cuda":
+            with tvm_ffi.use_torch_stream():
+                mod["kda_prefill"](*args)
+        else:
+            mod["kda_prefill"](*args)
+    return fn, out, fin
+
+
 def issue46_cases(heads, long):
     shapes = {**{f"B1 T{T // 1024}K": [T] for T in (2048, 8192, 32768, 131072)},
               "4x8192": [8192] * 4, "64x512": [512] * 64, "8x(1024+64)": [1024, 64] * 8, "ragged7 8K": RAGGED_8K}
@@ -167,7 +188,6 @@ def main(argv=None):
     dry = args.dry_run or not cfg.is_cuda
     if not cfg.is_cuda:           # dry run: the CPU backend through the same module ABI
         K = V = 16
-    import tvm_ffi
     dev = torch.device(DEVICE)
     torch.manual_seed(0)
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
@@ -211,35 +231,13 @@ def main(argv=None):
                 d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
             mname = args.module or route_module(N, H, T, gate, state=args.state)
-            mod = load(mname)
-            ws = None
-            if mod.implements_function("kda_prefill_workspace_bytes"):
-                ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
-            fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
-
-            def module_fn(mod, ws, fin, out, d=d, gate=gate):
-                def fn():
-                    args_ = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"],
-                             fin, None, None, out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
-                    if DEVICE == "cuda":
-                        with tvm_ffi.use_torch_stream():
-                            mod["kda_prefill"](*args_)
-                    else:
-                        mod["kda_prefill"](*args_)
-                return fn
-
-            ours = module_fn(mod, ws, fin, out)
+            ours, out, fin = module_call(mname, d, gate, N, T, H, dev)
             arms = [harness.Arm("ours", ours)]
             checks = {}
-            alt_name = route_module(N, H, T, gate, {args.opt_in_arm}, args.state) if args.opt_in_arm and not args.module else None
+            alt_name = (route_module(N, H, T, gate, {args.opt_in_arm}, args.state)
+                        if args.opt_in_arm and not args.module else None)
             if alt_name is not None and alt_name != mname:
-                alt = load(alt_name)
-                alt_ws = None
-                if alt.implements_function("kda_prefill_workspace_bytes"):
-                    alt_ws = torch.empty(max(1, alt["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8,
-                                         device=dev)
-                alt_fin, alt_out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
-                alt_fn = module_fn(alt, alt_ws, alt_fin, alt_out)
+                alt_fn, alt_out, alt_fin = module_call(alt_name, d, gate, N, T, H, dev)
                 checks["opt_in"] = agreement(ours, out, fin, lambda f=alt_fn, o=alt_out, s=alt_fin: (f(), o, s)[1:])
                 checks["opt_in"].update(module=alt_name, bitwise=bool(torch.equal(alt_out.view(torch.int16),
                                                                                   out.view(torch.int16))))
@@ -295,7 +293,7 @@ def main(argv=None):
                         r["speedup"] = fla_t / ours_t
             rows.append(r)
             print(json.dumps(r), flush=True)
-            del ws
+            del ours, arms  # this case's workspace and buffers go before the next case's inputs
     sp = [r["speedup"] for r in rows if "speedup" in r]
     vc = [r["vs_cudnn"] for r in rows if "vs_cudnn" in r and r["checks"].get("cudnn", {}).get("finite")]
     run.extra.update(device=torch.cuda.get_device_name() if cfg.is_cuda else "cpu", rows=rows,
