@@ -11,8 +11,9 @@
 // FKDA_PARAM_GROUPS (kda_prefill_state.cuh; default 1): 4-warp groups a state-pass CTA, each its own
 // V tile, sharing one copy of every chunk's side data (grid V / (VT x groups) x HV x N).
 // FKDA_PARAM_PIECES (kda_prefill_layout.cuh; default 1 = one CTA walks a sequence's chunks): P > 1
-// splits each sequence's state pass into up to P pieces run in parallel (state_pieces: one wave), each from a zero state after a
-// warm-up that attenuates the dropped state below 2^-24 (kda_prefill_state.cuh, piece_start). Not
+// splits each sequence's state pass into up to P pieces run in parallel (state_pieces: one wave), each
+// from a zero state after a warm-up that attenuates the dropped state below 2^-24 (kda_prefill_state.cuh,
+// piece_start). Not
 // exact, so it writes no checkpoints: a call with checkpoints is refused (the routes never send one).
 #include <cuda_runtime.h>
 
@@ -172,7 +173,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     ck.shape(t, "checkpoints", {{"N", N}, {"C", ckpt_count}, {"HV", HV}, {"V", V}, {"K", K}});
     ck.contiguous(t, "checkpoints");
     FKDA_CHECK(fkda_prefill::kPieces == 1, fn)
-        << "argument 'checkpoints': this module splits each sequence into " << fkda_prefill::kPieces
+        << "argument 'checkpoints': this module splits each sequence into up to " << fkda_prefill::kPieces
         << " pieces (not exact), so it writes no checkpoints; use a module without pieces";
     FKDA_CHECK(checkpoint_every > 0 && checkpoint_every % fkda_prefill::kC == 0, fn)
         << "argument 'checkpoint_every' must be a positive multiple of the chunk ("

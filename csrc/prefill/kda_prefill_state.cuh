@@ -1,13 +1,14 @@
 // The ordered state pass of the sm_90a prefill (kda_prefill_layout.cuh for the shared layout):
 //
-//   kda_state_kernel      grid (V tiles / kGroups, HV, N x kPieces), 128 x kGroups threads. The fp32
+//   kda_state_kernel      grid (V tiles / kGroups, HV, N x pieces), 128 x kGroups threads. The fp32
 //                         state tile lives in registers across the sequence's chunks; three small GEMMs
 //                         a chunk (state_chunk_step); chunks arrive by bulk copies (TMA) into a 2-3 deep
 //                         ring. kGroups > 1: one CTA holds kGroups 4-warp groups, each its own V tile,
 //                         that share one copy of a chunk's [W | Qg | Kd | A | gC] (kGroups x fewer bytes
-//                         a chunk moved, kGroups x the warps an SM to hide the mma latency). kPieces > 1
-//                         (issue 46): a sequence's chunks are split into kPieces runs done in parallel,
-//                         each after a warm-up from a zero state (piece_start).
+//                         a chunk moved; a column measured only ~14% faster: csrc/prefill/README.md).
+//                         kPieces > 1 (issue 46): a sequence's chunks are split into up to kPieces runs
+//                         (StateArgs::pieces, picked at launch) done in parallel, each after a warm-up
+//                         from a zero state (piece_start).
 //
 // state_chunk_step is also the prep kernel's one-chunk path (StateArgs::single).
 #pragma once
