@@ -20,10 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 from gpu_common import bits  # noqa: E402
 from test_prefill_gpu import DEV, K, RECORDS, V, call, load, make, sdtype  # noqa: E402
-from test_prefill_pieces_gpu import launch_pieces, unsplit  # noqa: E402
+from test_prefill_pieces_gpu import SMS, launch_pieces, unsplit  # noqa: E402
 
 GROUP_RECS = [r for r in RECORDS if r["params"].get("groups", 1) > 1]
-SMS = torch.cuda.get_device_properties(DEV).multi_processor_count
 
 
 def batch(H, first):
