@@ -51,16 +51,6 @@ EDGES = {
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16384), "prefill_pc8_vt64_f32"),   # mean 8192
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=16383), "prefill_vt16_f32"),       # mean 8191
     ],
-    ("kda_prefill", "long_pieces_groups", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 16
-        (prefill_meta(value_heads=17, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 17: the _24 band
-        (prefill_meta(value_heads=12, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),
-    ],
-    ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),
-        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32"),
-        (prefill_meta(num_seqs=3, value_heads=4, total_tokens=3 * 8192), "prefill_pc16_vt64g2_f32"),  # 12 items
-    ],
     ("kda_prefill", "long_pieces_groups_32", "work_items_max"): [
         (prefill_meta(value_heads=32, total_tokens=16384), "prefill_pc16_vt64g2_f32"),             # 32
         (prefill_meta(value_heads=33, total_tokens=16384), "prefill_vt32_f32"),                    # 33
@@ -71,14 +61,18 @@ EDGES = {
         (prefill_meta(value_heads=25, total_tokens=16383), "prefill_vt32_f32"),
         (prefill_meta(num_seqs=4, value_heads=8, total_tokens=4 * 8192), "prefill_vt32_f32"),     # 4x8192 H8: mean 8192
     ],
-    ("kda_prefill", "long_pieces_groups_24", "work_items_max"): [
+    ("kda_prefill", "long_pieces_groups", "work_items_max"): [
         (prefill_meta(value_heads=24, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 24
         (prefill_meta(value_heads=25, total_tokens=8192), "prefill_vt32_f32"),                     # 25, mean 8192
         (prefill_meta(value_heads=24, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),
+        (prefill_meta(value_heads=12, total_tokens=8192, state="bf16"), "prefill_pc16_vt64g2_bf16"),
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),              # 16
     ],
-    ("kda_prefill", "long_pieces_groups_24", "mean_seqlen_min"): [
+    ("kda_prefill", "long_pieces_groups", "mean_seqlen_min"): [
         (prefill_meta(value_heads=24, total_tokens=8192), "prefill_pc16_vt64g2_f32"),
         (prefill_meta(value_heads=24, total_tokens=8191), "prefill_vt32_f32"),
+        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32"),
+        (prefill_meta(num_seqs=3, value_heads=4, total_tokens=3 * 8192), "prefill_pc16_vt64g2_f32"),  # 12 items
     ],
     ("kda_prefill", "long_exact_chain_24", "work_items_max"): [
         (prefill_meta(value_heads=24, total_tokens=8192), "prefill_vt32_f32", EXACT),
