@@ -70,10 +70,16 @@ __device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], float (&mx)[16],
   for (int i = 0; i < 16; ++i) {
     const float2 raw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(graw + i * kLdB));
     const bool in = r0 + i < nt;
-    run.x = fmaf(in ? g0.mult : 0.f, g0.value(raw.x), run.x);
-    run.y = fmaf(in ? g1.mult : 0.f, g1.value(raw.y), run.y);
+    if constexpr (kBound) {  // each value once: it feeds both the running sum and the row maximum
+      const float v0 = g0.value(raw.x), v1 = g1.value(raw.y);
+      run.x = fmaf(in ? g0.mult : 0.f, v0, run.x);
+      run.y = fmaf(in ? g1.mult : 0.f, v1, run.y);
+      mx[i] = in ? fmaxf(g0.mult * v0, g1.mult * v1) : 0.f;
+    } else {
+      run.x = fmaf(in ? g0.mult : 0.f, g0.value(raw.x), run.x);
+      run.y = fmaf(in ? g1.mult : 0.f, g1.value(raw.y), run.y);
+    }
     gl[i] = run;
-    if constexpr (kBound) mx[i] = in ? fmaxf(g0.mult * g0.value(raw.x), g1.mult * g1.value(raw.y)) : 0.f;
   }
   return run;
 }
