@@ -17,6 +17,7 @@ GATES = ("softplus", "bounded", "log")
 GATE_MODE = {"softplus": 0, "bounded": 1, "log": 2}
 SLOT_MODES = ("unique", "padded", "repeated")
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 DTYPE_NAMES = {
     torch.float32: "float32",
@@ -183,7 +184,11 @@ def _float(name: str, value, what: str) -> float:
     """A real number (int or float, not a bool): TypeError for another kind of value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float {what}, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a Python int past the float range: name the argument, not float()
+        raise ValueError(f"{name}: expected a finite float {what}, got an int of {value.bit_length()} bits "
+                         f"(too large for a float)") from None
 
 
 def _bool(name: str, value) -> bool:

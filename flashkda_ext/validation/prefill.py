@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from .common import (GATE_MODE, INT32_MAX, _aligned, _bool, _check_backend, _contiguous, _gate_args, _indices,
-                     _inference_only, _int, _ndim, _out, _pool, _qkv_common, _resolve_scale, _same_device,
+from .common import (GATE_MODE, INT32_MAX, INT64_MAX, _aligned, _bool, _check_backend, _contiguous, _gate_args,
+                     _indices, _inference_only, _int, _ndim, _out, _pool, _qkv_common, _resolve_scale, _same_device,
                      _span, _state_tag, _supported_dims, _tensor, dtype_name)
 from .memo import _memoized
 
@@ -148,6 +148,9 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
     _int("checkpoint_every", checkpoint_every, ">= 0")
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
+    if checkpoint_every > INT64_MAX:  # the modules take an int64: name it here, not the FFI conversion
+        raise ValueError(f"checkpoint_every: expected an int <= {INT64_MAX} (the kernels' int64), got "
+                         f"{checkpoint_every}")
     ckpt_slots = 0
     if checkpoint_every > 0:
         if checkpoint_every % chunk_multiple != 0:

@@ -1,0 +1,137 @@
+"""Bad-input campaign 10 (CPU backend): each case failed before its fix, or was silently served.
+
+- Python ints too large for a float (scale, lower_bound, norm_eps) raised OverflowError without the
+  argument's name; a checkpoint_every past int64 failed in the FFI conversion ("argument #19").
+- torch.ops.flashkda_ext.* took out=None (the schema's Tensor lets None through): the step ran, the pool
+  was updated and the output dropped; and a bool scale / norm_eps became 1.0 through the `float` schema.
+Every refusal is checked cold and after a valid call (the fast path and the verdict memo armed), and
+leaves every tensor as it was.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashkda_ext as fk
+from flashkda_ext import ops
+
+R, H, HV, K, V, SLOTS = 3, 2, 4, 8, 16, 6
+OPS = torch.ops.flashkda_ext
+
+
+def rand(*s, seed=[0]):
+    seed[0] += 1
+    return torch.randn(*s, generator=torch.Generator().manual_seed(seed[0]))
+
+
+def i32(*x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def decode_args():
+    return dict(q=rand(R, H, K), k=rand(R, H, K), v=rand(R, HV, V), g=rand(R, HV, K), beta=rand(R, HV),
+                state=rand(SLOTS, HV, V, K), state_indices=i32(4, 0, 2), A_log=rand(HV), dt_bias=rand(HV * K))
+
+
+def verify_args():
+    return dict(q=rand(1, 5, H, K), k=rand(1, 5, H, K), v=rand(1, 5, HV, V), g=rand(1, 5, HV, K), beta=rand(1, 5, HV),
+                state=rand(SLOTS, HV, V, K), state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32),
+                cu_seqlens=i32(0, 2, 5), A_log=rand(HV), dt_bias=rand(HV * K))
+
+
+def prefill_args():
+    return dict(q=rand(2, 4, H, K), k=rand(2, 4, H, K), v=rand(2, 4, HV, V), g=rand(2, 4, HV, K), beta=rand(2, 4, HV),
+                A_log=rand(HV), dt_bias=rand(HV * K), initial_state=rand(2, HV, V, K))
+
+
+def fused_args(D=8, Hf=3):
+    C = 3 * Hf * D
+    return dict(x=rand(R, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 3), g=rand(R, Hf, D), beta=rand(R, Hf),
+                A_log=rand(Hf), dt_bias=rand(Hf * D), state_indices=i32(1, 5, 3), state=rand(SLOTS, Hf, D, D),
+                output_gate=rand(R, Hf, D), norm_weight=rand(D).abs() + 0.5)
+
+
+def fused_verify_args(D=8, Hf=3, T=5):
+    C = 3 * Hf * D
+    return dict(x=rand(1, T, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 5), g=rand(1, T, Hf, D),
+                beta=rand(1, T, Hf), A_log=rand(Hf), dt_bias=rand(Hf * D), state=rand(SLOTS, Hf, D, D),
+                output_gate=rand(1, T, Hf, D), norm_weight=rand(D).abs() + 0.5,
+                state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32), cu_seqlens=i32(0, 2, 5))
+
+
+FUSED_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices", "state",
+             "output_gate", "norm_weight")
+FUSED_VERIFY_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
+                    "norm_weight")
+
+
+def public(op, a, kw):
+    a = dict(a, **kw)
+    if op == "fused_kda_decode":
+        return fk.fused_kda_decode(*[a.pop(n) for n in FUSED_POS], **a)
+    if op == "fused_kda_verify":
+        return fk.fused_kda_verify(*[a.pop(n) for n in FUSED_VERIFY_POS], **a)
+    return getattr(fk, op)(*[a.pop(n) for n in ("q", "k", "v", "g", "beta")], **a)
+
+
+MAKE = {"kda_decode": decode_args, "kda_verify": verify_args, "kda_prefill": prefill_args,
+        "fused_kda_decode": fused_args, "fused_kda_verify": fused_verify_args}
+
+
+def refused_cold_and_warm(call, valid, exc, match):
+    """call() raises exc matching `match` before and after valid() armed the fast path, the same each time,
+    and writes nothing (tensors compared bitwise)."""
+    ops.clear_call_caches()
+    errors = []
+    for warm in (False, True):
+        if warm:
+            valid()
+        tensors = call.tensors()
+        before = [t.clone() for t in tensors]
+        with pytest.raises(exc, match=match) as e:
+            call()
+        errors.append(str(e.value))
+        assert all(torch.equal(t, b) for t, b in zip(tensors, before)), "a refused call wrote"
+    assert errors[0] == errors[1]
+
+
+class Call:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def tensors(self):
+        return [x for x in self.args.values() if isinstance(x, torch.Tensor)]
+
+    def __call__(self):
+        return self.fn(self.args)
+
+
+# --- Python ints past the float range, and checkpoint_every past int64 -----------------------------------
+
+HUGE = 10 ** 400
+
+SCALAR_CASES = [("kda_decode", dict(scale=HUGE), "scale"),
+                ("kda_decode", dict(gate="bounded", lower_bound=-HUGE), "lower_bound"),
+                ("kda_verify", dict(scale=HUGE), "scale"),
+                ("kda_prefill", dict(scale=HUGE), "scale"),
+                ("fused_kda_decode", dict(norm_eps=HUGE), "norm_eps"),
+                ("fused_kda_verify", dict(norm_eps=HUGE), "norm_eps"),
+                ("fused_kda_verify", dict(gate="bounded", lower_bound=-HUGE), "lower_bound")]
+
+
+@pytest.mark.parametrize("op,kw,name", SCALAR_CASES, ids=[f"{o}-{n}" for o, _, n in SCALAR_CASES])
+def test_an_int_too_large_for_a_float_is_named(op, kw, name):
+    a = MAKE[op]()
+    refused_cold_and_warm(Call(lambda x: public(op, x, kw), a), lambda: public(op, MAKE[op](), {}), ValueError,
+                          rf"^{name}: expected a finite float .* \(too large for a float\)")
+
+
+def test_checkpoint_every_past_int64_is_named():
+    a = prefill_args()
+    kw = dict(checkpoint_every=2 ** 63)
+    refused_cold_and_warm(Call(lambda x: public("kda_prefill", x, kw), a),
+                          lambda: public("kda_prefill", prefill_args(), dict(checkpoint_every=2)), ValueError,
+                          r"^checkpoint_every: expected an int <= 9223372036854775807")
+    # the largest int64 is a valid (if checkpoint-free) request
+    out, final, ckpt = public("kda_prefill", prefill_args(), dict(checkpoint_every=2 ** 63 - 1))
+    assert ckpt.shape[1] == 0
