@@ -21,12 +21,13 @@ the git history of docs/perf-notes.md). What the decorator's extra kernels do (a
 written tensors) an inference op does not need.
 
 Direct calls. torch.ops.flashkda_ext.<op> is public too, so the op layer refuses what the dispatcher
-would otherwise let through: the flags and the integer arguments (checkpoint_every, max_seqlen) are typed
-`Scalar` in the schema (a `bool` argument converts 1 to True, an `int` one True to 1, before any check; a
-Scalar keeps the caller's Python type, so validation refuses the int flag or the bool count as the public
-op does); a meta tensor among real ones (the dispatcher then runs the fake, which writes nothing)
-is refused naming it; prefill's outputs the op would compute and drop (checkpoints, a dense final state)
-must be given.
+would otherwise let through: the flags, the integer arguments (checkpoint_every, max_seqlen) and the real
+ones (scale, lower_bound, norm_eps) are typed `Scalar` in the schema (a `bool` argument converts 1 to True,
+an `int` one True to 1, a `float` one True to 1.0, before any check; a Scalar keeps the caller's Python type,
+so validation refuses the int flag or the bool count or scale as the public op does); a meta tensor among
+real ones (the dispatcher then runs the fake, which writes nothing) is refused naming it; `out=None` (the
+dispatcher passes None for a Tensor) and prefill's outputs the op would compute and drop (checkpoints, a
+dense final state) must be given.
 
 Validation. The real implementation calls the public op on real tensors, so the full validation (which
 reads jit/supported.json and memoizes) and the fast path run there, outside any traced region. The fake
@@ -53,6 +54,9 @@ Flag = Union[int, float, bool]
 #: an integer argument's annotation, Scalar for the same reason: an `int` schema argument would turn True into
 #: 1 before any check; validation requires a real int
 Count = Union[int, float, bool]
+#: a real scalar's annotation (scale, lower_bound, norm_eps), Scalar too: a `float` schema argument turns True
+#: into 1.0 before any check (scale=True was served as 1.0); validation refuses a bool as the public op does
+Real = Union[int, float, bool]
 _is_compiling = torch.compiler.is_compiling
 _LIB = torch.library.Library("flashkda_ext", "DEF")  # kept alive: dropping it unregisters the ops
 
@@ -92,6 +96,14 @@ def _refuse_meta_among_real(named) -> None:
     if meta and real:
         raise ValueError(f"{meta[0]}: a meta tensor among tensors on {real[0]} (it has no data: the op could "
                          f"neither compute from it nor write it); pass every tensor on one device")
+
+
+def _refuse_no_out(op: str, out) -> None:
+    """The custom ops return nothing: the dispatcher lets None through for the Tensor `out`, and the op would
+    then update the pool and drop the output it computed."""
+    if out is None:
+        raise ValueError(f"out: flashkda_ext::{op} writes its outputs into its arguments; expected a tensor, "
+                         f"got None")
 
 
 def _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every,
@@ -135,9 +147,10 @@ def _check_on_meta(check, device: torch.device, args: tuple, kwargs: dict):
 
 @_register("kda_decode", mutates_args=("state", "out"))
 def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
-                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
-                  scale: Optional[float], beta_is_logit: Flag, slot_mode: str, null_slot0: Flag,
+                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[Real], gate: str,
+                  scale: Optional[Real], beta_is_logit: Flag, slot_mode: str, null_slot0: Flag,
                   out: Tensor) -> None:
+    _refuse_no_out("kda_decode", out)
     _ops.kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode,
                     null_slot0=null_slot0, out=out)
@@ -146,6 +159,7 @@ def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
 @_fake("kda_decode")
 def _kda_decode_fake(q, k, v, g, beta, state, state_indices, A_log, dt_bias, lower_bound, gate, scale,
                      beta_is_logit, slot_mode, null_slot0, out) -> None:
+    _refuse_no_out("kda_decode", out)
     _check_on_meta(validation.check_kda_decode, q.device, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode, null_slot0=null_slot0, out=out))
@@ -169,9 +183,10 @@ def traced_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_
 @_register("fused_kda_decode", mutates_args=("conv_state", "state", "out"))
 def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: Tensor, beta: Tensor,
                         A_log: Optional[Tensor], dt_bias: Optional[Tensor], state_indices: Tensor, state: Tensor,
-                        output_gate: Tensor, norm_weight: Tensor, lower_bound: Optional[float], gate: str,
-                        norm_eps: float, scale: Optional[float], slot_mode: str, null_slot0: Flag,
+                        output_gate: Tensor, norm_weight: Tensor, lower_bound: Optional[Real], gate: str,
+                        norm_eps: Real, scale: Optional[Real], slot_mode: str, null_slot0: Flag,
                         out: Tensor) -> None:
+    _refuse_no_out("fused_kda_decode", out)
     _ops.fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                           norm_weight, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
                           slot_mode=slot_mode, null_slot0=null_slot0, out=out)
@@ -180,6 +195,7 @@ def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
 @_fake("fused_kda_decode")
 def _fused_kda_decode_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                            norm_weight, lower_bound, gate, norm_eps, scale, slot_mode, null_slot0, out) -> None:
+    _refuse_no_out("fused_kda_decode", out)
     _check_on_meta(validation.check_fused_kda_decode, x.device,
                    (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                     norm_weight),
@@ -206,11 +222,12 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
 
 @_register("kda_prefill", mutates_args=("state", "final_state", "checkpoints", "workspace", "out"))
 def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
-                   dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str, scale: Optional[float],
+                   dt_bias: Optional[Tensor], lower_bound: Optional[Real], gate: str, scale: Optional[Real],
                    beta_is_logit: Flag, cu_seqlens: Optional[Tensor], initial_state: Optional[Tensor],
                    state: Optional[Tensor], state_indices: Optional[Tensor], output_final_state: Flag,
                    final_state: Optional[Tensor], checkpoint_every: Count, checkpoints: Optional[Tensor],
                    max_seqlen: Optional[Count], null_slot0: Flag, workspace: Optional[Tensor], out: Tensor) -> None:
+    _refuse_no_out("kda_prefill", out)
     _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
     _ops.kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
                      beta_is_logit=beta_is_logit, cu_seqlens=cu_seqlens, initial_state=initial_state, state=state,
@@ -223,6 +240,7 @@ def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
 def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, beta_is_logit, cu_seqlens,
                       initial_state, state, state_indices, output_final_state, final_state, checkpoint_every,
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
+    _refuse_no_out("kda_prefill", out)
     _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
     _check_on_meta(validation.check_kda_prefill, q.device, (q, k, v, g, beta), dict(
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
@@ -273,9 +291,10 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
 @_register("kda_verify", mutates_args=("state", "out"))
 def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, state_indices: Tensor,
                   cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[Count],
-                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float], gate: str,
-                  scale: Optional[float], beta_is_logit: Flag, null_slot0: Flag, out: Tensor,
+                  A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[Real], gate: str,
+                  scale: Optional[Real], beta_is_logit: Flag, null_slot0: Flag, out: Tensor,
                   initial_state: Optional[Tensor] = None, initial_state_indices: Optional[Tensor] = None) -> None:
+    _refuse_no_out("kda_verify", out)
     _ops.kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                     num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
@@ -286,6 +305,7 @@ def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
 def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
                      dt_bias, lower_bound, gate, scale, beta_is_logit, null_slot0, out, initial_state=None,
                      initial_state_indices=None) -> None:
+    _refuse_no_out("kda_verify", out)
     # the index values are checked by the real implementation (a graph has none to read)
     _check_on_meta(validation.check_kda_verify, q.device, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
@@ -311,8 +331,9 @@ def fused_kda_verify_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
                         A_log: Optional[Tensor], dt_bias: Optional[Tensor], state: Tensor, output_gate: Tensor,
                         norm_weight: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
                         num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[Count],
-                        lower_bound: Optional[float], gate: str, norm_eps: float, scale: Optional[float],
+                        lower_bound: Optional[Real], gate: str, norm_eps: Real, scale: Optional[Real],
                         null_slot0: Flag, out: Tensor) -> None:
+    _refuse_no_out("fused_kda_verify", out)
     _ops.fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
                           state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
                           max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
@@ -323,6 +344,7 @@ def fused_kda_verify_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
 def _fused_kda_verify_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
                            state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, lower_bound, gate, norm_eps,
                            scale, null_slot0, out) -> None:
+    _refuse_no_out("fused_kda_verify", out)
     _check_on_meta(validation.check_fused_kda_verify, x.device,
                    (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight),
                    dict(state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,

@@ -135,3 +135,80 @@ def test_checkpoint_every_past_int64_is_named():
     # the largest int64 is a valid (if checkpoint-free) request
     out, final, ckpt = public("kda_prefill", prefill_args(), dict(checkpoint_every=2 ** 63 - 1))
     assert ckpt.shape[1] == 0
+
+
+# --- torch.ops.flashkda_ext.*: out=None, and a bool where a real scalar goes ------------------------------
+
+def op_args(op):
+    """The custom op's arguments by name, in schema order, with every output given."""
+    a = MAKE[op]()
+    if op == "kda_decode":
+        d = dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], state=a["state"],
+                 state_indices=a["state_indices"], A_log=a["A_log"], dt_bias=a["dt_bias"], lower_bound=None,
+                 gate="softplus", scale=None, beta_is_logit=True, slot_mode="unique", null_slot0=False,
+                 out=torch.zeros(R, HV, V))
+    elif op == "kda_verify":
+        d = dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], state=a["state"],
+                 state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"], num_accepted_tokens=None,
+                 max_seqlen=None, A_log=a["A_log"], dt_bias=a["dt_bias"], lower_bound=None, gate="softplus",
+                 scale=None, beta_is_logit=True, null_slot0=False, out=torch.zeros(1, 5, HV, V))
+    elif op == "kda_prefill":
+        d = dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], A_log=a["A_log"], dt_bias=a["dt_bias"],
+                 lower_bound=None, gate="softplus", scale=None, beta_is_logit=True, cu_seqlens=None,
+                 initial_state=a["initial_state"], state=None, state_indices=None, output_final_state=True,
+                 final_state=torch.zeros(2, HV, V, K), checkpoint_every=0, checkpoints=None, max_seqlen=None,
+                 null_slot0=False, workspace=None, out=torch.zeros(2, 4, HV, V))
+    elif op == "fused_kda_decode":
+        d = {n: a[n] for n in FUSED_POS}
+        d.update(lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None, slot_mode="unique", null_slot0=False,
+                 out=torch.zeros(R, 3, 8))
+    else:
+        d = {n: a[n] for n in FUSED_VERIFY_POS}
+        d.update(state_indices=a["state_indices"], cu_seqlens=a["cu_seqlens"], num_accepted_tokens=None,
+                 max_seqlen=None, lower_bound=None, gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False,
+                 out=torch.zeros(1, 5, 3, 8))
+    return d
+
+
+def run_op(op, d):
+    getattr(OPS, op).default(**d)
+
+
+ALL_OPS = ("kda_decode", "kda_verify", "kda_prefill", "fused_kda_decode", "fused_kda_verify")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_custom_op_without_out_is_refused_and_writes_nothing(op):
+    """Before: the op ran, updated the pool (and conv cache) in place and dropped the output it computed."""
+    d = op_args(op)
+    d["out"] = None
+    refused_cold_and_warm(Call(lambda x: run_op(op, x), d), lambda: run_op(op, op_args(op)), ValueError,
+                          rf"^out: flashkda_ext::{op} writes its outputs into its arguments")
+
+
+BOOL_SCALARS = [(op, "scale") for op in ALL_OPS] + [("fused_kda_decode", "norm_eps"),
+                                                    ("fused_kda_verify", "norm_eps"),
+                                                    ("kda_decode", "lower_bound")]
+
+
+@pytest.mark.parametrize("op,name", BOOL_SCALARS, ids=[f"{o}-{n}" for o, n in BOOL_SCALARS])
+def test_custom_op_refuses_a_bool_real_scalar_as_the_public_op_does(op, name):
+    """Before: the `float` schema turned scale=True / norm_eps=True into 1.0 and the call was served."""
+    d = op_args(op)
+    d[name] = True
+    if name == "lower_bound":
+        d["gate"] = "bounded"
+    refused_cold_and_warm(Call(lambda x: run_op(op, x), d), lambda: run_op(op, op_args(op)), TypeError,
+                          rf"^{name}: expected a float")
+    with pytest.raises(TypeError, match=rf"^{name}: expected a float"):
+        public(op, MAKE[op](), {name: True, **(dict(gate="bounded") if name == "lower_bound" else {})})
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_custom_op_takes_an_int_or_float_scale_as_before(op):
+    d, e = op_args(op), op_args(op)
+    d["scale"], e["scale"] = 1, 1.0
+    e = dict(e, **{n: x.clone() for n, x in d.items() if isinstance(x, torch.Tensor)})
+    run_op(op, d)
+    run_op(op, e)
+    assert torch.equal(d["out"], e["out"]) and d["out"].abs().sum() > 0
