@@ -605,3 +605,23 @@ def test_the_benchmark_dry_run_serves_every_kind_and_agrees_with_the_reference(t
     assert {a["case"].split()[0] for a in doc["accuracy"]} == {"decode", "verify", "prefill"}
     assert all(a["served"] and a["ok"] for a in doc["accuracy"])
     assert not doc["fallback_reasons"]
+
+
+@pytest.mark.parametrize("table,accepted,reason", [
+    ([[1], [2], [3]], [1], "num_accepted_tokens must hold one count per request"),
+    ([[1], [2], [3]], [[1], [1], [1]], "num_accepted_tokens must hold one count per request"),
+    ("no columns", None, "one-token ssm_state_indices need"),
+], ids=["short-counts", "2-D-counts", "zero-column-table"])
+def test_one_column_table_with_counts_not_per_request_falls_back(recorded, table, accepted, reason):
+    """A one-column table is served by kda_decode row by row. Before: a [1] count tensor broadcast its
+    first count over every request (served, pool written), and a [N, 0] table raised IndexError."""
+    pool = torch.randn(8, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = spec_call([1, 1, 1], [[1], [2], [3]] if table == "no columns" else table, accepted, pool)
+    if table == "no columns":
+        call["ssm_state_indices"] = torch.zeros(3, 0, dtype=torch.int32)
+    fell = stat("k3.fused_recurrent_kda", "fell_back")
+    assert recorded.k3.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
+    assert stat("k3.fused_recurrent_kda", "fell_back") == fell + 1
+    assert any(s == "k3.fused_recurrent_kda" and reason in r for s, r in fkda_vllm.REASONS)
+    assert torch.equal(pool, pool0)

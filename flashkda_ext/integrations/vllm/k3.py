@@ -173,9 +173,15 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
 
     # one token per request (1-D indices, or a one-column table): kda_decode over rows, where row r is served
     # only when request r is exactly token r (an empty request is never served as a row)
-    if ssm_state_indices.dim() not in (1, 2) or T != N or ssm_state_indices.shape[0] < N:
-        raise Refused(f"one-token ssm_state_indices need T == N (vLLM asserts it) and N rows, got T = {T}, N = {N}, "
-                      f"indices {list(ssm_state_indices.shape)}")
+    if ssm_state_indices.dim() not in (1, 2) or T != N or ssm_state_indices.shape[0] < N \
+            or (ssm_state_indices.dim() == 2 and ssm_state_indices.shape[1] < 1):
+        raise Refused(f"one-token ssm_state_indices need T == N (vLLM asserts it), N rows and a column, got T = {T}, "
+                      f"N = {N}, indices {list(ssm_state_indices.shape)}")
+    if num_accepted_tokens is not None and (not isinstance(num_accepted_tokens, torch.Tensor)
+                                            or num_accepted_tokens.dim() != 1 or num_accepted_tokens.shape[0] < N):
+        # a count per request: a shorter tensor would broadcast its first count over every request
+        raise Refused(f"num_accepted_tokens must hold one count per request ([>= N = {N}]), got "
+                      f"{list(getattr(num_accepted_tokens, 'shape', []))}")
     first = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
     if ssm_state_indices.dim() == 1 and num_accepted_tokens is not None:
         raise Refused("num_accepted_tokens with 1-D ssm_state_indices (vLLM asserts it is None)")
