@@ -211,3 +211,44 @@ def test_chunk_host_offsets_are_checked_on_their_own():
                                        cu_seqlens=cu)
     torch.testing.assert_close(o.double(), want_o, **TOL)
     torch.testing.assert_close(ht.double(), want_ht, **TOL)
+
+
+@pytest.mark.parametrize("form,name", [("decode", "ssm_state_indices"), ("verify", "ssm_state_indices"),
+                                       ("verify", "num_accepted_tokens")])
+def test_bool_index_tensors_are_refused_not_made_slots_0_and_1(form, name):
+    """Before: a bool ssm_state_indices / num_accepted_tokens passed the verifier and was narrowed to int32,
+    so a mask [True, False, True] served slots 1, 0, 1 (decode) and wrote the pool."""
+    call = decode_call() if form == "decode" else verify_call()
+    call.pop("_form")
+    call[name] = call[name] != 0 if name == "ssm_state_indices" else torch.tensor([True, True])
+    before = call["initial_state"].clone()
+    for _ in range(2):
+        ok, why = fkda_fla.fused_recurrent_kda_fwd_verifier(**call)
+        assert not ok and f"requires {name} as an integer tensor, got torch.bool" in why
+        with pytest.raises(fkda_fla.Refused, match=name):
+            fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+        assert torch.equal(call["initial_state"], before)
+
+
+def test_common_narrowing_leaves_a_bool_tensor_for_the_op_to_name():
+    mask = torch.tensor([True, False])
+    assert common_checks.narrow_int32("x", mask, pad=-1) is mask
+
+
+@pytest.mark.parametrize("cu", [None, torch.tensor([0, 1, 2])], ids=["batch-rows", "packed"])
+def test_dense_in_place_states_fewer_than_the_sequences_are_refused_naming_initial_state(cu):
+    """inplace_final_state=True without indices updates initial_state[n] for every sequence n. Before: the
+    verifier accepted an initial_state of fewer rows; the CPU then raised naming state_indices (never passed)
+    and a GPU would start the missing sequences from zero and store nothing."""
+    a = tokens(2, seed=4) if cu is not None else {k: x.view(2, 1, *x.shape[2:]) for k, x in tokens(2, seed=4).items()}
+    call = dict(a, initial_state=pool()[:1].clone(), inplace_final_state=True, cu_seqlens=cu, **FLAGS)
+    before = call["initial_state"].clone()
+    ok, why = fkda_fla.fused_recurrent_kda_fwd_verifier(**call)
+    assert not ok and "initial_state" in why and "N = 2" in why
+    with pytest.raises(fkda_fla.Refused, match="initial_state"):
+        fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+    assert torch.equal(call["initial_state"], before)
+    # as many states as sequences (or more): served in place
+    call["initial_state"] = pool()[:2].clone()
+    assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
+    fkda_fla.serve_fused_recurrent_kda_fwd(**call)

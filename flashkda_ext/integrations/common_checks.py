@@ -38,13 +38,14 @@ def narrow_int32(name: str, x: Optional[torch.Tensor], low: int = INT32_MIN, hig
                  pad: Optional[int] = None, what: str = "") -> Optional[torch.Tensor]:
     """x as int32 with every value in [low, high], for the argument the caller called `name`.
 
-    None, int32 and non-integer tensors come back as they are (the op's own checks name a wrong dtype).
+    None, int32 and non-integer tensors (bool included) come back as they are (the op's own checks name a
+    wrong dtype).
     Host values out of [low, high]: ValueError naming `name`, the first bad entry and `what` (why the
     range). Device values: out of range becomes `pad` (device ops only); with pad=None a device tensor
     that needs narrowing raises ValueError (the adapter should have refused it: unchecked_on_device).
     Values of a narrower integer dtype are widened (no wrap), and checked like the others."""
-    if x is None or x.dtype == torch.int32 or x.dtype.is_floating_point or x.dtype.is_complex:
-        return x
+    if x is None or x.dtype in (torch.int32, torch.bool) or x.dtype.is_floating_point or x.dtype.is_complex:
+        return x    # bool: a mask, never made slots 0 / 1 here (the op names its dtype)
     low, high = max(low, INT32_MIN), min(high, INT32_MAX)
     if host_values(x):
         flat = x.reshape(-1).to(torch.int64)   # compared in int64: a narrow dtype would overflow the bounds

@@ -77,6 +77,8 @@ class _Plan:
         device values out of range made `pad`); on meta stand-ins only the dtype changes."""
         if x is None or x.dtype.is_floating_point or x.dtype.is_complex:
             return self.keep(x)     # the op's own check names a non-integer dtype
+        if x.dtype == torch.bool:   # a mask, not indices: int32 would make it slots / counts 0 and 1
+            raise Refused(f"flashkda_ext requires {name} as an integer tensor, got torch.bool")
         if self.meta:
             return self.cast(x, torch.int32)
         return common_checks.narrow_int32(name, x, low, high, pad, what)
@@ -398,6 +400,10 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
     if inplace_final_state:
         if initial_state is None:
             raise Refused("flashkda_ext: inplace_final_state=True needs initial_state")
+        if initial_state.dim() > 0 and initial_state.shape[0] < N:
+            # slots past the pool would be padding (a GPU starts them from zero and stores nothing)
+            raise Refused(f"flashkda_ext: inplace_final_state=True updates initial_state[n] for each of the "
+                          f"N = {N} sequences, got initial_state of shape {list(initial_state.shape)}")
         # the dense states updated in place: pool mode over slots 0..N-1
         kw.update(state=plan.keep(initial_state), state_indices=plan.arange(N, q.device))
         return "kda_prefill", args, kw, lambda r: (r[0], initial_state)
