@@ -492,3 +492,48 @@ def test_target_verify_tree_falls_back():
     assert fallback.calls[0][2]["retrieve_parent_token"] is parents
     with pytest.raises(NotImplementedError, match="draft tree"):
         call_verify(case, retrieve_parent_token=parents)
+
+
+@pytest.mark.parametrize("qsl, match", [
+    (torch.tensor([2 ** 32, 2 ** 32 + 3, 2 ** 32 + 6]), r"^query_start_loc: entry \[0\] = 4294967296 is out of range"),
+    (torch.tensor([0.0, 3.0, 6.0]), r"^query_start_loc: expected an int32 or int64 tensor, got torch.float32"),
+])
+def test_target_verify_offsets_are_never_narrowed_unchecked(qsl, match):
+    """Before: query_start_loc went to int32 by a plain cast: int64 offsets 2**32 + (0, 3, 6) wrapped to
+    0, 3, 6 and float offsets were truncated, and both calls were served (the buffer written)."""
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=22)
+    buf, pool = case["intermediate_states_buffer"], case["ssm_states"]
+    buf0, pool0 = buf.clone(), pool.clone()
+    with pytest.raises(ValueError, match=match):
+        call_verify(case, query_start_loc=qsl)
+    assert torch.equal(bits(buf), bits(buf0)) and torch.equal(pool, pool0)
+    # int64 offsets inside the int32 range are served as int32 ones
+    o64 = call_verify(case, query_start_loc=torch.tensor([0, 3, 6]))
+    case2 = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=22)
+    torch.testing.assert_close(o64, call_verify(case2), rtol=0, atol=0)
+
+
+def test_target_verify_int64_device_offsets_fall_back(monkeypatch):
+    """int64 offsets on a device cannot be range-checked without a sync: SGLang's own kernel runs the call."""
+    from flashkda_ext.integrations import common_checks
+    monkeypatch.setattr(common_checks, "host_values", lambda x: x is None)     # every tensor "on a device"
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=23)
+    c = dict(case, query_start_loc=case["query_start_loc"].long())
+    fallback = Recorder()
+    out = FlashKDAExtKernel(fallback=fallback).target_verify(
+        c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"), c.pop("a"), c.pop("b"), **c)
+    assert out == ("triton", "target_verify") and fallback.calls[0][2]["query_start_loc"] is c["query_start_loc"]
+    assert torch.isnan(case["intermediate_states_buffer"]).all()
+
+
+def test_extend_track_state_sharing_the_pool_is_refused_before_anything_is_written():
+    """track_state is written after the pool is committed. Before: a track_state aliasing pool slots was
+    accepted, and the snapshot overwrote slot 1, the final state request 1 had just committed there."""
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=16)
+    pool0 = pool.clone()
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^track_state: overlaps the memory of ssm_states"):
+        FlashKDAExtKernel(chunk_size=4).extend(
+            q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
+            dt_bias=dt_bias, extend_seq_lens_cpu=lens, track_state=pool[:2], track_chunk_idx=torch.tensor([1, 1]))
+    assert torch.equal(pool, pool0)

@@ -14,7 +14,7 @@ import torch
 
 from .. import fla_chunk_states
 from ... import validation
-from ..common_checks import int32_indices
+from ..common_checks import int32_indices, unchecked_on_device
 from . import extend_states, verify
 from .dense import as_dense as _as, as_rows, dense_qkv, qkv_rows
 
@@ -215,6 +215,10 @@ class FlashKDAExtKernel:
         need_h = want_h and track_state is None and (track_ssm_h_src is None or track_ssm_h_src.numel() > 0)
         if track_state is not None:
             extend_states.check_track(track_state, track_chunk_idx, ssm_states, N)
+            # written after the pool is committed: sharing memory with the pool would overwrite its slots
+            validation.check_apart((("track_state", track_state),),
+                                   (("ssm_states", ssm_states), ("q", q), ("k", k), ("v", v), ("g", g),
+                                    ("beta", beta), ("track_chunk_idx", track_chunk_idx)))
         ckpt = need_h or track_state is not None
         lengths = extend_states.host_lengths(query_start_loc, extend_seq_lens_cpu, T, exact=ckpt)
         dtype = q.dtype
@@ -265,6 +269,9 @@ class FlashKDAExtKernel:
             reason = "ReplaySSM ring write (--enable-linear-replayssm-spec)"
         elif fused_accept_state_indices is not None or fused_accept_num_accepted is not None:
             reason = "fused-accept verify indices (FlashInfer's recurrent_kda contract)"
+        elif torch.is_tensor(query_start_loc) and unchecked_on_device(query_start_loc):
+            reason = (f"{query_start_loc.dtype} query_start_loc on {query_start_loc.device} (narrowing to the "
+                      f"kernels' int32 needs a range check, reading it a sync)")
         if reason is not None:
             ring = dict(cache_ring=cache_ring, replayssm_rawv=replayssm_rawv, replayssm_rawk=replayssm_rawk,
                         replayssm_g=replayssm_g, replayssm_beta=replayssm_beta)

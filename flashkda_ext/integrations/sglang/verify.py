@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ... import validation
-from ..common_checks import int32_indices
+from ..common_checks import int32_indices, narrow_int32
 from .dense import as_dense as _as, as_rows, qkv_rows
 
 
@@ -30,6 +30,8 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     if not torch.is_tensor(query_start_loc) or query_start_loc.shape != (N + 1,):
         raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
                          f"got {getattr(query_start_loc, 'shape', query_start_loc)}")
+    if query_start_loc.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_start_loc: expected an int32 or int64 tensor, got {query_start_loc.dtype}")
     buf = _verify_buffer(buf, ssm_states, HV, V, K)
     R, S = buf.shape[0], buf.shape[1]
     cidx = int32_indices("cache_indices", cache_indices, (N,))
@@ -56,7 +58,9 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     # buf[rows[n], t]; a row out of range makes the request padding), and the start state of request n is
     # read from ssm_states[cache_indices[n]] (initial_state: read only; an index that is negative or past
     # the pool makes the request padding too).
-    qsl = _as(query_start_loc, torch.int32, (N + 1,))
+    # range-checked, never wrapped (int64 host offsets 2**32, 2**32 + 3 would become 0, 3); int64 device
+    # offsets raise here (the kernel falls back before, see FlashKDAExtKernel.target_verify)
+    qsl = narrow_int32("query_start_loc", query_start_loc).contiguous()
     q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
     args = (q, k, v, as_rows(a, dtype, (1, T, HV, K), 1), as_rows(b, dtype, (1, T, HV), 1, vector=False))
     dest = None if out is None else out.view(1, T, HV, V)
