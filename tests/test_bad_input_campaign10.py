@@ -212,3 +212,16 @@ def test_custom_op_takes_an_int_or_float_scale_as_before(op):
     run_op(op, d)
     run_op(op, e)
     assert torch.equal(d["out"], e["out"]) and d["out"].abs().sum() > 0
+
+
+# --- a prefill workspace of the wrong kind, on the CPU backend (which needs none) --------------------------
+
+@pytest.mark.parametrize("workspace", [torch.zeros(64, dtype=torch.float32), torch.zeros(64, dtype=torch.int8)],
+                         ids=["float32", "int8"])
+def test_prefill_workspace_of_the_wrong_dtype_is_refused_on_cpu_too(workspace):
+    """The CPU backend takes no workspace, and used to ignore whatever was passed; a GPU call refuses it."""
+    a = prefill_args()
+    a["out"] = torch.full_like(a["v"], 7.0)
+    ok = dict(prefill_args(), out=torch.empty_like(a["v"]), workspace=torch.zeros(64, dtype=torch.uint8))
+    refused_cold_and_warm(Call(lambda x: public("kda_prefill", x, dict(workspace=workspace)), a),
+                          lambda: public("kda_prefill", ok, {}), ValueError, "workspace: expected a uint8 tensor")

@@ -197,10 +197,16 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
 
 
 def check_workspace(workspace, need: Optional[int], device: torch.device, backend: str):
-    """The caller's prefill scratch buffer: uint8, on q's device, contiguous, >= need bytes."""
-    if workspace is None or need is None:
+    """The caller's prefill scratch buffer: uint8, on q's device, contiguous, >= need bytes. A module that
+    needs none (need None: the CPU backend) still refuses a buffer of the wrong kind, as a GPU call would."""
+    if workspace is None:
         return workspace
     workspace = _tensor("workspace", workspace)
+    if need is None:
+        if workspace.dtype != torch.uint8 or workspace.device != device:
+            raise ValueError(f"workspace: expected a uint8 tensor on {device}, got {dtype_name(workspace.dtype)} "
+                             f"{list(workspace.shape)} on {workspace.device}")
+        return workspace
     if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
         raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
                          f"got {dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
