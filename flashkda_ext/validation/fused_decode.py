@@ -38,8 +38,8 @@ def _conv_weight(conv_weight, x, C: int, device):
     _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
     _contiguous("conv_weight", conv_weight)
     if conv_weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"conv_weight: expected dtype {dtype_name(x.dtype)} (as x) or float32, "
-                         f"got {dtype_name(conv_weight.dtype)}")
+        want = "float32" if x.dtype == torch.float32 else f"{dtype_name(x.dtype)} (as x) or float32"
+        raise ValueError(f"conv_weight: expected dtype {want}, got {dtype_name(conv_weight.dtype)}")
     return conv_weight
 
 
