@@ -23,7 +23,11 @@ def _as_array(name: str, x, *, optional: bool = False):
     if isinstance(x, jax.Array):
         return x
     if isinstance(x, np.ndarray):
-        return jnp.asarray(x)
+        arr = jnp.asarray(x)
+        if arr.dtype != x.dtype:  # x64 off: jnp.asarray would narrow int64 / float64 without a range check
+            raise ValueError(f"{name}: got a numpy {x.dtype} array, which JAX (jax_enable_x64 off) would narrow "
+                             f"to {arr.dtype} unchecked; convert it yourself (.astype(np.{arr.dtype.name}))")
+        return arr
     raise TypeError(f"{name}: expected a jax.Array (or numpy array), got {type(x).__name__}")
 
 

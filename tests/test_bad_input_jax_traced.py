@@ -1,0 +1,124 @@
+"""Bad input through the JAX front end and the torch traced path (CPU backend); each case failed before its fix.
+
+JAX:
+- a numpy int64 / float64 argument was narrowed by jnp.asarray (x64 off) without a range check: state_indices
+  [4, 2**32 + 1, 2] was served as [4, 1, 2], cu_seqlens [0, 2**32 + 2, 2**32 + 5] as [0, 2, 5];
+- an eager call whose host index values the CPU kernel refuses (a slot past the pool, a slot serving two
+  prefill sequences) donated the pools first: the call failed with XLA's runtime error and the caller's pool
+  was deleted.
+torch.compile / torch.export:
+- the traced wrappers converted a huge int scale / lower_bound (OverflowError, no name) and read v.shape,
+  q.shape[-1], cu_seqlens.shape[0], output_gate.shape, x.dtype, q.device before any check (AttributeError,
+  IndexError, "not enough values to unpack").
+Every refusal is checked cold and after a valid call with the same shapes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("jax_tvm_ffi")
+import jax.numpy as jnp  # noqa: E402
+
+import flashkda_ext as fk  # noqa: E402
+
+kj = pytest.importorskip("flashkda_ext.jax")
+
+R, H, HV, K, V, SLOTS = 3, 2, 4, 8, 16, 6
+POS = ("q", "k", "v", "g", "beta")
+FUSED_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices", "state",
+             "output_gate", "norm_weight")
+FUSED_VERIFY_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
+                    "norm_weight")
+
+
+def rand(*s, seed=[0]):
+    seed[0] += 1
+    return torch.randn(*s, generator=torch.Generator().manual_seed(seed[0]))
+
+
+def i32(*x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def decode_args():
+    return dict(q=rand(R, H, K), k=rand(R, H, K), v=rand(R, HV, V), g=rand(R, HV, K), beta=rand(R, HV),
+                state=rand(SLOTS, HV, V, K), state_indices=i32(4, 0, 2), A_log=rand(HV), dt_bias=rand(HV * K))
+
+
+def verify_args():
+    return dict(q=rand(1, 5, H, K), k=rand(1, 5, H, K), v=rand(1, 5, HV, V), g=rand(1, 5, HV, K), beta=rand(1, 5, HV),
+                state=rand(SLOTS, HV, V, K), state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32),
+                cu_seqlens=i32(0, 2, 5), A_log=rand(HV), dt_bias=rand(HV * K))
+
+
+def prefill_args():
+    return dict(q=rand(1, 8, H, K), k=rand(1, 8, H, K), v=rand(1, 8, HV, V), g=rand(1, 8, HV, K), beta=rand(1, 8, HV),
+                A_log=rand(HV), dt_bias=rand(HV * K), cu_seqlens=i32(0, 5, 8))
+
+
+def pool_prefill_args():
+    return dict(prefill_args(), state=rand(SLOTS, HV, V, K), state_indices=i32(1, 4))
+
+
+def fused_args(D=8, Hf=3):
+    C = 3 * Hf * D
+    return dict(x=rand(R, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 3), g=rand(R, Hf, D), beta=rand(R, Hf),
+                A_log=rand(Hf), dt_bias=rand(Hf * D), state_indices=i32(1, 5, 3), state=rand(SLOTS, Hf, D, D),
+                output_gate=rand(R, Hf, D), norm_weight=rand(D).abs() + 0.5)
+
+
+def fused_verify_args(D=8, Hf=3, T=5):
+    C = 3 * Hf * D
+    return dict(x=rand(1, T, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 5), g=rand(1, T, Hf, D),
+                beta=rand(1, T, Hf), A_log=rand(Hf), dt_bias=rand(Hf * D), state=rand(SLOTS, Hf, D, D),
+                output_gate=rand(1, T, Hf, D), norm_weight=rand(D).abs() + 0.5,
+                state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32), cu_seqlens=i32(0, 2, 5))
+
+
+MAKE = {"kda_decode": decode_args, "kda_verify": verify_args, "kda_prefill": prefill_args,
+        "fused_kda_decode": fused_args, "fused_kda_verify": fused_verify_args}
+
+
+def call(lib, op, a, kw=None):
+    """op of lib (flashkda_ext or flashkda_ext.jax) on the arguments a (by name)."""
+    a = dict(a, **(kw or {}))
+    pos = {"fused_kda_decode": FUSED_POS, "fused_kda_verify": FUSED_VERIFY_POS}.get(op, POS)
+    return getattr(lib, op)(*[a.pop(n) for n in pos], **a)
+
+
+def to_jax(a):
+    return {n: (jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor) else x) for n, x in a.items()}
+
+
+# --- JAX: numpy arrays jnp.asarray would narrow (x64 off) --------------------------------------------------
+
+NARROWED = [("kda_decode", "state_indices", np.array([4, 2 ** 32 + 1, 2], np.int64)),
+            ("kda_verify", "cu_seqlens", np.array([0, 2 ** 32 + 2, 2 ** 32 + 5], np.int64)),
+            ("kda_prefill", "cu_seqlens", np.array([0, 2 ** 32 + 5, 2 ** 32 + 8], np.int64)),
+            ("kda_decode", "q", np.zeros((R, H, K), np.float64))]
+
+
+@pytest.mark.parametrize("op,name,value", NARROWED, ids=[f"{o}-{n}" for o, n, _ in NARROWED])
+def test_a_numpy_array_jax_would_narrow_is_refused_naming_it(op, name, value):
+    with jax.enable_x64(False):
+        for warm in (False, True):
+            if warm:
+                call(kj, op, to_jax(MAKE[op]()), {"donate": False})
+            a = to_jax(MAKE[op]())
+            with pytest.raises(ValueError, match=rf"^{name}: .*int32|^{name}: .*float32"):
+                call(kj, op, dict(a, **{name: value}))
+            if "state" in a:
+                assert not a["state"].is_deleted()      # refused before anything was donated
+    with jax.enable_x64(True):  # numpy int64 stays int64 there: the op's own dtype rule names it
+        if value.dtype == np.int64 and op != "kda_prefill":    # (prefill takes int64 offsets)
+            with pytest.raises(ValueError, match=rf"^{name}: expected dtype int32, got int64"):
+                call(kj, op, dict(to_jax(MAKE[op]()), **{name: value}), {"donate": False})
+
+
+def test_a_numpy_array_of_a_dtype_jax_keeps_is_still_taken():
+    a = to_jax(decode_args())
+    out, _ = call(kj, "kda_decode", dict(a, state_indices=np.array([4, 0, 2], np.int32)), {"donate": False})
+    assert out.shape == (R, HV, V)
