@@ -122,3 +122,33 @@ def test_a_numpy_array_of_a_dtype_jax_keeps_is_still_taken():
     a = to_jax(decode_args())
     out, _ = call(kj, "kda_decode", dict(a, state_indices=np.array([4, 0, 2], np.int32)), {"donate": False})
     assert out.shape == (R, HV, V)
+
+
+# --- JAX: host index values the CPU kernel refuses, checked before the pools are donated ------------------
+
+BAD_SLOTS = [("kda_decode", decode_args, i32(4, SLOTS, 2), "is out of range for a pool of 6 slots"),
+             ("fused_kda_decode", fused_args, i32(1, -1, 99), "is out of range for a pool of 6 slots"),
+             ("kda_prefill", pool_prefill_args, i32(1, SLOTS), "is out of range for a pool of 6 slots"),
+             ("kda_prefill", pool_prefill_args, i32(3, 3), "slot 3 serves more than one sequence")]
+
+
+@pytest.mark.parametrize("op,make,indices,words", BAD_SLOTS, ids=["decode", "fused", "prefill-range", "prefill-dup"])
+def test_eager_bad_slot_values_are_refused_before_the_pools_are_donated(op, make, indices, words):
+    for warm in (False, True):
+        if warm:
+            call(kj, op, to_jax(make()))
+        t = make()
+        a = to_jax(dict(t, state_indices=indices))
+        with pytest.raises(ValueError, match="^state_indices: ") as info:
+            call(kj, op, a)                                       # donate=True: the default
+        assert words in str(info.value)
+        for pool in ("state", "conv_state"):
+            if pool in a:
+                assert not a[pool].is_deleted() and np.array_equal(np.asarray(a[pool]), t[pool].numpy())
+
+
+def test_prefill_padding_slots_may_repeat():
+    # -1 (and 0 with null_slot0) is padding, so it is not "a slot serving two sequences"
+    a = to_jax(dict(pool_prefill_args(), state_indices=i32(0, 0)))
+    out, pool = call(kj, "kda_prefill", a, {"null_slot0": True, "donate": False})
+    assert np.array_equal(np.asarray(pool), np.asarray(a["state"]))

@@ -7,8 +7,8 @@ import functools
 import jax.numpy as jnp
 
 from .. import dispatch, jit, validation
-from .arrays import (_any_tracer, _as_array, _check_host_offsets, _dtype_str, _host_offsets, _meta, _offsets_valid,
-                     _platform)
+from .arrays import (_any_tracer, _as_array, _check_host_offsets, _check_host_slots, _dtype_str, _host_offsets, _meta,
+                     _offsets_valid, _platform)
 from .plan import _Prepared, _donate_positions, _prepared, _remember, _route, _run, _signature
 from .targets import _GRAPH_SAFE, _Plan, _attrs, _command_buffers_allowed, _ffi
 
@@ -78,6 +78,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                                 output_final_state=output_final_state,
                                 checkpoint_every=checkpoint_every, max_seqlen=max_seqlen,
                                 null_slot0=null_slot0, donate=donate)
+    if prep.plan.platform == "cpu" and args[10] is not None:  # pool mode: every call, before the donation
+        _check_host_slots(args[9], args[10].shape[0], null_slot0, unique=True)
     return _run(_prefill_impl, prep, args, eager=not _any_tracer(args))
 
 
