@@ -134,9 +134,11 @@ def _meta(x):
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
 
 
-def _check_on_meta(check, device: torch.device, args: tuple, kwargs: dict):
+def _check_on_meta(check, args: tuple, kwargs: dict):
     # __wrapped__: the check itself, not its memo (symbolic sizes do not hash, and fake calls are rare)
     raw = getattr(check, "__wrapped__", check)
+    # the backend of the first tensor given (q or x may be None: the check then names it, no AttributeError)
+    device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), torch.device("cpu"))
     backend = validation.backend_of(device)
     return raw(*(_meta(a) for a in args), backend=backend, **{k: _meta(v) for k, v in kwargs.items()})
 
@@ -160,7 +162,7 @@ def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
 def _kda_decode_fake(q, k, v, g, beta, state, state_indices, A_log, dt_bias, lower_bound, gate, scale,
                      beta_is_logit, slot_mode, null_slot0, out) -> None:
     _refuse_no_out("kda_decode", out)
-    _check_on_meta(validation.check_kda_decode, q.device, (q, k, v, g, beta), dict(
+    _check_on_meta(validation.check_kda_decode, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode, null_slot0=null_slot0, out=out))
 
@@ -170,9 +172,10 @@ def traced_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_
                       out=None):
     """kda_decode under tracing: same arguments and result as the public op."""
     if out is None:
+        _read_ok("v", v)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kda_decode_op(q, k, v, g, beta, state, state_indices, A_log, dt_bias, _opt_float(lower_bound), gate,
-                  _opt_float(scale), beta_is_logit, slot_mode, null_slot0, out)
+    kda_decode_op(q, k, v, g, beta, state, state_indices, A_log, dt_bias, _opt_float("lower_bound", lower_bound),
+                  gate, _opt_float("scale", scale), beta_is_logit, slot_mode, null_slot0, out)
     return out
 
 
@@ -196,7 +199,7 @@ def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
 def _fused_kda_decode_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                            norm_weight, lower_bound, gate, norm_eps, scale, slot_mode, null_slot0, out) -> None:
     _refuse_no_out("fused_kda_decode", out)
-    _check_on_meta(validation.check_fused_kda_decode, x.device,
+    _check_on_meta(validation.check_fused_kda_decode,
                    (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                     norm_weight),
                    dict(lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
@@ -208,11 +211,13 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
                             slot_mode="unique", null_slot0=False, out=None):
     """fused_kda_decode under tracing: same arguments and result as the public op."""
     if out is None:
+        _read_ok("x", x)
+        _read_ok("output_gate", output_gate)
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
     norm_eps = validation._float("norm_eps", norm_eps, "> 0")  # TypeError, as the eager check
     fused_kda_decode_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
-                        norm_weight, _opt_float(lower_bound), gate, norm_eps, _opt_float(scale), slot_mode,
-                        null_slot0, out)
+                        norm_weight, _opt_float("lower_bound", lower_bound), gate, norm_eps,
+                        _opt_float("scale", scale), slot_mode, null_slot0, out)
     return out
 
 
@@ -242,7 +247,7 @@ def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
     _refuse_no_out("kda_prefill", out)
     _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
-    _check_on_meta(validation.check_kda_prefill, q.device, (q, k, v, g, beta), dict(
+    _check_on_meta(validation.check_kda_prefill, (q, k, v, g, beta), dict(
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         cu_seqlens=cu_seqlens, initial_state=initial_state, state=state, state_indices=state_indices,
         output_final_state=output_final_state, final_state=final_state, checkpoint_every=checkpoint_every,
@@ -255,6 +260,10 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
                        checkpoints=None, max_seqlen=None, null_slot0=False, workspace=None, out=None):
     """kda_prefill under tracing: same arguments and results as the public op. The outputs the caller
     leaves out are allocated here as the eager op allocates them (checkpoints NaN-filled)."""
+    _read_ok("q", q, 4, "[B, T, H, K]")
+    _read_ok("v", v, 4, "[B, T, HV, V]")
+    if cu_seqlens is not None:
+        _read_ok("cu_seqlens", cu_seqlens, 1, "[N+1]")
     B, T, HV, V = v.shape
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -275,9 +284,10 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
             sdtype = state.dtype if isinstance(state, Tensor) else sdtype
         checkpoints = torch.full((N, longest // checkpoint_every, HV, V, K), float("nan"), dtype=sdtype,
                                  device=q.device)
-    kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit,
-                   cu_seqlens, initial_state, state, state_indices, output_final_state, final_state,
-                   checkpoint_every, checkpoints, max_seqlen, null_slot0, workspace, out)
+    kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, _opt_float("lower_bound", lower_bound), gate,
+                   _opt_float("scale", scale), beta_is_logit, cu_seqlens, initial_state, state, state_indices,
+                   output_final_state, final_state, checkpoint_every, checkpoints, max_seqlen, null_slot0, workspace,
+                   out)
     # as eager: pool mode returns the pool itself; output_final_state=False returns None (a pool only read)
     result_state = (state if pool else final_state) if output_final_state else None
     has_ckpt = isinstance(checkpoint_every, int) and checkpoint_every > 0
@@ -307,7 +317,7 @@ def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_acc
                      initial_state_indices=None) -> None:
     _refuse_no_out("kda_verify", out)
     # the index values are checked by the real implementation (a graph has none to read)
-    _check_on_meta(validation.check_kda_verify, q.device, (q, k, v, g, beta), dict(
+    _check_on_meta(validation.check_kda_verify, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
         max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
         beta_is_logit=beta_is_logit, null_slot0=null_slot0, out=out, initial_state=initial_state,
@@ -319,10 +329,11 @@ def traced_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num
                       beta_is_logit=True, null_slot0=False, out=None, initial_state=None, initial_state_indices=None):
     """kda_verify under tracing: same arguments and result as the public op."""
     if out is None:
+        _read_ok("v", v)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kda_verify_op(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
-                  dt_bias, _opt_float(lower_bound), gate, _opt_float(scale), beta_is_logit, null_slot0, out,
-                  initial_state, initial_state_indices)
+                  dt_bias, _opt_float("lower_bound", lower_bound), gate, _opt_float("scale", scale), beta_is_logit,
+                  null_slot0, out, initial_state, initial_state_indices)
     return out
 
 
@@ -345,7 +356,7 @@ def _fused_kda_verify_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, lower_bound, gate, norm_eps,
                            scale, null_slot0, out) -> None:
     _refuse_no_out("fused_kda_verify", out)
-    _check_on_meta(validation.check_fused_kda_verify, x.device,
+    _check_on_meta(validation.check_fused_kda_verify,
                    (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight),
                    dict(state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
                         max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
@@ -357,10 +368,13 @@ def traced_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
                             gate="softplus", norm_eps=1e-5, scale=None, null_slot0=False, out=None):
     """fused_kda_verify under tracing: same arguments and result as the public op."""
     if out is None:
+        _read_ok("x", x)
+        _read_ok("output_gate", output_gate)
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
     fused_kda_verify_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
-                        state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, _opt_float(lower_bound), gate,
-                        validation._float("norm_eps", norm_eps, "> 0"), _opt_float(scale), null_slot0, out)
+                        state_indices, cu_seqlens, num_accepted_tokens, max_seqlen,
+                        _opt_float("lower_bound", lower_bound), gate, validation._float("norm_eps", norm_eps, "> 0"),
+                        _opt_float("scale", scale), null_slot0, out)
     return out
 
 
@@ -371,7 +385,22 @@ def _state_dtype(*candidates) -> torch.dtype:
     return torch.float32
 
 
-def _opt_float(x):
+_FLOAT_RULE = {"scale": "or None", "lower_bound": "< 0"}  # validation's wording of each
+
+
+def _opt_float(name: str, x):
     """Scalars as the schema's float? (an int scale or lower_bound is a valid eager argument); anything
-    else passes through so the checks name it."""
-    return float(x) if isinstance(x, int) and not isinstance(x, bool) else x
+    else passes through so the checks name it. An int past the float range gets the eager ValueError
+    naming it (float() would raise a bare OverflowError)."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return validation._float(name, x, _FLOAT_RULE[name])
+    return x
+
+
+def _read_ok(name: str, x, ndim: Optional[int] = None, layout: str = "") -> None:
+    """A traced wrapper reads x's shape, dtype or device before the fake's checks run: refuse what it could not
+    read with the eager message (not an AttributeError, IndexError or unpacking error)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {'None' if x is None else type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor {layout}, got shape {list(x.shape)}")

@@ -7,12 +7,15 @@ JAX:
   prefill sequences) donated the pools first: the call failed with XLA's runtime error and the caller's pool
   was deleted.
 torch.compile / torch.export:
-- the traced wrappers converted a huge int scale / lower_bound (OverflowError, no name) and read v.shape,
+- the traced wrappers converted a huge int scale / lower_bound / norm_eps (OverflowError, no name; Dynamo
+  folds float() and raised its internal error past validation's except clause) and read v.shape,
   q.shape[-1], cu_seqlens.shape[0], output_gate.shape, x.dtype, q.device before any check (AttributeError,
   IndexError, "not enough values to unpack").
-Every refusal is checked cold and after a valid call with the same shapes.
+The JAX refusals are checked cold and after a valid call; the traced bad tensors after a valid trace.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -152,3 +155,69 @@ def test_prefill_padding_slots_may_repeat():
     a = to_jax(dict(pool_prefill_args(), state_indices=i32(0, 0)))
     out, pool = call(kj, "kda_prefill", a, {"null_slot0": True, "donate": False})
     assert np.array_equal(np.asarray(pool), np.asarray(a["state"]))
+
+
+# --- torch.compile / torch.export: the traced wrappers name the argument -----------------------------------
+
+HUGE = 10 ** 400
+
+
+def traced(mode, op, a, kw):
+    import torch._dynamo
+    torch._dynamo.reset()
+    if mode == "compile":
+        return torch.compile(lambda x: call(fk, op, x, kw), fullgraph=True, backend="eager")(a)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return call(fk, op, x, kw)
+    return torch.export.export(M(), (a,))
+
+
+def refused_traced(mode, op, a, kw, message):
+    """Refused under tracing with the eager message (Dynamo wraps it; its text is kept), writing nothing."""
+    tensors = {n: x.clone() for n, x in a.items() if isinstance(x, torch.Tensor)}
+    with pytest.raises(Exception) as info:
+        traced(mode, op, a, kw)
+    assert message in str(info.value), str(info.value)[:2000]
+    assert all(torch.equal(a[n], x) for n, x in tensors.items())
+
+
+SCALARS = [("kda_decode", dict(scale=HUGE), "scale: expected a finite float or None, got an int of"),
+           ("kda_decode", dict(gate="bounded", lower_bound=-HUGE), "lower_bound: expected a finite float < 0, got an"),
+           ("kda_prefill", dict(scale=HUGE), "scale: expected a finite float or None, got an int of"),
+           ("kda_verify", dict(scale=HUGE), "scale: expected a finite float or None, got an int of"),
+           ("fused_kda_decode", dict(gate="bounded", lower_bound=-HUGE), "lower_bound: expected a finite float < 0"),
+           ("fused_kda_verify", dict(scale=HUGE), "scale: expected a finite float or None, got an int of"),
+           ("fused_kda_decode", dict(norm_eps=HUGE), "norm_eps: expected a finite float > 0, got an int of"),
+           ("fused_kda_verify", dict(norm_eps=HUGE), "norm_eps: expected a finite float > 0, got an int of")]
+
+
+@pytest.mark.parametrize("mode", ["compile", "export"])
+@pytest.mark.parametrize("op,kw,message", SCALARS, ids=[f"{o}-{next(iter(k))}" for o, k, _ in SCALARS])
+def test_traced_huge_int_scalar_is_named(mode, op, kw, message):
+    with pytest.raises(ValueError, match="^" + message.split(",")[0]):     # the eager message
+        call(fk, op, MAKE[op](), kw)
+    refused_traced(mode, op, MAKE[op](), kw, message)
+
+
+TENSORS = [("kda_decode", dict(v=None), "v: expected a torch.Tensor, got None"),
+           ("kda_decode", dict(q=None), "q: expected a torch.Tensor, got None"),
+           ("kda_verify", dict(v=None), "v: expected a torch.Tensor, got None"),
+           ("kda_prefill", dict(v=torch.zeros(8, HV, V)),
+            "v: expected a 4-D tensor [B, T, HV, V], got shape [8, 4, 16]"),
+           ("kda_prefill", dict(q=torch.tensor(1.0)), "q: expected a 4-D tensor [B, T, H, K], got shape []"),
+           ("kda_prefill", dict(cu_seqlens=torch.tensor(8, dtype=torch.int32)),
+            "cu_seqlens: expected a 1-D tensor [N+1], got shape []"),
+           ("fused_kda_decode", dict(output_gate=None), "output_gate: expected a torch.Tensor, got None"),
+           ("fused_kda_decode", dict(x=None), "x: expected a torch.Tensor, got None"),
+           ("fused_kda_verify", dict(output_gate=None), "output_gate: expected a torch.Tensor, got None")]
+
+
+@pytest.mark.parametrize("mode", ["compile", "export"])
+@pytest.mark.parametrize("op,bad,message", TENSORS, ids=[f"{o}-{next(iter(b))}" for o, b, _ in TENSORS])
+def test_traced_wrapper_names_a_bad_tensor_it_would_read(mode, op, bad, message):
+    with pytest.raises((TypeError, ValueError), match="^" + re.escape(message)):
+        call(fk, op, dict(MAKE[op](), **bad))                    # the eager message
+    traced(mode, op, MAKE[op](), {})                            # a valid call traces (and warms the caches)
+    refused_traced(mode, op, dict(MAKE[op](), **bad), {}, message)

@@ -184,11 +184,15 @@ def _float(name: str, value, what: str) -> float:
     """A real number (int or float, not a bool): TypeError for another kind of value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float {what}, got {type(value).__name__} {value!r}")
-    try:
-        return float(value)
-    except OverflowError:  # a Python int past the float range: name the argument, not float()
+    # A Python int float() would refuse (OverflowError: it rounds past the largest double): named here. Compared,
+    # not caught: under torch.compile Dynamo folds float() and raises its own internal error.
+    if isinstance(value, int) and abs(value) >= _FLOAT_OVERFLOW:
         raise ValueError(f"{name}: expected a finite float {what}, got an int of {value.bit_length()} bits "
-                         f"(too large for a float)") from None
+                         f"(too large for a float)")
+    return float(value)
+
+
+_FLOAT_OVERFLOW = 2 ** 1024 - 2 ** 970  # the least int that float() rounds to 2**1024 (overflows)
 
 
 def _bool(name: str, value) -> bool:
