@@ -134,11 +134,11 @@ def _meta(x):
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
 
 
-def _check_on_meta(check, args: tuple, kwargs: dict):
+def _check_on_meta(check, device: Optional[torch.device], args: tuple, kwargs: dict):
     # __wrapped__: the check itself, not its memo (symbolic sizes do not hash, and fake calls are rare)
     raw = getattr(check, "__wrapped__", check)
-    # the backend of the first tensor given (q or x may be None: the check then names it, no AttributeError)
-    device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), torch.device("cpu"))
+    if device is None:  # the first tensor's (the fakes: q or x may be None, the check then names it)
+        device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), torch.device("cpu"))
     backend = validation.backend_of(device)
     return raw(*(_meta(a) for a in args), backend=backend, **{k: _meta(v) for k, v in kwargs.items()})
 
@@ -162,7 +162,7 @@ def kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
 def _kda_decode_fake(q, k, v, g, beta, state, state_indices, A_log, dt_bias, lower_bound, gate, scale,
                      beta_is_logit, slot_mode, null_slot0, out) -> None:
     _refuse_no_out("kda_decode", out)
-    _check_on_meta(validation.check_kda_decode, (q, k, v, g, beta), dict(
+    _check_on_meta(validation.check_kda_decode, None, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         gate=gate, scale=scale, beta_is_logit=beta_is_logit, slot_mode=slot_mode, null_slot0=null_slot0, out=out))
 
@@ -199,7 +199,7 @@ def fused_kda_decode_op(x: Tensor, conv_weight: Tensor, conv_state: Tensor, g: T
 def _fused_kda_decode_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                            norm_weight, lower_bound, gate, norm_eps, scale, slot_mode, null_slot0, out) -> None:
     _refuse_no_out("fused_kda_decode", out)
-    _check_on_meta(validation.check_fused_kda_decode,
+    _check_on_meta(validation.check_fused_kda_decode, None,
                    (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                     norm_weight),
                    dict(lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
@@ -247,7 +247,7 @@ def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
     _refuse_no_out("kda_prefill", out)
     _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
-    _check_on_meta(validation.check_kda_prefill, (q, k, v, g, beta), dict(
+    _check_on_meta(validation.check_kda_prefill, None, (q, k, v, g, beta), dict(
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         cu_seqlens=cu_seqlens, initial_state=initial_state, state=state, state_indices=state_indices,
         output_final_state=output_final_state, final_state=final_state, checkpoint_every=checkpoint_every,
@@ -317,7 +317,7 @@ def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_acc
                      initial_state_indices=None) -> None:
     _refuse_no_out("kda_verify", out)
     # the index values are checked by the real implementation (a graph has none to read)
-    _check_on_meta(validation.check_kda_verify, (q, k, v, g, beta), dict(
+    _check_on_meta(validation.check_kda_verify, None, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
         max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
         beta_is_logit=beta_is_logit, null_slot0=null_slot0, out=out, initial_state=initial_state,
@@ -356,7 +356,7 @@ def _fused_kda_verify_fake(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
                            state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, lower_bound, gate, norm_eps,
                            scale, null_slot0, out) -> None:
     _refuse_no_out("fused_kda_verify", out)
-    _check_on_meta(validation.check_fused_kda_verify,
+    _check_on_meta(validation.check_fused_kda_verify, None,
                    (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight),
                    dict(state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
                         max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate, norm_eps=norm_eps, scale=scale,
