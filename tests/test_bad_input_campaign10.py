@@ -15,28 +15,10 @@ import torch
 import flashkda_ext as fk
 from flashkda_ext import ops
 
-R, H, HV, K, V, SLOTS = 3, 2, 4, 8, 16, 6
+from bad_input_cases import (FUSED_POS, FUSED_VERIFY_POS, H, HV, K, R, V, decode_args, fused_args,
+                             fused_verify_args, rand, verify_args)
+
 OPS = torch.ops.flashkda_ext
-
-
-def rand(*s, seed=[0]):
-    seed[0] += 1
-    return torch.randn(*s, generator=torch.Generator().manual_seed(seed[0]))
-
-
-def i32(*x):
-    return torch.tensor(x, dtype=torch.int32)
-
-
-def decode_args():
-    return dict(q=rand(R, H, K), k=rand(R, H, K), v=rand(R, HV, V), g=rand(R, HV, K), beta=rand(R, HV),
-                state=rand(SLOTS, HV, V, K), state_indices=i32(4, 0, 2), A_log=rand(HV), dt_bias=rand(HV * K))
-
-
-def verify_args():
-    return dict(q=rand(1, 5, H, K), k=rand(1, 5, H, K), v=rand(1, 5, HV, V), g=rand(1, 5, HV, K), beta=rand(1, 5, HV),
-                state=rand(SLOTS, HV, V, K), state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32),
-                cu_seqlens=i32(0, 2, 5), A_log=rand(HV), dt_bias=rand(HV * K))
 
 
 def prefill_args():
@@ -44,25 +26,6 @@ def prefill_args():
                 A_log=rand(HV), dt_bias=rand(HV * K), initial_state=rand(2, HV, V, K))
 
 
-def fused_args(D=8, Hf=3):
-    C = 3 * Hf * D
-    return dict(x=rand(R, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 3), g=rand(R, Hf, D), beta=rand(R, Hf),
-                A_log=rand(Hf), dt_bias=rand(Hf * D), state_indices=i32(1, 5, 3), state=rand(SLOTS, Hf, D, D),
-                output_gate=rand(R, Hf, D), norm_weight=rand(D).abs() + 0.5)
-
-
-def fused_verify_args(D=8, Hf=3, T=5):
-    C = 3 * Hf * D
-    return dict(x=rand(1, T, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 5), g=rand(1, T, Hf, D),
-                beta=rand(1, T, Hf), A_log=rand(Hf), dt_bias=rand(Hf * D), state=rand(SLOTS, Hf, D, D),
-                output_gate=rand(1, T, Hf, D), norm_weight=rand(D).abs() + 0.5,
-                state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32), cu_seqlens=i32(0, 2, 5))
-
-
-FUSED_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices", "state",
-             "output_gate", "norm_weight")
-FUSED_VERIFY_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
-                    "norm_weight")
 
 
 def public(op, a, kw):

@@ -26,35 +26,12 @@ pytest.importorskip("jax_tvm_ffi")
 import jax.numpy as jnp  # noqa: E402
 
 import flashkda_ext as fk  # noqa: E402
+from bad_input_cases import (FUSED_POS, FUSED_VERIFY_POS, H, HV, K, R, SLOTS, V, decode_args, fused_args,
+                             fused_verify_args, i32, rand, verify_args)  # noqa: E402
 
 kj = pytest.importorskip("flashkda_ext.jax")
 
-R, H, HV, K, V, SLOTS = 3, 2, 4, 8, 16, 6
 POS = ("q", "k", "v", "g", "beta")
-FUSED_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state_indices", "state",
-             "output_gate", "norm_weight")
-FUSED_VERIFY_POS = ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
-                    "norm_weight")
-
-
-def rand(*s, seed=[0]):
-    seed[0] += 1
-    return torch.randn(*s, generator=torch.Generator().manual_seed(seed[0]))
-
-
-def i32(*x):
-    return torch.tensor(x, dtype=torch.int32)
-
-
-def decode_args():
-    return dict(q=rand(R, H, K), k=rand(R, H, K), v=rand(R, HV, V), g=rand(R, HV, K), beta=rand(R, HV),
-                state=rand(SLOTS, HV, V, K), state_indices=i32(4, 0, 2), A_log=rand(HV), dt_bias=rand(HV * K))
-
-
-def verify_args():
-    return dict(q=rand(1, 5, H, K), k=rand(1, 5, H, K), v=rand(1, 5, HV, V), g=rand(1, 5, HV, K), beta=rand(1, 5, HV),
-                state=rand(SLOTS, HV, V, K), state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32),
-                cu_seqlens=i32(0, 2, 5), A_log=rand(HV), dt_bias=rand(HV * K))
 
 
 def prefill_args():
@@ -64,21 +41,6 @@ def prefill_args():
 
 def pool_prefill_args():
     return dict(prefill_args(), state=rand(SLOTS, HV, V, K), state_indices=i32(1, 4))
-
-
-def fused_args(D=8, Hf=3):
-    C = 3 * Hf * D
-    return dict(x=rand(R, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 3), g=rand(R, Hf, D), beta=rand(R, Hf),
-                A_log=rand(Hf), dt_bias=rand(Hf * D), state_indices=i32(1, 5, 3), state=rand(SLOTS, Hf, D, D),
-                output_gate=rand(R, Hf, D), norm_weight=rand(D).abs() + 0.5)
-
-
-def fused_verify_args(D=8, Hf=3, T=5):
-    C = 3 * Hf * D
-    return dict(x=rand(1, T, C), conv_weight=rand(C, 4), conv_state=rand(SLOTS, C, 5), g=rand(1, T, Hf, D),
-                beta=rand(1, T, Hf), A_log=rand(Hf), dt_bias=rand(Hf * D), state=rand(SLOTS, Hf, D, D),
-                output_gate=rand(1, T, Hf, D), norm_weight=rand(D).abs() + 0.5,
-                state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32), cu_seqlens=i32(0, 2, 5))
 
 
 MAKE = {"kda_decode": decode_args, "kda_verify": verify_args, "kda_prefill": prefill_args,
