@@ -121,11 +121,17 @@ def collect_info(verbose: bool = False) -> dict:
         "data_root": try_(lambda: str(paths.data_root())),
         "cache_dir": str(paths.cache_dir()),
         "aot_dirs": [str(d) for d in loader.aot_dirs()],
-        "jit_disabled": loader.jit_disabled(),
+        "jit_disabled": try_(loader.jit_disabled),  # a bad value is reported, not a crash
         "trace_dir": os.environ.get("FLASHKDA_EXT_TRACE_DIR"),
         "spec": try_(lambda: spec_summary(verbose)),
     }
     return info
+
+
+def _jit_note(disabled) -> str:
+    if isinstance(disabled, str):  # try_'s "unavailable (ValueError: FLASHKDA_EXT_DISABLE_JIT=...)"
+        return f"  (JIT switch {disabled})"
+    return "  (JIT disabled)" if disabled else ""
 
 
 def _print_info(info: dict) -> None:
@@ -149,7 +155,7 @@ def _print_info(info: dict) -> None:
     else:
         print(f"gpu          none{'' if isinstance(gpu, dict) else ' (' + str(gpu) + ')'}")
     print(f"data root    {info['data_root']}")
-    print(f"JIT cache    {info['cache_dir']}{'  (JIT disabled)' if info['jit_disabled'] else ''}")
+    print(f"JIT cache    {info['cache_dir']}{_jit_note(info['jit_disabled'])}")
     print(f"AOT dirs     {', '.join(info['aot_dirs']) or 'none (set FLASHKDA_EXT_AOT_DIR)'}")
     if info["trace_dir"]:
         print(f"trace dir    {info['trace_dir']}")

@@ -85,11 +85,18 @@ def resolve_arch(record: dict, arch: Optional[str] = None) -> str:
         if arch is not None and toolchain.normalize_arch(arch) != "host":
             raise ValueError(f"module '{name}' is a cpu module; it builds for 'host', not {arch!r}")
         return "host"
-    arch = arch or os.environ.get("FLASHKDA_EXT_CUDA_ARCH")
+    env = None if arch else os.environ.get("FLASHKDA_EXT_CUDA_ARCH")
+    arch = arch or env
     if arch:
-        a = toolchain.normalize_arch(arch)
+        try:
+            a = toolchain.normalize_arch(arch)
+        except ValueError as e:
+            if env:  # name the variable the bad value came from
+                raise ValueError(f"FLASHKDA_EXT_CUDA_ARCH={env!r}: {e}") from None
+            raise
         if a not in record["arches"]:
-            raise ValueError(f"module '{name}' is built for {record['arches']}, not {a}")
+            src = f" (FLASHKDA_EXT_CUDA_ARCH={env!r})" if env else ""
+            raise ValueError(f"module '{name}' is built for {record['arches']}, not {a}{src}")
         return a
     digits = _device_arch_digits()
     if digits is None:
@@ -136,9 +143,12 @@ def _jobs(jobs: Optional[int]) -> int:
     env = os.environ.get("MAX_JOBS")
     if env:
         try:
-            return max(1, int(env))
+            value = int(env)
         except ValueError:
             raise ValueError(f"MAX_JOBS={env!r} is not an integer") from None
+        if value < 1:  # not clamped in silence: a one-job build may be what made it slow
+            raise ValueError(f"MAX_JOBS={env!r} must be at least 1 (or unset: every core)")
+        return value
     return max(1, os.cpu_count() or 1)
 
 

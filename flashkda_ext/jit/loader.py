@@ -48,8 +48,20 @@ def aot_dirs() -> List[Path]:
     return out
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def jit_disabled() -> bool:
-    return os.environ.get("FLASHKDA_EXT_DISABLE_JIT", "").strip().lower() in ("1", "true", "yes", "on")
+    """$FLASHKDA_EXT_DISABLE_JIT; any other value is refused: a typo must not mean "JIT on" on a
+    server meant to run prebuilt modules only."""
+    raw = os.environ.get("FLASHKDA_EXT_DISABLE_JIT", "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"FLASHKDA_EXT_DISABLE_JIT={raw!r} is not a switch; set 1 (never build; also "
+                     f"true, yes, on) or 0 (build when needed; also false, no, off, or unset)")
 
 
 def _manifest(d: Path) -> Optional[dict]:

@@ -24,7 +24,7 @@ def lock_timeout() -> float:
         value = float(env)
     except ValueError:
         raise ValueError(f"FLASHKDA_EXT_LOCK_TIMEOUT={env!r} is not a number of seconds") from None
-    if value <= 0:
+    if not value > 0:  # also nan, which filelock would wait on forever
         raise ValueError(f"FLASHKDA_EXT_LOCK_TIMEOUT={env!r} must be a positive number of seconds")
     return value
 
