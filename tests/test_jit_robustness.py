@@ -79,3 +79,32 @@ def test_info_reports_a_bad_disable_jit_instead_of_crashing(monkeypatch):
     got = info.collect_info()
     assert "FLASHKDA_EXT_DISABLE_JIT='ture'" in got["jit_disabled"]
     assert "FLASHKDA_EXT_DISABLE_JIT='ture'" in info._jit_note(got["jit_disabled"])
+
+
+@pytest.mark.parametrize("files", [["common/toy.h"], "common/toy.h", 7])
+def test_a_corrupt_meta_of_an_older_build_does_not_crash_the_next_build(tree, tmp_path, files):
+    # build_reason reads every <name>-*/meta.json to say what changed; a valid-JSON but malformed
+    # one (files not a dict) raised AttributeError out of the build
+    ensure_built("toy_cpu", root=tree)
+    old = tmp_path / "cache" / "toy_cpu-0123456789abcdef"
+    old.mkdir()
+    (old / "meta.json").write_text(json.dumps({"name": "toy_cpu", "files": files}))
+    hdr = tree / "csrc" / "common" / "toy.h"
+    hdr.write_text(hdr.read_text().replace("0.5", "0.25"))
+    assert _call(tree) == [1.25, 1.25]
+
+
+@pytest.mark.parametrize("keep", [[], ["common/toy.h"]])
+def test_a_cached_scan_without_the_sources_is_not_trusted(tree, tmp_path, keep):
+    # a .deps entry that lists none of the module's sources cannot be a real scan (the compiler
+    # always reports the source); trusted, it took the sources out of the identity, and a later
+    # edit loaded the stale module
+    assert _call(tree) == [1.5, 1.5]
+    deps = list((tmp_path / "cache" / ".deps").iterdir())
+    assert len(deps) == 1
+    files = json.loads(deps[0].read_text())["files"]
+    deps[0].write_text(json.dumps({"files": {rel: files[rel] for rel in keep}}))  # the hashes hold
+    assert _call(tree) == [1.5, 1.5]
+    src = tree / "csrc" / "cpu" / "toy.cc"
+    src.write_text(src.read_text().replace("+ toy_offset()", "+ 2 * toy_offset()"))
+    assert _call(tree) == [2.0, 2.0]

@@ -288,7 +288,9 @@ def build_reason(cache: Path, name: str, identity: str, files: Optional[dict] = 
         if not isinstance(old, dict) or old.get("name") != name:
             continue
         older = True
-        old_files = old.get("files") or {}
+        old_files = old.get("files")
+        if not isinstance(old_files, dict):  # a corrupt meta.json: no file list to compare
+            old_files = {}
         if files:
             changed.update(r for r in set(old_files) | set(files) if old_files.get(r) != files.get(r))
     if changed:

@@ -173,7 +173,9 @@ def dependency_hashes(record: dict, arch: str, root, macros: str, cache=None, *,
     try:
         cached = json.loads(store.read_text())["files"]
         now = {rel: sha256_bytes(csrc / rel) for rel in cached}
-        if now == cached:
+        # a real scan always lists the sources themselves; an entry without them is corrupt and
+        # would leave them out of the identity (a later edit would load a stale module)
+        if now == cached and all(s in cached for s in record["sources"]):
             return now
     except (OSError, ValueError, KeyError, TypeError):
         pass
