@@ -108,3 +108,52 @@ def test_a_cached_scan_without_the_sources_is_not_trusted(tree, tmp_path, keep):
     src = tree / "csrc" / "cpu" / "toy.cc"
     src.write_text(src.read_text().replace("+ toy_offset()", "+ 2 * toy_offset()"))
     assert _call(tree) == [2.0, 2.0]
+
+
+_LOAD_TOY = textwrap.dedent("""
+    import sys, torch
+    from flashkda_ext.jit import load_module
+    y = torch.empty(2)
+    load_module("toy_cpu", root=sys.argv[1])["kda_decode"](torch.zeros(2), y)
+    print(y.tolist())
+""")
+
+
+def _as_unprivileged() -> list:
+    """argv prefix under which file permissions apply: none for a normal user; for root, the
+    capabilities that bypass them dropped (setpriv), else the test cannot run."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permissions cannot be enforced")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="setpriv / POSIX permissions")
+def test_a_read_only_cache_serves_what_it_holds_and_names_itself_when_it_must_build(tree, tmp_path):
+    # a warm read-only cache (an image baked at deploy time) loads without writing; a cold one
+    # used to raise a bare PermissionError on '.locks' that said neither module nor remedy
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    ensure_built("toy_cpu", root=tree, cache=warm)
+    cold.mkdir()
+    for d in (warm, cold):
+        for p in [d, *d.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        for cache, ok in ((warm, True), (cold, False)):
+            env = dict(os.environ, FLASHKDA_EXT_CACHE_DIR=str(cache))
+            r = subprocess.run(_as_unprivileged() + [sys.executable, "-c", _LOAD_TOY, str(tree)],
+                               env=env, capture_output=True, text=True, timeout=120)
+            if ok:
+                assert r.returncode == 0 and r.stdout.split("\n")[0] == "[1.5, 1.5]", r.stderr
+                assert "building" not in r.stderr
+            else:
+                assert r.returncode != 0
+                err = r.stderr.strip().splitlines()[-1]
+                assert "BuildError" in err and "module 'toy_cpu'" in err, r.stderr
+                assert f"JIT cache {cache}" in err and "FLASHKDA_EXT_CACHE_DIR" in err, r.stderr
+    finally:
+        for d in (warm, cold):
+            for p in [d, *d.rglob("*")]:
+                p.chmod(p.stat().st_mode | 0o200)  # so tmp_path can be removed

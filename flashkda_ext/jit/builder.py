@@ -349,6 +349,20 @@ def _run_build(cache: Path, art: str, label: str, hint: str, write, meta_extra: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _check_writable(cache: Path, label: str) -> None:
+    """A build needs .locks/ and .tmp/ to write in: say so by the cache's name, the module's and
+    the remedies, not as a bare PermissionError from deep inside the lock (a read-only cache)."""
+    try:
+        for sub in (".locks", ".tmp"):
+            (cache / sub).mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix="probe-", dir=cache / ".tmp"))
+    except OSError as e:
+        raise BuildError(
+            f"flashkda_ext: cannot build {label}: the JIT cache {cache} is not writable ({e}). "
+            f"Set FLASHKDA_EXT_CACHE_DIR to a writable folder, or ship the module prebuilt "
+            f"(aot.py, FLASHKDA_EXT_AOT_DIR)") from e
+
+
 def ensure_artifact(cache: Path, name: str, identity: str, label: str, hint: str, write,
                     meta_extra: dict, *, jobs: Optional[int] = None, force: bool = False,
                     files: Optional[dict] = None) -> Tuple[Path, dict, bool]:
@@ -362,6 +376,7 @@ def ensure_artifact(cache: Path, name: str, identity: str, label: str, hint: str
         meta = read_valid_meta(art_dir, identity)
         if meta is not None:
             return art_dir, meta, False
+    _check_writable(cache, label)
     with file_lock(lock_path(cache, art), what=f"the build of {label}"):
         meta = None if force else read_valid_meta(art_dir, identity)  # another process built it
         if meta is not None:
