@@ -14,15 +14,7 @@ from flashkda_ext.devtools import testing
 from flashkda_ext.jit import ensure_built, load_module, loader
 from flashkda_ext.jit import builder, lock
 
-
-@pytest.fixture
-def tree(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHKDA_EXT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("FLASHKDA_EXT_AOT_DIR", raising=False)
-    monkeypatch.delenv("FLASHKDA_EXT_DISABLE_JIT", raising=False)
-    loader.clear_cache()
-    yield testing.make_tree(tmp_path / "tree")
-    loader.clear_cache()
+from jit_tree import tree  # noqa: F401 (the fixture)
 
 
 def _call(tree) -> list:
