@@ -214,7 +214,7 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
         _read_ok("x", x)
         _read_ok("output_gate", output_gate)
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
-    norm_eps = validation._float("norm_eps", norm_eps, "> 0")  # TypeError, as the eager check
+    norm_eps = validation._real("norm_eps", norm_eps)  # TypeError, as the eager check
     fused_kda_decode_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
                         norm_weight, _opt_float("lower_bound", lower_bound), gate, norm_eps,
                         _opt_float("scale", scale), slot_mode, null_slot0, out)
@@ -373,7 +373,7 @@ def traced_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
     fused_kda_verify_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
                         state_indices, cu_seqlens, num_accepted_tokens, max_seqlen,
-                        _opt_float("lower_bound", lower_bound), gate, validation._float("norm_eps", norm_eps, "> 0"),
+                        _opt_float("lower_bound", lower_bound), gate, validation._real("norm_eps", norm_eps),
                         _opt_float("scale", scale), null_slot0, out)
     return out
 
@@ -385,22 +385,20 @@ def _state_dtype(*candidates) -> torch.dtype:
     return torch.float32
 
 
-_FLOAT_RULE = {"scale": "or None", "lower_bound": "< 0"}  # validation's wording of each
-
-
 def _opt_float(name: str, x):
-    """Scalars as the schema's float? (an int scale or lower_bound is a valid eager argument); anything
+    """An int scale or lower_bound (a valid eager argument) as the float the op computes with; anything
     else passes through so the checks name it. An int past the float range gets the eager ValueError
-    naming it (float() would raise a bare OverflowError)."""
+    naming it (the schema's Scalar could not hold it)."""
     if isinstance(x, int) and not isinstance(x, bool):
-        return validation._float(name, x, _FLOAT_RULE[name])
+        return validation._real(name, x)
     return x
 
 
 def _read_ok(name: str, x, ndim: Optional[int] = None, layout: str = "") -> None:
     """A traced wrapper reads x's shape, dtype or device before the fake's checks run: refuse what it could not
-    read with the eager message (not an AttributeError, IndexError or unpacking error)."""
+    read with the eager message (not an AttributeError, IndexError or unpacking error). Not validation._tensor:
+    its is_neg() / is_conj() tests break a fullgraph Dynamo trace (a non-Tensor result); the fake makes them."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {'None' if x is None else type(x).__name__}")
-    if ndim is not None and x.dim() != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D tensor {layout}, got shape {list(x.shape)}")
+    if ndim is not None:
+        validation._ndim(name, x, ndim, layout)

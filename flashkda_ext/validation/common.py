@@ -194,6 +194,14 @@ def _float(name: str, value, what: str) -> float:
 
 _FLOAT_OVERFLOW = 2 ** 1024 - 2 ** 970  # the least int that float() rounds to 2**1024 (overflows)
 
+#: each real argument's rule, as its messages state it (eager checks and the traced wrappers alike)
+_REAL_RULES = {"scale": "or None", "lower_bound": "< 0", "norm_eps": "> 0"}
+
+
+def _real(name: str, value) -> float:
+    """scale, lower_bound or norm_eps as a float (_float with the argument's own rule)."""
+    return _float(name, value, _REAL_RULES[name])
+
 
 def _bool(name: str, value) -> bool:
     if not isinstance(value, bool):
@@ -212,7 +220,7 @@ def backend_of(device: torch.device) -> str:
 def _resolve_scale(scale, head_dim_k: int) -> float:
     if scale is None:
         return head_dim_k ** -0.5
-    scale = _float("scale", scale, "or None")
+    scale = _real("scale", scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale: expected a finite value > 0, got {scale}")
     return float(scale)
@@ -245,7 +253,7 @@ def _gate_args(gate, A_log, dt_bias, lower_bound, value_heads: int, head_dim_k: 
     if gate == "bounded":
         if lower_bound is None:
             raise ValueError("lower_bound: required by gate='bounded' (a float < 0), got None")
-        lower_bound = _float("lower_bound", lower_bound, "< 0")
+        lower_bound = _real("lower_bound", lower_bound)
         if not math.isfinite(lower_bound) or lower_bound >= 0:
             raise ValueError(f"lower_bound: expected a finite value < 0, got {lower_bound}")
         return float(lower_bound)

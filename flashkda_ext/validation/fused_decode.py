@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .common import (GATE_MODE, SLOT_MODES, _aligned, _bool, _check_backend, _choice, _companion, _contiguous,
-                     _dtype_in, _float, _floating, _gate_args, _indices, _inference_only, _ndim, _offset_bits,
-                     _out, _pool, _resolve_scale, _same_device, _same_dtype, _shape, _state_tag,
+                     _dtype_in, _floating, _gate_args, _indices, _inference_only, _ndim, _offset_bits,
+                     _out, _pool, _real, _resolve_scale, _same_device, _same_dtype, _shape, _state_tag,
                      _supported_dims, _tensor, dtype_name)
 from .memo import _memoized
 
@@ -50,7 +50,7 @@ def _norm_args(norm_weight, norm_eps, D: int, device):
     _shape("norm_weight", norm_weight, (D,), "[D]")
     _dtype_in("norm_weight", norm_weight, ("float32",))
     _contiguous("norm_weight", norm_weight)
-    _float("norm_eps", norm_eps, "> 0")
+    _real("norm_eps", norm_eps)
     if not math.isfinite(norm_eps) or norm_eps <= 0:
         raise ValueError(f"norm_eps: expected a finite float > 0, got {norm_eps!r}")
     return norm_weight

@@ -202,14 +202,12 @@ def check_workspace(workspace, need: Optional[int], device: torch.device, backen
     if workspace is None:
         return workspace
     workspace = _tensor("workspace", workspace)
-    if need is None:
-        if workspace.dtype != torch.uint8 or workspace.device != device:
-            raise ValueError(f"workspace: expected a uint8 tensor on {device}, got {dtype_name(workspace.dtype)} "
-                             f"{list(workspace.shape)} on {workspace.device}")
-        return workspace
-    if workspace.dtype != torch.uint8 or workspace.device != device or workspace.numel() < need:
-        raise ValueError(f"workspace: expected a uint8 tensor on {device} with at least {need} bytes, "
+    if workspace.dtype != torch.uint8 or workspace.device != device or (need is not None and workspace.numel() < need):
+        size = "" if need is None else f" with at least {need} bytes"
+        raise ValueError(f"workspace: expected a uint8 tensor on {device}{size}, "
                          f"got {dtype_name(workspace.dtype)} {list(workspace.shape)} on {workspace.device}")
+    if need is None:
+        return workspace
     _contiguous("workspace", workspace)
     _aligned("workspace", workspace, backend)
     _inference_only((), (("workspace", workspace),))
