@@ -114,13 +114,15 @@ def _any_tracer(arrays) -> bool:
 def _dtype_str(x) -> str:
     return x.dtype.name
 
+
 def _check_host_slots(x, slots: int, null_slot0: bool, unique: bool) -> None:
     """The CPU kernels' checks of a state_indices array concrete on the CPU (same wording), made before the
     call: refused by the kernel, an eager call would already have donated (deleted) the caller's pools.
     unique: prefill's rule that a live slot serves one sequence only. Device or traced values are not read."""
-    if x is None or _is_tracer(x) or next(iter(x.devices())).platform != "cpu":
+    host = _host_int32(x)
+    if host is None:
         return
-    idx = np.asarray(x).reshape(-1)
+    idx = host.numpy().reshape(-1)
     if idx.size and idx.max() >= slots:
         n = int(np.argmax(idx >= slots))
         raise ValueError(f"state_indices: index state_indices[{n}] = {int(idx[n])} is out of range for a pool of "
