@@ -238,8 +238,49 @@ EDGES = {
     ],
     ("kda_verify", "small_short", "work_items_max"): [
         (verify_meta(num_seqs=4, value_heads=16, state="bf16"), "verify_bulk4j4g_bf16_o32"),  # 64
-        (verify_meta(num_seqs=65, value_heads=1), "verify_bulk4j4_f32_o32"),                  # 65: fallback
+        (verify_meta(num_seqs=65, value_heads=1, max_seqlen=8), "verify_bulk4j4_f32_o32"),    # 65, T 8: fallback
         (verify_meta(num_seqs=65, value_heads=1, state="bf16"), "verify_stage2j8_bf16_o32"),  # 65: bf16_large
+    ],
+    ("kda_verify", "f32_mid_low", "work_items_min"): [
+        (verify_meta(num_seqs=4, value_heads=12, max_seqlen=4), "verify_w2v16j4_f32_o32"),    # 48
+        (verify_meta(num_seqs=47, value_heads=1, max_seqlen=4), "verify_bulk4j4g_f32_o32"),   # 47: small_short
+    ],
+    ("kda_verify", "f32_mid_low", "work_items_max"): [
+        (verify_meta(num_seqs=64, value_heads=1, max_seqlen=3), "verify_w2v16j4_f32_o32"),    # 64
+        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=3, state="bf16"), "verify_bulk4j4g_bf16_o32"),  # fp32 only
+    ],
+    ("kda_verify", "f32_mid_low", "max_seqlen_min"): [
+        (verify_meta(num_seqs=4, value_heads=12, max_seqlen=3), "verify_w2v16j4_f32_o32"),
+        (verify_meta(num_seqs=4, value_heads=12, max_seqlen=2), "verify_bulk4j4g_f32_o32"),   # T 2: small_short
+    ],
+    ("kda_verify", "f32_mid_low", "max_seqlen_max"): [
+        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=4, offset="o64"), "verify_w2v16j4_f32_o64"),
+        (verify_meta(num_seqs=4, value_heads=16, max_seqlen=5), "verify_bulk4j4_f32_o32"),    # T 5: fallback
+    ],
+    ("kda_verify", "f32_mid", "work_items_min"): [
+        (verify_meta(num_seqs=65, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32"),    # 65
+        (verify_meta(num_seqs=64, value_heads=1, max_seqlen=2), "verify_bulk4j4g_f32_o32"),   # 64, T 2: small_short
+    ],
+    ("kda_verify", "f32_mid", "work_items_max"): [
+        (verify_meta(num_seqs=4, value_heads=32, max_seqlen=4), "verify_w2v16j4_f32_o32"),    # 128
+        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=4), "verify_w1v16j4_f32_o32"),   # 129: f32_192
+        (verify_meta(num_seqs=4, value_heads=32, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32"),
+    ],
+    ("kda_verify", "f32_mid", "max_seqlen_max"): [
+        (verify_meta(num_seqs=4, value_heads=24, max_seqlen=4), "verify_w2v16j4_f32_o32"),
+        (verify_meta(num_seqs=4, value_heads=24, max_seqlen=5), "verify_bulk4j4_f32_o32"),    # T 5: fallback
+    ],
+    ("kda_verify", "f32_192", "work_items_min"): [
+        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4_f32_o32"),   # 129
+    ],
+    ("kda_verify", "f32_192", "work_items_max"): [
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4_f32_o64"),  # 192
+        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32"),   # 193: fallback
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32"),
+    ],
+    ("kda_verify", "f32_192", "max_seqlen_max"): [
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32"),   # T 8: fallback
     ],
     ("kda_verify", "small_short", "max_seqlen_max"): [
         (verify_meta(num_seqs=2, value_heads=16, max_seqlen=4, offset="o64"), "verify_bulk4j4g_f32_o64"),
