@@ -568,9 +568,17 @@ class Run:
             self._progress.step(case.name)
         return rec
 
+    #: results paths taken in this process, by run name: a second benchmark given the same --out x.json
+    #: (bench_sglang's phases) writes x_<its name>.json instead of replacing the first one's file
+    _taken: Dict[Path, str] = {}
+
     @property
     def path(self) -> Path:
-        return self.cfg.out_dir / (self.cfg.out_file or f"{self.name}.json")
+        path = self.cfg.out_dir / (self.cfg.out_file or f"{self.name}.json")
+        owner = Run._taken.setdefault(path, self.name)
+        if owner != self.name:
+            path = path.with_name(f"{path.stem}_{self.name}{path.suffix}")
+        return path
 
     def document(self, partial: bool = False) -> dict:
         return {"benchmark": self.name, "partial": partial, "meta": self.meta, "copy_ceiling": self.ceiling,

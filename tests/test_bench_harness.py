@@ -119,6 +119,17 @@ def test_out_json_path_is_honoured(tmp_path):
     assert cfg.out_dir == tmp_path and cfg.out_file == "x.json"
 
 
+def test_two_benchmarks_given_one_out_file_keep_both(tmp_path):
+    # bench_sglang's phases are one Run each: with --out x.json the second must not replace the first's file
+    cfg = cpu_cfg(tmp_path, out_file="x.json")
+    first, second = harness.Run("sglang_decode", cfg), harness.Run("sglang_verify", cfg)
+    for run, t in ((first, 1.0), (second, 2.0)):
+        run.add(harness.Case("c", {}, [harness.Arm("a", lambda t=t: t)]))
+    assert first.path == tmp_path / "x.json" and second.path == tmp_path / "x_sglang_verify.json"
+    assert json.loads(first.path.read_text())["benchmark"] == "sglang_decode"
+    assert json.loads(second.path.read_text())["benchmark"] == "sglang_verify"
+
+
 def test_torch_step_matches_reference():
     """The stand-in recurrent step of the unfused arm (used without fla) is the KDA step."""
     from flashkda_ext.reference import kda_decode_step
