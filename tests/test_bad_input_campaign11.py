@@ -202,3 +202,31 @@ def test_sglang_wrong_sized_arguments_are_named_and_write_nothing(method, bad, e
     else:
         tensors, call = verify_call(**bad)
     unchanged(tensors, call, exc, match)
+
+
+# --- JAX: an eager call's donated pool passed again as another operand -------------------------------------
+
+def test_jax_verify_with_initial_state_the_donated_state_is_named():
+    """Before: kda_verify(initial_state=state) (torch takes the same view) failed eagerly in XLA's Execute
+    ("Attempt to use a buffer that was previously donated"), naming no argument."""
+    pytest.importorskip("jax")
+    pytest.importorskip("jax_tvm_ffi")
+    import jax.numpy as jnp
+    import numpy as np
+
+    import flashkda_ext.jax as kj
+    from bad_input_cases import verify_args
+
+    t = verify_args()
+    a = {n: jnp.asarray(x.numpy()) for n, x in t.items()}
+    idx = jnp.asarray(np.array([4, 1], np.int32))
+    pos = [a.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    for _ in range(2):   # cold, then with the signature's plan remembered
+        with pytest.raises(ValueError, match=r"^initial_state: the same array as state, which .* donates"):
+            kj.kda_verify(*pos, initial_state=a["state"], initial_state_indices=idx, **a)
+        assert not a["state"].is_deleted() and np.array_equal(np.asarray(a["state"]), t["state"].numpy())
+    # donate=False reads initial_state as it was before the call: served as from a copy of the pool
+    out, _ = kj.kda_verify(*pos, initial_state=a["state"], initial_state_indices=idx, donate=False, **a)
+    want, _ = kj.kda_verify(*pos, initial_state=jnp.array(a["state"], copy=True), initial_state_indices=idx,
+                            donate=False, **a)
+    assert np.array_equal(np.asarray(out), np.asarray(want))
