@@ -9,6 +9,7 @@ before its fix.
   instead of falling back.
 - SGLang's kernel: an index tensor, gate or beta with the wrong number of entries, a head count that is no
   positive int, an out of the wrong shape failed in reshape / split / view without the argument's name.
+- JAX kda_verify with initial_state the (donated) state array failed in XLA's Execute, naming no argument.
 Every refusal leaves every tensor bitwise as it was.
 """
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_sglang_extend_refuses_a_track_state_it_cannot_write_before_the_pool_is_
     track = make()
     pool, call = extend_call(track)
     unchanged({"ssm_states": pool}, call, ValueError, match)
-    # the same buffer, made writable, is served (and the pool committed)
+    # a plain dense buffer is served (and the pool committed)
     pool, call = extend_call(torch.zeros(2, H, V, K))
     pool0 = pool.clone()
     call()
