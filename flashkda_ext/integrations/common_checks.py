@@ -12,6 +12,7 @@ device values: `unchecked_on_device` says when, so an adapter can fall back with
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -73,4 +74,7 @@ def int32_indices(name: str, x, shape) -> torch.Tensor:
     if not torch.is_tensor(x) or x.dtype not in (torch.int32, torch.int64):
         got = x.dtype if torch.is_tensor(x) else type(x).__name__
         raise ValueError(f"{name}: expected an int32 or int64 tensor, got {got}")
+    if x.numel() != math.prod(shape):   # a reshape error would not name the argument
+        raise ValueError(f"{name}: expected {math.prod(shape)} entries (shape {list(shape)}), got shape "
+                         f"{list(x.shape)}")
     return narrow_int32(name, x.reshape(shape), pad=-1).contiguous()

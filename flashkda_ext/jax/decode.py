@@ -45,7 +45,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
                                donate=donate)
     if prep.plan.platform == "cpu":  # values, not signature: every call, before the pool is donated
         _check_host_slots(args[7], args[8].shape[0], null_slot0, unique=False)
-    return _run(_decode_impl, prep, args, eager=not _any_tracer(args))
+    return _run(_decode_impl, prep, args, eager=not _any_tracer(args), names=names)
 
 
 def _prepare_decode(names, args, plat, key, *, lower_bound, gate, scale, beta_is_logit, slot_mode,
@@ -107,7 +107,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
                               null_slot0=null_slot0, donate=donate)
     if prep.plan.platform == "cpu":  # values, not signature: every call, before the pools are donated
         _check_host_slots(args[7], args[8].shape[0], null_slot0, unique=False)
-    return _run(_fused_impl, prep, args, eager=not _any_tracer(args))
+    return _run(_fused_impl, prep, args, eager=not _any_tracer(args), names=names)
 
 
 def _prepare_fused(names, args, plat, key, *, lower_bound, gate, norm_eps, scale, slot_mode,

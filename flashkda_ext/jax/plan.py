@@ -68,12 +68,21 @@ def _remember(key, plan: _Plan, donated: tuple) -> _Prepared:
     return prep
 
 
-def _run(impl, prep: _Prepared, args: tuple, eager: bool):
+def _run(impl, prep: _Prepared, args: tuple, eager: bool, names: tuple):
     """Inside a trace, call impl directly (donation is the enclosing jit's business); eagerly,
     through a jit of impl for this plan that donates the in-place pools (positions in args) when
-    asked. The plan is bound, not a static argument, so a repeated eager call hashes nothing of ours."""
+    asked. The plan is bound, not a static argument, so a repeated eager call hashes nothing of ours.
+    names: the op's argument names, in args' order (for the error below)."""
     if not eager:
         return impl(prep.plan, *args)
+    for i in prep.donated:
+        # XLA refuses a donated buffer that is another operand too, naming none (kda_verify's
+        # initial_state=state, which the torch op takes): named here, before anything runs
+        for j, x in enumerate(args):
+            if j != i and x is args[i]:
+                raise ValueError(f"{names[j]}: the same array as {names[i]}, which this eager call donates "
+                                 f"(donate=True); pass a copy, or donate=False ({names[j]} is then read as it "
+                                 f"was before the call)")
     fn = prep.eager_fn
     if fn is None:
         fn = prep.eager_fn = _eager_jit(impl, prep.plan, prep.donated)

@@ -80,7 +80,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                                 null_slot0=null_slot0, donate=donate)
     if prep.plan.platform == "cpu" and args[10] is not None:  # pool mode: every call, before the donation
         _check_host_slots(args[9], args[10].shape[0], null_slot0, unique=True)
-    return _run(_prefill_impl, prep, args, eager=not _any_tracer(args))
+    return _run(_prefill_impl, prep, args, eager=not _any_tracer(args), names=names)
 
 
 def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, beta_is_logit,

@@ -54,7 +54,7 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
         prep = _prepare_verify(names, args, plat, key, max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate,
                                scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, donate=donate)
     _check_verify_values(prep, args, (8, 7, 9, 12), max_seqlen)
-    return _run(_verify_impl, prep, args, eager=not _any_tracer(args))
+    return _run(_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 
 
 def _verify_arrays(names, vals, platform):
@@ -157,5 +157,5 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
         _VERIFY_CALLS[plan] = call
         prep = _remember(key, plan, _donate_positions(args, (2, 7), donate))
     _check_verify_values(prep, args, (11, 10, 12), max_seqlen)
-    return _run(_fused_verify_impl, prep, args, eager=not _any_tracer(args))
+    return _run(_fused_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 

@@ -19,19 +19,30 @@ from .. import rows
 from ..rows import rows_view
 
 
-def as_dense(x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
-    """x reshaped, in dtype and contiguous: at most one copy."""
-    x = x.reshape(shape)
+def reshaped(name: str, x, shape) -> torch.Tensor:
+    """x as `shape` (SGLang hands a tensor over in a layout of its own: a flat gate, beta [1, T, HV], ...);
+    a TypeError / ValueError naming the argument where it is no tensor or has another number of elements."""
+    if not torch.is_tensor(x):
+        raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
+    if -1 not in shape and x.numel() != math.prod(shape):
+        raise ValueError(f"{name}: expected {math.prod(shape)} elements (shape {list(shape)}), got shape "
+                         f"{list(x.shape)}")
+    return x.reshape(shape)
+
+
+def as_dense(name: str, x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """x (the caller's argument `name`) reshaped, in dtype and contiguous: at most one copy."""
+    x = reshaped(name, x, shape)
     if x.dtype != dtype:
         return x.to(dtype, memory_format=torch.contiguous_format)
     return x.contiguous()
 
 
-def as_rows(x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int, vector: bool = True) -> torch.Tensor:
-    """x reshaped and in dtype as kda_decode (row_dim 0) / kda_verify (row_dim 1) read it: SGLang's
-    row-strided view as it is where the op takes it (vector: g; beta is read element by element), else dense
-    (at most one copy)."""
-    x = x.reshape(shape)
+def as_rows(name: str, x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int, vector: bool = True) -> torch.Tensor:
+    """x (the caller's argument `name`) reshaped and in dtype as kda_decode (row_dim 0) / kda_verify (row_dim 1)
+    read it: SGLang's row-strided view as it is where the op takes it (vector: g; beta is read element by
+    element), else dense (at most one copy)."""
+    x = reshaped(name, x, shape)
     if x.dtype != dtype:
         return x.to(dtype, memory_format=torch.contiguous_format)
     return rows_view(x, row_dim, vector=vector)
@@ -45,7 +56,7 @@ def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     # a compiler traces the plain copies (it cannot trace storage addresses) and may fuse them
     blocks = None if tracing(q) else _side_by_side(q, k, v)
     if blocks is None:
-        return q.contiguous(), as_dense(k, q.dtype, k.shape), as_dense(v, q.dtype, v.shape)
+        return q.contiguous(), as_dense("k", k, q.dtype, k.shape), as_dense("v", v, q.dtype, v.shape)
     q2, W, wv = blocks
     rows, w = q2.shape
     if wv == w:

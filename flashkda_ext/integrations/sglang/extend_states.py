@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ... import validation
+
 
 def host_lengths(query_start_loc: torch.Tensor, extend_seq_lens_cpu, T: int, *, exact: bool):
     """Per-request token counts on the host (None when not given and not `exact`), checked against
@@ -55,6 +57,10 @@ def check_track(track_state, track_chunk_idx, pool: torch.Tensor, N: int) -> Non
                else type(track_chunk_idx).__name__)
         raise ValueError(f"track_chunk_idx: expected an int tensor [>= {N}] on {pool.device} beside track_state, "
                          f"got {got}")
+    # written after the pool is committed, so a buffer torch cannot write is refused now: rows apart (an
+    # expanded view would write one row twice), and the ops' inference-only rule
+    validation._slot_stride("track_state", track_state)
+    validation._inference_only((), (("track_state", track_state),))
 
 
 def write_track(track_state, track_chunk_idx, initial, checkpoints, query_start_loc, chunk: int) -> None:

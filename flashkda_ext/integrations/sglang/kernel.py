@@ -25,8 +25,8 @@ REASONS: collections.Counter = collections.Counter()
 
 
 def _params(A_log, dt_bias):
-    A = None if A_log is None else _as(A_log, torch.float32, (-1,))
-    dt = None if dt_bias is None else _as(dt_bias, torch.float32, (-1,))
+    A = None if A_log is None else _as("A_log", A_log, torch.float32, (-1,))
+    dt = None if dt_bias is None else _as("dt_bias", dt_bias, torch.float32, (-1,))
     return A, dt
 
 
@@ -98,6 +98,10 @@ class FlashKDAExtKernel:
         if query_start_loc.device.type == "cpu" and query_start_loc.tolist() != list(range(N + 1)):
             raise ValueError(f"query_start_loc: decode expects offsets 0, 1, ..., N (one token per request), "
                              f"got {query_start_loc.tolist()}")
+        if out is not None:     # written as the [1, T, HV, V] decode returns
+            out = validation._tensor("out", out)
+            if tuple(out.shape) != (1, T, HV, V):
+                raise ValueError(f"out: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
         o = self._decode(q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a, b, A_log, dt_bias,
                          ssm_states, cache_indices, lower_bound, None, out)
         STATS["decode", "served"] += 1
@@ -122,7 +126,10 @@ class FlashKDAExtKernel:
         if mixed_qkv.dim() != 2:
             raise ValueError(f"mixed_qkv: expected [B, 2*H*K + HV*V], got {list(mixed_qkv.shape)}")
         B, dim = mixed_qkv.shape
-        HV, V, K = num_v_heads, head_v_dim, ssm_states.shape[-1]
+        for name, n in (("num_v_heads", num_v_heads), ("head_v_dim", head_v_dim)):
+            if validation._int(name, n, "> 0") <= 0:
+                raise ValueError(f"{name}: expected an int > 0, got {n}")
+        HV, V, K = num_v_heads, head_v_dim, validation._tensor("ssm_states", ssm_states).shape[-1]
         qk = dim - HV * V
         if qk <= 0 or qk % (2 * K):
             raise ValueError(f"mixed_qkv: width {dim} is not 2*H*K + HV*V for HV = {HV}, V = {V}, K = {K} "
@@ -145,13 +152,13 @@ class FlashKDAExtKernel:
         gate, lb = _gate(lower_bound, A)
         # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype; SGLang's row-strided views
         # (a, b column slices of its projection; q, k, v of mixed_qkv) go as they are where kda_decode reads them
-        a = as_rows(a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K), 0)
-        b = as_rows(b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV), 0, vector=False)
+        a = as_rows("a", a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K), 0)
+        b = as_rows("b", b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV), 0, vector=False)
         idx = int32_indices("cache_indices", cache_indices, (T,))
         q, k, v = qkv_rows(q, k, v, 0)
         o = kda_decode(q, k, v, a, b, state=ssm_states, state_indices=idx, A_log=A, dt_bias=dt, lower_bound=lb,
                        gate=gate, scale=scale, beta_is_logit=True, slot_mode="padded",
-                       out=None if out is None else out.view(T, HV, V))
+                       out=None if out is None else out[0])
         return o.view(1, T, HV, V) if out is None else out
 
     # -----------------------------------------------------------------------------------------
@@ -226,7 +233,7 @@ class FlashKDAExtKernel:
         gate, lb = _gate(lower_bound, A)
         idx = int32_indices("cache_indices", cache_indices, (N,))
         # kda_prefill reads g and beta in q's dtype
-        args = (*dense_qkv(q, k, v), _as(g, dtype, (1, T, HV, K)), _as(beta, dtype, (1, T, HV)))
+        args = (*dense_qkv(q, k, v), _as("g", g, dtype, (1, T, HV, K)), _as("beta", beta, dtype, (1, T, HV)))
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
         if not ckpt:

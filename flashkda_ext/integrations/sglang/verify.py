@@ -48,8 +48,8 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
             raise ValueError(f"query_start_loc: a request has {longest} draft tokens, more than "
                              f"{'cache_steps' if cache_steps is not None else 'the buffer steps S'} = {bound}")
     dtype = q.dtype
-    A = None if A_log is None else _as(A_log, torch.float32, (-1,))
-    dt = None if dt_bias is None else _as(dt_bias, torch.float32, (-1,))
+    A = None if A_log is None else _as("A_log", A_log, torch.float32, (-1,))
+    dt = None if dt_bias is None else _as("dt_bias", dt_bias, torch.float32, (-1,))
     if A is None or dt is None:
         raise ValueError("A_log: target_verify activates the raw gate a in the kernel and needs A_log and dt_bias")
     gate, lb = gate_of(lower_bound, A)
@@ -62,8 +62,8 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     # offsets raise here (the kernel falls back before, see FlashKDAExtKernel.target_verify)
     qsl = narrow_int32("query_start_loc", query_start_loc).contiguous()
     q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
-    args = (q, k, v, as_rows(a, dtype, (1, T, HV, K), 1), as_rows(b, dtype, (1, T, HV), 1, vector=False))
-    dest = None if out is None else out.view(1, T, HV, V)
+    args = (q, k, v, as_rows("a", a, dtype, (1, T, HV, K), 1), as_rows("b", b, dtype, (1, T, HV), 1, vector=False))
+    dest = None if out is None else validation._tensor("out", out)   # kda_verify checks its shape (named)
     # SGLang never writes ssm_states: refused even as the identical view kda_verify would accept
     validation.check_apart((("out", dest), ("intermediate_states_buffer", buf)),
                            tuple(zip(("q", "k", "v", "a", "b"), args)) + (("ssm_states", ssm_states),))

@@ -129,8 +129,9 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     # fuse_gate picks where vLLM computes the same gate (in the recurrent kernel or before it): no effect here
     if fuse_gate not in (None, True, False):
         raise Refused(f"fuse_gate={fuse_gate!r} (vLLM takes None, True or False)")
-    if q.dim() != 4 or q.shape[0] != 1 or cu_seqlens is None or ssm_state_indices is None:
-        raise Refused("outside vLLM's contract (packed q [1, T, H, K], cu_seqlens and ssm_state_indices given)")
+    if q.dim() != 4 or q.shape[0] != 1 or not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.shape[0] < 1 or ssm_state_indices is None:
+        raise Refused("outside vLLM's contract (packed q [1, T, H, K], cu_seqlens [N+1] and ssm_state_indices given)")
     # kda_verify reads the tokens (dim 1) of vLLM's views as they are; so does kda_decode their rows (q[0])
     q, k, v = qkv_rows(q, k, v, 1)
     g, beta = _gate_beta(raw_g, raw_beta, q, row_dim=1)

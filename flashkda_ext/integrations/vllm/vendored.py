@@ -60,6 +60,10 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
         num_accepted_tokens = None if num_accepted_tokens is None else num_accepted_tokens[:N]
     if ssm_state_indices.dim() == 1 and cu_seqlens is not None and B == 1:
         N = cu_seqlens.shape[0] - 1
+        if ssm_state_indices.shape[0] < N:
+            # one slot a request: a shorter tensor would be broadcast over the requests (vLLM's kernel reads past it)
+            raise Refused(f"ssm_state_indices of {ssm_state_indices.shape[0]} entries for N = {N} requests "
+                          f"(one slot a request)")
         # A decode batch under a CUDA graph: cu_seqlens holds the N real requests while q holds the graph's
         # padded token count; vLLM's kernel runs the N.
         if T > N:
