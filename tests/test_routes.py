@@ -117,7 +117,7 @@ EDGES = {
         (decode_meta(rows=1024, value_heads=8, state="bf16"), "decode_rowtma_bf16_o32"),    # 8192
         (decode_meta(rows=1023, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 8184
         (decode_meta(rows=4096, value_heads=64, state="bf16", offset="o64"), "decode_rowtma_bf16_o64"),
-        (decode_meta(rows=1023, value_heads=8), "decode_row_f32_o32"),                      # fp32: hv8_row
+        (decode_meta(rows=1023, value_heads=8), "decode_halftma_f32_o32"),                  # fp32: f32_large from 3072
     ],
     ("kda_decode", "bf16_tiles_bulk", "work_items_min"): [
         (decode_meta(rows=64, value_heads=8, state="bf16"), "decode_quartmabulk_bf16_o32"),  # 512
@@ -132,10 +132,10 @@ EDGES = {
         (decode_meta(rows=4, value_heads=8), "decode_quartma_f32_o32"),                     # fp32: tiny
     ],
     ("kda_decode", "f32_large", "work_items_min"): [
-        (decode_meta(rows=512, value_heads=16), "decode_halftma_f32_o32"),     # 8192
-        (decode_meta(rows=511, value_heads=16), "decode_split8_f32_o32"),      # 8176: fallback
-        (decode_meta(rows=1024, value_heads=8), "decode_halftma_f32_o32"),     # 8192 with 8 heads: before hv8_row
-        (decode_meta(rows=1023, value_heads=8), "decode_row_f32_o32"),         # 8184: hv8_row
+        (decode_meta(rows=256, value_heads=12), "decode_halftma_f32_o32"),     # 3072
+        (decode_meta(rows=255, value_heads=12), "decode_split8_f32_o32"),      # 3060: fallback
+        (decode_meta(rows=384, value_heads=8), "decode_halftma_f32_o32"),      # 3072 with 8 heads: before hv8_row
+        (decode_meta(rows=383, value_heads=8), "decode_row_f32_o32"),          # 3064: hv8_row
         (decode_meta(rows=128, value_heads=64, offset="o64"), "decode_halftma_f32_o64"),
     ],
     ("kda_decode", "tiny", "work_items_max"): [
@@ -149,7 +149,7 @@ EDGES = {
         (decode_meta(rows=31, value_heads=8), "decode_split8_f32_o32"),        # 248
         (decode_meta(rows=32, value_heads=8, state="bf16"), "decode_quartma_bf16_o32"),   # bf16 band
         (decode_meta(rows=16, value_heads=16), "decode_split8_f32_o32"),       # 256 but 16 heads
-        (decode_meta(rows=1023, value_heads=8, offset="o64"), "decode_row_f32_o64"),
+        (decode_meta(rows=383, value_heads=8, offset="o64"), "decode_row_f32_o64"),
     ],
     # fp32 g / beta (gb = "f32"): the _gb32 twin of each band, at the same edges
     ("kda_decode", "bf16_large_gb32", "work_items_min"): [
@@ -169,10 +169,10 @@ EDGES = {
         (decode_meta(rows=1, value_heads=16, state="bf16", offset="o64", gb="f32"), "decode_split8_bf16_o64_gb32"),
     ],
     ("kda_decode", "f32_large_gb32", "work_items_min"): [
-        (decode_meta(rows=512, value_heads=16, gb="f32"), "decode_halftma_f32_o32_gb32"),
-        (decode_meta(rows=511, value_heads=16, gb="f32"), "decode_split8_f32_o32_gb32"),
-        (decode_meta(rows=1024, value_heads=8, gb="f32"), "decode_halftma_f32_o32_gb32"),
-        (decode_meta(rows=1023, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
+        (decode_meta(rows=256, value_heads=12, gb="f32"), "decode_halftma_f32_o32_gb32"),
+        (decode_meta(rows=255, value_heads=12, gb="f32"), "decode_split8_f32_o32_gb32"),
+        (decode_meta(rows=384, value_heads=8, gb="f32"), "decode_halftma_f32_o32_gb32"),
+        (decode_meta(rows=383, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
         (decode_meta(rows=128, value_heads=64, offset="o64", gb="f32"), "decode_halftma_f32_o64_gb32"),
     ],
     ("kda_decode", "tiny_gb32", "work_items_max"): [
@@ -183,7 +183,7 @@ EDGES = {
     ("kda_decode", "hv8_row_gb32", "work_items_min"): [
         (decode_meta(rows=32, value_heads=8, gb="f32"), "decode_row_f32_o32_gb32"),
         (decode_meta(rows=31, value_heads=8, gb="f32"), "decode_split8_f32_o32_gb32"),
-        (decode_meta(rows=1023, value_heads=8, offset="o64", gb="f32"), "decode_row_f32_o64_gb32"),
+        (decode_meta(rows=383, value_heads=8, offset="o64", gb="f32"), "decode_row_f32_o64_gb32"),
     ],
     ("fused_kda_decode", "tiny", "work_items_max"): [
         (decode_meta(rows=2, value_heads=16), "fused_quad_f32_o32"),           # 32
