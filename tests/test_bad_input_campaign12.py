@@ -15,6 +15,8 @@ that depends on it).
 - fla: lower_bound=True was dropped with the log gate (use_gate_in_kernel=False) and the call served;
   chunk_kda's chunk_size 7, max_num_seqs, safe_gate=True without a lower_bound in [-5, 0) (fla raises),
   disable_recompute with return_intermediate_states (fla asserts) were served; an int flag was read truthily.
+- SGLang: target_verify falling back dropped out= (SGLang's kernel takes none); a refused call leaves out
+  unwritten, and a bool lower_bound is a TypeError naming it (guards).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from flashkda_ext.integrations import fla as fkda_fla
 from flashkda_ext.integrations import vllm as fkda_vllm
+from flashkda_ext.integrations.sglang import FlashKDAExtKernel
 from flashkda_ext.integrations.vllm import k3, vendored
 
 H, K, V, SLOTS = 2, 8, 8, 6
@@ -393,3 +396,113 @@ def test_fla_chunk_kda_hints_that_do_not_change_the_result_are_served_exactly(in
     o, _ = fkda_fla.serve_chunk_kda(**call)
     want, _ = fkda_fla.serve_chunk_kda(**plain)
     assert torch.equal(o, want)
+
+
+# --- SGLang: lower_bound and out= -------------------------------------------------------------------------------
+
+
+def test_sglang_bool_lower_bound_is_a_type_error_naming_it():
+    """Guard: the SGLang kernel raises (it has no fallback for bad input); the op names the bool."""
+    B = 3
+    pool = rand(SLOTS, H, V, K)
+    pool0 = pool.clone()
+    with pytest.raises(TypeError, match=r"^lower_bound: expected a float < 0, got bool True"):
+        FlashKDAExtKernel().packed_decode(rand(B, 2 * H * K + H * V), rand(B, H * K), rand(B, H), A_log=rand(H),
+                                          dt_bias=rand(H * K), scale=K ** -0.5, ssm_states=pool,
+                                          cache_indices=torch.tensor([0, 1, 2], dtype=torch.int32), num_v_heads=H,
+                                          head_v_dim=V, lower_bound=True)
+    assert torch.equal(pool, pool0)
+
+
+def sglang_decode(out, **bad):
+    N = 3
+    mixed = rand(N, 2 * H * K + H * V)
+    q, k, v = (x.unflatten(-1, (H, d))[None] for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
+    pool = rand(SLOTS, H, V, K)
+    kw = dict(A_log=rand(H), dt_bias=rand(H * K), ssm_states=pool,
+              cache_indices=torch.tensor([0, 1, 2], dtype=torch.int32),
+              query_start_loc=torch.arange(N + 1, dtype=torch.int32), out=out)
+    kw.update(bad)
+    return pool, lambda kernel=None: (kernel or FlashKDAExtKernel()).decode(q, k, v, rand(N, H * K), rand(N, H), **kw)
+
+
+def sglang_verify(out, **bad):
+    T = 5
+    mixed = rand(T, 2 * H * K + H * V)
+    q, k, v = (x.unflatten(-1, (H, d))[None] for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
+    pool = rand(SLOTS, H, V, K)
+    buf = torch.full((4, 3, H, V, K), float("nan"))
+    kw = dict(ssm_states=pool, cache_indices=torch.tensor([1, 4], dtype=torch.int32),
+              query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32), intermediate_states_buffer=buf,
+              intermediate_state_indices=torch.tensor([0, 2], dtype=torch.int32), out=out)
+    kw.update(bad)
+    a, b, A_log, dt_bias = rand(T, H * K), rand(T, H), rand(H), rand(H * K)
+    return (pool, buf), lambda kernel=None: (kernel or FlashKDAExtKernel()).target_verify(
+        A_log, dt_bias, q, k, v, a, b, **kw)
+
+
+SGLANG_REFUSED = [
+    ("decode", dict(cache_indices=torch.tensor([0, 9, 2], dtype=torch.int32)), r"state_indices"),
+    ("decode", dict(lower_bound=True), r"^lower_bound: "),
+    ("target_verify", dict(cache_steps=7), r"^cache_steps: "),
+    ("target_verify", dict(intermediate_state_indices=torch.tensor([0, 0], dtype=torch.int32)),
+     r"^intermediate_state_indices: row 0 is used by requests 0 and 1"),
+]
+
+
+@pytest.mark.parametrize("method,bad,match", SGLANG_REFUSED,
+                         ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(SGLANG_REFUSED)])
+def test_sglang_refused_call_leaves_out_bitwise_unchanged(method, bad, match):
+    """Guard (docs/integrations.md, "SGLang", out=): every check runs before anything is written."""
+    T = 3 if method == "decode" else 5
+    out = torch.full((1, T, H, V), float("nan"))
+    out[0, 0, 0, 0] = 7.0
+    out0 = out.clone()
+    tensors, call = (sglang_decode if method == "decode" else sglang_verify)(out, **bad)
+    tensors = tensors if isinstance(tensors, tuple) else (tensors,)
+    before = [t.clone() for t in tensors]
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+    assert torch.equal(out.view(torch.int32), out0.view(torch.int32))
+    assert all(torch.equal(t.view(torch.int32), b.view(torch.int32)) for t, b in zip(tensors, before))
+    # served: the same out receives the result
+    tensors, call = (sglang_decode if method == "decode" else sglang_verify)(out)
+    assert call() is out and not torch.isnan(out).any()
+
+
+class _Recorder:
+    """SGLang's TritonKDAKernel as the plugin hands it over (a target_verify with its own signature)."""
+    def __init__(self):
+        self.calls = []
+
+    def target_verify(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        return torch.full((1, 5, H, V), 3.0)
+
+
+def test_sglang_target_verify_fallback_writes_out():
+    """Before: a draft-tree verify fell back without out (SGLang's kernel takes none) and out stayed unwritten."""
+    out = torch.zeros(1, 5, H, V)
+    fallback = _Recorder()
+    _, call = sglang_verify(out, retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64))
+    assert call(FlashKDAExtKernel(fallback=fallback)) is out
+    assert "out" not in fallback.calls[-1] and torch.equal(out, torch.full_like(out, 3.0))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(1, 5, H), torch.zeros(1, 5, H, V, dtype=torch.float64)],
+                         ids=["shape", "dtype"])
+def test_sglang_target_verify_fallback_checks_out_first(bad):
+    fallback = _Recorder()
+    _, call = sglang_verify(bad, retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^out: expected a torch.float32 tensor \[1, T, HV, V\]"):
+        call(FlashKDAExtKernel(fallback=fallback))
+    assert fallback.calls == [] and not bad.any()
+
+
+def test_sglang_packed_decode_takes_no_out():
+    """Guard: packed_decode has no out= (no call site passes one): a TypeError, never ignored."""
+    with pytest.raises(TypeError, match=r"^packed_decode: unexpected keyword arguments \['out'\]"):
+        FlashKDAExtKernel().packed_decode(rand(3, 2 * H * K + H * V), rand(3, H * K), rand(3, H), A_log=rand(H),
+                                          dt_bias=rand(H * K), scale=None, ssm_states=rand(SLOTS, H, V, K),
+                                          cache_indices=torch.tensor([0, 1, 2], dtype=torch.int32), num_v_heads=H,
+                                          head_v_dim=V, out=torch.zeros(1, 3, H, V))
