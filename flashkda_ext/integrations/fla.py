@@ -119,6 +119,21 @@ def _common(q, k, v, beta, tensors: dict, *, use_qk_l2norm_in_kernel, allow_neg_
         raise Refused("flashkda_ext requires state_v_first=True (its state is [.., V, K]; fla's default is K-first)")
 
 
+def _flags(**flags) -> None:
+    """fla's flag arguments: True / False exactly (fla reads any truthy value; an int or a string is not what
+    its signature says, so the call goes back to fla rather than being read one way or the other)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise Refused(f"flashkda_ext requires {name} as a bool, got {type(value).__name__} {value!r}")
+
+
+def _lower_bound(lower_bound) -> None:
+    # a bool is an int to isinstance: True would read as lower_bound 1.0 (or be dropped with the log gate)
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise Refused(f"flashkda_ext requires lower_bound as a number or None, got {type(lower_bound).__name__} "
+                      f"{lower_bound!r}")
+
+
 def _gate(plan: _Plan, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV: int):
     """(gate, A_log [HV] fp32, dt_bias [HV*K] fp32, lower_bound) in flashkda_ext's terms. fla's rule:
     use_gate_in_kernel with lower_bound is the bounded gate (A_log optional), without it the softplus gate."""
@@ -155,6 +170,11 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
                     allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
                     return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                     cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+    _flags(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+           use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+           allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, disable_recompute=disable_recompute,
+           return_intermediate_states=return_intermediate_states, state_v_first=state_v_first, use_graph=use_graph)
+    _lower_bound(lower_bound)
     _common(q, k, v, beta, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
                                 dt_bias=dt_bias, cu_seqlens=cu_seqlens),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, allow_neg_eigval=allow_neg_eigval,
@@ -162,6 +182,20 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
     if cp_context is not None:
         raise Refused("flashkda_ext does not support context parallel (cp_context)")
     chunk = kwargs.pop("chunk_size", 64)
+    # fla's hints, each honoured or refused (fla 0.6.0's chunk_kda): chunk_size is 32 or 64 (fla raises
+    # otherwise; the kernels pick their own chunk, so it only shapes h); safe_gate picks fla's tensor-core path
+    # for gates >= lower_bound (the same recurrence), and with the gate in the kernel fla requires lower_bound
+    # in [-5, 0); disable_recompute keeps activations for a backward pass (none here), which fla refuses with
+    # return_intermediate_states; max_num_seqs is use_graph's bound (use_graph is refused below)
+    if isinstance(chunk, bool) or chunk not in (32, 64):
+        raise Refused(f"flashkda_ext serves fla's chunk_size 32 or 64, got {chunk!r}")
+    if safe_gate and use_gate_in_kernel and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise Refused(f"safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0) (fla raises), "
+                      f"got {lower_bound}")
+    if disable_recompute and return_intermediate_states:
+        raise Refused("disable_recompute=True with return_intermediate_states=True (fla asserts against it)")
+    if max_num_seqs is not None:
+        raise Refused(f"flashkda_ext does not map max_num_seqs (use_graph's sequence bound), got {max_num_seqs!r}")
     if cu_seqlens_cpu is not None and not plan.meta:
         _check_host_offsets(cu_seqlens_cpu, cu_seqlens, q.shape[1])
     lengths = None
@@ -320,6 +354,11 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                           lower_bound=None, out=None, *, null_slot0=False, **kwargs):
     """(family, args, kwargs, result) where result(op output) builds fla's (o, final_state).
     null_slot0 is no fla argument: vLLM's vendored kernel skips slot 0 (its null block), fla's does not."""
+    _flags(output_final_state=output_final_state, inplace_final_state=inplace_final_state,
+           state_v_first=state_v_first, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+           use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+           allow_neg_eigval=allow_neg_eigval, null_slot0=null_slot0)
+    _lower_bound(lower_bound)
     _common(q, k, v, beta, dict(k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log,
                                 dt_bias=dt_bias, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                                 out=out),

@@ -285,12 +285,21 @@ class FlashKDAExtKernel:
             if fused_accept_state_indices is not None or fused_accept_num_accepted is not None:
                 ring.update(fused_accept_state_indices=fused_accept_state_indices,
                             fused_accept_num_accepted=fused_accept_num_accepted)
-            return self._fall_back(
+            if out is not None:
+                # out is ours (SGLang's kernel takes none: its **kwargs would drop it): checked before SGLang's
+                # kernel runs, then given its result
+                T, _, _, HV, V = _qkv_dims(q, v)
+                out = validation._tensor("out", out)
+                if tuple(out.shape) != (1, T, HV, V) or out.dtype != v.dtype or out.device != v.device:
+                    raise ValueError(f"out: expected a {v.dtype} tensor [1, T, HV, V] = {[1, T, HV, V]} on "
+                                     f"{v.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+            o = self._fall_back(
                 "target_verify", reason, A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b,
                 ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc,
                 intermediate_states_buffer=intermediate_states_buffer,
                 intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
                 retrieve_parent_token=retrieve_parent_token, lower_bound=lower_bound, **ring)
+            return o if out is None else out.copy_(o)
         o = verify.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                                  query_start_loc=query_start_loc, buf=intermediate_states_buffer,
                                  table=intermediate_state_indices, cache_steps=cache_steps,

@@ -50,9 +50,13 @@ def _original(original, call: dict):
 
 
 def serve_or_fall_back(site: str, serve, original, call: dict):
-    """serve(**call) counted as served, or original(**call) with the reason counted when serve raises Refused,
-    or when the op refuses the mapped call (its TypeError / ValueError is raised before anything is written).
-    Bad metadata (an int64 index that does not fit int32 on the host) raises to the caller instead."""
+    """serve(**call) counted as served, or original(**call) with the reason counted when serve raises Refused /
+    NotNarrowable, or when the op refuses the mapped call (its TypeError / ValueError is raised before anything
+    is written)."""
+    # The rule: a call outside what the adapter maps falls back (vLLM's kernel takes it, or its wrapper reports
+    # it); only host values no kernel can run (a slot index past the pool or int32, a count outside [1, T_max],
+    # offsets outside [0, T]: _indices) raise a ValueError naming the argument, since vLLM's kernels would read
+    # or write out of bounds with them.
     if getattr(_FALLING_BACK, "active", False):
         return original(**call)
     try:

@@ -27,21 +27,45 @@ from ..rows import rows_view
 from ._common import Refused, dense_qkv, qkv_rows, run_op, unknown
 
 
-def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device) -> dict:
+#: A_log / dt_bias (g_bias) dtypes served, read as fp32: vLLM's kernels load each element in its stored dtype and
+#: convert it to fp32 before any arithmetic (tl.load(A_log + i_h).to(tl.float32), the same for the bias, at all
+#: three call sites), so one .float() gives exactly the values vLLM computes with (an fp64 value rounds to
+#: nearest in both). Another dtype (integer, bool, complex: .float() would drop an imaginary part) falls back.
+_PARAM_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _param(name: str, x, n: int, what: str = "") -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.numel() != n:
+        raise Refused(f"{name} must be a tensor of {n} elements{what}")
+    if x.dtype not in _PARAM_DTYPES:
+        raise Refused(f"{name} of dtype {x.dtype}: flashkda_ext reads a floating-point {name} as fp32, as vLLM's "
+                      f"kernels do")
+    return x.reshape(-1).float()
+
+
+def _flag(name: str, value) -> bool:
+    """A bool argument: True / False exactly (1 == True in Python, but an int is not what vLLM's signature says)."""
+    if not isinstance(value, bool):
+        raise Refused(f"{name}={value!r} ({type(value).__name__}): vLLM's signature takes a bool")
+    return value
+
+
+def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device, bias: str = "dt_bias") -> dict:
     """vLLM's gate in flashkda_ext's terms: lower_bound set -> lower_bound * sigmoid(exp(A_log) * (g + dt_bias)),
-    else -exp(A_log) * softplus(g + dt_bias) (threshold 20 in both)."""
-    if not isinstance(A_log, torch.Tensor) or A_log.numel() != HV:
-        raise Refused(f"A_log must be a tensor of {HV} elements (one per head)")
-    if lower_bound is not None and not isinstance(lower_bound, (int, float)):
-        raise Refused(f"lower_bound must be a number or None, got {type(lower_bound).__name__}")
+    else -exp(A_log) * softplus(g + dt_bias) (threshold 20 in both). `bias`: vLLM's name of dt_bias there."""
+    # a bool is an int to isinstance: True would be served as lower_bound 1.0
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise Refused(f"lower_bound must be a number or None, got {type(lower_bound).__name__} {lower_bound!r}")
+    A_log = _param("A_log", A_log, HV, " (one per head)")
     if dt_bias is None:
         # vLLM adds no bias; the bounded gate takes an absent dt_bias as 0 (no zero-filled tensor to launch)
         if lower_bound is None:
             dt_bias = torch.zeros(HV * K, dtype=torch.float32, device=device)
-    elif not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != HV * K:
-        raise Refused(f"dt_bias must be a tensor of {HV * K} elements")
-    return dict(A_log=A_log.reshape(-1).float(), dt_bias=None if dt_bias is None else dt_bias.reshape(-1).float(),
-                lower_bound=None if lower_bound is None else float(lower_bound),
+    else:
+        dt_bias = _param(bias, dt_bias, HV * K)
+    # lower_bound as given: the op's validation makes it a float with its range checked (float() here would
+    # raise OverflowError for an int past the float range)
+    return dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                 gate="softplus" if lower_bound is None else "bounded")
 
 
@@ -92,7 +116,7 @@ def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     g, beta = _gate_beta(raw_g[0], raw_beta[0], q, row_dim=0)
     o = _dense_out(out, (1, B, H, V))
     res = run_op(kda_decode, q, k, v, g, beta, state=initial_state,
-                 state_indices=_indices.slot_indices("state_indices", state_indices),
+                 state_indices=_indices.slot_indices("state_indices", state_indices, initial_state.shape[0]),
                  **_gate(A_log, dt_bias, lower_bound, H, K, q.device), scale=scale, beta_is_logit=True,
                  slot_mode="padded", null_slot0=True, out=None if o is None else o.view(B, H, V))
     return (o if o is not None else res.view(1, B, H, V)), initial_state
@@ -103,35 +127,40 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
                                 cu_seqlens=None, out=None, **kwargs):
     from ...ops import kda_prefill
     unknown(kwargs)     # vLLM's wrapper swallows **kwargs; an adapter must not guess what they mean
-    if not use_qk_l2norm_in_kernel:
+    if not _flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel):
         raise Refused("use_qk_l2norm_in_kernel=False (flashkda_ext always l2-normalizes q and k)")
     if q.dim() != 4 or v.dim() != 4:
         raise Refused("q / v outside vLLM's contract ([B, T, H, D])")
     q, k, v = dense_qkv(q, k, v)
     g, beta = _gate_beta(raw_g, raw_beta, q)
     HV, K = v.shape[2], q.shape[3]
-    cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens)
+    cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
     # at most (to() alone keeps an fp32 tensor's strides)
     init = initial_state
     if init is not None:
         init = init.contiguous() if init.dtype == torch.float32 else \
             init.to(torch.float32, memory_format=torch.contiguous_format)
-    res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, g_bias, lower_bound, HV, K, q.device), scale=scale,
-                 beta_is_logit=True, cu_seqlens=cu, initial_state=init,
-                 output_final_state=bool(output_final_state), out=_dense_out(out, tuple(v.shape)))
+    res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, g_bias, lower_bound, HV, K, q.device, "g_bias"),
+                 scale=scale, beta_is_logit=True, cu_seqlens=cu, initial_state=init,
+                 output_final_state=_flag("output_final_state", output_final_state),
+                 out=_dense_out(out, tuple(v.shape)))
     return res[0], res[1]
 
 
 def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                           ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
     from ...ops import kda_decode, kda_verify
-    # fuse_gate picks where vLLM computes the same gate (in the recurrent kernel or before it): no effect here
-    if fuse_gate not in (None, True, False):
-        raise Refused(f"fuse_gate={fuse_gate!r} (vLLM takes None, True or False)")
+    # fuse_gate picks where vLLM computes the same gate (in the recurrent kernel or before it): no effect here.
+    # The objects None / True / False only (`in` would let 1 or 0.0 through as True / False)
+    if not (fuse_gate is None or isinstance(fuse_gate, bool)):
+        raise Refused(f"fuse_gate={fuse_gate!r} ({type(fuse_gate).__name__}): vLLM takes None, True or False")
     if q.dim() != 4 or q.shape[0] != 1 or not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
-            or cu_seqlens.shape[0] < 1 or ssm_state_indices is None:
-        raise Refused("outside vLLM's contract (packed q [1, T, H, K], cu_seqlens [N+1] and ssm_state_indices given)")
+            or cu_seqlens.shape[0] < 1 or ssm_state_indices is None or not isinstance(initial_state, torch.Tensor) \
+            or initial_state.dim() != 4:
+        raise Refused("outside vLLM's contract (packed q [1, T, H, K], cu_seqlens [N+1], ssm_state_indices and the "
+                      "pool initial_state [slots, H, V, K] given)")
+    ssm_state_indices = _indices.int_tensor("ssm_state_indices", ssm_state_indices)
     # kda_verify reads the tokens (dim 1) of vLLM's views as they are; so does kda_decode their rows (q[0])
     q, k, v = qkv_rows(q, k, v, 1)
     g, beta = _gate_beta(raw_g, raw_beta, q, row_dim=1)
@@ -140,20 +169,21 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     gate = _gate(A_log, dt_bias, lower_bound, HV, K, q.device)
     o = _dense_out(out, (1, T, HV, V))
     N = cu_seqlens.shape[0] - 1
-    cu = _indices.offsets("cu_seqlens", cu_seqlens)
+    slots = initial_state.shape[0]
     common = dict(state=initial_state, **gate, scale=K ** -0.5, beta_is_logit=True, null_slot0=True)
 
     if ssm_state_indices.dim() == 2 and ssm_state_indices.shape[1] >= 2:
+        t_max = ssm_state_indices.shape[1]
+        cu = _indices.offsets("cu_seqlens", cu_seqlens, T, longest=t_max)
         # vLLM pads the index table and counts to the CUDA-graph batch but passes the real requests' offsets
-        idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices[:N]).contiguous()
-        nat = None if num_accepted_tokens is None else \
-            _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N]).contiguous()
+        idx = _indices.slot_indices("ssm_state_indices", ssm_state_indices[:N], slots).contiguous()
+        nat = None if num_accepted_tokens is None else _indices.accepted_counts(
+            "num_accepted_tokens", _indices.int_tensor("num_accepted_tokens", num_accepted_tokens)[:N],
+            t_max).contiguous()
         if cu.device.type == "cpu":
             # tokens past the last offset belong to no request: on the host that is visible, and the op takes
             # exactly the requests' tokens (a GPU kernel leaves those rows unwritten, as vLLM's does)
-            used = int(cu[-1])
-            if not 0 <= used <= T:
-                raise Refused(f"cu_seqlens ends at {used}, outside the {T} tokens given")
+            used = int(cu[-1])      # in [0, T]: offsets() checked it
         else:
             # no host read: a request holds at most T_max tokens, so tokens past N * T_max (vLLM's CUDA-graph
             # padding of the token count) belong to none and are not passed (views: nothing launched)
@@ -186,9 +216,10 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     first = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
     if ssm_state_indices.dim() == 1 and num_accepted_tokens is not None:
         raise Refused("num_accepted_tokens with 1-D ssm_state_indices (vLLM asserts it is None)")
-    rows = _indices.one_token_rows(cu, _indices.slot_indices("ssm_state_indices", first))
+    cu = _indices.offsets("cu_seqlens", cu_seqlens, T)
+    rows = _indices.one_token_rows(cu, _indices.slot_indices("ssm_state_indices", first, slots))
     if num_accepted_tokens is not None:      # a one-column table: only count 1 names a column
-        nat = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N])
+        nat = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N], 1)
         rows = torch.where(nat == 1, rows, -1).to(torch.int32)
     res = run_op(kda_decode, q[0], k[0], v[0], g[0], beta[0], state_indices=rows, slot_mode="padded",
                  out=None if o is None else o[0], **common)

@@ -6,8 +6,8 @@ chunk_kda_with_fused_gate has no caller in vLLM 0.34.0 and is left alone.
 The argument mapping is fla.py's (these ops are fla's with vLLM's fixed choices: state_v_first, no gate or beta
 activation in the recurrent kernel, slot 0 the null block). vLLM's wrappers swallow **kwargs: bailing_moe_v3
 passes safe_gate= and lower_bound=, which those wrappers ignore (g is already the log decay, computed by
-fused_kda_gate with the bound), so the adapters accept exactly these two as the no-ops they are there; any
-other extra argument falls back.
+fused_kda_gate with the bound), so the adapters accept exactly these two as the no-ops they are there, with the
+values bailing_moe_v3 passes (a bool; None or a number); any other extra argument or value falls back.
 """
 from __future__ import annotations
 
@@ -29,18 +29,24 @@ def _contiguous(x):
 
 def _no_unknown(kwargs: dict) -> None:
     unknown({k: v for k, v in kwargs.items() if k not in IGNORED_BY_VLLM})
+    # no-ops only as bailing_moe_v3 passes them: safe_gate a bool, lower_bound None or a number (not a bool)
+    safe_gate, lower_bound = kwargs.get("safe_gate", False), kwargs.get("lower_bound")
+    if not isinstance(safe_gate, bool):
+        raise Refused(f"safe_gate={safe_gate!r} ({type(safe_gate).__name__}): expected a bool")
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise Refused(f"lower_bound={lower_bound!r} ({type(lower_bound).__name__}): expected a number or None")
 
 
 def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
                     num_accepted_tokens, use_qk_l2norm_in_kernel, contiguous):
     """fla's fused_recurrent_kda_fwd arguments for a vLLM fused_recurrent_kda(_fwd) call, and the number of
     leading tokens served when vLLM padded the decode batch (else None)."""
-    if ssm_state_indices is None or not inplace_final_state:
+    if ssm_state_indices is None or inplace_final_state is not True:
         # without indices vLLM's kernel keeps the state after every token ([T, HV, V, K]), not a final state
         raise Refused("flashkda_ext serves vLLM's fused_recurrent_kda on the state pool only "
                       "(ssm_state_indices given, inplace_final_state=True)")
-    if beta is None or initial_state is None:
-        raise Refused("flashkda_ext needs beta and initial_state (the state pool)")
+    if beta is None or not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+        raise Refused("flashkda_ext needs beta and initial_state (the state pool [slots, HV, V, K])")
     if contiguous:
         # vLLM's wrapper makes them dense; the ops this form reaches (kda_decode, kda_verify) read the tokens
         # (dim 1) of row-strided views as they are, so only what they cannot read is copied
@@ -48,16 +54,21 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
         beta = rows_view(beta, 1, vector=False)
     served = None
     B, T = q.shape[0], q.shape[1]
-    if cu_seqlens is not None:
-        cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens)
+    ssm_state_indices = _indices.int_tensor("ssm_state_indices", ssm_state_indices)
     if num_accepted_tokens is not None:
-        num_accepted_tokens = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens)
-    ssm_state_indices = _indices.slot_indices("ssm_state_indices", ssm_state_indices)
+        num_accepted_tokens = _indices.int_tensor("num_accepted_tokens", num_accepted_tokens)
+    t_max = ssm_state_indices.shape[1] if ssm_state_indices.dim() == 2 else None
+    if cu_seqlens is not None:
+        cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens, T, longest=t_max)
     if ssm_state_indices.dim() == 2 and cu_seqlens is not None:
-        # the table and counts padded to the CUDA-graph batch; cu_seqlens holds the real requests
+        # the table and counts padded to the CUDA-graph batch (checked below only for the N real requests);
+        # cu_seqlens holds the real requests
         N = cu_seqlens.shape[0] - 1
         ssm_state_indices = ssm_state_indices[:N]
         num_accepted_tokens = None if num_accepted_tokens is None else num_accepted_tokens[:N]
+    if num_accepted_tokens is not None:
+        num_accepted_tokens = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens, t_max)
+    ssm_state_indices = _indices.slot_indices("ssm_state_indices", ssm_state_indices, initial_state.shape[0])
     if ssm_state_indices.dim() == 1 and cu_seqlens is not None and B == 1:
         N = cu_seqlens.shape[0] - 1
         if ssm_state_indices.shape[0] < N:
@@ -117,7 +128,7 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
     _no_unknown(kwargs)
     if cu_seqlens is not None:
-        cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens)
+        cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = (_contiguous(x) for x in (q, k, v, g, beta, initial_state))
     form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
