@@ -34,6 +34,9 @@ def _gate(lower_bound, A_log):
     """SGLang's rule (its chunk_kda): with A_log the raw gate is activated in the kernel, bounded when
     lower_bound is set, else softplus; without A_log g is already the log decay."""
     if A_log is None:
+        # SGLang's chunk_kda then reads lower_bound only as safe_gate, a promise that the given log decay is
+        # >= lower_bound that lets its intra-chunk kernel skip a guard; the log gate is exact for any g, so the
+        # promise changes nothing here (read in sglang 0.5.23, kernels/ops/attention/fla/kda.py)
         return "log", None
     return ("softplus" if lower_bound is None else "bounded"), lower_bound
 
