@@ -14,14 +14,11 @@ Every refusal leaves every tensor bitwise as it was.
 """
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
-from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.sglang import FlashKDAExtKernel
-from flashkda_ext.integrations.vllm import k3, vendored
+from vllm_adapter_probe import adapter, fell_back
 
 H, K, V, SLOTS = 2, 8, 8, 6
 
@@ -81,27 +78,6 @@ def test_sglang_extend_refuses_a_track_state_it_cannot_write_before_the_pool_is_
 
 
 # --- vLLM adapters: malformed metadata falls back (counted), never broadcast or an unnamed torch error -------
-
-def adapter(site):
-    """The adapter of `site` around a recorder with vLLM's signature (vLLM's kernel cannot run here)."""
-    point, _, name = site.partition(".")
-    body = {"k3": k3.SERVE, "vendored": vendored.SERVE}[point][name]
-
-    def original(**kw):
-        return "original"
-    original.__signature__ = inspect.signature(body)
-    original.__name__ = name
-    return fkda_vllm.adapter_for(site, original)
-
-
-def fell_back(site, call, reason):
-    """call() runs vLLM's original with one fallback counted whose reason contains `reason`."""
-    before, reasons = fkda_vllm.STATS[site, "fell_back"], fkda_vllm.REASONS.copy()
-    assert call() == "original"
-    assert fkda_vllm.STATS[site, "fell_back"] == before + 1
-    counted = [r for (s, r), n in fkda_vllm.REASONS.items() if s == site and n > reasons[s, r]]
-    assert len(counted) == 1 and reason in counted[0], counted
-
 
 @pytest.mark.parametrize("idx", [[5], [4, 5]], ids=["one", "two"])
 def test_vllm_vendored_decode_with_fewer_slot_indices_than_requests_falls_back(idx):

@@ -20,15 +20,13 @@ that depends on it).
 """
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 from flashkda_ext.integrations import fla as fkda_fla
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.sglang import FlashKDAExtKernel
-from flashkda_ext.integrations.vllm import k3, vendored
+from vllm_adapter_probe import adapter, fell_back
 
 H, K, V, SLOTS = 2, 8, 8, 6
 
@@ -39,26 +37,6 @@ def rand(*s, seed=[1200]):
 
 
 # --- vLLM: the adapter around a stand-in for vLLM's kernel (which cannot run here) ---------------------------
-
-def adapter(site):
-    point, _, name = site.partition(".")
-    body = {"k3": k3.SERVE, "vendored": vendored.SERVE}[point][name]
-
-    def original(**kw):
-        return "original"
-    original.__signature__ = inspect.signature(body)
-    original.__name__ = name
-    return fkda_vllm.adapter_for(site, original)
-
-
-def fell_back(site, call, reason):
-    """call() runs vLLM's original with one fallback counted whose reason contains `reason`."""
-    before, reasons = fkda_vllm.STATS[site, "fell_back"], fkda_vllm.REASONS.copy()
-    assert call() == "original"
-    assert fkda_vllm.STATS[site, "fell_back"] == before + 1
-    counted = [r for (s, r), n in fkda_vllm.REASONS.items() if s == site and n > reasons[s, r]]
-    assert len(counted) == 1 and reason in counted[0], counted
-
 
 def raises_writing_nothing(call, pool, match):
     """call() raises a ValueError matching `match` without reaching vLLM's original, the pool as it was."""
