@@ -102,10 +102,9 @@ def op_call(case, pool, idx, nacc, out, T):
 
 def fla_call(fla, case, pool, idx, nacc, out):
     q, k, v, g, beta, A_log, dt_bias, cu = case
-    return lambda: fla(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool, scale=K ** -0.5,
-                       inplace_final_state=True, state_v_first=True, cu_seqlens=cu, ssm_state_indices=idx,
-                       num_accepted_tokens=nacc, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                       use_beta_sigmoid_in_kernel=True, out=out)
+    return harness.fla_verify_fn(q, k, v, g, beta, state=pool, state_indices=idx, cu_seqlens=cu,
+                                 num_accepted_tokens=nacc, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5, out=out,
+                                 fn=fla)
 
 
 # state-copy references (benchmarks/verify_copy.py): (label, share of a tile a program moves, warps)

@@ -28,8 +28,8 @@ What it does, so that every family is measured the same way:
 The same code runs on a CPU (device "cpu") as a dry run: host-clock timing only, no graphs, a
 small flush buffer. Tests use that mode to check the logic without a GPU.
 
-Peers: fla (flash-linear-attention >= 0.6, Triton) adapters for the recurrent decode and the chunked
-prefill live here too (fla_decode_fn, fla_prefill_fn), mapping flashkda_ext's layouts onto fla's
+Peers: fla (flash-linear-attention >= 0.6, Triton) adapters for the recurrent decode and verify and the chunked
+prefill live here too (fla_decode_fn, fla_verify_fn, fla_prefill_fn), mapping flashkda_ext's layouts onto fla's
 (state [slots, HV, V, K] is fla's state_v_first=True layout).
 """
 from __future__ import annotations
@@ -822,22 +822,50 @@ def fla_decode_fn(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias
     padding (fla does not guard negative indices). Each row becomes a batch entry of length 1."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    if gate == "log":
-        use_gate, A_log, dt_bias, lower_bound = False, None, None, None
-    else:
-        use_gate = True
-        if gate != "bounded":
-            lower_bound = None
     q4, k4, v4, g4, b3 = (t.unsqueeze(1) for t in (q, k, v, g, beta))
     o4 = out.unsqueeze(1) if out is not None else torch.empty_like(v4)
+    gate_kw = _fla_gate_kwargs(gate, A_log, dt_bias, lower_bound)
 
     def run():
         fused_recurrent_kda_fwd(
-            q=q4, k=k4, v=v4, g=g4, beta=b3, A_log=A_log, dt_bias=dt_bias, initial_state=state,
+            q=q4, k=k4, v=v4, g=g4, beta=b3, initial_state=state,
             scale=scale, output_final_state=False, inplace_final_state=True, state_v_first=True,
-            ssm_state_indices=state_indices, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=use_gate,
-            use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound, out=o4)
+            ssm_state_indices=state_indices, use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, out=o4, **gate_kw)
         return o4
+
+    return run
+
+
+def _fla_gate_kwargs(gate, A_log, dt_bias, lower_bound) -> dict:
+    """fused_recurrent_kda_fwd's gate arguments for our gate name: "log" hands over the log decay (no gate
+    in fla's kernel), "softplus" / "bounded" the raw gate with A_log, dt_bias (and the bound)."""
+    if gate == "log":
+        return dict(A_log=None, dt_bias=None, use_gate_in_kernel=False, lower_bound=None)
+    return dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                lower_bound=lower_bound if gate == "bounded" else None)
+
+
+def fla_verify_fn(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens, A_log=None,
+                  dt_bias=None, gate="softplus", lower_bound=None, scale=None, out=None, fn=None):
+    """A zero-argument closure running fla's fused recurrent KDA as a speculative verify on our pool
+    (fla >= 0.6: a 2-D ssm_state_indices and num_accepted_tokens, as vLLM calls it).
+
+    Ours: q, k, v, g [1, T, HV, D] (g raw, or the log decay with gate="log"), beta logits [1, T, HV], the
+    requests packed by cu_seqlens (int32 [N+1]); state [slots, HV, V, K]; state_indices int32 [N, T_max]
+    (the state after token t of request n goes to slot [n, t]), num_accepted_tokens int32 [N] (request n
+    starts from slot [n, num_accepted_tokens[n] - 1]). fn: fla's fused_recurrent_kda_fwd (imported when
+    None)."""
+    if fn is None:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fn
+    gate_kw = _fla_gate_kwargs(gate, A_log, dt_bias, lower_bound)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def run():
+        return fn(q, k, v, g, beta, initial_state=state, scale=scale, inplace_final_state=True,
+                  state_v_first=True, cu_seqlens=cu_seqlens, ssm_state_indices=state_indices,
+                  num_accepted_tokens=num_accepted_tokens, use_qk_l2norm_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, out=out, **gate_kw)
 
     return run
 
@@ -906,3 +934,26 @@ def torch_decode_step(q, k, v, g_log, beta_prob, *, state, state_indices, scale=
         return o.to(v.dtype)
     out.copy_(o)
     return out
+
+
+def torch_verify_step(q, k, v, g_log, beta_prob, *, state, state_indices, num_accepted_tokens, scale=None,
+                      out=None):
+    """A vectorized torch verify (speculative decoding) on a [slots, HV, V, K] pool, torch_decode_step
+    token by token: every request has T = state_indices.shape[1] tokens (rows n*T .. n*T + T - 1 of q, k,
+    v [N*T, heads, D], g_log, beta_prob); request n starts from slot state_indices[n,
+    num_accepted_tokens[n] - 1] and the state after its token t, in the pool's dtype (the next token
+    continues from that stored value), goes to slot state_indices[n, t]. Slots distinct and non-negative.
+
+    Used as the recurrent step of the unfused verify sequence when fla is not available (CPU dry runs)."""
+    N, T = state_indices.shape
+    idx = state_indices.long()
+    read = idx.gather(1, num_accepted_tokens.long().view(N, 1) - 1).view(N)
+    cur = state.index_select(0, read)                                # the requests' states, pool dtype
+    rows = torch.arange(N, dtype=torch.int32, device=state.device)
+    o = torch.empty_like(v) if out is None else out
+    tok = lambda x, t: x.view(N, T, *x.shape[1:])[:, t]  # noqa: E731
+    for t in range(T):
+        torch_decode_step(tok(q, t), tok(k, t), tok(v, t), tok(g_log, t), tok(beta_prob, t), state=cur,
+                          state_indices=rows, scale=scale, out=tok(o, t))
+        state.index_copy_(0, idx[:, t], cur)
+    return o

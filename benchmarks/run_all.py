@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run every benchmark in one go and write a summary of the run.
 
-    python benchmarks/run_all.py [--quick] [--dry-run] [--only decode,prefill,fused,trace] [--out DIR]
+    python benchmarks/run_all.py [--quick] [--dry-run] [--only decode,prefill,fused,fused_verify,trace] [--out DIR]
 
 Each script runs in its own process (one crash or OOM does not take the others down) with the
 common flags (harness.add_common_args) passed on; flags this script does not know go to every
@@ -28,6 +28,7 @@ BENCHES = {
     "decode": ("bench_decode.py", "decode", True),
     "prefill": ("bench_prefill.py", "prefill", True),
     "fused": ("bench_fused_decode.py", "fused_decode", True),
+    "fused_verify": ("bench_fused_verify.py", "fused_verify", True),
     "overhead": ("bench_overhead.py", "host_overhead", True),
     "trace": ("bench_trace_overhead.py", "trace_overhead", False),
     "jax": ("bench_jax_overhead.py", "jax_overhead", False),

@@ -179,6 +179,95 @@ def test_fused_decode_dry_run(tmp_path):
         assert c["fused_over_step"]["wall"] > 0
 
 
+@pytest.mark.parametrize("extra,tokens,states,gate", [
+    ([], [4], ["f32"], "softplus"),
+    (["--tokens", "2,8", "--state", "f32,bf16", "--gate", "bounded"], [2, 8], ["f32", "bf16"], "bounded"),
+])
+def test_fused_verify_dry_run(tmp_path, extra, tokens, states, gate):
+    """bench_fused_verify.py end to end on the CPU backend: every point of the grid times the three arms (the
+    unfused one under its torch name), the fused op agrees with the unfused sequence, and each record has its
+    fused / step ratio and the fused op's traffic."""
+    mod = _script("bench_fused_verify")
+    assert mod.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(tmp_path)] + extra) == 0
+    doc = json.loads((tmp_path / "fused_verify.json").read_text())
+    assert doc["baseline"] == "unfused_torch" and doc["meta"]["gate"] == gate and not doc["meta"]["fla_used"]
+    points = [(c["params"]["state"], c["params"]["T"], c["params"]["rows"]) for c in doc["cases"]]
+    assert points == [(s, t, n) for s in states for t in tokens for n in (1, 3)]
+    for c in doc["cases"]:
+        p = c["params"]
+        assert set(c["arms"]) == {"fused", "unfused_torch", "step"} and p["heads"] == 2 and p["gate"] == gate
+        for arm in c["arms"].values():
+            assert arm["time_us"]["wall"]["median"] > 0, arm
+        assert c["notes"]["rel_l2_fused_vs_unfused"] < 2e-2
+        assert c["fused_over_step"]["wall"] > 0
+        assert c["bytes"] == mod.traffic(p["rows"], p["T"], 2, p["head_dim"], 4 if p["state"] == "f32" else 2)[0]
+
+
+@pytest.mark.parametrize("T,gate,state_dtype,longer", [
+    (1, "softplus", torch.float32, 0), (2, "bounded", torch.bfloat16, 0),
+    (4, "softplus", torch.bfloat16, 2), (8, "bounded", torch.float32, 1)])
+def test_unfused_verify_pieces_are_the_reference(T, gate, state_dtype, longer):
+    """The unfused verify sequence's torch pieces (the conv over the draft tokens with its cache, read at the
+    accepted position; the gate; the verify recurrence; the gated RMSNorm), in fp32, are the reference's fused
+    verify: output, conv lines (also lines longer than T + 2) and state pool."""
+    import fused_common as fc
+    from flashkda_ext.reference import fused_kda_verify_step
+
+    gen = torch.Generator().manual_seed(T)
+    r = lambda *shape, s=1.0: torch.randn(*shape, generator=gen) * s  # noqa: E731
+    N, H, D = 3, 2, 8
+    HD, C, tokens, slots = H * D, 3 * H * D, N * T, N * T + 5
+    x, conv_weight, conv = r(1, tokens, C), r(C, 4, s=0.5), r(slots, C, T + 2 + longer)
+    g, beta, output_gate = r(1, tokens, H, D), r(1, tokens, H), r(1, tokens, H, D)
+    A_log, dt_bias, norm_weight = r(H, s=0.5), r(HD, s=0.5), 1 + r(D, s=0.1)
+    state = r(slots, H, D, D, s=0.1).to(state_dtype)
+    idx = torch.randperm(slots, generator=gen)[:tokens].view(N, T).to(torch.int32)
+    nacc = torch.tensor([T, 1, max(1, T // 2)], dtype=torch.int32)
+    cu = torch.arange(0, tokens + 1, T, dtype=torch.int32)
+    gate_kw = dict(gate=gate, lower_bound=-5.0 if gate == "bounded" else None)
+    want, want_conv, want_state = fused_kda_verify_step(
+        x, conv_weight, conv, g, beta, A_log, dt_bias, state, output_gate, norm_weight, state_indices=idx,
+        cu_seqlens=cu, num_accepted_tokens=nacc, dtype=torch.float32, **gate_kw)
+    q, k, v, o, out, g_log = (torch.empty(1, tokens, H, D) for _ in range(6))
+    fc.conv_split_fn(x, conv_weight, conv, idx[:, 0], (q, k, v), offsets=nacc - 1)()
+    fc.gate_fn(g, A_log, dt_bias, gate_kw, g_log)()
+    harness.torch_verify_step(q[0], k[0], v[0], g_log[0], torch.sigmoid(beta[0]), state=state, state_indices=idx,
+                              num_accepted_tokens=nacc, out=o[0])
+    fc.gated_rmsnorm_fn(output_gate, norm_weight, out)(o)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)
+    torch.testing.assert_close(state.float(), want_state.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_agreement_puts_the_touched_slots_back():
+    """The fused benchmarks' agreement check runs both arms from the same pool slots and leaves the pools as
+    they were; an arm that raises is recorded, not raised."""
+    import fused_common as fc
+
+    pool, lines = torch.randn(6, 2, 3), torch.randn(6, 4)
+    before = (pool.clone(), lines.clone())
+    idx = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+
+    def arm(scale):
+        def run():
+            out = pool[idx.flatten().long()].sum() * scale + lines[idx[:, 0].long()].sum()
+            pool.index_fill_(0, idx.flatten().long(), 7.0)
+            lines[idx[:, 0].long()] += 1.0
+            return out.reshape(1)
+        return run
+
+    notes = {}
+    fc.agreement(arm(1.0), arm(1.0), ((pool, idx), (lines, idx[:, 0])), notes)
+    assert notes == {"rel_l2_fused_vs_unfused": 0.0}
+    assert torch.equal(pool, before[0]) and torch.equal(lines, before[1])
+    fc.agreement(arm(1.0), lambda: 1 / 0, ((pool, idx), (lines, idx[:, 0])), notes)
+    assert notes["agreement_check_error"].startswith("ZeroDivisionError")
+    assert torch.equal(pool, before[0]) and torch.equal(lines, before[1])
+    skipped = {}
+    fc.agreement(arm(1.0), arm(2.0), ((pool, idx),), skipped, max_bytes=4 * 2 * 3 * 4)   # 4 slots of 24 bytes
+    assert skipped == {} and torch.equal(pool, before[0])
+
+
 def test_host_mode_times_blocks_of_calls_back_to_back(tmp_path):
     calls = []
     timer = harness.Timer(cpu_cfg(tmp_path, modes=("host",)))
@@ -211,10 +300,10 @@ def test_overhead_dry_run(tmp_path):
 
 def test_run_all_dry_run_writes_summary(tmp_path):
     mod = _script("run_all")
-    rc = mod.main(["--dry-run", "--only", "fused", "--out", str(tmp_path), "--no-progress", "--no-plot"])
+    rc = mod.main(["--dry-run", "--only", "fused,fused_verify", "--out", str(tmp_path), "--no-progress", "--no-plot"])
     assert rc == 0
     md = (tmp_path / "summary.md").read_text()
-    assert "## fused" in md and "Copy ceiling" in md
+    assert "## fused\n" in md and "## fused_verify\n" in md and md.count("Copy ceiling") == 2
 
 
 @pytest.mark.parametrize("name", ["bench_decode", "bench_prefill", "bench_cp"])

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 BENCH_SCRIPTS = {"decode": "bench_decode.py", "prefill": "bench_prefill.py", "fused": "bench_fused_decode.py",
+                 "fused_verify": "bench_fused_verify.py",
                  "overhead": "bench_overhead.py", "trace": "bench_trace_overhead.py",
                  "jax": "bench_jax_overhead.py", "all": "run_all.py"}
 # scripts with their own small CLI: --quick is not theirs to take
@@ -54,7 +55,7 @@ def add_parser(sub) -> None:
                                    "to it. Results go where the script's --out says (default: a folder under\n"
                                    "the JIT cache dir, never into the checkout).",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="scripts:\n" + "\n".join(f"  {k:<9} benchmarks/{v}" for k, v in BENCH_SCRIPTS.items()))
+                       epilog="scripts:\n" + "\n".join(f"  {k:<12} benchmarks/{v}" for k, v in BENCH_SCRIPTS.items()))
     s.add_argument("which", nargs="?", choices=list(BENCH_SCRIPTS), metavar="NAME",
                    help="which benchmark: " + ", ".join(BENCH_SCRIPTS))
     s.add_argument("--quick", action="store_true", help="a small grid and fewer samples (passed on as --quick)")
