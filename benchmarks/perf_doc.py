@@ -9,6 +9,7 @@ or compact form (benchmarks/results_compact.py); the tables read the arms' media
 
     kda_decode        bench_decode.py      arms ours (routed module), fla; graph, eager, wall
     fused_kda_decode  bench_fused_decode.py arms fused, unfused (the engine's sequence), step; graph
+    fused_kda_verify  bench_fused_verify.py arms fused, unfused (the engine's sequence), step; graph
     kda_verify        bench_verify.py      arms ours (routed module), fla; graph
     kda_prefill       bench_prefill.py     arms ours, then one column per peer arm the run has
                                            (fla, cudnn, ...); eager (event time) and kernel
@@ -215,6 +216,35 @@ def decode_section(srcs) -> list:
 
 # --- fused_kda_decode ------------------------------------------------------------------------
 
+def _fused_rows(srcs, point, pct=False):
+    """A fused op's table rows and per-run figures: each case's fused / unfused (the engine's sequence) /
+    plain-step medians (graph), the unfused sequence's time over the fused op's, fused over step, with
+    pct the fused op's % of copy; point(params) gives the point's columns. Returns (rows, [(src, state,
+    {"over", "small", "large", "within", "pct_2048"})]): over the unfused sequence at every point, at
+    <= 64 rows, at >= 1024 rows; fused / step; % of copy from 2048 work items."""
+    rows, runs = [], []
+    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
+        fig = {k: [] for k in ("over", "small", "large", "within", "pct_2048")}
+        for c in cases:
+            p, arms = c["params"], c["arms"]
+            fu, un, st = (_med(arms.get(k), "graph") for k in ("fused", "unfused", "step"))
+            x = un / fu if fu and un else None
+            s = fu / st if fu and st else None
+            share = _pct(arms.get("fused"))
+            for key, keep, val in (("over", True, x), ("small", p["rows"] <= 64, x), ("large", p["rows"] >= 1024, x),
+                                   ("within", True, s), ("pct_2048", p.get("work_items", 0) >= 2048, share)):
+                if keep and val is not None:
+                    fig[key].append(val)
+            rows.append([p["state"]] + point(p) + [_us(fu), _us(un), _x(x), _us(st), "-" if s is None else f"{s:.2f}"]
+                        + (["-" if share is None else f"{share:.0f}%"] if pct else []) + [src.key])
+        runs.append((src, state, fig))
+    return rows, runs
+
+
+def _span(xs, fmt="{:.2f}") -> str:
+    return "-" if not xs else f"{fmt.format(min(xs))}-{fmt.format(max(xs))}"
+
+
 def fused_section(srcs) -> list:
     lines = [
         "Arms (issue 9): the fused op; the unfused sequence an engine runs today (causal conv update with "
@@ -222,26 +252,10 @@ def fused_section(srcs) -> list:
         "torch); the plain `kda_decode` step at the same shape. Pool of 4096 slots, softplus gate, CUDA-graph "
         "replay. Targets: >= 3x over the unfused sequence at rows <= 64, >= 1.5x at rows >= 1024; the fused "
         "op within 1.15x of the plain step.", ""]
-    rows, notes = [], []
-    for src, state, cases in [(src, st, cs) for src in srcs for st, cs in _by_state(src)]:
-        over, within = [], []
-        for c in cases:
-            p, arms = c["params"], c["arms"]
-            fu, un, st = (_med(arms.get(k), "graph") for k in ("fused", "unfused", "step"))
-            x = un / fu if fu and un else None
-            s = fu / st if fu and st else None
-            if x is not None:
-                over.append(x)
-            if s is not None:
-                within.append(s)
-            rows.append([p["state"], f"{p['rows']} x H{p['heads']}", _us(fu), _us(un), _x(x), _us(st),
-                         "-" if s is None else f"{s:.2f}", src.key])
-        short = [un / fu for c in cases if c["params"]["rows"] <= 64
-                 for fu, un in [(_med(c["arms"].get("fused"), "graph"), _med(c["arms"].get("unfused"), "graph"))]
-                 if fu and un]
-        notes.append(f"- {state} ({src.when()}): over the unfused sequence geomean {_x(_geomean(over))}, "
-                     f"lowest at rows <= 64 {_x(min(short, default=None))}; fused / step "
-                     f"{min(within, default=0):.2f}-{max(within, default=0):.2f}.")
+    rows, runs = _fused_rows(srcs, lambda p: [f"{p['rows']} x H{p['heads']}"])
+    notes = [f"- {state} ({src.when()}): over the unfused sequence geomean {_x(_geomean(f['over']))}, "
+             f"lowest at rows <= 64 {_x(min(f['small'], default=None))}; fused / step "
+             f"{min(f['within'], default=0):.2f}-{max(f['within'], default=0):.2f}." for src, state, f in runs]
     lines += _table(["state", "point", "fused us", "unfused us", "x unfused", "step us", "fused / step", "run"],
                     rows)
     return lines + [""] + notes
@@ -284,9 +298,29 @@ def verify_section(srcs) -> list:
 
 def fused_verify_section(srcs) -> list:
     if not srcs:
-        return ["Not measured yet: no benchmark script times `fused_kda_verify` (its GPU tests check it "
-                "against the reference). Its route is one module, `fused_verify_row_{state}_{offset}`."]
-    raise NotImplementedError("a fused_kda_verify source needs its table here")
+        return ["Not measured yet: `benchmarks/bench_fused_verify.py` times `fused_kda_verify` against the unfused "
+                "engine sequence and the plain `kda_verify`, but benchmarks/results/current.json lists no GPU run "
+                "of it (its GPU tests check it against the reference). Its route is one module, "
+                "`fused_verify_row_{state}_{offset}`."]
+    lines = [
+        "Arms (`benchmarks/bench_fused_verify.py`): the fused op; the unfused sequence an engine runs today for "
+        "speculative verify (the causal conv over the draft tokens with its cache in torch, vLLM's layout: a line "
+        "of T + 2 inputs read from the accepted position; fla's gate kernel; fla's `fused_recurrent_kda` with "
+        "`num_accepted_tokens` and a slot per token, on the pool in place; gated RMSNorm in torch); the plain "
+        "`kda_verify` at the same shape. Every request has T draft tokens on T random slots and starts from a "
+        "random accepted one; CUDA-graph replay, cold L2. % of copy: the fused op's essential traffic (one state "
+        "read and T writes per (request, head), the conv window read and its line written, the tokens' inputs and "
+        "output) at the run's copy bandwidth. No issue sets fused verify's targets; fused decode's, for "
+        "comparison: >= 3x over the unfused sequence at <= 64 requests, >= 1.5x at >= 1024, the fused op within "
+        "1.15x of the plain step.", ""]
+    rows, runs = _fused_rows(srcs, lambda p: [str(p["T"]), f"{p['rows']} x H{p['heads']}"], pct=True)
+    lines += _table(["state", "T", "requests x heads", "fused us", "unfused us", "x unfused", "step us",
+                     "fused / step", "fused % of copy", "run"], rows)
+    notes = [f"- {state} ({src.when()}, {src.doc['meta'].get('gate', 'softplus')} gate): over the unfused sequence "
+             f"geomean {_x(_geomean(f['over']))}, lowest at <= 64 requests {_x(min(f['small'], default=None))}, at "
+             f">= 1024 requests {_x(min(f['large'], default=None))}; fused / step {_span(f['within'])}; from 2048 "
+             f"work items {_span(f['pct_2048'], '{:.1f}')}% of copy." for src, state, f in runs]
+    return lines + [""] + notes
 
 
 # --- kda_prefill -----------------------------------------------------------------------------
@@ -527,7 +561,8 @@ def summary_rows(sources) -> list:
     """(op and state, peer, geomean, slowest, when): the figures the README quotes."""
     out = []
     pairs = {"kda_decode": ("ours", "fla", "graph"), "kda_verify": ("ours", "fla", "graph"),
-             "fused_kda_decode": ("fused", "unfused", "graph"), "kda_prefill": ("ours", "fla", "eager")}
+             "fused_kda_decode": ("fused", "unfused", "graph"), "fused_kda_verify": ("fused", "unfused", "graph"),
+             "kda_prefill": ("ours", "fla", "eager")}
     for op, (ours, peer, mode) in pairs.items():
         for src, state, cases in [(src, st, cs) for src in sources.get(op, []) for st, cs in _by_state(src)]:
             peers = [peer] + ([p for p in _peers(cases) if p != peer] if op == "kda_prefill" else [])
@@ -618,7 +653,9 @@ HOW_TO_REPRODUCE = [
     "    STAGES=\"build tests bench peers\" bash scripts/device.sh", "",
     "`bench` runs bench_decode / bench_fused_decode / bench_verify / bench_prefill over the issues' grids; "
     "`peers` runs prefill against cuDNN and fla (`bench_prefill.py --peers cudnn,fla`) and decode and "
-    "verify against fla. One benchmark by hand: `python3 -m flashkda_ext bench decode --quick`; on a CPU, "
+    "verify against fla. Fused verify is in no stage yet: `python3 benchmarks/bench_fused_verify.py --modes graph` "
+    "(draft length T 4; `--tokens 2,4,8` for all three of issue 30). One benchmark by hand: "
+    "`python3 -m flashkda_ext bench decode --quick`; on a CPU, "
     "`python3 benchmarks/run_all.py --dry-run` checks the scripts on tiny shapes (no numbers). One device "
     "command has 10 minutes: spread the stages (or `OPS`, the benchmarks a bench / peers stage runs) over "
     "calls, e.g. `STAGES=peers OPS=prefill`.", "",

@@ -323,3 +323,90 @@ def test_engine_kernel_time_outlives_a_later_graph_only_run(sources):
     line = next(x for x in perf_doc.render(sources).splitlines()
                 if x.startswith("- vLLM 0.34.0 packed decode, kernel time"))
     assert f"1 row H8 f32 0.99x ({timed.key})" in line
+
+
+SYNTHETIC_FOLDER = "-".join(("h200", "2026-12-05", "abcdef0"))  # built from parts (tests/test_provenance.py scans)
+
+
+def _fused_verify_source(tmp_path, cases, gate="softplus"):
+    """A synthetic bench_fused_verify.py results document (compact form) as a cited source, written under
+    tmp_path: nothing of it goes into benchmarks/results."""
+    folder = tmp_path / SYNTHETIC_FOLDER
+    folder.mkdir(exist_ok=True)
+    doc = {"benchmark": "fused_verify", "meta": {"gpu": "NVIDIA H200", "gate": gate, "config": {"modes": ["graph"]}},
+           "copy_ceiling": {"GBps": 4000.0}, "baseline": "unfused", "primary_mode": "graph", "cases": []}
+    for state, T, rows, heads, fused, unfused, step, pct in cases:
+        arm = lambda t, p=None: {"time_us": {"graph": {"median": t}},  # noqa: E731
+                                 **({"bandwidth": {"graph": {"pct_copy": p}}} if p is not None else {})}
+        doc["cases"].append({"name": f"{state}_T{T}_h{heads}_r{rows}",
+                             "params": {"rows": rows, "T": T, "heads": heads, "state": state,
+                                        "work_items": rows * heads},
+                             "arms": {"fused": arm(fused, pct), "unfused": arm(unfused), "step": arm(step)}})
+    (folder / "fused_verify.json").write_text(json.dumps(doc))
+    return perf_doc.Source({"file": f"{folder.name}/fused_verify.json"}, root=tmp_path)
+
+
+def test_fused_verify_section_is_not_measured_until_a_run_is_cited(sources):
+    assert sources["fused_kda_verify"] == [], "a GPU run is cited now: this test's premise is gone"
+    section = perf_doc.DOC.read_text().split("## Fused verify (`fused_kda_verify`)")[1].split("\n## ")[0]
+    assert section.strip().startswith("Not measured yet: `benchmarks/bench_fused_verify.py` times")
+    assert "`fused_kda_verify`" not in perf_doc.readme_block(sources)
+
+
+def test_fused_verify_section_renders_a_cited_run(sources, tmp_path):
+    """Once current.json lists a bench_fused_verify.py run under ops.fused_kda_verify, its section is a table like
+    fused decode's (fused / unfused / step, fused over step) with the fused op's % of copy, a line per state with
+    the figures, the run cited, and a README row against the unfused sequence."""
+    cited = copy.deepcopy(sources)
+    cited["fused_kda_verify"] = [_fused_verify_source(tmp_path, [
+        ("f32", 4, 1, 16, 10.0, 40.0, 9.0, 20.0),
+        ("f32", 4, 1024, 64, 1000.0, 2000.0, 950.0, 85.0),
+        ("bf16", 2, 64, 32, 30.0, 120.0, 25.0, 50.0),
+        ("bf16", 8, 256, 16, 200.0, None, 190.0, 61.0),    # no unfused time at this point (a failed arm)
+    ], gate="bounded")]
+    text = perf_doc.render(cited)
+    section = text.split("## Fused verify (`fused_kda_verify`)")[1].split("\n## ")[0]
+    assert "Not measured yet" not in section
+    assert "| state | T | requests x heads | fused us | unfused us | x unfused | step us | fused / step | " \
+           "fused % of copy | run |" in section
+    assert "| f32 | 4 | 1 x H16 | 10.0 | 40.0 | 4.00x | 9.0 | 1.11 | 20% | A |" in section
+    assert "| f32 | 4 | 1024 x H64 | 1000 | 2000 | 2.00x | 950.0 | 1.05 | 85% | A |" in section
+    assert "| bf16 | 2 | 64 x H32 | 30.0 | 120.0 | 4.00x | 25.0 | 1.20 | 50% | A |" in section
+    assert "| bf16 | 8 | 256 x H16 | 200.0 | - | - | 190.0 | 1.05 | 61% | A |" in section
+    assert ("- f32 (2026-12-05, abcdef0, bounded gate): over the unfused sequence geomean 2.83x, lowest at <= 64 "
+            "requests 4.00x, at >= 1024 requests 2.00x; fused / step 1.05-1.11; from 2048 work items 85.0-85.0% of "
+            "copy.") in section
+    assert ("- bf16 (2026-12-05, abcdef0, bounded gate): over the unfused sequence geomean 4.00x, lowest at <= 64 "
+            "requests 4.00x, at >= 1024 requests -; fused / step 1.05-1.20; from 2048 work items 50.0-61.0% of "
+            "copy.") in section
+    assert f"Runs: A: 2026-12-05, abcdef0, [fused_verify.json](../benchmarks/results/{SYNTHETIC_FOLDER}/" \
+           "fused_verify.json)." in section
+    readme = perf_doc.readme_block(cited)
+    assert "| `fused_kda_verify`, f32 state | the unfused engine sequence (fla step) | 2.83x (2.00x) | graph replay " \
+           "| 2026-12-05, abcdef0 |" in readme
+    # the other sections are untouched
+    assert text.split("## Fused verify")[0] == perf_doc.render(sources).split("## Fused verify")[0]
+
+
+def test_fused_verify_section_reads_the_benchmarks_own_output(sources, tmp_path):
+    """bench_fused_verify.py's results document (a CPU dry run, its arms and mode renamed as a GPU run with fla
+    names them) renders: a row per case, the figures computed."""
+    import bench_fused_verify
+    out = tmp_path / SYNTHETIC_FOLDER
+    assert bench_fused_verify.main(["--dry-run", "--no-progress", "--no-plot", "--out", str(out)]) == 0
+    doc = json.loads((out / "fused_verify.json").read_text())
+    for c in doc["cases"]:
+        c["arms"]["unfused"] = c["arms"].pop("unfused_torch")
+        for arm in c["arms"].values():
+            arm["time_us"]["graph"] = arm["time_us"].pop("wall")
+            if "bandwidth" in arm:
+                arm["bandwidth"]["graph"] = arm["bandwidth"].pop("wall")
+    (out / "fused_verify.json").write_text(json.dumps(doc))
+    src = perf_doc.Source({"file": f"{out.name}/fused_verify.json"}, root=tmp_path)
+    src.key = "A"
+    lines = perf_doc.fused_verify_section([src])
+    rows = [x for x in lines if x.startswith("| f32 | 4 |")]
+    assert len(rows) == len(doc["cases"]) == 2
+    assert all(" - |" not in r for r in rows), rows
+    assert any(x.startswith("- f32 (2026-12-05, abcdef0, softplus gate): over the unfused sequence geomean ")
+               for x in lines)
