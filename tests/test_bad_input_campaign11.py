@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from flashkda_ext.integrations.sglang import FlashKDAExtKernel
+from sglang_call_probe import packed_qkv, verify_setup
 from vllm_adapter_probe import adapter, fell_back
 
 H, K, V, SLOTS = 2, 8, 8, 6
@@ -126,7 +127,7 @@ def packed_decode_call(**bad):
 def decode_call(**bad):
     N = 3
     mixed = rand(N, 2 * H * K + H * V)
-    q, k, v = (x.unflatten(-1, (H, d))[None] for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
+    q, k, v = packed_qkv(mixed, H, K, V)
     pool = rand(SLOTS, H, V, K)
     kw = dict(A_log=rand(H), dt_bias=rand(H * K), ssm_states=pool, cache_indices=torch.tensor([0, 1, 2], dtype=torch.int32),
               query_start_loc=torch.arange(N + 1, dtype=torch.int32))
@@ -136,13 +137,7 @@ def decode_call(**bad):
 
 def verify_call(**bad):
     T = 5
-    mixed = rand(T, 2 * H * K + H * V)
-    q, k, v = (x.unflatten(-1, (H, d))[None] for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
-    pool = rand(SLOTS, H, V, K)
-    buf = torch.full((4, 3, H, V, K), float("nan"))
-    kw = dict(ssm_states=pool, cache_indices=torch.tensor([1, 4], dtype=torch.int32),
-              query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32), intermediate_states_buffer=buf,
-              intermediate_state_indices=torch.tensor([0, 2], dtype=torch.int32))
+    q, k, v, pool, buf, kw = verify_setup(rand, H, K, V, SLOTS)
     a, b = rand(T, H * K), rand(T, H)
     args = dict(a=a, b=b)
     args.update((n, x) for n, x in bad.items() if n in args)

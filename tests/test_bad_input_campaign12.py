@@ -26,6 +26,7 @@ import torch
 from flashkda_ext.integrations import fla as fkda_fla
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.sglang import FlashKDAExtKernel
+from sglang_call_probe import packed_qkv, verify_setup
 from vllm_adapter_probe import adapter, fell_back
 
 H, K, V, SLOTS = 2, 8, 8, 6
@@ -395,7 +396,7 @@ def test_sglang_bool_lower_bound_is_a_type_error_naming_it():
 def sglang_decode(out, **bad):
     N = 3
     mixed = rand(N, 2 * H * K + H * V)
-    q, k, v = (x.unflatten(-1, (H, d))[None] for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
+    q, k, v = packed_qkv(mixed, H, K, V)
     pool = rand(SLOTS, H, V, K)
     kw = dict(A_log=rand(H), dt_bias=rand(H * K), ssm_states=pool,
               cache_indices=torch.tensor([0, 1, 2], dtype=torch.int32),
@@ -406,13 +407,8 @@ def sglang_decode(out, **bad):
 
 def sglang_verify(out, **bad):
     T = 5
-    mixed = rand(T, 2 * H * K + H * V)
-    q, k, v = (x.unflatten(-1, (H, d))[None] for x, d in zip(mixed.split([H * K, H * K, H * V], -1), (K, K, V)))
-    pool = rand(SLOTS, H, V, K)
-    buf = torch.full((4, 3, H, V, K), float("nan"))
-    kw = dict(ssm_states=pool, cache_indices=torch.tensor([1, 4], dtype=torch.int32),
-              query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32), intermediate_states_buffer=buf,
-              intermediate_state_indices=torch.tensor([0, 2], dtype=torch.int32), out=out)
+    q, k, v, pool, buf, kw = verify_setup(rand, H, K, V, SLOTS)
+    kw["out"] = out
     kw.update(bad)
     a, b, A_log, dt_bias = rand(T, H * K), rand(T, H), rand(H), rand(H * K)
     return (pool, buf), lambda kernel=None: (kernel or FlashKDAExtKernel()).target_verify(
