@@ -7,8 +7,12 @@ is a refactor a no-op for the GPU code? No GPU needed, only nvcc.
 Exit status 0 when every kernel is identical, 1 when one differs.
 """
 import sys
+from pathlib import Path
 
-from flashkda_ext.devtools.ptxdiff import main
+# this checkout's package, not an installed one: from a git worktree, an editable install of another
+# checkout would make the change side (default: the package's own tree) that other checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flashkda_ext.devtools.ptxdiff import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
