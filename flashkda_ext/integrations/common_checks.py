@@ -1,5 +1,5 @@
 """Checks the engine adapters share (fla, vLLM, SGLang): narrowing an engine's integer tensors to the
-int32 the kernels read, never by wrapping.
+int32 the kernels read, never by wrapping; a lower_bound that is a number (not a bool) or None.
 
 Engines hand over slot indices, offsets and counts as int64; `x.to(torch.int32)` would turn 2**32 + 1
 into slot 1 and write it. Where the values sit in host memory (the CPU backend, an engine's host copy)
@@ -18,6 +18,12 @@ from typing import Optional
 import torch
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def number_or_none(x) -> bool:
+    """True for None or an int / float that is no bool (a bool is an int to isinstance: True would read as
+    1.0): how an engine may pass lower_bound."""
+    return x is None or (not isinstance(x, bool) and isinstance(x, (int, float)))
 
 
 def host_values(x: Optional[torch.Tensor]) -> bool:

@@ -128,8 +128,8 @@ def _flags(**flags) -> None:
 
 
 def _lower_bound(lower_bound) -> None:
-    # a bool is an int to isinstance: True would read as lower_bound 1.0 (or be dropped with the log gate)
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+    # True would read as lower_bound 1.0 (or be dropped with the log gate)
+    if not common_checks.number_or_none(lower_bound):
         raise Refused(f"flashkda_ext requires lower_bound as a number or None, got {type(lower_bound).__name__} "
                       f"{lower_bound!r}")
 

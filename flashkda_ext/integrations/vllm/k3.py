@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import _indices
+from ..common_checks import number_or_none
 from ..rows import rows_view
 from ._common import Refused, dense_qkv, qkv_rows, run_op, unknown
 
@@ -53,8 +54,7 @@ def _flag(name: str, value) -> bool:
 def _gate(A_log, dt_bias, lower_bound, HV: int, K: int, device, bias: str = "dt_bias") -> dict:
     """vLLM's gate in flashkda_ext's terms: lower_bound set -> lower_bound * sigmoid(exp(A_log) * (g + dt_bias)),
     else -exp(A_log) * softplus(g + dt_bias) (threshold 20 in both). `bias`: vLLM's name of dt_bias there."""
-    # a bool is an int to isinstance: True would be served as lower_bound 1.0
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+    if not number_or_none(lower_bound):     # True would be served as lower_bound 1.0
         raise Refused(f"lower_bound must be a number or None, got {type(lower_bound).__name__} {lower_bound!r}")
     A_log = _param("A_log", A_log, HV, " (one per head)")
     if dt_bias is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import _indices
+from ..common_checks import number_or_none
 from .. import fla as _fla
 from ..rows import rows_view
 from ._common import Refused, run_op, unknown
@@ -33,7 +34,7 @@ def _no_unknown(kwargs: dict) -> None:
     safe_gate, lower_bound = kwargs.get("safe_gate", False), kwargs.get("lower_bound")
     if not isinstance(safe_gate, bool):
         raise Refused(f"safe_gate={safe_gate!r} ({type(safe_gate).__name__}): expected a bool")
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+    if not number_or_none(lower_bound):
         raise Refused(f"lower_bound={lower_bound!r} ({type(lower_bound).__name__}): expected a number or None")
 
 
