@@ -140,6 +140,37 @@ constexpr bool kWideGate = FKDA_PARAM_WIDE_GATE != 0;
 constexpr bool kWideGate = false;
 #endif
 
+// Candidates of branch ve-16h12 (issue 45: the fp32 gap to vLLM 0.34's Triton verify at 16 requests x 12 heads; see
+// README.md, "Candidates on branch ve-16h12"). Each is off (0) in every routed module, whose code does not change.
+// FKDA_PARAM_STATE_FIRST = 1 (register-store staged kernels): the read slot's padding test and the state tile's
+// loads come before the first block's input copies, not after them: the state (the first phase's memory traffic)
+// is requested as soon as the read slot is known instead of after the copy loop (~400 executed SASS instructions a
+// warp at T 4 in w1v16j4: 6 copies a lane, each with its index arithmetic). Nothing else moves: bitwise the same.
+#if defined(FKDA_PARAM_STATE_FIRST)
+constexpr bool kStateFirst = FKDA_PARAM_STATE_FIRST != 0;
+#else
+constexpr bool kStateFirst = false;
+#endif
+// FKDA_PARAM_STATE_PLAIN = 1 (register-store staged kernels): the state tile read and each token's state stored with
+// default-policy loads and stores (LDG.E.128 / STG.E.128, as vLLM's kernel issues them), not decode's streaming
+// (evict-first) __ldcs / __stcs. The same values.
+#if defined(FKDA_PARAM_STATE_PLAIN)
+constexpr bool kStatePlain = FKDA_PARAM_STATE_PLAIN != 0;
+#else
+constexpr bool kStatePlain = false;
+#endif
+// FKDA_PARAM_LAZY_PREP = 1 (register-store staged kernels, not with wide_gate): no prep block: each token is
+// prepared right before its step, in registers, by every lane for its own keys (decode's prepare() in the lane
+// layout prepare_block uses, so bitwise the values token_inputs would read back), as vLLM's kernel prepares each
+// token inside its loop. The first step waits for one token's prep instead of the block's (and no prep barrier);
+// the cost: both lane groups of a warp prepare the same token (twice the prep's arithmetic at 16 lanes a V-row).
+#if defined(FKDA_PARAM_LAZY_PREP)
+constexpr bool kLazyPrep = FKDA_PARAM_LAZY_PREP != 0;
+#else
+constexpr bool kLazyPrep = false;
+#endif
+static_assert(!(kLazyPrep && kWideGate), "lazy_prep computes the decays in every lane: not with wide_gate");
+
 // The row sums of J passes (J values a lane) over each aligned group of LPR lanes, in one
 // butterfly. decode's group_sum runs one butterfly a value: log2(LPR) shuffles and adds each, every
 // lane ending with the sum. Here, at each of the first log2(J) levels, a lane keeps half of its values
@@ -283,7 +314,7 @@ __device__ __forceinline__ void token_step(const DecodeParams& p, typename T::It
       p, cur, pr, row, hv, vrow0, lane, [&](int ps, int i, int) { return cur.s[ps][i]; },
       [&](int ps, int i, int e, const uint4& packed) {
         cur.s[ps][i] = packed;  // the next token continues from the stored value
-        if (store) fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
+        if (store) fkda_decode::store_state<kStatePlain>(reinterpret_cast<uint4*>(sb + e), packed);
       });
 }
 
@@ -471,6 +502,30 @@ struct Staged {
     }
   }
 
+  // kLazyPrep: token j's Prep computed by this lane (prepare_block's per-lane prepare() on the landed raw inputs,
+  // the same lane layout and shuffle trees: bitwise the values token_inputs reads back) and its v values, placed
+  // as token_inputs places them. `in` holds the head's dt_bias and A_log (head_inputs).
+  __device__ static void token_prep(const DecodeParams& p, const Raw& raw, const Prepared& pp, int j, int warp, int c,
+                                    int r, typename T::Item& in, typename T::Item& cur, typename T::Prep& pr) {
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i) {
+      in.qr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[j][0][T::key_of(i, c)]);
+      in.kr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[j][1][T::key_of(i, c)]);
+      in.gr[i] = *reinterpret_cast<const std::remove_reference_t<decltype(in.gr[i])>*>(g_of(raw, j) + T::key_of(i, c));
+    }
+    in.beta_raw = pp.beta_raw[j];
+    T::template prepare<true>(p, in, pr);
+    if constexpr (kJointPasses > 1) {  // the lane's own pass of each group (token_step_joint)
+      const int own = JointSum<LPR, kJointPasses>::own(threadIdx.x % 32);
+#pragma unroll
+      for (int g = 0; g < T::PASSES / kJointPasses; ++g)
+        cur.vr[g] = raw.v[j][warp * (V_TILE / WARPS) + (g * kJointPasses + own) * T::RPW + r];
+    } else {
+#pragma unroll
+      for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = raw.v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
+    }
+  }
+
   // The thread's state chunks of a [V_TILE][K] tile in shared memory into its state registers.
   __device__ static void state_from_tile(typename T::Item& cur, const typename T::Elem* tile, int warp, int c, int r) {
     const typename T::Elem* src = tile + warp * (V_TILE / WARPS) * K;
@@ -517,12 +572,15 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       fkda::mbar_init_fence();
     }
   }
-  // before the read slot is known: the inputs arrive while the state is requested
-  St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
+  static_assert(BULK == 0 || !(kStateFirst || kStatePlain || kLazyPrep),
+                "state_first, state_plain, lazy_prep: register-store kernels (bulk_state 0) only");
+  // before the read slot is known: the inputs arrive while the state is requested (kStateFirst: after the
+  // state's loads, below)
+  if constexpr (!kStateFirst) St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   if constexpr (BULK > 0) __syncthreads();  // the mbarrier is initialised before it is armed (racecheck
                                             // warned of init / expect_tx hazards without it, 2026-12-02)
   if (rq.read < 0) {  // CTA-uniform (request_of: -1 for every padding read entry)
-    fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
+    if constexpr (!kStateFirst) fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
     for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
     return;
   }
@@ -530,9 +588,19 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   if constexpr (BULK > 0) {
     if (threadIdx.x == 0)
       fkda::bulk_load(tiles + V_TILE * K, read_tile<T, OffT>(vp, rq, hv, vt * V_TILE), kTileBytes, bar);
+  } else if constexpr (kStatePlain) {  // T::load_state_at with default-policy loads
+    const Elem* sb = read_tile<T, OffT>(vp, rq, hv, vrow0);
+#pragma unroll
+    for (int ps = 0; ps < T::PASSES; ++ps) {
+#pragma unroll
+      for (int i = 0; i < T::CHUNKS; ++i)
+        cur.s[ps][i] = fkda_decode::load_state<true>(
+            reinterpret_cast<const uint4*>(sb + (ps * T::RPW + r) * K + T::key_of(i, c)));
+    }
   } else {
     T::load_state_at(cur, read_tile<T, OffT>(vp, rq, hv, vrow0), lane);
   }
+  if constexpr (kStateFirst) St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
   St::head_inputs(p, in, hv, c);
   for (int t0 = 0; t0 < len; t0 += S) {
@@ -545,8 +613,10 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
-    St::prepare_block(p, raw, pp, in, nb, grp, c, hv);
-    __syncthreads();
+    if constexpr (!kLazyPrep) {
+      St::prepare_block(p, raw, pp, in, nb, grp, c, hv);
+      __syncthreads();
+    }
     if constexpr (BULK > 0) {
       if (t0 == 0) {
         fkda::mbar_wait(bar, 0);  // the read tile has landed (it arrived during the prep)
@@ -555,7 +625,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
     }
     for (int j = 0; j < nb; ++j) {
       typename T::Prep pr;
-      St::token_inputs(raw, pp, j, warp, c, r, cur, pr);
+      if constexpr (kLazyPrep) St::token_prep(p, raw, pp, j, warp, c, r, in, cur, pr);
+      else St::token_inputs(raw, pp, j, warp, c, r, cur, pr);
       const int32_t dst = pp.dst[j];
       if constexpr (BULK > 0) {
         const int t = t0 + j;
