@@ -272,33 +272,33 @@ EDGES = {
     ],
     # opt-in ve16_* (branch ve-16h12 candidates, fp32 only): f32_192's band, the candidate inside, w1v16j4 without
     # the opt-in, the neighbours' modules past each edge
-    ("kda_verify", "ve16_state_first_192", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4e_f32_o32", frozenset({"ve16_state_first"})),  # 129
-        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_state_first"})),  # 128: f32_mid
+    ("kda_verify", "ve16_split_prep_192", "work_items_min"): [
+        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4s_f32_o32", frozenset({"ve16_split_prep"})),  # 129
+        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_split_prep"})),  # 128: f32_mid
     ],
-    ("kda_verify", "ve16_state_first_192", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4e_f32_o64", frozenset({"ve16_state_first"})),  # 192
-        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_state_first"})),  # 193: fallback
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_state_first"})),
+    ("kda_verify", "ve16_split_prep_192", "work_items_max"): [
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4s_f32_o64", frozenset({"ve16_split_prep"})),  # 192
+        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_split_prep"})),  # 193: fallback
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_split_prep"})),
         (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),  # not opted in
     ],
-    ("kda_verify", "ve16_state_first_192", "max_seqlen_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4e_f32_o32", frozenset({"ve16_state_first"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_state_first"})),  # T 8: fallback
+    ("kda_verify", "ve16_split_prep_192", "max_seqlen_max"): [
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4s_f32_o32", frozenset({"ve16_split_prep"})),
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_split_prep"})),  # T 8: fallback
     ],
-    ("kda_verify", "ve16_state_plain_192", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4p_f32_o32", frozenset({"ve16_state_plain"})),  # 129
-        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_state_plain"})),  # 128: f32_mid
+    ("kda_verify", "ve16_pipe_prep_192", "work_items_min"): [
+        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4n_f32_o32", frozenset({"ve16_pipe_prep"})),  # 129
+        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_pipe_prep"})),  # 128: f32_mid
     ],
-    ("kda_verify", "ve16_state_plain_192", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4p_f32_o64", frozenset({"ve16_state_plain"})),  # 192
-        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_state_plain"})),  # 193: fallback
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_state_plain"})),
+    ("kda_verify", "ve16_pipe_prep_192", "work_items_max"): [
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4n_f32_o64", frozenset({"ve16_pipe_prep"})),  # 192
+        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_pipe_prep"})),  # 193: fallback
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_pipe_prep"})),
         (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),  # not opted in
     ],
-    ("kda_verify", "ve16_state_plain_192", "max_seqlen_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4p_f32_o32", frozenset({"ve16_state_plain"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_state_plain"})),  # T 8: fallback
+    ("kda_verify", "ve16_pipe_prep_192", "max_seqlen_max"): [
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4n_f32_o32", frozenset({"ve16_pipe_prep"})),
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_pipe_prep"})),  # T 8: fallback
     ],
     ("kda_verify", "ve16_lazy_prep_192", "work_items_min"): [
         (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4l_f32_o32", frozenset({"ve16_lazy_prep"})),  # 129

@@ -142,34 +142,26 @@ constexpr bool kWideGate = false;
 
 // Candidates of branch ve-16h12 (issue 45: the fp32 gap to vLLM 0.34's Triton verify at 16 requests x 12 heads; see
 // README.md, "Candidates on branch ve-16h12"). Each is off (0) in every routed module, whose code does not change.
-// FKDA_PARAM_STATE_FIRST = 1 (register-store staged kernels): the read slot's padding test and the state tile's
-// loads come before the first block's input copies, not after them: the state (the first phase's memory traffic)
-// is requested as soon as the read slot is known instead of after the copy loop (~400 executed SASS instructions a
-// warp at T 4 in w1v16j4: 6 copies a lane, each with its index arithmetic). Nothing else moves: bitwise the same.
-#if defined(FKDA_PARAM_STATE_FIRST)
-constexpr bool kStateFirst = FKDA_PARAM_STATE_FIRST != 0;
-#else
-constexpr bool kStateFirst = false;
-#endif
-// FKDA_PARAM_STATE_PLAIN = 1 (register-store staged kernels): the state tile read and each token's state stored with
-// default-policy loads and stores (LDG.E.128 / STG.E.128, as vLLM's kernel issues them), not decode's streaming
-// (evict-first) __ldcs / __stcs. The same values.
-#if defined(FKDA_PARAM_STATE_PLAIN)
-constexpr bool kStatePlain = FKDA_PARAM_STATE_PLAIN != 0;
-#else
-constexpr bool kStatePlain = false;
-#endif
-// FKDA_PARAM_LAZY_PREP = 1 (register-store staged kernels, not with wide_gate): no prep block: each token is
-// prepared right before its step, in registers, by every lane for its own keys (decode's prepare() in the lane
-// layout prepare_block uses, so bitwise the values token_inputs would read back), as vLLM's kernel prepares each
-// token inside its loop. The first step waits for one token's prep instead of the block's (and no prep barrier);
-// the cost: both lane groups of a warp prepare the same token (twice the prep's arithmetic at 16 lanes a V-row).
+// FKDA_PARAM_LAZY_PREP (register-store staged kernels, not with wide_gate): no prep block: each token is prepared in
+// registers right before its step, as vLLM's kernel prepares each token inside its loop. The first step waits for
+// one token's prep instead of the block's (and no prep barrier). Every value is bitwise prepare_block's:
+//   1: every lane runs decode's prepare() on its own keys (the lane layout prepare_block uses): both 16-lane groups
+//      of a warp prepare the same token (twice the prep's arithmetic at 16 lanes a V-row);
+//   2: the prep split between a warp's lane groups (Staged::split_scalars / split_finish; needs CHUNKS == 32 / LPR,
+//      w1v16j4's shape): group r computes the gate of chunk r's keys only (half the exp / log1p / division) and one
+//      of the two l2norm butterflies (group 0 q's sum of squares, group 1 k's), and the halves are exchanged by
+//      shuffles across the groups (4 decays, 1 sum); each key's decay and each butterfly are the same operations on
+//      the same values, so bitwise prepare()'s;
+//   3: 2 software-pipelined: the next token's split part (its gate keys, both norms, beta: 7 values a lane) is
+//      computed before the current token's step, so the step's reductions and the next prep interleave; at the
+//      start of a step only the cheap part (q / k scaled, decays exchanged) remains.
 #if defined(FKDA_PARAM_LAZY_PREP)
-constexpr bool kLazyPrep = FKDA_PARAM_LAZY_PREP != 0;
+constexpr int kLazyPrep = FKDA_PARAM_LAZY_PREP;
 #else
-constexpr bool kLazyPrep = false;
+constexpr int kLazyPrep = 0;
 #endif
-static_assert(!(kLazyPrep && kWideGate), "lazy_prep computes the decays in every lane: not with wide_gate");
+static_assert(kLazyPrep >= 0 && kLazyPrep <= 3, "lazy_prep: 0-3");
+static_assert(!(kLazyPrep && kWideGate), "lazy_prep computes the decays in the lanes: not with wide_gate");
 
 // The row sums of J passes (J values a lane) over each aligned group of LPR lanes, in one
 // butterfly. decode's group_sum runs one butterfly a value: log2(LPR) shuffles and adds each, every
@@ -314,7 +306,7 @@ __device__ __forceinline__ void token_step(const DecodeParams& p, typename T::It
       p, cur, pr, row, hv, vrow0, lane, [&](int ps, int i, int) { return cur.s[ps][i]; },
       [&](int ps, int i, int e, const uint4& packed) {
         cur.s[ps][i] = packed;  // the next token continues from the stored value
-        if (store) fkda_decode::store_state<kStatePlain>(reinterpret_cast<uint4*>(sb + e), packed);
+        if (store) fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
       });
 }
 
@@ -502,7 +494,7 @@ struct Staged {
     }
   }
 
-  // kLazyPrep: token j's Prep computed by this lane (prepare_block's per-lane prepare() on the landed raw inputs,
+  // kLazyPrep 1: token j's Prep computed by this lane (prepare_block's per-lane prepare() on the landed raw inputs,
   // the same lane layout and shuffle trees: bitwise the values token_inputs reads back) and its v values, placed
   // as token_inputs places them. `in` holds the head's dt_bias and A_log (head_inputs).
   __device__ static void token_prep(const DecodeParams& p, const Raw& raw, const Prepared& pp, int j, int warp, int c,
@@ -515,6 +507,11 @@ struct Staged {
     }
     in.beta_raw = pp.beta_raw[j];
     T::template prepare<true>(p, in, pr);
+    token_v(raw, j, warp, r, cur);
+  }
+
+  // Token j's v values of the thread, placed as token_inputs places them.
+  __device__ static void token_v(const Raw& raw, int j, int warp, int r, typename T::Item& cur) {
     if constexpr (kJointPasses > 1) {  // the lane's own pass of each group (token_step_joint)
       const int own = JointSum<LPR, kJointPasses>::own(threadIdx.x % 32);
 #pragma unroll
@@ -524,6 +521,80 @@ struct Staged {
 #pragma unroll
       for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = raw.v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
     }
+  }
+
+  // kLazyPrep 2 / 3: decode's prepare() split between the warp's two lane groups (lane c of group r = lane / LPR
+  // holds keys key_of(i, c), i < CHUNKS = 2, in both groups). split_scalars: group r's share of token j - the gate
+  // of chunk r's keys (gate_decay, the same operands), the l2norm sums of squares in prepare's order, then one
+  // butterfly a group (group 0 q's sum, group 1 k's; group_sum<LPR>, every lane of a group ends with the same
+  // bits) and the other group's sum by one shuffle; the norms' factors and beta as prepare computes them.
+  // split_finish: q and k unpacked again and scaled, the other group's 4 decays by shuffles. Bitwise prepare().
+  struct SplitHead {  // the head's dt_bias of the lane's gate keys (chunk r) and exp(A_log)
+    float4 dt[T::VEC / 4];
+    float a;
+  };
+  struct Split {  // the lane's share of a token's prep
+    float qs, ks, beta;
+    float d[T::VEC];  // decays of keys key_of(r, c) + e
+  };
+  using GrV = std::remove_reference_t<decltype(std::declval<typename T::Item>().gr[0])>;
+  __device__ static void split_head(const DecodeParams& p, SplitHead& sh, int hv, int c, int r) {
+    static_assert(T::CHUNKS == 2 && T::RPW == 2, "the split prep: two lane groups a warp, two chunks a lane");
+#pragma unroll
+    for (int e = 0; e < T::VEC / 4; ++e)
+      sh.dt[e] = p.dt_bias ? __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * K + T::key_of(r, c)) + e)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+    sh.a = expf(p.A_log ? __ldg(p.A_log + hv) : 0.f);
+  }
+  __device__ static void split_scalars(const DecodeParams& p, const Raw& raw, const Prepared& pp, int j, int c, int r,
+                                       const SplitHead& sh, Split& sp) {
+    float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i) {
+      float qf[T::VEC], kf[T::VEC];
+      fkda_decode::unpack_bf<T::VEC>(*reinterpret_cast<const BfV*>(&raw.qkg[j][0][T::key_of(i, c)]), qf);
+      fkda_decode::unpack_bf<T::VEC>(*reinterpret_cast<const BfV*>(&raw.qkg[j][1][T::key_of(i, c)]), kf);
+#pragma unroll
+      for (int e = 0; e < T::VEC; ++e) {  // l2norm_qk's chains, key by key in its order
+        ssq = fmaf(qf[e], qf[e], ssq);
+        ssk = fmaf(kf[e], kf[e], ssk);
+      }
+    }
+    const bool hi = r != 0;
+    const float x = fkda_decode::group_sum<LPR>(hi ? ssk : ssq);
+    const float y = __shfl_xor_sync(0xffffffffu, x, LPR);  // the other group's sum
+    sp.qs = p.scale / sqrtf((hi ? y : x) + 1e-6f);
+    sp.ks = 1.f / sqrtf((hi ? x : y) + 1e-6f);
+    float graw[T::VEC];
+    fkda_decode::unpack_gb<T::VEC>(*reinterpret_cast<const GrV*>(g_of(raw, j) + T::key_of(r, c)), graw);
+#pragma unroll
+    for (int e = 0; e < T::VEC; ++e) {
+      const float4 d4 = sh.dt[e / 4];
+      const float dt = (e % 4 == 0) ? d4.x : (e % 4 == 1) ? d4.y : (e % 4 == 2) ? d4.z : d4.w;
+      sp.d[e] = fkda_decode::gate_decay(p, graw[e], dt, sh.a);
+    }
+    const float b = fkda_decode::gb_to_f(pp.beta_raw[j]);
+    sp.beta = p.beta_is_logit ? 1.f / (1.f + expf(-b)) : b;
+  }
+  __device__ static void split_finish(const Raw& raw, int j, int c, int r, const Split& sp, typename T::Prep& pr) {
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i) {
+      fkda_decode::unpack_bf<T::VEC>(*reinterpret_cast<const BfV*>(&raw.qkg[j][0][T::key_of(i, c)]), &pr.qn[i * T::VEC]);
+      fkda_decode::unpack_bf<T::VEC>(*reinterpret_cast<const BfV*>(&raw.qkg[j][1][T::key_of(i, c)]), &pr.kn[i * T::VEC]);
+    }
+#pragma unroll
+    for (int e = 0; e < T::KPL; ++e) {
+      pr.qn[e] *= sp.qs;
+      pr.kn[e] *= sp.ks;
+    }
+    const bool hi = r != 0;
+#pragma unroll
+    for (int e = 0; e < T::VEC; ++e) {
+      const float o = __shfl_xor_sync(0xffffffffu, sp.d[e], LPR);  // the other group's chunk
+      pr.dec[e] = hi ? o : sp.d[e];
+      pr.dec[T::VEC + e] = hi ? sp.d[e] : o;
+    }
+    pr.beta = sp.beta;
   }
 
   // The thread's state chunks of a [V_TILE][K] tile in shared memory into its state registers.
@@ -572,15 +643,13 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       fkda::mbar_init_fence();
     }
   }
-  static_assert(BULK == 0 || !(kStateFirst || kStatePlain || kLazyPrep),
-                "state_first, state_plain, lazy_prep: register-store kernels (bulk_state 0) only");
-  // before the read slot is known: the inputs arrive while the state is requested (kStateFirst: after the
-  // state's loads, below)
-  if constexpr (!kStateFirst) St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
+  static_assert(BULK == 0 || !kLazyPrep, "lazy_prep: register-store kernels (bulk_state 0) only");
+  // before the read slot is known: the inputs arrive while the state is requested
+  St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   if constexpr (BULK > 0) __syncthreads();  // the mbarrier is initialised before it is armed (racecheck
                                             // warned of init / expect_tx hazards without it, 2026-12-02)
   if (rq.read < 0) {  // CTA-uniform (request_of: -1 for every padding read entry)
-    if constexpr (!kStateFirst) fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
+    fkda_decode::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
     for (int t = 0; t < len; ++t) T::write_zeros(p, bos + t, hv, vrow0, lane);
     return;
   }
@@ -588,21 +657,13 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   if constexpr (BULK > 0) {
     if (threadIdx.x == 0)
       fkda::bulk_load(tiles + V_TILE * K, read_tile<T, OffT>(vp, rq, hv, vt * V_TILE), kTileBytes, bar);
-  } else if constexpr (kStatePlain) {  // T::load_state_at with default-policy loads
-    const Elem* sb = read_tile<T, OffT>(vp, rq, hv, vrow0);
-#pragma unroll
-    for (int ps = 0; ps < T::PASSES; ++ps) {
-#pragma unroll
-      for (int i = 0; i < T::CHUNKS; ++i)
-        cur.s[ps][i] = fkda_decode::load_state<true>(
-            reinterpret_cast<const uint4*>(sb + (ps * T::RPW + r) * K + T::key_of(i, c)));
-    }
   } else {
     T::load_state_at(cur, read_tile<T, OffT>(vp, rq, hv, vrow0), lane);
   }
-  if constexpr (kStateFirst) St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
   St::head_inputs(p, in, hv, c);
+  typename St::SplitHead sh;  // kLazyPrep 2 / 3: the lane's gate keys' dt_bias, exp(A_log)
+  if constexpr (kLazyPrep >= 2) St::split_head(p, sh, hv, c, r);
   for (int t0 = 0; t0 < len; t0 += S) {
     const int nb = min(S, len - t0);
     if (t0 > 0) {
@@ -623,10 +684,22 @@ kda_verify_staged_kernel(const VerifyParams vp) {
         St::state_from_tile(cur, tiles + V_TILE * K, warp, c, r);  // this thread's chunks
       }
     }
+    typename St::Split sp;  // kLazyPrep 2 / 3: the lane's share of a token's prep (3: the next token's)
+    if constexpr (kLazyPrep == 3) St::split_scalars(p, raw, pp, 0, c, r, sh, sp);
     for (int j = 0; j < nb; ++j) {
       typename T::Prep pr;
-      if constexpr (kLazyPrep) St::token_prep(p, raw, pp, j, warp, c, r, in, cur, pr);
-      else St::token_inputs(raw, pp, j, warp, c, r, cur, pr);
+      if constexpr (kLazyPrep >= 2) {
+        if constexpr (kLazyPrep == 2) St::split_scalars(p, raw, pp, j, c, r, sh, sp);
+        St::split_finish(raw, j, c, r, sp, pr);
+        St::token_v(raw, j, warp, r, cur);
+        // 3: the next token's share (token j again at the block's end: read, never used) before this step, so
+        // the step's shuffles and the prep's exp / division interleave
+        if constexpr (kLazyPrep == 3) St::split_scalars(p, raw, pp, j + 1 < nb ? j + 1 : j, c, r, sh, sp);
+      } else if constexpr (kLazyPrep == 1) {
+        St::token_prep(p, raw, pp, j, warp, c, r, in, cur, pr);
+      } else {
+        St::token_inputs(raw, pp, j, warp, c, r, cur, pr);
+      }
       const int32_t dst = pp.dst[j];
       if constexpr (BULK > 0) {
         const int t = t0 + j;
