@@ -263,67 +263,23 @@ EDGES = {
     ],
     ("kda_verify", "f32_mid", "work_items_max"): [
         (verify_meta(num_seqs=4, value_heads=32, max_seqlen=4), "verify_w2v16j4_f32_o32"),    # 128
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=4), "verify_w1v16j4_f32_o32"),   # 129: f32_192
+        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=4), "verify_w1v16j4s_f32_o32"),   # 129: f32_192
         (verify_meta(num_seqs=4, value_heads=32, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32"),
     ],
     ("kda_verify", "f32_mid", "max_seqlen_max"): [
         (verify_meta(num_seqs=4, value_heads=24, max_seqlen=4), "verify_w2v16j4_f32_o32"),
         (verify_meta(num_seqs=4, value_heads=24, max_seqlen=5), "verify_bulk4j4_f32_o32"),    # T 5: fallback
     ],
-    # opt-in ve16_* (branch ve-16h12 candidates, fp32 only): f32_192's band, the candidate inside, w1v16j4 without
-    # the opt-in, the neighbours' modules past each edge
-    ("kda_verify", "ve16_split_prep_192", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4s_f32_o32", frozenset({"ve16_split_prep"})),  # 129
-        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_split_prep"})),  # 128: f32_mid
-    ],
-    ("kda_verify", "ve16_split_prep_192", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4s_f32_o64", frozenset({"ve16_split_prep"})),  # 192
-        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_split_prep"})),  # 193: fallback
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_split_prep"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),  # not opted in
-    ],
-    ("kda_verify", "ve16_split_prep_192", "max_seqlen_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4s_f32_o32", frozenset({"ve16_split_prep"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_split_prep"})),  # T 8: fallback
-    ],
-    ("kda_verify", "ve16_pipe_prep_192", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4n_f32_o32", frozenset({"ve16_pipe_prep"})),  # 129
-        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_pipe_prep"})),  # 128: f32_mid
-    ],
-    ("kda_verify", "ve16_pipe_prep_192", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4n_f32_o64", frozenset({"ve16_pipe_prep"})),  # 192
-        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_pipe_prep"})),  # 193: fallback
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_pipe_prep"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),  # not opted in
-    ],
-    ("kda_verify", "ve16_pipe_prep_192", "max_seqlen_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4n_f32_o32", frozenset({"ve16_pipe_prep"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_pipe_prep"})),  # T 8: fallback
-    ],
-    ("kda_verify", "ve16_lazy_prep_192", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4l_f32_o32", frozenset({"ve16_lazy_prep"})),  # 129
-        (verify_meta(num_seqs=128, value_heads=1, max_seqlen=2), "verify_w2v16j4_f32_o32", frozenset({"ve16_lazy_prep"})),  # 128: f32_mid
-    ],
-    ("kda_verify", "ve16_lazy_prep_192", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4l_f32_o64", frozenset({"ve16_lazy_prep"})),  # 192
-        (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32", frozenset({"ve16_lazy_prep"})),  # 193: fallback
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32", frozenset({"ve16_lazy_prep"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),  # not opted in
-    ],
-    ("kda_verify", "ve16_lazy_prep_192", "max_seqlen_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4l_f32_o32", frozenset({"ve16_lazy_prep"})),
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32", frozenset({"ve16_lazy_prep"})),  # T 8: fallback
-    ],
     ("kda_verify", "f32_192", "work_items_min"): [
-        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4_f32_o32"),   # 129
+        (verify_meta(num_seqs=129, value_heads=1, max_seqlen=2), "verify_w1v16j4s_f32_o32"),   # 129
     ],
     ("kda_verify", "f32_192", "work_items_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4_f32_o64"),  # 192
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, offset="o64"), "verify_w1v16j4s_f32_o64"),  # 192
         (verify_meta(num_seqs=193, value_heads=1, max_seqlen=4), "verify_bulk4j4_f32_o32"),   # 193: fallback
         (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage2j8_bf16_o32"),
     ],
     ("kda_verify", "f32_192", "max_seqlen_max"): [
-        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4_f32_o32"),
+        (verify_meta(num_seqs=16, value_heads=12, max_seqlen=4), "verify_w1v16j4s_f32_o32"),
         (verify_meta(num_seqs=16, value_heads=12, max_seqlen=8), "verify_bulk4j4_f32_o32"),   # T 8: fallback
     ],
     ("kda_verify", "small_short", "max_seqlen_max"): [

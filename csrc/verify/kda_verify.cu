@@ -13,9 +13,8 @@
 //   FKDA_PARAM_BULK_STATE      (optional) 1: the state tile by bulk copy both ways through two tiles of
 //                              dynamic shared memory (smem_bytes = 2 * v_tile * K * elem), the token
 //                              loop on state registers
-//   FKDA_PARAM_LAZY_PREP       (optional, candidates of branch ve-16h12, register-store kernels only): each
-//                              token prepared in registers just before its step, no prep block; 1 by every
-//                              lane, 2 split between a warp's two lane groups, 3 that split software-pipelined
+//   FKDA_PARAM_SPLIT_PREP      (optional, register-store kernels only) 1: each token prepared in registers
+//                              just before its step, split between a warp's two lane groups, no prep block
 //                              (kda_verify_kernels.cuh)
 // The index values live on the device, so nothing here reads them: the kernel treats a read entry
 // that is negative, 0 with null_slot0, >= slots, or a count outside [1, T_max] as a padding request,

@@ -140,28 +140,21 @@ constexpr bool kWideGate = FKDA_PARAM_WIDE_GATE != 0;
 constexpr bool kWideGate = false;
 #endif
 
-// Candidates of branch ve-16h12 (issue 45: the fp32 gap to vLLM 0.34's Triton verify at 16 requests x 12 heads; see
-// README.md, "Candidates on branch ve-16h12"). Each is off (0) in every routed module, whose code does not change.
-// FKDA_PARAM_LAZY_PREP (register-store staged kernels, not with wide_gate): no prep block: each token is prepared in
-// registers right before its step, as vLLM's kernel prepares each token inside its loop. The first step waits for
-// one token's prep instead of the block's (and no prep barrier). Every value is bitwise prepare_block's:
-//   1: every lane runs decode's prepare() on its own keys (the lane layout prepare_block uses): both 16-lane groups
-//      of a warp prepare the same token (twice the prep's arithmetic at 16 lanes a V-row);
-//   2: the prep split between a warp's lane groups (Staged::split_scalars / split_finish; needs CHUNKS == 32 / LPR,
-//      w1v16j4's shape): group r computes the gate of chunk r's keys only (half the exp / log1p / division) and one
-//      of the two l2norm butterflies (group 0 q's sum of squares, group 1 k's), and the halves are exchanged by
-//      shuffles across the groups (4 decays, 1 sum); each key's decay and each butterfly are the same operations on
-//      the same values, so bitwise prepare()'s;
-//   3: 2 software-pipelined: the next token's split part (its gate keys, both norms, beta: 7 values a lane) is
-//      computed before the current token's step, so the step's reductions and the next prep interleave; at the
-//      start of a step only the cheap part (q / k scaled, decays exchanged) remains.
-#if defined(FKDA_PARAM_LAZY_PREP)
-constexpr int kLazyPrep = FKDA_PARAM_LAZY_PREP;
+// FKDA_PARAM_SPLIT_PREP (register-store staged kernels, not with wide_gate; w1v16j4s, f32_192's module): no prep
+// block: each token is prepared in registers right before its step, as vLLM's kernel prepares each token inside its
+// loop, the prep split between a warp's two lane groups (Staged::split_scalars / split_finish; needs CHUNKS == 32 /
+// LPR, w1v16j4's shape): group r computes the gate of chunk r's keys only (half the exp / log1p / division) and one
+// of the two l2norm butterflies (group 0 q's sum of squares, group 1 k's), and the halves are exchanged by shuffles
+// across the groups (4 decays, 1 sum). Each key's decay and each butterfly are the same operations on the same
+// values, so every value is bitwise decode's prepare() (the chained-decode tests hold it bitwise). The first step
+// waits for one token's prep instead of the block's, and there is no prep barrier.
+#if defined(FKDA_PARAM_SPLIT_PREP)
+constexpr int kSplitPrep = FKDA_PARAM_SPLIT_PREP;
 #else
-constexpr int kLazyPrep = 0;
+constexpr int kSplitPrep = 0;
 #endif
-static_assert(kLazyPrep >= 0 && kLazyPrep <= 3, "lazy_prep: 0-3");
-static_assert(!(kLazyPrep && kWideGate), "lazy_prep computes the decays in the lanes: not with wide_gate");
+static_assert(kSplitPrep == 0 || kSplitPrep == 1, "split_prep: 0 or 1");
+static_assert(!(kSplitPrep && kWideGate), "split_prep computes the decays in the lanes: not with wide_gate");
 
 // The row sums of J passes (J values a lane) over each aligned group of LPR lanes, in one
 // butterfly. decode's group_sum runs one butterfly a value: log2(LPR) shuffles and adds each, every
@@ -494,22 +487,6 @@ struct Staged {
     }
   }
 
-  // kLazyPrep 1: token j's Prep computed by this lane (prepare_block's per-lane prepare() on the landed raw inputs,
-  // the same lane layout and shuffle trees: bitwise the values token_inputs reads back) and its v values, placed
-  // as token_inputs places them. `in` holds the head's dt_bias and A_log (head_inputs).
-  __device__ static void token_prep(const DecodeParams& p, const Raw& raw, const Prepared& pp, int j, int warp, int c,
-                                    int r, typename T::Item& in, typename T::Item& cur, typename T::Prep& pr) {
-#pragma unroll
-    for (int i = 0; i < T::CHUNKS; ++i) {
-      in.qr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[j][0][T::key_of(i, c)]);
-      in.kr[i] = *reinterpret_cast<const BfV*>(&raw.qkg[j][1][T::key_of(i, c)]);
-      in.gr[i] = *reinterpret_cast<const std::remove_reference_t<decltype(in.gr[i])>*>(g_of(raw, j) + T::key_of(i, c));
-    }
-    in.beta_raw = pp.beta_raw[j];
-    T::template prepare<true>(p, in, pr);
-    token_v(raw, j, warp, r, cur);
-  }
-
   // Token j's v values of the thread, placed as token_inputs places them.
   __device__ static void token_v(const Raw& raw, int j, int warp, int r, typename T::Item& cur) {
     if constexpr (kJointPasses > 1) {  // the lane's own pass of each group (token_step_joint)
@@ -523,7 +500,7 @@ struct Staged {
     }
   }
 
-  // kLazyPrep 2 / 3: decode's prepare() split between the warp's two lane groups (lane c of group r = lane / LPR
+  // kSplitPrep: decode's prepare() split between the warp's two lane groups (lane c of group r = lane / LPR
   // holds keys key_of(i, c), i < CHUNKS = 2, in both groups). split_scalars: group r's share of token j - the gate
   // of chunk r's keys (gate_decay, the same operands), the l2norm sums of squares in prepare's order, then one
   // butterfly a group (group 0 q's sum, group 1 k's; group_sum<LPR>, every lane of a group ends with the same
@@ -643,7 +620,7 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       fkda::mbar_init_fence();
     }
   }
-  static_assert(BULK == 0 || !kLazyPrep, "lazy_prep: register-store kernels (bulk_state 0) only");
+  static_assert(BULK == 0 || !kSplitPrep, "split_prep: register-store kernels (bulk_state 0) only");
   // before the read slot is known: the inputs arrive while the state is requested
   St::issue(p, raw, bos, 0, min(S, len), h, hv, vt);
   if constexpr (BULK > 0) __syncthreads();  // the mbarrier is initialised before it is armed (racecheck
@@ -662,8 +639,8 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   }
   typename T::Item in;  // a token's raw inputs for prepare(): dt_bias and A_log are the head's
   St::head_inputs(p, in, hv, c);
-  typename St::SplitHead sh;  // kLazyPrep 2 / 3: the lane's gate keys' dt_bias, exp(A_log)
-  if constexpr (kLazyPrep >= 2) St::split_head(p, sh, hv, c, r);
+  typename St::SplitHead sh;  // kSplitPrep: the lane's gate keys' dt_bias, exp(A_log)
+  if constexpr (kSplitPrep) St::split_head(p, sh, hv, c, r);
   for (int t0 = 0; t0 < len; t0 += S) {
     const int nb = min(S, len - t0);
     if (t0 > 0) {
@@ -674,7 +651,7 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
-    if constexpr (!kLazyPrep) {
+    if constexpr (!kSplitPrep) {
       St::prepare_block(p, raw, pp, in, nb, grp, c, hv);
       __syncthreads();
     }
@@ -684,19 +661,13 @@ kda_verify_staged_kernel(const VerifyParams vp) {
         St::state_from_tile(cur, tiles + V_TILE * K, warp, c, r);  // this thread's chunks
       }
     }
-    typename St::Split sp;  // kLazyPrep 2 / 3: the lane's share of a token's prep (3: the next token's)
-    if constexpr (kLazyPrep == 3) St::split_scalars(p, raw, pp, 0, c, r, sh, sp);
     for (int j = 0; j < nb; ++j) {
       typename T::Prep pr;
-      if constexpr (kLazyPrep >= 2) {
-        if constexpr (kLazyPrep == 2) St::split_scalars(p, raw, pp, j, c, r, sh, sp);
+      if constexpr (kSplitPrep) {
+        typename St::Split sp;  // the lane's share of token j's prep
+        St::split_scalars(p, raw, pp, j, c, r, sh, sp);
         St::split_finish(raw, j, c, r, sp, pr);
         St::token_v(raw, j, warp, r, cur);
-        // 3: the next token's share (token j again at the block's end: read, never used) before this step, so
-        // the step's shuffles and the prep's exp / division interleave
-        if constexpr (kLazyPrep == 3) St::split_scalars(p, raw, pp, j + 1 < nb ? j + 1 : j, c, r, sh, sp);
-      } else if constexpr (kLazyPrep == 1) {
-        St::token_prep(p, raw, pp, j, warp, c, r, in, cur, pr);
       } else {
         St::token_inputs(raw, pp, j, warp, c, r, cur, pr);
       }
