@@ -476,15 +476,7 @@ struct Staged {
       pr.dec[4 * f] = d.x, pr.dec[4 * f + 1] = d.y, pr.dec[4 * f + 2] = d.z, pr.dec[4 * f + 3] = d.w;
     }
     pr.beta = pp.beta[j];
-    if constexpr (kJointPasses > 1) {  // the lane's own pass of each group (token_step_joint)
-      const int own = JointSum<LPR, kJointPasses>::own(threadIdx.x % 32);
-#pragma unroll
-      for (int g = 0; g < T::PASSES / kJointPasses; ++g)
-        cur.vr[g] = raw.v[j][warp * (V_TILE / WARPS) + (g * kJointPasses + own) * T::RPW + r];
-    } else {
-#pragma unroll
-      for (int ps = 0; ps < T::PASSES; ++ps) cur.vr[ps] = raw.v[j][warp * (V_TILE / WARPS) + ps * T::RPW + r];
-    }
+    token_v(raw, j, warp, r, cur);
   }
 
   // Token j's v values of the thread, placed as token_inputs places them.
