@@ -300,8 +300,7 @@ def fused_verify_section(srcs) -> list:
     if not srcs:
         return ["Not measured yet: `benchmarks/bench_fused_verify.py` times `fused_kda_verify` against the unfused "
                 "engine sequence and the plain `kda_verify`, but benchmarks/results/current.json lists no GPU run "
-                "of it (its GPU tests check it against the reference). Its route is one module, "
-                "`fused_verify_row_{state}_{offset}`."]
+                "of it (its GPU tests check it against the reference)."]
     lines = [
         "Arms (`benchmarks/bench_fused_verify.py`): the fused op; the unfused sequence an engine runs today for "
         "speculative verify (the causal conv over the draft tokens with its cache in torch, vLLM's layout: a line "

@@ -298,6 +298,13 @@ EDGES = {
         (prefill_meta(num_seqs=41, value_heads=1), "prefill_vt64_f32"),        # 41
         (prefill_meta(num_seqs=41, value_heads=1, state="bf16"), "prefill_vt64_bf16"),
     ],
+    # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
+    # always) fused_verify_row2 at two
+    ("fused_kda_verify", "f32_few", "work_items_max"): [
+        (verify_meta(num_seqs=33, value_heads=4, max_seqlen=4), "fused_verify_row_f32_o32"),      # 132
+        (verify_meta(num_seqs=133, value_heads=1, max_seqlen=4, offset="o64"), "fused_verify_row2_f32_o64"),  # 133
+        (verify_meta(num_seqs=1, value_heads=16, max_seqlen=4, state="bf16"), "fused_verify_row2_bf16_o32"),
+    ],
 }
 
 
