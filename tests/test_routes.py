@@ -454,7 +454,7 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
 
 
 def test_c16_opt_in_serves_every_bounded_call_without_checkpoints():
-    """'c16' (issue 46's fused 16-token-chunk candidate) takes every CUDA call with the bounded gate and no
+    """'c16' (issue 46's fused 16-token-chunk candidate; 'c16p' its piece-split twin) takes every CUDA call with the bounded gate and no
     checkpoints, in the state's dtype, whatever the band; other gates, checkpoints and the CPU keep their routes;
     never reached without the opt-in (its binding refuses the rest: tests/gpu/test_prefill_c16_gpu.py)."""
     c16 = frozenset({"c16"})
@@ -466,11 +466,13 @@ def test_c16_opt_in_serves_every_bounded_call_without_checkpoints():
                                         checkpoints=ckpt)
                     plain = dispatch.module_name("kda_prefill", meta, ())
                     got = dispatch.module_name("kda_prefill", meta, c16)
+                    split = dispatch.module_name("kda_prefill", meta, {"c16p"})
                     assert not plain.startswith("prefill_c16"), meta
                     if gate == "bounded" and not ckpt:
                         assert got == f"prefill_c16_{state}" and jit.get_record(got)["opt_in"], meta
+                        assert split == f"prefill_c16p_{state}" and jit.get_record(split)["params"]["pieces"] > 1, meta
                     else:
-                        assert got == plain, meta
+                        assert got == plain and split == plain, meta
     assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", gate="bounded"), c16) == "cpu_kda_prefill"
 
 

@@ -7,7 +7,11 @@
 //   - a gate other than the bounded one, and the bounded gate below lower_bound -5: the factored
 //     operands k exp(+-G) of a 16-token chunk stay finite only while |G| <= 16 x 5 nats;
 //   - checkpoints (not written by this module).
+// FKDA_PARAM_PIECES (default 1): up to that many CTAs a (sequence, head), each a run of its chunks after a bounded
+// warm-up from a zero state (kda_prefill_c16.cuh, kPieces); the call's count is picked here, from the SM count.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
@@ -153,9 +157,22 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   a.null_slot0 = null_slot0 ? 1 : 0;
   a.out = data_ptr<bf16>(out);
   (void)T;
+  // Pieces (kda_prefill_c16.cuh, kPieces): as many as one wave of 2 CTAs an SM holds, at most the record's, at least
+  // 1. A piece that walks back to chunk 0 reads the initial state while the last piece may already store the final
+  // state: when the two overlap (a pool updated in place) the call runs unsplit.
+  int pieces = 1;
+  if (fkda_c16::kPieces > 1) {
+    const int64_t fit = int64_t(FKDA_MIN_BLOCKS) * ctx.sm_count() / (HV * N);
+    pieces = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_c16::kPieces, fit)));
+    if (initial_state.has_value() && final_state.has_value() &&
+        Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value())))
+      pieces = 1;
+  }
+  a.pieces = pieces;
   // one CTA a (value head, sequence), heads adjacent: CTAs that run together read the same tokens' rows
   ctx.launch("kda_prefill_c16_kernel", fkda_c16::kda_prefill_c16_kernel<StateT>,
-             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N)), dim3(fkda_c16::kThreads),
+             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), static_cast<unsigned>(pieces)),
+             dim3(fkda_c16::kThreads),
              fkda_c16::kSmemBytes, a);
 }
 

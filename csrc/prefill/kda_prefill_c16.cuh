@@ -98,7 +98,18 @@ struct Args {
   int64_t slot_stride;
   int null_slot0;
   bf16* out;  // [T, HV, V]
+  int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
 };
+
+// Pieces (record param 'pieces', default 1: one CTA walks a sequence's chunks, exact). With P > 1 the
+// binding launches up to P CTAs a (sequence, head), as many as fill one wave of 2 CTAs an SM: piece p owns the
+// chunks [p L, min(nch, (p + 1) L)), L = ceil(nch / P), and starts from a zero state at the latest chunk c_s before
+// its first whose chunks' attenuation bounds sum to <= -24 (log2), or from the true initial state at chunk 0; the
+// warm-up chunks store nothing. A chunk's bound is the sum over its tokens of the largest log2 decay over the keys:
+// each token's transition (I - beta k k^T) Diag(alpha) has operator norm <= max alpha (unit keys, beta in (0, 1)),
+// so the dropped state reaches the piece's first chunk attenuated below 2^-24 (csrc/prefill/README.md, "Piece
+// split"). The piece that ends at nch writes the final state; checkpoints are refused anyway.
+constexpr int kPieces = FKDA_PARAM_PIECES;
 
 template <typename ST>
 __device__ __forceinline__ float2 ld_pair(const ST* p);
@@ -139,6 +150,40 @@ __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, int64_
   }
 }
 
+// Chunk c's attenuation bound (see kPieces), by the whole CTA (the same value in every thread): thread (kp, half)
+// takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7 from global memory, warps reduce the keys, red (32 floats of
+// shared memory) the two warps of each half.
+__device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t len, int c, int hv, float gs,
+                                             float gc0, float gc1, float mult, int d2, int half, int lane, int warp,
+                                             float* red) {
+  const int64_t t0 = bos + int64_t(c) * kC;
+  const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
+  float mx[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int t = 8 * half + i;
+    mx[i] = -INFINITY;
+    if (t < nt) {
+      const float2 raw = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2));
+      mx[i] = fmaxf(mult * rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), mult * rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[warp * 8 + i] = mx[i];
+  }
+  __syncthreads();
+  float s = 0.f;
+  for (int t = 0; t < nt; ++t) s += fmaxf(red[(t >> 3) * 16 + (t & 7)], red[(t >> 3) * 16 + 8 + (t & 7)]);
+  __syncthreads();  // red is read before the next chunk's maxima
+  return s;
+}
+
 template <typename ST>
 __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_kernel(const Args a) {
   fkda::begin_dependent_grid();
@@ -176,11 +221,34 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     pad = s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0);
   }
   const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
-  const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + head : nullptr;
-  ST* dst = a.fin && !pad ? static_cast<ST*>(a.fin) + head : nullptr;
 
+  // gate constants of this thread's key pair (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in
+  // log2 units: mult * rcp(1 + ex2(raw * s + c)))
+  const int kp = tid & 63, half = tid >> 6, d2 = 2 * kp;
+  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+  const float2 dtb = a.dt_bias ? make_float2(a.dt_bias[hv * kK + d2], a.dt_bias[hv * kK + d2 + 1])
+                               : make_float2(0.f, 0.f);
+  const float gs = -ea * kLog2e, gc0 = -ea * dtb.x * kLog2e, gc1 = -ea * dtb.y * kLog2e;
+  const float mult = a.lower_bound * kLog2e;
+
+  // the chunks this CTA stores [cb, ce), the first it runs (cs <= cb), whether it writes the final state
   const int nch = static_cast<int>((len + kC - 1) / kC);
-  if (nch > 0) load_chunk(smem + kOffRing, a, bos, len < kC ? int(len) : kC, hk, hv, tid);
+  int cb = 0, ce = nch, cs = 0;
+  bool writer = true;
+  if constexpr (kPieces > 1) {
+    const int p = blockIdx.z, per = (nch + a.pieces - 1) / a.pieces;
+    cb = min(nch, p * per);
+    ce = min(nch, cb + per);
+    if (p > 0 && cb >= ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
+    writer = ce == nch;
+    cs = cb;
+    float sum = 0.f;
+    while (cs > 0 && sum > -24.f) sum += chunk_bound(a, bos, len, --cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+  }
+  const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
+  ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
+
+  if (cs < ce) load_chunk(smem + kOffRing, a, bos + int64_t(cs) * kC, min(kC, int(len - int64_t(cs) * kC)), hk, hv, tid);
   cp_async_commit();
 
   // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)
@@ -197,20 +265,12 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         S[mt][nt][2 * h + 1] = x.y;
       }
 
-  // gate constants of this thread's key pair (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in
-  // log2 units: mult * rcp(1 + ex2(raw * s + c)))
-  const int kp = tid & 63, half = tid >> 6, d2 = 2 * kp;
-  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-  const float2 dtb = a.dt_bias ? make_float2(a.dt_bias[hv * kK + d2], a.dt_bias[hv * kK + d2 + 1])
-                               : make_float2(0.f, 0.f);
-  const float gs = -ea * kLog2e, gc0 = -ea * dtb.x * kLog2e, gc1 = -ea * dtb.y * kLog2e;
-  const float mult = a.lower_bound * kLog2e;
-
   float bnext = 0.f;
-  if (tid < kC && tid < len) bnext = __bfloat162float(a.beta[size_t(bos + tid) * a.HV + hv]);
+  if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len)
+    bnext = __bfloat162float(a.beta[size_t(bos + int64_t(cs) * kC + tid) * a.HV + hv]);
 
 #pragma unroll 1
-  for (int c = 0; c < nch; ++c) {
+  for (int c = cs; c < ce; ++c) {
     const int64_t t0 = bos + int64_t(c) * kC;
     const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
     uint8_t* stage = smem + kOffRing + (c & 1) * kStage;
@@ -219,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     const bf16* Vs = Ks + kC * kLdB;
     const bf16* Gr = Vs + kC * kLdB;
     const float bcur = bnext;
-    if (c + 1 < nch) {  // CTA-uniform: the next chunk's loads, in flight during this chunk
+    if (c + 1 < ce) {  // CTA-uniform: the next chunk's loads, in flight during this chunk
       const int64_t t1 = t0 + kC;
       const int nt1 = static_cast<int>(len - int64_t(c + 1) * kC < kC ? len - int64_t(c + 1) * kC : kC);
       load_chunk(smem + kOffRing + ((c + 1) & 1) * kStage, a, t1, nt1, hk, hv, tid);
@@ -478,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
-      if (r < nt)
+      if (r < nt && c >= cb)  // (a warm-up chunk stores nothing)
         *reinterpret_cast<uint4*>(a.out + (size_t(t0 + r) * a.HV + hv) * kV + c8) =
             *reinterpret_cast<const uint4*>(Os + r * kLdB + c8);
     }

@@ -1,12 +1,14 @@
 """GPU tests of the fused 16-token-chunk prefill modules (jit/modules/prefill_c16_cuda.json: prefill_c16_f32 / _bf16,
-opt-in route c16; csrc/prefill/kda_prefill_c16.cuh; issue 46).
+opt-in route c16, and their piece-split twins prefill_c16p_*, opt-in c16p; csrc/prefill/kda_prefill_c16.cuh; issue 46).
 
 Against the float64 token recurrence (tests/gpu/test_prefill_gpu.py's helpers) on fresh random inputs, every output
 NaN-poisoned first: ragged lengths (0, 1, 15, 16, 17, 100, 1000), 64x512 H16 subsets, grouped heads, int32 / int64
 cu_seqlens, dense and pool states (padding, null slot 0, an index past the pool, in place, a strided pool), final state
 checked, bitwise determinism; beside it the routed chunk-64 module on the same inputs (today's accuracy), which the
 module must not fall behind by more than 25%. The module refuses what the route never sends it: the softplus and log
-gates, lower_bound < -5, checkpoints (nothing written).
+gates, lower_bound < -5, checkpoints (nothing written). The piece-split twins run every case (most of them split,
+few sequences x heads) and test_pieces holds them to the unsplit module: piece 0's rows bitwise, the rest within
+1.1x its error.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ from test_prefill_gpu import DEV, GATES, K, TOL, V, call, load, make, recurrence
 RECS = records_by_name("prefill_c16_cuda.json")
 NAMES = list(RECS)
 BASE = {"float32": "prefill_vt64_f32", "bfloat16": "prefill_vt64_bf16"}  # a routed chunk-64 module of each state dtype
+
+
+def pieces_of(rec, N, HV):
+    """The pieces the binding picks (kda_prefill_c16.cu): one wave of 2 CTAs an SM, at most params.pieces."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    return max(1, min(rec["params"].get("pieces", 1), rec["min_blocks"] * sms // (HV * N)))
 
 
 def seed(*parts):
@@ -193,7 +201,74 @@ def test_route():
     meta = dict(device="cuda", num_seqs=64, value_heads=16, total_tokens=64 * 512, max_seqlen=512, mean_seqlen=512,
                 work_items=1024, state="f32", offset="o64", gate="bounded", checkpoints=False)
     assert dispatch.module_name("kda_prefill", meta, opted_in={"c16"}) == "prefill_c16_f32"
+    assert dispatch.module_name("kda_prefill", meta, opted_in={"c16p"}) == "prefill_c16p_f32"
     assert dispatch.module_name("kda_prefill", dict(meta, state="bf16"), opted_in={"c16"}) == "prefill_c16_bf16"
     assert dispatch.module_name("kda_prefill", meta, opted_in=set()) != "prefill_c16_f32"
     for other in (dict(meta, gate="softplus"), dict(meta, checkpoints=True)):
         assert not dispatch.module_name("kda_prefill", other, opted_in={"c16"}).startswith("prefill_c16")
+
+
+PIECE_NAMES = [n for n in NAMES if RECS[n]["params"].get("pieces", 1) > 1]
+PIECE_CASES = [
+    dict(id="b1_t4096_h2", lens=[4096], H=2),
+    dict(id="b2_t3000_h8", lens=[3000, 1700], H=8),
+    dict(id="ragged_h4", lens=[0, 1, 2000, 17, 900, 16], H=4),
+]
+
+
+@pytest.mark.parametrize("name", PIECE_NAMES)
+@pytest.mark.parametrize("case", PIECE_CASES, ids=[c["id"] for c in PIECE_CASES])
+def test_pieces(name, case):
+    """Against the unsplit module (the same record without pieces): piece 0's chunks are the same operations, bitwise;
+    the other pieces start from zero after a warm-up that drops < 2^-24 of the state, so they are held to the float64
+    recurrence like the unsplit module (1.1x its error + 1e-4). The final state comes from the last piece."""
+    seed("pieces", name, case["id"])
+    rec = RECS[name]
+    base = name.replace("prefill_c16p_", "prefill_c16_")
+    st = sdtype(rec)
+    H, N, lens = case["H"], len(case["lens"]), case["lens"]
+    P = pieces_of(rec, N, H)
+    assert P > 1, P
+    d = make(lens, H, H, "bounded")
+    init = (torch.randn(N, H, V, K, device=DEV) * 0.5).to(st)
+    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    res = {}
+    for m in (name, base):
+        fin = torch.full((N, H, V, K), float("nan"), device=DEV).to(st)
+        res[m] = (call(load(m), d, "bounded", init=init, fin=fin), fin)
+    torch.cuda.synchronize()
+    (o, fin), (ob, finb) = res[name], res[base]
+    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
+    eo, ef, bo, bf = rel(o[0], ro), rel(fin, rf), rel(ob[0], ro), rel(finb, rf)
+    msg = f"{name} (P={P}) out {eo:.3e} state {ef:.3e}; {base} out {bo:.3e} state {bf:.3e}"
+    assert eo < TOL and ef < TOL, msg
+    assert eo <= 1.1 * bo + 1e-4 and ef <= 1.1 * bf + 1e-4, msg
+    rows, start = [], 0
+    for L in lens:  # piece 0's tokens of each sequence
+        per = -(-(-(-L // 16)) // P)
+        rows.extend(range(start, start + min(L, per * 16)))
+        start += L
+    rows = torch.tensor(rows, dtype=torch.long, device=DEV)
+    assert torch.equal(bits(o[0, rows]), bits(ob[0, rows])), "piece 0 is not bitwise the unsplit module: " + msg
+    o2 = call(load(name), d, "bounded", init=init, fin=torch.full_like(fin, float("nan")))
+    torch.cuda.synchronize()
+    assert torch.equal(bits(o2), bits(o))
+
+
+@pytest.mark.parametrize("name", PIECE_NAMES)
+def test_pieces_in_place_pool_runs_unsplit(name):
+    """initial_state is final_state (a pool updated in place): the binding runs the call unsplit, so it is bitwise the
+    unsplit module (a piece reading the initial state could otherwise race the last piece's store)."""
+    seed("inplace", name)
+    rec = RECS[name]
+    st = sdtype(rec)
+    d = make([3000, 40], 2, 2, "bounded")
+    pool = (torch.randn(4, 2, V, K, device=DEV) * 0.5).to(st)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    pools, outs = [], []
+    for m in (name, name.replace("prefill_c16p_", "prefill_c16_")):
+        p = pool.clone()
+        outs.append(call(load(m), d, "bounded", init=p, fin=p, idx=idx))
+        pools.append(p)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(outs[0]), bits(outs[1])) and torch.equal(bits(pools[0]), bits(pools[1]))
