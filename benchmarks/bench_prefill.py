@@ -170,6 +170,8 @@ def parse(argv=None):
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
+    ap.add_argument("--cases", default=None,
+                    help="only these case names of the grid, comma-separated (e.g. 'H16 64x512,H32 4x4096')")
     ap.add_argument("--slow-keys", type=int, default=0,
                     help="this many key channels a head decay slowly (dt_bias --slow-bias): a model's long-memory "
                          "channels; a split of the chain must then warm up from further back")
@@ -215,6 +217,12 @@ def main(argv=None):
         case_list = [c for c in case_list if not is_b1(c[0])]
     if args.only_small:
         case_list = [c for c in case_list if is_b1(c[0])]
+    if args.cases:
+        keep = [c.strip() for c in args.cases.split(",") if c.strip()]
+        unknown = sorted(set(keep) - {c[0] for c in case_list})
+        if unknown:
+            raise SystemExit(f"--cases: not in this grid: {unknown} (known: {[c[0] for c in case_list]})")
+        case_list = [c for c in case_list if c[0] in keep]
     gates = args.gates.split(",")
     run = harness.Run(args.name, cfg, baseline="fla" if chunk_kda is not None else None,
                       primary_mode="eager" if cfg.is_cuda else "wall",

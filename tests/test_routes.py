@@ -461,6 +461,29 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
     assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), ()) == "cpu_kda_prefill"
 
 
+def test_c16_opt_in_serves_every_bounded_call_without_checkpoints():
+    """'c16' (issue 46's fused 16-token-chunk candidate; 'c16p' its piece-split twin) takes every CUDA call with the bounded gate and no
+    checkpoints, in the state's dtype, whatever the band; other gates, checkpoints and the CPU keep their routes;
+    never reached without the opt-in (its binding refuses the rest: tests/gpu/test_prefill_c16_gpu.py)."""
+    c16 = frozenset({"c16"})
+    for state in ("f32", "bf16"):
+        for hv, seqs, tokens in ((16, 64, 32768), (32, 4, 16384), (64, 1, 8192), (8, 1, 32768), (1, 1, 1)):
+            for gate in ("bounded", "softplus", "log"):
+                for ckpt in (False, True):
+                    meta = prefill_meta(num_seqs=seqs, value_heads=hv, total_tokens=tokens, state=state, gate=gate,
+                                        checkpoints=ckpt)
+                    plain = dispatch.module_name("kda_prefill", meta, ())
+                    got = dispatch.module_name("kda_prefill", meta, c16)
+                    split = dispatch.module_name("kda_prefill", meta, {"c16p"})
+                    assert not plain.startswith("prefill_c16"), meta
+                    if gate == "bounded" and not ckpt:
+                        assert got == f"prefill_c16_{state}" and jit.get_record(got)["opt_in"], meta
+                        assert split == f"prefill_c16p_{state}" and jit.get_record(split)["params"]["pieces"] > 1, meta
+                    else:
+                        assert got == plain and split == plain, meta
+    assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", gate="bounded"), c16) == "cpu_kda_prefill"
+
+
 def test_opt_in_comes_from_the_environment_and_is_validated(monkeypatch):
     meta = decode_meta(rows=64, value_heads=16)
     monkeypatch.delenv(dispatch.OPT_IN_ENV, raising=False)

@@ -1,0 +1,561 @@
+// The fused single-kernel prefill with 16-token chunks (issue 46; module records prefill_c16_*,
+// opt-in route c16): one CTA a (value head, sequence), 128 threads (4 warps), 2 CTAs an SM. The CTA
+// walks its sequence's chunks of 16 tokens in order, prepares each chunk itself (no workspace) and
+// updates the [V, K] fp32 state, which lives in registers as mma.sync m16n8k16 accumulator fragments:
+// warp w owns value rows 32 w .. 32 w + 31 (2 m-tiles x 16 n-tiles x 4 floats = 128 registers).
+//
+// Per chunk (C = 16 tokens; G = per-key cumulative log2 decay from the chunk start, <= 0, and with the
+// bounded gate at lower_bound >= -5 (the binding checks it) G >= -16 x 5 x log2(e) = -115.4, so
+// exp2(G) and exp2(-G) are finite and normal in fp32 and bf16: no anchor needed):
+//   Qg = q exp(G), Kg = k exp(G), Kn = k exp(-G), Kd = k exp(G_C - G)      (elementwise, per thread)
+//   L   = Diag(beta) strict_lower(Kg Kn^T), Aqk = lower(Qg Kn^T)            (mma, operands split bf16 hi + lo)
+//   T   = (I + L)^-1 Diag(beta)                                             (fp32 forward substitution)
+//   W   = T Kg, U = T V                                                     (mma)
+//   V'^T = U^T - S W^T,  O^T = S Qg^T + V'^T Aqk^T,  S <- S Diag(exp(G_C)) + V'^T Kd   (mma, S as A operand)
+// S as the A operand: the m16n8 accumulators of two adjacent n-tiles are the m16k16 A fragment (pairs
+// packed to bf16), as V'^T is for the last two products.
+//
+// Inputs move by cp.async into a 2-deep ring: chunk c + 1's loads are in flight during chunk c.
+// Determinism: every sum has a fixed order (mma k-steps in order, the two partial halves of L / Aqk
+// added in warp order).
+#pragma once
+
+#include "kda_prefill_layout.cuh"
+
+namespace fkda_c16 {
+
+using fkda_prefill::bf16;
+using fkda_prefill::cp_async16_zfill;
+using fkda_prefill::cp_async_commit;
+using fkda_prefill::cp_async_wait;
+using fkda_prefill::ex2;
+using fkda_prefill::ldsm_x4;
+using fkda_prefill::ldsm_x4_t;
+using fkda_prefill::load_a;
+using fkda_prefill::load_b_kn;
+using fkda_prefill::load_b_nk;
+using fkda_prefill::load_cu;
+using fkda_prefill::mma_bf16;
+using fkda_prefill::pack_bf16;
+using fkda_prefill::rcp_ftz;
+using fkda_prefill::rsqrt_ftz;
+
+constexpr int kC = 16;         // chunk
+constexpr int kK = 128;
+constexpr int kV = 128;
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kLdB = kK + 8;   // bf16 rows of 128 (+16 B: ldmatrix rows on distinct banks)
+constexpr int kLdU = kV + 4;   // fp32 rows of U (the U^T fragment reads hit distinct banks)
+constexpr int kLdS = kC + 8;   // bf16 16x16 matrices (Aqk, T): 48-byte rows
+constexpr int kLdP = kC + 1;   // fp32 16x16 matrices (partials, L)
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared memory (bytes). The ring: 2 stages of q, k, v and the raw gate, bf16 [16][kLdB] each.
+constexpr int kMat = kC * kLdB * 2;  // 4352
+constexpr int kStage = 4 * kMat;
+constexpr int kOffRing = 0;
+// the chunk's operands, bf16 [16][kLdB]: Qg, Kg, Kn (hi and lo), Kd; then -W, the output staging
+constexpr int kOffQh = kOffRing + 2 * kStage;
+constexpr int kOffQl = kOffQh + kMat;
+constexpr int kOffKh = kOffQl + kMat;
+constexpr int kOffKl = kOffKh + kMat;
+constexpr int kOffNh = kOffKl + kMat;
+constexpr int kOffNl = kOffNh + kMat;
+constexpr int kOffKd = kOffNl + kMat;
+constexpr int kOffWn = kOffKd + kMat;
+constexpr int kOffO = kOffWn + kMat;
+constexpr int kOffU = kOffO + kMat;                    // fp32 [16][kLdU]
+constexpr int kOffPart = kOffU + kC * kLdU * 4;        // fp32 [4 warps][16][kLdP]
+constexpr int kOffL = kOffPart + 4 * kC * kLdP * 4;    // fp32 [16][kLdP]
+constexpr int kOffA = kOffL + kC * kLdP * 4;           // bf16 [16][kLdS]
+constexpr int kOffT = kOffA + kC * kLdS * 2;           // bf16 [16][kLdS]
+constexpr int kOffGc = kOffT + kC * kLdS * 2;          // fp32 [128] exp2(G_C)
+constexpr int kOffTot = kOffGc + kK * 4;               // fp32 [2][128] half-chunk gate sums
+constexpr int kOffNrm = kOffTot + 2 * kK * 4;          // fp32 [32] q / k row scales
+constexpr int kOffBeta = kOffNrm + 32 * 4;             // fp32 [16]
+constexpr int kSmemBytes = kOffBeta + kC * 4;
+static_assert(kOffU % 16 == 0 && kOffA % 16 == 0 && kOffT % 16 == 0 && kOffGc % 16 == 0, "alignment");
+static_assert(2 * kSmemBytes <= 227 * 1024, "two CTAs an SM");
+
+struct Args {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const bf16* g;
+  const bf16* beta;
+  const float* A_log;    // may be null (= 0)
+  const float* dt_bias;  // may be null (= 0)
+  const void* cu;
+  int cu64;
+  int N, H, HV, group;
+  float lower_bound;
+  float scale;
+  int beta_logit;
+  const void* init;  // [slots or N, HV, V, K] or null
+  void* fin;         // may alias init (a pool updated in place)
+  const int32_t* idx;
+  int64_t num_slots;
+  int64_t slot_stride;
+  int null_slot0;
+  bf16* out;  // [T, HV, V]
+  int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
+};
+
+// Pieces (record param 'pieces', default 1: one CTA walks a sequence's chunks, exact). With P > 1 the
+// binding launches up to P CTAs a (sequence, head), as many as fill one wave of 2 CTAs an SM: piece p owns the
+// chunks [p L, min(nch, (p + 1) L)), L = ceil(nch / P), and starts from a zero state at the latest chunk c_s before
+// its first whose chunks' attenuation bounds sum to <= -24 (log2), or from the true initial state at chunk 0; the
+// warm-up chunks store nothing. A chunk's bound is the sum over its tokens of the largest log2 decay over the keys:
+// each token's transition (I - beta k k^T) Diag(alpha) has operator norm <= max alpha (unit keys, beta in (0, 1)),
+// so the dropped state reaches the piece's first chunk attenuated below 2^-24 (csrc/prefill/README.md, "Piece
+// split"). The piece that ends at nch writes the final state; checkpoints are refused anyway.
+constexpr int kPieces = FKDA_PARAM_PIECES;
+
+template <typename ST>
+__device__ __forceinline__ float2 ld_pair(const ST* p);
+template <>
+__device__ __forceinline__ float2 ld_pair<float>(const float* p) { return *reinterpret_cast<const float2*>(p); }
+template <>
+__device__ __forceinline__ float2 ld_pair<bf16>(const bf16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ void st_pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+__device__ __forceinline__ void st_pair(bf16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
+// (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)).
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16(x0, x1);
+  const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
+  lo = pack_bf16(x0 - h.x, x1 - h.y);
+}
+
+// Issue the cp.async loads of one chunk (rows >= nt zero-filled; row 0 of the chunk always exists).
+__device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, int64_t t0, int nt, int hk, int hv,
+                                           int tid) {
+  bf16* Qs = reinterpret_cast<bf16*>(stage);
+  bf16* Ks = Qs + kC * kLdB;
+  bf16* Vs = Ks + kC * kLdB;
+  bf16* Gs = Vs + kC * kLdB;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+    const int bytes = r < nt ? 16 : 0;
+    const size_t t = size_t(t0) + (r < nt ? r : 0);
+    cp_async16_zfill(Qs + r * kLdB + c8, a.q + (t * a.H + hk) * kK + c8, bytes);
+    cp_async16_zfill(Ks + r * kLdB + c8, a.k + (t * a.H + hk) * kK + c8, bytes);
+    cp_async16_zfill(Vs + r * kLdB + c8, a.v + (t * a.HV + hv) * kV + c8, bytes);
+    cp_async16_zfill(Gs + r * kLdB + c8, a.g + (t * a.HV + hv) * kK + c8, bytes);
+  }
+}
+
+// Chunk c's attenuation bound (see kPieces), by the whole CTA (the same value in every thread): thread (kp, half)
+// takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7 from global memory, warps reduce the keys, red (32 floats of
+// shared memory) the two warps of each half.
+__device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t len, int c, int hv, float gs,
+                                             float gc0, float gc1, float mult, int d2, int half, int lane, int warp,
+                                             float* red) {
+  const int64_t t0 = bos + int64_t(c) * kC;
+  const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
+  float mx[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int t = 8 * half + i;
+    mx[i] = -INFINITY;
+    if (t < nt) {
+      const float2 raw = __bfloat1622float2(
+          *reinterpret_cast<const __nv_bfloat162*>(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2));
+      mx[i] = fmaxf(mult * rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), mult * rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[warp * 8 + i] = mx[i];
+  }
+  __syncthreads();
+  float s = 0.f;
+  for (int t = 0; t < nt; ++t) s += fmaxf(red[(t >> 3) * 16 + (t & 7)], red[(t >> 3) * 16 + 8 + (t & 7)]);
+  __syncthreads();  // red is read before the next chunk's maxima
+  return s;
+}
+
+template <typename ST>
+__global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_kernel(const Args a) {
+  fkda::begin_dependent_grid();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int hv = blockIdx.x, n = blockIdx.y;
+  const int hk = a.group == 1 ? hv : hv / a.group;
+  const int64_t bos = load_cu(a.cu, a.cu64, n), len = load_cu(a.cu, a.cu64, n + 1) - bos;
+
+  bf16* Qh = reinterpret_cast<bf16*>(smem + kOffQh);
+  bf16* Ql = reinterpret_cast<bf16*>(smem + kOffQl);
+  bf16* Kh = reinterpret_cast<bf16*>(smem + kOffKh);
+  bf16* Kl = reinterpret_cast<bf16*>(smem + kOffKl);
+  bf16* Nh = reinterpret_cast<bf16*>(smem + kOffNh);
+  bf16* Nl = reinterpret_cast<bf16*>(smem + kOffNl);
+  bf16* Kd = reinterpret_cast<bf16*>(smem + kOffKd);
+  bf16* Wn = reinterpret_cast<bf16*>(smem + kOffWn);
+  bf16* Os = reinterpret_cast<bf16*>(smem + kOffO);
+  float* Uf = reinterpret_cast<float*>(smem + kOffU);
+  float* part = reinterpret_cast<float*>(smem + kOffPart);
+  float* Lf = reinterpret_cast<float*>(smem + kOffL);
+  bf16* Aq = reinterpret_cast<bf16*>(smem + kOffA);
+  bf16* Tm = reinterpret_cast<bf16*>(smem + kOffT);
+  float* gcs = reinterpret_cast<float*>(smem + kOffGc);
+  float* tot = reinterpret_cast<float*>(smem + kOffTot);
+  float* nrm = reinterpret_cast<float*>(smem + kOffNrm);
+  float* betas = reinterpret_cast<float*>(smem + kOffBeta);
+
+  // the state slot (a padding row reads and writes nothing; its outputs run from a zero state)
+  int64_t slot = n;
+  bool pad = false;
+  if (a.idx) {
+    const int s = a.idx[n];
+    slot = s;
+    pad = s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0);
+  }
+  const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
+
+  // gate constants of this thread's key pair (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in
+  // log2 units: mult * rcp(1 + ex2(raw * s + c)))
+  const int kp = tid & 63, half = tid >> 6, d2 = 2 * kp;
+  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+  const float2 dtb = a.dt_bias ? make_float2(a.dt_bias[hv * kK + d2], a.dt_bias[hv * kK + d2 + 1])
+                               : make_float2(0.f, 0.f);
+  const float gs = -ea * kLog2e, gc0 = -ea * dtb.x * kLog2e, gc1 = -ea * dtb.y * kLog2e;
+  const float mult = a.lower_bound * kLog2e;
+
+  // the chunks this CTA stores [cb, ce), the first it runs (cs <= cb), whether it writes the final state
+  const int nch = static_cast<int>((len + kC - 1) / kC);
+  int cb = 0, ce = nch, cs = 0;
+  bool writer = true;
+  if constexpr (kPieces > 1) {
+    const int p = blockIdx.z, per = (nch + a.pieces - 1) / a.pieces;
+    cb = min(nch, p * per);
+    ce = min(nch, cb + per);
+    if (p > 0 && cb >= ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
+    writer = ce == nch;
+    cs = cb;
+    float sum = 0.f;
+    while (cs > 0 && sum > -24.f) sum += chunk_bound(a, bos, len, --cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+  }
+  const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
+  ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
+
+  if (cs < ce) load_chunk(smem + kOffRing, a, bos + int64_t(cs) * kC, min(kC, int(len - int64_t(cs) * kC)), hk, hv, tid);
+  cp_async_commit();
+
+  // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)
+  float S[2][16][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int v = 32 * warp + 16 * mt + g + 8 * h, d = 8 * nt + 2 * tq;
+        const float2 x = src ? ld_pair<ST>(src + size_t(v) * kK + d) : make_float2(0.f, 0.f);
+        S[mt][nt][2 * h] = x.x;
+        S[mt][nt][2 * h + 1] = x.y;
+      }
+
+  float bnext = 0.f;
+  if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len)
+    bnext = __bfloat162float(a.beta[size_t(bos + int64_t(cs) * kC + tid) * a.HV + hv]);
+
+#pragma unroll 1
+  for (int c = cs; c < ce; ++c) {
+    const int64_t t0 = bos + int64_t(c) * kC;
+    const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
+    uint8_t* stage = smem + kOffRing + (c & 1) * kStage;
+    const bf16* Qs = reinterpret_cast<const bf16*>(stage);
+    const bf16* Ks = Qs + kC * kLdB;
+    const bf16* Vs = Ks + kC * kLdB;
+    const bf16* Gr = Vs + kC * kLdB;
+    const float bcur = bnext;
+    if (c + 1 < ce) {  // CTA-uniform: the next chunk's loads, in flight during this chunk
+      const int64_t t1 = t0 + kC;
+      const int nt1 = static_cast<int>(len - int64_t(c + 1) * kC < kC ? len - int64_t(c + 1) * kC : kC);
+      load_chunk(smem + kOffRing + ((c + 1) & 1) * kStage, a, t1, nt1, hk, hv, tid);
+      bnext = 0.f;
+      if (tid < nt1) bnext = __bfloat162float(a.beta[size_t(t1 + tid) * a.HV + hv]);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // chunk c's inputs are in the ring; the last chunk is done with every scratch area
+
+    // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each half
+    {
+      const int r = tid >> 2, p = tid & 3;  // rows 0..15 q, 16..31 k; 4 lanes a row
+      const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float f[8];
+        fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (p + 4 * i) * 8), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (p == 0) nrm[r] = rsqrt_ftz(s + 1e-6f) * (r < kC ? a.scale : 1.f);
+      if (tid < kC) betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
+    }
+    float2 gl[8];
+    {
+      float2 run = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int t = 8 * half + i;
+        const float2 raw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Gr + t * kLdB + d2));
+        const float m = t < nt ? mult : 0.f;
+        run.x = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), run.x);
+        run.y = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))), run.y);
+        gl[i] = run;
+      }
+      *reinterpret_cast<float2*>(tot + half * kK + d2) = run;
+    }
+    __syncthreads();
+
+    // ---- B. the decayed operands (thread: keys d2, d2 + 1 of tokens 8 half .. 8 half + 7)
+    {
+      const float2 t0s = *reinterpret_cast<const float2*>(tot + d2);
+      const float2 t1s = *reinterpret_cast<const float2*>(tot + kK + d2);
+      const float2 base = half ? t0s : make_float2(0.f, 0.f);
+      const float gcx = t0s.x + t1s.x, gcy = t0s.y + t1s.y;  // G_C (the sum the second half ends on)
+      const float ecx = ex2(gcx), ecy = ex2(gcy);
+      if (half == 0) *reinterpret_cast<float2*>(gcs + d2) = make_float2(ecx, ecy);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int t = 8 * half + i;
+        const float Gx = gl[i].x + base.x, Gy = gl[i].y + base.y;
+        const float ex = ex2(Gx), ey = ex2(Gy), ix = ex2(-Gx), iy = ex2(-Gy);
+        const float nq = nrm[t], nk = nrm[kC + t];
+        const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + t * kLdB + d2));
+        const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + t * kLdB + d2));
+        const float qx = qv.x * nq, qy = qv.y * nq, kx = kv.x * nk, ky = kv.y * nk;
+        uint32_t hi, lo;
+        split2(qx * ex, qy * ey, hi, lo);
+        *reinterpret_cast<uint32_t*>(Qh + t * kLdB + d2) = hi;
+        *reinterpret_cast<uint32_t*>(Ql + t * kLdB + d2) = lo;
+        split2(kx * ex, ky * ey, hi, lo);
+        *reinterpret_cast<uint32_t*>(Kh + t * kLdB + d2) = hi;
+        *reinterpret_cast<uint32_t*>(Kl + t * kLdB + d2) = lo;
+        split2(kx * ix, ky * iy, hi, lo);
+        *reinterpret_cast<uint32_t*>(Nh + t * kLdB + d2) = hi;
+        *reinterpret_cast<uint32_t*>(Nl + t * kLdB + d2) = lo;
+        *reinterpret_cast<uint32_t*>(Kd + t * kLdB + d2) = pack_bf16(kx * ix * ecx, ky * iy * ecy);
+      }
+    }
+    __syncthreads();
+
+    // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
+    // w >> 1, in split bf16 (hi hi + hi lo + lo hi)
+    {
+      const bf16* Ah = (warp & 1) ? Qh : Kh;
+      const bf16* Al = (warp & 1) ? Ql : Kl;
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int k0 = 64 * (warp >> 1) + 16 * s;
+        uint32_t ah[4], al[4], bh[4], bl[4];
+        load_a(ah, Ah, kLdB, 0, k0, lane);
+        load_a(al, Al, kLdB, 0, k0, lane);
+        load_b_nk(bh, Nh, kLdB, 0, k0, lane);
+        load_b_nk(bl, Nl, kLdB, 0, k0, lane);
+        mma_bf16(acc[0], ah, bh);
+        mma_bf16(acc[1], ah, bh + 2);
+        mma_bf16(acc[0], ah, bl);
+        mma_bf16(acc[1], ah, bl + 2);
+        mma_bf16(acc[0], al, bh);
+        mma_bf16(acc[1], al, bh + 2);
+      }
+      float* P = part + warp * kC * kLdP;
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) P[(g + 8 * (e >> 1)) * kLdP + 8 * nn + 2 * tq + (e & 1)] = acc[nn][e];
+    }
+    __syncthreads();
+
+    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
+    // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
+    {
+      const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
+      const float* P0 = part + m * kC * kLdP + i * kLdP;
+      const float* P1 = part + (m + 2) * kC * kLdP + i * kLdP;
+      if (m == 0) {
+        const float b = betas[i];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Lf[i * kLdP + j0 + e] = j0 + e < i ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const float x0 = j0 + e <= i ? P0[j0 + e] + P1[j0 + e] : 0.f;
+          const float x1 = j0 + e + 1 <= i ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(Aq + i * kLdS + j0 + e) = pack_bf16(x0, x1);
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- E. T = (I + L)^-1 Diag(beta): lane j of warp 0 solves column j by forward substitution
+    if (warp == 0 && lane < kC) {
+      const int j = lane;
+      float x[kC];
+#pragma unroll
+      for (int i = 0; i < kC; ++i) {
+        float s = i == j ? 1.f : 0.f;
+#pragma unroll
+        for (int k = 0; k < i; ++k) s = fmaf(-Lf[i * kLdP + k], x[k], s);
+        x[i] = s;
+      }
+      const float bj = betas[j];
+#pragma unroll
+      for (int i = 0; i < kC; ++i) Tm[i * kLdS + j] = __float2bfloat16(x[i] * bj);
+    }
+    __syncthreads();
+
+    // ---- F. W = T Kg (stored negated: V'^T starts from U^T and adds S (-W)^T) and U = T V; warp w
+    // takes columns 32 w .. 32 w + 31
+    {
+      uint32_t at[4];
+      load_a(at, Tm, kLdS, 0, 0, lane);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int n0 = 32 * warp + 16 * np;
+        uint32_t bk[4], bv[4];
+        load_b_kn(bk, Kh, kLdB, 0, n0, lane);
+        load_b_kn(bv, Vs, kLdB, 0, n0, lane);
+        float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        mma_bf16(w[0], at, bk);
+        mma_bf16(w[1], at, bk + 2);
+        mma_bf16(u[0], at, bv);
+        mma_bf16(u[1], at, bv + 2);
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
+            *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
+            *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
+          }
+      }
+    }
+    __syncthreads();
+
+    // ---- G. the ordered part, the state in registers
+    {
+      float vacc[2][2][4], oacc[2][2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int v = 32 * warp + 16 * mt + g + 8 * (e >> 1), t = 8 * nn + 2 * tq + (e & 1);
+            vacc[mt][nn][e] = Uf[t * kLdU + v];
+            oacc[mt][nn][e] = 0.f;
+          }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bw[4], bq[4];
+        load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
+        load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t as[4];
+          as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
+          as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
+          as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
+          as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
+          mma_bf16(vacc[mt][0], as, bw);
+          mma_bf16(vacc[mt][1], as, bw + 2);
+          mma_bf16(oacc[mt][0], as, bq);
+          mma_bf16(oacc[mt][1], as, bq + 2);
+        }
+      }
+      // V'^T as A fragments (tokens 0-7 and 8-15 are the two k halves)
+      uint32_t vp[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        vp[mt][0] = pack_bf16(vacc[mt][0][0], vacc[mt][0][1]);
+        vp[mt][1] = pack_bf16(vacc[mt][0][2], vacc[mt][0][3]);
+        vp[mt][2] = pack_bf16(vacc[mt][1][0], vacc[mt][1][1]);
+        vp[mt][3] = pack_bf16(vacc[mt][1][2], vacc[mt][1][3]);
+      }
+      {
+        uint32_t ba[4];
+        load_b_nk(ba, Aq, kLdS, 0, 0, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(oacc[mt][0], vp[mt], ba);
+          mma_bf16(oacc[mt][1], vp[mt], ba + 2);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int v = 32 * warp + 16 * mt + g + 8 * (e >> 1), t = 8 * nn + 2 * tq + (e & 1);
+            Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
+          }
+      // S <- S Diag(exp(G_C)) + V'^T Kd
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const float2 ec = *reinterpret_cast<const float2*>(gcs + 8 * nt + 2 * tq);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          S[mt][nt][0] *= ec.x;
+          S[mt][nt][1] *= ec.y;
+          S[mt][nt][2] *= ec.x;
+          S[mt][nt][3] *= ec.y;
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < 8; ++p) {
+        uint32_t bk[4];
+        load_b_kn(bk, Kd, kLdB, 0, 16 * p, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(S[mt][2 * p], vp[mt], bk);
+          mma_bf16(S[mt][2 * p + 1], vp[mt], bk + 2);
+        }
+      }
+    }
+    __syncthreads();  // the output rows are staged
+
+    // ---- H. the chunk's output rows (16-byte stores, 256 B a row)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+      if (r < nt && c >= cb)  // (a warm-up chunk stores nothing)
+        *reinterpret_cast<uint4*>(a.out + (size_t(t0 + r) * a.HV + hv) * kV + c8) =
+            *reinterpret_cast<const uint4*>(Os + r * kLdB + c8);
+    }
+  }
+  cp_async_wait<0>();
+
+  if (dst) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int v = 32 * warp + 16 * mt + g + 8 * h, d = 8 * nt + 2 * tq;
+          st_pair(dst + size_t(v) * kK + d, S[mt][nt][2 * h], S[mt][nt][2 * h + 1]);
+        }
+  }
+}
+
+}  // namespace fkda_c16
