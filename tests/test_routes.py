@@ -22,6 +22,7 @@ def prefill_meta(**kw):
     m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 4096, "max_seqlen": None,
          "work_items": 16, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
     m.update(kw)
+    m.setdefault("lower_bound", -5.0 if m["gate"] == "bounded" else None)
     m["work_items"] = m["num_seqs"] * m["value_heads"]
     m["mean_seqlen"] = m["total_tokens"] // max(1, m["num_seqs"])
     return m
@@ -298,6 +299,34 @@ EDGES = {
         (prefill_meta(num_seqs=41, value_heads=1), "prefill_vt64_f32"),        # 41
         (prefill_meta(num_seqs=41, value_heads=1, state="bf16"), "prefill_vt64_bf16"),
     ],
+    # the fused 16-token-chunk kernel: bounded gate with lower_bound >= -5, >= 384 sequences x heads, <= 2048 tokens a
+    # sequence on average (c16 / c16p: the same bound, opted in)
+    ("kda_prefill", "fused_chunk16", "work_items_min"): [
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16_f32"),       # 384
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_vt64s_f32"),    # 383
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", state="bf16"), "prefill_c16_bf16"),
+    ],
+    ("kda_prefill", "fused_chunk16", "mean_seqlen_max"): [
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="bounded"), "prefill_c16_f32"),      # 2048
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_vt64s_f32"),    # 2049
+    ],
+    ("kda_prefill", "fused_chunk16", "lower_bound_min"): [
+        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.0), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.01),
+         "prefill_vt64s_f32"),
+        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_vt64s_f32"),    # softplus: no bound
+    ],
+    ("kda_prefill", "c16", "lower_bound_min"): [
+        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.0), "prefill_c16_f32", frozenset({"c16"})),
+        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.01), "prefill_pc8_vt64_f32",
+         frozenset({"c16"})),
+    ],
+    ("kda_prefill", "c16p", "lower_bound_min"): [
+        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.0), "prefill_c16p_f32",
+         frozenset({"c16p"})),
+        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.01), "prefill_pc8_vt64_f32",
+         frozenset({"c16p"})),
+    ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
     ("fused_kda_verify", "f32_few", "work_items_max"): [
@@ -462,22 +491,26 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
 
 
 def test_c16_opt_in_serves_every_bounded_call_without_checkpoints():
-    """'c16' (issue 46's fused 16-token-chunk candidate; 'c16p' its piece-split twin) takes every CUDA call with the bounded gate and no
-    checkpoints, in the state's dtype, whatever the band; other gates, checkpoints and the CPU keep their routes;
-    never reached without the opt-in (its binding refuses the rest: tests/gpu/test_prefill_c16_gpu.py)."""
+    """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call with the bounded gate,
+    lower_bound >= -5 and no checkpoints, in the state's dtype, whatever the band; other gates, lower bounds below -5,
+    checkpoints and the CPU keep their routes. Without the opt-in, prefill_c16 is reached only in fused_chunk16's band
+    and the piece split never (its binding refuses the rest: tests/gpu/test_prefill_c16_gpu.py)."""
     c16 = frozenset({"c16"})
     for state in ("f32", "bf16"):
         for hv, seqs, tokens in ((16, 64, 32768), (32, 4, 16384), (64, 1, 8192), (8, 1, 32768), (1, 1, 1)):
-            for gate in ("bounded", "softplus", "log"):
+            for gate, lb in (("bounded", -5.0), ("bounded", -1.0), ("bounded", -5.5), ("softplus", None), ("log", None)):
                 for ckpt in (False, True):
                     meta = prefill_meta(num_seqs=seqs, value_heads=hv, total_tokens=tokens, state=state, gate=gate,
-                                        checkpoints=ckpt)
+                                        checkpoints=ckpt, lower_bound=lb)
                     plain = dispatch.module_name("kda_prefill", meta, ())
                     got = dispatch.module_name("kda_prefill", meta, c16)
                     split = dispatch.module_name("kda_prefill", meta, {"c16p"})
-                    assert not plain.startswith("prefill_c16"), meta
-                    if gate == "bounded" and not ckpt:
-                        assert got == f"prefill_c16_{state}" and jit.get_record(got)["opt_in"], meta
+                    served = gate == "bounded" and lb >= -5 and not ckpt
+                    band = served and seqs * hv >= 384 and tokens // seqs <= 2048
+                    assert plain == (f"prefill_c16_{state}" if band else plain) and not plain.startswith("prefill_c16p")
+                    assert band or not plain.startswith("prefill_c16"), meta
+                    if served:
+                        assert got == f"prefill_c16_{state}" and not jit.get_record(got).get("opt_in"), meta
                         assert split == f"prefill_c16p_{state}" and jit.get_record(split)["params"]["pieces"] > 1, meta
                     else:
                         assert got == plain and split == plain, meta

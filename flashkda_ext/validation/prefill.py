@@ -13,13 +13,15 @@ from .memo import _memoized
 
 
 def prefill_route_meta(backend: str, num_seqs: int, value_heads: int, total_tokens: int,
-                       max_seqlen: Optional[int], state: str, offset: str, gate: str, checkpoints: bool) -> dict:
+                       max_seqlen: Optional[int], state: str, offset: str, gate: str, checkpoints: bool,
+                       lower_bound: Optional[float] = None) -> dict:
     """kda_prefill's route metadata (docs/architecture.md), its derived fields (mean_seqlen, work_items) in
-    one place for the op and for callers that route without a call (ops.prefill_workspace_bytes)."""
+    one place for the op and for callers that route without a call (ops.prefill_workspace_bytes).
+    lower_bound: the bounded gate's bound, None for the other gates (a band on it then never holds)."""
     return {"device": backend, "num_seqs": num_seqs, "value_heads": value_heads, "total_tokens": total_tokens,
             "max_seqlen": max_seqlen, "mean_seqlen": total_tokens // max(1, num_seqs),
             "work_items": num_seqs * value_heads, "state": state, "offset": offset, "gate": gate,
-            "checkpoints": checkpoints}
+            "checkpoints": checkpoints, "lower_bound": lower_bound if gate == "bounded" else None}
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class PrefillCall:
     def route_meta(self) -> dict:
         return prefill_route_meta(self.backend, self.num_seqs, self.value_heads, self.total_tokens,
                                   self.max_seqlen, _state_tag(self.state_dtype or "float32"),
-                                  f"o{self.offset_bits}", self.gate, self.checkpoint_every > 0)
+                                  f"o{self.offset_bits}", self.gate, self.checkpoint_every > 0,
+                                  float(self.lower_bound))
 
 
 @_memoized
