@@ -248,7 +248,10 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
   ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
 
-  if (cs < ce) load_chunk(smem + kOffRing, a, bos + int64_t(cs) * kC, min(kC, int(len - int64_t(cs) * kC)), hk, hv, tid);
+  // chunk c lives in ring stage c & 1 (a piece's first chunk cs may be odd)
+  if (cs < ce)
+    load_chunk(smem + kOffRing + (cs & 1) * kStage, a, bos + int64_t(cs) * kC, min(kC, int(len - int64_t(cs) * kC)),
+               hk, hv, tid);
   cp_async_commit();
 
   // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)

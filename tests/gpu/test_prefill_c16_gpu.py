@@ -241,6 +241,7 @@ def test_pieces(name, case):
     assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
     eo, ef, bo, bf = rel(o[0], ro), rel(fin, rf), rel(ob[0], ro), rel(finb, rf)
     msg = f"{name} (P={P}) out {eo:.3e} state {ef:.3e}; {base} out {bo:.3e} state {bf:.3e}"
+    print(msg)
     assert eo < TOL and ef < TOL, msg
     assert eo <= 1.1 * bo + 1e-4 and ef <= 1.1 * bf + 1e-4, msg
     rows, start = [], 0

@@ -1,0 +1,200 @@
+"""CPU emulation of the c16p piece schedule (csrc/prefill/kda_prefill_c16.cuh, kPieces > 1; no GPU).
+
+The formulas below are copied from the kernel (not extracted from it): keep them in step. For each (sequence,
+piece) it replays the CTA's control flow - the piece's chunks [cb, ce), the warm-up walk back to cs summing each
+chunk's attenuation bound until <= -24 (log2), the zero / initial state start, the 2-deep cp.async ring (the prologue
+loads chunk cs, chunk c + 1 is loaded during chunk c, chunk c is read from stage c & 1), the output stores
+(c >= cb only) and the final-state writer (ce == nch) - and checks that every token's output is stored exactly once,
+every sequence's final state by exactly one piece, and every chunk is read from the stage it was loaded into (the
+bug fixed on pf-c16: the prologue loaded chunk cs into stage 0 while the loop read stage cs & 1, so a piece whose
+warm-up began on an odd chunk ran its first chunk on a stale or uninitialised stage). Then a float64 token
+recurrence run piece by piece (each piece from a zero state at cs, the initial state at cs = 0) is held to the
+unsplit recurrence: the dropped state is attenuated below 2^-24.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+C = 16
+K = V = 128
+LOG2E = 1.4426950408889634
+
+
+def pieces_of(pieces_max, sms, min_blocks, HV, N):
+    """kda_prefill_c16.cu: one wave of min_blocks CTAs an SM, at most the record's pieces, at least 1."""
+    return max(1, min(pieces_max, min_blocks * sms // (HV * N)))
+
+
+def token_bounds(graw, A_log, dt_bias, lb):
+    """Per token the largest log2 decay over the keys (float32, as chunk_bound): [T, HV]."""
+    HV = graw.shape[1]
+    ea = torch.exp(A_log.float()) if A_log is not None else torch.ones(HV)
+    dtb = dt_bias.float().view(HV, K) if dt_bias is not None else torch.zeros(HV, K)
+    x = ea.view(1, HV, 1) * (graw.float() + dtb.view(1, HV, K))
+    return (lb * LOG2E * torch.sigmoid(x)).amax(-1)
+
+
+def schedule(len_, P, bound_of_chunk, stage_fix=True):
+    """The CTAs of one (sequence, head): a list of dicts (p, cs, cb, ce, writer, reads) as the kernel runs them."""
+    nch = (len_ + C - 1) // C
+    ctas = []
+    for p in range(P):
+        per = (nch + P - 1) // P
+        cb = min(nch, p * per)
+        ce = min(nch, cb + per)
+        if P > 1 and p > 0 and cb >= ce:
+            continue  # returns before any load or store
+        if P == 1:
+            cb, ce = 0, nch
+        writer = ce == nch
+        cs, s = cb, 0.0
+        if P > 1:
+            while cs > 0 and s > -24.0:
+                cs -= 1
+                s += bound_of_chunk(cs)
+        ring = [None, None]
+        if cs < ce:
+            ring[(cs & 1) if stage_fix else 0] = cs  # the prologue
+        reads = []
+        for c in range(cs, ce):
+            if c + 1 < ce:
+                ring[(c + 1) & 1] = c + 1
+            reads.append((c, ring[c & 1]))
+        ctas.append(dict(p=p, cs=cs, cb=cb, ce=ce, writer=writer, reads=reads, nch=nch))
+    return ctas
+
+
+def check_schedule(lens, P, bound_of, stage_fix=True):
+    """Schedule invariants; returns the problems found (empty when sound)."""
+    bad = []
+    for n, L in enumerate(lens):
+        ctas = schedule(L, P, lambda c: bound_of(n, c), stage_fix)
+        stores = [0] * L
+        writers = sum(1 for x in ctas if x["writer"])
+        if writers != 1:
+            bad.append((n, "final state writers", writers))
+        for x in ctas:
+            for c, got in x["reads"]:
+                if got != c:
+                    bad.append((n, x["p"], "chunk %d read from a stage holding %s" % (c, got)))
+                if c >= x["cb"]:
+                    for t in range(c * C, min(L, c * C + C)):
+                        stores[t] += 1
+            if x["cs"] > 0 and x["cs"] < x["cb"]:
+                walked = sum(bound_of(n, c) for c in range(x["cs"], x["cb"]))
+                if walked > -24.0:
+                    bad.append((n, x["p"], "warm-up bound %.2f > -24" % walked))
+        for t, k in enumerate(stores):
+            if k != 1:
+                bad.append((n, "token %d stored %d times" % (t, k)))
+                break
+    return bad
+
+
+def make(lens, HV, seed, near_bound=False):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    d = dict(q=torch.randn(T, HV, K, generator=g), k=torch.randn(T, HV, K, generator=g),
+             v=torch.randn(T, HV, V, generator=g), beta=torch.randn(T, HV, generator=g),
+             g=torch.randn(T, HV, K, generator=g), A_log=torch.rand(HV, generator=g) * 0.5 - 1.0,
+             dt_bias=torch.randn(HV * K, generator=g) * 0.5)
+    if near_bound:
+        d["g"] = d["g"] + 6.0
+        d["A_log"] = d["dt_bias"] = None
+    d = {k_: (x.bfloat16().float() if x is not None else None) for k_, x in d.items()}
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    d["cu"] = cu
+    return d
+
+
+def chunk_bounds(d, lb, hv):
+    tb = token_bounds(d["g"], d["A_log"], d["dt_bias"], lb)[:, hv].double()
+
+    def bound_of(n, c):
+        t0 = d["cu"][n] + c * C
+        t1 = min(d["cu"][n + 1], t0 + C)
+        return float(tb[t0:t1].sum())
+
+    return bound_of
+
+
+def run_tokens(d, lb, hv, t0, t1, S, out, store_from):
+    """float64 recurrence of head hv over tokens [t0, t1), storing outputs of tokens >= store_from."""
+    ea = math.exp(float(d["A_log"][hv])) if d["A_log"] is not None else 1.0
+    dtb = d["dt_bias"].view(-1, K)[hv].double() if d["dt_bias"] is not None else torch.zeros(K, dtype=torch.float64)
+    for t in range(t0, t1):
+        q, k = d["q"][t, hv].double(), d["k"][t, hv].double()
+        q = q / torch.sqrt((q * q).sum() + 1e-6) * K ** -0.5
+        k = k / torch.sqrt((k * k).sum() + 1e-6)
+        alpha = torch.exp(lb * torch.sigmoid(ea * (d["g"][t, hv].double() + dtb)))
+        beta = torch.sigmoid(d["beta"][t, hv].double())
+        S = S * alpha.view(1, K)
+        u = beta * (d["v"][t, hv].double() - S @ k)
+        S = S + u.view(V, 1) * k.view(1, K)
+        if t >= store_from:
+            out[t] = S @ q
+    return S
+
+
+SCHED_CASES = [  # (lens, HV, P)
+    ([4096], 2, 16), ([3000, 1700], 8, 8), ([0, 1, 2000, 17, 900, 16], 4, 5), ([8192], 8, 8), ([33, 16, 5], 2, 16),
+    ([512] * 4, 16, 4),
+]
+
+
+@pytest.mark.parametrize("near_bound", [False, True])
+@pytest.mark.parametrize("lens,HV,P", SCHED_CASES)
+def test_schedule_sound(lens, HV, P, near_bound):
+    d = make(lens, HV, seed=len(lens) * 7 + HV + P, near_bound=near_bound)
+    for hv in range(HV):
+        assert check_schedule(lens, P, chunk_bounds(d, -5.0, hv)) == []
+
+
+def test_the_old_prologue_stage_is_caught():
+    """With the prologue's stage fixed at 0 (commit d795b9f) a piece whose walk stops on an odd chunk reads chunk cs
+    from the wrong stage: the emulation must see it on the GPU tests' shapes (near-bound gates walk back one chunk)."""
+    lens, HV, P = [40, 16, 300], 4, 16
+    d = make(lens, HV, seed=1, near_bound=True)
+    bad = check_schedule(lens, P, chunk_bounds(d, -5.0, 0), stage_fix=False)
+    assert any("read from a stage" in str(b) for b in bad), bad
+    assert check_schedule(lens, P, chunk_bounds(d, -5.0, 0), stage_fix=True) == []
+
+
+def test_pieces_of_matches_the_binding():
+    assert pieces_of(16, 132, 2, 32, 4) == 2
+    assert pieces_of(16, 132, 2, 64, 1) == 4
+    assert pieces_of(16, 132, 2, 16, 64) == 1
+    assert pieces_of(16, 132, 2, 2, 1) == 16
+
+
+@pytest.mark.parametrize("lens,HV,P,near_bound", [([700, 250], 1, 6, False), ([300], 1, 16, True)])
+def test_pieces_recurrence_float64(lens, HV, P, near_bound):
+    """Pieces from a zero state after the warm-up give the unsplit recurrence's outputs and final state (float64)."""
+    d = make(lens, HV, seed=11, near_bound=near_bound)
+    lb, T = -5.0, sum(lens)
+    init = torch.randn(len(lens), HV, V, K, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.5
+    for hv in range(HV):
+        ref = torch.zeros(T, V, dtype=torch.float64)
+        got = torch.full((T, V), float("nan"), dtype=torch.float64)
+        bound_of = chunk_bounds(d, lb, hv)
+        for n, L in enumerate(lens):
+            b = d["cu"][n]
+            fin_ref = run_tokens(d, lb, hv, b, b + L, init[n, hv].clone(), ref, b)
+            fin = None
+            ctas = schedule(L, P, lambda c: bound_of(n, c))
+            assert any(x["cs"] > 0 for x in ctas)  # some piece starts from zero
+            for x in ctas:
+                S = init[n, hv].clone() if x["cs"] == 0 else torch.zeros(V, K, dtype=torch.float64)
+                S = run_tokens(d, lb, hv, b + x["cs"] * C, min(b + L, b + x["ce"] * C), S, got, b + x["cb"] * C)
+                if x["writer"]:
+                    fin = S
+            assert not torch.isnan(got[b:b + L]).any()
+            err = ((got[b:b + L] - ref[b:b + L]).norm() / ref[b:b + L].norm()).item()
+            errf = ((fin - fin_ref).norm() / fin_ref.norm()).item()
+            assert err < 1e-6 and errf < 1e-6, (n, err, errf)
