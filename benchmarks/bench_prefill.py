@@ -56,7 +56,8 @@ def load(name):
 
 def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32"):
     from flashkda_ext import dispatch, validation
-    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, state, "o64", gate, False)
+    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, state, "o64", gate, False,
+                                         lower_bound=-5.0)   # the bounded gate's bound in every run here
     return dispatch.module_name("kda_prefill", meta, opted_in)
 
 
