@@ -46,7 +46,7 @@ FOLDER = re.compile(r"^h200-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")
 BEGIN = "<!-- begin generated: performance (benchmarks/perf_doc.py; edit the data, not this block) -->"
 END = "<!-- end generated: performance -->"
 # Peers named in the tables; an arm not listed here gets its own name as the heading.
-PEER_NAMES = {"fla": "fla", "cudnn": "cuDNN", "flashkda": "FlashKDA"}
+PEER_NAMES = {"fla": "fla", "cudnn": "cuDNN", "flashkda": "FlashKDA", "opt_in": "opt-in arm"}
 
 
 class Source:
@@ -564,9 +564,13 @@ def summary_rows(sources) -> list:
              "kda_prefill": ("ours", "fla", "eager")}
     for op, (ours, peer, mode) in pairs.items():
         for src, state, cases in [(src, st, cs) for src in sources.get(op, []) for st, cs in _by_state(src)]:
-            peers = [peer] + ([p for p in _peers(cases) if p != peer] if op == "kda_prefill" else [])
+            # a prefill run's opt-in arm (--opt-in-arm: a candidate of ours) is no peer: the README leaves it out
+            peers = [peer] + ([p for p in _peers(cases) if p not in (peer, "opt_in")] if op == "kda_prefill" else [])
             gates = {c["params"].get("gate") for c in cases} if op == "kda_prefill" else set()
             label = f"`{op}`, {state} state" + (f", {gates.pop()} gate" if len(gates) == 1 else "")
+            heads = sorted({c["params"]["H"] for c in cases if "H" in c["params"]}) if op == "kda_prefill" else []
+            if heads:  # a grid may come in several files, each its head counts
+                label += f", H{heads[0]}-{heads[-1]}" if len(heads) > 1 else f", H{heads[0]}"
             for p in peers:
                 xs = _ratios(cases, ours, p, mode)
                 if xs:

@@ -121,7 +121,10 @@ def test_prefill_gets_a_column_per_peer(sources):
     readme = perf_doc.readme_block(both)
     for src in sources["kda_prefill"]:
         g = {c["params"]["gate"] for c in src.doc["cases"]}
-        label = "`kda_prefill`, f32 state" + (f", {g.pop()} gate" if len(g) == 1 else "")
+        heads = sorted({c["params"]["H"] for c in src.doc["cases"]})
+        label = "`kda_prefill`, f32 state" + (f", {g.pop()} gate" if len(g) == 1 else "") + \
+            (f", H{heads[0]}-{heads[-1]}" if len(heads) > 1 else f", H{heads[0]}")
+        assert "| opt-in arm |" not in readme   # a run's opt-in arm is a candidate of ours, not a peer
         assert f"| {label} | cuDNN | 2.00x (2.00x) |" in readme and f"| {label} | fla | 3.00x (3.00x) |" in readme
     only_cudnn = "\n".join(perf_doc.prefill_section(arms(False, True)["kda_prefill"]))
     assert "fla us" not in only_cudnn and "cuDNN us" in only_cudnn and "no fla arm in this run" in only_cudnn
