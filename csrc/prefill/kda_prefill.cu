@@ -23,6 +23,7 @@
 #include "../common/cuda_launch.h"
 #include "../common/param_fill.h"
 #include "../common/pool_args.h"
+#include "kda_prefill_args.h"
 #include "kda_prefill_prep.cuh"
 #include "kda_prefill_state.cuh"
 
@@ -92,77 +93,14 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                  int64_t checkpoint_every) {
   const char* fn = "kda_prefill";
   Checker ck(fn);
-  ck.device_type(q, "q", kDLCUDA);
-  ck.ndim(q, "q", 4, "[B, T, H, K]");
-  // B > 1 rows of T tokens are contiguous, so they are the packed row of B * T tokens that
-  // cu_seqlens (built by the caller) describes: the caller's own tensors are passed, never reshaped.
-  const int64_t B = q.size(0), Tb = q.size(1), T = B * Tb, H = q.size(2), K = q.size(3);
-  ck.ndim(v, "v", 4, "[B, T, HV, V]");
-  const int64_t HV = v.size(2), V = v.size(3);
-  ck.head_dims(K, V);
-  ck.heads(H, HV);
-  ck.shape(q, "q", {{"B", B}, {"T", Tb}, {"H", H}, {"K", K}});
-  ck.shape(k, "k", {{"B", B}, {"T", Tb}, {"H", H}, {"K", K}});
-  ck.shape(v, "v", {{"B", B}, {"T", Tb}, {"HV", HV}, {"V", V}});
-  ck.shape(g, "g", {{"B", B}, {"T", Tb}, {"HV", HV}, {"K", K}});
-  ck.shape(beta, "beta", {{"B", B}, {"T", Tb}, {"HV", HV}});
-  ck.shape(out, "out", {{"B", B}, {"T", Tb}, {"HV", HV}, {"V", V}});
-  struct NamedT { const TensorView* t; const char* name; };
-  for (NamedT x : {NamedT{&q, "q"}, NamedT{&k, "k"}, NamedT{&v, "v"}, NamedT{&g, "g"},
-                   NamedT{&beta, "beta"}, NamedT{&out, "out"}}) {
-    ck.same_device(*x.t, x.name, q, "q");
-    ck.dtype(*x.t, x.name, {kBF16});
-    ck.contiguous(*x.t, x.name);
-    ck.aligned(*x.t, x.name, 16);
-  }
+  const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
+  const int64_t T = dm.T, H = dm.H, HV = dm.HV, V = dm.V, K = dm.K;
   const GateMode gm = ck.gate_mode(gate_mode);
   ck.lower_bound(gm, lower_bound);
   ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
   ck.positive_finite(scale, "scale");
-  ck.same_device(cu_seqlens, "cu_seqlens", q, "q");
-  ck.dtype(cu_seqlens, "cu_seqlens", {kI32, kI64});
-  ck.ndim(cu_seqlens, "cu_seqlens", 1, "[N+1]");
-  ck.contiguous(cu_seqlens, "cu_seqlens");
-  const int64_t N = cu_seqlens.size(0) - 1;
-  FKDA_CHECK(N >= 1, fn) << "argument 'cu_seqlens' must hold at least 2 offsets, got " << N + 1;
-  // (a piece-split call has N x pieces <= the SM count CTAs in z, or one piece: N)
-  FKDA_CHECK(N <= 65535, fn) << "at most 65535 sequences per call, got " << N;
-
-  const bool pool = state_indices.has_value();
-  int64_t slots = N;
-  if (pool) {
-    const TensorView& si = state_indices.value();
-    ck.same_device(si, "state_indices", q, "q");
-    ck.dtype(si, "state_indices", {kI32});
-    ck.shape(si, "state_indices", {{"N", N}});
-    ck.contiguous(si, "state_indices");
-    FKDA_CHECK(initial_state.has_value() || final_state.has_value(), fn)
-        << "argument 'state_indices' needs the pool as initial_state and/or final_state";
-    slots = (initial_state.has_value() ? initial_state.value() : final_state.value()).size(0);
-  }
-  // elements between slots: dense states are contiguous; a pool's slots may sit apart (a paged
-  // cache), each dense, with one stride for initial and final state (the kernels take one)
-  int64_t slot_stride = -1;
-  for (int i = 0; i < 2; ++i) {
-    const OptTensor& st = i ? final_state : initial_state;
-    const char* name = i ? "final_state" : "initial_state";
-    if (!st.has_value()) continue;
-    const TensorView& t = st.value();
-    ck.same_device(t, name, q, "q");
-    ck.state_dtype(t, name, {kF32, kBF16});
-    ck.shape(t, name, {{pool ? "slots" : "N", slots}, {"HV", HV}, {"V", V}, {"K", K}});
-    if (!pool) {
-      ck.contiguous(t, name);
-      continue;
-    }
-    const int64_t stride = fkda::pool_slot_stride(ck, t, name);
-    ck.aligned(t, name, 16);
-    FKDA_CHECK(slot_stride < 0 || stride == slot_stride, fn)
-        << "arguments 'initial_state' and 'final_state' (the pool) must have one slot stride, got "
-        << slot_stride << " and " << stride;
-    slot_stride = stride;
-  }
-  if (slot_stride < 0) slot_stride = HV * V * K;
+  const int64_t N = prefill_seq_count(ck, cu_seqlens, q);
+  const PrefillStates ps = prefill_state_args(ck, q, initial_state, final_state, state_indices, N, HV, V, K);
   int64_t ckpt_count = 0;
   if (checkpoints.has_value()) {
     const TensorView& t = checkpoints.value();
@@ -212,12 +150,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   sa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
   sa.N = static_cast<int>(N);
   sa.HV = static_cast<int>(HV);
-  sa.init = initial_state.has_value() ? data_ptr<void>(initial_state.value()) : nullptr;
-  sa.fin = final_state.has_value() ? data_ptr<void>(final_state.value()) : nullptr;
-  sa.idx = pool ? data_ptr<int32_t>(state_indices.value()) : nullptr;
-  sa.num_slots = slots;
-  sa.slot_stride = slot_stride;
-  sa.null_slot0 = null_slot0 ? 1 : 0;
+  set_states(sa, initial_state, final_state, state_indices, ps, null_slot0);
   sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
   sa.ckpt_count = ckpt_count;
   sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
@@ -233,16 +166,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
   if (T > 0) {
     fkda_prefill::PrepArgs pa;
-    pa.q = data_ptr<bf16>(q);
-    pa.k = data_ptr<bf16>(k);
-    pa.v = data_ptr<bf16>(v);
-    pa.g = data_ptr<bf16>(g);
-    pa.beta = data_ptr<bf16>(beta);
-    pa.A_log = A_log.has_value() ? data_ptr<float>(A_log.value()) : nullptr;
-    pa.dt_bias = dt_bias.has_value() ? data_ptr<float>(dt_bias.value()) : nullptr;
-    pa.cu = data_ptr<void>(cu_seqlens);
-    pa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
-    pa.N = static_cast<int>(N);
+    set_token_inputs(pa, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N);
     fkda::set_heads(pa, H, HV);
     fkda::set_gate_scale(pa, gate_mode, lower_bound, scale);
     pa.beta_logit = beta_is_logit ? 1 : 0;

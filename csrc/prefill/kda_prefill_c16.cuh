@@ -131,6 +131,19 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = pack_bf16(x0 - h.x, x1 - h.y);
 }
 
+// The elements a thread holds of a [2][NT][4] array of m16n8 accumulator fragments of its warp's 32 value
+// rows (the state S: NT = 16 key tiles; vacc / oacc: NT = 2 token tiles): f(mt, n, e, v, c) for element e
+// (e = 0, step, ..: step 2 visits the pairs e, e + 1) of m-tile mt, n-tile n, value row v, column c.
+template <int NT, int kStep, typename F>
+__device__ __forceinline__ void for_frag(int warp, int g, int tq, F&& f) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += kStep) f(mt, n, e, 32 * warp + 16 * mt + g + 8 * (e >> 1), 8 * n + 2 * tq + (e & 1));
+}
+
 // Issue the cp.async loads of one chunk (rows >= nt zero-filled; row 0 of the chunk always exists).
 __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, int64_t t0, int nt, int hk, int hv,
                                            int tid) {
@@ -256,17 +269,11 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
   // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)
   float S[2][16][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int v = 32 * warp + 16 * mt + g + 8 * h, d = 8 * nt + 2 * tq;
-        const float2 x = src ? ld_pair<ST>(src + size_t(v) * kK + d) : make_float2(0.f, 0.f);
-        S[mt][nt][2 * h] = x.x;
-        S[mt][nt][2 * h + 1] = x.y;
-      }
+  for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
+    const float2 x = src ? ld_pair<ST>(src + size_t(v) * kK + d) : make_float2(0.f, 0.f);
+    S[mt][nt][e] = x.x;
+    S[mt][nt][e + 1] = x.y;
+  });
 
   float bnext = 0.f;
   if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len)
@@ -457,16 +464,10 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     // ---- G. the ordered part, the state in registers
     {
       float vacc[2][2][4], oacc[2][2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int v = 32 * warp + 16 * mt + g + 8 * (e >> 1), t = 8 * nn + 2 * tq + (e & 1);
-            vacc[mt][nn][e] = Uf[t * kLdU + v];
-            oacc[mt][nn][e] = 0.f;
-          }
+      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+        vacc[mt][nn][e] = Uf[t * kLdU + v];
+        oacc[mt][nn][e] = 0.f;
+      });
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         uint32_t bw[4], bq[4];
@@ -503,15 +504,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
           mma_bf16(oacc[mt][1], vp[mt], ba + 2);
         }
       }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int v = 32 * warp + 16 * mt + g + 8 * (e >> 1), t = 8 * nn + 2 * tq + (e & 1);
-            Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
-          }
+      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+        Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
+      });
       // S <- S Diag(exp(G_C)) + V'^T Kd
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt) {
@@ -549,15 +544,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   cp_async_wait<0>();
 
   if (dst) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int v = 32 * warp + 16 * mt + g + 8 * h, d = 8 * nt + 2 * tq;
-          st_pair(dst + size_t(v) * kK + d, S[mt][nt][2 * h], S[mt][nt][2 * h + 1]);
-        }
+    for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
+      st_pair(dst + size_t(v) * kK + d, S[mt][nt][e], S[mt][nt][e + 1]);
+    });
   }
 }
 

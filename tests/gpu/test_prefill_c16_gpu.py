@@ -38,6 +38,11 @@ def seed(*parts):
     torch.manual_seed(zlib.crc32(repr(parts).encode()))
 
 
+def module_and_state_dtype(name):
+    """The loaded module `name` and the torch dtype of its state."""
+    return load(name), sdtype(RECS[name])
+
+
 CASES = [
     dict(id="ragged_h4", lens=[1, 15, 16, 17, 100, 1000], H=4, HV=4, init=True),
     dict(id="empty_and_short_h2", lens=[0, 33, 0, 16, 5, 1, 0], H=2, HV=2, init=True),
@@ -53,9 +58,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_against_recurrence(name, case):
     seed(name, case["id"])
-    rec = RECS[name]
-    mod = load(name)
-    st = sdtype(rec)
+    mod, st = module_and_state_dtype(name)
     d = make(case["lens"], case["H"], case["HV"], "bounded", cu64=case.get("cu64", False))
     N, HV = len(case["lens"]), case["HV"]
     init = (torch.randn(N, HV, V, K, device=DEV) * 0.5).to(st) if case.get("init") else None
@@ -133,10 +136,8 @@ def test_lower_bound_edge_and_probability_beta(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_pool_in_place(name):
-    rec = RECS[name]
     seed("pool", name)
-    mod = load(name)
-    st = sdtype(rec)
+    mod, st = module_and_state_dtype(name)
     d = make([200, 64, 90, 33, 5], 4, 4, "bounded")
     slots = 9
     mem = (torch.randn(slots + 1, 4, V, K, device=DEV) * 0.5).to(st)  # the last slot is a guard
@@ -155,10 +156,8 @@ def test_pool_in_place(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_strided_pool_equals_the_dense_pool_bitwise(name):
-    rec = RECS[name]
     seed("strided", name)
-    mod = load(name)
-    st = sdtype(rec)
+    mod, st = module_and_state_dtype(name)
     d = make([200, 1, 64, 0, 90, 33], 4, 4, "bounded")
     dense = (torch.randn(11, 4, V, K, device=DEV) * 0.5).to(st)
     pages, pool, filler = paged_like(dense, seed=5)
@@ -174,9 +173,7 @@ def test_strided_pool_equals_the_dense_pool_bitwise(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_refuses_what_the_route_never_sends(name):
-    rec = RECS[name]
-    mod = load(name)
-    st = sdtype(rec)
+    mod, st = module_and_state_dtype(name)
     d = make([40, 20], 2, 2, "bounded")
     fin = torch.full((2, 2, V, K), float("nan"), device=DEV).to(st)
     out = torch.full_like(d["v"], float("nan"))
