@@ -185,6 +185,46 @@ def test_prefill_equals_torch(gen, pool, mode):
     _close_or_equal(to_torch(final), t_final, rerun_equal)
 
 
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_prefill_in_the_fused_chunk16_band_equals_torch(gen, mode):
+    """The bounded gate at lower_bound -5 over 48 sequences x 8 heads (route fused_chunk16: prefill_c16, no
+    workspace): JAX's call is the torch op's (bitwise where the torch op reruns bitwise)."""
+    from flashkda_ext import dispatch
+    from flashkda_ext.validation import prefill_route_meta
+    lens, HV = [int(x) for x in torch.randint(1, 200, (48,), generator=gen)], 8
+    T = sum(lens)
+    assert dispatch.module_name("kda_prefill", prefill_route_meta("cuda", len(lens), HV, T, None, "f32", "o32",
+                                                                  "bounded", False, lower_bound=-5.0)) == "prefill_c16_f32"
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    d = dict(q=rnd(gen, 1, T, HV, K), k=rnd(gen, 1, T, HV, K), v=rnd(gen, 1, T, HV, V), g=rnd(gen, 1, T, HV, K),
+             beta=rnd(gen, 1, T, HV), A_log=rnd(gen, HV, dtype=torch.float32, scale=0.5),
+             dt_bias=rnd(gen, HV * K, dtype=torch.float32, scale=0.5),
+             cu_seqlens=torch.tensor(cu, dtype=torch.int32).cuda(),
+             initial_state=rnd(gen, len(lens), HV, V, K, dtype=torch.float32, scale=0.1))
+    pos = ("q", "k", "v", "g", "beta")
+    kw = dict(gate="bounded", lower_bound=-5.0)
+
+    def torch_run():
+        a = {n: x.clone() for n, x in d.items()}
+        args = [a.pop(n) for n in pos]
+        return fk.kda_prefill(*args, **a, **kw)
+
+    t_out, t_final = torch_run()
+    t_out2, t_final2 = torch_run()
+    rerun_equal = torch.equal(t_out, t_out2) and torch.equal(t_final, t_final2)
+    j = {n: to_jax(x) for n, x in d.items()}
+    if mode == "eager":
+        args = [j.pop(n) for n in pos]
+        out, final = kj.kda_prefill(*args, **j, **kw)
+    else:
+        out, final = jax.jit(lambda a: kj.kda_prefill(*(a[n] for n in pos),
+                                                      **{n: x for n, x in a.items() if n not in pos}, **kw))(j)
+    _close_or_equal(to_torch(out), t_out, rerun_equal)
+    _close_or_equal(to_torch(final), t_final, rerun_equal)
+
 GRAPH_SCRIPT = textwrap.dedent("""
     import os, sys, json
     import torch, jax, jax.numpy as jnp
