@@ -158,39 +158,46 @@ def test_prefill_equals_torch(gen, pool, mode):
              beta=rnd(gen, 1, T, HV), A_log=rnd(gen, HV, dtype=torch.float32, scale=0.5),
              dt_bias=rnd(gen, HV * K, dtype=torch.float32, scale=0.5),
              cu_seqlens=torch.tensor([0, 70, 71, T], dtype=torch.int32).cuda())
-    pos = ("q", "k", "v", "g", "beta")
     if pool:
         d["state"] = rnd(gen, 5, HV, V, K, dtype=torch.float32, scale=0.1)
         d["state_indices"] = torch.tensor([3, -1, 0], dtype=torch.int32).cuda()
     else:
         d["initial_state"] = rnd(gen, 3, HV, V, K, dtype=torch.float32, scale=0.1)
 
+    _prefill_jax_equals_torch(d, mode)
+
+
+
+PREFILL_POS = ("q", "k", "v", "g", "beta")
+
+
+def _prefill_jax_equals_torch(d, mode, **kw):
+    """kda_prefill on d's tensors through JAX (eager or jit) equals the torch op's output and final state: bitwise
+    where the torch op reruns bitwise, else within the kernels' tolerance (_close_or_equal)."""
     def torch_run():
         a = {n: x.clone() for n, x in d.items()}
-        args = [a.pop(n) for n in pos]  # pop before the ** unpacking sees them
-        out, final = fk.kda_prefill(*args, **a)
-        return out, final
+        args = [a.pop(n) for n in PREFILL_POS]  # pop before the ** unpacking sees them
+        return fk.kda_prefill(*args, **a, **kw)
 
     t_out, t_final = torch_run()
     t_out2, t_final2 = torch_run()
     rerun_equal = torch.equal(t_out, t_out2) and torch.equal(t_final, t_final2)
     j = {n: to_jax(x) for n, x in d.items()}
     if mode == "eager":
-        args = [j.pop(n) for n in pos]
-        out, final = kj.kda_prefill(*args, **j)
+        args = [j.pop(n) for n in PREFILL_POS]
+        out, final = kj.kda_prefill(*args, **j, **kw)
     else:
-        out, final = jax.jit(lambda a: kj.kda_prefill(*(a[n] for n in pos),
-                                                      **{n: x for n, x in a.items() if n not in pos}))(j)
+        out, final = jax.jit(lambda a: kj.kda_prefill(*(a[n] for n in PREFILL_POS),
+                                                      **{n: x for n, x in a.items() if n not in PREFILL_POS}, **kw))(j)
     _close_or_equal(to_torch(out), t_out, rerun_equal)
     _close_or_equal(to_torch(final), t_final, rerun_equal)
 
 
-
+@pytest.mark.skipif(not has_cuda_module("kda_prefill", PREFILL_META), reason="no CUDA prefill module")
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_prefill_in_the_fused_chunk16_band_equals_torch(gen, mode):
     """The bounded gate at lower_bound -5 over 48 sequences x 8 heads (route fused_chunk16: prefill_c16, no
     workspace): JAX's call is the torch op's (bitwise where the torch op reruns bitwise)."""
-    from flashkda_ext import dispatch
     from flashkda_ext.validation import prefill_route_meta
     lens, HV = [int(x) for x in torch.randint(1, 200, (48,), generator=gen)], 8
     T = sum(lens)
@@ -204,26 +211,7 @@ def test_prefill_in_the_fused_chunk16_band_equals_torch(gen, mode):
              dt_bias=rnd(gen, HV * K, dtype=torch.float32, scale=0.5),
              cu_seqlens=torch.tensor(cu, dtype=torch.int32).cuda(),
              initial_state=rnd(gen, len(lens), HV, V, K, dtype=torch.float32, scale=0.1))
-    pos = ("q", "k", "v", "g", "beta")
-    kw = dict(gate="bounded", lower_bound=-5.0)
-
-    def torch_run():
-        a = {n: x.clone() for n, x in d.items()}
-        args = [a.pop(n) for n in pos]
-        return fk.kda_prefill(*args, **a, **kw)
-
-    t_out, t_final = torch_run()
-    t_out2, t_final2 = torch_run()
-    rerun_equal = torch.equal(t_out, t_out2) and torch.equal(t_final, t_final2)
-    j = {n: to_jax(x) for n, x in d.items()}
-    if mode == "eager":
-        args = [j.pop(n) for n in pos]
-        out, final = kj.kda_prefill(*args, **j, **kw)
-    else:
-        out, final = jax.jit(lambda a: kj.kda_prefill(*(a[n] for n in pos),
-                                                      **{n: x for n, x in a.items() if n not in pos}, **kw))(j)
-    _close_or_equal(to_torch(out), t_out, rerun_equal)
-    _close_or_equal(to_torch(final), t_final, rerun_equal)
+    _prefill_jax_equals_torch(d, mode, gate="bounded", lower_bound=-5.0)
 
 GRAPH_SCRIPT = textwrap.dedent("""
     import os, sys, json
