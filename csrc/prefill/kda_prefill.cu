@@ -17,8 +17,6 @@
 // exact, so it writes no checkpoints: a call with checkpoints is refused (the routes never send one).
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
 #include "../common/param_fill.h"
@@ -73,8 +71,7 @@ constexpr int kTileCtas = fkda_prefill::kV / (FKDA_PARAM_VT * fkda_prefill::kGro
 // module fills an H200 (132 SMs) at 8 heads with 16 pieces and at 48 heads with 2.
 int state_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
   if (fkda_prefill::kPieces == 1) return 1;
-  const int64_t fit = ctx.sm_count() / (kTileCtas * HV * N);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_prefill::kPieces, fit)));
+  return pieces_for_one_wave(fkda_prefill::kPieces, ctx.sm_count(), kTileCtas * HV * N);
 }
 
 template <int VT, int RING = fkda_prefill::default_ring<VT>()>

@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../common/binding.h"
@@ -141,6 +142,12 @@ inline void set_states(Params& p, const OptTensor& initial_state, const OptTenso
   p.num_slots = ps.slots;
   p.slot_stride = ps.slot_stride;
   p.null_slot0 = null_slot0 ? 1 : 0;
+}
+
+// A piece-split call's pieces a (sequence, head): as many as one wave of `cta_slots` resident CTAs holds when each
+// piece takes `ctas_per_piece` of them, at most `max_pieces`, at least 1 (then the chain is walked whole).
+inline int pieces_for_one_wave(int64_t max_pieces, int64_t cta_slots, int64_t ctas_per_piece) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_pieces, cta_slots / ctas_per_piece)));
 }
 
 }  // namespace fkda

@@ -11,8 +11,6 @@
 // warm-up from a zero state (kda_prefill_c16.cuh, kPieces); the call's count is picked here, from the SM count.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
 #include "../common/param_fill.h"
@@ -89,8 +87,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   // state: when the two overlap (a pool updated in place) the call runs unsplit.
   int pieces = 1;
   if (fkda_c16::kPieces > 1) {
-    const int64_t fit = int64_t(FKDA_MIN_BLOCKS) * ctx.sm_count() / (HV * N);
-    pieces = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_c16::kPieces, fit)));
+    pieces = pieces_for_one_wave(fkda_c16::kPieces, int64_t(FKDA_MIN_BLOCKS) * ctx.sm_count(), HV * N);
     if (initial_state.has_value() && final_state.has_value() &&
         Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value())))
       pieces = 1;

@@ -39,6 +39,7 @@ using fkda_prefill::mma_bf16;
 using fkda_prefill::pack_bf16;
 using fkda_prefill::rcp_ftz;
 using fkda_prefill::rsqrt_ftz;
+using fkda_prefill::split2;
 
 constexpr int kC = 16;         // chunk
 constexpr int kK = 128;
@@ -122,13 +123,6 @@ __device__ __forceinline__ float2 ld_pair<bf16>(const bf16* p) {
 __device__ __forceinline__ void st_pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 __device__ __forceinline__ void st_pair(bf16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-
-// (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)).
-__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = pack_bf16(x0, x1);
-  const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
-  lo = pack_bf16(x0 - h.x, x1 - h.y);
 }
 
 // The elements a thread holds of a [2][NT][4] array of m16n8 accumulator fragments of its warp's 32 value

@@ -112,12 +112,6 @@ __device__ __forceinline__ void bound_store(const float* rowmax, uint8_t* ws, in
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   if (lane == 0) *reinterpret_cast<float*>(ws + kWsBound) = s;
 }
-// (x0, x1) = hi + lo in bf16 pairs (hi = bf16(x), lo = bf16(x - hi)): ~16 bits of each x.
-__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  hi = pack_bf16(x0, x1);
-  const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hi));
-  lo = pack_bf16(x0 - h.x, x1 - h.y);
-}
 // The same as one word per value, hi in the low half, lo in the high half: what step 6 reads of L
 // and X (a pair of words gives the hi and lo pairs of its fragments with two byte permutes).
 __device__ __forceinline__ uint2 split_words(float x0, float x1) {
