@@ -47,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 K = V = 128
 DEVICE = "cuda"
 GATES = {"softplus": 0, "bounded": 1}
+# The bounded gate's lower bound in every run here: ours, the route metadata and the peers all take this one.
+LOWER_BOUND = -5.0
 
 
 def load(name):
@@ -57,7 +59,7 @@ def load(name):
 def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32"):
     from flashkda_ext import dispatch, validation
     meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, state, "o64", gate, False,
-                                         lower_bound=-5.0)   # the bounded gate's bound in every run here
+                                         lower_bound=LOWER_BOUND)
     return dispatch.module_name("kda_prefill", meta, opted_in)
 
 
@@ -92,7 +94,7 @@ def module_call(name, d, gate, N, T, H, dev):
         ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
     fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
     args = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin, None, None,
-            out, ws, GATES[gate], -5.0, K ** -0.5, True, False, 0)
+            out, ws, GATES[gate], LOWER_BOUND, K ** -0.5, True, False, 0)
 
     def fn():
         if DEVICE == "cuda":
@@ -254,7 +256,7 @@ def main(argv=None):
             if cudnn_ok:
                 try:
                     cud = peer_cudnn.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
-                                                dt_bias=d["dt_bias"], gate=gate, lower_bound=-5.0, scale=K ** -0.5,
+                                                dt_bias=d["dt_bias"], gate=gate, lower_bound=LOWER_BOUND, scale=K ** -0.5,
                                                 cu_seqlens=d["cu"], initial_state=d["init"])
                     checks["cudnn"] = agreement(ours, out, fin, cud)
                     arms.append(harness.Arm("cudnn", cud))
@@ -265,7 +267,7 @@ def main(argv=None):
                           use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=d["A_log"],
                           dt_bias=d["dt_bias"], state_v_first=True, cu_seqlens=d["cu"].long())
                 if gate == "bounded":
-                    kw.update(safe_gate=True, lower_bound=-5.0)
+                    kw.update(safe_gate=True, lower_bound=LOWER_BOUND)
                 arms.append(harness.Arm("fla", lambda d=d, kw=kw: chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"],
                                                                               **kw)))
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written
