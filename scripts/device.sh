@@ -28,7 +28,7 @@
 #                 adds the fla arm; a run cut by LIMIT_ENGINES keeps its cases
 #   profile       Nsight Compute over one launch: PROFILE=prefill (default; PROFILE_ARGS, e.g. "--tokens
 #                 32768 --heads 16"; SASS_KERNEL "kda_prep kda_state": per-instruction stalls split at
-#                 barriers), decode (PROFILE_ARGS "--module M --heads H --rows N") or verify ("--modules M,...");
+#                 barriers; PROFILE_KERNELS: the kernels ncu profiles, default "kda_prep|kda_state"), decode (PROFILE_ARGS "--module M --heads H --rows N") or verify ("--modules M,...");
 #                 PROFILE=timeline: one prefill call's kernels on a timeline instead (torch.profiler, no ncu: which
 #                 kernels ran side by side; PROFILE_ARGS as for prefill, default "--tokens 32768 --heads 8")
 #   ab            A/B of a change: AB_BASE (a folder with the baseline's csrc/ and jit/, e.g. `git archive
@@ -250,7 +250,7 @@ if want profile && needs_gpu profile; then
   case ${PROFILE:-prefill} in
     prefill)
       # shellcheck disable=SC2086
-      step ncu_prefill "${LIMIT_PROFILE:-300}" ncu --clock-control none -k regex:'kda_prep|kda_state' --launch-skip 8 \
+      step ncu_prefill "${LIMIT_PROFILE:-300}" ncu --clock-control none -k regex:"${PROFILE_KERNELS:-kda_prep|kda_state}" --launch-skip 8 \
         --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
         --section SourceCounters --import-source yes -f -o "$OUT/prefill" python3 scripts/profile_prefill.py --calls 6 \
