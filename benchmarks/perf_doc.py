@@ -571,6 +571,9 @@ def summary_rows(sources) -> list:
             heads = sorted({c["params"]["H"] for c in cases if "H" in c["params"]}) if op == "kda_prefill" else []
             if heads:  # a grid may come in several files, each its head counts
                 label += f", H{heads[0]}-{heads[-1]}" if len(heads) > 1 else f", H{heads[0]}"
+            slow = {c["params"].get("slow_keys", 0) for c in cases} if op == "kda_prefill" else set()
+            if slow - {0}:  # bench_prefill --slow-keys: long-memory channels, a different data regime
+                label += f", {max(slow)} slowly decaying key{'s' if max(slow) > 1 else ''} a head"
             for p in peers:
                 xs = _ratios(cases, ours, p, mode)
                 if xs:

@@ -122,8 +122,10 @@ def test_prefill_gets_a_column_per_peer(sources):
     for src in sources["kda_prefill"]:
         g = {c["params"]["gate"] for c in src.doc["cases"]}
         heads = sorted({c["params"]["H"] for c in src.doc["cases"]})
+        slow = max(c["params"].get("slow_keys", 0) for c in src.doc["cases"])
         label = "`kda_prefill`, f32 state" + (f", {g.pop()} gate" if len(g) == 1 else "") + \
-            (f", H{heads[0]}-{heads[-1]}" if len(heads) > 1 else f", H{heads[0]}")
+            (f", H{heads[0]}-{heads[-1]}" if len(heads) > 1 else f", H{heads[0]}") + \
+            (f", {slow} slowly decaying key{'s' if slow > 1 else ''} a head" if slow else "")
         assert "| opt-in arm |" not in readme   # a run's opt-in arm is a candidate of ours, not a peer
         assert f"| {label} | cuDNN | 2.00x (2.00x) |" in readme and f"| {label} | fla | 3.00x (3.00x) |" in readme
     only_cudnn = "\n".join(perf_doc.prefill_section(arms(False, True)["kda_prefill"]))
@@ -417,3 +419,19 @@ def test_fused_verify_section_reads_the_benchmarks_own_output(sources, tmp_path)
     assert all(" - |" not in r for r in rows), rows
     assert any(x.startswith("- f32 (2026-12-05, abcdef0, softplus gate): over the unfused sequence geomean ")
                for x in lines)
+
+
+def test_a_slow_key_run_is_labelled_apart_in_the_readme(sources):
+    """A prefill run on slowly decaying keys (bench_prefill.py --slow-keys) is another data regime than the random-gate
+    grid: its README row says so, and a run without slow keys never gets the label."""
+    slow = [s for s in sources["kda_prefill"] if any(c["params"].get("slow_keys") for c in s.doc["cases"])]
+    assert slow, "current.json cites a slow-key prefill run"
+    rows = {id(src): label for label, _, _, _, _, src in perf_doc.summary_rows(sources)}
+    for src in sources["kda_prefill"]:
+        label = rows.get(id(src), "")
+        assert ("slowly decaying key" in label) == (src in slow), label
+    plain = copy.deepcopy(slow[0])
+    for c in plain.doc["cases"]:
+        c["params"].pop("slow_keys")
+    label = [lab for lab, _, _, _, _, s in perf_doc.summary_rows({"kda_prefill": [plain]}) if s is plain][0]
+    assert "slowly" not in label and label.startswith("`kda_prefill`, f32 state, bounded gate")

@@ -1,10 +1,8 @@
 // The fused single-kernel prefill with 16-token chunks (issue 46; module records prefill_c16_*,
-// opt-in route c16): one CTA a (value head, sequence), 32 x kWarps threads (record param 'warps': 4 or 8), 2 CTAs
-// an SM. The CTA walks its sequence's chunks of 16 tokens in order, prepares each chunk itself (no workspace) and
+// opt-in route c16): one CTA a (value head, sequence), 128 threads (4 warps), 2 CTAs an SM. The CTA
+// walks its sequence's chunks of 16 tokens in order, prepares each chunk itself (no workspace) and
 // updates the [V, K] fp32 state, which lives in registers as mma.sync m16n8k16 accumulator fragments:
-// warp w owns value rows kRows w .. kRows w + kRows - 1 (kRows = 128 / kWarps: 2 m-tiles x 16 n-tiles x 4
-// floats = 128 registers at 4 warps, 1 m-tile = 64 registers at 8 warps, which fit 128 registers a thread
-// and so twice the warps an SM: the kernel is latency-bound at 2 warps a scheduler).
+// warp w owns value rows 32 w .. 32 w + 31 (2 m-tiles x 16 n-tiles x 4 floats = 128 registers).
 //
 // Per chunk (C = 16 tokens; G = per-key cumulative log2 decay from the chunk start, <= 0, and with the
 // bounded gate at lower_bound >= -5 (the binding checks it) G >= -16 x 5 x log2(e) = -115.4, so
@@ -43,20 +41,10 @@ using fkda_prefill::rcp_ftz;
 using fkda_prefill::rsqrt_ftz;
 using fkda_prefill::split2;
 
-#ifndef FKDA_PARAM_WARPS
-#define FKDA_PARAM_WARPS 4
-#endif
-constexpr int kC = 16;  // chunk
+constexpr int kC = 16;         // chunk
 constexpr int kK = 128;
 constexpr int kV = 128;
-constexpr int kWarps = FKDA_PARAM_WARPS;
-static_assert(kWarps == 4 || kWarps == 8, "FKDA_PARAM_WARPS must be 4 or 8");
-constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = kV / kWarps;      // value rows a warp owns (state, W / U columns)
-constexpr int kMT = kRows / 16;         // their m-tiles
-constexpr int kParts = kThreads / 64;   // token groups of the gate (64 key pairs a group)
-constexpr int kTPP = kC / kParts;       // tokens a group
-constexpr int kSplit = kWarps / 2;      // key ranges of the L / Aqk partial products (two matrices)
+constexpr int kThreads = 128;  // 4 warps
 constexpr int kLdB = kK + 8;   // bf16 rows of 128 (+16 B: ldmatrix rows on distinct banks)
 constexpr int kLdU = kV + 4;   // fp32 rows of U (the U^T fragment reads hit distinct banks)
 constexpr int kLdS = kC + 8;   // bf16 16x16 matrices (Aqk, T): 48-byte rows
@@ -78,13 +66,13 @@ constexpr int kOffKd = kOffNl + kMat;
 constexpr int kOffWn = kOffKd + kMat;
 constexpr int kOffO = kOffWn + kMat;
 constexpr int kOffU = kOffO + kMat;                    // fp32 [16][kLdU]
-constexpr int kOffPart = kOffU + kC * kLdU * 4;        // fp32 [kWarps][16][kLdP]
-constexpr int kOffL = kOffPart + kWarps * kC * kLdP * 4;  // fp32 [16][kLdP]
+constexpr int kOffPart = kOffU + kC * kLdU * 4;        // fp32 [4 warps][16][kLdP]
+constexpr int kOffL = kOffPart + 4 * kC * kLdP * 4;    // fp32 [16][kLdP]
 constexpr int kOffA = kOffL + kC * kLdP * 4;           // bf16 [16][kLdS]
 constexpr int kOffT = kOffA + kC * kLdS * 2;           // bf16 [16][kLdS]
 constexpr int kOffGc = kOffT + kC * kLdS * 2;          // fp32 [128] exp2(G_C)
-constexpr int kOffTot = kOffGc + kK * 4;               // fp32 [kParts][128] the token groups' gate sums
-constexpr int kOffNrm = kOffTot + kParts * kK * 4;     // fp32 [32] q / k row scales
+constexpr int kOffTot = kOffGc + kK * 4;               // fp32 [2][128] half-chunk gate sums
+constexpr int kOffNrm = kOffTot + 2 * kK * 4;          // fp32 [32] q / k row scales
 constexpr int kOffBeta = kOffNrm + 32 * 4;             // fp32 [16]
 constexpr int kSmemBytes = kOffBeta + kC * 4;
 static_assert(kOffU % 16 == 0 && kOffA % 16 == 0 && kOffT % 16 == 0 && kOffGc % 16 == 0, "alignment");
@@ -137,18 +125,17 @@ __device__ __forceinline__ void st_pair(bf16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }
 
-// The elements a thread holds of a [kMT][NT][4] array of m16n8 accumulator fragments of its warp's kRows value
+// The elements a thread holds of a [2][NT][4] array of m16n8 accumulator fragments of its warp's 32 value
 // rows (the state S: NT = 16 key tiles; vacc / oacc: NT = 2 token tiles): f(mt, n, e, v, c) for element e
 // (e = 0, step, ..: step 2 visits the pairs e, e + 1) of m-tile mt, n-tile n, value row v, column c.
 template <int NT, int kStep, typename F>
 __device__ __forceinline__ void for_frag(int warp, int g, int tq, F&& f) {
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; e += kStep)
-        f(mt, n, e, kRows * warp + 16 * mt + g + 8 * (e >> 1), 8 * n + 2 * tq + (e & 1));
+      for (int e = 0; e < 4; e += kStep) f(mt, n, e, 32 * warp + 16 * mt + g + 8 * (e >> 1), 8 * n + 2 * tq + (e & 1));
 }
 
 // Issue the cp.async loads of one chunk (rows >= nt zero-filled; row 0 of the chunk always exists).
@@ -159,7 +146,7 @@ __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, int64_
   bf16* Vs = Ks + kC * kLdB;
   bf16* Gs = Vs + kC * kLdB;
 #pragma unroll
-  for (int i = 0; i < kC * 16 / kThreads; ++i) {  // 16 rows x 16 pieces of 16 bytes a matrix
+  for (int i = 0; i < 2; ++i) {
     const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
     const int bytes = r < nt ? 16 : 0;
     const size_t t = size_t(t0) + (r < nt ? r : 0);
@@ -170,18 +157,18 @@ __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, int64_
   }
 }
 
-// Chunk c's attenuation bound (see kPieces), by the whole CTA (the same value in every thread): thread (kp, part)
-// takes keys d2, d2 + 1 of tokens kTPP part .. kTPP part + kTPP - 1 from global memory, warps reduce the keys, red
-// (32 floats of shared memory) the two warps of each token group.
+// Chunk c's attenuation bound (see kPieces), by the whole CTA (the same value in every thread): thread (kp, half)
+// takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7 from global memory, warps reduce the keys, red (32 floats of
+// shared memory) the two warps of each half.
 __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t len, int c, int hv, float gs,
-                                             float gc0, float gc1, float mult, int d2, int part, int lane, int warp,
+                                             float gc0, float gc1, float mult, int d2, int half, int lane, int warp,
                                              float* red) {
   const int64_t t0 = bos + int64_t(c) * kC;
   const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
-  float mx[kTPP];
+  float mx[8];
 #pragma unroll
-  for (int i = 0; i < kTPP; ++i) {
-    const int t = kTPP * part + i;
+  for (int i = 0; i < 8; ++i) {
+    const int t = 8 * half + i;
     mx[i] = -INFINITY;
     if (t < nt) {
       const float2 raw = __bfloat1622float2(
@@ -190,19 +177,16 @@ __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t
     }
   }
 #pragma unroll
-  for (int i = 0; i < kTPP; ++i)
+  for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
   if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < kTPP; ++i) red[warp * kTPP + i] = mx[i];
+    for (int i = 0; i < 8; ++i) red[warp * 8 + i] = mx[i];
   }
   __syncthreads();
-  float s = 0.f;  // token t: group t / kTPP, whose two warps wrote red[2 kTPP group + (0 or kTPP) + t % kTPP]
-  for (int t = 0; t < nt; ++t) {
-    const int b = int(unsigned(t) / kTPP) * 2 * kTPP + int(unsigned(t) % kTPP);
-    s += fmaxf(red[b], red[b + kTPP]);
-  }
+  float s = 0.f;
+  for (int t = 0; t < nt; ++t) s += fmaxf(red[(t >> 3) * 16 + (t & 7)], red[(t >> 3) * 16 + 8 + (t & 7)]);
   __syncthreads();  // red is read before the next chunk's maxima
   return s;
 }
@@ -247,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
   // gate constants of this thread's key pair (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in
   // log2 units: mult * rcp(1 + ex2(raw * s + c)))
-  const int kp = tid & 63, part_id = tid >> 6, d2 = 2 * kp;
+  const int kp = tid & 63, half = tid >> 6, d2 = 2 * kp;
   const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
   const float2 dtb = a.dt_bias ? make_float2(a.dt_bias[hv * kK + d2], a.dt_bias[hv * kK + d2 + 1])
                                : make_float2(0.f, 0.f);
@@ -266,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     writer = ce == nch;
     cs = cb;
     float sum = 0.f;
-    while (cs > 0 && sum > -24.f) sum += chunk_bound(a, bos, len, --cs, hv, gs, gc0, gc1, mult, d2, part_id, lane, warp, part);
+    while (cs > 0 && sum > -24.f) sum += chunk_bound(a, bos, len, --cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
   }
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
   ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
@@ -278,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   cp_async_commit();
 
   // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)
-  float S[kMT][16][4];
+  float S[2][16][4];
   for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
     const float2 x = src ? ld_pair<ST>(src + size_t(v) * kK + d) : make_float2(0.f, 0.f);
     S[mt][nt][e] = x.x;
@@ -310,58 +294,50 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     cp_async_wait<1>();
     __syncthreads();  // chunk c's inputs are in the ring; the last chunk is done with every scratch area
 
-    // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each token group
+    // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each half
     {
-      constexpr int kLpr = kThreads / 32;  // lanes a row: rows 0..15 q, 16..31 k
-      const int r = int(unsigned(tid) / kLpr), p = int(unsigned(tid) % kLpr);
+      const int r = tid >> 2, p = tid & 3;  // rows 0..15 q, 16..31 k; 4 lanes a row
       const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
       float s = 0.f;
 #pragma unroll
-      for (int i = 0; i < 16 / kLpr; ++i) {
+      for (int i = 0; i < 4; ++i) {
         float f[8];
-        fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (p + kLpr * i) * 8), f);
+        fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (p + 4 * i) * 8), f);
 #pragma unroll
         for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
       }
-#pragma unroll
-      for (int o = 1; o < kLpr; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
       if (p == 0) nrm[r] = rsqrt_ftz(s + 1e-6f) * (r < kC ? a.scale : 1.f);
       if (tid < kC) betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
     }
-    float2 gl[kTPP];
+    float2 gl[8];
     {
       float2 run = make_float2(0.f, 0.f);
 #pragma unroll
-      for (int i = 0; i < kTPP; ++i) {
-        const int t = kTPP * part_id + i;
+      for (int i = 0; i < 8; ++i) {
+        const int t = 8 * half + i;
         const float2 raw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Gr + t * kLdB + d2));
         const float m = t < nt ? mult : 0.f;
         run.x = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), run.x);
         run.y = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))), run.y);
         gl[i] = run;
       }
-      *reinterpret_cast<float2*>(tot + part_id * kK + d2) = run;
+      *reinterpret_cast<float2*>(tot + half * kK + d2) = run;
     }
     __syncthreads();
 
-    // ---- B. the decayed operands (thread: keys d2, d2 + 1 of tokens kTPP part .. kTPP part + kTPP - 1)
+    // ---- B. the decayed operands (thread: keys d2, d2 + 1 of tokens 8 half .. 8 half + 7)
     {
-      // the groups' sums in order: base = those before this thread's group, G_C = all of them (the sum the last
-      // group ends on)
-      float2 base = make_float2(0.f, 0.f), gc = *reinterpret_cast<const float2*>(tot + d2);
-#pragma unroll
-      for (int q = 1; q < kParts; ++q) {
-        const float2 ts = *reinterpret_cast<const float2*>(tot + q * kK + d2);
-        if (q == part_id) base = gc;
-        gc.x += ts.x;
-        gc.y += ts.y;
-      }
-      const float gcx = gc.x, gcy = gc.y;
+      const float2 t0s = *reinterpret_cast<const float2*>(tot + d2);
+      const float2 t1s = *reinterpret_cast<const float2*>(tot + kK + d2);
+      const float2 base = half ? t0s : make_float2(0.f, 0.f);
+      const float gcx = t0s.x + t1s.x, gcy = t0s.y + t1s.y;  // G_C (the sum the second half ends on)
       const float ecx = ex2(gcx), ecy = ex2(gcy);
-      if (part_id == 0) *reinterpret_cast<float2*>(gcs + d2) = make_float2(ecx, ecy);
+      if (half == 0) *reinterpret_cast<float2*>(gcs + d2) = make_float2(ecx, ecy);
 #pragma unroll
-      for (int i = 0; i < kTPP; ++i) {
-        const int t = kTPP * part_id + i;
+      for (int i = 0; i < 8; ++i) {
+        const int t = 8 * half + i;
         const float Gx = gl[i].x + base.x, Gy = gl[i].y + base.y;
         const float ex = ex2(Gx), ey = ex2(Gy), ix = ex2(-Gx), iy = ex2(-Gy);
         const float nq = nrm[t], nk = nrm[kC + t];
@@ -383,15 +359,15 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     }
     __syncthreads();
 
-    // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key range
-    // w >> 1 of kSplit, in split bf16 (hi hi + hi lo + lo hi)
+    // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
+    // w >> 1, in split bf16 (hi hi + hi lo + lo hi)
     {
       const bf16* Ah = (warp & 1) ? Qh : Kh;
       const bf16* Al = (warp & 1) ? Ql : Kl;
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int s = 0; s < kK / kSplit / 16; ++s) {
-        const int k0 = (kK / kSplit) * (warp >> 1) + 16 * s;
+      for (int s = 0; s < 4; ++s) {
+        const int k0 = 64 * (warp >> 1) + 16 * s;
         uint32_t ah[4], al[4], bh[4], bl[4];
         load_a(ah, Ah, kLdB, 0, k0, lane);
         load_a(al, Al, kLdB, 0, k0, lane);
@@ -412,29 +388,21 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     }
     __syncthreads();
 
-    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16), the
-    // kSplit partials of each added in warp order. Select, never multiply: above the diagonal the sums may be huge
-    // (exp2(G_i - G_j), j > i).
+    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
+    // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
     {
-      constexpr int kE = 2 * kC * kC / kThreads;  // elements a thread (4 or 2)
-      const int m = int(unsigned(tid) / (kThreads / 2)), e0 = int(unsigned(tid) % (kThreads / 2)) * kE;
-      const int i = e0 >> 4, j0 = e0 & 15;
+      const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
       const float* P0 = part + m * kC * kLdP + i * kLdP;
-      auto sum = [&](int j) {
-        float x = P0[j];
-#pragma unroll
-        for (int r = 1; r < kSplit; ++r) x += P0[2 * r * kC * kLdP + j];
-        return x;
-      };
+      const float* P1 = part + (m + 2) * kC * kLdP + i * kLdP;
       if (m == 0) {
         const float b = betas[i];
 #pragma unroll
-        for (int e = 0; e < kE; ++e) Lf[i * kLdP + j0 + e] = j0 + e < i ? b * sum(j0 + e) : 0.f;
+        for (int e = 0; e < 4; ++e) Lf[i * kLdP + j0 + e] = j0 + e < i ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
       } else {
 #pragma unroll
-        for (int e = 0; e < kE; e += 2) {
-          const float x0 = j0 + e <= i ? sum(j0 + e) : 0.f;
-          const float x1 = j0 + e + 1 <= i ? sum(j0 + e + 1) : 0.f;
+        for (int e = 0; e < 4; e += 2) {
+          const float x0 = j0 + e <= i ? P0[j0 + e] + P1[j0 + e] : 0.f;
+          const float x1 = j0 + e + 1 <= i ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
           *reinterpret_cast<uint32_t*>(Aq + i * kLdS + j0 + e) = pack_bf16(x0, x1);
         }
       }
@@ -459,13 +427,13 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     __syncthreads();
 
     // ---- F. W = T Kg (stored negated: V'^T starts from U^T and adds S (-W)^T) and U = T V; warp w
-    // takes columns kRows w .. kRows w + kRows - 1
+    // takes columns 32 w .. 32 w + 31
     {
       uint32_t at[4];
       load_a(at, Tm, kLdS, 0, 0, lane);
 #pragma unroll
-      for (int np = 0; np < kMT; ++np) {
-        const int n0 = kRows * warp + 16 * np;
+      for (int np = 0; np < 2; ++np) {
+        const int n0 = 32 * warp + 16 * np;
         uint32_t bk[4], bv[4];
         load_b_kn(bk, Kh, kLdB, 0, n0, lane);
         load_b_kn(bv, Vs, kLdB, 0, n0, lane);
@@ -489,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
     // ---- G. the ordered part, the state in registers
     {
-      float vacc[kMT][2][4], oacc[kMT][2][4];
+      float vacc[2][2][4], oacc[2][2][4];
       for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
         vacc[mt][nn][e] = Uf[t * kLdU + v];
         oacc[mt][nn][e] = 0.f;
@@ -500,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
         load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < 2; ++mt) {
           uint32_t as[4];
           as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
           as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
@@ -513,9 +481,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         }
       }
       // V'^T as A fragments (tokens 0-7 and 8-15 are the two k halves)
-      uint32_t vp[kMT][4];
+      uint32_t vp[2][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < 2; ++mt) {
         vp[mt][0] = pack_bf16(vacc[mt][0][0], vacc[mt][0][1]);
         vp[mt][1] = pack_bf16(vacc[mt][0][2], vacc[mt][0][3]);
         vp[mt][2] = pack_bf16(vacc[mt][1][0], vacc[mt][1][1]);
@@ -525,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         uint32_t ba[4];
         load_b_nk(ba, Aq, kLdS, 0, 0, lane);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < 2; ++mt) {
           mma_bf16(oacc[mt][0], vp[mt], ba);
           mma_bf16(oacc[mt][1], vp[mt], ba + 2);
         }
@@ -538,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       for (int nt = 0; nt < 16; ++nt) {
         const float2 ec = *reinterpret_cast<const float2*>(gcs + 8 * nt + 2 * tq);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < 2; ++mt) {
           S[mt][nt][0] *= ec.x;
           S[mt][nt][1] *= ec.y;
           S[mt][nt][2] *= ec.x;
@@ -550,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         uint32_t bk[4];
         load_b_kn(bk, Kd, kLdB, 0, 16 * p, lane);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < 2; ++mt) {
           mma_bf16(S[mt][2 * p], vp[mt], bk);
           mma_bf16(S[mt][2 * p + 1], vp[mt], bk + 2);
         }
@@ -560,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
     // ---- H. the chunk's output rows (16-byte stores, 256 B a row)
 #pragma unroll
-    for (int i = 0; i < kC * 16 / kThreads; ++i) {
+    for (int i = 0; i < 2; ++i) {
       const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
       if (r < nt && c >= cb)  // (a warm-up chunk stores nothing)
         *reinterpret_cast<uint4*>(a.out + (size_t(t0 + r) * a.HV + hv) * kV + c8) =
