@@ -28,8 +28,11 @@ def read_rows(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", errors="replace") as f:
         rows = list(csv.reader(f))
-    head = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
-    return rows[head], rows[head + 1:]
+    heads = [i for i, r in enumerate(rows) if "Address" in r and "Source" in r]
+    # a report of several launches (ncu --launch-count N) exports one table each, every one under its own header:
+    # the first launch's table is read
+    end = heads[1] if len(heads) > 1 else len(rows)
+    return rows[heads[0]], rows[heads[0] + 1:end]
 
 
 def opcode(sass: str) -> str:

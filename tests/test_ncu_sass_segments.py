@@ -45,3 +45,17 @@ def test_show_lists_a_segments_instructions(tmp_path, capsys):
     i = out.index("segment 1: address, % of all samples, executions per warp, instruction")
     assert out[i + 1].split() == ["0x40", "40.00%", "2.00", "@P0", "BRA", "0x10"]  # 16 executions / 8 warps
     assert "no segment 5 (0..1)" in out
+
+
+def test_a_report_of_two_launches_reads_the_first(tmp_path, capsys):
+    """ncu --launch-count 2 exports two tables, each under its header (the c16 profile of 2026-12-04 crashed on the
+    second header's 'Instructions Executed'): the first launch's table is the one read."""
+    path = tmp_path / "k.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(HEAD)
+        w.writerows(ROWS)
+        w.writerow(HEAD)
+        w.writerows([[r[0], r[1], "1000", "1000"] + r[4:] for r in ROWS])
+    assert segments.main([str(path), "--ctas", "2", "--warps", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "5 instructions per warp, 100 stall samples"
