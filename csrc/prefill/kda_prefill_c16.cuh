@@ -138,22 +138,44 @@ __device__ __forceinline__ void for_frag(int warp, int g, int tq, F&& f) {
       for (int e = 0; e < 4; e += kStep) f(mt, n, e, 32 * warp + 16 * mt + g + 8 * (e >> 1), 8 * n + 2 * tq + (e & 1));
 }
 
-// Issue the cp.async loads of one chunk (rows >= nt zero-filled; row 0 of the chunk always exists).
-__device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, int64_t t0, int nt, int hk, int hv,
-                                           int tid) {
+// A thread's part of a chunk's rows: for i = 0, 1 the row r = (tid + 128 i) / 16 and the 8 columns from c8, as
+// element offsets from the chunk's first row (token t0) in the [T, H, 128] (q, k) and [T, HV, 128] (v, g, out)
+// layouts. Computed once: a chunk's addresses are then its first row's (advanced by a constant a chunk) plus these.
+// 32 bits: at most 15 x 128 heads (jit/supported.json) x 128 + 120 elements.
+struct RowOffsets {
+  int r[2];
+  uint32_t hk[2], hv[2];
+};
+__device__ __forceinline__ RowOffsets row_offsets(const Args& a, int tid) {
+  RowOffsets o;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int idx = tid + i * kThreads, c8 = (idx & 15) * 8;
+    o.r[i] = idx >> 4;
+    o.hk[i] = uint32_t(o.r[i] * a.H * kK + c8);
+    o.hv[i] = uint32_t(o.r[i] * a.HV * kK + c8);
+  }
+  return o;
+}
+
+// Issue the cp.async loads of one chunk (rows >= nt zero-filled from row 0's address; row 0 of the chunk always
+// exists). base_hk / base_hv: the element offsets of the chunk's first token, head hk / hv (K = V = 128).
+__device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, size_t base_hk, size_t base_hv, int nt,
+                                           const RowOffsets& ro, int tid) {
   bf16* Qs = reinterpret_cast<bf16*>(stage);
   bf16* Ks = Qs + kC * kLdB;
   bf16* Vs = Ks + kC * kLdB;
   bf16* Gs = Vs + kC * kLdB;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
-    const int bytes = r < nt ? 16 : 0;
-    const size_t t = size_t(t0) + (r < nt ? r : 0);
-    cp_async16_zfill(Qs + r * kLdB + c8, a.q + (t * a.H + hk) * kK + c8, bytes);
-    cp_async16_zfill(Ks + r * kLdB + c8, a.k + (t * a.H + hk) * kK + c8, bytes);
-    cp_async16_zfill(Vs + r * kLdB + c8, a.v + (t * a.HV + hv) * kV + c8, bytes);
-    cp_async16_zfill(Gs + r * kLdB + c8, a.g + (t * a.HV + hv) * kK + c8, bytes);
+    const int idx = tid + i * kThreads, r = ro.r[i], c8 = (idx & 15) * 8;
+    const bool in = r < nt;
+    const int bytes = in ? 16 : 0;
+    const size_t ok = base_hk + (in ? ro.hk[i] : uint32_t(c8)), ov = base_hv + (in ? ro.hv[i] : uint32_t(c8));
+    cp_async16_zfill(Qs + r * kLdB + c8, a.q + ok, bytes);
+    cp_async16_zfill(Ks + r * kLdB + c8, a.k + ok, bytes);
+    cp_async16_zfill(Vs + r * kLdB + c8, a.v + ov, bytes);
+    cp_async16_zfill(Gs + r * kLdB + c8, a.g + ov, bytes);
   }
 }
 
@@ -255,10 +277,14 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
   ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
 
-  // chunk c lives in ring stage c & 1 (a piece's first chunk cs may be odd)
-  if (cs < ce)
-    load_chunk(smem + kOffRing + (cs & 1) * kStage, a, bos + int64_t(cs) * kC, min(kC, int(len - int64_t(cs) * kC)),
-               hk, hv, tid);
+  // chunk c lives in ring stage c & 1 (a piece's first chunk cs may be odd). Element offsets of chunk cs's first
+  // token at head hk ([T, H, 128]) and hv ([T, HV, 128]; also beta's [T, HV] index), advanced by a chunk each step
+  const RowOffsets ro = row_offsets(a, tid);
+  const int64_t tcs = bos + int64_t(cs) * kC;
+  size_t base_hk = (size_t(tcs) * a.H + hk) * kK, base_hv = (size_t(tcs) * a.HV + hv) * kK;
+  size_t base_b = size_t(tcs) * a.HV + hv;
+  const size_t step_hk = size_t(kC) * a.H * kK, step_hv = size_t(kC) * a.HV * kK, step_b = size_t(kC) * a.HV;
+  if (cs < ce) load_chunk(smem + kOffRing + (cs & 1) * kStage, a, base_hk, base_hv, min(kC, int(len - tcs + bos)), ro, tid);
   cp_async_commit();
 
   // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)
@@ -269,26 +295,30 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     S[mt][nt][e + 1] = x.y;
   });
 
-  float bnext = 0.f;
-  if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len)
-    bnext = __bfloat162float(a.beta[size_t(bos + int64_t(cs) * kC + tid) * a.HV + hv]);
+  // beta of the next chunk's token tid, as its raw bf16 bits: converted where it is used (step A), so the global load
+  // is waited for a whole chunk later, not at the end of the step that issued it
+  const unsigned short* beta_bits = reinterpret_cast<const unsigned short*>(a.beta);
+  unsigned short bnext = 0;
+  if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len) bnext = beta_bits[base_b + size_t(tid) * a.HV];
 
 #pragma unroll 1
   for (int c = cs; c < ce; ++c) {
-    const int64_t t0 = bos + int64_t(c) * kC;
     const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
     uint8_t* stage = smem + kOffRing + (c & 1) * kStage;
     const bf16* Qs = reinterpret_cast<const bf16*>(stage);
     const bf16* Ks = Qs + kC * kLdB;
     const bf16* Vs = Ks + kC * kLdB;
     const bf16* Gr = Vs + kC * kLdB;
-    const float bcur = bnext;
+    const unsigned short bcur_bits = bnext;
+    const size_t out_hv = base_hv;  // chunk c's first token, head hv (the output rows' layout is v's)
     if (c + 1 < ce) {  // CTA-uniform: the next chunk's loads, in flight during this chunk
-      const int64_t t1 = t0 + kC;
       const int nt1 = static_cast<int>(len - int64_t(c + 1) * kC < kC ? len - int64_t(c + 1) * kC : kC);
-      load_chunk(smem + kOffRing + ((c + 1) & 1) * kStage, a, t1, nt1, hk, hv, tid);
-      bnext = 0.f;
-      if (tid < nt1) bnext = __bfloat162float(a.beta[size_t(t1 + tid) * a.HV + hv]);
+      base_hk += step_hk;
+      base_hv += step_hv;
+      base_b += step_b;
+      load_chunk(smem + kOffRing + ((c + 1) & 1) * kStage, a, base_hk, base_hv, nt1, ro, tid);
+      bnext = 0;
+      if (tid < nt1) bnext = beta_bits[base_b + size_t(tid) * a.HV];
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -309,7 +339,10 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
       if (p == 0) nrm[r] = rsqrt_ftz(s + 1e-6f) * (r < kC ? a.scale : 1.f);
-      if (tid < kC) betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
+      if (tid < kC) {
+        const float bcur = __bfloat162float(__ushort_as_bfloat16(bcur_bits));
+        betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
+      }
     }
     float2 gl[8];
     {
@@ -529,10 +562,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     // ---- H. the chunk's output rows (16-byte stores, 256 B a row)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int idx = tid + i * kThreads, r = idx >> 4, c8 = (idx & 15) * 8;
+      const int idx = tid + i * kThreads, r = ro.r[i], c8 = (idx & 15) * 8;
       if (r < nt && c >= cb)  // (a warm-up chunk stores nothing)
-        *reinterpret_cast<uint4*>(a.out + (size_t(t0 + r) * a.HV + hv) * kV + c8) =
-            *reinterpret_cast<const uint4*>(Os + r * kLdB + c8);
+        *reinterpret_cast<uint4*>(a.out + out_hv + ro.hv[i]) = *reinterpret_cast<const uint4*>(Os + r * kLdB + c8);
     }
   }
   cp_async_wait<0>();
