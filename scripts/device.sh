@@ -32,7 +32,8 @@
 #                 PROFILE=timeline: one prefill call's kernels on a timeline instead (torch.profiler, no ncu: which
 #                 kernels ran side by side; PROFILE_ARGS as for prefill, default "--tokens 32768 --heads 8")
 #   ab            A/B of a change: AB_BASE (a folder with the baseline's csrc/ and jit/, e.g. `git archive
-#                 <rev> csrc jit | tar x -C .ab_base/base`, carried) against this tree, AB_BENCH (default:
+#                 <rev> csrc jit | tar x -C .ab_base/base`, carried) against this tree, AB_BENCH (a shell command line,
+#                 quotes kept; default:
 #                 prefill, no peer, H16 + H64) in AB_ROUNDS interleaved rounds (base change, change base, ...),
 #                 each arm with its own JIT cache; AB_MODULES built first; benchmarks/compare_runs.py compares.
 #                 The host cost of the ops: a whole tree as AB_BASE (`git archive <rev> flashkda_ext csrc jit
@@ -320,7 +321,8 @@ if want ab && needs_gpu ab; then
     order="base change"; (( i % 2 == 0 )) && order="change base"
     for a in $order; do
       # shellcheck disable=SC2086
-      arm $a step "ab_${i}_$a" "${LIMIT_AB:-150}" $bench --out "$OUT/ab_${i}_$a.json"
+      # through bash -c: AB_BENCH may quote an argument with spaces (a case name such as "H16 64x512")
+      arm $a step "ab_${i}_$a" "${LIMIT_AB:-150}" bash -c "$bench"' "$@"' ab_bench --out "$OUT/ab_${i}_$a.json"
       if [ $a = base ]; then before+=("$OUT/ab_${i}_$a.json"); else after+=("$OUT/ab_${i}_$a.json"); fi
     done
     pairs+=("$OUT/ab_${i}_base.json" "$OUT/ab_${i}_change.json")

@@ -128,3 +128,17 @@ def test_a_failed_step_sets_the_exit_status_and_its_log_comes_back(tmp_path):
     with tarfile.open(out / "logs.tgz") as t:
         assert {"tests.log", "gpu.txt"} <= set(t.getnames())
     assert not (out / "tests.log").exists() and not (out / ".failed").exists()
+
+
+def test_profile_kernels_and_a_quoted_ab_bench_reach_their_commands(tmp_path):
+    r = run(tmp_path, {"DRY": "1", "STAGES": "profile", "PROFILE_KERNELS": "kda_prefill_c16"})
+    line = next(x for x in r.stdout.splitlines() if x.startswith("DRY ncu_prefill"))
+    assert "-k regex:kda_prefill_c16 " in line, line
+    r = run(tmp_path, {"DRY": "1", "STAGES": "profile"})
+    assert "-k regex:kda_prep|kda_state " in next(x for x in r.stdout.splitlines() if x.startswith("DRY ncu_prefill"))
+    base = tmp_path / "base"
+    base.mkdir()
+    r = run(tmp_path, {"DRY": "1", "STAGES": "ab", "AB_BASE": str(base), "AB_ROUNDS": "1", "AB_MODULES": "",
+                       "AB_BENCH": "python3 b.py --cases 'H16 64x512,H8 64x512'"})
+    line = next(x for x in r.stdout.splitlines() if x.startswith("DRY ab_1_base"))
+    assert "bash -c python3 b.py --cases 'H16 64x512,H8 64x512' \"$@\" ab_bench --out" in line, line
