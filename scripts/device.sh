@@ -16,9 +16,10 @@
 #                 racecheck and synccheck over RACE_ONLY (globs; default one module of each kind)
 #   selftest      python3 -m flashkda_ext selftest (every route this machine reaches, against the reference)
 #   bench         the routed modules over the issues' grids, no peers: OPS (default "decode fused verify
-#                 prefill"); BENCH_QUICK=1 the smaller grids
+#                 prefill prefill_slow"; prefill_slow: issue 46's B1 rows at H8 / H16 with one slowly decaying key
+#                 a head, bench_prefill.py --slow-keys 1); BENCH_QUICK=1 the smaller grids
 #   peers         the same grids beside the peers, the runs docs/performance.md cites: prefill with cuDNN and
-#                 fla (bench_prefill.py --peers cudnn,fla, kernel time too), decode (with the public-op arm)
+#                 fla (bench_prefill.py --peers cudnn,fla, kernel time too), prefill_slow with cuDNN, decode (with the public-op arm)
 #                 and verify with fla, fused decode with the unfused fla sequence; OPS as for bench
 #   engines       issue 45's acceptance: vLLM's and SGLang's own Triton kernels (their wheels' files, carried in
 #                 .engines/) against the adapters on identical inputs, graph replay (bench_vllm.py, bench_sglang.py):
@@ -191,7 +192,7 @@ if want selftest; then
 fi
 
 # one benchmark of OPS: run_bench STAGE OP [peer flags...]
-OPS=${OPS:-decode fused verify prefill}
+OPS=${OPS:-decode fused verify prefill prefill_slow}
 COMMON=(--no-progress --out "$OUT")
 run_bench() {
   local stage=$1 op=$2; shift 2
@@ -205,7 +206,13 @@ run_bench() {
               --name "${stage}_verify" "${q[@]}" "${COMMON[@]}" "$@";;
     prefill) step "${stage}_prefill" "${LIMIT_PREFILL:-400}" python3 benchmarks/bench_prefill.py --heads 16 \
               --name "${stage}_prefill_h16" "${q[@]}" "${COMMON[@]}" "$@";;
-    *) echo "unknown op '$op' in OPS (decode fused verify prefill)" >&2; return 2;;
+    # a trained model's long-memory channels: one key a head decays slowly, so every piece split's warm-up walks
+    # back to the start (issue 46's random gates never show this; docs/performance.md's slow-key run)
+    prefill_slow) step "${stage}_prefill_slow" "${LIMIT_PREFILL:-400}" python3 benchmarks/bench_prefill.py \
+              --grid issue46 --heads 8,16 --cases "H8 B1 T8K,H8 B1 T32K,H16 B1 T8K,H16 B1 T32K" --gates bounded \
+              --slow-keys 1 --slow-bias -20 \
+              --name "${stage}_prefill_slowkeys" "${q[@]}" "${COMMON[@]}" "$@";;
+    *) echo "unknown op '$op' in OPS (decode fused verify prefill prefill_slow)" >&2; return 2;;
   esac
   show "${stage}_$op" "geomean|summary" 6
 }
@@ -213,7 +220,7 @@ if want bench && needs_gpu bench; then
   for op in $OPS; do
     case $op in
       fused) run_bench bench fused --no-unfused;;
-      prefill) run_bench bench prefill --no-fla --modes eager;;
+      prefill|prefill_slow) run_bench bench "$op" --no-fla --modes eager;;
       *) run_bench bench "$op" --no-fla;;
     esac
   done
@@ -223,6 +230,7 @@ if want peers && needs_gpu peers; then
     case $op in
       decode) run_bench peers decode --op-arm;;
       prefill) run_bench peers prefill --peers cudnn,fla --modes eager,kernel;;
+      prefill_slow) run_bench peers prefill_slow --peers cudnn --no-fla --modes eager;;
       *) run_bench peers "$op";;
     esac
   done

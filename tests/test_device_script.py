@@ -31,13 +31,17 @@ def test_dry_run_lists_the_steps_in_stage_order(tmp_path):
     r = run(tmp_path, {"DRY": "1", "STAGES": "peers selftest build"})
     assert r.returncode == 0, r.stderr
     steps = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("DRY ")]
-    assert steps == ["build", "selftest", "peers_decode", "peers_fused", "peers_verify", "peers_prefill"]
+    assert steps == ["build", "selftest", "peers_decode", "peers_fused", "peers_verify", "peers_prefill",
+                     "peers_prefill_slow"]
     lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("DRY ")}
     assert "benchmarks/bench_prefill.py" in lines["peers_prefill"]
     assert "--peers cudnn,fla" in lines["peers_prefill"] and "--modes eager,kernel" in lines["peers_prefill"]
     for op in ("decode", "verify", "fused"):
         assert "--no-fla" not in lines[f"peers_{op}"] and "--no-unfused" not in lines[f"peers_{op}"]
     assert "--op-arm" in lines["peers_decode"]
+    slow = lines["peers_prefill_slow"]   # the long-memory regime: one slowly decaying key a head, beside cuDNN
+    assert "--slow-keys 1" in slow and "--cases H8 B1 T8K,H8 B1 T32K,H16 B1 T8K,H16 B1 T32K" in slow
+    assert "--peers cudnn" in slow and "--no-fla" in slow
 
 
 def test_bench_leaves_the_peers_out_and_ops_pick(tmp_path):
