@@ -138,6 +138,12 @@ __device__ __forceinline__ void for_frag(int warp, int g, int tq, F&& f) {
       for (int e = 0; e < 4; e += kStep) f(mt, n, e, 32 * warp + 16 * mt + g + 8 * (e >> 1), 8 * n + 2 * tq + (e & 1));
 }
 
+// The tokens of chunk c of a sequence of len tokens (1..16 for a chunk that exists).
+__device__ __forceinline__ int chunk_tokens(int64_t len, int c) {
+  const int64_t left = len - int64_t(c) * kC;
+  return static_cast<int>(left < kC ? left : kC);
+}
+
 // A thread's part of a chunk's rows: for i = 0, 1 the row r = (tid + 128 i) / 16 and the 8 columns from c8, as
 // element offsets from the chunk's first row (token t0) in the [T, H, 128] (q, k) and [T, HV, 128] (v, g, out)
 // layouts. Computed once: a chunk's addresses are then its first row's (advanced by a constant a chunk) plus these.
@@ -186,7 +192,7 @@ __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t
                                              float gc0, float gc1, float mult, int d2, int half, int lane, int warp,
                                              float* red) {
   const int64_t t0 = bos + int64_t(c) * kC;
-  const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
+  const int nt = chunk_tokens(len, c);
   float mx[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -284,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   size_t base_hk = (size_t(tcs) * a.H + hk) * kK, base_hv = (size_t(tcs) * a.HV + hv) * kK;
   size_t base_b = size_t(tcs) * a.HV + hv;
   const size_t step_hk = size_t(kC) * a.H * kK, step_hv = size_t(kC) * a.HV * kK, step_b = size_t(kC) * a.HV;
-  if (cs < ce) load_chunk(smem + kOffRing + (cs & 1) * kStage, a, base_hk, base_hv, min(kC, int(len - tcs + bos)), ro, tid);
+  if (cs < ce) load_chunk(smem + kOffRing + (cs & 1) * kStage, a, base_hk, base_hv, chunk_tokens(len, cs), ro, tid);
   cp_async_commit();
 
   // S[mt][nt][e]: value row v = 32 warp + 16 mt + g + 8 (e >> 1), key d = 8 nt + 2 tq + (e & 1)
@@ -303,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
 #pragma unroll 1
   for (int c = cs; c < ce; ++c) {
-    const int nt = static_cast<int>(len - int64_t(c) * kC < kC ? len - int64_t(c) * kC : kC);
+    const int nt = chunk_tokens(len, c);
     uint8_t* stage = smem + kOffRing + (c & 1) * kStage;
     const bf16* Qs = reinterpret_cast<const bf16*>(stage);
     const bf16* Ks = Qs + kC * kLdB;
@@ -312,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     const unsigned short bcur_bits = bnext;
     const size_t out_hv = base_hv;  // chunk c's first token, head hv (the output rows' layout is v's)
     if (c + 1 < ce) {  // CTA-uniform: the next chunk's loads, in flight during this chunk
-      const int nt1 = static_cast<int>(len - int64_t(c + 1) * kC < kC ? len - int64_t(c + 1) * kC : kC);
+      const int nt1 = chunk_tokens(len, c + 1);
       base_hk += step_hk;
       base_hv += step_hv;
       base_b += step_b;
