@@ -368,3 +368,19 @@ def test_compiled_verify_matches_eager_bitwise():
     fn = torch.compile(lambda x: run(x), backend="aot_eager", fullgraph=True)
     got = fn(b)
     assert torch.equal(got, want) and torch.equal(b["state"], a["state"])
+
+
+def test_call_outcome_compares_a_refused_calls_tensors_bit_for_bit():
+    """The bad-input cases hand the op a torch.empty buffer; when its garbage holds a NaN, the untouched buffer must
+    count as unchanged (torch.equal says NaN != NaN: a CI run failed on it), and a write of -0.0 over 0.0 as changed."""
+    def refuse(args):
+        raise ValueError("refused")
+
+    def write_negative_zero(args):
+        args["out"][1] = -0.0
+        raise ValueError("refused")
+
+    args = {"out": torch.tensor([float("nan"), 0.0])}
+    assert call_outcome(refuse, args)[:2] == ("raise", ValueError)
+    with pytest.raises(AssertionError, match="a refused call changed out"):
+        call_outcome(write_negative_zero, args)
