@@ -29,6 +29,7 @@ using fkda_prefill::cp_async16_zfill;
 using fkda_prefill::cp_async_commit;
 using fkda_prefill::cp_async_wait;
 using fkda_prefill::ex2;
+using fkda_prefill::ld_bf16x2;
 using fkda_prefill::ldsm_x4;
 using fkda_prefill::ldsm_x4_t;
 using fkda_prefill::load_a;
@@ -118,7 +119,7 @@ template <>
 __device__ __forceinline__ float2 ld_pair<float>(const float* p) { return *reinterpret_cast<const float2*>(p); }
 template <>
 __device__ __forceinline__ float2 ld_pair<bf16>(const bf16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+  return ld_bf16x2(p);
 }
 __device__ __forceinline__ void st_pair(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 __device__ __forceinline__ void st_pair(bf16* p, float x, float y) {
@@ -199,8 +200,7 @@ __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t
     const int t = 8 * half + i;
     mx[i] = -INFINITY;
     if (t < nt) {
-      const float2 raw = __bfloat1622float2(
-          *reinterpret_cast<const __nv_bfloat162*>(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2));
+      const float2 raw = ld_bf16x2(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2);
       mx[i] = fmaxf(mult * rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), mult * rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))));
     }
   }
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int t = 8 * half + i;
-        const float2 raw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Gr + t * kLdB + d2));
+        const float2 raw = ld_bf16x2(Gr + t * kLdB + d2);
         const float m = t < nt ? mult : 0.f;
         run.x = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), run.x);
         run.y = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))), run.y);
@@ -380,8 +380,8 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         const float Gx = gl[i].x + base.x, Gy = gl[i].y + base.y;
         const float ex = ex2(Gx), ey = ex2(Gy), ix = ex2(-Gx), iy = ex2(-Gy);
         const float nq = nrm[t], nk = nrm[kC + t];
-        const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + t * kLdB + d2));
-        const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + t * kLdB + d2));
+        const float2 qv = ld_bf16x2(Qs + t * kLdB + d2);
+        const float2 kv = ld_bf16x2(Ks + t * kLdB + d2);
         const float qx = qv.x * nq, qy = qv.y * nq, kx = kv.x * nk, ky = kv.y * nk;
         uint32_t hi, lo;
         split2(qx * ex, qy * ey, hi, lo);

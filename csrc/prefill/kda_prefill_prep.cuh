@@ -68,7 +68,7 @@ __device__ __forceinline__ float2 gate_cumsum(float2 (&gl)[16], float (&mx)[16],
   float2 run = make_float2(0.f, 0.f);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const float2 raw = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(graw + i * kLdB));
+    const float2 raw = ld_bf16x2(graw + i * kLdB);
     const bool in = r0 + i < nt;
     if constexpr (kBound) {  // each value once: it feeds both the running sum and the row maximum
       const float v0 = g0.value(raw.x), v1 = g1.value(raw.y);
@@ -270,8 +270,8 @@ struct DiagOperands {
 __device__ __forceinline__ DiagOperands diag_operands(const bf16* Qs, const bf16* Ks, const float* Gs, float2 gm,
                                                       int i, int d) {
   const float2 gi = *reinterpret_cast<const float2*>(Gs + i * kLdG + d);
-  const float2 kv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Ks + i * kLdB + d));
-  const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Qs + i * kLdB + d));
+  const float2 kv = ld_bf16x2(Ks + i * kLdB + d);
+  const float2 qv = ld_bf16x2(Qs + i * kLdB + d);
   const float f0 = ex2(gi.x - gm.x), f1 = ex2(gi.y - gm.y);
   const float b0 = ex2(gm.x - gi.x), b1 = ex2(gm.y - gi.y);
   return {kv.x * f0, kv.y * f1, qv.x * f0, qv.y * f1, kv.x * b0, kv.y * b1};

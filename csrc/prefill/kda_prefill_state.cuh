@@ -183,9 +183,8 @@ __device__ __forceinline__ void store_vprime(bf16* Vp, const uint32_t (&u)[VT / 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = w * 16 + g + 8 * h, col = nt * 8 + 2 * tq;
-      const float2 uf = __bfloat1622float2(
-          kEarlyU ? *reinterpret_cast<const __nv_bfloat162*>(&u[nt][h])
-                        : *reinterpret_cast<const __nv_bfloat162*>(Us + u_off(row, col)));
+      const float2 uf = bf16x2_bits_to_float2(kEarlyU ? *reinterpret_cast<const uint32_t*>(&u[nt][h])
+                                                      : *reinterpret_cast<const uint32_t*>(Us + u_off(row, col)));
       *reinterpret_cast<uint32_t*>(Vp + row * (VT + 8) + col) =
           pack_bf16(uf.x - ws[0][nt][2 * h], uf.y - ws[0][nt][2 * h + 1]);
     }
