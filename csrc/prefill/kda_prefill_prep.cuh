@@ -961,37 +961,65 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // ---- 7. W = X (beta exp(G) k), U = X (beta V). The fragments are staged in shared memory in the
   // workspace layout (W where k was, U where beta exp(G) k was) and leave in two bulk copies
   // (fragment stores straight to global memory filled only half of each 32-byte sector).
+  // X is lower block-triangular, so row block m takes m + 1 k-steps: warp w of group `which` (W: warps
+  // 0-3, U: 4-7) takes row blocks m0 = w >> 1 and m1 = 3 - m0 (5 k-steps either way, where one row block
+  // a warp gave 1..4 and every warp waited for the longest) over columns 64 h .. 64 h + 63, h = w & 1, each
+  // B fragment loaded once for both row blocks. Each element's k-steps run in the same order, so the
+  // results are bitwise the one-block-a-warp form's (measured as prep_wu_balance, 2026-12-02: 0.98x the
+  // prep's time). acc[8 r + j] is n-tile 8 h + j of row block m0 (r 0) or m1 (r 1).
   {
-    const int mt = warp & 3, which = warp >> 2;
+    const int w = warp & 3, which = warp >> 2, m0 = w >> 1, m1 = 3 - m0, h = w & 1;
     const bf16* Bsrc = which ? Bu : Bw;
     float acc[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    for (int ks = 0; ks <= mt; ++ks) {
-      uint32_t af[4];
-      load_a(af, Xb, kLdX, mt * 16, ks * 16, lane);
+    // k-steps 0..m0 feed both row blocks, then m0 + 1..m1 row block m1 alone (two loops: no
+    // predicated-off products taking issue slots)
+    for (int ks = 0; ks <= m0; ++ks) {
+      uint32_t a0[4], a1[4];
+      load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
+      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
 #pragma unroll
-      for (int np = 0; np < 8; ++np) {
+      for (int np = 0; np < 4; ++np) {
         uint32_t bfr[4];
-        load_b_kn(bfr, Bsrc, kLdB, ks * 16, np * 16, lane);
-        mma_bf16(acc[2 * np], af, bfr);
-        mma_bf16(acc[2 * np + 1], af, bfr + 2);
+        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
+        mma_bf16(acc[2 * np], a0, bfr);
+        mma_bf16(acc[2 * np + 1], a0, bfr + 2);
+        mma_bf16(acc[8 + 2 * np], a1, bfr);
+        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
       }
     }
-    const int r0 = mt * 16 + (lane >> 2), c0 = 2 * (lane & 3);
-    __syncthreads();  // every warp is done reading beta exp(G) k before U overwrites it
-    // rows r0 and r0 + 8, columns 8 nn + c0: one base address a thread and constant offsets per
-    // n-tile (U: u_off with col >> 4 = nn / 2 and col & 15 = 8 (nn % 2) + c0)
-    auto stage = [&](bf16* base, int down, auto offset) {
+    for (int ks = m0 + 1; ks <= m1; ++ks) {
+      uint32_t a1[4];
+      load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
 #pragma unroll
-      for (int nn = 0; nn < 16; ++nn) {
-        bf16* d = base + offset(nn);
-        *reinterpret_cast<uint32_t*>(d) = pack_bf16(acc[nn][0], acc[nn][1]);
-        *reinterpret_cast<uint32_t*>(d + down) = pack_bf16(acc[nn][2], acc[nn][3]);
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bfr[4];
+        load_b_kn(bfr, Bsrc, kLdB, ks * 16, (4 * h + np) * 16, lane);
+        mma_bf16(acc[8 + 2 * np], a1, bfr);
+        mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
+      }
+    }
+    const int g = lane >> 2, c0 = 2 * (lane & 3);
+    __syncthreads();  // every warp is done reading beta exp(G) k before U overwrites it
+    // rows 16 m + g and + 8 of row block m0 (r 0) and m1 (r 1), columns 8 (8 h + j) + c0, + 1: one base
+    // address a thread, a row-block offset and constant offsets per n-tile j (U: u_off with col >> 4 =
+    // 4 h + j / 2 and col & 15 = 8 (j % 2) + c0)
+    auto stage = [&](bf16* base, int ld, auto offset) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        bf16* row = base + (r ? m1 : m0) * 16 * ld;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          bf16* d = row + offset(j);
+          *reinterpret_cast<uint32_t*>(d) = pack_bf16(acc[8 * r + j][0], acc[8 * r + j][1]);
+          *reinterpret_cast<uint32_t*>(d + 8 * ld) = pack_bf16(acc[8 * r + j][2], acc[8 * r + j][3]);
+        }
       }
     };
-    if (which) stage(Op + u_off(r0, c0), 8 * kLdU16, [](int nn) { return (nn >> 1) * (kC * kLdU16) + (nn & 1) * 8; });
-    else stage(Ks + r0 * kLdB + c0, 8 * kLdB, [](int nn) { return nn * 8; });
+    if (which) stage(Op + u_off(g, c0) + 4 * h * (kC * kLdU16), kLdU16,
+                     [](int j) { return (j >> 1) * (kC * kLdU16) + (j & 1) * 8; });
+    else stage(Ks + g * kLdB + c0 + 64 * h, kLdB, [](int j) { return j * 8; });
   }
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
