@@ -28,6 +28,7 @@ using fkda_prefill::bf16;
 using fkda_prefill::cp_async16_zfill;
 using fkda_prefill::cp_async_commit;
 using fkda_prefill::cp_async_wait;
+using fkda_prefill::bf16x2_bits_to_float2;
 using fkda_prefill::ex2;
 using fkda_prefill::ld_bf16x2;
 using fkda_prefill::ldsm_x4;
@@ -37,10 +38,12 @@ using fkda_prefill::load_b_kn;
 using fkda_prefill::load_b_nk;
 using fkda_prefill::load_cu;
 using fkda_prefill::mma_bf16;
+using fkda_prefill::pack4;
 using fkda_prefill::pack_bf16;
 using fkda_prefill::rcp_ftz;
 using fkda_prefill::rsqrt_ftz;
 using fkda_prefill::split2;
+using fkda_prefill::unpack4;
 
 constexpr int kC = 16;         // chunk
 constexpr int kK = 128;
@@ -72,8 +75,8 @@ constexpr int kOffL = kOffPart + 4 * kC * kLdP * 4;    // fp32 [16][kLdP]
 constexpr int kOffA = kOffL + kC * kLdP * 4;           // bf16 [16][kLdS]
 constexpr int kOffT = kOffA + kC * kLdS * 2;           // bf16 [16][kLdS]
 constexpr int kOffGc = kOffT + kC * kLdS * 2;          // fp32 [128] exp2(G_C)
-constexpr int kOffTot = kOffGc + kK * 4;               // fp32 [2][128] half-chunk gate sums
-constexpr int kOffNrm = kOffTot + 2 * kK * 4;          // fp32 [32] q / k row scales
+constexpr int kOffTot = kOffGc + kK * 4;               // fp32 [4][128] quarter-chunk gate sums
+constexpr int kOffNrm = kOffTot + 4 * kK * 4;          // fp32 [32] q / k row scales
 constexpr int kOffBeta = kOffNrm + 32 * 4;             // fp32 [16]
 constexpr int kSmemBytes = kOffBeta + kC * 4;
 static_assert(kOffU % 16 == 0 && kOffA % 16 == 0 && kOffT % 16 == 0 && kOffGc % 16 == 0, "alignment");
@@ -257,14 +260,16 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   }
   const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
 
-  // gate constants of this thread's key pair (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in
-  // log2 units: mult * rcp(1 + ex2(raw * s + c)))
-  const int kp = tid & 63, half = tid >> 6, d2 = 2 * kp;
+  // gate constants (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in log2 units: mult * rcp(1 + ex2(raw * s
+  // + c))) of this thread's 4 keys d4 .. d4 + 3 (steps A and B: warp w takes tokens 4 w .. 4 w + 3, lane the keys)
+  const int d4 = 4 * lane;
   const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-  const float2 dtb = a.dt_bias ? make_float2(a.dt_bias[hv * kK + d2], a.dt_bias[hv * kK + d2 + 1])
-                               : make_float2(0.f, 0.f);
-  const float gs = -ea * kLog2e, gc0 = -ea * dtb.x * kLog2e, gc1 = -ea * dtb.y * kLog2e;
-  const float mult = a.lower_bound * kLog2e;
+  const float gs = -ea * kLog2e, mult = a.lower_bound * kLog2e;
+  float4 gk = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (a.dt_bias) {
+    const float* db = a.dt_bias + hv * kK + d4;
+    gk = make_float4(gs * db[0], gs * db[1], gs * db[2], gs * db[3]);
+  }
 
   // the chunks this CTA stores [cb, ce), the first it runs (cs <= cb), whether it writes the final state
   const int nch = static_cast<int>((len + kC - 1) / kC);
@@ -277,6 +282,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     if (p > 0 && cb >= ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
     writer = ce == nch;
     cs = cb;
+    // chunk_bound's own mapping: thread (kp, half) takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7
+    const int d2 = 2 * (tid & 63), half = tid >> 6;
+    const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
     float sum = 0.f;
     while (cs > 0 && sum > -24.f) sum += chunk_bound(a, bos, len, --cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
   }
@@ -330,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     cp_async_wait<1>();
     __syncthreads();  // chunk c's inputs are in the ring; the last chunk is done with every scratch area
 
-    // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each half
+    // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter (warp w: tokens 4 w ..)
     {
       const int r = tid >> 2, p = tid & 3;  // rows 0..15 q, 16..31 k; 4 lanes a row
       const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
@@ -350,50 +358,73 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
       }
     }
-    float2 gl[8];
+    float4 gl[4];  // the running sums of keys d4 .. d4 + 3 over the warp's 4 tokens
     {
-      float2 run = make_float2(0.f, 0.f);
+      float4 run = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int t = 8 * half + i;
-        const float2 raw = ld_bf16x2(Gr + t * kLdB + d2);
+      for (int i = 0; i < 4; ++i) {
+        const int t = 4 * warp + i;
+        const uint2 w = *reinterpret_cast<const uint2*>(Gr + t * kLdB + d4);
+        const float2 r01 = bf16x2_bits_to_float2(w.x), r23 = bf16x2_bits_to_float2(w.y);
         const float m = t < nt ? mult : 0.f;
-        run.x = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), run.x);
-        run.y = fmaf(m, rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))), run.y);
+        run.x = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r01.x, gs, gk.x))), run.x);
+        run.y = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r01.y, gs, gk.y))), run.y);
+        run.z = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r23.x, gs, gk.z))), run.z);
+        run.w = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r23.y, gs, gk.w))), run.w);
         gl[i] = run;
       }
-      *reinterpret_cast<float2*>(tot + half * kK + d2) = run;
+      *reinterpret_cast<float4*>(tot + warp * kK + d4) = run;
     }
     __syncthreads();
 
-    // ---- B. the decayed operands (thread: keys d2, d2 + 1 of tokens 8 half .. 8 half + 7)
+    // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
     {
-      const float2 t0s = *reinterpret_cast<const float2*>(tot + d2);
-      const float2 t1s = *reinterpret_cast<const float2*>(tot + kK + d2);
-      const float2 base = half ? t0s : make_float2(0.f, 0.f);
-      const float gcx = t0s.x + t1s.x, gcy = t0s.y + t1s.y;  // G_C (the sum the second half ends on)
-      const float ecx = ex2(gcx), ecy = ex2(gcy);
-      if (half == 0) *reinterpret_cast<float2*>(gcs + d2) = make_float2(ecx, ecy);
+      float4 tq4[4];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int t = 8 * half + i;
-        const float Gx = gl[i].x + base.x, Gy = gl[i].y + base.y;
-        const float ex = ex2(Gx), ey = ex2(Gy), ix = ex2(-Gx), iy = ex2(-Gy);
+      for (int w = 0; w < 4; ++w) tq4[w] = *reinterpret_cast<const float4*>(tot + w * kK + d4);
+      // the sums of the quarters before this warp's, and G_C: the same order of additions in every thread, so the
+      // last token's G is G_C bitwise
+      float4 base = make_float4(0.f, 0.f, 0.f, 0.f), gcv = tq4[0];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) {
+        if (w == warp) base = gcv;
+        gcv = make_float4(gcv.x + tq4[w].x, gcv.y + tq4[w].y, gcv.z + tq4[w].z, gcv.w + tq4[w].w);
+      }
+      const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
+      if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
+      const float bs[4] = {base.x, base.y, base.z, base.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = 4 * warp + i;
+        const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
         const float nq = nrm[t], nk = nrm[kC + t];
-        const float2 qv = ld_bf16x2(Qs + t * kLdB + d2);
-        const float2 kv = ld_bf16x2(Ks + t * kLdB + d2);
-        const float qx = qv.x * nq, qy = qv.y * nq, kx = kv.x * nk, ky = kv.y * nk;
-        uint32_t hi, lo;
-        split2(qx * ex, qy * ey, hi, lo);
-        *reinterpret_cast<uint32_t*>(Qh + t * kLdB + d2) = hi;
-        *reinterpret_cast<uint32_t*>(Ql + t * kLdB + d2) = lo;
-        split2(kx * ex, ky * ey, hi, lo);
-        *reinterpret_cast<uint32_t*>(Kh + t * kLdB + d2) = hi;
-        *reinterpret_cast<uint32_t*>(Kl + t * kLdB + d2) = lo;
-        split2(kx * ix, ky * iy, hi, lo);
-        *reinterpret_cast<uint32_t*>(Nh + t * kLdB + d2) = hi;
-        *reinterpret_cast<uint32_t*>(Nl + t * kLdB + d2) = lo;
-        *reinterpret_cast<uint32_t*>(Kd + t * kLdB + d2) = pack_bf16(kx * ix * ecx, ky * iy * ecy);
+        float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
+        unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
+        unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float ex = ex2(G[e]), ix = ex2(-G[e]);
+          const float qx = q[e] * nq, kx = k[e] * nk;
+          qe[e] = qx * ex;
+          ke[e] = kx * ex;
+          kn[e] = kx * ix;
+          kd[e] = kn[e] * ec[e];
+        }
+        const int o = t * kLdB + d4;
+        uint2 hi, lo;
+        split2(qe[0], qe[1], hi.x, lo.x);
+        split2(qe[2], qe[3], hi.y, lo.y);
+        *reinterpret_cast<uint2*>(Qh + o) = hi;
+        *reinterpret_cast<uint2*>(Ql + o) = lo;
+        split2(ke[0], ke[1], hi.x, lo.x);
+        split2(ke[2], ke[3], hi.y, lo.y);
+        *reinterpret_cast<uint2*>(Kh + o) = hi;
+        *reinterpret_cast<uint2*>(Kl + o) = lo;
+        split2(kn[0], kn[1], hi.x, lo.x);
+        split2(kn[2], kn[3], hi.y, lo.y);
+        *reinterpret_cast<uint2*>(Nh + o) = hi;
+        *reinterpret_cast<uint2*>(Nl + o) = lo;
+        *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
       }
     }
     __syncthreads();
