@@ -259,10 +259,12 @@ if want profile && needs_gpu profile; then
   case ${PROFILE:-prefill} in
     prefill)
       # shellcheck disable=SC2086
+      # --launch-skip counts only the launches -k matches: 12 calls leave launches to profile past the 8 skipped when
+      # PROFILE_KERNELS matches one kernel a call (6 calls did not: a kda_prep-only profile on 2026-12-04 caught nothing)
       step ncu_prefill "${LIMIT_PROFILE:-300}" ncu --clock-control none -k regex:"${PROFILE_KERNELS:-kda_prep|kda_state}" --launch-skip 8 \
         --launch-count 2 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-        --section SourceCounters --import-source yes -f -o "$OUT/prefill" python3 scripts/profile_prefill.py --calls 6 \
+        --section SourceCounters --import-source yes -f -o "$OUT/prefill" python3 scripts/profile_prefill.py --calls 12 \
         ${PROFILE_ARGS:---tokens 32768 --heads 16}
       if [ "$DRY" != 1 ] && [ -f "$OUT/prefill.ncu-rep" ]; then
         ncu -i "$OUT/prefill.ncu-rep" --page details > "$OUT/prefill_details.txt" 2>&1
