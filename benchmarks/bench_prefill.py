@@ -26,7 +26,9 @@ CUDA-graph capture would have). fla gets the same tensors: its state in the same
     python benchmarks/bench_prefill.py --dry-run       # CPU backend, tiny shapes: checks the logic
 
 `--slow-keys N --slow-bias B` gives N key channels a head the dt_bias B (default -20: those keys barely
-decay), as a trained model's long-memory channels do; random gates decay every key fast.
+decay), as a trained model's long-memory channels do; random gates decay every key fast. `--a-log X` sets every
+head's A_log to X (default: uniform in [-1, -0.5]); with the softplus gate a large one (fla's KDA layers draw
+exp(A_log) from [1, 16]) decays by several nats a token, which sends prefill_c16's chunks to its elementwise fallback.
 """
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ def dry_cases():
     return [("H2 5+0+9", [5, 0, 9], 2), ("B1 T12 H1", [12], 1)]
 
 
-def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0):
+def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0, a_log=None):
     T = sum(lens)
     d = dict(q=torch.randn(1, T, H, K, device=dev).bfloat16(), k=torch.randn(1, T, H, K, device=dev).bfloat16(),
              v=torch.randn(1, T, H, V, device=dev).bfloat16(), g=torch.randn(1, T, H, K, device=dev).bfloat16(),
@@ -137,6 +139,8 @@ def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0):
     d["init"] = torch.randn(len(lens), H, V, K, device=dev)
     if slow_keys:   # long-memory channels: a very negative dt_bias gives those keys a log decay near 0 a token
         d["dt_bias"].view(H, K)[:, :slow_keys] = slow_bias
+    if a_log is not None:
+        d["A_log"].fill_(a_log)
     return d
 
 
@@ -179,6 +183,9 @@ def parse(argv=None):
                     help="this many key channels a head decay slowly (dt_bias --slow-bias): a model's long-memory "
                          "channels; a split of the chain must then warm up from further back")
     ap.add_argument("--slow-bias", type=float, default=-20.0, help="dt_bias of the --slow-keys channels")
+    ap.add_argument("--a-log", type=float, default=None,
+                    help="every head's A_log (default uniform in [-1, -0.5]); the softplus gate's decay a token scales "
+                         "with exp(A_log)")
     ap.add_argument("--state", choices=("f32", "bf16"), default="f32", help="the recurrent state's dtype")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
@@ -237,7 +244,7 @@ def main(argv=None):
     pm = run.primary_mode
     for gate in gates:
         for name, lens, H in case_list:
-            d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias)
+            d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias, args.a_log)
             if args.state == "bf16":
                 d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
@@ -277,6 +284,8 @@ def main(argv=None):
                 params["state"] = args.state
             if args.slow_keys:
                 params.update(slow_keys=args.slow_keys, slow_bias=args.slow_bias)
+            if args.a_log is not None:
+                params["a_log"] = args.a_log
             rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,
                                        notes={"checks": checks} if checks else {}))
             ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")

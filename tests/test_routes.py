@@ -300,7 +300,7 @@ EDGES = {
         (prefill_meta(num_seqs=41, value_heads=1, state="bf16"), "prefill_vt64_bf16"),
     ],
     # the fused 16-token-chunk kernel: bounded gate with lower_bound >= -5, >= 384 sequences x heads, <= 2048 tokens a
-    # sequence on average (c16 / c16p: the same bound, opted in)
+    # sequence on average
     ("kda_prefill", "fused_chunk16", "work_items_min"): [
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16_f32"),       # 384
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_vt64s_f32"),    # 383
@@ -315,17 +315,6 @@ EDGES = {
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.01),
          "prefill_vt64s_f32"),
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_vt64s_f32"),    # softplus: no bound
-    ],
-    ("kda_prefill", "c16", "lower_bound_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.0), "prefill_c16_f32", frozenset({"c16"})),
-        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.01), "prefill_pc8_vt64_f32",
-         frozenset({"c16"})),
-    ],
-    ("kda_prefill", "c16p", "lower_bound_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.0), "prefill_c16p_f32",
-         frozenset({"c16p"})),
-        (prefill_meta(value_heads=8, total_tokens=8192, gate="bounded", lower_bound=-5.01), "prefill_pc8_vt64_f32",
-         frozenset({"c16p"})),
     ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
@@ -490,11 +479,11 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
     assert dispatch.module_name("kda_prefill", prefill_meta(device="cpu", total_tokens=65536), ()) == "cpu_kda_prefill"
 
 
-def test_c16_opt_in_serves_every_bounded_call_without_checkpoints():
-    """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call with the bounded gate,
-    lower_bound >= -5 and no checkpoints, in the state's dtype, whatever the band; other gates, lower bounds below -5,
-    checkpoints and the CPU keep their routes. Without the opt-in, prefill_c16 is reached only in fused_chunk16's band
-    and the piece split never (its binding refuses the rest: tests/gpu/test_prefill_c16_gpu.py)."""
+def test_c16_opt_in_serves_every_call_without_checkpoints():
+    """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call without checkpoints,
+    in the state's dtype, whatever the band, the gate and the lower bound; checkpoints and the CPU keep their routes.
+    Without the opt-in, prefill_c16 is reached only in fused_chunk16's band and the piece split never (its binding
+    refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py)."""
     c16 = frozenset({"c16"})
     for state in ("f32", "bf16"):
         for hv, seqs, tokens in ((16, 64, 32768), (32, 4, 16384), (64, 1, 8192), (8, 1, 32768), (1, 1, 1)):
@@ -505,8 +494,8 @@ def test_c16_opt_in_serves_every_bounded_call_without_checkpoints():
                     plain = dispatch.module_name("kda_prefill", meta, ())
                     got = dispatch.module_name("kda_prefill", meta, c16)
                     split = dispatch.module_name("kda_prefill", meta, {"c16p"})
-                    served = gate == "bounded" and lb >= -5 and not ckpt
-                    band = served and seqs * hv >= 384 and tokens // seqs <= 2048
+                    served = not ckpt
+                    band = served and gate == "bounded" and lb >= -5 and seqs * hv >= 384 and tokens // seqs <= 2048
                     assert plain == (f"prefill_c16_{state}" if band else plain) and not plain.startswith("prefill_c16p")
                     assert band or not plain.startswith("prefill_c16"), meta
                     if served:

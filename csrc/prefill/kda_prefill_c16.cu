@@ -3,10 +3,9 @@
 //
 // Exports: kda_prefill (the family ABI), kda_prefill_workspace_bytes(total_tokens, num_seqs,
 // value_heads) -> 0 (no workspace: a caller's buffer is checked and left unused), fkda_contract().
-// What it refuses (the route c16 never sends these; jit/routes/kda_prefill.json):
-//   - a gate other than the bounded one, and the bounded gate below lower_bound -5: the factored
-//     operands k exp(+-G) of a 16-token chunk stay finite only while |G| <= 16 x 5 nats;
-//   - checkpoints (not written by this module).
+// Every gate (softplus, bounded at any lower_bound, log): a chunk whose decays leave the factored operands' range takes
+// the kernel's elementwise fallback (kda_prefill_c16.cuh), which the bounded gate at lower_bound >= -5 never needs.
+// It refuses checkpoints (not written by this module; the routes never send them).
 // FKDA_PARAM_PIECES (default 1): up to that many CTAs a (sequence, head), each a run of its chunks after a bounded
 // warm-up from a zero state (kda_prefill_c16.cuh, kPieces); the call's count is picked here, from the SM count.
 #include <cuda_runtime.h>
@@ -35,10 +34,6 @@ using StateT = __nv_bfloat16;
 using StateT = float;
 #endif
 
-// The most negative lower_bound the factored 16-token operands allow (|G| <= 16 x 5 nats < fp32's
-// exp range of 88.7).
-constexpr double kMinLowerBound = -5.0;
-
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                  OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
                  OptTensor initial_state, OptTensor final_state, OptTensor state_indices,
@@ -50,14 +45,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
   const int64_t H = dm.H, HV = dm.HV, V = dm.V, K = dm.K;
   const GateMode gm = ck.gate_mode(gate_mode);
-  FKDA_CHECK(gm == GateMode::kBounded, fn)
-      << "argument 'gate_mode': this module (16-token chunks) takes the bounded gate (1) only, got "
-      << gate_mode << " (" << gate_mode_name(gm) << "); use a chunk-64 module";
   ck.lower_bound(gm, lower_bound);
-  FKDA_CHECK(lower_bound >= kMinLowerBound, fn)
-      << "argument 'lower_bound' must be >= " << kMinLowerBound
-      << " for this module (16-token chunks keep exp(+-G) finite only there), got " << lower_bound
-      << "; use a chunk-64 module";
   ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
   ck.positive_finite(scale, "scale");
   const int64_t N = prefill_seq_count(ck, cu_seqlens, q);
@@ -77,6 +65,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   fkda_c16::Args a;
   set_token_inputs(a, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N);
   set_heads(a, H, HV);
+  a.gate_mode = static_cast<int>(gm);
   a.lower_bound = static_cast<float>(lower_bound);
   a.scale = static_cast<float>(scale);
   a.beta_logit = beta_is_logit ? 1 : 0;

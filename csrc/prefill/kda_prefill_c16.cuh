@@ -4,11 +4,14 @@
 // updates the [V, K] fp32 state, which lives in registers as mma.sync m16n8k16 accumulator fragments:
 // warp w owns value rows 32 w .. 32 w + 31 (2 m-tiles x 16 n-tiles x 4 floats = 128 registers).
 //
-// Per chunk (C = 16 tokens; G = per-key cumulative log2 decay from the chunk start, <= 0, and with the
-// bounded gate at lower_bound >= -5 (the binding checks it) G >= -16 x 5 x log2(e) = -115.4, so
-// exp2(G) and exp2(-G) are finite and normal in fp32 and bf16: no anchor needed):
+// Per chunk (C = 16 tokens; G = per-key cumulative log2 decay from the chunk start, <= 0 for every gate that decays):
 //   Qg = q exp(G), Kg = k exp(G), Kn = k exp(-G), Kd = k exp(G_C - G)      (elementwise, per thread)
 //   L   = Diag(beta) strict_lower(Kg Kn^T), Aqk = lower(Qg Kn^T)            (mma, operands split bf16 hi + lo)
+// The factored L / Aqk need exp2(-G) finite and exp2(G) normal: every G of the chunk in [-kFactorRange, kFactorRange].
+// The bounded gate at lower_bound >= -5 always is (|G| <= 16 x 5 x log2(e) = 115.4); a chunk outside it (decays of
+// more than ~5 nats a token on average: softplus, log, or a lower bound below -5) takes the fallback instead: L and Aqk
+// elementwise in fp32 from exp2(G_i - G_j) (pairwise_l_aqk), the CTA's choice made at the barrier after the operands
+// (__syncthreads_or); the other products are the same in both forms, since Qg, Kg and Kd are <= 1 and only underflow.
 //   T   = (I + L)^-1 Diag(beta)                                             (fp32 forward substitution)
 //   W   = T Kg, U = T V                                                     (mma)
 //   V'^T = U^T - S W^T,  O^T = S Qg^T + V'^T Aqk^T,  S <- S Diag(exp(G_C)) + V'^T Kd   (mma, S as A operand)
@@ -54,6 +57,9 @@ constexpr int kLdU = kV + 4;   // fp32 rows of U (the U^T fragment reads hit dis
 constexpr int kLdS = kC + 8;   // bf16 16x16 matrices (Aqk, T): 48-byte rows
 constexpr int kLdP = kC + 1;   // fp32 16x16 matrices (partials, L)
 constexpr float kLog2e = 1.4426950408889634f;
+// The range of G (log2 units) the factored operands take: exp2(116) is finite and exp2(-116) normal, with room for
+// the low bf16 half of a split (2^-124); 16 bounded steps at lower_bound -5 reach 115.4
+constexpr float kFactorRange = 116.f;
 
 // Shared memory (bytes). The ring: 2 stages of q, k, v and the raw gate, bf16 [16][kLdB] each.
 constexpr int kMat = kC * kLdB * 2;  // 4352
@@ -81,6 +87,7 @@ constexpr int kOffBeta = kOffNrm + 32 * 4;             // fp32 [16]
 constexpr int kSmemBytes = kOffBeta + kC * 4;
 static_assert(kOffU % 16 == 0 && kOffA % 16 == 0 && kOffT % 16 == 0 && kOffGc % 16 == 0, "alignment");
 static_assert(2 * kSmemBytes <= 227 * 1024, "two CTAs an SM");
+static_assert(kOffNl - kOffNh + kMat >= kC * kK * 4 && kOffNh % 16 == 0, "the fallback's fp32 G in the Kn region");
 
 struct Args {
   const bf16* q;
@@ -93,6 +100,7 @@ struct Args {
   const void* cu;
   int cu64;
   int N, H, HV, group;
+  int gate_mode;  // 0 softplus, 1 bounded, 2 log (GateMode)
   float lower_bound;
   float scale;
   int beta_logit;
@@ -148,6 +156,109 @@ __device__ __forceinline__ int chunk_tokens(int64_t len, int c) {
   return static_cast<int>(left < kC ? left : kC);
 }
 
+// One key's per-step log2 decay before its multiplier mult, from the raw gate input, by gate mode (the prep's Log2Gate):
+// bounded sigmoid_of_ex2(raw s + c), s = -ea log2(e), c = s dtb (mult = lower_bound log2(e)); softplus
+// log2_softplus(raw s + c), s = log2(e), c = s dtb (mult = -ea); log: raw (mult = log2(e)).
+template <int GATE>
+__device__ __forceinline__ float gate_value(float raw, float s, float c) {
+  if constexpr (GATE == 1) return fkda_prefill::sigmoid_of_ex2(fmaf(raw, s, c));
+  else if constexpr (GATE == 0) return fkda_prefill::log2_softplus(fmaf(raw, s, c));
+  else return raw;
+}
+
+// Step A's gate: the running sums of keys d4 .. d4 + 3 over the warp's tokens 4 warp .. 4 warp + 3 (gl[i] after token
+// 4 warp + i; tokens >= nt add 0); returns the quarter's total. The fallback calls it again for the same bits.
+template <int GATE>
+__device__ __forceinline__ float4 gate_run(float4 (&gl)[4], const bf16* Gr, int warp, int d4, int nt, float s, float4 c,
+                                           float mult) {
+  float4 run = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = 4 * warp + i;
+    const uint2 w = *reinterpret_cast<const uint2*>(Gr + t * kLdB + d4);
+    const float2 r01 = bf16x2_bits_to_float2(w.x), r23 = bf16x2_bits_to_float2(w.y);
+    const float m = t < nt ? mult : 0.f;
+    run.x = fmaf(m, gate_value<GATE>(r01.x, s, c.x), run.x);
+    run.y = fmaf(m, gate_value<GATE>(r01.y, s, c.y), run.y);
+    run.z = fmaf(m, gate_value<GATE>(r23.x, s, c.z), run.z);
+    run.w = fmaf(m, gate_value<GATE>(r23.y, s, c.w), run.w);
+    gl[i] = run;
+  }
+  return run;
+}
+__device__ __forceinline__ float4 gate_run_mode(int mode, float4 (&gl)[4], const bf16* Gr, int warp, int d4, int nt,
+                                                float s, float4 c, float mult) {
+  return mode == 1   ? gate_run<1>(gl, Gr, warp, d4, nt, s, c, mult)
+         : mode == 0 ? gate_run<0>(gl, Gr, warp, d4, nt, s, c, mult)
+                     : gate_run<2>(gl, Gr, warp, d4, nt, s, c, mult);
+}
+
+// From the quarters' gate totals (tot [4][128]): the sum of the quarters before warp's (base) and G_C (gcv) of keys
+// d4 .. d4 + 3, in the same order of additions in every thread, so the last token's G is G_C bitwise.
+__device__ __forceinline__ void quarter_sums(const float* tot, int warp, int d4, float4& base, float4& gcv) {
+  float4 tq4[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) tq4[w] = *reinterpret_cast<const float4*>(tot + w * kK + d4);
+  base = make_float4(0.f, 0.f, 0.f, 0.f);
+  gcv = tq4[0];
+#pragma unroll
+  for (int w = 1; w < 4; ++w) {
+    if (w == warp) base = gcv;
+    gcv = make_float4(gcv.x + tq4[w].x, gcv.y + tq4[w].y, gcv.z + tq4[w].z, gcv.w + tq4[w].w);
+  }
+}
+
+// The fallback's L and Aqk (a chunk whose G leave kFactorRange): elementwise in fp32, exp2(G_i - G_j) a key (<= 1 for
+// j <= i when the gate decays), G from Gf (fp32 [16][128]). Warp w takes rows w, 7 - w, 8 + w, 15 - w (34 pairs j <= i
+// each), lane the keys d4 .. d4 + 3; a pair's sums are reduced over the lanes in one fixed order and lane 0's stored.
+// Writes every entry of the 16 rows, as step D does: L strictly lower times beta, Aqk lower with the diagonal, 0 above.
+__device__ __forceinline__ void pairwise_l_aqk(const bf16* Qs, const bf16* Ks, const float* Gf, const float* nrm,
+                                               const float* betas, float* Lf, bf16* Aq, int warp, int lane) {
+  const int d4 = 4 * lane;
+#pragma unroll 1
+  for (int r = 0; r < 4; ++r) {
+    const int i = r == 0 ? warp : r == 1 ? 7 - warp : r == 2 ? 8 + warp : 15 - warp;
+    float qi[4], ki[4];
+    unpack4(*reinterpret_cast<const uint2*>(Qs + i * kLdB + d4), qi);
+    unpack4(*reinterpret_cast<const uint2*>(Ks + i * kLdB + d4), ki);
+    const float nq = nrm[i], nk = nrm[kC + i], bi = betas[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      qi[e] *= nq;
+      ki[e] *= nk;
+    }
+    const float4 gi = *reinterpret_cast<const float4*>(Gf + i * kK + d4);
+#pragma unroll 1
+    for (int j = 0; j <= i; ++j) {
+      float kj[4];
+      unpack4(*reinterpret_cast<const uint2*>(Ks + j * kLdB + d4), kj);
+      const float nkj = nrm[kC + j];
+      const float4 gj = *reinterpret_cast<const float4*>(Gf + j * kK + d4);
+      const float x[4] = {kj[0] * nkj * ex2(gi.x - gj.x), kj[1] * nkj * ex2(gi.y - gj.y),
+                          kj[2] * nkj * ex2(gi.z - gj.z), kj[3] * nkj * ex2(gi.w - gj.w)};
+      float sl = ki[0] * x[0], sa = qi[0] * x[0];
+#pragma unroll
+      for (int e = 1; e < 4; ++e) {
+        sl = fmaf(ki[e], x[e], sl);
+        sa = fmaf(qi[e], x[e], sa);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        sl += __shfl_xor_sync(0xffffffffu, sl, o);
+        sa += __shfl_xor_sync(0xffffffffu, sa, o);
+      }
+      if (lane == 0) {
+        Lf[i * kLdP + j] = j < i ? bi * sl : 0.f;
+        Aq[i * kLdS + j] = __float2bfloat16(sa);
+      }
+    }
+    if (lane > i && lane < kC) {
+      Lf[i * kLdP + lane] = 0.f;
+      Aq[i * kLdS + lane] = __float2bfloat16(0.f);
+    }
+  }
+}
+
 // A thread's part of a chunk's rows: for i = 0, 1 the row r = (tid + 128 i) / 16 and the 8 columns from c8, as
 // element offsets from the chunk's first row (token t0) in the [T, H, 128] (q, k) and [T, HV, 128] (v, g, out)
 // layouts. Computed once: a chunk's addresses are then its first row's (advanced by a constant a chunk) plus these.
@@ -189,9 +300,10 @@ __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, size_t
   }
 }
 
-// Chunk c's attenuation bound (see kPieces), by the whole CTA (the same value in every thread): thread (kp, half)
+// Chunk c's attenuation bound (see kPieces; gate mode GATE), by the whole CTA (the same value in every thread): thread (kp, half)
 // takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7 from global memory, warps reduce the keys, red (32 floats of
 // shared memory) the two warps of each half.
+template <int GATE>
 __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t len, int c, int hv, float gs,
                                              float gc0, float gc1, float mult, int d2, int half, int lane, int warp,
                                              float* red) {
@@ -204,7 +316,7 @@ __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t
     mx[i] = -INFINITY;
     if (t < nt) {
       const float2 raw = ld_bf16x2(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2);
-      mx[i] = fmaxf(mult * rcp_ftz(1.f + ex2(fmaf(raw.x, gs, gc0))), mult * rcp_ftz(1.f + ex2(fmaf(raw.y, gs, gc1))));
+      mx[i] = fmaxf(mult * gate_value<GATE>(raw.x, gs, gc0), mult * gate_value<GATE>(raw.y, gs, gc1));
     }
   }
 #pragma unroll
@@ -260,11 +372,12 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   }
   const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
 
-  // gate constants (bounded gate: lower_bound * sigmoid(ea (raw + dtb)), in log2 units: mult * rcp(1 + ex2(raw * s
-  // + c))) of this thread's 4 keys d4 .. d4 + 3 (steps A and B: warp w takes tokens 4 w .. 4 w + 3, lane the keys)
-  const int d4 = 4 * lane;
+  // gate constants of this thread's 4 keys d4 .. d4 + 3 (steps A and B: warp w takes tokens 4 w .. 4 w + 3, lane the
+  // keys): a step's log2 decay is mult * gate_value(raw, gs, gk)
+  const int d4 = 4 * lane, mode = a.gate_mode;
   const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-  const float gs = -ea * kLog2e, mult = a.lower_bound * kLog2e;
+  const float gs = mode == 1 ? -ea * kLog2e : kLog2e;
+  const float mult = mode == 1 ? a.lower_bound * kLog2e : mode == 0 ? -ea : kLog2e;
   float4 gk = make_float4(0.f, 0.f, 0.f, 0.f);
   if (a.dt_bias) {
     const float* db = a.dt_bias + hv * kK + d4;
@@ -286,7 +399,12 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     const int d2 = 2 * (tid & 63), half = tid >> 6;
     const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
     float sum = 0.f;
-    while (cs > 0 && sum > -24.f) sum += chunk_bound(a, bos, len, --cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+    while (cs > 0 && sum > -24.f) {
+      --cs;
+      sum += mode == 1   ? chunk_bound<1>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part)
+             : mode == 0 ? chunk_bound<0>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part)
+                         : chunk_bound<2>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+    }
   }
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
   ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
@@ -359,37 +477,16 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       }
     }
     float4 gl[4];  // the running sums of keys d4 .. d4 + 3 over the warp's 4 tokens
-    {
-      float4 run = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int t = 4 * warp + i;
-        const uint2 w = *reinterpret_cast<const uint2*>(Gr + t * kLdB + d4);
-        const float2 r01 = bf16x2_bits_to_float2(w.x), r23 = bf16x2_bits_to_float2(w.y);
-        const float m = t < nt ? mult : 0.f;
-        run.x = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r01.x, gs, gk.x))), run.x);
-        run.y = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r01.y, gs, gk.y))), run.y);
-        run.z = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r23.x, gs, gk.z))), run.z);
-        run.w = fmaf(m, rcp_ftz(1.f + ex2(fmaf(r23.y, gs, gk.w))), run.w);
-        gl[i] = run;
-      }
-      *reinterpret_cast<float4*>(tot + warp * kK + d4) = run;
-    }
+    *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run_mode(mode, gl, Gr, warp, d4, nt, gs, gk, mult);
     __syncthreads();
 
     // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
+    bool wide;  // some G of this thread's outside kFactorRange (never for the bounded gate at lower_bound >= -5)
     {
-      float4 tq4[4];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) tq4[w] = *reinterpret_cast<const float4*>(tot + w * kK + d4);
-      // the sums of the quarters before this warp's, and G_C: the same order of additions in every thread, so the
-      // last token's G is G_C bitwise
-      float4 base = make_float4(0.f, 0.f, 0.f, 0.f), gcv = tq4[0];
-#pragma unroll
-      for (int w = 1; w < 4; ++w) {
-        if (w == warp) base = gcv;
-        gcv = make_float4(gcv.x + tq4[w].x, gcv.y + tq4[w].y, gcv.z + tq4[w].z, gcv.w + tq4[w].w);
-      }
+      float4 base, gcv;
+      quarter_sums(tot, warp, d4, base, gcv);
+      // softplus and bounded G fall monotonically (G_C is the least, 0 the largest); a log gate may rise: all checked
+      wide = !(fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w)) >= -kFactorRange);
       const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
       if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
       const float bs[4] = {base.x, base.y, base.z, base.w};
@@ -397,6 +494,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       for (int i = 0; i < 4; ++i) {
         const int t = 4 * warp + i;
         const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
+        if (mode == 2)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) wide |= !(fabsf(G[e]) <= kFactorRange);
         const float nq = nrm[t], nk = nrm[kC + t];
         float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
         unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
@@ -426,12 +526,36 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         *reinterpret_cast<uint2*>(Nl + o) = lo;
         *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
       }
+      if (__any_sync(0xffffffffu, wide)) {  // Kd = k exp2(G_C - G) in one exponent: kn (exp2(-G)) may be inf here
+        const float gc[4] = {gcv.x, gcv.y, gcv.z, gcv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int t = 4 * warp + i;
+          const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
+          const float nk = nrm[kC + t];
+          float k[4], kd[4];
+          unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) kd[e] = k[e] * nk * ex2(gc[e] - G[e]);
+          *reinterpret_cast<uint2*>(Kd + t * kLdB + d4) = pack4(kd);
+        }
+      }
     }
-    __syncthreads();
+    // the CTA's form for this chunk's L and Aqk: factored on tensor cores, or the elementwise fallback
+    const bool fallback = __syncthreads_or(wide);
 
     // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
-    // w >> 1, in split bf16 (hi hi + hi lo + lo hi)
-    {
+    // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Fallback: G of the chunk to Gf (the Kn region, unread then)
+    if (fallback) {
+      float* Gf = reinterpret_cast<float*>(smem + kOffNh);
+      float4 glf[4], base, gcv;
+      gate_run_mode(mode, glf, Gr, warp, d4, nt, gs, gk, mult);
+      quarter_sums(tot, warp, d4, base, gcv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<float4*>(Gf + (4 * warp + i) * kK + d4) =
+            make_float4(glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w);
+    } else {
       const bf16* Ah = (warp & 1) ? Qh : Kh;
       const bf16* Al = (warp & 1) ? Ql : Kl;
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -460,7 +584,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
     // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
     // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
-    {
+    if (fallback) {
+      pairwise_l_aqk(Qs, Ks, reinterpret_cast<const float*>(smem + kOffNh), nrm, betas, Lf, Aq, warp, lane);
+    } else {
       const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
       const float* P0 = part + m * kC * kLdP + i * kLdP;
       const float* P1 = part + (m + 2) * kC * kLdP + i * kLdP;

@@ -123,6 +123,12 @@ __device__ __forceinline__ float rcp_ftz(float x) {
   return y;
 }
 
+// The gates' per-step decay before its multiplier, shared by the prep's Log2Gate and prefill_c16: softplus in log2
+// units, log2(1 + 2^y) = max(y, 0) + log2(1 + 2^-|y|) (finite for every finite y; below 2^-24 it gives 0), and the
+// bounded gate's sigmoid 1 / (1 + 2^z).
+__device__ __forceinline__ float log2_softplus(float y) { return fmaxf(y, 0.f) + lg2(1.f + ex2(-fabsf(y))); }
+__device__ __forceinline__ float sigmoid_of_ex2(float z) { return rcp_ftz(1.f + ex2(z)); }
+
 __device__ __forceinline__ void cp_async16(void* s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(s)), "l"(g));
 }

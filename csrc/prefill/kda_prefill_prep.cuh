@@ -37,19 +37,16 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int GATE>
 struct Log2Gate;
 template <>
-struct Log2Gate<0> {  // -ea * softplus(raw + dtb): log2(1 + 2^y) = max(y, 0) + log2(1 + 2^-|y|),
-  float c, mult;      // finite for every finite y (below 2^-24 it gives 0)
+struct Log2Gate<0> {  // -ea * softplus(raw + dtb), in log2 units (log2_softplus)
+  float c, mult;
   __device__ Log2Gate(float dtb, float ea, float) : c(dtb * kLog2e), mult(-ea) {}
-  __device__ float value(float raw) const {
-    const float y = fmaf(raw, kLog2e, c);
-    return fmaxf(y, 0.f) + lg2(1.f + ex2(-fabsf(y)));
-  }
+  __device__ float value(float raw) const { return log2_softplus(fmaf(raw, kLog2e, c)); }
 };
 template <>
 struct Log2Gate<1> {  // lower_bound * sigmoid(ea (raw + dtb)); mult = lower_bound * log2(e)
   float s, c, mult;
   __device__ Log2Gate(float dtb, float ea, float lb2) : s(-ea * kLog2e), c(-ea * dtb * kLog2e), mult(lb2) {}
-  __device__ float value(float raw) const { return rcp_ftz(1.f + ex2(fmaf(raw, s, c))); }
+  __device__ float value(float raw) const { return sigmoid_of_ex2(fmaf(raw, s, c)); }
 };
 template <>
 struct Log2Gate<2> {  // the log decay itself
