@@ -2,7 +2,8 @@
 
 Cases (issue 8): layer {8192, 16384, 2x8192, 3000+13384, 4x4096, 2x(8128+64), 8x(1024+64), 32768
 tokens}, wrapper {4x64, 16x64, 64x64, 16x128, 16x256, 16 random lengths in 17..255}, heads 12 and
-16 (--heads), softplus and bounded (lower_bound -5) gates, fp32 initial and final state; plus the
+16 (--heads), softplus and bounded (lower_bound -5) gates (--gates; log: the softplus gate's decays computed
+outside, as the engines' fused gate kernels do), fp32 initial and final state; plus the
 small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
 `--grid issue46` takes issue 46's grid instead: H in {8, 12, 16, 24, 32, 48, 96} (--heads narrows it)
 x {B1 T 2K, 8K, 32K, 128K; 4x8192; 64x512; 8x(1024+64); 7 ragged sequences summing to 8192}, and
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 K = V = 128
 DEVICE = "cuda"
-GATES = {"softplus": 0, "bounded": 1}
+GATES = {"softplus": 0, "bounded": 1, "log": 2}
 # The bounded gate's lower bound in every run here: ours, the route metadata and the peers all take this one.
 LOWER_BOUND = -5.0
 
@@ -141,6 +142,10 @@ def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0, a_log=None):
         d["dt_bias"].view(H, K)[:, :slow_keys] = slow_bias
     if a_log is not None:
         d["A_log"].fill_(a_log)
+    if gate == "log":  # the softplus gate's decays, computed outside (as an engine's fused gate kernel does), in bf16
+        x = d["g"].float() + d["dt_bias"].view(H, K)
+        d["g"] = (-torch.exp(d["A_log"]).view(H, 1) * torch.nn.functional.softplus(x)).bfloat16()
+        d["A_log"] = d["dt_bias"] = None
     return d
 
 
@@ -275,6 +280,8 @@ def main(argv=None):
                           dt_bias=d["dt_bias"], state_v_first=True, cu_seqlens=d["cu"].long())
                 if gate == "bounded":
                     kw.update(safe_gate=True, lower_bound=LOWER_BOUND)
+                if gate == "log":
+                    kw.update(use_gate_in_kernel=False, A_log=None, dt_bias=None)
                 arms.append(harness.Arm("fla", lambda d=d, kw=kw: chunk_kda(d["q"], d["k"], d["v"], d["g"], d["beta"],
                                                                               **kw)))
             # essential traffic: q, k, v, g, beta read, out written, initial state read, final written

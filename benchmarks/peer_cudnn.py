@@ -4,7 +4,8 @@
 cuDNN's layout is THD: q/k/v [T, H, D], g [T, H, K], beta [T, H], int32 cu_seqlens, state [N, H, V, K]
 (the same k-last state layout as ours). The bounded gate goes in fused (safe_gate, gate_lower_bound,
 a_log [H], dt_bias [H, K]); the softplus gate has no fused form there, so it goes in as the fp32 log
-decay computed once outside the timed call (which favours cuDNN: its time leaves the gate out).
+decay computed once outside the timed call (which favours cuDNN: its time leaves the gate out); the log
+gate's decay (already the decay) goes in as fp32.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def prefill_fn(q, k, v, g, beta, *, A_log, dt_bias, gate: str, lower_bound: floa
     elif gate == "softplus":
         x = g[0].float() + dt_bias.float().view(H, K)
         g3 = (-torch.exp(A_log.float()).view(H, 1) * torch.nn.functional.softplus(x, threshold=20.0)).contiguous()
+    elif gate == "log":  # the fp32 log decay itself
+        g3 = g[0].float().contiguous()
     else:
         raise ValueError(f"gate: {gate!r} has no cuDNN form here")
     cu = cu_seqlens.to(torch.int32).contiguous()

@@ -3,8 +3,9 @@
 //
 // Exports: kda_prefill (the family ABI), kda_prefill_workspace_bytes(total_tokens, num_seqs,
 // value_heads) -> 0 (no workspace: a caller's buffer is checked and left unused), fkda_contract().
-// Every gate (softplus, bounded at any lower_bound, log): a chunk whose decays leave the factored operands' range takes
-// the kernel's elementwise fallback (kda_prefill_c16.cuh), which the bounded gate at lower_bound >= -5 never needs.
+// Every gate (softplus, bounded at any lower_bound, log), each its own instantiation of the kernel: a chunk whose decays
+// leave the factored operands' range takes the elementwise fallback (kda_prefill_c16.cuh), which the bounded gate at
+// lower_bound >= -5 never needs, so its kernel has no check (the code of the bounded-only kernel before).
 // It refuses checkpoints (not written by this module; the routes never send them).
 // FKDA_PARAM_PIECES (default 1): up to that many CTAs a (sequence, head), each a run of its chunks after a bounded
 // warm-up from a zero state (kda_prefill_c16.cuh, kPieces); the call's count is picked here, from the SM count.
@@ -65,7 +66,6 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   fkda_c16::Args a;
   set_token_inputs(a, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N);
   set_heads(a, H, HV);
-  a.gate_mode = static_cast<int>(gm);
   a.lower_bound = static_cast<float>(lower_bound);
   a.scale = static_cast<float>(scale);
   a.beta_logit = beta_is_logit ? 1 : 0;
@@ -82,8 +82,15 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
       pieces = 1;
   }
   a.pieces = pieces;
+  // the kernel of the gate (kda_prefill_c16.cuh, GATE): at lower_bound >= -5 a bounded chunk never leaves the factored
+  // range (16 x 5 nats of decay at most)
+  auto kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 1>;
+  if (gm == GateMode::kSoftplus) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
+  if (gm == GateMode::kLog) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
+  if (gm == GateMode::kBounded && !(lower_bound >= -5.0))
+    kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
   // one CTA a (value head, sequence), heads adjacent: CTAs that run together read the same tokens' rows
-  ctx.launch("kda_prefill_c16_kernel", fkda_c16::kda_prefill_c16_kernel<StateT>,
+  ctx.launch("kda_prefill_c16_kernel", kernel,
              dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), static_cast<unsigned>(pieces)),
              dim3(fkda_c16::kThreads),
              fkda_c16::kSmemBytes, a);

@@ -12,6 +12,8 @@
 // more than ~5 nats a token on average: softplus, log, or a lower bound below -5) takes the fallback instead: L and Aqk
 // elementwise in fp32 from exp2(G_i - G_j) (pairwise_l_aqk), the CTA's choice made at the barrier after the operands
 // (__syncthreads_or); the other products are the same in both forms, since Qg, Kg and Kd are <= 1 and only underflow.
+// The gate is a template parameter (GATE): the bounded kernel the binding sends lower_bound >= -5 neither checks nor
+// carries the fallback.
 //   T   = (I + L)^-1 Diag(beta)                                             (fp32 forward substitution)
 //   W   = T Kg, U = T V                                                     (mma)
 //   V'^T = U^T - S W^T,  O^T = S Qg^T + V'^T Aqk^T,  S <- S Diag(exp(G_C)) + V'^T Kd   (mma, S as A operand)
@@ -100,7 +102,6 @@ struct Args {
   const void* cu;
   int cu64;
   int N, H, HV, group;
-  int gate_mode;  // 0 softplus, 1 bounded, 2 log (GateMode)
   float lower_bound;
   float scale;
   int beta_logit;
@@ -185,12 +186,6 @@ __device__ __forceinline__ float4 gate_run(float4 (&gl)[4], const bf16* Gr, int 
     gl[i] = run;
   }
   return run;
-}
-__device__ __forceinline__ float4 gate_run_mode(int mode, float4 (&gl)[4], const bf16* Gr, int warp, int d4, int nt,
-                                                float s, float4 c, float mult) {
-  return mode == 1   ? gate_run<1>(gl, Gr, warp, d4, nt, s, c, mult)
-         : mode == 0 ? gate_run<0>(gl, Gr, warp, d4, nt, s, c, mult)
-                     : gate_run<2>(gl, Gr, warp, d4, nt, s, c, mult);
 }
 
 // From the quarters' gate totals (tot [4][128]): the sum of the quarters before warp's (base) and G_C (gcv) of keys
@@ -334,8 +329,15 @@ __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t
   return s;
 }
 
-template <typename ST>
+// The kernel's gate (template parameter GATE): the GateMode values, softplus 0, bounded 1, log 2, and kBoundedAnyBound,
+// the bounded gate below lower_bound -5. Only GATE 1 (the binding sends it lower_bound >= -5) is known to keep every
+// chunk in the factored range; the others check each chunk and may take the fallback (kCheck).
+constexpr int kBoundedAnyBound = 3;
+
+template <typename ST, int GATE>
 __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_kernel(const Args a) {
+  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
+  constexpr bool kCheck = GATE != 1;
   fkda::begin_dependent_grid();
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
   // gate constants of this thread's 4 keys d4 .. d4 + 3 (steps A and B: warp w takes tokens 4 w .. 4 w + 3, lane the
   // keys): a step's log2 decay is mult * gate_value(raw, gs, gk)
-  const int d4 = 4 * lane, mode = a.gate_mode;
+  const int d4 = 4 * lane;
   const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
   const float gs = mode == 1 ? -ea * kLog2e : kLog2e;
   const float mult = mode == 1 ? a.lower_bound * kLog2e : mode == 0 ? -ea : kLog2e;
@@ -401,9 +403,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     float sum = 0.f;
     while (cs > 0 && sum > -24.f) {
       --cs;
-      sum += mode == 1   ? chunk_bound<1>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part)
-             : mode == 0 ? chunk_bound<0>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part)
-                         : chunk_bound<2>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+      sum += chunk_bound<mode>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
     }
   }
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
@@ -477,16 +477,16 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       }
     }
     float4 gl[4];  // the running sums of keys d4 .. d4 + 3 over the warp's 4 tokens
-    *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run_mode(mode, gl, Gr, warp, d4, nt, gs, gk, mult);
+    *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
     __syncthreads();
 
     // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
-    bool wide;  // some G of this thread's outside kFactorRange (never for the bounded gate at lower_bound >= -5)
+    bool wide = false;  // (kCheck) some G of this thread's outside kFactorRange
     {
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
       // softplus and bounded G fall monotonically (G_C is the least, 0 the largest); a log gate may rise: all checked
-      wide = !(fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w)) >= -kFactorRange);
+      if constexpr (kCheck) wide = !(fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w)) >= -kFactorRange);
       const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
       if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
       const float bs[4] = {base.x, base.y, base.z, base.w};
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       for (int i = 0; i < 4; ++i) {
         const int t = 4 * warp + i;
         const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
-        if (mode == 2)
+        if constexpr (mode == 2)
 #pragma unroll
           for (int e = 0; e < 4; ++e) wide |= !(fabsf(G[e]) <= kFactorRange);
         const float nq = nrm[t], nk = nrm[kC + t];
@@ -526,7 +526,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         *reinterpret_cast<uint2*>(Nl + o) = lo;
         *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
       }
-      if (__any_sync(0xffffffffu, wide)) {  // Kd = k exp2(G_C - G) in one exponent: kn (exp2(-G)) may be inf here
+      if (kCheck && __any_sync(0xffffffffu, wide)) {  // Kd = k exp2(G_C - G) in one exponent: kn (exp2(-G)) may be inf
         const float gc[4] = {gcv.x, gcv.y, gcv.z, gcv.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -542,14 +542,16 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       }
     }
     // the CTA's form for this chunk's L and Aqk: factored on tensor cores, or the elementwise fallback
-    const bool fallback = __syncthreads_or(wide);
+    bool fallback = false;
+    if constexpr (kCheck) fallback = __syncthreads_or(wide);
+    else __syncthreads();
 
     // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
     // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Fallback: G of the chunk to Gf (the Kn region, unread then)
     if (fallback) {
       float* Gf = reinterpret_cast<float*>(smem + kOffNh);
       float4 glf[4], base, gcv;
-      gate_run_mode(mode, glf, Gr, warp, d4, nt, gs, gk, mult);
+      gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
       quarter_sums(tot, warp, d4, base, gcv);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
