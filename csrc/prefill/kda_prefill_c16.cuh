@@ -7,18 +7,20 @@
 // Per chunk (C = 16 tokens; G = per-key cumulative log2 decay from the chunk start, <= 0 for every gate that decays):
 //   Qg = q exp(G), Kg = k exp(G), Kn = k exp(-G), Kd = k exp(G_C - G)      (elementwise, per thread)
 //   L   = Diag(beta) strict_lower(Kg Kn^T), Aqk = lower(Qg Kn^T)            (mma, operands split bf16 hi + lo)
-// The factored L / Aqk need exp2(-G) finite and exp2(G) normal: every G of the chunk in [-kFactorRange, kFactorRange].
-// The bounded gate at lower_bound >= -5 always is (|G| <= 16 x 5 x log2(e) = 115.4); a chunk outside it (decays of
-// more than ~5 nats a token on average: softplus, log, or a lower bound below -5) takes the fallback instead: L and Aqk
-// elementwise in fp32 from exp2(G_i - G_j) (pairwise_l_aqk), the CTA's choice made at the barrier after the operands
-// (__syncthreads_or); the other products are the same in both forms, since Qg, Kg and Kd are <= 1 and only underflow.
-// The gate is a template parameter (GATE): the bounded kernel the binding sends lower_bound >= -5 neither checks nor
-// carries the fallback.
 //   T   = (I + L)^-1 Diag(beta)                                             (fp32 forward substitution)
 //   W   = T Kg, U = T V                                                     (mma)
 //   V'^T = U^T - S W^T,  O^T = S Qg^T + V'^T Aqk^T,  S <- S Diag(exp(G_C)) + V'^T Kd   (mma, S as A operand)
 // S as the A operand: the m16n8 accumulators of two adjacent n-tiles are the m16k16 A fragment (pairs
 // packed to bf16), as V'^T is for the last two products.
+//
+// The factored L / Aqk need exp2(-G) finite and exp2(G) normal: G in [-kFactorRange, kFactorRange]. The bounded gate at
+// lower_bound >= -5 always is (|G| <= 16 x 5 x log2(e) = 115.4). A key whose G_C is below it (a decay of more than ~5
+// nats a token on average over the chunk: softplus, log, or a lower bound below -5) has its Kn entries stored as 0, and
+// the fallback adds its terms of L and Aqk elementwise in fp32 from exp2(G_i - G_j) (pairwise_l_aqk); a log gate that
+// rises beyond the range takes every key that way. The CTA's choice is made at the barrier after the operands
+// (__syncthreads_or); the other products are the same either way, since Qg, Kg and Kd are <= 1 and only underflow.
+// The gate is a template parameter (GATE): the bounded kernel the binding sends lower_bound >= -5 neither checks nor
+// carries the fallback.
 //
 // Inputs move by cp.async into a 2-deep ring: chunk c + 1's loads are in flight during chunk c.
 // Determinism: every sum has a fixed order (mma k-steps in order, the two partial halves of L / Aqk
@@ -89,7 +91,12 @@ constexpr int kOffBeta = kOffNrm + 32 * 4;             // fp32 [16]
 constexpr int kSmemBytes = kOffBeta + kC * 4;
 static_assert(kOffU % 16 == 0 && kOffA % 16 == 0 && kOffT % 16 == 0 && kOffGc % 16 == 0, "alignment");
 static_assert(2 * kSmemBytes <= 227 * 1024, "two CTAs an SM");
-static_assert(kOffNl - kOffNh + kMat >= kC * kK * 4 && kOffNh % 16 == 0, "the fallback's fp32 G in the Kn region");
+// The fallback (kCheck kernels) keeps the chunk's G, the beyond keys' mask and a flag in the -W and output staging
+// tiles, free from the operands' barrier to step F: fp32 [16][kLdGf] (129: rows on distinct banks), 4 + 1 words
+constexpr int kLdGf = kK + 1;
+constexpr int kOffGf = kOffWn;
+constexpr int kOffMask = kOffGf + kC * kLdGf * 4;
+static_assert(kOffO == kOffWn + kMat && kOffMask + 5 * 4 <= kOffO + kMat && kOffMask % 4 == 0, "the fallback's scratch");
 
 struct Args {
   const bf16* q;
@@ -203,53 +210,45 @@ __device__ __forceinline__ void quarter_sums(const float* tot, int warp, int d4,
   }
 }
 
-// The fallback's L and Aqk (a chunk whose G leave kFactorRange): elementwise in fp32, exp2(G_i - G_j) a key (<= 1 for
-// j <= i when the gate decays), G from Gf (fp32 [16][128]). Warp w takes rows w, 7 - w, 8 + w, 15 - w (34 pairs j <= i
-// each), lane the keys d4 .. d4 + 3; a pair's sums are reduced over the lanes in one fixed order and lane 0's stored.
-// Writes every entry of the 16 rows, as step D does: L strictly lower times beta, Aqk lower with the diagonal, 0 above.
-__device__ __forceinline__ void pairwise_l_aqk(const bf16* Qs, const bf16* Ks, const float* Gf, const float* nrm,
-                                               const float* betas, float* Lf, bf16* Aq, int warp, int lane) {
-  const int d4 = 4 * lane;
+// The fallback's L and Aqk (a chunk with keys beyond kFactorRange: their Kn entries were stored as 0, so the factored
+// partials (part, step C) hold the other keys' sums): the beyond keys' terms added elementwise in fp32 from G in Gf
+// (fp32 [16][kLdGf]), one thread a pair, so no reduction crosses threads. Thread p < 120 takes the pair (i, j), j < i, the
+// p-th in row order: L_ij = beta_i (partial + sum_d k_id k_jd exp2(G_id - G_jd)) and Aqk_ij = partial + sum_d q_id k_jd
+// exp2(G_id - G_jd) over the beyond keys d (each exp2 <= 1 where the gate decays), the rows' l2norm scales applied after
+// the sums, and zeros at (j, i); threads 120..127 two diagonal entries each (exp2 = 1; L_ii = 0). The keys come from
+// mask (bit l of word e: key 4 l + e) in one fixed order; with all (a log gate that rose past the range somewhere) every
+// key, and the partials (whose Kn may be inf there) are dropped.
+__device__ __forceinline__ void pairwise_l_aqk(const bf16* Qs, const bf16* Ks, const float* Gf, const uint32_t* mask,
+                                               bool all, const float* part, const float* nrm, const float* betas,
+                                               float* Lf, bf16* Aq, int tid) {
+  const int pi = tid < 120 ? tid : 0;
+  int i = 1;
+  while ((i + 1) * i / 2 <= pi) ++i;
+  int j = pi - i * (i - 1) / 2;
+  const int r0 = 2 * (tid - 120);  // (tid >= 120) the diagonal rows r0, r0 + 1
 #pragma unroll 1
-  for (int r = 0; r < 4; ++r) {
-    const int i = r == 0 ? warp : r == 1 ? 7 - warp : r == 2 ? 8 + warp : 15 - warp;
-    float qi[4], ki[4];
-    unpack4(*reinterpret_cast<const uint2*>(Qs + i * kLdB + d4), qi);
-    unpack4(*reinterpret_cast<const uint2*>(Ks + i * kLdB + d4), ki);
-    const float nq = nrm[i], nk = nrm[kC + i], bi = betas[i];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      qi[e] *= nq;
-      ki[e] *= nk;
-    }
-    const float4 gi = *reinterpret_cast<const float4*>(Gf + i * kK + d4);
+  for (int rep = 0; rep < (tid < 120 ? 1 : 2); ++rep) {
+    if (tid >= 120) i = j = r0 + rep;
+    float sl = 0.f, sa = 0.f;
 #pragma unroll 1
-    for (int j = 0; j <= i; ++j) {
-      float kj[4];
-      unpack4(*reinterpret_cast<const uint2*>(Ks + j * kLdB + d4), kj);
-      const float nkj = nrm[kC + j];
-      const float4 gj = *reinterpret_cast<const float4*>(Gf + j * kK + d4);
-      const float x[4] = {kj[0] * nkj * ex2(gi.x - gj.x), kj[1] * nkj * ex2(gi.y - gj.y),
-                          kj[2] * nkj * ex2(gi.z - gj.z), kj[3] * nkj * ex2(gi.w - gj.w)};
-      float sl = ki[0] * x[0], sa = qi[0] * x[0];
-#pragma unroll
-      for (int e = 1; e < 4; ++e) {
-        sl = fmaf(ki[e], x[e], sl);
-        sa = fmaf(qi[e], x[e], sa);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        sl += __shfl_xor_sync(0xffffffffu, sl, o);
-        sa += __shfl_xor_sync(0xffffffffu, sa, o);
-      }
-      if (lane == 0) {
-        Lf[i * kLdP + j] = j < i ? bi * sl : 0.f;
-        Aq[i * kLdS + j] = __float2bfloat16(sa);
+    for (int w = 0; w < 4; ++w) {
+      uint32_t m = all ? 0xffffffffu : mask[w];
+      while (m) {
+        const int d = 4 * (__ffs(m) - 1) + w;
+        m &= m - 1;
+        const float x = __bfloat162float(Ks[j * kLdB + d]) * (i == j ? 1.f : ex2(Gf[i * kLdGf + d] - Gf[j * kLdGf + d]));
+        sl = fmaf(__bfloat162float(Ks[i * kLdB + d]), x, sl);
+        sa = fmaf(__bfloat162float(Qs[i * kLdB + d]), x, sa);
       }
     }
-    if (lane > i && lane < kC) {
-      Lf[i * kLdP + lane] = 0.f;
-      Aq[i * kLdS + lane] = __float2bfloat16(0.f);
+    const float pl = all ? 0.f : part[i * kLdP + j] + part[2 * kC * kLdP + i * kLdP + j];
+    const float pa = all ? 0.f : part[kC * kLdP + i * kLdP + j] + part[3 * kC * kLdP + i * kLdP + j];
+    const float nkj = nrm[kC + j];
+    Lf[i * kLdP + j] = i == j ? 0.f : betas[i] * (pl + nrm[kC + i] * nkj * sl);
+    Aq[i * kLdS + j] = __float2bfloat16(pa + nrm[i] * nkj * sa);
+    if (i != j) {
+      Lf[j * kLdP + i] = 0.f;
+      Aq[j * kLdS + i] = __float2bfloat16(0.f);
     }
   }
 }
@@ -363,6 +362,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   float* tot = reinterpret_cast<float*>(smem + kOffTot);
   float* nrm = reinterpret_cast<float*>(smem + kOffNrm);
   float* betas = reinterpret_cast<float*>(smem + kOffBeta);
+  uint32_t* fb_mask = reinterpret_cast<uint32_t*>(smem + kOffMask);  // (kCheck) the fallback's keys, [4]: the all flag
 
   // the state slot (a padding row reads and writes nothing; its outputs run from a zero state)
   int64_t slot = n;
@@ -478,15 +478,22 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     }
     float4 gl[4];  // the running sums of keys d4 .. d4 + 3 over the warp's 4 tokens
     *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
+    if (mode == 2 && tid == 0) fb_mask[4] = 0;  // (log gate) set in step B where some G rose beyond the range
     __syncthreads();
 
     // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
-    bool wide = false;  // (kCheck) some G of this thread's outside kFactorRange
+    // (kCheck) bit e of wk: key d4 + e is beyond the range (G_C < -kFactorRange: softplus and bounded G fall
+    // monotonically, so G_C is the least); its Kn entries are stored as 0 and the fallback adds its terms elementwise.
+    // out: (log gate, which may rise) some G of this thread's beyond the range where its key's G_C is not: the whole
+    // chunk elementwise
+    uint32_t wk = 0;
+    bool out = false;
     {
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
-      // softplus and bounded G fall monotonically (G_C is the least, 0 the largest); a log gate may rise: all checked
-      if constexpr (kCheck) wide = !(fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w)) >= -kFactorRange);
+      if constexpr (kCheck)
+        wk = (gcv.x >= -kFactorRange ? 0u : 1u) | (gcv.y >= -kFactorRange ? 0u : 2u) |
+             (gcv.z >= -kFactorRange ? 0u : 4u) | (gcv.w >= -kFactorRange ? 0u : 8u);
       const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
       if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
       const float bs[4] = {base.x, base.y, base.z, base.w};
@@ -496,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
         if constexpr (mode == 2)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) wide |= !(fabsf(G[e]) <= kFactorRange);
+          for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) || (!(G[e] >= -kFactorRange) && !((wk >> e) & 1u));
         const float nq = nrm[t], nk = nrm[kC + t];
         float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
         unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
@@ -509,6 +516,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
           ke[e] = kx * ex;
           kn[e] = kx * ix;
           kd[e] = kn[e] * ec[e];
+          if constexpr (kCheck) kn[e] = (wk >> e) & 1u ? 0.f : kn[e];
         }
         const int o = t * kLdB + d4;
         uint2 hi, lo;
@@ -526,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         *reinterpret_cast<uint2*>(Nl + o) = lo;
         *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
       }
-      if (kCheck && __any_sync(0xffffffffu, wide)) {  // Kd = k exp2(G_C - G) in one exponent: kn (exp2(-G)) may be inf
+      if (kCheck && __any_sync(0xffffffffu, wk || out)) {  // Kd = k exp2(G_C - G) in one exponent: exp2(-G) may be inf
         const float gc[4] = {gcv.x, gcv.y, gcv.z, gcv.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -541,23 +549,39 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         }
       }
     }
-    // the CTA's form for this chunk's L and Aqk: factored on tensor cores, or the elementwise fallback
+    // the CTA's form for this chunk's L and Aqk: factored on tensor cores, with the fallback for the keys beyond the range
     bool fallback = false;
-    if constexpr (kCheck) fallback = __syncthreads_or(wide);
-    else __syncthreads();
+    if constexpr (kCheck) {
+      if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes which are beyond (bit lane: key 4 lane + e)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t m = __ballot_sync(0xffffffffu, (wk >> e) & 1u);
+          if (lane == 0) fb_mask[e] = m;
+        }
+      }
+      if (mode == 2 && out) fb_mask[4] = 1;
+      fallback = __syncthreads_or(wk || out);
+    } else {
+      __syncthreads();
+    }
 
     // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
-    // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Fallback: G of the chunk to Gf (the Kn region, unread then)
+    // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Fallback: also the chunk's G to Gf, as step B computed it
     if (fallback) {
-      float* Gf = reinterpret_cast<float*>(smem + kOffNh);
+      float* Gf = reinterpret_cast<float*>(smem + kOffGf);
       float4 glf[4], base, gcv;
       gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
       quarter_sums(tot, warp, d4, base, gcv);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        *reinterpret_cast<float4*>(Gf + (4 * warp + i) * kK + d4) =
-            make_float4(glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w);
-    } else {
+      for (int i = 0; i < 4; ++i) {
+        float* row = Gf + (4 * warp + i) * kLdGf + d4;
+        row[0] = glf[i].x + base.x;
+        row[1] = glf[i].y + base.y;
+        row[2] = glf[i].z + base.z;
+        row[3] = glf[i].w + base.w;
+      }
+    }
+    {
       const bf16* Ah = (warp & 1) ? Qh : Kh;
       const bf16* Al = (warp & 1) ? Ql : Kl;
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -587,7 +611,8 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
     // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
     if (fallback) {
-      pairwise_l_aqk(Qs, Ks, reinterpret_cast<const float*>(smem + kOffNh), nrm, betas, Lf, Aq, warp, lane);
+      pairwise_l_aqk(Qs, Ks, reinterpret_cast<const float*>(smem + kOffGf), fb_mask, mode == 2 && fb_mask[4] != 0, part,
+                     nrm, betas, Lf, Aq, tid);
     } else {
       const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
       const float* P0 = part + m * kC * kLdP + i * kLdP;

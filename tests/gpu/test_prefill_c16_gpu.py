@@ -97,7 +97,9 @@ GATE_CASES = [
     dict(id="softplus_ragged", gate="softplus", lens=[1, 15, 16, 17, 100, 1000], H=4),
     dict(id="softplus_extreme", gate="softplus", lens=[300, 37, 16], H=2, extreme=True),   # every chunk falls back
     dict(id="softplus_some_chunks_wide", gate="softplus", lens=[40, 16, 300], H=4, wide=[(16, 32), (100, 106)]),
+    dict(id="softplus_some_keys_wide", gate="softplus", lens=[1, 40, 16, 300], H=4, wide_keys=5),   # every chunk
     dict(id="log", gate="log", lens=[1, 15, 16, 17, 100, 700], H=4),
+    dict(id="log_some_keys_wide", gate="log", lens=[200, 33], H=2, wide_keys=7),
     dict(id="log_some_chunks_wide", gate="log", lens=[200, 33], H=2, wide=[(0, 5), (64, 80)]),
     dict(id="softplus_gva", gate="softplus", lens=[100, 300, 7], H=2, HV=8),
     dict(id="bounded_lb8_near_bound", gate="bounded", lb=-8.0, lens=[40, 16, 300], H=4, near_bound=True),
@@ -107,8 +109,8 @@ GATE_CASES = [
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("case", GATE_CASES, ids=[c["id"] for c in GATE_CASES])
 def test_gates(name, case):
-    """Every gate against the float64 recurrence, finite, deterministic; where a chunk's decays leave the factored
-    range (extreme, wide, near_bound at lower_bound -8) the kernel computes that chunk's L and Aqk elementwise."""
+    """Every gate against the float64 recurrence, finite, deterministic; where a chunk's keys leave the factored range
+    (extreme, wide, wide_keys, near_bound at lower_bound -8) the kernel adds those keys' terms of L and Aqk elementwise."""
     seed("gates", name, case["id"])
     mod, st = module_and_state_dtype(name)
     gate, lb = case["gate"], case.get("lb", -5.0)
@@ -116,6 +118,14 @@ def test_gates(name, case):
     d = make(lens, H, HV, gate, extreme=case.get("extreme", False))
     for a, b in case.get("wide", []):
         wide_decays(d, gate, slice(a, b))
+    if case.get("wide_keys"):  # a few keys a head decay by > 5 nats a token in every chunk, the rest as random
+        nk = case["wide_keys"]
+        if gate == "softplus":
+            d["dt_bias"].view(HV, K)[:, :nk] = 40.0
+        else:
+            g = d["g"].float()
+            g[..., :nk] = -30.0 * torch.rand_like(g[..., :nk]) - 6.0
+            d["g"] = g.bfloat16()
     if case.get("near_bound"):
         d["g"] = (torch.randn_like(d["g"].float()) + 6.0).bfloat16()  # sigmoid ~1: every step near the bound
     N = len(lens)
