@@ -14,10 +14,10 @@
 // packed to bf16), as V'^T is for the last two products.
 //
 // The factored L / Aqk need exp2(-G) finite and exp2(G) normal: G in [-kFactorRange, kFactorRange]. The bounded gate at
-// lower_bound >= -5 always is (|G| <= 16 x 5 x log2(e) = 115.4). A key whose G_C is below it (a decay of more than ~5
-// nats a token on average over the chunk: softplus, log, or a lower bound below -5) has its Kn entries stored as 0, and
-// the fallback adds its terms of L and Aqk elementwise in fp32 from exp2(G_i - G_j) (pairwise_l_aqk); a log gate that
-// rises beyond the range takes every key that way. The CTA's choice is made at the barrier after the operands
+// lower_bound >= -5 always is (|G| <= 16 x 5 x log2(e) = 115.4). A group of 4 keys with a G_C below it (a decay of more
+// than ~5 nats a token on average over the chunk: softplus, log, or a lower bound below -5) has its Kn entries stored
+// as 0, and the fallback adds its terms of L and Aqk elementwise in fp32 from exp2(G_i - G_j) (fallback_row); a log gate
+// that rises beyond the range takes every key that way. The CTA's choice is made at the barrier after the operands
 // (__syncthreads_or); the other products are the same either way, since Qg, Kg and Kd are <= 1 and only underflow.
 // The gate is a template parameter (GATE): the bounded kernel the binding sends lower_bound >= -5 neither checks nor
 // carries the fallback.
@@ -91,12 +91,12 @@ constexpr int kOffBeta = kOffNrm + 32 * 4;             // fp32 [16]
 constexpr int kSmemBytes = kOffBeta + kC * 4;
 static_assert(kOffU % 16 == 0 && kOffA % 16 == 0 && kOffT % 16 == 0 && kOffGc % 16 == 0, "alignment");
 static_assert(2 * kSmemBytes <= 227 * 1024, "two CTAs an SM");
-// The fallback (kCheck kernels) keeps the chunk's G, the beyond keys' mask and a flag in the -W and output staging
-// tiles, free from the operands' barrier to step F: fp32 [16][kLdGf] (129: rows on distinct banks), 4 + 1 words
-constexpr int kLdGf = kK + 1;
+// The fallback (kCheck kernels) keeps the chunk's G, the beyond key groups' mask and a flag in the -W and output staging
+// tiles, free from the operands' barrier to step F: fp32 [16][kLdGf] (16-byte rows 4 banks apart), 1 + 1 words
+constexpr int kLdGf = kK + 4;
 constexpr int kOffGf = kOffWn;
 constexpr int kOffMask = kOffGf + kC * kLdGf * 4;
-static_assert(kOffO == kOffWn + kMat && kOffMask + 5 * 4 <= kOffO + kMat && kOffMask % 4 == 0, "the fallback's scratch");
+static_assert(kOffO == kOffWn + kMat && kOffMask + 2 * 4 <= kOffO + kMat && kOffGf % 16 == 0, "the fallback's scratch");
 
 struct Args {
   const bf16* q;
@@ -210,47 +210,71 @@ __device__ __forceinline__ void quarter_sums(const float* tot, int warp, int d4,
   }
 }
 
-// The fallback's L and Aqk (a chunk with keys beyond kFactorRange: their Kn entries were stored as 0, so the factored
-// partials (part, step C) hold the other keys' sums): the beyond keys' terms added elementwise in fp32 from G in Gf
-// (fp32 [16][kLdGf]), one thread a pair, so no reduction crosses threads. Thread p < 120 takes the pair (i, j), j < i, the
-// p-th in row order: L_ij = beta_i (partial + sum_d k_id k_jd exp2(G_id - G_jd)) and Aqk_ij = partial + sum_d q_id k_jd
-// exp2(G_id - G_jd) over the beyond keys d (each exp2 <= 1 where the gate decays), the rows' l2norm scales applied after
-// the sums, and zeros at (j, i); threads 120..127 two diagonal entries each (exp2 = 1; L_ii = 0). The keys come from
-// mask (bit l of word e: key 4 l + e) in one fixed order; with all (a log gate that rose past the range somewhere) every
-// key, and the partials (whose Kn may be inf there) are dropped.
-__device__ __forceinline__ void pairwise_l_aqk(const bf16* Qs, const bf16* Ks, const float* Gf, const uint32_t* mask,
-                                               bool all, const float* part, const float* nrm, const float* betas,
-                                               float* Lf, bf16* Aq, int tid) {
-  const int pi = tid < 120 ? tid : 0;
-  int i = 1;
-  while ((i + 1) * i / 2 <= pi) ++i;
-  int j = pi - i * (i - 1) / 2;
-  const int r0 = 2 * (tid - 120);  // (tid >= 120) the diagonal rows r0, r0 + 1
-#pragma unroll 1
-  for (int rep = 0; rep < (tid < 120 ? 1 : 2); ++rep) {
-    if (tid >= 120) i = j = r0 + rep;
-    float sl = 0.f, sa = 0.f;
-#pragma unroll 1
-    for (int w = 0; w < 4; ++w) {
-      uint32_t m = all ? 0xffffffffu : mask[w];
-      while (m) {
-        const int d = 4 * (__ffs(m) - 1) + w;
-        m &= m - 1;
-        const float x = __bfloat162float(Ks[j * kLdB + d]) * (i == j ? 1.f : ex2(Gf[i * kLdGf + d] - Gf[j * kLdGf + d]));
-        sl = fmaf(__bfloat162float(Ks[i * kLdB + d]), x, sl);
-        sa = fmaf(__bfloat162float(Qs[i * kLdB + d]), x, sa);
+// The fallback's row i of L and Aqk (a chunk with key groups beyond kFactorRange: their Kn entries were stored as 0,
+// so the factored partials (part, step C) hold the other groups' sums): the beyond groups' terms added elementwise in fp32
+// from G in Gf (fp32 [16][kLdGf]), sum_d k_id k_jd exp2(G_id - G_jd) and sum_d q_id k_jd exp2(G_id - G_jd) for every
+// j <= i (each exp2 <= 1 where the gate decays). A team of 16 lanes (l) takes the row, lane l the key groups l and
+// l + 16 (4 keys each: bit g of mask, keys 4 g .. 4 g + 3), every column j an independent sum (the prep's
+// diag_row_sums, NT columns); the team's lanes are summed by 4 xor steps in one fixed order and lane l keeps column l:
+// L_il = beta_i (partial + the rows' l2norm scales x sum), Aqk_il = partial + scales x sum, zeros above the diagonal.
+// With all (a log gate that rose beyond the range) every group, and the partials (whose Kn may be inf) are dropped.
+template <int NT>
+__device__ __forceinline__ void fallback_row(const bf16* Qs, const bf16* Ks, const float* Gf, uint32_t mask, bool all,
+                                             const float* part, const float* nrm, const float* betas, float* Lf,
+                                             bf16* Aq, int i, int l) {
+  float sL[NT], sA[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) sL[t] = sA[t] = 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int grp = l + 16 * h;
+    if (all || ((mask >> grp) & 1u)) {
+      const int d0 = 4 * grp;
+      float qi[4], ki[4];
+      unpack4(*reinterpret_cast<const uint2*>(Qs + i * kLdB + d0), qi);
+      unpack4(*reinterpret_cast<const uint2*>(Ks + i * kLdB + d0), ki);
+      const float4 gi = *reinterpret_cast<const float4*>(Gf + i * kLdGf + d0);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t <= i) {
+          float kj[4];
+          unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d0), kj);
+          const float4 gj = *reinterpret_cast<const float4*>(Gf + t * kLdGf + d0);
+          const float x[4] = {kj[0] * ex2(gi.x - gj.x), kj[1] * ex2(gi.y - gj.y), kj[2] * ex2(gi.z - gj.z),
+                              kj[3] * ex2(gi.w - gj.w)};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            sL[t] = fmaf(ki[e], x[e], sL[t]);
+            sA[t] = fmaf(qi[e], x[e], sA[t]);
+          }
+        }
       }
     }
-    const float pl = all ? 0.f : part[i * kLdP + j] + part[2 * kC * kLdP + i * kLdP + j];
-    const float pa = all ? 0.f : part[kC * kLdP + i * kLdP + j] + part[3 * kC * kLdP + i * kLdP + j];
-    const float nkj = nrm[kC + j];
-    Lf[i * kLdP + j] = i == j ? 0.f : betas[i] * (pl + nrm[kC + i] * nkj * sl);
-    Aq[i * kLdS + j] = __float2bfloat16(pa + nrm[i] * nkj * sa);
-    if (i != j) {
-      Lf[j * kLdP + i] = 0.f;
-      Aq[j * kLdS + i] = __float2bfloat16(0.f);
-    }
   }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) {
+      sL[t] += __shfl_xor_sync(0xffffffffu, sL[t], o);
+      sA[t] += __shfl_xor_sync(0xffffffffu, sA[t], o);
+    }
+  float vl = 0.f, va = 0.f;  // column l's sums (l < NT)
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    if (t == l) {
+      vl = sL[t];
+      va = sA[t];
+    }
+  float L = 0.f, A = 0.f;
+  if (l <= i) {
+    const float pl = all ? 0.f : part[i * kLdP + l] + part[2 * kC * kLdP + i * kLdP + l];
+    const float pa = all ? 0.f : part[kC * kLdP + i * kLdP + l] + part[3 * kC * kLdP + i * kLdP + l];
+    const float nkl = nrm[kC + l];
+    L = l < i ? betas[i] * (pl + nrm[kC + i] * nkl * vl) : 0.f;
+    A = pa + nrm[i] * nkl * va;
+  }
+  Lf[i * kLdP + l] = L;
+  Aq[i * kLdS + l] = __float2bfloat16(A);
 }
 
 // A thread's part of a chunk's rows: for i = 0, 1 the row r = (tid + 128 i) / 16 and the 8 columns from c8, as
@@ -362,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   float* tot = reinterpret_cast<float*>(smem + kOffTot);
   float* nrm = reinterpret_cast<float*>(smem + kOffNrm);
   float* betas = reinterpret_cast<float*>(smem + kOffBeta);
-  uint32_t* fb_mask = reinterpret_cast<uint32_t*>(smem + kOffMask);  // (kCheck) the fallback's keys, [4]: the all flag
+  uint32_t* fb_mask = reinterpret_cast<uint32_t*>(smem + kOffMask);  // (kCheck) the fallback's key groups, [1]: all
 
   // the state slot (a padding row reads and writes nothing; its outputs run from a zero state)
   int64_t slot = n;
@@ -478,22 +502,19 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     }
     float4 gl[4];  // the running sums of keys d4 .. d4 + 3 over the warp's 4 tokens
     *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
-    if (mode == 2 && tid == 0) fb_mask[4] = 0;  // (log gate) set in step B where some G rose beyond the range
+    if (mode == 2 && tid == 0) fb_mask[1] = 0;  // (log gate) set in step B where some G rose beyond the range
     __syncthreads();
 
     // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
-    // (kCheck) bit e of wk: key d4 + e is beyond the range (G_C < -kFactorRange: softplus and bounded G fall
-    // monotonically, so G_C is the least); its Kn entries are stored as 0 and the fallback adds its terms elementwise.
-    // out: (log gate, which may rise) some G of this thread's beyond the range where its key's G_C is not: the whole
-    // chunk elementwise
-    uint32_t wk = 0;
-    bool out = false;
+    // (kCheck) wk: this thread's key group d4 .. d4 + 3 has a key beyond the range (G_C < -kFactorRange: softplus and
+    // bounded G fall monotonically, so G_C is the least); the group's Kn entries are stored as 0 and the fallback adds
+    // its terms elementwise. out: (log gate, which may rise) some G of this thread's beyond the range while its
+    // group's G_C are not: the whole chunk elementwise
+    bool wk = false, out = false;
     {
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
-      if constexpr (kCheck)
-        wk = (gcv.x >= -kFactorRange ? 0u : 1u) | (gcv.y >= -kFactorRange ? 0u : 2u) |
-             (gcv.z >= -kFactorRange ? 0u : 4u) | (gcv.w >= -kFactorRange ? 0u : 8u);
+      if constexpr (kCheck) wk = !(fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w)) >= -kFactorRange);
       const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
       if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
       const float bs[4] = {base.x, base.y, base.z, base.w};
@@ -503,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
         if constexpr (mode == 2)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) || (!(G[e] >= -kFactorRange) && !((wk >> e) & 1u));
+          for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) || (!(G[e] >= -kFactorRange) && !wk);
         const float nq = nrm[t], nk = nrm[kC + t];
         float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
         unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
@@ -516,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
           ke[e] = kx * ex;
           kn[e] = kx * ix;
           kd[e] = kn[e] * ec[e];
-          if constexpr (kCheck) kn[e] = (wk >> e) & 1u ? 0.f : kn[e];
+          if constexpr (kCheck) kn[e] = wk ? 0.f : kn[e];
         }
         const int o = t * kLdB + d4;
         uint2 hi, lo;
@@ -552,14 +573,11 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     // the CTA's form for this chunk's L and Aqk: factored on tensor cores, with the fallback for the keys beyond the range
     bool fallback = false;
     if constexpr (kCheck) {
-      if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes which are beyond (bit lane: key 4 lane + e)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t m = __ballot_sync(0xffffffffu, (wk >> e) & 1u);
-          if (lane == 0) fb_mask[e] = m;
-        }
+      if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes which groups are beyond (bit lane)
+        const uint32_t m = __ballot_sync(0xffffffffu, wk);
+        if (lane == 0) fb_mask[0] = m;
       }
-      if (mode == 2 && out) fb_mask[4] = 1;
+      if (mode == 2 && out) fb_mask[1] = 1;
       fallback = __syncthreads_or(wk || out);
     } else {
       __syncthreads();
@@ -573,13 +591,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
       quarter_sums(tot, warp, d4, base, gcv);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float* row = Gf + (4 * warp + i) * kLdGf + d4;
-        row[0] = glf[i].x + base.x;
-        row[1] = glf[i].y + base.y;
-        row[2] = glf[i].z + base.z;
-        row[3] = glf[i].w + base.w;
-      }
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<float4*>(Gf + (4 * warp + i) * kLdGf + d4) =
+            make_float4(glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w);
     }
     {
       const bf16* Ah = (warp & 1) ? Qh : Kh;
@@ -611,8 +625,13 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
     // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
     if (fallback) {
-      pairwise_l_aqk(Qs, Ks, reinterpret_cast<const float*>(smem + kOffGf), fb_mask, mode == 2 && fb_mask[4] != 0, part,
-                     nrm, betas, Lf, Aq, tid);
+      // team p (16 lanes) takes the rows p and 15 - p: 17 columns j <= i whatever p
+      const float* Gf = reinterpret_cast<const float*>(smem + kOffGf);
+      const uint32_t m = fb_mask[0];
+      const bool all = mode == 2 && fb_mask[1] != 0;
+      const int p = tid >> 4, l = tid & 15;
+      fallback_row<8>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, p, l);
+      fallback_row<16>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, 15 - p, l);
     } else {
       const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
       const float* P0 = part + m * kC * kLdP + i * kLdP;
