@@ -15,9 +15,10 @@
 //
 // The factored L / Aqk need exp2(-G) finite and exp2(G) normal: G in [-kFactorRange, kFactorRange]. The bounded gate at
 // lower_bound >= -5 always is (|G| <= 16 x 5 x log2(e) = 115.4). A group of 4 keys with a G_C below it (a decay of more
-// than ~5 nats a token on average over the chunk: softplus, log, or a lower bound below -5) has its Kn entries stored
-// as 0, and the fallback adds its terms of L and Aqk elementwise in fp32 from exp2(G_i - G_j) (fallback_row); a log gate
-// that rises beyond the range takes every key that way. The CTA's choice is made at the barrier after the operands
+// than ~5 nats a token on average over the chunk: softplus, log, or a lower bound below -5) takes, within twice the range,
+// the anchor G_C / 2 a key for its L / Aqk operands (Qg and Kg restored after the product); beyond that its Kn entries
+// are stored as 0 and the fallback adds its terms of L and Aqk elementwise in fp32 from exp2(G_i - G_j) (fallback_row);
+// a log gate that rises beyond the range takes every key that way. The CTA's choice is made at the barrier after the operands
 // (__syncthreads_or); the other products are the same either way, since Qg, Kg and Kd are <= 1 and only underflow.
 // The gate is a template parameter (GATE): the bounded kernel the binding sends lower_bound >= -5 neither checks nor
 // carries the fallback.
@@ -507,14 +508,27 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
     // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
     // (kCheck) wk: this thread's key group d4 .. d4 + 3 has a key beyond the range (G_C < -kFactorRange: softplus and
-    // bounded G fall monotonically, so G_C is the least); the group's Kn entries are stored as 0 and the fallback adds
-    // its terms elementwise. out: (log gate, which may rise) some G of this thread's beyond the range while its
-    // group's G_C are not: the whole chunk elementwise
-    bool wk = false, out = false;
+    // bounded G fall monotonically, so G_C is the least). Within twice the range (shifted_group) the group's operands of
+    // L and Aqk take the anchor s = G_C / 2 a key (Qg, Kg, Kn by exp2(G - s), exp2(s - G): within 2^116 again; Qh and
+    // Kh are restored to exp2(G) after step C, for W and the output); beyond it (ultra) its Kn entries are stored as 0
+    // and the fallback adds its terms elementwise. out: (log gate, which may rise) some G of this thread's beyond the
+    // range while its group's G_C are not: the whole chunk elementwise
+    bool wk = false, ultra = false, out = false;
     {
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
-      if constexpr (kCheck) wk = !(fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w)) >= -kFactorRange);
+      float sh[4] = {0.f, 0.f, 0.f, 0.f};  // the anchor of each key's L / Aqk operands (0: the chunk start)
+      if constexpr (kCheck) {
+        const float mn = fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w));
+        wk = !(mn >= -kFactorRange);
+        ultra = !(mn >= -2.f * kFactorRange);
+        if (wk && !ultra) {
+          sh[0] = 0.5f * gcv.x;
+          sh[1] = 0.5f * gcv.y;
+          sh[2] = 0.5f * gcv.z;
+          sh[3] = 0.5f * gcv.w;
+        }
+      }
       const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
       if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
       const float bs[4] = {base.x, base.y, base.z, base.w};
@@ -524,20 +538,20 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
         if constexpr (mode == 2)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) || (!(G[e] >= -kFactorRange) && !wk);
+          for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) | (!(G[e] >= -kFactorRange) & !wk);
         const float nq = nrm[t], nk = nrm[kC + t];
         float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
         unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
         unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float ex = ex2(G[e]), ix = ex2(-G[e]);
+          const float ex = kCheck ? ex2(G[e] - sh[e]) : ex2(G[e]), ix = kCheck ? ex2(sh[e] - G[e]) : ex2(-G[e]);
           const float qx = q[e] * nq, kx = k[e] * nk;
           qe[e] = qx * ex;
           ke[e] = kx * ex;
           kn[e] = kx * ix;
-          kd[e] = kn[e] * ec[e];
-          if constexpr (kCheck) kn[e] = wk ? 0.f : kn[e];
+          kd[e] = kn[e] * ec[e];  // (kCheck: taken again below where the group is beyond the range)
+          if constexpr (kCheck) kn[e] = ultra ? 0.f : kn[e];
         }
         const int o = t * kLdB + d4;
         uint2 hi, lo;
@@ -555,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
         *reinterpret_cast<uint2*>(Nl + o) = lo;
         *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
       }
-      if (kCheck && __any_sync(0xffffffffu, wk || out)) {  // Kd = k exp2(G_C - G) in one exponent: exp2(-G) may be inf
+      if (kCheck && __any_sync(0xffffffffu, wk | out)) {  // Kd = k exp2(G_C - G) in one exponent (shifted, or inf)
         const float gc[4] = {gcv.x, gcv.y, gcv.z, gcv.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -573,19 +587,20 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     // the CTA's form for this chunk's L and Aqk: factored on tensor cores, with the fallback for the keys beyond the range
     bool fallback = false;
     if constexpr (kCheck) {
-      if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes which groups are beyond (bit lane)
-        const uint32_t m = __ballot_sync(0xffffffffu, wk);
+      if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes the groups taken elementwise (bit lane)
+        const uint32_t m = __ballot_sync(0xffffffffu, ultra);
         if (lane == 0) fb_mask[0] = m;
       }
       if (mode == 2 && out) fb_mask[1] = 1;
-      fallback = __syncthreads_or(wk || out);
+      fallback = __syncthreads_or(wk | out);
     } else {
       __syncthreads();
     }
 
     // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
-    // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Fallback: also the chunk's G to Gf, as step B computed it
-    if (fallback) {
+    // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Elementwise groups: also the chunk's G to Gf, as step B computed it
+    const bool elementwise = fallback && (fb_mask[0] != 0 || (mode == 2 && fb_mask[1] != 0));
+    if (elementwise) {
       float* Gf = reinterpret_cast<float*>(smem + kOffGf);
       float4 glf[4], base, gcv;
       gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
@@ -624,7 +639,33 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
 
     // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
     // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
-    if (fallback) {
+    if (fallback) {  // Qh and Kh of this thread's shifted group back to exp2(G), as step B makes them (C read them)
+      float4 base, gcv;
+      quarter_sums(tot, warp, d4, base, gcv);
+      const float mn = fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w));
+      if (!(mn >= -kFactorRange) && mn >= -2.f * kFactorRange) {
+        float4 glf[4];
+        gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int t = 4 * warp + i, o = t * kLdB + d4;
+          const float G[4] = {glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w};
+          const float nq = nrm[t], nk = nrm[kC + t];
+          float q[4], k[4];
+          unpack4(*reinterpret_cast<const uint2*>(Qs + o), q);
+          unpack4(*reinterpret_cast<const uint2*>(Ks + o), k);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float ex = ex2(G[e]);
+            q[e] = q[e] * nq * ex;
+            k[e] = k[e] * nk * ex;
+          }
+          *reinterpret_cast<uint2*>(Qh + o) = pack4(q);
+          *reinterpret_cast<uint2*>(Kh + o) = pack4(k);
+        }
+      }
+    }
+    if (elementwise) {
       // team p (16 lanes) takes the rows p and 15 - p: 17 columns j <= i whatever p
       const float* Gf = reinterpret_cast<const float*>(smem + kOffGf);
       const uint32_t m = fb_mask[0];

@@ -98,8 +98,10 @@ GATE_CASES = [
     dict(id="softplus_extreme", gate="softplus", lens=[300, 37, 16], H=2, extreme=True),   # every chunk falls back
     dict(id="softplus_some_chunks_wide", gate="softplus", lens=[40, 16, 300], H=4, wide=[(16, 32), (100, 106)]),
     dict(id="softplus_some_keys_wide", gate="softplus", lens=[1, 40, 16, 300], H=4, wide_keys=5),   # every chunk
+    dict(id="softplus_keys_shifted", gate="softplus", lens=[1, 40, 16, 300], H=4, wide_keys=9, shifted=True),
     dict(id="log", gate="log", lens=[1, 15, 16, 17, 100, 700], H=4),
     dict(id="log_some_keys_wide", gate="log", lens=[200, 33], H=2, wide_keys=7),
+    dict(id="log_keys_shifted", gate="log", lens=[200, 33], H=2, wide_keys=6, shifted=True),
     dict(id="log_some_chunks_wide", gate="log", lens=[200, 33], H=2, wide=[(0, 5), (64, 80)]),
     dict(id="softplus_gva", gate="softplus", lens=[100, 300, 7], H=2, HV=8),
     dict(id="bounded_lb8_near_bound", gate="bounded", lb=-8.0, lens=[40, 16, 300], H=4, near_bound=True),
@@ -118,13 +120,14 @@ def test_gates(name, case):
     d = make(lens, H, HV, gate, extreme=case.get("extreme", False))
     for a, b in case.get("wide", []):
         wide_decays(d, gate, slice(a, b))
-    if case.get("wide_keys"):  # a few keys a head decay by > 5 nats a token in every chunk, the rest as random
-        nk = case["wide_keys"]
+    if case.get("wide_keys"):  # a few keys a head decay by > 5 nats a token in every chunk, the rest as random;
+        nk = case["wide_keys"]  # shifted: 5-10 nats (G_C within twice the factored range), else far more
         if gate == "softplus":
-            d["dt_bias"].view(HV, K)[:, :nk] = 40.0
+            d["dt_bias"].view(HV, K)[:, :nk] = 14.0 if case.get("shifted") else 40.0
         else:
             g = d["g"].float()
-            g[..., :nk] = -30.0 * torch.rand_like(g[..., :nk]) - 6.0
+            g[..., :nk] = (-2.0 * torch.rand_like(g[..., :nk]) - 5.5 if case.get("shifted")
+                           else -30.0 * torch.rand_like(g[..., :nk]) - 6.0)
             d["g"] = g.bfloat16()
     if case.get("near_bound"):
         d["g"] = (torch.randn_like(d["g"].float()) + 6.0).bfloat16()  # sigmoid ~1: every step near the bound
