@@ -314,7 +314,25 @@ EDGES = {
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.0), "prefill_c16_f32"),
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.01),
          "prefill_vt64s_f32"),
-        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_vt64s_f32"),    # softplus: no bound
+        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_c16_f32"),    # softplus: the next rule
+    ],
+    # the softplus and log gates in the same band (prefill_c16's checked kernels)
+    ("kda_prefill", "fused_chunk16_decay", "work_items_min"): [
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512), "prefill_c16_f32"),                       # 384
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="log"), "prefill_vt64s_f32"),         # 383
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="log", state="bf16"), "prefill_c16_bf16"),
+    ],
+    ("kda_prefill", "fused_chunk16_decay", "mean_seqlen_max"): [
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="log"), "prefill_c16_f32"),          # 2048
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049), "prefill_vt64s_f32"),                    # 2049
+    ],
+    # opt-in chunk64: the chunk-64 module wherever the fused rules would take prefill_c16
+    ("kda_prefill", "chunk64", "work_items_min"): [
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512), "prefill_vt64s_f32", frozenset({"chunk64"})),
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded", lower_bound=-5.0),
+         "prefill_vt64s_f32", frozenset({"chunk64"})),
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", lower_bound=-5.0, state="bf16"),
+         "prefill_vt64s_bf16", frozenset({"chunk64"})),
     ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
@@ -495,7 +513,8 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
                     got = dispatch.module_name("kda_prefill", meta, c16)
                     split = dispatch.module_name("kda_prefill", meta, {"c16p"})
                     served = not ckpt
-                    band = served and gate == "bounded" and lb >= -5 and seqs * hv >= 384 and tokens // seqs <= 2048
+                    band = (served and (gate != "bounded" or lb >= -5) and seqs * hv >= 384
+                            and tokens // seqs <= 2048)
                     assert plain == (f"prefill_c16_{state}" if band else plain) and not plain.startswith("prefill_c16p")
                     assert band or not plain.startswith("prefill_c16"), meta
                     if served:

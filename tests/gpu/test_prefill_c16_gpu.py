@@ -265,6 +265,7 @@ def test_route():
     assert dispatch.module_name("kda_prefill", meta, opted_in=set()) == "prefill_c16_f32"   # fused_chunk16's band
     for other in (dict(meta, gate="softplus", lower_bound=None), dict(meta, lower_bound=-5.5)):
         assert dispatch.module_name("kda_prefill", other, opted_in={"c16"}) == "prefill_c16_f32"
+    assert dispatch.module_name("kda_prefill", dict(meta, gate="log", lower_bound=None), opted_in=set()) == "prefill_c16_f32"
     assert not dispatch.module_name("kda_prefill", dict(meta, checkpoints=True), opted_in={"c16"}).startswith("prefill_c16")
 
 
@@ -337,30 +338,36 @@ def test_pieces_in_place_pool_runs_unsplit(name):
     assert torch.equal(bits(outs[0]), bits(outs[1])) and torch.equal(bits(pools[0]), bits(pools[1]))
 
 
+@pytest.mark.parametrize("gate", ["bounded", "softplus", "log"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_public_op_routes_the_band_to_c16(state_dtype):
-    """flashkda_ext.kda_prefill with the bounded gate at >= 384 sequences x heads of short sequences (route
-    fused_chunk16) takes prefill_c16: its output and final state are bitwise the module's called directly; at
-    lower_bound -5.5 and with the softplus gate the same shape stays on the chunk-64 modules."""
+def test_public_op_routes_the_band_to_c16(state_dtype, gate):
+    """flashkda_ext.kda_prefill at >= 384 sequences x heads of short sequences (routes fused_chunk16, bounded at
+    lower_bound -5, and fused_chunk16_decay, softplus and log) takes prefill_c16: its output and final state are bitwise
+    the module's called directly; with FLASHKDA_EXT_OPT_IN=chunk64, or the bounded gate at lower_bound -5.5, the same
+    shape stays on the chunk-64 modules."""
     import flashkda_ext
     from flashkda_ext import dispatch
-    seed("public_op", str(state_dtype))
+    seed("public_op", str(state_dtype), gate)
     lens = [int(x) for x in torch.randint(1, 300, (48,))]
-    d = make(lens, 8, 8, "bounded")
+    d = make(lens, 8, 8, gate)
     N, HV = len(lens), 8
     init = (torch.randn(N, HV, V, K, device=DEV) * 0.5).to(state_dtype)
+    kw = dict(lower_bound=-5.0) if gate == "bounded" else {}
     o, fin = flashkda_ext.kda_prefill(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                                      lower_bound=-5.0, gate="bounded", cu_seqlens=d["cut"], initial_state=init)
+                                      gate=gate, cu_seqlens=d["cut"], initial_state=init, **kw)
     tag = "f32" if state_dtype == torch.float32 else "bf16"
     fin_m = torch.full_like(init, float("nan"))
-    o_m = call(load(f"prefill_c16_{tag}"), d, "bounded", init=init, fin=fin_m)
+    o_m = call(load(f"prefill_c16_{tag}"), d, gate, init=init, fin=fin_m)
     torch.cuda.synchronize()
     assert torch.equal(bits(o), bits(o_m)) and torch.equal(bits(fin), bits(fin_m))
     meta = dict(backend="cuda", num_seqs=N, value_heads=HV, total_tokens=sum(lens), max_seqlen=None, state=tag,
-                offset="o32", gate="bounded", checkpoints=False)
+                offset="o32", gate=gate, checkpoints=False)
     from flashkda_ext.validation import prefill_route_meta
-    for gate, lb in (("bounded", -5.5), ("softplus", None)):
-        m = prefill_route_meta(**{**meta, "gate": gate}, lower_bound=lb)
-        assert not dispatch.module_name("kda_prefill", m, ()).startswith("prefill_c16"), (gate, lb)
-    ref_o, ref_f, _ = recurrence(d, "bounded", -5.0, init)
+    m = prefill_route_meta(**meta, lower_bound=kw.get("lower_bound"))
+    assert dispatch.module_name("kda_prefill", m, ()) == f"prefill_c16_{tag}"
+    assert dispatch.module_name("kda_prefill", m, {"chunk64"}) == f"prefill_vt64s_{tag}"
+    if gate == "bounded":
+        m = prefill_route_meta(**meta, lower_bound=-5.5)
+        assert not dispatch.module_name("kda_prefill", m, ()).startswith("prefill_c16")
+    ref_o, ref_f, _ = recurrence(d, gate, -5.0, init)
     assert rel(o[0], ref_o) < TOL and rel(fin, ref_f) < TOL
