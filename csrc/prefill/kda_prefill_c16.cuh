@@ -360,9 +360,9 @@ constexpr int kBoundedAnyBound = 3;
 
 template <typename ST, int GATE>
 __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_kernel(const Args a) {
+  fkda::begin_dependent_grid();
   constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   constexpr bool kCheck = GATE != 1;
-  fkda::begin_dependent_grid();
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
   const int hv = blockIdx.x, n = blockIdx.y;
