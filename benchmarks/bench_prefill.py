@@ -143,8 +143,8 @@ def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0, a_log=None):
     if a_log is not None:
         d["A_log"].fill_(a_log)
     if gate == "log":  # the softplus gate's decays, computed outside (as an engine's fused gate kernel does), in bf16
-        x = d["g"].float() + d["dt_bias"].view(H, K)
-        d["g"] = (-torch.exp(d["A_log"]).view(H, 1) * torch.nn.functional.softplus(x)).bfloat16()
+        from flashkda_ext.reference.gates import gate_log_decay
+        d["g"] = gate_log_decay(d["g"], "softplus", d["A_log"], d["dt_bias"]).bfloat16()
         d["A_log"] = d["dt_bias"] = None
     return d
 

@@ -49,8 +49,8 @@ def prefill_fn(q, k, v, g, beta, *, A_log, dt_bias, gate: str, lower_bound: floa
         kw.update(safe_gate=True, gate_lower_bound=float(lower_bound), a_log=A_log.float().contiguous(),
                   dt_bias=dt_bias.float().reshape(H, K).contiguous())
     elif gate == "softplus":
-        x = g[0].float() + dt_bias.float().view(H, K)
-        g3 = (-torch.exp(A_log.float()).view(H, 1) * torch.nn.functional.softplus(x, threshold=20.0)).contiguous()
+        from flashkda_ext.reference.gates import gate_log_decay
+        g3 = gate_log_decay(g[0], "softplus", A_log, dt_bias).contiguous()
     elif gate == "log":  # the fp32 log decay itself
         g3 = g[0].float().contiguous()
     else:

@@ -35,6 +35,10 @@ using StateT = __nv_bfloat16;
 using StateT = float;
 #endif
 
+// The bounded gate's lower bound from which no 16-token chunk leaves the factored range (16 x 5 nats of decay at most,
+// kda_prefill_c16.cuh kFactorRange): its kernel needs no check
+constexpr double kUncheckedLowerBound = -5.0;
+
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                  OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
                  OptTensor initial_state, OptTensor final_state, OptTensor state_indices,
@@ -82,12 +86,11 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
       pieces = 1;
   }
   a.pieces = pieces;
-  // the kernel of the gate (kda_prefill_c16.cuh, GATE): at lower_bound >= -5 a bounded chunk never leaves the factored
-  // range (16 x 5 nats of decay at most)
+  // the kernel of the gate (kda_prefill_c16.cuh, GATE)
   auto kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 1>;
   if (gm == GateMode::kSoftplus) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
   if (gm == GateMode::kLog) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
-  if (gm == GateMode::kBounded && !(lower_bound >= -5.0))
+  if (gm == GateMode::kBounded && !(lower_bound >= kUncheckedLowerBound))
     kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
   // one CTA a (value head, sequence), heads adjacent: CTAs that run together read the same tokens' rows
   ctx.launch("kda_prefill_c16_kernel", kernel,

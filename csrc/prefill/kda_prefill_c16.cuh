@@ -196,6 +196,17 @@ __device__ __forceinline__ float4 gate_run(float4 (&gl)[4], const bf16* Gr, int 
   return run;
 }
 
+// The range class of a thread's key group (keys d4 .. d4 + 3) from their G_C (softplus and bounded G fall monotonically,
+// so G_C is the least): wide, some key beyond kFactorRange; ultra, beyond twice it (the elementwise fallback). Wide and
+// not ultra takes the shifted anchor G_C / 2 (top of the file).
+struct GroupRange {
+  bool wide, ultra;
+};
+__device__ __forceinline__ GroupRange group_range(const float4& gcv) {
+  const float mn = fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w));
+  return GroupRange{!(mn >= -kFactorRange), !(mn >= -2.f * kFactorRange)};
+}
+
 // From the quarters' gate totals (tot [4][128]): the sum of the quarters before warp's (base) and G_C (gcv) of keys
 // d4 .. d4 + 3, in the same order of additions in every thread, so the last token's G is G_C bitwise.
 __device__ __forceinline__ void quarter_sums(const float* tot, int warp, int d4, float4& base, float4& gcv) {
@@ -519,9 +530,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
       quarter_sums(tot, warp, d4, base, gcv);
       float sh[4] = {0.f, 0.f, 0.f, 0.f};  // the anchor of each key's L / Aqk operands (0: the chunk start)
       if constexpr (kCheck) {
-        const float mn = fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w));
-        wk = !(mn >= -kFactorRange);
-        ultra = !(mn >= -2.f * kFactorRange);
+        const GroupRange gr = group_range(gcv);
+        wk = gr.wide;
+        ultra = gr.ultra;
         if (wk && !ultra) {
           sh[0] = 0.5f * gcv.x;
           sh[1] = 0.5f * gcv.y;
@@ -642,8 +653,8 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     if (fallback) {  // Qh and Kh of this thread's shifted group back to exp2(G), as step B makes them (C read them)
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
-      const float mn = fminf(fminf(gcv.x, gcv.y), fminf(gcv.z, gcv.w));
-      if (!(mn >= -kFactorRange) && mn >= -2.f * kFactorRange) {
+      const GroupRange gr = group_range(gcv);
+      if (gr.wide && !gr.ultra) {
         float4 glf[4];
         gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
 #pragma unroll
