@@ -686,14 +686,16 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // region, which is free until step 4.
   bf16* Graw = Op;
   uint4 vreg[4];
+  const bf16* vb = a.v + (size_t(t0) * HV + hv) * kV;  // row offsets in 32 bits, as for q, k, g below
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
     vreg[i] = make_uint4(0, 0, 0, 0);
-    if (r < nt) vreg[i] = *reinterpret_cast<const uint4*>(a.v + (size_t(t0 + r) * HV + hv) * kV + c8);
+    if (r < nt) vreg[i] = *reinterpret_cast<const uint4*>(vb + (uint32_t(r) * uint32_t(HV * kV) + c8));
   }
   {
-    const size_t qk_row = size_t(a.H) * kK, g_row = size_t(HV) * kK;
+    // row offsets in 32 bits: at most 63 rows x 128 heads (jit/supported.json) x 128 + 120 elements
+    const uint32_t qk_row = uint32_t(a.H) * kK, g_row = uint32_t(HV) * kK;
     const bf16* qb = a.q + (size_t(t0) * a.H + hk) * kK;
     const bf16* kb = a.k + (size_t(t0) * a.H + hk) * kK;
     const bf16* gb = a.g + (size_t(t0) * HV + hv) * kK;
@@ -701,10 +703,10 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
     for (int i = 0; i < 4; ++i) {
       const int idx = tid + i * kLiteThreads, r = idx >> 4, c8 = (idx & 15) * 8;
       const int bytes = r < nt ? 16 : 0;
-      const size_t rs = r < nt ? size_t(r) : 0;  // row 0 of the chunk always exists
-      cp_async16_zfill(Qs + r * kLdB + c8, qb + rs * qk_row + c8, bytes);
-      cp_async16_zfill(Ks + r * kLdB + c8, kb + rs * qk_row + c8, bytes);
-      cp_async16_zfill(Graw + r * kLdB + c8, gb + rs * g_row + c8, bytes);
+      const uint32_t rs = r < nt ? uint32_t(r) : 0u;  // row 0 of the chunk always exists
+      cp_async16_zfill(Qs + r * kLdB + c8, qb + (rs * qk_row + c8), bytes);
+      cp_async16_zfill(Ks + r * kLdB + c8, kb + (rs * qk_row + c8), bytes);
+      cp_async16_zfill(Graw + r * kLdB + c8, gb + (rs * g_row + c8), bytes);
     }
     cp_async_commit();
   }

@@ -52,6 +52,23 @@ def both(ops, fkda_vllm, name, call, pool):
     return (o1, a if pool is not None else s1), (o2, b if pool is not None else s2)
 
 
+def prefill_modules_routed(monkeypatch):
+    """The modules flashkda_ext's prefill routes calls to from now on (the fast path's entries dropped, so every
+    call takes the routed path)."""
+    from flashkda_ext import fast_path
+    from flashkda_ext import ops as fk_ops
+    seen, real = [], fk_ops._prefill_route
+
+    def spy(call):
+        rule, module, chunk = real(call)
+        seen.append(rule["module"])
+        return rule, module, chunk
+
+    monkeypatch.setattr(fk_ops, "_prefill_route", spy)
+    fast_path.clear()
+    return seen
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("rows,H", [(1, 8), (37, 12), (256, 32)])
@@ -93,13 +110,25 @@ def test_verify_with_cuda_graph_padding_matches_vllm_triton(vllm_ops):
     assert torch.equal(p1[0], pool[0])
 
 
+# 3 sequences x 16 heads: the chunk-64 modules; 32 x 16 = 512 sequences x heads of <= 2048 tokens: prefill_c16
+# (routes fused_chunk16 / fused_chunk16_decay), for both gates
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype):
+@pytest.mark.parametrize("rows", [3, 32])
+def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype, rows, monkeypatch):
     ops, fk = vllm_ops
-    call, _ = bench_vllm.inputs("prefill", 3, 16, state_dtype, lower_bound, Args, DEV, seed=5)
-    call["cu_seqlens"] = torch.tensor([0, 100, 160, 300], dtype=torch.int32, device=DEV)   # unequal lengths
+    routed = prefill_modules_routed(monkeypatch)
+    call, _ = bench_vllm.inputs("prefill", rows, 16, state_dtype, lower_bound, Args, DEV, seed=5 + rows)
+    # unequal lengths summing to rows x 100 tokens (51..149 each, the last one takes the rest)
+    lens = [100 + (37 * i) % 99 - 49 for i in range(rows)]
+    lens[-1] += rows * Args.prefill_len - sum(lens)
+    assert min(lens) > 0
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    call["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEV)
     (o1, h1), (o2, h2) = both(ops, fk, "chunk_kda_with_fused_gate", call, None)
+    assert len(routed) == 1 and routed[0].startswith("prefill_c16_" if rows == 32 else "prefill_vt"), routed
     assert h1.dtype == h2.dtype == torch.float32
     assert rel_l2(o1, o2) < 2 * TOL and rel_l2(h1, h2) < 2 * TOL
 
