@@ -18,6 +18,9 @@ def decode_meta(**kw):
     return m
 
 
+C16G = frozenset({"c16g"})  # FLASHKDA_EXT_OPT_IN=c16g
+
+
 def prefill_meta(**kw):
     m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 4096, "max_seqlen": None,
          "work_items": 16, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
@@ -333,6 +336,58 @@ EDGES = {
          "prefill_vt64s_f32", frozenset({"chunk64"})),
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", lower_bound=-5.0, state="bf16"),
          "prefill_vt64s_bf16", frozenset({"chunk64"})),
+    ],
+    # opt-in c16g: the guarded piece split where long_pieces_groups(_32), some_seq_heads and fallback serve, each
+    # module guarded by that route's chunk-64 kernels
+    ("kda_prefill", "c16g_groups", "work_items_min"): [
+        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", C16G),
+        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_groups", "work_items_max"): [
+        (prefill_meta(value_heads=24, total_tokens=8192, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", C16G),
+        (prefill_meta(value_heads=25, total_tokens=8192), "prefill_c16g_vt32_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_groups", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", C16G),
+        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", C16G),
+        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),   # not opted in: today's route
+    ],
+    ("kda_prefill", "c16g_groups_32", "work_items_min"): [
+        (prefill_meta(value_heads=25, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", C16G),
+        (prefill_meta(value_heads=24, total_tokens=16384, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", C16G),
+    ],
+    ("kda_prefill", "c16g_groups_32", "work_items_max"): [
+        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", C16G),
+        (prefill_meta(value_heads=33, total_tokens=16384), "prefill_c16g_vt32_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_groups_32", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", C16G),
+        (prefill_meta(value_heads=32, total_tokens=16383), "prefill_c16g_vt32_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_some", "work_items_min"): [
+        (prefill_meta(value_heads=17, total_tokens=4096), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(value_heads=16, total_tokens=4096), "prefill_vt16_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_some", "work_items_max"): [
+        (prefill_meta(value_heads=40, total_tokens=4096, state="bf16"), "prefill_c16g_vt32_bf16", C16G),
+        (prefill_meta(value_heads=41, total_tokens=4096), "prefill_c16g_vt64_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_some", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=32, total_tokens=2048), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(value_heads=32, total_tokens=2047), "prefill_vt32_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_wide", "work_items_min"): [
+        (prefill_meta(value_heads=41, total_tokens=4096), "prefill_c16g_vt64_f32", C16G),
+        (prefill_meta(value_heads=40, total_tokens=4096), "prefill_c16g_vt32_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_wide", "work_items_max"): [
+        (prefill_meta(num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_vt64_bf16", C16G),
+        (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
+        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", C16G),
+        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048 - 1), "prefill_vt64_f32", C16G),
+        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048, checkpoints=True), "prefill_vt64_f32", C16G),
     ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two

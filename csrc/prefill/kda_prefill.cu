@@ -19,11 +19,8 @@
 
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
-#include "../common/param_fill.h"
-#include "../common/pool_args.h"
 #include "kda_prefill_args.h"
-#include "kda_prefill_prep.cuh"
-#include "kda_prefill_state.cuh"
+#include "kda_prefill_chunk64_launch.h"
 
 #if !defined(FKDA_PARAM_VT) || (FKDA_PARAM_VT != 16 && FKDA_PARAM_VT != 32 && FKDA_PARAM_VT != 64)
 #error "FKDA_PARAM_VT must be 16, 32 or 64"
@@ -57,30 +54,6 @@ using StateT = __nv_bfloat16;
 #else
 using StateT = float;
 #endif
-
-// Fixed per module (its record's params), never switched at run time: one module, one behaviour.
-constexpr int kTma = 1;                         // the state pass moves chunks with bulk copies (TMA)
-constexpr int kSingle = FKDA_PARAM_SINGLE;       // sequences of one chunk finished inside the prep kernel
-
-// State-pass CTAs a (sequence, head): one per V tile group.
-constexpr int kTileCtas = fkda_prefill::kV / (FKDA_PARAM_VT * fkda_prefill::kGroups);
-
-// A piece-split module's pieces for this call: as many as one wave of state-pass CTAs holds (one CTA
-// an SM: the state pass's shared memory), at most the module's kPieces, at least 1 (then the chain is
-// walked whole: the unsplit module's operations, bitwise). From the device's SM count, so the same
-// module fills an H200 (132 SMs) at 8 heads with 16 pieces and at 48 heads with 2.
-int state_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
-  if (fkda_prefill::kPieces == 1) return 1;
-  return pieces_for_one_wave(fkda_prefill::kPieces, ctx.sm_count(), kTileCtas * HV * N);
-}
-
-template <int VT, int RING = fkda_prefill::default_ring<VT>()>
-void launch_state(const fkda::cuda::LaunchContext& ctx, const fkda_prefill::StateArgs& sa, int N,
-                  int HV, int pieces) {
-  using SM = fkda_prefill::StateSmem<VT, RING>;
-  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<VT, RING, StateT>,
-             dim3(kTileCtas, HV, N * pieces), dim3(FKDA_THREADS), SM::kTotal, sa);
-}
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                  OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
@@ -140,43 +113,11 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     FKDA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), "cudaMallocAsync(workspace)");
     own_ws = true;
   }
-
-  fkda_prefill::StateArgs sa;
-  sa.ws = ws;
-  sa.cu = data_ptr<void>(cu_seqlens);
-  sa.cu64 = same_dtype(cu_seqlens.dtype(), kI64) ? 1 : 0;
-  sa.N = static_cast<int>(N);
-  sa.HV = static_cast<int>(HV);
-  set_states(sa, initial_state, final_state, state_indices, ps, null_slot0);
-  sa.ckpt = checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr;
-  sa.ckpt_count = ckpt_count;
-  sa.ckpt_every = checkpoint_every > 0 ? checkpoint_every : 1;
-  sa.out = data_ptr<bf16>(out);
-  sa.tma = kTma;
-  sa.single = kSingle;
-  const int pieces = state_pieces(ctx, N, HV);
-#if FKDA_PARAM_PIECES > 1
-  sa.init_copy = ws + fkda_prefill::init_copy_offset(T, N, HV);
-  sa.pieces = pieces;
-#endif
-
-  const int64_t slots_chunks = fkda_prefill::num_chunk_slots(T, N);
-  if (T > 0) {
-    fkda_prefill::PrepArgs pa;
-    set_token_inputs(pa, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N);
-    fkda::set_heads(pa, H, HV);
-    fkda::set_gate_scale(pa, gate_mode, lower_bound, scale);
-    pa.beta_logit = beta_is_logit ? 1 : 0;
-    pa.ws = ws;
-    pa.st = sa;
-    // one CTA a (chunk slot, value head), heads adjacent (see the kernel)
-    FKDA_CHECK(slots_chunks * HV <= 0x7fffffff, fn) << "too many chunks x value heads: " << slots_chunks * HV;
-    ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT>,
-               dim3(static_cast<unsigned>(slots_chunks * HV)), dim3(fkda_prefill::kLiteThreads),
-               fkda_prefill::kLiteSmem, pa);
-  }
-
-  launch_state<FKDA_PARAM_VT>(ctx, sa, static_cast<int>(N), static_cast<int>(HV), pieces);
+  const Chunk64Call call{T, N, H, HV, checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr,
+                         ckpt_count, checkpoint_every, ws, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
+                         nullptr};
+  launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
+                         state_indices, ps, out);
   if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
 }
 

@@ -13,10 +13,8 @@
 
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
-#include "../common/param_fill.h"
-#include "../common/pool_args.h"
-#include "kda_prefill_c16.cuh"
 #include "kda_prefill_args.h"
+#include "kda_prefill_c16_launch.h"
 
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_c16::kC, "the kernel is written for chunk 16");
@@ -34,10 +32,6 @@ using StateT = __nv_bfloat16;
 #else
 using StateT = float;
 #endif
-
-// The bounded gate's lower bound from which no 16-token chunk leaves the factored range (16 x 5 nats of decay at most,
-// kda_prefill_c16.cuh kFactorRange): its kernel needs no check
-constexpr double kUncheckedLowerBound = -5.0;
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
                  OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
@@ -67,36 +61,10 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   }
 
   const fkda::cuda::LaunchContext ctx(q);
-  fkda_c16::Args a;
-  set_token_inputs(a, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N);
-  set_heads(a, H, HV);
-  a.lower_bound = static_cast<float>(lower_bound);
-  a.scale = static_cast<float>(scale);
-  a.beta_logit = beta_is_logit ? 1 : 0;
-  set_states(a, initial_state, final_state, state_indices, ps, null_slot0);
-  a.out = data_ptr<bf16>(out);
-  // Pieces (kda_prefill_c16.cuh, kPieces): as many as one wave of 2 CTAs an SM holds, at most the record's, at least
-  // 1. A piece that walks back to chunk 0 reads the initial state while the last piece may already store the final
-  // state: when the two overlap (a pool updated in place) the call runs unsplit.
-  int pieces = 1;
-  if (fkda_c16::kPieces > 1) {
-    pieces = pieces_for_one_wave(fkda_c16::kPieces, int64_t(FKDA_MIN_BLOCKS) * ctx.sm_count(), HV * N);
-    if (initial_state.has_value() && final_state.has_value() &&
-        Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value())))
-      pieces = 1;
-  }
-  a.pieces = pieces;
-  // the kernel of the gate (kda_prefill_c16.cuh, GATE)
-  auto kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 1>;
-  if (gm == GateMode::kSoftplus) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
-  if (gm == GateMode::kLog) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
-  if (gm == GateMode::kBounded && !(lower_bound >= kUncheckedLowerBound))
-    kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
-  // one CTA a (value head, sequence), heads adjacent: CTAs that run together read the same tokens' rows
-  ctx.launch("kda_prefill_c16_kernel", kernel,
-             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), static_cast<unsigned>(pieces)),
-             dim3(fkda_c16::kThreads),
-             fkda_c16::kSmemBytes, a);
+  fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state, final_state,
+                              state_indices, ps, null_slot0, out, lower_bound, scale, beta_is_logit);
+  a.pieces = c16_pieces(ctx, N, HV, initial_state, final_state);
+  launch_c16<StateT>(ctx, a, gm, lower_bound);
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t, int64_t, int64_t) { return 0; }

@@ -121,6 +121,9 @@ struct Args {
   int null_slot0;
   bf16* out;  // [T, HV, V]
   int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
+#if FKDA_PARAM_GUARD == 1
+  int* guard;  // set to 1 by a piece whose warm-up passes half its length (zeroed by the binding before the launch)
+#endif
 };
 
 // Pieces (record param 'pieces', default 1: one CTA walks a sequence's chunks, exact). With P > 1 the
@@ -131,7 +134,26 @@ struct Args {
 // each token's transition (I - beta k k^T) Diag(alpha) has operator norm <= max alpha (unit keys, beta in (0, 1)),
 // so the dropped state reaches the piece's first chunk attenuated below 2^-24 (csrc/prefill/README.md, "Piece
 // split"). The piece that ends at nch writes the final state; checkpoints are refused anyway.
+#ifdef FKDA_PARAM_C16_PIECES  // a module that also holds chunk-64 kernels (FKDA_PARAM_PIECES is theirs)
+constexpr int kPieces = FKDA_PARAM_C16_PIECES;
+#else
 constexpr int kPieces = FKDA_PARAM_PIECES;
+#endif
+static_assert(kPieces >= 1 && kPieces <= 16, "the fused kernel's pieces must be 1..16");
+// CTAs an SM (launch bounds; the binding's piece count): the record's, or params.c16_min_blocks where the record's
+// launch shape is other kernels' (prefill_c16g_*: the state pass's)
+#ifdef FKDA_PARAM_C16_MIN_BLOCKS
+constexpr int kMinBlocks = FKDA_PARAM_C16_MIN_BLOCKS;
+#else
+constexpr int kMinBlocks = FKDA_MIN_BLOCKS;
+#endif
+// Guard (FKDA_PARAM_GUARD 1, modules prefill_c16g_*: kda_prefill_c16g.cu): a piece whose warm-up would pass half its
+// own length (at least 2 chunks) sets *a.guard and stops, and every other piece stops at its next chunk once it sees the word set: the chunk-64
+// kernels launched after this one then do the whole call (they skip it while the word is clear).
+#ifndef FKDA_PARAM_GUARD
+#define FKDA_PARAM_GUARD 0
+#endif
+constexpr bool kGuard = FKDA_PARAM_GUARD == 1;
 
 template <typename ST>
 __device__ __forceinline__ float2 ld_pair(const ST* p);
@@ -370,7 +392,7 @@ __device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t
 constexpr int kBoundedAnyBound = 3;
 
 template <typename ST, int GATE>
-__global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(const Args a) {
   fkda::begin_dependent_grid();
   constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   constexpr bool kCheck = GATE != 1;
@@ -438,6 +460,12 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
     float sum = 0.f;
     while (cs > 0 && sum > -24.f) {
+#if FKDA_PARAM_GUARD == 1
+      if (cb - cs >= max(2, per / 2)) {  // CTA-uniform: the chunk-64 kernels after this one take the call
+        if (tid == 0) *reinterpret_cast<volatile int*>(a.guard) = 1;
+        return;
+      }
+#endif
       --cs;
       sum += chunk_bound<mode>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
     }
@@ -468,6 +496,9 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   const unsigned short* beta_bits = reinterpret_cast<const unsigned short*>(a.beta);
   unsigned short bnext = 0;
   if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len) bnext = beta_bits[base_b + size_t(tid) * a.HV];
+  // (kGuard) the guard word as thread 0 read it a chunk earlier: the load's latency hides behind a chunk's work
+  int guard_seen = 0;
+  bool stopped = false;
 
 #pragma unroll 1
   for (int c = cs; c < ce; ++c) {
@@ -490,7 +521,18 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
     }
     cp_async_commit();
     cp_async_wait<1>();
-    __syncthreads();  // chunk c's inputs are in the ring; the last chunk is done with every scratch area
+    // chunk c's inputs are in the ring; the last chunk is done with every scratch area
+    if constexpr (kGuard) {
+      if (__syncthreads_or(guard_seen)) {  // another piece handed the call to the chunk-64 kernels
+        stopped = true;
+        break;
+      }
+#if FKDA_PARAM_GUARD == 1
+      if (tid == 0) guard_seen = *reinterpret_cast<const volatile int*>(a.guard);
+#endif
+    } else {
+      __syncthreads();
+    }
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter (warp w: tokens 4 w ..)
     {
@@ -830,7 +872,7 @@ __global__ void __launch_bounds__(kThreads, FKDA_MIN_BLOCKS) kda_prefill_c16_ker
   }
   cp_async_wait<0>();
 
-  if (dst) {
+  if (dst && !stopped) {
     for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
       st_pair(dst + size_t(v) * kK + d, S[mt][nt][e], S[mt][nt][e + 1]);
     });

@@ -239,7 +239,17 @@ struct StateArgs {
   uint8_t* init_copy;       // the prep's copy of the initial states, [N][HV][V][K] (workspace_bytes)
   int pieces;               // this call's pieces a sequence, 1..kPieces (state_pieces in the binding)
 #endif
+#if FKDA_PARAM_GUARD == 1   // (modules prefill_c16g_*: kda_prefill_c16g.cu)
+  const int* guard;         // null: run; else run only when the fused kernel before set the word (its fallback)
+#endif
 };
+#if FKDA_PARAM_GUARD == 1
+// A guarded module's chunk-64 kernels skip the call while the guard word is clear (the fused 16-token kernel launched
+// before them served it). Read after the kernel's wait for the previous grid, so that kernel's store is visible.
+__device__ __forceinline__ bool guard_skips(const StateArgs& a) {
+  return a.guard != nullptr && *reinterpret_cast<const volatile int*>(a.guard) == 0;
+}
+#endif
 // The prep's copy of sequence n's initial state (head hv) in the workspace; null without pieces.
 template <typename ST>
 __device__ __forceinline__ ST* init_copy_of(const StateArgs& a, int n, int hv) {

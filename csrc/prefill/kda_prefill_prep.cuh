@@ -635,6 +635,9 @@ __device__ __forceinline__ void stash_initial_state(const PrepArgs& a, const Seq
 template <typename ST>
 __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+#if FKDA_PARAM_GUARD == 1
+  if (guard_skips(a.st)) return;  // (guarded modules) the fused kernel before served the call
+#endif
   extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   uint32_t* Xw = reinterpret_cast<uint32_t*>(smem + kLOffX);  // X: split words (diagonal blocks, X_10, X_32)

@@ -486,6 +486,9 @@ __device__ __forceinline__ int64_t piece_start(const StateArgs& a, int64_t base,
 template <int VT, int RING, typename ST>
 __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kernel(const StateArgs a) {
   fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh (the pieces' bounds are the prep's)
+#if FKDA_PARAM_GUARD == 1
+  if (guard_skips(a)) return;     // (guarded modules) the fused kernel before served the call
+#endif
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];

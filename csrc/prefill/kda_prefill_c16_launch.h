@@ -1,0 +1,66 @@
+// Host side of the fused 16-token-chunk kernel (kda_prefill_c16.cuh), shared by its bindings: kda_prefill_c16.cu (the
+// kernel alone) and kda_prefill_c16g.cu (the kernel guarded by the chunk-64 kernels). The arguments are checked by the
+// binding before these run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../common/binding.h"
+#include "../common/cuda_launch.h"
+#include "../common/param_fill.h"
+#include "../common/pool_args.h"
+#include "kda_prefill_args.h"
+#include "kda_prefill_c16.cuh"
+
+namespace fkda {
+
+// The bounded gate's lower bound from which no 16-token chunk leaves the factored range (16 x 5 nats of decay at most,
+// kda_prefill_c16.cuh kFactorRange): its kernel needs no check
+constexpr double kC16UncheckedLowerBound = -5.0;
+
+// The kernel's parameters of a checked call (pieces 1; the binding sets them).
+inline fkda_c16::Args c16_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                               const TensorView& beta, const OptTensor& A_log, const OptTensor& dt_bias,
+                               const TensorView& cu_seqlens, int64_t N, int64_t H, int64_t HV,
+                               const OptTensor& initial_state, const OptTensor& final_state,
+                               const OptTensor& state_indices, const PrefillStates& ps, bool null_slot0,
+                               const TensorView& out, double lower_bound, double scale, bool beta_is_logit) {
+  fkda_c16::Args a;
+  set_token_inputs(a, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N);
+  set_heads(a, H, HV);
+  a.lower_bound = static_cast<float>(lower_bound);
+  a.scale = static_cast<float>(scale);
+  a.beta_logit = beta_is_logit ? 1 : 0;
+  set_states(a, initial_state, final_state, state_indices, ps, null_slot0);
+  a.out = data_ptr<fkda_c16::bf16>(out);
+  a.pieces = 1;
+  return a;
+}
+
+// Pieces (kda_prefill_c16.cuh, kPieces): as many as one wave of the kernel's CTAs holds, at most the module's, at least
+// 1. A piece that walks back to chunk 0 reads the initial state while the last piece may already store the final
+// state: when the two overlap (a pool updated in place) the call runs unsplit.
+inline int c16_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV, const OptTensor& initial_state,
+                      const OptTensor& final_state) {
+  if (fkda_c16::kPieces == 1) return 1;
+  if (initial_state.has_value() && final_state.has_value() &&
+      Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value())))
+    return 1;
+  return pieces_for_one_wave(fkda_c16::kPieces, int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV * N);
+}
+
+// Launch the kernel of the gate (kda_prefill_c16.cuh, GATE): one CTA a (value head, sequence, piece), heads adjacent,
+// so CTAs that run together read the same tokens' rows.
+template <typename StateT>
+void launch_c16(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
+  auto kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 1>;
+  if (gm == GateMode::kSoftplus) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
+  if (gm == GateMode::kLog) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
+  if (gm == GateMode::kBounded && !(lower_bound >= kC16UncheckedLowerBound))
+    kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
+  ctx.launch("kda_prefill_c16_kernel", kernel,
+             dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
+             dim3(fkda_c16::kThreads), fkda_c16::kSmemBytes, a);
+}
+
+}  // namespace fkda

@@ -1,0 +1,132 @@
+// TVM-FFI binding of the guarded piece split (modules prefill_c16g_*; family kda_prefill, the same ABI as
+// kda_prefill.cu): the fused 16-token-chunk kernel split into pieces (kda_prefill_c16.cuh, FKDA_PARAM_C16_PIECES) and,
+// after it in the stream, the chunk-64 kernels of the module's params (FKDA_PARAM_VT / GROUPS / PIECES: the route's
+// module before this one), which run only if the fused kernel handed the call over.
+//
+// Why: the piece split starts each piece from a zero state after a warm-up long enough to attenuate the dropped state
+// below 2^-24, which is short on decaying keys (1.09-1.52x the chunk-64 modules) and walks back to chunk 0 on a slowly
+// decaying key (up to 11x slower). A route cannot see the gates, so the kernel decides: a piece whose warm-up would pass
+// half its own length sets the guard word and stops, the other pieces stop at their next chunk, and the chunk-64
+// kernels, which skip the call while the word is clear, then do the whole call. Either way one of the two computes
+// every output and the final state (the chunk-64 kernels after the fused one, overwriting what it wrote).
+// When the fused kernel cannot split (one wave of 2 CTAs an SM already holds HV x N) it runs alone, unsplit and exact;
+// when initial_state and final_state overlap (a pool updated in place: a piece reading the initial state could race the
+// final state's store) and it could split, the chunk-64 kernels run alone.
+//
+// Exports: kda_prefill, kda_prefill_workspace_bytes(total_tokens, num_seqs, value_heads) -> the chunk-64 kernels'
+// workspace plus the guard word, fkda_contract(). Refuses checkpoints (the fused kernel writes none).
+#include <cuda_runtime.h>
+
+#include "../common/binding.h"
+#include "../common/cuda_launch.h"
+#include "kda_prefill_args.h"
+#include "kda_prefill_c16_launch.h"
+#include "kda_prefill_chunk64_launch.h"
+
+#if FKDA_PARAM_GUARD != 1
+#error "prefill_c16g modules are built with params.guard = 1"
+#endif
+static_assert(fkda_c16::kPieces > 1, "the guarded split needs params.c16_pieces > 1");
+static_assert(FKDA_THREADS == 128 * fkda_prefill::kGroups,
+              "module record 'threads' is the state pass's: 128 x params.groups");
+static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT>::kTotal,
+              "module record 'smem_bytes' must equal the state pass shared memory of its V tile");
+
+namespace {
+
+using namespace fkda;
+
+#if FKDA_STATE_BF16 == 1
+using StateT = __nv_bfloat16;
+#else
+using StateT = float;
+#endif
+
+// The guard word sits after the chunk-64 kernels' workspace (its slots and initial-state copy), in 16 more bytes.
+constexpr int64_t kGuardBytes = 16;
+
+int64_t chunk64_workspace(int64_t T, int64_t N, int64_t HV) {
+  return fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
+}
+
+void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
+                 OptTensor A_log, OptTensor dt_bias, TensorView cu_seqlens,
+                 OptTensor initial_state, OptTensor final_state, OptTensor state_indices,
+                 OptTensor checkpoints, TensorView out, OptTensor workspace, int64_t gate_mode,
+                 double lower_bound, double scale, bool beta_is_logit, bool null_slot0,
+                 int64_t checkpoint_every) {
+  const char* fn = "kda_prefill";
+  Checker ck(fn);
+  const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
+  const int64_t T = dm.T, H = dm.H, HV = dm.HV, V = dm.V, K = dm.K;
+  const GateMode gm = ck.gate_mode(gate_mode);
+  ck.lower_bound(gm, lower_bound);
+  ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
+  ck.positive_finite(scale, "scale");
+  const int64_t N = prefill_seq_count(ck, cu_seqlens, q);
+  FKDA_CHECK(!checkpoints.has_value(), fn)
+      << "argument 'checkpoints': this module (16-token chunks, pieces) writes no checkpoints; use a chunk-64 module";
+  (void)checkpoint_every;
+  const PrefillStates ps = prefill_state_args(ck, q, initial_state, final_state, state_indices, N, HV, V, K);
+  const int64_t need = chunk64_workspace(T, N, HV) + kGuardBytes;
+  if (workspace.has_value()) {
+    const TensorView& w = workspace.value();
+    ck.same_device(w, "workspace", q, "q");
+    ck.dtype(w, "workspace", {kU8});
+    ck.contiguous(w, "workspace");
+    ck.aligned(w, "workspace", 16);
+    FKDA_CHECK(w.numel() >= need, fn) << "argument 'workspace' must hold at least " << need
+                                      << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
+  }
+
+  const fkda::cuda::LaunchContext ctx(q);
+  cudaStream_t stream = ctx.stream();
+  fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state, final_state,
+                              state_indices, ps, null_slot0, out, lower_bound, scale, beta_is_logit);
+  const int split = pieces_for_one_wave(fkda_c16::kPieces, int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV * N);
+  const bool in_place = initial_state.has_value() && final_state.has_value() &&
+                        Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value()));
+  a.guard = nullptr;
+  if (split == 1) {  // unsplit: exact, no warm-up, nothing to guard
+    a.pieces = 1;
+    launch_c16<StateT>(ctx, a, gm, lower_bound);
+    return;
+  }
+
+  uint8_t* ws = nullptr;
+  bool own_ws = false;
+  if (workspace.has_value()) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(data_ptr<uint8_t>(workspace.value()));
+    const uintptr_t al = static_cast<uintptr_t>(fkda_prefill::kWorkspaceAlign);
+    ws = reinterpret_cast<uint8_t*>((p + al - 1) / al * al);  // within the slack workspace_bytes adds
+  } else {
+    // Stream-ordered, so this stays capturable in a CUDA graph (as a memory node).
+    FKDA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), "cudaMallocAsync(workspace)");
+    own_ws = true;
+  }
+  // the used part of the chunk-64 workspace ends kWorkspaceAlign before its size (the alignment slack)
+  int* guard = reinterpret_cast<int*>(ws + chunk64_workspace(T, N, HV) - fkda_prefill::kWorkspaceAlign);
+  if (!in_place) {
+    FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, sizeof(int), stream), "cudaMemsetAsync(guard)");
+    a.pieces = split;
+    a.guard = guard;
+    launch_c16<StateT>(ctx, a, gm, lower_bound);
+  }
+  const Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
+                         in_place ? nullptr : guard};
+  launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
+                         state_indices, ps, out);
+  if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
+}
+
+int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
+  return chunk64_workspace(total_tokens, num_seqs, value_heads) + kGuardBytes;
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill, kda_prefill);
+// written: final_state, checkpoints, out, workspace; the pool
+FKDA_EXPORT_CHECKED(kda_prefill, (1u << 9) | (1u << 11) | (1u << 12) | (1u << 13), 8, 9);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_prefill_workspace_bytes, kda_prefill_workspace_bytes);
+FKDA_EXPORT_CONTRACT();

@@ -1,0 +1,177 @@
+"""GPU tests of the guarded piece split (jit/modules/prefill_c16g_cuda.json, csrc/prefill/kda_prefill_c16g.cu; opt-in
+route c16g; issue 46): the fused 16-token-chunk kernel in pieces, guarded by the chunk-64 kernels of the module it
+names (prefill_c16g_<X>_<state> falls back to prefill_<X>_<state>).
+
+Which path served a call is read off the bits: decaying keys (every piece's warm-up short) give the piece split's
+output and final state bitwise (prefill_c16p_*, the same kernel unguarded); one slowly decaying key a head (every
+warm-up walks back to chunk 0) hands the call to the chunk-64 kernels, bitwise the fallback module; a pool updated in
+place runs the chunk-64 kernels alone; a call whose HV x N fills a wave runs the fused kernel unsplit (prefill_c16_*).
+Each path is also held to the float64 recurrence, outputs NaN-poisoned first.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+tvm_ffi = pytest.importorskip("tvm_ffi")
+from gpu_common import bits, records_by_name  # noqa: E402
+from test_prefill_gpu import DEV, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
+
+RECS = records_by_name("prefill_c16g_cuda.json")
+NAMES = list(RECS)
+F32 = [n for n in NAMES if n.endswith("_f32")]
+
+
+def seed(*parts):
+    torch.manual_seed(zlib.crc32(repr(parts).encode()))
+
+
+def fallback_of(name):
+    return name.replace("prefill_c16g_", "prefill_")
+
+
+def split_of(name):
+    return "prefill_c16p_" + name.rsplit("_", 1)[1]
+
+
+def unsplit_of(name):
+    return "prefill_c16_" + name.rsplit("_", 1)[1]
+
+
+def fast_decays(d):
+    """dt_bias + 4: every key decays by more than ~0.3 nats a token (bounded at -5 or softplus with make's A_log), so
+    every warm-up is a few chunks."""
+    d["dt_bias"] = d["dt_bias"] + 4.0
+    return d
+
+
+def slow_key(d, H):
+    """One key channel a head barely decays (dt_bias -20: a model's long-memory channel)."""
+    d["dt_bias"].view(H, K)[:, 0] = -20.0
+    return d
+
+
+def run_both(name, other, d, gate, N, H, init=None, pool=None, idx=None):
+    """(out, final state) of module `name` and module `other` on the same inputs, NaN-poisoned outputs; with `pool` the
+    call updates a copy of it in place."""
+    st = sdtype(RECS[name])
+    res = []
+    for m in (name, other):
+        if pool is not None:
+            p = pool.clone()
+            o = call(load(m), d, gate, init=p, fin=p, idx=idx)
+            res.append((o, p))
+        else:
+            fin = torch.full((N, H, V, K), float("nan"), device=DEV).to(st)
+            res.append((call(load(m), d, gate, init=init, fin=fin), fin))
+    torch.cuda.synchronize()
+    return res
+
+
+def same(a, b):
+    return torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("name", NAMES)
+def test_decaying_keys_are_served_by_the_piece_split(name, gate):
+    seed("split", name, gate)
+    lens, H = [3000, 1700], 4
+    d = fast_decays(make(lens, H, H, gate))
+    init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(sdtype(RECS[name]))
+    (o, fin), other = run_both(name, split_of(name), d, gate, len(lens), H, init=init)
+    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
+    assert same((o, fin), other), f"{name}: not the piece split's bits (the guard tripped on decaying keys?)"
+    ro, rf, _ = recurrence(d, gate, -5.0, init)
+    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_slowly_decaying_key_hands_the_call_to_the_chunk64_kernels(name):
+    seed("slow", name)
+    lens, H = [4096, 2500], 4
+    d = slow_key(make(lens, H, H, "bounded"), H)
+    init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(sdtype(RECS[name]))
+    (o, fin), other = run_both(name, fallback_of(name), d, "bounded", len(lens), H, init=init)
+    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
+    assert same((o, fin), other), f"{name}: not the chunk-64 kernels' bits"
+    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
+    # deterministic: the same path again
+    fin2 = torch.full_like(fin, float("nan"))
+    o2 = call(load(name), d, "bounded", init=init, fin=fin2)
+    torch.cuda.synchronize()
+    assert same((o2, fin2), (o, fin))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pool_in_place_runs_the_chunk64_kernels(name):
+    seed("inplace", name)
+    H = 2
+    d = make([3000, 40], H, H, "bounded")
+    pool = (torch.randn(5, H, V, K, device=DEV) * 0.5).to(sdtype(RECS[name]))
+    idx = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
+    a, b = run_both(name, fallback_of(name), d, "bounded", 2, H, pool=pool, idx=idx)
+    assert same(a, b)
+    assert torch.equal(bits(a[1][[0, 2, 4]]), bits(pool[[0, 2, 4]]))  # untouched slots
+
+
+@pytest.mark.parametrize("name", F32)
+def test_a_full_wave_runs_the_fused_kernel_unsplit(name):
+    seed("unsplit", name)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    N = 2 * sms // 16 + 1   # N x 16 heads > one wave of 2 CTAs an SM: no split
+    lens, H = [64 + 16 * (i % 5) for i in range(N)], 16
+    d = slow_key(make(lens, H, H, "bounded"), H)   # would trip the guard if it split
+    a, b = run_both(name, unsplit_of(name), d, "bounded", N, H)
+    assert same(a, b)
+
+
+@pytest.mark.parametrize("name", F32)
+def test_workspace_too_small_is_refused_before_anything_runs(name):
+    seed("ws", name)
+    mod = load(name)
+    d = make([500, 300], 2, 2, "bounded")
+    need = mod["kda_prefill_workspace_bytes"](800, 2, 2)
+    assert need > 16
+    fin = torch.full((2, 2, V, K), float("nan"), device=DEV)
+    out = torch.full_like(d["v"], float("nan"))
+    ws = torch.zeros(need - 1, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="workspace"):
+        call(mod, d, "bounded", fin=fin, ws=ws, out=out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and torch.isnan(fin).all()
+
+
+@pytest.mark.parametrize("name", F32)
+def test_captured_in_a_cuda_graph_replays_both_paths(name):
+    """The guard word is zeroed inside the captured work, so a replay decides again: decaying keys, then a slow key
+    copied into the same input buffers."""
+    seed("graph", name)
+    lens, H = [3000, 1700], 4
+    fast = fast_decays(make(lens, H, H, "bounded"))
+    slow = slow_key({k: (v.clone() if torch.is_tensor(v) else v) for k, v in fast.items()}, H)
+    mod = load(name)
+    ws = torch.empty(mod["kda_prefill_workspace_bytes"](sum(lens), 2, H), dtype=torch.uint8, device=DEV)
+    d = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in fast.items()}
+    fin = torch.empty(2, H, V, K, device=DEV)
+    out = torch.empty_like(d["v"])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(mod, d, "bounded", fin=fin, ws=ws, out=out)   # warm-up (module loaded, attributes set)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(mod, d, "bounded", fin=fin, ws=ws, out=out)
+    for src, other in ((fast, split_of(name)), (slow, fallback_of(name)), (fast, split_of(name))):
+        d["dt_bias"].copy_(src["dt_bias"])
+        out.fill_(float("nan"))
+        fin.fill_(float("nan"))
+        graph.replay()
+        want = run_both(name, other, src, "bounded", 2, H)[1]
+        assert same((out, fin), want), other
