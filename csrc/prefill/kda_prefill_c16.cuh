@@ -528,7 +528,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
         break;
       }
 #if FKDA_PARAM_GUARD == 1
-      if (tid == 0) guard_seen = *reinterpret_cast<const volatile int*>(a.guard);
+      // (no guard word: the binding's unsplit launch, nothing to hand over)
+      if (tid == 0 && a.guard != nullptr) guard_seen = *reinterpret_cast<const volatile int*>(a.guard);
 #endif
     } else {
       __syncthreads();
