@@ -11,7 +11,7 @@
 // FKDA_PARAM_GROUPS (kda_prefill_state.cuh; default 1): 4-warp groups a state-pass CTA, each its own
 // V tile, sharing one copy of every chunk's side data (grid V / (VT x groups) x HV x N).
 // FKDA_PARAM_PIECES (kda_prefill_layout.cuh; default 1 = one CTA walks a sequence's chunks): P > 1
-// splits each sequence's state pass into up to P pieces run in parallel (state_pieces: one wave), each
+// splits each sequence's state pass into up to P pieces run in parallel (chunk64_state_pieces in kda_prefill_chunk64_launch.h: one wave), each
 // from a zero state after a warm-up that attenuates the dropped state below 2^-24 (kda_prefill_state.cuh,
 // piece_start). Not
 // exact, so it writes no checkpoints: a call with checkpoints is refused (the routes never send one).

@@ -237,7 +237,7 @@ struct StateArgs {
   bf16* out;                // [T, HV, V]
 #if FKDA_PARAM_PIECES > 1  // (only there, so the kernels' parameters of the other modules stay as they were)
   uint8_t* init_copy;       // the prep's copy of the initial states, [N][HV][V][K] (workspace_bytes)
-  int pieces;               // this call's pieces a sequence, 1..kPieces (state_pieces in the binding)
+  int pieces;               // this call's pieces a sequence, 1..kPieces (chunk64_state_pieces in the binding)
 #endif
 #if FKDA_PARAM_GUARD == 1   // (modules prefill_c16g_*: kda_prefill_c16g.cu)
   const int* guard;         // null: run; else run only when the fused kernel before set the word (its fallback)
