@@ -63,13 +63,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                  int64_t checkpoint_every) {
   const char* fn = "kda_prefill";
   Checker ck(fn);
-  const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
-  const int64_t T = dm.T, H = dm.H, HV = dm.HV, V = dm.V, K = dm.K;
-  const GateMode gm = ck.gate_mode(gate_mode);
-  ck.lower_bound(gm, lower_bound);
-  ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
-  ck.positive_finite(scale, "scale");
-  const int64_t N = prefill_seq_count(ck, cu_seqlens, q);
+  const PrefillCall pc = prefill_call_args(ck, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, gate_mode,
+                                           lower_bound, scale);
+  const int64_t T = pc.dm.T, H = pc.dm.H, HV = pc.dm.HV, V = pc.dm.V, K = pc.dm.K, N = pc.N;
   const PrefillStates ps = prefill_state_args(ck, q, initial_state, final_state, state_indices, N, HV, V, K);
   int64_t ckpt_count = 0;
   if (checkpoints.has_value()) {
@@ -88,37 +84,17 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
         << fkda_prefill::kC << ") when checkpoints are given, got " << checkpoint_every;
   }
   const int64_t need = fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
-  if (workspace.has_value()) {
-    const TensorView& w = workspace.value();
-    ck.same_device(w, "workspace", q, "q");
-    ck.dtype(w, "workspace", {kU8});
-    ck.contiguous(w, "workspace");
-    ck.aligned(w, "workspace", 16);
-    FKDA_CHECK(w.numel() >= need, fn) << "argument 'workspace' must hold at least " << need
-                                      << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
-  }
+  prefill_workspace_arg(ck, workspace, q, need);
 
   // device guard (restored on return), the caller's stream, per-device kernel attributes, PDL
   const fkda::cuda::LaunchContext ctx(q);
-  cudaStream_t stream = ctx.stream();
-
-  uint8_t* ws = nullptr;
-  bool own_ws = false;
-  if (workspace.has_value()) {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(data_ptr<uint8_t>(workspace.value()));
-    const uintptr_t a = static_cast<uintptr_t>(fkda_prefill::kWorkspaceAlign);
-    ws = reinterpret_cast<uint8_t*>((p + a - 1) / a * a);  // within the slack workspace_bytes adds
-  } else if (need > 0) {
-    // Stream-ordered, so this stays capturable in a CUDA graph (as a memory node).
-    FKDA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), "cudaMallocAsync(workspace)");
-    own_ws = true;
-  }
+  PrefillWorkspace ws(workspace, need, ctx.stream());
   const Chunk64Call call{T, N, H, HV, checkpoints.has_value() ? data_ptr<void>(checkpoints.value()) : nullptr,
-                         ckpt_count, checkpoint_every, ws, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
-                         nullptr};
+                         ckpt_count, checkpoint_every, ws.ptr, gate_mode, lower_bound, scale, beta_is_logit,
+                         null_slot0, nullptr};
   launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
                          state_indices, ps, out);
-  if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
+  ws.release(ctx.stream());
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {

@@ -64,6 +64,37 @@ inline int64_t prefill_seq_count(const Checker& ck, const TensorView& cu_seqlens
   return N;
 }
 
+// What every kda_prefill binding checks first, in this order: the token tensors, the gate (mode, lower bound, A_log /
+// dt_bias), scale, cu_seqlens. Returns the dims, the gate mode and N.
+struct PrefillCall {
+  PrefillDims dm;
+  GateMode gm;
+  int64_t N;
+};
+inline PrefillCall prefill_call_args(const Checker& ck, const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& g, const TensorView& beta, const TensorView& out,
+                                     const OptTensor& A_log, const OptTensor& dt_bias, const TensorView& cu_seqlens,
+                                     int64_t gate_mode, double lower_bound, double scale) {
+  const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
+  const GateMode gm = ck.gate_mode(gate_mode);
+  ck.lower_bound(gm, lower_bound);
+  ck.gate_params(gm, A_log, dt_bias, dm.HV, dm.K, q, "q");
+  ck.positive_finite(scale, "scale");
+  return PrefillCall{dm, gm, prefill_seq_count(ck, cu_seqlens, q)};
+}
+
+// A caller's workspace: uint8, contiguous, 16-byte aligned, on q's device, at least `need` bytes.
+inline void prefill_workspace_arg(const Checker& ck, const OptTensor& workspace, const TensorView& q, int64_t need) {
+  if (!workspace.has_value()) return;
+  const TensorView& w = workspace.value();
+  ck.same_device(w, "workspace", q, "q");
+  ck.dtype(w, "workspace", {kU8});
+  ck.contiguous(w, "workspace");
+  ck.aligned(w, "workspace", 16);
+  FKDA_CHECK(w.numel() >= need, ck.fn()) << "argument 'workspace' must hold at least " << need
+                                         << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
+}
+
 struct PrefillStates {
   bool pool;            // state_indices given: the states are a pool of `slots` slots
   int64_t slots;        // N without a pool

@@ -41,13 +41,10 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                  int64_t checkpoint_every) {
   const char* fn = "kda_prefill";
   Checker ck(fn);
-  const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
-  const int64_t H = dm.H, HV = dm.HV, V = dm.V, K = dm.K;
-  const GateMode gm = ck.gate_mode(gate_mode);
-  ck.lower_bound(gm, lower_bound);
-  ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
-  ck.positive_finite(scale, "scale");
-  const int64_t N = prefill_seq_count(ck, cu_seqlens, q);
+  const PrefillCall pc = prefill_call_args(ck, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, gate_mode,
+                                           lower_bound, scale);
+  const GateMode gm = pc.gm;
+  const int64_t H = pc.dm.H, HV = pc.dm.HV, V = pc.dm.V, K = pc.dm.K, N = pc.N;
   FKDA_CHECK(!checkpoints.has_value(), fn)
       << "argument 'checkpoints': this module (16-token chunks) writes no checkpoints; use a chunk-64 module";
   (void)checkpoint_every;

@@ -57,27 +57,16 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                  int64_t checkpoint_every) {
   const char* fn = "kda_prefill";
   Checker ck(fn);
-  const PrefillDims dm = prefill_token_args(ck, q, k, v, g, beta, out);
-  const int64_t T = dm.T, H = dm.H, HV = dm.HV, V = dm.V, K = dm.K;
-  const GateMode gm = ck.gate_mode(gate_mode);
-  ck.lower_bound(gm, lower_bound);
-  ck.gate_params(gm, A_log, dt_bias, HV, K, q, "q");
-  ck.positive_finite(scale, "scale");
-  const int64_t N = prefill_seq_count(ck, cu_seqlens, q);
+  const PrefillCall pc = prefill_call_args(ck, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, gate_mode,
+                                           lower_bound, scale);
+  const GateMode gm = pc.gm;
+  const int64_t T = pc.dm.T, H = pc.dm.H, HV = pc.dm.HV, V = pc.dm.V, K = pc.dm.K, N = pc.N;
   FKDA_CHECK(!checkpoints.has_value(), fn)
       << "argument 'checkpoints': this module (16-token chunks, pieces) writes no checkpoints; use a chunk-64 module";
   (void)checkpoint_every;
   const PrefillStates ps = prefill_state_args(ck, q, initial_state, final_state, state_indices, N, HV, V, K);
   const int64_t need = chunk64_workspace(T, N, HV) + kGuardBytes;
-  if (workspace.has_value()) {
-    const TensorView& w = workspace.value();
-    ck.same_device(w, "workspace", q, "q");
-    ck.dtype(w, "workspace", {kU8});
-    ck.contiguous(w, "workspace");
-    ck.aligned(w, "workspace", 16);
-    FKDA_CHECK(w.numel() >= need, fn) << "argument 'workspace' must hold at least " << need
-                                      << " bytes (kda_prefill_workspace_bytes), got " << w.numel();
-  }
+  prefill_workspace_arg(ck, workspace, q, need);
 
   const fkda::cuda::LaunchContext ctx(q);
   cudaStream_t stream = ctx.stream();
@@ -93,30 +82,20 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
     return;
   }
 
-  uint8_t* ws = nullptr;
-  bool own_ws = false;
-  if (workspace.has_value()) {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(data_ptr<uint8_t>(workspace.value()));
-    const uintptr_t al = static_cast<uintptr_t>(fkda_prefill::kWorkspaceAlign);
-    ws = reinterpret_cast<uint8_t*>((p + al - 1) / al * al);  // within the slack workspace_bytes adds
-  } else {
-    // Stream-ordered, so this stays capturable in a CUDA graph (as a memory node).
-    FKDA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), need, stream), "cudaMallocAsync(workspace)");
-    own_ws = true;
-  }
+  PrefillWorkspace ws(workspace, need, stream);
   // the used part of the chunk-64 workspace ends kWorkspaceAlign before its size (the alignment slack)
-  int* guard = reinterpret_cast<int*>(ws + chunk64_workspace(T, N, HV) - fkda_prefill::kWorkspaceAlign);
+  int* guard = reinterpret_cast<int*>(ws.ptr + chunk64_workspace(T, N, HV) - fkda_prefill::kWorkspaceAlign);
   if (!in_place) {
     FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, sizeof(int), stream), "cudaMemsetAsync(guard)");
     a.pieces = split;
     a.guard = guard;
     launch_c16<StateT>(ctx, a, gm, lower_bound);
   }
-  const Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
+  const Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws.ptr, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
                          in_place ? nullptr : guard};
   launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
                          state_indices, ps, out);
-  if (own_ws) FKDA_CUDA_CHECK(cudaFreeAsync(ws, stream), "cudaFreeAsync(workspace)");
+  ws.release(stream);
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {

@@ -32,6 +32,28 @@ inline int chunk64_state_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N,
   return pieces_for_one_wave(fkda_prefill::kPieces, ctx.sm_count(), kChunk64TileCtas * HV * N);
 }
 
+// The chunk-64 kernels' workspace: the caller's (checked; its pointer rounded up to kWorkspaceAlign, within the slack
+// workspace_bytes adds) or `need` bytes taken from the stream's pool, stream-ordered, so a call stays capturable in a
+// CUDA graph (as memory nodes); release() gives back what was taken.
+struct PrefillWorkspace {
+  uint8_t* ptr = nullptr;
+  bool own = false;
+  PrefillWorkspace(const OptTensor& workspace, int64_t need, cudaStream_t stream) {
+    if (workspace.has_value()) {
+      const uintptr_t p = reinterpret_cast<uintptr_t>(data_ptr<uint8_t>(workspace.value()));
+      const uintptr_t al = static_cast<uintptr_t>(fkda_prefill::kWorkspaceAlign);
+      ptr = reinterpret_cast<uint8_t*>((p + al - 1) / al * al);
+    } else if (need > 0) {
+      FKDA_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ptr), need, stream), "cudaMallocAsync(workspace)");
+      own = true;
+    }
+  }
+  void release(cudaStream_t stream) {
+    if (own) FKDA_CUDA_CHECK(cudaFreeAsync(ptr, stream), "cudaFreeAsync(workspace)");
+    own = false;
+  }
+};
+
 // What the two kernels read besides the token tensors (checked by the binding).
 struct Chunk64Call {
   int64_t T, N, H, HV;
