@@ -27,6 +27,9 @@
 #error "prefill_c16g modules are built with params.guard = 1"
 #endif
 static_assert(fkda_c16::kPieces > 1, "the guarded split needs params.c16_pieces > 1");
+#ifdef FKDA_PARAM_CHUNK  // what the op reads as the route's chunk (checkpoint alignment; this module refuses checkpoints)
+static_assert(FKDA_PARAM_CHUNK == fkda_c16::kC, "params.chunk is the fused kernel's, 16");
+#endif
 static_assert(FKDA_THREADS == 128 * fkda_prefill::kGroups,
               "module record 'threads' is the state pass's: 128 x params.groups");
 static_assert(FKDA_SMEM_BYTES == fkda_prefill::StateSmem<FKDA_PARAM_VT>::kTotal,
