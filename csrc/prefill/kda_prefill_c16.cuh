@@ -148,12 +148,8 @@ constexpr int kMinBlocks = FKDA_PARAM_C16_MIN_BLOCKS;
 constexpr int kMinBlocks = FKDA_MIN_BLOCKS;
 #endif
 // Guard (FKDA_PARAM_GUARD 1, modules prefill_c16g_*: kda_prefill_c16g.cu): a piece whose warm-up would pass half its
-// own length (at least 2 chunks) sets *a.guard and stops, and every other piece stops at its next chunk once it sees the word set: the chunk-64
-// kernels launched after this one then do the whole call (they skip it while the word is clear).
-#ifndef FKDA_PARAM_GUARD
-#define FKDA_PARAM_GUARD 0
-#endif
-constexpr bool kGuard = FKDA_PARAM_GUARD == 1;
+// own length (at least 2 chunks) sets *a.guard and stops, and every other piece stops at its next chunk once it sees
+// the word set: the chunk-64 kernels launched after this one then do the whole call (they skip it while it is clear).
 
 template <typename ST>
 __device__ __forceinline__ float2 ld_pair(const ST* p);
@@ -496,9 +492,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
   const unsigned short* beta_bits = reinterpret_cast<const unsigned short*>(a.beta);
   unsigned short bnext = 0;
   if (cs < ce && tid < kC && int64_t(cs) * kC + tid < len) bnext = beta_bits[base_b + size_t(tid) * a.HV];
-  // (kGuard) the guard word as thread 0 read it a chunk earlier: the load's latency hides behind a chunk's work
-  int guard_seen = 0;
-  bool stopped = false;
+  bool stopped = false;  // (guarded modules) another piece handed the call to the chunk-64 kernels
+#if FKDA_PARAM_GUARD == 1
+  int guard_seen = 0;  // the guard word as thread 0 read it a chunk earlier: the load's latency hides behind a chunk
+#endif
 
 #pragma unroll 1
   for (int c = cs; c < ce; ++c) {
@@ -522,18 +519,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     cp_async_commit();
     cp_async_wait<1>();
     // chunk c's inputs are in the ring; the last chunk is done with every scratch area
-    if constexpr (kGuard) {
-      if (__syncthreads_or(guard_seen)) {  // another piece handed the call to the chunk-64 kernels
-        stopped = true;
-        break;
-      }
 #if FKDA_PARAM_GUARD == 1
-      // (no guard word: the binding's unsplit launch, nothing to hand over)
-      if (tid == 0 && a.guard != nullptr) guard_seen = *reinterpret_cast<const volatile int*>(a.guard);
-#endif
-    } else {
-      __syncthreads();
+    if (__syncthreads_or(guard_seen)) {
+      stopped = true;
+      break;
     }
+    // (no guard word: the binding's unsplit launch, nothing to hand over)
+    if (tid == 0 && a.guard != nullptr) guard_seen = *reinterpret_cast<const volatile int*>(a.guard);
+#else
+    __syncthreads();
+#endif
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter (warp w: tokens 4 w ..)
     {

@@ -37,16 +37,23 @@ inline fkda_c16::Args c16_args(const TensorView& q, const TensorView& k, const T
   return a;
 }
 
-// Pieces (kda_prefill_c16.cuh, kPieces): as many as one wave of the kernel's CTAs holds, at most the module's, at least
-// 1. A piece that walks back to chunk 0 reads the initial state while the last piece may already store the final
-// state: when the two overlap (a pool updated in place) the call runs unsplit.
+// initial_state and final_state overlap: a pool updated in place.
+inline bool states_overlap(const OptTensor& initial_state, const OptTensor& final_state) {
+  return initial_state.has_value() && final_state.has_value() &&
+         Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value()));
+}
+
+// The pieces one wave of the kernel's CTAs holds: at most the module's (kda_prefill_c16.cuh, kPieces), at least 1.
+inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
+  return pieces_for_one_wave(fkda_c16::kPieces, int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV * N);
+}
+
+// A call's pieces: c16_split, except that a piece that walks back to chunk 0 reads the initial state while the last
+// piece may already store the final state, so when the two overlap (a pool updated in place) the call runs unsplit.
 inline int c16_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV, const OptTensor& initial_state,
                       const OptTensor& final_state) {
-  if (fkda_c16::kPieces == 1) return 1;
-  if (initial_state.has_value() && final_state.has_value() &&
-      Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value())))
-    return 1;
-  return pieces_for_one_wave(fkda_c16::kPieces, int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV * N);
+  if (fkda_c16::kPieces == 1 || states_overlap(initial_state, final_state)) return 1;
+  return c16_split(ctx, N, HV);
 }
 
 // Launch the kernel of the gate (kda_prefill_c16.cuh, GATE): one CTA a (value head, sequence, piece), heads adjacent,

@@ -68,16 +68,15 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
       << "argument 'checkpoints': this module (16-token chunks, pieces) writes no checkpoints; use a chunk-64 module";
   (void)checkpoint_every;
   const PrefillStates ps = prefill_state_args(ck, q, initial_state, final_state, state_indices, N, HV, V, K);
-  const int64_t need = chunk64_workspace(T, N, HV) + kGuardBytes;
+  const int64_t c64_need = chunk64_workspace(T, N, HV), need = c64_need + kGuardBytes;
   prefill_workspace_arg(ck, workspace, q, need);
 
   const fkda::cuda::LaunchContext ctx(q);
   cudaStream_t stream = ctx.stream();
   fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state, final_state,
                               state_indices, ps, null_slot0, out, lower_bound, scale, beta_is_logit);
-  const int split = pieces_for_one_wave(fkda_c16::kPieces, int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV * N);
-  const bool in_place = initial_state.has_value() && final_state.has_value() &&
-                        Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value()));
+  const int split = c16_split(ctx, N, HV);
+  const bool in_place = states_overlap(initial_state, final_state);
   a.guard = nullptr;
   if (split == 1) {  // unsplit: exact, no warm-up, nothing to guard
     a.pieces = 1;
@@ -87,7 +86,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 
   PrefillWorkspace ws(workspace, need, stream);
   // the used part of the chunk-64 workspace ends kWorkspaceAlign before its size (the alignment slack)
-  int* guard = reinterpret_cast<int*>(ws.ptr + chunk64_workspace(T, N, HV) - fkda_prefill::kWorkspaceAlign);
+  int* guard = reinterpret_cast<int*>(ws.ptr + c64_need - fkda_prefill::kWorkspaceAlign);
   if (!in_place) {
     FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, sizeof(int), stream), "cudaMemsetAsync(guard)");
     a.pieces = split;

@@ -3,6 +3,7 @@ ops, prepared beforehand with `python3 scripts/prepare_vllm_engine.py` into .eng
 packed decode, speculative verify and chunk prefill as the layers call them, bf16 and fp32 pools, vLLM's null
 block and CUDA-graph padding, a paged pool, CUDA-graph capture of the adapter, int64 indices past int32.
 Skips without CUDA; fails when the prepared folder is missing (the acceptance needs vLLM's kernels)."""
+import itertools
 import sys
 from pathlib import Path
 
@@ -123,10 +124,7 @@ def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype, rows, m
     lens = [100 + (37 * i) % 99 - 49 for i in range(rows)]
     lens[-1] += rows * Args.prefill_len - sum(lens)
     assert min(lens) > 0
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    call["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    call["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
     (o1, h1), (o2, h2) = both(ops, fk, "chunk_kda_with_fused_gate", call, None)
     assert len(routed) == 1 and routed[0].startswith("prefill_c16_" if rows == 32 else "prefill_vt"), routed
     assert h1.dtype == h2.dtype == torch.float32
