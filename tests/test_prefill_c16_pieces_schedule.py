@@ -144,7 +144,7 @@ def run_tokens(d, lb, hv, t0, t1, S, out, store_from):
 
 SCHED_CASES = [  # (lens, HV, P)
     ([4096], 2, 16), ([3000, 1700], 8, 8), ([0, 1, 2000, 17, 900, 16], 4, 5), ([8192], 8, 8), ([33, 16, 5], 2, 16),
-    ([512] * 4, 16, 4),
+    ([512] * 4, 16, 4), ([4096], 1, 64), ([8192], 8, 33),
 ]
 
 
@@ -167,10 +167,76 @@ def test_the_old_prologue_stage_is_caught():
 
 
 def test_pieces_of_matches_the_binding():
-    assert pieces_of(16, 132, 2, 32, 4) == 2
-    assert pieces_of(16, 132, 2, 64, 1) == 4
-    assert pieces_of(16, 132, 2, 16, 64) == 1
-    assert pieces_of(16, 132, 2, 2, 1) == 16
+    assert pieces_of(64, 132, 2, 32, 4) == 2
+    assert pieces_of(64, 132, 2, 64, 1) == 4
+    assert pieces_of(64, 132, 2, 16, 64) == 1
+    assert pieces_of(64, 132, 2, 16, 1) == 16
+    assert pieces_of(64, 132, 2, 8, 1) == 33    # B1 H8 (Kimi K3 at TP12): a cap of 16 left half the wave empty
+    assert pieces_of(64, 132, 2, 12, 1) == 22
+    assert pieces_of(64, 132, 2, 2, 1) == 64
+    assert pieces_of(16, 132, 2, 8, 1) == 16
+
+
+def guard_trips(len_, P, bound_of_chunk):
+    """The guarded modules' hand-over (kda_prefill_c16.cuh, FKDA_PARAM_GUARD): some piece p > 0 would walk back more
+    than max(2, per / 2) chunks before its bounds sum to <= -24 (and chunk 0 is not reached first)."""
+    nch = (len_ + C - 1) // C
+    per = (nch + P - 1) // P
+    for p in range(1, P):
+        cb, ce = min(nch, p * per), min(nch, p * per + per)
+        if cb >= ce:
+            continue
+        cs, s = cb, 0.0
+        while cs > 0 and s > -24.0:
+            if cb - cs >= max(2, per // 2):
+                return True
+            cs -= 1
+            s += bound_of_chunk(cs)
+    return False
+
+
+def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
+    """Per-chunk log2 bounds of tests/gpu/test_prefill_c16g_gpu.py's inputs (make's gate distribution, its dt_bias
+    shifts), head by head."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    graw = torch.randn(T, HV, K, generator=g).bfloat16().float()
+    A_log = torch.rand(HV, generator=g) * 0.5 - 1.0
+    dt = (torch.randn(HV, K, generator=g) * 0.5 + dt_shift)
+    if slow_key:
+        dt[:, 0] = -20.0
+    x = graw + dt.view(1, HV, K)
+    ea = torch.exp(A_log).view(1, HV, 1)
+    if gate == "bounded":
+        dec = -5.0 * torch.sigmoid(ea * x)
+    else:
+        dec = -ea * torch.nn.functional.softplus(x)
+    tb = (dec * LOG2E).amax(-1).double()   # [T, HV]
+    cu = [0]
+    for L in lens:
+        cu.append(cu[-1] + L)
+    return [[(lambda n, hv: lambda c: float(tb[cu[n] + c * C:min(cu[n + 1], cu[n] + c * C + C), hv].sum()))(n, hv)
+             for n in range(len(lens))] for hv in range(HV)]
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_the_gpu_tests_premises_on_the_guard(gate):
+    """tests/gpu/test_prefill_c16g_gpu.py reads the path a call took off its bits; that needs its inputs far from the
+    guard's threshold at the piece count an H200 picks (2 x 132 CTAs over 2 sequences x 4 heads: 33 pieces, 4-6
+    chunks a piece). Decaying keys (dt_bias + 8) never trip it; one slow key a head (dt_bias -20) always does."""
+    lens, HV = [3000, 1700], 4
+    P = pieces_of(64, 132, 2, HV, len(lens))
+    assert P == 33
+    for seed in range(3):
+        fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
+        slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
+        for hv in range(HV):
+            assert not any(guard_trips(L, P, fast[hv][n]) for n, L in enumerate(lens)), (seed, hv)
+            assert guard_trips(lens[0], P, slow[hv][0]), (seed, hv)
+    # the old shift (+4) is too close for softplus at 33 pieces: a 4-chunk piece's limit is 2 chunks
+    if gate == "softplus":
+        near = gpu_test_gates(lens, HV, gate, 0, dt_shift=4.0)
+        assert any(guard_trips(L, P, near[hv][n]) for hv in range(HV) for n, L in enumerate(lens))
 
 
 @pytest.mark.parametrize("lens,HV,P,near_bound", [([700, 250], 1, 6, False), ([300], 1, 16, True)])

@@ -134,12 +134,14 @@ struct Args {
 // each token's transition (I - beta k k^T) Diag(alpha) has operator norm <= max alpha (unit keys, beta in (0, 1)),
 // so the dropped state reaches the piece's first chunk attenuated below 2^-24 (csrc/prefill/README.md, "Piece
 // split"). The piece that ends at nch writes the final state; checkpoints are refused anyway.
+// At most 64 pieces: one H200 wave (264 CTAs) is 33 pieces at 8 sequences x heads, 22 at 12 (a cap of 16 left half
+// the wave empty there), and a piece keeps >= 8 chunks at the routes' 8192 tokens a sequence.
 #ifdef FKDA_PARAM_C16_PIECES  // a module that also holds chunk-64 kernels (FKDA_PARAM_PIECES is theirs)
 constexpr int kPieces = FKDA_PARAM_C16_PIECES;
 #else
 constexpr int kPieces = FKDA_PARAM_PIECES;
 #endif
-static_assert(kPieces >= 1 && kPieces <= 16, "the fused kernel's pieces must be 1..16");
+static_assert(kPieces >= 1 && kPieces <= 64, "the fused kernel's pieces must be 1..64");
 // CTAs an SM (launch bounds; the binding's piece count): the record's, or params.c16_min_blocks where the record's
 // launch shape is other kernels' (prefill_c16g_*: the state pass's)
 #ifdef FKDA_PARAM_C16_MIN_BLOCKS

@@ -49,7 +49,8 @@ constexpr size_t kUBlockBytes = size_t(kC) * kLdU16 * 2;
 // P > 1 the prep also writes the bound below and a copy of each sequence's initial state (see
 // workspace_bytes), and the binding picks the pieces of a call at launch (StateArgs::pieces, <= P).
 constexpr int kPieces = FKDA_PARAM_PIECES;
-static_assert(kPieces >= 1 && kPieces <= 16, "FKDA_PARAM_PIECES must be 1..16");
+// (1..64: the chunk-64 records use up to 16; the fused kernel's prefill_c16p_* records, which read it too, 64)
+static_assert(kPieces >= 1 && kPieces <= 64, "FKDA_PARAM_PIECES must be 1..64");
 // After U, with pieces only, one fp32: the chunk's log2 attenuation bound (sum over its valid tokens of
 // the largest per-token log2 decay over the 128 keys, <= 0 for the decaying gates), whose state pass
 // reads it to size a piece's warm-up (kda_prefill_state.cuh, piece_start). Its own 128 bytes keep the
