@@ -337,8 +337,8 @@ EDGES = {
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", lower_bound=-5.0, state="bf16"),
          "prefill_vt64s_bf16", frozenset({"chunk64"})),
     ],
-    # opt-in c16g: the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), some_seq_heads and
-    # fallback serve, each module guarded by that route's chunk-64 kernels
+    # opt-in c16g: the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), few_seq_heads,
+    # some_seq_heads and fallback serve, each module guarded by that route's chunk-64 kernels
     ("kda_prefill", "c16g_few", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=32768), "prefill_c16g_pc8_vt64_f32", C16G),
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"), "prefill_c16g_pc8_vt64_bf16", C16G),
@@ -346,7 +346,7 @@ EDGES = {
     ],
     ("kda_prefill", "c16g_few", "mean_seqlen_min"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32", C16G),
-        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_vt16_f32", C16G),
+        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_c16g_vt16_f32", C16G),   # c16g_short
         (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32", C16G),
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),   # not opted in: today's route
     ],
@@ -360,7 +360,7 @@ EDGES = {
     ],
     ("kda_prefill", "c16g_groups", "mean_seqlen_min"): [
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", C16G),
-        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_vt16_f32", C16G),
+        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_c16g_vt16_f32", C16G),
         (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),   # not opted in: today's route
     ],
     ("kda_prefill", "c16g_groups_32", "work_items_min"): [
@@ -377,7 +377,17 @@ EDGES = {
     ],
     ("kda_prefill", "c16g_some", "work_items_min"): [
         (prefill_meta(value_heads=17, total_tokens=4096), "prefill_c16g_vt32_f32", C16G),
-        (prefill_meta(value_heads=16, total_tokens=4096), "prefill_vt16_f32", C16G),
+        (prefill_meta(value_heads=16, total_tokens=4096), "prefill_c16g_vt16_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_short", "work_items_max"): [
+        (prefill_meta(value_heads=16, total_tokens=2048), "prefill_c16g_vt16_f32", C16G),
+        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=2 * 4096, state="bf16"), "prefill_c16g_vt16_bf16", C16G),
+        (prefill_meta(value_heads=17, total_tokens=2048), "prefill_c16g_vt32_f32", C16G),
+    ],
+    ("kda_prefill", "c16g_short", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", C16G),
+        (prefill_meta(value_heads=8, total_tokens=2047), "prefill_vt16_f32", C16G),
+        (prefill_meta(value_heads=8, total_tokens=2048), "prefill_vt16_f32"),   # not opted in: today's route
     ],
     ("kda_prefill", "c16g_some", "work_items_max"): [
         (prefill_meta(value_heads=40, total_tokens=4096, state="bf16"), "prefill_c16g_vt32_bf16", C16G),
