@@ -30,6 +30,8 @@ CUDA-graph capture would have). fla gets the same tensors: its state in the same
 decay), as a trained model's long-memory channels do; random gates decay every key fast. `--a-log X` sets every
 head's A_log to X (default: uniform in [-1, -0.5]); with the softplus gate a large one (fla's KDA layers draw
 exp(A_log) from [1, 16]) decays by several nats a token, which sends prefill_c16's chunks to its elementwise fallback.
+`--gate-params fla-init` draws A_log and dt_bias as fla 0.6.0 initialises a KDA layer (benchmarks/gate_params.py):
+its slowest keys decay by ~1e-3 nats a token, the regime where every split's warm-up walks thousands of tokens back.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import peer_cudnn  # noqa: E402
+from gate_params import KINDS as GATE_PARAM_KINDS, draw as gate_params_draw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,12 +130,12 @@ def dry_cases():
     return [("H2 5+0+9", [5, 0, 9], 2), ("B1 T12 H1", [12], 1)]
 
 
-def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0, a_log=None):
+def make(lens, H, gate, dev, slow_keys=0, slow_bias=-20.0, a_log=None, gate_params="random"):
     T = sum(lens)
     d = dict(q=torch.randn(1, T, H, K, device=dev).bfloat16(), k=torch.randn(1, T, H, K, device=dev).bfloat16(),
              v=torch.randn(1, T, H, V, device=dev).bfloat16(), g=torch.randn(1, T, H, K, device=dev).bfloat16(),
-             beta=torch.randn(1, T, H, device=dev).bfloat16(), A_log=torch.rand(H, device=dev) * 0.5 - 1.0,
-             dt_bias=torch.randn(H * K, device=dev) * 0.5)
+             beta=torch.randn(1, T, H, device=dev).bfloat16())
+    d["A_log"], d["dt_bias"] = gate_params_draw(H, K, gate, gate_params, device=dev)
     cu = [0]
     for L in lens:
         cu.append(cu[-1] + L)
@@ -191,6 +194,10 @@ def parse(argv=None):
     ap.add_argument("--a-log", type=float, default=None,
                     help="every head's A_log (default uniform in [-1, -0.5]); the softplus gate's decay a token scales "
                          "with exp(A_log)")
+    ap.add_argument("--gate-params", choices=GATE_PARAM_KINDS, default="random",
+                    help="how A_log and dt_bias are drawn (benchmarks/gate_params.py): 'random' (every key decays "
+                         "fast) or 'fla-init' (as fla 0.6.0 initialises a KDA layer: the slowest keys decay by ~1e-3 "
+                         "nats a token, so a split's warm-up walks far back)")
     ap.add_argument("--state", choices=("f32", "bf16"), default="f32", help="the recurrent state's dtype")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
@@ -249,7 +256,7 @@ def main(argv=None):
     pm = run.primary_mode
     for gate in gates:
         for name, lens, H in case_list:
-            d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias, args.a_log)
+            d = make(lens, H, gate, dev, args.slow_keys, args.slow_bias, args.a_log, args.gate_params)
             if args.state == "bf16":
                 d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
@@ -293,6 +300,8 @@ def main(argv=None):
                 params.update(slow_keys=args.slow_keys, slow_bias=args.slow_bias)
             if args.a_log is not None:
                 params["a_log"] = args.a_log
+            if args.gate_params != "random":
+                params["gate_params"] = args.gate_params
             rec = run.add(harness.Case(f"{name} {gate}", params, arms, bytes=nbytes,
                                        notes={"checks": checks} if checks else {}))
             ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")

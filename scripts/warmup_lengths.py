@@ -1,0 +1,94 @@
+"""How far back the piece splits' warm-ups walk, on the CPU, for the gate parameters a benchmark draws.
+
+    python3 scripts/warmup_lengths.py [--tokens 32768] [--heads 8] [--gate-params random,fla-init] [--seed 0]
+
+A split of a sequence's chain starts each piece but the first from a zero state after a warm-up: the chunks before
+it whose attenuation bounds sum to <= -24 (log2), or from chunk 0 (csrc/prefill/README.md, "Piece split"). The bound
+of a chunk is the sum over its tokens of the largest log2 decay over the 128 keys, so the slowest key of each token
+sets the warm-up. For each gate ("bounded" at lower_bound -5, "softplus") and each way of drawing A_log / dt_bias
+(benchmarks/gate_params.py; raw gate N(0, 1) as the benchmark's), this prints the warm-up lengths of two splits at
+their piece counts on an H200 (2 x 132 CTA slots):
+- chunk 64: the state-pass split of prefill_pc8_vt64 / prefill_pc16_vt64g2 (min(pieces, SMs / (tiles x items)));
+- chunk 16: the fused kernel's split (prefill_c16p / c16g, min(64, 2 x SMs / items)), and whether c16g's guard
+  (a walk past half a piece) hands the call to the chunk-64 kernels.
+No GPU: the bounds are computed in float64 from the same formulas as the kernels (not read off them).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gate_params import KINDS, draw  # noqa: E402
+
+K = 128
+LOG2E = 1.4426950408889634
+SMS = 132
+
+
+def chunk_bounds(tokens, H, gate, kind, gen, chunk):
+    """[chunks, H] float64: each chunk's sum over its tokens of the slowest key's log2 decay."""
+    A_log, dt_bias = draw(H, K, gate, kind, generator=gen)
+    f = torch.randn(tokens, H, K, generator=gen).bfloat16().double()
+    ea, x = torch.exp(A_log.double()).view(1, H, 1), f + dt_bias.double().view(1, H, K)
+    dec = -5.0 * torch.sigmoid(ea * x) if gate == "bounded" else -ea * torch.nn.functional.softplus(x)
+    tb = (dec * LOG2E).amax(-1)
+    n = tokens // chunk
+    return tb[:n * chunk].view(n, chunk, H).sum(1)
+
+
+def walks(cb, pieces):
+    """Per (head, piece > 0): the warm-up in chunks, and whether the walk reached chunk 0."""
+    nch, H = cb.shape
+    per = (nch + pieces - 1) // pieces
+    out = []
+    for h in range(H):
+        for p in range(1, pieces):
+            c0 = p * per
+            if c0 >= nch:
+                break
+            cs, s = c0, 0.0
+            while cs > 0 and s > -24.0:
+                cs -= 1
+                s += float(cb[cs, h])
+            out.append((c0 - cs, cs == 0))
+    return out, per
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--gate-params", default=",".join(KINDS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    T, H = args.tokens, args.heads
+    p64 = max(1, min(8 if H <= 8 else 16, SMS // ((2 if H <= 8 else 1) * H)))   # pc8_vt64: 2 V tiles; pc16 groups: 1 CTA
+    p16 = max(1, min(64, 2 * SMS // H))
+    print(f"1 x {T} tokens, H{H}: chunk-64 split {p64} pieces of {-(-T // 64 // p64) * 64} tokens, "
+          f"chunk-16 split {p16} pieces of {-(-T // 16 // p16) * 16} tokens")
+    print(f"{'gate':9s} {'params':9s} {'slowest key nats/token (median)':>32s} | chunk 64: warm-up tokens median / max, "
+          f"to chunk 0 | chunk 16: median / max, to chunk 0, c16g hands over")
+    for kind in args.gate_params.split(","):
+        for gate in ("bounded", "softplus"):
+            gen = torch.Generator().manual_seed(args.seed)
+            cb64 = chunk_bounds(T, H, gate, kind, gen, 64)
+            slow = float((-cb64 / LOG2E / 64).median())
+            gen = torch.Generator().manual_seed(args.seed)
+            cb16 = chunk_bounds(T, H, gate, kind, gen, 16)
+            w64, _ = walks(cb64, p64)
+            w16, per16 = walks(cb16, p16)
+            med = lambda w: sorted(x for x, _ in w)[len(w) // 2]
+            hand = any(x > max(2, per16 // 2) for x, _ in w16)   # the guard: a walk past half a piece
+            print(f"{gate:9s} {kind:9s} {slow:32.2e} | {64 * med(w64):6d} / {64 * max(x for x, _ in w64):6d}, "
+                  f"{sum(z for _, z in w64)} of {len(w64)} | {16 * med(w16):6d} / {16 * max(x for x, _ in w16):6d}, "
+                  f"{sum(z for _, z in w16)} of {len(w16)}, {'yes' if hand else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
