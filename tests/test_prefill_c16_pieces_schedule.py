@@ -177,18 +177,20 @@ def test_pieces_of_matches_the_binding():
     assert pieces_of(16, 132, 2, 8, 1) == 16
 
 
-def guard_trips(len_, P, bound_of_chunk):
+def guard_trips(len_, P, bound_of_chunk, pct=50):
     """The guarded modules' hand-over (kda_prefill_c16.cuh, FKDA_PARAM_GUARD): some piece p > 0 would walk back more
-    than max(2, per / 2) chunks before its bounds sum to <= -24 (and chunk 0 is not reached first)."""
+    than max(2, per x pct / 100) chunks (params.c16_guard_pct) before its bounds sum to <= -24 (and chunk 0 is not
+    reached first)."""
     nch = (len_ + C - 1) // C
     per = (nch + P - 1) // P
+    limit = per // 2 if pct == 50 else per * pct // 100
     for p in range(1, P):
         cb, ce = min(nch, p * per), min(nch, p * per + per)
         if cb >= ce:
             continue
         cs, s = cb, 0.0
         while cs > 0 and s > -24.0:
-            if cb - cs >= max(2, per // 2):
+            if cb - cs >= max(2, limit):
                 return True
             cs -= 1
             s += bound_of_chunk(cs)
@@ -223,7 +225,8 @@ def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
 def test_the_gpu_tests_premises_on_the_guard(gate):
     """tests/gpu/test_prefill_c16g_gpu.py reads the path a call took off its bits; that needs its inputs far from the
     guard's threshold at the piece count an H200 picks (2 x 132 CTAs over 2 sequences x 4 heads: 33 pieces, 4-6
-    chunks a piece). Decaying keys (dt_bias + 8) never trip it; one slow key a head (dt_bias -20) always does."""
+    chunks a piece). Decaying keys (dt_bias + 8) never trip it; one slow key a head (dt_bias -20) always does, at
+    either limit the records set (half a piece, a whole piece)."""
     lens, HV = [3000, 1700], 4
     P = pieces_of(64, 132, 2, HV, len(lens))
     assert P == 33
@@ -231,8 +234,9 @@ def test_the_gpu_tests_premises_on_the_guard(gate):
         fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
         slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
         for hv in range(HV):
-            assert not any(guard_trips(L, P, fast[hv][n]) for n, L in enumerate(lens)), (seed, hv)
-            assert guard_trips(lens[0], P, slow[hv][0]), (seed, hv)
+            for pct in (50, 100):   # the chunk-64 splits' / vt64's guard, the unsplit chains' (vt16, vt32)
+                assert not any(guard_trips(L, P, fast[hv][n], pct) for n, L in enumerate(lens)), (seed, hv, pct)
+                assert guard_trips(lens[0], P, slow[hv][0], pct), (seed, hv, pct)
     # the old shift (+4) is too close for softplus at 33 pieces: a 4-chunk piece's limit is 2 chunks
     if gate == "softplus":
         near = gpu_test_gates(lens, HV, gate, 0, dt_shift=4.0)

@@ -122,7 +122,7 @@ struct Args {
   bf16* out;  // [T, HV, V]
   int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
 #if FKDA_PARAM_GUARD == 1
-  int* guard;  // set to 1 by a piece whose warm-up passes half its length (zeroed by the binding before the launch)
+  int* guard;  // set to 1 by a piece whose warm-up passes its limit (zeroed by the binding before the launch)
 #endif
 };
 
@@ -149,9 +149,19 @@ constexpr int kMinBlocks = FKDA_PARAM_C16_MIN_BLOCKS;
 #else
 constexpr int kMinBlocks = FKDA_MIN_BLOCKS;
 #endif
-// Guard (FKDA_PARAM_GUARD 1, modules prefill_c16g_*: kda_prefill_c16g.cu): a piece whose warm-up would pass half its
-// own length (at least 2 chunks) sets *a.guard and stops, and every other piece stops at its next chunk once it sees
-// the word set: the chunk-64 kernels launched after this one then do the whole call (they skip it while it is clear).
+// Guard (FKDA_PARAM_GUARD 1, modules prefill_c16g_*: kda_prefill_c16g.cu): a piece whose warm-up would pass
+// kGuardPct percent of its own length (at least 2 chunks) sets *a.guard and stops, and every other piece stops at its
+// next chunk once it sees the word set: the chunk-64 kernels launched after this one then do the whole call (they skip
+// it while it is clear). The limit is where the split stops paying for itself, roughly (fallback's time / a chunk's
+// time) - the piece's chunks: about half a piece where the fallback is a chunk-64 split or the vt64 module of many
+// items, about a whole piece where it is the unsplit chain of few items (vt16 / vt32: 0.84-2.25 pieces at the
+// measured B1 rows; params.c16_guard_pct, default 50).
+#ifdef FKDA_PARAM_C16_GUARD_PCT
+constexpr int kGuardPct = FKDA_PARAM_C16_GUARD_PCT;
+#else
+constexpr int kGuardPct = 50;
+#endif
+static_assert(kGuardPct >= 1 && kGuardPct <= 400, "params.c16_guard_pct: 1..400 percent of a piece");
 
 template <typename ST>
 __device__ __forceinline__ float2 ld_pair(const ST* p);
@@ -459,7 +469,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     float sum = 0.f;
     while (cs > 0 && sum > -24.f) {
 #if FKDA_PARAM_GUARD == 1
-      if (cb - cs >= max(2, per / 2)) {  // CTA-uniform: the chunk-64 kernels after this one take the call
+      const int limit = kGuardPct == 50 ? per / 2 : per * kGuardPct / 100;
+      if (cb - cs >= max(2, limit)) {  // CTA-uniform: the chunk-64 kernels after this one take the call
         if (tid == 0) *reinterpret_cast<volatile int*>(a.guard) = 1;
         return;
       }
