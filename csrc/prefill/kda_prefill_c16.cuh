@@ -360,38 +360,55 @@ __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, size_t
   }
 }
 
-// Chunk c's attenuation bound (see kPieces; gate mode GATE), by the whole CTA (the same value in every thread): thread (kp, half)
-// takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7 from global memory, warps reduce the keys, red (32 floats of
-// shared memory) the two warps of each half.
+// The attenuation bounds of the kWalkStep chunks c, c - 1, ... (see kPieces; gate mode GATE; a chunk below 0 gets 0,
+// never used), by the whole CTA (the same values in every thread): thread (kp, half) takes keys d2, d2 + 1 of tokens
+// 8 half .. 8 half + 7 of each chunk from global memory, all the chunks' loads issued together (a walk step waits for
+// memory once, not once a chunk); warps reduce the keys, red (32 floats a chunk of shared memory) the two warps of each
+// half. Each chunk's sum runs over its tokens in order, as one chunk at a time would.
+constexpr int kWalkStep = 4;
 template <int GATE>
-__device__ __forceinline__ float chunk_bound(const Args& a, int64_t bos, int64_t len, int c, int hv, float gs,
-                                             float gc0, float gc1, float mult, int d2, int half, int lane, int warp,
-                                             float* red) {
-  const int64_t t0 = bos + int64_t(c) * kC;
-  const int nt = chunk_tokens(len, c);
-  float mx[8];
+__device__ __forceinline__ void chunk_bounds(float (&b)[kWalkStep], const Args& a, int64_t bos, int64_t len, int c,
+                                             int hv, float gs, float gc0, float gc1, float mult, int d2, int half,
+                                             int lane, int warp, float* red) {
+  float mx[kWalkStep][8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int t = 8 * half + i;
-    mx[i] = -INFINITY;
-    if (t < nt) {
-      const float2 raw = ld_bf16x2(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2);
-      mx[i] = fmaxf(mult * gate_value<GATE>(raw.x, gs, gc0), mult * gate_value<GATE>(raw.y, gs, gc1));
+  for (int j = 0; j < kWalkStep; ++j) {
+    const int cj = c - j;
+    const int64_t t0 = bos + int64_t(cj) * kC;
+    const int nt = cj >= 0 ? chunk_tokens(len, cj) : 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int t = 8 * half + i;
+      mx[j][i] = -INFINITY;
+      if (t < nt) {
+        const float2 raw = ld_bf16x2(a.g + (size_t(t0 + t) * a.HV + hv) * kK + d2);
+        mx[j][i] = fmaxf(mult * gate_value<GATE>(raw.x, gs, gc0), mult * gate_value<GATE>(raw.y, gs, gc1));
+      }
     }
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+  for (int j = 0; j < kWalkStep; ++j)
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx[j][i] = fmaxf(mx[j][i], __shfl_xor_sync(0xffffffffu, mx[j][i], o));
   if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red[warp * 8 + i] = mx[i];
+    for (int j = 0; j < kWalkStep; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[32 * j + warp * 8 + i] = mx[j][i];
   }
   __syncthreads();
-  float s = 0.f;
-  for (int t = 0; t < nt; ++t) s += fmaxf(red[(t >> 3) * 16 + (t & 7)], red[(t >> 3) * 16 + 8 + (t & 7)]);
-  __syncthreads();  // red is read before the next chunk's maxima
-  return s;
+#pragma unroll
+  for (int j = 0; j < kWalkStep; ++j) {
+    const int cj = c - j, nt = cj >= 0 ? chunk_tokens(len, cj) : 0;
+    const float* r = red + 32 * j;
+    float s = 0.f;
+#pragma unroll 1
+    for (int t = 0; t < nt; ++t) s += fmaxf(r[(t >> 3) * 16 + (t & 7)], r[(t >> 3) * 16 + 8 + (t & 7)]);
+    b[j] = s;
+  }
+  __syncthreads();  // red is read before the next step's maxima
 }
 
 // The kernel's gate (template parameter GATE): the GateMode values, softplus 0, bounded 1, log 2, and kBoundedAnyBound,
@@ -463,20 +480,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     if (p > 0 && cb >= ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
     writer = ce == nch;
     cs = cb;
-    // chunk_bound's own mapping: thread (kp, half) takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7
+    // chunk_bounds' own mapping: thread (kp, half) takes keys d2, d2 + 1 of tokens 8 half .. 8 half + 7
     const int d2 = 2 * (tid & 63), half = tid >> 6;
     const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
+    // the walk: chunk cs - 1 added while the sum is above -24, kWalkStep chunks' bounds computed at a time (the same
+    // chunks and sums as one at a time; up to kWalkStep - 1 computed and not used at its end)
     float sum = 0.f;
     while (cs > 0 && sum > -24.f) {
+      float b[kWalkStep];
+      chunk_bounds<mode>(b, a, bos, len, cs - 1, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+#pragma unroll
+      for (int j = 0; j < kWalkStep; ++j) {
+        if (!(cs > 0 && sum > -24.f)) break;  // CTA-uniform (every thread holds the same sums)
 #if FKDA_PARAM_GUARD == 1
-      const int limit = kGuardPct == 50 ? per / 2 : per * kGuardPct / 100;
-      if (cb - cs >= max(2, limit)) {  // CTA-uniform: the chunk-64 kernels after this one take the call
-        if (tid == 0) *reinterpret_cast<volatile int*>(a.guard) = 1;
-        return;
-      }
+        const int limit = kGuardPct == 50 ? per / 2 : per * kGuardPct / 100;
+        if (cb - cs >= max(2, limit)) {  // CTA-uniform: the chunk-64 kernels after this one take the call
+          if (tid == 0) *reinterpret_cast<volatile int*>(a.guard) = 1;
+          return;
+        }
 #endif
-      --cs;
-      sum += chunk_bound<mode>(a, bos, len, cs, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
+        --cs;
+        sum += b[j];
+      }
     }
   }
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
