@@ -1,6 +1,7 @@
 """How far back the piece splits' warm-ups walk, on the CPU, for the gate parameters a benchmark draws.
 
     python3 scripts/warmup_lengths.py [--tokens 32768] [--heads 8] [--gate-params random,fla-init] [--seed 0]
+                                      [--true-attenuation]
 
 A split of a sequence's chain starts each piece but the first from a zero state after a warm-up: the chunks before
 it whose attenuation bounds sum to <= -24 (log2), or from chunk 0 (csrc/prefill/README.md, "Piece split"). The bound
@@ -16,6 +17,7 @@ No GPU: the bounds are computed in float64 from the same formulas as the kernels
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -60,12 +62,39 @@ def walks(cb, pieces):
     return out, per
 
 
+def true_attenuation(T, gate, kind, gen, marks):
+    """[(tokens, log2 ||P||_2, the bound's log2)] at `marks` for one head: P the product of the per-token transitions
+    (I - beta k k^T) Diag(alpha) (state as row vectors, S <- S P), in float64, with isotropic random unit keys and
+    beta = sigmoid(N(0, 1)). The splits' bound sums log2 max alpha a token, which ignores what the delta rule erases;
+    how much that is depends on how the keys spread (real keys may concentrate), so this is an illustration, not a
+    bound a kernel could use."""
+    A_log, dt_bias = draw(1, K, gate, kind, generator=gen)
+    f = torch.randn(T, K, generator=gen, dtype=torch.float64)
+    ea, x = math.exp(float(A_log[0])), f + dt_bias.double().view(1, K)
+    alpha = torch.exp(-5.0 * torch.sigmoid(ea * x) if gate == "bounded" else -ea * torch.nn.functional.softplus(x))
+    k = torch.randn(T, K, generator=gen, dtype=torch.float64)
+    k = k / k.norm(dim=1, keepdim=True)
+    beta = torch.sigmoid(torch.randn(T, generator=gen, dtype=torch.float64))
+    P, scale, bound, out = torch.eye(K, dtype=torch.float64), 0.0, 0.0, []
+    for t in range(T):
+        P = (P - beta[t] * (P @ k[t]).unsqueeze(1) * k[t].unsqueeze(0)) * alpha[t].unsqueeze(0)
+        bound += math.log2(float(alpha[t].max()))
+        if t % 16 == 15 or t + 1 in marks:   # renormalised: ||P|| leaves float64's range on random gates
+            n = float(torch.linalg.matrix_norm(P, 2))
+            P, scale = P / n, scale + math.log2(n)
+        if t + 1 in marks:
+            out.append((t + 1, scale, bound))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--gate-params", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--true-attenuation", action="store_true",
+                    help="also ||P||_2 of the transitions' product for one head with random unit keys (float64; slow)")
     args = ap.parse_args(argv)
     T, H = args.tokens, args.heads
     p64 = max(1, min(8 if H <= 8 else 16, SMS // ((2 if H <= 8 else 1) * H)))   # pc8_vt64: 2 V tiles; pc16 groups: 1 CTA
@@ -88,6 +117,13 @@ def main(argv=None):
             print(f"{gate:9s} {kind:9s} {slow:32.2e} | {64 * med(w64):6d} / {64 * max(x for x, _ in w64):6d}, "
                   f"{sum(z for _, z in w64)} of {len(w64)} | {16 * med(w16):6d} / {16 * max(x for x, _ in w16):6d}, "
                   f"{sum(z for _, z in w16)} of {len(w16)}, {'yes' if hand else 'no'}")
+    if args.true_attenuation:
+        marks = [m for m in (64, 256, 1024, 4096, 16384) if m <= T]
+        print("one head, random unit keys: log2 of ||P||_2 (the dropped state's true attenuation) / the bound's sum")
+        for kind in args.gate_params.split(","):
+            for gate in ("bounded", "softplus"):
+                res = true_attenuation(T, gate, kind, torch.Generator().manual_seed(args.seed), marks)
+                print(f"{gate:9s} {kind:9s} " + "  ".join(f"{t} tok: {a:.1f} / {b:.1f}" for t, a, b in res))
 
 
 if __name__ == "__main__":

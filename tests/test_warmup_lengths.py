@@ -51,3 +51,16 @@ def test_the_script_prints_its_table(capsys):
     script().main(["--tokens", "4096", "--heads", "2"])
     out = capsys.readouterr().out
     assert "fla-init" in out and "random" in out and out.count("\n") == 6
+
+
+@pytest.mark.parametrize("kind", ["random", "fla-init"])
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_the_bound_holds_over_the_true_attenuation(gate, kind):
+    """The splits' bound (sum over tokens of log2 max alpha) is an upper bound of log2 ||P||_2, P the product of the
+    token transitions (I - beta k k^T) Diag(alpha) (float64, random unit keys): the operator-norm argument the
+    warm-ups rest on (csrc/prefill/README.md, "Piece split"). Far from tight on these keys: the delta rule erases."""
+    res = script().true_attenuation(256, gate, kind, torch.Generator().manual_seed(5), [16, 64, 256])
+    assert [t for t, _, _ in res] == [16, 64, 256]
+    for t, true, bound in res:
+        assert true <= bound + 1e-9, (t, true, bound)
+    assert res[-1][1] < res[-1][2] - 1.0   # the erasure shows within 256 tokens
