@@ -335,7 +335,11 @@ def prefill_section(srcs) -> list:
         "(lower bound -5), fp32 initial and final state, head dim 128; event time (eager, cold L2). Targets (issue "
         "46): not slower than cuDNN's Hopper engine wherever its output is finite, geomean >= 1.5x cuDNN; B1 T32K "
         "H8 <= 0.25 ms, H16 <= 0.45 ms; 1 x 1M tokens H16 <= 12 ms; 64x512 H16, 4x4096 H32 and 8K H64 <= 0.5 ms "
-        "each. cuDNN takes the softplus gate as a precomputed fp32 log decay (computed outside its timed call).",
+        "each. cuDNN takes the softplus gate as a precomputed fp32 log decay (computed outside its timed call). "
+        "Gate parameters drawn at random (benchmarks/gate_params.py, 'random': every key of every token decays fast, "
+        "so a piece split's warm-up is a chunk, the favourable case for ours and cuDNN's splits alike) unless a run "
+        "says otherwise; on gates like an initialised layer's the splits' warm-ups walk thousands of tokens back "
+        "(run C's note).",
         "", "Each peer cell: its event time in us (its time over ours).", ""]
     notes = []
     for src in srcs:
@@ -574,6 +578,9 @@ def summary_rows(sources) -> list:
             slow = {c["params"].get("slow_keys", 0) for c in cases} if op == "kda_prefill" else set()
             if slow - {0}:  # bench_prefill --slow-keys: long-memory channels, a different data regime
                 label += f", {max(slow)} slowly decaying key{'s' if max(slow) > 1 else ''} a head"
+            drawn = {c["params"].get("gate_params", "random") for c in cases} if op == "kda_prefill" else set()
+            if drawn - {"random"}:  # bench_prefill --gate-params: how A_log / dt_bias were drawn, another data regime
+                label += ", gate parameters " + " / ".join(sorted(drawn - {"random"}))
             for p in peers:
                 xs = _ratios(cases, ours, p, mode)
                 if xs:

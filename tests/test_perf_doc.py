@@ -435,3 +435,15 @@ def test_a_slow_key_run_is_labelled_apart_in_the_readme(sources):
         c["params"].pop("slow_keys")
     label = [lab for lab, _, _, _, _, s in perf_doc.summary_rows({"kda_prefill": [plain]}) if s is plain][0]
     assert "slowly" not in label and label.startswith("`kda_prefill`, f32 state, bounded gate")
+
+
+def test_a_run_on_other_gate_parameters_is_labelled_apart_in_the_readme(sources):
+    """A prefill run whose A_log / dt_bias were drawn otherwise than at random (bench_prefill.py --gate-params) is
+    another data regime: its README row names the draw; the random draw (the default, no param) gets no label."""
+    src = copy.deepcopy(sources["kda_prefill"][0])
+    for c in src.doc["cases"]:
+        c["params"]["gate_params"] = "fla-init"
+    labels = [lab for lab, _, _, _, _, s in perf_doc.summary_rows({"kda_prefill": [src]}) if s is src]
+    assert labels and all(lab.endswith("gate parameters fla-init") for lab in labels), labels
+    for lab, _, _, _, _, s in perf_doc.summary_rows(sources):
+        assert "gate parameters" not in lab, lab
