@@ -25,11 +25,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
 from gate_params import KINDS, draw  # noqa: E402
 
+from flashkda_ext.reference.gates import gate_log_decay  # noqa: E402
+
 K = 128
 LOG2E = 1.4426950408889634
+LOWER_BOUND = -5.0   # the bounded gate's, as the benchmarks'
 SMS = 132
 
 
@@ -37,9 +41,7 @@ def chunk_bounds(tokens, H, gate, kind, gen, chunk):
     """[chunks, H] float64: each chunk's sum over its tokens of the slowest key's log2 decay."""
     A_log, dt_bias = draw(H, K, gate, kind, generator=gen)
     f = torch.randn(tokens, H, K, generator=gen).bfloat16().double()
-    ea, x = torch.exp(A_log.double()).view(1, H, 1), f + dt_bias.double().view(1, H, K)
-    dec = -5.0 * torch.sigmoid(ea * x) if gate == "bounded" else -ea * torch.nn.functional.softplus(x)
-    tb = (dec * LOG2E).amax(-1)
+    tb = (gate_log_decay(f, gate, A_log, dt_bias, LOWER_BOUND if gate == "bounded" else None) * LOG2E).amax(-1)
     n = tokens // chunk
     return tb[:n * chunk].view(n, chunk, H).sum(1)
 
@@ -70,8 +72,8 @@ def true_attenuation(T, gate, kind, gen, marks):
     bound a kernel could use."""
     A_log, dt_bias = draw(1, K, gate, kind, generator=gen)
     f = torch.randn(T, K, generator=gen, dtype=torch.float64)
-    ea, x = math.exp(float(A_log[0])), f + dt_bias.double().view(1, K)
-    alpha = torch.exp(-5.0 * torch.sigmoid(ea * x) if gate == "bounded" else -ea * torch.nn.functional.softplus(x))
+    alpha = torch.exp(gate_log_decay(f.view(T, 1, K), gate, A_log, dt_bias,
+                                     LOWER_BOUND if gate == "bounded" else None).view(T, K))
     k = torch.randn(T, K, generator=gen, dtype=torch.float64)
     k = k / k.norm(dim=1, keepdim=True)
     beta = torch.sigmoid(torch.randn(T, generator=gen, dtype=torch.float64))

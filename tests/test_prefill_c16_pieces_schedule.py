@@ -29,13 +29,10 @@ def pieces_of(pieces_max, sms, min_blocks, HV, N):
     return max(1, min(pieces_max, min_blocks * sms // (HV * N)))
 
 
-def token_bounds(graw, A_log, dt_bias, lb):
-    """Per token the largest log2 decay over the keys (float32, as chunk_bound): [T, HV]."""
-    HV = graw.shape[1]
-    ea = torch.exp(A_log.float()) if A_log is not None else torch.ones(HV)
-    dtb = dt_bias.float().view(HV, K) if dt_bias is not None else torch.zeros(HV, K)
-    x = ea.view(1, HV, 1) * (graw.float() + dtb.view(1, HV, K))
-    return (lb * LOG2E * torch.sigmoid(x)).amax(-1)
+def token_bounds(graw, A_log, dt_bias, lb, gate="bounded"):
+    """Per token the largest log2 decay over the keys (float32, as chunk_bounds): [T, HV]."""
+    from flashkda_ext.reference.gates import gate_log_decay
+    return (gate_log_decay(graw.float(), gate, A_log, dt_bias, lb if gate == "bounded" else None) * LOG2E).amax(-1)
 
 
 def schedule(len_, P, bound_of_chunk, stage_fix=True):
@@ -178,23 +175,13 @@ def test_pieces_of_matches_the_binding():
 
 
 def guard_trips(len_, P, bound_of_chunk, pct=50):
-    """The guarded modules' hand-over (kda_prefill_c16.cuh, FKDA_PARAM_GUARD): some piece p > 0 would walk back more
-    than max(2, per x pct / 100) chunks (params.c16_guard_pct) before its bounds sum to <= -24 (and chunk 0 is not
-    reached first)."""
+    """The guarded modules' hand-over (kda_prefill_c16.cuh, FKDA_PARAM_GUARD): the kernel checks cb - cs against
+    max(2, per x pct / 100) (params.c16_guard_pct) before each step of the walk, so it trips exactly when some piece's
+    whole walk (schedule's cb - cs) is longer than that."""
     nch = (len_ + C - 1) // C
     per = (nch + P - 1) // P
-    limit = per // 2 if pct == 50 else per * pct // 100
-    for p in range(1, P):
-        cb, ce = min(nch, p * per), min(nch, p * per + per)
-        if cb >= ce:
-            continue
-        cs, s = cb, 0.0
-        while cs > 0 and s > -24.0:
-            if cb - cs >= max(2, limit):
-                return True
-            cs -= 1
-            s += bound_of_chunk(cs)
-    return False
+    limit = max(2, per // 2 if pct == 50 else per * pct // 100)
+    return any(x["cb"] - x["cs"] > limit for x in schedule(len_, P, bound_of_chunk))
 
 
 def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
@@ -207,13 +194,7 @@ def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
     dt = (torch.randn(HV, K, generator=g) * 0.5 + dt_shift)
     if slow_key:
         dt[:, 0] = -20.0
-    x = graw + dt.view(1, HV, K)
-    ea = torch.exp(A_log).view(1, HV, 1)
-    if gate == "bounded":
-        dec = -5.0 * torch.sigmoid(ea * x)
-    else:
-        dec = -ea * torch.nn.functional.softplus(x)
-    tb = (dec * LOG2E).amax(-1).double()   # [T, HV]
+    tb = token_bounds(graw, A_log, dt, -5.0, gate).double()   # [T, HV]
     cu = [0]
     for L in lens:
         cu.append(cu[-1] + L)

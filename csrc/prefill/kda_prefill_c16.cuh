@@ -486,6 +486,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     // the walk: chunk cs - 1 added while the sum is above -24, kWalkStep chunks' bounds computed at a time (the same
     // chunks and sums as one at a time; up to kWalkStep - 1 computed and not used at its end)
     float sum = 0.f;
+#if FKDA_PARAM_GUARD == 1
+    const int limit = max(2, kGuardPct == 50 ? per / 2 : per * kGuardPct / 100);  // warm-up chunks before the hand-over
+#endif
     while (cs > 0 && sum > -24.f) {
       float b[kWalkStep];
       chunk_bounds<mode>(b, a, bos, len, cs - 1, hv, gs, gc0, gc1, mult, d2, half, lane, warp, part);
@@ -493,8 +496,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
       for (int j = 0; j < kWalkStep; ++j) {
         if (!(cs > 0 && sum > -24.f)) break;  // CTA-uniform (every thread holds the same sums)
 #if FKDA_PARAM_GUARD == 1
-        const int limit = kGuardPct == 50 ? per / 2 : per * kGuardPct / 100;
-        if (cb - cs >= max(2, limit)) {  // CTA-uniform: the chunk-64 kernels after this one take the call
+        if (cb - cs >= limit) {  // CTA-uniform: the chunk-64 kernels after this one take the call
           if (tid == 0) *reinterpret_cast<volatile int*>(a.guard) = 1;
           return;
         }
