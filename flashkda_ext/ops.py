@@ -139,14 +139,17 @@ def _prefill_route_for(meta_items: tuple):
     return rule, jit.load_module(rule["module"]), chunk
 
 
-def prefill_workspace_bytes(q, v, *, cu_seqlens=None) -> int:
+def prefill_workspace_bytes(q, v, *, cu_seqlens=None, max_seqlen=None) -> int:
     """Bytes of scratch the CUDA prefill needs for these shapes (0 on CPU): preallocate it once
-    and pass it as `workspace=` to capture kda_prefill in a CUDA graph."""
+    and pass it as `workspace=` to capture kda_prefill in a CUDA graph. Pass the max_seqlen the call
+    will pass (it can change the route)."""
     if q.device.type != "cuda":
         return 0
     B, T, _, _ = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    meta = validation.prefill_route_meta("cuda", N, v.shape[2], B * T, None, "f32", "o32", "softplus", False)
+    if max_seqlen is not None:
+        validation._int("max_seqlen", max_seqlen, "or None")
+    meta = validation.prefill_route_meta("cuda", N, v.shape[2], B * T, max_seqlen, "f32", "o32", "softplus", False)
     module = jit.load_module(dispatch.module_name("kda_prefill", meta))
     need = dispatch.prefill_workspace_need(module, B * T, N, v.shape[2])
     return 0 if need is None else need

@@ -106,6 +106,26 @@ def test_extend_commits_to_the_pool_and_returns_fla_style_chunk_states():
     torch.testing.assert_close(h[0].double(), want_h, **TOL)
 
 
+def test_extend_names_the_longest_request_for_the_route(monkeypatch):
+    """The host lengths SGLang passes go to kda_prefill as max_seqlen (routing only: a long request among short
+    ones keeps the fused chunk-16 kernel's one-CTA chain off it); without them the route sees None."""
+    from flashkda_ext import ops
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=7, lens=(3, 11))
+    seen, real = [], ops.kda_prefill
+
+    def spy(*args, **kw):
+        seen.append(kw.get("max_seqlen"))
+        return real(*args, **kw)
+    monkeypatch.setattr(ops, "kda_prefill", spy)
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    kernel = FlashKDAExtKernel()
+    kernel.extend(q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
+                  dt_bias=dt_bias, extend_seq_lens_cpu=lens)
+    kernel.extend(q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
+                  dt_bias=dt_bias)
+    assert seen == [11, None]
+
+
 def test_decode_and_extend_serve_a_pool_whose_slots_sit_apart():
     """SGLang's MambaPool hands each layer a dense slice; a paged pool (slots apart, docs/semantics.md "Strided
     pools") is served too, as it is: bitwise the dense pool's results, the gaps between slots unchanged."""

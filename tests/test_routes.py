@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flashkda_ext import dispatch, jit
+from flashkda_ext import dispatch, jit, validation
 from flashkda_ext.paths import jit_dir
 
 
@@ -22,13 +22,13 @@ C16G = frozenset({"c16g"})  # FLASHKDA_EXT_OPT_IN=c16g
 
 
 def prefill_meta(**kw):
-    m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 4096, "max_seqlen": None,
-         "work_items": 16, "state": "f32", "offset": "o32", "gate": "softplus", "checkpoints": False}
+    """kda_prefill's route metadata as the op derives it (validation.prefill_route_meta) from these fields."""
+    m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 4096, "max_seqlen": None, "state": "f32",
+         "offset": "o32", "gate": "softplus", "checkpoints": False}
     m.update(kw)
-    m.setdefault("lower_bound", -5.0 if m["gate"] == "bounded" else None)
-    m["work_items"] = m["num_seqs"] * m["value_heads"]
-    m["mean_seqlen"] = m["total_tokens"] // max(1, m["num_seqs"])
-    return m
+    lower_bound = m.pop("lower_bound", -5.0 if m["gate"] == "bounded" else None)
+    return validation.prefill_route_meta(m["device"], m["num_seqs"], m["value_heads"], m["total_tokens"], m["max_seqlen"],
+                                         m["state"], m["offset"], m["gate"], m["checkpoints"], lower_bound)
 
 
 def verify_meta(**kw):
@@ -313,6 +313,14 @@ EDGES = {
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="bounded"), "prefill_c16_f32"),      # 2048
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_vt64s_f32"),    # 2049
     ],
+    # a known longest sequence: the call's token-heads >= 168 times its length (14336 * 12 / 1024 = 168); an
+    # unknown one counts as the mean (work_per_longest = work_items)
+    ("kda_prefill", "fused_chunk16", "work_per_longest_min"): [
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1024, gate="bounded"), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1025, gate="bounded"),
+         "prefill_vt64s_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, gate="bounded"), "prefill_c16_f32"),
+    ],
     ("kda_prefill", "fused_chunk16", "lower_bound_min"): [
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.0), "prefill_c16_f32"),
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.01),
@@ -328,6 +336,10 @@ EDGES = {
     ("kda_prefill", "fused_chunk16_decay", "mean_seqlen_max"): [
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="log"), "prefill_c16_f32"),          # 2048
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049), "prefill_vt64s_f32"),                    # 2049
+    ],
+    ("kda_prefill", "fused_chunk16_decay", "work_per_longest_min"): [
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1024), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1025, gate="log"), "prefill_vt64s_f32"),
     ],
     # opt-in chunk64: the chunk-64 module wherever the fused rules would take prefill_c16
     ("kda_prefill", "chunk64", "work_items_min"): [

@@ -29,14 +29,14 @@ META_KEYS = {
     "fused_kda_decode": {"device", "rows", "value_heads", "work_items", "state", "offset",
                          "slot_mode", "gate"},
     "kda_prefill": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "mean_seqlen",
-                    "work_items", "state", "offset", "gate", "checkpoints", "lower_bound"},
+                    "work_items", "work_per_longest", "state", "offset", "gate", "checkpoints", "lower_bound"},
     "kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
                    "state", "offset", "gate", "gb"},
     "fused_kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
                          "state", "offset", "gate"},
 }
 NUMERIC_META = {"rows", "value_heads", "work_items", "num_seqs", "total_tokens", "max_seqlen", "mean_seqlen",
-                "lower_bound"}
+                "work_per_longest", "lower_bound"}
 STATE_TAGS = families.STATE_TAGS
 OFFSET_TAGS = {32: "o32", 64: "o64"}
 PERSISTENT_ABIS = {"persistent_rows", "chunked_persistent"}

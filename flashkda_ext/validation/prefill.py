@@ -15,13 +15,19 @@ from .memo import _memoized
 def prefill_route_meta(backend: str, num_seqs: int, value_heads: int, total_tokens: int,
                        max_seqlen: Optional[int], state: str, offset: str, gate: str, checkpoints: bool,
                        lower_bound: Optional[float] = None) -> dict:
-    """kda_prefill's route metadata (docs/architecture.md), its derived fields (mean_seqlen, work_items) in
-    one place for the op and for callers that route without a call (ops.prefill_workspace_bytes).
-    lower_bound: the bounded gate's bound, None for the other gates (a band on it then never holds)."""
+    """kda_prefill's route metadata (docs/architecture.md), its derived fields (mean_seqlen, work_items,
+    work_per_longest) in one place for the op and for callers that route without a call
+    (ops.prefill_workspace_bytes).
+    lower_bound: the bounded gate's bound, None for the other gates (a band on it then never holds).
+    work_per_longest: token-heads of the call per token of its longest sequence, the longest being max_seqlen
+    when the caller knows it and the mean otherwise (then it equals work_items): how far the whole work
+    outweighs the one ordered chain no kernel can split without pieces."""
+    mean = total_tokens // max(1, num_seqs)
+    longest = mean if max_seqlen is None else max_seqlen
     return {"device": backend, "num_seqs": num_seqs, "value_heads": value_heads, "total_tokens": total_tokens,
-            "max_seqlen": max_seqlen, "mean_seqlen": total_tokens // max(1, num_seqs),
-            "work_items": num_seqs * value_heads, "state": state, "offset": offset, "gate": gate,
-            "checkpoints": checkpoints, "lower_bound": lower_bound if gate == "bounded" else None}
+            "max_seqlen": max_seqlen, "mean_seqlen": mean, "work_items": num_seqs * value_heads,
+            "work_per_longest": total_tokens * value_heads // max(1, longest), "state": state, "offset": offset,
+            "gate": gate, "checkpoints": checkpoints, "lower_bound": lower_bound if gate == "bounded" else None}
 
 
 @dataclass(frozen=True)

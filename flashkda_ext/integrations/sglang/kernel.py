@@ -240,7 +240,9 @@ class FlashKDAExtKernel:
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
         if not ckpt:
-            o = kda_prefill(*args, **kw)[0]
+            # SGLang's host lengths name the longest request for the route (a long request in a batch of short
+            # ones keeps the fused chunk-16 kernel's one-CTA chain off it); nothing is computed from them
+            o = kda_prefill(*args, **kw, max_seqlen=None if lengths is None else max(lengths, default=0))[0]
             STATS["extend", "served"] += 1
             return (o, None) if want_h else o
         kw.update(checkpoint_every=self.chunk_size, max_seqlen=max(lengths, default=0))
