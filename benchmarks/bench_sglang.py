@@ -11,6 +11,10 @@ SGLang is imported) and calls SGLang's real TritonKDAKernel methods, as its KDAK
   packed_decode  (forward_decode's route: mixed_qkv after the conv)   vs FlashKDAExtKernel.packed_decode
   extend         (chunk_kda on the pool, raw gate and beta logits)    vs FlashKDAExtKernel.extend
   target_verify  (chains of D drafts into the intermediate buffer)    vs FlashKDAExtKernel.target_verify
+  graph_extend   (--phases graph_extend: no SGLang arm) FlashKDAExtKernel.extend as SGLang runs it when its
+                 breakable prefill CUDA graph breaks at a KDA layer (eager; wall time counts the Python) against
+                 the same batch in a captured bucket: SGLang's real FlashInferKDAPrefillGraph (from the wheel)
+                 driving flashkda_ext's PrefillGraphWrapper in a CUDA graph (FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1)
 
 over rows (requests) 1-1024, H = HV in {8, 12, 24, 32}, K = V = 128, bf16 activations, fp32 and bf16 state
 pools, softplus gate. Each point first checks agreement (rel. L2 of outputs and written states from identical
@@ -46,7 +50,8 @@ FLA_FILES = ("chunk_delta_h", "chunk_intra", "chunk_intra_token_parallel", "cums
 FILES = tuple(FLA + f + ".py" for f in FLA_FILES) + (
     "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
     "sglang/srt/layers/attention/linear/kernels/kernel_backend.py",
-    "sglang/srt/layers/attention/linear/kernels/kda_triton.py")
+    "sglang/srt/layers/attention/linear/kernels/kda_triton.py",
+    "sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py")
 K = V = 128
 TOL = {"o": 2e-2, torch.float32: 1e-2, torch.bfloat16: 2e-2}
 
@@ -161,6 +166,62 @@ def verify_inputs(rows, D, H, sdt, gen, dev, slots):
         intermediate_states_buffer=buf, intermediate_state_indices=table, cache_steps=D, retrieve_parent_token=None)
 
 
+def load_prefill_graph():
+    """SGLang's FlashInferKDAPrefillGraph (imports only numpy and torch) from .engines/sglang/, by path."""
+    path = ENGINE / "sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py"
+    spec = importlib.util.spec_from_file_location("sglang_kda_flashinfer_prefill_graph", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.FlashInferKDAPrefillGraph
+
+
+# graph_extend: (name, bucket tokens, lengths); max_seqs = min(bucket, 128), SGLang's default cap
+GRAPH_EXTEND = [("b8192_1x8000", 8192, [8000]), ("b8192_4x2000", 8192, [2000] * 4),
+                ("b8192_64x120", 8192, [120] * 64), ("b8192_1x4000_32x100", 8192, [4000] + [100] * 32),
+                ("b512_1x500", 512, [500]), ("b512_16x30", 512, [30] * 16)]
+
+
+def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls):
+    """The eager extend (host lengths given, as SGLang passes them) and the captured bucket's call on the same
+    batch; each arm on its own copy of the pool. Returns (eager fn, captured fn, agreement)."""
+    from flashkda_ext.integrations.sglang.prefill_graph import PrefillGraphWrapper
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    T, N, max_seqs = sum(lens), len(lens), min(bucket, 128)
+    q, k, v = (r(1, bucket, H, K).bfloat16() for _ in range(3))
+    g, beta = (r(1, bucket, H, K) - 1.0).bfloat16(), r(1, bucket, H).bfloat16()
+    A_log, dt_bias = params(H, gen, dev)
+    pool = (r(2 * max_seqs, H, V, K) * 0.3).to(sdt)
+    idx = torch.randperm(2 * max_seqs, generator=gen, device=dev)[:N].to(torch.int32)
+    offsets = [0] + torch.tensor(lens).cumsum(0).tolist()
+    qsl = torch.tensor(offsets, dtype=torch.int32, device=dev)
+    pool_e, pool_c = pool.clone(), pool.clone()
+
+    def eager():
+        return ours.extend(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], ssm_states=pool_e, cache_indices=idx,
+                           query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_is_raw=True,
+                           extend_seq_lens_cpu=list(lens))
+
+    # SGLang's bucket tables as its KDAPrefillGraphMetadata.fill leaves them: padded sequences empty at the end
+    # (-1 slots), the offsets' tail at the batch's token count
+    meta = types.SimpleNamespace(
+        cu_seqlens=torch.tensor(offsets + [T] * (max_seqs - N), dtype=torch.int64, device=dev),
+        cache_indices=torch.cat([idx, torch.full((max_seqs - N,), -1, dtype=torch.int32, device=dev)]))
+    captured_graph = graph_cls(wrapper_cls=PrefillGraphWrapper, num_tokens=bucket, max_seqs=max_seqs, track=False,
+                               device=dev)
+    captured_graph.fill(meta, list(lens), None)
+    layer = types.SimpleNamespace(layer_id=0, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
+
+    def captured():
+        return captured_graph.run(layer=layer, q=q, k=k, v=v, g=g, beta=beta, ssm_states=pool_c, h_track=None)
+
+    with torch.inference_mode():
+        o_e, o_c = eager(), captured()
+    res = {"o": harness.rel_l2(o_e.float(), o_c[:, :T].float()),
+           "state": harness.rel_l2(pool_e[idx.long()].float(), pool_c[idx.long()].float())}
+    res["ok"] = res["o"] < TOL["o"] and res["state"] < TOL[sdt]
+    return eager, captured, res
+
+
 def _out(x):
     """[1, T, HV, V] from either kernel (SGLang's packed decode returns a transposed view)."""
     return x[0] if isinstance(x, tuple) else x
@@ -204,6 +265,31 @@ def fla_extend(args, kw):
                                   initial_state=pool.index_select(0, kw["cache_indices"].long()))
 
 
+def run_graph_extend(cfg, ours, heads, state_names, states, disagree) -> dict:
+    graph_cls = load_prefill_graph()
+    run = harness.Run("sglang_graph_extend", cfg, baseline="ours", primary_mode="wall",
+                      extra_meta={"sglang": VERSION, "gate": "softplus", "K": K, "V": V,
+                                  "arms": "ours: eager extend; captured: the bucket's wrapper call (read its graph mode)"})
+    grid = [(s, H, c) for s in state_names for H in heads for c in GRAPH_EXTEND]
+    run.start(len(grid))
+    agree = {}
+    for sname, H, (name, bucket, lens) in grid:
+        gen = torch.Generator(device=cfg.device).manual_seed(H * 7919 + bucket + len(lens))
+        eager, captured, res = graph_extend_case(bucket, lens, H, states[sname], gen, cfg.device, ours, graph_cls)
+        label = f"{sname}_h{H}_{name}"
+        agree[label] = res
+        if not res["ok"]:
+            disagree.append(("graph_extend", label, res))
+        arms = [harness.Arm("ours", eager, graph=False), harness.Arm("captured", captured, graph=True)]
+        with torch.inference_mode():
+            run.add(harness.Case(label, dict(state=sname, heads=H, bucket=bucket, rows=len(lens), tokens=sum(lens),
+                                             phase="graph_extend"), arms, notes=dict(agreement=res)))
+        torch.cuda.empty_cache()
+    run.extra.update(agreement=agree)
+    run.finish()
+    return run.summary()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)
@@ -234,6 +320,9 @@ def main(argv=None):
     no_fla = args.no_fla or importlib.util.find_spec("fla") is None
     dev, disagree, summary = cfg.device, [], {}
     for phase in phases:
+        if phase == "graph_extend":
+            summary[phase] = run_graph_extend(cfg, ours, heads, args.states.split(","), states, disagree)
+            continue
         method = {"decode": "packed_decode", "extend": "extend", "verify": "target_verify"}[phase]
         run = harness.Run(f"sglang_{phase}", cfg, baseline="sglang",
                           primary_mode="eager" if phase == "extend" else "graph",

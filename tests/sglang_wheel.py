@@ -10,9 +10,13 @@ Real (from the wheel, unmodified):
   sglang/srt/layers/attention/linear/utils.py         LinearAttnKernelBackend, resolve_linear_attn_backends,
                                                       the verify row tables
   sglang/srt/layers/attention/linear/kernels/kernel_backend.py, kernels/kda_triton.py (TritonKDAKernel)
+  sglang/srt/layers/attention/linear/kda_prefill_graph.py   KDAPrefillGraphMetadata (allocate, fill),
+                                                      kda_extend_in_graph: the breakable prefill CUDA graph's extend
+  sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py   FlashInferKDAPrefillGraph, which drives a
+                                                      kernel's prefill_graph_wrapper_cls
   sglang/srt/plugins/__init__.py, plugins/hook_registry.py   the plugin loader and HookRegistry
   sglang/srt/arg_groups/choices.py                    the backend choice lists and their adders
-  MambaAttnBackendBase._track_mamba_state_extend / _track_mamba_state_decode, taken from
+  MambaAttnBackendBase._track_mamba_state_extend / _track_mamba_state_decode / _translate_mamba_indices, taken from
   sglang/srt/layers/attention/hybrid_linear_attn_backend.py (the rest of that module is not loaded).
 
 Stubbed (heavy or GPU-only imports of those files; the code paths exercised read none of them but these):
@@ -21,8 +25,12 @@ Stubbed (heavy or GPU-only imports of those files; the code paths exercised read
   rank0_log silent), sglang.kernels.ops.mamba.causal_conv1d_triton (the conv: identity, so q|k|v is the
   layer's input split; the conv is SGLang's own kernel and not under test), kda_fused_decode (covered() is
   False: SGLang's K3 fused decode does not engage), the Triton KDA ops TritonKDAKernel calls (recording
-  stubs: TRITON_CALLS gets (name, kwargs), they return ("triton", name)), kda_prefill_graph, kda_flashinfer,
-  radix_linear_attention, cuda_graph_config, forward_batch_info, model_runner (names only).
+  stubs: TRITON_CALLS gets (name, kwargs), they return ("triton", name)), kda_flashinfer, radix_linear_attention,
+  cuda_graph_config, forward_batch_info, model_runner (names only); for kda_prefill_graph: triton (only its cdiv,
+  where triton is not installed: (a + b - 1) // b), kda_prefill_track and prefill_track_metadata (the prefix-cache
+  track path of a captured extend: names only, not exercised), the conv's CAUSAL_CONV1D_FWD_BLOCK_M (8, the wheel's
+  value). On a CPU, torch.Tensor.pin_memory raises (no accelerator): tests that run KDAPrefillGraphMetadata.fill
+  make it the identity (page-locking changes no value).
 """
 from __future__ import annotations
 
@@ -45,14 +53,18 @@ CACHE = engine_wheels.CACHE
 PIP_DOWNLOAD = engine_wheels.pip_download("sglang", VERSION)
 LINEAR = "sglang/srt/layers/attention/linear/"
 FILES = (LINEAR + "kda_backend.py", LINEAR + "utils.py", LINEAR + "kernels/kernel_backend.py",
-         LINEAR + "kernels/kda_triton.py", "sglang/srt/plugins/__init__.py", "sglang/srt/plugins/hook_registry.py",
+         LINEAR + "kernels/kda_triton.py", LINEAR + "kda_prefill_graph.py", LINEAR + "kda_flashinfer_prefill_graph.py",
+         "sglang/srt/plugins/__init__.py", "sglang/srt/plugins/hook_registry.py",
          "sglang/srt/arg_groups/choices.py", "sglang/srt/layers/attention/hybrid_linear_attn_backend.py")
 REAL_MODULES = ("sglang.srt.arg_groups.choices", "sglang.srt.plugins.hook_registry", "sglang.srt.plugins",
                 "sglang.srt.layers.attention.linear.utils", "sglang.srt.layers.attention.linear.kernels.kernel_backend",
                 "sglang.srt.layers.attention.linear.kernels.kda_triton",
+                "sglang.srt.layers.attention.linear.kda_flashinfer_prefill_graph",
+                "sglang.srt.layers.attention.linear.kda_prefill_graph",
                 "sglang.srt.layers.attention.linear.kda_backend")
 
 TRITON_CALLS: list = []
+STUBBED: set = set()   # top-level modules stubbed here beside sglang's own (removed again by unload)
 CONFIG = types.SimpleNamespace()
 
 
@@ -134,7 +146,7 @@ def _track_methods(root: pathlib.Path) -> dict:
     src = (root / "sglang/srt/layers/attention/hybrid_linear_attn_backend.py").read_text()
     cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "MambaAttnBackendBase")
     wanted = [f for f in cls.body if isinstance(f, ast.FunctionDef)
-              and f.name in ("_track_mamba_state_extend", "_track_mamba_state_decode")]
+              and f.name in ("_track_mamba_state_extend", "_track_mamba_state_decode", "_translate_mamba_indices")]
     module = ast.fix_missing_locations(ast.Module(body=wanted, type_ignores=[]))
     ns = {"Optional": __import__("typing").Optional, "torch": __import__("torch"), "ForwardBatch": object,
           "ForwardMetadata": object}
@@ -170,7 +182,14 @@ def _stub(root: pathlib.Path) -> None:
             get_eager_max_batch_size=lambda n: n)
     identity = lambda x, *a, **k: x  # noqa: E731
     _module("sglang.kernels.ops.mamba.causal_conv1d_triton", causal_conv1d_fn=identity,
-            causal_conv1d_update=identity, PAD_SLOT_ID=-1)
+            causal_conv1d_update=identity, PAD_SLOT_ID=-1, CAUSAL_CONV1D_FWD_BLOCK_M=8)
+    _module("sglang.kernels.ops.mamba.kda_prefill_track", TRACK_FINAL_STATE=1, TRACK_CHUNK_STATE=2,
+            kda_track_conv_window=None, kda_track_ssm_state=None)
+    _package("sglang.srt.layers.attention.mamba")
+    _module("sglang.srt.layers.attention.mamba.prefill_track_metadata", build_prefill_track_plan=None)
+    if "triton" not in sys.modules and importlib.util.find_spec("triton") is None:
+        _module("triton", cdiv=lambda a, b: (a + b - 1) // b)
+        STUBBED.add("triton")
     _module("sglang.kernels.ops.attention.kda_fused_decode", covered=no, kda_fused_decode=None)
     fused = sys.modules["sglang.kernels.ops.attention.kda_fused_decode"]
     _module("sglang.kernels.ops.attention", kda_fused_decode=fused, __path__=[])
@@ -184,8 +203,6 @@ def _stub(root: pathlib.Path) -> None:
             fused_sigmoid_gating_delta_rule_update=_recording("fused_sigmoid_gating_delta_rule_update"))
     base = type("MambaAttnBackendBase", (), dict(_track_methods(root), accept_lens_pool=None))
     _module("sglang.srt.layers.attention.hybrid_linear_attn_backend", MambaAttnBackendBase=base)
-    _module("sglang.srt.layers.attention.linear.kda_prefill_graph", KDAPrefillGraphMetadata=object,
-            KDAPrefillTrackRows=object, build_track_rows=None, kda_extend_in_graph=None)
     _package("sglang.srt.layers.attention.linear.kernels")
     _module("sglang.srt.layers.attention.linear.kernels.kda_flashinfer", build_fused_accept_indices=None)
     _module("sglang.srt.layers.radix_linear_attention", RadixLinearAttention=object)
@@ -208,3 +225,6 @@ def real_sglang() -> types.SimpleNamespace:
 def unload() -> None:
     for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.") or n == "msgspec"]:
         del sys.modules[name]
+    for name in STUBBED:
+        sys.modules.pop(name, None)
+    STUBBED.clear()

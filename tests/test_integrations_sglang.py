@@ -557,3 +557,76 @@ def test_extend_track_state_sharing_the_pool_is_refused_before_anything_is_writt
             q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
             dt_bias=dt_bias, extend_seq_lens_cpu=lens, track_state=pool[:2], track_chunk_idx=torch.tensor([1, 1]))
     assert torch.equal(pool, pool0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the captured prefill's wrapper (prefill_graph.py): what SGLang's FlashInferKDAPrefillGraph may pass beyond
+# what it does pass is refused, naming the argument, before anything is written
+
+def graph_case(seed=11):
+    from flashkda_ext.integrations.sglang.prefill_graph import PrefillGraphWrapper
+    gen = torch.Generator().manual_seed(seed)
+    D, T = 8, 12
+    q, k, v, g = (torch.randn(1, T, H, D, generator=gen) for _ in range(4))
+    beta = torch.randn(1, T, H, generator=gen)
+    pool = torch.randn(SLOTS, H, D, D, generator=gen)
+    w = PrefillGraphWrapper("cpu")
+    w.plan(torch.tensor([0, 7, 10, 10], dtype=torch.int64))
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=torch.zeros(H), dt_bias=torch.zeros(H * D), initial_state=pool,
+              ssm_state_indices=torch.tensor([2, 4, 0], dtype=torch.int32), use_gate_in_kernel=True,
+              lower_bound=-5.0, beta_is_logit=True, output=torch.full((1, T, H, D), float("nan")))
+    return w, kw
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(use_qk_l2norm_in_kernel=False), ValueError, "use_qk_l2norm_in_kernel"),
+    (dict(use_gate_in_kernel=False), ValueError, "use_gate_in_kernel"),
+    (dict(output_final_state=True), ValueError, "output_final_state"),
+    (dict(checkpoint_every_n_tokens=64), ValueError, "state_checkpoints"),
+    (dict(state_checkpoints=torch.zeros(1, H, 8, 8)), ValueError, "state_checkpoints"),
+    (dict(ssm_state_indices=None), ValueError, "ssm_state_indices"),
+    (dict(ssm_state_indices=torch.tensor([2, 4], dtype=torch.int32)), ValueError, "ssm_state_indices"),
+    (dict(ssm_state_indices=torch.tensor([2, 4, 0])), ValueError, "ssm_state_indices"),      # int64
+    (dict(dt_bias=None), ValueError, "dt_bias"),
+    (dict(output=torch.zeros(1, 12, H, 4)), ValueError, "output"),
+    (dict(beta_is_logit=1), TypeError, "beta_is_logit"),
+    (dict(new_flashinfer_argument=1), TypeError, "new_flashinfer_argument"),
+])
+def test_the_captured_prefill_wrapper_refuses_what_it_does_not_serve(change, error, match):
+    w, kw = graph_case()
+    pool0, out0 = kw["initial_state"].clone(), kw["output"].clone()
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        w.run(**kw)
+    assert torch.equal(kw["initial_state"] if kw["initial_state"] is not None else pool0, pool0)
+    if kw["output"] is not None and kw["output"].shape == out0.shape:
+        assert torch.equal(kw["output"].isnan(), out0.isnan())
+
+
+def test_the_captured_prefill_wrapper_needs_a_plan():
+    from flashkda_ext.integrations.sglang.prefill_graph import PrefillGraphWrapper
+    _, kw = graph_case()
+    with pytest.raises(RuntimeError, match="before plan"):
+        PrefillGraphWrapper("cpu").run(**kw)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        PrefillGraphWrapper("cpu").plan(torch.tensor([0.0, 3.0]))
+    with pytest.raises(TypeError, match="non_blocking"):
+        PrefillGraphWrapper("cpu").plan(torch.tensor([0, 3]), non_blocking=None)
+
+
+def test_the_captured_prefill_wrapper_serves_the_planned_tokens_only():
+    """Host offsets ending before T (SGLang's bucket padding): the rows past them stay as they were; the empty
+    third sequence's slot (0, as SGLang clamps padding) is neither read nor written."""
+    w, kw = graph_case()
+    pool0 = kw["initial_state"].clone()
+    out, none = w.run(**kw)
+    assert out is kw["output"] and none is None
+    assert torch.isnan(out[:, 10:]).all() and not torch.isnan(out[:, :10]).any()
+    cu = torch.tensor([0, 7, 10], dtype=torch.int32)
+    want_o, want_pool, _ = kda_recurrent(*(kw[n][:, :10] for n in ("q", "k", "v", "g", "beta")), gate="bounded",
+                                         lower_bound=-5.0, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
+                                         beta_is_logit=True, cu_seqlens=cu, initial_state=pool0,
+                                         state_indices=torch.tensor([2, 4], dtype=torch.int32))
+    torch.testing.assert_close(out[:, :10].double(), want_o, **TOL)
+    torch.testing.assert_close(kw["initial_state"][[2, 4]].double(), want_pool[[2, 4]].double(), **TOL)
+    assert torch.equal(kw["initial_state"][[0, 1, 3, 5]], pool0[[0, 1, 3, 5]])

@@ -302,6 +302,83 @@ def test_forward_target_verify(sgl, lower_bound):
     assert torch.isnan(buf[N:]).all()
 
 
+# SGLang's breakable prefill CUDA graph: the captured extend (kda_prefill_graph.kda_extend_in_graph) on its real
+# tables (KDAPrefillGraphMetadata) and its real plan-and-run driver (FlashInferKDAPrefillGraph)
+
+def test_the_captured_prefill_is_offered_only_when_asked(sgl, monkeypatch):
+    """KDAAttnBackend.supports_prefill_graph_extend (real) reads the kernel's prefill_graph_wrapper_cls: ours only
+    with FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1 and no mamba extra buffer; anything but 1 / 0 names the variable."""
+    from flashkda_ext.integrations.sglang.prefill_graph import ENV_VAR, PrefillGraphWrapper
+    d = select(sgl)
+    be = backend(sgl, d, torch.zeros(SLOTS, H, V, K))
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert d.extend_kernel.prefill_graph_wrapper_cls is None and not be.supports_prefill_graph_extend()
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert d.extend_kernel.prefill_graph_wrapper_cls is PrefillGraphWrapper and be.supports_prefill_graph_extend()
+    sgl.config.mamba.enable_mamba_extra_buffer = True
+    assert d.extend_kernel.prefill_graph_wrapper_cls is None and not be.supports_prefill_graph_extend()
+    sgl.config.mamba.enable_mamba_extra_buffer = False
+    monkeypatch.setenv(ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        be.supports_prefill_graph_extend()
+
+
+def graph_backend(sgl, d, pool, slot_of_request):
+    be = backend(sgl, d, pool)
+    be.prefill_graph_max_seqs, be.device = 6, "cpu"
+    table = torch.tensor(slot_of_request, dtype=torch.int32)
+    be.req_to_token_pool.get_mamba_indices = lambda req_pool_indices: table[req_pool_indices]
+    be.req_to_token_pool.translate_mamba_indices = lambda indices: indices
+    return be
+
+
+def graph_batch(lens, bucket, requests):
+    return types.SimpleNamespace(
+        extend_num_tokens=bucket, req_pool_indices=torch.tensor(requests), _original_batch_size=None,
+        mamba_track_indices=None, mamba_track_mask=None, extend_seq_lens_cpu=list(lens),
+        extend_prefix_lens=torch.tensor([3] * len(lens)), forward_mode=Mode("extend"))
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_forward_extend_in_sglangs_prefill_graph(sgl, monkeypatch, lower_bound):
+    """One bucket of 96 tokens and 6 sequence slots, as SGLang captures it, then two batches through it: each
+    refreshes the real tables (pinned copies: page-locking is the identity on a CPU) and runs the real
+    forward_extend -> kda_extend_in_graph -> FlashInferKDAPrefillGraph -> our wrapper. The padded sequences' slot
+    indices are clamped to 0 by SGLang: slot 0 is a live request's in the second batch and must hold its own
+    state; rows past the batch's tokens are zero; unaddressed slots bitwise unchanged."""
+    from flashkda_ext.integrations.sglang.prefill_graph import ENV_VAR, PrefillGraphWrapper
+    monkeypatch.setenv(ENV_VAR, "1")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    # FlashInferKDAPrefillGraph passes output = empty_like(q): its captured path needs K == V (Kimi's 128 / 128)
+    monkeypatch.setitem(globals(), "K", V)
+    d = select(sgl)
+    gen = torch.Generator().manual_seed(21)
+    pool = torch.randn(SLOTS, H, V, K, generator=gen) * 0.3
+    be, ly = graph_backend(sgl, d, pool, [5, 0, 3, 1, 2, 4]), layer(lower_bound, seed=22)
+    bucket = 96
+    meta = be.init_prefill_graph_metadata(graph_batch([bucket], bucket, [0]))     # the capture's batch
+    assert isinstance(meta.flashinfer, sgl.kda_flashinfer_prefill_graph.FlashInferKDAPrefillGraph)
+    assert meta.flashinfer.wrapper_cls is PrefillGraphWrapper and meta.max_seqs == 6
+    for lens, requests in (([40, 30], [0, 2]), ([10, 50, 20, 5], [3, 1, 4, 0])):
+        N, T = len(lens), sum(lens)
+        be.refresh_prefill_graph_metadata(meta, graph_batch(lens, bucket, requests))
+        be.prefill_graph_metadata = meta
+        mixed = torch.randn(bucket, 2 * H * K + H * V, generator=gen)
+        a, b = torch.randn(1, bucket, H * K, generator=gen), torch.randn(1, bucket, H, generator=gen)
+        pool0 = pool.clone()
+        o = be.forward_extend(ly, graph_batch(lens, bucket, requests), mixed, a, b)
+        slots = torch.tensor([[5, 0, 3, 1, 2, 4][r] for r in requests], dtype=torch.int32)
+        qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        want_o, want_pool, _ = reference_extend(ly, mixed[:T], a[:, :T], b[:, :T], qsl, pool0, slots, lower_bound)
+        assert o.shape == (1, bucket, H, V)
+        torch.testing.assert_close(o[:, :T].double(), want_o, **TOL)
+        assert torch.equal(o[:, T:], torch.zeros(1, bucket - T, H, V))
+        torch.testing.assert_close(pool[slots.long()], want_pool[slots.long()], **TOL)
+        untouched = [s for s in range(SLOTS) if s not in slots.tolist()]
+        assert torch.equal(pool[untouched], pool0[untouched])
+    assert list(meta.flashinfer.wrappers) == [ly.layer_id]     # one wrapper a layer, planned again per batch
+
+
 def test_an_unknown_keyword_through_the_real_dispatcher_is_refused(sgl):
     """The dispatcher forwards extras (**kwargs) to the kernel: one the adapter does not know is a TypeError,
     never ignored."""

@@ -19,7 +19,7 @@ from .prefill import PrefillCall, check_kda_prefill, check_workspace, prefill_ro
 from .verify import VerifyCall, check_kda_verify, check_verify_values
 
 # single-argument rules other modules reuse (context_parallel, custom_ops, integrations) and tests call
-from .common import _float, _inference_only, _int, _ndim, _real, _slot_stride, _tensor  # noqa: F401
+from .common import _bool, _float, _inference_only, _int, _ndim, _real, _slot_stride, _tensor  # noqa: F401
 
 __all__ = ["DTYPE_NAMES", "GATE_MODE", "GATES", "INT32_MAX", "SLOT_MODES", "backend_of", "check_apart",
            "dtype_name", "rows_as_read", "DecodeCall", "check_kda_decode", "FusedDecodeCall", "check_fused_kda_decode",

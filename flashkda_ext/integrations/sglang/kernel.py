@@ -70,6 +70,15 @@ class FlashKDAExtKernel:
     supports_fused_chain_verify = False       # SGLang's fused conv+verify Triton kernel is not ours
     supports_strided_target_verify_qkv = False
 
+    @property
+    def prefill_graph_wrapper_cls(self):
+        """The class SGLang's breakable prefill CUDA graphs capture the extend with (prefill_graph.py), read by
+        KDAAttnBackend.supports_prefill_graph_extend and per captured bucket: PrefillGraphWrapper with
+        FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1 and without SGLang's mamba extra buffer, else None (each KDA layer
+        then breaks the graph and extend() serves it eagerly)."""
+        from . import prefill_graph
+        return prefill_graph.wrapper_cls()
+
     def __init__(self, chunk_size: int = 64, fallback=None):
         # SGLang's track_chunk_idx and h count chunks of its chunk_kda's 64 tokens
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:

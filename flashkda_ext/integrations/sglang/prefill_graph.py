@@ -1,0 +1,135 @@
+"""SGLang 0.5.23's breakable prefill CUDA graphs on flashkda_ext: the plan-and-run wrapper they drive.
+
+SGLang captures the KDA extend inside its breakable prefill CUDA graphs (the default prefill graph backend on
+CUDA) only for a kernel that is its Triton one or names a `prefill_graph_wrapper_cls`; for any other kernel each
+KDA layer breaks the graph and its extend runs eagerly. With a wrapper class, SGLang's FlashInferKDAPrefillGraph
+(sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py) makes one instance a layer, `wrapper_cls(device)`,
+calls `plan(cu_seqlens)` outside the capture before every replay and `run(...)` inside it, with the keywords of
+FlashInfer 0.7.4's RecurrentKDAPrefillWrapper.run. What it hands over (read in 0.5.23):
+
+- `cu_seqlens`: the bucket's fixed-address int64 offsets [max_seqs + 1], refilled in place before each replay;
+  padded sequences are empty and sit at the end, and the last offset is the batch's token count, which can be
+  below the bucket's T (those rows belong to no sequence; SGLang zeroes them after the call);
+- `initial_state` the layer's pool, `ssm_state_indices` int32 [max_seqs] with the padded sequences' -1 clamped to
+  slot 0; the pool is updated in place at the indices (FlashInfer's contract; `output_final_state=False` only says
+  no separate final state is returned), and an empty sequence must not write (slot 0 may be a live request's);
+- the raw gate and beta logits, `use_qk_l2norm_in_kernel=True`, `use_gate_in_kernel=True`, `lower_bound` (None:
+  softplus), `output = empty_like(q)`; checkpoints only with the mamba extra buffer (radix-cache tracking).
+
+`PrefillGraphWrapper.run` serves that with kda_prefill in pool mode: the offsets stay on the device (no host read,
+so the call can be captured, and replayed after `plan`'s caller refilled them), an empty sequence's index becomes
+padding on the device (start from zeros, write nothing), and the route is picked from the bucket's bounds, the
+only lengths known at capture: max_seqs sequences and a longest sequence of all T tokens (kda_prefill's
+`max_seqlen`). Anything else SGLang could pass (checkpoints, a precomputed gate, no l2norm, a returned final
+state) is refused with a ValueError naming the argument; an unknown keyword is a TypeError.
+
+The class is offered (FlashKDAExtKernel.prefill_graph_wrapper_cls) only with FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1
+and without SGLang's mamba extra buffer: a captured route sees only the bucket's bounds, so whether capture beats
+the eager break at a given batch is for the H200 to show (docs/integrations.md, "SGLang").
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ... import validation
+from .dense import as_dense, dense_qkv
+
+ENV_VAR = "FLASHKDA_EXT_SGLANG_PREFILL_GRAPH"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def enabled() -> bool:
+    """FLASHKDA_EXT_SGLANG_PREFILL_GRAPH: 1 / true / yes / on, or 0 / false / no / off / unset; else a ValueError."""
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if raw not in _ON + _OFF:
+        raise ValueError(f"flashkda_ext: environment variable {ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1 or 0")
+    return raw in _ON
+
+
+def wrapper_cls():
+    """The class SGLang should capture the extend with, or None: the eager break (see the module's docstring)."""
+    if not enabled():
+        return None
+    from sglang.srt.runtime_context import get_exec
+    # with the mamba extra buffer every replay may snapshot states at chunk boundaries (checkpoints), which a
+    # captured call could only serve as a dense [max_seqs, T / 64] table: that stays on the eager extend
+    return None if get_exec().mamba.enable_mamba_extra_buffer else PrefillGraphWrapper
+
+
+class PrefillGraphWrapper:
+    """SGLang's plan-and-run prefill wrapper interface (FlashInfer 0.7.4's RecurrentKDAPrefillWrapper shape)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cu_seqlens: Optional[torch.Tensor] = None
+
+    def plan(self, cu_seqlens: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """Keep the offsets tensor itself: SGLang refills it in place before each replay, and run reads it on the
+        device. `non_blocking` changes nothing (nothing is copied)."""
+        validation._bool("non_blocking", non_blocking)
+        cu = validation._tensor("cu_seqlens", cu_seqlens)
+        if cu.dim() != 1 or cu.shape[0] < 2 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens: expected int32 or int64 offsets [N+1] with N >= 1, got "
+                             f"{list(cu.shape)} {cu.dtype}")
+        if cu.device.type != self.device.type:
+            raise ValueError(f"cu_seqlens: expected a tensor on {self.device.type} (the wrapper's device), "
+                             f"got {cu.device}")
+        self.cu_seqlens = cu
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+            scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+            output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = True, use_gate_in_kernel: bool = False,
+            lower_bound: Optional[float] = None, output: Optional[torch.Tensor] = None, beta_is_logit: bool = False,
+            state_checkpoints: Optional[torch.Tensor] = None, checkpoint_cu_starts: Optional[torch.Tensor] = None,
+            checkpoint_every_n_tokens: int = 0, checkpoint_state_indices: Optional[torch.Tensor] = None,
+            ssm_state_indices: Optional[torch.Tensor] = None):
+        """The packed extend of the planned offsets on the pool, committed in place. Returns (output, None)."""
+        from ...ops import kda_prefill
+        from .kernel import _gate, _params, _qkv_dims
+        if self.cu_seqlens is None:
+            raise RuntimeError("run: called before plan(cu_seqlens)")
+        for name, value, want in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, True),
+                                  ("use_gate_in_kernel", use_gate_in_kernel, True),
+                                  ("output_final_state", output_final_state, False)):
+            if validation._bool(name, value) != want:
+                raise ValueError(f"{name}: flashkda_ext's captured SGLang prefill serves {name}={want} (what SGLang "
+                                 f"0.5.23 passes), got {value}")
+        if (state_checkpoints is not None or checkpoint_cu_starts is not None or checkpoint_state_indices is not None
+                or checkpoint_every_n_tokens):
+            raise ValueError("state_checkpoints: checkpoints in a captured prefill are not served (flashkda_ext offers "
+                             "its wrapper only without SGLang's mamba extra buffer); expected none")
+        if initial_state is None or ssm_state_indices is None:
+            missing = "initial_state" if initial_state is None else "ssm_state_indices"
+            raise ValueError(f"{missing}: expected the layer's state pool and its int32 slot indices, got None")
+        if A_log is None or dt_bias is None:
+            raise ValueError(f"{'A_log' if A_log is None else 'dt_bias'}: use_gate_in_kernel=True needs A_log and "
+                             f"dt_bias, got None")
+        T, H, K, HV, V = _qkv_dims(q, v)
+        cu = self.cu_seqlens
+        N = cu.shape[0] - 1
+        idx = validation._tensor("ssm_state_indices", ssm_state_indices)
+        if idx.shape != (N,) or idx.dtype != torch.int32:
+            raise ValueError(f"ssm_state_indices: expected int32 [N] = [{N}] (one slot per planned sequence), got "
+                             f"{list(idx.shape)} {idx.dtype}")
+        out = validation._tensor("output", output) if output is not None else torch.empty_like(v)
+        if tuple(out.shape) != (1, T, HV, V):
+            raise ValueError(f"output: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
+        # an empty sequence (SGLang's padding, its index clamped to slot 0) neither reads nor writes the pool
+        idx = torch.where(cu[1:] > cu[:-1], idx, -1)
+        A, dt = _params(A_log, dt_bias)
+        gate, lb = _gate(lower_bound, A)
+        tokens, max_seqlen = T, T        # on the device: the bucket's bounds (any sequence may hold all T tokens)
+        if cu.device.type == "cpu":      # host offsets: the op runs on exactly the tokens they own
+            tokens, max_seqlen = int(cu[-1]), None
+        rows = slice(0, tokens)
+        qh, kh, vh = (x[:, rows] for x in dense_qkv(q, k, v))
+        kda_prefill(qh, kh, vh, as_dense("g", g[:, rows], q.dtype, (1, tokens, HV, K)),
+                    as_dense("beta", beta[:, rows], q.dtype, (1, tokens, HV)), A_log=A, dt_bias=dt, lower_bound=lb,
+                    gate=gate, scale=scale, beta_is_logit=validation._bool("beta_is_logit", beta_is_logit),
+                    cu_seqlens=cu, state=initial_state, state_indices=idx, output_final_state=True,
+                    max_seqlen=max_seqlen, out=out[:, rows])
+        return out, None
