@@ -7,7 +7,9 @@ outside, as the engines' fused gate kernels do), fp32 initial and final state; p
 small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
 `--grid issue46` takes issue 46's grid instead: H in {8, 12, 16, 24, 32, 48, 96} (--heads narrows it)
 x {B1 T 2K, 8K, 32K, 128K; 4x8192; 64x512; 8x(1024+64); 7 ragged sequences summing to 8192}, and
-`--long` adds 1 x 1,048,576 tokens at H16.
+`--long` adds 1 x 1,048,576 tokens at H16. `--grid mixed` (heads 8, 12 unless --heads): one long request among
+short ones (1x4000+47x100 ... 1x256+127x64), a serving engine's prefill batch; with `--known-lengths` the route
+sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside.
 
 Peers (--peers, default fla,cudnn): fla's chunk_kda and cuDNN's kda_hopper_cuda engine
 (benchmarks/peer_cudnn.py), each when importable; --fla-heads limits fla to some head counts (each
@@ -62,10 +64,10 @@ def load(name):
     return jit.load_module(name)
 
 
-def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32"):
+def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32", max_seqlen=None):
     from flashkda_ext import dispatch, validation
-    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, None, state, "o64", gate, False,
-                                         lower_bound=LOWER_BOUND)
+    meta = validation.prefill_route_meta(DEVICE, num_seqs, heads, total_tokens, max_seqlen, state, "o64", gate,
+                                         False, lower_bound=LOWER_BOUND)
     return dispatch.module_name("kda_prefill", meta, opted_in)
 
 
@@ -121,6 +123,15 @@ def issue46_cases(heads, long):
     return out
 
 
+def mixed_cases(heads):
+    """One long request among short ones, as a serving engine's prefill batch often is (a chunk of a long prompt
+    beside new short prompts): the fused chunk-16 band by the mean, split by the longest (work_per_longest)."""
+    shapes = {"1x4000+47x100": [4000] + [100] * 47, "1x2000+63x100": [2000] + [100] * 63,
+              "1x1000+127x60": [1000] + [60] * 127, "1x512+127x64": [512] + [64] * 127,
+              "1x256+127x64": [256] + [64] * 127}
+    return [(f"H{H} {k}", v, H) for H in heads for k, v in shapes.items()]
+
+
 def is_b1(case_name):
     """A "B=1" row of either grid: its name holds the word B1 (the layer grid starts with it)."""
     return "B1" in case_name.split()
@@ -173,7 +184,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)   # --out (folder or .json), --reps, --quick, --no-fla, --dry-run, --modes, ...
     ap.add_argument("--heads", default=None, help="head counts (default 16,12; issue46 grid: all of it)")
-    ap.add_argument("--grid", choices=("layer", "issue46"), default="layer")
+    ap.add_argument("--grid", choices=("layer", "issue46", "mixed"), default="layer")
     ap.add_argument("--long", action="store_true", help="issue46 grid: add 1 x 1,048,576 tokens at H16")
     ap.add_argument("--peers", default="fla,cudnn", help="comma list of fla, cudnn (each when importable)")
     ap.add_argument("--fla-heads", default=None, help="run fla only at these head counts")
@@ -182,6 +193,10 @@ def parse(argv=None):
     ap.add_argument("--opt-in-arm", default=None, metavar="TAG",
                     help="A/B in one run: where the route with opt-in TAG picks another module, time it as arm "
                          "'opt_in' beside 'ours' (same inputs, interleaved) and check it against ours")
+    ap.add_argument("--known-lengths", action="store_true",
+                    help="route 'ours' as a caller passing max_seqlen (the longest sequence) is routed, and where the "
+                         "route without it picks another module time that one as arm 'opt_in' beside it (not with "
+                         "--opt-in-arm)")
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
@@ -228,8 +243,12 @@ def main(argv=None):
         if why:
             print("cuDNN frontend not importable:", why)
     fla_heads = None if args.fla_heads is None else {int(h) for h in args.fla_heads.split(",")}
+    if args.known_lengths and args.opt_in_arm:
+        raise SystemExit("--known-lengths times the route without max_seqlen as the 'opt_in' arm: not with --opt-in-arm")
     if dry:
         case_list = dry_cases()
+    elif args.grid == "mixed":
+        case_list = mixed_cases([int(h) for h in (args.heads or "8,12").split(",")])
     elif args.grid == "issue46":
         heads = ISSUE46_HEADS if args.heads is None else [int(h) for h in args.heads.split(",")]
         case_list = issue46_cases(heads, args.long)
@@ -260,12 +279,15 @@ def main(argv=None):
             if args.state == "bf16":
                 d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
-            mname = args.module or route_module(N, H, T, gate, state=args.state)
+            longest = max(lens) if args.known_lengths else None
+            mname = args.module or route_module(N, H, T, gate, state=args.state, max_seqlen=longest)
             ours, out, fin = module_call(mname, d, gate, N, T, H, dev)
             arms = [harness.Arm("ours", ours)]
             checks = {}
-            alt_name = (route_module(N, H, T, gate, {args.opt_in_arm}, args.state)
+            alt_name = (route_module(N, H, T, gate, {args.opt_in_arm}, args.state, longest)
                         if args.opt_in_arm and not args.module else None)
+            if args.known_lengths and not args.module:
+                alt_name = route_module(N, H, T, gate, state=args.state)
             if alt_name is not None and alt_name != mname:
                 alt_fn, alt_out, alt_fin = module_call(alt_name, d, gate, N, T, H, dev)
                 checks["opt_in"] = agreement(ours, out, fin, lambda f=alt_fn, o=alt_out, s=alt_fin: (f(), o, s)[1:])
