@@ -139,20 +139,45 @@ def _prefill_route_for(meta_items: tuple):
     return rule, jit.load_module(rule["module"]), chunk
 
 
-def prefill_workspace_bytes(q, v, *, cu_seqlens=None, max_seqlen=None) -> int:
+def prefill_workspace_bytes(q, v, *, cu_seqlens=None, max_seqlen=None, gate="softplus", lower_bound=None,
+                            state_dtype=torch.float32, checkpoint_every=0) -> int:
     """Bytes of scratch the CUDA prefill needs for these shapes (0 on CPU): preallocate it once
-    and pass it as `workspace=` to capture kda_prefill in a CUDA graph. Pass the max_seqlen the call
-    will pass (it can change the route)."""
+    and pass it as `workspace=` to capture kda_prefill in a CUDA graph. The keywords are the call's own
+    (each can change the route): its max_seqlen, gate and lower_bound, the dtype of its state and its
+    checkpoint_every."""
+    meta = _workspace_route_meta(q, v, cu_seqlens, max_seqlen, gate, lower_bound, state_dtype, checkpoint_every)
     if q.device.type != "cuda":
         return 0
-    B, T, _, _ = q.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if max_seqlen is not None:
-        validation._int("max_seqlen", max_seqlen, "or None")
-    meta = validation.prefill_route_meta("cuda", N, v.shape[2], B * T, max_seqlen, "f32", "o32", "softplus", False)
     module = jit.load_module(dispatch.module_name("kda_prefill", meta))
-    need = dispatch.prefill_workspace_need(module, B * T, N, v.shape[2])
+    need = dispatch.prefill_workspace_need(module, meta["total_tokens"], meta["num_seqs"], meta["value_heads"])
     return 0 if need is None else need
+
+
+def _workspace_route_meta(q, v, cu_seqlens, max_seqlen, gate, lower_bound, state_dtype, checkpoint_every) -> dict:
+    """The CUDA route metadata of the kda_prefill call prefill_workspace_bytes is asked about (checked as the
+    op checks these arguments)."""
+    q, v = validation._tensor("q", q), validation._tensor("v", v)
+    validation._ndim("q", q, 4, "[B, T, H, K]")
+    validation._ndim("v", v, 4, "[B, T, HV, V]")
+    B, T = q.shape[0], q.shape[1]
+    N = B if cu_seqlens is None else validation._tensor("cu_seqlens", cu_seqlens).shape[0] - 1
+    if max_seqlen is not None and not 0 <= validation._int("max_seqlen", max_seqlen, "or None") <= T:
+        raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
+    if gate not in validation.GATES:
+        raise ValueError(f"gate: expected one of {sorted(validation.GATES)}, got {gate!r}")
+    if gate == "bounded":
+        lb = validation._real("lower_bound", lower_bound) if lower_bound is not None else None
+        if lb is None or not lb < 0:
+            raise ValueError(f"lower_bound: gate='bounded' needs a float < 0, got {lower_bound!r}")
+    elif lower_bound is not None:
+        raise ValueError(f"lower_bound: only the bounded gate takes one, got {lower_bound!r} with gate={gate!r}")
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}")
+    if validation._int("checkpoint_every", checkpoint_every, ">= 0") < 0:
+        raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
+    state = "f32" if state_dtype == torch.float32 else "bf16"
+    return validation.prefill_route_meta("cuda", N, v.shape[2], B * T, max_seqlen, state, "o32", gate,
+                                         checkpoint_every > 0, float(lower_bound) if gate == "bounded" else None)
 
 
 def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
