@@ -36,6 +36,7 @@ import torch
 
 from ... import validation
 from .dense import as_dense, dense_qkv
+from .kernel import _gate, _params, _qkv_dims
 
 ENV_VAR = "FLASHKDA_EXT_SGLANG_PREFILL_GRAPH"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -89,7 +90,6 @@ class PrefillGraphWrapper:
             ssm_state_indices: Optional[torch.Tensor] = None):
         """The packed extend of the planned offsets on the pool, committed in place. Returns (output, None)."""
         from ...ops import kda_prefill
-        from .kernel import _gate, _params, _qkv_dims
         if self.cu_seqlens is None:
             raise RuntimeError("run: called before plan(cu_seqlens)")
         for name, value, want in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, True),
