@@ -630,3 +630,24 @@ def test_the_captured_prefill_wrapper_serves_the_planned_tokens_only():
     torch.testing.assert_close(out[:, :10].double(), want_o, **TOL)
     torch.testing.assert_close(kw["initial_state"][[2, 4]].double(), want_pool[[2, 4]].double(), **TOL)
     assert torch.equal(kw["initial_state"][[0, 1, 3, 5]], pool0[[0, 1, 3, 5]])
+
+
+@pytest.mark.parametrize("lens", [[512] * 64, [4000] + [100] * 47, [256] + [64] * 127, [1000] + [60] * 127,
+                                  [64] * 3 + [0] * 5, [0] * 4, [2048] * 24, [2049] * 24, [30] * 16 + [0] * 112])
+@pytest.mark.parametrize("HV", [8, 16])
+def test_the_captured_prefills_device_band_is_the_routes_band(lens, HV):
+    """in_band_on_device (the choice a captured call makes on the device between the fused chunk-16 launch and
+    the chunk-64 one) agrees with the route engine's own evaluation of the fused rules for the live sequences,
+    their longest known, at either side of each band edge."""
+    from flashkda_ext import dispatch, jit, validation
+    from flashkda_ext.integrations.sglang.prefill_graph import in_band_on_device
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
+    live_lens = [n for n in lens if n > 0]
+    for rule in jit.routes_for("kda_prefill"):
+        if not rule["name"].startswith("fused_chunk16"):
+            continue
+        meta = validation.prefill_route_meta("cuda", len(live_lens), HV, sum(lens), max(lens), "f32", "o32",
+                                             "bounded" if rule["name"] == "fused_chunk16" else "softplus", False, -5.0)
+        want = dispatch.rule_matches(rule["when"], meta) if live_lens else False
+        got = bool(in_band_on_device(rule["when"], cu, cu[1:] > cu[:-1], HV))
+        assert got == want, (rule["name"], lens, HV, meta)

@@ -1,10 +1,12 @@
 """flashkda_ext's captured SGLang prefill (integrations/sglang/prefill_graph.py) on CUDA: SGLang 0.5.23's real
 FlashInferKDAPrefillGraph (from the wheel, copied to .engines/sglang by benchmarks/bench_sglang.py --prepare)
-drives PrefillGraphWrapper inside a CUDA graph captured once for a bucket of 1024 tokens and 8 sequence slots,
+drives PrefillGraphWrapper inside a CUDA graph captured once for a bucket of 2048 tokens and 64 sequence slots,
 then replays it for batches of other lengths with the tables refilled in place, as SGLang's breakable prefill
-graph does. Each replay: the batch's rows against the float64 recurrence; rows past the batch not written; the
-live slots' states; every other slot bitwise unchanged (slot 0 too, where SGLang clamps the padding's -1); and
-the replay bitwise the same call made eagerly."""
+graph does. The bucket takes both launches (the fused chunk-16 kernel by the mean, a chunk-64 module at the
+bounds; the device picks one per replay), and the batches fall on both sides. Each replay: the batch's rows
+against the float64 recurrence; rows past the batch not written; the live slots' states; every other slot
+bitwise unchanged (slot 0 too, where SGLang clamps the padding's -1); and the replay bitwise the same call made
+eagerly."""
 import sys
 import types
 from pathlib import Path
@@ -19,14 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_sglang as bench  # noqa: E402
 from gpu_common import rel_l2  # noqa: E402
 
-from flashkda_ext.integrations.sglang.prefill_graph import PrefillGraphWrapper  # noqa: E402
+from flashkda_ext import jit  # noqa: E402
+from flashkda_ext.integrations.sglang.prefill_graph import PrefillGraphWrapper, in_band_on_device, launches  # noqa: E402
 from flashkda_ext.reference import kda_recurrent  # noqa: E402
 
-DEV, H, D, BUCKET, MAX_SEQS, SLOTS = "cuda", 8, 128, 1024, 8, 16
-# the capture's batch first; then lengths of other shapes through the same graph (one-token and full-slot
-# batches, a batch ending before the bucket's last token)
-BATCHES = [([1024], [3]), ([1000], [0]), ([100, 300, 7, 500], [5, 0, 12, 9]), ([128] * 8, list(range(8, 16))),
-           ([1, 1, 1], [2, 0, 7])]
+DEV, H, D, BUCKET, MAX_SEQS, SLOTS = "cuda", 8, 128, 2048, 64, 80
+# (lengths, the fused kernel's band holds): the capture's batch first; then other shapes through the same graph
+# (many short sequences: the fused kernel; one long among short ones, few sequences, one-token ones: chunk-64;
+# batches ending before the bucket's last token)
+BATCHES = [([2048], False), ([32] * 64, True), ([1000] + [20] * 50, False), ([16] * 60, True),
+           ([100, 300, 7, 500], False), ([1, 1, 1], False)]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +55,11 @@ def test_captured_prefill_replays_other_batches(graph_cls, sdt, lower_bound):
     prefill_graph = graph_cls(wrapper_cls=PrefillGraphWrapper, num_tokens=BUCKET, max_seqs=MAX_SEQS, track=False,
                               device=DEV)
 
-    def load(lens, slots):
+    def load(lens):
         """A new batch in the static buffers and SGLang's tables (padding: empty sequences, slot -1)."""
+        slots = torch.randperm(SLOTS, generator=gen, device=DEV)[:len(lens)].tolist()
+        if 0 not in slots:
+            slots[-1] = 0                                # a live request on slot 0, where the padding points
         for x in (q, k, v):
             x.copy_(r(*x.shape))
         g.copy_(r(*g.shape) - 1.0)
@@ -62,12 +69,12 @@ def test_captured_prefill_replays_other_batches(graph_cls, sdt, lower_bound):
         meta.cu_seqlens.copy_(torch.tensor(offsets + [offsets[-1]] * (MAX_SEQS - len(lens))))
         meta.cache_indices.copy_(torch.tensor(slots + [-1] * (MAX_SEQS - len(slots)), dtype=torch.int32))
         prefill_graph.fill(meta, list(lens), None)
-        return offsets[-1]
+        return offsets[-1], slots
 
     def call(states):
         return prefill_graph.run(layer=layer, q=q, k=k, v=v, g=g, beta=beta, ssm_states=states, h_track=None)
 
-    load(*BATCHES[0])
+    load(BATCHES[0][0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.inference_mode():
@@ -76,8 +83,14 @@ def test_captured_prefill_replays_other_batches(graph_cls, sdt, lower_bound):
     graph = torch.cuda.CUDAGraph()
     with torch.inference_mode(), torch.cuda.graph(graph):
         out = call(pool)
-    for lens, slots in BATCHES:
-        T = load(lens, slots)
+    with torch.inference_mode():   # the bucket takes both launches, and the device picks one per replay
+        cu, idx = prefill_graph.cu_seqlens, prefill_graph.cache_indices
+        args = (q, k, v, g, beta)
+        kw = dict(A_log=layer.A_log, dt_bias=layer.dt_bias, gate="softplus" if lower_bound is None else "bounded",
+                  lower_bound=lower_bound, state=pool, output_final_state=True, out=torch.empty_like(v))
+        assert len(launches(args, kw, cu, idx, cu[1:] > cu[:-1], BUCKET, H)) == 2
+    for lens, in_band in BATCHES:
+        T, slots = load(lens)
         pool0 = pool.clone()
         out.fill_(float("nan"))
         graph.replay()
@@ -99,3 +112,6 @@ def test_captured_prefill_replays_other_batches(graph_cls, sdt, lower_bound):
             eager = call(again)
         torch.cuda.synchronize()
         assert torch.equal(eager[:, :T], out[:, :T]) and torch.equal(again, pool), lens
+        rule = next(r for r in jit.routes_for("kda_prefill") if r["name"] == ("fused_chunk16_decay" if lower_bound
+                                                                               is None else "fused_chunk16"))
+        assert bool(in_band_on_device(rule["when"], cu, cu[1:] > cu[:-1], H)) == in_band, lens

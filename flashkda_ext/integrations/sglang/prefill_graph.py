@@ -17,11 +17,13 @@ FlashInfer 0.7.4's RecurrentKDAPrefillWrapper.run. What it hands over (read in 0
   softplus), `output = empty_like(q)`; checkpoints only with the mamba extra buffer (radix-cache tracking).
 
 `PrefillGraphWrapper.run` serves that with kda_prefill in pool mode: the offsets stay on the device (no host read,
-so the call can be captured, and replayed after `plan`'s caller refilled them), an empty sequence's index becomes
-padding on the device (start from zeros, write nothing), and the route is picked from the bucket's bounds, the
-only lengths known at capture: max_seqs sequences and a longest sequence of all T tokens (kda_prefill's
-`max_seqlen`). Anything else SGLang could pass (checkpoints, a precomputed gate, no l2norm, a returned final
-state) is refused with a ValueError naming the argument; an unknown keyword is a TypeError.
+so the call can be captured, and replayed after `plan`'s caller refilled them), and an empty sequence's index
+becomes padding on the device (start from zeros, write nothing). At capture only the bucket's bounds are known
+(max_seqs sequences, T tokens), so the kernel is chosen on the device at each replay (`launches`): where the
+route at the bounds (a chunk-64 module) and the route by the mean (the fused chunk-16 kernel) differ, both are
+launched and the one whose band the replay's live lengths miss sees only empty sequences. Anything else SGLang
+could pass (checkpoints, a precomputed gate, no l2norm, a returned final state) is refused with a ValueError
+naming the argument; an unknown keyword is a TypeError.
 
 The class is offered (FlashKDAExtKernel.prefill_graph_wrapper_cls) only with FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1
 and without SGLang's mamba extra buffer: a captured route sees only the bucket's bounds, so whether capture beats
@@ -34,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ... import validation
+from ... import dispatch, validation
 from .dense import as_dense, dense_qkv
 from .kernel import _gate, _params, _qkv_dims
 
@@ -58,6 +60,49 @@ def wrapper_cls():
     # with the mamba extra buffer every replay may snapshot states at chunk boundaries (checkpoints), which a
     # captured call could only serve as a dense [max_seqs, T / 64] table: that stays on the eager extend
     return None if get_exec().mamba.enable_mamba_extra_buffer else PrefillGraphWrapper
+
+
+# route metadata a rule may band on that the lengths decide, computed on the device from the offsets
+_LENGTH_FIELDS = ("num_seqs", "total_tokens", "mean_seqlen", "work_items", "work_per_longest")
+
+
+def in_band_on_device(when: dict, cu: torch.Tensor, live: torch.Tensor, HV: int) -> torch.Tensor:
+    """A 0-d bool tensor: whether a rule's conditions on the length fields hold for the live sequences of these
+    offsets, with the values kda_prefill's route metadata gives them (validation.prefill_route_meta, max_seqlen
+    known); no host read. Conditions on other fields are the host's (they do not depend on the lengths)."""
+    lengths = cu[1:] - cu[:-1]
+    n = live.sum()
+    total = cu[-1] - cu[0]
+    have = {"num_seqs": n, "total_tokens": total, "work_items": n * HV,
+            "mean_seqlen": torch.div(total, n.clamp(min=1), rounding_mode="floor"),
+            "work_per_longest": torch.div(total * HV, lengths.max().clamp(min=1), rounding_mode="floor")}
+    ok = torch.ones((), dtype=torch.bool, device=cu.device)
+    for key, want in when.items():
+        if key.endswith(("_min", "_max")) and key[:-4] in _LENGTH_FIELDS:
+            ok = ok & (have[key[:-4]] >= want if key.endswith("_min") else have[key[:-4]] <= want)
+    return ok
+
+
+def launches(args, kw, cu, idx, live, T: int, HV: int):
+    """The kda_prefill launches of a captured call on device offsets: (cu_seqlens, state_indices, max_seqlen) each.
+
+    At capture only the bucket's bounds are known. Routed at them (max_seqlen = T: one sequence may hold every
+    token) the call takes a chunk-64 module; routed by the mean (max_seqlen unknown) it may take the fused
+    chunk-16 kernel, which serves many short sequences faster but walks a long one as a single CTA's chain.
+    Where the two routes differ, both launch and the device decides from the replay's real lengths, by the mean
+    route's own band (its rule's conditions on the length fields, evaluated on the live sequences): the launch
+    not chosen sees every sequence empty and every slot as padding, so it reads and writes nothing (its CTAs
+    return at once). Otherwise one launch at the bounds."""
+    def route(max_seqlen):
+        call = validation.check_kda_prefill(*args, cu_seqlens=cu, state_indices=idx, max_seqlen=max_seqlen, **kw)
+        return dispatch.select_rule("kda_prefill", call.route_meta())
+    bound, mean = route(T), route(None)
+    if bound["module"] == mean["module"]:
+        return [(cu, torch.where(live, idx, -1), T)]
+    fused = in_band_on_device(mean.get("when", {}), cu, live, HV)
+    none = torch.zeros_like(cu)
+    return [(torch.where(fused, cu, none), torch.where(fused & live, idx, -1), None),
+            (torch.where(fused, none, cu), torch.where(~fused & live, idx, -1), T)]
 
 
 class PrefillGraphWrapper:
@@ -118,18 +163,20 @@ class PrefillGraphWrapper:
         out = validation._tensor("output", output) if output is not None else torch.empty_like(v)
         if tuple(out.shape) != (1, T, HV, V):
             raise ValueError(f"output: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
-        # an empty sequence (SGLang's padding, its index clamped to slot 0) neither reads nor writes the pool
-        idx = torch.where(cu[1:] > cu[:-1], idx, -1)
+        live = cu[1:] > cu[:-1]          # an empty sequence (SGLang's padding, slot clamped to 0): no read, no write
         A, dt = _params(A_log, dt_bias)
         gate, lb = _gate(lower_bound, A)
-        tokens, max_seqlen = T, T        # on the device: the bucket's bounds (any sequence may hold all T tokens)
-        if cu.device.type == "cpu":      # host offsets: the op runs on exactly the tokens they own
-            tokens, max_seqlen = int(cu[-1]), None
-        rows = slice(0, tokens)
-        qh, kh, vh = (x[:, rows] for x in dense_qkv(q, k, v))
-        kda_prefill(qh, kh, vh, as_dense("g", g[:, rows], q.dtype, (1, tokens, HV, K)),
-                    as_dense("beta", beta[:, rows], q.dtype, (1, tokens, HV)), A_log=A, dt_bias=dt, lower_bound=lb,
-                    gate=gate, scale=scale, beta_is_logit=validation._bool("beta_is_logit", beta_is_logit),
-                    cu_seqlens=cu, state=initial_state, state_indices=idx, output_final_state=True,
-                    max_seqlen=max_seqlen, out=out[:, rows])
+        kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, scale=scale, state=initial_state,
+                  beta_is_logit=validation._bool("beta_is_logit", beta_is_logit), output_final_state=True)
+        if cu.device.type == "cpu":      # host offsets: one call on exactly the tokens they own
+            rows = slice(0, int(cu[-1]))
+            tokens = rows.stop
+            qh, kh, vh = (x[:, rows] for x in dense_qkv(q, k, v))
+            kda_prefill(qh, kh, vh, as_dense("g", g[:, rows], q.dtype, (1, tokens, HV, K)),
+                        as_dense("beta", beta[:, rows], q.dtype, (1, tokens, HV)), cu_seqlens=cu,
+                        state_indices=torch.where(live, idx, -1), out=out[:, rows], **kw)
+            return out, None
+        args = (*dense_qkv(q, k, v), as_dense("g", g, q.dtype, (1, T, HV, K)), as_dense("beta", beta, q.dtype, (1, T, HV)))
+        for cu_k, idx_k, max_seqlen in launches(args, dict(kw, out=out), cu, idx, live, T, HV):
+            kda_prefill(*args, cu_seqlens=cu_k, state_indices=idx_k, max_seqlen=max_seqlen, out=out, **kw)
         return out, None
