@@ -20,7 +20,8 @@ def prefill_route_meta(backend: str, num_seqs: int, value_heads: int, total_toke
     (ops.prefill_workspace_bytes).
     lower_bound: the bounded gate's bound, None for the other gates (a band on it then never holds).
     work_per_longest: token-heads of the call per token of its longest sequence, the longest being max_seqlen
-    when the caller knows it and the mean otherwise (then it equals work_items): how far the whole work
+    when the caller knows it and the mean otherwise (then it is work_items, or a little more where the mean is
+    rounded down): how far the whole work
     outweighs the one ordered chain no kernel can split without pieces."""
     mean = total_tokens // max(1, num_seqs)
     longest = mean if max_seqlen is None else max_seqlen
