@@ -11,10 +11,12 @@ SGLang is imported) and calls SGLang's real TritonKDAKernel methods, as its KDAK
   packed_decode  (forward_decode's route: mixed_qkv after the conv)   vs FlashKDAExtKernel.packed_decode
   extend         (chunk_kda on the pool, raw gate and beta logits)    vs FlashKDAExtKernel.extend
   target_verify  (chains of D drafts into the intermediate buffer)    vs FlashKDAExtKernel.target_verify
-  graph_extend   (--phases graph_extend: no SGLang arm) FlashKDAExtKernel.extend as SGLang runs it when its
-                 breakable prefill CUDA graph breaks at a KDA layer (eager; wall time counts the Python) against
-                 the same batch in a captured bucket: SGLang's real FlashInferKDAPrefillGraph (from the wheel)
-                 driving flashkda_ext's PrefillGraphWrapper in a CUDA graph (FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1)
+  graph_extend   (--phases graph_extend) one batch in one bucket of SGLang's breakable prefill CUDA graph, three
+                 ways: FlashKDAExtKernel.extend as SGLang runs it where the graph breaks at a KDA layer (arm
+                 "ours", eager: read its wall time, the Python counts); SGLang's real FlashInferKDAPrefillGraph
+                 driving flashkda_ext's PrefillGraphWrapper (FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1; arm "captured",
+                 read its graph time); SGLang's own captured extend, TritonKDAKernel.extend on the bucket's chunk
+                 tables from its real KDAPrefillGraphMetadata (arm "sglang", graph time: SGLang's default)
 
 over rows (requests) 1-1024, H = HV in {8, 12, 24, 32}, K = V = 128, bf16 activations, fp32 and bf16 state
 pools, softplus gate. Each point first checks agreement (rel. L2 of outputs and written states from identical
@@ -51,7 +53,8 @@ FILES = tuple(FLA + f + ".py" for f in FLA_FILES) + (
     "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py",
     "sglang/srt/layers/attention/linear/kernels/kernel_backend.py",
     "sglang/srt/layers/attention/linear/kernels/kda_triton.py",
-    "sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py")
+    "sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py",
+    "sglang/srt/layers/attention/linear/kda_prefill_graph.py")
 K = V = 128
 TOL = {"o": 2e-2, torch.float32: 1e-2, torch.bfloat16: 2e-2}
 
@@ -166,6 +169,32 @@ def verify_inputs(rows, D, H, sdt, gen, dev, slots):
         intermediate_states_buffer=buf, intermediate_state_indices=table, cache_steps=D, retrieve_parent_token=None)
 
 
+class _Struct:
+    """msgspec.Struct where msgspec is not installed: the tables class only stores its fields."""
+    def __init_subclass__(cls, **kwargs):
+        pass
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+def load_graph_tables():
+    """SGLang's KDAPrefillGraphMetadata (a bucket's static tables, which its captured Triton extend reads) from
+    .engines/sglang, after load_sglang(); its other imports answered: msgspec.Struct where msgspec is absent, the
+    conv's block size (8, the wheel's value) and the track path's names (track=False here: not used)."""
+    if importlib.util.find_spec("msgspec") is None:
+        _module("msgspec", Struct=_Struct)
+    _module("sglang.kernels.ops.mamba", __path__=[])
+    _module("sglang.kernels.ops.mamba.causal_conv1d_triton", CAUSAL_CONV1D_FWD_BLOCK_M=8, PAD_SLOT_ID=-1,
+            causal_conv1d_fn=None)
+    _module("sglang.kernels.ops.mamba.kda_prefill_track", TRACK_CHUNK_STATE=2, TRACK_FINAL_STATE=1,
+            kda_track_conv_window=None, kda_track_ssm_state=None)
+    _module("sglang.srt.layers.attention.mamba", __path__=[])
+    _module("sglang.srt.layers.attention.mamba.prefill_track_metadata", build_prefill_track_plan=None)
+    from sglang.srt.layers.attention.linear.kda_prefill_graph import KDAPrefillGraphMetadata
+    return KDAPrefillGraphMetadata
+
+
 def load_prefill_graph():
     """SGLang's FlashInferKDAPrefillGraph (imports only numpy and torch) from .engines/sglang/, by path."""
     path = ENGINE / "sglang/srt/layers/attention/linear/kda_flashinfer_prefill_graph.py"
@@ -181,9 +210,10 @@ GRAPH_EXTEND = [("b8192_1x8000", 8192, [8000]), ("b8192_4x2000", 8192, [2000] * 
                 ("b512_1x500", 512, [500]), ("b512_16x30", 512, [30] * 16)]
 
 
-def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls):
-    """The eager extend (host lengths given, as SGLang passes them) and the captured bucket's call on the same
-    batch; each arm on its own copy of the pool. Returns (eager fn, captured fn, agreement)."""
+def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls, sglang=None, tables_cls=None):
+    """The eager extend (host lengths given, as SGLang passes them), the captured bucket's call and (with sglang
+    and tables_cls) SGLang's captured Triton extend on the same batch; each on its own copy of the pool.
+    Returns (eager fn, captured fn, sglang fn or None, agreement)."""
     from flashkda_ext.integrations.sglang.prefill_graph import PrefillGraphWrapper
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     T, N, max_seqs = sum(lens), len(lens), min(bucket, 128)
@@ -214,12 +244,32 @@ def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls):
     def captured():
         return captured_graph.run(layer=layer, q=q, k=k, v=v, g=g, beta=beta, ssm_states=pool_c, h_track=None)
 
+    triton = None
+    if sglang is not None:
+        tables = tables_cls.allocate(num_tokens=bucket, max_seqs_cap=max_seqs, track=False,
+                                     cache_index_dtype=torch.int32, device=dev)
+        tables.fill(extend_seq_lens=list(lens), cache_indices=idx,
+                    extend_prefix_lens=torch.ones(N, dtype=torch.int64, device=dev), track_rows=None)
+        pool_s = pool.clone()
+
+        def triton():       # as kda_extend_in_graph calls the dispatcher's extend
+            return sglang.extend(q, k, v, g, beta, ssm_states=pool_s, cache_indices=tables.cache_indices,
+                                 query_start_loc=tables.cu_seqlens, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+                                 beta_is_raw=True, extend_seq_lens_cpu=None, is_spec_decode=False,
+                                 return_intermediate_states=False, track_state=None, track_chunk_idx=None,
+                                 chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets)
     with torch.inference_mode():
         o_e, o_c = eager(), captured()
+        o_s = triton() if triton is not None else None
     res = {"o": harness.rel_l2(o_e.float(), o_c[:, :T].float()),
            "state": harness.rel_l2(pool_e[idx.long()].float(), pool_c[idx.long()].float())}
     res["ok"] = res["o"] < TOL["o"] and res["state"] < TOL[sdt]
-    return eager, captured, res
+    if o_s is not None:
+        o_s = o_s[0] if isinstance(o_s, tuple) else o_s
+        res["o_sglang"] = harness.rel_l2(o_e.float(), o_s[:, :T].float())
+        res["state_sglang"] = harness.rel_l2(pool_e[idx.long()].float(), pool_s[idx.long()].float())
+        res["ok"] = res["ok"] and res["o_sglang"] < TOL["o"] and res["state_sglang"] < TOL[sdt]
+    return eager, captured, triton, res
 
 
 def _out(x):
@@ -265,22 +315,26 @@ def fla_extend(args, kw):
                                   initial_state=pool.index_select(0, kw["cache_indices"].long()))
 
 
-def run_graph_extend(cfg, ours, heads, state_names, states, disagree) -> dict:
-    graph_cls = load_prefill_graph()
-    run = harness.Run("sglang_graph_extend", cfg, baseline="ours", primary_mode="wall",
+def run_graph_extend(cfg, ours, sglang, heads, state_names, states, disagree) -> dict:
+    graph_cls, tables_cls = load_prefill_graph(), load_graph_tables()
+    run = harness.Run("sglang_graph_extend", cfg, baseline="sglang", primary_mode="graph",
                       extra_meta={"sglang": VERSION, "gate": "softplus", "K": K, "V": V,
-                                  "arms": "ours: eager extend; captured: the bucket's wrapper call (read its graph mode)"})
+                                  "arms": "ours: the eager extend at SGLang's graph break (read its wall time: no "
+                                          "graph mode); captured: flashkda_ext's wrapper in the bucket's graph; "
+                                          "sglang: SGLang's Triton extend in the bucket's graph (its default)"})
     grid = [(s, H, c) for s in state_names for H in heads for c in GRAPH_EXTEND]
     run.start(len(grid))
     agree = {}
     for sname, H, (name, bucket, lens) in grid:
         gen = torch.Generator(device=cfg.device).manual_seed(H * 7919 + bucket + len(lens))
-        eager, captured, res = graph_extend_case(bucket, lens, H, states[sname], gen, cfg.device, ours, graph_cls)
+        eager, captured, triton, res = graph_extend_case(bucket, lens, H, states[sname], gen, cfg.device, ours,
+                                                         graph_cls, sglang, tables_cls)
         label = f"{sname}_h{H}_{name}"
         agree[label] = res
         if not res["ok"]:
             disagree.append(("graph_extend", label, res))
-        arms = [harness.Arm("ours", eager, graph=False), harness.Arm("captured", captured, graph=True)]
+        arms = [harness.Arm("ours", eager, graph=False), harness.Arm("captured", captured, graph=True),
+                harness.Arm("sglang", triton, graph=True)]
         with torch.inference_mode():
             run.add(harness.Case(label, dict(state=sname, heads=H, bucket=bucket, rows=len(lens), tokens=sum(lens),
                                              phase="graph_extend"), arms, notes=dict(agreement=res)))
@@ -321,7 +375,7 @@ def main(argv=None):
     dev, disagree, summary = cfg.device, [], {}
     for phase in phases:
         if phase == "graph_extend":
-            summary[phase] = run_graph_extend(cfg, ours, heads, args.states.split(","), states, disagree)
+            summary[phase] = run_graph_extend(cfg, ours, sglang, heads, args.states.split(","), states, disagree)
             continue
         method = {"decode": "packed_decode", "extend": "extend", "verify": "target_verify"}[phase]
         run = harness.Run(f"sglang_{phase}", cfg, baseline="sglang",
