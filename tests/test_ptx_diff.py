@@ -1,6 +1,8 @@
 """flashkda_ext.devtools.ptxdiff: normalised PTX per kernel between two source trees (the check that a
 refactor leaves the GPU code as it was)."""
+import errno
 import shutil
+import subprocess
 
 import pytest
 
@@ -115,3 +117,37 @@ def test_cpu_modules_are_refused(tmp_path):
     root = testing.make_tree(tmp_path / "t")
     with pytest.raises(ValueError, match="only CUDA modules have PTX"):
         ptxdiff.module_ptx("toy_cpu", root, None, tmp_path)
+
+
+def test_a_refused_spawn_is_tried_again_and_a_failed_compile_is_not(monkeypatch):
+    calls = []
+    real = subprocess.run
+
+    def flaky(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 1:
+            raise OSError(errno.EFAULT, "Bad address", cmd[0])
+        return real(cmd, **kw)
+    monkeypatch.setattr(ptxdiff.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ptxdiff.subprocess, "run", flaky)
+    assert ptxdiff._run(["true"]).returncode == 0 and len(calls) == 2
+    calls.clear()
+    assert ptxdiff._run(["false"]).returncode == 1 and len(calls) == 2     # ran and failed: returned, not retried
+
+    def missing(cmd, **kw):
+        calls.append(cmd)
+        raise FileNotFoundError(errno.ENOENT, "No such file", cmd[0])
+    calls.clear()
+    monkeypatch.setattr(ptxdiff.subprocess, "run", missing)
+    with pytest.raises(FileNotFoundError):
+        ptxdiff._run(["nvcc-missing"])
+    assert len(calls) == 1
+
+    def always(cmd, **kw):
+        calls.append(cmd)
+        raise OSError(errno.EFAULT, "Bad address", cmd[0])
+    calls.clear()
+    monkeypatch.setattr(ptxdiff.subprocess, "run", always)
+    with pytest.raises(OSError):
+        ptxdiff._run(["nvcc"])
+    assert len(calls) == 3

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -130,6 +132,24 @@ def compare(base: Dict[str, List[str]], change: Dict[str, List[str]]) -> List[di
     return rows
 
 
+# the OS refusing to start a process (not a compile that ran and failed): EAGAIN / ENOMEM, and EFAULT, which a
+# 2-core CI machine once answered for nvcc started from one of two compiling threads (2026-12-05, passed alone)
+_SPAWN_REFUSED = {errno.EAGAIN, errno.ENOMEM, errno.EFAULT}
+
+
+def _run(cmd: List[str]) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd) with its output captured; where the process could not be started (_SPAWN_REFUSED), up
+    to two more tries, half a second and a second later."""
+    for attempt in range(3):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            if e.errno not in _SPAWN_REFUSED or attempt == 2:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def compile_module(name: str, root, arch: Optional[str], workdir: Path, kind: str = "ptx",
                    logs: Optional[List[str]] = None) -> List[Path]:
     """nvcc -ptx (or -cubin) of each .cu source of module `name` as the tree at `root` defines it
@@ -154,7 +174,7 @@ def compile_module(name: str, root, arch: Optional[str], workdir: Path, kind: st
         out = workdir / f"{name}_{Path(src).stem}.{kind}"
         cmd = [toolchain.find_nvcc()] + flags + incs + ["-include", str(header), f"-{kind}", str(csrc / src),
                                                        "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = _run(cmd)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc -{kind} failed for {name} ({src}) under {root}:\n{proc.stderr[-4000:]}")
         if logs is not None:
