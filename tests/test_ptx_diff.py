@@ -3,6 +3,7 @@ refactor leaves the GPU code as it was)."""
 import errno
 import shutil
 import subprocess
+import types
 
 import pytest
 
@@ -119,35 +120,28 @@ def test_cpu_modules_are_refused(tmp_path):
         ptxdiff.module_ptx("toy_cpu", root, None, tmp_path)
 
 
-def test_a_refused_spawn_is_tried_again_and_a_failed_compile_is_not(monkeypatch):
-    calls = []
-    real = subprocess.run
+REFUSED = OSError(errno.EFAULT, "Bad address")
 
-    def flaky(cmd, **kw):
+
+@pytest.mark.parametrize("errors, cmd, calls_made, raises", [
+    ([REFUSED], ["true"], 2, None),                                  # refused once, then started and ran
+    ([], ["false"], 1, None),                                        # ran and failed: returned, not tried again
+    ([FileNotFoundError(errno.ENOENT, "No such file")], ["nvcc-missing"], 1, FileNotFoundError),
+    ([REFUSED] * 3, ["nvcc"], 3, OSError),                           # refused three times: raised
+])
+def test_a_refused_spawn_is_tried_again_and_nothing_else_is(monkeypatch, errors, cmd, calls_made, raises):
+    calls, pending = [], list(errors)
+
+    def run(cmd, **kw):
         calls.append(cmd)
-        if len(calls) == 1:
-            raise OSError(errno.EFAULT, "Bad address", cmd[0])
-        return real(cmd, **kw)
+        if pending:
+            raise pending.pop(0)
+        return subprocess.run(cmd, **kw)
     monkeypatch.setattr(ptxdiff.time, "sleep", lambda s: None)
-    monkeypatch.setattr(ptxdiff.subprocess, "run", flaky)
-    assert ptxdiff._run(["true"]).returncode == 0 and len(calls) == 2
-    calls.clear()
-    assert ptxdiff._run(["false"]).returncode == 1 and len(calls) == 2     # ran and failed: returned, not retried
-
-    def missing(cmd, **kw):
-        calls.append(cmd)
-        raise FileNotFoundError(errno.ENOENT, "No such file", cmd[0])
-    calls.clear()
-    monkeypatch.setattr(ptxdiff.subprocess, "run", missing)
-    with pytest.raises(FileNotFoundError):
-        ptxdiff._run(["nvcc-missing"])
-    assert len(calls) == 1
-
-    def always(cmd, **kw):
-        calls.append(cmd)
-        raise OSError(errno.EFAULT, "Bad address", cmd[0])
-    calls.clear()
-    monkeypatch.setattr(ptxdiff.subprocess, "run", always)
-    with pytest.raises(OSError):
-        ptxdiff._run(["nvcc"])
-    assert len(calls) == 3
+    monkeypatch.setattr(ptxdiff, "subprocess", types.SimpleNamespace(run=run, CompletedProcess=None))
+    if raises:
+        with pytest.raises(raises):
+            ptxdiff._run(cmd)
+    else:
+        assert ptxdiff._run(cmd).returncode == (0 if cmd == ["true"] else 1)
+    assert len(calls) == calls_made
