@@ -161,23 +161,15 @@ def _workspace_route_meta(q, v, cu_seqlens, max_seqlen, gate, lower_bound, state
     validation._ndim("v", v, 4, "[B, T, HV, V]")
     B, T = q.shape[0], q.shape[1]
     N = B if cu_seqlens is None else validation._tensor("cu_seqlens", cu_seqlens).shape[0] - 1
-    if max_seqlen is not None and not 0 <= validation._int("max_seqlen", max_seqlen, "or None") <= T:
-        raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
-    if gate not in validation.GATES:
-        raise ValueError(f"gate: expected one of {sorted(validation.GATES)}, got {gate!r}")
-    if gate == "bounded":
-        lb = validation._real("lower_bound", lower_bound) if lower_bound is not None else None
-        if lb is None or not lb < 0:
-            raise ValueError(f"lower_bound: gate='bounded' needs a float < 0, got {lower_bound!r}")
-    elif lower_bound is not None:
-        raise ValueError(f"lower_bound: only the bounded gate takes one, got {lower_bound!r} with gate={gate!r}")
+    validation.check_max_seqlen(max_seqlen, T, cu_seqlens is not None)
+    validation._choice("gate", gate, validation.GATES)
+    lb = validation._gate_bound(gate, lower_bound)
     if state_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype!r}")
-    if validation._int("checkpoint_every", checkpoint_every, ">= 0") < 0:
-        raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
+    validation.check_checkpoint_every(checkpoint_every)
     state = "f32" if state_dtype == torch.float32 else "bf16"
     return validation.prefill_route_meta("cuda", N, v.shape[2], B * T, max_seqlen, state, "o32", gate,
-                                         checkpoint_every > 0, float(lower_bound) if gate == "bounded" else None)
+                                         checkpoint_every > 0, lb)
 
 
 def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",

@@ -1,6 +1,7 @@
 """prefill_workspace_bytes routes as kda_prefill does: for every argument that can change the route (max_seqlen,
 gate, lower_bound, state dtype, checkpoints), the module it sizes the scratch for is the one the call takes, so a
-CUDA-graph capture sized by it never meets a larger need; its own bad arguments raise, naming them."""
+CUDA-graph capture sized by it never meets a larger need; its own bad arguments raise, naming them, by the op's
+own checks (validation.check_max_seqlen, _gate_bound, check_checkpoint_every)."""
 import pytest
 import torch
 
@@ -46,6 +47,8 @@ def test_the_routes_differ_across_those_arguments():
     (dict(max_seqlen=10 ** 6), "max_seqlen"), (dict(max_seqlen=1.5), "max_seqlen"), (dict(gate="tanh"), "gate"),
     (dict(gate="bounded"), "lower_bound"), (dict(gate="bounded", lower_bound=0.5), "lower_bound"),
     (dict(lower_bound=-5.0), "lower_bound"), (dict(state_dtype=torch.float16), "state_dtype"),
+    (dict(gate="bounded", lower_bound=float("-inf")), "lower_bound"),    # as kda_prefill: a finite bound
+    (dict(max_seqlen=32), "max_seqlen"),                                  # unpacked: every row is T = 64 tokens
     (dict(checkpoint_every=-1), "checkpoint_every"),
 ])
 def test_bad_arguments_are_named(kw, match):

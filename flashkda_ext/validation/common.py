@@ -250,6 +250,11 @@ def _gate_args(gate, A_log, dt_bias, lower_bound, value_heads: int, head_dim_k: 
             raise ValueError(f"dt_bias: expected shape [HV*K] = [{value_heads * head_dim_k}] or "
                              f"[HV, K] = [{value_heads}, {head_dim_k}], got {list(dt_bias.shape)}")
         _contiguous("dt_bias", dt_bias)
+    return _gate_bound(gate, lower_bound)
+
+
+def _gate_bound(gate: str, lower_bound) -> float:
+    """lower_bound checked against its (already checked) gate; returned as a float, 0.0 when unused."""
     if gate == "bounded":
         if lower_bound is None:
             raise ValueError("lower_bound: required by gate='bounded' (a float < 0), got None")

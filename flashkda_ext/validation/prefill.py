@@ -31,6 +31,29 @@ def prefill_route_meta(backend: str, num_seqs: int, value_heads: int, total_toke
             "gate": gate, "checkpoints": checkpoints, "lower_bound": lower_bound if gate == "bounded" else None}
 
 
+def check_max_seqlen(max_seqlen, T: int, packed: bool) -> None:
+    """kda_prefill's max_seqlen: None, or an int in [0, T] (exactly T for unpacked input)."""
+    if max_seqlen is None:
+        return
+    _int("max_seqlen", max_seqlen, "or None")
+    if not packed and max_seqlen != T:
+        # unpacked input: each of the B rows is one sequence of exactly T tokens
+        raise ValueError(f"max_seqlen: expected T = {T} (every one of the B rows is a sequence of T tokens) "
+                         f"or None, got {max_seqlen}")
+    if max_seqlen < 0 or max_seqlen > T:
+        raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
+
+
+def check_checkpoint_every(checkpoint_every) -> None:
+    """kda_prefill's checkpoint_every: an int in [0, INT64_MAX]."""
+    _int("checkpoint_every", checkpoint_every, ">= 0")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
+    if checkpoint_every > INT64_MAX:  # the modules take an int64: name it here, not the FFI conversion
+        raise ValueError(f"checkpoint_every: expected an int <= {INT64_MAX} (the kernels' int64), got "
+                         f"{checkpoint_every}")
+
+
 @dataclass(frozen=True)
 class PrefillCall:
     backend: str
@@ -79,14 +102,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
     _bool("output_final_state", output_final_state)
     _bool("null_slot0", null_slot0)
 
-    if max_seqlen is not None:
-        _int("max_seqlen", max_seqlen, "or None")
-        if cu_seqlens is None and max_seqlen != T:
-            # unpacked input: each of the B rows is one sequence of exactly T tokens
-            raise ValueError(f"max_seqlen: expected T = {T} (every one of the B rows is a sequence of T tokens) "
-                             f"or None, got {max_seqlen}")
-        if max_seqlen < 0 or max_seqlen > T:
-            raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
+    check_max_seqlen(max_seqlen, T, cu_seqlens is not None)
     cu_dtype = None
     if cu_seqlens is not None:
         cu_seqlens = _tensor("cu_seqlens", cu_seqlens)
@@ -155,12 +171,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
             state_mode = "dense"
             state_dtype = state_dtype or "float32"
 
-    _int("checkpoint_every", checkpoint_every, ">= 0")
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every!r}")
-    if checkpoint_every > INT64_MAX:  # the modules take an int64: name it here, not the FFI conversion
-        raise ValueError(f"checkpoint_every: expected an int <= {INT64_MAX} (the kernels' int64), got "
-                         f"{checkpoint_every}")
+    check_checkpoint_every(checkpoint_every)
     ckpt_slots = 0
     if checkpoint_every > 0:
         if checkpoint_every % chunk_multiple != 0:
