@@ -13,15 +13,13 @@ to the unsplit module: piece 0's rows bitwise, the rest within 1.1x its error.
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 tvm_ffi = pytest.importorskip("tvm_ffi")
-from gpu_common import bits, paged_like, records_by_name  # noqa: E402
+from gpu_common import bits, paged_like, records_by_name, seed  # noqa: E402
 from test_prefill_gpu import DEV, GATES, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
 
 RECS = records_by_name("prefill_c16_cuda.json")
@@ -33,10 +31,6 @@ def pieces_of(rec, N, HV):
     """The pieces the binding picks (kda_prefill_c16.cu): one wave of 2 CTAs an SM, at most params.pieces."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     return max(1, min(rec["params"].get("pieces", 1), rec["min_blocks"] * sms // (HV * N)))
-
-
-def seed(*parts):
-    torch.manual_seed(zlib.crc32(repr(parts).encode()))
 
 
 def module_and_state_dtype(name):

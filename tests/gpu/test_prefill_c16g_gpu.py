@@ -10,24 +10,18 @@ Each path is also held to the float64 recurrence, outputs NaN-poisoned first.
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 tvm_ffi = pytest.importorskip("tvm_ffi")
-from gpu_common import bits, records_by_name  # noqa: E402
+from gpu_common import bits, records_by_name, seed  # noqa: E402
 from test_prefill_gpu import DEV, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
 
 RECS = records_by_name("prefill_c16g_cuda.json")
 NAMES = list(RECS)
 F32 = [n for n in NAMES if n.endswith("_f32")]
-
-
-def seed(*parts):
-    torch.manual_seed(zlib.crc32(repr(parts).encode()))
 
 
 def fallback_of(name):
