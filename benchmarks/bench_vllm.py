@@ -15,7 +15,12 @@ serve: a fallback is reported as an error of the case), "vllm_triton" calls the 
   a strided view of the projection, rows distinct slots of a pool whose slot 0 is vLLM's null block;
 - verify: fused_recurrent_kda with a [rows, T_max] slot table and num_accepted_tokens in [1, T_max], q/k/v
   row-strided views of the post-conv buffer;
-- prefill: chunk_kda_with_fused_gate over `rows` sequences of --prefill-len tokens from gathered states.
+- prefill: chunk_kda_with_fused_gate over `rows` sequences of --prefill-len tokens from gathered states;
+- mixed: vLLM's usual prefill step, `rows` one-token decodes and one --mixed-prompt-token prompt chunk in one
+  chunk_kda_with_fused_gate call, inside a vLLM forward context holding the step's GDNAttentionMetadata
+  (scripts/vllm_step_metadata.py: the wheel's own classes), so "ours" routes by the prompt's length
+  (integrations/vllm/host_lengths.py); "ours_by_mean" is the same call on a copy of the offsets, which the lookup
+  does not find (routed by the mean, as before that lookup).
 Each point: bf16 and fp32 pools (--state-dtypes; --paged: laid out as vLLM pages them), softplus or bounded
 gate (--lower-bound), heads H = HV.
 Agreement is checked first on fresh copies (output and pool / final state, rel. L2 below --tol); the table is
@@ -25,6 +30,7 @@ fallback counts per call site.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -33,6 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import vllm_step_metadata  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = V = 128
@@ -104,17 +113,17 @@ def inputs(kind, rows, H, state_dtype, lower_bound, args, dev, seed=0):
                     dt_bias=dt_bias, lower_bound=lower_bound, initial_state=pool,
                     cu_seqlens=torch.arange(0, T + 1, tm, dtype=torch.int32, device=dev),
                     ssm_state_indices=table, num_accepted_tokens=nat), pool
-    L = args.prefill_len
-    T = rows * L
-    h0 = (torch.randn(rows, H, V, K, generator=gen, device=dev) * 0.05).to(state_dtype)
+    lengths = [args.prefill_len] * rows if kind == "prefill" else [1] * rows + [args.mixed_prompt]
+    T, N = sum(lengths), len(lengths)
+    h0 = (torch.randn(N, H, V, K, generator=gen, device=dev) * 0.05).to(state_dtype)
     return dict(q=bf(1, T, H, K), k=bf(1, T, H, K), v=bf(1, T, H, V), raw_g=bf(1, T, H, K),
                 raw_beta=bf(1, T, H + 8)[..., :H], A_log=A_log, g_bias=dt_bias, lower_bound=lower_bound,
                 initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                cu_seqlens=torch.arange(0, T + 1, L, dtype=torch.int32, device=dev)), None
+                cu_seqlens=torch.tensor([0] + lengths, device=dev).cumsum(0).to(torch.int32)), None
 
 
 NAMES = {"decode": "fused_recurrent_kda_packed_decode", "verify": "fused_recurrent_kda",
-         "prefill": "chunk_kda_with_fused_gate"}
+         "prefill": "chunk_kda_with_fused_gate", "mixed": "chunk_kda_with_fused_gate"}
 
 
 def with_pool(call, pool):
@@ -186,18 +195,55 @@ def fla_arm(kind, call, pool):
                                   cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"])
 
 
+def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site, served,
+            rel_o, rel_s, how, accuracy, failed):
+    """One point after its agreement check: the accuracy record, then the arms timed side by side."""
+    ok = fkda_vllm.STATS[site, "served"] == served + 1
+    good = ok and rel_o < args.tol and rel_s < args.tol
+    if kind == "mixed":     # the point is the route by the prompt: a call routed by the mean fails it
+        good = good and how == ["longest from vLLM's metadata"]
+    accuracy.append({"case": name, "served": ok, "rel_l2_out": rel_o, "rel_l2_state": rel_s, "ok": good,
+                     "against": "vllm_triton" if original else "reference", "routed": how})
+    if not good:
+        failed.append(name)
+    arms = []
+    if ok:
+        mine = with_pool(call, copy_pool(pool))
+        arms.append(harness.Arm("ours", lambda c=mine: adapter(**c)))
+        if kind == "mixed":
+            # a copy of the offsets is not the metadata's tensor: the lookup misses and the call routes by the mean
+            by_mean = dict(mine, cu_seqlens=call["cu_seqlens"].clone())
+            arms.append(harness.Arm("ours_by_mean", lambda c=by_mean: adapter(**c)))
+    if original is not None:
+        theirs = with_pool(call, copy_pool(pool))
+        arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
+        if not args.no_fla:
+            fla = fla_arm(kind, call, copy_pool(pool))
+            if fla is not None:
+                arms.append(harness.Arm("fla", fla))
+    nbytes = None if pool is None else harness.state_bytes(
+        rows * H * (args.spec_tokens if kind == "verify" else 1), K, V, sd)
+    params = dict(kind=kind, rows=rows, H=H, state_dtype=str(sd), lower_bound=lb)
+    if kind == "mixed":
+        params["prompt"] = args.mixed_prompt
+    run.add(harness.Case(name, params, arms, bytes=nbytes,
+                         notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "served": ok, "routed": how}))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)
     ap.add_argument("--engine-dir", default=str(ROOT / ".engines" / "vllm"))
-    ap.add_argument("--kinds", default="decode,verify,prefill")
-    ap.add_argument("--rows", default="1,4,16,64,256,1024", help="decode rows / verify requests / prefill sequences")
+    ap.add_argument("--kinds", default="decode,verify,prefill,mixed")
+    ap.add_argument("--rows", default="1,4,16,64,256,1024",
+                    help="decode rows / verify requests / prefill sequences / mixed: decodes beside the prompt")
     ap.add_argument("--heads", default="8,12,24,32")
     ap.add_argument("--state-dtypes", default="float32,bfloat16")
     ap.add_argument("--lower-bound", type=float, default=-5.0, help="the bounded gate (K3); nan: softplus")
     ap.add_argument("--spec-tokens", type=int, default=4, help="verify: T_max (draft tokens + 1)")
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--prefill-max-rows", type=int, default=64, help="prefill: rows above this are left out")
+    ap.add_argument("--mixed-prompt", type=int, default=4096, help="mixed: the prompt chunk's tokens")
     ap.add_argument("--paged", action="store_true", help="pools as vLLM pages them (conv state first in a page)")
     ap.add_argument("--tol", type=float, default=1e-2, help="rel. L2 agreement bound (bf16 inputs)")
     args = ap.parse_args(argv)
@@ -205,9 +251,10 @@ def main(argv=None) -> int:
     if args.quick:
         args.rows, args.heads = "1,64,1024", "8,32"
     if args.dry_run:
-        args.rows, args.heads, args.prefill_len = "1,3", "2", 32
+        args.rows, args.heads, args.prefill_len, args.mixed_prompt = "1,3", "2", 32, 40
     dev = torch.device(cfg.device)
     ops, fkda_vllm = load_vllm(Path(args.engine_dir))
+    step_ns = vllm_step_metadata.load(Path(args.engine_dir)) if "mixed" in args.kinds.split(",") else None
     lb = None if args.lower_bound != args.lower_bound else args.lower_bound   # nan: softplus
     kinds = [k for k in args.kinds.split(",") if k]
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -216,6 +263,7 @@ def main(argv=None) -> int:
     run = harness.Run("bench_vllm", cfg, baseline="vllm_triton" if cfg.is_cuda else None,
                       extra_meta={"vllm": "0.34.0 (wheel, kimi_k3 nvidia ops)", "lower_bound": lb,
                                   "spec_tokens": args.spec_tokens, "prefill_len": args.prefill_len,
+                                  "mixed_prompt": args.mixed_prompt,
                                   "paged": args.paged})
     points = [(kind, r, H, sd) for kind in kinds for r in rows_list for H in heads for sd in dtypes
               if not (kind == "prefill" and r > args.prefill_max_rows)]
@@ -229,37 +277,27 @@ def main(argv=None) -> int:
             call, pool = inputs(kind, rows, H, sd, lb, args, dev)
             site = f"k3.{NAMES[kind]}"
             served = fkda_vllm.STATS[site, "served"]
-            try:
-                rel_o, rel_s = agreement(kind, call, pool, adapter, original)
-            except Exception as e:  # noqa: BLE001  a point that cannot run is recorded, the sweep goes on
-                run.skipped.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
-                failed.append(name)
-                continue
-            ok = fkda_vllm.STATS[site, "served"] == served + 1
-            good = ok and rel_o < args.tol and rel_s < args.tol
-            accuracy.append({"case": name, "served": ok, "rel_l2_out": rel_o, "rel_l2_state": rel_s, "ok": good,
-                             "against": "vllm_triton" if original else "reference"})
-            if not good:
-                failed.append(name)
-            arms = []
-            if ok:
-                mine = with_pool(call, copy_pool(pool))
-                arms.append(harness.Arm("ours", lambda c=mine: adapter(**c)))
-            if original is not None:
-                theirs = with_pool(call, copy_pool(pool))
-                arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
-                if not args.no_fla:
-                    fla = fla_arm(kind, call, copy_pool(pool))
-                    if fla is not None:
-                        arms.append(harness.Arm("fla", fla))
-            nbytes = None if pool is None else harness.state_bytes(
-                rows * H * (args.spec_tokens if kind == "verify" else 1), K, V, sd)
-            run.add(harness.Case(name, dict(kind=kind, rows=rows, H=H, state_dtype=str(sd), lower_bound=lb),
-                                 arms, bytes=nbytes,
-                                 notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "served": ok}))
+            step = contextlib.nullcontext()
+            if kind == "mixed":
+                # the step's metadata holds the very offsets tensor the call passes, as in vLLM
+                m = vllm_step_metadata.step(step_ns, [1] * rows + [args.mixed_prompt], dev)
+                call["cu_seqlens"] = m.non_spec_query_start_loc
+                step = vllm_step_metadata.forward(step_ns, {"model.layers.0.self_attn": m})
+            with step:
+                routed = dict(fkda_vllm.ROUTED)
+                try:
+                    rel_o, rel_s = agreement(kind, call, pool, adapter, original)
+                except Exception as e:  # noqa: BLE001  a point that cannot run is recorded, the sweep goes on
+                    run.skipped.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
+                    failed.append(name)
+                    continue
+                how = [k[1] for k, n in fkda_vllm.ROUTED.items() if k[0] == site and n > routed.get(k, 0)]
+                measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site,
+                        served, rel_o, rel_s, how, accuracy, failed)
     run.extra["accuracy"] = accuracy
     run.extra["adapter_counts"] = {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()}
     run.extra["fallback_reasons"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}
+    run.extra["prefill_routed"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.ROUTED.items()}
     run.finish()
     for a in accuracy:
         print(f"{a['case']:<40} served={a['served']} out {a['rel_l2_out']:.2e} state {a['rel_l2_state']:.2e} "

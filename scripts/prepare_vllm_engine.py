@@ -49,6 +49,12 @@ FILES = (
     "vllm/model_executor/layers/mamba/mamba_utils.py",
     "vllm/models/kimi_k3/nvidia/kda.py",
     "vllm/model_executor/models/bailing_moe_v3.py",
+    # compiled in part by scripts/vllm_step_metadata.py (the forward context and a step's GDN metadata)
+    "vllm/forward_context.py",
+    "vllm/config/compilation.py",
+    "vllm/v1/attention/backends/gdn_attn.py",
+    "vllm/v1/attention/backends/utils.py",
+    "vllm/models/kimi_k3/nvidia/kda_metadata.py",      # read: K3's metadata builder
 )
 
 _EMPTY_PACKAGES = ("vllm", "vllm/utils", "vllm/model_executor", "vllm/model_executor/warmup", "vllm/models",

@@ -602,8 +602,11 @@ def test_the_benchmark_dry_run_serves_every_kind_and_agrees_with_the_reference(t
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     doc = json.loads((tmp_path / "bench_vllm.json").read_text())
-    assert {a["case"].split()[0] for a in doc["accuracy"]} == {"decode", "verify", "prefill"}
+    assert {a["case"].split()[0] for a in doc["accuracy"]} == {"decode", "verify", "prefill", "mixed"}
     assert all(a["served"] and a["ok"] for a in doc["accuracy"])
+    # the mixed step ran in the wheel's forward context and was routed by its prompt
+    mixed = [a for a in doc["accuracy"] if a["case"].startswith("mixed")]
+    assert mixed and all(a["routed"] == ["longest from vLLM's metadata"] for a in mixed)
     assert not doc["fallback_reasons"]
 
 

@@ -328,8 +328,16 @@ def serve_chunk_kda(*args, **kwargs):
     """chunk_kda through kda_prefill: returns (o [B, T, HV, V], final_state [N, HV, V, K] fp32 or None), and
     with return_intermediate_states h [B, NT, HV, V, K] in q's dtype (B = 1 for packed input, NT chunks
     over all sequences), h[:, c] the state entering chunk c (fla's layout with state_v_first=True)."""
+    return serve_chunk_kda_known_longest(None, *args, **kwargs)
+
+
+def serve_chunk_kda_known_longest(longest, *args, **kwargs):
+    """serve_chunk_kda, routed by `longest` (a caller's host bound on the longest sequence: vLLM's vendored
+    chunk_kda, integrations/vllm/host_lengths.py) where fla's own arguments (cu_seqlens_cpu) do not give it."""
     from ..ops import kda_prefill
     a, kw, lengths = _plan_chunk_kda(_Plan(meta=False), *args, **kwargs)
+    if kw["max_seqlen"] is None and kw["cu_seqlens"] is not None:
+        kw["max_seqlen"] = longest
     res = kda_prefill(*a, **kw)
     if lengths is None:
         return res[0], res[1]

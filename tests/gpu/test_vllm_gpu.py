@@ -131,6 +131,29 @@ def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype, rows, m
     assert rel_l2(o1, o2) < 2 * TOL and rel_l2(h1, h2) < 2 * TOL
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_a_mixed_step_routes_by_its_prompt_in_vllms_forward_context(vllm_ops, lower_bound, monkeypatch):
+    """vLLM's usual prefill step (63 one-token decodes beside a 2000-token prompt, H8) inside the wheel's forward
+    context with the step's GDNAttentionMetadata: routed by the prompt (a chunk-64 module), by the mean (the fused
+    16-token module) when the offsets are a copy the lookup cannot find; both agree with vLLM's Triton kernel."""
+    ops, fk = vllm_ops
+    routed = prefill_modules_routed(monkeypatch)
+    ns = bench_vllm.vllm_step_metadata.load(ROOT / ".engines" / "vllm")
+    lengths = [1] * 63 + [2000]
+    args = type("A", (Args,), {"mixed_prompt": 2000})
+    call, _ = bench_vllm.inputs("mixed", 63, 8, torch.float32, lower_bound, args, DEV, seed=11)
+    m = bench_vllm.vllm_step_metadata.step(ns, lengths, DEV)
+    call["cu_seqlens"] = m.non_spec_query_start_loc
+    with bench_vllm.vllm_step_metadata.forward(ns, {"model.layers.0.self_attn": m}):
+        (o1, h1), (o2, h2) = both(ops, fk, "chunk_kda_with_fused_gate", call, None)
+        (o3, h3), _ = both(ops, fk, "chunk_kda_with_fused_gate", dict(call, cu_seqlens=call["cu_seqlens"].clone()),
+                           None)
+    assert len(routed) == 2 and not routed[0].startswith("prefill_c16") and routed[1].startswith("prefill_c16_"), \
+        routed
+    for o, h in ((o1, h1), (o3, h3)):
+        assert rel_l2(o, o2) < 2 * TOL and rel_l2(h, h2) < 2 * TOL
+
+
 def test_decode_on_a_paged_pool_matches_vllm_triton(vllm_ops):
     """vLLM's page: the conv state then the recurrent state, a page per slot; the pool a strided view. Ours and
     vLLM's each on a copy of the whole paged buffer; ours writes only the named slots' states."""

@@ -14,7 +14,8 @@ Patch points (PATCH_POINTS), each name rebound wherever a loaded vllm module hol
 
 Every adapter has vLLM's signature of its name (install() checks it and skips a name whose signature differs),
 serves a call exactly or runs vLLM's original with the reason counted (STATS / REASONS, per call site
-"<patch point>.<name>"), and falls back on any argument it does not know. Nothing here imports vllm until
+"<patch point>.<name>"), and falls back on any argument it does not know. The two chunk prefills count in
+ROUTED how their route knew the longest sequence (host_lengths.py). Nothing here imports vllm until
 install() runs.
 """
 from __future__ import annotations
@@ -25,10 +26,10 @@ import os
 import sys
 
 from . import k3, vendored
-from ._common import REASONS, STATS, Refused, serve_or_fall_back
+from ._common import REASONS, ROUTED, STATS, Refused, serve_or_fall_back
 
-__all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "Refused",
-           "PATCH_POINTS"]
+__all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "ROUTED",
+           "Refused", "PATCH_POINTS"]
 
 ENV_VAR = "FLASHKDA_EXT_VLLM"       # "1": install() when vLLM loads its general plugins (pyproject entry point)
 #: (patch point, vLLM module whose names are rebound, {name: adapter body})

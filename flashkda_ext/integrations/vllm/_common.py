@@ -14,6 +14,9 @@ from .. import rows
 STATS: collections.Counter = collections.Counter()
 #: fallbacks per (call site, reason)
 REASONS: collections.Counter = collections.Counter()
+#: served prefill calls per (call site, how the route knew the longest sequence): "longest from vLLM's metadata",
+#: or "by the mean: <why the longest was not known>" (host_lengths.py)
+ROUTED: collections.Counter = collections.Counter()
 
 
 class Refused(Exception):

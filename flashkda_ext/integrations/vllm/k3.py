@@ -9,7 +9,8 @@ from the package at call time, so rebinding the package attributes reaches every
   [B, 2*H*K + H*V] buffer (q | k | v: its row-strided views, no copy), raw gate, beta logit, softplus or
   bounded gate, pool in place.
 - chunk_kda_with_fused_gate -> kda_prefill (dense mode): raw gate and beta logit, softplus or bounded
-  gate (lower_bound), the fp32 final state vLLM returns.
+  gate (lower_bound), the fp32 final state vLLM returns; routed by its longest sequence where vLLM's step
+  metadata gives it (host_lengths.py), else by the mean.
 - fused_recurrent_kda -> kda_verify (speculative decoding: ssm_state_indices [N, T_max] with
   num_accepted_tokens), or kda_decode for one-token requests.
 
@@ -25,7 +26,8 @@ import torch
 from .. import _indices
 from ..common_checks import number_or_none
 from ..rows import rows_view
-from ._common import Refused, dense_qkv, qkv_rows, run_op, unknown
+from . import host_lengths
+from ._common import ROUTED, Refused, dense_qkv, qkv_rows, run_op, unknown
 
 
 #: A_log / dt_bias (g_bias) dtypes served, read as fp32: vLLM's kernels load each element in its stored dtype and
@@ -135,6 +137,9 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     g, beta = _gate_beta(raw_g, raw_beta, q)
     HV, K = v.shape[2], q.shape[3]
     cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
+    # the longest sequence, for routing only (never read from the device): from vLLM's step metadata, found by
+    # the caller's own cu_seqlens object
+    longest, how = (None, "no cu_seqlens") if cu is None else host_lengths.longest(cu_seqlens, q.shape[1])
     # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
     # at most (to() alone keeps an fp32 tensor's strides)
     init = initial_state
@@ -144,7 +149,10 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, g_bias, lower_bound, HV, K, q.device, "g_bias"),
                  scale=scale, beta_is_logit=True, cu_seqlens=cu, initial_state=init,
                  output_final_state=_flag("output_final_state", output_final_state),
-                 out=_dense_out(out, tuple(v.shape)))
+                 out=_dense_out(out, tuple(v.shape)), max_seqlen=longest)
+    if cu is not None:
+        ROUTED["k3.chunk_kda_with_fused_gate",
+               "longest from vLLM's metadata" if longest is not None else f"by the mean: {how}"] += 1
     return res[0], res[1]
 
 

@@ -1,6 +1,7 @@
 """Adapters for vLLM's vendored copy of fla's KDA ops (vllm/third_party/flash_linear_attention/ops/kda.py), which
 vLLM 0.34.0 still calls from one model, bailing_moe_v3 (imported by name at module level): fused_recurrent_kda_fwd
-(speculative decoding), chunk_kda (prefill from a precomputed log decay) and fused_recurrent_kda (decode). Its
+(speculative decoding), chunk_kda (prefill from a precomputed log decay; routed by its longest sequence where
+vLLM's step metadata gives it: host_lengths.py) and fused_recurrent_kda (decode). Its
 chunk_kda_with_fused_gate has no caller in vLLM 0.34.0 and is left alone.
 
 The argument mapping is fla.py's (these ops are fla's with vLLM's fixed choices: state_v_first, no gate or beta
@@ -17,7 +18,8 @@ from .. import _indices
 from ..common_checks import number_or_none
 from .. import fla as _fla
 from ..rows import rows_view
-from ._common import Refused, run_op, unknown
+from . import host_lengths
+from ._common import ROUTED, Refused, run_op, unknown
 
 #: extra keyword arguments vLLM's vendored chunk_kda / fused_recurrent_kda accept and ignore (bailing_moe_v3)
 IGNORED_BY_VLLM = ("safe_gate", "lower_bound")
@@ -128,7 +130,10 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
     _no_unknown(kwargs)
+    longest, how = None, "no cu_seqlens"
     if cu_seqlens is not None:
+        # routing only, from vLLM's step metadata (found by the caller's own cu_seqlens object)
+        longest, how = host_lengths.longest(cu_seqlens, q.shape[1])
         cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = (_contiguous(x) for x in (q, k, v, g, beta, initial_state))
     form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
@@ -137,7 +142,11 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     ok, reason = _fla._verdict("vllm.vendored.chunk_kda", _fla._check_chunk_kda, (), form)
     if not ok:
         raise Refused(reason)
-    return run_op(_fla.serve_chunk_kda, **form)
+    res = run_op(_fla.serve_chunk_kda_known_longest, longest, **form)
+    if cu_seqlens is not None:
+        ROUTED["vendored.chunk_kda",
+               "longest from vLLM's metadata" if longest is not None else f"by the mean: {how}"] += 1
+    return res
 
 
 #: vLLM's name -> adapter body (with vLLM 0.34.0's signature of that name)

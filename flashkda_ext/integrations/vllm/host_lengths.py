@@ -1,0 +1,90 @@
+"""The longest sequence of a vLLM prefill call, read from vLLM's own host metadata, so that the call routes by
+its longest sequence as SGLang's and fla's calls do (validation.prefill_route_meta, `work_per_longest`).
+
+Why: vLLM 0.34 sends every non-speculative request of a step through one chunk call whenever the step has a
+prefill, so its usual step is many one-token decodes beside one long prompt chunk. Routed by the mean length,
+that step takes the fused 16-token kernel, whose one CTA a sequence walks the long chunk alone (measured 13x
+slower than the chunk-64 route at B1 T8K H8, csrc/prefill/README.md).
+
+How, without reading the device: the KDA layers (Kimi's shared GDN layer, K3's, bailing_moe_v3) pass
+cu_seqlens = m.non_spec_query_start_loc of the step's GDNAttentionMetadata m, and the same m holds nums_dict,
+built by vLLM's metadata builder from the host offsets for its causal conv: nums_dict[8]["nums"][r] =
+ceil(len_r / 8), a host tensor. So 8 * max(nums) bounds the longest sequence from above by at most 7 tokens
+(enough for routing, the only use of max_seqlen without checkpoints). m is found in the forward context by the
+identity of cu_seqlens; one lookup a step and offsets (cached on the forward context object, which vLLM builds
+anew for each forward). Anything else gives None and the reason (the call then routes by the mean, as before).
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Optional, Tuple
+
+import torch
+
+BLOCK = 8      # vLLM's causal-conv block (compute_causal_conv1d_metadata: `for BLOCK_M in [8]`)
+
+_cache: list = [None, {}]      # [weakref to the forward context, {id(cu_seqlens): (weakref(cu_seqlens), answer)}]
+
+
+def _find(attn_metadata, cu_seqlens):
+    """The metadata object whose non_spec_query_start_loc is cu_seqlens (a dict, or a list of dicts under
+    vLLM's dual-batch overlap), else None."""
+    groups = attn_metadata if isinstance(attn_metadata, (list, tuple)) else [attn_metadata]
+    for group in groups:
+        if not isinstance(group, dict):
+            continue
+        for m in group.values():
+            if getattr(m, "non_spec_query_start_loc", None) is cu_seqlens:
+                return m
+    return None
+
+
+def _from_metadata(m, N: int, T: int) -> Tuple[Optional[int], str]:
+    nums_dict = getattr(m, "nums_dict", None)
+    entry = nums_dict.get(BLOCK) if isinstance(nums_dict, dict) else None
+    nums = entry.get("nums") if isinstance(entry, dict) else None
+    if not isinstance(nums, torch.Tensor) or nums.device.type != "cpu" or nums.dim() != 1 \
+            or nums.dtype.is_floating_point or nums.dtype.is_complex or nums.dtype == torch.bool:
+        return None, f"the step's metadata has no host nums_dict[{BLOCK}]['nums'] (vLLM's conv block counts)"
+    if nums.shape[0] != N:
+        return None, (f"nums_dict[{BLOCK}]['nums'] counts {nums.shape[0]} requests, cu_seqlens {N} (not the "
+                      f"offsets this call got)")
+    if N == 0:
+        return 0, "vllm metadata"
+    top = int(nums.max())
+    if top < 0:
+        return None, f"nums_dict[{BLOCK}]['nums'] holds a negative count {top}"
+    return min(T, BLOCK * top), "vllm metadata"
+
+
+def longest(cu_seqlens, T: int) -> Tuple[Optional[int], str]:
+    """(a host bound on the longest sequence of this call, within 7 tokens, or None; how it was had or why
+    not). Never reads a device tensor; imports nothing (vLLM's forward_context is read only when loaded)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        return None, "no cu_seqlens"
+    fc = sys.modules.get("vllm.forward_context")
+    if fc is None:
+        return None, "vllm.forward_context is not loaded"
+    try:
+        if not fc.is_forward_context_available():
+            return None, "no vLLM forward context is set"
+        ctx = fc.get_forward_context()
+    except Exception as e:  # noqa: BLE001 - an engine of another shape: route by the mean, with the reason
+        return None, f"vLLM's forward context did not answer ({type(e).__name__}: {e})"
+    owner = _cache[0]() if _cache[0] is not None else None
+    if owner is not ctx:
+        try:
+            _cache[0] = weakref.ref(ctx)
+        except TypeError:
+            _cache[0] = None
+        _cache[1] = {}
+    hit = _cache[1].get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    m = _find(getattr(ctx, "attn_metadata", None), cu_seqlens)
+    answer = (None, "cu_seqlens is not the non_spec_query_start_loc of any metadata in vLLM's forward context") \
+        if m is None else _from_metadata(m, cu_seqlens.shape[0] - 1, T)
+    if _cache[0] is not None:
+        _cache[1][id(cu_seqlens)] = (weakref.ref(cu_seqlens), answer)
+    return answer

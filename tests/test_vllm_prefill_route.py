@@ -1,0 +1,260 @@
+"""vLLM's chunk prefills route by their longest sequence, read from vLLM's own step metadata
+(flashkda_ext/integrations/vllm/host_lengths.py), against the real vLLM 0.34.0 code: the layers' and the metadata
+builders' sources, and the forward context, GDNAttentionMetadata and compute_causal_conv1d_metadata compiled from
+the wheel (scripts/vllm_step_metadata.py)."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vllm_wheel
+from flashkda_ext import dispatch, ops, validation
+from flashkda_ext.integrations import vllm as fkda_vllm
+from flashkda_ext.integrations.vllm import host_lengths
+from flashkda_ext.reference import kda_recurrent
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import vllm_step_metadata  # noqa: E402
+
+H, K, V = 8, 8, 8
+TOL = dict(rtol=2e-5, atol=2e-5)
+SITE = "k3.chunk_kda_with_fused_gate"
+BY_METADATA = "longest from vLLM's metadata"
+LAYERS = {"vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn": "chunk_kda_with_fused_gate",
+          "vllm.models.kimi_k3.nvidia.kda": "chunk_kda_with_fused_gate",
+          "vllm.model_executor.models.bailing_moe_v3": "chunk_kda"}
+BUILDERS = ("vllm.v1.attention.backends.gdn_attn", "vllm.models.kimi_k3.nvidia.kda_metadata")
+
+
+@pytest.fixture(scope="module")
+def tree():
+    return vllm_wheel.require()
+
+
+@pytest.fixture
+def real(tree, monkeypatch):
+    ns = vllm_wheel.load(tree, monkeypatch)
+    ns.step = vllm_step_metadata.load(tree)
+    fkda_vllm.install()
+    yield ns
+    fkda_vllm.uninstall()
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The keyword arguments of every kda_prefill call the adapters make (the op itself still runs)."""
+    calls = []
+    real_op = ops.kda_prefill
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real_op(*args, **kwargs)
+    monkeypatch.setattr(ops, "kda_prefill", recording)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
+# the sources: what the lookup relies on
+
+
+def _function_with_call(tree_src, callee):
+    """The innermost function definitions that call `callee` by name."""
+    return [f for f in ast.walk(tree_src) if isinstance(f, ast.FunctionDef)
+            and any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == callee
+                    for n in ast.walk(f))
+            and not any(isinstance(g, ast.FunctionDef) and g is not f and any(
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == callee for n in ast.walk(g))
+                for g in ast.walk(f))]
+
+
+@pytest.mark.parametrize("module", LAYERS)
+def test_the_layers_pass_the_metadatas_non_spec_offsets_as_cu_seqlens(tree, module):
+    """Each chunk call's cu_seqlens is a name bound to `<metadata>.non_spec_query_start_loc` in the same function:
+    the object host_lengths finds in the forward context."""
+    src = ast.parse(vllm_wheel.source(tree, module))
+    callee = LAYERS[module]
+    functions = _function_with_call(src, callee)
+    assert functions, f"{module} no longer calls {callee}"
+    for f in functions:
+        bound = {t.id for n in ast.walk(f) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Attribute)
+                 and n.value.attr == "non_spec_query_start_loc" for t in n.targets if isinstance(t, ast.Name)}
+        for call in (n for n in ast.walk(f) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id == callee):
+            cu = next(kw.value for kw in call.keywords if kw.arg == "cu_seqlens")
+            assert isinstance(cu, ast.Name) and cu.id in bound, (module, ast.unparse(cu), bound)
+
+
+@pytest.mark.parametrize("module", BUILDERS)
+def test_the_builders_count_conv_blocks_from_the_host_copy_of_those_offsets(tree, module):
+    """GDN's and K3's metadata builders: nums_dict comes from non_spec_query_start_loc_cpu, the metadata's
+    non_spec_query_start_loc is the device name of that pair, and every block that sets one name sets the other."""
+    src = ast.parse(vllm_wheel.source(tree, module))
+    build = next(f for f in ast.walk(src) if isinstance(f, ast.FunctionDef) and f.name == "build")
+    conv = [n for n in ast.walk(build) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id == "compute_causal_conv1d_metadata"]
+    assert conv and all(isinstance(c.args[0], ast.Name) and c.args[0].id == "non_spec_query_start_loc_cpu"
+                        for c in conv)
+    made = [kw.value for n in ast.walk(build) if isinstance(n, ast.Call) for kw in n.keywords
+            if kw.arg == "non_spec_query_start_loc"]
+    assert made and all(isinstance(v, ast.Name) and v.id == "non_spec_query_start_loc" for v in made)
+    pair = {"non_spec_query_start_loc", "non_spec_query_start_loc_cpu"}
+    staged = [n for n in ast.walk(build) if isinstance(n, ast.If) and "_stage_decode" in ast.unparse(n.test)]
+    if staged:
+        # GDN's decode-only staging into the CUDA-graph buffers sets the device offsets alone; it runs only
+        # without prefills, so nums_dict is None there and no chunk call is made
+        stage = next(f for f in ast.walk(src) if isinstance(f, ast.FunctionDef) and f.name == "_stage_decode")
+        assert "num_prefills == 0" in ast.unparse(stage)
+    for node in ast.walk(build):
+        if node in staged:
+            continue
+        for body in (getattr(node, "body", None), getattr(node, "orelse", None)):
+            if not isinstance(body, list):
+                continue
+            set_here = {t.id for s in body if isinstance(s, ast.Assign) for t in s.targets
+                        if isinstance(t, ast.Name) and t.id in pair}
+            assert set_here in (set(), pair), (module, getattr(body[0], "lineno", None), set_here)
+
+
+# ---------------------------------------------------------------------------------------------
+# the lookup on the real metadata
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bound_is_the_longest_rounded_up_to_eight(real, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+    lengths[int(torch.randint(0, len(lengths), (1,), generator=gen))] = 1 + seed * 97    # one longer request
+    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    T = sum(lengths)
+    with vllm_step_metadata.forward(real.step, {"model.layers.0.attn": m}):
+        bound, how = host_lengths.longest(m.non_spec_query_start_loc, T)
+    assert how == "vllm metadata"
+    assert max(lengths) <= bound <= max(lengths) + 7 and bound <= T
+    assert bound == min(T, -(-max(lengths) // 8) * 8)
+
+
+def test_the_lookup_says_why_it_has_no_bound(real):
+    m = vllm_step_metadata.step(real.step, [1, 1, 40], "cpu")
+    cu = m.non_spec_query_start_loc
+    assert host_lengths.longest(cu, 42) == (None, "vllm.forward_context is not loaded")
+    with vllm_step_metadata.forward(real.step, {"a": m}):
+        assert host_lengths.longest(cu.clone(), 42)[1].startswith("cu_seqlens is not the non_spec_query_start_loc")
+        assert host_lengths.longest(cu, 42) == (40, "vllm metadata")
+    with real.step.forward_context.override_forward_context(None):
+        sys.modules["vllm.forward_context"] = real.step.forward_context
+        try:
+            assert host_lengths.longest(cu, 42) == (None, "no vLLM forward context is set")
+        finally:
+            del sys.modules["vllm.forward_context"]
+    decode_only = vllm_step_metadata.step(real.step, [1, 1, 1], "cpu")
+    decode_only.nums_dict = None                  # the builders leave it None without a prefill
+    with vllm_step_metadata.forward(real.step, {"a": decode_only}):
+        assert "no host nums_dict" in host_lengths.longest(decode_only.non_spec_query_start_loc, 3)[1]
+    other = vllm_step_metadata.step(real.step, [5, 6], "cpu")
+    m.nums_dict = other.nums_dict                 # counts of other offsets: refused, not trusted
+    with vllm_step_metadata.forward(real.step, {"a": m}):
+        assert "counts 2 requests, cu_seqlens 3" in host_lengths.longest(cu, 42)[1]
+
+
+def test_dual_batch_overlap_finds_each_microbatchs_metadata(real):
+    a = vllm_step_metadata.step(real.step, [1, 1, 30], "cpu")
+    b = vllm_step_metadata.step(real.step, [3, 70], "cpu")
+    with vllm_step_metadata.forward(real.step, [{"l0": a, "l1": a}, {"l0": b, "l1": b}]):
+        assert host_lengths.longest(a.non_spec_query_start_loc, 32) == (32, "vllm metadata")
+        assert host_lengths.longest(b.non_spec_query_start_loc, 73) == (72, "vllm metadata")
+        assert host_lengths.longest(a.non_spec_query_start_loc, 32) == (32, "vllm metadata")
+
+
+# ---------------------------------------------------------------------------------------------
+# the served call and its route
+
+
+def mixed_step(decodes, prompt, lower_bound, seed=0):
+    """vLLM's usual prefill step: `decodes` one-token requests, then one prompt chunk (the layer's call)."""
+    lengths = [1] * decodes + [prompt]
+    gen = torch.Generator().manual_seed(seed)
+    T, N = sum(lengths), len(lengths)
+    call = dict(q=torch.randn(1, T, H, K, generator=gen), k=torch.randn(1, T, H, K, generator=gen),
+                v=torch.randn(1, T, H, V, generator=gen), raw_g=torch.randn(1, T, H, K, generator=gen),
+                raw_beta=torch.randn(1, T, H, generator=gen), A_log=torch.randn(H, generator=gen) * 0.5,
+                g_bias=torch.randn(H * K, generator=gen) * 0.5, lower_bound=lower_bound,
+                initial_state=torch.randn(N, H, V, K, generator=gen) * 0.3, output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+    return lengths, call
+
+
+def cuda_route(lengths, max_seqlen, gate, lower_bound):
+    """The module a CUDA call of these lengths takes (H value heads, fp32 state), routed on the host."""
+    meta = validation.prefill_route_meta("cuda", len(lengths), H, sum(lengths), max_seqlen, "f32", "o32", gate,
+                                         False, lower_bound)
+    return dispatch.module_name("kda_prefill", meta)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(real, seen, lower_bound):
+    lengths, call = mixed_step(48, 300, lower_bound)
+    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    call["cu_seqlens"] = m.non_spec_query_start_loc
+    before = fkda_vllm.ROUTED[SITE, BY_METADATA]
+    with vllm_step_metadata.forward(real.step, {"model.layers.1.self_attn": m, "model.layers.2.self_attn": m}):
+        o, h = real.k3.chunk_kda_with_fused_gate(**call)
+    assert fkda_vllm.ROUTED[SITE, BY_METADATA] == before + 1
+    assert seen[-1]["max_seqlen"] == 304                   # 300 tokens, rounded up to vLLM's conv block of 8
+    gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
+    want_o, want_h, _ = kda_recurrent(call["q"], call["k"], call["v"], call["raw_g"], call["raw_beta"],
+                                      A_log=call["A_log"], dt_bias=call["g_bias"], cu_seqlens=call["cu_seqlens"],
+                                      initial_state=call["initial_state"], **gate)
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(h.double(), want_h, **TOL)
+    # on a GPU: by the mean (7 tokens) the step is the fused 16-token kernel's band, whose one CTA would walk the
+    # 300-token prompt alone; by its longest it leaves that band
+    name = "bounded" if lower_bound is not None else "softplus"
+    assert cuda_route(lengths, None, name, lower_bound).startswith("prefill_c16_")
+    assert not cuda_route(lengths, seen[-1]["max_seqlen"], name, lower_bound).startswith("prefill_c16_")
+
+
+def test_a_uniform_step_keeps_the_fused_kernel(real, seen):
+    lengths = [64] * 48
+    _, call = mixed_step(0, 1, -5.0)
+    gen = torch.Generator().manual_seed(1)
+    T, N = sum(lengths), len(lengths)
+    call.update(q=torch.randn(1, T, H, K, generator=gen), k=torch.randn(1, T, H, K, generator=gen),
+                v=torch.randn(1, T, H, V, generator=gen), raw_g=torch.randn(1, T, H, K, generator=gen),
+                raw_beta=torch.randn(1, T, H, generator=gen), initial_state=torch.randn(N, H, V, K, generator=gen))
+    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    call["cu_seqlens"] = m.non_spec_query_start_loc
+    with vllm_step_metadata.forward(real.step, {"l": m}):
+        real.k3.chunk_kda_with_fused_gate(**call)
+    assert seen[-1]["max_seqlen"] == 64
+    assert cuda_route(lengths, 64, "bounded", -5.0).startswith("prefill_c16_")
+
+
+def test_without_a_forward_context_the_call_routes_by_the_mean_and_says_why(real, seen):
+    lengths, call = mixed_step(3, 20, -5.0)
+    call["cu_seqlens"] = torch.tensor([0, 1, 2, 3, 23], dtype=torch.int32)
+    key = (SITE, "by the mean: vllm.forward_context is not loaded")
+    before = fkda_vllm.ROUTED[key]
+    real.k3.chunk_kda_with_fused_gate(**call)
+    assert seen[-1]["max_seqlen"] is None and fkda_vllm.ROUTED[key] == before + 1
+
+
+def test_bailings_vendored_chunk_is_routed_the_same_way(real, seen):
+    lengths, call = mixed_step(10, 45, None, seed=4)
+    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    g = -torch.rand(1, sum(lengths), H, K)
+    beta = torch.sigmoid(call["raw_beta"])
+    before = fkda_vllm.ROUTED["vendored.chunk_kda", BY_METADATA]
+    with vllm_step_metadata.forward(real.step, {"l": m}):
+        o, h = real.vendored.chunk_kda(q=call["q"], k=call["k"], v=call["v"], g=g, beta=beta,
+                                       initial_state=call["initial_state"], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                       cu_seqlens=m.non_spec_query_start_loc)
+    assert fkda_vllm.ROUTED["vendored.chunk_kda", BY_METADATA] == before + 1 and seen[-1]["max_seqlen"] == 48
+    want_o, want_h, _ = kda_recurrent(call["q"], call["k"], call["v"], g, beta, gate="log", beta_is_logit=False,
+                                      cu_seqlens=m.non_spec_query_start_loc, initial_state=call["initial_state"])
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(h.double(), want_h, **TOL)
