@@ -8,7 +8,8 @@ small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
 `--grid issue46` takes issue 46's grid instead: H in {8, 12, 16, 24, 32, 48, 96} (--heads narrows it)
 x {B1 T 2K, 8K, 32K, 128K; 4x8192; 64x512; 8x(1024+64); 7 ragged sequences summing to 8192}, and
 `--long` adds 1 x 1,048,576 tokens at H16. `--grid mixed` (heads 8, 12 unless --heads): one long request among
-short ones (1x4000+47x100 ... 1x256+127x64), a serving engine's prefill batch; with `--known-lengths` the route
+short ones (1x4000+47x100 ... 1x256+127x64; vLLM's 255x1+1x4000, 63x1+1x8000), a serving engine's prefill batch;
+with `--known-lengths` the route
 sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside.
 
 Peers (--peers, default fla,cudnn): fla's chunk_kda and cuDNN's kda_hopper_cuda engine
@@ -128,7 +129,9 @@ def mixed_cases(heads):
     beside new short prompts): the fused chunk-16 band by the mean, split by the longest (work_per_longest)."""
     shapes = {"1x4000+47x100": [4000] + [100] * 47, "1x2000+63x100": [2000] + [100] * 63,
               "1x1000+127x60": [1000] + [60] * 127, "1x512+127x64": [512] + [64] * 127,
-              "1x256+127x64": [256] + [64] * 127}
+              "1x256+127x64": [256] + [64] * 127,
+              # vLLM's usual step: one-token decodes first, then one prompt chunk (integrations/vllm/host_lengths.py)
+              "255x1+1x4000": [1] * 255 + [4000], "63x1+1x8000": [1] * 63 + [8000]}
     return [(f"H{H} {k}", v, H) for H in heads for k, v in shapes.items()]
 
 
