@@ -20,7 +20,9 @@ serve: a fallback is reported as an error of the case), "vllm_triton" calls the 
   chunk_kda_with_fused_gate call, inside a vLLM forward context holding the step's GDNAttentionMetadata
   (scripts/vllm_step_metadata.py: the wheel's own classes), so "ours" routes by the prompt's length
   (integrations/vllm/host_lengths.py); "ours_by_mean" is the same call on a copy of the offsets, which the lookup
-  does not find (routed by the mean, as before that lookup).
+  does not find (routed by the mean, as before that lookup); "split" (a candidate, not routed) is two kda_prefill
+  calls, the decodes and the prompt, each routed by its own lengths (vLLM puts decodes first; its metadata counts
+  them), writing the halves of one output and one final state; its rel. L2 against "ours" is in the JSON.
 Each point: bf16 and fp32 pools (--state-dtypes; --paged: laid out as vLLM pages them), softplus or bounded
 gate (--lower-bound), heads H = HV.
 Agreement is checked first on fresh copies (output and pool / final state, rel. L2 below --tol); the table is
@@ -195,6 +197,31 @@ def fla_arm(kind, call, pool):
                                   cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"])
 
 
+def split_arm(call, decodes):
+    """The mixed step as two kda_prefill calls (decodes first, then the prompt), each routed by its own lengths:
+    () -> (out, final_state) like the adapter's. Inputs dense as vLLM passes them to the chunk call."""
+    import flashkda_ext as fk
+    q, k, v, g, beta = (call[n] for n in ("q", "k", "v", "raw_g", "raw_beta"))
+    lb = call["lower_bound"]
+    gate = dict(gate="softplus") if lb is None else dict(gate="bounded", lower_bound=lb)
+    cu, T = call["cu_seqlens"], q.shape[1]
+    parts = [(slice(0, decodes), cu[:decodes + 1], slice(0, decodes), 1),
+             (slice(decodes, T), cu[decodes:] - decodes, slice(decodes, cu.shape[0] - 1), T - decodes)]
+    init = call["initial_state"]
+
+    def run():
+        h0 = init.float()
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        final = torch.empty(h0.shape, dtype=torch.float32, device=v.device)
+        for tok, offsets, seqs, longest in parts:
+            fk.kda_prefill(*(x[:, tok].contiguous() for x in (q, k, v, g)), beta[:, tok].contiguous(),
+                           A_log=call["A_log"], dt_bias=call["g_bias"], scale=None, beta_is_logit=True,
+                           cu_seqlens=offsets, initial_state=h0[seqs], final_state=final[seqs],
+                           out=out[:, tok], max_seqlen=longest, **gate)
+        return out, final
+    return run
+
+
 def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site, served,
             rel_o, rel_s, how, accuracy, failed):
     """One point after its agreement check: the accuracy record, then the arms timed side by side."""
@@ -206,7 +233,7 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
                      "against": "vllm_triton" if original else "reference", "routed": how})
     if not good:
         failed.append(name)
-    arms = []
+    arms, notes_extra = [], {}
     if ok:
         mine = with_pool(call, copy_pool(pool))
         arms.append(harness.Arm("ours", lambda c=mine: adapter(**c)))
@@ -214,6 +241,14 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
             # a copy of the offsets is not the metadata's tensor: the lookup misses and the call routes by the mean
             by_mean = dict(mine, cu_seqlens=call["cu_seqlens"].clone())
             arms.append(harness.Arm("ours_by_mean", lambda c=by_mean: adapter(**c)))
+            split = split_arm(call, rows)
+            o_s, h_s = split()
+            o_r, h_r = adapter(**dict(call))
+            notes_extra["split_rel_l2_out"] = harness.rel_l2(o_s, o_r)
+            notes_extra["split_rel_l2_state"] = harness.rel_l2(h_s, h_r)
+            if max(notes_extra["split_rel_l2_out"], notes_extra["split_rel_l2_state"]) >= args.tol:
+                failed.append(f"{name} (split)")
+            arms.append(harness.Arm("split", split))
     if original is not None:
         theirs = with_pool(call, copy_pool(pool))
         arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
@@ -227,7 +262,8 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
     if kind == "mixed":
         params["prompt"] = args.mixed_prompt
     run.add(harness.Case(name, params, arms, bytes=nbytes,
-                         notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "served": ok, "routed": how}))
+                         notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "served": ok, "routed": how,
+                                **notes_extra}))
 
 
 def main(argv=None) -> int:
