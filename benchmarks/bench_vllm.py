@@ -23,6 +23,9 @@ serve: a fallback is reported as an error of the case), "vllm_triton" calls the 
   does not find (routed by the mean, as before that lookup); "split" (a candidate, not routed) is two kda_prefill
   calls, the decodes and the prompt, each routed by its own lengths (vLLM puts decodes first; its metadata counts
   them), writing the halves of one output and one final state; its rel. L2 against "ours" is in the JSON.
+On a GPU, prefill and mixed points with the bounded gate also time "vllm_flashkda": Kimi K3's own prefill on an
+H200 (its layer's "auto" backend: kda.py's `_flashkda_prefill` over the wheel's FlashKDA extension, both from the
+prepared folder), its rel. L2 against "ours" in the JSON.
 Each point: bf16 and fp32 pools (--state-dtypes; --paged: laid out as vLLM pages them), softplus or bounded
 gate (--lower-bound), heads H = HV.
 Agreement is checked first on fresh copies (output and pool / final state, rel. L2 below --tol); the table is
@@ -197,6 +200,33 @@ def fla_arm(kind, call, pool):
                                   cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"])
 
 
+def load_flashkda(engine_dir: Path):
+    """(K3's own prefill on an H200, None) or (None, why not): kda.py's `_flashkda_prefill` from the wheel's source
+    around the wheel's FlashKDA extension (vLLM 0.34's "auto" prefill backend of Kimi K3 on sm_90 with a bounded
+    gate, so the engine's own kernel there, not the Triton op)."""
+    try:
+        fn = vllm_step_metadata.flashkda_prefill(engine_dir)
+        importlib.import_module("vllm._flashkda_C")
+    except Exception as e:  # noqa: BLE001  no CUDA, another torch ABI, an unprepared folder: no such arm
+        return None, f"{type(e).__name__}: {e}"[:300]
+    return fn, None
+
+
+def flashkda_arm(fn, call):
+    """() -> (out, final_state) of vLLM's `_flashkda_prefill` as the K3 layer calls it: its workspace sized by the
+    extension, the final state in the pool's dtype (the gathered initial state's)."""
+    q, v = call["q"], call["v"]
+    T, H, D = q.shape[1], q.shape[2], q.shape[3]
+    N = call["cu_seqlens"].shape[0] - 1
+    init = call["initial_state"]
+    ws = torch.empty(torch.ops._flashkda_C.get_workspace_size(T, H, N), dtype=torch.uint8, device=q.device)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    final = torch.empty(init.shape, dtype=init.dtype, device=init.device)
+    return lambda: fn(q=q, k=call["k"], v=v, g=call["raw_g"], beta=call["raw_beta"], A_log=call["A_log"],
+                      dt_bias=call["g_bias"], lower_bound=call["lower_bound"], initial_state=init,
+                      cu_seqlens=call["cu_seqlens"], out=out, final_state=final, workspace=ws)
+
+
 def split_arm(call, decodes):
     """The mixed step as two kda_prefill calls (decodes first, then the prompt), each routed by its own lengths:
     () -> (out, final_state) like the adapter's. Inputs dense as vLLM passes them to the chunk call."""
@@ -223,7 +253,7 @@ def split_arm(call, decodes):
 
 
 def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site, served,
-            rel_o, rel_s, how, accuracy, failed):
+            rel_o, rel_s, how, accuracy, failed, flashkda=None):
     """One point after its agreement check: the accuracy record, then the arms timed side by side."""
     ok = fkda_vllm.STATS[site, "served"] == served + 1
     good = ok and rel_o < args.tol and rel_s < args.tol
@@ -252,6 +282,13 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
     if original is not None:
         theirs = with_pool(call, copy_pool(pool))
         arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
+        if flashkda is not None and kind in ("prefill", "mixed") and lb is not None:
+            fk_run = flashkda_arm(flashkda, call)
+            o_f, h_f = fk_run()
+            o_r, h_r = adapter(**dict(call))
+            notes_extra["flashkda_rel_l2_out"] = harness.rel_l2(o_f, o_r)
+            notes_extra["flashkda_rel_l2_state"] = harness.rel_l2(h_f.float(), h_r)
+            arms.append(harness.Arm("vllm_flashkda", fk_run))
         if not args.no_fla:
             fla = fla_arm(kind, call, copy_pool(pool))
             if fla is not None:
@@ -291,6 +328,7 @@ def main(argv=None) -> int:
     dev = torch.device(cfg.device)
     ops, fkda_vllm = load_vllm(Path(args.engine_dir))
     step_ns = vllm_step_metadata.load(Path(args.engine_dir)) if "mixed" in args.kinds.split(",") else None
+    flashkda, flashkda_why = load_flashkda(Path(args.engine_dir)) if cfg.is_cuda else (None, "no CUDA")
     lb = None if args.lower_bound != args.lower_bound else args.lower_bound   # nan: softplus
     kinds = [k for k in args.kinds.split(",") if k]
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -329,11 +367,12 @@ def main(argv=None) -> int:
                     continue
                 how = [k[1] for k, n in fkda_vllm.ROUTED.items() if k[0] == site and n > routed.get(k, 0)]
                 measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site,
-                        served, rel_o, rel_s, how, accuracy, failed)
+                        served, rel_o, rel_s, how, accuracy, failed, flashkda)
     run.extra["accuracy"] = accuracy
     run.extra["adapter_counts"] = {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()}
     run.extra["fallback_reasons"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}
     run.extra["prefill_routed"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.ROUTED.items()}
+    run.extra["vllm_flashkda"] = "timed (bounded gate prefill and mixed points)" if flashkda else flashkda_why
     run.finish()
     for a in accuracy:
         print(f"{a['case']:<40} served={a['served']} out {a['rel_l2_out']:.2e} state {a['rel_l2_state']:.2e} "

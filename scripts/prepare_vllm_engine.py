@@ -57,6 +57,10 @@ FILES = (
     "vllm/models/kimi_k3/nvidia/kda_metadata.py",      # read: K3's metadata builder
 )
 
+#: binaries taken from the wheel: vLLM's FlashKDA extension, K3's own prefill on an H200 (the peer of
+#: benchmarks/bench_vllm.py; loaded only on a CUDA machine, through scripts/vllm_step_metadata.flashkda_prefill)
+BINARIES = ("vllm/_flashkda_C.abi3.so",)
+
 _EMPTY_PACKAGES = ("vllm", "vllm/utils", "vllm/model_executor", "vllm/model_executor/warmup", "vllm/models",
                    "vllm/models/kimi_k3", "vllm/models/kimi_k3/nvidia", "vllm/models/kimi_k3/nvidia/ops",
                    "vllm/models/kimi_k3/nvidia/ops/third_party", "vllm/third_party",
@@ -153,12 +157,12 @@ def find_wheel(wheel: str | None = None) -> Path:
 def prepare(wheel: Path, dest: Path) -> Path:
     """FILES from the wheel and STUBS into dest (done once: dest/.complete names the wheel and this list)."""
     stamp = dest / ".complete"
-    tag = f"{wheel.name} {hashlib.sha256(repr((FILES, STUBS)).encode()).hexdigest()[:16]}"
+    tag = f"{wheel.name} {hashlib.sha256(repr((FILES, BINARIES, STUBS)).encode()).hexdigest()[:16]}"
     if stamp.exists() and stamp.read_text() == tag:
         return dest
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
-            if name.startswith(FILES) and name.endswith(".py"):
+            if name.startswith(FILES) and name.endswith(".py") or name in BINARIES:
                 z.extract(name, dest)
     for rel, text in STUBS.items():
         path = dest / rel

@@ -7,7 +7,8 @@ Real (the wheel's source, unmodified, compiled by ast; the rest of each module i
 - vllm/config/compilation.py: CUDAGraphMode (ForwardContext's default and its __post_init__ check);
 - vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadata;
 - vllm/v1/attention/backends/utils.py: compute_causal_conv1d_metadata and PAD_SLOT_ID, with PIN_MEMORY and
-  np_to_pinned_tensor from the real vllm/utils/torch_utils.py (loaded with the K3 ops).
+  np_to_pinned_tensor from the real vllm/utils/torch_utils.py (loaded with the K3 ops);
+- vllm/models/kimi_k3/nvidia/kda.py: _flashkda_prefill (flashkda_prefill(): the peer of benchmarks/bench_vllm.py).
 Names that the compiled code uses only in annotations (AttentionMetadata, DPMetadata, BatchDescriptor,
 UBatchSlices, the checkpoint plans) are empty classes.
 
@@ -57,9 +58,9 @@ def _nodes(path: Path, names) -> list:
     return found
 
 
-def _compile(path: Path, names, namespace: dict) -> dict:
-    """Compile those nodes into `namespace` (dataclasses look their class's module up in sys.modules: a
-    namespace without a module of its own is this one's)."""
+def compile_nodes(path: Path, names, namespace: dict) -> dict:
+    """Compile the top-level definitions `names` of the wheel's file `path` into `namespace` (dataclasses look
+    their class's module up in sys.modules: a namespace without a module of its own is this one's)."""
     module = ast.fix_missing_locations(ast.Module(body=_nodes(path, names), type_ignores=[]))
     namespace.setdefault("__name__", __name__)
     owner = namespace["__name__"]
@@ -83,22 +84,33 @@ def load(tree: Path) -> types.SimpleNamespace:
     """forward_context (a module object, not put into sys.modules), GDNAttentionMetadata and
     compute_causal_conv1d_metadata from the prepared folder `tree` (its vllm.utils.torch_utils must import)."""
     tree = Path(tree)
-    graph_mode = _compile(tree / "vllm/config/compilation.py", ("CUDAGraphMode",), {"enum": enum})["CUDAGraphMode"]
+    graph_mode = compile_nodes(tree / "vllm/config/compilation.py", ("CUDAGraphMode",),
+                               {"enum": enum})["CUDAGraphMode"]
     fc = types.ModuleType("vllm.forward_context")
     fc.__dict__.update(dataclass=dataclasses.dataclass, field=dataclasses.field,
                        contextmanager=contextlib.contextmanager, Any=typing.Any, torch=torch, CUDAGraphMode=graph_mode,
                        **_placeholders("AttentionMetadata", "DPMetadata", "BatchDescriptor", "UBatchSlices"))
-    _compile(tree / "vllm/forward_context.py", _FORWARD_CONTEXT_NAMES, fc.__dict__)
-    gdn = _compile(tree / "vllm/v1/attention/backends/gdn_attn.py", ("GDNAttentionMetadata",),
-                   {"dataclass": dataclasses.dataclass, "torch": torch,
-                    **_placeholders("MambaPrefillCheckpointMetadata", "GDNFlashInferCheckpointPlan")})
+    compile_nodes(tree / "vllm/forward_context.py", _FORWARD_CONTEXT_NAMES, fc.__dict__)
+    gdn = compile_nodes(tree / "vllm/v1/attention/backends/gdn_attn.py", ("GDNAttentionMetadata",),
+                        {"dataclass": dataclasses.dataclass, "torch": torch,
+                         **_placeholders("MambaPrefillCheckpointMetadata", "GDNFlashInferCheckpointPlan")})
     torch_utils = sys.modules.get("vllm.utils.torch_utils") or importlib.import_module("vllm.utils.torch_utils")
-    utils = _compile(tree / "vllm/v1/attention/backends/utils.py", ("PAD_SLOT_ID", "compute_causal_conv1d_metadata"),
-                     {"np": np, "torch": torch, "Any": typing.Any, "PIN_MEMORY": torch_utils.PIN_MEMORY,
-                      "np_to_pinned_tensor": torch_utils.np_to_pinned_tensor})
+    utils = compile_nodes(tree / "vllm/v1/attention/backends/utils.py",
+                          ("PAD_SLOT_ID", "compute_causal_conv1d_metadata"),
+                          {"np": np, "torch": torch, "Any": typing.Any, "PIN_MEMORY": torch_utils.PIN_MEMORY,
+                           "np_to_pinned_tensor": torch_utils.np_to_pinned_tensor})
     return types.SimpleNamespace(forward_context=fc, CUDAGraphMode=graph_mode,
                                  GDNAttentionMetadata=gdn["GDNAttentionMetadata"],
                                  compute_causal_conv1d_metadata=utils["compute_causal_conv1d_metadata"])
+
+
+def flashkda_prefill(tree: Path):
+    """K3's `_flashkda_prefill` (vllm/models/kimi_k3/nvidia/kda.py), compiled from the wheel's source: vLLM's own
+    prefill of Kimi K3 on sm_90 / sm_10x / sm_12x with a bounded gate (its "auto" backend there). It calls
+    torch.ops._flashkda_C.fwd from the wheel's extension (vllm/_flashkda_C.abi3.so, extracted by
+    prepare_vllm_engine.py), which only a CUDA machine with vLLM's torch ABI loads."""
+    return compile_nodes(Path(tree) / "vllm/models/kimi_k3/nvidia/kda.py", ("_flashkda_prefill",),
+                         {"torch": torch})["_flashkda_prefill"]
 
 
 def step(ns: types.SimpleNamespace, lengths, device) -> object:

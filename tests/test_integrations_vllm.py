@@ -213,6 +213,20 @@ def test_every_keyword_the_layers_pass_is_known_to_the_adapter(tree, module, poi
         assert extra <= (set(fkda_vllm.vendored.IGNORED_BY_VLLM) if point == "vendored" else set()), (callee, extra)
 
 
+def test_k3s_own_prefill_on_an_h200_is_flashkda_and_the_benchmark_can_time_it(tree):
+    """K3's layer on sm_90 with a bounded gate picks FlashKDA ("auto"), vLLM's own CUDA prefill, which install()
+    does not rebind (docs/integrations.md): benchmarks/bench_vllm.py times it beside ours. Its wrapper compiles from
+    the wheel's source, takes every keyword the layer passes, and the wheel's extension is extracted for the GPU."""
+    import vllm_step_metadata
+    src = vllm_wheel.source(tree, LAYERS[1])
+    assert "capability.major in (9, 10, 12)" in src and 'backend in ("auto", "flashkda")' in src
+    fn = vllm_step_metadata.flashkda_prefill(tree)
+    params = set(inspect.signature(fn).parameters)
+    calls = _calls(tree, LAYERS[1], ("_flashkda_prefill",))
+    assert calls and all(set(kw) <= params for _, kw in calls)
+    assert (tree / "vllm" / "_flashkda_C.abi3.so").is_file()
+
+
 # ---------------------------------------------------------------------------------------------
 # packed decode (K3 and Kimi-Linear plain decode)
 

@@ -154,6 +154,25 @@ def test_a_mixed_step_routes_by_its_prompt_in_vllms_forward_context(vllm_ops, lo
         assert rel_l2(o, o2) < 2 * TOL and rel_l2(h, h2) < 2 * TOL
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 32])
+def test_prefill_agrees_with_k3s_own_flashkda(vllm_ops, state_dtype, rows):
+    """Kimi K3's own prefill on an H200 (kda.py's `_flashkda_prefill` over the wheel's FlashKDA extension, the
+    layer's "auto" backend with a bounded gate) and ours through the chunk adapter, on the same call: the layer
+    hands both backends the same arguments, so they must agree (FlashKDA keeps a bf16 state between chunks)."""
+    ops, fk = vllm_ops
+    fn, why = bench_vllm.load_flashkda(ROOT / ".engines" / "vllm")
+    if fn is None:
+        pytest.skip(f"vLLM's FlashKDA extension does not load here: {why}")
+    call, _ = bench_vllm.inputs("prefill", rows, 8, state_dtype, -5.0, Args, DEV, seed=21 + rows)
+    with torch.inference_mode():
+        o1, h1 = ops.chunk_kda_with_fused_gate(**call)
+        o2, h2 = bench_vllm.flashkda_arm(fn, call)()
+    torch.cuda.synchronize()
+    assert h2.dtype == state_dtype
+    assert rel_l2(o1, o2) < 2 * TOL and rel_l2(h1, h2.float()) < 2 * TOL
+
+
 def test_decode_on_a_paged_pool_matches_vllm_triton(vllm_ops):
     """vLLM's page: the conv state then the recurrent state, a page per slot; the pool a strided view. Ours and
     vLLM's each on a copy of the whole paged buffer; ours writes only the named slots' states."""
