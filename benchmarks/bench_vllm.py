@@ -25,7 +25,8 @@ serve: a fallback is reported as an error of the case), "vllm_triton" calls the 
   them), writing the halves of one output and one final state; its rel. L2 against "ours" is in the JSON.
 On a GPU, prefill and mixed points with the bounded gate also time "vllm_flashkda": Kimi K3's own prefill on an
 H200 (its layer's "auto" backend: kda.py's `_flashkda_prefill` over the wheel's FlashKDA extension, both from the
-prepared folder), its rel. L2 against "ours" in the JSON.
+prepared folder), its rel. L2 against "ours" in the JSON, and "ours_k3_layer": the opt-in adapter that takes
+FlashKDA's place (FLASHKDA_EXT_VLLM_K3_PREFILL=1, integrations/vllm/k3_layer.py), into the same buffers.
 Each point: bf16 and fp32 pools (--state-dtypes; --paged: laid out as vLLM pages them), softplus or bounded
 gate (--lower-bound), heads H = HV.
 Agreement is checked first on fresh copies (output and pool / final state, rel. L2 below --tol); the table is
@@ -289,6 +290,9 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
             notes_extra["flashkda_rel_l2_out"] = harness.rel_l2(o_f, o_r)
             notes_extra["flashkda_rel_l2_state"] = harness.rel_l2(h_f.float(), h_r)
             arms.append(harness.Arm("vllm_flashkda", fk_run))
+            # the opt-in k3_layer adapter in FlashKDA's place: its buffers, the final state in the pool's dtype
+            arms.append(harness.Arm("ours_k3_layer",
+                                    flashkda_arm(fkda_vllm.adapter_for("k3_layer._flashkda_prefill", flashkda), call)))
         if not args.no_fla:
             fla = fla_arm(kind, call, copy_pool(pool))
             if fla is not None:

@@ -168,9 +168,17 @@ def test_prefill_agrees_with_k3s_own_flashkda(vllm_ops, state_dtype, rows):
     with torch.inference_mode():
         o1, h1 = ops.chunk_kda_with_fused_gate(**call)
         o2, h2 = bench_vllm.flashkda_arm(fn, call)()
+        # the opt-in k3_layer adapter (FLASHKDA_EXT_VLLM_K3_PREFILL) in FlashKDA's place, into the same kind of
+        # buffers the layer hands over
+        site = "k3_layer._flashkda_prefill"
+        served = fk.STATS[site, "served"]
+        o3, h3 = bench_vllm.flashkda_arm(fk.adapter_for(site, fn), call)()
+        assert fk.STATS[site, "served"] == served + 1, dict(fk.REASONS)
     torch.cuda.synchronize()
-    assert h2.dtype == state_dtype
+    assert h2.dtype == h3.dtype == state_dtype
     assert rel_l2(o1, o2) < 2 * TOL and rel_l2(h1, h2.float()) < 2 * TOL
+    assert rel_l2(o3, o2) < 2 * TOL and rel_l2(h3.float(), h2.float()) < 2 * TOL
+    assert rel_l2(o3, o1) < TOL and rel_l2(h3.float(), h1) < TOL
 
 
 def test_decode_on_a_paged_pool_matches_vllm_triton(vllm_ops):

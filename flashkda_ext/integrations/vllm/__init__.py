@@ -11,10 +11,13 @@ Patch points (PATCH_POINTS), each name rebound wherever a loaded vllm module hol
   fused_recurrent_kda. The AMD copy (kimi_k3.amd) is left alone: the kernels are CUDA sm_90a and CPU.
 - vendored (vendored.py): vllm.third_party.flash_linear_attention.ops.kda, still called by bailing_moe_v3:
   fused_recurrent_kda_fwd, chunk_kda, fused_recurrent_kda.
+Opt-in (OPT_IN_POINTS, each when its environment variable is 1):
+- k3_layer (k3_layer.py; FLASHKDA_EXT_VLLM_K3_PREFILL=1): vllm.models.kimi_k3.nvidia.kda's _flashkda_prefill,
+  K3's own prefill on an H200 (its "auto" prefill backend resolves to vLLM's FlashKDA there).
 
 Every adapter has vLLM's signature of its name (install() checks it and skips a name whose signature differs),
 serves a call exactly or runs vLLM's original with the reason counted (STATS / REASONS, per call site
-"<patch point>.<name>"), and falls back on any argument it does not know. The two chunk prefills count in
+"<patch point>.<name>"), and falls back on any argument it does not know. The chunk prefills count in
 ROUTED how their route knew the longest sequence (host_lengths.py). Nothing here imports vllm until
 install() runs.
 """
@@ -25,7 +28,7 @@ import inspect
 import os
 import sys
 
-from . import k3, vendored
+from . import k3, k3_layer, vendored
 from ._common import REASONS, ROUTED, STATS, Refused, serve_or_fall_back
 
 __all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "ROUTED",
@@ -38,7 +41,16 @@ PATCH_POINTS = (
     ("vendored", "vllm.third_party.flash_linear_attention.ops.kda", vendored.SERVE),
 )
 
+#: patch points install() takes only when their environment variable is 1: (point, module, bodies, variable)
+OPT_IN_POINTS = (
+    ("k3_layer", "vllm.models.kimi_k3.nvidia.kda", k3_layer.SERVE, k3_layer.ENV_VAR),
+)
+
 _ACTIVE: dict = {}      # call site -> (original, adapter) while installed
+
+
+def _opted_in(variable: str) -> bool:
+    return os.environ.get(variable, "0") not in ("", "0")
 
 
 def _params(fn) -> list:
@@ -68,9 +80,10 @@ def adapter_for(site: str, original):
     """The adapter of a call site ("k3.fused_recurrent_kda_packed_decode", ...) around vLLM's `original` (what
     install() binds in vLLM's modules); ValueError when the site is unknown or the signature is not the adapted one."""
     point, _, name = site.partition(".")
-    bodies = {p: b for p, _, b in PATCH_POINTS}.get(point, {})
+    points = [(p, b) for p, _, b in PATCH_POINTS] + [(p, b) for p, _, b, _ in OPT_IN_POINTS]
+    bodies = dict(points).get(point, {})
     if name not in bodies:
-        raise ValueError(f"site: expected one of {[f'{p}.{n}' for p, _, b in PATCH_POINTS for n in b]}, got {site!r}")
+        raise ValueError(f"site: expected one of {[f'{p}.{n}' for p, b in points for n in b]}, got {site!r}")
     if _params(original) != _params(bodies[name]):
         raise ValueError(f"original: vLLM's signature {inspect.signature(original)} is not the adapted "
                          f"{inspect.signature(bodies[name])}")
@@ -104,11 +117,13 @@ def install() -> dict:
         return {point: "skipped: a ROCm build of torch (the kernels are CUDA sm_90a and CPU)"
                 for point, _, _ in PATCH_POINTS}
     report, errors = {}, []
-    for point, module_name, bodies in PATCH_POINTS:
+    opted = [(p, m, b) for p, m, b, variable in OPT_IN_POINTS if _opted_in(variable)]
+    for point, module_name, bodies in (*PATCH_POINTS, *opted):
         try:
             ops = importlib.import_module(module_name)
         except ImportError as e:
-            errors.append(f"{module_name}: {e}")
+            if (point, module_name, bodies) in PATCH_POINTS:
+                errors.append(f"{module_name}: {e}")
             report[point] = f"skipped: {module_name} does not import ({e})"
             continue
         for name, body in bodies.items():
