@@ -44,8 +44,8 @@ def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initia
     q, k, v = dense_qkv(q, k, v)
     g, beta = _gate_beta(g, beta, q)
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    N = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else -1
-    state_shape = (N, HV, V, K)
+    cu = _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
+    state_shape = (cu.shape[0] - 1, HV, V, K)
     if initial_state.dtype not in (torch.float32, torch.bfloat16) or tuple(initial_state.shape) != state_shape:
         raise Refused(f"initial_state must be a float32 or bfloat16 {list(state_shape)} (the gathered states), got "
                       f"{initial_state.dtype} {list(initial_state.shape)}")
@@ -54,7 +54,6 @@ def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initia
         raise Refused(f"final_state must be a contiguous {initial_state.dtype} {list(state_shape)} (the layer's "
                       f"buffer in the pool's dtype), got {final_state.dtype} {list(final_state.shape)} strides "
                       f"{list(final_state.stride())}")
-    cu = _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     longest, how = host_lengths.longest(cu_seqlens, q.shape[1])
     res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, dt_bias, lower_bound, HV, K, q.device),
                  scale=None, beta_is_logit=True, cu_seqlens=cu, initial_state=initial_state.contiguous(),
