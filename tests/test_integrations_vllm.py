@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import vllm_wheel
+from vllm_wheel import real, tree  # noqa: F401  (fixtures)
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.reference import kda_decode_step, kda_recurrent, kda_verify_step
 
@@ -30,18 +31,6 @@ BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 K3_NAMES = ("fused_recurrent_kda_packed_decode", "chunk_kda_with_fused_gate", "fused_recurrent_kda")
 VENDORED_NAMES = ("fused_recurrent_kda_fwd", "chunk_kda", "fused_recurrent_kda")
 LAYERS = ("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn", "vllm.models.kimi_k3.nvidia.kda")
-
-
-@pytest.fixture(scope="module")
-def tree():
-    return vllm_wheel.require()
-
-
-@pytest.fixture
-def real(tree, monkeypatch):
-    ns = vllm_wheel.load(tree, monkeypatch)
-    yield ns
-    fkda_vllm.uninstall()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import vllm_wheel
+from vllm_wheel import real, tree  # noqa: F401  (fixtures)
 import vllm_step_metadata
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.vllm import k3_layer
@@ -19,11 +20,6 @@ from flashkda_ext.reference import kda_recurrent
 H, K, V = 2, 8, 8
 SITE = k3_layer.SITE
 K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
-
-
-@pytest.fixture(scope="module")
-def tree():
-    return vllm_wheel.require()
 
 
 @pytest.fixture
@@ -106,14 +102,6 @@ def test_what_it_does_not_map_runs_flashkda_with_the_reason_counted(real_fn, ext
     assert adapter(**call) == "flashkda" and fkda_vllm.STATS[SITE, "fell_back"] == fell + 1
     assert seen and all(seen[0][key] is value for key, value in extra.items())
     assert any(s == SITE and reason in r for s, r in fkda_vllm.REASONS)
-
-
-@pytest.fixture
-def real(tree, monkeypatch):
-    """The real K3 ops and vendored modules loaded (vllm_wheel.load), the adapters uninstalled afterwards."""
-    ns = vllm_wheel.load(tree, monkeypatch)
-    yield ns
-    fkda_vllm.uninstall()
 
 
 def test_without_the_variable_install_leaves_the_k3_layer_alone(real, monkeypatch):

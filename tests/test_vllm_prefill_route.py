@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vllm_wheel
+from vllm_wheel import real, tree  # noqa: F401  (fixtures)
 from flashkda_ext import dispatch, ops, validation
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.vllm import host_lengths
@@ -30,18 +31,12 @@ LAYERS = {"vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn": "chunk_kd
 BUILDERS = ("vllm.v1.attention.backends.gdn_attn", "vllm.models.kimi_k3.nvidia.kda_metadata")
 
 
-@pytest.fixture(scope="module")
-def tree():
-    return vllm_wheel.require()
-
-
 @pytest.fixture
-def real(tree, monkeypatch):
-    ns = vllm_wheel.load(tree, monkeypatch)
-    ns.step = vllm_step_metadata.load(tree)
+def installed(real, tree):
+    """The real modules with the adapters installed, and the step metadata compiled from the wheel."""
+    real.step = vllm_step_metadata.load(tree)
     fkda_vllm.install()
-    yield ns
-    fkda_vllm.uninstall()
+    return real
 
 
 @pytest.fixture
@@ -124,46 +119,46 @@ def test_the_builders_count_conv_blocks_from_the_host_copy_of_those_offsets(tree
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_bound_is_the_longest_rounded_up_to_eight(real, seed):
+def test_the_bound_is_the_longest_rounded_up_to_eight(installed, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
     lengths[int(torch.randint(0, len(lengths), (1,), generator=gen))] = 1 + seed * 97    # one longer request
-    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    m = vllm_step_metadata.step(installed.step, lengths, "cpu")
     T = sum(lengths)
-    with vllm_step_metadata.forward(real.step, {"model.layers.0.attn": m}):
+    with vllm_step_metadata.forward(installed.step, {"model.layers.0.attn": m}):
         bound, how = host_lengths.longest(m.non_spec_query_start_loc, T)
     assert how == "vllm metadata"
     assert max(lengths) <= bound <= max(lengths) + 7 and bound <= T
     assert bound == min(T, -(-max(lengths) // 8) * 8)
 
 
-def test_the_lookup_says_why_it_has_no_bound(real):
-    m = vllm_step_metadata.step(real.step, [1, 1, 40], "cpu")
+def test_the_lookup_says_why_it_has_no_bound(installed):
+    m = vllm_step_metadata.step(installed.step, [1, 1, 40], "cpu")
     cu = m.non_spec_query_start_loc
     assert host_lengths.longest(cu, 42) == (None, "vllm.forward_context is not loaded")
-    with vllm_step_metadata.forward(real.step, {"a": m}):
+    with vllm_step_metadata.forward(installed.step, {"a": m}):
         assert host_lengths.longest(cu.clone(), 42)[1].startswith("cu_seqlens is not the non_spec_query_start_loc")
         assert host_lengths.longest(cu, 42) == (40, "vllm metadata")
-    with real.step.forward_context.override_forward_context(None):
-        sys.modules["vllm.forward_context"] = real.step.forward_context
+    with installed.step.forward_context.override_forward_context(None):
+        sys.modules["vllm.forward_context"] = installed.step.forward_context
         try:
             assert host_lengths.longest(cu, 42) == (None, "no vLLM forward context is set")
         finally:
             del sys.modules["vllm.forward_context"]
-    decode_only = vllm_step_metadata.step(real.step, [1, 1, 1], "cpu")
+    decode_only = vllm_step_metadata.step(installed.step, [1, 1, 1], "cpu")
     decode_only.nums_dict = None                  # the builders leave it None without a prefill
-    with vllm_step_metadata.forward(real.step, {"a": decode_only}):
+    with vllm_step_metadata.forward(installed.step, {"a": decode_only}):
         assert "no host nums_dict" in host_lengths.longest(decode_only.non_spec_query_start_loc, 3)[1]
-    other = vllm_step_metadata.step(real.step, [5, 6], "cpu")
+    other = vllm_step_metadata.step(installed.step, [5, 6], "cpu")
     m.nums_dict = other.nums_dict                 # counts of other offsets: refused, not trusted
-    with vllm_step_metadata.forward(real.step, {"a": m}):
+    with vllm_step_metadata.forward(installed.step, {"a": m}):
         assert "counts 2 requests, cu_seqlens 3" in host_lengths.longest(cu, 42)[1]
 
 
-def test_dual_batch_overlap_finds_each_microbatchs_metadata(real):
-    a = vllm_step_metadata.step(real.step, [1, 1, 30], "cpu")
-    b = vllm_step_metadata.step(real.step, [3, 70], "cpu")
-    with vllm_step_metadata.forward(real.step, [{"l0": a, "l1": a}, {"l0": b, "l1": b}]):
+def test_dual_batch_overlap_finds_each_microbatchs_metadata(installed):
+    a = vllm_step_metadata.step(installed.step, [1, 1, 30], "cpu")
+    b = vllm_step_metadata.step(installed.step, [3, 70], "cpu")
+    with vllm_step_metadata.forward(installed.step, [{"l0": a, "l1": a}, {"l0": b, "l1": b}]):
         assert host_lengths.longest(a.non_spec_query_start_loc, 32) == (32, "vllm metadata")
         assert host_lengths.longest(b.non_spec_query_start_loc, 73) == (72, "vllm metadata")
         assert host_lengths.longest(a.non_spec_query_start_loc, 32) == (32, "vllm metadata")
@@ -195,13 +190,13 @@ def cuda_route(lengths, max_seqlen, gate, lower_bound):
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(real, seen, lower_bound):
+def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(installed, seen, lower_bound):
     lengths, call = mixed_step(48, 300, lower_bound)
-    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    m = vllm_step_metadata.step(installed.step, lengths, "cpu")
     call["cu_seqlens"] = m.non_spec_query_start_loc
     before = fkda_vllm.ROUTED[SITE, BY_METADATA]
-    with vllm_step_metadata.forward(real.step, {"model.layers.1.self_attn": m, "model.layers.2.self_attn": m}):
-        o, h = real.k3.chunk_kda_with_fused_gate(**call)
+    with vllm_step_metadata.forward(installed.step, {"model.layers.1.self_attn": m, "model.layers.2.self_attn": m}):
+        o, h = installed.k3.chunk_kda_with_fused_gate(**call)
     assert fkda_vllm.ROUTED[SITE, BY_METADATA] == before + 1
     assert seen[-1]["max_seqlen"] == 304                   # 300 tokens, rounded up to vLLM's conv block of 8
     gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
@@ -217,7 +212,7 @@ def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(real, seen
     assert not cuda_route(lengths, seen[-1]["max_seqlen"], name, lower_bound).startswith("prefill_c16_")
 
 
-def test_a_uniform_step_keeps_the_fused_kernel(real, seen):
+def test_a_uniform_step_keeps_the_fused_kernel(installed, seen):
     lengths = [64] * 48
     _, call = mixed_step(0, 1, -5.0)
     gen = torch.Generator().manual_seed(1)
@@ -225,31 +220,31 @@ def test_a_uniform_step_keeps_the_fused_kernel(real, seen):
     call.update(q=torch.randn(1, T, H, K, generator=gen), k=torch.randn(1, T, H, K, generator=gen),
                 v=torch.randn(1, T, H, V, generator=gen), raw_g=torch.randn(1, T, H, K, generator=gen),
                 raw_beta=torch.randn(1, T, H, generator=gen), initial_state=torch.randn(N, H, V, K, generator=gen))
-    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    m = vllm_step_metadata.step(installed.step, lengths, "cpu")
     call["cu_seqlens"] = m.non_spec_query_start_loc
-    with vllm_step_metadata.forward(real.step, {"l": m}):
-        real.k3.chunk_kda_with_fused_gate(**call)
+    with vllm_step_metadata.forward(installed.step, {"l": m}):
+        installed.k3.chunk_kda_with_fused_gate(**call)
     assert seen[-1]["max_seqlen"] == 64
     assert cuda_route(lengths, 64, "bounded", -5.0).startswith("prefill_c16_")
 
 
-def test_without_a_forward_context_the_call_routes_by_the_mean_and_says_why(real, seen):
+def test_without_a_forward_context_the_call_routes_by_the_mean_and_says_why(installed, seen):
     lengths, call = mixed_step(3, 20, -5.0)
     call["cu_seqlens"] = torch.tensor([0, 1, 2, 3, 23], dtype=torch.int32)
     key = (SITE, "by the mean: vllm.forward_context is not loaded")
     before = fkda_vllm.ROUTED[key]
-    real.k3.chunk_kda_with_fused_gate(**call)
+    installed.k3.chunk_kda_with_fused_gate(**call)
     assert seen[-1]["max_seqlen"] is None and fkda_vllm.ROUTED[key] == before + 1
 
 
-def test_bailings_vendored_chunk_is_routed_the_same_way(real, seen):
+def test_bailings_vendored_chunk_is_routed_the_same_way(installed, seen):
     lengths, call = mixed_step(10, 45, None, seed=4)
-    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    m = vllm_step_metadata.step(installed.step, lengths, "cpu")
     g = -torch.rand(1, sum(lengths), H, K)
     beta = torch.sigmoid(call["raw_beta"])
     before = fkda_vllm.ROUTED["vendored.chunk_kda", BY_METADATA]
-    with vllm_step_metadata.forward(real.step, {"l": m}):
-        o, h = real.vendored.chunk_kda(q=call["q"], k=call["k"], v=call["v"], g=g, beta=beta,
+    with vllm_step_metadata.forward(installed.step, {"l": m}):
+        o, h = installed.vendored.chunk_kda(q=call["q"], k=call["k"], v=call["v"], g=g, beta=beta,
                                        initial_state=call["initial_state"], output_final_state=True,
                                        use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0,
                                        cu_seqlens=m.non_spec_query_start_loc)

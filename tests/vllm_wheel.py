@@ -69,3 +69,19 @@ def load(tree: Path, monkeypatch) -> types.SimpleNamespace:
     for name, module in _LOADED.items():
         monkeypatch.setitem(sys.modules, name, module)
     return types.SimpleNamespace(k3=_LOADED[K3_OPS], vendored=_LOADED[VENDORED_OPS])
+
+
+# the fixtures the vLLM conformance test files share (imported by name into each)
+@pytest.fixture(scope="module")
+def tree():
+    """The prepared folder of the pinned wheel (require())."""
+    return require()
+
+
+@pytest.fixture
+def real(tree, monkeypatch):
+    """The real K3 ops and vendored modules (load()); the adapters uninstalled after the test."""
+    from flashkda_ext.integrations import vllm as fkda_vllm
+    ns = load(tree, monkeypatch)
+    yield ns
+    fkda_vllm.uninstall()

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,3 +139,18 @@ def packed_rows(tensors, row_dim, extra=0):
         views.append(view)
         at += w
     return views
+
+
+@pytest.fixture(scope="module")
+def vllm_ops():
+    """(vLLM 0.34.0's K3 ops package with the adapters installed, flashkda_ext.integrations.vllm), from the prepared
+    folder .engines/vllm (benchmarks/bench_vllm.load_vllm), uninstalled after the module's tests; fails them when
+    that folder is missing (the vLLM acceptance needs vLLM's own kernels). A fixture: import it by name."""
+    engine = ROOT / ".engines" / "vllm"
+    if not (engine / "vllm").is_dir():
+        pytest.fail(f"{engine} missing: run `python3 scripts/prepare_vllm_engine.py` and carry .engines/vllm")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_vllm
+    ops, fkda_vllm = bench_vllm.load_vllm(engine)
+    yield ops, fkda_vllm
+    fkda_vllm.uninstall()

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from gpu_common import rel_l2  # noqa: E402
+from gpu_common import rel_l2, vllm_ops  # noqa: E402,F401  (vllm_ops: a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -27,16 +27,6 @@ class Args:
     spec_tokens = 4
     prefill_len = 100
     paged = False
-
-
-@pytest.fixture(scope="module")
-def vllm_ops():
-    engine = ROOT / ".engines" / "vllm"
-    if not (engine / "vllm").is_dir():
-        pytest.fail(f"{engine} missing: run `python3 scripts/prepare_vllm_engine.py` and carry .engines/vllm")
-    ops, fkda_vllm = bench_vllm.load_vllm(engine)
-    yield ops, fkda_vllm
-    fkda_vllm.uninstall()
 
 
 def both(ops, fkda_vllm, name, call, pool):

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_vllm  # noqa: E402  (the benchmark's loader and input builders: the layers' calls)
+from gpu_common import vllm_ops  # noqa: E402,F401  (a fixture)
 
 DEV = torch.device("cuda")
 
@@ -25,16 +26,6 @@ class Args:
     prefill_len = 100
     mixed_prompt = 700
     paged = True
-
-
-@pytest.fixture(scope="module")
-def vllm_ops():
-    engine = ROOT / ".engines" / "vllm"
-    if not (engine / "vllm").is_dir():
-        pytest.fail(f"{engine} missing: run `python3 scripts/prepare_vllm_engine.py` and carry .engines/vllm")
-    ops, fkda_vllm = bench_vllm.load_vllm(engine)
-    yield ops, fkda_vllm
-    fkda_vllm.uninstall()
 
 
 @pytest.fixture
