@@ -110,18 +110,52 @@ def test_without_the_variable_install_leaves_the_k3_layer_alone(real, monkeypatc
     assert "k3_layer" not in report and not any(s.startswith("k3_layer.") for s in report)
 
 
-def test_opted_in_without_the_layers_module_install_says_so(real, monkeypatch):
-    """K3's kda.py needs vLLM's whole model stack, which is not here: the opted-in point reports that, and the
-    always-on points are installed as before."""
+def test_opted_in_before_vllm_imports_the_layer_install_waits_for_it(real, monkeypatch):
+    """vLLM runs install() from its plugin hook before it imports K3's layer module: install() does not import it
+    (that would pull vLLM's model stack in at plugin time) but waits for vLLM's import; uninstall() stops waiting."""
+    import sys
+    from flashkda_ext.integrations.vllm import _post_import
     monkeypatch.setenv(k3_layer.ENV_VAR, "1")
+    assert K3_LAYER not in sys.modules
     report = fkda_vllm.install()
-    assert report["k3_layer"].startswith(f"skipped: {K3_LAYER} does not import")
+    assert report["k3_layer"] == f"deferred: rebound when vLLM imports {K3_LAYER}"
     assert isinstance(report["k3.chunk_kda_with_fused_gate"], list)
+    assert K3_LAYER not in sys.modules and _post_import.pending() == [K3_LAYER]
+    fkda_vllm.uninstall()
+    assert _post_import.pending() == []
 
 
-def test_opted_in_install_rebinds_the_layers_function(real, real_fn, monkeypatch):
+def test_the_layers_module_imported_after_install_is_rebound(real, tree, tmp_path, monkeypatch):
+    """The wheel's own `_flashkda_prefill` source in a module vLLM imports after install() (a neutral name: the rest
+    of kda.py needs vLLM's model stack): rebound right after its import, served, restored by uninstall()."""
+    import importlib
+    import sys
+    src = vllm_wheel.source(tree, K3_LAYER)
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_flashkda_prefill")
+    (tmp_path / "vllm").mkdir()
+    path = tmp_path / "vllm" / "fk_k3_layer_late_import.py"
+    path.write_text("import torch\n\n\n" + ast.get_source_segment(src, fn) + "\n")
+    name = "vllm.fk_k3_layer_late_import"           # under the vllm package, as kda.py is
+    monkeypatch.setattr(sys.modules["vllm"], "__path__", [*sys.modules["vllm"].__path__, str(tmp_path / "vllm")])
+    monkeypatch.setattr(fkda_vllm, "OPT_IN_POINTS", (("k3_layer", name, k3_layer.SERVE, k3_layer.ENV_VAR),))
+    monkeypatch.setenv(k3_layer.ENV_VAR, "1")
+    assert fkda_vllm.install()["k3_layer"].startswith("deferred")
+    module = importlib.import_module(name)
+    assert fkda_vllm.DEFERRED[SITE] == [f"{name}._flashkda_prefill"]
+    original = module._flashkda_prefill.__wrapped__
+    assert original.__code__.co_filename == str(path) and module.__loader__.get_filename(name) == str(path)
+    served = fkda_vllm.STATS[SITE, "served"]
+    o, h = module._flashkda_prefill(**layer_call([6, 2], torch.float32, seed=3))
+    assert fkda_vllm.STATS[SITE, "served"] == served + 1 and not torch.isnan(o).any() and not torch.isnan(h).any()
+    fkda_vllm.uninstall()
+    assert module._flashkda_prefill is original
+    sys.modules.pop(name, None)
+
+
+def test_opted_in_install_rebinds_the_layers_function_when_already_imported(real, real_fn, monkeypatch):
     """A module under kda.py's name holding the real `_flashkda_prefill` (compiled from the wheel; the rest of
-    kda.py is not exercised): install() rebinds it, a call through the module serves, uninstall() restores it."""
+    kda.py is not exercised): install() rebinds it at once, a call through the module serves, uninstall() restores
+    it."""
     import sys
     import types
     module = types.ModuleType(K3_LAYER)

@@ -28,7 +28,7 @@ import inspect
 import os
 import sys
 
-from . import k3, k3_layer, vendored
+from . import _post_import, k3, k3_layer, vendored
 from ._common import REASONS, ROUTED, STATS, Refused, serve_or_fall_back
 
 __all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "ROUTED",
@@ -106,54 +106,77 @@ def _rebind(old, new) -> list:
     return touched
 
 
+def _bind(point: str, module_name: str, ops, bodies: dict, report: dict) -> None:
+    """Rebind each name of `bodies` that module `ops` holds to its adapter, wherever a loaded vllm module holds
+    it; report[site]: the attributes rebound, or "skipped: why"."""
+    for name in bodies:
+        site = f"{point}.{name}"
+        if site in _ACTIVE:
+            original, adapter = _ACTIVE[site]
+            report[site] = _rebind(original, adapter)
+            continue
+        current = getattr(ops, name, None)
+        if current is None:
+            report[site] = f"skipped: {module_name} has no {name}"
+            continue
+        try:
+            adapter = adapter_for(site, current)
+        except ValueError as e:
+            report[site] = f"skipped: {e}"
+            continue
+        _ACTIVE[site] = (current, adapter)
+        report[site] = _rebind(current, adapter)
+
+
+#: what install() did for the opt-in points whose module vLLM imported after it: {site: report}
+DEFERRED: dict = {}
+
+
 def install() -> dict:
     """Rebind the names of PATCH_POINTS to adapters in every loaded vllm module that holds them. Idempotent
     (a second call rebinds modules loaded since). Returns {site: [module.attr rebound]} or {site: "skipped:
     why"} (a signature that is not the adapted one, a module that does not import). Raises ImportError when
-    no patch point's module imports (vllm not installed)."""
+    no patch point's module imports (vllm not installed). An opted-in point (OPT_IN_POINTS) whose module is not
+    imported yet is not imported here: it is rebound right after vLLM imports it (report: "deferred: ...";
+    what was then rebound lands in DEFERRED)."""
     import torch
     if torch.version.hip is not None:
         # vLLM's ROCm layers read the kimi_k3.amd ops; bailing_moe_v3 would reach CUDA-only kernels
         return {point: "skipped: a ROCm build of torch (the kernels are CUDA sm_90a and CPU)"
                 for point, _, _ in PATCH_POINTS}
     report, errors = {}, []
-    opted = [(p, m, b) for p, m, b, variable in OPT_IN_POINTS if _opted_in(variable)]
-    for point, module_name, bodies in (*PATCH_POINTS, *opted):
+    for point, module_name, bodies in PATCH_POINTS:
         try:
             ops = importlib.import_module(module_name)
         except ImportError as e:
-            if (point, module_name, bodies) in PATCH_POINTS:
-                errors.append(f"{module_name}: {e}")
+            errors.append(f"{module_name}: {e}")
             report[point] = f"skipped: {module_name} does not import ({e})"
             continue
-        for name, body in bodies.items():
-            site = f"{point}.{name}"
-            if site in _ACTIVE:
-                original, adapter = _ACTIVE[site]
-                report[site] = _rebind(original, adapter)
-                continue
-            current = getattr(ops, name, None)
-            if current is None:
-                report[site] = f"skipped: {module_name} has no {name}"
-                continue
-            try:
-                adapter = adapter_for(site, current)
-            except ValueError as e:
-                report[site] = f"skipped: {e}"
-                continue
-            _ACTIVE[site] = (current, adapter)
-            report[site] = _rebind(current, adapter)
+        _bind(point, module_name, ops, bodies, report)
     if len(errors) == len(PATCH_POINTS):
         raise ImportError("flashkda_ext.integrations.vllm.install: no vLLM KDA ops module imports (is vllm "
                           "installed?); " + "; ".join(errors))
+    for point, module_name, bodies, variable in OPT_IN_POINTS:
+        if not _opted_in(variable):
+            continue
+        module = sys.modules.get(module_name)
+        if module is not None:
+            _bind(point, module_name, module, bodies, report)
+        else:
+            _post_import.when_imported(
+                module_name, lambda m, p=point, n=module_name, b=bodies: _bind(p, n, m, b, DEFERRED))
+            report[point] = f"deferred: rebound when vLLM imports {module_name}"
     return report
 
 
 def uninstall() -> dict:
-    """Put vLLM's originals back wherever an adapter is bound (also in modules imported after install()).
-    Returns {site: [module.attr restored]}; a no-op when nothing is installed."""
+    """Put vLLM's originals back wherever an adapter is bound (also in modules imported after install()), and
+    drop the opted-in points still waiting for their module. Returns {site: [module.attr restored]}; a no-op
+    when nothing is installed."""
     report = {site: _rebind(adapter, original) for site, (original, adapter) in _ACTIVE.items()}
     _ACTIVE.clear()
+    for _, module_name, _, _ in OPT_IN_POINTS:
+        _post_import.cancel(module_name)
     return report
 
 

@@ -4,7 +4,7 @@ opt-in: FLASHKDA_EXT_VLLM_K3_PREFILL=1 (with FLASHKDA_EXT_VLLM=1 or install()).
 Why: on sm_90 / sm_10x / sm_12x with a bounded gate, K3's layer resolves its "auto" prefill backend to FlashKDA
 (vLLM's `_flashkda_C` extension, shipped in the wheel), so the K3 ops patch point (k3.py) never sees a K3 prefill
 on an H200. The layer calls `_flashkda_prefill` by its module-global name inside `_forward`, so rebinding that
-module attribute reaches every call.
+module attribute reaches every call; install() does so right after vLLM imports the module (_post_import.py).
 
 What it computes: the layer passes `_flashkda_prefill` the same arguments it gives `chunk_kda_with_fused_gate` on
 its Triton backend (raw gate, beta logits, A_log, dt_bias, lower_bound, the gathered initial state, the request
