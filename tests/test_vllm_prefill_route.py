@@ -155,6 +155,18 @@ def test_the_lookup_says_why_it_has_no_bound(installed):
         assert "counts 2 requests, cu_seqlens 3" in host_lengths.longest(cu, 42)[1]
 
 
+def test_a_forward_context_given_new_metadata_is_read_again(installed):
+    """The lookup is cached per forward context and its metadata: new metadata on the same context (even holding
+    the same offsets tensor) is read again, not answered from the cache."""
+    m = vllm_step_metadata.step(installed.step, [1, 1, 40], "cpu")
+    with vllm_step_metadata.forward(installed.step, {"a": m}) as ctx:
+        assert host_lengths.longest(m.non_spec_query_start_loc, 42) == (40, "vllm metadata")
+        again = vllm_step_metadata.step(installed.step, [1, 17, 24], "cpu")
+        again.non_spec_query_start_loc = m.non_spec_query_start_loc
+        ctx.attn_metadata = {"a": again}
+        assert host_lengths.longest(m.non_spec_query_start_loc, 42) == (24, "vllm metadata")
+
+
 def test_dual_batch_overlap_finds_each_microbatchs_metadata(installed):
     a = vllm_step_metadata.step(installed.step, [1, 1, 30], "cpu")
     b = vllm_step_metadata.step(installed.step, [3, 70], "cpu")

@@ -11,8 +11,8 @@ cu_seqlens = m.non_spec_query_start_loc of the step's GDNAttentionMetadata m, an
 built by vLLM's metadata builder from the host offsets for its causal conv: nums_dict[8]["nums"][r] =
 ceil(len_r / 8), a host tensor. So 8 * max(nums) bounds the longest sequence from above by at most 7 tokens
 (enough for routing, the only use of max_seqlen without checkpoints). m is found in the forward context by the
-identity of cu_seqlens; one lookup a step and offsets (cached on the forward context object, which vLLM builds
-anew for each forward). Anything else gives None and the reason (the call then routes by the mean, as before).
+identity of cu_seqlens; one lookup a step and offsets (cached on the forward context object and its metadata,
+which vLLM builds anew for each forward). Anything else gives None and the reason (the call then routes by the mean, as before).
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ import torch
 
 BLOCK = 8      # vLLM's causal-conv block (compute_causal_conv1d_metadata: `for BLOCK_M in [8]`)
 
-_cache: list = [None, {}]      # [weakref to the forward context, {id(cu_seqlens): (weakref(cu_seqlens), answer)}]
+#: [weakref to the forward context, its attn_metadata then, {id(cu_seqlens): (weakref(cu_seqlens), answer)}]: a
+#: forward context reused with new metadata, or a new one, starts afresh
+_cache: list = [None, None, {}]
 
 
 def _find(attn_metadata, cu_seqlens):
@@ -72,19 +74,20 @@ def longest(cu_seqlens, T: int) -> Tuple[Optional[int], str]:
         ctx = fc.get_forward_context()
     except Exception as e:  # noqa: BLE001 - an engine of another shape: route by the mean, with the reason
         return None, f"vLLM's forward context did not answer ({type(e).__name__}: {e})"
+    attn_metadata = getattr(ctx, "attn_metadata", None)
     owner = _cache[0]() if _cache[0] is not None else None
-    if owner is not ctx:
+    if owner is not ctx or _cache[1] is not attn_metadata:
         try:
             _cache[0] = weakref.ref(ctx)
         except TypeError:
             _cache[0] = None
-        _cache[1] = {}
-    hit = _cache[1].get(id(cu_seqlens))
+        _cache[1], _cache[2] = attn_metadata, {}
+    hit = _cache[2].get(id(cu_seqlens))
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
-    m = _find(getattr(ctx, "attn_metadata", None), cu_seqlens)
+    m = _find(attn_metadata, cu_seqlens)
     answer = (None, "cu_seqlens is not the non_spec_query_start_loc of any metadata in vLLM's forward context") \
         if m is None else _from_metadata(m, cu_seqlens.shape[0] - 1, T)
     if _cache[0] is not None:
-        _cache[1][id(cu_seqlens)] = (weakref.ref(cu_seqlens), answer)
+        _cache[2][id(cu_seqlens)] = (weakref.ref(cu_seqlens), answer)
     return answer
