@@ -642,7 +642,9 @@ def render(sources) -> str:
         "fla's Triton ops (docs/integrations.md), so the fla column stands for it; the Engines section times "
         "vLLM's and SGLang's own kernels through the adapters. cuDNN: a prefill column "
         "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installed on the GPU "
-        "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target.", ""]
+        "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target "
+        "(`benchmarks/bench_vllm.py` can now time vLLM 0.34.0's build of it, Kimi K3's own prefill on an H200: "
+        "arm `vllm_flashkda`, not run yet).", ""]
     for op, title, make in SECTIONS:
         srcs = sources.get(op, [])
         runs = _runs(srcs)
