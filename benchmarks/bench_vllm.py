@@ -217,7 +217,7 @@ def flashkda_arm(fn, call):
     """() -> (out, final_state) of vLLM's `_flashkda_prefill` as the K3 layer calls it: its workspace sized by the
     extension, the final state in the pool's dtype (the gathered initial state's)."""
     q, v = call["q"], call["v"]
-    T, H, D = q.shape[1], q.shape[2], q.shape[3]
+    T, H = q.shape[1], q.shape[2]
     N = call["cu_seqlens"].shape[0] - 1
     init = call["initial_state"]
     ws = torch.empty(torch.ops._flashkda_C.get_workspace_size(T, H, N), dtype=torch.uint8, device=q.device)
