@@ -172,7 +172,7 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     # kda_verify reads the tokens (dim 1) of vLLM's views as they are; so does kda_decode their rows (q[0])
     q, k, v = qkv_rows(q, k, v, 1)
     g, beta = _gate_beta(raw_g, raw_beta, q, row_dim=1)
-    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    T, K = q.shape[1], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     gate = _gate(A_log, dt_bias, lower_bound, HV, K, q.device)
     o = _dense_out(out, (1, T, HV, V))
