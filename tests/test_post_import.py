@@ -22,7 +22,7 @@ def package(tmp_path, monkeypatch):
 
 def test_the_callback_runs_once_after_the_body_and_the_finder_leaves(package):
     seen = []
-    assert _post_import.when_imported(package, lambda m: seen.append(m.f())) is False
+    _post_import.when_imported(package, lambda m: seen.append(m.f()))
     assert seen == [] and _post_import.pending() == [package]
     module = importlib.import_module(package)
     assert seen == [1] and _post_import.pending() == []
@@ -34,11 +34,12 @@ def test_the_callback_runs_once_after_the_body_and_the_finder_leaves(package):
     assert _post_import._FINDER not in sys.meta_path
 
 
-def test_an_imported_module_gets_the_callback_at_once(package):
-    module = importlib.import_module(package)
+def test_an_imported_module_is_refused_and_nothing_waits(package):
+    importlib.import_module(package)
     seen = []
-    assert _post_import.when_imported(package, seen.append) is True and seen == [module]
-    assert _post_import.pending() == []
+    with pytest.raises(ValueError, match="imported already"):
+        _post_import.when_imported(package, seen.append)
+    assert seen == [] and _post_import.pending() == []
 
 
 def test_a_missing_module_still_fails_to_import_and_cancel_forgets_it(package):

@@ -19,6 +19,12 @@ REASONS: collections.Counter = collections.Counter()
 ROUTED: collections.Counter = collections.Counter()
 
 
+def count_route(site: str, longest, why: str) -> None:
+    """One served prefill call in ROUTED: routed by the longest request host_lengths.longest gave, or by the
+    mean (longest None) for the reason it gave."""
+    ROUTED[site, "longest from vLLM's metadata" if longest is not None else f"by the mean: {why}"] += 1
+
+
 class Refused(Exception):
     """A call the kernels cannot serve exactly; the message is the counted reason."""
 

@@ -51,12 +51,11 @@ class _Finder(importlib.abc.MetaPathFinder):
 _FINDER = _Finder()
 
 
-def when_imported(name: str, callback: Callable) -> bool:
-    """callback(module) now if `name` is imported (returns True), else right after its first import (False)."""
-    module = sys.modules.get(name)
-    if module is not None:
-        callback(module)
-        return True
+def when_imported(name: str, callback: Callable) -> None:
+    """callback(module) right after `name`'s first import; ValueError where it is imported already (the caller
+    then has the module)."""
+    if sys.modules.get(name) is not None:
+        raise ValueError(f"{name} is imported already")
     _FINDER.callbacks[name] = callback
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)

@@ -12,7 +12,8 @@ built by vLLM's metadata builder from the host offsets for its causal conv: nums
 ceil(len_r / 8), a host tensor. So 8 * max(nums) bounds the longest sequence from above by at most 7 tokens
 (enough for routing, the only use of max_seqlen without checkpoints). m is found in the forward context by the
 identity of cu_seqlens; one lookup a step and offsets (cached on the forward context object and its metadata,
-which vLLM builds anew for each forward). Anything else gives None and the reason (the call then routes by the mean, as before).
+which vLLM builds anew for each forward). Anything else gives None and the reason (the call then routes by the
+mean, as before).
 """
 from __future__ import annotations
 

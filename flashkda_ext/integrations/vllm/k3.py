@@ -27,7 +27,7 @@ from .. import _indices
 from ..common_checks import number_or_none
 from ..rows import rows_view
 from . import host_lengths
-from ._common import ROUTED, Refused, dense_qkv, qkv_rows, run_op, unknown
+from ._common import Refused, count_route, dense_qkv, qkv_rows, run_op, unknown
 
 
 #: A_log / dt_bias (g_bias) dtypes served, read as fp32: vLLM's kernels load each element in its stored dtype and
@@ -151,8 +151,7 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
                  output_final_state=_flag("output_final_state", output_final_state),
                  out=_dense_out(out, tuple(v.shape)), max_seqlen=longest)
     if cu is not None:
-        ROUTED["k3.chunk_kda_with_fused_gate",
-               "longest from vLLM's metadata" if longest is not None else f"by the mean: {how}"] += 1
+        count_route("k3.chunk_kda_with_fused_gate", longest, how)
     return res[0], res[1]
 
 

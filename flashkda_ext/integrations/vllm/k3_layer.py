@@ -23,7 +23,7 @@ import torch
 
 from .. import _indices
 from . import host_lengths
-from ._common import ROUTED, Refused, dense_qkv, run_op
+from ._common import Refused, count_route, dense_qkv, run_op
 from .k3 import _dense_out, _gate, _gate_beta
 
 ENV_VAR = "FLASHKDA_EXT_VLLM_K3_PREFILL"
@@ -59,7 +59,7 @@ def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initia
                  scale=None, beta_is_logit=True, cu_seqlens=cu, initial_state=initial_state.contiguous(),
                  output_final_state=True, final_state=final_state, out=_dense_out(out, tuple(v.shape)),
                  max_seqlen=longest)
-    ROUTED[SITE, "longest from vLLM's metadata" if longest is not None else f"by the mean: {how}"] += 1
+    count_route(SITE, longest, how)
     return res[0], res[1]
 
 

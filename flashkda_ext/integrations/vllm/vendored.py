@@ -19,7 +19,7 @@ from ..common_checks import number_or_none
 from .. import fla as _fla
 from ..rows import rows_view
 from . import host_lengths
-from ._common import ROUTED, Refused, run_op, unknown
+from ._common import Refused, count_route, run_op, unknown
 
 #: extra keyword arguments vLLM's vendored chunk_kda / fused_recurrent_kda accept and ignore (bailing_moe_v3)
 IGNORED_BY_VLLM = ("safe_gate", "lower_bound")
@@ -144,8 +144,7 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
         raise Refused(reason)
     res = run_op(_fla.serve_chunk_kda_known_longest, longest, **form)
     if cu_seqlens is not None:
-        ROUTED["vendored.chunk_kda",
-               "longest from vLLM's metadata" if longest is not None else f"by the mean: {how}"] += 1
+        count_route("vendored.chunk_kda", longest, how)
     return res
 
 
