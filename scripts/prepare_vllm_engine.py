@@ -55,6 +55,10 @@ FILES = (
     "vllm/v1/attention/backends/gdn_attn.py",
     "vllm/v1/attention/backends/utils.py",
     "vllm/models/kimi_k3/nvidia/kda_metadata.py",      # read: K3's metadata builder
+    # prefix-cache checkpoints (mamba_cache_mode "align"): where a K3 prefill call's checkpoints fall
+    "vllm/model_executor/layers/mamba/checkpoint.py",
+    "vllm/model_executor/layers/mamba/kda_checkpoint.py",
+    "vllm/v1/kv_cache_interface.py",
 )
 
 #: binaries taken from the wheel: vLLM's FlashKDA extension, K3's own prefill on an H200 (the peer of

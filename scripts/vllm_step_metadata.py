@@ -8,7 +8,11 @@ Real (the wheel's source, unmodified, compiled by ast; the rest of each module i
 - vllm/v1/attention/backends/gdn_attn.py: GDNAttentionMetadata;
 - vllm/v1/attention/backends/utils.py: compute_causal_conv1d_metadata and PAD_SLOT_ID, with PIN_MEMORY and
   np_to_pinned_tensor from the real vllm/utils/torch_utils.py (loaded with the K3 ops);
-- vllm/models/kimi_k3/nvidia/kda.py: _flashkda_prefill (flashkda_prefill(): the peer of benchmarks/bench_vllm.py).
+- vllm/models/kimi_k3/nvidia/kda.py: _flashkda_prefill (flashkda_prefill(): the peer of benchmarks/bench_vllm.py);
+- prefix-cache checkpoints (mamba_cache_mode "align"): MambaPrefillCheckpointMetadata and
+  compute_mamba_prefill_checkpoints (vllm/model_executor/layers/mamba/checkpoint.py), kda_prefill_checkpoint_alignment
+  (.../mamba/kda_checkpoint.py), get_mamba_prefill_checkpoint_position and is_mamba_prefill_checkpoint_valid
+  (vllm/v1/kv_cache_interface.py), with cdiv from the real vllm/utils/math_utils.py.
 Names that the compiled code uses only in annotations (AttentionMetadata, DPMetadata, BatchDescriptor,
 UBatchSlices, the checkpoint plans) are empty classes.
 
@@ -96,12 +100,26 @@ def load(tree: Path) -> types.SimpleNamespace:
                          **_placeholders("MambaPrefillCheckpointMetadata", "GDNFlashInferCheckpointPlan")})
     torch_utils = sys.modules.get("vllm.utils.torch_utils") or importlib.import_module("vllm.utils.torch_utils")
     utils = compile_nodes(tree / "vllm/v1/attention/backends/utils.py",
-                          ("PAD_SLOT_ID", "compute_causal_conv1d_metadata"),
+                          ("PAD_SLOT_ID", "NULL_BLOCK_ID", "compute_causal_conv1d_metadata"),
                           {"np": np, "torch": torch, "Any": typing.Any, "PIN_MEMORY": torch_utils.PIN_MEMORY,
                            "np_to_pinned_tensor": torch_utils.np_to_pinned_tensor})
+    math_utils = sys.modules.get("vllm.utils.math_utils") or importlib.import_module("vllm.utils.math_utils")
+    kv = compile_nodes(tree / "vllm/v1/kv_cache_interface.py",
+                       ("get_mamba_prefill_checkpoint_position", "is_mamba_prefill_checkpoint_valid"),
+                       {"cdiv": math_utils.cdiv})
+    ckpt = compile_nodes(tree / "vllm/model_executor/layers/mamba/checkpoint.py",
+                         ("compute_mamba_prefill_checkpoints", "_gather_checkpoint_state_indices",
+                          "MambaPrefillCheckpointMetadata"),
+                         {"dataclass": dataclasses.dataclass, "replace": dataclasses.replace, "torch": torch,
+                          "cdiv": math_utils.cdiv, "NULL_BLOCK_ID": utils["NULL_BLOCK_ID"], **kv})
+    alignment = compile_nodes(tree / "vllm/model_executor/layers/mamba/kda_checkpoint.py",
+                              ("kda_prefill_checkpoint_alignment",), {})["kda_prefill_checkpoint_alignment"]
     return types.SimpleNamespace(forward_context=fc, CUDAGraphMode=graph_mode,
                                  GDNAttentionMetadata=gdn["GDNAttentionMetadata"],
-                                 compute_causal_conv1d_metadata=utils["compute_causal_conv1d_metadata"])
+                                 compute_causal_conv1d_metadata=utils["compute_causal_conv1d_metadata"],
+                                 MambaPrefillCheckpointMetadata=ckpt["MambaPrefillCheckpointMetadata"],
+                                 compute_mamba_prefill_checkpoints=ckpt["compute_mamba_prefill_checkpoints"],
+                                 kda_prefill_checkpoint_alignment=alignment)
 
 
 def flashkda_prefill(tree: Path):
@@ -126,6 +144,29 @@ def step(ns: types.SimpleNamespace, lengths, device) -> object:
         num_decode_tokens=num_decodes, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=sum(lengths),
         non_spec_query_start_loc=cu_cpu.to(device), nums_dict=nums_dict, batch_ptr=batch_ptr,
         token_chunk_offset_ptr=token_chunk_offset_ptr)
+
+
+def with_checkpoints(ns: types.SimpleNamespace, m, computed, hash_block_size: int = 16, mamba_block_size: int = 16,
+                     backend: str = "flashkda"):
+    """m (a step() of these query lengths) with the prefix-cache checkpoints vLLM's MambaPrefillCheckpointBuilder.build
+    gives its requests in mamba_cache_mode "align" (no EAGLE block drop, no hash lookahead, cache hits aligned to
+    hash_block_size): `computed[r]` tokens of request r were cached before this step (seq_len = computed + query
+    length). Its offsets come from the wheel's compute_mamba_prefill_checkpoints with the alignment of K3's
+    `backend`; m.checkpoint is None where no request has one (as build returns). The state indices are rows 1..N
+    (this file's steps have no block table)."""
+    cu = m.non_spec_query_start_loc.cpu()
+    query_lens = cu.diff().tolist()
+    seq_lens = [int(c) + n for c, n in zip(computed, query_lens)]
+    offsets, cols = ns.compute_mamba_prefill_checkpoints(
+        seq_lens, query_lens, hash_block_size=hash_block_size, mamba_block_size=mamba_block_size,
+        checkpoint_alignment=ns.kda_prefill_checkpoint_alignment(backend), drop_eagle_block=False,
+        cache_hit_alignment_tokens=hash_block_size)
+    device = m.non_spec_query_start_loc.device
+    m.checkpoint = None if not any(offsets) else ns.MambaPrefillCheckpointMetadata(
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+        torch.tensor([r + 1 if c >= 0 else 0 for r, c in enumerate(cols)], dtype=torch.int64, device=device),
+        offsets=offsets, query_lens=query_lens)
+    return m
 
 
 @contextlib.contextmanager

@@ -171,6 +171,57 @@ def test_prefill_agrees_with_k3s_own_flashkda(vllm_ops, state_dtype, rows):
     assert rel_l2(o3, o1) < TOL and rel_l2(h3.float(), h1) < TOL
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_with_checkpoints_agrees_with_k3s_own_flashkda(vllm_ops, state_dtype):
+    """Prefix caching's "align" mode: K3's layer asks FlashKDA for each request's state at its checkpoint offset
+    (offsets from the wheel's compute_mamba_prefill_checkpoints); the opt-in adapter cuts the call there (two
+    checkpoints: three kda_prefill calls). Outputs, final states and the checkpoint rows agree with FlashKDA's;
+    the rows without a checkpoint stay as they were."""
+    ops, fk = vllm_ops
+    engine = ROOT / ".engines" / "vllm"
+    fn, why = bench_vllm.load_flashkda(engine)
+    if fn is None:
+        pytest.skip(f"vLLM's FlashKDA extension does not load here: {why}")
+    ns = bench_vllm.vllm_step_metadata.load(engine)
+    lengths = [1] * 20 + [3000] + [1] * 3 + [700]
+    computed = [37] * 20 + [512] + [9] * 3 + [1024]
+    m = bench_vllm.vllm_step_metadata.with_checkpoints(ns, bench_vllm.vllm_step_metadata.step(ns, lengths, DEV),
+                                                       computed)
+    offsets = m.checkpoint.offsets
+    cut = [r for r, o in enumerate(offsets) if o]
+    rest = [r for r, o in enumerate(offsets) if not o]
+    assert len(cut) == 2, offsets
+    H, T, N = 8, sum(lengths), len(lengths)
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    bf = lambda *s: torch.randn(*s, generator=gen, device=DEV).bfloat16()  # noqa: E731
+    call = dict(q=bf(1, T, H, 128), k=bf(1, T, H, 128), v=bf(1, T, H, 128), g=bf(1, T, H, 128),
+                beta=bf(1, T, H + 8)[..., :H], A_log=torch.rand(H, generator=gen, device=DEV) * 0.5,
+                dt_bias=torch.randn(H * 128, generator=gen, device=DEV) * 0.5, lower_bound=-5.0,
+                initial_state=(torch.randn(N, H, 128, 128, generator=gen, device=DEV) * 0.05).to(state_dtype),
+                cu_seqlens=m.non_spec_query_start_loc, checkpoint_offsets=m.checkpoint.checkpoint_offsets,
+                workspace=torch.empty(torch.ops._flashkda_C.get_workspace_size(T, H, N), dtype=torch.uint8,
+                                      device=DEV))
+
+    def buffers():
+        nan = float("nan")
+        return dict(out=torch.full((1, T, H, 128), nan, dtype=torch.bfloat16, device=DEV),
+                    final_state=torch.full((N, H, 128, 128), nan, dtype=state_dtype, device=DEV),
+                    checkpoint_state=torch.full((N, H, 128, 128), nan, dtype=state_dtype, device=DEV))
+    theirs, ours = buffers(), buffers()
+    site = "k3_layer._flashkda_prefill"
+    served = fk.STATS[site, "served"]
+    with torch.inference_mode():
+        fn(**call, **theirs)
+        with bench_vllm.vllm_step_metadata.forward(ns, {"model.layers.0.self_attn": m}):
+            fk.adapter_for(site, fn)(**call, **ours)
+    torch.cuda.synchronize()
+    assert fk.STATS[site, "served"] == served + 1, dict(fk.REASONS)
+    assert rel_l2(ours["out"], theirs["out"]) < 2 * TOL
+    assert rel_l2(ours["final_state"].float(), theirs["final_state"].float()) < 2 * TOL
+    assert rel_l2(ours["checkpoint_state"][cut].float(), theirs["checkpoint_state"][cut].float()) < 2 * TOL
+    assert torch.isnan(ours["checkpoint_state"][rest].float()).all()
+
+
 def test_decode_on_a_paged_pool_matches_vllm_triton(vllm_ops):
     """vLLM's page: the conv state then the recurrent state, a page per slot; the pool a strided view. Ours and
     vLLM's each on a copy of the whole paged buffer; ours writes only the named slots' states."""

@@ -61,9 +61,10 @@ def _from_metadata(m, N: int, T: int) -> Tuple[Optional[int], str]:
     return min(T, BLOCK * top), "vllm metadata"
 
 
-def longest(cu_seqlens, T: int) -> Tuple[Optional[int], str]:
-    """(a host bound on the longest sequence of this call, within 7 tokens, or None; how it was had or why
-    not). Never reads a device tensor; imports nothing (vLLM's forward_context is read only when loaded)."""
+def _step_metadata(cu_seqlens):
+    """(the step's metadata object whose non_spec_query_start_loc is cu_seqlens, or None; why not, or the cache
+    entry [weakref(cu_seqlens), m, longest answer or None] to fill). Never reads a device tensor; imports nothing
+    (vLLM's forward_context is read only when loaded)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         return None, "no cu_seqlens"
     fc = sys.modules.get("vllm.forward_context")
@@ -84,11 +85,44 @@ def longest(cu_seqlens, T: int) -> Tuple[Optional[int], str]:
             _cache[0] = None
         _cache[1], _cache[2] = attn_metadata, {}
     hit = _cache[2].get(id(cu_seqlens))
-    if hit is not None and hit[0]() is cu_seqlens:
-        return hit[1]
-    m = _find(attn_metadata, cu_seqlens)
-    answer = (None, "cu_seqlens is not the non_spec_query_start_loc of any metadata in vLLM's forward context") \
-        if m is None else _from_metadata(m, cu_seqlens.shape[0] - 1, T)
-    if _cache[0] is not None:
-        _cache[2][id(cu_seqlens)] = (weakref.ref(cu_seqlens), answer)
-    return answer
+    if hit is None or hit[0]() is not cu_seqlens:
+        hit = [weakref.ref(cu_seqlens), _find(attn_metadata, cu_seqlens), None]
+        if _cache[0] is not None:
+            _cache[2][id(cu_seqlens)] = hit
+    if hit[1] is None:
+        return None, "cu_seqlens is not the non_spec_query_start_loc of any metadata in vLLM's forward context"
+    return hit[1], hit
+
+
+def longest(cu_seqlens, T: int) -> Tuple[Optional[int], str]:
+    """(a host bound on the longest sequence of this call, within 7 tokens, or None; how it was had or why
+    not)."""
+    m, entry = _step_metadata(cu_seqlens)
+    if m is None:
+        return None, entry
+    if entry[2] is None:
+        entry[2] = _from_metadata(m, cu_seqlens.shape[0] - 1, T)
+    return entry[2]
+
+
+def checkpoint_lengths(cu_seqlens, checkpoint_offsets, T: int) -> Tuple[Optional[tuple], str]:
+    """((offsets, lengths): vLLM's host copies of each request's prefix-cache checkpoint offset into its query
+    (0: none) and of its query length, or None; why not). Read from the step's metadata m (found by cu_seqlens as
+    above) when m.checkpoint (vLLM's MambaPrefillCheckpointMetadata) holds checkpoint_offsets itself."""
+    m, entry = _step_metadata(cu_seqlens)
+    if m is None:
+        return None, entry
+    ckpt = getattr(m, "checkpoint", None)
+    if ckpt is None or getattr(ckpt, "checkpoint_offsets", None) is not checkpoint_offsets:
+        return None, "checkpoint_offsets is not the step metadata's checkpoint.checkpoint_offsets"
+    offsets, lengths = getattr(ckpt, "offsets", None), getattr(ckpt, "query_lens", None)
+    N = cu_seqlens.shape[0] - 1
+    if not isinstance(offsets, list) or not isinstance(lengths, list) or len(offsets) != N or len(lengths) != N \
+            or not all(type(x) is int for x in offsets + lengths):
+        return None, (f"the step metadata's checkpoint has no host offsets / query_lens of {N} ints (the "
+                      f"requests of this call)")
+    if sum(lengths) != T or any(n < 0 for n in lengths):
+        return None, f"the checkpoint's host query_lens {lengths[:8]}... do not sum to this call's {T} tokens"
+    if any(o != 0 and not 0 < o < n for o, n in zip(offsets, lengths)):
+        return None, "a host checkpoint offset outside (0, its query length), vLLM's rule"
+    return (offsets, lengths), "vllm metadata"

@@ -11,13 +11,24 @@ its Triton backend (raw gate, beta logits, A_log, dt_bias, lower_bound, the gath
 offsets), so the computation is that op's (served by k3.py the same way); the results go into the buffers the
 layer hands over: `out` [1, T, H, D] and `final_state` [N, H, D, D] in the pool's dtype (fp32 or bf16), which the
 layer then scatters into the pool. `workspace` is FlashKDA's scratch (sized by its get_workspace_size): it holds
-nothing the call reads or returns, and kda_prefill takes its own. Prefix-cache checkpoints (`checkpoint_state`,
-`checkpoint_offsets`: one state a request at a block-aligned offset) are not mapped: such a call runs FlashKDA,
-counted. Routed by the longest request from vLLM's step metadata where found (host_lengths.py).
+nothing the call reads or returns, and kda_prefill takes its own. Routed by the longest request from vLLM's step
+metadata where found (host_lengths.py).
+
+Prefix-cache checkpoints (mamba_cache_mode "align", on whenever prefix caching is): `checkpoint_offsets[r]` > 0 asks
+for request r's state after that many tokens of its query in `checkpoint_state[r]` (entries of offset 0 are not
+read). kda_prefill's own checkpoints fall every `checkpoint_every` tokens from a sequence's start, not at one offset
+a request, so the call is cut instead: each request with a checkpoint ends one kda_prefill call after its first
+`offset` tokens and starts the next from that state (its row of `final_state` holds it between the two calls, then
+it is copied into `checkpoint_state`). Each call is a contiguous slice of the tokens, so nothing is gathered; k
+checkpoints make k + 1 calls (vLLM's usual prefill step has one prompt, so two). The cuts need vLLM's host copies of
+the offsets and query lengths (m.checkpoint.offsets / query_lens of the step's metadata, host_lengths.py); without
+them the call runs FlashKDA, counted.
 
 Opt-in until benchmarks/bench_vllm.py (arm vllm_flashkda) has timed it against FlashKDA on the H200.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -33,9 +44,9 @@ SITE = "k3_layer._flashkda_prefill"
 def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                            final_state, workspace, checkpoint_state=None, checkpoint_offsets=None):
     from ...ops import kda_prefill
-    if checkpoint_state is not None or checkpoint_offsets is not None:
-        raise Refused("prefix-cache checkpoints (checkpoint_state / checkpoint_offsets: one state a request at its "
-                      "own offset) are not mapped")
+    if (checkpoint_state is None) != (checkpoint_offsets is None):
+        raise Refused("checkpoint_state and checkpoint_offsets come together (one without the other is outside "
+                      "the layer's contract)")
     if lower_bound is None:
         raise Refused("lower_bound=None: K3 calls FlashKDA with a bounded gate only")
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens, final_state)
@@ -54,13 +65,70 @@ def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initia
         raise Refused(f"final_state must be a contiguous {initial_state.dtype} {list(state_shape)} (the layer's "
                       f"buffer in the pool's dtype), got {final_state.dtype} {list(final_state.shape)} strides "
                       f"{list(final_state.stride())}")
+    gate = _gate(A_log, dt_bias, lower_bound, HV, K, q.device)
+    out = _dense_out(out, tuple(v.shape))
+    if checkpoint_offsets is not None:
+        return _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, cu_seqlens, out,
+                                       final_state, checkpoint_state, checkpoint_offsets, state_shape)
     longest, how = host_lengths.longest(cu_seqlens, q.shape[1])
-    res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, dt_bias, lower_bound, HV, K, q.device),
-                 scale=None, beta_is_logit=True, cu_seqlens=cu, initial_state=initial_state.contiguous(),
-                 output_final_state=True, final_state=final_state, out=_dense_out(out, tuple(v.shape)),
-                 max_seqlen=longest)
+    res = run_op(kda_prefill, q, k, v, g, beta, **gate, scale=None, beta_is_logit=True, cu_seqlens=cu,
+                 initial_state=initial_state.contiguous(), output_final_state=True, final_state=final_state,
+                 out=out, max_seqlen=longest)
     count_route(SITE, longest, how)
     return res[0], res[1]
+
+
+def cut_at_checkpoints(offsets, lengths):
+    """The kda_prefill calls of a prefill whose requests (query `lengths`) want their states after `offsets`
+    tokens (0: none; else 0 < offset < length): (first token, end token, first request row, last request row,
+    the lengths of the call's sequences) a call, in order. A request with a checkpoint is the last sequence of
+    one call (its first `offset` tokens) and the first of the next (the rest)."""
+    calls, t, t0, r0, pieces = [], 0, 0, 0, []
+    for r, (o, n) in enumerate(zip(offsets, lengths)):
+        if o:
+            calls.append((t0, t + o, r0, r, pieces + [o]))
+            t0, r0, pieces = t + o, r, [n - o]
+        else:
+            pieces.append(n)
+        t += n
+    calls.append((t0, t, r0, len(lengths) - 1, pieces))
+    return calls
+
+
+def _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, cu_seqlens, out, final_state,
+                            checkpoint_state, checkpoint_offsets, state_shape):
+    if not isinstance(checkpoint_state, torch.Tensor) or checkpoint_state.dtype != initial_state.dtype \
+            or tuple(checkpoint_state.shape) != state_shape or not checkpoint_state.is_contiguous():
+        raise Refused(f"checkpoint_state must be a contiguous {initial_state.dtype} {list(state_shape)}, got "
+                      f"{getattr(checkpoint_state, 'dtype', type(checkpoint_state).__name__)} "
+                      f"{list(getattr(checkpoint_state, 'shape', []))}")
+    if not isinstance(checkpoint_offsets, torch.Tensor) or checkpoint_offsets.dim() != 1 \
+            or checkpoint_offsets.shape[0] != state_shape[0] or checkpoint_offsets.device != q.device:
+        raise Refused(f"checkpoint_offsets must be one offset a request ({state_shape[0]}) on {q.device}")
+    if out is None:
+        raise Refused("prefix-cache checkpoints without an out buffer (the layer always passes one)")
+    host, why = host_lengths.checkpoint_lengths(cu_seqlens, checkpoint_offsets, q.shape[1])
+    if host is None:
+        raise Refused(f"prefix-cache checkpoints need vLLM's host offsets to cut the call at: {why}")
+    calls = cut_at_checkpoints(*host)
+    init = initial_state.contiguous()
+    # The calls share their tensors and dtypes, so a call the op refuses is the first (before any write); were a
+    # later one refused, FlashKDA's fallback rewrites out, final_state and every checkpoint row this wrote.
+    for j, (t0, t1, r0, r1, pieces) in enumerate(calls):
+        if j == 0:
+            starts = init[r0:r1 + 1]
+        else:   # the cut request goes on from the state the last call left in checkpoint_state
+            starts = checkpoint_state[r0:r0 + 1] if r1 == r0 else \
+                torch.cat([checkpoint_state[r0:r0 + 1], init[r0 + 1:r1 + 1]])
+        cu = torch.tensor([0] + list(itertools.accumulate(pieces)), dtype=torch.int32,
+                          pin_memory=q.is_cuda).to(q.device, non_blocking=True)
+        run_op(kda_prefill, q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], **gate,
+               scale=None, beta_is_logit=True, cu_seqlens=cu, initial_state=starts, output_final_state=True,
+               final_state=final_state[r0:r1 + 1], out=out[:, t0:t1], max_seqlen=max(pieces))
+        if j + 1 < len(calls):
+            checkpoint_state[r1].copy_(final_state[r1])
+    count_route(SITE, max(max(c[4]) for c in calls), "vllm metadata")
+    return out, final_state
 
 
 #: vLLM's name -> adapter body (with vLLM 0.34.0's signature of that name)
