@@ -213,9 +213,11 @@ def load_flashkda(engine_dir: Path):
     return fn, None
 
 
-def flashkda_arm(fn, call):
+def flashkda_arm(fn, call, checkpoint_offsets=None):
     """() -> (out, final_state) of vLLM's `_flashkda_prefill` as the K3 layer calls it: its workspace sized by the
-    extension, the final state in the pool's dtype (the gathered initial state's)."""
+    extension, the final state in the pool's dtype (the gathered initial state's); with checkpoint_offsets (the
+    step metadata's tensor, prefix caching's "align" mode) also the checkpoint buffer, the closure's
+    `checkpoint_state`."""
     q, v = call["q"], call["v"]
     T, H = q.shape[1], q.shape[2]
     N = call["cu_seqlens"].shape[0] - 1
@@ -223,9 +225,16 @@ def flashkda_arm(fn, call):
     ws = torch.empty(torch.ops._flashkda_C.get_workspace_size(T, H, N), dtype=torch.uint8, device=q.device)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = torch.empty(init.shape, dtype=init.dtype, device=init.device)
-    return lambda: fn(q=q, k=call["k"], v=v, g=call["raw_g"], beta=call["raw_beta"], A_log=call["A_log"],
-                      dt_bias=call["g_bias"], lower_bound=call["lower_bound"], initial_state=init,
-                      cu_seqlens=call["cu_seqlens"], out=out, final_state=final, workspace=ws)
+    ckpt = dict() if checkpoint_offsets is None else dict(
+        checkpoint_state=torch.full(init.shape, float("nan"), dtype=init.dtype, device=init.device),
+        checkpoint_offsets=checkpoint_offsets)
+
+    def run():
+        return fn(q=q, k=call["k"], v=v, g=call["raw_g"], beta=call["raw_beta"], A_log=call["A_log"],
+                  dt_bias=call["g_bias"], lower_bound=call["lower_bound"], initial_state=init,
+                  cu_seqlens=call["cu_seqlens"], out=out, final_state=final, workspace=ws, **ckpt)
+    run.checkpoint_state = ckpt.get("checkpoint_state")
+    return run
 
 
 def split_arm(call, decodes):
@@ -254,7 +263,7 @@ def split_arm(call, decodes):
 
 
 def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site, served,
-            rel_o, rel_s, how, accuracy, failed, flashkda=None):
+            rel_o, rel_s, how, accuracy, failed, flashkda=None, checkpoint_offsets=None):
     """One point after its agreement check: the accuracy record, then the arms timed side by side."""
     ok = fkda_vllm.STATS[site, "served"] == served + 1
     good = ok and rel_o < args.tol and rel_s < args.tol
@@ -290,15 +299,26 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
         theirs = with_pool(call, copy_pool(pool))
         arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
         if flashkda is not None and kind in ("prefill", "mixed") and lb is not None:
-            fk_run = flashkda_arm(flashkda, call)
+            fk_run = flashkda_arm(flashkda, call, checkpoint_offsets)
             o_f, h_f = fk_run()
             o_r, h_r = ours_once()
             notes_extra["flashkda_rel_l2_out"] = harness.rel_l2(o_f, o_r)
             notes_extra["flashkda_rel_l2_state"] = harness.rel_l2(h_f.float(), h_r)
             arms.append(harness.Arm("vllm_flashkda", fk_run))
             # the opt-in k3_layer adapter in FlashKDA's place: its buffers, the final state in the pool's dtype
-            arms.append(harness.Arm("ours_k3_layer",
-                                    flashkda_arm(fkda_vllm.adapter_for("k3_layer._flashkda_prefill", flashkda), call)))
+            layer_site = "k3_layer._flashkda_prefill"
+            k3_run = flashkda_arm(fkda_vllm.adapter_for(layer_site, flashkda), call, checkpoint_offsets)
+            if checkpoint_offsets is not None:   # the cut calls' checkpoint rows against FlashKDA's
+                layer_served = fkda_vllm.STATS[layer_site, "served"]
+                k3_run()
+                rows_cut = [r for r, o in enumerate(checkpoint_offsets.tolist()) if o]
+                notes_extra["checkpoints"] = len(rows_cut)
+                notes_extra["flashkda_rel_l2_checkpoint"] = harness.rel_l2(
+                    k3_run.checkpoint_state[rows_cut].float(), fk_run.checkpoint_state[rows_cut].float())
+                if fkda_vllm.STATS[layer_site, "served"] != layer_served + 1 or \
+                        notes_extra["flashkda_rel_l2_checkpoint"] >= args.tol:
+                    failed.append(f"{name} (k3_layer checkpoints)")
+            arms.append(harness.Arm("ours_k3_layer", k3_run))
         if not args.no_fla:
             fla = fla_arm(kind, call, copy_pool(pool))
             if fla is not None:
@@ -308,6 +328,8 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
     params = dict(kind=kind, rows=rows, H=H, state_dtype=str(sd), lower_bound=lb)
     if kind == "mixed":
         params["prompt"] = args.mixed_prompt
+        if args.mixed_cached:
+            params["cached"] = args.mixed_cached
     run.add(harness.Case(name, params, arms, bytes=nbytes,
                          notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "served": ok, "routed": how,
                                 **notes_extra}))
@@ -327,6 +349,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--prefill-max-rows", type=int, default=64, help="prefill: rows above this are left out")
     ap.add_argument("--mixed-prompt", type=int, default=4096, help="mixed: the prompt chunk's tokens")
+    ap.add_argument("--mixed-cached", type=int, default=0,
+                    help="mixed: tokens of the prompt cached before the step (a multiple of 16 > 0: prefix caching's "
+                         "checkpoint falls inside the chunk, as vLLM's offset rule puts it; the FlashKDA and "
+                         "ours_k3_layer arms then write it)")
     ap.add_argument("--paged", action="store_true", help="pools as vLLM pages them (conv state first in a page)")
     ap.add_argument("--tol", type=float, default=1e-2, help="rel. L2 agreement bound (bf16 inputs)")
     args = ap.parse_args(argv)
@@ -347,7 +373,7 @@ def main(argv=None) -> int:
     run = harness.Run("bench_vllm", cfg, baseline="vllm_triton" if cfg.is_cuda else None,
                       extra_meta={"vllm": "0.34.0 (wheel, kimi_k3 nvidia ops)", "lower_bound": lb,
                                   "spec_tokens": args.spec_tokens, "prefill_len": args.prefill_len,
-                                  "mixed_prompt": args.mixed_prompt,
+                                  "mixed_prompt": args.mixed_prompt, "mixed_cached": args.mixed_cached,
                                   "paged": args.paged})
     points = [(kind, r, H, sd) for kind in kinds for r in rows_list for H in heads for sd in dtypes
               if not (kind == "prefill" and r > args.prefill_max_rows)]
@@ -361,11 +387,17 @@ def main(argv=None) -> int:
             call, pool = inputs(kind, rows, H, sd, lb, args, dev)
             site = f"k3.{NAMES[kind]}"
             served = fkda_vllm.STATS[site, "served"]
-            step = contextlib.nullcontext()
+            step, checkpoint_offsets = contextlib.nullcontext(), None
             if kind == "mixed":
                 # the step's metadata holds the very offsets tensor the call passes, as in vLLM
                 m = vllm_step_metadata.step(step_ns, [1] * rows + [args.mixed_prompt], dev)
                 call["cu_seqlens"] = m.non_spec_query_start_loc
+                if args.mixed_cached:
+                    vllm_step_metadata.with_checkpoints(step_ns, m, [0] * rows + [args.mixed_cached])
+                    if m.checkpoint is None:
+                        raise SystemExit(f"--mixed-cached {args.mixed_cached}: vLLM's rule puts no checkpoint in "
+                                         f"a {args.mixed_prompt}-token chunk after it")
+                    checkpoint_offsets = m.checkpoint.checkpoint_offsets
                 step = vllm_step_metadata.forward(step_ns, {"model.layers.0.self_attn": m})
             with step:
                 routed = dict(fkda_vllm.ROUTED)
@@ -377,7 +409,7 @@ def main(argv=None) -> int:
                     continue
                 how = [k[1] for k, n in fkda_vllm.ROUTED.items() if k[0] == site and n > routed.get(k, 0)]
                 measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site,
-                        served, rel_o, rel_s, how, accuracy, failed, flashkda)
+                        served, rel_o, rel_s, how, accuracy, failed, flashkda, checkpoint_offsets)
     run.extra["accuracy"] = accuracy
     run.extra["adapter_counts"] = {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()}
     run.extra["fallback_reasons"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}
