@@ -160,14 +160,23 @@ def reference(kind, call):
     return o, h
 
 
+def own_v(name, call):
+    """The call with a copy of v for vLLM's Triton chunk prefill, which writes its output into v when given no
+    `out` (chunk.py, _chunk_kda_fwd_with_cumulative_g: `o=v if out is None else out`): the other arms keep the
+    input."""
+    return dict(call, v=call["v"].clone()) if name == "chunk_kda_with_fused_gate" and call.get("out") is None \
+        else call
+
+
 def agreement(kind, call, pool, ours_fn, theirs_fn):
-    """(rel. L2 of the outputs, of the pools / final states) on fresh copies of the inputs."""
+    """(rel. L2 of the outputs, of the pools / final states) on fresh copies of the pools (and of v for vLLM's
+    chunk prefill, own_v)."""
     a_pool, b_pool = copy_pool(pool), copy_pool(pool)
     o1, s1 = ours_fn(**with_pool(call, a_pool))
     if theirs_fn is None:
         o2, s2 = reference(kind, with_pool(call, b_pool))
     else:
-        o2, s2 = theirs_fn(**with_pool(call, b_pool))
+        o2, s2 = theirs_fn(**with_pool(own_v(NAMES[kind], call), b_pool))
     if pool is not None:
         s1, s2 = a_pool, (b_pool if theirs_fn is not None else s2)
     return harness.rel_l2(o1, o2), harness.rel_l2(s1, s2)
@@ -296,7 +305,7 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
                 failed.append(f"{name} (split)")
             arms.append(harness.Arm("split", split))
     if original is not None:
-        theirs = with_pool(call, copy_pool(pool))
+        theirs = with_pool(own_v(NAMES[kind], call), copy_pool(pool))
         arms.append(harness.Arm("vllm_triton", lambda c=theirs: original(**c)))
         if flashkda is not None and kind in ("prefill", "mixed") and lb is not None:
             fk_run = flashkda_arm(flashkda, call, checkpoint_offsets)

@@ -38,7 +38,7 @@ def both(ops, fkda_vllm, name, call, pool):
     with torch.inference_mode():
         o1, s1 = adapter(**bench_vllm.with_pool(call, a))
         assert fkda_vllm.STATS[site, "served"] == served + 1, dict(fkda_vllm.REASONS)
-        o2, s2 = adapter.__wrapped__(**bench_vllm.with_pool(call, b))
+        o2, s2 = adapter.__wrapped__(**bench_vllm.with_pool(bench_vllm.own_v(name, call), b))
     torch.cuda.synchronize()
     return (o1, a if pool is not None else s1), (o2, b if pool is not None else s2)
 
