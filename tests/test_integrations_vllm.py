@@ -609,7 +609,7 @@ def test_the_benchmark_dry_run_serves_every_kind_and_agrees_with_the_reference(t
     assert all(a["served"] and a["ok"] for a in doc["accuracy"])
     # the mixed step ran in the wheel's forward context and was routed by its prompt
     mixed = [a for a in doc["accuracy"] if a["case"].startswith("mixed")]
-    assert mixed and all(a["routed"] == ["longest from vLLM's metadata"] for a in mixed)
+    assert mixed and all(a["routed"] == ["longest from vLLM's metadata, decodes apart"] for a in mixed)
     # the split candidate (decodes and prompt as two calls) gives the one call's answer
     split = [c["notes"] for c in doc["cases"] if c["name"].startswith("mixed")]
     assert split and all(n["split_rel_l2_out"] < 1e-6 and n["split_rel_l2_state"] < 1e-6 for n in split)

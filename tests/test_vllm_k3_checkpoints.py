@@ -83,10 +83,15 @@ def reference(call, lengths):
 
 
 def test_the_cut_calls_cover_the_tokens_in_order():
-    assert k3_layer.cut_at_checkpoints([0, 0], [3, 5]) == [(0, 8, 0, 1, [3, 5])]
-    assert k3_layer.cut_at_checkpoints([0, 32, 0], [1, 70, 1]) == [(0, 33, 0, 1, [1, 32]), (33, 72, 1, 2, [38, 1])]
-    assert k3_layer.cut_at_checkpoints([16, 0, 48], [20, 0, 50]) == [
-        (0, 16, 0, 0, [16]), (16, 68, 0, 2, [4, 0, 48]), (68, 70, 2, 2, [2])]
+    cut = k3_layer.cut_at_checkpoints
+    assert cut([0, 0], [3, 5]) == [(0, 8, 0, 1, [3, 5], False)]
+    assert cut([0, 32, 0], [1, 70, 1]) == [(0, 33, 0, 1, [1, 32], False), (33, 72, 1, 2, [38, 1], True)]
+    assert cut([16, 0, 48], [20, 0, 50]) == [
+        (0, 16, 0, 0, [16], False), (16, 68, 0, 2, [4, 0, 48], True), (68, 70, 2, 2, [2], True)]
+    # the step's decodes apart (a break before its first prompt), then the prompt's cut
+    assert cut([0, 0, 32, 0], [1, 1, 70, 9], breaks={2}) == [
+        (0, 2, 0, 1, [1, 1], False), (2, 34, 2, 2, [32], False), (34, 81, 2, 3, [38, 9], True)]
+    assert cut([0, 0], [1, 9], breaks={0}) == [(0, 10, 0, 1, [1, 9], False)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +132,7 @@ def test_the_layer_passes_the_metadatas_checkpoint_offsets_and_the_builder_keeps
 
 STEPS = {   # query lengths, tokens cached before the step (multiples of 16 put checkpoints in reach)
     "decodes+prompt": ([1, 1, 1, 150, 1], [40, 7, 99, 32, 5]),
+    "decodes-first": ([1, 1, 1, 150, 70], [40, 7, 99, 32, 0]),    # as vLLM orders a step: its decodes apart
     "two-prompts": ([70, 1, 0, 90, 33], [16, 3, 0, 0, 64]),
     "first-is-cut": ([64, 1], [0, 9]),
 }
@@ -161,14 +167,17 @@ def test_served_with_each_requests_state_at_its_checkpoint(step_ns, real_fn, kda
     # the rows without a checkpoint are vLLM's to ignore, and stay as they were
     rest = [r for r in range(len(lengths)) if not offsets[r]]
     assert torch.isnan(call["checkpoint_state"][rest]).all()
-    # one kda_prefill call more than there are checkpoints, each routed by its longest piece
-    assert len(kda_calls) == len(cut) + 1
-    assert [c["max_seqlen"] for c in kda_calls] == [max(p) for *_, p in k3_layer.cut_at_checkpoints(offsets,
-                                                                                                   lengths)]
+    # one kda_prefill call more than there are checkpoints (and one for the decodes of a step in vLLM's order),
+    # each routed by its longest piece
+    apart = name == "decodes-first"
+    assert len(kda_calls) == len(cut) + 1 + apart
+    calls = k3_layer.cut_at_checkpoints(offsets, lengths, breaks={3} if apart else ())
+    assert [c["max_seqlen"] for c in kda_calls] == [max(c[4]) for c in calls]
 
 
-def test_no_checkpoint_in_the_step_is_one_call(step_ns, real_fn, kda_calls):
-    """vLLM passes no checkpoint when no request reaches one (build returns None): one kda_prefill call."""
+def test_no_checkpoint_in_the_step_is_one_call_a_part(step_ns, real_fn, kda_calls):
+    """vLLM passes no checkpoint when no request reaches one (build returns None): one kda_prefill call for the
+    decode, one for the prompt (host_lengths.step_parts)."""
     m = vllm_step_metadata.with_checkpoints(step_ns, vllm_step_metadata.step(step_ns, [1, 40], "cpu"), [3, 5])
     assert m.checkpoint is None
     m.checkpoint = type("NoCheckpoint", (), {"checkpoint_offsets": torch.zeros(2, dtype=torch.int32)})()
@@ -176,7 +185,7 @@ def test_no_checkpoint_in_the_step_is_one_call(step_ns, real_fn, kda_calls):
     del call["checkpoint_state"], call["checkpoint_offsets"]
     with vllm_step_metadata.forward(step_ns, {LAYER: m}):
         fkda_vllm.adapter_for(SITE, real_fn)(**call)
-    assert len(kda_calls) == 1 and kda_calls[0]["max_seqlen"] == 40
+    assert [c["max_seqlen"] for c in kda_calls] == [1, 40]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ H, K, V = 8, 8, 8
 TOL = dict(rtol=2e-5, atol=2e-5)
 SITE = "k3.chunk_kda_with_fused_gate"
 BY_METADATA = "longest from vLLM's metadata"
+APART = "longest from vLLM's metadata, decodes apart"
 LAYERS = {"vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn": "chunk_kda_with_fused_gate",
           "vllm.models.kimi_k3.nvidia.kda": "chunk_kda_with_fused_gate",
           "vllm.model_executor.models.bailing_moe_v3": "chunk_kda"}
@@ -206,11 +207,14 @@ def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(installed,
     lengths, call = mixed_step(48, 300, lower_bound)
     m = vllm_step_metadata.step(installed.step, lengths, "cpu")
     call["cu_seqlens"] = m.non_spec_query_start_loc
-    before = fkda_vllm.ROUTED[SITE, BY_METADATA]
+    before = fkda_vllm.ROUTED[SITE, APART]
     with vllm_step_metadata.forward(installed.step, {"model.layers.1.self_attn": m, "model.layers.2.self_attn": m}):
         o, h = installed.k3.chunk_kda_with_fused_gate(**call)
-    assert fkda_vllm.ROUTED[SITE, BY_METADATA] == before + 1
-    assert seen[-1]["max_seqlen"] == 304                   # 300 tokens, rounded up to vLLM's conv block of 8
+    assert fkda_vllm.ROUTED[SITE, APART] == before + 1
+    # two calls (host_lengths.step_parts): the 48 decodes, then the prompt (its bound, 300 tokens rounded up to
+    # vLLM's conv block of 8, capped at the part's 300 tokens), its offsets rebased
+    assert [c["max_seqlen"] for c in seen[-2:]] == [1, 300]
+    assert seen[-2]["cu_seqlens"].tolist() == list(range(49)) and seen[-1]["cu_seqlens"].tolist() == [0, 300]
     gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
     want_o, want_h, _ = kda_recurrent(call["q"], call["k"], call["v"], call["raw_g"], call["raw_beta"],
                                       A_log=call["A_log"], dt_bias=call["g_bias"], cu_seqlens=call["cu_seqlens"],
@@ -218,10 +222,11 @@ def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(installed,
     torch.testing.assert_close(o.double(), want_o, **TOL)
     torch.testing.assert_close(h.double(), want_h, **TOL)
     # on a GPU: by the mean (7 tokens) the step is the fused 16-token kernel's band, whose one CTA would walk the
-    # 300-token prompt alone; by its longest it leaves that band
+    # 300-token prompt alone; by its longest it leaves that band, and alone the prompt routes as one sequence
     name = "bounded" if lower_bound is not None else "softplus"
     assert cuda_route(lengths, None, name, lower_bound).startswith("prefill_c16_")
-    assert not cuda_route(lengths, seen[-1]["max_seqlen"], name, lower_bound).startswith("prefill_c16_")
+    assert not cuda_route(lengths, 304, name, lower_bound).startswith("prefill_c16_")
+    assert not cuda_route([300], 304, name, lower_bound).startswith("prefill_c16_")
 
 
 def test_a_uniform_step_keeps_the_fused_kernel(installed, seen):
@@ -263,5 +268,45 @@ def test_bailings_vendored_chunk_is_routed_the_same_way(installed, seen):
     assert fkda_vllm.ROUTED["vendored.chunk_kda", BY_METADATA] == before + 1 and seen[-1]["max_seqlen"] == 48
     want_o, want_h, _ = kda_recurrent(call["q"], call["k"], call["v"], g, beta, gate="log", beta_is_logit=False,
                                       cu_seqlens=m.non_spec_query_start_loc, initial_state=call["initial_state"])
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(h.double(), want_h, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# the step's decodes apart from its prompts (host_lengths.step_parts)
+
+
+@pytest.mark.parametrize("lengths,parts", [
+    ([1, 1, 1, 40, 9], [(0, 3, 0, 3, 1), (3, 52, 3, 5, 40)]),       # vLLM's order: decodes, then prompts
+    ([1, 90, 0, 0], [(0, 1, 0, 1, 1), (1, 91, 1, 4, 90)]),           # CUDA-graph padding after the prompt
+    ([40, 9], [(0, 49, 0, 2, 40)]),                                  # no decode: one part
+    ([1, 1, 1], [(0, 3, 0, 3, 3)]),                                  # no prompt: one part, bound 8 capped at T
+    ([1, 40, 1], [(0, 42, 0, 3, 40)]),                               # a decode after a prompt: not vLLM's order
+], ids=["decodes-first", "padding", "prompts", "decodes", "unordered"])
+def test_the_parts_of_a_step(installed, lengths, parts):
+    m = vllm_step_metadata.step(installed.step, lengths, "cpu")
+    with vllm_step_metadata.forward(installed.step, {"l": m}):
+        got, how = host_lengths.step_parts(m.non_spec_query_start_loc, sum(lengths))
+    assert how == "vllm metadata" and got == parts
+
+
+def test_a_step_of_decodes_and_prompts_is_served_in_two_calls_as_in_one(installed, seen):
+    """The parts' outputs and final states are the one call's (the float64 reference over the whole step)."""
+    lengths = [1] * 5 + [37, 64, 0]
+    _, call = mixed_step(0, 1, -5.0)
+    gen = torch.Generator().manual_seed(7)
+    T, N = sum(lengths), len(lengths)
+    call.update(q=torch.randn(1, T, H, K, generator=gen), k=torch.randn(1, T, H, K, generator=gen),
+                v=torch.randn(1, T, H, V, generator=gen), raw_g=torch.randn(1, T, H, K, generator=gen),
+                raw_beta=torch.randn(1, T, H, generator=gen), initial_state=torch.randn(N, H, V, K, generator=gen),
+                out=torch.full((1, T, H, V), float("nan")))
+    m = vllm_step_metadata.step(installed.step, lengths, "cpu")
+    call["cu_seqlens"] = m.non_spec_query_start_loc
+    with vllm_step_metadata.forward(installed.step, {"l": m}):
+        o, h = installed.k3.chunk_kda_with_fused_gate(**call)
+    assert [c["max_seqlen"] for c in seen[-2:]] == [1, 64] and o is call["out"]
+    want_o, want_h, _ = kda_recurrent(call["q"], call["k"], call["v"], call["raw_g"], call["raw_beta"],
+                                      A_log=call["A_log"], dt_bias=call["g_bias"], cu_seqlens=call["cu_seqlens"],
+                                      initial_state=call["initial_state"], gate="bounded", lower_bound=-5.0)
     torch.testing.assert_close(o.double(), want_o, **TOL)
     torch.testing.assert_close(h.double(), want_h, **TOL)

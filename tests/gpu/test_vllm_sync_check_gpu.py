@@ -81,8 +81,34 @@ def test_the_mixed_step_routed_from_vllms_metadata_serves_without_a_sync(vllm_op
     call, _ = bench_vllm.inputs("mixed", 50, 8, torch.float32, -5.0, Args, DEV, seed=3)
     m = bench_vllm.vllm_step_metadata.step(ns, [1] * 50 + [Args.mixed_prompt], DEV)
     call["cu_seqlens"] = m.non_spec_query_start_loc
-    key = ("k3.chunk_kda_with_fused_gate", "longest from vLLM's metadata")
+    key = ("k3.chunk_kda_with_fused_gate", "longest from vLLM's metadata, decodes apart")
     before = fk.ROUTED[key]
     with bench_vllm.vllm_step_metadata.forward(ns, {"model.layers.0.self_attn": m}), torch.inference_mode():
         run_checked(checked, lambda: ops.chunk_kda_with_fused_gate(**call))
     assert fk.ROUTED[key] == before + 2
+
+
+def test_k3s_prefill_with_checkpoints_cut_serves_without_a_sync(vllm_ops, checked):
+    """The opt-in K3 prefill adapter with prefix-cache checkpoints: the decodes apart, the prompt cut at its
+    checkpoint (three kda_prefill calls, their offsets copied from pinned host memory), no sync."""
+    ops, fk = vllm_ops
+    fn, why = bench_vllm.load_flashkda(ROOT / ".engines" / "vllm")
+    if fn is None:
+        pytest.skip(f"vLLM's FlashKDA extension does not load here: {why}")
+    vsm = bench_vllm.vllm_step_metadata
+    ns = vsm.load(ROOT / ".engines" / "vllm")
+    call, _ = bench_vllm.inputs("mixed", 50, 8, torch.float32, -5.0, Args, DEV, seed=4)
+    m = vsm.with_checkpoints(ns, vsm.step(ns, [1] * 50 + [Args.mixed_prompt], DEV), [5] * 50 + [512])
+    assert m.checkpoint is not None
+    init = call["initial_state"]
+    layer_call = dict(q=call["q"], k=call["k"], v=call["v"], g=call["raw_g"], beta=call["raw_beta"],
+                      A_log=call["A_log"], dt_bias=call["g_bias"], lower_bound=-5.0, initial_state=init,
+                      cu_seqlens=m.non_spec_query_start_loc, out=torch.empty_like(call["v"]),
+                      final_state=torch.empty_like(init), workspace=torch.empty(1, dtype=torch.uint8, device=DEV),
+                      checkpoint_state=torch.empty_like(init), checkpoint_offsets=m.checkpoint.checkpoint_offsets)
+    site = "k3_layer._flashkda_prefill"
+    adapter = fk.adapter_for(site, fn)
+    served = fk.STATS[site, "served"]
+    with vsm.forward(ns, {"model.layers.0.self_attn": m}), torch.inference_mode():
+        run_checked(checked, lambda: adapter(**layer_call))
+    assert fk.STATS[site, "served"] == served + 2, dict(fk.REASONS)

@@ -14,15 +14,18 @@ from .. import rows
 STATS: collections.Counter = collections.Counter()
 #: fallbacks per (call site, reason)
 REASONS: collections.Counter = collections.Counter()
-#: served prefill calls per (call site, how the route knew the longest sequence): "longest from vLLM's metadata",
-#: or "by the mean: <why the longest was not known>" (host_lengths.py)
+#: served prefill calls per (call site, how the route knew the longest sequence): "longest from vLLM's metadata"
+#: (" , decodes apart" when the step's decodes ran as a call of their own: host_lengths.step_parts), or "by the
+#: mean: <why the longest was not known>" (host_lengths.py)
 ROUTED: collections.Counter = collections.Counter()
 
 
-def count_route(site: str, longest, why: str) -> None:
-    """One served prefill call in ROUTED: routed by the longest request host_lengths.longest gave, or by the
-    mean (longest None) for the reason it gave."""
-    ROUTED[site, "longest from vLLM's metadata" if longest is not None else f"by the mean: {why}"] += 1
+def count_route(site: str, longest, why: str, parts: int = 1) -> None:
+    """One served prefill call in ROUTED: routed by the longest request host_lengths gave (in `parts` calls), or
+    by the mean (longest None) for the reason it gave."""
+    how = f"by the mean: {why}" if longest is None else \
+        "longest from vLLM's metadata" + (", decodes apart" if parts > 1 else "")
+    ROUTED[site, how] += 1
 
 
 class Refused(Exception):

@@ -126,3 +126,27 @@ def checkpoint_lengths(cu_seqlens, checkpoint_offsets, T: int) -> Tuple[Optional
     if any(o != 0 and not 0 < o < n for o, n in zip(offsets, lengths)):
         return None, "a host checkpoint offset outside (0, its query length), vLLM's rule"
     return (offsets, lengths), "vllm metadata"
+
+
+def step_parts(cu_seqlens, T: int):
+    """([(first token, end token, first request, end request, longest)], how): the kda_prefill calls of one vLLM
+    chunk call. vLLM 0.34's Kimi layers send the step's one-token decodes (first, as vLLM orders a batch) and its
+    prompts through one call; served apart, each part routes by its own lengths: the prompts by their longest, not
+    beside hundreds of one-token sequences that make the call look wide (measured on the H200: 255 x 1 + 1 x 2048
+    H8 0.31 ms in one call, 0.16 ms in two, benchmarks/bench_vllm.py arm `split`). The cut comes from the step
+    metadata's host counts (num_decodes one-token decodes of num_decode_tokens tokens, then num_prefills prompts);
+    without them one part routed by the longest (longest(), None where unknown)."""
+    whole = lambda bound, how: ([(0, T, 0, cu_seqlens.shape[0] - 1, bound)], how)  # noqa: E731
+    bound, how = longest(cu_seqlens, T)
+    if bound is None:
+        return whole(None, how)
+    m, _ = _step_metadata(cu_seqlens)
+    N = cu_seqlens.shape[0] - 1
+    nd, ndt, npf = (getattr(m, name, None) for name in ("num_decodes", "num_decode_tokens", "num_prefills"))
+    if not all(type(x) is int for x in (nd, ndt, npf)) or not (0 < nd < N and npf > 0 and ndt == nd):
+        return whole(bound, how)
+    nums = m.nums_dict[BLOCK]["nums"]
+    if bool((nums[:nd] != 1).any()):     # a decode is one token (ceil(1 / 8) = 1): counts of another step
+        return whole(bound, how)
+    rest = min(T - ndt, BLOCK * int(nums[nd:].max()))
+    return [(0, ndt, 0, nd, 1), (ndt, T, nd, N, rest)], how

@@ -27,6 +27,7 @@ from .. import _indices
 from ..common_checks import number_or_none
 from ..rows import rows_view
 from . import host_lengths
+from .split_calls import prefill_in_parts
 from ._common import Refused, count_route, dense_qkv, qkv_rows, run_op, unknown
 
 
@@ -137,22 +138,24 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     g, beta = _gate_beta(raw_g, raw_beta, q)
     HV, K = v.shape[2], q.shape[3]
     cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
-    # the longest sequence, for routing only (never read from the device): from vLLM's step metadata, found by
-    # the caller's own cu_seqlens object
-    longest, how = (None, "no cu_seqlens") if cu is None else host_lengths.longest(cu_seqlens, q.shape[1])
+    # the parts (the step's decodes apart from its prompts) and their longest sequences, for routing only (never
+    # read from the device): from vLLM's step metadata, found by the caller's own cu_seqlens object
+    parts, how = ([(0, q.shape[1], 0, 0, None)], "no cu_seqlens") if cu is None else \
+        host_lengths.step_parts(cu_seqlens, q.shape[1])
     # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
     # at most (to() alone keeps an fp32 tensor's strides)
     init = initial_state
     if init is not None:
         init = init.contiguous() if init.dtype == torch.float32 else \
             init.to(torch.float32, memory_format=torch.contiguous_format)
-    res = run_op(kda_prefill, q, k, v, g, beta, **_gate(A_log, g_bias, lower_bound, HV, K, q.device, "g_bias"),
-                 scale=scale, beta_is_logit=True, cu_seqlens=cu, initial_state=init,
-                 output_final_state=_flag("output_final_state", output_final_state),
-                 out=_dense_out(out, tuple(v.shape)), max_seqlen=longest)
+    res = prefill_in_parts(kda_prefill, parts, q, k, v, g, beta, cu,
+                           **_gate(A_log, g_bias, lower_bound, HV, K, q.device, "g_bias"), scale=scale,
+                           beta_is_logit=True, initial_state=init,
+                           output_final_state=_flag("output_final_state", output_final_state),
+                           out=_dense_out(out, tuple(v.shape)))
     if cu is not None:
-        count_route("k3.chunk_kda_with_fused_gate", longest, how)
-    return res[0], res[1]
+        count_route("k3.chunk_kda_with_fused_gate", parts[-1][4], how, len(parts))
+    return res
 
 
 def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,

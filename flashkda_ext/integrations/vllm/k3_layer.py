@@ -35,6 +35,7 @@ import torch
 from .. import _indices
 from . import host_lengths
 from ._common import Refused, count_route, dense_qkv, run_op
+from .split_calls import prefill_in_parts
 from .k3 import _dense_out, _gate, _gate_beta
 
 ENV_VAR = "FLASHKDA_EXT_VLLM_K3_PREFILL"
@@ -70,28 +71,32 @@ def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initia
     if checkpoint_offsets is not None:
         return _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, cu_seqlens, out,
                                        final_state, checkpoint_state, checkpoint_offsets, state_shape)
-    longest, how = host_lengths.longest(cu_seqlens, q.shape[1])
-    res = run_op(kda_prefill, q, k, v, g, beta, **gate, scale=None, beta_is_logit=True, cu_seqlens=cu,
-                 initial_state=initial_state.contiguous(), output_final_state=True, final_state=final_state,
-                 out=out, max_seqlen=longest)
-    count_route(SITE, longest, how)
-    return res[0], res[1]
+    parts, how = host_lengths.step_parts(cu_seqlens, q.shape[1])
+    res = prefill_in_parts(kda_prefill, parts, q, k, v, g, beta, cu, **gate, scale=None, beta_is_logit=True,
+                           initial_state=initial_state.contiguous(), output_final_state=True,
+                           final_state=final_state, out=out)
+    count_route(SITE, parts[-1][4], how, len(parts))
+    return res
 
 
-def cut_at_checkpoints(offsets, lengths):
+def cut_at_checkpoints(offsets, lengths, breaks=()):
     """The kda_prefill calls of a prefill whose requests (query `lengths`) want their states after `offsets`
     tokens (0: none; else 0 < offset < length): (first token, end token, first request row, last request row,
-    the lengths of the call's sequences) a call, in order. A request with a checkpoint is the last sequence of
-    one call (its first `offset` tokens) and the first of the next (the rest)."""
-    calls, t, t0, r0, pieces = [], 0, 0, 0, []
+    the lengths of the call's sequences, whether its first sequence goes on from a cut) a call, in order. A
+    request with a checkpoint is the last sequence of one call (its first `offset` tokens) and the first of the
+    next (the rest). `breaks`: requests that also start a call (the step's first prompt after its decodes)."""
+    calls, t, t0, r0, pieces, carried = [], 0, 0, 0, [], False
     for r, (o, n) in enumerate(zip(offsets, lengths)):
+        if r in breaks and r > r0:
+            calls.append((t0, t, r0, r - 1, pieces, carried))
+            t0, r0, pieces, carried = t, r, [], False
         if o:
-            calls.append((t0, t + o, r0, r, pieces + [o]))
-            t0, r0, pieces = t + o, r, [n - o]
+            calls.append((t0, t + o, r0, r, pieces + [o], carried))
+            t0, r0, pieces, carried = t + o, r, [n - o], True
         else:
             pieces.append(n)
         t += n
-    calls.append((t0, t, r0, len(lengths) - 1, pieces))
+    calls.append((t0, t, r0, len(lengths) - 1, pieces, carried))
     return calls
 
 
@@ -110,12 +115,13 @@ def _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, 
     host, why = host_lengths.checkpoint_lengths(cu_seqlens, checkpoint_offsets, q.shape[1])
     if host is None:
         raise Refused(f"prefix-cache checkpoints need vLLM's host offsets to cut the call at: {why}")
-    calls = cut_at_checkpoints(*host)
+    parts, _ = host_lengths.step_parts(cu_seqlens, q.shape[1])
+    calls = cut_at_checkpoints(*host, breaks={parts[-1][2]} if len(parts) > 1 else ())
     init = initial_state.contiguous()
     # The calls share their tensors and dtypes, so a call the op refuses is the first (before any write); were a
     # later one refused, FlashKDA's fallback rewrites out, final_state and every checkpoint row this wrote.
-    for j, (t0, t1, r0, r1, pieces) in enumerate(calls):
-        if j == 0:
+    for j, (t0, t1, r0, r1, pieces, carried) in enumerate(calls):
+        if not carried:
             starts = init[r0:r1 + 1]
         else:   # the cut request goes on from the state the last call left in checkpoint_state
             starts = checkpoint_state[r0:r0 + 1] if r1 == r0 else \
@@ -125,9 +131,9 @@ def _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, 
         run_op(kda_prefill, q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], **gate,
                scale=None, beta_is_logit=True, cu_seqlens=cu, initial_state=starts, output_final_state=True,
                final_state=final_state[r0:r1 + 1], out=out[:, t0:t1], max_seqlen=max(pieces))
-        if j + 1 < len(calls):
+        if j + 1 < len(calls) and calls[j + 1][5]:
             checkpoint_state[r1].copy_(final_state[r1])
-    count_route(SITE, max(max(c[4]) for c in calls), "vllm metadata")
+    count_route(SITE, max(max(c[4]) for c in calls), "vllm metadata", 1 + (len(parts) > 1))
     return out, final_state
 
 
