@@ -24,7 +24,9 @@ checkpoints make k + 1 calls (vLLM's usual prefill step has one prompt, so two).
 the offsets and query lengths (m.checkpoint.offsets / query_lens of the step's metadata, host_lengths.py); without
 them the call runs FlashKDA, counted.
 
-Opt-in until benchmarks/bench_vllm.py (arm vllm_flashkda) has timed it against FlashKDA on the H200.
+Opt-in: timed against FlashKDA on the H200 (benchmarks/bench_vllm.py, arms vllm_flashkda / ours_k3_layer;
+benchmarks/results/h200-2026-12-05-1b1a007) it is ahead at 1 x 1024 (1.78x H8), 4 x 1024 H8, 64 x 1024 H8 and a
+mixed step beside an 8192-token prompt (1.83x), behind at 16 x 1024 (0.73x H8, 0.76x H12) and 4 x 1024 H12 (0.93x).
 """
 from __future__ import annotations
 
