@@ -12,8 +12,9 @@ short ones (1x4000+47x100 ... 1x256+127x64; vLLM's 255x1+1x4000, 63x1+1x8000), a
 with `--known-lengths` the route
 sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside.
 
-Peers (--peers, default fla,cudnn): fla's chunk_kda and cuDNN's kda_hopper_cuda engine
-(benchmarks/peer_cudnn.py), each when importable; --fla-heads limits fla to some head counts (each
+Peers (--peers, default fla,cudnn; flashkda on request): fla's chunk_kda, cuDNN's kda_hopper_cuda engine
+(benchmarks/peer_cudnn.py) and vLLM 0.34's FlashKDA, Kimi K3's own prefill on an H200 (benchmarks/peer_flashkda.py,
+bounded gate; carry .engines/vllm), each when importable; --fla-heads limits fla to some head counts (each
 new head count costs fla a Triton compile). Before timing, each peer's output and final state are
 compared with ours (relative L2, and whether the peer's output is finite): rows record both.
 
@@ -49,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import peer_cudnn  # noqa: E402
+import peer_flashkda  # noqa: E402
 from gate_params import KINDS as GATE_PARAM_KINDS, draw as gate_params_draw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +191,8 @@ def parse(argv=None):
     ap.add_argument("--heads", default=None, help="head counts (default 16,12; issue46 grid: all of it)")
     ap.add_argument("--grid", choices=("layer", "issue46", "mixed"), default="layer")
     ap.add_argument("--long", action="store_true", help="issue46 grid: add 1 x 1,048,576 tokens at H16")
-    ap.add_argument("--peers", default="fla,cudnn", help="comma list of fla, cudnn (each when importable)")
+    ap.add_argument("--peers", default="fla,cudnn",
+                    help="comma list of fla, cudnn, flashkda (each when importable; flashkda: bounded gate)")
     ap.add_argument("--fla-heads", default=None, help="run fla only at these head counts")
     ap.add_argument("--gates", default="softplus,bounded")
     ap.add_argument("--module", default=None, help="force one module instead of the route's")
@@ -245,6 +248,12 @@ def main(argv=None):
         cudnn_ok = why is None
         if why:
             print("cuDNN frontend not importable:", why)
+    flashkda_ok = False
+    if "flashkda" in peers and cfg.is_cuda:
+        why = peer_flashkda.available()
+        flashkda_ok = why is None
+        if why:
+            print("vLLM's FlashKDA not loadable:", why)
     fla_heads = None if args.fla_heads is None else {int(h) for h in args.fla_heads.split(",")}
     if args.known_lengths and args.opt_in_arm:
         raise SystemExit("--known-lengths times the route without max_seqlen as the 'opt_in' arm: not with --opt-in-arm")
@@ -272,7 +281,8 @@ def main(argv=None):
                       primary_mode="eager" if cfg.is_cuda else "wall",
                       extra_meta={"fla_used": chunk_kda is not None, "state": args.state,
                                   "cudnn": {"version": peer_cudnn.version(), "engine": peer_cudnn.ENGINE}
-                                  if cudnn_ok else None})
+                                  if cudnn_ok else None,
+                                  "flashkda": "vLLM 0.34.0 _flashkda_C (Kimi K3's prefill)" if flashkda_ok else None})
     run.start(len(gates) * len(case_list))
     rows = []
     pm = run.primary_mode
@@ -306,6 +316,15 @@ def main(argv=None):
                     arms.append(harness.Arm("cudnn", cud))
                 except Exception as e:  # noqa: BLE001 - a shape cuDNN refuses is recorded, not fatal
                     checks["cudnn"] = {"error": repr(e)[:300]}
+            if flashkda_ok and gate == "bounded":
+                try:
+                    fk = peer_flashkda.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
+                                                  dt_bias=d["dt_bias"], lower_bound=LOWER_BOUND, cu_seqlens=d["cu"],
+                                                  initial_state=d["init"])
+                    checks["flashkda"] = agreement(ours, out, fin, fk)
+                    arms.append(harness.Arm("flashkda", fk))
+                except Exception as e:  # noqa: BLE001 - a shape FlashKDA refuses is recorded, not fatal
+                    checks["flashkda"] = {"error": repr(e)[:300]}
             if chunk_kda is not None and (fla_heads is None or H in fla_heads):
                 kw = dict(scale=K ** -0.5, initial_state=d["init"], output_final_state=True, use_qk_l2norm_in_kernel=True,
                           use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=d["A_log"],
@@ -338,6 +357,12 @@ def main(argv=None):
                     r["cudnn_ms"] = cud_t / 1e3
                     if ours_t:
                         r["vs_cudnn"] = cud_t / ours_t
+            if "flashkda" in rec["arms"]:
+                fk_t = rec["arms"]["flashkda"]["time_us"].get(pm, {}).get("median")
+                if fk_t is not None:
+                    r["flashkda_ms"] = fk_t / 1e3
+                    if ours_t:
+                        r["vs_flashkda"] = fk_t / ours_t
             if "opt_in" in rec["arms"]:
                 alt_t = rec["arms"]["opt_in"]["time_us"].get(pm, {}).get("median")
                 if alt_t is not None:
@@ -357,9 +382,11 @@ def main(argv=None):
             del ours, arms  # this case's workspace and buffers go before the next case's inputs
     sp = [r["speedup"] for r in rows if "speedup" in r]
     vc = [r["vs_cudnn"] for r in rows if "vs_cudnn" in r and r["checks"].get("cudnn", {}).get("finite")]
+    vf = [r["vs_flashkda"] for r in rows if "vs_flashkda" in r and r["checks"].get("flashkda", {}).get("finite")]
     run.extra.update(device=torch.cuda.get_device_name() if cfg.is_cuda else "cpu", rows=rows,
                      geomean_speedup=harness.geomean(sp), min_speedup=(min(sp) if sp else None),
-                     geomean_vs_cudnn_finite=harness.geomean(vc), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+                     geomean_vs_cudnn_finite=harness.geomean(vc), geomean_vs_flashkda=harness.geomean(vf),
+                     time=time.strftime("%Y-%m-%d %H:%M:%S"))
     run.finish()
     f = lambda r, k, fmt="%.4f": fmt % r[k] if r.get(k) is not None else "-"  # noqa: E731
     print("\n%-22s %-9s %-22s %9s %9s %9s %6s %6s %s" % ("case", "gate", "module", "ours ms", "cudnn ms", "fla ms",
@@ -375,6 +402,10 @@ def main(argv=None):
     if vc:
         print("over cuDNN where its output is finite: geomean %.2fx, min %.2fx over %d rows"
               % (harness.geomean(vc), min(vc), len(vc)))
+    if vf:
+        print("over vLLM's FlashKDA (bounded gate): geomean %.2fx, min %.2fx over %d rows; %s"
+              % (harness.geomean(vf), min(vf), len(vf), ", ".join(
+                  "%s %.2fx" % (r["case"], r["vs_flashkda"]) for r in rows if "vs_flashkda" in r)))
     alts = [r for r in rows if "opt_in_ms" in r]
     if alts:
         print("\nopt-in %r arm (A/B in this run): %d rows, geomean %.3fx of ours, min %.3fx"

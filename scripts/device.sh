@@ -19,7 +19,8 @@
 #                 prefill prefill_slow"; prefill_slow: issue 46's B1 rows at H8 / H16 with one slowly decaying key
 #                 a head, bench_prefill.py --slow-keys 1); BENCH_QUICK=1 the smaller grids
 #   peers         the same grids beside the peers, the runs docs/performance.md cites: prefill with cuDNN and
-#                 fla (bench_prefill.py --peers cudnn,fla, kernel time too), prefill_slow with cuDNN, decode (with the public-op arm)
+#                 fla and vLLM's FlashKDA where .engines/vllm is carried (bench_prefill.py --peers cudnn,fla,flashkda, kernel
+#                 time too), prefill_slow with cuDNN, decode (with the public-op arm)
 #                 and verify with fla, fused decode with the unfused fla sequence; OPS as for bench
 #   engines       issue 45's acceptance: vLLM's and SGLang's own Triton kernels (their wheels' files, carried in
 #                 .engines/) against the adapters on identical inputs, graph replay (bench_vllm.py, bench_sglang.py):
@@ -229,7 +230,7 @@ if want peers && needs_gpu peers; then
   for op in $OPS; do
     case $op in
       decode) run_bench peers decode --op-arm;;
-      prefill) run_bench peers prefill --peers cudnn,fla --modes eager,kernel;;
+      prefill) run_bench peers prefill --peers cudnn,fla,flashkda --modes eager,kernel;;
       prefill_slow) run_bench peers prefill_slow --peers cudnn --no-fla --modes eager;;
       *) run_bench peers "$op";;
     esac
