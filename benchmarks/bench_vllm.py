@@ -18,11 +18,11 @@ serve: a fallback is reported as an error of the case), "vllm_triton" calls the 
 - prefill: chunk_kda_with_fused_gate over `rows` sequences of --prefill-len tokens from gathered states;
 - mixed: vLLM's usual prefill step, `rows` one-token decodes and one --mixed-prompt-token prompt chunk in one
   chunk_kda_with_fused_gate call, inside a vLLM forward context holding the step's GDNAttentionMetadata
-  (scripts/vllm_step_metadata.py: the wheel's own classes), so "ours" routes by the prompt's length
-  (integrations/vllm/host_lengths.py); "ours_by_mean" is the same call on a copy of the offsets, which the lookup
-  does not find (routed by the mean, as before that lookup); "split" (a candidate, not routed) is two kda_prefill
-  calls, the decodes and the prompt, each routed by its own lengths (vLLM puts decodes first; its metadata counts
-  them), writing the halves of one output and one final state; its rel. L2 against "ours" is in the JSON.
+  (scripts/vllm_step_metadata.py: the wheel's own classes), so "ours" serves the decodes and the prompt as two
+  calls, each routed by its own lengths (integrations/vllm/host_lengths.step_parts, since 03c3b36); "ours_by_mean"
+  is the same call on a copy of the offsets, which the lookup does not find (one call routed by the mean, as before
+  that lookup); "split" is the two calls written out here (the form measured before it was routed), its rel. L2
+  against "ours" in the JSON: an independent check of the adapter's parts.
 On a GPU, prefill and mixed points with the bounded gate also time "vllm_flashkda": Kimi K3's own prefill on an
 H200 (its layer's "auto" backend: kda.py's `_flashkda_prefill` over the wheel's FlashKDA extension, both from the
 prepared folder), its rel. L2 against "ours" in the JSON, and "ours_k3_layer": the opt-in adapter that takes
