@@ -242,18 +242,14 @@ def main(argv=None):
             from fla.ops.kda import chunk_kda
         except Exception as e:  # noqa: BLE001
             print("fla not importable:", repr(e)[:200])
-    cudnn_ok = False
-    if "cudnn" in peers and cfg.is_cuda:
-        why = peer_cudnn.available()
-        cudnn_ok = why is None
-        if why:
-            print("cuDNN frontend not importable:", why)
-    flashkda_ok = False
-    if "flashkda" in peers and cfg.is_cuda:
-        why = peer_flashkda.available()
-        flashkda_ok = why is None
-        if why:
-            print("vLLM's FlashKDA not loadable:", why)
+    def peer_ok(name, module, what):
+        """Whether the peer was asked for and loads here (why not, printed)."""
+        why = module.available() if name in peers and cfg.is_cuda else "not asked for"
+        if why and why != "not asked for":
+            print(f"{what} not importable:", why)
+        return why is None
+    cudnn_ok = peer_ok("cudnn", peer_cudnn, "cuDNN frontend")
+    flashkda_ok = peer_ok("flashkda", peer_flashkda, "vLLM's FlashKDA")
     fla_heads = None if args.fla_heads is None else {int(h) for h in args.fla_heads.split(",")}
     if args.known_lengths and args.opt_in_arm:
         raise SystemExit("--known-lengths times the route without max_seqlen as the 'opt_in' arm: not with --opt-in-arm")
@@ -351,18 +347,12 @@ def main(argv=None):
             ours_t = rec["arms"]["ours"]["time_us"].get(pm, {}).get("median")
             r = dict(case=name, gate=gate, T=T, N=N, H=H, module=mname,
                      ours_ms=None if ours_t is None else ours_t / 1e3, checks=checks)
-            if "cudnn" in rec["arms"]:
-                cud_t = rec["arms"]["cudnn"]["time_us"].get(pm, {}).get("median")
-                if cud_t is not None:
-                    r["cudnn_ms"] = cud_t / 1e3
+            for peer in ("cudnn", "flashkda"):   # the peer's ms, and its time over ours
+                peer_t = rec["arms"].get(peer, {}).get("time_us", {}).get(pm, {}).get("median")
+                if peer_t is not None:
+                    r[f"{peer}_ms"] = peer_t / 1e3
                     if ours_t:
-                        r["vs_cudnn"] = cud_t / ours_t
-            if "flashkda" in rec["arms"]:
-                fk_t = rec["arms"]["flashkda"]["time_us"].get(pm, {}).get("median")
-                if fk_t is not None:
-                    r["flashkda_ms"] = fk_t / 1e3
-                    if ours_t:
-                        r["vs_flashkda"] = fk_t / ours_t
+                        r[f"vs_{peer}"] = peer_t / ours_t
             if "opt_in" in rec["arms"]:
                 alt_t = rec["arms"]["opt_in"]["time_us"].get(pm, {}).get("median")
                 if alt_t is not None:
