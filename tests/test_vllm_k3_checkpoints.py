@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import vllm_wheel
-from vllm_wheel import real, tree  # noqa: F401  (fixtures)
-from flashkda_ext import ops
+from vllm_wheel import real, real_fn, seen, tree  # noqa: F401  (fixtures)
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.vllm import k3_layer
 from flashkda_ext.reference import kda_recurrent
@@ -31,23 +30,6 @@ LAYER = "model.layers.0.self_attn"
 @pytest.fixture
 def step_ns(real, tree):
     return vllm_step_metadata.load(tree)
-
-
-@pytest.fixture
-def real_fn(tree):
-    return vllm_step_metadata.flashkda_prefill(tree)
-
-
-@pytest.fixture
-def kda_calls(monkeypatch):
-    """The keyword arguments of every kda_prefill call (the op still runs)."""
-    calls, real_op = [], ops.kda_prefill
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return real_op(*args, **kwargs)
-    monkeypatch.setattr(ops, "kda_prefill", recording)
-    return calls
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +122,7 @@ STEPS = {   # query lengths, tokens cached before the step (multiples of 16 put 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(STEPS))
-def test_served_with_each_requests_state_at_its_checkpoint(step_ns, real_fn, kda_calls, name, state_dtype):
+def test_served_with_each_requests_state_at_its_checkpoint(step_ns, real_fn, seen, name, state_dtype):
     lengths, computed = STEPS[name]
     m = vllm_step_metadata.with_checkpoints(step_ns, vllm_step_metadata.step(step_ns, lengths, "cpu"), computed)
     offsets = m.checkpoint.offsets
@@ -170,12 +152,12 @@ def test_served_with_each_requests_state_at_its_checkpoint(step_ns, real_fn, kda
     # one kda_prefill call more than there are checkpoints (and one for the decodes of a step in vLLM's order),
     # each routed by its longest piece
     apart = name == "decodes-first"
-    assert len(kda_calls) == len(cut) + 1 + apart
+    assert len(seen) == len(cut) + 1 + apart
     calls = k3_layer.cut_at_checkpoints(offsets, lengths, breaks={3} if apart else ())
-    assert [c["max_seqlen"] for c in kda_calls] == [max(c[4]) for c in calls]
+    assert [c["max_seqlen"] for c in seen] == [max(c[4]) for c in calls]
 
 
-def test_no_checkpoint_in_the_step_is_one_call_a_part(step_ns, real_fn, kda_calls):
+def test_no_checkpoint_in_the_step_is_one_call_a_part(step_ns, real_fn, seen):
     """vLLM passes no checkpoint when no request reaches one (build returns None): one kda_prefill call for the
     decode, one for the prompt (host_lengths.step_parts)."""
     m = vllm_step_metadata.with_checkpoints(step_ns, vllm_step_metadata.step(step_ns, [1, 40], "cpu"), [3, 5])
@@ -185,7 +167,7 @@ def test_no_checkpoint_in_the_step_is_one_call_a_part(step_ns, real_fn, kda_call
     del call["checkpoint_state"], call["checkpoint_offsets"]
     with vllm_step_metadata.forward(step_ns, {LAYER: m}):
         fkda_vllm.adapter_for(SITE, real_fn)(**call)
-    assert [c["max_seqlen"] for c in kda_calls] == [1, 40]
+    assert [c["max_seqlen"] for c in seen] == [1, 40]
 
 
 # ---------------------------------------------------------------------------------------------

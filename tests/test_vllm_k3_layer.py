@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import vllm_wheel
-from vllm_wheel import real, tree  # noqa: F401  (fixtures)
-import vllm_step_metadata
+from vllm_wheel import real, real_fn, tree  # noqa: F401  (fixtures)
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.vllm import k3_layer
 from flashkda_ext.reference import kda_recurrent
@@ -20,11 +19,6 @@ from flashkda_ext.reference import kda_recurrent
 H, K, V = 2, 8, 8
 SITE = k3_layer.SITE
 K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
-
-
-@pytest.fixture
-def real_fn(tree):
-    return vllm_step_metadata.flashkda_prefill(tree)
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vllm_wheel
-from vllm_wheel import real, tree  # noqa: F401  (fixtures)
-from flashkda_ext import dispatch, ops, validation
+from vllm_wheel import real, seen, tree  # noqa: F401  (fixtures)
+from flashkda_ext import dispatch, validation
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.vllm import host_lengths
 from flashkda_ext.reference import kda_recurrent
@@ -38,19 +38,6 @@ def installed(real, tree):
     real.step = vllm_step_metadata.load(tree)
     fkda_vllm.install()
     return real
-
-
-@pytest.fixture
-def seen(monkeypatch):
-    """The keyword arguments of every kda_prefill call the adapters make (the op itself still runs)."""
-    calls = []
-    real_op = ops.kda_prefill
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return real_op(*args, **kwargs)
-    monkeypatch.setattr(ops, "kda_prefill", recording)
-    return calls
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,3 +85,24 @@ def real(tree, monkeypatch):
     ns = load(tree, monkeypatch)
     yield ns
     fkda_vllm.uninstall()
+
+
+@pytest.fixture
+def real_fn(tree):
+    """K3's `_flashkda_prefill` compiled from the wheel's kda.py (scripts/vllm_step_metadata.py): the original the
+    k3_layer adapter wraps (FlashKDA itself loads only on a CUDA machine)."""
+    import vllm_step_metadata
+    return vllm_step_metadata.flashkda_prefill(tree)
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The keyword arguments of every kda_prefill call the adapters make (the op itself still runs)."""
+    from flashkda_ext import ops
+    calls, real_op = [], ops.kda_prefill
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real_op(*args, **kwargs)
+    monkeypatch.setattr(ops, "kda_prefill", recording)
+    return calls
