@@ -59,7 +59,6 @@ def when_imported(name: str, callback: Callable) -> None:
     _FINDER.callbacks[name] = callback
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
-    return False
 
 
 def cancel(name: str) -> None:

@@ -25,8 +25,10 @@ import torch
 
 BLOCK = 8      # vLLM's causal-conv block (compute_causal_conv1d_metadata: `for BLOCK_M in [8]`)
 
-#: [weakref to the forward context, its attn_metadata then, {id(cu_seqlens): (weakref(cu_seqlens), answer)}]: a
-#: forward context reused with new metadata, or a new one, starts afresh
+#: [weakref to the forward context, its attn_metadata then, {id(cu_seqlens): entry}], an entry [weakref(cu_seqlens),
+#: the step's metadata or None, longest()'s answer, step_parts()'s answer] (answers None until first asked): every
+#: KDA layer of a step passes the same cu_seqlens, so each answer is worked out once a step. A forward context
+#: reused with new metadata, or a new one, starts afresh
 _cache: list = [None, None, {}]
 
 
@@ -86,7 +88,7 @@ def _step_metadata(cu_seqlens):
         _cache[1], _cache[2] = attn_metadata, {}
     hit = _cache[2].get(id(cu_seqlens))
     if hit is None or hit[0]() is not cu_seqlens:
-        hit = [weakref.ref(cu_seqlens), _find(attn_metadata, cu_seqlens), None]
+        hit = [weakref.ref(cu_seqlens), _find(attn_metadata, cu_seqlens), None, None]
         if _cache[0] is not None:
             _cache[2][id(cu_seqlens)] = hit
     if hit[1] is None:
@@ -136,17 +138,24 @@ def step_parts(cu_seqlens, T: int):
     H8 0.31 ms in one call, 0.16 ms in two, benchmarks/bench_vllm.py arm `split`). The cut comes from the step
     metadata's host counts (num_decodes one-token decodes of num_decode_tokens tokens, then num_prefills prompts);
     without them one part routed by the longest (longest(), None where unknown)."""
-    whole = lambda bound, how: ([(0, T, 0, cu_seqlens.shape[0] - 1, bound)], how)  # noqa: E731
-    bound, how = longest(cu_seqlens, T)
+    m, entry = _step_metadata(cu_seqlens)
+    if m is None:
+        return [(0, T, 0, cu_seqlens.shape[0] - 1, None)], entry
+    if entry[3] is None:
+        entry[3] = _parts_from_metadata(m, cu_seqlens.shape[0] - 1, T, longest(cu_seqlens, T))
+    return entry[3]
+
+
+def _parts_from_metadata(m, N: int, T: int, bound_how) -> tuple:
+    bound, how = bound_how
+    whole = ([(0, T, 0, N, bound)], how)
     if bound is None:
-        return whole(None, how)
-    m, _ = _step_metadata(cu_seqlens)
-    N = cu_seqlens.shape[0] - 1
+        return whole
     nd, ndt, npf = (getattr(m, name, None) for name in ("num_decodes", "num_decode_tokens", "num_prefills"))
     if not all(type(x) is int for x in (nd, ndt, npf)) or not (0 < nd < N and npf > 0 and ndt == nd):
-        return whole(bound, how)
+        return whole
     nums = m.nums_dict[BLOCK]["nums"]
     if bool((nums[:nd] != 1).any()):     # a decode is one token (ceil(1 / 8) = 1): counts of another step
-        return whole(bound, how)
+        return whole
     rest = min(T - ndt, BLOCK * int(nums[nd:].max()))
     return [(0, ndt, 0, nd, 1), (ndt, T, nd, N, rest)], how
