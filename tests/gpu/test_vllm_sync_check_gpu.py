@@ -100,15 +100,11 @@ def test_k3s_prefill_with_checkpoints_cut_serves_without_a_sync(vllm_ops, checke
     call, _ = bench_vllm.inputs("mixed", 50, 8, torch.float32, -5.0, Args, DEV, seed=4)
     m = vsm.with_checkpoints(ns, vsm.step(ns, [1] * 50 + [Args.mixed_prompt], DEV), [5] * 50 + [512])
     assert m.checkpoint is not None
-    init = call["initial_state"]
-    layer_call = dict(q=call["q"], k=call["k"], v=call["v"], g=call["raw_g"], beta=call["raw_beta"],
-                      A_log=call["A_log"], dt_bias=call["g_bias"], lower_bound=-5.0, initial_state=init,
-                      cu_seqlens=m.non_spec_query_start_loc, out=torch.empty_like(call["v"]),
-                      final_state=torch.empty_like(init), workspace=torch.empty(1, dtype=torch.uint8, device=DEV),
-                      checkpoint_state=torch.empty_like(init), checkpoint_offsets=m.checkpoint.checkpoint_offsets)
+    call["cu_seqlens"] = m.non_spec_query_start_loc
     site = "k3_layer._flashkda_prefill"
-    adapter = fk.adapter_for(site, fn)
+    # the layer's call with its buffers, the adapter in FlashKDA's place
+    layer_call = bench_vllm.flashkda_arm(fk.adapter_for(site, fn), call, m.checkpoint.checkpoint_offsets)
     served = fk.STATS[site, "served"]
     with vsm.forward(ns, {"model.layers.0.self_attn": m}), torch.inference_mode():
-        run_checked(checked, lambda: adapter(**layer_call))
+        run_checked(checked, layer_call)
     assert fk.STATS[site, "served"] == served + 2, dict(fk.REASONS)
