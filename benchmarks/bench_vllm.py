@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+import peer_flashkda  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import vllm_step_metadata  # noqa: E402
@@ -211,39 +212,18 @@ def fla_arm(kind, call, pool):
 
 
 def load_flashkda(engine_dir: Path):
-    """(K3's own prefill on an H200, None) or (None, why not): kda.py's `_flashkda_prefill` from the wheel's source
-    around the wheel's FlashKDA extension (vLLM 0.34's "auto" prefill backend of Kimi K3 on sm_90 with a bounded
-    gate, so the engine's own kernel there, not the Triton op)."""
-    try:
-        fn = vllm_step_metadata.flashkda_prefill(engine_dir)
-        importlib.import_module("vllm._flashkda_C")
-    except Exception as e:  # noqa: BLE001  no CUDA, another torch ABI, an unprepared folder: no such arm
-        return None, f"{type(e).__name__}: {e}"[:300]
-    return fn, None
+    """(K3's own prefill on an H200, None) or (None, why not): peer_flashkda.load."""
+    return peer_flashkda.load(engine_dir)
 
 
 def flashkda_arm(fn, call, checkpoint_offsets=None):
-    """() -> (out, final_state) of vLLM's `_flashkda_prefill` as the K3 layer calls it: its workspace sized by the
-    extension, the final state in the pool's dtype (the gathered initial state's); with checkpoint_offsets (the
-    step metadata's tensor, prefix caching's "align" mode) also the checkpoint buffer, the closure's
-    `checkpoint_state`."""
-    q, v = call["q"], call["v"]
-    T, H = q.shape[1], q.shape[2]
-    N = call["cu_seqlens"].shape[0] - 1
-    init = call["initial_state"]
-    ws = torch.empty(torch.ops._flashkda_C.get_workspace_size(T, H, N), dtype=torch.uint8, device=q.device)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    final = torch.empty(init.shape, dtype=init.dtype, device=init.device)
-    ckpt = dict() if checkpoint_offsets is None else dict(
-        checkpoint_state=torch.full(init.shape, float("nan"), dtype=init.dtype, device=init.device),
-        checkpoint_offsets=checkpoint_offsets)
-
-    def run():
-        return fn(q=q, k=call["k"], v=v, g=call["raw_g"], beta=call["raw_beta"], A_log=call["A_log"],
-                  dt_bias=call["g_bias"], lower_bound=call["lower_bound"], initial_state=init,
-                  cu_seqlens=call["cu_seqlens"], out=out, final_state=final, workspace=ws, **ckpt)
-    run.checkpoint_state = ckpt.get("checkpoint_state")
-    return run
+    """() -> (out, final_state) of `fn` (vLLM's `_flashkda_prefill`, or an adapter in its place) as the K3 layer
+    calls it on this benchmark's call (peer_flashkda.prefill_fn; the closure's `checkpoint_state` with
+    checkpoint_offsets)."""
+    return peer_flashkda.prefill_fn(call["q"], call["k"], call["v"], call["raw_g"], call["raw_beta"],
+                                    A_log=call["A_log"], dt_bias=call["g_bias"], lower_bound=call["lower_bound"],
+                                    cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"], fn=fn,
+                                    checkpoint_offsets=checkpoint_offsets)
 
 
 def split_arm(call, decodes):
