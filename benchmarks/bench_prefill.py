@@ -398,8 +398,9 @@ def main(argv=None):
                   "%s %.2fx" % (r["case"], r["vs_flashkda"]) for r in rows if "vs_flashkda" in r)))
     alts = [r for r in rows if "opt_in_ms" in r]
     if alts:
-        print("\nopt-in %r arm (A/B in this run): %d rows, geomean %.3fx of ours, min %.3fx"
-              % (args.opt_in_arm, len(alts), harness.geomean([r["opt_in_vs_ours"] for r in alts]),
+        print("\n%s arm (A/B in this run): %d rows, geomean %.3fx of ours, min %.3fx"
+              % ("the route without max_seqlen ('opt_in')" if args.known_lengths else "opt-in %r" % args.opt_in_arm,
+                 len(alts), harness.geomean([r["opt_in_vs_ours"] for r in alts]),
                  min(r["opt_in_vs_ours"] for r in alts)))
         for r in alts:
             c = r["checks"].get("opt_in", {})

@@ -239,6 +239,29 @@ def test_repository_files_satisfy_their_schemas():
             assert validate(schema, json.loads(p.read_text())) == [], p
 
 
+def test_opt_out_generates_the_way_back_before_its_rule(tmp_path):
+    """A rule's "opt_out" {"tag", "module"} becomes an opt-in twin <rule>_<tag> in the same band, just before it,
+    sending the call to that module; the rule itself loses the key. A twin naming an unknown module is refused."""
+    root = testing.make_tree(tmp_path, cuda=True)
+    path = root / "jit" / "modules" / "toy_cuda.json"
+    testing.write_json(path, {"description": "d", "modules": [testing.cuda_record(), testing.cuda_record(name="toy_new")]})
+    cpu = {"name": "cpu", "when": {"device": "cpu"}, "module": "toy_cpu"}
+    fallback = {"name": "fallback", "when": {"device": "cuda"}, "module": "toy_cuda"}
+    new = {"name": "new", "when": {"device": "cuda", "rows_min": 8}, "module": "toy_new",
+           "opt_out": {"tag": "old", "module": "toy_cuda"}}
+    _write_rules(root, [cpu, new, fallback])
+    reg = registry(root)
+    names = [r["name"] for r in reg.routes["kda_decode"]["rules"]]
+    assert names == ["cpu", "new_old", "new", "fallback"] and reg.opt_in_tags == {"old"}
+    twin, rule = reg.routes["kda_decode"]["rules"][1:3]
+    assert twin["when"] == rule["when"] and twin["opt_in"] == "old" and twin["module"] == "toy_cuda"
+    assert "opt_out" not in rule and "opt_in" not in rule
+    _write_rules(root, [cpu, dict(new, opt_out={"tag": "old", "module": "toy_gone"}), fallback])
+    with pytest.raises(SpecError) as ei:
+        registry(root)
+    assert "toy_gone" in str(ei.value) and "new_old" in str(ei.value), str(ei.value)
+
+
 def test_opt_in_marks_agree_between_records_and_rules(tmp_path):
     """An opt_in record is reached by opt-in rules only; an opt-in rule may reach a default record too (an
     escape hatch back to it, kda_prefill's exact_chain)."""

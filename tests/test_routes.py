@@ -18,7 +18,7 @@ def decode_meta(**kw):
     return m
 
 
-C16G = frozenset({"c16g"})  # FLASHKDA_EXT_OPT_IN=c16g
+CHUNK64 = frozenset({"chunk64"})  # FLASHKDA_EXT_OPT_IN=chunk64
 
 
 def prefill_meta(**kw):
@@ -313,11 +313,11 @@ EDGES = {
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="bounded"), "prefill_c16_f32"),      # 2048
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_vt64s_f32"),    # 2049
     ],
-    # a known longest sequence: the call's token-heads >= 168 times its length (14336 * 12 / 1024 = 168); an
+    # a known longest sequence: the call's token-heads >= 100 times its length (14336 * 12 // 1720 = 100); an
     # unknown one counts as the mean (work_per_longest = work_items)
     ("kda_prefill", "fused_chunk16", "work_per_longest_min"): [
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1024, gate="bounded"), "prefill_c16_f32"),
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1025, gate="bounded"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1720, gate="bounded"), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1721, gate="bounded"),
          "prefill_vt64s_f32"),
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, gate="bounded"), "prefill_c16_f32"),
     ],
@@ -338,8 +338,8 @@ EDGES = {
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049), "prefill_vt64s_f32"),                    # 2049
     ],
     ("kda_prefill", "fused_chunk16_decay", "work_per_longest_min"): [
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1024), "prefill_c16_f32"),
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1025, gate="log"), "prefill_vt64s_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1720), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1721, gate="log"), "prefill_vt64s_f32"),
     ],
     # opt-in chunk64: the chunk-64 module wherever the fused rules would take prefill_c16
     ("kda_prefill", "chunk64", "work_items_min"): [
@@ -349,78 +349,110 @@ EDGES = {
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", lower_bound=-5.0, state="bf16"),
          "prefill_vt64s_bf16", frozenset({"chunk64"})),
     ],
-    # opt-in c16g: the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), few_seq_heads,
+    # c16g (bounded gates): the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), few_seq_heads,
     # some_seq_heads and fallback serve, each module guarded by that route's chunk-64 kernels
     ("kda_prefill", "c16g_few", "work_items_max"): [
-        (prefill_meta(value_heads=8, total_tokens=32768), "prefill_c16g_pc8_vt64_f32", C16G),
-        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"), "prefill_c16g_pc8_vt64_bf16", C16G),
-        (prefill_meta(value_heads=9, total_tokens=32768), "prefill_c16g_pc16_vt64g2_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768), "prefill_c16g_pc8_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"), "prefill_c16g_pc8_vt64_bf16"),
+        (prefill_meta(gate="bounded", value_heads=9, total_tokens=32768), "prefill_c16g_pc16_vt64g2_f32"),
     ],
     ("kda_prefill", "c16g_few", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32", C16G),
-        (prefill_meta(value_heads=8, total_tokens=8191), "prefill_c16g_vt16_f32", C16G),   # c16g_short
-        (prefill_meta(value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32", C16G),
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),   # not opted in: today's route
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8191), "prefill_c16g_vt16_f32"),   # c16g_short
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", CHUNK64),   # chunk64: the band's module before c16g
     ],
     ("kda_prefill", "c16g_groups", "work_items_min"): [
-        (prefill_meta(value_heads=9, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", C16G),
-        (prefill_meta(value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=9, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32"),
     ],
     ("kda_prefill", "c16g_groups", "work_items_max"): [
-        (prefill_meta(value_heads=24, total_tokens=8192, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", C16G),
-        (prefill_meta(value_heads=25, total_tokens=8192), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=8192, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16"),
+        (prefill_meta(gate="bounded", value_heads=25, total_tokens=8192), "prefill_c16g_vt32_f32"),
     ],
     ("kda_prefill", "c16g_groups", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", C16G),
-        (prefill_meta(value_heads=16, total_tokens=8191), "prefill_c16g_vt16_f32", C16G),
-        (prefill_meta(value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32"),   # not opted in: today's route
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8191), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32", CHUNK64),   # chunk64: the band's module before c16g
     ],
     ("kda_prefill", "c16g_groups_32", "work_items_min"): [
-        (prefill_meta(value_heads=25, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", C16G),
-        (prefill_meta(value_heads=24, total_tokens=16384, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", C16G),
+        (prefill_meta(gate="bounded", value_heads=25, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=16384, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16"),
     ],
     ("kda_prefill", "c16g_groups_32", "work_items_max"): [
-        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", C16G),
-        (prefill_meta(value_heads=33, total_tokens=16384), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=33, total_tokens=16384), "prefill_c16g_vt32_f32"),
     ],
     ("kda_prefill", "c16g_groups_32", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", C16G),
-        (prefill_meta(value_heads=32, total_tokens=16383), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16383), "prefill_c16g_vt32_f32"),
     ],
     ("kda_prefill", "c16g_some", "work_items_min"): [
-        (prefill_meta(value_heads=17, total_tokens=4096), "prefill_c16g_vt32_f32", C16G),
-        (prefill_meta(value_heads=16, total_tokens=4096), "prefill_c16g_vt16_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=17, total_tokens=4096), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=4096), "prefill_c16g_vt16_f32"),
     ],
     ("kda_prefill", "c16g_short", "work_items_max"): [
-        (prefill_meta(value_heads=16, total_tokens=2048), "prefill_c16g_vt16_f32", C16G),
-        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=2 * 4096, state="bf16"), "prefill_c16g_vt16_bf16", C16G),
-        (prefill_meta(value_heads=17, total_tokens=2048), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=2048), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2 * 4096, state="bf16"), "prefill_c16g_vt16_bf16"),
+        (prefill_meta(gate="bounded", value_heads=17, total_tokens=2048), "prefill_c16g_vt32_f32"),
     ],
     ("kda_prefill", "c16g_short", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", C16G),
-        (prefill_meta(value_heads=8, total_tokens=2047), "prefill_vt16_f32", C16G),
-        (prefill_meta(value_heads=8, total_tokens=2048), "prefill_vt16_f32"),   # not opted in: today's route
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2047), "prefill_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048), "prefill_vt16_f32", CHUNK64),   # chunk64: the band's module before c16g
     ],
     ("kda_prefill", "c16g_some", "work_items_max"): [
-        (prefill_meta(value_heads=40, total_tokens=4096, state="bf16"), "prefill_c16g_vt32_bf16", C16G),
-        (prefill_meta(value_heads=41, total_tokens=4096), "prefill_c16g_vt64_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=40, total_tokens=4096, state="bf16"), "prefill_c16g_vt32_bf16"),
+        (prefill_meta(gate="bounded", value_heads=41, total_tokens=4096), "prefill_c16g_vt64_f32"),
     ],
     ("kda_prefill", "c16g_some", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=32, total_tokens=2048), "prefill_c16g_vt32_f32", C16G),
-        (prefill_meta(value_heads=32, total_tokens=2047), "prefill_vt32_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=2048), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=2047), "prefill_vt32_f32"),
     ],
     ("kda_prefill", "c16g_wide", "work_items_min"): [
-        (prefill_meta(value_heads=41, total_tokens=4096), "prefill_c16g_vt64_f32", C16G),
-        (prefill_meta(value_heads=40, total_tokens=4096), "prefill_c16g_vt32_f32", C16G),
+        (prefill_meta(gate="bounded", value_heads=41, total_tokens=4096), "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", value_heads=40, total_tokens=4096), "prefill_c16g_vt32_f32"),
     ],
     ("kda_prefill", "c16g_wide", "work_items_max"): [
-        (prefill_meta(num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_vt64_bf16", C16G),
-        (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", C16G),
+        (prefill_meta(gate="bounded", num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_vt64_bf16"),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32"),
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
-        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", C16G),
-        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048 - 1), "prefill_vt64_f32", C16G),
-        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048, checkpoints=True), "prefill_vt64_f32", C16G),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048 - 1), "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, checkpoints=True), "prefill_vt64_f32"),
+    ],
+    # c16g's bound: lower_bound >= -5 keeps the fused kernel's chunks in its factored range; below it, and for the
+    # softplus gate, the band's chunk-64 module (the rule's chunk64 twin's)
+    ("kda_prefill", "c16g_few", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768, lower_bound=-5.0), "prefill_c16g_pc8_vt64_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768, lower_bound=-5.01), "prefill_pc8_vt64_f32"),
+        (prefill_meta(value_heads=8, total_tokens=32768), "prefill_pc8_vt64_f32"),
+    ],
+    ("kda_prefill", "c16g_groups", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", value_heads=12, total_tokens=8192, lower_bound=-5.0), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=12, total_tokens=8192, lower_bound=-5.01), "prefill_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=12, total_tokens=8192, gate="log"), "prefill_pc16_vt64g2_f32"),
+    ],
+    ("kda_prefill", "c16g_groups_32", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384, lower_bound=-5.0), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384, lower_bound=-5.01), "prefill_pc16_vt64g2_f32"),
+    ],
+    ("kda_prefill", "c16g_short", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048, lower_bound=-5.0), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048, lower_bound=-5.01), "prefill_vt16_f32"),
+        (prefill_meta(value_heads=8, total_tokens=2048), "prefill_vt16_f32"),
+    ],
+    ("kda_prefill", "c16g_some", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=2048, lower_bound=-5.0), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=2048, lower_bound=-5.01), "prefill_vt32_f32"),
+    ],
+    ("kda_prefill", "c16g_wide", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, lower_bound=-5.0),
+         "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, lower_bound=-5.01),
+         "prefill_vt64_f32"),
+        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_vt64_f32"),
     ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
@@ -588,8 +620,9 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
 def test_c16_opt_in_serves_every_call_without_checkpoints():
     """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call without checkpoints,
     in the state's dtype, whatever the band, the gate and the lower bound; checkpoints and the CPU keep their routes.
-    Without the opt-in, prefill_c16 is reached only in fused_chunk16's band and the piece split never (its binding
-    refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py)."""
+    Without the opt-in, prefill_c16 is reached only in fused_chunk16's band, the unguarded piece split never (its
+    binding refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py) and the guarded one (c16g_*) only for bounded
+    gates without checkpoints."""
     c16 = frozenset({"c16"})
     for state in ("f32", "bf16"):
         for hv, seqs, tokens in ((16, 64, 32768), (32, 4, 16384), (64, 1, 8192), (8, 1, 32768), (1, 1, 1)):
@@ -604,7 +637,9 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
                     band = (served and (gate != "bounded" or lb >= -5) and seqs * hv >= 384
                             and tokens // seqs <= 2048)
                     assert plain == (f"prefill_c16_{state}" if band else plain) and not plain.startswith("prefill_c16p")
-                    assert band or not plain.startswith("prefill_c16"), meta
+                    guarded = plain.startswith("prefill_c16g_")   # routes c16g_*: bounded gates, long prompts
+                    assert band or guarded or not plain.startswith("prefill_c16"), meta
+                    assert not guarded or (served and gate == "bounded" and lb >= -5 and tokens // seqs >= 2048), meta
                     if served:
                         assert got == f"prefill_c16_{state}" and not jit.get_record(got).get("opt_in"), meta
                         assert split == f"prefill_c16p_{state}" and jit.get_record(split)["params"]["pieces"] > 1, meta

@@ -200,7 +200,7 @@ class Registry:
             fname = _rel(path, self.root)
             data = _read_json(path)
             _schema_check("routes", Path(fname), data, "rules")
-            data["rules"] = self._with_gb32_twins(data, fname)
+            data["rules"] = self._with_gb32_twins({**data, "rules": _with_opt_out_twins(data["rules"])}, fname)
             self._check_routes(data, fname, path.stem)
             self.routes[data["family"]] = data
 
@@ -384,3 +384,20 @@ def routes_for(family: str, root=None) -> List[dict]:
         raise KeyError(f"flashkda_ext: no routes for family '{family}' "
                        f"(expected {reg.root / 'jit/routes' / (family + '.json')})")
     return copy.deepcopy(reg.routes[family]["rules"])
+
+
+def _with_opt_out_twins(rules: List[dict]) -> List[dict]:
+    """The rules with, before each rule that names an "opt_out" {"tag", "module"}, its twin `<rule>_<tag>`: an
+    opt-in rule in the same band that sends the call to that module (the one the band had before the rule
+    took it), so `$FLASHKDA_EXT_OPT_IN=<tag>` keeps it. The rule itself is passed on without the key."""
+    out = []
+    for rule in rules:
+        rule = dict(rule)
+        back = rule.pop("opt_out", None)
+        if back is not None:
+            out.append({"name": f"{rule['name']}_{back['tag']}", "when": dict(rule["when"]), "opt_in": back["tag"],
+                        "module": back["module"],
+                        "description": f"opt-in (FLASHKDA_EXT_OPT_IN={back['tag']}): {rule['name']}'s band on "
+                                       f"the module it had before {rule['name']} took it"})
+        out.append(rule)
+    return out

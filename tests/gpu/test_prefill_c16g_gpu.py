@@ -1,5 +1,5 @@
-"""GPU tests of the guarded piece split (jit/modules/prefill_c16g_cuda.json, csrc/prefill/kda_prefill_c16g.cu; opt-in
-route c16g; issue 46): the fused 16-token-chunk kernel in pieces, guarded by the chunk-64 kernels of the module it
+"""GPU tests of the guarded piece split (jit/modules/prefill_c16g_cuda.json, csrc/prefill/kda_prefill_c16g.cu; routes
+c16g_* for bounded gates; issue 46): the fused 16-token-chunk kernel in pieces, guarded by the chunk-64 kernels of the module it
 names (prefill_c16g_<X>_<state> falls back to prefill_<X>_<state>).
 
 Which path served a call is read off the bits: decaying keys (every piece's warm-up short) give the piece split's
@@ -9,6 +9,10 @@ place runs the chunk-64 kernels alone; a call whose HV x N fills a wave runs the
 Each path is also held to the float64 recurrence, outputs NaN-poisoned first.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -170,3 +174,45 @@ def test_captured_in_a_cuda_graph_replays_both_paths(name):
         graph.replay()
         want = run_both(name, other, src, "bounded", 2, H)[1]
         assert same((out, fin), want), other
+
+
+# The route through the public op, in a child process (a process routes a call once; FLASHKDA_EXT_OPT_IN is read then).
+_OP_CHILD = r"""
+import sys, torch, flashkda_ext as fk
+from flashkda_ext import dispatch, validation
+a = torch.load(sys.argv[1])
+kw = dict(A_log=a["A_log"], dt_bias=a["dt_bias"], gate="bounded", lower_bound=-5.0, cu_seqlens=a["cu"],
+          initial_state=a["init"], output_final_state=True)
+meta = validation.check_kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw).route_meta()
+module = dispatch.module_name("kda_prefill", meta)
+out, fin = fk.kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
+torch.cuda.synchronize()
+torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("lens,H,opt_in,want", [([8192], 8, "", "prefill_c16g_pc8_vt64_f32"),
+                                                ([8192], 8, "chunk64", "prefill_pc8_vt64_f32"),
+                                                ([8192], 12, "", "prefill_c16g_pc16_vt64g2_f32"),
+                                                ([2048, 2048], 32, "", "prefill_c16g_vt64_f32"),
+                                                ([2048, 2048], 32, "chunk64", "prefill_vt64_f32")])
+def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
+    """fk.kda_prefill with the bounded gate at lower_bound -5 and >= 2048 tokens a sequence takes the guarded split by
+    default (routes c16g_*), and FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the op's result is that module's
+    own call bitwise, and right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
+    seed("op", want, H)
+    d = make(lens, H, H, "bounded")
+    init = torch.randn(len(lens), H, V, K, device=DEV) * 0.5
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
+                    cu=d["cut"], init=init), src)
+    env = dict(os.environ, FLASHKDA_EXT_OPT_IN=opt_in)
+    subprocess.run([sys.executable, "-c", _OP_CHILD, str(src), str(dst)], env=env, check=True, timeout=900)
+    res = torch.load(dst)
+    assert res["module"] == want
+    fin = torch.full((len(lens), H, V, K), float("nan"), device=DEV)
+    o = call(load(want), d, "bounded", init=init, fin=fin)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(res["out"]), bits(o)) and torch.equal(bits(res["fin"]), bits(fin))
+    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL
