@@ -9,7 +9,8 @@ small sequences x heads rows B=1, T in {2048, 4096, 16384}, H in {1, 2, 4, 8}.
 x {B1 T 2K, 8K, 32K, 128K; 4x8192; 64x512; 8x(1024+64); 7 ragged sequences summing to 8192}, and
 `--long` adds 1 x 1,048,576 tokens at H16. `--grid mixed` (heads 8, 12 unless --heads): one long request among
 short ones (1x4000+47x100 ... 1x256+127x64; vLLM's 255x1+1x4000, 63x1+1x8000), a serving engine's prefill batch;
-with `--known-lengths` the route
+`--grid serving` (heads 8, 12 unless --heads): batches of whole 512-2048-token prompts (4 / 16 / 64 x 1024, 4 / 16 x
+2048, 16 x 512) and issue 46's 8x(1024+64) and ragged 8K rows; with `--known-lengths` the route
 sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside.
 
 Peers (--peers, default fla,cudnn; flashkda on request): fla's chunk_kda, cuDNN's kda_hopper_cuda engine
@@ -126,6 +127,14 @@ def issue46_cases(heads, long):
     return out
 
 
+def serving_cases(heads):
+    """Batches of whole prompts of 512-2048 tokens, as vLLM serves Kimi K3's prefills (B x 1024 is where K3's own
+    FlashKDA led the chunk-64 routes, h200-2026-12-05-1b1a007), beside issue 46's two mid-length rows."""
+    shapes = {"4x1024": [1024] * 4, "16x1024": [1024] * 16, "64x1024": [1024] * 64, "4x2048": [2048] * 4,
+              "16x2048": [2048] * 16, "16x512": [512] * 16, "8x(1024+64)": [1024, 64] * 8, "ragged7 8K": RAGGED_8K}
+    return [(f"H{H} {k}", v, H) for H in heads for k, v in shapes.items()]
+
+
 def mixed_cases(heads):
     """One long request among short ones, as a serving engine's prefill batch often is (a chunk of a long prompt
     beside new short prompts): the fused chunk-16 band by the mean, split by the longest (work_per_longest)."""
@@ -189,7 +198,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)   # --out (folder or .json), --reps, --quick, --no-fla, --dry-run, --modes, ...
     ap.add_argument("--heads", default=None, help="head counts (default 16,12; issue46 grid: all of it)")
-    ap.add_argument("--grid", choices=("layer", "issue46", "mixed"), default="layer")
+    ap.add_argument("--grid", choices=("layer", "issue46", "mixed", "serving"), default="layer")
     ap.add_argument("--long", action="store_true", help="issue46 grid: add 1 x 1,048,576 tokens at H16")
     ap.add_argument("--peers", default="fla,cudnn",
                     help="comma list of fla, cudnn, flashkda (each when importable; flashkda: bounded gate)")
@@ -257,6 +266,8 @@ def main(argv=None):
         case_list = dry_cases()
     elif args.grid == "mixed":
         case_list = mixed_cases([int(h) for h in (args.heads or "8,12").split(",")])
+    elif args.grid == "serving":
+        case_list = serving_cases([int(h) for h in (args.heads or "8,12").split(",")])
     elif args.grid == "issue46":
         heads = ISSUE46_HEADS if args.heads is None else [int(h) for h in args.heads.split(",")]
         case_list = issue46_cases(heads, args.long)

@@ -454,6 +454,54 @@ EDGES = {
          "prefill_vt64_f32"),
         (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_vt64_f32"),
     ],
+    # opt-in probe c16g_mid: the guarded split from a 512-token mean where c16g's rules stop at 2048
+    ("kda_prefill", "c16g_mid_few", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=17, value_heads=1, total_tokens=17 * 1024), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2048), "prefill_vt16_f32"),
+    ],
+    ("kda_prefill", "c16g_mid_few", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=1024), "prefill_c16g_vt16_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=1023), "prefill_vt16_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_few", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2048, lower_bound=-5.01), "prefill_vt16_f32",
+         frozenset({"c16g_mid"})),
+        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=2048), "prefill_vt16_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_some", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=1, total_tokens=16 * 1024), "prefill_c16g_vt16_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=17, value_heads=1, total_tokens=17 * 1024), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_some", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=5, value_heads=8, total_tokens=5 * 1024), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=41, value_heads=1, total_tokens=41 * 1024), "prefill_c16g_vt64_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_some", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=8, total_tokens=4 * 512), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=8, total_tokens=4 * 512 - 1), "prefill_vt32_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_some", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=8, total_tokens=4096, lower_bound=-5.01), "prefill_vt32_f32",
+         frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_wide", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_c16g_vt64_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_vt64_f32"),
+    ],
+    ("kda_prefill", "c16g_mid_wide", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 1024), "prefill_c16g_vt64_f32",
+         frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 1024), "prefill_vt64s_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_wide", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=8, value_heads=8, total_tokens=8 * 512), "prefill_c16g_vt64_f32", frozenset({"c16g_mid"})),
+        (prefill_meta(gate="bounded", num_seqs=8, value_heads=8, total_tokens=8 * 512 - 1), "prefill_vt64_f32", frozenset({"c16g_mid"})),
+    ],
+    ("kda_prefill", "c16g_mid_wide", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=8, value_heads=8, total_tokens=8192, lower_bound=-5.01), "prefill_vt64_f32",
+         frozenset({"c16g_mid"})),
+    ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
     ("fused_kda_verify", "f32_few", "work_items_max"): [
