@@ -306,7 +306,9 @@ EDGES = {
     # sequence on average
     ("kda_prefill", "fused_chunk16", "work_items_min"): [
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16_f32"),       # 384
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_vt64s_f32"),    # 383
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
+         "prefill_vt64s_f32"),    # 383 items, work_per_longest 191: below fused_chunk16_wave's 224 too
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_c16_f32"),  # the wave
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", state="bf16"), "prefill_c16_bf16"),
     ],
     ("kda_prefill", "fused_chunk16", "mean_seqlen_max"): [
@@ -419,7 +421,8 @@ EDGES = {
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048 - 1), "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048 - 1, max_seqlen=2048),
+         "prefill_vt64_f32"),     # work_per_longest 127: not c16g_mid's either
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, checkpoints=True), "prefill_vt64_f32"),
     ],
     # c16g's bound: lower_bound >= -5 keeps the fused kernel's chunks in its factored range; below it, and for the
@@ -454,53 +457,65 @@ EDGES = {
          "prefill_vt64_f32"),
         (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_vt64_f32"),
     ],
-    # opt-in probe c16g_mid: the guarded split from a 512-token mean where c16g's rules stop at 2048
-    ("kda_prefill", "c16g_mid_few", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=17, value_heads=1, total_tokens=17 * 1024), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2048), "prefill_vt16_f32"),
+    # c16g_mid: the guarded split over fallback's kernels at 128..255 items of 512-2047 tokens on average, the longest
+    # sequence no longer than token-heads / 128 (like-length prompts)
+    ("kda_prefill", "c16g_mid", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=128, value_heads=1, total_tokens=128 * 512), "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=127, value_heads=1, total_tokens=127 * 512), "prefill_vt64_f32"),
     ],
-    ("kda_prefill", "c16g_mid_few", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=1024), "prefill_c16g_vt16_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=1023), "prefill_vt16_f32", frozenset({"c16g_mid"})),
+    ("kda_prefill", "c16g_mid", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512), "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512), "prefill_c16_f32"),  # the wave
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=640),
+         "prefill_vt64s_f32"),    # work_per_longest 204: neither
     ],
-    ("kda_prefill", "c16g_mid_few", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2048, lower_bound=-5.01), "prefill_vt16_f32",
-         frozenset({"c16g_mid"})),
-        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=2048), "prefill_vt16_f32", frozenset({"c16g_mid"})),
+    ("kda_prefill", "c16g_mid", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512), "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512 - 1), "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512, checkpoints=True),
+         "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512), "prefill_vt64_f32", CHUNK64),
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 512), "prefill_vt64_f32"),   # softplus
     ],
-    ("kda_prefill", "c16g_mid_some", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=1, total_tokens=16 * 1024), "prefill_c16g_vt16_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=17, value_heads=1, total_tokens=17 * 1024), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
+    ("kda_prefill", "c16g_mid", "work_per_longest_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024),
+         "prefill_c16g_vt64_f32"),    # 128
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1025),
+         "prefill_vt64_f32"),         # 127
     ],
-    ("kda_prefill", "c16g_mid_some", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=5, value_heads=8, total_tokens=5 * 1024), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=41, value_heads=1, total_tokens=41 * 1024), "prefill_c16g_vt64_f32", frozenset({"c16g_mid"})),
+    ("kda_prefill", "c16g_mid", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, lower_bound=-5.01),
+         "prefill_vt64_f32"),
     ],
-    ("kda_prefill", "c16g_mid_some", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=8, total_tokens=4 * 512), "prefill_c16g_vt32_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=8, total_tokens=4 * 512 - 1), "prefill_vt32_f32", frozenset({"c16g_mid"})),
+    # fused_chunk16_wave: the fused kernel unsplit at 256..383 items of like-length prompts (work_per_longest >= 224)
+    ("kda_prefill", "fused_chunk16_wave", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 1024), "prefill_c16g_vt64_f32"),
     ],
-    ("kda_prefill", "c16g_mid_some", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=8, total_tokens=4096, lower_bound=-5.01), "prefill_vt32_f32",
-         frozenset({"c16g_mid"})),
+    ("kda_prefill", "fused_chunk16_wave", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024), "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
+         "prefill_c16_f32"),       # fused_chunk16 (work_per_longest 102)
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
+         "prefill_vt64s_f32"),     # 102 < 224
     ],
-    ("kda_prefill", "c16g_mid_wide", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_c16g_vt64_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_vt64_f32"),
+    ("kda_prefill", "fused_chunk16_wave", "mean_seqlen_max"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048), "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16), "prefill_vt64s_f32"),
     ],
-    ("kda_prefill", "c16g_mid_wide", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 1024), "prefill_c16g_vt64_f32",
-         frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 1024), "prefill_vt64s_f32", frozenset({"c16g_mid"})),
+    ("kda_prefill", "fused_chunk16_wave", "work_per_longest_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1170),
+         "prefill_c16_f32"),       # 224
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1171),
+         "prefill_vt64s_f32"),     # 223
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32", CHUNK64),
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),   # softplus
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, checkpoints=True),
+         "prefill_vt64s_f32"),
     ],
-    ("kda_prefill", "c16g_mid_wide", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", num_seqs=8, value_heads=8, total_tokens=8 * 512), "prefill_c16g_vt64_f32", frozenset({"c16g_mid"})),
-        (prefill_meta(gate="bounded", num_seqs=8, value_heads=8, total_tokens=8 * 512 - 1), "prefill_vt64_f32", frozenset({"c16g_mid"})),
-    ],
-    ("kda_prefill", "c16g_mid_wide", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=8, value_heads=8, total_tokens=8192, lower_bound=-5.01), "prefill_vt64_f32",
-         frozenset({"c16g_mid"})),
+    ("kda_prefill", "fused_chunk16_wave", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, lower_bound=-5.01),
+         "prefill_vt64s_f32"),
     ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
