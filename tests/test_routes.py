@@ -425,38 +425,6 @@ EDGES = {
          "prefill_vt64_f32"),     # work_per_longest 127: not c16g_mid's either
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, checkpoints=True), "prefill_vt64_f32"),
     ],
-    # c16g's bound: lower_bound >= -5 keeps the fused kernel's chunks in its factored range; below it, and for the
-    # softplus gate, the band's chunk-64 module (the rule's chunk64 twin's)
-    ("kda_prefill", "c16g_few", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768, lower_bound=-5.0), "prefill_c16g_pc8_vt64_f32"),
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768, lower_bound=-5.01), "prefill_pc8_vt64_f32"),
-        (prefill_meta(value_heads=8, total_tokens=32768), "prefill_pc8_vt64_f32"),
-    ],
-    ("kda_prefill", "c16g_groups", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", value_heads=12, total_tokens=8192, lower_bound=-5.0), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=12, total_tokens=8192, lower_bound=-5.01), "prefill_pc16_vt64g2_f32"),
-        (prefill_meta(value_heads=12, total_tokens=8192, gate="log"), "prefill_pc16_vt64g2_f32"),
-    ],
-    ("kda_prefill", "c16g_groups_32", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384, lower_bound=-5.0), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384, lower_bound=-5.01), "prefill_pc16_vt64g2_f32"),
-    ],
-    ("kda_prefill", "c16g_short", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048, lower_bound=-5.0), "prefill_c16g_vt16_f32"),
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048, lower_bound=-5.01), "prefill_vt16_f32"),
-        (prefill_meta(value_heads=8, total_tokens=2048), "prefill_vt16_f32"),
-    ],
-    ("kda_prefill", "c16g_some", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=2048, lower_bound=-5.0), "prefill_c16g_vt32_f32"),
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=2048, lower_bound=-5.01), "prefill_vt32_f32"),
-    ],
-    ("kda_prefill", "c16g_wide", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, lower_bound=-5.0),
-         "prefill_c16g_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048, lower_bound=-5.01),
-         "prefill_vt64_f32"),
-        (prefill_meta(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_vt64_f32"),
-    ],
     # c16g_mid: the guarded split over fallback's kernels at 128..255 items of 512-2047 tokens on average, the longest
     # sequence no longer than token-heads / 128 (like-length prompts)
     ("kda_prefill", "c16g_mid", "work_items_min"): [
@@ -482,10 +450,6 @@ EDGES = {
          "prefill_c16g_vt64_f32"),    # 128
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1025),
          "prefill_vt64_f32"),         # 127
-    ],
-    ("kda_prefill", "c16g_mid", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, lower_bound=-5.01),
-         "prefill_vt64_f32"),
     ],
     # fused_chunk16_wave: the fused kernel unsplit at 256..383 items of like-length prompts (work_per_longest >= 224)
     ("kda_prefill", "fused_chunk16_wave", "work_items_min"): [
@@ -513,10 +477,6 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, checkpoints=True),
          "prefill_vt64s_f32"),
     ],
-    ("kda_prefill", "fused_chunk16_wave", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, lower_bound=-5.01),
-         "prefill_vt64s_f32"),
-    ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
     ("fused_kda_verify", "f32_few", "work_items_max"): [
@@ -525,6 +485,27 @@ EDGES = {
         (verify_meta(num_seqs=1, value_heads=16, max_seqlen=4, state="bf16"), "fused_verify_row2_bf16_o32"),
     ],
 }
+
+
+# The bounded-gate rules of the fused kernel's split and wave: lower_bound >= -5 keeps its chunks in the factored range;
+# below it, and for the softplus gate, the band's chunk-64 module (the rule's chunk64 twin's): (rule, call, its module
+# there, the chunk-64 one)
+BOUNDED_ONLY = [
+    ("c16g_few", dict(value_heads=8, total_tokens=32768), "prefill_c16g_pc8_vt64_f32", "prefill_pc8_vt64_f32"),
+    ("c16g_groups", dict(value_heads=12, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", "prefill_pc16_vt64g2_f32"),
+    ("c16g_groups_32", dict(value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", "prefill_pc16_vt64g2_f32"),
+    ("c16g_short", dict(value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", "prefill_vt16_f32"),
+    ("c16g_some", dict(value_heads=32, total_tokens=2048), "prefill_c16g_vt32_f32", "prefill_vt32_f32"),
+    ("c16g_wide", dict(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
+    ("c16g_mid", dict(num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
+    ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_c16_f32",
+     "prefill_vt64s_f32"),
+]
+EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
+    (prefill_meta(gate="bounded", lower_bound=-5.0, **call), module),
+    (prefill_meta(gate="bounded", lower_bound=-5.01, **call), chunk64),
+    (prefill_meta(**call), chunk64),                                              # softplus
+    (prefill_meta(gate="bounded", lower_bound=-5.0, **call), chunk64, CHUNK64)] for rule, call, module, chunk64 in BOUNDED_ONLY})
 
 
 # kda_verify's _gb32 rules (fp32 g / beta): the twin of each band at its edges, module for module
