@@ -644,10 +644,11 @@ def test_the_captured_prefills_device_band_is_the_routes_band(lens, HV):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
     live_lens = [n for n in lens if n > 0]
     for rule in jit.routes_for("kda_prefill"):
-        if not rule["name"].startswith("fused_chunk16"):
+        if not rule["name"].startswith("fused_chunk16") or "opt_in" in rule:   # the default rules, each its gate
             continue
+        gate = rule["when"]["gate"] if isinstance(rule["when"]["gate"], str) else rule["when"]["gate"][0]
         meta = validation.prefill_route_meta("cuda", len(live_lens), HV, sum(lens), max(lens), "f32", "o32",
-                                             "bounded" if rule["name"] == "fused_chunk16" else "softplus", False, -5.0)
+                                             gate, False, -5.0 if gate == "bounded" else None)
         want = dispatch.rule_matches(rule["when"], meta) if live_lens else False
         got = bool(in_band_on_device(rule["when"], cu, cu[1:] > cu[:-1], HV))
         assert got == want, (rule["name"], lens, HV, meta)
