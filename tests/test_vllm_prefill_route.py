@@ -241,22 +241,34 @@ def test_without_a_forward_context_the_call_routes_by_the_mean_and_says_why(inst
     assert seen[-1]["max_seqlen"] is None and fkda_vllm.ROUTED[key] == before + 1
 
 
-def test_bailings_vendored_chunk_is_routed_the_same_way(installed, seen):
-    lengths, call = mixed_step(10, 45, None, seed=4)
+@pytest.mark.parametrize("decodes,final", [(10, True), (0, True), (10, False)], ids=["mixed", "prompts", "no-final"])
+def test_bailings_vendored_chunk_is_routed_the_same_way(installed, seen, decodes, final):
+    """vLLM's vendored chunk_kda (bailing_moe_v3): routed by its longest request, the step's one-token decodes served
+    apart from its prompts (two kda_prefill calls), the result the float64 reference's over the whole step."""
+    lengths, call = mixed_step(decodes, 45, None, seed=4)
     m = vllm_step_metadata.step(installed.step, lengths, "cpu")
     g = -torch.rand(1, sum(lengths), H, K)
     beta = torch.sigmoid(call["raw_beta"])
-    before = fkda_vllm.ROUTED["vendored.chunk_kda", BY_METADATA]
+    how = APART if decodes else BY_METADATA
+    before = fkda_vllm.ROUTED["vendored.chunk_kda", how]
     with vllm_step_metadata.forward(installed.step, {"l": m}):
         o, h = installed.vendored.chunk_kda(q=call["q"], k=call["k"], v=call["v"], g=g, beta=beta,
-                                       initial_state=call["initial_state"], output_final_state=True,
+                                       initial_state=call["initial_state"], output_final_state=final,
                                        use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0,
                                        cu_seqlens=m.non_spec_query_start_loc)
-    assert fkda_vllm.ROUTED["vendored.chunk_kda", BY_METADATA] == before + 1 and seen[-1]["max_seqlen"] == 48
+    assert fkda_vllm.ROUTED["vendored.chunk_kda", how] == before + 1
+    if decodes:   # the decodes' call, then the prompt's, its offsets rebased
+        assert [c["max_seqlen"] for c in seen[-2:]] == [1, 45] and seen[-1]["cu_seqlens"].tolist() == [0, 45]
+        assert seen[-2]["cu_seqlens"].tolist() == list(range(decodes + 1))
+    else:
+        assert seen[-1]["max_seqlen"] == 45
     want_o, want_h, _ = kda_recurrent(call["q"], call["k"], call["v"], g, beta, gate="log", beta_is_logit=False,
                                       cu_seqlens=m.non_spec_query_start_loc, initial_state=call["initial_state"])
     torch.testing.assert_close(o.double(), want_o, **TOL)
-    torch.testing.assert_close(h.double(), want_h, **TOL)
+    if final:
+        torch.testing.assert_close(h.double(), want_h, **TOL)
+    else:
+        assert h is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Adapters for vLLM's vendored copy of fla's KDA ops (vllm/third_party/flash_linear_attention/ops/kda.py), which
 vLLM 0.34.0 still calls from one model, bailing_moe_v3 (imported by name at module level): fused_recurrent_kda_fwd
 (speculative decoding), chunk_kda (prefill from a precomputed log decay; routed by its longest sequence where
-vLLM's step metadata gives it: host_lengths.py) and fused_recurrent_kda (decode). Its
+vLLM's step metadata gives it, the step's one-token decodes apart from its prompts: host_lengths.py) and
+fused_recurrent_kda (decode). Its
 chunk_kda_with_fused_gate has no caller in vLLM 0.34.0 and is left alone.
 
 The argument mapping is fla.py's (these ops are fla's with vLLM's fixed choices: state_v_first, no gate or beta
@@ -20,6 +21,7 @@ from .. import fla as _fla
 from ..rows import rows_view
 from . import host_lengths
 from ._common import Refused, count_route, run_op, unknown
+from .split_calls import prefill_in_parts
 
 #: extra keyword arguments vLLM's vendored chunk_kda / fused_recurrent_kda accept and ignore (bailing_moe_v3)
 IGNORED_BY_VLLM = ("safe_gate", "lower_bound")
@@ -130,10 +132,11 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
     _no_unknown(kwargs)
-    longest, how = None, "no cu_seqlens"
+    parts, how = [(0, q.shape[1], 0, 0, None)], "no cu_seqlens"
     if cu_seqlens is not None:
-        # routing only, from vLLM's step metadata (found by the caller's own cu_seqlens object)
-        longest, how = host_lengths.longest(cu_seqlens, q.shape[1])
+        # the parts (the step's decodes apart from its prompts) and their longest sequences, routing only, from
+        # vLLM's step metadata (found by the caller's own cu_seqlens object)
+        parts, how = host_lengths.step_parts(cu_seqlens, q.shape[1])
         cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = (_contiguous(x) for x in (q, k, v, g, beta, initial_state))
     form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
@@ -142,9 +145,17 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     ok, reason = _fla._verdict("vllm.vendored.chunk_kda", _fla._check_chunk_kda, (), form)
     if not ok:
         raise Refused(reason)
-    res = run_op(_fla.serve_chunk_kda_known_longest, longest, **form)
+    if len(parts) == 1:
+        res = run_op(_fla.serve_chunk_kda_known_longest, parts[0][4], **form)
+    else:   # fla's form mapped once (no intermediate states here), then one kda_prefill call a part
+        from ...ops import kda_prefill
+        args, kw, _ = _fla._plan_chunk_kda(_fla._Plan(meta=False), **form)
+        cu, init, keep = kw.pop("cu_seqlens"), kw.pop("initial_state"), kw.pop("output_final_state")
+        kw.pop("max_seqlen")
+        res = prefill_in_parts(kda_prefill, parts, *args, cu, initial_state=init, output_final_state=keep, out=None,
+                               **kw)
     if cu_seqlens is not None:
-        count_route("vendored.chunk_kda", longest, how)
+        count_route("vendored.chunk_kda", parts[-1][4], how, len(parts))
     return res
 
 
