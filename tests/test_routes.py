@@ -308,7 +308,9 @@ EDGES = {
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16_f32"),       # 384
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
          "prefill_vt64s_f32"),    # 383 items, work_per_longest 191: below fused_chunk16_wave's 224 too
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_c16_f32"),  # the wave
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=512, gate="bounded"),
+         "prefill_c16_f32"),      # fused_chunk16_wave (its longest known)
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_vt64s_f32"),
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", state="bf16"), "prefill_c16_bf16"),
     ],
     ("kda_prefill", "fused_chunk16", "mean_seqlen_max"): [
@@ -428,18 +430,24 @@ EDGES = {
     # c16g_mid: the guarded split over fallback's kernels at 128..255 items of 512-2047 tokens on average, the longest
     # sequence no longer than token-heads / 128 (like-length prompts)
     ("kda_prefill", "c16g_mid", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=128, value_heads=1, total_tokens=128 * 512), "prefill_c16g_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=127, value_heads=1, total_tokens=127 * 512), "prefill_vt64_f32"),
+        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=128, value_heads=1, total_tokens=128 * 512),
+         "prefill_c16g_vt64_f32"),
+        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=127, value_heads=1, total_tokens=127 * 512),
+         "prefill_vt64_f32"),
     ],
     ("kda_prefill", "c16g_mid", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512), "prefill_c16g_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512), "prefill_c16_f32"),  # the wave
+        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512),
+         "prefill_c16g_vt64_f32"),
+        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512),
+         "prefill_c16_f32"),  # the wave
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=640),
          "prefill_vt64s_f32"),    # work_per_longest 204: neither
     ],
     ("kda_prefill", "c16g_mid", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512), "prefill_c16g_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512 - 1), "prefill_vt64_f32"),
+        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512),
+         "prefill_c16g_vt64_f32"),
+        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512 - 1),
+         "prefill_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512, checkpoints=True),
          "prefill_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512), "prefill_vt64_f32", CHUNK64),
@@ -451,21 +459,37 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1025),
          "prefill_vt64_f32"),         # 127
     ],
+    ("kda_prefill", "c16g_mid", "max_seqlen_min"): [   # the longest known: a ragged batch by the mean looks uniform
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024),
+         "prefill_c16g_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=12, total_tokens=8 * 1088), "prefill_vt64_f32"),
+    ],
     # fused_chunk16_wave: the fused kernel unsplit at 256..383 items of like-length prompts (work_per_longest >= 224)
+    ("kda_prefill", "fused_chunk16_wave", "max_seqlen_min"): [   # the longest known, as c16g_mid's
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024),
+         "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),
+    ],
     ("kda_prefill", "fused_chunk16_wave", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_c16_f32"),
-        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 1024), "prefill_c16g_vt64_f32"),
+        (prefill_meta(max_seqlen=1024, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024),
+         "prefill_c16_f32"),
+        (prefill_meta(max_seqlen=1024, gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 1024),
+         "prefill_c16g_vt64_f32"),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024), "prefill_c16_f32"),
+        (prefill_meta(max_seqlen=1024, gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024),
+         "prefill_c16_f32"),
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
          "prefill_c16_f32"),       # fused_chunk16 (work_per_longest 102)
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
          "prefill_vt64s_f32"),     # 102 < 224
     ],
     ("kda_prefill", "fused_chunk16_wave", "mean_seqlen_max"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048), "prefill_c16_f32"),
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16), "prefill_vt64s_f32"),
+        (prefill_meta(max_seqlen=2048, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048),
+         "prefill_c16_f32"),
+        (prefill_meta(max_seqlen=2049, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16),
+         "prefill_vt64s_f32"),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_per_longest_min"): [
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1170),
@@ -497,8 +521,9 @@ BOUNDED_ONLY = [
     ("c16g_short", dict(value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", "prefill_vt16_f32"),
     ("c16g_some", dict(value_heads=32, total_tokens=2048), "prefill_c16g_vt32_f32", "prefill_vt32_f32"),
     ("c16g_wide", dict(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
-    ("c16g_mid", dict(num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
-    ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_c16_f32",
+    ("c16g_mid", dict(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32",
+     "prefill_vt64_f32"),
+    ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16_f32",
      "prefill_vt64s_f32"),
 ]
 EDGES.update({("kda_prefill", rule, "lower_bound_min"): [

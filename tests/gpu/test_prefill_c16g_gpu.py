@@ -182,7 +182,7 @@ import sys, torch, flashkda_ext as fk
 from flashkda_ext import dispatch, validation
 a = torch.load(sys.argv[1])
 kw = dict(A_log=a["A_log"], dt_bias=a["dt_bias"], gate="bounded", lower_bound=-5.0, cu_seqlens=a["cu"],
-          initial_state=a["init"], output_final_state=True)
+          initial_state=a["init"], output_final_state=True, max_seqlen=a["longest"])
 meta = validation.check_kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw).route_meta()
 module = dispatch.module_name("kda_prefill", meta)
 out, fin = fk.kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
@@ -202,14 +202,15 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
 def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
     """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 2048 tokens a
     sequence (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit at 16 x 1024 H16
-    (fused_chunk16_wave), and FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the op's result is that module's
+    (fused_chunk16_wave; both with the longest sequence given, max_seqlen), and FLASHKDA_EXT_OPT_IN=chunk64 keeps the
+    chunk-64 module; the op's result is that module's
     own call bitwise, and right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
     seed("op", want, H)
     d = make(lens, H, H, "bounded")
     init = torch.randn(len(lens), H, V, K, device=DEV) * 0.5
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                    cu=d["cut"], init=init), src)
+                    cu=d["cut"], init=init, longest=max(lens)), src)
     env = dict(os.environ, FLASHKDA_EXT_OPT_IN=opt_in)
     subprocess.run([sys.executable, "-c", _OP_CHILD, str(src), str(dst)], env=env, check=True, timeout=900)
     res = torch.load(dst)
