@@ -741,6 +741,23 @@ def test_every_kernel_record_is_routed_or_an_opt_in():
     assert {n for n, r in reg.records.items() if r.get("opt_in")} <= reg.routed
 
 
+def test_every_default_routed_cuda_module_is_prebuilt_ahead_of_time():
+    """A module some default (not opt-in) rule reaches is `"aot": true`, so a wheel built by aot.py serves every
+    default route without nvcc at run time; opt-in modules may stay JIT-only."""
+    reg = jit.registry()
+    default = set()
+    for family, data in reg.routes.items():
+        for rule in data["rules"]:
+            if "opt_in" in rule:
+                continue
+            for device in [d for d in ([rule["when"].get("device")] if isinstance(rule["when"].get("device"), str)
+                                       else rule["when"].get("device", [])) if d == "cuda"]:
+                default.update(reg._expand(rule["module"], rule["when"], family, device, "routes", rule["name"]))
+    assert default, "no default CUDA module found"
+    missing = sorted(n for n in default if not reg.records[n].get("aot"))
+    assert not missing, f"default-routed but not aot: {missing}"
+
+
 def test_the_spec_mechanisms_have_live_modules():
     """The persistent-grid and cluster launch macros are exercised by real modules: a routed (or opt-in)
     persistent one and routed clustered ones."""
