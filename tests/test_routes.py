@@ -31,6 +31,12 @@ def prefill_meta(**kw):
                                          m["state"], m["offset"], m["gate"], m["checkpoints"], lower_bound)
 
 
+def like(num_seqs, value_heads, length, **kw):
+    """A bounded-gate batch of like-length prompts whose longest the caller gives (max_seqlen)."""
+    return prefill_meta(gate="bounded", num_seqs=num_seqs, value_heads=value_heads, total_tokens=num_seqs * length,
+                        max_seqlen=length, **kw)
+
+
 def verify_meta(**kw):
     m = {"device": "cuda", "num_seqs": 1, "value_heads": 16, "total_tokens": 2, "max_seqlen": 2, "work_items": 16,
          "state": "f32", "offset": "o32", "gate": "softplus"}
@@ -430,22 +436,17 @@ EDGES = {
     # c16g_mid: the guarded split over fallback's kernels at 128..255 items of 512-2047 tokens on average, the longest
     # sequence no longer than token-heads / 128 (like-length prompts)
     ("kda_prefill", "c16g_mid", "work_items_min"): [
-        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=128, value_heads=1, total_tokens=128 * 512),
-         "prefill_c16g_vt64_f32"),
-        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=127, value_heads=1, total_tokens=127 * 512),
-         "prefill_vt64_f32"),
+        (like(128, 1, 512), "prefill_c16g_vt64_f32"),
+        (like(127, 1, 512), "prefill_vt64_f32"),
     ],
     ("kda_prefill", "c16g_mid", "work_items_max"): [
-        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512),
-         "prefill_c16g_vt64_f32"),
-        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512),
-         "prefill_c16_f32"),  # the wave
+        (like(255, 1, 512), "prefill_c16g_vt64_f32"),
+        (like(256, 1, 512), "prefill_c16_f32"),  # the wave
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=640),
          "prefill_vt64s_f32"),    # work_per_longest 204: neither
     ],
     ("kda_prefill", "c16g_mid", "mean_seqlen_min"): [
-        (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512),
-         "prefill_c16g_vt64_f32"),
+        (like(16, 8, 512), "prefill_c16g_vt64_f32"),
         (prefill_meta(max_seqlen=512, gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512 - 1),
          "prefill_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 512, checkpoints=True),
@@ -472,22 +473,18 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_items_min"): [
-        (prefill_meta(max_seqlen=1024, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024),
-         "prefill_c16_f32"),
-        (prefill_meta(max_seqlen=1024, gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 1024),
-         "prefill_c16g_vt64_f32"),
+        (like(16, 16, 1024), "prefill_c16_f32"),
+        (like(255, 1, 1024), "prefill_c16g_vt64_f32"),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_items_max"): [
-        (prefill_meta(max_seqlen=1024, gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024),
-         "prefill_c16_f32"),
+        (like(383, 1, 1024), "prefill_c16_f32"),
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
          "prefill_c16_f32"),       # fused_chunk16 (work_per_longest 102)
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
          "prefill_vt64s_f32"),     # 102 < 224
     ],
     ("kda_prefill", "fused_chunk16_wave", "mean_seqlen_max"): [
-        (prefill_meta(max_seqlen=2048, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048),
-         "prefill_c16_f32"),
+        (like(16, 16, 2048), "prefill_c16_f32"),
         (prefill_meta(max_seqlen=2049, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16),
          "prefill_vt64s_f32"),
     ],
