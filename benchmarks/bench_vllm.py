@@ -211,11 +211,6 @@ def fla_arm(kind, call, pool):
                                   cu_seqlens=call["cu_seqlens"], initial_state=call["initial_state"])
 
 
-def load_flashkda(engine_dir: Path):
-    """(K3's own prefill on an H200, None) or (None, why not): peer_flashkda.load."""
-    return peer_flashkda.load(engine_dir)
-
-
 def flashkda_arm(fn, call, checkpoint_offsets=None):
     """() -> (out, final_state) of `fn` (vLLM's `_flashkda_prefill`, or an adapter in its place) as the K3 layer
     calls it on this benchmark's call (peer_flashkda.prefill_fn; the closure's `checkpoint_state` with
@@ -353,7 +348,7 @@ def main(argv=None) -> int:
     dev = torch.device(cfg.device)
     ops, fkda_vllm = load_vllm(Path(args.engine_dir))
     step_ns = vllm_step_metadata.load(Path(args.engine_dir)) if "mixed" in args.kinds.split(",") else None
-    flashkda, flashkda_why = load_flashkda(Path(args.engine_dir)) if cfg.is_cuda else (None, "no CUDA")
+    flashkda, flashkda_why = peer_flashkda.load(Path(args.engine_dir)) if cfg.is_cuda else (None, "no CUDA")
     lb = None if args.lower_bound != args.lower_bound else args.lower_bound   # nan: softplus
     kinds = [k for k in args.kinds.split(",") if k]
     rows_list = [int(r) for r in args.rows.split(",")]

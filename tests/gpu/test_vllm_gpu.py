@@ -152,7 +152,7 @@ def test_prefill_agrees_with_k3s_own_flashkda(vllm_ops, state_dtype, rows):
     layer's "auto" backend with a bounded gate) and ours through the chunk adapter, on the same call: the layer
     hands both backends the same arguments, so they must agree (FlashKDA keeps a bf16 state between chunks)."""
     ops, fk = vllm_ops
-    fn, why = bench_vllm.load_flashkda(ROOT / ".engines" / "vllm")
+    fn, why = bench_vllm.peer_flashkda.load(ROOT / ".engines" / "vllm")
     if fn is None:
         pytest.skip(f"vLLM's FlashKDA extension does not load here: {why}")
     call, _ = bench_vllm.inputs("prefill", rows, 8, state_dtype, -5.0, Args, DEV, seed=21 + rows)
@@ -180,7 +180,7 @@ def test_prefill_with_checkpoints_agrees_with_k3s_own_flashkda(vllm_ops, state_d
     the rows without a checkpoint stay as they were."""
     ops, fk = vllm_ops
     engine = ROOT / ".engines" / "vllm"
-    fn, why = bench_vllm.load_flashkda(engine)
+    fn, why = bench_vllm.peer_flashkda.load(engine)
     if fn is None:
         pytest.skip(f"vLLM's FlashKDA extension does not load here: {why}")
     ns = bench_vllm.vllm_step_metadata.load(engine)

@@ -92,7 +92,7 @@ def test_k3s_prefill_with_checkpoints_cut_serves_without_a_sync(vllm_ops, checke
     """The opt-in K3 prefill adapter with prefix-cache checkpoints: the decodes apart, the prompt cut at its
     checkpoint (three kda_prefill calls, their offsets copied from pinned host memory), no sync."""
     ops, fk = vllm_ops
-    fn, why = bench_vllm.load_flashkda(ROOT / ".engines" / "vllm")
+    fn, why = bench_vllm.peer_flashkda.load(ROOT / ".engines" / "vllm")
     if fn is None:
         pytest.skip(f"vLLM's FlashKDA extension does not load here: {why}")
     vsm = bench_vllm.vllm_step_metadata
