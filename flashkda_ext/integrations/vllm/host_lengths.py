@@ -139,8 +139,9 @@ def step_parts(cu_seqlens, T: int):
     metadata's host counts (num_decodes one-token decodes of num_decode_tokens tokens, then num_prefills prompts);
     without them one part routed by the longest (longest(), None where unknown)."""
     m, entry = _step_metadata(cu_seqlens)
-    if m is None:
-        return [(0, T, 0, cu_seqlens.shape[0] - 1, None)], entry
+    if m is None:   # one part, by the mean (no cu_seqlens: one sequence a batch row, requests unused)
+        N = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 else 0
+        return [(0, T, 0, N, None)], entry
     if entry[3] is None:
         entry[3] = _parts_from_metadata(m, cu_seqlens.shape[0] - 1, T, longest(cu_seqlens, T))
     return entry[3]

@@ -140,8 +140,7 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     cu = None if cu_seqlens is None else _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     # the parts (the step's decodes apart from its prompts) and their longest sequences, for routing only (never
     # read from the device): from vLLM's step metadata, found by the caller's own cu_seqlens object
-    parts, how = ([(0, q.shape[1], 0, 0, None)], "no cu_seqlens") if cu is None else \
-        host_lengths.step_parts(cu_seqlens, q.shape[1])
+    parts, how = host_lengths.step_parts(cu_seqlens, q.shape[1])
     # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
     # at most (to() alone keeps an fp32 tensor's strides)
     init = initial_state

@@ -132,11 +132,10 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
     _no_unknown(kwargs)
-    parts, how = [(0, q.shape[1], 0, 0, None)], "no cu_seqlens"
+    # the parts (the step's decodes apart from its prompts) and their longest sequences, routing only, from vLLM's
+    # step metadata (found by the caller's own cu_seqlens object)
+    parts, how = host_lengths.step_parts(cu_seqlens, q.shape[1])
     if cu_seqlens is not None:
-        # the parts (the step's decodes apart from its prompts) and their longest sequences, routing only, from
-        # vLLM's step metadata (found by the caller's own cu_seqlens object)
-        parts, how = host_lengths.step_parts(cu_seqlens, q.shape[1])
         cu_seqlens = _indices.offsets("cu_seqlens", cu_seqlens, q.shape[1])
     q, k, v, g, beta, initial_state = (_contiguous(x) for x in (q, k, v, g, beta, initial_state))
     form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
