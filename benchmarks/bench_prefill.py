@@ -11,7 +11,8 @@ x {B1 T 2K, 8K, 32K, 128K; 4x8192; 64x512; 8x(1024+64); 7 ragged sequences summi
 short ones (1x4000+47x100 ... 1x256+127x64; vLLM's 255x1+1x4000, 63x1+1x8000), a serving engine's prefill batch;
 `--grid serving` (heads 8, 12 unless --heads): batches of whole 512-2048-token prompts (4 / 16 / 64 x 1024, 4 / 16 x
 2048, 16 x 512) and issue 46's 8x(1024+64) and ragged 8K rows; with `--known-lengths` the route
-sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside.
+sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside;
+`--longest` routes with it given and nothing more (so an --opt-in-arm A/B runs on the routes that need it).
 
 Peers (--peers, default fla,cudnn; flashkda on request): fla's chunk_kda, cuDNN's kda_hopper_cuda engine
 (benchmarks/peer_cudnn.py) and vLLM 0.34's FlashKDA, Kimi K3's own prefill on an H200 (benchmarks/peer_flashkda.py,
@@ -66,6 +67,12 @@ LOWER_BOUND = -5.0
 def load(name):
     from flashkda_ext import jit
     return jit.load_module(name)
+
+
+def routed_longest(args, lens):
+    """The max_seqlen the routes of 'ours' and the opt-in arm see: the longest sequence with --known-lengths or
+    --longest (as an engine's adapter passes it), else None (taken at the mean)."""
+    return max(lens) if args.known_lengths or args.longest else None
 
 
 def route_module(num_seqs, heads, total_tokens, gate, opted_in=None, state="f32", max_seqlen=None):
@@ -212,6 +219,9 @@ def parse(argv=None):
                     help="route 'ours' as a caller passing max_seqlen (the longest sequence) is routed, and where the "
                          "route without it picks another module time that one as arm 'opt_in' beside it (not with "
                          "--opt-in-arm)")
+    ap.add_argument("--longest", action="store_true",
+                    help="route 'ours' (and the --opt-in-arm) with max_seqlen, the longest sequence, given, as the "
+                         "engines' and fla's adapters call the op (rules with max_seqlen_min need it)")
     ap.add_argument("--skip-small", action="store_true",
                     help="leave out the B=1 rows (each new head count costs fla a Triton compile)")
     ap.add_argument("--only-small", action="store_true", help="only the B=1 rows")
@@ -299,7 +309,7 @@ def main(argv=None):
             if args.state == "bf16":
                 d["init"] = d["init"].bfloat16()
             N, T = len(lens), sum(lens)
-            longest = max(lens) if args.known_lengths else None
+            longest = routed_longest(args, lens)
             mname = args.module or route_module(N, H, T, gate, state=args.state, max_seqlen=longest)
             ours, out, fin = module_call(mname, d, gate, N, T, H, dev)
             arms = [harness.Arm("ours", ours)]

@@ -524,6 +524,23 @@ def test_prefill_b1_filter_holds_in_both_grids():
     assert not bp.is_b1("H16 64x512") and not bp.is_b1("H32 4x4096")
 
 
+def test_prefill_longest_routes_as_the_adapters_call(monkeypatch):
+    """--longest gives the routes max_seqlen, so the rules that need it (c16g_mid at 16 x 1024 H8) are what an
+    --opt-in-arm A/B measures; without it a like-length batch is routed by its mean."""
+    bp = _script("bench_prefill")
+    monkeypatch.setattr(bp, "DEVICE", "cuda")   # a dry run before this one leaves "cpu" there
+    lens = [1024] * 16
+
+    def flags(longest=False, known_lengths=False):
+        return type("A", (), dict(longest=longest, known_lengths=known_lengths))
+    assert bp.routed_longest(flags(), lens) is None
+    assert bp.routed_longest(flags(longest=True), lens) == 1024
+    assert bp.routed_longest(flags(known_lengths=True), lens) == 1024
+    longest = bp.routed_longest(flags(longest=True), lens)
+    assert bp.route_module(16, 8, sum(lens), "bounded", max_seqlen=longest) == "prefill_c16g_vt64_f32"
+    assert bp.route_module(16, 8, sum(lens), "bounded") == "prefill_vt64_f32"
+
+
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_prefill_slow_keys_barely_decay(gate):
     """--slow-keys 2: the first two keys of every head decay by less than 1e-2 a token (the bench's model of
