@@ -19,7 +19,8 @@ SGLang is imported) and calls SGLang's real TritonKDAKernel methods, as its KDAK
                  tables from its real KDAPrefillGraphMetadata (arm "sglang", graph time: SGLang's default)
 
 over rows (requests) 1-1024, H = HV in {8, 12, 24, 32}, K = V = 128, bf16 activations, fp32 and bf16 state
-pools, softplus gate. Each point first checks agreement (rel. L2 of outputs and written states from identical
+pools, softplus gate (extend: --gate bounded for Kimi K3's, lower_bound -5; --extend-batches for batches of mixed
+lengths, e.g. 1x4000+32x100). Each point first checks agreement (rel. L2 of outputs and written states from identical
 copies; the run exits 1 if any point disagrees), then times ours / SGLang's Triton / fla (decode and extend;
 fla has no entry in SGLang's verify layout) with benchmarks/harness.py, speedups quoted against SGLang.
 Not run here: SGLang's CUDA packed-decode fast path (sglang/kernels/ops/attention/kda_packed_decode.py, a
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import sys
 import types
@@ -140,18 +142,34 @@ def decode_inputs(rows, H, sdt, gen, dev, slots):
                 cache_indices=idx, num_v_heads=H, head_v_dim=V)
 
 
-def extend_inputs(rows, length, H, sdt, gen, dev, slots):
+def extend_inputs(lens, H, sdt, gen, dev, slots, lower_bound=None):
+    """One extend batch of requests of these lengths on a pool of `slots` (raw gate: softplus, or the bounded gate
+    with `lower_bound`, as Kimi K3 calls it)."""
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    T = rows * length
+    rows, T = len(lens), sum(lens)
     q, k, v = (r(1, T, H, K).bfloat16() for _ in range(3))
     g, beta = (r(1, T, H, K) - 1.0).bfloat16(), r(1, T, H).bfloat16()
     A_log, dt_bias = params(H, gen, dev)
     pool = (r(slots, H, V, K) * 0.3).to(sdt)
     idx = torch.randperm(slots, generator=gen, device=dev)[:rows].to(torch.int32)
-    qsl = torch.arange(0, T + 1, length, dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=dev)
     return (q, k, v, g, beta), dict(ssm_states=pool, cache_indices=idx, query_start_loc=qsl, A_log=A_log,
-                                    dt_bias=dt_bias, lower_bound=None, beta_is_raw=True,
-                                    extend_seq_lens_cpu=[length] * rows)
+                                    dt_bias=dt_bias, lower_bound=lower_bound, beta_is_raw=True,
+                                    extend_seq_lens_cpu=list(lens))
+
+
+def parse_batches(spec):
+    """'1x4000+32x100,8x1024+8x64' -> [('1x4000+32x100', [4000, 100, ...]), ...]: extend batches of these requests."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        lens = []
+        for part in item.split("+"):
+            n, _, length = part.partition("x")
+            if not (n.isdigit() and length.isdigit()) or int(n) < 1:
+                raise SystemExit(f"--extend-batches: {part!r} is not <requests>x<length>")
+            lens += [int(length)] * int(n)
+        out.append((item, lens))
+    return out
 
 
 def verify_inputs(rows, D, H, sdt, gen, dev, slots):
@@ -310,7 +328,9 @@ def fla_decode(inp):
 def fla_extend(args, kw):
     q, k, v, g, beta = args
     pool = kw["ssm_states"]
+    bounded = kw.get("lower_bound") is not None
     return harness.fla_prefill_fn(q, k, v, g, beta, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
+                                  gate="bounded" if bounded else "softplus", lower_bound=kw.get("lower_bound"),
                                   cu_seqlens=kw["query_start_loc"],
                                   initial_state=pool.index_select(0, kw["cache_indices"].long()))
 
@@ -354,6 +374,10 @@ def main(argv=None):
     ap.add_argument("--heads", default="", help="comma list of H = HV")
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--drafts", type=int, default=3, help="draft tokens per request (verify)")
+    ap.add_argument("--gate", choices=["softplus", "bounded"], default="softplus",
+                    help="extend's gate: softplus (Kimi-Linear) or bounded at lower_bound -5 (Kimi K3)")
+    ap.add_argument("--extend-batches", default="",
+                    help="extend batches instead of the grid, e.g. '1x8000,4x2000,1x4000+32x100,8x1024+8x64'")
     args = ap.parse_args(argv)
     if args.prepare:
         print(f"prepared {prepare(args.wheel)}")
@@ -369,6 +393,8 @@ def main(argv=None):
     heads = ints(args.heads, [8, 32] if args.quick else [8, 12, 24, 32])
     extend_grid = [(1, 4096), (16, 256), (1024, 16)] if args.quick else \
         [(1, 4096), (4, 1024), (16, 512), (64, 128), (256, 64), (1024, 16)]
+    extend_grid = parse_batches(args.extend_batches) or [(f"r{n}x{L}", [L] * n) for n, L in extend_grid]
+    lower_bound = -5.0 if args.gate == "bounded" else None
     states = {"f32": torch.float32, "bf16": torch.bfloat16}
     phases = args.phases.split(",")
     no_fla = args.no_fla or importlib.util.find_spec("fla") is None
@@ -380,22 +406,24 @@ def main(argv=None):
         method = {"decode": "packed_decode", "extend": "extend", "verify": "target_verify"}[phase]
         run = harness.Run(f"sglang_{phase}", cfg, baseline="sglang",
                           primary_mode="eager" if phase == "extend" else "graph",
-                          extra_meta={"sglang": VERSION, "gate": "softplus", "K": K, "V": V})
+                          extra_meta={"sglang": VERSION, "gate": args.gate if phase == "extend" else "softplus",
+                                      "K": K, "V": V})
         grid = [(s, H, p) for s in args.states.split(",") for H in heads
                 for p in (extend_grid if phase == "extend" else rows_list)]
         run.start(len(grid))
         agree = {}
         for sname, H, point in grid:
             sdt = states[sname]
-            gen = torch.Generator(device=dev).manual_seed(H * 7919 + (point[0] if phase == "extend" else point))
+            gen = torch.Generator(device=dev).manual_seed(H * 7919 + (len(point[1]) if phase == "extend" else point))
             if phase == "decode":
                 inp = decode_inputs(point, H, sdt, gen, dev, slots=max(2 * point, 64))
                 a_args, kw, name, rows = (inp.pop("mixed_qkv"), inp.pop("a"), inp.pop("b")), inp, f"r{point}", point
                 fla_fn = None if no_fla else fla_decode(dict(inp, mixed_qkv=a_args[0], a=a_args[1], b=a_args[2]))
             elif phase == "extend":
-                rows, length = point
-                a_args, kw = extend_inputs(rows, length, H, sdt, gen, dev, slots=max(2 * rows, 64))
-                name, fla_fn = f"r{rows}x{length}", None if no_fla else fla_extend(a_args, kw)
+                name, lens = point
+                rows = len(lens)
+                a_args, kw = extend_inputs(lens, H, sdt, gen, dev, slots=max(2 * rows, 64), lower_bound=lower_bound)
+                fla_fn = None if no_fla else fla_extend(a_args, kw)
             else:
                 rows = point
                 a_args, kw = verify_inputs(rows, args.drafts, H, sdt, gen, dev, slots=max(2 * rows, 64))

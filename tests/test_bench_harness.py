@@ -572,3 +572,16 @@ def test_replot_rebases_speedups_on_another_arm():
     assert out["cases"][0]["speedup"] == {"ours": {"eager": 1.5}, "fla": {"eager": 0.375}}
     assert "speedup" not in out["cases"][1]
     assert doc["baseline"] is None and "speedup" in doc["cases"][1]
+
+
+def test_sglang_extend_batches_and_the_bounded_gate():
+    """bench_sglang --extend-batches: '<requests>x<length>' parts joined by '+', so a long request among short ones is
+    one batch; its inputs carry the host lengths SGLang passes and, with --gate bounded, Kimi K3's lower bound."""
+    bs = _script("bench_sglang")
+    assert bs.parse_batches("1x8000,1x4000+2x100") == [("1x8000", [8000]), ("1x4000+2x100", [4000, 100, 100])]
+    with pytest.raises(SystemExit, match="extend-batches"):
+        bs.parse_batches("4y100")
+    gen = torch.Generator().manual_seed(3)
+    args, kw = bs.extend_inputs([5, 0, 7], 2, torch.float32, gen, "cpu", slots=8, lower_bound=-5.0)
+    assert kw["query_start_loc"].tolist() == [0, 5, 5, 12] and kw["extend_seq_lens_cpu"] == [5, 0, 7]
+    assert kw["lower_bound"] == -5.0 and args[0].shape == (1, 12, 2, bs.K) and kw["cache_indices"].numel() == 3
