@@ -19,9 +19,9 @@ SGLang is imported) and calls SGLang's real TritonKDAKernel methods, as its KDAK
                  tables from its real KDAPrefillGraphMetadata (arm "sglang", graph time: SGLang's default)
 
 over rows (requests) 1-1024, H = HV in {8, 12, 24, 32}, K = V = 128, bf16 activations, fp32 and bf16 state
-pools, softplus gate (extend: --gate bounded for Kimi K3's, lower_bound -5; --extend-batches for batches of mixed
-lengths, e.g. 1x4000+32x100). Each point first checks agreement (rel. L2 of outputs and written states from identical
-copies; the run exits 1 if any point disagrees), then times ours / SGLang's Triton / fla (decode and extend;
+pools, softplus gate (extend and graph_extend: --gate bounded for Kimi K3's, lower_bound -5; --extend-batches for
+extend batches of mixed lengths, e.g. 1x4000+32x100). Each point first checks agreement (rel. L2 of outputs and
+written states from identical copies; the run exits 1 if any point disagrees), then times ours / SGLang's Triton / fla (decode and extend;
 fla has no entry in SGLang's verify layout) with benchmarks/harness.py, speedups quoted against SGLang.
 Not run here: SGLang's CUDA packed-decode fast path (sglang/kernels/ops/attention/kda_packed_decode.py, a
 JIT module taken for B >= 8, K = V = 128, bf16 activations, fp32 pool): its JIT needs SGLang's runtime, so
@@ -228,7 +228,8 @@ GRAPH_EXTEND = [("b8192_1x8000", 8192, [8000]), ("b8192_4x2000", 8192, [2000] * 
                 ("b512_1x500", 512, [500]), ("b512_16x30", 512, [30] * 16)]
 
 
-def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls, sglang=None, tables_cls=None):
+def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls, sglang=None, tables_cls=None,
+                      lower_bound=None):
     """The eager extend (host lengths given, as SGLang passes them), the captured bucket's call and (with sglang
     and tables_cls) SGLang's captured Triton extend on the same batch; each on its own copy of the pool.
     Returns (eager fn, captured fn, sglang fn or None, agreement)."""
@@ -246,7 +247,7 @@ def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls, sglang=No
 
     def eager():
         return ours.extend(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], ssm_states=pool_e, cache_indices=idx,
-                           query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias, lower_bound=None, beta_is_raw=True,
+                           query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, beta_is_raw=True,
                            extend_seq_lens_cpu=list(lens))
 
     # SGLang's bucket tables as its KDAPrefillGraphMetadata.fill leaves them: padded sequences empty at the end
@@ -257,7 +258,7 @@ def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls, sglang=No
     captured_graph = graph_cls(wrapper_cls=PrefillGraphWrapper, num_tokens=bucket, max_seqs=max_seqs, track=False,
                                device=dev)
     captured_graph.fill(meta, list(lens), None)
-    layer = types.SimpleNamespace(layer_id=0, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
+    layer = types.SimpleNamespace(layer_id=0, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
 
     def captured():
         return captured_graph.run(layer=layer, q=q, k=k, v=v, g=g, beta=beta, ssm_states=pool_c, h_track=None)
@@ -272,7 +273,8 @@ def graph_extend_case(bucket, lens, H, sdt, gen, dev, ours, graph_cls, sglang=No
 
         def triton():       # as kda_extend_in_graph calls the dispatcher's extend
             return sglang.extend(q, k, v, g, beta, ssm_states=pool_s, cache_indices=tables.cache_indices,
-                                 query_start_loc=tables.cu_seqlens, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
+                                 query_start_loc=tables.cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lower_bound,
                                  beta_is_raw=True, extend_seq_lens_cpu=None, is_spec_decode=False,
                                  return_intermediate_states=False, track_state=None, track_chunk_idx=None,
                                  chunk_indices=tables.chunk_indices, chunk_offsets=tables.chunk_offsets)
@@ -335,10 +337,11 @@ def fla_extend(args, kw):
                                   initial_state=pool.index_select(0, kw["cache_indices"].long()))
 
 
-def run_graph_extend(cfg, ours, sglang, heads, state_names, states, disagree) -> dict:
+def run_graph_extend(cfg, ours, sglang, heads, state_names, states, disagree, lower_bound=None) -> dict:
     graph_cls, tables_cls = load_prefill_graph(), load_graph_tables()
     run = harness.Run("sglang_graph_extend", cfg, baseline="sglang", primary_mode="graph",
-                      extra_meta={"sglang": VERSION, "gate": "softplus", "K": K, "V": V,
+                      extra_meta={"sglang": VERSION, "gate": "softplus" if lower_bound is None else "bounded",
+                                  "lower_bound": lower_bound, "K": K, "V": V,
                                   "arms": "ours: the eager extend at SGLang's graph break (read its wall time: no "
                                           "graph mode); captured: flashkda_ext's wrapper in the bucket's graph; "
                                           "sglang: SGLang's Triton extend in the bucket's graph (its default)"})
@@ -348,7 +351,7 @@ def run_graph_extend(cfg, ours, sglang, heads, state_names, states, disagree) ->
     for sname, H, (name, bucket, lens) in grid:
         gen = torch.Generator(device=cfg.device).manual_seed(H * 7919 + bucket + len(lens))
         eager, captured, triton, res = graph_extend_case(bucket, lens, H, states[sname], gen, cfg.device, ours,
-                                                         graph_cls, sglang, tables_cls)
+                                                         graph_cls, sglang, tables_cls, lower_bound)
         label = f"{sname}_h{H}_{name}"
         agree[label] = res
         if not res["ok"]:
@@ -375,7 +378,8 @@ def main(argv=None):
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--drafts", type=int, default=3, help="draft tokens per request (verify)")
     ap.add_argument("--gate", choices=["softplus", "bounded"], default="softplus",
-                    help="extend's gate: softplus (Kimi-Linear) or bounded at lower_bound -5 (Kimi K3)")
+                    help="extend's and graph_extend's gate: softplus (Kimi-Linear) or bounded at lower_bound -5 "
+                         "(Kimi K3)")
     ap.add_argument("--extend-batches", default="",
                     help="extend batches instead of the grid, e.g. '1x8000,4x2000,1x4000+32x100,8x1024+8x64'")
     args = ap.parse_args(argv)
@@ -401,7 +405,8 @@ def main(argv=None):
     dev, disagree, summary = cfg.device, [], {}
     for phase in phases:
         if phase == "graph_extend":
-            summary[phase] = run_graph_extend(cfg, ours, sglang, heads, args.states.split(","), states, disagree)
+            summary[phase] = run_graph_extend(cfg, ours, sglang, heads, args.states.split(","), states, disagree,
+                                              lower_bound)
             continue
         method = {"decode": "packed_decode", "extend": "extend", "verify": "target_verify"}[phase]
         run = harness.Run(f"sglang_{phase}", cfg, baseline="sglang",
