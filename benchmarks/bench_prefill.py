@@ -263,8 +263,10 @@ def main(argv=None):
             print("fla not importable:", repr(e)[:200])
     def peer_ok(name, module, what):
         """Whether the peer was asked for and loads here (why not, printed)."""
-        why = module.available() if name in peers and cfg.is_cuda else "not asked for"
-        if why and why != "not asked for":
+        if name not in peers or not cfg.is_cuda:
+            return False
+        why = module.available()
+        if why:
             print(f"{what} not importable:", why)
         return why is None
     cudnn_ok = peer_ok("cudnn", peer_cudnn, "cuDNN frontend")

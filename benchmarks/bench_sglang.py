@@ -330,9 +330,9 @@ def fla_decode(inp):
 def fla_extend(args, kw):
     q, k, v, g, beta = args
     pool = kw["ssm_states"]
-    bounded = kw.get("lower_bound") is not None
+    lb = kw.get("lower_bound")
     return harness.fla_prefill_fn(q, k, v, g, beta, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
-                                  gate="bounded" if bounded else "softplus", lower_bound=kw.get("lower_bound"),
+                                  gate="softplus" if lb is None else "bounded", lower_bound=lb,
                                   cu_seqlens=kw["query_start_loc"],
                                   initial_state=pool.index_select(0, kw["cache_indices"].long()))
 

@@ -65,7 +65,7 @@ def _from_metadata(m, N: int, T: int) -> Tuple[Optional[int], str]:
 
 def _step_metadata(cu_seqlens):
     """(the step's metadata object whose non_spec_query_start_loc is cu_seqlens, or None; why not, or the cache
-    entry [weakref(cu_seqlens), m, longest answer or None] to fill). Never reads a device tensor; imports nothing
+    entry [weakref(cu_seqlens), m, longest()'s answer or None, step_parts()'s answer or None] to fill). Never reads a device tensor; imports nothing
     (vLLM's forward_context is read only when loaded)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         return None, "no cu_seqlens"
@@ -139,7 +139,7 @@ def step_parts(cu_seqlens, T: int):
     metadata's host counts (num_decodes one-token decodes of num_decode_tokens tokens, then num_prefills prompts);
     without them one part routed by the longest (longest(), None where unknown)."""
     m, entry = _step_metadata(cu_seqlens)
-    if m is None:   # one part, by the mean (no cu_seqlens: one sequence a batch row, requests unused)
+    if m is None:   # one part, by the mean, with the reason (without cu_seqlens the requests are not counted)
         N = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 else 0
         return [(0, T, 0, N, None)], entry
     if entry[3] is None:
