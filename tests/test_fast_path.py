@@ -184,7 +184,11 @@ def test_fused_changed_metadata_reaches_the_full_check_and_writes_nothing():
     g, _ = gen()
     flashkda_ext.fused_kda_decode(*(fused_inputs(g)[n] for n in FUSED_ORDER))
     a = fused_inputs(g)
-    a["conv_state"] = a["conv_state"].transpose(1, 2).contiguous().transpose(1, 2)  # same shape
+    # same shape, width-major with a gap between its taps: a layout the op does not read
+    cs = a["conv_state"]
+    wide = torch.zeros(cs.shape[0], cs.shape[2], cs.shape[1] + 8, dtype=cs.dtype)
+    a["conv_state"] = wide[:, :, :cs.shape[1]].transpose(1, 2)
+    a["conv_state"].copy_(cs)
     conv0, state0 = a["conv_state"].clone(), a["state"].clone()
     with pytest.raises(ValueError, match="conv_state"):
         flashkda_ext.fused_kda_decode(*(a[n] for n in FUSED_ORDER))

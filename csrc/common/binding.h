@@ -504,6 +504,33 @@ inline bool same_view(const TensorView& a, const TensorView& b) {
   return true;
 }
 
+// Two pools of one paged cache that never share a byte although their extents overlap (vLLM keeps a
+// layer's conv cache and state pool in one page a slot): the same slot stride in bytes (dim 0), and no
+// slot of one meeting a slot of the other, a slot taken as the bytes from its first element to its last.
+// Slot i of a and slot j of b meet when d - fa < (i - j) P < d + fb. The Python rule is
+// flashkda_ext/validation/common.py, _slots_apart.
+inline int64_t floor_div(int64_t x, int64_t y) { return x / y - ((x % y != 0) && ((x < 0) != (y < 0))); }
+
+inline bool slots_apart(const TensorView& a, const TensorView& b) {
+  if (a.ndim() < 2 || b.ndim() < 2 || a.numel() == 0 || b.numel() == 0) return false;
+  const DLDevice da = a.device(), db = b.device();
+  if (da.device_type != db.device_type || da.device_id != db.device_id) return false;
+  const int64_t ea = (int64_t(a.dtype().bits) * a.dtype().lanes + 7) / 8;
+  const int64_t eb = (int64_t(b.dtype().bits) * b.dtype().lanes + 7) / 8;
+  const int64_t P = a.stride(0) * ea;
+  if (P <= 0 || P != b.stride(0) * eb) return false;
+  int64_t fa = 1, fb = 1;  // a slot's elements, first to last
+  for (int i = 1; i < a.ndim(); ++i) fa += (a.size(i) - 1) * a.stride(i);
+  for (int i = 1; i < b.ndim(); ++i) fb += (b.size(i) - 1) * b.stride(i);
+  fa *= ea;
+  fb *= eb;
+  const int64_t d = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(data_ptr<char>(b)) -
+                                         reinterpret_cast<std::uintptr_t>(data_ptr<char>(a)));
+  const int64_t k_lo = std::max(floor_div(d - fa, P) + 1, -(b.size(0) - 1));
+  const int64_t k_hi = std::min(-floor_div(-(d + fb), P) - 1, a.size(0) - 1);
+  return k_lo > k_hi;
+}
+
 class Signature {
  public:
   void add(const TensorView& t) {
@@ -565,7 +592,8 @@ class CallTensors {
         if (j == i || t_[j] == nullptr) continue;
         if (!e[i].overlaps(e[j])) continue;
         const bool pair = (i == alias_a && j == alias_b) || (i == alias_b && j == alias_a);
-        if (!(pair && same_view(*t_[i], *t_[j]))) return true;
+        if (pair && same_view(*t_[i], *t_[j])) continue;
+        if (!slots_apart(*t_[i], *t_[j])) return true;
       }
     }
     return false;

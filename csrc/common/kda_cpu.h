@@ -89,6 +89,7 @@ struct FusedStepIO {
   FloatSpan g, beta, output_gate, out;  // [.., H, D], [.., H], [.., H, D], [.., H, D] by row
   const float* norm_weight;             // [D]
   double scale, norm_eps;
+  int64_t g_row, beta_row, og_row;      // elements between rows of g, beta, output_gate (out: dense)
 };
 
 struct FusedScratch {
@@ -102,15 +103,15 @@ inline void fused_token_step(TS* S, double* q, double* k, const double* v, int64
   for (int64_t h = 0; h < H; ++h) {
     l2norm_scale(q + h * D, D, io.scale);
     l2norm_scale(k + h * D, D, 1.0);
-    io.g.load((r * H + h) * D, D, s.graw.data());
+    io.g.load(r * io.g_row + h * D, D, s.graw.data());
     gate.decay(s.graw.data(), h, D, s.decay.data());
-    const double b = sigmoid(io.beta.get(r * H + h));
+    const double b = sigmoid(io.beta.get(r * io.beta_row + h));
     delta_step(S + h * D * D, D, D, q + h * D, k + h * D, s.decay.data(), b, v + h * D, s.orow.data(),
                s.row.data());
     double ms = 0.0;
     for (int64_t i = 0; i < D; ++i) ms += s.orow[i] * s.orow[i];
     const double inv_rms = 1.0 / std::sqrt(ms / static_cast<double>(D) + io.norm_eps);
-    io.output_gate.load((r * H + h) * D, D, s.gate_row.data());
+    io.output_gate.load(r * io.og_row + h * D, D, s.gate_row.data());
     for (int64_t i = 0; i < D; ++i) {
       s.orow[i] = s.orow[i] * inv_rms * static_cast<double>(io.norm_weight[i]) * sigmoid(s.gate_row[i]);
     }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "../common/fused_layout.h"
 #include "../common/kda_cpu.h"
 #include "../common/pool_args.h"
 
@@ -15,7 +16,7 @@ using fkda::OptTensor;
 using fkda::TensorView;
 namespace cpu = fkda::cpu;
 
-constexpr int64_t kConvWidth = 4;  // the conv cache keeps kConvWidth - 1 previous inputs
+constexpr int64_t kConvWidth = fkda::kFusedConvWidth;
 
 void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_state, TensorView g,
                       TensorView beta, OptTensor A_log, OptTensor dt_bias, TensorView state_indices,
@@ -28,24 +29,28 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
                                 {beta, "beta"}, {state_indices, "state_indices"}, {state, "state"},
                                 {output_gate, "output_gate"}, {norm_weight, "norm_weight"}, {out, "out"}}) {
     c.device_type(t, name, kDLCPU);
-    if (&t != &state) c.contiguous(t, name);  // the pool's slots may sit apart: pool_slot_stride below
   }
+  // the pool's slots may sit apart (pool_slot_stride below); the rows and caches engines hand over as
+  // they hold them: fused_layout.h
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{state_indices, "state_indices"},
+                                {norm_weight, "norm_weight"}, {out, "out"}})
+    c.contiguous(t, name);
   const fkda::FusedHeads heads = fkda::fused_heads(c, g, 3, "[rows, H, D]");
   const int64_t rows = g.size(0), H = heads.H, D = heads.D, HD = H * D, C = 3 * HD;
   c.shape(x, "x", {{"rows", rows}, {"3*H*D", C}});
-  c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
   const int64_t slots = fkda::pool_slots(c, state, "[slots, H, D, D]", {"H", H}, {"D", D}, {"D", D});
-  c.shape(conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}});
   c.shape(beta, "beta", {{"rows", rows}, {"H", H}});
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.shape(output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}});
   c.shape(norm_weight, "norm_weight", {{"D", D}});
   c.shape(out, "out", {{"rows", rows}, {"H", H}, {"D", D}});
+  const fkda::FusedLayout lay =
+      fkda::fused_decode_layout(c, x, g, beta, output_gate, conv_state, conv_weight, slots, H, D);
 
   cpu::check_fused_dtypes(c, x, g, beta, output_gate, conv_state, out, conv_weight, norm_weight, state);
   c.dtype(state_indices, "state_indices", {fkda::kI32});
   const int64_t slot_stride = fkda::checked_pool_stride(c, state, "state", FKDA_SLOT_OFFSET_BITS, false);
-  c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
+  fkda::pool_offsets_fit(c, "conv_state", lay.cs_span, FKDA_SLOT_OFFSET_BITS);
 
   const fkda::GateMode mode = c.gate_mode(gate_mode);
   c.lower_bound(mode, lower_bound);
@@ -58,12 +63,15 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight), cs = cpu::span_of(conv_state),
                         os = cpu::span_of(out);
   const cpu::FusedStepIO io{cpu::span_of(g), cpu::span_of(beta), cpu::span_of(output_gate), os,
-                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps};
+                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps,
+                            lay.g_row, lay.beta_row, lay.og_row};
   const int32_t* idx = fkda::data_ptr<const int32_t>(state_indices);
 
   std::vector<double> xrow(C), w(C * kConvWidth), win(C * (kConvWidth - 1)), y(C);
   cpu::FusedScratch scratch(D);
-  ws.load(0, C * kConvWidth, w.data());
+  for (int64_t ch = 0; ch < C; ++ch)  // w[ch][tap], whichever of the two layouts conv_weight has
+    for (int64_t t = 0; t < kConvWidth; ++t)
+      w[ch * kConvWidth + t] = ws.get((ch / HD) * lay.w_part + (ch % HD) * lay.w_ch + t * lay.w_w);
   cpu::with_state_type(fkda::float_kind(state.dtype()), [&](auto tag) {
     using TS = decltype(tag);
     TS* pool = fkda::data_ptr<TS>(state);
@@ -74,8 +82,11 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
       }
       const int64_t slot = idx[r];
       // conv over [cache oldest..newest, x], SiLU; then the cache shifts left and keeps x last.
-      xs.load(r * C, C, xrow.data());
-      cs.load(slot * C * (kConvWidth - 1), C * (kConvWidth - 1), win.data());
+      xs.load(r * lay.x_row, C, xrow.data());
+      const int64_t cbase = slot * lay.cs_slot;
+      for (int64_t ch = 0; ch < C; ++ch)
+        for (int64_t t = 0; t < kConvWidth - 1; ++t)
+          win[ch * (kConvWidth - 1) + t] = cs.get(cbase + ch * lay.cs_ch + t * lay.cs_w);
       for (int64_t ch = 0; ch < C; ++ch) {
         const double* wc = w.data() + ch * kConvWidth;
         double* sc = win.data() + ch * (kConvWidth - 1);
@@ -85,7 +96,9 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
         for (int64_t t = 0; t + 1 < kConvWidth - 1; ++t) sc[t] = sc[t + 1];
         sc[kConvWidth - 2] = xrow[ch];
       }
-      cs.store(slot * C * (kConvWidth - 1), C * (kConvWidth - 1), win.data());
+      for (int64_t ch = 0; ch < C; ++ch)
+        for (int64_t t = 0; t < kConvWidth - 1; ++t)
+          cs.store(cbase + ch * lay.cs_ch + t * lay.cs_w, 1, &win[ch * (kConvWidth - 1) + t]);
 
       double* q = y.data();
       double* k = y.data() + HD;

@@ -71,7 +71,7 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   const fkda::FloatSpan xs = cpu::span_of(x), ws = cpu::span_of(conv_weight), cs = cpu::span_of(conv_state),
                         os = cpu::span_of(out);
   const cpu::FusedStepIO io{cpu::span_of(g), cpu::span_of(beta), cpu::span_of(output_gate), os,
-                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps};
+                            fkda::data_ptr<const float>(norm_weight), scale, norm_eps, H * D, H, H * D};
   std::vector<double> w(C * kConvWidth), line(C * L), hist, y(C);
   cpu::FusedScratch scratch(D);
   ws.load(0, C * kConvWidth, w.data());

@@ -73,12 +73,13 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   c.head_dims(g.size(2), g.size(2));
   c.heads(H, H, "g", "g");
   if (rows >= (int64_t(1) << 24)) FKDA_FAIL(c.fn()) << "at most 2^24 rows per call, got " << rows;
-  check_bf16_input(c, g, "g", {{"rows", rows}, {"H", H}, {"D", D}}, out);
-  check_bf16_input(c, x, "x", {{"rows", rows}, {"3*H*D", C}}, out);
-  check_bf16_input(c, beta, "beta", {{"rows", rows}, {"H", H}}, out);
-  check_bf16_input(c, output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}}, out);
+  // the rows and the conv cache as an engine holds them (fused_layout.h, below)
+  check_bf16_input(c, g, "g", {{"rows", rows}, {"H", H}, {"D", D}}, out, false);
+  check_bf16_input(c, x, "x", {{"rows", rows}, {"3*H*D", C}}, out, false);
+  check_bf16_input(c, beta, "beta", {{"rows", rows}, {"H", H}}, out, false);
+  check_bf16_input(c, output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}}, out, false);
   check_bf16_input(c, out, "out", {{"rows", rows}, {"H", H}, {"D", D}}, out);
-  check_fused_weights(c, conv_weight, norm_weight, C, D, out);
+  check_fused_weights(c, conv_weight, norm_weight, 0, D, out);
   fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.dtype(state_indices, "state_indices", {fkda::kI32});
@@ -92,16 +93,18 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   const int64_t slot_stride = fkda::pool_slot_stride(c, state, "state");
   c.aligned(state, "state", 16);
   check_bf16_input(c, conv_state, "conv_state", {{"slots", slots}, {"3*H*D", C}, {"width-1", kConvWidth - 1}},
-                   out);
+                   out, false);
+  const fkda::FusedLayout lay = fkda::fused_decode_layout(c, x, g, beta, output_gate, conv_state, conv_weight,
+                                                          slots, H, D);
   fkda::pool_offsets_fit(c, "state", fkda::pool_span(state, slot_stride), FKDA_SLOT_OFFSET_BITS);
-  c.offsets_fit(conv_state, "conv_state", FKDA_SLOT_OFFSET_BITS);
+  fkda::pool_offsets_fit(c, "conv_state", lay.cs_span, FKDA_SLOT_OFFSET_BITS);
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, H, D, out, "out", scale);
   c.positive_finite(norm_eps, "norm_eps");
   if (rows == 0) return;
 
   const FusedParams p = fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
                                      output_gate, norm_weight, out, slots, slot_stride, rows, H, gate_mode,
-                                     lower_bound, scale, norm_eps, null_slot0);
+                                     lower_bound, scale, norm_eps, null_slot0, lay);
 
   const fkda::cuda::LaunchContext ctx(out);
   const dim3 block(FKDA_THREADS);

@@ -45,20 +45,24 @@ using fkda_decode::store_state;
 constexpr int kConvWidth = 4;  // the cache keeps kConvWidth - 1 = 3 previous inputs
 
 struct FusedParams {
-  const bf16* x;             // [rows, 3*H*D] contiguous
-  const void* conv_weight;   // [3*H*D, 4] bf16 or f32 (w_f32)
-  bf16* conv_state;          // [slots, 3*H*D, 3] contiguous, in place
-  const bf16* g;             // [rows, H, D] contiguous
-  const bf16* beta;          // [rows, H] contiguous (a logit)
+  const bf16* x;             // [rows, 3*H*D], rows x_row apart
+  const void* conv_weight;   // bf16 or f32 (w_f32): tap w of channel part*H*D + j at part*w_part + j*w_ch + w*w_w
+  bf16* conv_state;          // [slots, 3*H*D, 3] in place, strides (cs_slot, cs_ch, cs_w)
+  const bf16* g;             // [rows, H, D], rows g_row apart
+  const bf16* beta;          // [rows, H] (a logit), rows beta_row apart
   const float* A_log;        // [H] or nullptr (= 0)
   const float* dt_bias;      // [H*D] or nullptr (= 0)
   const int32_t* idx;        // [rows]
   void* state;               // [slots, H, D, D] in place, each slot dense, slot_stride apart
-  const bf16* output_gate;   // [rows, H, D] contiguous
+  const bf16* output_gate;   // [rows, H, D], rows og_row apart
   const float* norm_weight;  // [D]
   bf16* out;                 // [rows, H, D] contiguous
   int64_t num_slots;
   int64_t slot_stride;       // elements between slots (>= H*D*D: a paged pool's slots sit apart)
+  // fused decode only (fused_layout.h; the fused verify reads dense tensors by its own offsets)
+  int64_t x_row, g_row, beta_row, og_row;
+  int64_t cs_slot, cs_ch, cs_w;
+  int64_t w_part, w_ch, w_w;
   int rows, H;
   int gate_mode;             // 0 softplus, 1 bounded, 2 log
   float lower_bound, scale, norm_eps;
@@ -170,31 +174,32 @@ struct FusedCta {
   __device__ static int64_t conv_channel(const FusedParams& p, int h, int j) {
     return (j / D) * (static_cast<int64_t>(p.H) * D) + static_cast<int64_t>(h) * D + (j % D);
   }
+  // the channel's first cached input; the next ones sit p.cs_w apart
   __device__ static bf16* conv_row(const FusedParams& p, int32_t slot, int64_t ch) {
-    const int64_t C = 3 * static_cast<int64_t>(p.H) * D;
-    return p.conv_state + (static_cast<OffT>(slot) * static_cast<OffT>(C * 3) + static_cast<OffT>(ch * 3));
+    return p.conv_state + (static_cast<OffT>(slot) * static_cast<OffT>(p.cs_slot) + static_cast<OffT>(ch * p.cs_ch));
   }
 
   __device__ static void load_item(const FusedParams& p, int row, int h, int32_t slot, int j, Raw& in) {
     if (j < 3 * D) {
       const int64_t ch = conv_channel(p, h, j);
-      in.x = p.x[static_cast<int64_t>(row) * (3 * static_cast<int64_t>(p.H) * D) + ch];
+      in.x = p.x[static_cast<int64_t>(row) * p.x_row + ch];
       const bf16* cs = conv_row(p, slot, ch);
       in.s0 = cs[0];
-      in.s1 = cs[1];
-      in.s2 = cs[2];
-      // scalar loads: any 2- or 4-byte aligned weight tensor (a few bytes per channel)
+      in.s1 = cs[p.cs_w];
+      in.s2 = cs[2 * p.cs_w];
+      // scalar loads: any 2- or 4-byte aligned weight tensor (a few bytes per channel), either layout
+      const int64_t w_at = (j / D) * p.w_part + (static_cast<int64_t>(h) * D + (j % D)) * p.w_ch;
       if (p.w_f32) {
-        const float* w = static_cast<const float*>(p.conv_weight) + ch * kConvWidth;
-        in.w0 = __ldg(w); in.w1 = __ldg(w + 1); in.w2 = __ldg(w + 2); in.w3 = __ldg(w + 3);
+        const float* w = static_cast<const float*>(p.conv_weight) + w_at;
+        in.w0 = __ldg(w); in.w1 = __ldg(w + p.w_w); in.w2 = __ldg(w + 2 * p.w_w); in.w3 = __ldg(w + 3 * p.w_w);
       } else {
-        const bf16* w = static_cast<const bf16*>(p.conv_weight) + ch * kConvWidth;
-        in.w0 = bf_to_f(__ldg(w)); in.w1 = bf_to_f(__ldg(w + 1));
-        in.w2 = bf_to_f(__ldg(w + 2)); in.w3 = bf_to_f(__ldg(w + 3));
+        const bf16* w = static_cast<const bf16*>(p.conv_weight) + w_at;
+        in.w0 = bf_to_f(__ldg(w)); in.w1 = bf_to_f(__ldg(w + p.w_w));
+        in.w2 = bf_to_f(__ldg(w + 2 * p.w_w)); in.w3 = bf_to_f(__ldg(w + 3 * p.w_w));
       }
     } else {
       const int key = j - 3 * D;
-      in.x = __ldg(p.g + (static_cast<int64_t>(row) * p.H + h) * D + key);
+      in.x = __ldg(p.g + static_cast<int64_t>(row) * p.g_row + h * D + key);
       in.w0 = p.dt_bias ? __ldg(p.dt_bias + h * D + key) : 0.f;
       in.w1 = p.A_log ? __ldg(p.A_log + h) : 0.f;
     }
@@ -210,8 +215,8 @@ struct FusedCta {
       acc = fmaf(in.w3, bf_to_f(in.x), acc);
       bf16* cs = conv_row(p, slot, conv_channel(p, h, j));
       cs[0] = in.s1;  // shift left, keep x last (bit copies)
-      cs[1] = in.s2;
-      cs[2] = in.x;
+      cs[p.cs_w] = in.s2;
+      cs[2 * p.cs_w] = in.x;
       return acc * sigmoidf_(acc);  // SiLU
     }
     return expf(log_decay(p, bf_to_f(in.x), in.w0, expf(in.w1)));  // A_log absent: exp(0) = 1
@@ -284,12 +289,13 @@ struct FusedCta {
     for (int it = 0; it < IPT; ++it) load_item(p, row, h, slot, rank * IPC + it * THREADS + threadIdx.x, raw[it]);
     // token scalars and epilogue operands, loaded before the prologue's conv-cache stores;
     // lane c < PASSES of each group writes the output of pass c
-    const float b_raw = bf_to_f(__ldg(p.beta + static_cast<int64_t>(row) * p.H + h));
+    const float b_raw = bf_to_f(__ldg(p.beta + static_cast<int64_t>(row) * p.beta_row + h));
     const int64_t orow = (static_cast<int64_t>(row) * p.H + h) * D;
     const int my_vr = vrow0 + c * RPW + r;
     const bool writer = c < PASSES;
     const float nw = writer ? __ldg(p.norm_weight + my_vr) : 0.f;
-    const float og = writer ? bf_to_f(__ldg(p.output_gate + orow + my_vr)) : 0.f;
+    const float og = writer ? bf_to_f(__ldg(p.output_gate + static_cast<int64_t>(row) * p.og_row + h * D + my_vr))
+                            : 0.f;
     const OffT base = static_cast<OffT>(slot) * static_cast<OffT>(p.slot_stride) +
                       static_cast<OffT>((h * D + vrow0) * D);
     Elem* sb = static_cast<Elem*>(p.state) + base;

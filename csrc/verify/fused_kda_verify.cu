@@ -67,7 +67,8 @@ void fused_kda_verify(TensorView x, TensorView conv_weight, TensorView conv_stat
   fkda_fused_verify::FusedVerifyParams vp;
   vp.f = fkda_fused::fused_params(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
                                   output_gate, norm_weight, out, slots, pool.slot_stride, T, H, gate_mode,
-                                  lower_bound, scale, norm_eps, null_slot0);
+                                  lower_bound, scale, norm_eps, null_slot0,
+                                  fkda::dense_fused_layout(slots, H, D));
   vp.conv_len = L;
   vp.cu_seqlens = fkda::data_ptr<const int32_t>(cu_seqlens);
   vp.accepted = num_accepted_tokens.has_value() ? fkda::data_ptr<const int32_t>(num_accepted_tokens.value())

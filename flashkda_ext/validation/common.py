@@ -441,6 +441,25 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.stride() == b.stride())
 
 
+def _slots_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b, whose extents overlap, are two pools of one paged cache that never share a byte: the same
+    slot stride in bytes (dim 0), and no slot of one meeting a slot of the other, each slot taken as the bytes from
+    its first element to its last (vLLM keeps a layer's conv cache and state pool in one page a slot). Exact for
+    those slot ranges: slot i of a and slot j of b meet when d - fa < (i - j) P < d + fb (d: b's start less a's,
+    fa / fb: a slot's bytes, P: the stride). csrc/common/binding.h, slots_apart, is the same rule."""
+    if a.dim() < 2 or b.dim() < 2 or a.device != b.device:
+        return False
+    P = a.stride(0) * a.element_size()
+    if P <= 0 or P != b.stride(0) * b.element_size():
+        return False
+    fa = (1 + sum((n - 1) * st for n, st in zip(a.shape[1:], a.stride()[1:]))) * a.element_size()
+    fb = (1 + sum((n - 1) * st for n, st in zip(b.shape[1:], b.stride()[1:]))) * b.element_size()
+    d = b.data_ptr() - a.data_ptr()
+    k_lo = max((d - fa) // P + 1, -(b.shape[0] - 1))
+    k_hi = min(-((-(d + fb)) // P) - 1, a.shape[0] - 1)
+    return k_lo > k_hi
+
+
 def check_apart(written: tuple, read: tuple, same_view_ok: tuple = ()) -> None:
     """No tensor the op writes may overlap any other tensor argument (the kernels read and write in
     an order of their own; an overlap silently corrupts the state pool or the inputs). (name, tensor)
@@ -458,6 +477,8 @@ def check_apart(written: tuple, read: tuple, same_view_ok: tuple = ()) -> None:
             if j == i or dev_i != dev_j or not (lo_i < hi_i and lo_j < hi_j and lo_i < hi_j and lo_j < hi_i):
                 continue
             if {name_i, name_j} == set(same_view_ok) and _same_view(x_i, x_j):
+                continue
+            if _slots_apart(x_i, x_j):
                 continue
             raise ValueError(f"{name_i}: overlaps the memory of {name_j}; the op writes {name_i}, so it must not "
                              f"share storage with any other argument (pass a separate tensor)")

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (GATE_MODE, SLOT_MODES, _aligned, _bool, _check_backend, _choice, _companion, _contiguous,
+from .common import (GATE_MODE, SLOT_MODES, _aligned, _bool, _check_backend, _choice, _contiguous,
                      _dtype_in, _floating, _gate_args, _indices, _inference_only, _ndim, _offset_bits,
-                     _out, _pool, _real, _resolve_scale, _same_device, _same_dtype, _shape, _state_tag,
-                     _supported_dims, _tensor, dtype_name)
+                     _out, _pool, _real, _resolve_scale, _row_strided, _same_device, _same_dtype, _shape,
+                     _state_tag, _supported_dims, _tensor, dtype_name)
 from .memo import _memoized
 
 
@@ -31,16 +31,37 @@ def _fused_x_g(x, g, backend, x_rank: int, x_layout: str, g_layout: str):
     return x, g, device, backend
 
 
-def _conv_weight(conv_weight, x, C: int, device):
-    """A fused op's conv_weight [3*H*D, 4] (C = 3*H*D), contiguous, of x's dtype or float32."""
+def _conv_weight(conv_weight, x, C: int, device, width_major: bool = False):
+    """A fused op's conv_weight [3*H*D, 4] (C = 3*H*D), contiguous, of x's dtype or float32. width_major
+    (fused_kda_decode): [3, 4, H*D] (per q | k | v part, tap-major: vLLM's decode copy) is taken too."""
     conv_weight = _tensor("conv_weight", conv_weight)
     _same_device("conv_weight", conv_weight, device)
-    _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4]")
+    if width_major and conv_weight.dim() == 3:
+        _shape("conv_weight", conv_weight, (3, 4, C // 3), "[3, 4, H*D] (width-major)")
+    else:
+        _shape("conv_weight", conv_weight, (C, 4), "[3*H*D, 4] or [3, 4, H*D]" if width_major else "[3*H*D, 4]")
     _contiguous("conv_weight", conv_weight)
     if conv_weight.dtype not in (x.dtype, torch.float32):
         want = "float32" if x.dtype == torch.float32 else f"{dtype_name(x.dtype)} (as x) or float32"
         raise ValueError(f"conv_weight: expected dtype {want}, got {dtype_name(conv_weight.dtype)}")
     return conv_weight
+
+
+def _conv_cache(conv_state, x, C: int, device) -> torch.Tensor:
+    """fused_kda_decode's conv_state [slots, 3*H*D, 3] of x's dtype: each slot channel-major (strides [., 3, 1]) or
+    width-major ([., 1, 3*H*D]: vLLM's default cache layout seen through its transpose), the slots any stride >=
+    one slot apart (a paged cache). csrc/common/fused_layout.h is this rule in the bindings."""
+    conv_state = _tensor("conv_state", conv_state)
+    _same_device("conv_state", conv_state, device)
+    _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, 3]")
+    if tuple(conv_state.shape[1:]) != (C, 3):
+        raise ValueError(f"conv_state: expected shape [slots, 3*H*D, 3] = [slots, {C}, 3], got {list(conv_state.shape)}")
+    slot, ch, w = conv_state.stride()
+    if ((ch, w) not in ((3, 1), (1, C))) or (conv_state.shape[0] > 1 and slot < 3 * C):
+        raise ValueError(f"conv_state: expected each slot channel-major (strides [., 3, 1]) or width-major (strides "
+                         f"[., 1, {C}]), the slots at least {3 * C} elements apart, got strides {list(conv_state.stride())}")
+    _same_dtype("conv_state", conv_state, x, "x")
+    return conv_state
 
 
 def _norm_args(norm_weight, norm_eps, D: int, device):
@@ -118,23 +139,26 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     rows, H, D = g.shape
     _shape("x", x, (rows, 3 * H * D), "[rows, 3*H*D] (q|k|v before the conv)")
     C = 3 * H * D
-    for name, t in (("x", x), ("g", g)):
-        _contiguous(name, t)
+    # the rows as an engine holds them (views of its packed projection), each row dense
+    _row_strided("x", x, 0, "[rows, 3*H*D]")
+    _row_strided("g", g, 0, "[rows, H, D]")
     _same_dtype("g", g, x, "x")
-    beta = _companion("beta", beta, x, "x", (rows, H), "[rows, H]")
-    conv_weight = _conv_weight(conv_weight, x, C, device)
-    conv_state = _tensor("conv_state", conv_state)
-    _same_device("conv_state", conv_state, device)
-    _ndim("conv_state", conv_state, 3, "[slots, 3*H*D, 3]")
-    if tuple(conv_state.shape[1:]) != (C, 3):
-        raise ValueError(f"conv_state: expected shape [slots, 3*H*D, 3] = [slots, {C}, 3], got {list(conv_state.shape)}")
-    _contiguous("conv_state", conv_state)
-    _same_dtype("conv_state", conv_state, x, "x")
+    beta = _tensor("beta", beta)
+    _same_device("beta", beta, device)
+    _shape("beta", beta, (rows, H), "[rows, H]")
+    _row_strided("beta", beta, 0, "[rows, H]")
+    _same_dtype("beta", beta, x, "x")
+    conv_weight = _conv_weight(conv_weight, x, C, device, width_major=True)
+    conv_state = _conv_cache(conv_state, x, C, device)
     slots = _pool("state", state, H, D, D, device, backend)
     if conv_state.shape[0] != slots:
         raise ValueError(f"conv_state: expected {slots} slots (as state), got {conv_state.shape[0]}")
     _indices("state_indices", state_indices, rows, device, "[rows]")
-    output_gate = _companion("output_gate", output_gate, x, "x", (rows, H, D), "[rows, H, D]")
+    output_gate = _tensor("output_gate", output_gate)
+    _same_device("output_gate", output_gate, device)
+    _shape("output_gate", output_gate, (rows, H, D), "[rows, H, D]")
+    _row_strided("output_gate", output_gate, 0, "[rows, H, D]")
+    _same_dtype("output_gate", output_gate, x, "x")
     norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
