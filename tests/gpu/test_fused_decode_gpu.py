@@ -174,6 +174,66 @@ def test_repeated_slots_sequential(name, sdt, abi, rows, H, gate):
     check_against_reference(name, sdt, rows, H, gate, "repeated", seed=rows * 31 + H)
 
 
+def engine_layout(inp, conv0, state0, sdt, gen, conv_major):
+    """The inputs as vLLM's K3 layer holds them (csrc/common/fused_layout.h): x, output_gate, beta, g column blocks of
+    one projection row; the conv cache (width- or channel-major) and the state pool interleaved in one paged cache
+    (per page: conv cache, state, 64 spare bytes); the width-major conv weight [3, 4, H*D]. Same values as inp."""
+    rows, C = inp["x"].shape
+    H = inp["g"].shape[1]
+    HD = H * D
+    proj = torch.randn(rows, C + HD + H + HD + 24, generator=gen, device=DEVICE).to(torch.bfloat16)
+    views = dict(x=proj[:, :C], output_gate=proj[:, C:C + HD].view(rows, H, D), beta=proj[:, C + HD:C + HD + H],
+                 g=proj[:, C + HD + H:C + HD + H + HD].view(rows, H, D))
+    for k, v in views.items():
+        v.copy_(inp[k])
+    slots = conv0.shape[0]
+    conv_bytes, state_bytes = C * 3 * 2, HD * D * sdt.itemsize
+    page = conv_bytes + state_bytes + 64
+    store = torch.randint(0, 255, (slots * page,), dtype=torch.uint8, generator=gen, device=DEVICE)
+    cstr = (page // 2, 1, C) if conv_major == "width" else (page // 2, 3, 1)
+    conv = torch.as_strided(store.view(torch.bfloat16), (slots, C, 3), cstr)
+    state = torch.as_strided(store.view(sdt), (slots, H, D, D), (page // sdt.itemsize, D * D, D, 1),
+                             conv_bytes // sdt.itemsize)
+    conv.copy_(conv0)
+    state.copy_(state0)
+    w = inp["conv_weight"].view(3, HD, 4).transpose(1, 2).contiguous()
+    return dict(inp, conv_weight=w, **views), conv, state, store
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("name,sdt,abi", CASES, ids=IDS)
+@pytest.mark.parametrize("conv_major", ["width", "channel"])
+@pytest.mark.parametrize("rows,H,gate", [(9, 12, "bounded"), (40, 24, "softplus")])
+def test_engine_layouts_equal_the_dense_call_bitwise(name, sdt, abi, conv_major, rows, H, gate):
+    """Row-strided x / g / beta / output_gate, the conv cache and the pool interleaved in one paged cache, the
+    width-major conv weight: every module gives bitwise the dense call's output, caches and slots; the spare bytes
+    of each page and the slots no row names stay bitwise unchanged."""
+    gen = torch.Generator(device=DEVICE).manual_seed(rows * 7 + H)
+    inp = make_inputs(rows, H, gate, gen, w_f32=True)
+    slots = 48
+    conv0, state0 = make_pools(slots, H, SDT[sdt], gen)
+    eng, conv, state, store = engine_layout(inp, conv0, state0, SDT[sdt], gen, conv_major)
+    il = slot_list(rows, slots, "padded", rows, True)
+    idx = torch.tensor(il, dtype=torch.int32, device=DEVICE)
+    store0 = store.clone()
+    out_e = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    call(name, eng, conv, state, idx, out_e, gate, null_slot0=True)
+    conv_d, state_d = conv0.clone(), state0.clone()
+    out_d = torch.full((rows, H, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    call(name, inp, conv_d, state_d, idx, out_d, gate, null_slot0=True)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.isfinite(out_e.float()).all()
+    assert torch.equal(bits(out_e), bits(out_d))
+    assert torch.equal(bits(conv), bits(conv_d)) and torch.equal(bits(state), bits(state_d))
+    # bytes outside every named slot's conv cache and state: unchanged
+    used = sorted({i for i in il if not is_pad(i, True)})
+    page = store.numel() // slots
+    written = torch.zeros_like(store, dtype=torch.bool).view(slots, page)
+    written[used, :page - 64] = True
+    assert torch.equal(store[~written.view(-1)], store0[~written.view(-1)])
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("name,sdt,abi", CASES, ids=IDS)
 @pytest.mark.parametrize("rows,H", [(9, 8), (40, 16)])

@@ -14,6 +14,8 @@ Patch points (PATCH_POINTS), each name rebound wherever a loaded vllm module hol
 Opt-in (OPT_IN_POINTS, each when its environment variable is 1):
 - k3_layer (k3_layer.py; FLASHKDA_EXT_VLLM_K3_PREFILL=1): vllm.models.kimi_k3.nvidia.kda's _flashkda_prefill,
   K3's own prefill on an H200 (its "auto" prefill backend resolves to vLLM's FlashKDA there).
+- k3_native (k3_native.py; FLASHKDA_EXT_VLLM_K3_NATIVE_DECODE=1): vllm._custom_ops.fused_kda_decode, K3's native
+  fused decode (conv, KDA step, gated RMSNorm; its "auto" decode backend at 12 / 24 / 48 / 96 heads on sm_90).
 
 Every adapter has vLLM's signature of its name (install() checks it and skips a name whose signature differs),
 serves a call exactly or runs vLLM's original with the reason counted (STATS / REASONS, per call site
@@ -28,7 +30,7 @@ import inspect
 import os
 import sys
 
-from . import _post_import, k3, k3_layer, vendored
+from . import _post_import, k3, k3_layer, k3_native, vendored
 from ._common import REASONS, ROUTED, STATS, Refused, serve_or_fall_back
 
 __all__ = ["install", "uninstall", "installed", "install_from_env", "adapter_for", "STATS", "REASONS", "ROUTED",
@@ -44,6 +46,7 @@ PATCH_POINTS = (
 #: patch points install() takes only when their environment variable is 1: (point, module, bodies, variable)
 OPT_IN_POINTS = (
     ("k3_layer", "vllm.models.kimi_k3.nvidia.kda", k3_layer.SERVE, k3_layer.ENV_VAR),
+    ("k3_native", "vllm._custom_ops", k3_native.SERVE, k3_native.ENV_VAR),
 )
 
 _ACTIVE: dict = {}      # call site -> (original, adapter) while installed
