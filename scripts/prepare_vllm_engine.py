@@ -3,6 +3,7 @@ folder that imports on its own: `sys.path.insert(0, folder); import vllm.models.
 
     python3 scripts/prepare_vllm_engine.py                      # -> .engines/vllm (ignored), for the GPU run
     python3 scripts/prepare_vllm_engine.py --wheel /path/vllm-0.34.0-*.whl --dest DIR
+    python3 scripts/prepare_vllm_engine.py --native             # + vLLM's _C for sm_90, packed (15 MB)
 
 Only FILES are taken from the wheel (the modules those ops import, and the layer sources the conformance tests
 read). Written over them, STUBS stand in for what those modules import and do not use for the KDA ops, so neither
@@ -65,6 +66,10 @@ FILES = (
 #: binaries taken from the wheel: vLLM's FlashKDA extension, K3's own prefill on an H200 (the peer of
 #: benchmarks/bench_vllm.py; loaded only on a CUDA machine, through scripts/vllm_step_metadata.flashkda_prefill)
 BINARIES = ("vllm/_flashkda_C.abi3.so",)
+#: vLLM's main extension (K3's native fused decode, the peer of benchmarks/bench_vllm_native.py), 88 MB: with
+#: --native, kept as NATIVE_PACKED, thinned to its sm_90 entries and xz-compressed (scripts/fatbin_thin.py, 15 MB)
+NATIVE = "vllm/_C_stable_libtorch.abi3.so"
+NATIVE_PACKED = "vllm/_C_stable_libtorch.sm90.so.xz"
 
 _EMPTY_PACKAGES = ("vllm", "vllm/utils", "vllm/model_executor", "vllm/model_executor/warmup", "vllm/models",
                    "vllm/models/kimi_k3", "vllm/models/kimi_k3/nvidia", "vllm/models/kimi_k3/nvidia/ops",
@@ -177,12 +182,32 @@ def prepare(wheel: Path, dest: Path) -> Path:
     return dest
 
 
+def prepare_native(wheel: Path, dest: Path) -> Path:
+    """vLLM's main extension into dest/NATIVE_PACKED, thinned to sm_90 and compressed (once per wheel)."""
+    import tempfile
+    import fatbin_thin
+    packed = dest / NATIVE_PACKED
+    stamp = packed.with_name(packed.name + ".complete")
+    if packed.exists() and stamp.exists() and stamp.read_text() == wheel.name:
+        return packed
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as z:
+        kept, zeroed = fatbin_thin.pack(Path(z.extract(NATIVE, tmp)), packed)
+    stamp.write_text(wheel.name)
+    print(f"{packed}: sm_90 entries {kept >> 20} MB kept, {zeroed >> 20} MB zeroed, {packed.stat().st_size >> 20} MB")
+    return packed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--wheel", help=f"the vllm-{VERSION} wheel (default: a local copy, else pip download)")
     ap.add_argument("--dest", default=str(ROOT / ".engines" / "vllm"))
+    ap.add_argument("--native", action="store_true",
+                    help=f"also {NATIVE} thinned to sm_90 and xz-compressed (the native fused decode's peer)")
     args = ap.parse_args(argv)
-    dest = prepare(find_wheel(args.wheel), Path(args.dest))
+    wheel = find_wheel(args.wheel)
+    dest = prepare(wheel, Path(args.dest))
+    if args.native:
+        prepare_native(wheel, dest)
     print(dest)
     return 0
 

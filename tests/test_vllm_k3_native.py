@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ import torch
 import vllm_wheel
 from vllm_wheel import real, tree  # noqa: F401  (fixtures)
 import vllm_step_metadata  # noqa: E402  (scripts/, put on the path by vllm_wheel)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_vllm_native  # noqa: E402  (the layer's inputs, shared with the GPU benchmark)
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.vllm import k3_native
 from flashkda_ext.reference.decode import fused_kda_decode_step
@@ -23,8 +28,8 @@ from flashkda_ext.reference.decode import fused_kda_decode_step
 SITE = k3_native.SITE
 K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 CUSTOM_OPS = "vllm._custom_ops"
-H, D, W = 2, 128, 4
-HD, C = H * D, 3 * H * D
+H, D = 2, 128
+C = 3 * H * D
 
 
 @pytest.fixture(autouse=True)
@@ -41,36 +46,12 @@ def real_fn(tree):
 
 
 def layer_call(rows, gen, conv_layout="SD", lower_bound=-5.0, slots=6, indices=None):
-    """The layer's call: x, output_gate and raw_beta column slices of one projection (kda.py's forward splits its
-    in_proj output), raw_g [1, T, H, D], the conv cache and the fp32 state of one paged cache (conv cache first in
-    each page; SD: vLLM's default [slots, 3, C] seen through the layer's transpose), the width-major conv weight as
-    the layer's weight loader fills it, the output buffer [1, T, H, D] poisoned."""
-    proj = torch.randn(rows, C + HD + HD + H + 6, generator=gen).to(torch.bfloat16)
-    x, og = proj[:, :C], proj[:, C:C + HD].view(rows, H, D)
-    raw_beta = proj[:, C + 2 * HD:C + 2 * HD + H].unsqueeze(0)
-    raw_g = torch.randn(1, rows, H, D, generator=gen).to(torch.bfloat16)
-    conv_bytes, state_bytes = C * (W - 1) * 2, HD * D * 4
-    page = conv_bytes + state_bytes
-    store = torch.zeros(slots * page, dtype=torch.uint8)
-    if conv_layout == "SD":
-        conv = torch.as_strided(store.view(torch.bfloat16), (slots, W - 1, C), (page // 2, C, 1)).transpose(-1, -2)
-    else:
-        conv = torch.as_strided(store.view(torch.bfloat16), (slots, C, W - 1), (page // 2, W - 1, 1))
-    state = torch.as_strided(store.view(torch.float32), (slots, H, D, D), (page // 4, D * D, D, 1), conv_bytes // 4)
-    conv.copy_((0.2 * torch.randn(slots, C, W - 1, generator=gen)).to(torch.bfloat16))
-    state.copy_(0.05 * torch.randn(slots, H, D, D, generator=gen))
-    conv_weight = 0.3 * torch.randn(C, 1, W, generator=gen)          # the layer's conv1d.weight [3*H*D, 1, 4] fp32
-    decode_weight = torch.empty(3, W, HD)
-    for part in range(3):       # _make_decode_conv1d_weight_loader: loaded_shard.squeeze(1).transpose(0, 1)
-        decode_weight[part].copy_(conv_weight[part * HD:(part + 1) * HD].squeeze(1).transpose(0, 1))
-    if indices is None:
-        indices = list(range(rows, 0, -1))
-    call = dict(x=x, weight=decode_weight, bias=None, conv_state=conv, raw_g=raw_g, raw_beta=raw_beta,
-                A_log=0.5 * torch.randn(H, generator=gen), dt_bias=0.1 * torch.randn(HD, generator=gen),
-                state_indices=torch.tensor(indices, dtype=torch.int32), state=state,
-                out=torch.full((1, rows, H, D), float("nan"), dtype=torch.bfloat16), lower_bound=lower_bound,
-                output_gate=og, norm_weight=torch.randn(D, generator=gen), norm_eps=1e-5)
-    return call, conv_weight.view(C, W)
+    """The layer's call as benchmarks/bench_vllm_native.py builds it (x, output_gate, raw_beta column slices of one
+    projection; the conv cache and the fp32 state in one paged cache; the width-major weight as the layer's loader
+    fills it; out poisoned), and the conv weight in the reference's [3*H*D, 4]."""
+    call, _, weight = bench_vllm_native.layer_call(rows, H, gen, "cpu", conv_layout, lower_bound, slots,
+                                                   list(range(rows, 0, -1)) if indices is None else indices)
+    return call, weight
 
 
 def test_the_layer_calls_the_module_attribute_with_keywords_the_adapter_takes(tree, real_fn):
@@ -198,3 +179,13 @@ def test_install_rebinds_the_module_attribute_only_when_opted_in(real, real_fn, 
     assert fkda_vllm.STATS[SITE, "served"] == served + 1 and not torch.isnan(o).any()
     fkda_vllm.uninstall()
     assert module.fused_kda_decode is real_fn
+
+
+def test_the_benchmark_dry_run_serves_and_agrees_with_the_reference(tree, tmp_path):
+    """benchmarks/bench_vllm_native.py's logic on the CPU: the adapter over the wheel's wrapper serves every point,
+    its output, state and conv cache against flashkda_ext.reference (vLLM's `_C` runs on the GPU only)."""
+    import json
+    assert bench_vllm_native.main(["--dry-run", "--no-plot", "--no-progress", "--engine-dir", str(tree),
+                                   "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "bench_vllm_native.json").read_text())
+    assert len(doc["accuracy"]) == 2 and all(a["served"] and a["ok"] and a["conv_bitwise"] for a in doc["accuracy"])
