@@ -147,7 +147,12 @@ def test_check_correctness_passes_the_flashkda_solution(dataset, cpu_sync):
     checked = 0
     for name, d in ts.definitions.items():
         runnable = registry.build(d, trace_consumer.solution(d, target="cpu"))
-        for kind, wl in _workloads(ts, name):
+        for i, (kind, wl) in enumerate(_workloads(ts, name)):
+            # flashinfer-bench draws the unstored inputs from torch's global generator: randn log decays, up to ~+3,
+            # grow a bf16 state to ~30 over repeated slots, where one bf16 ulp (0.25) apart in a rounding order
+            # fails its 1% bound in ~0.25% of draws (seen once in a full run, 2026-12-05). A seed a workload makes
+            # the draw the same in every run, whatever ran before in the process.
+            torch.manual_seed(1000 + i)
             base = DefaultEvaluator.build_baseline(d, wl, CFG, "cpu", ts.root)
             correctness, failure = DefaultEvaluator.check_correctness(
                 d, runnable, base.inputs, base.outputs, CFG, os.devnull, "cpu")
