@@ -180,7 +180,8 @@ def main(argv=None) -> int:
             if native is not None:
                 c2, _ = on_copy(call, store, H, args.conv_layout)
                 arms.append(harness.Arm("vllm_native", lambda c=c2: native(**c)))
-            run.add(harness.Case(name, dict(kind="native_decode", rows=rows, H=H, lower_bound=lb), arms,
+            run.add(harness.Case(name, dict(kind="native_decode", rows=rows, H=H, state_dtype=str(torch.float32),
+                                             lower_bound=lb), arms,
                                  bytes=harness.state_bytes(rows * H, D, D, torch.float32),
                                  notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "conv_bitwise": conv_same,
                                         "served": ok}))

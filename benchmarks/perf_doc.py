@@ -42,7 +42,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 SOURCES = RESULTS / "current.json"
 DOC = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
-FOLDER = re.compile(r"^h200-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")
+FOLDER = re.compile(r"^(h[12]00)-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")   # h100: a day only an H100 was lent
 BEGIN = "<!-- begin generated: performance (benchmarks/perf_doc.py; edit the data, not this block) -->"
 END = "<!-- end generated: performance -->"
 # Peers named in the tables; an arm not listed here gets its own name as the heading.
@@ -57,16 +57,18 @@ class Source:
         self.key = ""  # the table's label for it (A, B, ... in the order of the op's sources)
         m = FOLDER.match(Path(self.file).parent.name)
         if not m:
-            raise ValueError(f"{self.file}: results folders are named h200-<date>-<commit>")
-        self.date, self.commit = m.groups()
+            raise ValueError(f"{self.file}: results folders are named h200-<date>-<commit> (h100-... on an H100)")
+        gpu, self.date, self.commit = m.groups()
+        self.gpu = "" if gpu == "h200" else f"{gpu.upper()}, "   # the H200 is the default; another GPU is named
         self.doc = json.loads((root / self.file).read_text())
 
     def cite(self) -> str:
-        """'<date>, <commit>, [file](link)', the form every figure carries."""
-        return f"{self.date}, {self.commit}, [{Path(self.file).name}](../benchmarks/results/{self.file})"
+        """'<date>, <commit>, [file](link)', the form every figure carries ('<date>, <commit>, H100, ...' off the
+        H200)."""
+        return f"{self.date}, {self.commit}, {self.gpu}[{Path(self.file).name}](../benchmarks/results/{self.file})"
 
     def when(self) -> str:
-        return f"{self.date}, {self.commit}"
+        return f"{self.date}, {self.commit}" + (f" ({self.gpu[:-2]})" if self.gpu else "")
 
 
 class Site:
@@ -78,6 +80,13 @@ class Site:
         self.engine, self.phase, self.site = entry["engine"], entry["phase"], entry["site"]
         self.arm, self.tol, self.tokens = entry["arm"], entry.get("tol"), entry.get("tokens")
         self.note = entry.get("note")
+        self.peer = entry.get("peer", "Triton")   # what the engine's kernel is: its Triton kernel unless named
+        # the part of issue 45's grid the engine sends this call site (K3's native decode: 12 / 24 heads of the
+        # grid, fp32 state), and whether an fla column applies (fla has no fused conv + norm decode)
+        grid = entry.get("grid", {})
+        self.heads = tuple(grid.get("heads", ISSUE45["heads"]))
+        self.states = tuple(grid.get("states", ISSUE45["states"]))
+        self.fla = grid.get("fla", True)
         self.select = entry.get("select", {})
         self.mode = entry.get("mode", "graph")   # eager: prefill / extend, whose engine path syncs on the host
         self.srcs = srcs
@@ -448,19 +457,19 @@ def _gaps(site: Site, pts) -> list:
     states, heads, rows = ({p[0][i] for p in pts} for i in range(3))
     lo, hi = ISSUE45["rows"]
     out = []
-    if set(ISSUE45["heads"]) - heads:
-        out.append("H " + " / ".join(map(str, sorted(set(ISSUE45["heads"]) - heads))))
-    if set(ISSUE45["states"]) - states:
-        out.append(" and ".join(sorted(set(ISSUE45["states"]) - states, reverse=True)) + " state")
+    if set(site.heads) - heads:
+        out.append("H " + " / ".join(map(str, sorted(set(site.heads) - heads))))
+    if set(site.states) - states:
+        out.append(" and ".join(sorted(set(site.states) - states, reverse=True)) + " state")
     if rows != set(range(lo, hi + 1)):
         out.append(f"rows {lo}-{hi} other than " + " / ".join(map(str, sorted(rows))))
     have = {p[0] for p in pts}
     # a head count outside the issue's grid (a run's extra H16) adds no holes
     holes = [(st, h, r) for st in sorted(states, key=ISSUE45["states"].index)
-             for h in sorted(heads & set(ISSUE45["heads"])) for r in sorted(rows) if (st, h, r) not in have]
+             for h in sorted(heads & set(site.heads)) for r in sorted(rows) if (st, h, r) not in have]
     if holes:
         out.append(f"{site.name} at " + ", ".join(map(_label, holes)) + " (inside its run's grid)")
-    if not any(p[3] for p in pts):
+    if site.fla and not any(p[3] for p in pts):
         out.append("an fla arm, issue 45's third column")
     return out
 
@@ -493,7 +502,7 @@ def engines_section(sites) -> list:
             + ([f"agreement bound rel. L2 {site.tol:g}"] if site.tol is not None else [])
         lines += [f"### {site.engine} {site.site}", "",
                   "; ".join(facts) + (". " if facts else "")
-                  + f"Each row: ours and {who}'s Triton us, {_timing(site.mode)}, and {who}'s time over ours.", ""]
+                  + f"Each row: ours and {who}'s {site.peer} us, {_timing(site.mode)}, and {who}'s time over ours.", ""]
         rows = []
         for (st, h, r), a, e, f, ok, rel, src in pts:
             rows.append([st, str(h), str(r)] + ([str(site.tokens)] if site.tokens else [])
@@ -508,7 +517,7 @@ def engines_section(sites) -> list:
         agree = sum(1 for p in pts if p[4])
         kernel = sorted(((_point(c), _med(c["arms"][site.arm], "kernel") / _med(c["arms"]["ours"], "kernel"), src)
                          for c, src in site.kernel_cases()), key=lambda t: _grid_order(t[0]))
-        lines += ["", f"- {site.name} ({'; '.join(dict.fromkeys(s.when() for s in _runs([site])))}): {who}'s Triton over ours geomean "
+        lines += ["", f"- {site.name} ({'; '.join(dict.fromkeys(s.when() for s in _runs([site])))}): {who}'s {site.peer} over ours geomean "
                   f"{_x(_geomean(x for _, x in rx))}, slowest {_x(slow and slow[1])}"
                   + (f" ({_label(slow[0])})" if slow else "") + "; issue 45's target (faster at every point) "
                   + (f"met at all {len(pts)} points" if not behind else
@@ -589,7 +598,7 @@ def summary_rows(sources) -> list:
     for site in sources.get("engines", []):
         xs = [x for _, x in _engine_ratios(_site_points(site))]
         if xs:
-            out.append((f"{site.name} (adapter)", f"{site.engine.split()[0]}'s Triton", site.mode, _geomean(xs),
+            out.append((f"{site.name} (adapter)", f"{site.engine.split()[0]}'s {site.peer}", site.mode, _geomean(xs),
                         min(xs), _runs([site])[-1]))
     return out
 

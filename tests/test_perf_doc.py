@@ -64,7 +64,8 @@ def test_every_figure_names_its_run(sources):
             continue
         runs = re.search(r"^Runs: (.*)$", section, re.M)
         assert runs, section.splitlines()[0]
-        keys = dict(re.findall(r"([A-Z]+): (\d{4}-\d\d-\d\d, [0-9a-f]{7}, \[[^]]+\]\([^)]+\))", runs.group(1)))
+        keys = dict(re.findall(r"([A-Z]+): (\d{4}-\d\d-\d\d, [0-9a-f]{7}, (?:H100, )?\[[^]]+\]\([^)]+\))",
+                               runs.group(1)))
         for row in rows:
             assert row.rstrip(" |").split("| ")[-1].strip() in keys, row
 
@@ -148,11 +149,12 @@ def test_engines_section_lists_every_call_site(sources):
     text = perf_doc.DOC.read_text()
     assert re.search(r"^## Engines \(vLLM, SGLang\)$", text, re.M)
     names = [s.name for s in sources["engines"]]
-    assert names == ["vLLM 0.34.0 packed decode", "vLLM 0.34.0 speculative verify", "SGLang 0.5.23 packed decode",
-                     "SGLang 0.5.23 target_verify", "SGLang 0.5.23 extend", "vLLM 0.34.0 chunk prefill"]
+    assert names == ["vLLM 0.34.0 packed decode", "vLLM 0.34.0 Kimi K3's native fused decode",
+                     "vLLM 0.34.0 speculative verify", "SGLang 0.5.23 packed decode", "SGLang 0.5.23 target_verify",
+                     "SGLang 0.5.23 extend", "vLLM 0.34.0 chunk prefill"]
     for site in sources["engines"]:
         assert site.cases(), site.name
-        run = r"\d{4}-\d\d-\d\d, [0-9a-f]{7}"
+        run = r"\d{4}-\d\d-\d\d, [0-9a-f]{7}(?: \(H100\))?"
         assert re.search(rf"^- {re.escape(site.name)} \({run}(; {run})*\): ", text, re.M), site.name
         assert f"| {site.name} (adapter) |" in perf_doc.README.read_text()
 
@@ -203,8 +205,10 @@ def test_engines_not_measured_is_derived_from_the_data(sources):
     assert "(SGLang 0.5.23 extend)" in now and "H 12 / 24 / 32 (SGLang 0.5.23 extend)" not in now
     assert "bf16 state (vLLM 0.34.0 chunk prefill)" in now and "H 12 / 24 (vLLM 0.34.0 chunk prefill)" not in now
     # the paged rows 4 / 16 / 256 runs (vLLM), then SGLang's rows 4 / 16 / 256; decode's fp32 rows 384 / 512 runs
-    assert "rows 1-1024 other than 1 / 4 / 16 / 64 / 256 / 1024 (vLLM 0.34.0 speculative verify, " \
-           "SGLang 0.5.23 target_verify)" in now
+    assert "rows 1-1024 other than 1 / 4 / 16 / 64 / 256 / 1024 (vLLM 0.34.0 Kimi K3's native fused decode, " \
+           "vLLM 0.34.0 speculative verify, SGLang 0.5.23 target_verify)" in now
+    # K3's native decode: only its own part of the grid (12 / 24 heads, fp32; no fla op) is asked of it
+    assert "(vLLM 0.34.0 Kimi K3's native fused decode)" not in now
     assert "rows 1-1024 other than 1 / 4 / 16 / 64 / 256 / 384 / 512 / 1024 (vLLM 0.34.0 packed decode)" in now
     assert "rows 1-1024 other than 1 / 4 / 16 / 64 / 256 / 384 / 1024 (SGLang 0.5.23 packed decode)" in now
     assert "H16" not in now     # outside issue 45's heads: a run's H16 points add no holes

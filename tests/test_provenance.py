@@ -27,10 +27,11 @@ TEXT_SUFFIXES = {".md", ".json", ".py", ".cu", ".cuh", ".h", ".cc", ".cpp", ".sh
 SESSION_LABEL = re.compile(r"\b[Ss]essions?[-\s]+\d+\b")
 # A results folder named by a session number (h200-<date>-s<N>).
 SESSION_FOLDER = re.compile(r"\bh200-\d{4}-\d\d-\d\d-s\d+\b")
-FOLDER_NAME = re.compile(r"^h200-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")
-FOLDER_REF = re.compile(r"\bh200-\d{4}-\d\d-\d\d(?:-[0-9A-Za-z]+)?\b")
+# the GPU of the runs first: h200, or h100 on a day the device lent only an H100
+FOLDER_NAME = re.compile(r"^h[12]00-(\d{4}-\d\d-\d\d)-([0-9a-f]{7})$")
+FOLDER_REF = re.compile(r"\bh[12]00-\d{4}-\d\d-\d\d(?:-[0-9A-Za-z]+)?\b")
 # A results file cited inside its folder; the name may hold * and {a,b} (run11_tiny_{1,2}.json).
-FILE_REF = re.compile(r"\b(h200-\d{4}-\d\d-\d\d-[0-9a-f]{7})/([A-Za-z0-9_*{},.-]*[A-Za-z0-9_*}])")
+FILE_REF = re.compile(r"\b(h[12]00-\d{4}-\d\d-\d\d-[0-9a-f]{7})/([A-Za-z0-9_*{},.-]*[A-Za-z0-9_*}])")
 
 
 def _scanned_files():
@@ -95,7 +96,7 @@ def test_no_bare_session_labels():
 
 def test_results_folders_are_named_by_date_and_commit():
     bad = [name for name in _results_folders() if not FOLDER_NAME.match(name)]
-    assert not bad, f"results folders must be h200-<date>-<7-hex commit>: {bad}"
+    assert not bad, f"results folders must be h200-<date>-<7-hex commit> (h100- for an H100's runs): {bad}"
 
 
 def test_index_lists_every_folder():

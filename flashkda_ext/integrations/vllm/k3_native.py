@@ -17,8 +17,10 @@ layer. Slot indices <= 0 are padding (vLLM's null block 0 and CUDA-graph padding
 layer runs otherwise), their rows written as zeros. Falls back, counted, on a conv bias, a call without the
 output norm (output_gate / norm_weight None: the op always applies it) and anything outside these layouts.
 
-Opt-in because it has not been timed against vLLM's native kernel (vLLM's `_C`, 88 MB, is not carried to the
-device; benchmarks/README.md, "vLLM").
+Opt-in for the host side (benchmarks/bench_vllm_native.py; H100, 2026-12-05, results h100-2026-12-05-42d3bf9): on
+the GPU the kernel is ahead of vLLM's at every measured point (rows 1-1024, H 12-96, graph replay 1.01-1.47x), but
+vLLM 0.34 runs K3 with breakable CUDA graphs, where the layer's `_forward` runs as Python every step, and back to
+back at 1-4 rows this adapter's host path is slower than vLLM's thin wrapper.
 """
 from __future__ import annotations
 
