@@ -319,6 +319,12 @@ def measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, origina
                                 **notes_extra}))
 
 
+def adapter_counters(fkda_vllm) -> dict:
+    """The results' record of the adapters' served / fallback counts and fallback reasons, per call site."""
+    return {"adapter_counts": {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()},
+            "fallback_reasons": {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)
@@ -395,8 +401,7 @@ def main(argv=None) -> int:
                 measure(run, args, kind, name, rows, H, sd, lb, call, pool, adapter, original, fkda_vllm, site,
                         served, rel_o, rel_s, how, accuracy, failed, flashkda, checkpoint_offsets)
     run.extra["accuracy"] = accuracy
-    run.extra["adapter_counts"] = {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()}
-    run.extra["fallback_reasons"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}
+    run.extra.update(adapter_counters(fkda_vllm))
     run.extra["prefill_routed"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.ROUTED.items()}
     run.extra["vllm_flashkda"] = "timed (bounded gate prefill and mixed points)" if flashkda else flashkda_why
     run.finish()

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vllm  # noqa: E402
 import harness  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -186,8 +187,7 @@ def main(argv=None) -> int:
                                  notes={"rel_l2_out": rel_o, "rel_l2_state": rel_s, "conv_bitwise": conv_same,
                                         "served": ok}))
     run.extra["accuracy"] = accuracy
-    run.extra["adapter_counts"] = {f"{s}|{w}": n for (s, w), n in fkda_vllm.STATS.items()}
-    run.extra["fallback_reasons"] = {f"{s}|{r}": n for (s, r), n in fkda_vllm.REASONS.items()}
+    run.extra.update(bench_vllm.adapter_counters(fkda_vllm))
     run.finish()
     for a in accuracy:
         print(f"{a['case']:<36} served={a['served']} out {a['rel_l2_out']:.2e} state {a['rel_l2_state']:.2e} "

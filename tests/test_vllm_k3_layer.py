@@ -84,12 +84,7 @@ def test_served_into_the_layers_buffers_as_the_triton_backend_computes(real_fn, 
     (dict(final_state=torch.zeros(2, H, V, K, dtype=torch.bfloat16)), "final_state must be"),
 ], ids=["checkpoints", "no-bound", "final-state-dtype"])
 def test_what_it_does_not_map_runs_flashkda_with_the_reason_counted(real_fn, extra, reason):
-    seen = []
-
-    def recorder(**kw):
-        seen.append(kw)
-        return "flashkda"
-    recorder.__signature__ = inspect.signature(real_fn)
+    recorder, seen = vllm_wheel.recorder(real_fn, "flashkda")
     adapter = fkda_vllm.adapter_for(SITE, recorder)
     call = layer_call([3, 4], torch.float32, **extra)
     fell = fkda_vllm.STATS[SITE, "fell_back"]

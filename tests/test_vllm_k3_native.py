@@ -141,12 +141,7 @@ def test_an_index_past_int32_is_a_named_error_before_any_write(real_fn):
     (lambda c: c.update(out=torch.empty(2, H, D, dtype=torch.bfloat16)), "out must be"),
 ], ids=["bias", "no-gate", "no-norm-weight", "conv-shape", "out-shape"])
 def test_what_it_does_not_map_runs_vllms_kernel_with_the_reason_counted(real_fn, change, reason):
-    seen = []
-
-    def recorder(**kw):
-        seen.append(kw)
-        return "vllm"
-    recorder.__signature__ = inspect.signature(real_fn)
+    recorder, seen = vllm_wheel.recorder(real_fn, "vllm")
     gen = torch.Generator().manual_seed(10)
     call, _ = layer_call(2, gen)
     change(call)

@@ -71,6 +71,19 @@ def load(tree: Path, monkeypatch) -> types.SimpleNamespace:
     return types.SimpleNamespace(k3=_LOADED[K3_OPS], vendored=_LOADED[VENDORED_OPS])
 
 
+def recorder(original, answer):
+    """(fn, seen): a stand-in for vLLM's `original` with its signature that records each call's keywords in `seen`
+    and returns `answer` (the fallback tests: vLLM's kernel itself cannot run here)."""
+    import inspect
+    seen = []
+
+    def fn(**kw):
+        seen.append(kw)
+        return answer
+    fn.__signature__ = inspect.signature(original)
+    return fn, seen
+
+
 # the fixtures the vLLM conformance test files share (imported by name into each)
 @pytest.fixture(scope="module")
 def tree():
