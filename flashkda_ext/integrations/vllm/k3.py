@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import ops   # ops.<op> at call time (a module attribute: tests may wrap it)
 from .. import _indices
 from ..common_checks import number_or_none
 from ..rows import rows_view
@@ -39,6 +40,8 @@ _PARAM_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _param(name: str, x, n: int, what: str = "") -> torch.Tensor:
+    if type(x) is torch.Tensor and x.dtype == torch.float32 and x.dim() == 1 and x.shape[0] == n:
+        return x    # what vLLM passes: reshape(-1).float() below would return this very tensor
     if not isinstance(x, torch.Tensor) or x.numel() != n:
         raise Refused(f"{name} must be a tensor of {n} elements{what}")
     if x.dtype not in _PARAM_DTYPES:
@@ -99,7 +102,6 @@ def _dense_out(out, shape: tuple):
 
 def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
                         scale=None, out=None):
-    from ...ops import kda_decode
     for name, x, dims in (("mixed_qkv", mixed_qkv, 2), ("raw_g", raw_g, 4), ("raw_beta", raw_beta, 3),
                           ("initial_state", initial_state, 4), ("state_indices", state_indices, 1)):
         if not isinstance(x, torch.Tensor) or x.dim() != dims:
@@ -118,7 +120,7 @@ def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound,
                        mixed_qkv[:, 2 * hk:].view(B, H, V), 0)
     g, beta = _gate_beta(raw_g[0], raw_beta[0], q, row_dim=0)
     o = _dense_out(out, (1, B, H, V))
-    res = run_op(kda_decode, q, k, v, g, beta, state=initial_state,
+    res = run_op(ops.kda_decode, q, k, v, g, beta, state=initial_state,
                  state_indices=_indices.slot_indices("state_indices", state_indices, initial_state.shape[0]),
                  **_gate(A_log, dt_bias, lower_bound, H, K, q.device), scale=scale, beta_is_logit=True,
                  slot_mode="padded", null_slot0=True, out=None if o is None else o.view(B, H, V))
@@ -159,7 +161,6 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
 
 def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                           ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
-    from ...ops import kda_decode, kda_verify
     # fuse_gate picks where vLLM computes the same gate (in the recurrent kernel or before it): no effect here.
     # The objects None / True / False only (`in` would let 1 or 0.0 through as True / False)
     if not (fuse_gate is None or isinstance(fuse_gate, bool)):
@@ -201,13 +202,13 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
                 # a graph-padded batch: tokens past the last real offset stay zero in an output made here
                 o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         if used == T:
-            res = run_op(kda_verify, q, k, v, g, beta, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nat,
+            res = run_op(ops.kda_verify, q, k, v, g, beta, state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nat,
                          out=o, **common)
             return (o if o is not None else res), initial_state
         if o is None:
             o = torch.zeros((1, T, HV, V), dtype=v.dtype, device=v.device)
         if used:
-            run_op(kda_verify, *(x[:, :used] for x in (q, k, v, g, beta)), state_indices=idx, cu_seqlens=cu,
+            run_op(ops.kda_verify, *(x[:, :used] for x in (q, k, v, g, beta)), state_indices=idx, cu_seqlens=cu,
                    num_accepted_tokens=nat, out=o[:, :used], **common)
         return o, initial_state
 
@@ -230,7 +231,7 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     if num_accepted_tokens is not None:      # a one-column table: only count 1 names a column
         nat = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N], 1)
         rows = torch.where(nat == 1, rows, -1).to(torch.int32)
-    res = run_op(kda_decode, q[0], k[0], v[0], g[0], beta[0], state_indices=rows, slot_mode="padded",
+    res = run_op(ops.kda_decode, q[0], k[0], v[0], g[0], beta[0], state_indices=rows, slot_mode="padded",
                  out=None if o is None else o[0], **common)
     return (o if o is not None else res.unsqueeze(0)), initial_state
 

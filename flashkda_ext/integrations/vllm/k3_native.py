@@ -26,26 +26,29 @@ from __future__ import annotations
 
 import torch
 
+from ... import ops   # ops.<op> at call time (a module attribute: tests may wrap it)
 from .. import _indices
 from ._common import Refused, run_op
 from .k3 import _gate
 
 ENV_VAR = "FLASHKDA_EXT_VLLM_K3_NATIVE_DECODE"
 SITE = "k3_native.fused_kda_decode"
+Tensor = torch.Tensor
 
 
 def serve_fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state,
                            out=None, lower_bound=None, output_gate=None, norm_weight=None, norm_eps=1e-5):
-    from ...ops import fused_kda_decode
     if bias is not None:
         raise Refused("a conv bias (flashkda_ext's fused decode has none; K3's conv1d is built without one)")
     if output_gate is None or norm_weight is None:
         raise Refused("output_gate / norm_weight None: the call without the gated RMSNorm (flashkda_ext's fused "
                       "decode always applies it)")
-    for name, t, dims in (("x", x, 2), ("raw_g", raw_g, 4), ("raw_beta", raw_beta, 3), ("state", state, 4),
-                          ("state_indices", state_indices, 1), ("output_gate", output_gate, 3)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dims:
-            raise Refused(f"{name} outside vLLM's contract (a {dims}-D tensor); vLLM's kernel reports it")
+    if not (isinstance(x, Tensor) and x.dim() == 2 and isinstance(raw_g, Tensor) and raw_g.dim() == 4
+            and isinstance(raw_beta, Tensor) and raw_beta.dim() == 3 and isinstance(state, Tensor) and state.dim() == 4
+            and isinstance(state_indices, Tensor) and state_indices.dim() == 1 and isinstance(output_gate, Tensor)
+            and output_gate.dim() == 3):     # one expression: this runs on every decode step of the layer
+        raise Refused("x / raw_g / raw_beta / state / state_indices / output_gate outside vLLM's contract (2-, 4-, "
+                      "3-, 4-, 1- and 3-D tensors); vLLM's kernel reports it")
     _, T, H, D = raw_g.shape
     if raw_g.shape[0] != 1 or tuple(raw_beta.shape) != (1, T, H) or x.shape[0] != T:
         raise Refused("raw_g / raw_beta / x outside vLLM's contract ([1, T, H, D], [1, T, H], [T, 3*H*D])")
@@ -54,7 +57,7 @@ def serve_fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, 
         raise Refused(f"out must be a contiguous [1, {T}, {H}, {D}] (the layer's buffer)")
     if out is None:     # vLLM's wrapper allocates the same
         out = torch.empty(1, T, H, D, dtype=x.dtype, device=x.device)
-    run_op(fused_kda_decode, x, weight, conv_state, raw_g[0], raw_beta[0],
+    run_op(ops.fused_kda_decode, x, weight, conv_state, raw_g[0], raw_beta[0],
            state_indices=_indices.slot_indices("state_indices", state_indices, state.shape[0]), state=state,
            output_gate=output_gate, norm_weight=norm_weight, norm_eps=norm_eps,
            **_gate(A_log, dt_bias, lower_bound, H, D, x.device), slot_mode="padded", null_slot0=True, out=out[0])
