@@ -57,6 +57,9 @@ FILES = (
     "vllm/v1/attention/backends/utils.py",
     "vllm/models/kimi_k3/nvidia/kda_metadata.py",      # read: K3's metadata builder
     "vllm/_custom_ops.py",                              # compiled in part: K3's native fused decode wrapper
+    # read: the architectures vLLM runs with breakable CUDA graphs (the KDA layer's _forward a break point)
+    "vllm/config/vllm.py",
+    "vllm/compilation/breakable_cudagraph.py",
     # prefix-cache checkpoints (mamba_cache_mode "align"): where a K3 prefill call's checkpoints fall
     "vllm/model_executor/layers/mamba/checkpoint.py",
     "vllm/model_executor/layers/mamba/kda_checkpoint.py",

@@ -184,3 +184,20 @@ def test_the_benchmark_dry_run_serves_and_agrees_with_the_reference(tree, tmp_pa
                                    "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_vllm_native.json").read_text())
     assert len(doc["accuracy"]) == 2 and all(a["served"] and a["ok"] and a["conv_bitwise"] for a in doc["accuracy"])
+
+
+def test_vllm_runs_the_kimi_kda_layers_python_on_every_step(tree):
+    """Why the adapters' host path counts (docs/integrations.md, "Breakable CUDA graphs"): vLLM 0.34 runs Kimi K3 and
+    Kimi-Linear with breakable CUDA graphs by default, and both KDA layers' `_forward` is a break point
+    (eager_break_during_capture): replay calls it as Python, so an adapter's host work runs at every step."""
+    config = ast.parse(vllm_wheel.source(tree, "vllm.config.vllm"))
+    default = next(n.value for n in config.body if isinstance(n, ast.Assign)
+                   and any(getattr(t, "id", None) == "DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES" for t in n.targets))
+    names = {c.value for c in ast.walk(default) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    assert {"KimiK3ForConditionalGeneration", "KimiLinearForCausalLM"} <= names
+    for layer in (K3_LAYER, "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"):
+        fns = [n for n in ast.walk(ast.parse(vllm_wheel.source(tree, layer)))
+               if isinstance(n, ast.FunctionDef) and n.name == "_forward"]
+        assert fns and all(any(getattr(d, "id", None) == "eager_break_during_capture" for d in f.decorator_list)
+                           for f in fns), layer
+    assert "def eager_break_during_capture" in vllm_wheel.source(tree, "vllm.compilation.breakable_cudagraph")
