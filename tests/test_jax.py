@@ -311,6 +311,18 @@ def test_fused_decode_matches_reference_and_torch(gen, gate, mode):
     torch.testing.assert_close(to_torch(state).double(), r_state.double(), rtol=1e-4, atol=1e-4)
 
 
+def test_fused_decode_takes_the_width_major_conv_weight(gen):
+    """conv_weight [3, 4, H*D] (vLLM's decode copy; docs/api.md "fused_kda_decode layouts") gives the [3*H*D, 4]
+    call's bits through the same FFI binding."""
+    d, lb = fused_inputs(gen, rows=3, slots=5, gate="softplus")
+    C = d["conv_weight"].shape[0]
+    wide = dict(d, conv_weight=d["conv_weight"].view(3, C // 3, 4).transpose(1, 2).contiguous())
+    outs = [kj.fused_kda_decode(*(jaxify(x)[n] for n in FUSED_ORDER), gate="softplus", lower_bound=lb, donate=False)
+            for x in (d, wide)]
+    for a, b in zip(*outs):
+        assert torch.equal(to_torch(a), to_torch(b))
+
+
 # ---------------------------------------------------------------------------------------------
 # errors: raised in Python, before any FFI call, naming the argument
 
