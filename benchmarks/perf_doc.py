@@ -489,7 +489,9 @@ def engines_section(sites) -> list:
         "verify requests). Before timing, each point runs both kernels once from identical copies: \"agrees\" is "
         "that check (the larger rel. L2 of the output and the written state in brackets): the run's own verdict "
         "where its cases hold one (SGLang), else the adapter served the call and both are below the entry's "
-        "bound (vLLM).", ""]
+        "bound (vLLM). vLLM 0.34 runs the Kimi KDA layers with breakable CUDA graphs, the layer's Python at every "
+        "step (docs/integrations.md, \"Breakable CUDA graphs\"): there graph replay is the GPU time, and each call's "
+        "host path adds where a step is host-bound.", ""]
     gaps, phases = {}, {}
     for site in sites:
         pts = _site_points(site)
