@@ -1,6 +1,6 @@
-// The layouts fused_kda_decode reads, shared by its CPU and CUDA bindings (the Python rule is
-// flashkda_ext/validation/fused_decode.py, _fused_layout): an engine's tensors as it holds them, so an
-// adapter passes them without a copy (vLLM 0.34's Kimi K3 native decode: x, beta and output_gate are
+// The layouts fused_kda_decode reads, shared by its CPU and CUDA bindings (the Python rule:
+// flashkda_ext/validation/fused_decode.py, its row-strided companions, _conv_cache and _conv_weight): an
+// engine's tensors as it holds them, so an adapter passes them without a copy (vLLM 0.34's Kimi K3 native decode: x, beta and output_gate are
 // column slices of one projection, the conv cache shares a paged cache with the state pool in either of
 // vLLM's two conv layouts, the conv weight is its width-major decode copy).
 //   x [rows, 3*H*D], g [rows, H, D], beta [rows, H], output_gate [rows, H, D]: each row dense, the rows any
@@ -63,14 +63,13 @@ inline FusedLayout fused_decode_layout(const Checker& c, const TensorView& x, co
   if (slots <= 1) l.cs_slot = C * W1;  // a size-1 dim may carry any stride: never read
   l.cs_span = slots == 0 ? 0 : (slots - 1) * l.cs_slot + (C - 1) * l.cs_ch + (W1 - 1) * l.cs_w + 1;
 
+  l.w_part = HD * kFusedConvWidth;  // a part's H*D x 4 taps, in either layout
   if (conv_weight.ndim() == 3) {
     c.shape(conv_weight, "conv_weight", {{"3", 3}, {"width", kFusedConvWidth}, {"H*D", HD}});
-    l.w_part = kFusedConvWidth * HD;
     l.w_ch = 1;
     l.w_w = HD;
   } else {
     c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kFusedConvWidth}});
-    l.w_part = HD * kFusedConvWidth;
     l.w_ch = kFusedConvWidth;
     l.w_w = 1;
   }

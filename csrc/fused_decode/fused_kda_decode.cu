@@ -79,7 +79,7 @@ void fused_kda_decode(TensorView x, TensorView conv_weight, TensorView conv_stat
   check_bf16_input(c, beta, "beta", {{"rows", rows}, {"H", H}}, out, false);
   check_bf16_input(c, output_gate, "output_gate", {{"rows", rows}, {"H", H}, {"D", D}}, out, false);
   check_bf16_input(c, out, "out", {{"rows", rows}, {"H", H}, {"D", D}}, out);
-  check_fused_weights(c, conv_weight, norm_weight, 0, D, out);
+  check_fused_weights(c, conv_weight, norm_weight, C, D, out, true);  // its layout: fused_decode_layout below
   fkda::check_cuda_device(c, state_indices, "state_indices", out, "out");
   c.shape(state_indices, "state_indices", {{"rows", rows}});
   c.dtype(state_indices, "state_indices", {fkda::kI32});

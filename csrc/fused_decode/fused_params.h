@@ -23,15 +23,15 @@ inline void check_bf16_input(const fkda::Checker& c, const fkda::TensorView& t, 
   if (dense) c.contiguous(t, name);
 }
 
-// conv_weight bf16 or float32 and norm_weight [D] float32, contiguous, on ref's device; conv_weight's
-// shape: [3*H*D, 4] when C > 0 (fused verify), else fused_layout.h's rule (fused decode, checked there).
+// conv_weight bf16 or float32 and norm_weight [D] float32, contiguous, on ref's device. conv_weight's
+// shape and layout: [3*H*D, 4] contiguous unless `layout_elsewhere` (the fused decode: fused_layout.h).
 inline void check_fused_weights(const fkda::Checker& c, const fkda::TensorView& conv_weight,
                                 const fkda::TensorView& norm_weight, int64_t C, int64_t D,
-                                const fkda::TensorView& ref) {
+                                const fkda::TensorView& ref, bool layout_elsewhere = false) {
   fkda::check_cuda_device(c, conv_weight, "conv_weight", ref, "out");
-  if (C > 0) c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
+  if (!layout_elsewhere) c.shape(conv_weight, "conv_weight", {{"3*H*D", C}, {"width", kConvWidth}});
   c.dtype(conv_weight, "conv_weight", {fkda::kBF16, fkda::kF32});
-  c.contiguous(conv_weight, "conv_weight");
+  if (!layout_elsewhere) c.contiguous(conv_weight, "conv_weight");
   fkda::check_cuda_device(c, norm_weight, "norm_weight", ref, "out");
   c.shape(norm_weight, "norm_weight", {{"D", D}});
   c.dtype(norm_weight, "norm_weight", {fkda::kF32});

@@ -145,12 +145,17 @@ def _same_dtype(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) ->
         raise ValueError(f"{name}: expected the dtype of {ref_name} ({dtype_name(ref.dtype)}), got {dtype_name(x.dtype)}")
 
 
-def _companion(name: str, x, ref: torch.Tensor, ref_name: str, shape: tuple, what: str) -> torch.Tensor:
-    """A tensor that must sit beside `ref`: same device and dtype, the given shape, contiguous."""
+def _companion(name: str, x, ref: torch.Tensor, ref_name: str, shape: tuple, what: str,
+               row_dim: Optional[int] = None) -> torch.Tensor:
+    """A tensor that must sit beside `ref`: same device and dtype, the given shape, contiguous (or, with row_dim,
+    row-strided: _row_strided)."""
     x = _tensor(name, x)
     _same_device(name, x, ref.device)
     _shape(name, x, shape, what)
-    _contiguous(name, x)
+    if row_dim is None:
+        _contiguous(name, x)
+    else:
+        _row_strided(name, x, row_dim, what)
     _same_dtype(name, x, ref, ref_name)
     return x
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (GATE_MODE, SLOT_MODES, _aligned, _bool, _check_backend, _choice, _contiguous,
+from .common import (GATE_MODE, SLOT_MODES, _aligned, _bool, _check_backend, _choice, _companion, _contiguous,
                      _dtype_in, _floating, _gate_args, _indices, _inference_only, _ndim, _offset_bits,
                      _out, _pool, _real, _resolve_scale, _row_strided, _same_device, _same_dtype, _shape,
                      _state_tag, _supported_dims, _tensor, dtype_name)
@@ -143,22 +143,14 @@ def check_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, 
     _row_strided("x", x, 0, "[rows, 3*H*D]")
     _row_strided("g", g, 0, "[rows, H, D]")
     _same_dtype("g", g, x, "x")
-    beta = _tensor("beta", beta)
-    _same_device("beta", beta, device)
-    _shape("beta", beta, (rows, H), "[rows, H]")
-    _row_strided("beta", beta, 0, "[rows, H]")
-    _same_dtype("beta", beta, x, "x")
+    beta = _companion("beta", beta, x, "x", (rows, H), "[rows, H]", row_dim=0)
     conv_weight = _conv_weight(conv_weight, x, C, device, width_major=True)
     conv_state = _conv_cache(conv_state, x, C, device)
     slots = _pool("state", state, H, D, D, device, backend)
     if conv_state.shape[0] != slots:
         raise ValueError(f"conv_state: expected {slots} slots (as state), got {conv_state.shape[0]}")
     _indices("state_indices", state_indices, rows, device, "[rows]")
-    output_gate = _tensor("output_gate", output_gate)
-    _same_device("output_gate", output_gate, device)
-    _shape("output_gate", output_gate, (rows, H, D), "[rows, H, D]")
-    _row_strided("output_gate", output_gate, 0, "[rows, H, D]")
-    _same_dtype("output_gate", output_gate, x, "x")
+    output_gate = _companion("output_gate", output_gate, x, "x", (rows, H, D), "[rows, H, D]", row_dim=0)
     norm_weight = _norm_args(norm_weight, norm_eps, D, device)
     _choice("slot_mode", slot_mode, SLOT_MODES)
     _bool("null_slot0", null_slot0)
