@@ -5,12 +5,18 @@ conv weight [3*H*D, 4] or width-major [3, 4, H*D]. The CPU module against the fl
 untouched slots bitwise unchanged; the layouts it does not read refused by name before anything is written."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import flashkda_ext
 from flashkda_ext.reference.decode import fused_kda_decode_step
 from flashkda_ext.validation.common import _slots_apart
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_vllm_native  # noqa: E402  (vLLM's paged cache layout, shared with the benchmark)
 
 H, D, W = 2, 128, 4
 HD, C = H * D, 3 * H * D
@@ -22,21 +28,14 @@ def no_grad():
         yield
 
 
-def paged(slots, conv_layout, gen, dtype=torch.bfloat16, state_dtype=torch.float32, spare=0):
-    """A paged cache as vLLM lays it out: per slot a page holding the conv cache then the state (`spare` bytes of
-    padding after them), seeded with random values; returns (conv_state view, state view, seeds)."""
-    conv_bytes = C * (W - 1) * dtype.itemsize
-    state_bytes = HD * D * state_dtype.itemsize
-    page = conv_bytes + state_bytes + spare
+def paged(slots, conv_layout, gen):
+    """A paged cache as vLLM lays it out (benchmarks/bench_vllm_native.cache_views: per slot a page holding the bf16
+    conv cache, then the fp32 state), random bytes under random conv / state values; (conv_state, state, store)."""
+    page = C * (W - 1) * 2 + HD * D * 4
     store = torch.randint(0, 255, (slots * page,), dtype=torch.uint8, generator=gen)
-    strides = (page // dtype.itemsize, 1, C) if conv_layout == "width" else (page // dtype.itemsize, W - 1, 1)
-    conv = torch.as_strided(store.view(dtype), (slots, C, W - 1), strides)
-    state = torch.as_strided(store.view(state_dtype), (slots, H, D, D), (page // state_dtype.itemsize, D * D, D, 1),
-                             conv_bytes // state_dtype.itemsize)
-    conv_seed = (0.1 * torch.randn(slots, C, W - 1, generator=gen)).to(dtype)
-    state_seed = (0.05 * torch.randn(slots, H, D, D, generator=gen)).to(state_dtype)
-    conv.copy_(conv_seed)
-    state.copy_(state_seed)
+    conv, state = bench_vllm_native.cache_views(store, slots, H, {"width": "SD", "channel": "DS"}[conv_layout])
+    conv.copy_((0.1 * torch.randn(slots, C, W - 1, generator=gen)).to(torch.bfloat16))
+    state.copy_(0.05 * torch.randn(slots, H, D, D, generator=gen))
     return conv, state, store
 
 
