@@ -103,16 +103,23 @@ ISSUE46_HEADS = (8, 12, 16, 24, 32, 48, 96)
 RAGGED_8K = [3000, 1500, 1200, 900, 700, 500, 392]   # 7 sequences, 8192 tokens
 
 
-def module_call(name, d, gate, N, T, H, dev):
+def module_call(name, d, gate, N, T, H, dev, in_place=False):
     """(fn, out, fin): one kda_prefill call of module `name` on inputs d, its workspace (when the module asks
-    for one), output and final state allocated once, outside the timed call."""
+    for one), output and final state allocated once, outside the timed call. in_place: as the engines call it, the
+    states in a pool of 2N slots (the call's at odd slots, by state_indices) updated in place; each call then starts
+    from the state the one before left, so its output is for timing, not for comparing."""
     import tvm_ffi
     mod = load(name)
     ws = None
     if mod.implements_function("kda_prefill_workspace_bytes"):
         ws = torch.empty(max(1, mod["kda_prefill_workspace_bytes"](T, N, H)), dtype=torch.uint8, device=dev)
-    fin, out = torch.empty_like(d["init"]), torch.empty_like(d["v"])
-    args = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], d["init"], fin, None, None,
+    out, init, idx = torch.empty_like(d["v"]), d["init"], None
+    if in_place:
+        init = torch.zeros((2 * N,) + tuple(d["init"].shape[1:]), dtype=d["init"].dtype, device=dev)
+        idx = torch.arange(1, 2 * N, 2, dtype=torch.int32, device=dev)
+        init[idx.long()] = d["init"]
+    fin = init if in_place else torch.empty_like(d["init"])
+    args = (d["q"], d["k"], d["v"], d["g"], d["beta"], d["A_log"], d["dt_bias"], d["cu"], init, fin, idx, None,
             out, ws, GATES[gate], LOWER_BOUND, K ** -0.5, True, False, 0)
 
     def fn():
@@ -239,6 +246,9 @@ def parse(argv=None):
                          "fast) or 'fla-init' (as fla 0.6.0 initialises a KDA layer: the slowest keys decay by ~1e-3 "
                          "nats a token, so a split's warm-up walks far back)")
     ap.add_argument("--state", choices=("f32", "bf16"), default="f32", help="the recurrent state's dtype")
+    ap.add_argument("--in-place", action="store_true",
+                    help="ours (and the opt-in arm) update a pool in place by state_indices, as vLLM and SGLang call "
+                         "the op; no agreement checks then (each call starts from the last one's state)")
     ap.add_argument("--name", default="prefill", help="results file stem (when --out is a folder)")
     ap.set_defaults(reps=12, modes="eager,wall")
     return ap.parse_args(argv)
@@ -313,7 +323,7 @@ def main(argv=None):
             N, T = len(lens), sum(lens)
             longest = routed_longest(args, lens)
             mname = args.module or route_module(N, H, T, gate, state=args.state, max_seqlen=longest)
-            ours, out, fin = module_call(mname, d, gate, N, T, H, dev)
+            ours, out, fin = module_call(mname, d, gate, N, T, H, dev, args.in_place)
             arms = [harness.Arm("ours", ours)]
             checks = {}
             alt_name = (route_module(N, H, T, gate, {args.opt_in_arm}, args.state, longest)
@@ -321,17 +331,19 @@ def main(argv=None):
             if args.known_lengths and not args.module:
                 alt_name = route_module(N, H, T, gate, state=args.state)
             if alt_name is not None and alt_name != mname:
-                alt_fn, alt_out, alt_fin = module_call(alt_name, d, gate, N, T, H, dev)
-                checks["opt_in"] = agreement(ours, out, fin, lambda f=alt_fn, o=alt_out, s=alt_fin: (f(), o, s)[1:])
-                checks["opt_in"].update(module=alt_name, bitwise=bool(torch.equal(alt_out.view(torch.int16),
-                                                                                  out.view(torch.int16))))
+                alt_fn, alt_out, alt_fin = module_call(alt_name, d, gate, N, T, H, dev, args.in_place)
+                if not args.in_place:
+                    checks["opt_in"] = agreement(ours, out, fin, lambda f=alt_fn, o=alt_out, s=alt_fin: (f(), o, s)[1:])
+                    checks["opt_in"].update(module=alt_name, bitwise=bool(torch.equal(alt_out.view(torch.int16),
+                                                                                      out.view(torch.int16))))
                 arms.append(harness.Arm("opt_in", alt_fn))
             if cudnn_ok:
                 try:
                     cud = peer_cudnn.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
                                                 dt_bias=d["dt_bias"], gate=gate, lower_bound=LOWER_BOUND, scale=K ** -0.5,
                                                 cu_seqlens=d["cu"], initial_state=d["init"])
-                    checks["cudnn"] = agreement(ours, out, fin, cud)
+                    if not args.in_place:
+                        checks["cudnn"] = agreement(ours, out, fin, cud)
                     arms.append(harness.Arm("cudnn", cud))
                 except Exception as e:  # noqa: BLE001 - a shape cuDNN refuses is recorded, not fatal
                     checks["cudnn"] = {"error": repr(e)[:300]}
@@ -340,7 +352,8 @@ def main(argv=None):
                     fk = peer_flashkda.prefill_fn(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d["A_log"],
                                                   dt_bias=d["dt_bias"], lower_bound=LOWER_BOUND, cu_seqlens=d["cu"],
                                                   initial_state=d["init"])
-                    checks["flashkda"] = agreement(ours, out, fin, fk)
+                    if not args.in_place:
+                        checks["flashkda"] = agreement(ours, out, fin, fk)
                     arms.append(harness.Arm("flashkda", fk))
                 except Exception as e:  # noqa: BLE001 - a shape FlashKDA refuses is recorded, not fatal
                     checks["flashkda"] = {"error": repr(e)[:300]}
@@ -361,6 +374,8 @@ def main(argv=None):
                 params["state"] = args.state
             if args.slow_keys:
                 params.update(slow_keys=args.slow_keys, slow_bias=args.slow_bias)
+            if args.in_place:
+                params["in_place"] = True
             if args.a_log is not None:
                 params["a_log"] = args.a_log
             if args.gate_params != "random":

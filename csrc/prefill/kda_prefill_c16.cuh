@@ -28,6 +28,8 @@
 // added in warp order).
 #pragma once
 
+#include <type_traits>
+
 #include "kda_prefill_layout.cuh"
 
 namespace fkda_c16 {
@@ -115,6 +117,7 @@ struct Args {
   int beta_logit;
   const void* init;  // [slots or N, HV, V, K] or null
   void* fin;         // may alias init (a pool updated in place)
+  int fin_dense;     // 1: fin is [N, HV, V, K], indexed by sequence (kda_prefill_c16g.cu's copy for a pool in place)
   const int32_t* idx;
   int64_t num_slots;
   int64_t slot_stride;
@@ -507,7 +510,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     }
   }
   const ST* src = a.init && !pad && cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
-  ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + head : nullptr;
+  const size_t fin_at = a.fin_dense ? (size_t(n) * a.HV + hv) * kV * kK : head;
+  ST* dst = a.fin && !pad && writer ? static_cast<ST*>(a.fin) + fin_at : nullptr;
 
   // chunk c lives in ring stage c & 1 (a piece's first chunk cs may be odd). Element offsets of chunk cs's first
   // token at head hk ([T, H, 128]) and hv ([T, HV, 128]; also beta's [T, HV] index), advanced by a chunk each step
@@ -914,5 +918,30 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     });
   }
 }
+
+// The guarded split on a pool updated in place (kda_prefill_c16g.cu): its pieces wrote each (sequence, head)'s final
+// state to the dense copy a.fin ([N, HV, V, K]) so that no piece reads a slot another has already stored; this kernel,
+// after the chunk-64 kernels in the stream, moves the copy into the pool (`pool`, slots as the call's) unless the guard
+// word is set (then the chunk-64 kernels did the whole call on the pool). One CTA a (value head, sequence).
+#if FKDA_PARAM_GUARD == 1
+constexpr int kCommitThreads = 256;
+template <typename ST>
+__global__ void __launch_bounds__(kCommitThreads) kda_prefill_c16_commit_kernel(const Args a, ST* pool) {
+  fkda::begin_dependent_grid();  // the fused kernel's copy and the chunk-64 kernels' verdict are complete
+  if (*reinterpret_cast<const volatile int*>(a.guard) != 0) return;
+  const int hv = blockIdx.x, n = blockIdx.y;
+  int64_t slot = n;
+  if (a.idx) {
+    const int s = a.idx[n];
+    if (s < 0 || s >= a.num_slots || (a.null_slot0 && s == 0)) return;  // a padding row: nothing written
+    slot = s;
+  }
+  // element pairs, as the fused kernel stores them (st_pair: the pool's slots are pair-aligned, nothing more)
+  using Pair = typename std::conditional<sizeof(ST) == 4, float2, uint32_t>::type;
+  const Pair* src = reinterpret_cast<const Pair*>(static_cast<const ST*>(a.fin) + (size_t(n) * a.HV + hv) * kV * kK);
+  Pair* dst = reinterpret_cast<Pair*>(pool + size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK);
+  for (int i = threadIdx.x; i < kV * kK / 2; i += kCommitThreads) dst[i] = src[i];
+}
+#endif
 
 }  // namespace fkda_c16

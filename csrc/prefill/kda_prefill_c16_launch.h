@@ -32,6 +32,7 @@ inline fkda_c16::Args c16_args(const TensorView& q, const TensorView& k, const T
   a.scale = static_cast<float>(scale);
   a.beta_logit = beta_is_logit ? 1 : 0;
   set_states(a, initial_state, final_state, state_indices, ps, null_slot0);
+  a.fin_dense = 0;
   a.out = data_ptr<fkda_c16::bf16>(out);
   a.pieces = 1;
   return a;

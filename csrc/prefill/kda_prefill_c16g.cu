@@ -9,12 +9,16 @@
 // its limit (half its own length, or params.c16_guard_pct percent) sets the guard word and stops, the other pieces stop
 // at their next chunk, and the chunk-64 kernels, which skip the call while the word is clear, then do the whole call. Either way one of the two computes
 // every output and the final state (the chunk-64 kernels after the fused one, overwriting what it wrote).
-// When the fused kernel cannot split (one wave of 2 CTAs an SM already holds HV x N) it runs alone, unsplit and exact;
-// when initial_state and final_state overlap (a pool updated in place: a piece reading the initial state could race the
-// final state's store) and it could split, the chunk-64 kernels run alone.
+// When the fused kernel cannot split (one wave of 2 CTAs an SM already holds HV x N) it runs alone, unsplit and exact.
+// When initial_state and final_state overlap (a pool updated in place, as vLLM and SGLang call it), a piece that walks
+// back to chunk 0 reads the initial state while the last piece may already have stored the final state, so the pieces
+// store the final states to a dense copy in the workspace instead, and a third kernel after the chunk-64 ones moves the
+// copy into the pool unless the guard word is set (the chunk-64 kernels then did the whole call on the untouched pool):
+// the same bits as the call out of place, for one more state write and read.
 //
 // Exports: kda_prefill, kda_prefill_workspace_bytes(total_tokens, num_seqs, value_heads) -> the chunk-64 kernels'
-// workspace plus the guard word, fkda_contract(). Refuses checkpoints (the fused kernel writes none).
+// workspace, the guard word and the final-state copy, fkda_contract(). Refuses checkpoints (the fused kernel writes
+// none).
 #include <cuda_runtime.h>
 
 #include "../common/binding.h"
@@ -45,11 +49,15 @@ using StateT = __nv_bfloat16;
 using StateT = float;
 #endif
 
-// The guard word sits after the chunk-64 kernels' workspace (its slots and initial-state copy), in 16 more bytes.
-constexpr int64_t kGuardBytes = 16;
+// After the chunk-64 kernels' workspace (its slots and initial-state copy): the guard word, in an aligned block of its
+// own, then the final-state copy [N, HV, V, K] (used for a pool updated in place).
+constexpr int64_t kGuardBytes = fkda_prefill::kWorkspaceAlign;
 
 int64_t chunk64_workspace(int64_t T, int64_t N, int64_t HV) {
   return fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
+}
+int64_t final_copy_bytes(int64_t N, int64_t HV) {
+  return N * HV * fkda_c16::kV * fkda_c16::kK * int64_t(sizeof(StateT));
 }
 
 void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta,
@@ -68,7 +76,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
       << "argument 'checkpoints': this module (16-token chunks, pieces) writes no checkpoints; use a chunk-64 module";
   (void)checkpoint_every;
   const PrefillStates ps = prefill_state_args(ck, q, initial_state, final_state, state_indices, N, HV, V, K);
-  const int64_t c64_need = chunk64_workspace(T, N, HV), need = c64_need + kGuardBytes;
+  const int64_t c64_need = chunk64_workspace(T, N, HV), need = c64_need + kGuardBytes + final_copy_bytes(N, HV);
   prefill_workspace_arg(ck, workspace, q, need);
 
   const fkda::cuda::LaunchContext ctx(q);
@@ -86,22 +94,29 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 
   PrefillWorkspace ws(workspace, need, stream);
   // the used part of the chunk-64 workspace ends kWorkspaceAlign before its size (the alignment slack)
-  int* guard = reinterpret_cast<int*>(ws.ptr + c64_need - fkda_prefill::kWorkspaceAlign);
-  if (!in_place) {
-    FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, sizeof(int), stream), "cudaMemsetAsync(guard)");
-    a.pieces = split;
-    a.guard = guard;
-    launch_c16<StateT>(ctx, a, gm, lower_bound);
+  uint8_t* guard_block = ws.ptr + c64_need - fkda_prefill::kWorkspaceAlign;
+  int* guard = reinterpret_cast<int*>(guard_block);
+  FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, sizeof(int), stream), "cudaMemsetAsync(guard)");
+  StateT* pool = static_cast<StateT*>(a.fin);
+  if (in_place) {
+    a.fin = guard_block + kGuardBytes;
+    a.fin_dense = 1;
   }
+  a.pieces = split;
+  a.guard = guard;
+  launch_c16<StateT>(ctx, a, gm, lower_bound);
   const Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws.ptr, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
-                         in_place ? nullptr : guard};
+                         guard};
   launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
                          state_indices, ps, out);
+  if (in_place)
+    ctx.launch("kda_prefill_c16_commit_kernel", fkda_c16::kda_prefill_c16_commit_kernel<StateT>,
+               dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N)), dim3(fkda_c16::kCommitThreads), 0, a, pool);
   ws.release(stream);
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t value_heads) {
-  return chunk64_workspace(total_tokens, num_seqs, value_heads) + kGuardBytes;
+  return chunk64_workspace(total_tokens, num_seqs, value_heads) + kGuardBytes + final_copy_bytes(num_seqs, value_heads);
 }
 
 }  // namespace

@@ -5,7 +5,7 @@ names (prefill_c16g_<X>_<state> falls back to prefill_<X>_<state>).
 Which path served a call is read off the bits: decaying keys (every piece's warm-up short) give the piece split's
 output and final state bitwise (prefill_c16p_*, the same kernel unguarded); one slowly decaying key a head (every
 warm-up walks back to chunk 0) hands the call to the chunk-64 kernels, bitwise the fallback module; a pool updated in
-place runs the chunk-64 kernels alone; a call whose HV x N fills a wave runs the fused kernel unsplit (prefill_c16_*).
+place gives the same bits on either path (the pieces store to a copy the last kernel moves into the pool); a call whose HV x N fills a wave runs the fused kernel unsplit (prefill_c16_*).
 Each path is also held to the float64 recurrence, outputs NaN-poisoned first.
 """
 from __future__ import annotations
@@ -107,16 +107,42 @@ def test_a_slowly_decaying_key_hands_the_call_to_the_chunk64_kernels(name):
     assert same((o2, fin2), (o, fin))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_a_pool_in_place_runs_the_chunk64_kernels(name):
-    seed("inplace", name)
+def in_place_case(name, key):
+    """Three sequences on a pool of 6 slots updated in place (slots 3, 1 and a padding row -1), decaying keys or one
+    slow key a head: (inputs, pool before, indices)."""
+    seed("inplace", name, key)
     H = 2
-    d = make([3000, 40], H, H, "bounded")
-    pool = (torch.randn(5, H, V, K, device=DEV) * 0.5).to(sdtype(RECS[name]))
-    idx = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
-    a, b = run_both(name, fallback_of(name), d, "bounded", 2, H, pool=pool, idx=idx)
+    d = make([3000, 40, 500], H, H, "bounded")
+    d = fast_decays(d) if key == "fast" else slow_key(d, H)
+    pool = (torch.randn(6, H, V, K, device=DEV) * 0.5).to(sdtype(RECS[name]))
+    return d, pool, torch.tensor([3, 1, -1], dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pool_in_place_with_decaying_keys_is_the_piece_split(name):
+    """The pieces store the final states to the workspace's copy and a last kernel moves them into the pool: the bits
+    of the piece split called out of place (prefill_c16p_*: initial states read from one pool, final ones stored to
+    another), and every slot the call does not own bitwise unchanged."""
+    d, pool, idx = in_place_case(name, "fast")
+    p = pool.clone()
+    o = call(load(name), d, "bounded", init=p, fin=p, idx=idx)
+    fin = torch.full_like(pool.float(), float("nan")).to(pool.dtype)
+    o2 = call(load(split_of(name)), d, "bounded", init=pool, fin=fin, idx=idx)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(o), bits(o2)), f"{name}: not the piece split's output bits"
+    assert torch.equal(bits(p[[3, 1]]), bits(fin[[3, 1]])), f"{name}: not the piece split's final states"
+    assert torch.equal(bits(p[[0, 2, 4, 5]]), bits(pool[[0, 2, 4, 5]]))  # untouched slots (5: the padding row's)
+    ro, rf, _ = recurrence(d, "bounded", -5.0, pool, idx=idx.tolist())
+    assert rel(o[0], ro) < TOL and rel(p[[3, 1]], rf[:2]) < TOL, (rel(o[0], ro), rel(p[[3, 1]], rf[:2]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pool_in_place_with_a_slow_key_is_the_chunk64_kernels(name):
+    """The guard hands the call over before anything reaches the pool: the chunk-64 module's bits in place."""
+    d, pool, idx = in_place_case(name, "slow")
+    a, b = run_both(name, fallback_of(name), d, "bounded", 3, 2, pool=pool, idx=idx)
     assert same(a, b)
-    assert torch.equal(bits(a[1][[0, 2, 4]]), bits(pool[[0, 2, 4]]))  # untouched slots
+    assert torch.equal(bits(a[1][[0, 2, 4, 5]]), bits(pool[[0, 2, 4, 5]]))  # untouched slots
 
 
 @pytest.mark.parametrize("name", F32)
