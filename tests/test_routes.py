@@ -359,57 +359,64 @@ EDGES = {
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", lower_bound=-5.0, state="bf16"),
          "prefill_vt64s_bf16", frozenset({"chunk64"})),
     ],
-    # c16g (bounded gates): the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), few_seq_heads,
-    # some_seq_heads and fallback serve, each module guarded by that route's chunk-64 kernels
+    # c16g (bounded gates): the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), some_seq_heads and
+    # fallback serve; up to 32 items it hands over to the unsplit chain (vt16 to 16 items, vt32 above), from 41 to
+    # fallback's kernels. Below 8192 tokens a sequence at <= 16 items the chunk-64 routes keep the call.
     ("kda_prefill", "c16g_few", "work_items_max"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768), "prefill_c16g_pc8_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"), "prefill_c16g_pc8_vt64_bf16"),
-        (prefill_meta(gate="bounded", value_heads=9, total_tokens=32768), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"), "prefill_c16g_vt16_bf16"),
+        (prefill_meta(gate="bounded", value_heads=9, total_tokens=32768), "prefill_c16g_vt16_f32"),   # c16g_groups
+        (prefill_meta(gate="bounded", value_heads=9, total_tokens=32768), "prefill_pc16_vt64g2_f32", CHUNK64),
     ],
     ("kda_prefill", "c16g_few", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32"),
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8191), "prefill_c16g_vt16_f32"),   # c16g_short
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192, checkpoints=True), "prefill_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8191), "prefill_vt16_f32"),   # few_seq_heads
         (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", CHUNK64),   # chunk64: the band's module before c16g
     ],
     ("kda_prefill", "c16g_groups", "work_items_min"): [
-        (prefill_meta(gate="bounded", value_heads=9, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g_pc8_vt64_f32"),
+        (prefill_meta(gate="bounded", value_heads=9, total_tokens=8192), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=9, total_tokens=8192), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", CHUNK64),   # c16g_few's twin
     ],
     ("kda_prefill", "c16g_groups", "work_items_max"): [
-        (prefill_meta(gate="bounded", value_heads=24, total_tokens=8192, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16"),
-        (prefill_meta(gate="bounded", value_heads=25, total_tokens=8192), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192, state="bf16"), "prefill_c16g_vt16_bf16"),
+        (prefill_meta(gate="bounded", value_heads=17, total_tokens=8192), "prefill_c16g_vt32_f32"),   # c16g_groups_24
     ],
     ("kda_prefill", "c16g_groups", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8191), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8191), "prefill_vt16_f32"),   # few_seq_heads
         (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192), "prefill_pc16_vt64g2_f32", CHUNK64),   # chunk64: the band's module before c16g
     ],
+    ("kda_prefill", "c16g_groups_24", "work_items_min"): [
+        (prefill_meta(gate="bounded", value_heads=17, total_tokens=8192), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=17, total_tokens=8192), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=8192), "prefill_c16g_vt16_f32"),   # c16g_groups
+    ],
+    ("kda_prefill", "c16g_groups_24", "work_items_max"): [
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=8192, state="bf16"), "prefill_c16g_vt32_bf16"),
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=8192), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=25, total_tokens=8192), "prefill_vt32_f32", CHUNK64),   # c16g_some's twin
+    ],
+    ("kda_prefill", "c16g_groups_24", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=8192), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=8191), "prefill_vt32_f32", CHUNK64),   # c16g_some's twin
+    ],
     ("kda_prefill", "c16g_groups_32", "work_items_min"): [
-        (prefill_meta(gate="bounded", value_heads=25, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=24, total_tokens=16384, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16"),
+        (prefill_meta(gate="bounded", value_heads=25, total_tokens=16384), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=25, total_tokens=16384), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=24, total_tokens=16384, state="bf16"), "prefill_c16g_vt32_bf16"),
     ],
     ("kda_prefill", "c16g_groups_32", "work_items_max"): [
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=33, total_tokens=16384), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=33, total_tokens=16384), "prefill_vt32_f32", CHUNK64),   # c16g_some's twin
     ],
     ("kda_prefill", "c16g_groups_32", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16383), "prefill_c16g_vt32_f32"),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16384), "prefill_pc16_vt64g2_f32", CHUNK64),
+        (prefill_meta(gate="bounded", value_heads=32, total_tokens=16383), "prefill_vt32_f32", CHUNK64),
     ],
     ("kda_prefill", "c16g_some", "work_items_min"): [
         (prefill_meta(gate="bounded", value_heads=17, total_tokens=4096), "prefill_c16g_vt32_f32"),
-        (prefill_meta(gate="bounded", value_heads=16, total_tokens=4096), "prefill_c16g_vt16_f32"),
-    ],
-    ("kda_prefill", "c16g_short", "work_items_max"): [
-        (prefill_meta(gate="bounded", value_heads=16, total_tokens=2048), "prefill_c16g_vt16_f32"),
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=8, total_tokens=2 * 4096, state="bf16"), "prefill_c16g_vt16_bf16"),
-        (prefill_meta(gate="bounded", value_heads=17, total_tokens=2048), "prefill_c16g_vt32_f32"),
-    ],
-    ("kda_prefill", "c16g_short", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32"),
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2047), "prefill_vt16_f32"),
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=2048), "prefill_vt16_f32", CHUNK64),   # chunk64: the band's module before c16g
+        (prefill_meta(gate="bounded", value_heads=16, total_tokens=4096), "prefill_vt16_f32"),   # few_seq_heads
     ],
     ("kda_prefill", "c16g_some", "work_items_max"): [
         (prefill_meta(gate="bounded", value_heads=40, total_tokens=4096, state="bf16"), "prefill_c16g_vt32_bf16"),
@@ -512,10 +519,10 @@ EDGES = {
 # below it, and for the softplus gate, the band's chunk-64 module (the rule's chunk64 twin's): (rule, call, its module
 # there, the chunk-64 one)
 BOUNDED_ONLY = [
-    ("c16g_few", dict(value_heads=8, total_tokens=32768), "prefill_c16g_pc8_vt64_f32", "prefill_pc8_vt64_f32"),
-    ("c16g_groups", dict(value_heads=12, total_tokens=8192), "prefill_c16g_pc16_vt64g2_f32", "prefill_pc16_vt64g2_f32"),
-    ("c16g_groups_32", dict(value_heads=32, total_tokens=16384), "prefill_c16g_pc16_vt64g2_f32", "prefill_pc16_vt64g2_f32"),
-    ("c16g_short", dict(value_heads=8, total_tokens=2048), "prefill_c16g_vt16_f32", "prefill_vt16_f32"),
+    ("c16g_few", dict(value_heads=8, total_tokens=32768), "prefill_c16g_vt16_f32", "prefill_pc8_vt64_f32"),
+    ("c16g_groups", dict(value_heads=12, total_tokens=8192), "prefill_c16g_vt16_f32", "prefill_pc16_vt64g2_f32"),
+    ("c16g_groups_24", dict(value_heads=24, total_tokens=8192), "prefill_c16g_vt32_f32", "prefill_pc16_vt64g2_f32"),
+    ("c16g_groups_32", dict(value_heads=32, total_tokens=16384), "prefill_c16g_vt32_f32", "prefill_pc16_vt64g2_f32"),
     ("c16g_some", dict(value_heads=32, total_tokens=2048), "prefill_c16g_vt32_f32", "prefill_vt32_f32"),
     ("c16g_wide", dict(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
     ("c16g_mid", dict(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32",

@@ -217,17 +217,18 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("lens,H,opt_in,want", [([8192], 8, "", "prefill_c16g_pc8_vt64_f32"),
+@pytest.mark.parametrize("lens,H,opt_in,want", [([8192], 8, "", "prefill_c16g_vt16_f32"),            # c16g_few
                                                 ([8192], 8, "chunk64", "prefill_pc8_vt64_f32"),
-                                                ([8192], 12, "", "prefill_c16g_pc16_vt64g2_f32"),
+                                                ([8192], 12, "", "prefill_c16g_vt16_f32"),           # c16g_groups
+                                                ([8192], 24, "", "prefill_c16g_vt32_f32"),           # c16g_groups_24
                                                 ([2048, 2048], 32, "", "prefill_c16g_vt64_f32"),
                                                 ([2048, 2048], 32, "chunk64", "prefill_vt64_f32"),
                                                 ([1024] * 16, 8, "", "prefill_c16g_vt64_f32"),      # c16g_mid
                                                 ([1024] * 16, 16, "", "prefill_c16_f32"),           # fused_chunk16_wave
                                                 ([1024] * 16, 16, "chunk64", "prefill_vt64s_f32")])
 def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
-    """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 2048 tokens a
-    sequence (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit at 16 x 1024 H16
+    """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 8192 tokens a
+    sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit at 16 x 1024 H16
     (fused_chunk16_wave; both with the longest sequence given, max_seqlen), and FLASHKDA_EXT_OPT_IN=chunk64 keeps the
     chunk-64 module; the op's result is that module's
     own call bitwise, and right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
