@@ -206,18 +206,19 @@ def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
 def test_the_gpu_tests_premises_on_the_guard(gate):
     """tests/gpu/test_prefill_c16g_gpu.py reads the path a call took off its bits; that needs its inputs far from the
     guard's threshold at the piece count an H200 picks (2 x 132 CTAs over 2 sequences x 4 heads: 33 pieces, 4-6
-    chunks a piece). Decaying keys (dt_bias + 8) never trip it; one slow key a head (dt_bias -20) always does, at
-    either limit the records set (half a piece, a whole piece)."""
-    lens, HV = [3000, 1700], 4
-    P = pieces_of(64, 132, 2, HV, len(lens))
-    assert P == 33
-    for seed in range(3):
-        fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
-        slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
-        for hv in range(HV):
-            for pct in (50, 100):   # the chunk-64 splits' / vt64's guard, the unsplit chains' (vt16, vt32)
-                assert not any(guard_trips(L, P, fast[hv][n], pct) for n, L in enumerate(lens)), (seed, hv, pct)
-                assert guard_trips(lens[0], P, slow[hv][0], pct), (seed, hv, pct)
+    chunks a piece; the in-place cases' 3 sequences x 2 heads: 44 pieces). Decaying keys (dt_bias + 8) never trip it;
+    one slow key a head (dt_bias -20) always does, at either limit the records set (half a piece: vt64's; 12 percent,
+    at least 2 chunks: the unsplit chains', vt16 and vt32)."""
+    for lens, HV, want in (([3000, 1700], 4, 33), ([3000, 40, 500], 2, 44)):
+        P = pieces_of(64, 132, 2, HV, len(lens))
+        assert P == want
+        for seed in range(3):
+            fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
+            slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
+            for hv in range(HV):
+                for pct in (50, 12):
+                    assert not any(guard_trips(L, P, fast[hv][n], pct) for n, L in enumerate(lens)), (seed, hv, pct)
+                    assert guard_trips(lens[0], P, slow[hv][0], pct), (seed, hv, pct)
     # the old shift (+4) is too close for softplus at 33 pieces: a 4-chunk piece's limit is 2 chunks
     if gate == "softplus":
         near = gpu_test_gates(lens, HV, gate, 0, dt_shift=4.0)

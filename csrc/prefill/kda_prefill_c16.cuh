@@ -155,10 +155,11 @@ constexpr int kMinBlocks = FKDA_MIN_BLOCKS;
 // Guard (FKDA_PARAM_GUARD 1, modules prefill_c16g_*: kda_prefill_c16g.cu): a piece whose warm-up would pass
 // kGuardPct percent of its own length (at least 2 chunks) sets *a.guard and stops, and every other piece stops at its
 // next chunk once it sees the word set: the chunk-64 kernels launched after this one then do the whole call (they skip
-// it while it is clear). The limit is where the split stops paying for itself, roughly (fallback's time / a chunk's
-// time) - the piece's chunks: about half a piece where the fallback is a chunk-64 split or the vt64 module of many
-// items, about a whole piece where it is the unsplit chain of few items (vt16 / vt32: 0.84-2.25 pieces at the
-// measured B1 rows; params.c16_guard_pct, default 50).
+// it while it is clear). The walk costs about a chunk's time a chunk walked (4.7 us at B1 H8 on an H100), and a call
+// whose warm-ups walk far back (a slowly decaying key) pays it whole before the hand-over: half a piece (the default,
+// params.c16_guard_pct 50) where the fallback is the vt64 module of many items; 12 percent where it is the unsplit chain
+// of few items (vt16 / vt32), which a random bounded gate's one-chunk warm-up never reaches and which cut the hand-over
+// on fla-init gates from 1.43x the chain's time to 1.09x (B1 T32K H8; at 100 percent it was the split's whole time).
 #ifdef FKDA_PARAM_C16_GUARD_PCT
 constexpr int kGuardPct = FKDA_PARAM_C16_GUARD_PCT;
 #else
