@@ -127,6 +127,8 @@ def test_prefill_gets_a_column_per_peer(sources):
         label = "`kda_prefill`, f32 state" + (f", {g.pop()} gate" if len(g) == 1 else "") + \
             (f", H{heads[0]}-{heads[-1]}" if len(heads) > 1 else f", H{heads[0]}") + \
             (f", {slow} slowly decaying key{'s' if slow > 1 else ''} a head" if slow else "")
+        drawn = sorted({c["params"].get("gate_params", "random") for c in src.doc["cases"]} - {"random"})
+        label += ", gate parameters " + " / ".join(drawn) if drawn else ""
         assert "| opt-in arm |" not in readme   # a run's opt-in arm is a candidate of ours, not a peer
         assert f"| {label} | cuDNN | 2.00x (2.00x) |" in readme and f"| {label} | fla | 3.00x (3.00x) |" in readme
     only_cudnn = "\n".join(perf_doc.prefill_section(arms(False, True)["kda_prefill"]))
@@ -450,4 +452,5 @@ def test_a_run_on_other_gate_parameters_is_labelled_apart_in_the_readme(sources)
     labels = [lab for lab, _, _, _, _, s in perf_doc.summary_rows({"kda_prefill": [src]}) if s is src]
     assert labels and all(lab.endswith("gate parameters fla-init") for lab in labels), labels
     for lab, _, _, _, _, s in perf_doc.summary_rows(sources):
-        assert "gate parameters" not in lab, lab
+        drawn = {c["params"].get("gate_params", "random") for c in s.doc["cases"]}
+        assert ("gate parameters" in lab) == (drawn != {"random"}), lab
