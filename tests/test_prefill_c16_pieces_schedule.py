@@ -174,13 +174,13 @@ def test_pieces_of_matches_the_binding():
     assert pieces_of(16, 132, 2, 8, 1) == 16
 
 
-def guard_trips(len_, P, bound_of_chunk, pct=50):
+def guard_trips(len_, P, bound_of_chunk, pct=50, max_chunks=1 << 30):
     """The guarded modules' hand-over (kda_prefill_c16.cuh, FKDA_PARAM_GUARD): the kernel checks cb - cs against
-    max(2, per x pct / 100) (params.c16_guard_pct) before each step of the walk, so it trips exactly when some piece's
-    whole walk (schedule's cb - cs) is longer than that."""
+    max(2, min(max_chunks, per x pct / 100)) (params.c16_guard_pct, c16_guard_max_chunks) before each step of the
+    walk, so it trips exactly when some piece's whole walk (schedule's cb - cs) is longer than that."""
     nch = (len_ + C - 1) // C
     per = (nch + P - 1) // P
-    limit = max(2, per // 2 if pct == 50 else per * pct // 100)
+    limit = max(2, min(max_chunks, per // 2 if pct == 50 else per * pct // 100))
     return any(x["cb"] - x["cs"] > limit for x in schedule(len_, P, bound_of_chunk))
 
 
@@ -207,8 +207,8 @@ def test_the_gpu_tests_premises_on_the_guard(gate):
     """tests/gpu/test_prefill_c16g_gpu.py reads the path a call took off its bits; that needs its inputs far from the
     guard's threshold at the piece count an H200 picks (2 x 132 CTAs over 2 sequences x 4 heads: 33 pieces, 4-6
     chunks a piece; the in-place cases' 3 sequences x 2 heads: 44 pieces). Decaying keys (dt_bias + 8) never trip it;
-    one slow key a head (dt_bias -20) always does, at either limit the records set (half a piece: vt64's; 12 percent,
-    at least 2 chunks: the unsplit chains', vt16 and vt32)."""
+    one slow key a head (dt_bias -20) always does, at either limit the records set (half a piece: vt64's; a whole piece
+    capped at 16 chunks: the unsplit chains', vt16 and vt32)."""
     for lens, HV, want in (([3000, 1700], 4, 33), ([3000, 40, 500], 2, 44)):
         P = pieces_of(64, 132, 2, HV, len(lens))
         assert P == want
@@ -216,9 +216,9 @@ def test_the_gpu_tests_premises_on_the_guard(gate):
             fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
             slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
             for hv in range(HV):
-                for pct in (50, 12):
-                    assert not any(guard_trips(L, P, fast[hv][n], pct) for n, L in enumerate(lens)), (seed, hv, pct)
-                    assert guard_trips(lens[0], P, slow[hv][0], pct), (seed, hv, pct)
+                for pct, cap in ((50, 1 << 30), (100, 16)):
+                    assert not any(guard_trips(L, P, fast[hv][n], pct, cap) for n, L in enumerate(lens)), (seed, hv, pct)
+                    assert guard_trips(lens[0], P, slow[hv][0], pct, cap), (seed, hv, pct)
     # the old shift (+4) is too close for softplus at 33 pieces: a 4-chunk piece's limit is 2 chunks
     if gate == "softplus":
         near = gpu_test_gates(lens, HV, gate, 0, dt_shift=4.0)
@@ -250,3 +250,24 @@ def test_pieces_recurrence_float64(lens, HV, P, near_bound):
             err = ((got[b:b + L] - ref[b:b + L]).norm() / ref[b:b + L].norm()).item()
             errf = ((fin - fin_ref).norm() / fin_ref.norm()).item()
             assert err < 1e-6 and errf < 1e-6, (n, err, errf)
+
+
+def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
+    """prefill_c16g_vt16 / vt32 (the guard that hands over to the unsplit chain): a piece's warm-up may walk its own
+    length or 16 chunks (256 tokens), whichever is shorter. At B1 T32K H8 (33 pieces of 63 chunks) a gate whose slowest
+    key decays as at A_log 0 in the SGLang benchmark's draw (warm-ups of 10-12 chunks) splits; at 12 percent of a piece
+    (7 chunks, 16f417f) it handed over (measured: 0.769 ms through SGLang's extend, h100-2026-12-05-16f417f, against
+    the split's ~0.31). At B1 T8K (16-chunk pieces) the cap is the piece."""
+    import torch
+    H, T = 2, 32768
+    gen = torch.Generator().manual_seed(1)
+    graw = (torch.randn(T, H, K, generator=gen) - 1.0).bfloat16()
+    dt = torch.randn(H * K, generator=gen) * 0.5
+    tb = token_bounds(graw, torch.zeros(H), dt, -5.0).double()
+    P = pieces_of(64, 132, 2, 8, 1)
+    for hv in range(H):
+        bound = (lambda h: lambda c: float(tb[c * C:(c + 1) * C, h].sum()))(hv)
+        assert not guard_trips(T, P, bound, 100, 16), hv
+        assert guard_trips(T, P, bound, 12), hv
+    nch, per = 8192 // C, (8192 // C + P - 1) // P
+    assert per == 16 and max(2, min(16, per * 100 // 100)) == per

@@ -157,15 +157,23 @@ constexpr int kMinBlocks = FKDA_MIN_BLOCKS;
 // next chunk once it sees the word set: the chunk-64 kernels launched after this one then do the whole call (they skip
 // it while it is clear). The walk costs about a chunk's time a chunk walked (4.7 us at B1 H8 on an H100), and a call
 // whose warm-ups walk far back (a slowly decaying key) pays it whole before the hand-over: half a piece (the default,
-// params.c16_guard_pct 50) where the fallback is the vt64 module of many items; 12 percent where it is the unsplit chain
-// of few items (vt16 / vt32), which a random bounded gate's one-chunk warm-up never reaches and which cut the hand-over
-// on fla-init gates from 1.43x the chain's time to 1.09x (B1 T32K H8; at 100 percent it was the split's whole time).
+// params.c16_guard_pct 50) where the fallback is the vt64 module of many items; a whole piece, capped at
+// params.c16_guard_max_chunks (16: 256 tokens), where it is the unsplit chain of few items (vt16 / vt32). The cap keeps
+// the walk on gates whose warm-ups go far back (fla-init gates: at a whole piece the fused kernel ran as long as the
+// split itself, 1.43x the chain's time at B1 T32K H8; at 12 percent, 7 chunks, 1.09x) while warm-ups of a few hundred
+// tokens still split (the SGLang benchmark's gates: up to 160 tokens at B1 T32K H8; 12 percent handed them over).
 #ifdef FKDA_PARAM_C16_GUARD_PCT
 constexpr int kGuardPct = FKDA_PARAM_C16_GUARD_PCT;
 #else
 constexpr int kGuardPct = 50;
 #endif
 static_assert(kGuardPct >= 1 && kGuardPct <= 400, "params.c16_guard_pct: 1..400 percent of a piece");
+#ifdef FKDA_PARAM_C16_GUARD_MAX_CHUNKS
+constexpr int kGuardMaxChunks = FKDA_PARAM_C16_GUARD_MAX_CHUNKS;
+#else
+constexpr int kGuardMaxChunks = 1 << 30;  // no cap
+#endif
+static_assert(kGuardMaxChunks >= 2, "params.c16_guard_max_chunks: at least 2 chunks");
 
 template <typename ST>
 __device__ __forceinline__ float2 ld_pair(const ST* p);
@@ -491,7 +499,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     // chunks and sums as one at a time; up to kWalkStep - 1 computed and not used at its end)
     float sum = 0.f;
 #if FKDA_PARAM_GUARD == 1
-    const int limit = max(2, kGuardPct == 50 ? per / 2 : per * kGuardPct / 100);  // warm-up chunks before the hand-over
+    // warm-up chunks before the hand-over
+    const int limit = max(2, min(kGuardMaxChunks, kGuardPct == 50 ? per / 2 : per * kGuardPct / 100));
 #endif
     while (cs > 0 && sum > -24.f) {
       float b[kWalkStep];

@@ -251,8 +251,9 @@ def test_refuses_what_the_route_never_sends(name):
 
 def test_route():
     from flashkda_ext import dispatch
-    meta = dict(device="cuda", num_seqs=64, value_heads=16, total_tokens=64 * 512, max_seqlen=512, mean_seqlen=512,
-                work_items=1024, state="f32", offset="o64", gate="bounded", checkpoints=False, lower_bound=-5.0)
+    from flashkda_ext.validation.prefill import prefill_route_meta
+    # 64 x 512 tokens at 16 heads, the longest given (work_per_longest 1024, as the op computes it)
+    meta = prefill_route_meta("cuda", 64, 16, 64 * 512, 512, "f32", "o64", "bounded", False, lower_bound=-5.0)
     assert dispatch.module_name("kda_prefill", meta, opted_in={"c16"}) == "prefill_c16_f32"
     assert dispatch.module_name("kda_prefill", meta, opted_in={"c16p"}) == "prefill_c16p_f32"
     assert dispatch.module_name("kda_prefill", dict(meta, state="bf16"), opted_in={"c16"}) == "prefill_c16_bf16"
