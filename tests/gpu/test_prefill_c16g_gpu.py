@@ -5,7 +5,8 @@ names (prefill_c16g_<X>_<state> falls back to prefill_<X>_<state>).
 Which path served a call is read off the bits: decaying keys (every piece's warm-up short) give the piece split's
 output and final state bitwise (prefill_c16p_*, the same kernel unguarded); one slowly decaying key a head (every
 warm-up walks back to chunk 0) hands the call to the chunk-64 kernels, bitwise the fallback module; a pool updated in
-place gives the same bits on either path (the pieces store to a copy the last kernel moves into the pool); a call whose HV x N fills a wave runs the fused kernel unsplit (prefill_c16_*).
+place gives the same bits on either path (the pieces store to a copy the last kernel moves into the pool); a call
+whose HV x N fills a wave runs the fused kernel unsplit (prefill_c16_*).
 Each path is also held to the float64 recurrence, outputs NaN-poisoned first.
 """
 from __future__ import annotations
@@ -228,10 +229,10 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([1024] * 16, 16, "chunk64", "prefill_vt64s_f32")])
 def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
     """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 8192 tokens a
-    sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit at 16 x 1024 H16
-    (fused_chunk16_wave; both with the longest sequence given, max_seqlen), and FLASHKDA_EXT_OPT_IN=chunk64 keeps the
-    chunk-64 module; the op's result is that module's
-    own call bitwise, and right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
+    sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit
+    at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen), and
+    FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the op's result is that module's own call bitwise, and
+    right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
     seed("op", want, H)
     d = make(lens, H, H, "bounded")
     init = torch.randn(len(lens), H, V, K, device=DEV) * 0.5
