@@ -155,14 +155,14 @@ constexpr int kMinBlocks = FKDA_MIN_BLOCKS;
 // Guard (FKDA_PARAM_GUARD 1, modules prefill_c16g_*: kda_prefill_c16g.cu): a piece whose warm-up would pass
 // kGuardPct percent of its own length, at most kGuardMaxChunks (at least 2 chunks), sets *a.guard and stops, and
 // every other piece stops at its next chunk once it sees the word set: the chunk-64 kernels launched after this one
-// then do the whole call (they skip it while it is clear). The walk costs about a chunk's time a chunk walked (4.7 us
-// at B1 H8 on an H100), and a call whose warm-ups walk far back (a slowly decaying key) pays it whole before the
-// hand-over: half a piece (the default, params.c16_guard_pct 50) where the fallback is the vt64 module of many items;
-// a whole piece, capped at params.c16_guard_max_chunks (16: 256 tokens), where it is the unsplit chain of few items
-// (vt16 / vt32). The cap keeps the walk short on gates whose warm-ups go far back (fla-init gates: at a whole piece
-// the fused kernel ran as long as the split itself, 1.43x the chain's time at B1 T32K H8; at 12 percent, 7 chunks,
-// 1.09x) while warm-ups of a few hundred tokens still split (the SGLang benchmark's gates: up to 160 tokens at B1
-// T32K H8; 12 percent handed them over).
+// then do the whole call (they skip it while it is clear). The walk costs ~0.9 us a chunk walked at B1 H8 on an H100
+// (4.7 us while each of a step's loads waited on its own), and a call whose warm-ups walk far back (a slowly decaying
+// key) pays it whole before the hand-over: half a piece (the default, params.c16_guard_pct 50) where the fallback is
+// the vt64 module of many items; a whole piece, capped at params.c16_guard_max_chunks (16: 256 tokens), where it is
+// the unsplit chain of few items (vt16 / vt32). The cap keeps the walk short on gates whose warm-ups go far back
+// (fla-init gates, B1 T32K H8: the chain 0.700 ms, the hand-over at 16 chunks 0.733, at 32 0.754, at a whole piece
+// 0.774) while warm-ups of a few hundred tokens still split (the SGLang benchmark's gates: up to 160 tokens at B1
+// T32K H8).
 #ifdef FKDA_PARAM_C16_GUARD_PCT
 constexpr int kGuardPct = FKDA_PARAM_C16_GUARD_PCT;
 #else
