@@ -379,7 +379,7 @@ __device__ __forceinline__ void load_chunk(uint8_t* stage, const Args& a, size_t
 // memory) the two warps of each half. Each chunk's sum runs over its tokens in order, as one chunk at a time would.
 // Branch-free, so that a step waits for memory once: every load reads a valid row (a token past its chunk's end
 // reads the sequence's first token, len > 0 while a piece walks) and is masked after it arrived. Under `if (t < nt)`
-// each load sat on its own branch, the step waited for memory 32 times (~4.5 us a chunk walked, on an H100).
+// each load sat on its own branch, the step waited for memory 32 times (~4.7 us a chunk walked, on an H100).
 constexpr int kWalkStep = 4;
 template <int GATE>
 __device__ __forceinline__ void chunk_bounds(float (&b)[kWalkStep], const Args& a, int64_t bos, int64_t len, int c,
