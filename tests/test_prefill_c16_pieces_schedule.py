@@ -2,7 +2,8 @@
 
 The formulas below are copied from the kernel (not extracted from it): keep them in step. For each (sequence,
 piece) it replays the CTA's control flow - the piece's chunks [cb, ce), the warm-up walk back to cs summing each
-chunk's attenuation bound until <= -24 (log2), the zero / initial state start, the 2-deep cp.async ring (the prologue
+chunk's attenuation bound until <= -24 (log2) in steps of four chunks (the rows each step loads stay in the
+sequence), the zero / initial state start, the 2-deep cp.async ring (the prologue
 loads chunk cs, chunk c + 1 is loaded during chunk c, chunk c is read from stage c & 1), the output stores
 (c >= cb only) and the final-state writer (ce == nch) - and checks that every token's output is stored exactly once,
 every sequence's final state by exactly one piece, and every chunk is read from the stage it was loaded into (the
@@ -35,8 +36,24 @@ def token_bounds(graw, A_log, dt_bias, lb, gate="bounded"):
     return (gate_log_decay(graw.float(), gate, A_log, dt_bias, lb if gate == "bounded" else None) * LOG2E).amax(-1)
 
 
-def schedule(len_, P, bound_of_chunk, stage_fix=True):
-    """The CTAs of one (sequence, head): a list of dicts (p, cs, cb, ce, writer, reads) as the kernel runs them."""
+WALK_STEP = 4  # kWalkStep: the chunks whose bounds one walk step computes together
+
+
+def walk_rows(len_, c, masked=True):
+    """The sequence rows (tokens from its first) a walk step at chunk c loads (chunk_bounds: chunks c, c - 1, ..,
+    c - 3; token t of chunk cj is row 16 cj + t where t < its token count, else row 0, masked after the load).
+    masked=False is the rule without the fallback row (each load at 16 cj + t), for the check's own test."""
+    rows = []
+    for j in range(WALK_STEP):
+        cj = c - j
+        nt = min(C, len_ - cj * C) if cj >= 0 else 0
+        rows += [cj * C + t if (t < nt or not masked) else 0 for t in range(C)]
+    return rows
+
+
+def schedule(len_, P, bound_of_chunk, stage_fix=True, masked_rows=True):
+    """The CTAs of one (sequence, head): a list of dicts (p, cs, cb, ce, writer, reads, walk_rows) as the kernel runs
+    them."""
     nch = (len_ + C - 1) // C
     ctas = []
     for p in range(P):
@@ -49,10 +66,15 @@ def schedule(len_, P, bound_of_chunk, stage_fix=True):
             cb, ce = 0, nch
         writer = ce == nch
         cs, s = cb, 0.0
+        rows = []
         if P > 1:
-            while cs > 0 and s > -24.0:
-                cs -= 1
-                s += bound_of_chunk(cs)
+            while cs > 0 and s > -24.0:  # a step: the bounds of cs - 1 .. cs - 4, then up to 4 chunks added
+                rows += walk_rows(len_, cs - 1, masked_rows)
+                for _ in range(WALK_STEP):
+                    if not (cs > 0 and s > -24.0):
+                        break
+                    cs -= 1
+                    s += bound_of_chunk(cs)
         ring = [None, None]
         if cs < ce:
             ring[(cs & 1) if stage_fix else 0] = cs  # the prologue
@@ -61,15 +83,15 @@ def schedule(len_, P, bound_of_chunk, stage_fix=True):
             if c + 1 < ce:
                 ring[(c + 1) & 1] = c + 1
             reads.append((c, ring[c & 1]))
-        ctas.append(dict(p=p, cs=cs, cb=cb, ce=ce, writer=writer, reads=reads, nch=nch))
+        ctas.append(dict(p=p, cs=cs, cb=cb, ce=ce, writer=writer, reads=reads, nch=nch, walk_rows=rows))
     return ctas
 
 
-def check_schedule(lens, P, bound_of, stage_fix=True):
+def check_schedule(lens, P, bound_of, stage_fix=True, masked_rows=True):
     """Schedule invariants; returns the problems found (empty when sound)."""
     bad = []
     for n, L in enumerate(lens):
-        ctas = schedule(L, P, lambda c: bound_of(n, c), stage_fix)
+        ctas = schedule(L, P, lambda c: bound_of(n, c), stage_fix, masked_rows)
         stores = [0] * L
         writers = sum(1 for x in ctas if x["writer"])
         if writers != 1:
@@ -81,6 +103,9 @@ def check_schedule(lens, P, bound_of, stage_fix=True):
                 if c >= x["cb"]:
                     for t in range(c * C, min(L, c * C + C)):
                         stores[t] += 1
+            outside = [r for r in x["walk_rows"] if not 0 <= r < L]
+            if outside:
+                bad.append((n, x["p"], "the walk loads rows %s of a %d-token sequence" % (outside[:4], L)))
             if x["cs"] > 0 and x["cs"] < x["cb"]:
                 walked = sum(bound_of(n, c) for c in range(x["cs"], x["cb"]))
                 if walked > -24.0:
@@ -161,6 +186,17 @@ def test_the_old_prologue_stage_is_caught():
     bad = check_schedule(lens, P, chunk_bounds(d, -5.0, 0), stage_fix=False)
     assert any("read from a stage" in str(b) for b in bad), bad
     assert check_schedule(lens, P, chunk_bounds(d, -5.0, 0), stage_fix=True) == []
+
+
+def test_a_walk_load_outside_the_sequence_is_caught():
+    """The walk loads all of a step's rows before it masks them (8f0566f): a token past its chunk's end, or a chunk
+    below 0, reads the sequence's first row. Without that fallback row a step near the sequence's start loads rows
+    before its first token (the chunks below 0), which the emulation must see on the GPU tests' shapes."""
+    lens, HV, P = [40, 16, 300], 4, 16
+    d = make(lens, HV, seed=1, near_bound=True)
+    bad = check_schedule(lens, P, chunk_bounds(d, -5.0, 0), masked_rows=False)
+    assert any("the walk loads rows" in str(b) for b in bad), bad
+    assert check_schedule(lens, P, chunk_bounds(d, -5.0, 0)) == []
 
 
 def test_pieces_of_matches_the_binding():
