@@ -5,11 +5,12 @@
 //
 // Why: the piece split starts each piece from a zero state after a warm-up long enough to attenuate the dropped state
 // below 2^-24, which is short on decaying keys (1.09-1.52x the chunk-64 modules) and walks back to chunk 0 on a slowly
-// decaying key (up to 11x slower). A route cannot see the gates, so the kernel decides: a piece whose warm-up would pass
-// its limit (half its own length, or params.c16_guard_pct percent: 12 where the fallback is the unsplit chain) sets the
-// guard word and stops, the other pieces stop at their next chunk, and the chunk-64 kernels, which skip the call while
-// the word is clear, then do the whole call. Either way one of the two computes every output and the final state (the
-// chunk-64 kernels after the fused one, overwriting what it wrote).
+// decaying key (up to 11x slower). A route cannot see the gates, so the kernel decides: a piece whose warm-up would
+// pass its limit (half its own length; a whole one capped at params.c16_guard_max_chunks, 16, where the fallback is
+// the unsplit chain: params.c16_guard_pct 100) sets the guard word and stops, the other pieces stop at their next
+// chunk, and the chunk-64 kernels, which skip the call while the word is clear, then do the whole call. Either way one
+// of the two computes every output and the final state (the chunk-64 kernels after the fused one, overwriting what it
+// wrote).
 // When the fused kernel cannot split (one wave of 2 CTAs an SM already holds HV x N) it runs alone, unsplit and exact.
 // When initial_state and final_state overlap (a pool updated in place, as vLLM and SGLang call it), a piece that walks
 // back to chunk 0 reads the initial state while the last piece may already have stored the final state, so the pieces
