@@ -636,6 +636,14 @@ __device__ __forceinline__ void stash_initial_state(const PrepArgs& a, const Seq
   for (int i = tid; i < kV * kK; i += kLiteThreads) dst[i] = src[i];
 }
 
+// Step 7's k-step loops (1-3 steps) are left rolled in a guarded module, whose item loop around the prep otherwise
+// has them unrolled (64 more mma.sync); elsewhere the pragma would move the routed modules' code, so it is not there.
+#if FKDA_PARAM_GUARD == 1
+#define FKDA_PREP_KSTEPS_NOUNROLL _Pragma("unroll 1")
+#else
+#define FKDA_PREP_KSTEPS_NOUNROLL
+#endif
+
 // One work item of the prep: chunk slot item / HV, value head item % HV.
 template <typename ST>
 __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsigned item) {
@@ -977,6 +985,7 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
     for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     // k-steps 0..m0 feed both row blocks, then m0 + 1..m1 row block m1 alone (two loops: no
     // predicated-off products taking issue slots)
+    FKDA_PREP_KSTEPS_NOUNROLL
     for (int ks = 0; ks <= m0; ++ks) {
       uint32_t a0[4], a1[4];
       load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
@@ -991,6 +1000,7 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
         mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
       }
     }
+    FKDA_PREP_KSTEPS_NOUNROLL
     for (int ks = m0 + 1; ks <= m1; ++ks) {
       uint32_t a1[4];
       load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
@@ -1047,6 +1057,7 @@ __global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_B
   // early exits, not one a chunk-head (4104 at 1 x 32768 H8: 42.9 us of device time on an H100,
   // benchmarks/results/h100-2026-12-05-99a4ce2/profile.txt)
   if (guard_skips(a.st)) return;
+#pragma unroll 1
   for (unsigned item = blockIdx.x; item < a.items; item += gridDim.x) {
     prep_item<ST>(a, smem, item);
     __syncthreads();  // the item's shared memory is read (its bulk stores waited for) before the next one writes it
