@@ -109,13 +109,9 @@ void launch_chunk64(const fkda::cuda::LaunchContext& ctx, const Chunk64Call& c, 
     pa.st = sa;
     // one CTA a (chunk slot, value head), heads adjacent (see the kernel)
     FKDA_CHECK(slots_chunks * c.HV <= 0x7fffffff, fn) << "too many chunks x value heads: " << slots_chunks * c.HV;
-    int64_t prep_ctas = slots_chunks * c.HV;
-#if FKDA_PARAM_GUARD == 1  // one wave walks the items (the kernel's loop): cheap to skip
-    pa.items = static_cast<unsigned>(prep_ctas);
-    prep_ctas = std::min<int64_t>(prep_ctas, int64_t(FKDA_PARAM_PREP_MIN_BLOCKS) * ctx.sm_count());
-#endif
     ctx.launch("kda_prep_lite_kernel", fkda_prefill::kda_prep_lite_kernel<StateT>,
-               dim3(static_cast<unsigned>(prep_ctas)), dim3(fkda_prefill::kLiteThreads), fkda_prefill::kLiteSmem, pa);
+               dim3(static_cast<unsigned>(slots_chunks * c.HV)), dim3(fkda_prefill::kLiteThreads),
+               fkda_prefill::kLiteSmem, pa);
   }
   using SM = fkda_prefill::StateSmem<FKDA_PARAM_VT>;
   ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<FKDA_PARAM_VT, fkda_prefill::default_ring<FKDA_PARAM_VT>(), StateT>,

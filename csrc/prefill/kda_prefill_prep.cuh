@@ -172,9 +172,6 @@ struct PrepArgs {
   int beta_logit;
   uint8_t* ws;
   StateArgs st;  // the state pass's arguments: st.single = 1 finishes one-chunk sequences here
-#if FKDA_PARAM_GUARD == 1
-  unsigned items;  // chunk slots x HV, walked by a grid of at most one wave (guarded modules only)
-#endif
 };
 
 // Two adjacent entries (row, col) and (row, col + 1), col even, of L (strictly lower, times
@@ -624,10 +621,9 @@ __device__ __forceinline__ void prep_single_chunk_state(const PrepArgs& a, uint8
 // state may be the same memory (a pool updated in place), written by another piece. The prep
 // finishes before the state pass reads anything (PDL wait), so the copy is never raced.
 template <typename ST>
-__device__ __forceinline__ void stash_initial_state(const PrepArgs& a, const SeqOfChunk& sq, unsigned item, int hv,
-                                                    int tid) {
+__device__ __forceinline__ void stash_initial_state(const PrepArgs& a, const SeqOfChunk& sq, int hv, int tid) {
   const StateArgs& sa = a.st;
-  const int64_t cslot = item / unsigned(a.HV);
+  const int64_t cslot = blockIdx.x / unsigned(a.HV);
   int64_t slot;
   if (cslot != sq.bos / kC + sq.n || !sa.init || state_slot(sa, sq.n, slot)) return;
   const ST* src = static_cast<const ST*>(sa.init) + size_t(slot) * size_t(sa.slot_stride) + size_t(hv) * kV * kK;
@@ -636,17 +632,13 @@ __device__ __forceinline__ void stash_initial_state(const PrepArgs& a, const Seq
   for (int i = tid; i < kV * kK; i += kLiteThreads) dst[i] = src[i];
 }
 
-// Step 7's k-step loops (1-3 steps) are left rolled in a guarded module, whose item loop around the prep otherwise
-// has them unrolled (64 more mma.sync); elsewhere the pragma would move the routed modules' code, so it is not there.
-#if FKDA_PARAM_GUARD == 1
-#define FKDA_PREP_KSTEPS_NOUNROLL _Pragma("unroll 1")
-#else
-#define FKDA_PREP_KSTEPS_NOUNROLL
-#endif
-
-// One work item of the prep: chunk slot item / HV, value head item % HV.
 template <typename ST>
-__device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsigned item) {
+__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
+  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
+#if FKDA_PARAM_GUARD == 1
+  if (guard_skips(a.st)) return;  // (guarded modules) the fused kernel before served the call
+#endif
+  extern __shared__ __align__(128) uint8_t smem[];
   float* Gs = reinterpret_cast<float*>(smem + kLOffG);
   uint32_t* Xw = reinterpret_cast<uint32_t*>(smem + kLOffX);  // X: split words (diagonal blocks, X_10, X_32)
   bf16* Xb = reinterpret_cast<bf16*>(smem + kLOffXb);
@@ -661,11 +653,11 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
   int* safe = reinterpret_cast<int*>(smem + kLOffSafe);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Item b (CTA b's; in a guarded module one of a CTA's) is (chunk slot b / HV, value head b % HV): items that run
-  // together read the same tokens' rows of q, k, v and g, whose heads are adjacent in memory (slot-major order read
-  // one head's rows 64 at a time, 4 KB apart at 16 heads)
-  const int64_t slot = item / unsigned(a.HV);
-  const int hv = static_cast<int>(item - unsigned(slot) * unsigned(a.HV));
+  // CTA b is (chunk slot b / HV, value head b % HV): CTAs that run together read the same tokens'
+  // rows of q, k, v and g, whose heads are adjacent in memory (slot-major order read one head's rows
+  // 64 at a time, 4 KB apart at 16 heads)
+  const int64_t slot = blockIdx.x / unsigned(a.HV);
+  const int hv = static_cast<int>(blockIdx.x - unsigned(slot) * unsigned(a.HV));
   // The CTA's sequence. Searched in global memory each step is a dependent load (log2 N round
   // trips before the chunk's loads can be addressed), so up to kCuStaged offsets are first read
   // by all threads at once into L's region (free until step 3) and searched there.
@@ -985,7 +977,6 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
     for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     // k-steps 0..m0 feed both row blocks, then m0 + 1..m1 row block m1 alone (two loops: no
     // predicated-off products taking issue slots)
-    FKDA_PREP_KSTEPS_NOUNROLL
     for (int ks = 0; ks <= m0; ++ks) {
       uint32_t a0[4], a1[4];
       load_a(a0, Xb, kLdX, m0 * 16, ks * 16, lane);
@@ -1000,7 +991,6 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
         mma_bf16(acc[8 + 2 * np + 1], a1, bfr + 2);
       }
     }
-    FKDA_PREP_KSTEPS_NOUNROLL
     for (int ks = m0 + 1; ks <= m1; ++ks) {
       uint32_t a1[4];
       load_a(a1, Xb, kLdX, m1 * 16, ks * 16, lane);
@@ -1036,7 +1026,7 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
   fkda::fence_smem_to_async();  // the staged W and U, to the bulk copies
   __syncthreads();
   if (seq->len < 0) {  // CTA-uniform; a one-chunk sequence's W and U are used from here
-    if constexpr (kPieces > 1) stash_initial_state<ST>(a, *seq, item, hv, tid);
+    if constexpr (kPieces > 1) stash_initial_state<ST>(a, *seq, hv, tid);
     if (tid == 0) {
       fkda::bulk_s2g(ws + kWsW, Ks, uint32_t(kC * kLdB * 2));
       fkda::bulk_s2g(ws + kWsU, Op, uint32_t((kV / 16) * kUBlockBytes));
@@ -1046,25 +1036,6 @@ __device__ __forceinline__ void prep_item(const PrepArgs& a, uint8_t* smem, unsi
   }
   const SeqOfChunk sq = *seq;
   prep_single_chunk_state<ST>(a, smem, ws, Ks, Op, sq.n, hv, sq.bos, sq.len, tid);
-}
-
-template <typename ST>
-__global__ void __launch_bounds__(FKDA_PARAM_PREP_THREADS, FKDA_PARAM_PREP_MIN_BLOCKS) kda_prep_lite_kernel(const PrepArgs a) {
-  fkda::begin_dependent_grid();  // PDL: see common/grid_dependency.cuh
-  extern __shared__ __align__(128) uint8_t smem[];
-#if FKDA_PARAM_GUARD == 1
-  // (guarded modules) one wave of CTAs walks the items, so a call the fused kernel before served costs one wave of
-  // early exits, not one a chunk-head (4104 at 1 x 32768 H8: 42.9 us of device time on an H100,
-  // benchmarks/results/h100-2026-12-05-99a4ce2/profile.txt)
-  if (guard_skips(a.st)) return;
-#pragma unroll 1
-  for (unsigned item = blockIdx.x; item < a.items; item += gridDim.x) {
-    prep_item<ST>(a, smem, item);
-    __syncthreads();  // the item's shared memory is read (its bulk stores waited for) before the next one writes it
-  }
-#else
-  prep_item<ST>(a, smem, blockIdx.x);
-#endif
 }
 
 
