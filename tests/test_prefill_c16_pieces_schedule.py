@@ -296,7 +296,6 @@ def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
     (7 chunks, 16f417f) it handed over (measured: 0.769 ms through SGLang's extend, h100-2026-12-05-16f417f, the
     unsplit chain's time; the split takes ~0.31 on random gates). At B1 T8K (16-chunk pieces) the cap is the piece: a
     warm-up of a whole piece still splits."""
-    import torch
     H, T = 2, 32768
     gen = torch.Generator().manual_seed(1)
     graw = (torch.randn(T, H, K, generator=gen) - 1.0).bfloat16()
@@ -306,10 +305,13 @@ def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
     slow_dt = dt.clone()
     slow_dt.view(H, K)[:, 0] = -3.0   # one slower key a head: warm-ups of 15-16 chunks at B1 T8K, a whole piece
     tb_slow = token_bounds(graw[:8192], torch.zeros(H), slow_dt, -5.0).double()
+    def bound_of(t, h):   # chunk c's bound of head h, from per-token bounds t [T, H]
+        return lambda c: float(t[c * C:(c + 1) * C, h].sum())
+
     for hv in range(H):
-        bound = (lambda t, h: lambda c: float(t[c * C:(c + 1) * C, h].sum()))(tb, hv)
+        bound = bound_of(tb, hv)
         assert not guard_trips(T, P, bound, 100, 16), hv
         assert guard_trips(T, P, bound, 12), hv
-        bound = (lambda t, h: lambda c: float(t[c * C:(c + 1) * C, h].sum()))(tb_slow, hv)
+        bound = bound_of(tb_slow, hv)
         assert not guard_trips(8192, P, bound, 100, 16), hv   # 16 chunks: the piece
         assert guard_trips(8192, P, bound, 100, 8), hv        # a tighter cap would bind here
