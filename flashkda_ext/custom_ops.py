@@ -58,6 +58,8 @@ Count = Union[int, float, bool]
 #: into 1.0 before any check (scale=True was served as 1.0); validation refuses a bool as the public op does
 Real = Union[int, float, bool]
 _is_compiling = torch.compiler.is_compiling
+_functional = torch._is_functional_tensor
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _LIB = torch.library.Library("flashkda_ext", "DEF")  # kept alive: dropping it unregisters the ops
 
 
@@ -121,7 +123,13 @@ def _refuse_dropped_outputs(output_final_state, final_state, state, state_indice
 def tracing(x) -> bool:
     """True when a public op must go through its custom op: Dynamo or export is tracing, or x is a
     FakeTensor (FakeTensorMode, non-strict export, a meta-analysis pass)."""
-    return _is_compiling() or _is_fake(x)
+    if _is_compiling():
+        return True
+    # A plain torch.Tensor that wraps nothing is never fake: torch's is_fake answers False for it after ~1 us of
+    # subclass tests; the adapters ask this of several views every decode step. Any other tensor asks is_fake.
+    if type(x) is Tensor and not _functional(x) and not _functorch_wrapped(x):
+        return False
+    return _is_fake(x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -266,3 +266,41 @@ def test_fla_fused_recurrent_serves_row_strided_views_bitwise_as_dense(kind, mon
     assert seen[-1] == views[0].data_ptr()          # the caller's q reached the op (no copy)
     assert not torch.equal(p0, pool)
     assert torch.equal(o1, o0) and torch.equal(p1, p0)
+
+
+def _rows_as_read_by_definition(x, row_dim, vector):
+    """docs/api.md's rule, written out plainly: dims before row_dim of size 1 (else x must be contiguous), the dims
+    after it row-major dense (size-1 dims may carry any stride), rows >= one row's elements apart; off the CPU,
+    vector rows 16 bytes apart (a meta tensor stands in for the device, without an address)."""
+    if any(n != 1 for n in x.shape[:row_dim]):
+        return x.is_contiguous()
+    inner = x.shape[row_dim + 1:]
+    dense = [math.prod(inner[i + 1:]) for i in range(len(inner))]
+    if any(n > 1 and s != d for n, s, d in zip(inner, x.stride()[row_dim + 1:], dense)):
+        return False
+    if x.shape[row_dim] > 1 and x.stride(row_dim) < math.prod(inner):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return not (vector and x.shape[row_dim] > 1 and x.stride(row_dim) * x.element_size() % 16)
+
+
+def test_rows_as_read_is_the_documented_rule_on_random_layouts():
+    """The adapters ask rows_as_read of every engine view on every decode step (written for speed: indexing,
+    no slices of torch.Size): it must give the rule's answer on any layout, CPU and device (meta)."""
+    gen = torch.Generator().manual_seed(11)
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=gen))]  # noqa: E731
+    seen = set()
+    for _ in range(600):
+        ndim, row_dim = pick([2, 3, 4]), pick([0, 1])
+        shape = [pick([1, 1, 2, 3, 4]) for _ in range(ndim)]
+        dense = [math.prod(shape[i + 1:]) for i in range(ndim)]
+        stride = [d if int(torch.randint(3, (1,), generator=gen)) else pick([1, 2, 5, 8, 16, 24, 40]) for d in dense]
+        for device in ("cpu", "meta"):
+            base = torch.empty(4096, dtype=torch.bfloat16, device=device)
+            x = base.as_strided(shape, stride)
+            for vector in (True, False):
+                want = _rows_as_read_by_definition(x, row_dim, vector)
+                assert validation.rows_as_read(x, row_dim, vector=vector) is want, (shape, stride, row_dim, device)
+                seen.add(want)
+    assert seen == {True, False}

@@ -73,12 +73,14 @@ def _contiguous(name: str, x: torch.Tensor) -> None:
 def _rows_apart(x: torch.Tensor, row_dim: int) -> bool:
     """x's dims after row_dim row-major dense (a dim of size <= 1 may carry any stride, as for
     is_contiguous) and its rows (dim row_dim) any stride >= one row's elements apart."""
+    shape, stride = x.shape, x.stride()
     want = 1
-    for n, st in zip(reversed(x.shape[row_dim + 1:]), reversed(x.stride()[row_dim + 1:])):
-        if n > 1 and st != want:
+    for i in range(len(shape) - 1, row_dim, -1):     # indexing, not slices of torch.Size: the adapters' hot path
+        n = shape[i]
+        if n > 1 and stride[i] != want:
             return False
         want *= n
-    return x.shape[row_dim] <= 1 or x.stride(row_dim) >= want
+    return shape[row_dim] <= 1 or stride[row_dim] >= want
 
 
 def _row_strided(name: str, x: torch.Tensor, row_dim: int, layout: str) -> None:
@@ -111,15 +113,17 @@ def rows_as_read(x: torch.Tensor, row_dim: int, *, vector: bool = True) -> bool:
     the CPU, _row_aligned and _aligned; meta tensors stand in for a device, without an address). vector:
     q, k, v, g (beta is read element by element: no rule on its row stride). For the adapters, which pass
     an engine's views through where the ops take them and copy where not."""
-    if any(n != 1 for n in x.shape[:row_dim]):
-        return x.is_contiguous()
+    shape = x.shape
+    for i in range(row_dim):
+        if shape[i] != 1:
+            return x.is_contiguous()
     if not _rows_apart(x, row_dim):
         return False
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return True
     if vector and _row_misaligned(x, row_dim):
         return False
-    return x.device.type == "meta" or x.numel() == 0 or x.data_ptr() % 16 == 0
+    return x.is_meta or x.numel() == 0 or x.data_ptr() % 16 == 0
 
 
 def _same_device(name: str, x: torch.Tensor, device: torch.device) -> None:

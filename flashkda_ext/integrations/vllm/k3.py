@@ -115,9 +115,14 @@ def serve_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound,
             or tuple(raw_beta.shape) != (1, B, H) or state_indices.shape[0] != B):
         raise Refused("shapes outside vLLM's packed decode contract; vLLM's wrapper reports them")
     # q | k | v of each token are consecutive channel ranges of one row: row-strided views kda_decode reads
-    # as they are (one permuting copy where it cannot)
-    q, k, v = qkv_rows(mixed_qkv[:, :hk].view(B, H, K), mixed_qkv[:, hk:2 * hk].view(B, H, K),
-                       mixed_qkv[:, 2 * hk:].view(B, H, V), 0)
+    # as they are (one permuting copy where it cannot). With V == K (Kimi's 128) one view and an unbind make
+    # the three: 2.2 us on the host against 5.5 for three slices and views (this runs every decode step)
+    if V == K:
+        q, k, v = mixed_qkv.view(B, 3, H, K).unbind(1)
+    else:
+        q, k, v = mixed_qkv[:, :hk].view(B, H, K), mixed_qkv[:, hk:2 * hk].view(B, H, K), \
+            mixed_qkv[:, 2 * hk:].view(B, H, V)
+    q, k, v = qkv_rows(q, k, v, 0)
     g, beta = _gate_beta(raw_g[0], raw_beta[0], q, row_dim=0)
     o = _dense_out(out, (1, B, H, V))
     res = run_op(ops.kda_decode, q, k, v, g, beta, state=initial_state,
