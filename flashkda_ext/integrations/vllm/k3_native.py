@@ -49,10 +49,10 @@ def serve_fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, 
             and output_gate.dim() == 3):     # one expression: this runs on every decode step of the layer
         raise Refused("x / raw_g / raw_beta / state / state_indices / output_gate outside vLLM's contract (2-, 4-, "
                       "3-, 4-, 1- and 3-D tensors); vLLM's kernel reports it")
-    _, T, H, D = raw_g.shape
-    if raw_g.shape[0] != 1 or tuple(raw_beta.shape) != (1, T, H) or x.shape[0] != T:
+    one, T, H, D = raw_g.shape
+    if one != 1 or raw_beta.shape != (1, T, H) or x.shape[0] != T:    # torch.Size == tuple: no tuple() per step
         raise Refused("raw_g / raw_beta / x outside vLLM's contract ([1, T, H, D], [1, T, H], [T, 3*H*D])")
-    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, T, H, D)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != (1, T, H, D)
                             or not out.is_contiguous()):
         raise Refused(f"out must be a contiguous [1, {T}, {H}, {D}] (the layer's buffer)")
     if out is None:     # vLLM's wrapper allocates the same
