@@ -274,6 +274,32 @@ def test_packed_decode_is_served_and_matches_the_reference(recorded, B, idx, low
     assert torch.equal(raw[~written], raw0[~written])               # conv states, null block, other slots
 
 
+
+def test_packed_decode_with_v_unlike_k_takes_the_three_ranges(recorded):
+    """K3 has V == K (one view and an unbind make q, k, v); a layer with V != K (vLLM's kernel takes it) gets the
+    three channel ranges [0, HK), [HK, 2HK), [2HK, 2HK + HV) as they are: served, matching the reference."""
+    Vw, B, idx = 2 * K, 3, [2, 0, 4]
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randn(6, H, Vw, K, generator=gen) * 0.3
+    pool0 = pool.clone()
+    wide = torch.randn(B, 2 * H * K + H * Vw + 3, generator=gen)
+    call = dict(mixed_qkv=wide[:, :2 * H * K + H * Vw], raw_g=torch.randn(1, B, H, K, generator=gen),
+                raw_beta=torch.randn(1, B, H, generator=gen), A_log=torch.randn(H, generator=gen) * 0.5,
+                dt_bias=torch.randn(H * K, generator=gen) * 0.5, lower_bound=-5.0, initial_state=pool,
+                state_indices=torch.tensor(idx, dtype=torch.int32))
+    before = stat("k3.fused_recurrent_kda_packed_decode")
+    o, _ = recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    assert stat("k3.fused_recurrent_kda_packed_decode") == before + 1 and recorded.calls == []
+    m, hk = call["mixed_qkv"], H * K
+    q, k, v = m[:, :hk].view(B, H, K), m[:, hk:2 * hk].view(B, H, K), m[:, 2 * hk:].view(B, H, Vw)
+    want_o, want_pool = kda_decode_step(q, k, v, call["raw_g"][0], call["raw_beta"][0], state=pool0,
+                                        state_indices=call["state_indices"], A_log=call["A_log"],
+                                        dt_bias=call["dt_bias"], null_slot0=True, gate="bounded", lower_bound=-5.0)
+    assert o.shape == (1, B, H, Vw)
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    torch.testing.assert_close(pool[[2, 4]].double(), want_pool[[2, 4]].double(), **TOL)
+    assert torch.equal(o[0, 1], torch.zeros(H, Vw)) and torch.equal(pool[[0, 1, 3, 5]], pool0[[0, 1, 3, 5]])
+
 def test_packed_decode_bounded_gate_is_not_the_softplus_gate(recorded):
     """The bound changes the answer by far more than the tolerance: serving it as softplus would fail above."""
     pool = torch.randn(4, H, V, K) * 0.3
