@@ -660,3 +660,19 @@ def test_one_column_table_with_counts_not_per_request_falls_back(recorded, table
     assert stat("k3.fused_recurrent_kda", "fell_back") == fell + 1
     assert any(s == "k3.fused_recurrent_kda" and reason in r for s, r in fkda_vllm.REASONS)
     assert torch.equal(pool, pool0)
+
+
+def test_the_adapter_host_time_script_runs_every_k3_site(tree):
+    """scripts/adapter_host_time.py (docs/integrations.md quotes it) on the real wheel's files: every K3 site is
+    served (the script stops otherwise) and timed beside the op alone (no timing asserted here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "scripts" / "adapter_host_time.py"), "--engine-dir", str(tree),
+                          "--heads", "2", "--calls", "20"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith(("packed", "verify", "native"))]
+    assert [" ".join(r[:-2]) for r in rows] == ["packed decode rows=1", "packed decode rows=4", "verify requests=1",
+                                                "verify requests=16", "native decode rows=1", "native decode rows=4"]
+    assert all(float(r[-2]) > 0 and float(r[-1]) > 0 for r in rows)
