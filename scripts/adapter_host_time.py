@@ -80,14 +80,17 @@ def main(argv=None) -> int:
                bench_vllm.inputs("verify", r, H, torch.float32, -5.0, Shape, cpu)[0]) for r in (1, 16)]
     cases += [(f"native decode rows={r}", native, "fused_kda_decode",
                bench_vllm_native.layer_call(r, H, torch.Generator().manual_seed(r), cpu)[0]) for r in (1, 4)]
+    def served() -> int:     # calls served at every site so far
+        return sum(n for (_, what), n in fkda_vllm.STATS.items() if what == "served")
+
     print(f"H{H}, fp32 state, bounded gate; us a call, the kernel replaced by a no-op")
     print(f"{'site':<26} {'adapter':>8} {'op alone':>9}")
     with torch.inference_mode():
         for name, adapter, op_name, call in cases:
             fast_path.clear()
-            served = sum(n for (site, what), n in fkda_vllm.STATS.items() if what == "served")
+            before = served()
             adapter(**call)     # validated in full once; the entry is then stubbed
-            if sum(n for (site, what), n in fkda_vllm.STATS.items() if what == "served") != served + 1:
+            if served() != before + 1:
                 raise SystemExit(f"{name}: the adapter did not serve the call ({dict(fkda_vllm.REASONS)})")
             _stubbed(fast_path)
             mine = _per_call_us(lambda: adapter(**call), args.calls)

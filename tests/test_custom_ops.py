@@ -197,14 +197,13 @@ def test_schemas_name_the_mutated_tensors():
     assert custom_ops.tracing(torch.ones(1)) is False
 
 
-
 def test_tracing_answers_as_torchs_is_fake_for_every_kind_of_tensor():
     """tracing() answers a plain tensor without torch's is_fake (the adapters ask it of several views a decode
     step); a fake, a functional wrapper (of a fake or a real tensor) and a functorch-wrapped tensor still go
     through is_fake, so the answer is is_fake's in every case."""
     from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
     real = torch.randn(4, 6)
-    with FakeTensorMode() as mode:
+    with FakeTensorMode():
         fake = torch.empty(4, 6)
     wrapped_real = torch._to_functional_tensor(real)
     wrapped_fake = torch._to_functional_tensor(fake)
@@ -216,7 +215,7 @@ def test_tracing_answers_as_torchs_is_fake_for_every_kind_of_tensor():
     for x, want in cases:
         assert is_fake(x) is want and custom_ops.tracing(x) is want
     assert seen[0][1] is seen[0][2] is False
-    del mode
+
 
 def test_dynamic_rows_and_tokens_compile_once_and_match_eager():
     """Serving loops change the row / token count every step: dynamic=True traces symbolic sizes through

@@ -274,7 +274,6 @@ def test_packed_decode_is_served_and_matches_the_reference(recorded, B, idx, low
     assert torch.equal(raw[~written], raw0[~written])               # conv states, null block, other slots
 
 
-
 def test_packed_decode_with_v_unlike_k_takes_the_three_ranges(recorded):
     """K3 has V == K (one view and an unbind make q, k, v); a layer with V != K (vLLM's kernel takes it) gets the
     three channel ranges [0, HK), [HK, 2HK), [2HK, 2HK + HV) as they are: served, matching the reference."""
