@@ -537,6 +537,25 @@ EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
     (prefill_meta(gate="bounded", lower_bound=-5.0, **call), chunk64, CHUNK64)] for rule, call, module, chunk64 in BOUNDED_ONLY})
 
 
+# c16g2_few (opt-in c16g2; the two-stage guard, a candidate of branch pf-guard2): c16g_few's band and gate range
+C16G2 = frozenset({"c16g2"})
+_FEW = dict(gate="bounded", value_heads=8, total_tokens=32768)
+EDGES.update({
+    ("kda_prefill", "c16g2_few", "work_items_max"): [
+        (prefill_meta(**_FEW), "prefill_c16g2_pc8_vt64_f32", C16G2),
+        (prefill_meta(**_FEW, state="bf16"), "prefill_c16g2_pc8_vt64_bf16", C16G2),
+        (prefill_meta(**dict(_FEW, value_heads=9)), "prefill_c16g_vt16_f32", C16G2),   # c16g_groups
+        (prefill_meta(**_FEW), "prefill_c16g_vt16_f32")],                               # not opted in: c16g_few
+    ("kda_prefill", "c16g2_few", "mean_seqlen_min"): [
+        (prefill_meta(**dict(_FEW, total_tokens=8192)), "prefill_c16g2_pc8_vt64_f32", C16G2),
+        (prefill_meta(**dict(_FEW, total_tokens=8191)), "prefill_vt16_f32", C16G2)],   # few_seq_heads
+    ("kda_prefill", "c16g2_few", "lower_bound_min"): [
+        (prefill_meta(**_FEW, lower_bound=-5.0), "prefill_c16g2_pc8_vt64_f32", C16G2),
+        (prefill_meta(**_FEW, lower_bound=-5.01), "prefill_pc8_vt64_f32", C16G2),
+        (prefill_meta(value_heads=8, total_tokens=32768), "prefill_pc8_vt64_f32", C16G2)],   # softplus
+})
+
+
 # kda_verify's _gb32 rules (fp32 g / beta): the twin of each band at its edges, module for module
 EDGES.update({(family, rule + "_gb32", band): [(dict(meta, gb="f32"), module + "_gb32", *opted)
                                                 for meta, module, *opted in cases]

@@ -11,6 +11,9 @@
 // chunk, and the chunk-64 kernels, which skip the call while the word is clear, then do the whole call. Either way one
 // of the two computes every output and the final state (the chunk-64 kernels after the fused one, overwriting what it
 // wrote).
+// A two-stage module (params.chain_guard 1, prefill_c16g2_*) guards the chunk-64 piece split in turn: after the prep,
+// kda_chain_decide_kernel sets a second word (after the guard word) where a piece's warm-up is longer than the piece,
+// and then the unsplit chain at V tile 16 does the call instead of the piece pass (kda_prefill_state.cuh).
 // When the fused kernel cannot split (one wave of 2 CTAs an SM already holds HV x N) it runs alone, unsplit and exact.
 // When initial_state and final_state overlap (a pool updated in place, as vLLM and SGLang call it), a piece that walks
 // back to chunk 0 reads the initial state while the last piece may already have stored the final state, so the pieces
@@ -54,6 +57,11 @@ using StateT = float;
 // After the chunk-64 kernels' workspace (its slots and initial-state copy): the guard word, in an aligned block of its
 // own, then the final-state copy [N, HV, V, K] (used for a pool updated in place).
 constexpr int64_t kGuardBytes = fkda_prefill::kWorkspaceAlign;
+#if FKDA_PARAM_CHAIN_GUARD == 1
+constexpr bool kChainGuard = true;
+#else
+constexpr bool kChainGuard = false;
+#endif
 
 int64_t chunk64_workspace(int64_t T, int64_t N, int64_t HV) {
   return fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
@@ -98,7 +106,8 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   // the used part of the chunk-64 workspace ends kWorkspaceAlign before its size (the alignment slack)
   uint8_t* guard_block = ws.ptr + c64_need - fkda_prefill::kWorkspaceAlign;
   int* guard = reinterpret_cast<int*>(guard_block);
-  FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, sizeof(int), stream), "cudaMemsetAsync(guard)");
+  // the guard word and, in a two-stage module, the chain word after it (params.chain_guard)
+  FKDA_CUDA_CHECK(cudaMemsetAsync(guard, 0, (kChainGuard ? 2 : 1) * sizeof(int), stream), "cudaMemsetAsync(guard)");
   StateT* pool = static_cast<StateT*>(a.fin);
   if (in_place) {
     a.fin = guard_block + kGuardBytes;
@@ -107,8 +116,9 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   a.pieces = split;
   a.guard = guard;
   launch_c16<StateT>(ctx, a, gm, lower_bound);
-  const Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws.ptr, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
-                         guard};
+  Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws.ptr, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
+                   guard};
+  if (kChainGuard) call.chain = guard + 1;
   launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
                          state_indices, ps, out);
   if (in_place)

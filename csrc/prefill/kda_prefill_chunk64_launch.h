@@ -64,6 +64,7 @@ struct Chunk64Call {
   double lower_bound, scale;
   bool beta_is_logit, null_slot0;
   const int* guard;   // (guarded modules) null: run; else only where the fused kernel before set the word
+  int* chain = nullptr;  // (two-stage modules) the word a piece sets to hand the call on to the unsplit chain
 };
 
 // Launch the prep (when there are tokens), then the state pass (PDL between them).
@@ -94,7 +95,15 @@ void launch_chunk64(const fkda::cuda::LaunchContext& ctx, const Chunk64Call& c, 
 #endif
 #if FKDA_PARAM_GUARD == 1
   sa.guard = c.guard;
-#else
+#endif
+#if FKDA_PARAM_CHAIN_GUARD == 1
+  static_assert(FKDA_PARAM_GUARD == 1 && fkda_prefill::kPieces > 1 && fkda_prefill::kGroups == 1,
+                "params.chain_guard: a guarded one-group piece-split module");
+  FKDA_CHECK(c.chain != nullptr, fn) << "internal: a two-stage module without its chain word";
+  sa.chain = c.chain;
+  sa.stage = 0;
+#endif
+#if FKDA_PARAM_GUARD != 1
   FKDA_CHECK(c.guard == nullptr, fn) << "internal: a guard word for a module built without one";
 #endif
 
@@ -113,10 +122,25 @@ void launch_chunk64(const fkda::cuda::LaunchContext& ctx, const Chunk64Call& c, 
                dim3(static_cast<unsigned>(slots_chunks * c.HV)), dim3(fkda_prefill::kLiteThreads),
                fkda_prefill::kLiteSmem, pa);
   }
+#if FKDA_PARAM_CHAIN_GUARD == 1  // the piece pass or the chain, picked before either runs
+  ctx.launch("kda_chain_decide_kernel", fkda_prefill::kda_chain_decide_kernel,
+             dim3(static_cast<unsigned>(c.HV), static_cast<unsigned>(c.N)), dim3(32), 0, sa);
+#endif
   using SM = fkda_prefill::StateSmem<FKDA_PARAM_VT>;
   ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<FKDA_PARAM_VT, fkda_prefill::default_ring<FKDA_PARAM_VT>(), StateT>,
              dim3(kChunk64TileCtas, static_cast<unsigned>(c.HV), static_cast<unsigned>(c.N * pieces)),
              dim3(FKDA_THREADS), SM::kTotal, sa);
+#if FKDA_PARAM_CHAIN_GUARD == 1
+  // the second stage: the unsplit chain at V tile 16 (the fastest chain a sequence) on the same prep's workspace,
+  // where kda_chain_decide_kernel found a warm-up longer than its piece (the piece pass above then returned at once)
+  constexpr int kChainVT = 16;
+  using SM16 = fkda_prefill::StateSmem<kChainVT>;
+  sa.stage = 1;
+  sa.pieces = 1;
+  ctx.launch("kda_state_kernel", fkda_prefill::kda_state_kernel<kChainVT, fkda_prefill::default_ring<kChainVT>(), StateT>,
+             dim3(fkda_prefill::kV / kChainVT, static_cast<unsigned>(c.HV), static_cast<unsigned>(c.N)),
+             dim3(FKDA_THREADS), SM16::kTotal, sa);
+#endif
 }
 
 }  // namespace fkda

@@ -243,6 +243,10 @@ struct StateArgs {
 #if FKDA_PARAM_GUARD == 1   // (modules prefill_c16g_*: kda_prefill_c16g.cu)
   const int* guard;         // null: run; else run only when the fused kernel before set the word (its fallback)
 #endif
+#if FKDA_PARAM_CHAIN_GUARD == 1  // (modules prefill_c16g2_*: the piece pass guarded in turn by the unsplit chain)
+  int* chain;               // set by a piece of the piece pass whose warm-up passes its own length
+  int stage;                // 0: the piece pass; 1: the unsplit chain, which runs only where `chain` is set
+#endif
 };
 #if FKDA_PARAM_GUARD == 1
 // A guarded module's chunk-64 kernels skip the call while the guard word is clear (the fused 16-token kernel launched

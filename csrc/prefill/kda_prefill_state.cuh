@@ -489,6 +489,9 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
 #if FKDA_PARAM_GUARD == 1
   if (guard_skips(a)) return;     // (guarded modules) the fused kernel before served the call
 #endif
+#if FKDA_PARAM_CHAIN_GUARD == 1   // (two-stage modules) kda_chain_decide_kernel before picked the piece pass or the chain
+  if ((*reinterpret_cast<const volatile int*>(a.chain) != 0) != (a.stage == 1)) return;
+#endif
   using SM = StateSmem<VT, RING>;
   constexpr int NT = VT / 8;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -599,6 +602,29 @@ __global__ void __launch_bounds__(FKDA_THREADS, FKDA_MIN_BLOCKS) kda_state_kerne
     store_state_tile<VT, ST>(dst, s, w, lane, v0);
   }
 }
+
+#if FKDA_PARAM_CHAIN_GUARD == 1
+// (two-stage modules, prefill_c16g2_*) Between the prep and the two state passes: one warp a (value head, sequence)
+// walks each piece's warm-up as the piece pass would (piece_start) and sets the chain word where one is longer than
+// the piece itself, so the piece pass returns at once and the unsplit chain at V tile 16 does the call. Deciding
+// before either pass runs keeps the call exact without a grid-wide wait: a piece never starts work the chain redoes,
+// and a pool updated in place is read by the chain untouched.
+__global__ void kda_chain_decide_kernel(const StateArgs a) {
+  fkda::begin_dependent_grid();  // the prep's chunk bounds are complete
+  if (guard_skips(a)) return;    // the fused kernel before served the call
+  const int hv = blockIdx.x, n = blockIdx.y, lane = threadIdx.x, P = a.pieces;
+  const int64_t bos = load_cu(a.cu, a.cu64, n);
+  const int64_t len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  const int64_t base = bos / kC + n, nch = (len + kC - 1) / kC, per = (nch + P - 1) / P;
+  for (int piece = 1; piece < P && piece * per < nch; ++piece) {  // (warp-uniform: piece_start shuffles)
+    const int64_t c0 = piece * per;
+    if (c0 - piece_start(a, base, hv, c0, lane) > per) {
+      if (lane == 0) *reinterpret_cast<volatile int*>(a.chain) = 1;
+      return;
+    }
+  }
+}
+#endif
 
 }  // namespace fkda_prefill
 
