@@ -315,3 +315,62 @@ def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
         bound = bound_of(tb_slow, hv)
         assert not guard_trips(8192, P, bound, 100, 16), hv   # 16 chunks: the piece
         assert guard_trips(8192, P, bound, 100, 8), hv        # a tighter cap would bind here
+
+
+def warmups(tb_head, chunk, pieces):
+    """Per piece > 0 of one head's sequence split into `pieces` pieces of `chunk`-token chunks: the chunks its warm-up
+    walks back (to a bound sum <= -24, or to chunk 0), as the fused kernel's walk and the chunk-64 piece_start do."""
+    T = tb_head.shape[0]
+    cb = tb_head[:T // chunk * chunk].view(-1, chunk).sum(1)
+    nch = cb.shape[0]
+    per = (nch + pieces - 1) // pieces
+    out = []
+    for p in range(1, pieces):
+        c0 = p * per
+        if c0 >= nch:
+            break
+        cs, s = c0, 0.0
+        while cs > 0 and s > -24.0:
+            cs -= 1
+            s += float(cb[cs])
+        out.append(c0 - cs)
+    return out, per
+
+
+@pytest.mark.parametrize("draw_kind", ["random", "sglang", "fla-init"])
+def test_the_two_stage_guards_premise(draw_kind):
+    """Branch pf-guard2's prefill_c16g2_pc8_vt64 at B1 T32K H8 (Kimi K3 at TP12): the fused split (33 pieces of 63
+    chunks of 16, a walk limit of 16 chunks) serves random gates; SGLang's extend draw (A_log uniform in [-2, 0.5], raw
+    gate N(-1, 1)) trips it where a head draws A_log near 0.5 (warm-ups of hundreds of tokens; seed 0 here, and the
+    H100 run of h100-2026-12-06-14968d6, where the chain served), and kda_chain_decide_kernel then keeps the chunk-64
+    piece split (8 pieces of 64 chunks of 64: every warm-up within its piece) where today's modules hand the call to
+    the chain; gates drawn as fla initialises a layer walk past a chunk-64 piece, so the unsplit chain does the call."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gate_params import draw
+    H, T = 8, 32768
+    P16, P64 = pieces_of(64, 132, 2, H, 1), 8
+    assert P16 == 33
+    trips = []
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        if draw_kind == "sglang":   # benchmarks/bench_sglang.py: params() and extend_inputs()
+            A_log, dt = torch.rand(H, generator=gen) * 2.5 - 2.0, torch.randn(H * K, generator=gen) * 0.5
+            graw = (torch.randn(T, H, K, generator=gen) - 1.0).bfloat16()
+        else:
+            A_log, dt = draw(H, K, "bounded", draw_kind, generator=gen)
+            graw = torch.randn(T, H, K, generator=gen).bfloat16()
+        tb = token_bounds(graw, A_log, dt, -5.0).double()
+        fused = [max(warmups(tb[:, h], 16, P16)[0]) for h in range(H)]
+        c64 = [warmups(tb[:, h], 64, P64) for h in range(H)]
+        fused_trips = max(fused) > 16
+        chain = any(max(w) > per for w, per in c64)
+        trips.append(fused_trips)
+        if draw_kind == "sglang":   # the fused split serves some draws, and the chain is never needed
+            assert not chain, (seed, [max(w) for w, _ in c64])
+            continue
+        want = {"random": (False, False), "fla-init": (True, True)}[draw_kind]
+        assert (fused_trips, chain) == want, (seed, fused, [max(w) for w, _ in c64])
+    if draw_kind == "sglang":
+        assert trips[0], "seed 0's draw (a head near A_log 0.5) should trip the fused split's guard"
