@@ -317,26 +317,6 @@ def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
         assert guard_trips(8192, P, bound, 100, 8), hv        # a tighter cap would bind here
 
 
-def warmups(tb_head, chunk, pieces):
-    """Per piece > 0 of one head's sequence split into `pieces` pieces of `chunk`-token chunks: the chunks its warm-up
-    walks back (to a bound sum <= -24, or to chunk 0), as the fused kernel's walk and the chunk-64 piece_start do."""
-    T = tb_head.shape[0]
-    cb = tb_head[:T // chunk * chunk].view(-1, chunk).sum(1)
-    nch = cb.shape[0]
-    per = (nch + pieces - 1) // pieces
-    out = []
-    for p in range(1, pieces):
-        c0 = p * per
-        if c0 >= nch:
-            break
-        cs, s = c0, 0.0
-        while cs > 0 and s > -24.0:
-            cs -= 1
-            s += float(cb[cs])
-        out.append(c0 - cs)
-    return out, per
-
-
 @pytest.mark.parametrize("draw_kind", ["random", "sglang", "fla-init"])
 def test_the_two_stage_guards_premise(draw_kind):
     """Branch pf-guard2's prefill_c16g2_pc8_vt64 at B1 T32K H8 (Kimi K3 at TP12): the fused split (33 pieces of 63
@@ -347,8 +327,17 @@ def test_the_two_stage_guards_premise(draw_kind):
     the chain; gates drawn as fla initialises a layer walk past a chunk-64 piece, so the unsplit chain does the call."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root / "benchmarks"), str(root / "scripts")]
     from gate_params import draw
+    from warmup_lengths import walks   # per piece > 0: the chunks its warm-up walks back (to <= -24, or chunk 0)
+
+    def warmups(tb, chunk, pieces):   # [per head: max warm-up], per from [T, H] per-token bounds
+        n = tb.shape[0] // chunk
+        cb = tb[:n * chunk].view(n, chunk, -1).sum(1)
+        w, per = walks(cb, pieces)
+        by_head = len(w) // tb.shape[1]
+        return [max(x for x, _ in w[h * by_head:(h + 1) * by_head]) for h in range(tb.shape[1])], per
     H, T = 8, 32768
     P16, P64 = pieces_of(64, 132, 2, H, 1), 8
     assert P16 == 33
@@ -362,15 +351,15 @@ def test_the_two_stage_guards_premise(draw_kind):
             A_log, dt = draw(H, K, "bounded", draw_kind, generator=gen)
             graw = torch.randn(T, H, K, generator=gen).bfloat16()
         tb = token_bounds(graw, A_log, dt, -5.0).double()
-        fused = [max(warmups(tb[:, h], 16, P16)[0]) for h in range(H)]
-        c64 = [warmups(tb[:, h], 64, P64) for h in range(H)]
+        fused, _ = warmups(tb, 16, P16)
+        c64, per64 = warmups(tb, 64, P64)
         fused_trips = max(fused) > 16
-        chain = any(max(w) > per for w, per in c64)
+        chain = max(c64) > per64
         trips.append(fused_trips)
         if draw_kind == "sglang":   # the fused split serves some draws, and the chain is never needed
-            assert not chain, (seed, [max(w) for w, _ in c64])
+            assert not chain, (seed, c64)
             continue
         want = {"random": (False, False), "fla-init": (True, True)}[draw_kind]
-        assert (fused_trips, chain) == want, (seed, fused, [max(w) for w, _ in c64])
+        assert (fused_trips, chain) == want, (seed, fused, c64)
     if draw_kind == "sglang":
         assert trips[0], "seed 0's draw (a head near A_log 0.5) should trip the fused split's guard"
