@@ -360,16 +360,19 @@ EDGES = {
          "prefill_vt64s_bf16", frozenset({"chunk64"})),
     ],
     # c16g (bounded gates): the guarded piece split where long_pieces_vt64, long_pieces_groups(_32), some_seq_heads and
-    # fallback serve; up to 32 items it hands over to the unsplit chain (vt16 to 16 items, vt32 above), from 41 to
-    # fallback's kernels. Below 8192 tokens a sequence at <= 16 items the chunk-64 routes keep the call.
+    # fallback serve; up to 8 items it hands over to the chunk-64 piece split, guarded in turn by the unsplit chain
+    # (c16g2), to 32 items to the unsplit chain (vt16 to 16 items, vt32 above), from 41 to fallback's kernels. Below 8192
+    # tokens a sequence at <= 16 items the chunk-64 routes keep the call.
     ("kda_prefill", "c16g_few", "work_items_max"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768), "prefill_c16g_vt16_f32"),
-        (prefill_meta(gate="bounded", num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"), "prefill_c16g_vt16_bf16"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768), "prefill_c16g2_pc8_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=4, total_tokens=2 * 8192, state="bf16"),
+         "prefill_c16g2_pc8_vt64_bf16"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=32768), "prefill_vt16_f32", EXACT),   # the chain alone
         (prefill_meta(gate="bounded", value_heads=9, total_tokens=32768), "prefill_c16g_vt16_f32"),   # c16g_groups
         (prefill_meta(gate="bounded", value_heads=9, total_tokens=32768), "prefill_pc16_vt64g2_f32", CHUNK64),
     ],
     ("kda_prefill", "c16g_few", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g_vt16_f32"),
+        (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_c16g2_pc8_vt64_f32"),
         (prefill_meta(gate="bounded", value_heads=8, total_tokens=8191), "prefill_vt16_f32"),   # few_seq_heads
         (prefill_meta(gate="bounded", value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32", CHUNK64),   # chunk64: the band's module before c16g
     ],
@@ -519,7 +522,7 @@ EDGES = {
 # below it, and for the softplus gate, the band's chunk-64 module (the rule's chunk64 twin's): (rule, call, its module
 # there, the chunk-64 one)
 BOUNDED_ONLY = [
-    ("c16g_few", dict(value_heads=8, total_tokens=32768), "prefill_c16g_vt16_f32", "prefill_pc8_vt64_f32"),
+    ("c16g_few", dict(value_heads=8, total_tokens=32768), "prefill_c16g2_pc8_vt64_f32", "prefill_pc8_vt64_f32"),
     ("c16g_groups", dict(value_heads=12, total_tokens=8192), "prefill_c16g_vt16_f32", "prefill_pc16_vt64g2_f32"),
     ("c16g_groups_24", dict(value_heads=24, total_tokens=8192), "prefill_c16g_vt32_f32", "prefill_pc16_vt64g2_f32"),
     ("c16g_groups_32", dict(value_heads=32, total_tokens=16384), "prefill_c16g_vt32_f32", "prefill_pc16_vt64g2_f32"),
@@ -535,25 +538,6 @@ EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
     (prefill_meta(gate="bounded", lower_bound=-5.01, **call), chunk64),
     (prefill_meta(**call), chunk64),                                              # softplus
     (prefill_meta(gate="bounded", lower_bound=-5.0, **call), chunk64, CHUNK64)] for rule, call, module, chunk64 in BOUNDED_ONLY})
-
-
-# c16g2_few (opt-in c16g2; the two-stage guard, a candidate of branch pf-guard2): c16g_few's band and gate range
-C16G2 = frozenset({"c16g2"})
-_FEW = dict(gate="bounded", value_heads=8, total_tokens=32768)
-EDGES.update({
-    ("kda_prefill", "c16g2_few", "work_items_max"): [
-        (prefill_meta(**_FEW), "prefill_c16g2_pc8_vt64_f32", C16G2),
-        (prefill_meta(**_FEW, state="bf16"), "prefill_c16g2_pc8_vt64_bf16", C16G2),
-        (prefill_meta(**dict(_FEW, value_heads=9)), "prefill_c16g_vt16_f32", C16G2),   # c16g_groups
-        (prefill_meta(**_FEW), "prefill_c16g_vt16_f32")],                               # not opted in: c16g_few
-    ("kda_prefill", "c16g2_few", "mean_seqlen_min"): [
-        (prefill_meta(**dict(_FEW, total_tokens=8192)), "prefill_c16g2_pc8_vt64_f32", C16G2),
-        (prefill_meta(**dict(_FEW, total_tokens=8191)), "prefill_vt16_f32", C16G2)],   # few_seq_heads
-    ("kda_prefill", "c16g2_few", "lower_bound_min"): [
-        (prefill_meta(**_FEW, lower_bound=-5.0), "prefill_c16g2_pc8_vt64_f32", C16G2),
-        (prefill_meta(**_FEW, lower_bound=-5.01), "prefill_pc8_vt64_f32", C16G2),
-        (prefill_meta(value_heads=8, total_tokens=32768), "prefill_pc8_vt64_f32", C16G2)],   # softplus
-})
 
 
 # kda_verify's _gb32 rules (fp32 g / beta): the twin of each band at its edges, module for module
@@ -713,7 +697,7 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
     """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call without checkpoints,
     in the state's dtype, whatever the band, the gate and the lower bound; checkpoints and the CPU keep their routes.
     Without the opt-in, prefill_c16 is reached only in fused_chunk16's band, the unguarded piece split never (its
-    binding refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py) and the guarded one (c16g_*) only for bounded
+    binding refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py) and the guarded ones (c16g_*, c16g2_*) only for bounded
     gates without checkpoints."""
     c16 = frozenset({"c16"})
     for state in ("f32", "bf16"):
@@ -729,7 +713,7 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
                     band = (served and (gate != "bounded" or lb >= -5) and seqs * hv >= 384
                             and tokens // seqs <= 2048)
                     assert plain == (f"prefill_c16_{state}" if band else plain) and not plain.startswith("prefill_c16p")
-                    guarded = plain.startswith("prefill_c16g_")   # routes c16g_*: bounded gates, long prompts
+                    guarded = plain.startswith(("prefill_c16g_", "prefill_c16g2_"))   # routes c16g_*: bounded, long
                     assert band or guarded or not plain.startswith("prefill_c16"), meta
                     assert not guarded or (served and gate == "bounded" and lb >= -5 and tokens // seqs >= 2048), meta
                     if served:

@@ -1,11 +1,12 @@
-"""GPU tests of the two-stage guarded split (candidate, branch pf-guard2: jit/modules/prefill_c16g2_cuda.json): the
-fused 16-token-chunk kernel in pieces, guarded by the chunk-64 piece split of prefill_pc8_vt64_f32, itself guarded by
-the unsplit chain at V tile 16 (kda_chain_decide_kernel picks the one before either runs).
+"""GPU tests of the two-stage guarded split (route c16g_few; jit/modules/prefill_c16g2_cuda.json): the fused
+16-token-chunk kernel in pieces, guarded by the chunk-64 piece split of prefill_pc8_vt64_<state>, itself guarded by the
+unsplit chain at V tile 16 (kda_chain_decide_kernel picks the one before either runs). fp32 and bf16 state twins.
 
-Which path served is read off the bits, as in test_prefill_c16g_gpu.py: decaying keys give prefill_c16p_f32's bits (the
-fused split); one key a head whose warm-up is a few hundred tokens (past the fused pieces' limit, within a chunk-64
-piece) gives prefill_pc8_vt64_f32's; a key that barely decays gives prefill_vt16_f32's (the chain). Each is also held
-to the float64 recurrence, outputs NaN-poisoned first, out of place and on a pool updated in place.
+Which path served is read off the bits, as in test_prefill_c16g_gpu.py: decaying keys give prefill_c16p_<state>'s bits
+(the fused split); one key a head whose warm-up is a few hundred tokens (past the fused pieces' limit, within a chunk-64
+piece) gives prefill_pc8_vt64_<state>'s; a key that barely decays gives prefill_vt16_<state>'s (the chain). Each is also
+held to the float64 recurrence, outputs NaN-poisoned first, out of place, on a pool updated in place and replayed from
+one CUDA graph (both guard words are zeroed inside the captured work, so every replay decides again).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from gpu_common import seed  # noqa: E402
 from test_prefill_c16g_gpu import fast_decays, same, slow_key  # noqa: E402
 from test_prefill_gpu import DEV, K, TOL, V, call, gate_ref, load, make, recurrence, rel  # noqa: E402
 
-NAME = "prefill_c16g2_pc8_vt64_f32"
+NAMES = {"f32": "prefill_c16g2_pc8_vt64_f32", "bf16": "prefill_c16g2_pc8_vt64_bf16"}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 LENS, H = [8192], 2
 
 
@@ -51,54 +53,97 @@ def moderate_key(d):
 
 
 def run(name, d, init):
-    """(out, final state) of module `name` (fp32 state) on d, outputs NaN-poisoned first."""
-    fin = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
+    """(out, final state) of module `name` on d (the state in init's dtype), outputs NaN-poisoned first."""
+    fin = torch.full((len(LENS), H, V, K), float("nan"), device=DEV).to(init.dtype)
     o = call(load(name), d, "bounded", init=init, fin=fin)
     torch.cuda.synchronize()
     return o, fin
 
 
-def check(d, other, init):
-    (o, fin), ref = run(NAME, d, init), run(other, d, init)
+def check(state, d, other, init):
+    (o, fin), ref = run(NAMES[state], d, init), run(f"{other}_{state}", d, init)
     assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
-    assert same((o, fin), ref), f"not {other}'s bits"
+    assert same((o, fin), ref), f"not {other}_{state}'s bits"
     ro, rf, _ = recurrence(d, "bounded", -5.0, init)
     assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
 
 
-def test_decaying_keys_are_the_fused_split():
-    seed("c16g2", "fast")
+def initial(state):
+    return (torch.randn(1, H, V, K, device=DEV) * 0.5).to(DTYPES[state])
+
+
+PATHS = {"fast": (fast_decays, "prefill_c16p"), "moderate": (moderate_key, "prefill_pc8_vt64"),
+         "slow": (lambda x: slow_key(x, H), "prefill_vt16")}
+
+
+@pytest.mark.parametrize("state", list(NAMES))
+def test_decaying_keys_are_the_fused_split(state):
+    seed("c16g2", "fast", state)
     d = fast_decays(make(LENS, H, H, "bounded"))
-    check(d, "prefill_c16p_f32", torch.randn(1, H, V, K, device=DEV) * 0.5)
+    check(state, d, "prefill_c16p", initial(state))
 
 
-def test_a_moderately_decaying_key_is_the_chunk64_piece_split():
-    seed("c16g2", "moderate")
+@pytest.mark.parametrize("state", list(NAMES))
+def test_a_moderately_decaying_key_is_the_chunk64_piece_split(state):
+    seed("c16g2", "moderate", state)
     d = moderate_key(make(LENS, H, H, "bounded"))
     w64 = warmups(d, 1024)   # 8 chunk-64 pieces of 1024 tokens (one wave holds 2 tiles x 2 heads x 8)
     assert 16 * 16 < max(w64) <= 960, w64   # past the fused pieces' limit (<= 16 chunks of 16), within a piece
-    check(d, "prefill_pc8_vt64_f32", torch.randn(1, H, V, K, device=DEV) * 0.5)
+    check(state, d, "prefill_pc8_vt64", initial(state))
 
 
-def test_a_slowly_decaying_key_is_the_unsplit_chain():
-    seed("c16g2", "slow")
+@pytest.mark.parametrize("state", list(NAMES))
+def test_a_slowly_decaying_key_is_the_unsplit_chain(state):
+    seed("c16g2", "slow", state)
     d = slow_key(make(LENS, H, H, "bounded"), H)
     assert max(warmups(d, 1024)) > 1024
-    check(d, "prefill_vt16_f32", torch.randn(1, H, V, K, device=DEV) * 0.5)
+    check(state, d, "prefill_vt16", initial(state))
 
 
-@pytest.mark.parametrize("key", ["fast", "moderate", "slow"])
-def test_a_pool_updated_in_place_is_the_call_out_of_place(key):
+@pytest.mark.parametrize("state", list(NAMES))
+@pytest.mark.parametrize("key", list(PATHS))
+def test_a_pool_updated_in_place_is_the_call_out_of_place(key, state):
     """Each path on a pool of 3 slots, the call's at slot 2: the same bits as out of place, the other slots unchanged."""
-    seed("c16g2", "inplace", key)
-    d = make(LENS, H, H, "bounded")
-    d = {"fast": fast_decays, "moderate": moderate_key, "slow": lambda x: slow_key(x, H)}[key](d)
-    pool = torch.randn(3, H, V, K, device=DEV) * 0.5
-    mod = load(NAME)
-    fin = torch.full((1, H, V, K), float("nan"), device=DEV)
+    seed("c16g2", "inplace", key, state)
+    d = PATHS[key][0](make(LENS, H, H, "bounded"))
+    pool = (torch.randn(3, H, V, K, device=DEV) * 0.5).to(DTYPES[state])
+    mod = load(NAMES[state])
+    fin = torch.full((1, H, V, K), float("nan"), device=DEV).to(pool.dtype)
     o_ref = call(mod, d, "bounded", init=pool[2:3].clone(), fin=fin)
     p = pool.clone()
     o = call(mod, d, "bounded", init=p, fin=p, idx=torch.tensor([2], dtype=torch.int32, device=DEV))
     torch.cuda.synchronize()
     assert same((o, p[2:3]), (o_ref, fin)), f"{key}: in place differs from out of place"
     assert torch.equal(p[:2], pool[:2]), "a slot the call does not own changed"
+
+
+def test_one_captured_graph_replays_every_path():
+    """Captured once on decaying keys, replayed with each path's gate parameters copied into the same buffers (fast,
+    moderate, slow, fast): every replay takes its path's bits, so neither guard word carries over from a replay."""
+    seed("c16g2", "graph")
+    base = make(LENS, H, H, "bounded")
+    draws = {key: fn({k: (v.clone() if torch.is_tensor(v) else v) for k, v in base.items()})
+             for key, (fn, _) in PATHS.items()}
+    mod = load(NAMES["f32"])
+    d = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in draws["fast"].items()}
+    init = initial("f32")
+    ws = torch.empty(mod["kda_prefill_workspace_bytes"](sum(LENS), 1, H), dtype=torch.uint8, device=DEV)
+    fin = torch.empty(1, H, V, K, device=DEV)
+    out = torch.empty_like(d["v"])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(mod, d, "bounded", init=init, fin=fin, ws=ws, out=out)   # warm-up (module loaded, attributes set)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(mod, d, "bounded", init=init, fin=fin, ws=ws, out=out)
+    for key in ("fast", "moderate", "slow", "fast"):
+        d["A_log"].copy_(draws[key]["A_log"])
+        d["dt_bias"].copy_(draws[key]["dt_bias"])
+        out.fill_(float("nan"))
+        fin.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = run(f"{PATHS[key][1]}_f32", draws[key], init)
+        assert same((out, fin), want), key

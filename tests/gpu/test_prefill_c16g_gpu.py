@@ -218,8 +218,9 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("lens,H,opt_in,want", [([8192], 8, "", "prefill_c16g_vt16_f32"),            # c16g_few
+@pytest.mark.parametrize("lens,H,opt_in,want", [([8192], 8, "", "prefill_c16g2_pc8_vt64_f32"),       # c16g_few
                                                 ([8192], 8, "chunk64", "prefill_pc8_vt64_f32"),
+                                                ([8192], 8, "exact_chain", "prefill_vt16_f32"),
                                                 ([8192], 12, "", "prefill_c16g_vt16_f32"),           # c16g_groups
                                                 ([8192], 24, "", "prefill_c16g_vt32_f32"),           # c16g_groups_24
                                                 ([2048, 2048], 32, "", "prefill_c16g_vt64_f32"),
