@@ -10,7 +10,7 @@ sets the warm-up. For each gate ("bounded" at lower_bound -5, "softplus") and ea
 (benchmarks/gate_params.py; raw gate N(0, 1) as the benchmark's), this prints the warm-up lengths of two splits at
 their piece counts on an H200 (2 x 132 CTA slots):
 - chunk 64: the state-pass split of prefill_pc8_vt64 / prefill_pc16_vt64g2 (min(pieces, SMs / (tiles x items)));
-- chunk 16: the fused kernel's split (prefill_c16p / c16g, min(64, 2 x SMs / items)), and whether c16g's guard
+- chunk 16: the fused kernel's split (prefill_c16p / c16g, c16_split below), and whether c16g's guard
   (a walk past half a piece) hands the call to the chunk-64 kernels.
 No GPU: the bounds are computed in float64 from the same formulas as the kernels (not read off them).
 """
@@ -35,6 +35,31 @@ K = 128
 LOG2E = 1.4426950408889634
 LOWER_BOUND = -5.0   # the bounded gate's, as the benchmarks'
 SMS = 132
+
+
+PIECE_OVERHEAD_CHUNKS = 2   # csrc/prefill/kda_prefill_args.h, kPieceOverheadChunks
+
+
+def c16_split(max_pieces, cta_slots, items, chunks):
+    """The fused split's pieces a sequence (the binding's c16_split, csrc/prefill/kda_prefill_c16_launch.h): 1 where one
+    wave of cta_slots holds the items (unsplit, exact), else pieces_for_waves."""
+    if cta_slots // items <= 1 or max_pieces <= 1:
+        return 1
+    return pieces_for_waves(max_pieces, cta_slots, items, chunks)
+
+
+def pieces_for_waves(max_pieces, cta_slots, ctas_per_piece, chunks):
+    """The fused split's pieces a sequence of `chunks` 16-token chunks (the binding's pieces_for_waves,
+    csrc/prefill/kda_prefill_args.h): of 1..max_pieces the fewest chunk steps on the slowest CTA slot, ceil(items x P /
+    slots) waves of ceil(chunks / P) chunks plus PIECE_OVERHEAD_CHUNKS (P > 1); of equal steps the fewest waves, then
+    the most pieces."""
+    best = None
+    for p in range(1, max(1, max_pieces) + 1):
+        waves = -(-ctas_per_piece * p // cta_slots)
+        steps = waves * (-(-chunks // p) + (PIECE_OVERHEAD_CHUNKS if p > 1 else 0))
+        if best is None or steps < best[0] or (steps == best[0] and waves <= best[1]):
+            best = (steps, waves, p)
+    return best[2]
 
 
 def chunk_bounds(tokens, H, gate, kind, gen, chunk):
@@ -100,7 +125,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     T, H = args.tokens, args.heads
     p64 = max(1, min(8 if H <= 8 else 16, SMS // ((2 if H <= 8 else 1) * H)))   # pc8_vt64: 2 V tiles; pc16 groups: 1 CTA
-    p16 = max(1, min(64, 2 * SMS // H))
+    p16 = c16_split(64, 2 * SMS, H, -(-T // 16))
     print(f"1 x {T} tokens, H{H}: chunk-64 split {p64} pieces of {-(-T // 64 // p64) * 64} tokens, "
           f"chunk-16 split {p16} pieces of {-(-T // 16 // p16) * 16} tokens")
     print(f"{'gate':9s} {'params':9s} {'slowest key nats/token (median)':>32s} | chunk 64: warm-up tokens median / max, "

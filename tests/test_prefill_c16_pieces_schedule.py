@@ -15,6 +15,8 @@ unsplit recurrence: the dropped state is attenuated below 2^-24.
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,9 +27,12 @@ K = V = 128
 LOG2E = 1.4426950408889634
 
 
-def pieces_of(pieces_max, sms, min_blocks, HV, N):
-    """kda_prefill_c16.cu: one wave of min_blocks CTAs an SM, at most the record's pieces, at least 1."""
-    return max(1, min(pieces_max, min_blocks * sms // (HV * N)))
+def pieces_of(pieces_max, sms, min_blocks, HV, N, tokens):
+    """The binding's choice (csrc/prefill/kda_prefill_c16_launch.h, c16_split: scripts/warmup_lengths.c16_split) over
+    min_blocks CTAs an SM for the mean sequence's 16-token chunks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from warmup_lengths import c16_split
+    return c16_split(pieces_max, min_blocks * sms, HV * N, -(-(tokens // N) // C))
 
 
 def token_bounds(graw, A_log, dt_bias, lb, gate="bounded"):
@@ -200,14 +205,27 @@ def test_a_walk_load_outside_the_sequence_is_caught():
 
 
 def test_pieces_of_matches_the_binding():
-    assert pieces_of(64, 132, 2, 32, 4) == 2
-    assert pieces_of(64, 132, 2, 64, 1) == 4
-    assert pieces_of(64, 132, 2, 16, 64) == 1
-    assert pieces_of(64, 132, 2, 16, 1) == 16
-    assert pieces_of(64, 132, 2, 8, 1) == 33    # B1 H8 (Kimi K3 at TP12): a cap of 16 left half the wave empty
-    assert pieces_of(64, 132, 2, 12, 1) == 22
-    assert pieces_of(64, 132, 2, 2, 1) == 64
-    assert pieces_of(16, 132, 2, 8, 1) == 16
+    # one wave where the items are few (the choice before multi-wave pieces)
+    assert pieces_of(64, 132, 2, 32, 4, 4 * 4096) == 2
+    assert pieces_of(64, 132, 2, 64, 1, 8192) == 4
+    assert pieces_of(64, 132, 2, 16, 64, 64 * 512) == 1
+    assert pieces_of(64, 132, 2, 16, 1, 32768) == 16    # 2 waves of 33 pieces: the same steps, more waves
+    assert pieces_of(64, 132, 2, 8, 1, 32768) == 33     # B1 H8 (Kimi K3 at TP12): a cap of 16 left half the wave empty
+    assert pieces_of(64, 132, 2, 8, 1, 8192) == 33      # 32 pieces take as many steps: the most pieces of a wave
+    assert pieces_of(64, 132, 2, 12, 1, 32768) == 22
+    assert pieces_of(64, 132, 2, 2, 1, 32768) == 64
+    assert pieces_of(16, 132, 2, 8, 1, 32768) == 16
+    # several waves where one would leave CTA slots idle: B1 H96 (96 items) 4 waves of 11 pieces, not 73% of one wave
+    # at 2 (4 x 188 chunk steps against 1026); 4x8192 H24 11 pieces
+    assert pieces_of(64, 132, 2, 96, 1, 32768) == 11
+    assert pieces_of(64, 132, 2, 24, 4, 4 * 8192) == 11
+    assert pieces_of(64, 132, 2, 24, 4, 4 * 2048) == 8
+    # unsplit (exact, nothing to guard) where one wave holds the items, though more waves of pieces would take fewer
+    # steps on random gates: 4x8192 H48 / H96 (192 / 384 items; 4 / 2 pieces measured 1.17 / 1.03x there, 0.76x at
+    # H48 on fla-init gates, where the guard hands over)
+    assert pieces_of(64, 132, 2, 48, 4, 4 * 8192) == 1
+    assert pieces_of(64, 132, 2, 96, 4, 4 * 8192) == 1
+    assert pieces_of(64, 132, 2, 16, 64, 64 * 2048) == 1
 
 
 def guard_trips(len_, P, bound_of_chunk, pct=50, max_chunks=1 << 30):
@@ -246,7 +264,7 @@ def test_the_gpu_tests_premises_on_the_guard(gate):
     one slow key a head (dt_bias -20) always does, at either limit the records set (half a piece: vt64's; a whole piece
     capped at 16 chunks: the unsplit chains', vt16 and vt32)."""
     for lens, HV, want in (([3000, 1700], 4, 33), ([3000, 40, 500], 2, 44)):
-        P = pieces_of(64, 132, 2, HV, len(lens))
+        P = pieces_of(64, 132, 2, HV, len(lens), sum(lens))
         assert P == want
         for seed in range(3):
             fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
@@ -301,7 +319,7 @@ def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
     graw = (torch.randn(T, H, K, generator=gen) - 1.0).bfloat16()
     dt = torch.randn(H * K, generator=gen) * 0.5
     tb = token_bounds(graw, torch.zeros(H), dt, -5.0).double()
-    P = pieces_of(64, 132, 2, 8, 1)
+    P = pieces_of(64, 132, 2, 8, 1, T)
     slow_dt = dt.clone()
     slow_dt.view(H, K)[:, 0] = -3.0   # one slower key a head: warm-ups of 15-16 chunks at B1 T8K, a whole piece
     tb_slow = token_bounds(graw[:8192], torch.zeros(H), slow_dt, -5.0).double()
@@ -339,7 +357,7 @@ def test_the_two_stage_guards_premise(draw_kind):
         by_head = len(w) // tb.shape[1]
         return [max(x for x, _ in w[h * by_head:(h + 1) * by_head]) for h in range(tb.shape[1])], per
     H, T = 8, 32768
-    P16, P64 = pieces_of(64, 132, 2, H, 1), 8
+    P16, P64 = pieces_of(64, 132, 2, H, 1, T), 8
     assert P16 == 33
     trips = []
     for seed in range(4):

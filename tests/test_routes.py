@@ -321,7 +321,8 @@ EDGES = {
     ],
     ("kda_prefill", "fused_chunk16", "mean_seqlen_max"): [
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="bounded"), "prefill_c16_f32"),      # 2048
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_vt64s_f32"),    # 2049
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_c16_f32"),  # fused_chunk16_long
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_vt64s_f32", CHUNK64),
     ],
     # a known longest sequence: the call's token-heads >= 100 times its length (14336 * 12 // 1720 = 100); an
     # unknown one counts as the mean (work_per_longest = work_items)
@@ -435,7 +436,28 @@ EDGES = {
     ],
     ("kda_prefill", "c16g_wide", "work_items_max"): [
         (prefill_meta(gate="bounded", num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_vt64_bf16"),
-        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32"),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16_f32"),  # fused_chunk16_long
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
+    ],
+    # fused_chunk16_long: the fused kernel unsplit from 256 items while the mean passes fused_chunk16's 2048 tokens
+    ("kda_prefill", "fused_chunk16_long", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=96, total_tokens=4 * 8192, state="bf16"), "prefill_c16_bf16"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=63, total_tokens=4 * 8192), "prefill_c16g_vt64_f32"),  # c16g_wide
+    ],
+    ("kda_prefill", "fused_chunk16_long", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048), "prefill_c16_f32"),  # fused_chunk16
+        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64, checkpoints=True),
+         "prefill_vt64s_f32"),
+        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_vt64s_f32"),   # softplus
+    ],
+    # a known longest sequence: token-heads >= 100 times it (4 x 8192 x 64 // 20971 = 100)
+    ("kda_prefill", "fused_chunk16_long", "work_per_longest_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20971),
+         "prefill_c16_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20972),
+         "prefill_vt64s_f32"),    # many_seq_heads
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),
@@ -496,7 +518,9 @@ EDGES = {
     ("kda_prefill", "fused_chunk16_wave", "mean_seqlen_max"): [
         (like(16, 16, 2048), "prefill_c16_f32"),
         (prefill_meta(max_seqlen=2049, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16),
-         "prefill_vt64s_f32"),
+         "prefill_c16_f32"),    # fused_chunk16_long
+        (prefill_meta(max_seqlen=2049, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16),
+         "prefill_vt64s_f32", CHUNK64),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_per_longest_min"): [
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1170),
@@ -530,6 +554,7 @@ BOUNDED_ONLY = [
     ("c16g_wide", dict(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
     ("c16g_mid", dict(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32",
      "prefill_vt64_f32"),
+    ("fused_chunk16_long", dict(num_seqs=4, value_heads=96, total_tokens=4 * 8192), "prefill_c16_f32", "prefill_vt64s_f32"),
     ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16_f32",
      "prefill_vt64s_f32"),
 ]

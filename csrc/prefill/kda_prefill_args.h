@@ -181,4 +181,24 @@ inline int pieces_for_one_wave(int64_t max_pieces, int64_t cta_slots, int64_t ct
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_pieces, cta_slots / ctas_per_piece)));
 }
 
+// A piece-split call's pieces a (sequence, head) over as many waves as it takes: of 1..max_pieces, the count whose
+// slowest CTA slot walks the fewest chunk steps, ceil(ctas_per_piece x P / cta_slots) waves of a piece's
+// ceil(chunks / P) chunks plus kPieceOverheadChunks (P > 1: the walk back on decaying gates, a CTA's start and end);
+// of equal steps the fewest waves, then the most pieces (shorter pieces for the longer sequences). One wave where the items are few (B1 H8 T32K: 33 pieces), several where one wave would leave
+// slots idle: 96 items (B1 H96 T32K) take 11 pieces in 4 waves, not 2 in 73% of one.
+constexpr int64_t kPieceOverheadChunks = 2;
+inline int pieces_for_waves(int64_t max_pieces, int64_t cta_slots, int64_t ctas_per_piece, int64_t chunks) {
+  int64_t best = 1, best_steps = -1, best_waves = 0;
+  for (int64_t p = 1; p <= std::max<int64_t>(1, max_pieces); ++p) {
+    const int64_t waves = (ctas_per_piece * p + cta_slots - 1) / cta_slots;
+    const int64_t steps = waves * ((chunks + p - 1) / p + (p > 1 ? kPieceOverheadChunks : 0));
+    if (best_steps < 0 || steps < best_steps || (steps == best_steps && waves <= best_waves)) {
+      best = p;
+      best_steps = steps;
+      best_waves = waves;
+    }
+  }
+  return static_cast<int>(best);
+}
+
 }  // namespace fkda

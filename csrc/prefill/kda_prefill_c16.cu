@@ -44,7 +44,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const PrefillCall pc = prefill_call_args(ck, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, gate_mode,
                                            lower_bound, scale);
   const GateMode gm = pc.gm;
-  const int64_t H = pc.dm.H, HV = pc.dm.HV, V = pc.dm.V, K = pc.dm.K, N = pc.N;
+  const int64_t T = pc.dm.T, H = pc.dm.H, HV = pc.dm.HV, V = pc.dm.V, K = pc.dm.K, N = pc.N;
   FKDA_CHECK(!checkpoints.has_value(), fn)
       << "argument 'checkpoints': this module (16-token chunks) writes no checkpoints; use a chunk-64 module";
   (void)checkpoint_every;
@@ -60,7 +60,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const fkda::cuda::LaunchContext ctx(q);
   fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state, final_state,
                               state_indices, ps, null_slot0, out, lower_bound, scale, beta_is_logit);
-  a.pieces = c16_pieces(ctx, N, HV, initial_state, final_state);
+  a.pieces = c16_pieces(ctx, T, N, HV, initial_state, final_state);
   launch_c16<StateT>(ctx, a, gm, lower_bound);
 }
 

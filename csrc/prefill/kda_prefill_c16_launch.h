@@ -44,17 +44,24 @@ inline bool states_overlap(const OptTensor& initial_state, const OptTensor& fina
          Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value()));
 }
 
-// The pieces one wave of the kernel's CTAs holds: at most the module's (kda_prefill_c16.cuh, kPieces), at least 1.
-inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
-  return pieces_for_one_wave(fkda_c16::kPieces, int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV * N);
+// The pieces a sequence for the kernel's CTA slots, min_blocks an SM, at most the module's (kda_prefill_c16.cuh,
+// kPieces): 1 where one wave holds the items already (unsplit and exact: no warm-up, no guard to trip on slowly
+// decaying keys, where a split handed over cost 1.31x at 4x8192 H48 on fla-init gates for 1.17x on random ones,
+// h100-2026-12-06-d2f1dba); else pieces_for_waves for a sequence of T / N tokens (the mean: the host does not read
+// the offsets), over as many waves as keep the slots busiest (B1 H96 T32K: 11 pieces in 4 waves, 1.33x 2 in one).
+inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
+  const int64_t slots = int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
+  if (pieces_for_one_wave(fkda_c16::kPieces, slots, HV * N) == 1) return 1;
+  const int64_t chunks = N > 0 ? (T / N + fkda_c16::kC - 1) / fkda_c16::kC : 0;
+  return pieces_for_waves(fkda_c16::kPieces, slots, HV * N, chunks);
 }
 
 // A call's pieces: c16_split, except that a piece that walks back to chunk 0 reads the initial state while the last
 // piece may already store the final state, so when the two overlap (a pool updated in place) the call runs unsplit.
-inline int c16_pieces(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV, const OptTensor& initial_state,
-                      const OptTensor& final_state) {
+inline int c16_pieces(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV,
+                      const OptTensor& initial_state, const OptTensor& final_state) {
   if (fkda_c16::kPieces == 1 || states_overlap(initial_state, final_state)) return 1;
-  return c16_split(ctx, N, HV);
+  return c16_split(ctx, T, N, HV);
 }
 
 // Launch the kernel of the gate (kda_prefill_c16.cuh, GATE): one CTA a (value head, sequence, piece), heads adjacent,

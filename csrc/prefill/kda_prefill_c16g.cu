@@ -93,7 +93,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   cudaStream_t stream = ctx.stream();
   fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state, final_state,
                               state_indices, ps, null_slot0, out, lower_bound, scale, beta_is_logit);
-  const int split = c16_split(ctx, N, HV);
+  const int split = c16_split(ctx, T, N, HV);
   const bool in_place = states_overlap(initial_state, final_state);
   a.guard = nullptr;
   if (split == 1) {  // unsplit: exact, no warm-up, nothing to guard

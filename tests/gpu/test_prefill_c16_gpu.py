@@ -13,6 +13,9 @@ to the unsplit module: piece 0's rows bitwise, the rest within 1.1x its error.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,15 +25,19 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 from gpu_common import bits, paged_like, records_by_name, seed  # noqa: E402
 from test_prefill_gpu import DEV, GATES, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from warmup_lengths import c16_split  # noqa: E402
+
 RECS = records_by_name("prefill_c16_cuda.json")
 NAMES = list(RECS)
 BASE = {"float32": "prefill_vt64_f32", "bfloat16": "prefill_vt64_bf16"}  # a routed chunk-64 module of each state dtype
 
 
-def pieces_of(rec, N, HV):
-    """The pieces the binding picks (kda_prefill_c16.cu): one wave of 2 CTAs an SM, at most params.pieces."""
+def pieces_of(rec, N, HV, tokens):
+    """The pieces the binding picks (kda_prefill_c16_launch.h, c16_split, mirrored by scripts/warmup_lengths.c16_split:
+    2 CTAs an SM, the mean sequence's chunks), at most params.pieces."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    return max(1, min(rec["params"].get("pieces", 1), rec["min_blocks"] * sms // (HV * N)))
+    return c16_split(rec["params"].get("pieces", 1), rec["min_blocks"] * sms, HV * N, -(-(tokens // N) // 16))
 
 
 def module_and_state_dtype(name):
@@ -270,6 +277,7 @@ PIECE_CASES = [
     dict(id="b2_t3000_h8", lens=[3000, 1700], H=8),
     dict(id="ragged_h4", lens=[0, 1, 2000, 17, 900, 16], H=4),
     dict(id="b1_t4096_h2_softplus", lens=[4096], H=2, gate="softplus"),
+    dict(id="b4_t2048_h24_waves", lens=[2048] * 4, H=24),   # 96 items: 8 pieces in 3 waves (c16_split)
 ]
 
 
@@ -284,7 +292,7 @@ def test_pieces(name, case):
     base = name.replace("prefill_c16p_", "prefill_c16_")
     st = sdtype(rec)
     H, N, lens = case["H"], len(case["lens"]), case["lens"]
-    P = pieces_of(rec, N, H)
+    P = pieces_of(rec, N, H, sum(lens))
     assert P > 1, P
     gate = case.get("gate", "bounded")
     d = make(lens, H, H, gate)

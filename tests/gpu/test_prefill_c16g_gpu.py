@@ -6,7 +6,8 @@ Which path served a call is read off the bits: decaying keys (every piece's warm
 output and final state bitwise (prefill_c16p_*, the same kernel unguarded); one slowly decaying key a head (every
 warm-up walks back to chunk 0) hands the call to the chunk-64 kernels, bitwise the fallback module; a pool updated in
 place gives the same bits on either path (the pieces store to a copy the last kernel moves into the pool); a call
-whose HV x N fills a wave runs the fused kernel unsplit (prefill_c16_*).
+whose pieces would not shorten the slowest CTA slot (HV x N over a wave, short sequences) runs the fused kernel
+unsplit (prefill_c16_*).
 Each path is also held to the float64 recurrence, outputs NaN-poisoned first.
 """
 from __future__ import annotations
@@ -150,7 +151,8 @@ def test_a_pool_in_place_with_a_slow_key_is_the_chunk64_kernels(name):
 def test_a_full_wave_runs_the_fused_kernel_unsplit(name):
     seed("unsplit", name)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    N = 2 * sms // 16 + 1   # N x 16 heads > one wave of 2 CTAs an SM: no split
+    N = 2 * sms // 16 + 1   # N x 16 heads > one wave of 2 CTAs an SM, 4-8 chunks a sequence: pieces would not shorten
+    # the slowest CTA slot (scripts/warmup_lengths.pieces_for_waves: 2 waves of 6 chunk steps unsplit, 3 of 5 at 2)
     lens, H = [64 + 16 * (i % 5) for i in range(N)], 16
     d = slow_key(make(lens, H, H, "bounded"), H)   # would trip the guard if it split
     a, b = run_both(name, unsplit_of(name), d, "bounded", N, H)
@@ -227,11 +229,14 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([2048, 2048], 32, "chunk64", "prefill_vt64_f32"),
                                                 ([1024] * 16, 8, "", "prefill_c16g_vt64_f32"),      # c16g_mid
                                                 ([1024] * 16, 16, "", "prefill_c16_f32"),           # fused_chunk16_wave
-                                                ([1024] * 16, 16, "chunk64", "prefill_vt64s_f32")])
+                                                ([1024] * 16, 16, "chunk64", "prefill_vt64s_f32"),
+                                                ([4096] * 4, 96, "", "prefill_c16_f32"),            # fused_chunk16_long
+                                                ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32")])
 def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
     """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 8192 tokens a
     sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit
-    at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen), and
+    at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen) and 4 x 4096 H96
+    (fused_chunk16_long, past 2048 tokens a sequence), and
     FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the op's result is that module's own call bitwise, and
     right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
     seed("op", want, H)
