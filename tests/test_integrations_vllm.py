@@ -327,6 +327,34 @@ def test_packed_decode_passes_q_k_v_as_views(recorded, monkeypatch, B):
     assert B == 1 or all(t.stride(0) == width for t in (q, k, v))
 
 
+def test_packed_decode_copies_rows_the_op_cannot_read(recorded, monkeypatch):
+    """Rows closer than one q row apart (an as_strided view whose rows overlap) fail the row check on q, so q, k and v
+    go over as dense copies (one check on q stands for all three: they share strides and start H*K elements apart):
+    served, matching the reference on the same values."""
+    import flashkda_ext.ops as ops
+    seen, real_decode = [], ops.kda_decode
+
+    def decode(q, k, v, *args, **kwargs):
+        seen.append((q, k, v))
+        return real_decode(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "kda_decode", decode)
+    B, idx = 3, [1, 3, 2]
+    pool = torch.randn(4, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = packed_decode_call(B, idx, pool, -5.0)
+    base = torch.randn(B * 3 * H * K)
+    call["mixed_qkv"] = base.as_strided((B, 3 * H * K), (H * K - 1, 1))
+    before = stat("k3.fused_recurrent_kda_packed_decode")
+    o, _ = recorded.k3.fused_recurrent_kda_packed_decode(**call)
+    assert stat("k3.fused_recurrent_kda_packed_decode") == before + 1 and recorded.calls == []
+    (q, k, v), = seen
+    assert all(t.is_contiguous() for t in (q, k, v))
+    want_o, want_pool = packed_decode_reference(dict(call, mixed_qkv=call["mixed_qkv"].contiguous()), pool0)
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    torch.testing.assert_close(pool[idx].double(), want_pool[idx].double(), **TOL)
+
+
 def test_install_leaves_a_rocm_build_alone(real, monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
     report = fkda_vllm.install()
