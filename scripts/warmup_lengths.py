@@ -40,10 +40,11 @@ SMS = 132
 PIECE_OVERHEAD_CHUNKS = 2   # csrc/prefill/kda_prefill_args.h, kPieceOverheadChunks
 
 
-def c16_split(max_pieces, cta_slots, items, chunks):
+def c16_split(max_pieces, cta_slots, items, chunks, past_one_wave=False):
     """The fused split's pieces a sequence (the binding's c16_split, csrc/prefill/kda_prefill_c16_launch.h): 1 where one
-    wave of cta_slots holds the items (unsplit, exact), else pieces_for_waves."""
-    if cta_slots // items <= 1 or max_pieces <= 1:
+    wave of cta_slots holds the items (unsplit, exact) unless past_one_wave (params.c16_fallback: the guard falls back
+    to the kernel unsplit), else pieces_for_waves."""
+    if max_pieces <= 1 or (not past_one_wave and cta_slots // items <= 1):
         return 1
     return pieces_for_waves(max_pieces, cta_slots, items, chunks)
 

@@ -48,6 +48,7 @@ def verify_meta(**kw):
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
 # rule's cases carry the opted-in names as a third item
 EXACT = frozenset({"exact_chain"})
+C16G_FULL = frozenset({"c16g_full"})
 EDGES = {
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8
@@ -439,6 +440,21 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16_f32"),  # fused_chunk16_long
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
     ],
+    # c16g_full (opt-in c16g_full): from 133 items (one wave of 2 CTAs an SM holds them at 132 SMs) the split over
+    # several waves, its fallback the fused kernel unsplit
+    ("kda_prefill", "c16g_full", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=1, value_heads=133, total_tokens=4096, state="bf16"), "prefill_c16g_c16_bf16",
+         C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=1, value_heads=132, total_tokens=4096), "prefill_c16g_vt64_f32", C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=1, value_heads=133, total_tokens=4096), "prefill_c16g_vt64_f32"),  # c16g_wide
+    ],
+    ("kda_prefill", "c16g_full", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_c16_bf16",
+         C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16_f32", C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16_f32"),  # fused_chunk16_long
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
+    ],
     # fused_chunk16_long: the fused kernel unsplit from 256 items while the mean passes fused_chunk16's 2048 tokens
     ("kda_prefill", "fused_chunk16_long", "work_items_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16_f32"),
@@ -458,6 +474,17 @@ EDGES = {
          "prefill_c16_f32"),
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20972),
          "prefill_vt64s_f32"),    # many_seq_heads
+    ],
+    ("kda_prefill", "c16g_full", "mean_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=48, total_tokens=4 * 2048), "prefill_c16g_c16_f32", C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=48, total_tokens=4 * 2048 - 1), "prefill_vt64_f32", C16G_FULL),
+    ],
+    ("kda_prefill", "c16g_full", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=48, total_tokens=4 * 8192, lower_bound=-5.0),
+         "prefill_c16g_c16_f32", C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=48, total_tokens=4 * 8192, lower_bound=-5.01),
+         "prefill_vt64_f32", C16G_FULL),
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_vt64_f32", C16G_FULL),   # softplus
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),

@@ -127,6 +127,9 @@ struct Args {
 #if FKDA_PARAM_GUARD == 1
   int* guard;  // set to 1 by a piece whose warm-up passes its limit (zeroed by the binding before the launch)
 #endif
+#if FKDA_PARAM_C16_FALLBACK == 1
+  const int* run_if;  // (prefill_c16g_c16_*) non-null: run only where the word is set (the unsplit fallback launch)
+#endif
 };
 
 // Pieces (record param 'pieces', default 1: one CTA walks a sequence's chunks, exact). With P > 1 the
@@ -443,6 +446,9 @@ constexpr int kBoundedAnyBound = 3;
 template <typename ST, int GATE>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(const Args a) {
   fkda::begin_dependent_grid();
+#if FKDA_PARAM_C16_FALLBACK == 1  // the guard's fallback launch: the split before handed the call over, or it is done
+  if (a.run_if != nullptr && *reinterpret_cast<const volatile int*>(a.run_if) == 0) return;
+#endif
   constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   constexpr bool kCheck = GATE != 1;
   extern __shared__ __align__(128) uint8_t smem[];

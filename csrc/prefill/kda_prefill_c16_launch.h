@@ -49,9 +49,16 @@ inline bool states_overlap(const OptTensor& initial_state, const OptTensor& fina
 // decaying keys, where a split handed over cost 1.31x at 4x8192 H48 on fla-init gates for 1.17x on random ones,
 // h100-2026-12-06-d2f1dba); else pieces_for_waves for a sequence of T / N tokens (the mean: the host does not read
 // the offsets), over as many waves as keep the slots busiest (B1 H96 T32K: 11 pieces in 4 waves, 1.33x 2 in one).
+// A module whose guard falls back to this kernel unsplit (params.c16_fallback, prefill_c16g_c16_*) splits over several
+// waves there too: a hand-over then costs the short attempt and the unsplit call.
+#if FKDA_PARAM_C16_FALLBACK == 1
+constexpr bool kSplitPastOneWave = true;
+#else
+constexpr bool kSplitPastOneWave = false;
+#endif
 inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
   const int64_t slots = int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
-  if (pieces_for_one_wave(fkda_c16::kPieces, slots, HV * N) == 1) return 1;
+  if (!kSplitPastOneWave && pieces_for_one_wave(fkda_c16::kPieces, slots, HV * N) == 1) return 1;
   const int64_t chunks = N > 0 ? (T / N + fkda_c16::kC - 1) / fkda_c16::kC : 0;
   return pieces_for_waves(fkda_c16::kPieces, slots, HV * N, chunks);
 }

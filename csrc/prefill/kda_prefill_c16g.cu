@@ -63,8 +63,18 @@ constexpr bool kChainGuard = true;
 constexpr bool kChainGuard = false;
 #endif
 
+#if FKDA_PARAM_C16_FALLBACK == 1
+// (params.c16_fallback 1, prefill_c16g_c16_*) The guard falls back to the fused kernel unsplit, launched after the split
+// to run only where the word is set (Args::run_if): for calls whose items one wave holds already (133..255 at 132
+// SMs), which the other modules run unsplit; the split over several waves then costs a hand-over the short attempt.
+constexpr bool kUnsplitFallback = true;
+#else
+constexpr bool kUnsplitFallback = false;
+#endif
+
 int64_t chunk64_workspace(int64_t T, int64_t N, int64_t HV) {
-  return fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
+  // no chunk-64 kernels behind an unsplit fallback: the guard word's block starts the workspace
+  return kUnsplitFallback ? fkda_prefill::kWorkspaceAlign : fkda_prefill::workspace_bytes(T, N, HV, sizeof(StateT));
 }
 int64_t final_copy_bytes(int64_t N, int64_t HV) {
   return N * HV * fkda_c16::kV * fkda_c16::kK * int64_t(sizeof(StateT));
@@ -96,6 +106,11 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const int split = c16_split(ctx, T, N, HV);
   const bool in_place = states_overlap(initial_state, final_state);
   a.guard = nullptr;
+#if FKDA_PARAM_C16_FALLBACK == 1
+  a.run_if = nullptr;
+  fkda_c16::Args unsplit = a;  // the fallback: the call as given (the pool itself in place), one piece
+  unsplit.pieces = 1;
+#endif
   if (split == 1) {  // unsplit: exact, no warm-up, nothing to guard
     a.pieces = 1;
     launch_c16<StateT>(ctx, a, gm, lower_bound);
@@ -116,11 +131,16 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   a.pieces = split;
   a.guard = guard;
   launch_c16<StateT>(ctx, a, gm, lower_bound);
+#if FKDA_PARAM_C16_FALLBACK == 1
+  unsplit.run_if = guard;
+  launch_c16<StateT>(ctx, unsplit, gm, lower_bound);
+#else
   Chunk64Call call{T, N, H, HV, nullptr, 0, 0, ws.ptr, gate_mode, lower_bound, scale, beta_is_logit, null_slot0,
                    guard};
   if (kChainGuard) call.chain = guard + 1;
   launch_chunk64<StateT>(ctx, call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
                          state_indices, ps, out);
+#endif
   if (in_place)
     ctx.launch("kda_prefill_c16_commit_kernel", fkda_c16::kda_prefill_c16_commit_kernel<StateT>,
                dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N)), dim3(fkda_c16::kCommitThreads), 0, a, pool);

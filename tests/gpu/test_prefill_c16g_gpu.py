@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,9 @@ if not torch.cuda.is_available():
 tvm_ffi = pytest.importorskip("tvm_ffi")
 from gpu_common import bits, records_by_name, seed  # noqa: E402
 from test_prefill_gpu import DEV, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from warmup_lengths import c16_split  # noqa: E402
 
 RECS = records_by_name("prefill_c16g_cuda.json")
 NAMES = list(RECS)
@@ -157,6 +161,35 @@ def test_a_full_wave_runs_the_fused_kernel_unsplit(name):
     d = slow_key(make(lens, H, H, "bounded"), H)   # would trip the guard if it split
     a, b = run_both(name, unsplit_of(name), d, "bounded", N, H)
     assert same(a, b)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if RECS[n]["params"].get("c16_fallback")])
+def test_the_unsplit_fallback_module_splits_past_one_wave(name):
+    """prefill_c16g_c16_* (params.c16_fallback): 192 items (4 x 2048 H48), which one wave of 2 CTAs an SM holds unsplit,
+    split over several waves on decaying keys (4 pieces in 3 waves at 132 SMs; scripts/warmup_lengths.c16_split) and
+    right against the float64 recurrence; one slow key a head hands the call to the fused kernel unsplit, launched after
+    the split: prefill_c16_<state>'s bits, the pool in place as out of place."""
+    seed("waves", name)
+    lens, H = [2048] * 4, 48
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    P = c16_split(RECS[name]["params"]["c16_pieces"], 2 * sms, H * len(lens), 2048 // 16, past_one_wave=True)
+    assert P > 1 and c16_split(64, 2 * sms, H * len(lens), 2048 // 16) == 1, P
+    st = sdtype(RECS[name])
+    init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(st)
+    d = fast_decays(make(lens, H, H, "bounded"))
+    fin = torch.full((len(lens), H, V, K), float("nan"), device=DEV).to(st)
+    o = call(load(name), d, "bounded", init=init, fin=fin)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
+    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
+    slow = slow_key(make(lens, H, H, "bounded"), H)
+    a, b = run_both(name, fallback_of(name), slow, "bounded", len(lens), H, init=init)
+    assert same(a, b), "the slow key's call is not the unsplit kernel's"
+    pool = (torch.randn(2 * len(lens), H, V, K, device=DEV) * 0.5).to(st)
+    idx = torch.tensor([5, 0, 6, 3], dtype=torch.int32, device=DEV)
+    a, b = run_both(name, fallback_of(name), slow, "bounded", len(lens), H, pool=pool, idx=idx)
+    assert same(a, b) and torch.equal(bits(a[1][[1, 2, 4, 7]]), bits(pool[[1, 2, 4, 7]]))
 
 
 @pytest.mark.parametrize("name", F32)
