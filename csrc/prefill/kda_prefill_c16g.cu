@@ -14,7 +14,10 @@
 // A two-stage module (params.chain_guard 1, prefill_c16g2_*) guards the chunk-64 piece split in turn: after the prep,
 // kda_chain_decide_kernel sets a second word (after the guard word) where a piece's warm-up is longer than the piece,
 // and then the unsplit chain at V tile 16 does the call instead of the piece pass (kda_prefill_state.cuh).
-// When the fused kernel cannot split (one wave of 2 CTAs an SM already holds HV x N) it runs alone, unsplit and exact.
+// A module with params.c16_fallback 1 (prefill_c16g_c16_*) falls back to the fused kernel itself, unsplit, instead of
+// the chunk-64 kernels (see kUnsplitFallback below).
+// When a split would not shorten the slowest CTA slot (c16_split: one wave of 2 CTAs an SM already holds HV x N, or
+// more pieces would not pay for their warm-ups) the fused kernel runs alone, unsplit and exact.
 // When initial_state and final_state overlap (a pool updated in place, as vLLM and SGLang call it), a piece that walks
 // back to chunk 0 reads the initial state while the last piece may already have stored the final state, so the pieces
 // store the final states to a dense copy in the workspace instead, and a third kernel after the chunk-64 ones moves the
