@@ -21,6 +21,10 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "scripts")]
+from gate_params import draw  # noqa: E402
+from warmup_lengths import c16_split, walks  # noqa: E402  (walks: per piece > 0, the chunks its warm-up walks back)
 
 C = 16
 K = V = 128
@@ -30,8 +34,6 @@ LOG2E = 1.4426950408889634
 def pieces_of(pieces_max, sms, min_blocks, HV, N, tokens):
     """The binding's choice (csrc/prefill/kda_prefill_c16_launch.h, c16_split: scripts/warmup_lengths.c16_split) over
     min_blocks CTAs an SM for the mean sequence's 16-token chunks."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from warmup_lengths import c16_split
     return c16_split(pieces_max, min_blocks * sms, HV * N, -(-(tokens // N) // C))
 
 
@@ -337,18 +339,12 @@ def test_the_chain_guards_limit_is_a_whole_piece_capped_at_16_chunks():
 
 @pytest.mark.parametrize("draw_kind", ["random", "sglang", "fla-init"])
 def test_the_two_stage_guards_premise(draw_kind):
-    """Branch pf-guard2's prefill_c16g2_pc8_vt64 at B1 T32K H8 (Kimi K3 at TP12): the fused split (33 pieces of 63
+    """prefill_c16g2_pc8_vt64 (route c16g_few) at B1 T32K H8 (Kimi K3 at TP12): the fused split (33 pieces of 63
     chunks of 16, a walk limit of 16 chunks) serves random gates; SGLang's extend draw (A_log uniform in [-2, 0.5], raw
     gate N(-1, 1)) trips it where a head draws A_log near 0.5 (warm-ups of hundreds of tokens; seed 0 here, and the
     H100 run of h100-2026-12-06-14968d6, where the chain served), and kda_chain_decide_kernel then keeps the chunk-64
-    piece split (8 pieces of 64 chunks of 64: every warm-up within its piece) where today's modules hand the call to
-    the chain; gates drawn as fla initialises a layer walk past a chunk-64 piece, so the unsplit chain does the call."""
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    sys.path[:0] = [str(root / "benchmarks"), str(root / "scripts")]
-    from gate_params import draw
-    from warmup_lengths import walks   # per piece > 0: the chunks its warm-up walks back (to <= -24, or chunk 0)
+    piece split (8 pieces of 64 chunks of 64: every warm-up within its piece) where the one-stage modules hand the call
+    to the chain; gates drawn as fla initialises a layer walk past a chunk-64 piece, so the unsplit chain does the call."""
 
     def warmups(tb, chunk, pieces):   # [per head: max warm-up], per from [T, H] per-token bounds
         n = tb.shape[0] // chunk

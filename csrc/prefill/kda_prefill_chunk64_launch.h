@@ -64,7 +64,7 @@ struct Chunk64Call {
   double lower_bound, scale;
   bool beta_is_logit, null_slot0;
   const int* guard;   // (guarded modules) null: run; else only where the fused kernel before set the word
-  int* chain = nullptr;  // (two-stage modules) the word a piece sets to hand the call on to the unsplit chain
+  int* chain = nullptr;  // (two-stage modules) the word kda_chain_decide_kernel sets to hand the call to the chain
 };
 
 // Launch the prep (when there are tokens), then the state pass (PDL between them).

@@ -244,7 +244,7 @@ struct StateArgs {
   const int* guard;         // null: run; else run only when the fused kernel before set the word (its fallback)
 #endif
 #if FKDA_PARAM_CHAIN_GUARD == 1  // (modules prefill_c16g2_*: the piece pass guarded in turn by the unsplit chain)
-  int* chain;               // set by a piece of the piece pass whose warm-up passes its own length
+  int* chain;               // set by kda_chain_decide_kernel where a piece's warm-up passes its own length
   int stage;                // 0: the piece pass; 1: the unsplit chain, which runs only where `chain` is set
 #endif
 };
