@@ -449,6 +449,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
 #if FKDA_PARAM_C16_FALLBACK == 1  // the guard's fallback launch: the split before handed the call over, or it is done
   if (a.run_if != nullptr && *reinterpret_cast<const volatile int*>(a.run_if) == 0) return;
 #endif
+#if FKDA_PARAM_GUARD == 1  // a piece of a later wave that starts once the word is set stops before its warm-up walk
+  if (a.guard != nullptr && *reinterpret_cast<const volatile int*>(a.guard) != 0) return;
+#endif
   constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   constexpr bool kCheck = GATE != 1;
   extern __shared__ __align__(128) uint8_t smem[];
