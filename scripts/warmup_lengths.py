@@ -63,6 +63,68 @@ def pieces_for_waves(max_pieces, cta_slots, ctas_per_piece, chunks):
     return best[2]
 
 
+MIN_PIECE_CHUNKS = 8   # csrc/prefill/kda_prefill_args.h, kMinPieceChunks
+
+
+def piece_steps_estimate(L, cta_slots, heads, num_seqs, chunks):
+    """The binding's piece_steps_estimate: the work over the slots plus half a piece of tail."""
+    pieces = chunks / L + 0.5 * num_seqs
+    return heads * (chunks + PIECE_OVERHEAD_CHUNKS * pieces) / cta_slots + 0.5 * (L + PIECE_OVERHEAD_CHUNKS)
+
+
+def piece_chunks_for_work(cta_slots, heads, num_seqs, chunks):
+    """A mixed-length call's piece length in chunks (the binding's piece_chunks_for_work, csrc/prefill/kda_prefill_args.h;
+    prefill_c16gm_*): several waves at L = sqrt(2 a) (the lower estimate of its integer neighbours), or the shortest L
+    whose estimated pieces fit one wave where that takes no more steps."""
+    slots = max(1, cta_slots)
+    a = heads * PIECE_OVERHEAD_CHUNKS * chunks / slots
+    lo = max(MIN_PIECE_CHUNKS, int(math.sqrt(2.0 * a)))
+    e_lo = piece_steps_estimate(lo, cta_slots, heads, num_seqs, chunks)
+    e_hi = piece_steps_estimate(lo + 1, cta_slots, heads, num_seqs, chunks)
+    L, est = (lo + 1, e_hi) if e_hi < e_lo else (lo, e_lo)
+    room = slots - 0.5 * heads * num_seqs
+    if room > 0:
+        one = max(MIN_PIECE_CHUNKS, math.ceil(heads * chunks / room))
+        if one + PIECE_OVERHEAD_CHUNKS <= est:
+            L = one
+    return L
+
+
+def c16_seq_split(max_pieces, cta_slots, heads, num_seqs, tokens):
+    """(grid z, L) of prefill_c16gm_* (the binding's c16_split and c16_piece_chunks under params.c16_seq_pieces): L from
+    piece_chunks_for_work, z the pieces of a sequence as long as the whole call, at most max_pieces."""
+    total = -(-tokens // 16)
+    L = piece_chunks_for_work(cta_slots, heads, num_seqs, total)
+    return max(1, min(max_pieces, -(-total // L))), L
+
+
+def own_pieces(chunks, z, L):
+    """A sequence's pieces under params.c16_seq_pieces (kda_prefill_c16_kernel): ceil(its chunks / L), 1..z."""
+    return min(z, max(1, -(-chunks // L)))
+
+
+def greedy_makespan(lens, heads, pieces_of_seq, cta_slots, start=0.3, exit_cost=0.02):
+    """Chunk steps on the slowest of cta_slots CTA slots when the fused split's CTAs (grid x = head, y = sequence, z =
+    piece, launched in that order) each take a free slot as it comes: a piece's chunks plus PIECE_OVERHEAD_CHUNKS (its
+    warm-up on decaying keys, p > 0) plus `start`; a CTA with no chunks `exit_cost`. pieces_of_seq(chunks) -> (grid z,
+    the sequence's own pieces)."""
+    import heapq
+    ctas = []
+    nchs = [-(-n // 16) for n in lens]
+    z = max(pieces_of_seq(c)[0] for c in nchs) if nchs else 1
+    for p in range(z):
+        for nch in nchs:
+            own = pieces_of_seq(nch)[1]
+            per = -(-nch // own)
+            cb, ce = min(nch, p * per), min(nch, min(nch, p * per) + per)
+            cost = exit_cost if (p > 0 and cb >= ce) else ce - cb + (PIECE_OVERHEAD_CHUNKS if p > 0 else 0) + start
+            ctas += [cost] * heads
+    slots = [0.0] * cta_slots
+    for c in ctas:
+        heapq.heappush(slots, heapq.heappop(slots) + c)
+    return max(slots)
+
+
 def chunk_bounds(tokens, H, gate, kind, gen, chunk):
     """[chunks, H] float64: each chunk's sum over its tokens of the slowest key's log2 decay."""
     A_log, dt_bias = draw(H, K, gate, kind, generator=gen)

@@ -24,7 +24,8 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "scripts")]
 from gate_params import draw  # noqa: E402
-from warmup_lengths import c16_split, walks  # noqa: E402  (walks: per piece > 0, the chunks its warm-up walks back)
+from warmup_lengths import (c16_seq_split, c16_split, greedy_makespan, own_pieces,  # noqa: E402
+                            piece_chunks_for_work, walks)  # walks: per piece > 0, the chunks its warm-up walks back
 
 C = 16
 K = V = 128
@@ -95,10 +96,11 @@ def schedule(len_, P, bound_of_chunk, stage_fix=True, masked_rows=True):
 
 
 def check_schedule(lens, P, bound_of, stage_fix=True, masked_rows=True):
-    """Schedule invariants; returns the problems found (empty when sound)."""
+    """Schedule invariants; returns the problems found (empty when sound). P: the pieces of every sequence, or a
+    function of a sequence's chunks giving its own (params.c16_seq_pieces)."""
     bad = []
     for n, L in enumerate(lens):
-        ctas = schedule(L, P, lambda c: bound_of(n, c), stage_fix, masked_rows)
+        ctas = schedule(L, P((L + C - 1) // C) if callable(P) else P, lambda c: bound_of(n, c), stage_fix, masked_rows)
         stores = [0] * L
         writers = sum(1 for x in ctas if x["writer"])
         if writers != 1:
@@ -183,6 +185,45 @@ def test_schedule_sound(lens, HV, P, near_bound):
     d = make(lens, HV, seed=len(lens) * 7 + HV + P, near_bound=near_bound)
     for hv in range(HV):
         assert check_schedule(lens, P, chunk_bounds(d, -5.0, hv)) == []
+
+
+# Mixed-length batches (prefill_c16gm_*, params.c16_seq_pieces): (lens, HV) with empty, one-token and capped sequences
+SEQ_CASES = [([3000, 64, 0, 1, 1200, 17, 700], 4), ([8192, 16, 16, 16], 1), ([1024, 64] * 8, 8),
+             ([3000, 1500, 1200, 900, 700, 500, 392], 16)]
+
+
+@pytest.mark.parametrize("near_bound", [False, True])
+@pytest.mark.parametrize("lens,HV", SEQ_CASES)
+def test_pieces_from_each_sequences_length_are_sound(lens, HV, near_bound):
+    z, L = c16_seq_split(16, 264, HV, len(lens), sum(lens))
+    assert z > 1
+    d = make(lens, HV, seed=len(lens) * 5 + HV, near_bound=near_bound)
+    for hv in range(min(HV, 4)):
+        assert check_schedule(lens, lambda nch: own_pieces(nch, z, L), chunk_bounds(d, -5.0, hv)) == []
+
+
+def test_piece_chunks_for_work_matches_the_binding():
+    # csrc/prefill/kda_prefill_args.h, piece_chunks_for_work at 264 CTA slots (an H100 / H200 at 2 CTAs an SM)
+    assert piece_chunks_for_work(264, 8, 16, 544) == 22     # 8x(1024+64) H8: one wave of pieces
+    assert piece_chunks_for_work(264, 16, 16, 544) == 11    # H16: several waves of short pieces
+    assert piece_chunks_for_work(264, 16, 7, 515) == 40     # ragged7 8K H16: one wave
+    assert piece_chunks_for_work(264, 48, 7, 515) == 19
+    assert piece_chunks_for_work(264, 1, 1, 10) == 8        # at least kMinPieceChunks
+    assert c16_seq_split(16, 264, 16, 7, 8192) == (13, 40)  # z: the pieces of one 8192-token sequence
+    assert c16_seq_split(16, 264, 48, 7, 8192)[0] == 16     # capped at the module's c16_pieces
+
+
+@pytest.mark.parametrize("lens", [[1024, 64] * 8, [3000, 1500, 1200, 900, 700, 500, 392]])
+def test_piece_length_within_ten_percent_of_the_best_on_a_greedy_schedule(lens):
+    """The binding's L against every L from 8 to 96 on a greedy schedule of the real lengths (chunk steps on the
+    slowest of 264 slots, scripts/warmup_lengths.greedy_makespan), and ahead of the mean's split (0.49-0.90x its steps)."""
+    for HV in (8, 16, 48):
+        z, L = c16_seq_split(16, 264, HV, len(lens), sum(lens))
+        got = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264)
+        best = min(greedy_makespan(lens, HV, lambda c, x=x: (16, own_pieces(c, 16, x)), 264) for x in range(8, 97))
+        P = c16_split(64, 264, HV * len(lens), -(-sum(lens) // len(lens) // 16), past_one_wave=True)
+        mean = greedy_makespan(lens, HV, lambda c: (P, P), 264)
+        assert got <= 1.10 * best and got < 0.95 * mean, (HV, z, L, got, best, mean)
 
 
 def test_the_old_prologue_stage_is_caught():

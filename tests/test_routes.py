@@ -49,6 +49,7 @@ def verify_meta(**kw):
 # rule's cases carry the opted-in names as a third item
 EXACT = frozenset({"exact_chain"})
 C16G_FULL = frozenset({"c16g_full"})
+C16G_MIXED = frozenset({"c16g_mixed"})
 EDGES = {
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8
@@ -485,6 +486,20 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=48, total_tokens=4 * 8192, lower_bound=-5.01),
          "prefill_vt64_f32", C16G_FULL),
         (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_vt64_f32", C16G_FULL),   # softplus
+    ],
+    # c16g_mixed (opt-in c16g_mixed, candidate): each sequence's pieces from its own length, for a batch whose longest
+    # sequence the caller names (max_seqlen); bounded gates at lower_bound >= -5
+    ("kda_prefill", "c16g_mixed", "max_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=8 * 1088, max_seqlen=1024),
+         "prefill_c16gm_vt64_f32", C16G_MIXED),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=8 * 1088), "prefill_vt64_f32", C16G_MIXED),
+    ],
+    ("kda_prefill", "c16g_mixed", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000, lower_bound=-5.0),
+         "prefill_c16gm_vt64_f32", C16G_MIXED),
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000, lower_bound=-5.01),
+         "prefill_vt64_f32", C16G_MIXED),
+        (prefill_meta(num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000), "prefill_vt64_f32", C16G_MIXED),
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),

@@ -124,6 +124,9 @@ struct Args {
   int null_slot0;
   bf16* out;  // [T, HV, V]
   int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
+#if FKDA_PARAM_C16_SEQ_PIECES == 1
+  int piece_chunks;  // (prefill_c16gm_*) a sequence's pieces from its own length: ceil(chunks / piece_chunks), <= pieces
+#endif
 #if FKDA_PARAM_GUARD == 1
   int* guard;  // set to 1 by a piece whose warm-up passes its limit (zeroed by the binding before the launch)
 #endif
@@ -507,7 +510,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
   int cb = 0, ce = nch, cs = 0;
   bool writer = true;
   if constexpr (kPieces > 1) {
-    const int p = blockIdx.z, per = (nch + a.pieces - 1) / a.pieces;
+#if FKDA_PARAM_C16_SEQ_PIECES == 1  // mixed lengths: a long sequence takes more pieces than a short one
+    const int own = min(a.pieces, max(1, (nch + a.piece_chunks - 1) / a.piece_chunks));
+#else
+    const int own = a.pieces;
+#endif
+    const int p = blockIdx.z, per = (nch + own - 1) / own;
     cb = min(nch, p * per);
     ce = min(nch, cb + per);
     if (p > 0 && cb >= ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)

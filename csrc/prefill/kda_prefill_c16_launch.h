@@ -58,10 +58,23 @@ constexpr bool kSplitPastOneWave = false;
 #endif
 inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
   const int64_t slots = int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
+#if FKDA_PARAM_C16_SEQ_PIECES == 1  // grid z: the pieces of a sequence as long as the whole call, at most kPieces
+  const int64_t total = (T + fkda_c16::kC - 1) / fkda_c16::kC;
+  const int64_t L = piece_chunks_for_work(slots, HV, N, total);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_c16::kPieces, (total + L - 1) / L)));
+#endif
   if (!kSplitPastOneWave && pieces_for_one_wave(fkda_c16::kPieces, slots, HV * N) == 1) return 1;
   const int64_t chunks = N > 0 ? (T / N + fkda_c16::kC - 1) / fkda_c16::kC : 0;
   return pieces_for_waves(fkda_c16::kPieces, slots, HV * N, chunks);
 }
+
+#if FKDA_PARAM_C16_SEQ_PIECES == 1
+// (prefill_c16gm_*) the piece length each sequence's own pieces are cut to (Args::piece_chunks)
+inline int c16_piece_chunks(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
+  return piece_chunks_for_work(int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV, N,
+                               (T + fkda_c16::kC - 1) / fkda_c16::kC);
+}
+#endif
 
 // A call's pieces: c16_split, except that a piece that walks back to chunk 0 reads the initial state while the last
 // piece may already store the final state, so when the two overlap (a pool updated in place) the call runs unsplit.
