@@ -48,8 +48,7 @@ def verify_meta(**kw):
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
 # rule's cases carry the opted-in names as a third item
 EXACT = frozenset({"exact_chain"})
-C16G_FULL = frozenset({"c16g_full"})
-C16G_MIXED = frozenset({"c16g_mixed"})
+C16G_FULL = frozenset({"c16g_full"})   # a tag no rule opts in to any more (c16g_full is routed): changes nothing
 EDGES = {
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
         (prefill_meta(value_heads=8, total_tokens=8192), "prefill_pc8_vt64_f32"),                  # 8
@@ -315,7 +314,10 @@ EDGES = {
     ("kda_prefill", "fused_chunk16", "work_items_min"): [
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16_f32"),       # 384
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
-         "prefill_vt64s_f32"),    # 383 items, work_per_longest 191: below fused_chunk16_wave's 224 too
+         "prefill_c16gm_vt64_f32"),    # 383 items, the longest 2x the mean: c16g_mixed
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
+         "prefill_vt64s_f32", CHUNK64),    # its opt-out; work_per_longest 191: below fused_chunk16_wave's 224 too
+
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=512, gate="bounded"),
          "prefill_c16_f32"),      # fused_chunk16_wave (its longest known)
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_vt64s_f32"),
@@ -437,7 +439,8 @@ EDGES = {
         (prefill_meta(gate="bounded", value_heads=40, total_tokens=4096), "prefill_c16g_vt32_f32"),
     ],
     ("kda_prefill", "c16g_wide", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_vt64_bf16"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=33, total_tokens=4 * 4096, state="bf16"), "prefill_c16g_vt64_bf16"),
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_c16g_c16_f32"),  # c16g_full
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16_f32"),  # fused_chunk16_long
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
     ],
@@ -446,8 +449,8 @@ EDGES = {
     ("kda_prefill", "c16g_full", "work_items_min"): [
         (prefill_meta(gate="bounded", num_seqs=1, value_heads=133, total_tokens=4096, state="bf16"), "prefill_c16g_c16_bf16",
          C16G_FULL),
-        (prefill_meta(gate="bounded", num_seqs=1, value_heads=132, total_tokens=4096), "prefill_c16g_vt64_f32", C16G_FULL),
-        (prefill_meta(gate="bounded", num_seqs=1, value_heads=133, total_tokens=4096), "prefill_c16g_vt64_f32"),  # c16g_wide
+        (prefill_meta(gate="bounded", num_seqs=1, value_heads=132, total_tokens=4096), "prefill_c16g_vt64_f32"),  # c16g_wide
+        (prefill_meta(gate="bounded", num_seqs=1, value_heads=133, total_tokens=4096), "prefill_vt64_f32", CHUNK64 | C16G_FULL),
     ],
     ("kda_prefill", "c16g_full", "work_items_max"): [
         (prefill_meta(gate="bounded", num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_c16_bf16",
@@ -460,7 +463,7 @@ EDGES = {
     ("kda_prefill", "fused_chunk16_long", "work_items_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16_f32"),
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=96, total_tokens=4 * 8192, state="bf16"), "prefill_c16_bf16"),
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=63, total_tokens=4 * 8192), "prefill_c16g_vt64_f32"),  # c16g_wide
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=63, total_tokens=4 * 8192), "prefill_c16g_c16_f32"),  # c16g_full
     ],
     ("kda_prefill", "fused_chunk16_long", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_c16_f32"),
@@ -487,19 +490,79 @@ EDGES = {
          "prefill_vt64_f32", C16G_FULL),
         (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_vt64_f32", C16G_FULL),   # softplus
     ],
-    # c16g_mixed (opt-in c16g_mixed, candidate): each sequence's pieces from its own length, for a batch whose longest
-    # sequence the caller names (max_seqlen); bounded gates at lower_bound >= -5
+    # c16g_mixed: each sequence's pieces from its own length, for a batch whose longest sequence the caller names
+    # (max_seqlen) at >= 1.5x the mean; bounded gates at lower_bound >= -5, 56..383 items, mean <= 2048
     ("kda_prefill", "c16g_mixed", "max_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=8 * 1088, max_seqlen=1024),
-         "prefill_c16gm_vt64_f32", C16G_MIXED),
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=8 * 1088), "prefill_vt64_f32", C16G_MIXED),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=8 * 1088), "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=8 * 1088, max_seqlen=1024),
+         "prefill_vt64_f32", CHUNK64),
+    ],
+    ("kda_prefill", "c16g_mixed", "longest_vs_mean_pct_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16000, max_seqlen=1500),
+         "prefill_c16gm_vt64_f32"),    # 150
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16000, max_seqlen=1499),
+         "prefill_vt64_f32"),          # 149 (work_per_longest 85: not c16g_mid's)
     ],
     ("kda_prefill", "c16g_mixed", "lower_bound_min"): [
         (prefill_meta(gate="bounded", num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000, lower_bound=-5.0),
-         "prefill_c16gm_vt64_f32", C16G_MIXED),
+         "prefill_c16gm_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000, lower_bound=-5.01),
-         "prefill_vt64_f32", C16G_MIXED),
-        (prefill_meta(num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000), "prefill_vt64_f32", C16G_MIXED),
+         "prefill_vt64_f32"),
+        (prefill_meta(num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000), "prefill_vt64_f32"),   # softplus
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=16, total_tokens=8192, max_seqlen=3000, checkpoints=True),
+         "prefill_vt64_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=8, total_tokens=8192, max_seqlen=3000, state="bf16"),
+         "prefill_c16gm_vt64_bf16"),   # ragged7 8K H8: 56 items
+        (prefill_meta(gate="bounded", num_seqs=5, value_heads=11, total_tokens=5000, max_seqlen=2000), "prefill_vt64_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512, max_seqlen=1024),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512, max_seqlen=1024),
+         "prefill_vt64_f32", CHUNK64),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=1024),
+         "prefill_vt64s_f32", CHUNK64),   # c16g_mixed_many's opt-out
+    ],
+    ("kda_prefill", "c16g_mixed_many", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=8 * 1088, max_seqlen=1024),
+         "prefill_c16gm_vt64_f32"),   # 8x(1024+64) H16
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=8 * 1088, max_seqlen=1024, state="bf16"),
+         "prefill_vt64s_bf16", CHUNK64),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "mean_seqlen_max"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=4096),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2049, max_seqlen=4098),
+         "prefill_c16_f32"),     # fused_chunk16_long
+    ],
+    ("kda_prefill", "c16g_mixed_many", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.0),
+         "prefill_c16gm_vt64_f32"),   # ragged7 8K H48
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.01),
+         "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "longest_vs_mean_pct_min"): [
+        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000, max_seqlen=1500), "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000, max_seqlen=1499), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "max_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 512, max_seqlen=1024),
+         "prefill_c16_f32"),           # fused_chunk16
+    ],
+    ("kda_prefill", "c16g_mixed", "mean_seqlen_max"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 2048, max_seqlen=4096),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 2049, max_seqlen=4098),
+         "prefill_c16g_vt64_f32"),     # c16g_wide
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),
@@ -555,7 +618,9 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
          "prefill_c16_f32"),       # fused_chunk16 (work_per_longest 102)
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
-         "prefill_vt64s_f32"),     # 102 < 224
+         "prefill_c16gm_vt64_f32"),     # 102 < 224; the longest 3.7x the mean: c16g_mixed
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
+         "prefill_vt64s_f32", CHUNK64),
     ],
     ("kda_prefill", "fused_chunk16_wave", "mean_seqlen_max"): [
         (like(16, 16, 2048), "prefill_c16_f32"),

@@ -29,14 +29,15 @@ META_KEYS = {
     "fused_kda_decode": {"device", "rows", "value_heads", "work_items", "state", "offset",
                          "slot_mode", "gate"},
     "kda_prefill": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "mean_seqlen",
-                    "work_items", "work_per_longest", "state", "offset", "gate", "checkpoints", "lower_bound"},
+                    "work_items", "work_per_longest", "longest_vs_mean_pct", "state", "offset", "gate", "checkpoints",
+                    "lower_bound"},
     "kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
                    "state", "offset", "gate", "gb"},
     "fused_kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
                          "state", "offset", "gate"},
 }
 NUMERIC_META = {"rows", "value_heads", "work_items", "num_seqs", "total_tokens", "max_seqlen", "mean_seqlen",
-                "work_per_longest", "lower_bound"}
+                "work_per_longest", "longest_vs_mean_pct", "lower_bound"}
 STATE_TAGS = families.STATE_TAGS
 OFFSET_TAGS = {32: "o32", 64: "o64"}
 PERSISTENT_ABIS = {"persistent_rows", "chunked_persistent"}

@@ -16,18 +16,21 @@ def prefill_route_meta(backend: str, num_seqs: int, value_heads: int, total_toke
                        max_seqlen: Optional[int], state: str, offset: str, gate: str, checkpoints: bool,
                        lower_bound: Optional[float] = None) -> dict:
     """kda_prefill's route metadata (docs/architecture.md), its derived fields (mean_seqlen, work_items,
-    work_per_longest) in one place for the op and for callers that route without a call
+    work_per_longest, longest_vs_mean_pct) in one place for the op and for callers that route without a call
     (ops.prefill_workspace_bytes).
     lower_bound: the bounded gate's bound, None for the other gates (a band on it then never holds).
     work_per_longest: token-heads of the call per token of its longest sequence, the longest being max_seqlen
     when the caller knows it and the mean otherwise (then it is work_items, or a little more where the mean is
     rounded down): how far the whole work
-    outweighs the one ordered chain no kernel can split without pieces."""
+    outweighs the one ordered chain no kernel can split without pieces.
+    longest_vs_mean_pct: the longest sequence in percent of the mean (100 x longest x num_seqs // total_tokens; about
+    100 for like lengths or an unknown longest, more for a batch of long and short sequences)."""
     mean = total_tokens // max(1, num_seqs)
     longest = mean if max_seqlen is None else max_seqlen
     return {"device": backend, "num_seqs": num_seqs, "value_heads": value_heads, "total_tokens": total_tokens,
             "max_seqlen": max_seqlen, "mean_seqlen": mean, "work_items": num_seqs * value_heads,
-            "work_per_longest": total_tokens * value_heads // max(1, longest), "state": state, "offset": offset,
+            "work_per_longest": total_tokens * value_heads // max(1, longest),
+            "longest_vs_mean_pct": 100 * longest * num_seqs // max(1, total_tokens), "state": state, "offset": offset,
             "gate": gate, "checkpoints": checkpoints, "lower_bound": lower_bound if gate == "bounded" else None}
 
 

@@ -63,7 +63,7 @@ def wrapper_cls():
 
 
 # route metadata a rule may band on that the lengths decide, computed on the device from the offsets
-_LENGTH_FIELDS = ("num_seqs", "total_tokens", "mean_seqlen", "work_items", "work_per_longest")
+_LENGTH_FIELDS = ("num_seqs", "total_tokens", "mean_seqlen", "work_items", "work_per_longest", "longest_vs_mean_pct")
 
 
 def in_band_on_device(when: dict, cu: torch.Tensor, live: torch.Tensor, HV: int) -> torch.Tensor:
@@ -75,7 +75,8 @@ def in_band_on_device(when: dict, cu: torch.Tensor, live: torch.Tensor, HV: int)
     total = cu[-1] - cu[0]
     have = {"num_seqs": n, "total_tokens": total, "work_items": n * HV,
             "mean_seqlen": torch.div(total, n.clamp(min=1), rounding_mode="floor"),
-            "work_per_longest": torch.div(total * HV, lengths.max().clamp(min=1), rounding_mode="floor")}
+            "work_per_longest": torch.div(total * HV, lengths.max().clamp(min=1), rounding_mode="floor"),
+            "longest_vs_mean_pct": torch.div(100 * lengths.max() * n, total.clamp(min=1), rounding_mode="floor")}
     ok = torch.ones((), dtype=torch.bool, device=cu.device)
     for key, want in when.items():
         if key.endswith(("_min", "_max")) and key[:-4] in _LENGTH_FIELDS:
