@@ -517,7 +517,10 @@ EDGES = {
     ("kda_prefill", "c16g_mixed", "work_items_min"): [
         (prefill_meta(gate="bounded", num_seqs=7, value_heads=8, total_tokens=8192, max_seqlen=3000, state="bf16"),
          "prefill_c16gm_vt64_bf16"),   # ragged7 8K H8: 56 items
-        (prefill_meta(gate="bounded", num_seqs=5, value_heads=11, total_tokens=5000, max_seqlen=2000), "prefill_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=1 + 40, value_heads=1, total_tokens=41 * 400, max_seqlen=800),
+         "prefill_vt64_f32", CHUNK64),  # 41 items: c16g_mixed's opt-out
+        (prefill_meta(gate="bounded", num_seqs=40, value_heads=1, total_tokens=40 * 400, max_seqlen=800),
+         "prefill_vt32_f32", CHUNK64),  # 40: c16g_mixed_some's
     ],
     ("kda_prefill", "c16g_mixed", "work_items_max"): [
         (prefill_meta(gate="bounded", num_seqs=255, value_heads=1, total_tokens=255 * 512, max_seqlen=1024),
@@ -559,10 +562,77 @@ EDGES = {
          "prefill_c16_f32"),           # fused_chunk16
     ],
     ("kda_prefill", "c16g_mixed", "mean_seqlen_max"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 2048, max_seqlen=4096),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=16, total_tokens=4 * 8192, max_seqlen=16384),
          "prefill_c16gm_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 2049, max_seqlen=4098),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=16, total_tokens=4 * 8193, max_seqlen=16386),
          "prefill_c16g_vt64_f32"),     # c16g_wide
+    ],
+    # c16g_mixed_some: 17..40 items, its opt-out the chunk-64 module of some_seq_heads
+    ("kda_prefill", "c16g_mixed_some", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=17, value_heads=1, total_tokens=17 * 400, max_seqlen=800),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=17, value_heads=1, total_tokens=17 * 400, max_seqlen=800),
+         "prefill_vt32_f32", CHUNK64),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=1, total_tokens=16 * 400, max_seqlen=800),
+         "prefill_vt16_f32"),          # few_seq_heads
+    ],
+    ("kda_prefill", "c16g_mixed_some", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=10, total_tokens=4 * 4096, max_seqlen=8192),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=10, total_tokens=4 * 4096, max_seqlen=8192, state="bf16"),
+         "prefill_vt32_bf16", CHUNK64),
+    ],
+    ("kda_prefill", "c16g_mixed_some", "longest_vs_mean_pct_min"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384, max_seqlen=12288),
+         "prefill_c16gm_vt64_f32"),    # 150 (3000+13384 H16 is 163)
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384, max_seqlen=12287),
+         "prefill_c16g_vt32_f32"),     # 149: c16g_some
+    ],
+    ("kda_prefill", "c16g_mixed_some", "max_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384), "prefill_c16g_vt32_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_some", "mean_seqlen_max"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384, max_seqlen=13384),
+         "prefill_c16gm_vt64_f32"),    # 3000+13384 H16: mean 8192
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16386, max_seqlen=13384),
+         "prefill_c16g_vt32_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_some", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384, max_seqlen=13384, lower_bound=-5.01),
+         "prefill_vt32_f32"),
+        (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384, max_seqlen=13384, checkpoints=True),
+         "prefill_vt32_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "work_items_min"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=8 * 1088, max_seqlen=1024),
+         "prefill_c16gm_vt64_f32"),   # 8x(1024+64) H16
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=8 * 1088, max_seqlen=1024, state="bf16"),
+         "prefill_vt64s_bf16", CHUNK64),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "mean_seqlen_max"): [
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=4096),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2049, max_seqlen=4098),
+         "prefill_c16_f32"),     # fused_chunk16_long
+    ],
+    ("kda_prefill", "c16g_mixed_many", "lower_bound_min"): [
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.0),
+         "prefill_c16gm_vt64_f32"),   # ragged7 8K H48
+        (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.01),
+         "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "longest_vs_mean_pct_min"): [
+        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000, max_seqlen=1500), "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000, max_seqlen=1499), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "max_seqlen_min"): [
+        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "c16g_mixed_many", "work_items_max"): [
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024),
+         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 512, max_seqlen=1024),
+         "prefill_c16_f32"),           # fused_chunk16
     ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),
