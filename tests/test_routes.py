@@ -603,37 +603,6 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=2, value_heads=16, total_tokens=16384, max_seqlen=13384, checkpoints=True),
          "prefill_vt32_f32"),
     ],
-    ("kda_prefill", "c16g_mixed_many", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=8 * 1088, max_seqlen=1024),
-         "prefill_c16gm_vt64_f32"),   # 8x(1024+64) H16
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=8 * 1088, max_seqlen=1024, state="bf16"),
-         "prefill_vt64s_bf16", CHUNK64),
-    ],
-    ("kda_prefill", "c16g_mixed_many", "mean_seqlen_max"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=4096),
-         "prefill_c16gm_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2049, max_seqlen=4098),
-         "prefill_c16_f32"),     # fused_chunk16_long
-    ],
-    ("kda_prefill", "c16g_mixed_many", "lower_bound_min"): [
-        (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.0),
-         "prefill_c16gm_vt64_f32"),   # ragged7 8K H48
-        (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.01),
-         "prefill_vt64s_f32"),
-    ],
-    ("kda_prefill", "c16g_mixed_many", "longest_vs_mean_pct_min"): [
-        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000, max_seqlen=1500), "prefill_c16gm_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000, max_seqlen=1499), "prefill_vt64s_f32"),
-    ],
-    ("kda_prefill", "c16g_mixed_many", "max_seqlen_min"): [
-        (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000), "prefill_vt64s_f32"),
-    ],
-    ("kda_prefill", "c16g_mixed_many", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024),
-         "prefill_c16gm_vt64_f32"),
-        (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 512, max_seqlen=1024),
-         "prefill_c16_f32"),           # fused_chunk16
-    ],
     ("kda_prefill", "c16g_wide", "mean_seqlen_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=32, total_tokens=4 * 2048 - 1, max_seqlen=2048),
