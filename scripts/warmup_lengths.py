@@ -103,16 +103,23 @@ def own_pieces(chunks, z, L):
     return min(z, max(1, -(-chunks // L)))
 
 
-def greedy_makespan(lens, heads, pieces_of_seq, cta_slots, start=0.3, exit_cost=0.02):
+def z_rotate(cta_slots, heads, num_seqs):
+    """prefill_c16gm_*'s grid rotation (the binding's c16_z_rotate): layer z runs piece (z + 1) mod Z where one layer
+    of heads x sequences CTAs fills the slots."""
+    return 1 if heads * num_seqs >= cta_slots else 0
+
+
+def greedy_makespan(lens, heads, pieces_of_seq, cta_slots, start=0.3, exit_cost=0.02, rotate=0):
     """Chunk steps on the slowest of cta_slots CTA slots when the fused split's CTAs (grid x = head, y = sequence, z =
-    piece, launched in that order) each take a free slot as it comes: a piece's chunks plus PIECE_OVERHEAD_CHUNKS (its
-    warm-up on decaying keys, p > 0) plus `start`; a CTA with no chunks `exit_cost`. pieces_of_seq(chunks) -> (grid z,
-    the sequence's own pieces)."""
+    layer, launched in that order; layer z runs piece (z + rotate) mod Z) each take a free slot as it comes: a piece's
+    chunks plus PIECE_OVERHEAD_CHUNKS (its warm-up on decaying keys, p > 0) plus `start`; a CTA with no chunks
+    `exit_cost`. pieces_of_seq(chunks) -> (grid z, the sequence's own pieces)."""
     import heapq
     ctas = []
     nchs = [-(-n // 16) for n in lens]
     z = max(pieces_of_seq(c)[0] for c in nchs) if nchs else 1
-    for p in range(z):
+    for layer in range(z):
+        p = (layer + rotate) % z
         for nch in nchs:
             own = pieces_of_seq(nch)[1]
             per = -(-nch // own)

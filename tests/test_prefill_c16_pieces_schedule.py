@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "scripts")]
 from gate_params import draw  # noqa: E402
 from warmup_lengths import (c16_seq_split, c16_split, greedy_makespan, own_pieces,  # noqa: E402
-                            piece_chunks_for_work, walks)  # walks: per piece > 0, the chunks its warm-up walks back
+                            piece_chunks_for_work, walks, z_rotate)  # walks: per piece > 0, the chunks its warm-up walks back
 
 C = 16
 K = V = 128
@@ -216,10 +216,11 @@ def test_piece_chunks_for_work_matches_the_binding():
 @pytest.mark.parametrize("lens", [[1024, 64] * 8, [3000, 1500, 1200, 900, 700, 500, 392]])
 def test_piece_length_within_ten_percent_of_the_best_on_a_greedy_schedule(lens):
     """The binding's L against every L from 8 to 96 on a greedy schedule of the real lengths (chunk steps on the
-    slowest of 264 slots, scripts/warmup_lengths.greedy_makespan), and ahead of the mean's split (0.49-0.90x its steps)."""
+    slowest of 264 slots, scripts/warmup_lengths.greedy_makespan; the grid rotated as the binding does at 336 items),
+    and ahead of the mean's split (0.49-0.90x its steps)."""
     for HV in (8, 16, 48):
         z, L = c16_seq_split(16, 264, HV, len(lens), sum(lens))
-        got = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264)
+        got = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264, rotate=z_rotate(264, HV, len(lens)))
         best = min(greedy_makespan(lens, HV, lambda c, x=x: (16, own_pieces(c, 16, x)), 264) for x in range(8, 97))
         P = c16_split(64, 264, HV * len(lens), -(-sum(lens) // len(lens) // 16), past_one_wave=True)
         mean = greedy_makespan(lens, HV, lambda c: (P, P), 264)
@@ -418,3 +419,17 @@ def test_the_two_stage_guards_premise(draw_kind):
         assert (fused_trips, chain) == want, (seed, fused, c64)
     if draw_kind == "sglang":
         assert trips[0], "seed 0's draw (a head near A_log 0.5) should trip the fused split's guard"
+
+
+def test_the_rotated_grid_starts_walking_pieces_in_the_first_wave():
+    """ragged7 8K H48 (336 items: one grid layer fills 264 slots): unrotated the first wave holds only first pieces,
+    which never walk, so on slow gates the hand-over waits for a whole piece; rotated it holds second pieces. The
+    rotation costs nothing on random-gate costs there (greedy schedule), and is off below one layer a wave (256 items)."""
+    lens, HV = [3000, 1500, 1200, 900, 700, 500, 392], 48
+    z, L = c16_seq_split(16, 264, HV, len(lens), sum(lens))
+    assert z_rotate(264, HV, len(lens)) == 1 and z_rotate(264, 16, 16) == 0
+    owns = [own_pieces(-(-n // 16), z, L) for n in lens]
+    assert z > 1 and sum(o > 1 for o in owns) * HV > 0   # the rotated first layer holds second pieces, which walk
+    flat = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264)
+    rot = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264, rotate=1)
+    assert rot <= 1.01 * flat, (rot, flat)

@@ -126,6 +126,8 @@ struct Args {
   int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
 #if FKDA_PARAM_C16_SEQ_PIECES == 1
   int piece_chunks;  // (prefill_c16gm_*) a sequence's pieces from its own length: ceil(chunks / piece_chunks), <= pieces
+  int z_rotate;      // 1: grid layer z runs piece (z + 1) mod Z, so where the first layer alone fills a wave, pieces
+                     // that walk (and can hand over) start in it, not only first pieces (which never walk)
 #endif
 #if FKDA_PARAM_GUARD == 1
   int* guard;  // set to 1 by a piece whose warm-up passes its limit (zeroed by the binding before the launch)
@@ -512,10 +514,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
   if constexpr (kPieces > 1) {
 #if FKDA_PARAM_C16_SEQ_PIECES == 1  // mixed lengths: a long sequence takes more pieces than a short one
     const int own = min(a.pieces, max(1, (nch + a.piece_chunks - 1) / a.piece_chunks));
+    const int p = (static_cast<int>(blockIdx.z) + a.z_rotate) % a.pieces;
 #else
     const int own = a.pieces;
+    const int p = blockIdx.z;
 #endif
-    const int p = blockIdx.z, per = (nch + own - 1) / own;
+    const int per = (nch + own - 1) / own;
     cb = min(nch, p * per);
     ce = min(nch, cb + per);
     if (p > 0 && cb >= ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)

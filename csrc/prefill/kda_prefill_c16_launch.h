@@ -74,6 +74,17 @@ inline int c16_piece_chunks(const fkda::cuda::LaunchContext& ctx, int64_t T, int
   return piece_chunks_for_work(int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV, N,
                                (T + fkda_c16::kC - 1) / fkda_c16::kC);
 }
+// (prefill_c16gm_*) Args::z_rotate: where one grid layer (HV x N CTAs) fills the wave's slots, its CTAs are all first
+// pieces, which never walk, so on slowly decaying gates nothing hands over until they finish a whole piece (~110 us at
+// ragged7 8K H48, h100-2026-12-06-ce9c04d); rotated, the first layer holds second pieces. params.c16_rotate 0: never.
+inline int c16_z_rotate(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
+#if defined(FKDA_PARAM_C16_ROTATE) && FKDA_PARAM_C16_ROTATE == 0
+  (void)ctx, (void)N, (void)HV;
+  return 0;
+#else
+  return HV * N >= int64_t(fkda_c16::kMinBlocks) * ctx.sm_count() ? 1 : 0;
+#endif
+}
 #endif
 
 // A call's pieces: c16_split, except that a piece that walks back to chunk 0 reads the initial state while the last

@@ -109,6 +109,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const int split = c16_split(ctx, T, N, HV);
 #if FKDA_PARAM_C16_SEQ_PIECES == 1
   a.piece_chunks = c16_piece_chunks(ctx, T, N, HV);
+  a.z_rotate = c16_z_rotate(ctx, N, HV);
 #endif
   const bool in_place = states_overlap(initial_state, final_state);
   a.guard = nullptr;

@@ -4,7 +4,8 @@ prefill_c16gm_cuda.json: csrc/prefill/kda_prefill_c16g.cu with params.c16_seq_pi
 z) and a short one a piece or none beyond its first.
 
 On decaying keys every warm-up is short and the pieces serve: held to the float64 recurrence (outputs NaN-poisoned),
-deterministic, an empty and a one-token sequence among them, the longest sequence past z pieces of L; a pool updated in
+deterministic, an empty and a one-token sequence among them, the longest sequence past z pieces of L, the grid's
+layers rotated where one fills the wave (336 items); a pool updated in
 place gives the out-of-place bits and leaves the other slots bitwise unchanged. One slowly decaying key a head hands
 the call to the chunk-64 kernels, bitwise prefill_vt64_*. The schedule itself (every token stored once, one final-state
 writer per sequence, warm-ups below the bound) is checked on the CPU (tests/test_prefill_c16_pieces_schedule.py).
@@ -36,7 +37,8 @@ def fallback_of(name):
 
 
 # (lens, heads): long and short sequences with an empty and a one-token one; one sequence past the grid's z pieces
-MIXED = [([3000, 64, 0, 1, 1200, 17, 700], 4), ([8192, 16, 16, 16], 1)]
+# 48 heads: 336 items, one grid layer fills the wave, so the binding rotates the layers (Args::z_rotate)
+MIXED = [([3000, 64, 0, 1, 1200, 17, 700], 4), ([8192, 16, 16, 16], 1), ([3000, 64, 0, 1, 1200, 17, 700], 48)]
 
 
 @pytest.mark.parametrize("lens,H", MIXED)
@@ -64,10 +66,10 @@ def test_mixed_lengths_on_decaying_keys_against_the_recurrence(name, lens, H):
     assert same((o2, fin2), (o, fin)), "not deterministic"
 
 
+@pytest.mark.parametrize("lens,H", [([4096, 64, 2500, 16], 4), ([2048, 64, 1500, 16, 900, 40], 48)])   # 288 items: rotated
 @pytest.mark.parametrize("name", NAMES)
-def test_a_slowly_decaying_key_hands_the_call_to_the_chunk64_kernels(name):
-    seed("slow", name)
-    lens, H = [4096, 64, 2500, 16], 4
+def test_a_slowly_decaying_key_hands_the_call_to_the_chunk64_kernels(name, lens, H):
+    seed("slow", name, H)
     d = slow_key(make(lens, H, H, "bounded"), H)
     st = sdtype(RECS[name])
     init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(st)
