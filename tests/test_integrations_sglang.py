@@ -633,18 +633,20 @@ def test_the_captured_prefill_wrapper_serves_the_planned_tokens_only():
 
 
 @pytest.mark.parametrize("lens", [[512] * 64, [4000] + [100] * 47, [256] + [64] * 127, [1000] + [60] * 127,
-                                  [64] * 3 + [0] * 5, [0] * 4, [2048] * 24, [2049] * 24, [30] * 16 + [0] * 112])
+                                  [64] * 3 + [0] * 5, [0] * 4, [2048] * 24, [2049] * 24, [30] * 16 + [0] * 112,
+                                  [1500] + [1000] * 14 + [500], [1499] + [1000] * 14 + [501], [1024, 64] * 8])
 @pytest.mark.parametrize("HV", [8, 16])
 def test_the_captured_prefills_device_band_is_the_routes_band(lens, HV):
     """in_band_on_device (the choice a captured call makes on the device between the fused chunk-16 launch and
     the chunk-64 one) agrees with the route engine's own evaluation of the fused rules for the live sequences,
-    their longest known, at either side of each band edge."""
+    their longest known, at either side of each band edge; c16g_mixed's too, for its length field longest_vs_mean_pct
+    (computed on the device as on the host)."""
     from flashkda_ext import dispatch, jit, validation
     from flashkda_ext.integrations.sglang.prefill_graph import in_band_on_device
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
     live_lens = [n for n in lens if n > 0]
     for rule in jit.routes_for("kda_prefill"):
-        if not rule["name"].startswith("fused_chunk16") or "opt_in" in rule:   # the default rules, each its gate
+        if not rule["name"].startswith(("fused_chunk16", "c16g_mixed")) or "opt_in" in rule:   # default rules, each its gate
             continue
         gate = rule["when"]["gate"] if isinstance(rule["when"]["gate"], str) else rule["when"]["gate"][0]
         meta = validation.prefill_route_meta("cuda", len(live_lens), HV, sum(lens), max(lens), "f32", "o32",
