@@ -123,7 +123,8 @@ def greedy_makespan(lens, heads, pieces_of_seq, cta_slots, start=0.3, exit_cost=
         for nch in nchs:
             own = pieces_of_seq(nch)[1]
             per = -(-nch // own)
-            cb, ce = min(nch, p * per), min(nch, min(nch, p * per) + per)
+            cb = min(nch, p * per)
+            ce = min(nch, cb + per)
             cost = exit_cost if (p > 0 and cb >= ce) else ce - cb + (PIECE_OVERHEAD_CHUNKS if p > 0 else 0) + start
             ctas += [cost] * heads
     slots = [0.0] * cta_slots

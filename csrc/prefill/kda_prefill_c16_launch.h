@@ -44,6 +44,36 @@ inline bool states_overlap(const OptTensor& initial_state, const OptTensor& fina
          Extent::of(initial_state.value()).overlaps(Extent::of(final_state.value()));
 }
 
+// c16_split below: a module whose guard falls back to the fused kernel unsplit splits past one wave
+#if FKDA_PARAM_C16_FALLBACK == 1
+constexpr bool kSplitPastOneWave = true;
+#else
+constexpr bool kSplitPastOneWave = false;
+#endif
+// The CTA slots of one wave of the fused kernel: min_blocks CTAs an SM.
+inline int64_t c16_slots(const fkda::cuda::LaunchContext& ctx) {
+  return int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
+}
+// A call's 16-token chunks if it were one sequence (every chunk-head's work; the longest sequence's bound).
+inline int64_t c16_call_chunks(int64_t T) { return (T + fkda_c16::kC - 1) / fkda_c16::kC; }
+
+#if FKDA_PARAM_C16_SEQ_PIECES == 1
+// (prefill_c16gm_*) the piece length each sequence's own pieces are cut to (Args::piece_chunks)
+inline int c16_piece_chunks(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
+  return piece_chunks_for_work(c16_slots(ctx), HV, N, c16_call_chunks(T));
+}
+// (prefill_c16gm_*) Args::z_rotate: where one grid layer (HV x N CTAs) fills the wave's slots, its CTAs are all first
+// pieces, which never walk, so on slowly decaying gates nothing hands over until they finish a whole piece (~110 us at
+// ragged7 8K H48, h100-2026-12-06-ce9c04d); rotated, the first layer holds second pieces.
+inline int c16_z_rotate(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
+  return HV * N >= c16_slots(ctx) ? 1 : 0;
+}
+// (prefill_c16gm_*) grid z for pieces of L chunks: the pieces of a sequence as long as the whole call, at most kPieces
+inline int c16_seq_layers(int64_t T, int64_t L) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_c16::kPieces, (c16_call_chunks(T) + L - 1) / L)));
+}
+#endif
+
 // The pieces a sequence for the kernel's CTA slots, min_blocks an SM, at most the module's (kda_prefill_c16.cuh,
 // kPieces): 1 where one wave holds the items already (unsplit and exact: no warm-up, no guard to trip on slowly
 // decaying keys, where a split handed over cost 1.31x at 4x8192 H48 on fla-init gates for 1.17x on random ones,
@@ -51,41 +81,12 @@ inline bool states_overlap(const OptTensor& initial_state, const OptTensor& fina
 // the offsets), over as many waves as keep the slots busiest (B1 H96 T32K: 11 pieces in 4 waves, 1.33x 2 in one).
 // A module whose guard falls back to this kernel unsplit (params.c16_fallback, prefill_c16g_c16_*) splits over several
 // waves there too: a hand-over then costs the short attempt and the unsplit call.
-#if FKDA_PARAM_C16_FALLBACK == 1
-constexpr bool kSplitPastOneWave = true;
-#else
-constexpr bool kSplitPastOneWave = false;
-#endif
 inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
-  const int64_t slots = int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
-#if FKDA_PARAM_C16_SEQ_PIECES == 1  // grid z: the pieces of a sequence as long as the whole call, at most kPieces
-  const int64_t total = (T + fkda_c16::kC - 1) / fkda_c16::kC;
-  const int64_t L = piece_chunks_for_work(slots, HV, N, total);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_c16::kPieces, (total + L - 1) / L)));
-#endif
+  const int64_t slots = c16_slots(ctx);
   if (!kSplitPastOneWave && pieces_for_one_wave(fkda_c16::kPieces, slots, HV * N) == 1) return 1;
   const int64_t chunks = N > 0 ? (T / N + fkda_c16::kC - 1) / fkda_c16::kC : 0;
   return pieces_for_waves(fkda_c16::kPieces, slots, HV * N, chunks);
 }
-
-#if FKDA_PARAM_C16_SEQ_PIECES == 1
-// (prefill_c16gm_*) the piece length each sequence's own pieces are cut to (Args::piece_chunks)
-inline int c16_piece_chunks(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
-  return piece_chunks_for_work(int64_t(fkda_c16::kMinBlocks) * ctx.sm_count(), HV, N,
-                               (T + fkda_c16::kC - 1) / fkda_c16::kC);
-}
-// (prefill_c16gm_*) Args::z_rotate: where one grid layer (HV x N CTAs) fills the wave's slots, its CTAs are all first
-// pieces, which never walk, so on slowly decaying gates nothing hands over until they finish a whole piece (~110 us at
-// ragged7 8K H48, h100-2026-12-06-ce9c04d); rotated, the first layer holds second pieces. params.c16_rotate 0: never.
-inline int c16_z_rotate(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
-#if defined(FKDA_PARAM_C16_ROTATE) && FKDA_PARAM_C16_ROTATE == 0
-  (void)ctx, (void)N, (void)HV;
-  return 0;
-#else
-  return HV * N >= int64_t(fkda_c16::kMinBlocks) * ctx.sm_count() ? 1 : 0;
-#endif
-}
-#endif
 
 // A call's pieces: c16_split, except that a piece that walks back to chunk 0 reads the initial state while the last
 // piece may already store the final state, so when the two overlap (a pool updated in place) the call runs unsplit.

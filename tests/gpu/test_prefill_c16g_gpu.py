@@ -60,10 +60,10 @@ def slow_key(d, H):
     return d
 
 
-def run_both(name, other, d, gate, N, H, init=None, pool=None, idx=None):
+def run_both(name, other, d, gate, N, H, init=None, pool=None, idx=None, st=None):
     """(out, final state) of module `name` and module `other` on the same inputs, NaN-poisoned outputs; with `pool` the
-    call updates a copy of it in place."""
-    st = sdtype(RECS[name])
+    call updates a copy of it in place. st: the state dtype (default: this file's record of `name`)."""
+    st = sdtype(RECS[name]) if st is None else st
     res = []
     for m in (name, other):
         if pool is not None:
@@ -79,6 +79,19 @@ def run_both(name, other, d, gate, N, H, init=None, pool=None, idx=None):
 
 def same(a, b):
     return torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
+
+
+def served_against_recurrence(name, d, N, H, st):
+    """One bounded call of module `name` from a random initial state, output and final state NaN-poisoned: both
+    finite and within TOL of the float64 recurrence. Returns (initial state, out, final state)."""
+    init = (torch.randn(N, H, V, K, device=DEV) * 0.5).to(st)
+    fin = torch.full((N, H, V, K), float("nan"), device=DEV).to(st)
+    o = call(load(name), d, "bounded", init=init, fin=fin)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
+    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
+    return init, o, fin
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
@@ -175,14 +188,7 @@ def test_the_unsplit_fallback_module_splits_past_one_wave(name):
     P = c16_split(RECS[name]["params"]["c16_pieces"], 2 * sms, H * len(lens), 2048 // 16, past_one_wave=True)
     assert P > 1 and c16_split(64, 2 * sms, H * len(lens), 2048 // 16) == 1, P
     st = sdtype(RECS[name])
-    init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(st)
-    d = fast_decays(make(lens, H, H, "bounded"))
-    fin = torch.full((len(lens), H, V, K), float("nan"), device=DEV).to(st)
-    o = call(load(name), d, "bounded", init=init, fin=fin)
-    torch.cuda.synchronize()
-    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
-    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
-    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
+    init = served_against_recurrence(name, fast_decays(make(lens, H, H, "bounded")), len(lens), H, st)[0]
     slow = slow_key(make(lens, H, H, "bounded"), H)
     a, b = run_both(name, fallback_of(name), slow, "bounded", len(lens), H, init=init)
     assert same(a, b), "the slow key's call is not the unsplit kernel's"

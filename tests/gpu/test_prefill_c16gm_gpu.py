@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 tvm_ffi = pytest.importorskip("tvm_ffi")
 from gpu_common import bits, records_by_name, seed  # noqa: E402
-from test_prefill_c16g_gpu import fast_decays, same, slow_key  # noqa: E402
+from test_prefill_c16g_gpu import fast_decays, run_both, same, served_against_recurrence, slow_key  # noqa: E402
 from test_prefill_gpu import DEV, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -52,14 +52,7 @@ def test_mixed_lengths_on_decaying_keys_against_the_recurrence(name, lens, H):
     if H == 1:
         assert -(-lens[0] // 16) > z * L, (z, L)   # the longest is capped at z pieces, each longer than L
     d = fast_decays(make(lens, H, H, "bounded"))
-    st = sdtype(RECS[name])
-    init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(st)
-    fin = torch.full((len(lens), H, V, K), float("nan"), device=DEV).to(st)
-    o = call(load(name), d, "bounded", init=init, fin=fin)
-    torch.cuda.synchronize()
-    assert not torch.isnan(o).any() and not torch.isnan(fin.float()).any()
-    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
-    assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
+    init, o, fin = served_against_recurrence(name, d, len(lens), H, sdtype(RECS[name]))
     fin2 = torch.full_like(fin, float("nan"))
     o2 = call(load(name), d, "bounded", init=init, fin=fin2)
     torch.cuda.synchronize()
@@ -73,12 +66,7 @@ def test_a_slowly_decaying_key_hands_the_call_to_the_chunk64_kernels(name, lens,
     d = slow_key(make(lens, H, H, "bounded"), H)
     st = sdtype(RECS[name])
     init = (torch.randn(len(lens), H, V, K, device=DEV) * 0.5).to(st)
-    res = []
-    for m in (name, fallback_of(name)):
-        fin = torch.full((len(lens), H, V, K), float("nan"), device=DEV).to(st)
-        res.append((call(load(m), d, "bounded", init=init, fin=fin), fin))
-    torch.cuda.synchronize()
-    (o, fin), other = res
+    (o, fin), other = run_both(name, fallback_of(name), d, "bounded", len(lens), H, init=init, st=st)
     assert not torch.isnan(o).any() and same((o, fin), other), f"{name}: not the chunk-64 kernels' bits"
     ro, rf, _ = recurrence(d, "bounded", -5.0, init)
     assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL, (rel(o[0], ro), rel(fin, rf))
