@@ -1,0 +1,455 @@
+// The fused 16-token-chunk prefill with its work split by role (issue 46, probe; module records prefill_c16ws_*):
+// the chunk's preparation and the ordered state update of kda_prefill_c16.cuh, the same operations in the same order
+// (so the same bits), run by different warpgroups of one CTA, one CTA an SM:
+//   warpgroup 0 (the consumer) holds the [V, K] state in registers (232 a thread) and does step G (V'^T, the output,
+//     the state update) and H (the output rows) of chunk c;
+//   warpgroups 1 and 2 (the producers, 136 registers a thread) each prepare every other chunk (steps A..F: gate, row
+//     scales, decayed operands, L / Aqk, T, W / U), each with its own input ring and scratch, and hand the chunk's
+//     operands over in a stage buffer (Qg, Kd, -W, U, Aqk, exp2(G_C)): 4 stages, 2 a producer.
+// Why: the fused kernel is latency-bound (2 warps a scheduler, 0.54 eligible, ncu at 64x512 H16) and its state's
+// 128 registers a thread allow only 2 CTAs (8 warps) an SM; here 4 warps an SM hold one state and 8 prepare, so 12
+// warps run and a chunk's preparation no longer waits behind the previous chunk's state update.
+// Hand-over by named barriers: full[s] (producer arrives, consumer waits) and empty[s] (consumer arrives, producer
+// waits before it writes stage s again). Bounded gate at lower_bound >= -5 only (no range check, GATE 1 of
+// kda_prefill_c16.cuh), one CTA a (value head, sequence), no pieces.
+#pragma once
+
+#include "kda_prefill_c16.cuh"
+
+namespace fkda_c16 {
+namespace ws {
+
+constexpr int kProducers = 2;                       // producer warpgroups
+constexpr int kWsThreads = 128 * (1 + kProducers);  // 384
+constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: producer p (chunks p, p + 2, ..) owns p, p + 2
+// setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
+// rounded down to 8), so the three counts must add up to it exactly: an increase waits until decreases free enough
+constexpr int kLaunchRegs = 168, kConsumerRegs = 232, kProducerRegs = 136;
+static_assert(128 * kConsumerRegs + kProducers * 128 * kProducerRegs == kLaunchRegs * kWsThreads,
+              "the warpgroups' registers are the launch's");
+
+// A producer's shared memory: its input ring (2 stages of q, k, v, raw g) and its scratch
+constexpr int kPRing = 0;
+constexpr int kPKh = kPRing + 2 * kStage;  // bf16 [16][kLdB] Kg hi (L's operand and W's)
+constexpr int kPQl = kPKh + kMat;          // Qg lo
+constexpr int kPKl = kPQl + kMat;          // Kg lo
+constexpr int kPNh = kPKl + kMat;          // Kn hi
+constexpr int kPNl = kPNh + kMat;          // Kn lo
+constexpr int kPPart = kPNl + kMat;        // fp32 [4][16][kLdP]
+constexpr int kPL = kPPart + 4 * kC * kLdP * 4;
+constexpr int kPT = kPL + kC * kLdP * 4;   // bf16 [16][kLdS]
+constexpr int kPTot = kPT + kC * kLdS * 2;
+constexpr int kPNrm = kPTot + 4 * kK * 4;
+constexpr int kPBeta = kPNrm + 32 * 4;
+constexpr int kPBytes = kPBeta + kC * 4;
+// A stage (producer -> consumer)
+constexpr int kSQh = 0;                    // bf16 [16][kLdB] Qg hi
+constexpr int kSKd = kSQh + kMat;          // bf16 Kd
+constexpr int kSWn = kSKd + kMat;          // bf16 -W
+constexpr int kSU = kSWn + kMat;           // fp32 [16][kLdU] U
+constexpr int kSA = kSU + kC * kLdU * 4;   // bf16 [16][kLdS] Aqk
+constexpr int kSGc = kSA + kC * kLdS * 2;  // fp32 [128] exp2(G_C)
+constexpr int kSBytes = kSGc + kK * 4;
+constexpr int kOffProducers = 0;
+constexpr int kOffStages = kOffProducers + kProducers * kPBytes;
+constexpr int kOffOs = kOffStages + kStages * kSBytes;  // the consumer's output staging, bf16 [16][kLdB]
+constexpr int kWsSmemBytes = kOffOs + kMat;
+static_assert(kPBytes % 16 == 0 && kSBytes % 16 == 0 && kSU % 16 == 0 && kSA % 16 == 0 && kSGc % 16 == 0, "alignment");
+static_assert(kWsSmemBytes <= 227 * 1024, "one CTA an SM");
+
+// Named barriers (0 is __syncthreads'): a producer's own 1 + p (128 threads); full[s] 3 + s, empty[s] 7 + s (256:
+// one producer warpgroup and the consumer); the consumer's own 11 (128)
+constexpr int kBarProducer = 1, kBarFull = 3, kBarEmpty = 7, kBarConsumer = 11;
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void regs_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// Producer p of a (value head hv, sequence of len tokens from bos): chunks p, p + 2, .. < nch, steps A..F of
+// kda_prefill_c16_kernel (GATE 1: the bounded gate at lower_bound >= -5, no range check).
+__device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int hv, int hk, int64_t bos, int64_t len,
+                                        int nch) {
+  constexpr int mode = 1;
+  const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int bar = kBarProducer + p;
+  uint8_t* mine = smem + kOffProducers + p * kPBytes;
+  bf16* Kh = reinterpret_cast<bf16*>(mine + kPKh);
+  bf16* Ql = reinterpret_cast<bf16*>(mine + kPQl);
+  bf16* Kl = reinterpret_cast<bf16*>(mine + kPKl);
+  bf16* Nh = reinterpret_cast<bf16*>(mine + kPNh);
+  bf16* Nl = reinterpret_cast<bf16*>(mine + kPNl);
+  float* part = reinterpret_cast<float*>(mine + kPPart);
+  float* Lf = reinterpret_cast<float*>(mine + kPL);
+  bf16* Tm = reinterpret_cast<bf16*>(mine + kPT);
+  float* tot = reinterpret_cast<float*>(mine + kPTot);
+  float* nrm = reinterpret_cast<float*>(mine + kPNrm);
+  float* betas = reinterpret_cast<float*>(mine + kPBeta);
+
+  const int d4 = 4 * lane;
+  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+  const float gs = -ea * kLog2e;
+  const float mult = a.lower_bound * kLog2e;
+  float4 gk = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (a.dt_bias) {
+    const float* db = a.dt_bias + hv * kK + d4;
+    gk = make_float4(gs * db[0], gs * db[1], gs * db[2], gs * db[3]);
+  }
+
+  const RowOffsets ro = row_offsets(a, tid);
+  const int64_t t0 = bos + int64_t(p) * kC;
+  size_t base_hk = (size_t(t0) * a.H + hk) * kK, base_hv = (size_t(t0) * a.HV + hv) * kK;
+  size_t base_b = size_t(t0) * a.HV + hv;
+  const size_t step_hk = size_t(2 * kC) * a.H * kK, step_hv = size_t(2 * kC) * a.HV * kK, step_b = size_t(2 * kC) * a.HV;
+  if (p < nch) load_chunk(mine + kPRing, a, base_hk, base_hv, chunk_tokens(len, p), ro, tid);
+  cp_async_commit();
+  const unsigned short* beta_bits = reinterpret_cast<const unsigned short*>(a.beta);
+  unsigned short bnext = 0;
+  if (p < nch && tid < kC && int64_t(p) * kC + tid < len) bnext = beta_bits[base_b + size_t(tid) * a.HV];
+
+#pragma unroll 1
+  for (int c = p, i = 0; c < nch; c += 2, ++i) {
+    const int nt = chunk_tokens(len, c);
+    const uint8_t* ring = mine + kPRing + (i & 1) * kStage;
+    const bf16* Qs = reinterpret_cast<const bf16*>(ring);
+    const bf16* Ks = Qs + kC * kLdB;
+    const bf16* Vs = Ks + kC * kLdB;
+    const bf16* Gr = Vs + kC * kLdB;
+    const unsigned short bcur_bits = bnext;
+    bar_sync(bar, 128);  // this producer is done with its last chunk (its ring stage, its scratch)
+    if (c + 2 < nch) {
+      base_hk += step_hk;
+      base_hv += step_hv;
+      base_b += step_b;
+      const int nt2 = chunk_tokens(len, c + 2);
+      load_chunk(mine + kPRing + ((i + 1) & 1) * kStage, a, base_hk, base_hv, nt2, ro, tid);
+      bnext = 0;
+      if (tid < nt2) bnext = beta_bits[base_b + size_t(tid) * a.HV];
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    bar_sync(bar, 128);  // chunk c's inputs are in the ring
+
+    const int s = c & (kStages - 1);
+    uint8_t* st = smem + kOffStages + s * kSBytes;
+    bf16* Qh = reinterpret_cast<bf16*>(st + kSQh);
+    bf16* Kd = reinterpret_cast<bf16*>(st + kSKd);
+    bf16* Wn = reinterpret_cast<bf16*>(st + kSWn);
+    float* Uf = reinterpret_cast<float*>(st + kSU);
+    bf16* Aq = reinterpret_cast<bf16*>(st + kSA);
+    float* gcs = reinterpret_cast<float*>(st + kSGc);
+
+    // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter
+    {
+      const int r = tid >> 2, pp = tid & 3;
+      const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
+      float sq = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float f[8];
+        fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (pp + 4 * j) * 8), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sq = fmaf(f[e], f[e], sq);
+      }
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+      if (pp == 0) nrm[r] = rsqrt_ftz(sq + 1e-6f) * (r < kC ? a.scale : 1.f);
+      if (tid < kC) {
+        const float bcur = __bfloat162float(__ushort_as_bfloat16(bcur_bits));
+        betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
+      }
+    }
+    float4 gl[4];
+    *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
+    if (c >= kStages) bar_sync(kBarEmpty + s, 256);  // the consumer is done with chunk c - 4 (stage s)
+    bar_sync(bar, 128);
+
+    // ---- B. the decayed operands
+    {
+      float4 base, gcv;
+      quarter_sums(tot, warp, d4, base, gcv);
+      const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
+      if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
+      const float bs[4] = {base.x, base.y, base.z, base.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = 4 * warp + j;
+        const float G[4] = {gl[j].x + bs[0], gl[j].y + bs[1], gl[j].z + bs[2], gl[j].w + bs[3]};
+        const float nq = nrm[t], nk = nrm[kC + t];
+        float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
+        unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
+        unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float ex = ex2(G[e]), ix = ex2(-G[e]);
+          const float qx = q[e] * nq, kx = k[e] * nk;
+          qe[e] = qx * ex;
+          ke[e] = kx * ex;
+          kn[e] = kx * ix;
+          kd[e] = kn[e] * ec[e];
+        }
+        const int o = t * kLdB + d4;
+        uint2 hi, lo;
+        split2(qe[0], qe[1], hi.x, lo.x);
+        split2(qe[2], qe[3], hi.y, lo.y);
+        *reinterpret_cast<uint2*>(Qh + o) = hi;
+        *reinterpret_cast<uint2*>(Ql + o) = lo;
+        split2(ke[0], ke[1], hi.x, lo.x);
+        split2(ke[2], ke[3], hi.y, lo.y);
+        *reinterpret_cast<uint2*>(Kh + o) = hi;
+        *reinterpret_cast<uint2*>(Kl + o) = lo;
+        split2(kn[0], kn[1], hi.x, lo.x);
+        split2(kn[2], kn[3], hi.y, lo.y);
+        *reinterpret_cast<uint2*>(Nh + o) = hi;
+        *reinterpret_cast<uint2*>(Nl + o) = lo;
+        *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
+      }
+    }
+    bar_sync(bar, 128);
+
+    // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half w >> 1
+    {
+      const bf16* Ah = (warp & 1) ? Qh : Kh;
+      const bf16* Al = (warp & 1) ? Ql : Kl;
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const int k0 = 64 * (warp >> 1) + 16 * ks;
+        uint32_t ah[4], al[4], bh[4], bl[4];
+        load_a(ah, Ah, kLdB, 0, k0, lane);
+        load_a(al, Al, kLdB, 0, k0, lane);
+        load_b_nk(bh, Nh, kLdB, 0, k0, lane);
+        load_b_nk(bl, Nl, kLdB, 0, k0, lane);
+        mma_bf16(acc[0], ah, bh);
+        mma_bf16(acc[1], ah, bh + 2);
+        mma_bf16(acc[0], ah, bl);
+        mma_bf16(acc[1], ah, bl + 2);
+        mma_bf16(acc[0], al, bh);
+        mma_bf16(acc[1], al, bh + 2);
+      }
+      float* P = part + warp * kC * kLdP;
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) P[(g + 8 * (e >> 1)) * kLdP + 8 * nn + 2 * tq + (e & 1)] = acc[nn][e];
+    }
+    bar_sync(bar, 128);
+
+    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16)
+    {
+      const int m = tid >> 6, e0 = (tid & 63) * 4, r = e0 >> 4, j0 = e0 & 15;
+      const float* P0 = part + m * kC * kLdP + r * kLdP;
+      const float* P1 = part + (m + 2) * kC * kLdP + r * kLdP;
+      if (m == 0) {
+        const float b = betas[r];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Lf[r * kLdP + j0 + e] = j0 + e < r ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const float x0 = j0 + e <= r ? P0[j0 + e] + P1[j0 + e] : 0.f;
+          const float x1 = j0 + e + 1 <= r ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(Aq + r * kLdS + j0 + e) = pack_bf16(x0, x1);
+        }
+      }
+    }
+    bar_sync(bar, 128);
+
+    // ---- E. T = (I + L)^-1 Diag(beta): lane j of warp 0 solves column j by forward substitution
+    if (warp == 0 && lane < kC) {
+      const int j = lane;
+      float x[kC];
+#pragma unroll
+      for (int r = 0; r < kC; ++r) {
+        float sacc = r == j ? 1.f : 0.f;
+#pragma unroll
+        for (int kk = 0; kk < r; ++kk) sacc = fmaf(-Lf[r * kLdP + kk], x[kk], sacc);
+        x[r] = sacc;
+      }
+      const float bj = betas[j];
+#pragma unroll
+      for (int r = 0; r < kC; ++r) Tm[r * kLdS + j] = __float2bfloat16(x[r] * bj);
+    }
+    bar_sync(bar, 128);
+
+    // ---- F. W = T Kg (stored negated) and U = T V; warp w takes columns 32 w .. 32 w + 31
+    {
+      uint32_t at[4];
+      load_a(at, Tm, kLdS, 0, 0, lane);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int n0 = 32 * warp + 16 * np;
+        uint32_t bk[4], bv[4];
+        load_b_kn(bk, Kh, kLdB, 0, n0, lane);
+        load_b_kn(bv, Vs, kLdB, 0, n0, lane);
+        float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        mma_bf16(w[0], at, bk);
+        mma_bf16(w[1], at, bk + 2);
+        mma_bf16(u[0], at, bv);
+        mma_bf16(u[1], at, bv + 2);
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
+            *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
+            *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
+          }
+      }
+    }
+    bar_arrive(kBarFull + s, 256);  // stage s holds chunk c
+  }
+  cp_async_wait<0>();
+}
+
+// The consumer: the state in registers, step G and H of every chunk in order, then the final state.
+template <typename ST>
+__device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, int n, int64_t bos, int64_t len, int nch) {
+  const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+  bf16* Os = reinterpret_cast<bf16*>(smem + kOffOs);
+  int64_t slot = n;
+  bool pad = false;
+  if (a.idx) {
+    const int sl = a.idx[n];
+    slot = sl;
+    pad = sl < 0 || sl >= a.num_slots || (a.null_slot0 && sl == 0);
+  }
+  const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
+  const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + head : nullptr;
+  ST* dst = a.fin && !pad ? static_cast<ST*>(a.fin) + head : nullptr;
+  const RowOffsets ro = row_offsets(a, tid);
+  size_t base_hv = (size_t(bos) * a.HV + hv) * kK;
+  const size_t step_hv = size_t(kC) * a.HV * kK;
+
+  float S[2][16][4];
+  for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
+    const float2 x = src ? ld_pair<ST>(src + size_t(v) * kK + d) : make_float2(0.f, 0.f);
+    S[mt][nt][e] = x.x;
+    S[mt][nt][e + 1] = x.y;
+  });
+
+#pragma unroll 1
+  for (int c = 0; c < nch; ++c, base_hv += step_hv) {
+    const int nt = chunk_tokens(len, c);
+    const int s = c & (kStages - 1);
+    const uint8_t* st = smem + kOffStages + s * kSBytes;
+    const bf16* Qh = reinterpret_cast<const bf16*>(st + kSQh);
+    const bf16* Kd = reinterpret_cast<const bf16*>(st + kSKd);
+    const bf16* Wn = reinterpret_cast<const bf16*>(st + kSWn);
+    const float* Uf = reinterpret_cast<const float*>(st + kSU);
+    const bf16* Aq = reinterpret_cast<const bf16*>(st + kSA);
+    const float* gcs = reinterpret_cast<const float*>(st + kSGc);
+    bar_sync(kBarFull + s, 256);  // stage s holds chunk c; every consumer thread is past chunk c - 1's output rows
+
+    // ---- G. the ordered part, the state in registers (kda_prefill_c16_kernel's step G)
+    {
+      float vacc[2][2][4], oacc[2][2][4];
+      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+        vacc[mt][nn][e] = Uf[t * kLdU + v];
+        oacc[mt][nn][e] = 0.f;
+      });
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bw[4], bq[4];
+        load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
+        load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t as[4];
+          as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
+          as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
+          as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
+          as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
+          mma_bf16(vacc[mt][0], as, bw);
+          mma_bf16(vacc[mt][1], as, bw + 2);
+          mma_bf16(oacc[mt][0], as, bq);
+          mma_bf16(oacc[mt][1], as, bq + 2);
+        }
+      }
+      uint32_t vp[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        vp[mt][0] = pack_bf16(vacc[mt][0][0], vacc[mt][0][1]);
+        vp[mt][1] = pack_bf16(vacc[mt][0][2], vacc[mt][0][3]);
+        vp[mt][2] = pack_bf16(vacc[mt][1][0], vacc[mt][1][1]);
+        vp[mt][3] = pack_bf16(vacc[mt][1][2], vacc[mt][1][3]);
+      }
+      {
+        uint32_t ba[4];
+        load_b_nk(ba, Aq, kLdS, 0, 0, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(oacc[mt][0], vp[mt], ba);
+          mma_bf16(oacc[mt][1], vp[mt], ba + 2);
+        }
+      }
+      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+        Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
+      });
+#pragma unroll
+      for (int kt = 0; kt < 16; ++kt) {
+        const float2 ec = *reinterpret_cast<const float2*>(gcs + 8 * kt + 2 * tq);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          S[mt][kt][0] *= ec.x;
+          S[mt][kt][1] *= ec.y;
+          S[mt][kt][2] *= ec.x;
+          S[mt][kt][3] *= ec.y;
+        }
+      }
+#pragma unroll
+      for (int pp = 0; pp < 8; ++pp) {
+        uint32_t bk[4];
+        load_b_kn(bk, Kd, kLdB, 0, 16 * pp, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16(S[mt][2 * pp], vp[mt], bk);
+          mma_bf16(S[mt][2 * pp + 1], vp[mt], bk + 2);
+        }
+      }
+    }
+    if (c + kStages < nch) bar_arrive(kBarEmpty + s, 256);  // stage s is free for chunk c + 4
+    bar_sync(kBarConsumer, 128);                             // the output rows are staged
+
+    // ---- H. the chunk's output rows (16-byte stores, 256 B a row)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int idx = tid + i * 128, r = ro.r[i], c8 = (idx & 15) * 8;
+      if (r < nt) *reinterpret_cast<uint4*>(a.out + base_hv + ro.hv[i]) = *reinterpret_cast<const uint4*>(Os + r * kLdB + c8);
+    }
+  }
+  if (dst) {
+    for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
+      st_pair(dst + size_t(v) * kK + d, S[mt][nt][e], S[mt][nt][e + 1]);
+    });
+  }
+}
+
+template <typename ST>
+__global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
+  fkda::begin_dependent_grid();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int wg = threadIdx.x >> 7;
+  const int hv = blockIdx.x, n = blockIdx.y;
+  const int hk = a.group == 1 ? hv : hv / a.group;
+  const int64_t bos = load_cu(a.cu, a.cu64, n), len = load_cu(a.cu, a.cu64, n + 1) - bos;
+  const int nch = static_cast<int>((len + kC - 1) / kC);
+  if (wg == 0) {
+    regs_up<kConsumerRegs>();
+    consume<ST>(a, smem, hv, n, bos, len, nch);
+  } else {
+    regs_down<kProducerRegs>();
+    produce(a, smem, wg - 1, hv, hk, bos, len, nch);
+  }
+}
+
+}  // namespace ws
+}  // namespace fkda_c16
