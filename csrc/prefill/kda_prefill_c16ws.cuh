@@ -22,39 +22,69 @@ namespace ws {
 constexpr int kProducers = 2;                       // producer warpgroups
 constexpr int kWsThreads = 128 * (1 + kProducers);  // 384
 constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: producer p (chunks p, p + 2, ..) owns p, p + 2
+
+
+// params.c16ws_solve 1: the consumer also solves T and computes W / U (steps E, F) from the producer's L, Kg, V: the
+// producers are the bottleneck (one chunk each ~4 us, the consumer idle half of it), so their chain ends at step D
+#ifdef FKDA_PARAM_C16WS_SOLVE
+constexpr bool kConsumerSolves = FKDA_PARAM_C16WS_SOLVE == 1;
+#else
+constexpr bool kConsumerSolves = false;
+#endif
+// (device-only timing probe, never committed as a record) params.c16ws_probe 1: the consumer does no math (the time
+// is the producers'), 2: the producers do no math (the consumer's)
+#ifdef FKDA_PARAM_C16WS_PROBE
+constexpr int kProbe = FKDA_PARAM_C16WS_PROBE;
+#else
+constexpr int kProbe = 0;
+#endif
 // setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
-// rounded down to 8), so the three counts must add up to it exactly: an increase waits until decreases free enough
-constexpr int kLaunchRegs = 168, kConsumerRegs = 232, kProducerRegs = 136;
-static_assert(128 * kConsumerRegs + kProducers * 128 * kProducerRegs == kLaunchRegs * kWsThreads,
+// rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a consumer
+// that also solves T needs 240 to keep its registers; its producers, without E and F, 128)
+constexpr int kLaunchRegs = 168, kConsumerRegs = kConsumerSolves ? 240 : 232, kProducerRegs = kConsumerSolves ? 128 : 136;
+static_assert(128 * kConsumerRegs + kProducers * 128 * kProducerRegs <= kLaunchRegs * kWsThreads,
               "the warpgroups' registers are the launch's");
 
 // A producer's shared memory: its input ring (2 stages of q, k, v, raw g) and its scratch
 constexpr int kPRing = 0;
-constexpr int kPKh = kPRing + 2 * kStage;  // bf16 [16][kLdB] Kg hi (L's operand and W's)
-constexpr int kPQl = kPKh + kMat;          // Qg lo
+constexpr int kPQl = kPRing + 2 * kStage;  // bf16 [16][kLdB] Qg lo
 constexpr int kPKl = kPQl + kMat;          // Kg lo
 constexpr int kPNh = kPKl + kMat;          // Kn hi
 constexpr int kPNl = kPNh + kMat;          // Kn lo
 constexpr int kPPart = kPNl + kMat;        // fp32 [4][16][kLdP]
-constexpr int kPL = kPPart + 4 * kC * kLdP * 4;
-constexpr int kPT = kPL + kC * kLdP * 4;   // bf16 [16][kLdS]
-constexpr int kPTot = kPT + kC * kLdS * 2;
+constexpr int kPTot = kPPart + 4 * kC * kLdP * 4;
 constexpr int kPNrm = kPTot + 4 * kK * 4;
 constexpr int kPBeta = kPNrm + 32 * 4;
-constexpr int kPBytes = kPBeta + kC * 4;
-// A stage (producer -> consumer)
+constexpr int kPKh = kPBeta + kC * 4;                    // (not kConsumerSolves) bf16 Kg hi
+constexpr int kPL = kPKh + (kConsumerSolves ? 0 : kMat);  // (not kConsumerSolves) fp32 [16][kLdP] L
+constexpr int kPT = kPL + (kConsumerSolves ? 0 : kC * kLdP * 4);  // (not kConsumerSolves) bf16 [16][kLdS] T
+constexpr int kPBytes = kPT + (kConsumerSolves ? 0 : kC * kLdS * 2);
+// A stage (producer -> consumer): Qg hi, Kd, Aqk and exp2(G_C); with kConsumerSolves Kg hi, V, L and beta, else -W and U
 constexpr int kSQh = 0;                    // bf16 [16][kLdB] Qg hi
 constexpr int kSKd = kSQh + kMat;          // bf16 Kd
-constexpr int kSWn = kSKd + kMat;          // bf16 -W
-constexpr int kSU = kSWn + kMat;           // fp32 [16][kLdU] U
-constexpr int kSA = kSU + kC * kLdU * 4;   // bf16 [16][kLdS] Aqk
+constexpr int kSA = kSKd + kMat;           // bf16 [16][kLdS] Aqk
 constexpr int kSGc = kSA + kC * kLdS * 2;  // fp32 [128] exp2(G_C)
-constexpr int kSBytes = kSGc + kK * 4;
+constexpr int kSX = kSGc + kK * 4;
+constexpr int kSWn = kSX;                  // (not kConsumerSolves) bf16 -W
+constexpr int kSU = kSWn + kMat;           // (not kConsumerSolves) fp32 [16][kLdU] U
+constexpr int kSKh = kSX;                  // (kConsumerSolves) bf16 Kg hi
+constexpr int kSV = kSKh + kMat;           // (kConsumerSolves) bf16 V
+constexpr int kSL = kSV + kMat;            // (kConsumerSolves) fp32 [16][kLdP] L
+constexpr int kSBeta = kSL + kC * kLdP * 4;  // (kConsumerSolves) fp32 [16]
+constexpr int kSBytes = kConsumerSolves ? kSBeta + kC * 4 : kSU + kC * kLdU * 4;
+// The consumer's own: the output staging, and with kConsumerSolves T, -W and U
+constexpr int kCOs = 0;
+constexpr int kCT = kCOs + kMat;           // bf16 [16][kLdS]
+constexpr int kCWn = kCT + kC * kLdS * 2;  // bf16 [16][kLdB]
+constexpr int kCU = kCWn + kMat;           // fp32 [16][kLdU]
+constexpr int kCBytes = kConsumerSolves ? kCU + kC * kLdU * 4 : kCT;
 constexpr int kOffProducers = 0;
 constexpr int kOffStages = kOffProducers + kProducers * kPBytes;
-constexpr int kOffOs = kOffStages + kStages * kSBytes;  // the consumer's output staging, bf16 [16][kLdB]
-constexpr int kWsSmemBytes = kOffOs + kMat;
-static_assert(kPBytes % 16 == 0 && kSBytes % 16 == 0 && kSU % 16 == 0 && kSA % 16 == 0 && kSGc % 16 == 0, "alignment");
+constexpr int kOffConsumer = kOffStages + kStages * kSBytes;
+constexpr int kWsSmemBytes = kOffConsumer + kCBytes;
+static_assert(kPBytes % 16 == 0 && kSBytes % 16 == 0 && kSU % 16 == 0 && kSA % 16 == 0 && kSGc % 16 == 0 &&
+                  kSL % 16 == 0 && kCU % 16 == 0 && kPL % 16 == 0,
+              "alignment");
 static_assert(kWsSmemBytes <= 227 * 1024, "one CTA an SM");
 
 // Named barriers (0 is __syncthreads'): a producer's own 1 + p (128 threads); full[s] 3 + s, empty[s] 7 + s (256:
@@ -73,22 +103,74 @@ __device__ __forceinline__ void regs_down() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// Producer p of a (value head hv, sequence of len tokens from bos): chunks p, p + 2, .. < nch, steps A..F of
-// kda_prefill_c16_kernel (GATE 1: the bounded gate at lower_bound >= -5, no range check).
+// Step E: T = (I + L)^-1 Diag(beta), lane j (< 16) of the calling warp solves column j by forward substitution.
+__device__ __forceinline__ void solve_t(const float* Lf, const float* betas, bf16* Tm, int lane) {
+  if (lane < kC) {
+    const int j = lane;
+    float x[kC];
+#pragma unroll
+    for (int r = 0; r < kC; ++r) {
+      float sacc = r == j ? 1.f : 0.f;
+#pragma unroll
+      for (int kk = 0; kk < r; ++kk) sacc = fmaf(-Lf[r * kLdP + kk], x[kk], sacc);
+      x[r] = sacc;
+    }
+    const float bj = betas[j];
+#pragma unroll
+    for (int r = 0; r < kC; ++r) Tm[r * kLdS + j] = __float2bfloat16(x[r] * bj);
+  }
+}
+
+// Step F: W = T Kg (stored negated) and U = T V; warp w of the calling warpgroup takes columns 32 w .. 32 w + 31.
+__device__ __forceinline__ void w_and_u(const bf16* Tm, const bf16* Kh, const bf16* Vs, bf16* Wn, float* Uf, int warp,
+                                        int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  uint32_t at[4];
+  load_a(at, Tm, kLdS, 0, 0, lane);
+#pragma unroll
+  for (int np = 0; np < 2; ++np) {
+    const int n0 = 32 * warp + 16 * np;
+    uint32_t bk[4], bv[4];
+    load_b_kn(bk, Kh, kLdB, 0, n0, lane);
+    load_b_kn(bv, Vs, kLdB, 0, n0, lane);
+    float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    mma_bf16(w[0], at, bk);
+    mma_bf16(w[1], at, bk + 2);
+    mma_bf16(u[0], at, bv);
+    mma_bf16(u[1], at, bv + 2);
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
+        *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
+        *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
+      }
+  }
+}
+
+// S's value rows of this warp packed to bf16 as the A fragment of key block j (keys 16 j .. 16 j + 15).
+__device__ __forceinline__ void pack_state(uint32_t (&as)[4], const float (&S)[2][16][4], int mt, int j) {
+  as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
+  as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
+  as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
+  as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
+}
+
+// Producer p of a (value head hv, sequence of len tokens from bos): chunks p, p + 2, .. < nch, steps A..D (and E, F
+// unless kConsumerSolves) of kda_prefill_c16_kernel (GATE 1: the bounded gate at lower_bound >= -5, no range check).
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int hv, int hk, int64_t bos, int64_t len,
                                         int nch) {
   constexpr int mode = 1;
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
   const int bar = kBarProducer + p;
   uint8_t* mine = smem + kOffProducers + p * kPBytes;
-  bf16* Kh = reinterpret_cast<bf16*>(mine + kPKh);
   bf16* Ql = reinterpret_cast<bf16*>(mine + kPQl);
   bf16* Kl = reinterpret_cast<bf16*>(mine + kPKl);
   bf16* Nh = reinterpret_cast<bf16*>(mine + kPNh);
   bf16* Nl = reinterpret_cast<bf16*>(mine + kPNl);
   float* part = reinterpret_cast<float*>(mine + kPPart);
-  float* Lf = reinterpret_cast<float*>(mine + kPL);
-  bf16* Tm = reinterpret_cast<bf16*>(mine + kPT);
   float* tot = reinterpret_cast<float*>(mine + kPTot);
   float* nrm = reinterpret_cast<float*>(mine + kPNrm);
   float* betas = reinterpret_cast<float*>(mine + kPBeta);
@@ -138,13 +220,18 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     bar_sync(bar, 128);  // chunk c's inputs are in the ring
 
     const int s = c & (kStages - 1);
+    if constexpr (kProbe == 2) {
+      if (c >= kStages) bar_sync(kBarEmpty + s, 256);
+      bar_arrive(kBarFull + s, 256);
+      continue;
+    }
     uint8_t* st = smem + kOffStages + s * kSBytes;
     bf16* Qh = reinterpret_cast<bf16*>(st + kSQh);
     bf16* Kd = reinterpret_cast<bf16*>(st + kSKd);
-    bf16* Wn = reinterpret_cast<bf16*>(st + kSWn);
-    float* Uf = reinterpret_cast<float*>(st + kSU);
     bf16* Aq = reinterpret_cast<bf16*>(st + kSA);
     float* gcs = reinterpret_cast<float*>(st + kSGc);
+    bf16* Kh = reinterpret_cast<bf16*>(kConsumerSolves ? st + kSKh : mine + kPKh);
+    float* Lf = reinterpret_cast<float*>(kConsumerSolves ? st + kSL : mine + kPL);
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter
     {
@@ -171,7 +258,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     if (c >= kStages) bar_sync(kBarEmpty + s, 256);  // the consumer is done with chunk c - 4 (stage s)
     bar_sync(bar, 128);
 
-    // ---- B. the decayed operands
+    // ---- B. the decayed operands (and, for a consumer that solves, V and beta into the stage)
     {
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
@@ -210,6 +297,15 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
         *reinterpret_cast<uint2*>(Nh + o) = hi;
         *reinterpret_cast<uint2*>(Nl + o) = lo;
         *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
+      }
+      if constexpr (kConsumerSolves) {
+        bf16* Vst = reinterpret_cast<bf16*>(st + kSV);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int idx = tid + 128 * j, r = idx >> 4, c8 = (idx & 15) * 8;
+          *reinterpret_cast<uint4*>(Vst + r * kLdB + c8) = *reinterpret_cast<const uint4*>(Vs + r * kLdB + c8);
+        }
+        if (tid < kC) reinterpret_cast<float*>(st + kSBeta)[tid] = betas[tid];
       }
     }
     bar_sync(bar, 128);
@@ -260,61 +356,25 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
         }
       }
     }
-    bar_sync(bar, 128);
-
-    // ---- E. T = (I + L)^-1 Diag(beta): lane j of warp 0 solves column j by forward substitution
-    if (warp == 0 && lane < kC) {
-      const int j = lane;
-      float x[kC];
-#pragma unroll
-      for (int r = 0; r < kC; ++r) {
-        float sacc = r == j ? 1.f : 0.f;
-#pragma unroll
-        for (int kk = 0; kk < r; ++kk) sacc = fmaf(-Lf[r * kLdP + kk], x[kk], sacc);
-        x[r] = sacc;
-      }
-      const float bj = betas[j];
-#pragma unroll
-      for (int r = 0; r < kC; ++r) Tm[r * kLdS + j] = __float2bfloat16(x[r] * bj);
-    }
-    bar_sync(bar, 128);
-
-    // ---- F. W = T Kg (stored negated) and U = T V; warp w takes columns 32 w .. 32 w + 31
-    {
-      uint32_t at[4];
-      load_a(at, Tm, kLdS, 0, 0, lane);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        const int n0 = 32 * warp + 16 * np;
-        uint32_t bk[4], bv[4];
-        load_b_kn(bk, Kh, kLdB, 0, n0, lane);
-        load_b_kn(bv, Vs, kLdB, 0, n0, lane);
-        float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        mma_bf16(w[0], at, bk);
-        mma_bf16(w[1], at, bk + 2);
-        mma_bf16(u[0], at, bv);
-        mma_bf16(u[1], at, bv + 2);
-#pragma unroll
-        for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
-            *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
-            *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
-          }
-      }
+    if constexpr (!kConsumerSolves) {
+      bf16* Tm = reinterpret_cast<bf16*>(mine + kPT);
+      bar_sync(bar, 128);
+      if (warp == 0) solve_t(Lf, betas, Tm, lane);  // ---- E
+      bar_sync(bar, 128);
+      w_and_u(Tm, Kh, Vs, reinterpret_cast<bf16*>(st + kSWn), reinterpret_cast<float*>(st + kSU), warp, lane);  // ---- F
     }
     bar_arrive(kBarFull + s, 256);  // stage s holds chunk c
   }
   cp_async_wait<0>();
 }
 
-// The consumer: the state in registers, step G and H of every chunk in order, then the final state.
+// The consumer: the state in registers, (steps E and F where kConsumerSolves) step G and H of every chunk in order,
+// then the final state.
 template <typename ST>
 __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, int n, int64_t bos, int64_t len, int nch) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
-  bf16* Os = reinterpret_cast<bf16*>(smem + kOffOs);
+  uint8_t* own = smem + kOffConsumer;
+  bf16* Os = reinterpret_cast<bf16*>(own + kCOs);
   int64_t slot = n;
   bool pad = false;
   if (a.idx) {
@@ -343,35 +403,59 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
     const uint8_t* st = smem + kOffStages + s * kSBytes;
     const bf16* Qh = reinterpret_cast<const bf16*>(st + kSQh);
     const bf16* Kd = reinterpret_cast<const bf16*>(st + kSKd);
-    const bf16* Wn = reinterpret_cast<const bf16*>(st + kSWn);
-    const float* Uf = reinterpret_cast<const float*>(st + kSU);
     const bf16* Aq = reinterpret_cast<const bf16*>(st + kSA);
     const float* gcs = reinterpret_cast<const float*>(st + kSGc);
+    const bf16* Wn = reinterpret_cast<const bf16*>(kConsumerSolves ? own + kCWn : st + kSWn);
+    const float* Uf = reinterpret_cast<const float*>(kConsumerSolves ? own + kCU : st + kSU);
     bar_sync(kBarFull + s, 256);  // stage s holds chunk c; every consumer thread is past chunk c - 1's output rows
+    if constexpr (kProbe == 1) {
+      if (c + kStages < nch) bar_arrive(kBarEmpty + s, 256);
+      continue;
+    }
 
-    // ---- G. the ordered part, the state in registers (kda_prefill_c16_kernel's step G)
-    {
-      float vacc[2][2][4], oacc[2][2][4];
-      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
-        vacc[mt][nn][e] = Uf[t * kLdU + v];
-        oacc[mt][nn][e] = 0.f;
-      });
+    float oacc[2][2][4];
+    for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int, int) { oacc[mt][nn][e] = 0.f; });
+    if constexpr (kConsumerSolves) {
+      // ---- E (warp 0) beside each warp's S Qg^T, then F; the products of G in kda_prefill_c16_kernel's order
+      bf16* Tm = reinterpret_cast<bf16*>(own + kCT);
+      if (warp == 0) solve_t(reinterpret_cast<const float*>(st + kSL), reinterpret_cast<const float*>(st + kSBeta), Tm, lane);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        uint32_t bw[4], bq[4];
-        load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
+        uint32_t bq[4];
         load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           uint32_t as[4];
-          as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
-          as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
-          as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
-          as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
-          mma_bf16(vacc[mt][0], as, bw);
-          mma_bf16(vacc[mt][1], as, bw + 2);
+          pack_state(as, S, mt, j);
           mma_bf16(oacc[mt][0], as, bq);
           mma_bf16(oacc[mt][1], as, bq + 2);
+        }
+      }
+      bar_sync(kBarConsumer, 128);  // T
+      w_and_u(Tm, reinterpret_cast<const bf16*>(st + kSKh), reinterpret_cast<const bf16*>(st + kSV),
+              reinterpret_cast<bf16*>(own + kCWn), reinterpret_cast<float*>(own + kCU), warp, lane);
+      bar_sync(kBarConsumer, 128);  // -W, U
+    }
+
+    // ---- G. the ordered part, the state in registers (kda_prefill_c16_kernel's step G)
+    {
+      float vacc[2][2][4];
+      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) { vacc[mt][nn][e] = Uf[t * kLdU + v]; });
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bw[4], bq[4];
+        load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
+        if constexpr (!kConsumerSolves) load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t as[4];
+          pack_state(as, S, mt, j);
+          mma_bf16(vacc[mt][0], as, bw);
+          mma_bf16(vacc[mt][1], as, bw + 2);
+          if constexpr (!kConsumerSolves) {
+            mma_bf16(oacc[mt][0], as, bq);
+            mma_bf16(oacc[mt][1], as, bq + 2);
+          }
         }
       }
       uint32_t vp[2][4];
