@@ -312,32 +312,32 @@ EDGES = {
     # the fused 16-token-chunk kernel: bounded gate with lower_bound >= -5, >= 384 sequences x heads, <= 2048 tokens a
     # sequence on average
     ("kda_prefill", "fused_chunk16", "work_items_min"): [
-        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16_f32"),       # 384
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16ws_f32"),       # 384
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
          "prefill_c16gm_vt64_f32"),    # 383 items, the longest 2x the mean: c16g_mixed
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
          "prefill_vt64s_f32", CHUNK64),    # its opt-out; work_per_longest 191: below fused_chunk16_wave's 224 too
 
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=512, gate="bounded"),
-         "prefill_c16_f32"),      # fused_chunk16_wave (its longest known)
+         "prefill_c16ws_f32"),      # fused_chunk16_wave (its longest known)
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="bounded"), "prefill_vt64s_f32"),
-        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", state="bf16"), "prefill_c16_bf16"),
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded", state="bf16"), "prefill_c16ws_bf16"),
     ],
     ("kda_prefill", "fused_chunk16", "mean_seqlen_max"): [
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="bounded"), "prefill_c16_f32"),      # 2048
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_c16_f32"),  # fused_chunk16_long
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="bounded"), "prefill_c16ws_f32"),      # 2048
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_c16ws_f32"),  # fused_chunk16_long
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, gate="bounded"), "prefill_vt64s_f32", CHUNK64),
     ],
     # a known longest sequence: the call's token-heads >= 100 times its length (14336 * 12 // 1720 = 100); an
     # unknown one counts as the mean (work_per_longest = work_items)
     ("kda_prefill", "fused_chunk16", "work_per_longest_min"): [
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1720, gate="bounded"), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1720, gate="bounded"), "prefill_c16ws_f32"),
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1721, gate="bounded"),
          "prefill_vt64s_f32"),
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, gate="bounded"), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, gate="bounded"), "prefill_c16ws_f32"),
     ],
     ("kda_prefill", "fused_chunk16", "lower_bound_min"): [
-        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.0), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.0), "prefill_c16ws_f32"),
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.01),
          "prefill_vt64s_f32"),
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_c16_f32"),    # softplus: the next rule
@@ -441,7 +441,7 @@ EDGES = {
     ("kda_prefill", "c16g_wide", "work_items_max"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=33, total_tokens=4 * 4096, state="bf16"), "prefill_c16g_vt64_bf16"),
         (prefill_meta(gate="bounded", num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_c16g_c16_f32"),  # c16g_full
-        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16_f32"),  # fused_chunk16_long
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16ws_f32"),  # fused_chunk16_long
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
     ],
     # c16g_full (opt-in c16g_full): from 133 items (one wave of 2 CTAs an SM holds them at 132 SMs) the split over
@@ -455,19 +455,19 @@ EDGES = {
     ("kda_prefill", "c16g_full", "work_items_max"): [
         (prefill_meta(gate="bounded", num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16g_c16_bf16",
          C16G_FULL),
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16_f32", C16G_FULL),
-        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16_f32"),  # fused_chunk16_long
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16ws_f32", C16G_FULL),
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16ws_f32"),  # fused_chunk16_long
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
     ],
     # fused_chunk16_long: the fused kernel unsplit from 256 items while the mean passes fused_chunk16's 2048 tokens
     ("kda_prefill", "fused_chunk16_long", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16_f32"),
-        (prefill_meta(gate="bounded", num_seqs=4, value_heads=96, total_tokens=4 * 8192, state="bf16"), "prefill_c16_bf16"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16ws_f32"),
+        (prefill_meta(gate="bounded", num_seqs=4, value_heads=96, total_tokens=4 * 8192, state="bf16"), "prefill_c16ws_bf16"),
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=63, total_tokens=4 * 8192), "prefill_c16g_c16_f32"),  # c16g_full
     ],
     ("kda_prefill", "fused_chunk16_long", "mean_seqlen_min"): [
-        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_c16_f32"),
-        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048), "prefill_c16_f32"),  # fused_chunk16
+        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_c16ws_f32"),
+        (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048), "prefill_c16ws_f32"),  # fused_chunk16
         (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64, checkpoints=True),
          "prefill_vt64s_f32"),
         (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_vt64s_f32"),   # softplus
@@ -475,7 +475,7 @@ EDGES = {
     # a known longest sequence: token-heads >= 100 times it (4 x 8192 x 64 // 20971 = 100)
     ("kda_prefill", "fused_chunk16_long", "work_per_longest_min"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20971),
-         "prefill_c16_f32"),
+         "prefill_c16ws_f32"),
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20972),
          "prefill_vt64s_f32"),    # many_seq_heads
     ],
@@ -540,7 +540,7 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=4096),
          "prefill_c16gm_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2049, max_seqlen=4098),
-         "prefill_c16_f32"),     # fused_chunk16_long
+         "prefill_c16ws_f32"),     # fused_chunk16_long
     ],
     ("kda_prefill", "c16g_mixed_many", "lower_bound_min"): [
         (prefill_meta(gate="bounded", num_seqs=7, value_heads=48, total_tokens=8192, max_seqlen=3000, lower_bound=-5.0),
@@ -559,7 +559,7 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024),
          "prefill_c16gm_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 512, max_seqlen=1024),
-         "prefill_c16_f32"),           # fused_chunk16
+         "prefill_c16ws_f32"),           # fused_chunk16
     ],
     ("kda_prefill", "c16g_mixed", "mean_seqlen_max"): [
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=16, total_tokens=4 * 8192, max_seqlen=16384),
@@ -617,7 +617,7 @@ EDGES = {
     ],
     ("kda_prefill", "c16g_mid", "work_items_max"): [
         (like(255, 1, 512), "prefill_c16g_vt64_f32"),
-        (like(256, 1, 512), "prefill_c16_f32"),  # the wave
+        (like(256, 1, 512), "prefill_c16ws_f32"),  # the wave
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=640),
          "prefill_vt64s_f32"),    # work_per_longest 204: neither
     ],
@@ -645,32 +645,32 @@ EDGES = {
     # fused_chunk16_wave: the fused kernel unsplit at 256..383 items of like-length prompts (work_per_longest >= 224)
     ("kda_prefill", "fused_chunk16_wave", "max_seqlen_min"): [   # the longest known, as c16g_mid's
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024),
-         "prefill_c16_f32"),
+         "prefill_c16ws_f32"),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_items_min"): [
-        (like(16, 16, 1024), "prefill_c16_f32"),
+        (like(16, 16, 1024), "prefill_c16ws_f32"),
         (like(255, 1, 1024), "prefill_c16g_vt64_f32"),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_items_max"): [
-        (like(383, 1, 1024), "prefill_c16_f32"),
+        (like(383, 1, 1024), "prefill_c16ws_f32"),
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
-         "prefill_c16_f32"),       # fused_chunk16 (work_per_longest 102)
+         "prefill_c16ws_f32"),       # fused_chunk16 (work_per_longest 102)
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
          "prefill_c16gm_vt64_f32"),     # 102 < 224; the longest 3.7x the mean: c16g_mixed
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
          "prefill_vt64s_f32", CHUNK64),
     ],
     ("kda_prefill", "fused_chunk16_wave", "mean_seqlen_max"): [
-        (like(16, 16, 2048), "prefill_c16_f32"),
+        (like(16, 16, 2048), "prefill_c16ws_f32"),
         (prefill_meta(max_seqlen=2049, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16),
-         "prefill_c16_f32"),    # fused_chunk16_long
+         "prefill_c16ws_f32"),    # fused_chunk16_long
         (prefill_meta(max_seqlen=2049, gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16),
          "prefill_vt64s_f32", CHUNK64),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_per_longest_min"): [
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1170),
-         "prefill_c16_f32"),       # 224
+         "prefill_c16ws_f32"),       # 224
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1171),
          "prefill_vt64s_f32"),     # 223
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32", CHUNK64),
@@ -700,8 +700,8 @@ BOUNDED_ONLY = [
     ("c16g_wide", dict(num_seqs=4, value_heads=32, total_tokens=4 * 2048), "prefill_c16g_vt64_f32", "prefill_vt64_f32"),
     ("c16g_mid", dict(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32",
      "prefill_vt64_f32"),
-    ("fused_chunk16_long", dict(num_seqs=4, value_heads=96, total_tokens=4 * 8192), "prefill_c16_f32", "prefill_vt64s_f32"),
-    ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16_f32",
+    ("fused_chunk16_long", dict(num_seqs=4, value_heads=96, total_tokens=4 * 8192), "prefill_c16ws_f32", "prefill_vt64s_f32"),
+    ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16ws_f32",
      "prefill_vt64s_f32"),
 ]
 EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
@@ -867,7 +867,8 @@ def test_piece_split_serves_long_prompts_and_never_checkpoints():
 def test_c16_opt_in_serves_every_call_without_checkpoints():
     """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call without checkpoints,
     in the state's dtype, whatever the band, the gate and the lower bound; checkpoints and the CPU keep their routes.
-    Without the opt-in, prefill_c16 is reached only in fused_chunk16's band, the unguarded piece split never (its
+    Without the opt-in, the fused kernel is reached only in fused_chunk16's band (prefill_c16ws_*, the same kernel split
+    by role, for the bounded gate; prefill_c16_* for the others), the unguarded piece split never (its
     binding refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py) and the guarded ones (c16g_*, c16g2_*) only for bounded
     gates without checkpoints."""
     c16 = frozenset({"c16"})
@@ -883,7 +884,8 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
                     served = not ckpt
                     band = (served and (gate != "bounded" or lb >= -5) and seqs * hv >= 384
                             and tokens // seqs <= 2048)
-                    assert plain == (f"prefill_c16_{state}" if band else plain) and not plain.startswith("prefill_c16p")
+                    fused = f"prefill_c16ws_{state}" if gate == "bounded" else f"prefill_c16_{state}"  # split by role
+                    assert plain == (fused if band else plain) and not plain.startswith("prefill_c16p")
                     guarded = plain.startswith(("prefill_c16g_", "prefill_c16g2_"))   # routes c16g_*: bounded, long
                     assert band or guarded or not plain.startswith("prefill_c16"), meta
                     assert not guarded or (served and gate == "bounded" and lb >= -5 and tokens // seqs >= 2048), meta

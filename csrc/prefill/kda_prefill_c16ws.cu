@@ -1,6 +1,7 @@
 // TVM-FFI binding of the role-split fused 16-token-chunk prefill (kda_prefill_c16ws.cuh; family kda_prefill, the ABI
 // of kda_prefill.cu; probe records prefill_c16ws_*). The kernel serves the bounded gate at lower_bound >= -5 (Kimi
-// K3's), one CTA a (value head, sequence); every other call is refused naming its argument, before anything launches.
+// K3's), one CTA a (value head, sequence[, piece]); every other call is refused naming its argument, before anything
+// launches. params.pieces > 1: pieces picked here as for prefill_c16p (c16_pieces, one CTA an SM's slots).
 // No workspace (a caller's buffer is checked and left unused); refuses checkpoints.
 #include <cuda_runtime.h>
 
@@ -54,11 +55,12 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   }
 
   const fkda::cuda::LaunchContext ctx(q);
-  const fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state,
+  fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state,
                                     final_state, state_indices, ps, null_slot0, out, lower_bound, scale,
                                     beta_is_logit);
+  a.pieces = c16_pieces(ctx, pc.dm.T, N, HV, initial_state, final_state);
   ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
-             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), 1u), dim3(fkda_c16::ws::kWsThreads),
+             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), static_cast<unsigned>(a.pieces)), dim3(fkda_c16::ws::kWsThreads),
              fkda_c16::ws::kWsSmemBytes, a);
 }
 

@@ -1,4 +1,4 @@
-// The fused 16-token-chunk prefill with its work split by role (issue 46, probe; module records prefill_c16ws_*):
+// The fused 16-token-chunk prefill with its work split by role (issue 46; module records prefill_c16ws_*):
 // the chunk's preparation and the ordered state update of kda_prefill_c16.cuh, the same operations in the same order
 // (so the same bits), run by different warpgroups of one CTA, one CTA an SM:
 //   warpgroup 0 (the consumer) holds the [V, K] state in registers (232 a thread) and does step G (V'^T, the output,
@@ -8,10 +8,12 @@
 //     operands over in a stage buffer (Qg, Kd, -W, U, Aqk, exp2(G_C)): 4 stages, 2 a producer.
 // Why: the fused kernel is latency-bound (2 warps a scheduler, 0.54 eligible, ncu at 64x512 H16) and its state's
 // 128 registers a thread allow only 2 CTAs (8 warps) an SM; here 4 warps an SM hold one state and 8 prepare, so 12
-// warps run and a chunk's preparation no longer waits behind the previous chunk's state update.
+// warps run and a chunk's preparation no longer waits behind the previous chunk's state update. Measured (H100):
+// the producers bound it (64x512 H16: producers alone 0.407 ms, the consumer alone 0.303, both 0.504).
 // Hand-over by named barriers: full[s] (producer arrives, consumer waits) and empty[s] (consumer arrives, producer
 // waits before it writes stage s again). Bounded gate at lower_bound >= -5 only (no range check, GATE 1 of
-// kda_prefill_c16.cuh), one CTA a (value head, sequence), no pieces.
+// kda_prefill_c16.cuh), one CTA a (value head, sequence), or (params.pieces > 1) a sequence's piece after a bounded
+// warm-up as in kda_prefill_c16_kernel (no guard: a slowly decaying key walks back to chunk 0).
 #pragma once
 
 #include "kda_prefill_c16.cuh"
@@ -24,24 +26,10 @@ constexpr int kWsThreads = 128 * (1 + kProducers);  // 384
 constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: producer p (chunks p, p + 2, ..) owns p, p + 2
 
 
-// params.c16ws_solve 1: the consumer also solves T and computes W / U (steps E, F) from the producer's L, Kg, V: the
-// producers are the bottleneck (one chunk each ~4 us, the consumer idle half of it), so their chain ends at step D
-#ifdef FKDA_PARAM_C16WS_SOLVE
-constexpr bool kConsumerSolves = FKDA_PARAM_C16WS_SOLVE == 1;
-#else
-constexpr bool kConsumerSolves = false;
-#endif
-// (device-only timing probe, never committed as a record) params.c16ws_probe 1: the consumer does no math (the time
-// is the producers'), 2: the producers do no math (the consumer's)
-#ifdef FKDA_PARAM_C16WS_PROBE
-constexpr int kProbe = FKDA_PARAM_C16WS_PROBE;
-#else
-constexpr int kProbe = 0;
-#endif
 // setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
-// rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a consumer
-// that also solves T needs 240 to keep its registers; its producers, without E and F, 128)
-constexpr int kLaunchRegs = 168, kConsumerRegs = kConsumerSolves ? 240 : 232, kProducerRegs = kConsumerSolves ? 128 : 136;
+// rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a hang, on
+// the first try at 240 + 2 x 136)
+constexpr int kLaunchRegs = 168, kConsumerRegs = 232, kProducerRegs = 136;
 static_assert(128 * kConsumerRegs + kProducers * 128 * kProducerRegs <= kLaunchRegs * kWsThreads,
               "the warpgroups' registers are the launch's");
 
@@ -51,39 +39,29 @@ constexpr int kPQl = kPRing + 2 * kStage;  // bf16 [16][kLdB] Qg lo
 constexpr int kPKl = kPQl + kMat;          // Kg lo
 constexpr int kPNh = kPKl + kMat;          // Kn hi
 constexpr int kPNl = kPNh + kMat;          // Kn lo
-constexpr int kPPart = kPNl + kMat;        // fp32 [4][16][kLdP]
-constexpr int kPTot = kPPart + 4 * kC * kLdP * 4;
+constexpr int kPKh = kPNl + kMat;          // Kg hi (L's operand and W's)
+constexpr int kPPart = kPKh + kMat;        // fp32 [4][16][kLdP]
+constexpr int kPL = kPPart + 4 * kC * kLdP * 4;  // fp32 [16][kLdP]
+constexpr int kPT = kPL + kC * kLdP * 4;         // bf16 [16][kLdS]
+constexpr int kPTot = kPT + kC * kLdS * 2;
 constexpr int kPNrm = kPTot + 4 * kK * 4;
 constexpr int kPBeta = kPNrm + 32 * 4;
-constexpr int kPKh = kPBeta + kC * 4;                    // (not kConsumerSolves) bf16 Kg hi
-constexpr int kPL = kPKh + (kConsumerSolves ? 0 : kMat);  // (not kConsumerSolves) fp32 [16][kLdP] L
-constexpr int kPT = kPL + (kConsumerSolves ? 0 : kC * kLdP * 4);  // (not kConsumerSolves) bf16 [16][kLdS] T
-constexpr int kPBytes = kPT + (kConsumerSolves ? 0 : kC * kLdS * 2);
-// A stage (producer -> consumer): Qg hi, Kd, Aqk and exp2(G_C); with kConsumerSolves Kg hi, V, L and beta, else -W and U
+constexpr int kPBytes = kPBeta + kC * 4;
+// A stage (producer -> consumer)
 constexpr int kSQh = 0;                    // bf16 [16][kLdB] Qg hi
 constexpr int kSKd = kSQh + kMat;          // bf16 Kd
-constexpr int kSA = kSKd + kMat;           // bf16 [16][kLdS] Aqk
+constexpr int kSWn = kSKd + kMat;          // bf16 -W
+constexpr int kSU = kSWn + kMat;           // fp32 [16][kLdU] U
+constexpr int kSA = kSU + kC * kLdU * 4;   // bf16 [16][kLdS] Aqk
 constexpr int kSGc = kSA + kC * kLdS * 2;  // fp32 [128] exp2(G_C)
-constexpr int kSX = kSGc + kK * 4;
-constexpr int kSWn = kSX;                  // (not kConsumerSolves) bf16 -W
-constexpr int kSU = kSWn + kMat;           // (not kConsumerSolves) fp32 [16][kLdU] U
-constexpr int kSKh = kSX;                  // (kConsumerSolves) bf16 Kg hi
-constexpr int kSV = kSKh + kMat;           // (kConsumerSolves) bf16 V
-constexpr int kSL = kSV + kMat;            // (kConsumerSolves) fp32 [16][kLdP] L
-constexpr int kSBeta = kSL + kC * kLdP * 4;  // (kConsumerSolves) fp32 [16]
-constexpr int kSBytes = kConsumerSolves ? kSBeta + kC * 4 : kSU + kC * kLdU * 4;
-// The consumer's own: the output staging, and with kConsumerSolves T, -W and U
-constexpr int kCOs = 0;
-constexpr int kCT = kCOs + kMat;           // bf16 [16][kLdS]
-constexpr int kCWn = kCT + kC * kLdS * 2;  // bf16 [16][kLdB]
-constexpr int kCU = kCWn + kMat;           // fp32 [16][kLdU]
-constexpr int kCBytes = kConsumerSolves ? kCU + kC * kLdU * 4 : kCT;
+constexpr int kSBytes = kSGc + kK * 4;
 constexpr int kOffProducers = 0;
 constexpr int kOffStages = kOffProducers + kProducers * kPBytes;
-constexpr int kOffConsumer = kOffStages + kStages * kSBytes;
-constexpr int kWsSmemBytes = kOffConsumer + kCBytes;
+constexpr int kOffOs = kOffStages + kStages * kSBytes;  // the consumer's output staging, bf16 [16][kLdB]
+constexpr int kOffWalk = kOffOs + kMat;                 // (pieces) the warm-up walk's maxima, fp32 [4][32]
+constexpr int kWsSmemBytes = kOffWalk + (kPieces > 1 ? 4 * 32 * 4 : 0);
 static_assert(kPBytes % 16 == 0 && kSBytes % 16 == 0 && kSU % 16 == 0 && kSA % 16 == 0 && kSGc % 16 == 0 &&
-                  kSL % 16 == 0 && kCU % 16 == 0 && kPL % 16 == 0,
+                  kPPart % 16 == 0 && kPL % 16 == 0,
               "alignment");
 static_assert(kWsSmemBytes <= 227 * 1024, "one CTA an SM");
 
@@ -158,10 +136,17 @@ __device__ __forceinline__ void pack_state(uint32_t (&as)[4], const float (&S)[2
   as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
 }
 
-// Producer p of a (value head hv, sequence of len tokens from bos): chunks p, p + 2, .. < nch, steps A..D (and E, F
-// unless kConsumerSolves) of kda_prefill_c16_kernel (GATE 1: the bounded gate at lower_bound >= -5, no range check).
+// The chunks a CTA runs (kda_prefill_c16_kernel's piece split): it stores [cb, ce), starts at cs <= cb (a warm-up from
+// a zero state, or chunk 0 from the initial state), and writes the final state if it ends the sequence.
+struct Span {
+  int cs, cb, ce;
+  bool writer;
+};
+
+// Producer p of a (value head hv, sequence of len tokens from bos): the chunks cs + p, cs + p + 2, .. < ce, steps A..F
+// of kda_prefill_c16_kernel (GATE 1: the bounded gate at lower_bound >= -5, no range check).
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int hv, int hk, int64_t bos, int64_t len,
-                                        int nch) {
+                                        const Span sp) {
   constexpr int mode = 1;
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
   const int bar = kBarProducer + p;
@@ -170,7 +155,10 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
   bf16* Kl = reinterpret_cast<bf16*>(mine + kPKl);
   bf16* Nh = reinterpret_cast<bf16*>(mine + kPNh);
   bf16* Nl = reinterpret_cast<bf16*>(mine + kPNl);
+  bf16* Kh = reinterpret_cast<bf16*>(mine + kPKh);
   float* part = reinterpret_cast<float*>(mine + kPPart);
+  float* Lf = reinterpret_cast<float*>(mine + kPL);
+  bf16* Tm = reinterpret_cast<bf16*>(mine + kPT);
   float* tot = reinterpret_cast<float*>(mine + kPTot);
   float* nrm = reinterpret_cast<float*>(mine + kPNrm);
   float* betas = reinterpret_cast<float*>(mine + kPBeta);
@@ -185,19 +173,20 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     gk = make_float4(gs * db[0], gs * db[1], gs * db[2], gs * db[3]);
   }
 
+  const int c0 = sp.cs + p;  // this producer's first chunk
   const RowOffsets ro = row_offsets(a, tid);
-  const int64_t t0 = bos + int64_t(p) * kC;
+  const int64_t t0 = bos + int64_t(c0) * kC;
   size_t base_hk = (size_t(t0) * a.H + hk) * kK, base_hv = (size_t(t0) * a.HV + hv) * kK;
   size_t base_b = size_t(t0) * a.HV + hv;
   const size_t step_hk = size_t(2 * kC) * a.H * kK, step_hv = size_t(2 * kC) * a.HV * kK, step_b = size_t(2 * kC) * a.HV;
-  if (p < nch) load_chunk(mine + kPRing, a, base_hk, base_hv, chunk_tokens(len, p), ro, tid);
+  if (c0 < sp.ce) load_chunk(mine + kPRing, a, base_hk, base_hv, chunk_tokens(len, c0), ro, tid);
   cp_async_commit();
   const unsigned short* beta_bits = reinterpret_cast<const unsigned short*>(a.beta);
   unsigned short bnext = 0;
-  if (p < nch && tid < kC && int64_t(p) * kC + tid < len) bnext = beta_bits[base_b + size_t(tid) * a.HV];
+  if (c0 < sp.ce && tid < kC && int64_t(c0) * kC + tid < len) bnext = beta_bits[base_b + size_t(tid) * a.HV];
 
 #pragma unroll 1
-  for (int c = p, i = 0; c < nch; c += 2, ++i) {
+  for (int c = c0, i = 0; c < sp.ce; c += 2, ++i) {
     const int nt = chunk_tokens(len, c);
     const uint8_t* ring = mine + kPRing + (i & 1) * kStage;
     const bf16* Qs = reinterpret_cast<const bf16*>(ring);
@@ -206,7 +195,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     const bf16* Gr = Vs + kC * kLdB;
     const unsigned short bcur_bits = bnext;
     bar_sync(bar, 128);  // this producer is done with its last chunk (its ring stage, its scratch)
-    if (c + 2 < nch) {
+    if (c + 2 < sp.ce) {
       base_hk += step_hk;
       base_hv += step_hv;
       base_b += step_b;
@@ -219,24 +208,17 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     cp_async_wait<1>();
     bar_sync(bar, 128);  // chunk c's inputs are in the ring
 
-    const int s = c & (kStages - 1);
-    if constexpr (kProbe == 2) {
-      if (c >= kStages) bar_sync(kBarEmpty + s, 256);
-      bar_arrive(kBarFull + s, 256);
-      continue;
-    }
+    const int r = c - sp.cs, s = r & (kStages - 1);  // the CTA's r-th chunk, its stage
     uint8_t* st = smem + kOffStages + s * kSBytes;
     bf16* Qh = reinterpret_cast<bf16*>(st + kSQh);
     bf16* Kd = reinterpret_cast<bf16*>(st + kSKd);
     bf16* Aq = reinterpret_cast<bf16*>(st + kSA);
     float* gcs = reinterpret_cast<float*>(st + kSGc);
-    bf16* Kh = reinterpret_cast<bf16*>(kConsumerSolves ? st + kSKh : mine + kPKh);
-    float* Lf = reinterpret_cast<float*>(kConsumerSolves ? st + kSL : mine + kPL);
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter
     {
-      const int r = tid >> 2, pp = tid & 3;
-      const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
+      const int row_i = tid >> 2, pp = tid & 3;
+      const bf16* row = (row_i < kC ? Qs + row_i * kLdB : Ks + (row_i - kC) * kLdB);
       float sq = 0.f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -247,7 +229,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
       }
       sq += __shfl_xor_sync(0xffffffffu, sq, 1);
       sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-      if (pp == 0) nrm[r] = rsqrt_ftz(sq + 1e-6f) * (r < kC ? a.scale : 1.f);
+      if (pp == 0) nrm[row_i] = rsqrt_ftz(sq + 1e-6f) * (row_i < kC ? a.scale : 1.f);
       if (tid < kC) {
         const float bcur = __bfloat162float(__ushort_as_bfloat16(bcur_bits));
         betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
@@ -255,10 +237,10 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     }
     float4 gl[4];
     *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
-    if (c >= kStages) bar_sync(kBarEmpty + s, 256);  // the consumer is done with chunk c - 4 (stage s)
+    if (r >= kStages) bar_sync(kBarEmpty + s, 256);  // the consumer is done with the CTA's chunk r - 4 (stage s)
     bar_sync(bar, 128);
 
-    // ---- B. the decayed operands (and, for a consumer that solves, V and beta into the stage)
+    // ---- B. the decayed operands
     {
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
@@ -298,15 +280,6 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
         *reinterpret_cast<uint2*>(Nl + o) = lo;
         *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
       }
-      if constexpr (kConsumerSolves) {
-        bf16* Vst = reinterpret_cast<bf16*>(st + kSV);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int idx = tid + 128 * j, r = idx >> 4, c8 = (idx & 15) * 8;
-          *reinterpret_cast<uint4*>(Vst + r * kLdB + c8) = *reinterpret_cast<const uint4*>(Vs + r * kLdB + c8);
-        }
-        if (tid < kC) reinterpret_cast<float*>(st + kSBeta)[tid] = betas[tid];
-      }
     }
     bar_sync(bar, 128);
 
@@ -340,41 +313,38 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
 
     // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16)
     {
-      const int m = tid >> 6, e0 = (tid & 63) * 4, r = e0 >> 4, j0 = e0 & 15;
-      const float* P0 = part + m * kC * kLdP + r * kLdP;
-      const float* P1 = part + (m + 2) * kC * kLdP + r * kLdP;
+      const int m = tid >> 6, e0 = (tid & 63) * 4, ri = e0 >> 4, j0 = e0 & 15;
+      const float* P0 = part + m * kC * kLdP + ri * kLdP;
+      const float* P1 = part + (m + 2) * kC * kLdP + ri * kLdP;
       if (m == 0) {
-        const float b = betas[r];
+        const float b = betas[ri];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) Lf[r * kLdP + j0 + e] = j0 + e < r ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
+        for (int e = 0; e < 4; ++e) Lf[ri * kLdP + j0 + e] = j0 + e < ri ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
       } else {
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
-          const float x0 = j0 + e <= r ? P0[j0 + e] + P1[j0 + e] : 0.f;
-          const float x1 = j0 + e + 1 <= r ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(Aq + r * kLdS + j0 + e) = pack_bf16(x0, x1);
+          const float x0 = j0 + e <= ri ? P0[j0 + e] + P1[j0 + e] : 0.f;
+          const float x1 = j0 + e + 1 <= ri ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(Aq + ri * kLdS + j0 + e) = pack_bf16(x0, x1);
         }
       }
     }
-    if constexpr (!kConsumerSolves) {
-      bf16* Tm = reinterpret_cast<bf16*>(mine + kPT);
-      bar_sync(bar, 128);
-      if (warp == 0) solve_t(Lf, betas, Tm, lane);  // ---- E
-      bar_sync(bar, 128);
-      w_and_u(Tm, Kh, Vs, reinterpret_cast<bf16*>(st + kSWn), reinterpret_cast<float*>(st + kSU), warp, lane);  // ---- F
-    }
-    bar_arrive(kBarFull + s, 256);  // stage s holds chunk c
+    bar_sync(bar, 128);
+    if (warp == 0) solve_t(Lf, betas, Tm, lane);  // ---- E
+    bar_sync(bar, 128);
+    w_and_u(Tm, Kh, Vs, reinterpret_cast<bf16*>(st + kSWn), reinterpret_cast<float*>(st + kSU), warp, lane);  // ---- F
+    bar_arrive(kBarFull + s, 256);  // stage s holds the CTA's chunk r
   }
   cp_async_wait<0>();
 }
 
-// The consumer: the state in registers, (steps E and F where kConsumerSolves) step G and H of every chunk in order,
-// then the final state.
+// The consumer: the state in registers, step G and H of every chunk in order (warm-up chunks store no rows), then the
+// final state.
 template <typename ST>
-__device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, int n, int64_t bos, int64_t len, int nch) {
+__device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, int n, int64_t bos, int64_t len,
+                                        const Span sp) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
-  uint8_t* own = smem + kOffConsumer;
-  bf16* Os = reinterpret_cast<bf16*>(own + kCOs);
+  bf16* Os = reinterpret_cast<bf16*>(smem + kOffOs);
   int64_t slot = n;
   bool pad = false;
   if (a.idx) {
@@ -383,10 +353,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
     pad = sl < 0 || sl >= a.num_slots || (a.null_slot0 && sl == 0);
   }
   const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
-  const ST* src = a.init && !pad ? static_cast<const ST*>(a.init) + head : nullptr;
-  ST* dst = a.fin && !pad ? static_cast<ST*>(a.fin) + head : nullptr;
+  const ST* src = a.init && !pad && sp.cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
+  ST* dst = a.fin && !pad && sp.writer ? static_cast<ST*>(a.fin) + head : nullptr;
   const RowOffsets ro = row_offsets(a, tid);
-  size_t base_hv = (size_t(bos) * a.HV + hv) * kK;
+  size_t base_hv = (size_t(bos + int64_t(sp.cs) * kC) * a.HV + hv) * kK;
   const size_t step_hv = size_t(kC) * a.HV * kK;
 
   float S[2][16][4];
@@ -396,66 +366,40 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
     S[mt][nt][e + 1] = x.y;
   });
 
+  const int runs = sp.ce - sp.cs;
 #pragma unroll 1
-  for (int c = 0; c < nch; ++c, base_hv += step_hv) {
-    const int nt = chunk_tokens(len, c);
-    const int s = c & (kStages - 1);
+  for (int r = 0; r < runs; ++r, base_hv += step_hv) {
+    const int c = sp.cs + r, nt = chunk_tokens(len, c);
+    const int s = r & (kStages - 1);
     const uint8_t* st = smem + kOffStages + s * kSBytes;
     const bf16* Qh = reinterpret_cast<const bf16*>(st + kSQh);
     const bf16* Kd = reinterpret_cast<const bf16*>(st + kSKd);
+    const bf16* Wn = reinterpret_cast<const bf16*>(st + kSWn);
+    const float* Uf = reinterpret_cast<const float*>(st + kSU);
     const bf16* Aq = reinterpret_cast<const bf16*>(st + kSA);
     const float* gcs = reinterpret_cast<const float*>(st + kSGc);
-    const bf16* Wn = reinterpret_cast<const bf16*>(kConsumerSolves ? own + kCWn : st + kSWn);
-    const float* Uf = reinterpret_cast<const float*>(kConsumerSolves ? own + kCU : st + kSU);
     bar_sync(kBarFull + s, 256);  // stage s holds chunk c; every consumer thread is past chunk c - 1's output rows
-    if constexpr (kProbe == 1) {
-      if (c + kStages < nch) bar_arrive(kBarEmpty + s, 256);
-      continue;
-    }
-
-    float oacc[2][2][4];
-    for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int, int) { oacc[mt][nn][e] = 0.f; });
-    if constexpr (kConsumerSolves) {
-      // ---- E (warp 0) beside each warp's S Qg^T, then F; the products of G in kda_prefill_c16_kernel's order
-      bf16* Tm = reinterpret_cast<bf16*>(own + kCT);
-      if (warp == 0) solve_t(reinterpret_cast<const float*>(st + kSL), reinterpret_cast<const float*>(st + kSBeta), Tm, lane);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bq[4];
-        load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          uint32_t as[4];
-          pack_state(as, S, mt, j);
-          mma_bf16(oacc[mt][0], as, bq);
-          mma_bf16(oacc[mt][1], as, bq + 2);
-        }
-      }
-      bar_sync(kBarConsumer, 128);  // T
-      w_and_u(Tm, reinterpret_cast<const bf16*>(st + kSKh), reinterpret_cast<const bf16*>(st + kSV),
-              reinterpret_cast<bf16*>(own + kCWn), reinterpret_cast<float*>(own + kCU), warp, lane);
-      bar_sync(kBarConsumer, 128);  // -W, U
-    }
 
     // ---- G. the ordered part, the state in registers (kda_prefill_c16_kernel's step G)
     {
-      float vacc[2][2][4];
-      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) { vacc[mt][nn][e] = Uf[t * kLdU + v]; });
+      float vacc[2][2][4], oacc[2][2][4];
+      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+        vacc[mt][nn][e] = Uf[t * kLdU + v];
+        oacc[mt][nn][e] = 0.f;
+      });
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         uint32_t bw[4], bq[4];
         load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
-        if constexpr (!kConsumerSolves) load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
+        load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           uint32_t as[4];
           pack_state(as, S, mt, j);
           mma_bf16(vacc[mt][0], as, bw);
           mma_bf16(vacc[mt][1], as, bw + 2);
-          if constexpr (!kConsumerSolves) {
-            mma_bf16(oacc[mt][0], as, bq);
-            mma_bf16(oacc[mt][1], as, bq + 2);
-          }
+          mma_bf16(oacc[mt][0], as, bq);
+          mma_bf16(oacc[mt][1], as, bq + 2);
         }
       }
       uint32_t vp[2][4];
@@ -500,14 +444,15 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
         }
       }
     }
-    if (c + kStages < nch) bar_arrive(kBarEmpty + s, 256);  // stage s is free for chunk c + 4
-    bar_sync(kBarConsumer, 128);                             // the output rows are staged
+    if (r + kStages < runs) bar_arrive(kBarEmpty + s, 256);  // stage s is free for the CTA's chunk r + 4
+    bar_sync(kBarConsumer, 128);                              // the output rows are staged
 
-    // ---- H. the chunk's output rows (16-byte stores, 256 B a row)
+    // ---- H. the chunk's output rows (16-byte stores, 256 B a row; a warm-up chunk stores nothing)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int idx = tid + i * 128, r = ro.r[i], c8 = (idx & 15) * 8;
-      if (r < nt) *reinterpret_cast<uint4*>(a.out + base_hv + ro.hv[i]) = *reinterpret_cast<const uint4*>(Os + r * kLdB + c8);
+      const int idx = tid + i * 128, row = ro.r[i], c8 = (idx & 15) * 8;
+      if (row < nt && c >= sp.cb)
+        *reinterpret_cast<uint4*>(a.out + base_hv + ro.hv[i]) = *reinterpret_cast<const uint4*>(Os + row * kLdB + c8);
     }
   }
   if (dst) {
@@ -517,6 +462,10 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
   }
 }
 
+// One CTA a (value head, sequence[, piece]), 384 threads, one CTA an SM. With pieces (params.pieces > 1; the binding
+// picks the call's, Args::pieces) a piece's warm-up start is kda_prefill_c16_kernel's: the walk back until the chunks'
+// attenuation bounds sum to <= -24 (log2), every warpgroup computing the same sums (chunk_bounds' 128-thread mapping in
+// each; the maxima they store to the shared slots are the same values), no guard.
 template <typename ST>
 __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
   fkda::begin_dependent_grid();
@@ -526,12 +475,39 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
   const int hk = a.group == 1 ? hv : hv / a.group;
   const int64_t bos = load_cu(a.cu, a.cu64, n), len = load_cu(a.cu, a.cu64, n + 1) - bos;
   const int nch = static_cast<int>((len + kC - 1) / kC);
+  Span sp{0, 0, nch, true};
+  if constexpr (kPieces > 1) {
+    const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
+    const int own = a.pieces, p = blockIdx.z;
+    const int per = (nch + own - 1) / own;
+    sp.cb = min(nch, p * per);
+    sp.ce = min(nch, sp.cb + per);
+    if (p > 0 && sp.cb >= sp.ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
+    sp.writer = sp.ce == nch;
+    sp.cs = sp.cb;
+    const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+    const float gs = -ea * kLog2e, mult = a.lower_bound * kLog2e;
+    const int d2 = 2 * (tid & 63), half = tid >> 6;
+    const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
+    float* red = reinterpret_cast<float*>(smem + kOffWalk);
+    float sum = 0.f;
+    while (sp.cs > 0 && sum > -24.f) {
+      float b[kWalkStep];
+      chunk_bounds<1>(b, a, bos, len, sp.cs - 1, hv, gs, gc0, gc1, mult, d2, half, lane, warp, red);
+#pragma unroll
+      for (int j = 0; j < kWalkStep; ++j) {
+        if (!(sp.cs > 0 && sum > -24.f)) break;  // CTA-uniform (every thread holds the same sums)
+        --sp.cs;
+        sum += b[j];
+      }
+    }
+  }
   if (wg == 0) {
     regs_up<kConsumerRegs>();
-    consume<ST>(a, smem, hv, n, bos, len, nch);
+    consume<ST>(a, smem, hv, n, bos, len, sp);
   } else {
     regs_down<kProducerRegs>();
-    produce(a, smem, wg - 1, hv, hk, bos, len, nch);
+    produce(a, smem, wg - 1, hv, hk, bos, len, sp);
   }
 }
 

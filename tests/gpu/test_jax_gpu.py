@@ -196,13 +196,13 @@ def _prefill_jax_equals_torch(d, mode, **kw):
 @pytest.mark.skipif(not has_cuda_module("kda_prefill", PREFILL_META), reason="no CUDA prefill module")
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_prefill_in_the_fused_chunk16_band_equals_torch(gen, mode):
-    """The bounded gate at lower_bound -5 over 48 sequences x 8 heads (route fused_chunk16: prefill_c16, no
+    """The bounded gate at lower_bound -5 over 48 sequences x 8 heads (route fused_chunk16: prefill_c16ws, no
     workspace): JAX's call is the torch op's (bitwise where the torch op reruns bitwise)."""
     from flashkda_ext.validation import prefill_route_meta
     lens, HV = [int(x) for x in torch.randint(1, 200, (48,), generator=gen)], 8
     T = sum(lens)
     assert dispatch.module_name("kda_prefill", prefill_route_meta("cuda", len(lens), HV, T, None, "f32", "o32",
-                                                                  "bounded", False, lower_bound=-5.0)) == "prefill_c16_f32"
+                                                                  "bounded", False, lower_bound=-5.0)) == "prefill_c16ws_f32"
     cu = [0]
     for L in lens:
         cu.append(cu[-1] + L)

@@ -267,9 +267,9 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([2048, 2048], 32, "", "prefill_c16g_vt64_f32"),
                                                 ([2048, 2048], 32, "chunk64", "prefill_vt64_f32"),
                                                 ([1024] * 16, 8, "", "prefill_c16g_vt64_f32"),      # c16g_mid
-                                                ([1024] * 16, 16, "", "prefill_c16_f32"),           # fused_chunk16_wave
+                                                ([1024] * 16, 16, "", "prefill_c16ws_f32"),         # fused_chunk16_wave
                                                 ([1024] * 16, 16, "chunk64", "prefill_vt64s_f32"),
-                                                ([4096] * 4, 96, "", "prefill_c16_f32"),            # fused_chunk16_long
+                                                ([4096] * 4, 96, "", "prefill_c16ws_f32"),          # fused_chunk16_long
                                                 ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32"),
                                                 ([2048] * 4, 48, "", "prefill_c16g_c16_f32"),       # c16g_full
                                                 ([1024, 64] * 8, 8, "", "prefill_c16gm_vt64_f32"),  # c16g_mixed
@@ -277,7 +277,7 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
 def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
     """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 8192 tokens a
     sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit
-    at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen) and 4 x 4096 H96
+    (split by role: prefill_c16ws) at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen) and 4 x 4096 H96
     (fused_chunk16_long, past 2048 tokens a sequence), the split over several waves at 4 x 2048 H48 (c16g_full), each
     sequence's pieces from its own length at 8 x (1024 + 64) H8 (c16g_mixed: the longest 1.9x the mean), and
     FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the op's result is that module's own call bitwise, and
