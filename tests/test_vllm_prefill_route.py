@@ -182,6 +182,10 @@ def mixed_step(decodes, prompt, lower_bound, seed=0):
     return lengths, call
 
 
+# the fused 16-token-chunk kernel unsplit: prefill_c16ws_* for the bounded gate (split by role), prefill_c16_* else
+FUSED = ("prefill_c16_", "prefill_c16ws_")
+
+
 def cuda_route(lengths, max_seqlen, gate, lower_bound):
     """The module a CUDA call of these lengths takes (H value heads, fp32 state), routed on the host."""
     meta = validation.prefill_route_meta("cuda", len(lengths), H, sum(lengths), max_seqlen, "f32", "o32", gate,
@@ -211,9 +215,9 @@ def test_a_mixed_step_is_served_and_routed_by_its_prompt_not_the_mean(installed,
     # on a GPU: by the mean (7 tokens) the step is the fused 16-token kernel's band, whose one CTA would walk the
     # 300-token prompt alone; by its longest it leaves that band, and alone the prompt routes as one sequence
     name = "bounded" if lower_bound is not None else "softplus"
-    assert cuda_route(lengths, None, name, lower_bound).startswith("prefill_c16_")
-    assert not cuda_route(lengths, 304, name, lower_bound).startswith("prefill_c16_")
-    assert not cuda_route([300], 304, name, lower_bound).startswith("prefill_c16_")
+    assert cuda_route(lengths, None, name, lower_bound).startswith(FUSED)
+    assert not cuda_route(lengths, 304, name, lower_bound).startswith(FUSED)
+    assert not cuda_route([300], 304, name, lower_bound).startswith(FUSED)
 
 
 def test_a_uniform_step_keeps_the_fused_kernel(installed, seen):
@@ -229,7 +233,7 @@ def test_a_uniform_step_keeps_the_fused_kernel(installed, seen):
     with vllm_step_metadata.forward(installed.step, {"l": m}):
         installed.k3.chunk_kda_with_fused_gate(**call)
     assert seen[-1]["max_seqlen"] == 64
-    assert cuda_route(lengths, 64, "bounded", -5.0).startswith("prefill_c16_")
+    assert cuda_route(lengths, 64, "bounded", -5.0).startswith(FUSED)
 
 
 def test_without_a_forward_context_the_call_routes_by_the_mean_and_says_why(installed, seen):
