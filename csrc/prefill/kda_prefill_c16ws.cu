@@ -1,7 +1,6 @@
 // TVM-FFI binding of the role-split fused 16-token-chunk prefill (kda_prefill_c16ws.cuh; family kda_prefill, the ABI
-// of kda_prefill.cu; probe records prefill_c16ws_*). The kernel serves the bounded gate at lower_bound >= -5 (Kimi
-// K3's), one CTA a (value head, sequence[, piece]); every other call is refused naming its argument, before anything
-// launches. params.pieces > 1: pieces picked here as for prefill_c16p (c16_pieces, one CTA an SM's slots).
+// of kda_prefill.cu; modules prefill_c16ws_*, routes fused_chunk16*). The kernel serves the bounded gate at lower_bound >= -5 (Kimi
+// K3's), one CTA a (value head, sequence); every other call is refused naming its argument, before anything launches.
 // No workspace (a caller's buffer is checked and left unused); refuses checkpoints.
 #include <cuda_runtime.h>
 
@@ -14,6 +13,7 @@
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_c16::kC, "the kernel is written for chunk 16");
 #endif
+static_assert(fkda_c16::kPieces == 1, "the role-split kernel runs unsplit (pieces: 4c5092c, not routed)");
 static_assert(FKDA_THREADS == fkda_c16::ws::kWsThreads, "module record 'threads' must be 384");
 static_assert(FKDA_SMEM_BYTES == fkda_c16::ws::kWsSmemBytes,
               "module record 'smem_bytes' must equal the kernel's shared memory");
@@ -55,12 +55,11 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   }
 
   const fkda::cuda::LaunchContext ctx(q);
-  fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state,
+  const fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state,
                                     final_state, state_indices, ps, null_slot0, out, lower_bound, scale,
                                     beta_is_logit);
-  a.pieces = c16_pieces(ctx, pc.dm.T, N, HV, initial_state, final_state);
   ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
-             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), static_cast<unsigned>(a.pieces)), dim3(fkda_c16::ws::kWsThreads),
+             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), 1u), dim3(fkda_c16::ws::kWsThreads),
              fkda_c16::ws::kWsSmemBytes, a);
 }
 
