@@ -34,6 +34,9 @@
 #include "kda_prefill_args.h"
 #include "kda_prefill_c16_launch.h"
 #include "kda_prefill_chunk64_launch.h"
+#if FKDA_PARAM_C16_WS == 1
+#include "kda_prefill_c16ws.cuh"
+#endif
 
 #if FKDA_PARAM_GUARD != 1
 #error "prefill_c16g modules are built with params.guard = 1"
@@ -74,6 +77,22 @@ constexpr bool kUnsplitFallback = true;
 #else
 constexpr bool kUnsplitFallback = false;
 #endif
+
+// The fused kernel's launch: with params.c16_ws 1 the role split (kda_prefill_c16ws.cuh, one CTA an SM: the record's
+// c16_min_blocks is 1, so the pieces fill its slots) for the gate it serves, the bounded one at lower_bound >= -5.
+template <typename StateT>
+void launch_fused(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
+#if FKDA_PARAM_C16_WS == 1
+  static_assert(fkda_c16::kMinBlocks == 1, "params.c16_min_blocks is 1 with params.c16_ws: one CTA an SM");
+  if (gm == GateMode::kBounded && lower_bound >= kC16UncheckedLowerBound) {
+    ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
+               dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
+               dim3(fkda_c16::ws::kWsThreads), fkda_c16::ws::kWsSmemBytes, a);
+    return;
+  }
+#endif
+  launch_c16<StateT>(ctx, a, gm, lower_bound);
+}
 
 int64_t chunk64_workspace(int64_t T, int64_t N, int64_t HV) {
   // no chunk-64 kernels behind an unsplit fallback: the guard word's block starts the workspace
@@ -122,7 +141,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
 #endif
   if (split == 1) {  // unsplit: exact, no warm-up, nothing to guard
     a.pieces = 1;
-    launch_c16<StateT>(ctx, a, gm, lower_bound);
+    launch_fused<StateT>(ctx, a, gm, lower_bound);
     return;
   }
 
@@ -139,7 +158,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   }
   a.pieces = split;
   a.guard = guard;
-  launch_c16<StateT>(ctx, a, gm, lower_bound);
+  launch_fused<StateT>(ctx, a, gm, lower_bound);
 #if FKDA_PARAM_C16_FALLBACK == 1
   unsplit.run_if = guard;
   launch_c16<StateT>(ctx, unsplit, gm, lower_bound);

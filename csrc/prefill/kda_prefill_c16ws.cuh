@@ -12,7 +12,8 @@
 // the producers bound it (64x512 H16: producers alone 0.407 ms, the consumer alone 0.303, both 0.504).
 // Hand-over by named barriers: full[s] (producer arrives, consumer waits) and empty[s] (consumer arrives, producer
 // waits before it writes stage s again). Bounded gate at lower_bound >= -5 only (no range check, GATE 1 of
-// kda_prefill_c16.cuh), one CTA a (value head, sequence).
+// kda_prefill_c16.cuh), one CTA a (value head, sequence), or (params.pieces > 1) a sequence's piece after a bounded
+// warm-up as in kda_prefill_c16_kernel (no guard: a slowly decaying key walks back to chunk 0).
 #pragma once
 
 #include "kda_prefill_c16.cuh"
@@ -57,7 +58,15 @@ constexpr int kSBytes = kSGc + kK * 4;
 constexpr int kOffProducers = 0;
 constexpr int kOffStages = kOffProducers + kProducers * kPBytes;
 constexpr int kOffOs = kOffStages + kStages * kSBytes;  // the consumer's output staging, bf16 [16][kLdB]
-constexpr int kWsSmemBytes = kOffOs + kMat;
+constexpr int kOffWalk = kOffOs + kMat;                 // (pieces) the warm-up walk's maxima, fp32 [4][32]
+#if FKDA_PARAM_GUARD == 1
+constexpr bool kGuarded = true;  // (prefill_c16g modules: kda_prefill_c16g.cu)
+#else
+constexpr bool kGuarded = false;
+#endif
+// (guard) int [4]: [0] the word at the start, [1] the consumer's stop flag, [2 + p] producer p's copy of it
+constexpr int kOffFlags = kOffWalk + (kPieces > 1 ? 4 * 32 * 4 : 0);
+constexpr int kWsSmemBytes = kOffFlags + (kGuarded ? 16 : 0);
 static_assert(kPBytes % 16 == 0 && kSBytes % 16 == 0 && kSU % 16 == 0 && kSA % 16 == 0 && kSGc % 16 == 0 &&
                   kPPart % 16 == 0 && kPL % 16 == 0,
               "alignment");
@@ -134,8 +143,8 @@ __device__ __forceinline__ void pack_state(uint32_t (&as)[4], const float (&S)[2
   as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
 }
 
-// The chunks a CTA runs and stores and whether it writes the final state: the whole sequence here (the form a piece
-// split takes: a warm-up from cs to cb, 4c5092c).
+// The chunks a CTA runs (kda_prefill_c16_kernel's piece split): it stores [cb, ce), starts at cs <= cb (a warm-up from
+// a zero state, or chunk 0 from the initial state), and writes the final state if it ends the sequence.
 struct Span {
   int cs, cb, ce;
   bool writer;
@@ -192,7 +201,22 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     const bf16* Vs = Ks + kC * kLdB;
     const bf16* Gr = Vs + kC * kLdB;
     const unsigned short bcur_bits = bnext;
+#if FKDA_PARAM_GUARD == 1
+    volatile int* flags = reinterpret_cast<volatile int*>(smem + kOffFlags);
+    if (tid == 0) flags[2 + p] = flags[1];  // one read a chunk, shared by the producer's warps (below the barrier)
+#endif
     bar_sync(bar, 128);  // this producer is done with its last chunk (its ring stage, its scratch)
+    const int r = c - sp.cs, s = r & (kStages - 1);  // the CTA's r-th chunk, its stage
+#if FKDA_PARAM_GUARD == 1
+    // the consumer saw the guard word set: the chunks left keep only the hand-over's barriers (no loads, no math); a
+    // stale 0 costs one chunk's work, never a wrong one (the consumer set the flag while on an earlier chunk and skips
+    // the math from the next one on)
+    if (flags[2 + p] != 0) {
+      if (r >= kStages) bar_sync(kBarEmpty + s, 256);
+      bar_arrive(kBarFull + s, 256);
+      continue;
+    }
+#endif
     if (c + 2 < sp.ce) {
       base_hk += step_hk;
       base_hv += step_hv;
@@ -206,7 +230,6 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     cp_async_wait<1>();
     bar_sync(bar, 128);  // chunk c's inputs are in the ring
 
-    const int r = c - sp.cs, s = r & (kStages - 1);  // the CTA's r-th chunk, its stage
     uint8_t* st = smem + kOffStages + s * kSBytes;
     bf16* Qh = reinterpret_cast<bf16*>(st + kSQh);
     bf16* Kd = reinterpret_cast<bf16*>(st + kSKd);
@@ -352,7 +375,13 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
   }
   const size_t head = size_t(slot) * size_t(a.slot_stride) + size_t(hv) * kV * kK;
   const ST* src = a.init && !pad && sp.cs == 0 ? static_cast<const ST*>(a.init) + head : nullptr;
-  ST* dst = a.fin && !pad && sp.writer ? static_cast<ST*>(a.fin) + head : nullptr;
+  const size_t fin_at = a.fin_dense ? (size_t(n) * a.HV + hv) * kV * kK : head;
+  ST* dst = a.fin && !pad && sp.writer ? static_cast<ST*>(a.fin) + fin_at : nullptr;
+  bool stopped = false;  // (guard) another piece handed the call over: the chunks left keep only the barriers
+#if FKDA_PARAM_GUARD == 1
+  int guard_seen = 0;  // the word as consumer thread 0 read it a chunk earlier (the load's latency hides behind a chunk)
+  volatile int* stop_flag = reinterpret_cast<volatile int*>(smem + kOffFlags + 4);
+#endif
   const RowOffsets ro = row_offsets(a, tid);
   size_t base_hv = (size_t(bos + int64_t(sp.cs) * kC) * a.HV + hv) * kK;
   const size_t step_hv = size_t(kC) * a.HV * kK;
@@ -379,7 +408,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
     bar_sync(kBarFull + s, 256);  // stage s holds chunk c; every consumer thread is past chunk c - 1's output rows
 
     // ---- G. the ordered part, the state in registers (kda_prefill_c16_kernel's step G)
-    {
+    if (!stopped) {
       float vacc[2][2][4], oacc[2][2][4];
       for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
         vacc[mt][nn][e] = Uf[t * kLdU + v];
@@ -443,7 +472,14 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
       }
     }
     if (r + kStages < runs) bar_arrive(kBarEmpty + s, 256);  // stage s is free for the CTA's chunk r + 4
-    bar_sync(kBarConsumer, 128);                              // the output rows are staged
+#if FKDA_PARAM_GUARD == 1
+    if (tid == 0 && a.guard != nullptr) {
+      if (guard_seen) *stop_flag = 1;
+      guard_seen = *reinterpret_cast<const volatile int*>(a.guard);
+    }
+#endif
+    bar_sync(kBarConsumer, 128);  // the output rows are staged (and the stop flag written)
+    if (stopped) continue;
 
     // ---- H. the chunk's output rows (16-byte stores, 256 B a row; a warm-up chunk stores nothing)
 #pragma unroll
@@ -452,16 +488,21 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
       if (row < nt && c >= sp.cb)
         *reinterpret_cast<uint4*>(a.out + base_hv + ro.hv[i]) = *reinterpret_cast<const uint4*>(Os + row * kLdB + c8);
     }
+#if FKDA_PARAM_GUARD == 1
+    stopped = *stop_flag != 0;  // consumer-uniform: written before the barrier above, read by every consumer thread
+#endif
   }
-  if (dst) {
+  if (dst && !stopped) {
     for_frag<16, 2>(warp, g, tq, [&](int mt, int nt, int e, int v, int d) {
       st_pair(dst + size_t(v) * kK + d, S[mt][nt][e], S[mt][nt][e + 1]);
     });
   }
 }
 
-// One CTA a (value head, sequence), 384 threads, one CTA an SM. (Pieces and the guard, measured as device-only probes
-// and not routed yet: csrc/prefill/README.md, "The fused kernel split by role"; read them at 4c5092c.)
+// One CTA a (value head, sequence[, piece]), 384 threads, one CTA an SM. With pieces (params.pieces > 1; the binding
+// picks the call's, Args::pieces) a piece's warm-up start is kda_prefill_c16_kernel's: the walk back until the chunks'
+// attenuation bounds sum to <= -24 (log2), every warpgroup computing the same sums (chunk_bounds' 128-thread mapping in
+// each; the maxima they store to the shared slots are the same values), no guard.
 template <typename ST>
 __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
   fkda::begin_dependent_grid();
@@ -472,6 +513,52 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
   const int64_t bos = load_cu(a.cu, a.cu64, n), len = load_cu(a.cu, a.cu64, n + 1) - bos;
   const int nch = static_cast<int>((len + kC - 1) / kC);
   Span sp{0, 0, nch, true};
+#if FKDA_PARAM_GUARD == 1
+  {  // a piece that starts once the word is set stops before its walk; CTA-uniform (one read, shared)
+    volatile int* flags = reinterpret_cast<volatile int*>(smem + kOffFlags);
+    if (threadIdx.x == 0) {
+      flags[0] = a.guard != nullptr && *reinterpret_cast<const volatile int*>(a.guard) != 0;
+      flags[1] = 0;
+    }
+    __syncthreads();
+    if (flags[0]) return;
+  }
+#endif
+  if constexpr (kPieces > 1) {
+    const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
+    const int own = a.pieces, p = blockIdx.z;
+    const int per = (nch + own - 1) / own;
+    sp.cb = min(nch, p * per);
+    sp.ce = min(nch, sp.cb + per);
+    if (p > 0 && sp.cb >= sp.ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
+    sp.writer = sp.ce == nch;
+    sp.cs = sp.cb;
+    const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+    const float gs = -ea * kLog2e, mult = a.lower_bound * kLog2e;
+    const int d2 = 2 * (tid & 63), half = tid >> 6;
+    const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
+    float* red = reinterpret_cast<float*>(smem + kOffWalk);
+    float sum = 0.f;
+#if FKDA_PARAM_GUARD == 1
+    const int limit = max(2, min(kGuardMaxChunks, kGuardPct == 50 ? per / 2 : per * kGuardPct / 100));
+#endif
+    while (sp.cs > 0 && sum > -24.f) {
+      float b[kWalkStep];
+      chunk_bounds<1>(b, a, bos, len, sp.cs - 1, hv, gs, gc0, gc1, mult, d2, half, lane, warp, red);
+#pragma unroll
+      for (int j = 0; j < kWalkStep; ++j) {
+        if (!(sp.cs > 0 && sum > -24.f)) break;  // CTA-uniform (every thread holds the same sums)
+#if FKDA_PARAM_GUARD == 1
+        if (sp.cb - sp.cs >= limit) {  // CTA-uniform: the kernels after this one take the call
+          if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(a.guard) = 1;
+          return;
+        }
+#endif
+        --sp.cs;
+        sum += b[j];
+      }
+    }
+  }
   if (wg == 0) {
     regs_up<kConsumerRegs>();
     consume<ST>(a, smem, hv, n, bos, len, sp);
