@@ -50,6 +50,12 @@ constexpr bool kSplitPastOneWave = true;
 #else
 constexpr bool kSplitPastOneWave = false;
 #endif
+// (prefill_c16g modules with params.c16_ws 1) the fused split runs the role-split kernel (kda_prefill_c16g.cu)
+#if FKDA_PARAM_C16_WS == 1
+constexpr bool kC16RoleSplit = true;
+#else
+constexpr bool kC16RoleSplit = false;
+#endif
 // The CTA slots of one wave of the fused kernel: min_blocks CTAs an SM.
 inline int64_t c16_slots(const fkda::cuda::LaunchContext& ctx) {
   return int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
@@ -83,7 +89,11 @@ inline int c16_seq_layers(int64_t T, int64_t L) {
 // waves there too: a hand-over then costs the short attempt and the unsplit call.
 inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
   const int64_t slots = c16_slots(ctx);
-  if (!kSplitPastOneWave && pieces_for_one_wave(fkda_c16::kPieces, slots, HV * N) == 1) return 1;
+  // With the role-split kernel (params.c16_ws 1, one CTA an SM) whether to split is still decided on the wave of two
+  // CTAs an SM: unsplit, 67..132 items would each walk a whole sequence on one SM (B1 T32K H96 3.58 ms on an H100,
+  // against 3.16 split over waves on the two-CTA kernel, h100-2026-12-06-3db50e5's grid).
+  const int64_t wave = kC16RoleSplit ? 2 * int64_t(ctx.sm_count()) : slots;
+  if (!kSplitPastOneWave && pieces_for_one_wave(fkda_c16::kPieces, wave, HV * N) == 1) return 1;
   const int64_t chunks = N > 0 ? (T / N + fkda_c16::kC - 1) / fkda_c16::kC : 0;
   return pieces_for_waves(fkda_c16::kPieces, slots, HV * N, chunks);
 }
