@@ -40,11 +40,13 @@ SMS = 132
 PIECE_OVERHEAD_CHUNKS = 2   # csrc/prefill/kda_prefill_args.h, kPieceOverheadChunks
 
 
-def c16_split(max_pieces, cta_slots, items, chunks, past_one_wave=False):
-    """The fused split's pieces a sequence (the binding's c16_split, csrc/prefill/kda_prefill_c16_launch.h): 1 where one
-    wave of cta_slots holds the items (unsplit, exact) unless past_one_wave (params.c16_fallback: the guard falls back
-    to the kernel unsplit), else pieces_for_waves."""
-    if max_pieces <= 1 or (not past_one_wave and cta_slots // items <= 1):
+def c16_split(max_pieces, cta_slots, items, chunks, past_one_wave=False, decide_slots=None):
+    """The fused split's pieces a sequence (the binding's fused_split_pieces, csrc/prefill/kda_piece_rules.h): 1 where
+    one wave of decide_slots (default cta_slots; the role-split kernel's modules decide on two CTAs an SM while their
+    pieces fill one) holds the items (unsplit, exact) unless past_one_wave (params.c16_fallback: the guard falls back to
+    the kernel unsplit), else pieces_for_waves over cta_slots."""
+    decide = cta_slots if decide_slots is None else decide_slots
+    if max_pieces <= 1 or (not past_one_wave and decide // items <= 1):
         return 1
     return pieces_for_waves(max_pieces, cta_slots, items, chunks)
 

@@ -35,6 +35,17 @@ inline int pieces_for_waves(int64_t max_pieces, int64_t cta_slots, int64_t ctas_
   return static_cast<int>(best);
 }
 
+// The fused split's pieces a (sequence, head) (kda_prefill_c16_launch.h, c16_split): 1 where one wave of
+// `decide_slots` CTAs already holds the items (unsplit and exact: no warm-up, no guard to trip), unless past_one_wave
+// (a guard that falls back to the fused kernel unsplit, params.c16_fallback), else pieces_for_waves over `cta_slots`.
+// The two slot counts differ for the role-split kernel (one CTA an SM: cta_slots = SMs), whose split is still decided
+// on the two-CTA wave (decide_slots = 2 x SMs): unsplit, 67..132 items would each walk a whole sequence on one SM.
+inline int fused_split_pieces(int64_t max_pieces, int64_t decide_slots, int64_t cta_slots, int64_t items, int64_t chunks,
+                              bool past_one_wave) {
+  if (!past_one_wave && pieces_for_one_wave(max_pieces, decide_slots, items) == 1) return 1;
+  return pieces_for_waves(max_pieces, cta_slots, items, chunks);
+}
+
 // A mixed-length call's piece length in 16-token chunks (prefill_c16gm_*: each sequence takes ceil(its chunks / L)
 // pieces, so a long sequence gets more than a short one; the host knows T, N and HV, not the lengths), of at least
 // kMinPieceChunks. Two candidates, the one with fewer estimated steps on the slowest CTA slot (ties: one wave):

@@ -88,14 +88,12 @@ inline int c16_seq_layers(int64_t T, int64_t L) {
 // A module whose guard falls back to this kernel unsplit (params.c16_fallback, prefill_c16g_c16_*) splits over several
 // waves there too: a hand-over then costs the short attempt and the unsplit call.
 inline int c16_split(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
-  const int64_t slots = c16_slots(ctx);
-  // With the role-split kernel (params.c16_ws 1, one CTA an SM) whether to split is still decided on the wave of two
-  // CTAs an SM: unsplit, 67..132 items would each walk a whole sequence on one SM (B1 T32K H96 3.58 ms on an H100,
-  // against 3.16 split over waves on the two-CTA kernel, h100-2026-12-06-3db50e5's grid).
-  const int64_t wave = kC16RoleSplit ? 2 * int64_t(ctx.sm_count()) : slots;
-  if (!kSplitPastOneWave && pieces_for_one_wave(fkda_c16::kPieces, wave, HV * N) == 1) return 1;
+  // with the role-split kernel (params.c16_ws 1, one CTA an SM) whether to split is decided on the two-CTA wave: B1
+  // T32K H96 (96 items) ran unsplit at 3.58 ms on an H100, 3.16 split over waves on the two-CTA kernel
+  // (h100-2026-12-06-3db50e5's grid), 2.81 split on the role-split kernel (h100-2026-12-06-49430f7)
+  const int64_t slots = c16_slots(ctx), wave = kC16RoleSplit ? 2 * int64_t(ctx.sm_count()) : slots;
   const int64_t chunks = N > 0 ? (T / N + fkda_c16::kC - 1) / fkda_c16::kC : 0;
-  return pieces_for_waves(fkda_c16::kPieces, slots, HV * N, chunks);
+  return fused_split_pieces(fkda_c16::kPieces, wave, slots, HV * N, chunks, kSplitPastOneWave);
 }
 
 // A call's pieces: c16_split, except that a piece that walks back to chunk 0 reads the initial state while the last
