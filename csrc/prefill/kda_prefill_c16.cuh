@@ -443,6 +443,286 @@ __device__ __forceinline__ void chunk_bounds(float (&b)[kWalkStep], const Args& 
   __syncthreads();  // red is read before the next step's maxima
 }
 
+// The chunk's steps, shared by kda_prefill_c16_kernel (4 warps doing every step) and the role-split kernel
+// (kda_prefill_c16ws.cuh: a producer warpgroup's steps A..F, the consumer's G): each on its 128 threads (tid, warp,
+// lane of the group), the same operations in the same order in both, so the same bits.
+
+// Step A's row scales of q (times scale) and k (l2norm), and beta of the chunk's tokens (a logit through the sigmoid).
+__device__ __forceinline__ void row_scales_and_beta(const bf16* Qs, const bf16* Ks, float* nrm, float* betas,
+                                                    unsigned short bcur_bits, int nt, float scale, int beta_logit,
+                                                    int tid) {
+  const int r = tid >> 2, p = tid & 3;  // rows 0..15 q, 16..31 k; 4 lanes a row
+  const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float f[8];
+    fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (p + 4 * i) * 8), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
+  }
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  if (p == 0) nrm[r] = rsqrt_ftz(s + 1e-6f) * (r < kC ? scale : 1.f);
+  if (tid < kC) {
+    const float bcur = __bfloat162float(__ushort_as_bfloat16(bcur_bits));
+    betas[tid] = tid < nt ? (beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
+  }
+}
+
+// Step B: the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores) from G
+// (the warp's running sums gl over the quarters' totals tot). kCheck (every gate but the bounded one at lower_bound
+// >= -5): wk, this thread's key group has a key beyond the range (G_C < -kFactorRange: softplus and bounded G fall
+// monotonically, so G_C is the least). Within twice the range the group's operands of L and Aqk take the anchor
+// s = G_C / 2 a key (Qg, Kg, Kn by exp2(G - s), exp2(s - G): within 2^116 again; Qh and Kh are restored to exp2(G) after
+// step C, for W and the output); beyond it (ultra) its Kn entries are stored as 0 and the fallback adds its terms
+// elementwise. out: (log gate, which may rise) some G of this thread's beyond the range while its group's G_C are not:
+// the whole chunk elementwise.
+template <int mode, bool kCheck>
+__device__ __forceinline__ void decayed_operands(const float* tot, const float4 (&gl)[4], const float* nrm, const bf16* Qs,
+                                                 const bf16* Ks, bf16* Qh, bf16* Ql, bf16* Kh, bf16* Kl, bf16* Nh, bf16* Nl,
+                                                 bf16* Kd, float* gcs, int warp, int d4, bool& wk, bool& ultra, bool& out) {
+  float4 base, gcv;
+  quarter_sums(tot, warp, d4, base, gcv);
+  float sh[4] = {0.f, 0.f, 0.f, 0.f};  // the anchor of each key's L / Aqk operands (0: the chunk start)
+  if constexpr (kCheck) {
+    const GroupRange gr = group_range(gcv);
+    wk = gr.wide;
+    ultra = gr.ultra;
+    if (wk && !ultra) {
+      sh[0] = 0.5f * gcv.x;
+      sh[1] = 0.5f * gcv.y;
+      sh[2] = 0.5f * gcv.z;
+      sh[3] = 0.5f * gcv.w;
+    }
+  }
+  const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
+  if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
+  const float bs[4] = {base.x, base.y, base.z, base.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int t = 4 * warp + i;
+    const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
+    if constexpr (mode == 2)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) | (!(G[e] >= -kFactorRange) & !wk);
+    const float nq = nrm[t], nk = nrm[kC + t];
+    float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
+    unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
+    unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float ex = kCheck ? ex2(G[e] - sh[e]) : ex2(G[e]), ix = kCheck ? ex2(sh[e] - G[e]) : ex2(-G[e]);
+      const float qx = q[e] * nq, kx = k[e] * nk;
+      qe[e] = qx * ex;
+      ke[e] = kx * ex;
+      kn[e] = kx * ix;
+      kd[e] = kn[e] * ec[e];  // (kCheck: taken again below where the group is beyond the range)
+      if constexpr (kCheck) kn[e] = ultra ? 0.f : kn[e];
+    }
+    const int o = t * kLdB + d4;
+    uint2 hi, lo;
+    split2(qe[0], qe[1], hi.x, lo.x);
+    split2(qe[2], qe[3], hi.y, lo.y);
+    *reinterpret_cast<uint2*>(Qh + o) = hi;
+    *reinterpret_cast<uint2*>(Ql + o) = lo;
+    split2(ke[0], ke[1], hi.x, lo.x);
+    split2(ke[2], ke[3], hi.y, lo.y);
+    *reinterpret_cast<uint2*>(Kh + o) = hi;
+    *reinterpret_cast<uint2*>(Kl + o) = lo;
+    split2(kn[0], kn[1], hi.x, lo.x);
+    split2(kn[2], kn[3], hi.y, lo.y);
+    *reinterpret_cast<uint2*>(Nh + o) = hi;
+    *reinterpret_cast<uint2*>(Nl + o) = lo;
+    *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
+  }
+  if (kCheck && __any_sync(0xffffffffu, wk | out)) {  // Kd = k exp2(G_C - G) in one exponent (shifted, or inf)
+    const float gc[4] = {gcv.x, gcv.y, gcv.z, gcv.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = 4 * warp + i;
+      const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
+      const float nk = nrm[kC + t];
+      float k[4], kd[4];
+      unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) kd[e] = k[e] * nk * ex2(gc[e] - G[e]);
+      *reinterpret_cast<uint2*>(Kd + t * kLdB + d4) = pack4(kd);
+    }
+  }
+}
+
+// Step C: L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half w >> 1, in split bf16
+// (hi hi + hi lo + lo hi), into part [4 warps][16][kLdP].
+__device__ __forceinline__ void lqk_partials(const bf16* Qh, const bf16* Ql, const bf16* Kh, const bf16* Kl, const bf16* Nh,
+                                             const bf16* Nl, float* part, int warp, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  const bf16* Ah = (warp & 1) ? Qh : Kh;
+  const bf16* Al = (warp & 1) ? Ql : Kl;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int k0 = 64 * (warp >> 1) + 16 * s;
+    uint32_t ah[4], al[4], bh[4], bl[4];
+    load_a(ah, Ah, kLdB, 0, k0, lane);
+    load_a(al, Al, kLdB, 0, k0, lane);
+    load_b_nk(bh, Nh, kLdB, 0, k0, lane);
+    load_b_nk(bl, Nl, kLdB, 0, k0, lane);
+    mma_bf16(acc[0], ah, bh);
+    mma_bf16(acc[1], ah, bh + 2);
+    mma_bf16(acc[0], ah, bl);
+    mma_bf16(acc[1], ah, bl + 2);
+    mma_bf16(acc[0], al, bh);
+    mma_bf16(acc[1], al, bh + 2);
+  }
+  float* P = part + warp * kC * kLdP;
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) P[(g + 8 * (e >> 1)) * kLdP + 8 * nn + 2 * tq + (e & 1)] = acc[nn][e];
+}
+
+// Step D (every key factored): L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16)
+// from the two key halves' partials, added in warp order. Select, never multiply: above the diagonal the sums may be huge.
+__device__ __forceinline__ void l_and_aqk(const float* part, const float* betas, float* Lf, bf16* Aq, int tid) {
+  const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
+  const float* P0 = part + m * kC * kLdP + i * kLdP;
+  const float* P1 = part + (m + 2) * kC * kLdP + i * kLdP;
+  if (m == 0) {
+    const float b = betas[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) Lf[i * kLdP + j0 + e] = j0 + e < i ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float x0 = j0 + e <= i ? P0[j0 + e] + P1[j0 + e] : 0.f;
+      const float x1 = j0 + e + 1 <= i ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
+      *reinterpret_cast<uint32_t*>(Aq + i * kLdS + j0 + e) = pack_bf16(x0, x1);
+    }
+  }
+}
+
+// Step E: T = (I + L)^-1 Diag(beta): lane j (< 16) of the calling warp solves column j by forward substitution.
+__device__ __forceinline__ void solve_t(const float* Lf, const float* betas, bf16* Tm, int lane) {
+  if (lane < kC) {
+    const int j = lane;
+    float x[kC];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      float s = i == j ? 1.f : 0.f;
+#pragma unroll
+      for (int k = 0; k < i; ++k) s = fmaf(-Lf[i * kLdP + k], x[k], s);
+      x[i] = s;
+    }
+    const float bj = betas[j];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) Tm[i * kLdS + j] = __float2bfloat16(x[i] * bj);
+  }
+}
+
+// Step F: W = T Kg (stored negated: V'^T starts from U^T and adds S (-W)^T) and U = T V; warp w takes columns
+// 32 w .. 32 w + 31.
+__device__ __forceinline__ void w_and_u(const bf16* Tm, const bf16* Kh, const bf16* Vs, bf16* Wn, float* Uf, int warp,
+                                        int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  uint32_t at[4];
+  load_a(at, Tm, kLdS, 0, 0, lane);
+#pragma unroll
+  for (int np = 0; np < 2; ++np) {
+    const int n0 = 32 * warp + 16 * np;
+    uint32_t bk[4], bv[4];
+    load_b_kn(bk, Kh, kLdB, 0, n0, lane);
+    load_b_kn(bv, Vs, kLdB, 0, n0, lane);
+    float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    mma_bf16(w[0], at, bk);
+    mma_bf16(w[1], at, bk + 2);
+    mma_bf16(u[0], at, bv);
+    mma_bf16(u[1], at, bv + 2);
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
+        *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
+        *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
+      }
+  }
+}
+
+// Step G: the ordered part, the state S in registers (warp w: value rows 32 w .. 32 w + 31): V'^T = U^T + S (-W)^T,
+// O^T = S Qg^T + V'^T Aqk^T (staged bf16 in Os), S <- S Diag(exp2(G_C)) + V'^T Kd.
+__device__ __forceinline__ void state_step(float (&S)[2][16][4], const float* Uf, const bf16* Wn, const bf16* Qh,
+                                           const bf16* Aq, const float* gcs, const bf16* Kd, bf16* Os, int warp, int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+  float vacc[2][2][4], oacc[2][2][4];
+  for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+    vacc[mt][nn][e] = Uf[t * kLdU + v];
+    oacc[mt][nn][e] = 0.f;
+  });
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t bw[4], bq[4];
+    load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
+    load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      uint32_t as[4];
+      as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
+      as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
+      as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
+      as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
+      mma_bf16(vacc[mt][0], as, bw);
+      mma_bf16(vacc[mt][1], as, bw + 2);
+      mma_bf16(oacc[mt][0], as, bq);
+      mma_bf16(oacc[mt][1], as, bq + 2);
+    }
+  }
+  // V'^T as A fragments (tokens 0-7 and 8-15 are the two k halves)
+  uint32_t vp[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    vp[mt][0] = pack_bf16(vacc[mt][0][0], vacc[mt][0][1]);
+    vp[mt][1] = pack_bf16(vacc[mt][0][2], vacc[mt][0][3]);
+    vp[mt][2] = pack_bf16(vacc[mt][1][0], vacc[mt][1][1]);
+    vp[mt][3] = pack_bf16(vacc[mt][1][2], vacc[mt][1][3]);
+  }
+  {
+    uint32_t ba[4];
+    load_b_nk(ba, Aq, kLdS, 0, 0, lane);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_bf16(oacc[mt][0], vp[mt], ba);
+      mma_bf16(oacc[mt][1], vp[mt], ba + 2);
+    }
+  }
+  for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
+    Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
+  });
+  // S <- S Diag(exp(G_C)) + V'^T Kd
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const float2 ec = *reinterpret_cast<const float2*>(gcs + 8 * nt + 2 * tq);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      S[mt][nt][0] *= ec.x;
+      S[mt][nt][1] *= ec.y;
+      S[mt][nt][2] *= ec.x;
+      S[mt][nt][3] *= ec.y;
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    uint32_t bk[4];
+    load_b_kn(bk, Kd, kLdB, 0, 16 * p, lane);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_bf16(S[mt][2 * p], vp[mt], bk);
+      mma_bf16(S[mt][2 * p + 1], vp[mt], bk + 2);
+    }
+  }
+}
+
 // The kernel's gate (template parameter GATE): the GateMode values, softplus 0, bounded 1, log 2, and kBoundedAnyBound,
 // the bounded gate below lower_bound -5. Only GATE 1 (the binding sends it lower_bound >= -5) is known to keep every
 // chunk in the factored range; the others check each chunk and may take the fallback (kCheck).
@@ -618,108 +898,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
 #endif
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter (warp w: tokens 4 w ..)
-    {
-      const int r = tid >> 2, p = tid & 3;  // rows 0..15 q, 16..31 k; 4 lanes a row
-      const bf16* row = (r < kC ? Qs + r * kLdB : Ks + (r - kC) * kLdB);
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float f[8];
-        fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (p + 4 * i) * 8), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (p == 0) nrm[r] = rsqrt_ftz(s + 1e-6f) * (r < kC ? a.scale : 1.f);
-      if (tid < kC) {
-        const float bcur = __bfloat162float(__ushort_as_bfloat16(bcur_bits));
-        betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
-      }
-    }
+    row_scales_and_beta(Qs, Ks, nrm, betas, bcur_bits, nt, a.scale, a.beta_logit, tid);
     float4 gl[4];  // the running sums of keys d4 .. d4 + 3 over the warp's 4 tokens
     *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
     if (mode == 2 && tid == 0) fb_mask[1] = 0;  // (log gate) set in step B where some G rose beyond the range
     __syncthreads();
 
-    // ---- B. the decayed operands (thread: keys d4 .. d4 + 3 of tokens 4 warp .. 4 warp + 3; 8-byte shared stores)
-    // (kCheck) wk: this thread's key group d4 .. d4 + 3 has a key beyond the range (G_C < -kFactorRange: softplus and
-    // bounded G fall monotonically, so G_C is the least). Within twice the range (shifted_group) the group's operands of
-    // L and Aqk take the anchor s = G_C / 2 a key (Qg, Kg, Kn by exp2(G - s), exp2(s - G): within 2^116 again; Qh and
-    // Kh are restored to exp2(G) after step C, for W and the output); beyond it (ultra) its Kn entries are stored as 0
-    // and the fallback adds its terms elementwise. out: (log gate, which may rise) some G of this thread's beyond the
-    // range while its group's G_C are not: the whole chunk elementwise
+    // ---- B. the decayed operands (decayed_operands: wk / ultra / out, the key groups beyond the factored range)
     bool wk = false, ultra = false, out = false;
-    {
-      float4 base, gcv;
-      quarter_sums(tot, warp, d4, base, gcv);
-      float sh[4] = {0.f, 0.f, 0.f, 0.f};  // the anchor of each key's L / Aqk operands (0: the chunk start)
-      if constexpr (kCheck) {
-        const GroupRange gr = group_range(gcv);
-        wk = gr.wide;
-        ultra = gr.ultra;
-        if (wk && !ultra) {
-          sh[0] = 0.5f * gcv.x;
-          sh[1] = 0.5f * gcv.y;
-          sh[2] = 0.5f * gcv.z;
-          sh[3] = 0.5f * gcv.w;
-        }
-      }
-      const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
-      if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
-      const float bs[4] = {base.x, base.y, base.z, base.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int t = 4 * warp + i;
-        const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
-        if constexpr (mode == 2)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) out |= !(G[e] <= kFactorRange) | (!(G[e] >= -kFactorRange) & !wk);
-        const float nq = nrm[t], nk = nrm[kC + t];
-        float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
-        unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
-        unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float ex = kCheck ? ex2(G[e] - sh[e]) : ex2(G[e]), ix = kCheck ? ex2(sh[e] - G[e]) : ex2(-G[e]);
-          const float qx = q[e] * nq, kx = k[e] * nk;
-          qe[e] = qx * ex;
-          ke[e] = kx * ex;
-          kn[e] = kx * ix;
-          kd[e] = kn[e] * ec[e];  // (kCheck: taken again below where the group is beyond the range)
-          if constexpr (kCheck) kn[e] = ultra ? 0.f : kn[e];
-        }
-        const int o = t * kLdB + d4;
-        uint2 hi, lo;
-        split2(qe[0], qe[1], hi.x, lo.x);
-        split2(qe[2], qe[3], hi.y, lo.y);
-        *reinterpret_cast<uint2*>(Qh + o) = hi;
-        *reinterpret_cast<uint2*>(Ql + o) = lo;
-        split2(ke[0], ke[1], hi.x, lo.x);
-        split2(ke[2], ke[3], hi.y, lo.y);
-        *reinterpret_cast<uint2*>(Kh + o) = hi;
-        *reinterpret_cast<uint2*>(Kl + o) = lo;
-        split2(kn[0], kn[1], hi.x, lo.x);
-        split2(kn[2], kn[3], hi.y, lo.y);
-        *reinterpret_cast<uint2*>(Nh + o) = hi;
-        *reinterpret_cast<uint2*>(Nl + o) = lo;
-        *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
-      }
-      if (kCheck && __any_sync(0xffffffffu, wk | out)) {  // Kd = k exp2(G_C - G) in one exponent (shifted, or inf)
-        const float gc[4] = {gcv.x, gcv.y, gcv.z, gcv.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int t = 4 * warp + i;
-          const float G[4] = {gl[i].x + bs[0], gl[i].y + bs[1], gl[i].z + bs[2], gl[i].w + bs[3]};
-          const float nk = nrm[kC + t];
-          float k[4], kd[4];
-          unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) kd[e] = k[e] * nk * ex2(gc[e] - G[e]);
-          *reinterpret_cast<uint2*>(Kd + t * kLdB + d4) = pack4(kd);
-        }
-      }
-    }
+    decayed_operands<mode, kCheck>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
     // the CTA's form for this chunk's L and Aqk: factored on tensor cores, with the fallback for the keys beyond the range
     bool fallback = false;
     if constexpr (kCheck) {
@@ -733,8 +920,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
       __syncthreads();
     }
 
-    // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half
-    // w >> 1, in split bf16 (hi hi + hi lo + lo hi). Elementwise groups: also the chunk's G to Gf, as step B computed it
+    // ---- C. L and Aqk partials (lqk_partials). Elementwise groups: also the chunk's G to Gf, as step B computed it
     const bool elementwise = fallback && (fb_mask[0] != 0 || (mode == 2 && fb_mask[1] != 0));
     if (elementwise) {
       float* Gf = reinterpret_cast<float*>(smem + kOffGf);
@@ -746,35 +932,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
         *reinterpret_cast<float4*>(Gf + (4 * warp + i) * kLdGf + d4) =
             make_float4(glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w);
     }
-    {
-      const bf16* Ah = (warp & 1) ? Qh : Kh;
-      const bf16* Al = (warp & 1) ? Ql : Kl;
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const int k0 = 64 * (warp >> 1) + 16 * s;
-        uint32_t ah[4], al[4], bh[4], bl[4];
-        load_a(ah, Ah, kLdB, 0, k0, lane);
-        load_a(al, Al, kLdB, 0, k0, lane);
-        load_b_nk(bh, Nh, kLdB, 0, k0, lane);
-        load_b_nk(bl, Nl, kLdB, 0, k0, lane);
-        mma_bf16(acc[0], ah, bh);
-        mma_bf16(acc[1], ah, bh + 2);
-        mma_bf16(acc[0], ah, bl);
-        mma_bf16(acc[1], ah, bl + 2);
-        mma_bf16(acc[0], al, bh);
-        mma_bf16(acc[1], al, bh + 2);
-      }
-      float* P = part + warp * kC * kLdP;
-#pragma unroll
-      for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) P[(g + 8 * (e >> 1)) * kLdP + 8 * nn + 2 * tq + (e & 1)] = acc[nn][e];
-    }
+    lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);
     __syncthreads();
 
-    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16).
-    // Select, never multiply: above the diagonal the sums may be huge (exp2(G_i - G_j), j > i).
+    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16): l_and_aqk, or the
+    // elementwise fallback's rows
     if (fallback) {  // Qh and Kh of this thread's shifted group back to exp2(G), as step B makes them (C read them)
       float4 base, gcv;
       quarter_sums(tot, warp, d4, base, gcv);
@@ -810,139 +972,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
       fallback_row<8>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, p, l);
       fallback_row<16>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, 15 - p, l);
     } else {
-      const int m = tid >> 6, e0 = (tid & 63) * 4, i = e0 >> 4, j0 = e0 & 15;
-      const float* P0 = part + m * kC * kLdP + i * kLdP;
-      const float* P1 = part + (m + 2) * kC * kLdP + i * kLdP;
-      if (m == 0) {
-        const float b = betas[i];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) Lf[i * kLdP + j0 + e] = j0 + e < i ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const float x0 = j0 + e <= i ? P0[j0 + e] + P1[j0 + e] : 0.f;
-          const float x1 = j0 + e + 1 <= i ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(Aq + i * kLdS + j0 + e) = pack_bf16(x0, x1);
-        }
-      }
+      l_and_aqk(part, betas, Lf, Aq, tid);
     }
     __syncthreads();
 
     // ---- E. T = (I + L)^-1 Diag(beta): lane j of warp 0 solves column j by forward substitution
-    if (warp == 0 && lane < kC) {
-      const int j = lane;
-      float x[kC];
-#pragma unroll
-      for (int i = 0; i < kC; ++i) {
-        float s = i == j ? 1.f : 0.f;
-#pragma unroll
-        for (int k = 0; k < i; ++k) s = fmaf(-Lf[i * kLdP + k], x[k], s);
-        x[i] = s;
-      }
-      const float bj = betas[j];
-#pragma unroll
-      for (int i = 0; i < kC; ++i) Tm[i * kLdS + j] = __float2bfloat16(x[i] * bj);
-    }
+    if (warp == 0) solve_t(Lf, betas, Tm, lane);
     __syncthreads();
 
-    // ---- F. W = T Kg (stored negated: V'^T starts from U^T and adds S (-W)^T) and U = T V; warp w
-    // takes columns 32 w .. 32 w + 31
-    {
-      uint32_t at[4];
-      load_a(at, Tm, kLdS, 0, 0, lane);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        const int n0 = 32 * warp + 16 * np;
-        uint32_t bk[4], bv[4];
-        load_b_kn(bk, Kh, kLdB, 0, n0, lane);
-        load_b_kn(bv, Vs, kLdB, 0, n0, lane);
-        float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        mma_bf16(w[0], at, bk);
-        mma_bf16(w[1], at, bk + 2);
-        mma_bf16(u[0], at, bv);
-        mma_bf16(u[1], at, bv + 2);
-#pragma unroll
-        for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
-            *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
-            *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
-          }
-      }
-    }
+    // ---- F. W = T Kg (stored negated) and U = T V
+    w_and_u(Tm, Kh, Vs, Wn, Uf, warp, lane);
     __syncthreads();
 
     // ---- G. the ordered part, the state in registers
-    {
-      float vacc[2][2][4], oacc[2][2][4];
-      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
-        vacc[mt][nn][e] = Uf[t * kLdU + v];
-        oacc[mt][nn][e] = 0.f;
-      });
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bw[4], bq[4];
-        load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
-        load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          uint32_t as[4];
-          as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
-          as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
-          as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
-          as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
-          mma_bf16(vacc[mt][0], as, bw);
-          mma_bf16(vacc[mt][1], as, bw + 2);
-          mma_bf16(oacc[mt][0], as, bq);
-          mma_bf16(oacc[mt][1], as, bq + 2);
-        }
-      }
-      // V'^T as A fragments (tokens 0-7 and 8-15 are the two k halves)
-      uint32_t vp[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        vp[mt][0] = pack_bf16(vacc[mt][0][0], vacc[mt][0][1]);
-        vp[mt][1] = pack_bf16(vacc[mt][0][2], vacc[mt][0][3]);
-        vp[mt][2] = pack_bf16(vacc[mt][1][0], vacc[mt][1][1]);
-        vp[mt][3] = pack_bf16(vacc[mt][1][2], vacc[mt][1][3]);
-      }
-      {
-        uint32_t ba[4];
-        load_b_nk(ba, Aq, kLdS, 0, 0, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(oacc[mt][0], vp[mt], ba);
-          mma_bf16(oacc[mt][1], vp[mt], ba + 2);
-        }
-      }
-      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
-        Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
-      });
-      // S <- S Diag(exp(G_C)) + V'^T Kd
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
-        const float2 ec = *reinterpret_cast<const float2*>(gcs + 8 * nt + 2 * tq);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          S[mt][nt][0] *= ec.x;
-          S[mt][nt][1] *= ec.y;
-          S[mt][nt][2] *= ec.x;
-          S[mt][nt][3] *= ec.y;
-        }
-      }
-#pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        uint32_t bk[4];
-        load_b_kn(bk, Kd, kLdB, 0, 16 * p, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(S[mt][2 * p], vp[mt], bk);
-          mma_bf16(S[mt][2 * p + 1], vp[mt], bk + 2);
-        }
-      }
-    }
+    state_step(S, Uf, Wn, Qh, Aq, gcs, Kd, Os, warp, lane);
     __syncthreads();  // the output rows are staged
 
     // ---- H. the chunk's output rows (16-byte stores, 256 B a row)

@@ -88,61 +88,6 @@ __device__ __forceinline__ void regs_down() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// Step E: T = (I + L)^-1 Diag(beta), lane j (< 16) of the calling warp solves column j by forward substitution.
-__device__ __forceinline__ void solve_t(const float* Lf, const float* betas, bf16* Tm, int lane) {
-  if (lane < kC) {
-    const int j = lane;
-    float x[kC];
-#pragma unroll
-    for (int r = 0; r < kC; ++r) {
-      float sacc = r == j ? 1.f : 0.f;
-#pragma unroll
-      for (int kk = 0; kk < r; ++kk) sacc = fmaf(-Lf[r * kLdP + kk], x[kk], sacc);
-      x[r] = sacc;
-    }
-    const float bj = betas[j];
-#pragma unroll
-    for (int r = 0; r < kC; ++r) Tm[r * kLdS + j] = __float2bfloat16(x[r] * bj);
-  }
-}
-
-// Step F: W = T Kg (stored negated) and U = T V; warp w of the calling warpgroup takes columns 32 w .. 32 w + 31.
-__device__ __forceinline__ void w_and_u(const bf16* Tm, const bf16* Kh, const bf16* Vs, bf16* Wn, float* Uf, int warp,
-                                        int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-  uint32_t at[4];
-  load_a(at, Tm, kLdS, 0, 0, lane);
-#pragma unroll
-  for (int np = 0; np < 2; ++np) {
-    const int n0 = 32 * warp + 16 * np;
-    uint32_t bk[4], bv[4];
-    load_b_kn(bk, Kh, kLdB, 0, n0, lane);
-    load_b_kn(bv, Vs, kLdB, 0, n0, lane);
-    float w[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    float u[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    mma_bf16(w[0], at, bk);
-    mma_bf16(w[1], at, bk + 2);
-    mma_bf16(u[0], at, bv);
-    mma_bf16(u[1], at, bv + 2);
-#pragma unroll
-    for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = g + 8 * h, col = n0 + 8 * nn + 2 * tq;
-        *reinterpret_cast<uint32_t*>(Wn + row * kLdB + col) = pack_bf16(-w[nn][2 * h], -w[nn][2 * h + 1]);
-        *reinterpret_cast<float2*>(Uf + row * kLdU + col) = make_float2(u[nn][2 * h], u[nn][2 * h + 1]);
-      }
-  }
-}
-
-// S's value rows of this warp packed to bf16 as the A fragment of key block j (keys 16 j .. 16 j + 15).
-__device__ __forceinline__ void pack_state(uint32_t (&as)[4], const float (&S)[2][16][4], int mt, int j) {
-  as[0] = pack_bf16(S[mt][2 * j][0], S[mt][2 * j][1]);
-  as[1] = pack_bf16(S[mt][2 * j][2], S[mt][2 * j][3]);
-  as[2] = pack_bf16(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
-  as[3] = pack_bf16(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
-}
-
 // The chunks a CTA runs (kda_prefill_c16_kernel's piece split): it stores [cb, ce), starts at cs <= cb (a warm-up from
 // a zero state, or chunk 0 from the initial state), and writes the final state if it ends the sequence.
 struct Span {
@@ -155,7 +100,7 @@ struct Span {
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int hv, int hk, int64_t bos, int64_t len,
                                         const Span sp) {
   constexpr int mode = 1;
-  const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
+  const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int bar = kBarProducer + p;
   uint8_t* mine = smem + kOffProducers + p * kPBytes;
   bf16* Ql = reinterpret_cast<bf16*>(mine + kPQl);
@@ -237,119 +182,23 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     float* gcs = reinterpret_cast<float*>(st + kSGc);
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter
-    {
-      const int row_i = tid >> 2, pp = tid & 3;
-      const bf16* row = (row_i < kC ? Qs + row_i * kLdB : Ks + (row_i - kC) * kLdB);
-      float sq = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float f[8];
-        fkda_prefill::unpack8(*reinterpret_cast<const uint4*>(row + (pp + 4 * j) * 8), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sq = fmaf(f[e], f[e], sq);
-      }
-      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-      if (pp == 0) nrm[row_i] = rsqrt_ftz(sq + 1e-6f) * (row_i < kC ? a.scale : 1.f);
-      if (tid < kC) {
-        const float bcur = __bfloat162float(__ushort_as_bfloat16(bcur_bits));
-        betas[tid] = tid < nt ? (a.beta_logit ? 1.f / (1.f + __expf(-bcur)) : bcur) : 0.f;
-      }
-    }
+    row_scales_and_beta(Qs, Ks, nrm, betas, bcur_bits, nt, a.scale, a.beta_logit, tid);
     float4 gl[4];
     *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
     if (r >= kStages) bar_sync(kBarEmpty + s, 256);  // the consumer is done with the CTA's chunk r - 4 (stage s)
     bar_sync(bar, 128);
 
     // ---- B. the decayed operands
-    {
-      float4 base, gcv;
-      quarter_sums(tot, warp, d4, base, gcv);
-      const float ec[4] = {ex2(gcv.x), ex2(gcv.y), ex2(gcv.z), ex2(gcv.w)};
-      if (warp == 0) *reinterpret_cast<float4*>(gcs + d4) = make_float4(ec[0], ec[1], ec[2], ec[3]);
-      const float bs[4] = {base.x, base.y, base.z, base.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int t = 4 * warp + j;
-        const float G[4] = {gl[j].x + bs[0], gl[j].y + bs[1], gl[j].z + bs[2], gl[j].w + bs[3]};
-        const float nq = nrm[t], nk = nrm[kC + t];
-        float q[4], k[4], qe[4], ke[4], kn[4], kd[4];
-        unpack4(*reinterpret_cast<const uint2*>(Qs + t * kLdB + d4), q);
-        unpack4(*reinterpret_cast<const uint2*>(Ks + t * kLdB + d4), k);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float ex = ex2(G[e]), ix = ex2(-G[e]);
-          const float qx = q[e] * nq, kx = k[e] * nk;
-          qe[e] = qx * ex;
-          ke[e] = kx * ex;
-          kn[e] = kx * ix;
-          kd[e] = kn[e] * ec[e];
-        }
-        const int o = t * kLdB + d4;
-        uint2 hi, lo;
-        split2(qe[0], qe[1], hi.x, lo.x);
-        split2(qe[2], qe[3], hi.y, lo.y);
-        *reinterpret_cast<uint2*>(Qh + o) = hi;
-        *reinterpret_cast<uint2*>(Ql + o) = lo;
-        split2(ke[0], ke[1], hi.x, lo.x);
-        split2(ke[2], ke[3], hi.y, lo.y);
-        *reinterpret_cast<uint2*>(Kh + o) = hi;
-        *reinterpret_cast<uint2*>(Kl + o) = lo;
-        split2(kn[0], kn[1], hi.x, lo.x);
-        split2(kn[2], kn[3], hi.y, lo.y);
-        *reinterpret_cast<uint2*>(Nh + o) = hi;
-        *reinterpret_cast<uint2*>(Nl + o) = lo;
-        *reinterpret_cast<uint2*>(Kd + o) = pack4(kd);
-      }
-    }
+    bool wk, ultra, out;  // (the bounded gate at >= -5: never beyond the factored range)
+    decayed_operands<mode, false>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
     bar_sync(bar, 128);
 
-    // ---- C. L and Aqk partials: warp w takes matrix w & 1 (0: Kg Kn^T, 1: Qg Kn^T) over the key half w >> 1
-    {
-      const bf16* Ah = (warp & 1) ? Qh : Kh;
-      const bf16* Al = (warp & 1) ? Ql : Kl;
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        const int k0 = 64 * (warp >> 1) + 16 * ks;
-        uint32_t ah[4], al[4], bh[4], bl[4];
-        load_a(ah, Ah, kLdB, 0, k0, lane);
-        load_a(al, Al, kLdB, 0, k0, lane);
-        load_b_nk(bh, Nh, kLdB, 0, k0, lane);
-        load_b_nk(bl, Nl, kLdB, 0, k0, lane);
-        mma_bf16(acc[0], ah, bh);
-        mma_bf16(acc[1], ah, bh + 2);
-        mma_bf16(acc[0], ah, bl);
-        mma_bf16(acc[1], ah, bl + 2);
-        mma_bf16(acc[0], al, bh);
-        mma_bf16(acc[1], al, bh + 2);
-      }
-      float* P = part + warp * kC * kLdP;
-#pragma unroll
-      for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) P[(g + 8 * (e >> 1)) * kLdP + 8 * nn + 2 * tq + (e & 1)] = acc[nn][e];
-    }
+    // ---- C. L and Aqk partials
+    lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);
     bar_sync(bar, 128);
 
-    // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16)
-    {
-      const int m = tid >> 6, e0 = (tid & 63) * 4, ri = e0 >> 4, j0 = e0 & 15;
-      const float* P0 = part + m * kC * kLdP + ri * kLdP;
-      const float* P1 = part + (m + 2) * kC * kLdP + ri * kLdP;
-      if (m == 0) {
-        const float b = betas[ri];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) Lf[ri * kLdP + j0 + e] = j0 + e < ri ? b * (P0[j0 + e] + P1[j0 + e]) : 0.f;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const float x0 = j0 + e <= ri ? P0[j0 + e] + P1[j0 + e] : 0.f;
-          const float x1 = j0 + e + 1 <= ri ? P0[j0 + e + 1] + P1[j0 + e + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(Aq + ri * kLdS + j0 + e) = pack_bf16(x0, x1);
-        }
-      }
-    }
+    // ---- D. L and Aqk
+    l_and_aqk(part, betas, Lf, Aq, tid);
     bar_sync(bar, 128);
     if (warp == 0) solve_t(Lf, betas, Tm, lane);  // ---- E
     bar_sync(bar, 128);
@@ -407,70 +256,8 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
     const float* gcs = reinterpret_cast<const float*>(st + kSGc);
     bar_sync(kBarFull + s, 256);  // stage s holds chunk c; every consumer thread is past chunk c - 1's output rows
 
-    // ---- G. the ordered part, the state in registers (kda_prefill_c16_kernel's step G)
-    if (!stopped) {
-      float vacc[2][2][4], oacc[2][2][4];
-      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
-        vacc[mt][nn][e] = Uf[t * kLdU + v];
-        oacc[mt][nn][e] = 0.f;
-      });
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bw[4], bq[4];
-        load_b_nk(bw, Wn, kLdB, 0, 16 * j, lane);
-        load_b_nk(bq, Qh, kLdB, 0, 16 * j, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          uint32_t as[4];
-          pack_state(as, S, mt, j);
-          mma_bf16(vacc[mt][0], as, bw);
-          mma_bf16(vacc[mt][1], as, bw + 2);
-          mma_bf16(oacc[mt][0], as, bq);
-          mma_bf16(oacc[mt][1], as, bq + 2);
-        }
-      }
-      uint32_t vp[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        vp[mt][0] = pack_bf16(vacc[mt][0][0], vacc[mt][0][1]);
-        vp[mt][1] = pack_bf16(vacc[mt][0][2], vacc[mt][0][3]);
-        vp[mt][2] = pack_bf16(vacc[mt][1][0], vacc[mt][1][1]);
-        vp[mt][3] = pack_bf16(vacc[mt][1][2], vacc[mt][1][3]);
-      }
-      {
-        uint32_t ba[4];
-        load_b_nk(ba, Aq, kLdS, 0, 0, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(oacc[mt][0], vp[mt], ba);
-          mma_bf16(oacc[mt][1], vp[mt], ba + 2);
-        }
-      }
-      for_frag<2, 1>(warp, g, tq, [&](int mt, int nn, int e, int v, int t) {
-        Os[t * kLdB + v] = __float2bfloat16(oacc[mt][nn][e]);
-      });
-#pragma unroll
-      for (int kt = 0; kt < 16; ++kt) {
-        const float2 ec = *reinterpret_cast<const float2*>(gcs + 8 * kt + 2 * tq);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          S[mt][kt][0] *= ec.x;
-          S[mt][kt][1] *= ec.y;
-          S[mt][kt][2] *= ec.x;
-          S[mt][kt][3] *= ec.y;
-        }
-      }
-#pragma unroll
-      for (int pp = 0; pp < 8; ++pp) {
-        uint32_t bk[4];
-        load_b_kn(bk, Kd, kLdB, 0, 16 * pp, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16(S[mt][2 * pp], vp[mt], bk);
-          mma_bf16(S[mt][2 * pp + 1], vp[mt], bk + 2);
-        }
-      }
-    }
+    // ---- G. the ordered part, the state in registers
+    if (!stopped) state_step(S, Uf, Wn, Qh, Aq, gcs, Kd, Os, warp, lane);
     if (r + kStages < runs) bar_arrive(kBarEmpty + s, 256);  // stage s is free for the CTA's chunk r + 4
 #if FKDA_PARAM_GUARD == 1
     if (tid == 0 && a.guard != nullptr) {
