@@ -13,7 +13,7 @@
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_c16::kC, "the kernel is written for chunk 16");
 #endif
-static_assert(fkda_c16::kPieces == 1, "the role-split kernel runs unsplit (pieces: 4c5092c, not routed)");
+static_assert(fkda_c16::kPieces == 1, "this binding runs the role-split kernel unsplit (its pieces: kda_prefill_c16g.cu)");
 static_assert(FKDA_THREADS == fkda_c16::ws::kWsThreads, "module record 'threads' must be 384");
 static_assert(FKDA_SMEM_BYTES == fkda_c16::ws::kWsSmemBytes,
               "module record 'smem_bytes' must equal the kernel's shared memory");

@@ -12,8 +12,9 @@
 // the producers bound it (64x512 H16: producers alone 0.407 ms, the consumer alone 0.303, both 0.504).
 // Hand-over by named barriers: full[s] (producer arrives, consumer waits) and empty[s] (consumer arrives, producer
 // waits before it writes stage s again). Bounded gate at lower_bound >= -5 only (no range check, GATE 1 of
-// kda_prefill_c16.cuh), one CTA a (value head, sequence), or (params.pieces > 1) a sequence's piece after a bounded
-// warm-up as in kda_prefill_c16_kernel (no guard: a slowly decaying key walks back to chunk 0).
+// kda_prefill_c16.cuh), one CTA a (value head, sequence) (kda_prefill_c16ws.cu), or, in the guarded modules
+// (kda_prefill_c16g.cu, params.c16_ws 1), a sequence's piece after a bounded warm-up as in kda_prefill_c16_kernel, with
+// its guard (FKDA_PARAM_GUARD: a warm-up past its limit hands the whole call to the kernels launched after this one).
 #pragma once
 
 #include "kda_prefill_c16.cuh"
@@ -24,7 +25,6 @@ namespace ws {
 constexpr int kProducers = 2;                       // producer warpgroups
 constexpr int kWsThreads = 128 * (1 + kProducers);  // 384
 constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: producer p (chunks p, p + 2, ..) owns p, p + 2
-
 
 // setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
 // rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a hang, on
