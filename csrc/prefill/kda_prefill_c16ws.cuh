@@ -189,7 +189,7 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     bar_sync(bar, 128);
 
     // ---- B. the decayed operands
-    bool wk, ultra, out;  // (the bounded gate at >= -5: never beyond the factored range)
+    bool wk = false, ultra = false, out = false;  // (the bounded gate at >= -5: never beyond the factored range)
     decayed_operands<mode, false>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
     bar_sync(bar, 128);
 
@@ -286,10 +286,13 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
   }
 }
 
-// One CTA a (value head, sequence[, piece]), 384 threads, one CTA an SM. With pieces (params.pieces > 1; the binding
-// picks the call's, Args::pieces) a piece's warm-up start is kda_prefill_c16_kernel's: the walk back until the chunks'
-// attenuation bounds sum to <= -24 (log2), every warpgroup computing the same sums (chunk_bounds' 128-thread mapping in
-// each; the maxima they store to the shared slots are the same values), no guard.
+// One CTA a (value head, sequence[, piece]), 384 threads, one CTA an SM. With pieces (the guarded modules'
+// params.c16_pieces; kda_prefill_c16g.cu picks the call's, Args::pieces) a piece's warm-up start is
+// kda_prefill_c16_kernel's: the walk back until the chunks' attenuation bounds sum to <= -24 (log2), every warpgroup
+// computing the same sums (chunk_bounds' 128-thread mapping in each; the maxima they store to the shared slots are the
+// same values). The guard (FKDA_PARAM_GUARD): a piece that starts after the word is set returns, a walk past its limit
+// sets it and returns, and a running piece stops at the consumer's next chunk (consume: its stop flag; the producers
+// then keep only the barriers).
 template <typename ST>
 __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
   fkda::begin_dependent_grid();
