@@ -303,23 +303,27 @@ def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_the_gpu_tests_premises_on_the_guard(gate):
     """tests/gpu/test_prefill_c16g_gpu.py reads the path a call took off its bits; that needs its inputs far from the
-    guard's threshold at the piece count an H200 picks (2 x 132 CTAs over 2 sequences x 4 heads: 33 pieces, 4-6
-    chunks a piece; the in-place cases' 3 sequences x 2 heads: 44 pieces). Decaying keys (dt_bias + 8) never trip it;
-    one slow key a head (dt_bias -20) always does, at either limit the records set (half a piece: vt64's; a whole piece
-    capped at 16 chunks: the unsplit chains', vt16 and vt32)."""
-    for lens, HV, want in (([3000, 1700], 4, 33), ([3000, 40, 500], 2, 44)):
-        P = pieces_of(64, 132, 2, HV, len(lens), sum(lens))
+    guard's threshold at the piece counts an H200 picks: on the two-CTA kernel (prefill_c16g_c16_*: 2 x 132 CTAs over 2
+    sequences x 4 heads: 33 pieces, 4-6 chunks a piece; the in-place cases' 3 sequences x 2 heads: 44 pieces) and on the
+    role split (params.c16_ws 1, one CTA an SM: 16 and 22 pieces). Decaying keys (dt_bias + 8) never trip it; one slow
+    key a head (dt_bias -20) always does, at either limit the records set (half a piece; a whole piece or half of one
+    capped at 16 chunks)."""
+    for lens, HV, min_blocks, want in (([3000, 1700], 4, 2, 33), ([3000, 40, 500], 2, 2, 44),
+                                       ([3000, 1700], 4, 1, 16), ([3000, 40, 500], 2, 1, 22)):
+        P = pieces_of(64, 132, min_blocks, HV, len(lens), sum(lens))
         assert P == want
         for seed in range(3):
             fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
             slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
             for hv in range(HV):
-                for pct, cap in ((50, 1 << 30), (100, 16)):
+                for pct, cap in ((50, 1 << 30), (100, 16), (50, 16)):
                     trips = [guard_trips(L, P, fast[hv][n], pct, cap) for n, L in enumerate(lens)]
                     assert not any(trips), (seed, hv, pct)
                     assert guard_trips(lens[0], P, slow[hv][0], pct, cap), (seed, hv, pct)
-    # the old shift (+4) is too close for softplus at 33 pieces: a 4-chunk piece's limit is 2 chunks
+    # the old shift (+4) is too close for softplus at 33 pieces (2 x 4 heads on the two-CTA kernel): a 4-chunk piece's
+    # limit is 2 chunks
     if gate == "softplus":
+        lens, HV, P = [3000, 1700], 4, 33
         near = gpu_test_gates(lens, HV, gate, 0, dt_shift=4.0)
         assert any(guard_trips(L, P, near[hv][n]) for hv in range(HV) for n, L in enumerate(lens))
 

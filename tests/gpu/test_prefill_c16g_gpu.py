@@ -49,7 +49,8 @@ def unsplit_of(name):
 def fast_decays(d):
     """dt_bias + 8: every token's slowest key decays by more than ~1 nat (bounded at -5 or softplus with make's
     A_log), so every warm-up is one 16-token chunk, far below the guard's limit (2 chunks at 4-chunk pieces: 33 pieces
-    at 2 x 4 heads on an H200; tests/test_prefill_c16_pieces_schedule.py checks this premise on the CPU)."""
+    at 2 x 4 heads on an H200's two-CTA kernel, 16 on the role split; tests/test_prefill_c16_pieces_schedule.py checks
+    this premise on the CPU)."""
     d["dt_bias"] = d["dt_bias"] + 8.0
     return d
 
