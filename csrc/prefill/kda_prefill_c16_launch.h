@@ -11,6 +11,7 @@
 #include "../common/pool_args.h"
 #include "kda_prefill_args.h"
 #include "kda_prefill_c16.cuh"
+#include "kda_prefill_c16ws.cuh"
 
 namespace fkda {
 
@@ -116,6 +117,15 @@ void launch_c16(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, G
   ctx.launch("kda_prefill_c16_kernel", kernel,
              dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
              dim3(fkda_c16::kThreads), fkda_c16::kSmemBytes, a);
+}
+
+// Launch the role-split kernel (kda_prefill_c16ws.cuh; its callers send it only the bounded gate at lower_bound >= -5):
+// one CTA a (value head, sequence, piece), 384 threads, one CTA an SM.
+template <typename StateT>
+void launch_c16ws(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a) {
+  ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
+             dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
+             dim3(fkda_c16::ws::kWsThreads), fkda_c16::ws::kWsSmemBytes, a);
 }
 
 }  // namespace fkda

@@ -34,9 +34,6 @@
 #include "kda_prefill_args.h"
 #include "kda_prefill_c16_launch.h"
 #include "kda_prefill_chunk64_launch.h"
-#if FKDA_PARAM_C16_WS == 1
-#include "kda_prefill_c16ws.cuh"
-#endif
 
 #if FKDA_PARAM_GUARD != 1
 #error "prefill_c16g modules are built with params.guard = 1"
@@ -85,9 +82,7 @@ void launch_fused(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a,
 #if FKDA_PARAM_C16_WS == 1
   static_assert(fkda_c16::kMinBlocks == 1, "params.c16_min_blocks is 1 with params.c16_ws: one CTA an SM");
   if (gm == GateMode::kBounded && lower_bound >= kC16UncheckedLowerBound) {
-    ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
-               dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
-               dim3(fkda_c16::ws::kWsThreads), fkda_c16::ws::kWsSmemBytes, a);
+    launch_c16ws<StateT>(ctx, a);
     return;
   }
 #endif

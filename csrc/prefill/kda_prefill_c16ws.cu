@@ -8,7 +8,6 @@
 #include "../common/cuda_launch.h"
 #include "kda_prefill_args.h"
 #include "kda_prefill_c16_launch.h"
-#include "kda_prefill_c16ws.cuh"
 
 #ifdef FKDA_PARAM_CHUNK
 static_assert(FKDA_PARAM_CHUNK == fkda_c16::kC, "the kernel is written for chunk 16");
@@ -58,9 +57,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state,
                                     final_state, state_indices, ps, null_slot0, out, lower_bound, scale,
                                     beta_is_logit);
-  ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
-             dim3(static_cast<unsigned>(HV), static_cast<unsigned>(N), 1u), dim3(fkda_c16::ws::kWsThreads),
-             fkda_c16::ws::kWsSmemBytes, a);
+  launch_c16ws<StateT>(ctx, a);
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t, int64_t, int64_t) { return 0; }
