@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 tvm_ffi = pytest.importorskip("tvm_ffi")
 from gpu_common import bits, records_by_name, seed  # noqa: E402
+from test_prefill_c16_gpu import CASES as C16_CASES  # noqa: E402
 from test_prefill_gpu import DEV, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
 
 RECS = records_by_name("prefill_c16ws_cuda.json")
@@ -29,16 +30,8 @@ def twin(name):
     return name.replace("prefill_c16ws_", "prefill_c16_")
 
 
-CASES = [
-    dict(id="ragged_h4", lens=[1, 15, 16, 17, 100, 1000], H=4, HV=4, init=True),
-    dict(id="empty_and_short_h2", lens=[0, 33, 0, 16, 5, 1, 0], H=2, HV=2, init=True),
-    dict(id="one_token_h1", lens=[1], H=1, HV=1),
-    dict(id="chunks_1_to_9", lens=[2, 17, 33, 49, 65, 80, 97, 113, 144], H=4, HV=4, init=True),
-    dict(id="b4_t512_h16_cu64", lens=[512] * 4, H=16, HV=16, init=True, cu64=True),
-    dict(id="b2_t512_h16_no_init", lens=[512] * 2, H=16, HV=16),
-    dict(id="gva_h2_hv8", lens=[100, 300, 7], H=2, HV=8, init=True),
-    dict(id="t2048_h2", lens=[2048], H=2, HV=2, init=True),
-]
+# prefill_c16's cases, and sequences of 1..9 chunks (every stage and both producers' parities)
+CASES = C16_CASES + [dict(id="chunks_1_to_9", lens=[2, 17, 33, 49, 65, 80, 97, 113, 144], H=4, HV=4, init=True)]
 
 
 @pytest.mark.parametrize("name", NAMES)
