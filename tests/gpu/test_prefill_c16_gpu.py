@@ -264,7 +264,8 @@ def test_route():
     assert dispatch.module_name("kda_prefill", meta, opted_in={"c16"}) == "prefill_c16_f32"
     assert dispatch.module_name("kda_prefill", meta, opted_in={"c16p"}) == "prefill_c16p_f32"
     assert dispatch.module_name("kda_prefill", dict(meta, state="bf16"), opted_in={"c16"}) == "prefill_c16_bf16"
-    assert dispatch.module_name("kda_prefill", meta, opted_in=set()) == "prefill_c16_f32"   # fused_chunk16's band
+    # fused_chunk16's band: bounded at lb -5 is the role-split kernel's; prefill_c16 keeps what it refuses (log gate)
+    assert dispatch.module_name("kda_prefill", meta, opted_in=set()) == "prefill_c16ws_f32"
     for other in (dict(meta, gate="softplus", lower_bound=None), dict(meta, lower_bound=-5.5)):
         assert dispatch.module_name("kda_prefill", other, opted_in={"c16"}) == "prefill_c16_f32"
     assert dispatch.module_name("kda_prefill", dict(meta, gate="log", lower_bound=None), opted_in=set()) == "prefill_c16_f32"
