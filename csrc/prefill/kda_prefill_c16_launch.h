@@ -57,9 +57,10 @@ constexpr bool kC16RoleSplit = true;
 #else
 constexpr bool kC16RoleSplit = false;
 #endif
-// The CTA slots of one wave of the fused kernel: min_blocks CTAs an SM.
+// The CTA slots of one wave of the fused kernel that splits: one CTA an SM for the role split (params.c16_ws 1), else
+// min_blocks CTAs an SM (params.c16_min_blocks, also the two-CTA kernel's bound where a module keeps it for a fallback).
 inline int64_t c16_slots(const fkda::cuda::LaunchContext& ctx) {
-  return int64_t(fkda_c16::kMinBlocks) * ctx.sm_count();
+  return int64_t(kC16RoleSplit ? 1 : fkda_c16::kMinBlocks) * ctx.sm_count();
 }
 // A call's 16-token chunks if it were one sequence (every chunk-head's work; the longest sequence's bound).
 inline int64_t c16_call_chunks(int64_t T) { return (T + fkda_c16::kC - 1) / fkda_c16::kC; }

@@ -70,17 +70,19 @@ constexpr bool kChainGuard = false;
 // (params.c16_fallback 1, prefill_c16g_c16_*) The guard falls back to the fused kernel unsplit, launched after the split
 // to run only where the word is set (Args::run_if): for calls whose items one wave holds already (133..255 at 132
 // SMs), which the other modules run unsplit; the split over several waves then costs a hand-over the short attempt.
+// The fallback is the two-CTA kernel (params.c16_min_blocks 2) even where the split is the role split: unsplit, its
+// 264 slots hold the items in one wave, the role split's 132 in two (4x8192 H48 on fla-init gates: 2.38 ms with the
+// role split as the fallback, 1.99 with the two-CTA kernel; h100 s33 call 2, branch pf-ws-more).
 constexpr bool kUnsplitFallback = true;
 #else
 constexpr bool kUnsplitFallback = false;
 #endif
 
-// The fused kernel's launch: with params.c16_ws 1 the role split (kda_prefill_c16ws.cuh, one CTA an SM: the record's
-// c16_min_blocks is 1, so the pieces fill its slots) for the gate it serves, the bounded one at lower_bound >= -5.
+// The fused kernel's launch: with params.c16_ws 1 the role split (kda_prefill_c16ws.cuh, one CTA an SM: c16_slots) for
+// the gate it serves, the bounded one at lower_bound >= -5.
 template <typename StateT>
 void launch_fused(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
 #if FKDA_PARAM_C16_WS == 1
-  static_assert(fkda_c16::kMinBlocks == 1, "params.c16_min_blocks is 1 with params.c16_ws: one CTA an SM");
   if (gm == GateMode::kBounded && lower_bound >= kC16UncheckedLowerBound) {
     launch_c16ws<StateT>(ctx, a);
     return;

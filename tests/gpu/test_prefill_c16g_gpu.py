@@ -180,13 +180,16 @@ def test_a_full_wave_runs_the_fused_kernel_unsplit(name):
 @pytest.mark.parametrize("name", [n for n in NAMES if RECS[n]["params"].get("c16_fallback")])
 def test_the_unsplit_fallback_module_splits_past_one_wave(name):
     """prefill_c16g_c16_* (params.c16_fallback): 192 items (4 x 2048 H48), which one wave of 2 CTAs an SM holds unsplit,
-    split over several waves on decaying keys (4 pieces in 3 waves at 132 SMs; scripts/warmup_lengths.c16_split) and
-    right against the float64 recurrence; one slow key a head hands the call to the fused kernel unsplit, launched after
-    the split: prefill_c16_<state>'s bits, the pool in place as out of place."""
+    split over several waves on decaying keys (the role split, params.c16_ws: 2 pieces in 3 waves of one CTA an SM at 132
+    SMs; scripts/warmup_lengths.c16_split) and right against the float64 recurrence; one slow key a head hands the call
+    to the two-CTA fused kernel unsplit, launched after the split: prefill_c16_<state>'s bits, the pool in place as out
+    of place."""
     seed("waves", name)
     lens, H = [2048] * 4, 48
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    P = c16_split(RECS[name]["params"]["c16_pieces"], 2 * sms, H * len(lens), 2048 // 16, past_one_wave=True)
+    prm = RECS[name]["params"]   # the splitting kernel's CTA slots (the binding's c16_slots): one an SM for the role split
+    slots = sms if prm.get("c16_ws") else prm.get("c16_min_blocks", 2) * sms
+    P = c16_split(RECS[name]["params"]["c16_pieces"], slots, H * len(lens), 2048 // 16, past_one_wave=True)
     assert P > 1 and c16_split(64, 2 * sms, H * len(lens), 2048 // 16) == 1, P
     st = sdtype(RECS[name])
     init = served_against_recurrence(name, fast_decays(make(lens, H, H, "bounded")), len(lens), H, st)[0]
