@@ -126,8 +126,11 @@ struct Args {
   int pieces;  // this call's pieces a sequence (grid z), 1..kPieces (the binding picks it)
 #if FKDA_PARAM_C16_SEQ_PIECES == 1
   int piece_chunks;  // (prefill_c16gm_*) a sequence's pieces from its own length: ceil(chunks / piece_chunks), <= pieces
+#endif
+#if FKDA_PARAM_C16_SEQ_PIECES == 1 || FKDA_PARAM_GUARD == 1
   int z_rotate;      // 1: grid layer z runs piece (z + 1) mod Z, so where the first layer alone fills a wave, pieces
-                     // that walk (and can hand over) start in it, not only first pieces (which never walk)
+                     // that walk (and can hand over) start in it, not only first pieces (which never walk); the
+                     // two-CTA kernel reads it with seq pieces, the role split in every guarded module
 #endif
 #if FKDA_PARAM_GUARD == 1
   int* guard;  // set to 1 by a piece whose warm-up passes its limit (zeroed by the binding before the launch)

@@ -70,12 +70,18 @@ inline int64_t c16_call_chunks(int64_t T) { return (T + fkda_c16::kC - 1) / fkda
 inline int c16_piece_chunks(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N, int64_t HV) {
   return piece_chunks_for_work(c16_slots(ctx), HV, N, c16_call_chunks(T));
 }
-// (prefill_c16gm_*) Args::z_rotate: where one grid layer (HV x N CTAs) fills the wave's slots, its CTAs are all first
+#endif
+#if FKDA_PARAM_C16_SEQ_PIECES == 1 || FKDA_PARAM_GUARD == 1
+// (guarded modules) Args::z_rotate: where one grid layer (HV x N CTAs) fills the wave's slots, its CTAs are all first
 // pieces, which never walk, so on slowly decaying gates nothing hands over until they finish a whole piece (~110 us at
-// ragged7 8K H48, h100-2026-12-06-ce9c04d); rotated, the first layer holds second pieces.
+// ragged7 8K H48, h100-2026-12-06-ce9c04d; 4x8192 H48 on the role split, 2 pieces: 2.48 ms against 1.98 on the
+// two-CTA kernel, whose first layer left slots to second pieces; h100 s33 call 3); rotated, the first layer holds
+// second pieces.
 inline int c16_z_rotate(const fkda::cuda::LaunchContext& ctx, int64_t N, int64_t HV) {
   return HV * N >= c16_slots(ctx) ? 1 : 0;
 }
+#endif
+#if FKDA_PARAM_C16_SEQ_PIECES == 1
 // (prefill_c16gm_*) grid z for pieces of L chunks: the pieces of a sequence as long as the whole call, at most kPieces
 inline int c16_seq_layers(int64_t T, int64_t L) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(fkda_c16::kPieces, (c16_call_chunks(T) + L - 1) / L)));

@@ -124,11 +124,11 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
                               state_indices, ps, null_slot0, out, lower_bound, scale, beta_is_logit);
 #if FKDA_PARAM_C16_SEQ_PIECES == 1  // each sequence's pieces from its own length, pieces of piece_chunks chunks
   a.piece_chunks = c16_piece_chunks(ctx, T, N, HV);
-  a.z_rotate = c16_z_rotate(ctx, N, HV);
   const int split = c16_seq_layers(T, a.piece_chunks);
 #else
   const int split = c16_split(ctx, T, N, HV);
 #endif
+  a.z_rotate = c16_z_rotate(ctx, N, HV);
   const bool in_place = states_overlap(initial_state, final_state);
   a.guard = nullptr;
 #if FKDA_PARAM_C16_FALLBACK == 1

@@ -316,7 +316,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
 #endif
   if constexpr (kPieces > 1) {
     const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
-    const int own = a.pieces, p = blockIdx.z;
+    const int own = a.pieces;
+#if FKDA_PARAM_GUARD == 1  // layer 0 holds walking pieces where it fills the wave (Args::z_rotate): a hand-over comes early
+    const int p = (static_cast<int>(blockIdx.z) + a.z_rotate) % own;
+#else
+    const int p = blockIdx.z;
+#endif
     const int per = (nch + own - 1) / own;
     sp.cb = min(nch, p * per);
     sp.ce = min(nch, sp.cb + per);
