@@ -48,6 +48,7 @@ def verify_meta(**kw):
 # (family, rule name, band key): [(meta, expected module), ...] - the edge and one past it; an opt-in
 # rule's cases carry the opted-in names as a third item
 EXACT = frozenset({"exact_chain"})
+SP_LONG = frozenset({"c16g_softplus_long"})
 C16G_FULL = frozenset({"c16g_full"})   # a tag no rule opts in to any more (c16g_full is routed): changes nothing
 EDGES = {
     ("kda_prefill", "long_pieces_vt64", "work_items_max"): [
@@ -443,6 +444,21 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_c16g_c16_f32"),  # c16g_full
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16ws_f32"),  # fused_chunk16_long
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
+    ],
+    # c16g_softplus_long (opt-in): softplus gate, <= 24 items of >= 131072 tokens on average; the guarded fused split
+    ("kda_prefill", "c16g_softplus_long", "work_items_max"): [
+        (prefill_meta(value_heads=24, total_tokens=131072), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
+        (prefill_meta(value_heads=25, total_tokens=131072), "prefill_pc16_vt64g2_f32", SP_LONG),   # long_pieces_groups_32
+        (prefill_meta(value_heads=16, total_tokens=1 << 20, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", SP_LONG),
+        (prefill_meta(value_heads=16, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32"),            # not opted in
+        (prefill_meta(value_heads=16, total_tokens=1 << 20, gate="bounded"), "prefill_c16g_vt16_f32", SP_LONG),
+        (prefill_meta(value_heads=16, total_tokens=1 << 20, checkpoints=True), "prefill_vt16_f32", SP_LONG),
+    ],
+    ("kda_prefill", "c16g_softplus_long", "mean_seqlen_min"): [
+        (prefill_meta(value_heads=8, total_tokens=131072), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
+        (prefill_meta(value_heads=8, total_tokens=131071), "prefill_pc8_vt64_f32", SP_LONG),        # long_pieces_vt64
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=2 * 131072), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
+        (prefill_meta(num_seqs=2, value_heads=4, total_tokens=2 * 131072 - 1), "prefill_pc8_vt64_f32", SP_LONG),
     ],
     # c16g_full (opt-in c16g_full): from 133 items (one wave of 2 CTAs an SM holds them at 132 SMs) the split over
     # several waves, its fallback the fused kernel unsplit
