@@ -300,14 +300,34 @@ def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
              for n in range(len(lens))] for hv in range(HV)]
 
 
+def _guard_limits():
+    """(c16_guard_pct, c16_guard_max_chunks) of every guarded record (jit/modules/prefill_c16g*_cuda.json), as the kernel
+    defaults them (kda_prefill_c16.cuh: 50, no cap)."""
+    import json
+    out = set()
+    for f in sorted((ROOT / "jit" / "modules").glob("prefill_c16g*_cuda.json")):
+        for m in json.loads(f.read_text())["modules"]:
+            prm = m["params"]
+            if prm.get("guard") == 1:
+                out.add((prm.get("c16_guard_pct", 50), prm.get("c16_guard_max_chunks", 1 << 30)))
+    return sorted(out)
+
+
+GUARD_LIMITS = _guard_limits()
+
+
+def test_every_guard_limit_is_read():
+    assert {(25, 1 << 30), (50, 16), (100, 16)} <= set(GUARD_LIMITS), GUARD_LIMITS
+
+
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_the_gpu_tests_premises_on_the_guard(gate):
     """tests/gpu/test_prefill_c16g_gpu.py reads the path a call took off its bits; that needs its inputs far from the
     guard's threshold at the piece counts an H200 picks: on the two-CTA kernel (prefill_c16g_c16_*: 2 x 132 CTAs over 2
     sequences x 4 heads: 33 pieces, 4-6 chunks a piece; the in-place cases' 3 sequences x 2 heads: 44 pieces) and on the
     role split (params.c16_ws 1, one CTA an SM: 16 and 22 pieces). Decaying keys (dt_bias + 8) never trip it; one slow
-    key a head (dt_bias -20) always does, at either limit the records set (half a piece; a whole piece or half of one
-    capped at 16 chunks)."""
+    key a head (dt_bias -20) always does, at every limit the guarded records set (GUARD_LIMITS: a quarter or half a
+    piece; a whole piece or half of one capped at 16 chunks)."""
     for lens, HV, min_blocks, want in (([3000, 1700], 4, 2, 33), ([3000, 40, 500], 2, 2, 44),
                                        ([3000, 1700], 4, 1, 16), ([3000, 40, 500], 2, 1, 22)):
         P = pieces_of(64, 132, min_blocks, HV, len(lens), sum(lens))
@@ -316,7 +336,7 @@ def test_the_gpu_tests_premises_on_the_guard(gate):
             fast = gpu_test_gates(lens, HV, gate, seed, dt_shift=8.0)
             slow = gpu_test_gates(lens, HV, "bounded", seed, slow_key=True)
             for hv in range(HV):
-                for pct, cap in ((50, 1 << 30), (100, 16), (50, 16)):
+                for pct, cap in GUARD_LIMITS:
                     trips = [guard_trips(L, P, fast[hv][n], pct, cap) for n, L in enumerate(lens)]
                     assert not any(trips), (seed, hv, pct)
                     assert guard_trips(lens[0], P, slow[hv][0], pct, cap), (seed, hv, pct)
