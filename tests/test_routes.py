@@ -445,30 +445,13 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_c16ws_f32"),  # fused_chunk16_long
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 4096), "prefill_vt64s_f32", CHUNK64),
     ],
-    # c16g_softplus_1m: softplus gate, 9..24 items of >= 1048576 tokens on average; the guarded fused split, routed
-    ("kda_prefill", "c16g_softplus_1m", "work_items_min"): [
-        (prefill_meta(value_heads=9, total_tokens=1 << 20), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(value_heads=8, total_tokens=1 << 20), "prefill_pc8_vt64_f32"),                 # long_pieces_vt64
-        (prefill_meta(value_heads=8, total_tokens=1 << 20), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
-    ],
-    ("kda_prefill", "c16g_softplus_1m", "work_items_max"): [
-        (prefill_meta(value_heads=24, total_tokens=1 << 20, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16"),
-        (prefill_meta(value_heads=25, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32"),             # long_pieces_groups_32
-        (prefill_meta(value_heads=16, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32", CHUNK64),
-        (prefill_meta(value_heads=16, total_tokens=1 << 20, checkpoints=True), "prefill_vt16_f32"),
-    ],
-    ("kda_prefill", "c16g_softplus_1m", "mean_seqlen_min"): [
-        (prefill_meta(value_heads=16, total_tokens=1 << 20), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(value_heads=16, total_tokens=(1 << 20) - 1), "prefill_pc16_vt64g2_f32"),
-        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=2 << 20), "prefill_c16g_pc16_vt64g2_f32"),
-        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=(2 << 20) - 1), "prefill_pc16_vt64g2_f32"),
-    ],
     # c16g_softplus_long (opt-in): softplus gate, <= 24 items of >= 131072 tokens on average; the guarded fused split
     ("kda_prefill", "c16g_softplus_long", "work_items_max"): [
         (prefill_meta(value_heads=24, total_tokens=131072), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
         (prefill_meta(value_heads=25, total_tokens=131072), "prefill_pc16_vt64g2_f32", SP_LONG),   # long_pieces_groups_32
         (prefill_meta(value_heads=16, total_tokens=1 << 20, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", SP_LONG),
-        (prefill_meta(value_heads=16, total_tokens=1 << 19), "prefill_pc16_vt64g2_f32"),            # not opted in
+        (prefill_meta(value_heads=16, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32"),            # not opted in
+        (prefill_meta(value_heads=8, total_tokens=1 << 20), "prefill_pc8_vt64_f32"),                # not opted in
         (prefill_meta(value_heads=16, total_tokens=1 << 20, gate="bounded"), "prefill_c16g_vt16_f32", SP_LONG),
         (prefill_meta(value_heads=16, total_tokens=1 << 20, checkpoints=True), "prefill_vt16_f32", SP_LONG),
     ],
