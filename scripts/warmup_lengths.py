@@ -106,8 +106,9 @@ def own_pieces(chunks, z, L):
 
 
 def z_rotate(cta_slots, heads, num_seqs):
-    """prefill_c16gm_*'s grid rotation (the binding's c16_z_rotate): layer z runs piece (z + 1) mod Z where one layer
-    of heads x sequences CTAs fills the slots."""
+    """The guarded modules' grid rotation (the binding's c16_z_rotate: prefill_c16gm_* on the two-CTA kernel, every
+    guarded module on the role split): layer z runs piece (z + 1) mod Z where one layer of heads x sequences CTAs fills
+    the slots."""
     return 1 if heads * num_seqs >= cta_slots else 0
 
 

@@ -457,3 +457,16 @@ def test_the_rotated_grid_starts_walking_pieces_in_the_first_wave():
     flat = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264)
     rot = greedy_makespan(lens, HV, lambda c: (z, own_pieces(c, z, L)), 264, rotate=1)
     assert rot <= 1.01 * flat, (rot, flat)
+
+
+def test_the_role_split_full_wave_split_rotates_its_layers():
+    """prefill_c16g_c16_* on the role split (one CTA an SM, 132 slots at 132 SMs): 4x8192 H48 (192 items) splits into
+    2 pieces past one wave, so unrotated the first wave (132 CTAs) is all first pieces, which never walk, and on slow
+    gates the guard waited for one to finish its half sequence (fla-init 2.48 ms against 1.98 on the two-CTA kernel,
+    an H100); rotated, every CTA of the first wave is a second piece, which walks and can hand over at once."""
+    HV, N, chunks, slots = 48, 4, 8192 // 16, 132
+    P = c16_split(64, slots, HV * N, chunks, past_one_wave=True)
+    assert P == 2 and z_rotate(slots, HV, N) == 1
+    first_wave = [(z + z_rotate(slots, HV, N)) % P for z in range(P) for _ in range(HV * N)][:slots]
+    assert all(p > 0 for p in first_wave)
+    assert z_rotate(2 * slots, HV, N) == 0   # the two-CTA kernel's 264 slots: layer 0 leaves 72 to second pieces
