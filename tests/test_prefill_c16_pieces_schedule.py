@@ -14,6 +14,7 @@ unsplit recurrence: the dropped state is attenuated below 2^-24.
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -303,7 +304,6 @@ def gpu_test_gates(lens, HV, gate, seed, dt_shift=0.0, slow_key=False):
 def _guard_limits():
     """(c16_guard_pct, c16_guard_max_chunks) of every guarded record (jit/modules/prefill_c16g*_cuda.json), as the kernel
     defaults them (kda_prefill_c16.cuh: 50, no cap)."""
-    import json
     out = set()
     for f in sorted((ROOT / "jit" / "modules").glob("prefill_c16g*_cuda.json")):
         for m in json.loads(f.read_text())["modules"]:
