@@ -250,6 +250,20 @@ __device__ __forceinline__ float4 gate_run(float4 (&gl)[4], const bf16* Gr, int 
   return run;
 }
 
+// The gate's constants of value head hv by gate mode (gate_value's s, and mult: a step's log2 decay is mult x the
+// value), and its offsets c = s dt_bias of keys d4 .. d4 + 3.
+template <int mode>
+__device__ __forceinline__ void gate_scales(const Args& a, int hv, float& gs, float& mult) {
+  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+  gs = mode == 1 ? -ea * kLog2e : kLog2e;
+  mult = mode == 1 ? a.lower_bound * kLog2e : mode == 0 ? -ea : kLog2e;
+}
+__device__ __forceinline__ float4 gate_offsets4(const Args& a, int hv, int d4, float gs) {
+  if (!a.dt_bias) return make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* db = a.dt_bias + hv * kK + d4;
+  return make_float4(gs * db[0], gs * db[1], gs * db[2], gs * db[3]);
+}
+
 // The range class of a thread's key group (keys d4 .. d4 + 3) from their G_C (softplus and bounded G fall monotonically,
 // so G_C is the least): wide, some key beyond kFactorRange; ultra, beyond twice it (the elementwise fallback). Wide and
 // not ultra takes the shifted anchor G_C / 2 (top of the file).
@@ -605,6 +619,83 @@ __device__ __forceinline__ void l_and_aqk(const float* part, const float* betas,
   }
 }
 
+// The fallback (kCheck kernels: a chunk with key groups beyond kFactorRange) around steps B..D, on the 128 threads of a
+// group (kda_prefill_c16_kernel, a role-split producer), the same operations in both. Gf (fp32 [16][kLdGf]) and fb_mask
+// (2 words) are scratch that the factored steps leave alone from step A to the end of step D.
+// Step B's marks: fb_mask[0], the key groups taken elementwise (bit g: group g is ultra); fb_mask[1] (log gate, cleared
+// in step A) set where some G rose beyond the range. The caller ORs wk | out over its threads after them: the chunk
+// takes the fallback.
+template <int mode>
+__device__ __forceinline__ void fallback_marks(uint32_t* fb_mask, bool ultra, bool out, int warp, int lane) {
+  if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes the groups taken elementwise (bit lane)
+    const uint32_t m = __ballot_sync(0xffffffffu, ultra);
+    if (lane == 0) fb_mask[0] = m;
+  }
+  if (mode == 2 && out) fb_mask[1] = 1;
+}
+
+// Step C's part of the fallback: whether the chunk's rows are taken elementwise (some group ultra, or a log gate that
+// rose), and if so (fallback_gates) the chunk's G to Gf, as step B computed it.
+template <int mode>
+__device__ __forceinline__ bool fallback_elementwise(bool fallback, const uint32_t* fb_mask) {
+  return fallback && (fb_mask[0] != 0 || (mode == 2 && fb_mask[1] != 0));
+}
+template <int mode>
+__device__ __forceinline__ void fallback_gates(float* Gf, const bf16* Gr, const float* tot, int warp, int d4, int nt,
+                                               float gs, float4 gk, float mult) {
+  float4 glf[4], base, gcv;
+  gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
+  quarter_sums(tot, warp, d4, base, gcv);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    *reinterpret_cast<float4*>(Gf + (4 * warp + i) * kLdGf + d4) =
+        make_float4(glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w);
+}
+
+// Step D's part of the fallback (a chunk that takes it), before L and Aqk: Qh and Kh of this thread's shifted group back
+// to exp2(G), as step B makes them (step C read them shifted).
+template <int mode>
+__device__ __forceinline__ void fallback_restore(const float* tot, const bf16* Gr, const bf16* Qs, const bf16* Ks,
+                                                 const float* nrm, bf16* Qh, bf16* Kh, int warp, int d4, int nt,
+                                                 float gs, float4 gk, float mult) {
+  float4 base, gcv;
+  quarter_sums(tot, warp, d4, base, gcv);
+  const GroupRange gr = group_range(gcv);
+  if (gr.wide && !gr.ultra) {
+    float4 glf[4];
+    gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = 4 * warp + i, o = t * kLdB + d4;
+      const float G[4] = {glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w};
+      const float nq = nrm[t], nk = nrm[kC + t];
+      float q[4], k[4];
+      unpack4(*reinterpret_cast<const uint2*>(Qs + o), q);
+      unpack4(*reinterpret_cast<const uint2*>(Ks + o), k);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float ex = ex2(G[e]);
+        q[e] = q[e] * nq * ex;
+        k[e] = k[e] * nk * ex;
+      }
+      *reinterpret_cast<uint2*>(Qh + o) = pack4(q);
+      *reinterpret_cast<uint2*>(Kh + o) = pack4(k);
+    }
+  }
+}
+
+// Step D's elementwise rows (fallback_row): team p (16 lanes) takes the rows p and 15 - p, 17 columns j <= i whatever p.
+template <int mode>
+__device__ __forceinline__ void fallback_rows(const bf16* Qs, const bf16* Ks, const float* Gf, const uint32_t* fb_mask,
+                                              const float* part, const float* nrm, const float* betas, float* Lf,
+                                              bf16* Aq, int tid) {
+  const uint32_t m = fb_mask[0];
+  const bool all = mode == 2 && fb_mask[1] != 0;
+  const int p = tid >> 4, l = tid & 15;
+  fallback_row<8>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, p, l);
+  fallback_row<16>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, 15 - p, l);
+}
+
 // Step E: T = (I + L)^-1 Diag(beta): lane j (< 16) of the calling warp solves column j by forward substitution.
 __device__ __forceinline__ void solve_t(const float* Lf, const float* betas, bf16* Tm, int lane) {
   if (lane < kC) {
@@ -781,14 +872,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
   // gate constants of this thread's 4 keys d4 .. d4 + 3 (steps A and B: warp w takes tokens 4 w .. 4 w + 3, lane the
   // keys): a step's log2 decay is mult * gate_value(raw, gs, gk)
   const int d4 = 4 * lane;
-  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-  const float gs = mode == 1 ? -ea * kLog2e : kLog2e;
-  const float mult = mode == 1 ? a.lower_bound * kLog2e : mode == 0 ? -ea : kLog2e;
-  float4 gk = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (a.dt_bias) {
-    const float* db = a.dt_bias + hv * kK + d4;
-    gk = make_float4(gs * db[0], gs * db[1], gs * db[2], gs * db[3]);
-  }
+  float gs, mult;
+  gate_scales<mode>(a, hv, gs, mult);
+  const float4 gk = gate_offsets4(a, hv, d4, gs);
 
   // the chunks this CTA stores [cb, ce), the first it runs (cs <= cb), whether it writes the final state
   const int nch = static_cast<int>((len + kC - 1) / kC);
@@ -913,67 +999,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
     // the CTA's form for this chunk's L and Aqk: factored on tensor cores, with the fallback for the keys beyond the range
     bool fallback = false;
     if constexpr (kCheck) {
-      if (warp == 0) {  // every warp holds G_C of all 128 keys; warp 0 writes the groups taken elementwise (bit lane)
-        const uint32_t m = __ballot_sync(0xffffffffu, ultra);
-        if (lane == 0) fb_mask[0] = m;
-      }
-      if (mode == 2 && out) fb_mask[1] = 1;
+      fallback_marks<mode>(fb_mask, ultra, out, warp, lane);
       fallback = __syncthreads_or(wk | out);
     } else {
       __syncthreads();
     }
 
     // ---- C. L and Aqk partials (lqk_partials). Elementwise groups: also the chunk's G to Gf, as step B computed it
-    const bool elementwise = fallback && (fb_mask[0] != 0 || (mode == 2 && fb_mask[1] != 0));
-    if (elementwise) {
-      float* Gf = reinterpret_cast<float*>(smem + kOffGf);
-      float4 glf[4], base, gcv;
-      gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
-      quarter_sums(tot, warp, d4, base, gcv);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        *reinterpret_cast<float4*>(Gf + (4 * warp + i) * kLdGf + d4) =
-            make_float4(glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w);
-    }
+    const bool elementwise = fallback_elementwise<mode>(fallback, fb_mask);
+    if (elementwise) fallback_gates<mode>(reinterpret_cast<float*>(smem + kOffGf), Gr, tot, warp, d4, nt, gs, gk, mult);
     lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);
     __syncthreads();
 
     // ---- D. L (strictly lower, times beta of the row; fp32) and Aqk (lower with the diagonal; bf16): l_and_aqk, or the
     // elementwise fallback's rows
-    if (fallback) {  // Qh and Kh of this thread's shifted group back to exp2(G), as step B makes them (C read them)
-      float4 base, gcv;
-      quarter_sums(tot, warp, d4, base, gcv);
-      const GroupRange gr = group_range(gcv);
-      if (gr.wide && !gr.ultra) {
-        float4 glf[4];
-        gate_run<mode>(glf, Gr, warp, d4, nt, gs, gk, mult);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int t = 4 * warp + i, o = t * kLdB + d4;
-          const float G[4] = {glf[i].x + base.x, glf[i].y + base.y, glf[i].z + base.z, glf[i].w + base.w};
-          const float nq = nrm[t], nk = nrm[kC + t];
-          float q[4], k[4];
-          unpack4(*reinterpret_cast<const uint2*>(Qs + o), q);
-          unpack4(*reinterpret_cast<const uint2*>(Ks + o), k);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float ex = ex2(G[e]);
-            q[e] = q[e] * nq * ex;
-            k[e] = k[e] * nk * ex;
-          }
-          *reinterpret_cast<uint2*>(Qh + o) = pack4(q);
-          *reinterpret_cast<uint2*>(Kh + o) = pack4(k);
-        }
-      }
-    }
+    if (fallback) fallback_restore<mode>(tot, Gr, Qs, Ks, nrm, Qh, Kh, warp, d4, nt, gs, gk, mult);
     if (elementwise) {
-      // team p (16 lanes) takes the rows p and 15 - p: 17 columns j <= i whatever p
-      const float* Gf = reinterpret_cast<const float*>(smem + kOffGf);
-      const uint32_t m = fb_mask[0];
-      const bool all = mode == 2 && fb_mask[1] != 0;
-      const int p = tid >> 4, l = tid & 15;
-      fallback_row<8>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, p, l);
-      fallback_row<16>(Qs, Ks, Gf, m, all, part, nrm, betas, Lf, Aq, 15 - p, l);
+      fallback_rows<mode>(Qs, Ks, reinterpret_cast<const float*>(smem + kOffGf), fb_mask, part, nrm, betas, Lf, Aq, tid);
     } else {
       l_and_aqk(part, betas, Lf, Aq, tid);
     }

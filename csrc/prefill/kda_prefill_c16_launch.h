@@ -112,25 +112,38 @@ inline int c16_pieces(const fkda::cuda::LaunchContext& ctx, int64_t T, int64_t N
   return c16_split(ctx, T, N, HV);
 }
 
+// The kernels' GATE template argument of a call (kda_prefill_c16.cuh): softplus 0, bounded 1 (at lower_bound >= -5,
+// unchecked), log 2, kBoundedAnyBound (the bounded gate below -5).
+inline int c16_gate(GateMode gm, double lower_bound) {
+  if (gm == GateMode::kSoftplus) return 0;
+  if (gm == GateMode::kLog) return 2;
+  return lower_bound >= kC16UncheckedLowerBound ? 1 : fkda_c16::kBoundedAnyBound;
+}
+
 // Launch the kernel of the gate (kda_prefill_c16.cuh, GATE): one CTA a (value head, sequence, piece), heads adjacent,
 // so CTAs that run together read the same tokens' rows.
 template <typename StateT>
 void launch_c16(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
+  const int gate = c16_gate(gm, lower_bound);
   auto kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 1>;
-  if (gm == GateMode::kSoftplus) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
-  if (gm == GateMode::kLog) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
-  if (gm == GateMode::kBounded && !(lower_bound >= kC16UncheckedLowerBound))
-    kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
+  if (gate == 0) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
+  if (gate == 2) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
+  if (gate == fkda_c16::kBoundedAnyBound) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
   ctx.launch("kda_prefill_c16_kernel", kernel,
              dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
              dim3(fkda_c16::kThreads), fkda_c16::kSmemBytes, a);
 }
 
-// Launch the role-split kernel (kda_prefill_c16ws.cuh; its callers send it only the bounded gate at lower_bound >= -5):
-// one CTA a (value head, sequence, piece), 384 threads, one CTA an SM.
+// Launch the role-split kernel of the gate (kda_prefill_c16ws.cuh): one CTA a (value head, sequence, piece), 384
+// threads, one CTA an SM.
 template <typename StateT>
-void launch_c16ws(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a) {
-  ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT>,
+void launch_c16ws(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
+  const int gate = c16_gate(gm, lower_bound);
+  auto kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, 1>;
+  if (gate == 0) kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, 0>;
+  if (gate == 2) kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, 2>;
+  if (gate == fkda_c16::kBoundedAnyBound) kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, fkda_c16::kBoundedAnyBound>;
+  ctx.launch("kda_prefill_c16ws_kernel", kernel,
              dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
              dim3(fkda_c16::ws::kWsThreads), fkda_c16::ws::kWsSmemBytes, a);
 }

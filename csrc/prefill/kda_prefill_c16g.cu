@@ -78,17 +78,15 @@ constexpr bool kUnsplitFallback = true;
 constexpr bool kUnsplitFallback = false;
 #endif
 
-// The fused kernel's launch: with params.c16_ws 1 the role split (kda_prefill_c16ws.cuh, one CTA an SM: c16_slots) for
-// the gate it serves, the bounded one at lower_bound >= -5.
+// The fused kernel's launch: with params.c16_ws 1 the role split (kda_prefill_c16ws.cuh, one CTA an SM: c16_slots),
+// else the two-CTA kernel.
 template <typename StateT>
 void launch_fused(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
 #if FKDA_PARAM_C16_WS == 1
-  if (gm == GateMode::kBounded && lower_bound >= kC16UncheckedLowerBound) {
-    launch_c16ws<StateT>(ctx, a);
-    return;
-  }
-#endif
+  launch_c16ws<StateT>(ctx, a, gm, lower_bound);
+#else
   launch_c16<StateT>(ctx, a, gm, lower_bound);
+#endif
 }
 
 int64_t chunk64_workspace(int64_t T, int64_t N, int64_t HV) {

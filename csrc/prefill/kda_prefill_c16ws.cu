@@ -1,6 +1,5 @@
 // TVM-FFI binding of the role-split fused 16-token-chunk prefill (kda_prefill_c16ws.cuh; family kda_prefill, the ABI
-// of kda_prefill.cu; modules prefill_c16ws_*, routes fused_chunk16*). The kernel serves the bounded gate at lower_bound >= -5 (Kimi
-// K3's), one CTA a (value head, sequence); every other call is refused naming its argument, before anything launches.
+// of kda_prefill.cu; modules prefill_c16ws_*, routes fused_chunk16*): every gate, one CTA a (value head, sequence).
 // No workspace (a caller's buffer is checked and left unused); refuses checkpoints.
 #include <cuda_runtime.h>
 
@@ -38,9 +37,6 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const PrefillCall pc = prefill_call_args(ck, q, k, v, g, beta, out, A_log, dt_bias, cu_seqlens, gate_mode,
                                            lower_bound, scale);
   const int64_t H = pc.dm.H, HV = pc.dm.HV, V = pc.dm.V, K = pc.dm.K, N = pc.N;
-  FKDA_CHECK(pc.gm == GateMode::kBounded && lower_bound >= kC16UncheckedLowerBound, fn)
-      << "argument 'gate_mode' / 'lower_bound': this module serves the bounded gate at lower_bound >= -5 only; use "
-         "prefill_c16_* for the others";
   FKDA_CHECK(!checkpoints.has_value(), fn)
       << "argument 'checkpoints': this module (16-token chunks) writes no checkpoints; use a chunk-64 module";
   (void)checkpoint_every;
@@ -57,7 +53,7 @@ void kda_prefill(TensorView q, TensorView k, TensorView v, TensorView g, TensorV
   const fkda_c16::Args a = c16_args(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, N, H, HV, initial_state,
                                     final_state, state_indices, ps, null_slot0, out, lower_bound, scale,
                                     beta_is_logit);
-  launch_c16ws<StateT>(ctx, a);
+  launch_c16ws<StateT>(ctx, a, pc.gm, lower_bound);
 }
 
 int64_t kda_prefill_workspace_bytes(int64_t, int64_t, int64_t) { return 0; }

@@ -11,8 +11,9 @@
 // warps run and a chunk's preparation no longer waits behind the previous chunk's state update. Measured (H100):
 // the producers bound it (64x512 H16: producers alone 0.407 ms, the consumer alone 0.303, both 0.504).
 // Hand-over by named barriers: full[s] (producer arrives, consumer waits) and empty[s] (consumer arrives, producer
-// waits before it writes stage s again). Bounded gate at lower_bound >= -5 only (no range check, GATE 1 of
-// kda_prefill_c16.cuh), one CTA a (value head, sequence) (kda_prefill_c16ws.cu), or, in the guarded modules
+// waits before it writes stage s again). Every gate (GATE of kda_prefill_c16.cuh: the producers take the fallback of a
+// chunk beyond the factored range as its kernel does), one CTA a (value head, sequence) (kda_prefill_c16ws.cu), or, in
+// the guarded modules
 // (kda_prefill_c16g.cu, params.c16_ws 1), a sequence's piece after a bounded warm-up as in kda_prefill_c16_kernel, with
 // its guard (FKDA_PARAM_GUARD: a warm-up past its limit hands the whole call to the kernels launched after this one).
 #pragma once
@@ -55,6 +56,11 @@ constexpr int kSU = kSWn + kMat;           // fp32 [16][kLdU] U
 constexpr int kSA = kSU + kC * kLdU * 4;   // bf16 [16][kLdS] Aqk
 constexpr int kSGc = kSA + kC * kLdS * 2;  // fp32 [128] exp2(G_C)
 constexpr int kSBytes = kSGc + kK * 4;
+// (kCheck gates) a producer's fallback scratch, Gf and fb_mask of kda_prefill_c16.cuh, in its stage's -W and U: the
+// consumer is done with the stage from step A (the empty barrier) and step F writes them after step D's last read
+constexpr int kSGf = kSWn;
+constexpr int kSMask = kSGf + kC * kLdGf * 4;
+static_assert(kSGf % 16 == 0 && kSMask + 2 * 4 <= kSA, "the fallback's scratch fits the stage's -W and U");
 constexpr int kOffProducers = 0;
 constexpr int kOffStages = kOffProducers + kProducers * kPBytes;
 constexpr int kOffOs = kOffStages + kStages * kSBytes;  // the consumer's output staging, bf16 [16][kLdB]
@@ -76,6 +82,16 @@ static_assert(kWsSmemBytes <= 227 * 1024, "one CTA an SM");
 // one producer warpgroup and the consumer); the consumer's own 11 (128)
 constexpr int kBarProducer = 1, kBarFull = 3, kBarEmpty = 7, kBarConsumer = 11;
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+// bar.sync that also returns whether pred held in any of the n threads (__syncthreads_or of a named barrier)
+__device__ __forceinline__ bool bar_sync_or(int id, int n, bool pred) {
+  int any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.s32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(int(pred)), "r"(id), "r"(n)
+      : "memory");
+  return any != 0;
+}
 __device__ __forceinline__ void bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
@@ -96,10 +112,12 @@ struct Span {
 };
 
 // Producer p of a (value head hv, sequence of len tokens from bos): the chunks cs + p, cs + p + 2, .. < ce, steps A..F
-// of kda_prefill_c16_kernel (GATE 1: the bounded gate at lower_bound >= -5, no range check).
+// of kda_prefill_c16_kernel<ST, GATE>, with its fallback where the gate is checked (kCheck).
+template <int GATE>
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int hv, int hk, int64_t bos, int64_t len,
                                         const Span sp) {
-  constexpr int mode = 1;
+  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;
+  constexpr bool kCheck = GATE != 1;
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int bar = kBarProducer + p;
   uint8_t* mine = smem + kOffProducers + p * kPBytes;
@@ -116,14 +134,9 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
   float* betas = reinterpret_cast<float*>(mine + kPBeta);
 
   const int d4 = 4 * lane;
-  const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-  const float gs = -ea * kLog2e;
-  const float mult = a.lower_bound * kLog2e;
-  float4 gk = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (a.dt_bias) {
-    const float* db = a.dt_bias + hv * kK + d4;
-    gk = make_float4(gs * db[0], gs * db[1], gs * db[2], gs * db[3]);
-  }
+  float gs, mult;
+  gate_scales<mode>(a, hv, gs, mult);
+  const float4 gk = gate_offsets4(a, hv, d4, gs);
 
   const int c0 = sp.cs + p;  // this producer's first chunk
   const RowOffsets ro = row_offsets(a, tid);
@@ -180,25 +193,41 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
     bf16* Kd = reinterpret_cast<bf16*>(st + kSKd);
     bf16* Aq = reinterpret_cast<bf16*>(st + kSA);
     float* gcs = reinterpret_cast<float*>(st + kSGc);
+    float* Gf = reinterpret_cast<float*>(st + kSGf);           // (kCheck) the fallback's scratch
+    uint32_t* fb_mask = reinterpret_cast<uint32_t*>(st + kSMask);
 
     // ---- A. row scales of q (times scale) and k, beta, the gate's running sums of each quarter
     row_scales_and_beta(Qs, Ks, nrm, betas, bcur_bits, nt, a.scale, a.beta_logit, tid);
     float4 gl[4];
     *reinterpret_cast<float4*>(tot + warp * kK + d4) = gate_run<mode>(gl, Gr, warp, d4, nt, gs, gk, mult);
     if (r >= kStages) bar_sync(kBarEmpty + s, 256);  // the consumer is done with the CTA's chunk r - 4 (stage s)
+    if (mode == 2 && tid == 0) fb_mask[1] = 0;       // (log gate) set in step B where some G rose beyond the range
     bar_sync(bar, 128);
 
-    // ---- B. the decayed operands
-    bool wk = false, ultra = false, out = false;  // (the bounded gate at >= -5: never beyond the factored range)
-    decayed_operands<mode, false>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
-    bar_sync(bar, 128);
+    // ---- B. the decayed operands (the bounded gate at >= -5 never leaves the factored range: no check)
+    bool wk = false, ultra = false, out = false;
+    decayed_operands<mode, kCheck>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
+    bool fallback = false;
+    if constexpr (kCheck) {
+      fallback_marks<mode>(fb_mask, ultra, out, warp, lane);
+      fallback = bar_sync_or(bar, 128, wk | out);
+    } else {
+      bar_sync(bar, 128);
+    }
 
-    // ---- C. L and Aqk partials
+    // ---- C. L and Aqk partials (elementwise groups: also the chunk's G to Gf)
+    const bool elementwise = fallback_elementwise<mode>(fallback, fb_mask);
+    if (elementwise) fallback_gates<mode>(Gf, Gr, tot, warp, d4, nt, gs, gk, mult);
     lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);
     bar_sync(bar, 128);
 
-    // ---- D. L and Aqk
-    l_and_aqk(part, betas, Lf, Aq, tid);
+    // ---- D. L and Aqk, or the fallback's rows
+    if (fallback) fallback_restore<mode>(tot, Gr, Qs, Ks, nrm, Qh, Kh, warp, d4, nt, gs, gk, mult);
+    if (elementwise) {
+      fallback_rows<mode>(Qs, Ks, Gf, fb_mask, part, nrm, betas, Lf, Aq, tid);
+    } else {
+      l_and_aqk(part, betas, Lf, Aq, tid);
+    }
     bar_sync(bar, 128);
     if (warp == 0) solve_t(Lf, betas, Tm, lane);  // ---- E
     bar_sync(bar, 128);
@@ -293,8 +322,9 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
 // same values). The guard (FKDA_PARAM_GUARD): a piece that starts after the word is set returns, a walk past its limit
 // sets it and returns, and a running piece stops at the consumer's next chunk (consume: its stop flag; the producers
 // then keep only the barriers).
-template <typename ST>
+template <typename ST, int GATE>
 __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
+  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   fkda::begin_dependent_grid();
   extern __shared__ __align__(128) uint8_t smem[];
   const int wg = threadIdx.x >> 7;
@@ -328,8 +358,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
     if (p > 0 && sp.cb >= sp.ce) return;  // CTA-uniform: no chunk (piece 0 of an empty sequence writes its state)
     sp.writer = sp.ce == nch;
     sp.cs = sp.cb;
-    const float ea = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-    const float gs = -ea * kLog2e, mult = a.lower_bound * kLog2e;
+    float gs, mult;
+    gate_scales<mode>(a, hv, gs, mult);
     const int d2 = 2 * (tid & 63), half = tid >> 6;
     const float gc0 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2] : 0.f, gc1 = a.dt_bias ? gs * a.dt_bias[hv * kK + d2 + 1] : 0.f;
     float* red = reinterpret_cast<float*>(smem + kOffWalk);
@@ -339,7 +369,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
 #endif
     while (sp.cs > 0 && sum > -24.f) {
       float b[kWalkStep];
-      chunk_bounds<1>(b, a, bos, len, sp.cs - 1, hv, gs, gc0, gc1, mult, d2, half, lane, warp, red);
+      chunk_bounds<mode>(b, a, bos, len, sp.cs - 1, hv, gs, gc0, gc1, mult, d2, half, lane, warp, red);
 #pragma unroll
       for (int j = 0; j < kWalkStep; ++j) {
         if (!(sp.cs > 0 && sum > -24.f)) break;  // CTA-uniform (every thread holds the same sums)
@@ -359,7 +389,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
     consume<ST>(a, smem, hv, n, bos, len, sp);
   } else {
     regs_down<kProducerRegs>();
-    produce(a, smem, wg - 1, hv, hk, bos, len, sp);
+    produce<GATE>(a, smem, wg - 1, hv, hk, bos, len, sp);
   }
 }
 

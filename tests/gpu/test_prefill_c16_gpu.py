@@ -109,13 +109,8 @@ GATE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("case", GATE_CASES, ids=[c["id"] for c in GATE_CASES])
-def test_gates(name, case):
-    """Every gate against the float64 recurrence, finite, deterministic; where a chunk's keys leave the factored range
-    (extreme, wide, wide_keys, near_bound at lower_bound -8) the kernel adds those keys' terms of L and Aqk elementwise."""
-    seed("gates", name, case["id"])
-    mod, st = module_and_state_dtype(name)
+def gate_inputs(case, st):
+    """(inputs, gate, lower_bound, initial state) of a GATE_CASES case, the state in dtype st."""
     gate, lb = case["gate"], case.get("lb", -5.0)
     H, HV, lens = case["H"], case.get("HV", case["H"]), case["lens"]
     d = make(lens, H, HV, gate, extreme=case.get("extreme", False))
@@ -132,10 +127,20 @@ def test_gates(name, case):
             d["g"] = g.bfloat16()
     if case.get("near_bound"):
         d["g"] = (torch.randn_like(d["g"].float()) + 6.0).bfloat16()  # sigmoid ~1: every step near the bound
-    N = len(lens)
-    init = (torch.randn(N, HV, V, K, device=DEV) * 0.5).to(st)
+    init = (torch.randn(len(lens), HV, V, K, device=DEV) * 0.5).to(st)
+    return d, gate, lb, init
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", GATE_CASES, ids=[c["id"] for c in GATE_CASES])
+def test_gates(name, case):
+    """Every gate against the float64 recurrence, finite, deterministic; where a chunk's keys leave the factored range
+    (extreme, wide, wide_keys, near_bound at lower_bound -8) the kernel adds those keys' terms of L and Aqk elementwise."""
+    seed("gates", name, case["id"])
+    mod, st = module_and_state_dtype(name)
+    d, gate, lb, init = gate_inputs(case, st)
     ro, rf, _ = recurrence(d, gate, lb, init)
-    fin = torch.full((N, HV, V, K), float("nan"), device=DEV).to(st)
+    fin = torch.full_like(init, float("nan"))
     o = call(mod, d, gate, lb=lb, init=init, fin=fin)
     torch.cuda.synchronize()
     assert torch.isfinite(o).all() and torch.isfinite(fin.float()).all()

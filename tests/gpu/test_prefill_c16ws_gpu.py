@@ -1,13 +1,14 @@
 """GPU tests of the fused 16-token-chunk kernel split by role (jit/modules/prefill_c16ws_cuda.json: prefill_c16ws_f32 /
-_bf16, routes fused_chunk16, fused_chunk16_long, fused_chunk16_wave for the bounded gate at lower_bound >= -5;
-csrc/prefill/kda_prefill_c16ws.cuh; issue 46).
+_bf16, routes fused_chunk16, fused_chunk16_long, fused_chunk16_wave for the bounded gate at lower_bound >= -5, and the
+guarded modules' split for every gate; csrc/prefill/kda_prefill_c16ws.cuh; issue 46).
 
 The kernel does prefill_c16's operations in the same order, so every case holds it to prefill_c16 of the same state
 dtype bitwise (output and final state), and to the float64 token recurrence (tests/gpu/test_prefill_gpu.py's helpers)
 on fresh random inputs, outputs and states NaN-poisoned first: ragged lengths with empty and one-token sequences,
 1..9 chunks (every stage and producer parity), 64x512-like batches, grouped heads, int64 cu_seqlens, no initial
 state; a pool updated in place (padding, null slot 0, an index past the pool: those slots bitwise unchanged); a second
-stream and CUDA-graph replay; every other gate, a lower bound below -5 and checkpoints refused before anything is
+stream and CUDA-graph replay; every other gate (softplus, log, the bounded gate below -5) on prefill_c16's gate cases,
+whose chunks leave the factored range (its fallback, in the producers here); checkpoints refused before anything is
 written."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ if not torch.cuda.is_available():
 tvm_ffi = pytest.importorskip("tvm_ffi")
 from gpu_common import bits, records_by_name, seed  # noqa: E402
 from test_prefill_c16_gpu import CASES as C16_CASES  # noqa: E402
+from test_prefill_c16_gpu import GATE_CASES, gate_inputs  # noqa: E402
 from test_prefill_gpu import DEV, K, TOL, V, call, load, make, recurrence, rel, sdtype  # noqa: E402
 
 RECS = records_by_name("prefill_c16ws_cuda.json")
@@ -51,6 +53,25 @@ def test_bitwise_prefill_c16_and_the_recurrence(name, case):
     assert torch.equal(bits(o), bits(o_b)), "output differs from prefill_c16"
     assert torch.equal(bits(fin), bits(fin_b)), "final state differs from prefill_c16"
     ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    eo, ef = rel(o[0], ro), rel(fin, rf)
+    assert eo < TOL and ef < TOL, f"out {eo:.3e} state {ef:.3e}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", GATE_CASES, ids=[c["id"] for c in GATE_CASES])
+def test_every_gate_bitwise_prefill_c16_and_the_recurrence(name, case):
+    """The checked gates: the producers take a chunk beyond the factored range elementwise (or shifted) as prefill_c16
+    does, so the same bits; finite, and within TOL of the recurrence."""
+    seed("gates", name, case["id"])
+    d, gate, lb, init = gate_inputs(case, sdtype(RECS[name]))
+    fin, fin_b = torch.full_like(init, float("nan")), torch.full_like(init, float("nan"))
+    o = call(load(name), d, gate, lb=lb, init=init, fin=fin)
+    o_b = call(load(twin(name)), d, gate, lb=lb, init=init, fin=fin_b)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(fin.float()).all()
+    assert torch.equal(bits(o), bits(o_b)), "output differs from prefill_c16"
+    assert torch.equal(bits(fin), bits(fin_b)), "final state differs from prefill_c16"
+    ro, rf, _ = recurrence(d, gate, lb, init)
     eo, ef = rel(o[0], ro), rel(fin, rf)
     assert eo < TOL and ef < TOL, f"out {eo:.3e} state {ef:.3e}"
 
@@ -101,9 +122,7 @@ def test_second_stream_and_graph_replay(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("gate,lb,ckpt,arg", [("softplus", -5.0, False, "gate_mode"), ("log", -5.0, False, "gate_mode"),
-                                              ("bounded", -5.5, False, "lower_bound"),
-                                              ("bounded", -5.0, True, "checkpoints")])
+@pytest.mark.parametrize("gate,lb,ckpt,arg", [("bounded", -5.0, True, "checkpoints"), ("softplus", -5.0, True, "checkpoints")])
 def test_refused_before_anything_is_written(name, gate, lb, ckpt, arg):
     st = sdtype(RECS[name])
     d = make([40, 7], 2, 2, gate)
