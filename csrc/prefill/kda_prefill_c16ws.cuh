@@ -324,8 +324,8 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
 // then keep only the barriers).
 template <typename ST, int GATE>
 __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
-  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   fkda::begin_dependent_grid();
+  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
   extern __shared__ __align__(128) uint8_t smem[];
   const int wg = threadIdx.x >> 7;
   const int hv = blockIdx.x, n = blockIdx.y;
