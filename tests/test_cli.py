@@ -130,7 +130,7 @@ def test_cuda_case_choice_hits_every_reachable_rule():
     """The GPU selftest's shapes come from host metadata only: check on CPU (meta tensors) that each
     CUDA route rule a candidate can reach is chosen once, and that every chosen case really selects
     the module it is labelled with."""
-    specs, unreached = selftest_shapes.cuda_specs(quick=False, big_pool_bytes=64 << 30)
+    specs, unreached = selftest_shapes.cuda_specs(quick=False, big_pool_bytes=64 << 30, long_bytes=64 << 30)
     for s in specs:
         assert s.device == "cuda"
         assert selftest_shapes._spec_meta(s)[1] == s.extra["module"]
@@ -374,3 +374,30 @@ def test_outcome_lines_fit_100_columns():
     assert all(len(line) <= selftest_cases.LINE_WIDTH for line in lines), lines
     text = "\n".join(lines)
     assert "prefill_fast_vt64s_bf16_o64" in text and "load 12 ms" in text and "call 12.50 ms" in text
+
+
+@pytest.mark.parametrize("gate,pool", [("softplus", False), ("bounded", True)])
+def test_long_prefill_reference_per_head_equals_the_recurrence(gate, pool):
+    """The selftest's reference for prompts of >= LONG_PREFILL_TOKENS (kda_chunked one value head at a time) gives the
+    float64 recurrence's output (kept in float32: its memory at 1M tokens) and final state (a pool: its untouched slots
+    too), on a short call."""
+    torch.manual_seed(3)
+    T, HV, K, V = 70, 3, 8, 6
+    q, k = torch.randn(1, T, HV, K, dtype=torch.float64), torch.randn(1, T, HV, K, dtype=torch.float64)
+    v, g = torch.randn(1, T, HV, V, dtype=torch.float64), torch.randn(1, T, HV, K, dtype=torch.float64)
+    beta = torch.randn(1, T, HV, dtype=torch.float64)
+    kw = dict(cu_seqlens=torch.tensor([0, 30, 30, 70], dtype=torch.int32), checkpoint_every=0, gate=gate,
+              A_log=torch.rand(HV) - 1.0, dt_bias=torch.randn(HV * K) * 0.5)
+    if gate == "bounded":
+        kw["lower_bound"] = -5.0
+    if pool:
+        kw.update(initial_state=torch.randn(6, HV, V, K, dtype=torch.float64),
+                  state_indices=torch.tensor([4, 1, 2], dtype=torch.int32), null_slot0=False)
+    else:
+        kw.update(initial_state=torch.randn(3, HV, V, K, dtype=torch.float64))
+    from flashkda_ext.reference import kda_recurrent
+
+    want_o, want_f, _ = kda_recurrent(q, k, v, g, beta, **kw)
+    got_o, got_f, _ = selftest_cases._per_head_prefill_reference(q, k, v, g, beta, kw)
+    assert got_o.dtype == torch.float32 and selftest_cases.max_rel_err(got_o, want_o) < 1e-6
+    assert selftest_cases.max_rel_err(got_f, want_f) < 1e-9

@@ -208,7 +208,8 @@ def cmd_selftest(args) -> int:
     unreached: List[str] = []
     if torch.cuda.is_available() and not args.cpu_only:
         free = torch.cuda.mem_get_info()[0]
-        cs, unreached = cuda_specs(args.quick, big_pool_bytes=None if args.quick else free // 5)
+        cs, unreached = cuda_specs(args.quick, big_pool_bytes=None if args.quick else free // 5,
+                                   long_bytes=None if args.quick else free * 4 // 5)
         specs += cs
     if args.only:
         known = sorted({s.family for s in specs} | {o.family for o in outcomes})

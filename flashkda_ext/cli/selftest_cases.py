@@ -48,18 +48,22 @@ class Outcome:
 
 
 def max_rel_err(got, want) -> float:
-    """max |got - want| / max |want| in float64 (NaN or inf anywhere gives inf)."""
+    """max |got - want| / max |want| in float64 (NaN or inf anywhere gives inf), in slices of 2^26 elements so that a
+    long case's float64 copies stay a slice's."""
     import torch
 
-    g, w = got.detach().to(torch.float64), want.detach().to(torch.float64).to(got.device)
-    if g.shape != w.shape:
+    if tuple(got.shape) != tuple(want.shape):
         return float("inf")
-    if g.numel() == 0:
-        return 0.0
-    if not torch.isfinite(g).all():
-        return float("inf")
-    den = w.abs().max().item()
-    num = (g - w).abs().max().item()
+    g_all, w_all = got.detach().reshape(-1), want.detach().reshape(-1)
+    den = num = 0.0
+    step = 1 << 26
+    for i in range(0, g_all.numel(), step):
+        g = g_all[i:i + step].to(torch.float64)
+        w = w_all[i:i + step].to(torch.float64).to(g.device)
+        if not torch.isfinite(g).all():
+            return float("inf")
+        den = max(den, w.abs().max().item())
+        num = max(num, (g - w).abs().max().item())
     return num / den if den > 0 else num
 
 
@@ -299,6 +303,44 @@ def run_fused(s: Spec, seed: int) -> Outcome:
     return _finish(o, _row_problems(untouched, s, idx_host, out))
 
 
+# A prefill case of at least this many tokens is checked against the chunked form (reference.kda_chunked, float64),
+# one value head at a time, instead of the token recurrence: a million sequential token steps take minutes, and the
+# whole call's inputs in float64 would not fit beside the call's own (1M tokens x 12 heads: ~50 GB). The chunked form
+# is itself held to the recurrence (tests/test_reference_chunked.py). Its chunk (the reference's, not a kernel's) is
+# long so that the loop over chunks stays short.
+LONG_PREFILL_TOKENS = 1 << 18
+LONG_REFERENCE_CHUNK = 256
+
+
+def _per_head_prefill_reference(q, k, v, g, beta, ref_kw):
+    """kda_chunked's (out, final state, None) for the whole call, one value head at a time (H == HV: a head's q / k are
+    its value head's); no checkpoints (the long cases take none)."""
+    import torch
+
+    from ..reference import kda_chunked
+
+    HV = v.shape[2]
+    if q.shape[2] != HV or ref_kw.get("checkpoint_every"):
+        raise ValueError("the per-head reference serves H == HV and no checkpoints")
+    outs, finals = [], []
+    for h in range(HV):
+        kw = dict(ref_kw)
+        one = slice(h, h + 1)
+        for name in ("initial_state",):
+            if kw.get(name) is not None:
+                kw[name] = kw[name][:, one].contiguous()
+        if kw.get("A_log") is not None:
+            kw["A_log"] = kw["A_log"][one]
+        if kw.get("dt_bias") is not None:
+            K = q.shape[3]
+            kw["dt_bias"] = kw["dt_bias"][h * K:(h + 1) * K]
+        o, f, _ = kda_chunked(q[:, :, one], k[:, :, one], v[:, :, one], g[:, :, one], beta[:, :, one],
+                              chunk_size=LONG_REFERENCE_CHUNK, **kw)
+        outs.append(o.to(torch.float32))
+        finals.append(f)
+    return torch.cat(outs, dim=2), torch.cat(finals, dim=1), None
+
+
 def run_prefill(s: Spec, seed: int) -> Outcome:
     import torch
 
@@ -344,7 +386,10 @@ def run_prefill(s: Spec, seed: int) -> Outcome:
     o.load_s = load_seconds(o.module)
     out = torch.full((B, T, HV, V), float("nan"), dtype=v.dtype, device=s.device)
     res, o.call_ms = _timed_call(s.device, lambda: fk.kda_prefill(q, k, v, g, beta, out=out, **kw))
-    ref_out, ref_final, ref_ckpt = kda_recurrent(q, k, v, g, beta, **ref_kw)
+    if sum(s.lengths) >= LONG_PREFILL_TOKENS:
+        ref_out, ref_final, ref_ckpt = _per_head_prefill_reference(q, k, v, g, beta, ref_kw)
+    else:
+        ref_out, ref_final, ref_ckpt = kda_recurrent(q, k, v, g, beta, **ref_kw)
     o.out_err = max_rel_err(out, ref_out)
     final = res[1]
     problems = []

@@ -46,9 +46,17 @@ def _add_with_big_twin(out: List[Spec], spec: Spec, big_pool_bytes: Optional[int
         out.append(dataclasses.replace(spec, slots=big, extra=dict(spec.extra)))
 
 
-def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = None) -> List[Spec]:
+# A prompt of a million tokens (routes whose band starts there); its case's memory a token-head: q, k, v, g and the
+# output in bf16, a float32 draw at a time, the reference's float32 output, the chunk-64 kernels' workspace.
+LONG_PROMPT = 1 << 20
+LONG_BYTES_PER_TOKEN_HEAD = 24 * 128
+
+
+def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = None,
+                     long_bytes: Optional[int] = None) -> List[Spec]:
     """Candidate CUDA specs over the supported set (jit/supported.json), including pools past 2^31
-    elements (64-bit offsets) when big_pool_bytes (free memory / 4) allows them."""
+    elements (64-bit offsets) when big_pool_bytes (free memory / 4) allows them, and single prompts of
+    LONG_PROMPT tokens at the head counts long_bytes (most of the free memory) holds."""
     from .. import supported
 
     sup = supported.supported(family, "cuda")
@@ -107,9 +115,13 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
                   (4096,), (4 * [4096]), (8192,), (16384,)]
         if quick:
             shapes = shapes[:7]
+        elif long_bytes:
+            shapes.append((LONG_PROMPT,))
         for lens in shapes:
             lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,)
             for hv in heads:
+                if sum(lens) >= LONG_PROMPT and sum(lens) * hv * LONG_BYTES_PER_TOKEN_HEAD > long_bytes:
+                    continue
                 for st in states:
                     for pool in (False, True):
                         for ckpt in (0, 64):
@@ -228,15 +240,17 @@ def _module_pattern(rule: dict) -> str:
     return pattern
 
 
-def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None) -> Tuple[List[Spec], List[str]]:
+def cuda_specs(quick: bool, big_pool_bytes: Optional[int] = None,
+               long_bytes: Optional[int] = None) -> Tuple[List[Spec], List[str]]:
     """One spec per reachable (rule, module), the cheapest that selects it; and the CUDA rules or
-    modules no candidate reached (reported, e.g. o64 twins when memory is short)."""
+    modules no candidate reached (reported, e.g. o64 twins or the million-token routes when memory is
+    short)."""
     from .. import jit
 
     chosen: List[Spec] = []
     unreached: List[str] = []
     for fam in families():
-        cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes), key=_spec_cost)
+        cands = sorted(_cuda_candidates(fam, quick, big_pool_bytes, long_bytes), key=_spec_cost)
         if quick:  # no multi-GiB pools: the 64-bit-offset twins are left to the full run
             cands = [c for c in cands if c.slots * c.HV * c.V * c.K <= INT32_MAX]
         seen: Dict[Tuple[str, str], Spec] = {}
