@@ -326,9 +326,8 @@ def _per_head_prefill_reference(q, k, v, g, beta, ref_kw):
     for h in range(HV):
         kw = dict(ref_kw)
         one = slice(h, h + 1)
-        for name in ("initial_state",):
-            if kw.get(name) is not None:
-                kw[name] = kw[name][:, one].contiguous()
+        if kw.get("initial_state") is not None:   # the pool or the per-sequence states: their head h
+            kw["initial_state"] = kw["initial_state"][:, one].contiguous()
         if kw.get("A_log") is not None:
             kw["A_log"] = kw["A_log"][one]
         if kw.get("dt_bias") is not None:
