@@ -450,7 +450,8 @@ EDGES = {
         (prefill_meta(value_heads=24, total_tokens=131072), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
         (prefill_meta(value_heads=25, total_tokens=131072), "prefill_pc16_vt64g2_f32", SP_LONG),   # long_pieces_groups_32
         (prefill_meta(value_heads=16, total_tokens=1 << 20, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16", SP_LONG),
-        (prefill_meta(value_heads=16, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32"),            # not opted in
+        (prefill_meta(value_heads=16, total_tokens=(1 << 20) - 16), "prefill_pc16_vt64g2_f32"),       # not opted in
+        (prefill_meta(value_heads=16, total_tokens=1 << 20), "prefill_c16g_pc16_vt64g2_f32"),       # c16g_softplus_1m
         (prefill_meta(value_heads=8, total_tokens=1 << 20), "prefill_pc8_vt64_f32"),                # not opted in
         (prefill_meta(value_heads=16, total_tokens=1 << 20, gate="bounded"), "prefill_c16g_vt16_f32", SP_LONG),
         (prefill_meta(value_heads=16, total_tokens=1 << 20, checkpoints=True), "prefill_vt16_f32", SP_LONG),
@@ -460,6 +461,24 @@ EDGES = {
         (prefill_meta(value_heads=8, total_tokens=131071), "prefill_pc8_vt64_f32", SP_LONG),        # long_pieces_vt64
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=2 * 131072), "prefill_c16g_pc16_vt64g2_f32", SP_LONG),
         (prefill_meta(num_seqs=2, value_heads=4, total_tokens=2 * 131072 - 1), "prefill_pc8_vt64_f32", SP_LONG),
+    ],
+    # c16g_softplus_1m: softplus gate, 9..24 items of >= 1M tokens on average; the same guarded fused split by default
+    ("kda_prefill", "c16g_softplus_1m", "work_items_min"): [
+        (prefill_meta(value_heads=9, total_tokens=1 << 20), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=8, total_tokens=1 << 20), "prefill_pc8_vt64_f32"),                # long_pieces_vt64
+        (prefill_meta(num_seqs=3, value_heads=3, total_tokens=3 << 20, state="bf16"), "prefill_c16g_pc16_vt64g2_bf16"),
+        (prefill_meta(value_heads=9, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32", CHUNK64),    # its opt-out
+    ],
+    ("kda_prefill", "c16g_softplus_1m", "work_items_max"): [
+        (prefill_meta(value_heads=24, total_tokens=1 << 20), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=25, total_tokens=1 << 20), "prefill_pc16_vt64g2_f32"),            # long_pieces_groups_32
+        (prefill_meta(value_heads=24, total_tokens=1 << 20, gate="bounded"), "prefill_c16g_vt32_f32"),  # c16g_groups_24
+        (prefill_meta(value_heads=24, total_tokens=1 << 20, checkpoints=True), "prefill_vt32_f32"),  # some_seq_heads
+    ],
+    ("kda_prefill", "c16g_softplus_1m", "mean_seqlen_min"): [
+        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=2 << 20), "prefill_c16g_pc16_vt64g2_f32"),
+        (prefill_meta(num_seqs=2, value_heads=8, total_tokens=(2 << 20) - 1), "prefill_pc16_vt64g2_f32"),
+        (prefill_meta(value_heads=12, total_tokens=(1 << 20) - 1, gate="log"), "prefill_pc16_vt64g2_f32"),
     ],
     # c16g_full (opt-in c16g_full): from 133 items (one wave of 2 CTAs an SM holds them at 132 SMs) the split over
     # several waves, its fallback the fused kernel unsplit

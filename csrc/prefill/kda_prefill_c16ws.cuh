@@ -29,9 +29,15 @@ constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: prod
 
 // setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
 // rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a hang, on
-// the first try at 240 + 2 x 136)
-constexpr int kLaunchRegs = 168, kConsumerRegs = 232, kProducerRegs = 136;
-static_assert(128 * kConsumerRegs + kProducers * 128 * kProducerRegs <= kLaunchRegs * kWsThreads,
+// the first try at 240 + 2 x 136). The checked gates' producers (the fallback's code) spilled 40-72 bytes at 136 and
+// 144; at 152 with the consumer at 200 nothing spills (ptxas, 2026-12-06), and the bounded gate at >= -5 keeps 232 / 136.
+constexpr int kLaunchRegs = 168;
+template <int GATE>
+constexpr int kConsumerRegs = GATE == 1 ? 232 : 200;
+template <int GATE>
+constexpr int kProducerRegs = GATE == 1 ? 136 : 152;
+static_assert(128 * kConsumerRegs<1> + kProducers * 128 * kProducerRegs<1> <= kLaunchRegs * kWsThreads &&
+                  128 * kConsumerRegs<0> + kProducers * 128 * kProducerRegs<0> <= kLaunchRegs * kWsThreads,
               "the warpgroups' registers are the launch's");
 
 // A producer's shared memory: its input ring (2 stages of q, k, v, raw g) and its scratch
@@ -385,10 +391,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
     }
   }
   if (wg == 0) {
-    regs_up<kConsumerRegs>();
+    regs_up<kConsumerRegs<GATE>>();
     consume<ST>(a, smem, hv, n, bos, len, sp);
   } else {
-    regs_down<kProducerRegs>();
+    regs_down<kProducerRegs<GATE>>();
     produce<GATE>(a, smem, wg - 1, hv, hk, bos, len, sp);
   }
 }
