@@ -376,11 +376,15 @@ def test_outcome_lines_fit_100_columns():
     assert "prefill_fast_vt64s_bf16_o64" in text and "load 12 ms" in text and "call 12.50 ms" in text
 
 
-@pytest.mark.parametrize("gate,pool", [("softplus", False), ("bounded", True)])
-def test_long_prefill_reference_per_head_equals_the_recurrence(gate, pool):
-    """The selftest's reference for prompts of >= LONG_PREFILL_TOKENS (kda_chunked one value head at a time) gives the
-    float64 recurrence's output (kept in float32: its memory at 1M tokens) and final state (a pool: its untouched slots
-    too), on a short call."""
+@pytest.mark.parametrize("gate,pool,null_slot0", [("softplus", False, False), ("bounded", True, False),
+                                                 ("bounded", True, True)])
+def test_long_prefill_reference_in_windows_equals_the_recurrence(gate, pool, null_slot0, monkeypatch):
+    """The selftest's reference for prompts of >= LONG_PREFILL_TOKENS (kda_chunked on every head at once, each sequence
+    in windows, a window from the state the one before ended with) gives the float64 recurrence's output (kept in
+    float32: its memory at 1M tokens) and final state (a pool: its padding and untouched slots as they were), on a
+    short call with windows of 32 tokens: a sequence in one partial window, an empty one, one over two windows."""
+    monkeypatch.setattr(selftest_cases, "LONG_REFERENCE_CHUNK", 16)
+    monkeypatch.setattr(selftest_cases, "LONG_REFERENCE_WINDOW", 32)
     torch.manual_seed(3)
     T, HV, K, V = 70, 3, 8, 6
     q, k = torch.randn(1, T, HV, K, dtype=torch.float64), torch.randn(1, T, HV, K, dtype=torch.float64)
@@ -390,14 +394,34 @@ def test_long_prefill_reference_per_head_equals_the_recurrence(gate, pool):
               A_log=torch.rand(HV) - 1.0, dt_bias=torch.randn(HV * K) * 0.5)
     if gate == "bounded":
         kw["lower_bound"] = -5.0
-    if pool:
+    if pool:    # the empty sequence on slot 1, the last on the null block when slot 0 is one (padding)
         kw.update(initial_state=torch.randn(6, HV, V, K, dtype=torch.float64),
-                  state_indices=torch.tensor([4, 1, 2], dtype=torch.int32), null_slot0=False)
+                  state_indices=torch.tensor([4, 1, 0 if null_slot0 else 2], dtype=torch.int32), null_slot0=null_slot0)
     else:
         kw.update(initial_state=torch.randn(3, HV, V, K, dtype=torch.float64))
     from flashkda_ext.reference import kda_recurrent
 
     want_o, want_f, _ = kda_recurrent(q, k, v, g, beta, **kw)
-    got_o, got_f, _ = selftest_cases._per_head_prefill_reference(q, k, v, g, beta, kw)
+    got_o, got_f, _ = selftest_cases._windowed_prefill_reference(q, k, v, g, beta, kw)
     assert got_o.dtype == torch.float32 and selftest_cases.max_rel_err(got_o, want_o) < 1e-6
-    assert selftest_cases.max_rel_err(got_f, want_f) < 1e-9
+    assert got_f.dtype == want_f.dtype and selftest_cases.max_rel_err(got_f, want_f) < 1e-9
+    if pool:
+        assert torch.equal(got_f[[0, 3, 5]], kw["initial_state"][[0, 3, 5]])     # slots no sequence names
+
+
+def test_long_prefill_reference_in_windows_dense_batch_and_no_initial_state(monkeypatch):
+    """The windowed reference on a dense batch (B = 2, no offsets) from zero states: the recurrence's output and final
+    states, each sequence over three windows."""
+    monkeypatch.setattr(selftest_cases, "LONG_REFERENCE_CHUNK", 8)
+    monkeypatch.setattr(selftest_cases, "LONG_REFERENCE_WINDOW", 16)
+    torch.manual_seed(4)
+    B, T, HV, K, V = 2, 40, 2, 8, 8
+    q, k = torch.randn(B, T, HV, K), torch.randn(B, T, HV, K)
+    v, g, beta = torch.randn(B, T, HV, V), torch.randn(B, T, HV, K), torch.randn(B, T, HV)
+    kw = dict(cu_seqlens=None, checkpoint_every=0, gate="softplus", A_log=torch.rand(HV) - 1.0,
+              dt_bias=torch.randn(HV * K) * 0.5)
+    from flashkda_ext.reference import kda_recurrent
+
+    want_o, want_f, _ = kda_recurrent(q, k, v, g, beta, **kw)
+    got_o, got_f, _ = selftest_cases._windowed_prefill_reference(q, k, v, g, beta, kw)
+    assert selftest_cases.max_rel_err(got_o, want_o) < 1e-6 and selftest_cases.max_rel_err(got_f, want_f) < 1e-9

@@ -303,41 +303,59 @@ def run_fused(s: Spec, seed: int) -> Outcome:
     return _finish(o, _row_problems(untouched, s, idx_host, out))
 
 
-# A prefill case of at least this many tokens is checked against the chunked form (reference.kda_chunked, float64),
-# one value head at a time, instead of the token recurrence: a million sequential token steps take minutes, and the
-# whole call's inputs in float64 would not fit beside the call's own (1M tokens x 12 heads: ~50 GB). The chunked form
-# is itself held to the recurrence (tests/test_reference_chunked.py). Its chunk (the reference's, not a kernel's) is
-# long so that the loop over chunks stays short.
+# A prefill case of at least this many tokens is checked against the chunked form (reference.kda_chunked, float64)
+# instead of the token recurrence (a million sequential token steps take minutes): every head at once, one sequence at
+# a time, each in windows of LONG_REFERENCE_WINDOW tokens, since the whole call's inputs in float64 would not fit beside
+# the call's own (1M tokens x 12 heads: ~50 GB; a window's: ~400 MB a tensor). The chunked form is itself held to the
+# recurrence (tests/test_reference_chunked.py). Its chunk (the reference's, not a kernel's) sets the loop's length
+# against the pairwise-decay tensor [HV, C, C, K] of a chunk step: in float64 at 12 heads 200 MB at C = 128 (805 MB at
+# 256, 50 MB at 64 with a loop four times as long).
 LONG_PREFILL_TOKENS = 1 << 18
-LONG_REFERENCE_CHUNK = 256
+LONG_REFERENCE_CHUNK = 128
+LONG_REFERENCE_WINDOW = 1 << 15     # whole reference chunks: a window starts where one of the call's chunks would
 
 
-def _per_head_prefill_reference(q, k, v, g, beta, ref_kw):
-    """kda_chunked's (out, final state, None) for the whole call, one value head at a time (H == HV: a head's q / k are
-    its value head's); no checkpoints (the long cases take none)."""
+def _windowed_prefill_reference(q, k, v, g, beta, ref_kw):
+    """kda_chunked's (out in float32, final state, None) for the whole call, all heads at once: each sequence in
+    windows of LONG_REFERENCE_WINDOW tokens, a window starting from the float64 state the one before ended with, so
+    the chunks are those of one kda_chunked call over the sequence; no checkpoints (the long cases take none)."""
     import torch
 
     from ..reference import kda_chunked
+    from ..reference.prefill import is_padding
 
-    HV = v.shape[2]
-    if q.shape[2] != HV or ref_kw.get("checkpoint_every"):
-        raise ValueError("the per-head reference serves H == HV and no checkpoints")
-    outs, finals = [], []
-    for h in range(HV):
-        kw = dict(ref_kw)
-        one = slice(h, h + 1)
-        if kw.get("initial_state") is not None:   # the pool or the per-sequence states: their head h
-            kw["initial_state"] = kw["initial_state"][:, one].contiguous()
-        if kw.get("A_log") is not None:
-            kw["A_log"] = kw["A_log"][one]
-        if kw.get("dt_bias") is not None:
-            K = q.shape[3]
-            kw["dt_bias"] = kw["dt_bias"][h * K:(h + 1) * K]
-        o, f, _ = kda_chunked(q[:, :, one], k[:, :, one], v[:, :, one], g[:, :, one], beta[:, :, one],
-                              chunk_size=LONG_REFERENCE_CHUNK, **kw)
-        outs.append(o.to(torch.float32))
-        finals.append(f)
-    return torch.cat(outs, dim=2), torch.cat(finals, dim=1), None
+    if ref_kw.get("checkpoint_every"):
+        raise ValueError("the windowed reference takes no checkpoints")
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    cu, init, idx = ref_kw.get("cu_seqlens"), ref_kw.get("initial_state"), ref_kw.get("state_indices")
+    null_slot0 = bool(ref_kw.get("null_slot0", False))
+    gate_kw = {n: x for n, x in ref_kw.items()
+               if n not in ("cu_seqlens", "checkpoint_every", "initial_state", "state_indices", "null_slot0")}
+    if cu is None:
+        seqs = [(b, 0, T) for b in range(B)]
+    else:
+        offs = [int(x) for x in cu.tolist()]
+        seqs = [(0, a, e) for a, e in zip(offs, offs[1:])]
+    slots = None if idx is None else [int(i) for i in idx.tolist()]
+    out = torch.zeros(B, T, HV, V, dtype=torch.float32, device=v.device)
+    finals = []
+    for n, (b, s, e) in enumerate(seqs):
+        padding = slots is not None and is_padding(slots[n], null_slot0)
+        S = None if init is None or padding else init[slots[n] if slots is not None else n][None].to(torch.float64)
+        for w in range(s, e, LONG_REFERENCE_WINDOW):
+            x = min(w + LONG_REFERENCE_WINDOW, e)
+            o, S, _ = kda_chunked(q[b:b + 1, w:x], k[b:b + 1, w:x], v[b:b + 1, w:x], g[b:b + 1, w:x],
+                                  beta[b:b + 1, w:x], chunk_size=LONG_REFERENCE_CHUNK, initial_state=S, **gate_kw)
+            out[b, w:x] = o[0].to(torch.float32)
+        finals.append(torch.zeros(HV, V, K, dtype=torch.float64, device=v.device) if S is None else S[0])
+    if slots is not None:   # a pool: the sequences' slots written, every other slot as it was
+        final = init.clone()
+        for n, S in enumerate(finals):
+            if not is_padding(slots[n], null_slot0):
+                final[slots[n]] = S.to(init.dtype)
+        return out, final, None
+    return out, torch.stack(finals) if finals else torch.zeros(0, HV, V, K, dtype=torch.float64, device=v.device), None
 
 
 def run_prefill(s: Spec, seed: int) -> Outcome:
@@ -386,7 +404,7 @@ def run_prefill(s: Spec, seed: int) -> Outcome:
     out = torch.full((B, T, HV, V), float("nan"), dtype=v.dtype, device=s.device)
     res, o.call_ms = _timed_call(s.device, lambda: fk.kda_prefill(q, k, v, g, beta, out=out, **kw))
     if sum(s.lengths) >= LONG_PREFILL_TOKENS:
-        ref_out, ref_final, ref_ckpt = _per_head_prefill_reference(q, k, v, g, beta, ref_kw)
+        ref_out, ref_final, ref_ckpt = _windowed_prefill_reference(q, k, v, g, beta, ref_kw)
     else:
         ref_out, ref_final, ref_ckpt = kda_recurrent(q, k, v, g, beta, **ref_kw)
     o.out_err = max_rel_err(out, ref_out)
