@@ -821,6 +821,12 @@ __device__ __forceinline__ void state_step(float (&S)[2][16][4], const float* Uf
 // the bounded gate below lower_bound -5. Only GATE 1 (the binding sends it lower_bound >= -5) is known to keep every
 // chunk in the factored range; the others check each chunk and may take the fallback (kCheck).
 constexpr int kBoundedAnyBound = 3;
+// A GATE's gate_value formula (kBoundedAnyBound computes the bounded one) and whether its chunks are checked against the
+// factored range (every GATE but 1); kda_prefill_c16_kernel's and the role split's.
+template <int GATE>
+constexpr int kGateMode = GATE == kBoundedAnyBound ? 1 : GATE;
+template <int GATE>
+constexpr bool kGateChecked = GATE != 1;
 
 template <typename ST, int GATE>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(const Args a) {
@@ -831,8 +837,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) kda_prefill_c16_kernel(c
 #if FKDA_PARAM_GUARD == 1  // a piece of a later wave that starts once the word is set stops before its warm-up walk
   if (a.guard != nullptr && *reinterpret_cast<const volatile int*>(a.guard) != 0) return;
 #endif
-  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
-  constexpr bool kCheck = GATE != 1;
+  constexpr int mode = kGateMode<GATE>;
+  constexpr bool kCheck = kGateChecked<GATE>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tq = lane & 3;
   const int hv = blockIdx.x, n = blockIdx.y;

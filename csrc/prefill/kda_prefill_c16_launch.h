@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "../common/binding.h"
 #include "../common/cuda_launch.h"
 #include "../common/param_fill.h"
@@ -120,32 +122,38 @@ inline int c16_gate(GateMode gm, double lower_bound) {
   return lower_bound >= kC16UncheckedLowerBound ? 1 : fkda_c16::kBoundedAnyBound;
 }
 
+// f(std::integral_constant<int, G>{}) for the kernels' GATE G of a call (c16_gate): one instantiation a gate, in both
+// the two-CTA kernel and the role split.
+template <typename F>
+void with_c16_gate(GateMode gm, double lower_bound, F&& f) {
+  switch (c16_gate(gm, lower_bound)) {  // (the cases' order is the kernels' order in the module's PTX)
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case fkda_c16::kBoundedAnyBound: f(std::integral_constant<int, fkda_c16::kBoundedAnyBound>{}); break;
+  }
+}
+
 // Launch the kernel of the gate (kda_prefill_c16.cuh, GATE): one CTA a (value head, sequence, piece), heads adjacent,
 // so CTAs that run together read the same tokens' rows.
 template <typename StateT>
 void launch_c16(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
-  const int gate = c16_gate(gm, lower_bound);
-  auto kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 1>;
-  if (gate == 0) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 0>;
-  if (gate == 2) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, 2>;
-  if (gate == fkda_c16::kBoundedAnyBound) kernel = fkda_c16::kda_prefill_c16_kernel<StateT, fkda_c16::kBoundedAnyBound>;
-  ctx.launch("kda_prefill_c16_kernel", kernel,
-             dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
-             dim3(fkda_c16::kThreads), fkda_c16::kSmemBytes, a);
+  with_c16_gate(gm, lower_bound, [&](auto gate) {
+    ctx.launch("kda_prefill_c16_kernel", fkda_c16::kda_prefill_c16_kernel<StateT, decltype(gate)::value>,
+               dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
+               dim3(fkda_c16::kThreads), fkda_c16::kSmemBytes, a);
+  });
 }
 
 // Launch the role-split kernel of the gate (kda_prefill_c16ws.cuh): one CTA a (value head, sequence, piece), 384
 // threads, one CTA an SM.
 template <typename StateT>
 void launch_c16ws(const fkda::cuda::LaunchContext& ctx, const fkda_c16::Args& a, GateMode gm, double lower_bound) {
-  const int gate = c16_gate(gm, lower_bound);
-  auto kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, 1>;
-  if (gate == 0) kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, 0>;
-  if (gate == 2) kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, 2>;
-  if (gate == fkda_c16::kBoundedAnyBound) kernel = fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, fkda_c16::kBoundedAnyBound>;
-  ctx.launch("kda_prefill_c16ws_kernel", kernel,
-             dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
-             dim3(fkda_c16::ws::kWsThreads), fkda_c16::ws::kWsSmemBytes, a);
+  with_c16_gate(gm, lower_bound, [&](auto gate) {
+    ctx.launch("kda_prefill_c16ws_kernel", fkda_c16::ws::kda_prefill_c16ws_kernel<StateT, decltype(gate)::value>,
+               dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N), static_cast<unsigned>(a.pieces)),
+               dim3(fkda_c16::ws::kWsThreads), fkda_c16::ws::kWsSmemBytes, a);
+  });
 }
 
 }  // namespace fkda

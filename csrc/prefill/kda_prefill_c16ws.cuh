@@ -33,9 +33,9 @@ constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: prod
 // 144; at 152 with the consumer at 200 nothing spills (ptxas, 2026-12-06), and the bounded gate at >= -5 keeps 232 / 136.
 constexpr int kLaunchRegs = 168;
 template <int GATE>
-constexpr int kConsumerRegs = GATE == 1 ? 232 : 200;
+constexpr int kConsumerRegs = kGateChecked<GATE> ? 200 : 232;
 template <int GATE>
-constexpr int kProducerRegs = GATE == 1 ? 136 : 152;
+constexpr int kProducerRegs = kGateChecked<GATE> ? 152 : 136;
 static_assert(128 * kConsumerRegs<1> + kProducers * 128 * kProducerRegs<1> <= kLaunchRegs * kWsThreads &&
                   128 * kConsumerRegs<0> + kProducers * 128 * kProducerRegs<0> <= kLaunchRegs * kWsThreads,
               "the warpgroups' registers are the launch's");
@@ -122,8 +122,8 @@ struct Span {
 template <int GATE>
 __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int hv, int hk, int64_t bos, int64_t len,
                                         const Span sp) {
-  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;
-  constexpr bool kCheck = GATE != 1;
+  constexpr int mode = kGateMode<GATE>;
+  constexpr bool kCheck = kGateChecked<GATE>;
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int bar = kBarProducer + p;
   uint8_t* mine = smem + kOffProducers + p * kPBytes;
@@ -331,7 +331,7 @@ __device__ __forceinline__ void consume(const Args& a, uint8_t* smem, int hv, in
 template <typename ST, int GATE>
 __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const Args a) {
   fkda::begin_dependent_grid();
-  constexpr int mode = GATE == kBoundedAnyBound ? 1 : GATE;  // gate_value's formula
+  constexpr int mode = kGateMode<GATE>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int wg = threadIdx.x >> 7;
   const int hv = blockIdx.x, n = blockIdx.y;
