@@ -341,20 +341,21 @@ EDGES = {
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.0), "prefill_c16ws_f32"),
         (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512, gate="bounded", lower_bound=-5.01),
          "prefill_vt64s_f32"),
-        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_c16_f32"),    # softplus: the next rule
+        (prefill_meta(num_seqs=64, value_heads=8, total_tokens=64 * 512), "prefill_c16ws_f32"),    # softplus: the next rule
     ],
-    # the softplus and log gates in the same band (prefill_c16's checked kernels)
+    # the softplus and log gates in the same band (prefill_c16ws_*'s checked kernels, bitwise prefill_c16's)
     ("kda_prefill", "fused_chunk16_decay", "work_items_min"): [
-        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512), "prefill_c16_f32"),                       # 384
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512), "prefill_c16ws_f32"),                       # 384
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, gate="log"), "prefill_vt64s_f32"),         # 383
-        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="log", state="bf16"), "prefill_c16_bf16"),
+        (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="log", state="bf16"), "prefill_c16ws_bf16"),
     ],
     ("kda_prefill", "fused_chunk16_decay", "mean_seqlen_max"): [
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="log"), "prefill_c16_f32"),          # 2048
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049), "prefill_vt64s_f32"),                    # 2049
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2048, gate="log"), "prefill_c16ws_f32"),          # 2048
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049), "prefill_c16ws_f32"),   # 2049: _long_decay
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=32 * 2049, max_seqlen=7900), "prefill_vt64s_f32"),  # 99
     ],
     ("kda_prefill", "fused_chunk16_decay", "work_per_longest_min"): [
-        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1720), "prefill_c16_f32"),
+        (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1720), "prefill_c16ws_f32"),
         (prefill_meta(num_seqs=32, value_heads=12, total_tokens=14336, max_seqlen=1721, gate="log"), "prefill_vt64s_f32"),
     ],
     # opt-in chunk64: the chunk-64 module wherever the fused rules would take prefill_c16
@@ -506,7 +507,8 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048), "prefill_c16ws_f32"),  # fused_chunk16
         (prefill_meta(gate="bounded", num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64, checkpoints=True),
          "prefill_vt64s_f32"),
-        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_vt64s_f32"),   # softplus
+        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_c16ws_f32"),   # softplus: _decay
+        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64), "prefill_vt64s_f32", CHUNK64),
     ],
     # a known longest sequence: token-heads >= 100 times it (4 x 8192 x 64 // 20971 = 100)
     ("kda_prefill", "fused_chunk16_long", "work_per_longest_min"): [
@@ -524,7 +526,7 @@ EDGES = {
          "prefill_c16g_c16_f32", C16G_FULL),
         (prefill_meta(gate="bounded", num_seqs=4, value_heads=48, total_tokens=4 * 8192, lower_bound=-5.01),
          "prefill_vt64_f32", C16G_FULL),
-        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_vt64_f32", C16G_FULL),   # softplus
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_c16ws_f32"),   # softplus: c16g_full_decay
     ],
     # c16g_mixed: each sequence's pieces from its own length, for a batch whose longest sequence the caller names
     # (max_seqlen) at >= 1.5x the mean; bounded gates at lower_bound >= -5, 56..383 items, mean <= 2048
@@ -714,6 +716,63 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, checkpoints=True),
          "prefill_vt64s_f32"),
     ],
+    # the softplus and log gates' twins of the fused bands (prefill_c16ws_*'s checked kernels), the bounded rules' edges
+    ("kda_prefill", "fused_chunk16_long_decay", "work_items_min"): [
+        (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16ws_f32"),                 # 256
+        (prefill_meta(num_seqs=4, value_heads=96, total_tokens=4 * 8192, gate="log", state="bf16"), "prefill_c16ws_bf16"),
+        (prefill_meta(num_seqs=4, value_heads=63, total_tokens=4 * 8192), "prefill_c16ws_f32"),   # 252: c16g_full_decay
+        (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192, checkpoints=True), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "fused_chunk16_long_decay", "mean_seqlen_min"): [
+        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048 + 64, gate="log"), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048), "prefill_c16ws_f32"),   # fused_chunk16_decay
+        (prefill_meta(num_seqs=64, value_heads=16, total_tokens=64 * 2048), "prefill_vt64s_f32", CHUNK64),
+    ],
+    ("kda_prefill", "fused_chunk16_long_decay", "work_per_longest_min"): [
+        (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20971), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20972), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "fused_chunk16_wave_decay", "max_seqlen_min"): [
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_vt64s_f32",
+         CHUNK64),
+    ],
+    ("kda_prefill", "fused_chunk16_wave_decay", "work_items_min"): [
+        (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 1024, max_seqlen=1024, gate="log"),
+         "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024), "prefill_vt64_f32"),
+    ],
+    ("kda_prefill", "fused_chunk16_wave_decay", "work_items_max"): [
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=1024), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830), "prefill_vt64s_f32"),
+    ],
+    ("kda_prefill", "fused_chunk16_wave_decay", "mean_seqlen_max"): [
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=2048), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16, max_seqlen=2049),
+         "prefill_c16ws_f32"),    # fused_chunk16_long_decay
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16, max_seqlen=2049), "prefill_vt64s_f32",
+         CHUNK64),
+    ],
+    ("kda_prefill", "fused_chunk16_wave_decay", "work_per_longest_min"): [
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1170), "prefill_c16ws_f32"),  # 224
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1171), "prefill_vt64s_f32"),  # 223
+    ],
+    ("kda_prefill", "c16g_full_decay", "work_items_min"): [
+        (prefill_meta(num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_c16ws_f32"),                  # 133
+        (prefill_meta(num_seqs=4, value_heads=33, total_tokens=4 * 4096, gate="log"), "prefill_vt64_f32"),       # 132
+        (prefill_meta(num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_vt64_f32", CHUNK64),
+    ],
+    ("kda_prefill", "c16g_full_decay", "work_items_max"): [
+        (prefill_meta(num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16ws_bf16"),   # 255
+        (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 2048), "prefill_vt64s_f32"),   # many_seq_heads
+    ],
+    ("kda_prefill", "c16g_full_decay", "mean_seqlen_min"): [
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 2048, gate="log"), "prefill_c16ws_f32"),
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 2048 - 1), "prefill_vt64_f32"),
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192, checkpoints=True), "prefill_vt64_f32"),
+    ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
     ("fused_kda_verify", "f32_few", "work_items_max"): [
@@ -740,10 +799,12 @@ BOUNDED_ONLY = [
     ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16ws_f32",
      "prefill_vt64s_f32"),
 ]
+# the bounded rules whose band the softplus and log gates share through a twin rule (<rule>_decay, the role split)
+DECAY_TWINS = {"fused_chunk16_long": "prefill_c16ws_f32", "fused_chunk16_wave": "prefill_c16ws_f32"}
 EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
     (prefill_meta(gate="bounded", lower_bound=-5.0, **call), module),
     (prefill_meta(gate="bounded", lower_bound=-5.01, **call), chunk64),
-    (prefill_meta(**call), chunk64),                                              # softplus
+    (prefill_meta(**call), DECAY_TWINS.get(rule, chunk64)),                       # softplus
     (prefill_meta(gate="bounded", lower_bound=-5.0, **call), chunk64, CHUNK64)] for rule, call, module, chunk64 in BOUNDED_ONLY})
 
 
@@ -904,7 +965,7 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
     """'c16' (the fused 16-token-chunk kernel; 'c16p' its piece-split twin) takes every CUDA call without checkpoints,
     in the state's dtype, whatever the band, the gate and the lower bound; checkpoints and the CPU keep their routes.
     Without the opt-in, the fused kernel is reached only in fused_chunk16's band (prefill_c16ws_*, the same kernel split
-    by role, for the bounded gate; prefill_c16_* for the others), the unguarded piece split never (its
+    by role, for every gate), the unguarded piece split never (its
     binding refuses checkpoints: tests/gpu/test_prefill_c16_gpu.py) and the guarded ones (c16g_*, c16g2_*) only for bounded
     gates without checkpoints."""
     c16 = frozenset({"c16"})
@@ -920,7 +981,7 @@ def test_c16_opt_in_serves_every_call_without_checkpoints():
                     served = not ckpt
                     band = (served and (gate != "bounded" or lb >= -5) and seqs * hv >= 384
                             and tokens // seqs <= 2048)
-                    fused = f"prefill_c16ws_{state}" if gate == "bounded" else f"prefill_c16_{state}"  # split by role
+                    fused = f"prefill_c16ws_{state}"   # split by role
                     assert plain == (fused if band else plain) and not plain.startswith("prefill_c16p")
                     guarded = plain.startswith(("prefill_c16g_", "prefill_c16g2_"))   # routes c16g_*: bounded, long
                     assert band or guarded or not plain.startswith("prefill_c16"), meta

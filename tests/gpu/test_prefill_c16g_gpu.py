@@ -253,7 +253,7 @@ _OP_CHILD = r"""
 import sys, torch, flashkda_ext as fk
 from flashkda_ext import dispatch, validation
 a = torch.load(sys.argv[1])
-kw = dict(A_log=a["A_log"], dt_bias=a["dt_bias"], gate="bounded", lower_bound=-5.0, cu_seqlens=a["cu"],
+kw = dict(A_log=a["A_log"], dt_bias=a["dt_bias"], gate=a["gate"], lower_bound=a["lb"], cu_seqlens=a["cu"],
           initial_state=a["init"], output_final_state=True, max_seqlen=a["longest"])
 meta = validation.check_kda_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw).route_meta()
 module = dispatch.module_name("kda_prefill", meta)
@@ -263,7 +263,8 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("lens,H,opt_in,want", [([8192], 8, "", "prefill_c16g2_pc8_vt64_f32"),       # c16g_few
+@pytest.mark.parametrize("lens,H,opt_in,want,gate", [c if len(c) == 5 else (*c, "bounded") for c in [
+                                                ([8192], 8, "", "prefill_c16g2_pc8_vt64_f32"),       # c16g_few
                                                 ([8192], 8, "chunk64", "prefill_pc8_vt64_f32"),
                                                 ([8192], 8, "exact_chain", "prefill_vt16_f32"),
                                                 ([8192], 12, "", "prefill_c16g_vt16_f32"),           # c16g_groups
@@ -277,28 +278,38 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32"),
                                                 ([2048] * 4, 48, "", "prefill_c16g_c16_f32"),       # c16g_full
                                                 ([1024, 64] * 8, 8, "", "prefill_c16gm_vt64_f32"),  # c16g_mixed
-                                                ([1024, 64] * 8, 8, "chunk64", "prefill_vt64_f32")])
-def test_bounded_long_prompts_route_to_the_guarded_split_through_the_op(lens, H, opt_in, want, tmp_path):
+                                                ([1024, 64] * 8, 8, "chunk64", "prefill_vt64_f32"),
+                                                # the softplus gate's twins of the fused bands (routes *_decay)
+                                                ([1024] * 16, 16, "", "prefill_c16ws_f32", "softplus"),
+                                                ([4096] * 4, 96, "", "prefill_c16ws_f32", "softplus"),
+                                                ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32", "softplus"),
+                                                ([2048] * 4, 48, "", "prefill_c16ws_f32", "softplus"),
+                                                ([2048] * 4, 48, "chunk64", "prefill_vt64_f32", "softplus"),
+                                                ([512] * 24, 16, "", "prefill_c16ws_f32", "softplus")]])
+def test_long_prompts_route_to_the_fused_kernels_through_the_op(lens, H, opt_in, want, gate, tmp_path):
     """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 8192 tokens a
     sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit
     (split by role: prefill_c16ws) at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen) and 4 x 4096 H96
     (fused_chunk16_long, past 2048 tokens a sequence), the split over several waves at 4 x 2048 H48 (c16g_full), each
     sequence's pieces from its own length at 8 x (1024 + 64) H8 (c16g_mixed: the longest 1.9x the mean), and
-    FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the op's result is that module's own call bitwise, and
-    right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
-    seed("op", want, H)
-    d = make(lens, H, H, "bounded")
+    FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the softplus gate takes the role split unsplit in the same
+    fused bands (fused_chunk16_wave_decay, fused_chunk16_long_decay, c16g_full_decay, fused_chunk16_decay); the op's
+    result is that module's own call bitwise, and right against the float64 recurrence (random gates: the split
+    serves, nothing hands over)."""
+    seed("op", want, H, gate)
+    lb = -5.0 if gate == "bounded" else None
+    d = make(lens, H, H, gate)
     init = torch.randn(len(lens), H, V, K, device=DEV) * 0.5
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"], dt_bias=d["dt_bias"],
-                    cu=d["cut"], init=init, longest=max(lens)), src)
+                    cu=d["cut"], init=init, longest=max(lens), gate=gate, lb=lb), src)
     env = dict(os.environ, FLASHKDA_EXT_OPT_IN=opt_in)
     subprocess.run([sys.executable, "-c", _OP_CHILD, str(src), str(dst)], env=env, check=True, timeout=900)
     res = torch.load(dst)
     assert res["module"] == want
     fin = torch.full((len(lens), H, V, K), float("nan"), device=DEV)
-    o = call(load(want), d, "bounded", init=init, fin=fin)
+    o = call(load(want), d, gate, init=init, fin=fin)
     torch.cuda.synchronize()
     assert torch.equal(bits(res["out"]), bits(o)) and torch.equal(bits(res["fin"]), bits(fin))
-    ro, rf, _ = recurrence(d, "bounded", -5.0, init)
+    ro, rf, _ = recurrence(d, gate, lb, init)
     assert rel(o[0], ro) < TOL and rel(fin, rf) < TOL
