@@ -716,7 +716,8 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, checkpoints=True),
          "prefill_vt64s_f32"),
     ],
-    # the softplus and log gates' twins of the fused bands (prefill_c16ws_*'s checked kernels), the bounded rules' edges
+    # the softplus and log gates' twins of the fused bands (prefill_c16ws_*'s checked kernels): fused_chunk16_long's
+    # edges, and c16g_full's from 192 items (below it the unsplit role split takes two rounds for less work)
     ("kda_prefill", "fused_chunk16_long_decay", "work_items_min"): [
         (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192), "prefill_c16ws_f32"),                 # 256
         (prefill_meta(num_seqs=4, value_heads=96, total_tokens=4 * 8192, gate="log", state="bf16"), "prefill_c16ws_bf16"),
@@ -732,37 +733,11 @@ EDGES = {
         (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20971), "prefill_c16ws_f32"),
         (prefill_meta(num_seqs=4, value_heads=64, total_tokens=4 * 8192, max_seqlen=20972), "prefill_vt64s_f32"),
     ],
-    ("kda_prefill", "fused_chunk16_wave_decay", "max_seqlen_min"): [
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_vt64s_f32",
-         CHUNK64),
-    ],
-    ("kda_prefill", "fused_chunk16_wave_decay", "work_items_min"): [
-        (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 1024, max_seqlen=1024, gate="log"),
-         "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024), "prefill_vt64_f32"),
-    ],
-    ("kda_prefill", "fused_chunk16_wave_decay", "work_items_max"): [
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=1024), "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840), "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830), "prefill_vt64s_f32"),
-    ],
-    ("kda_prefill", "fused_chunk16_wave_decay", "mean_seqlen_max"): [
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=2048), "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16, max_seqlen=2049),
-         "prefill_c16ws_f32"),    # fused_chunk16_long_decay
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16, max_seqlen=2049), "prefill_vt64s_f32",
-         CHUNK64),
-    ],
-    ("kda_prefill", "fused_chunk16_wave_decay", "work_per_longest_min"): [
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1170), "prefill_c16ws_f32"),  # 224
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1171), "prefill_vt64s_f32"),  # 223
-    ],
     ("kda_prefill", "c16g_full_decay", "work_items_min"): [
-        (prefill_meta(num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_c16ws_f32"),                  # 133
-        (prefill_meta(num_seqs=4, value_heads=33, total_tokens=4 * 4096, gate="log"), "prefill_vt64_f32"),       # 132
-        (prefill_meta(num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_vt64_f32", CHUNK64),
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_c16ws_f32"),                  # 192
+        (prefill_meta(num_seqs=1, value_heads=191, total_tokens=4096, gate="log"), "prefill_vt64_f32"),          # 191
+        (prefill_meta(num_seqs=7, value_heads=19, total_tokens=7 * 4096), "prefill_vt64_f32"),                   # 133
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192), "prefill_vt64_f32", CHUNK64),
     ],
     ("kda_prefill", "c16g_full_decay", "work_items_max"): [
         (prefill_meta(num_seqs=5, value_heads=51, total_tokens=5 * 4096, state="bf16"), "prefill_c16ws_bf16"),   # 255
@@ -800,7 +775,7 @@ BOUNDED_ONLY = [
      "prefill_vt64s_f32"),
 ]
 # the bounded rules whose band the softplus and log gates share through a twin rule (<rule>_decay, the role split)
-DECAY_TWINS = {"fused_chunk16_long": "prefill_c16ws_f32", "fused_chunk16_wave": "prefill_c16ws_f32"}
+DECAY_TWINS = {"fused_chunk16_long": "prefill_c16ws_f32"}
 EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
     (prefill_meta(gate="bounded", lower_bound=-5.0, **call), module),
     (prefill_meta(gate="bounded", lower_bound=-5.01, **call), chunk64),
