@@ -322,7 +322,7 @@ def _windowed_prefill_reference(q, k, v, g, beta, ref_kw):
     import torch
 
     from ..reference import kda_chunked
-    from ..reference.prefill import is_padding
+    from ..reference.prefill import _segments, final_states, is_padding
 
     if ref_kw.get("checkpoint_every"):
         raise ValueError("the windowed reference takes no checkpoints")
@@ -332,11 +332,7 @@ def _windowed_prefill_reference(q, k, v, g, beta, ref_kw):
     null_slot0 = bool(ref_kw.get("null_slot0", False))
     gate_kw = {n: x for n, x in ref_kw.items()
                if n not in ("cu_seqlens", "checkpoint_every", "initial_state", "state_indices", "null_slot0")}
-    if cu is None:
-        seqs = [(b, 0, T) for b in range(B)]
-    else:
-        offs = [int(x) for x in cu.tolist()]
-        seqs = [(0, a, e) for a, e in zip(offs, offs[1:])]
+    seqs = _segments(B, T, cu)
     slots = None if idx is None else [int(i) for i in idx.tolist()]
     out = torch.zeros(B, T, HV, V, dtype=torch.float32, device=v.device)
     finals = []
@@ -349,13 +345,7 @@ def _windowed_prefill_reference(q, k, v, g, beta, ref_kw):
                                   beta[b:b + 1, w:x], chunk_size=LONG_REFERENCE_CHUNK, initial_state=S, **gate_kw)
             out[b, w:x] = o[0].to(torch.float32)
         finals.append(torch.zeros(HV, V, K, dtype=torch.float64, device=v.device) if S is None else S[0])
-    if slots is not None:   # a pool: the sequences' slots written, every other slot as it was
-        final = init.clone()
-        for n, S in enumerate(finals):
-            if not is_padding(slots[n], null_slot0):
-                final[slots[n]] = S.to(init.dtype)
-        return out, final, None
-    return out, torch.stack(finals) if finals else torch.zeros(0, HV, V, K, dtype=torch.float64, device=v.device), None
+    return out, final_states(finals, init, slots, null_slot0, (HV, V, K), torch.float64, v.device), None
 
 
 def run_prefill(s: Spec, seed: int) -> Outcome:

@@ -91,15 +91,22 @@ def run_prefill(sequence_fn, q, k, v, g, beta, *, gate, A_log, dt_bias, lower_bo
 
     final_state = None
     if output_final_state:
-        if pool_mode:
-            final_state = initial_state.clone()
-            for n, S in enumerate(finals):
-                if not is_padding(indices[n], null_slot0):
-                    final_state[indices[n]] = S.to(initial_state.dtype)
-        else:
-            final_state = (torch.stack(finals) if finals
-                           else torch.zeros(0, HV, V, K, dtype=dtype, device=device))
+        final_state = final_states(finals, initial_state, indices if pool_mode else None, null_slot0, (HV, V, K),
+                                   dtype, device)
     return out, final_state, checkpoints
+
+
+def final_states(finals, initial_state, indices, null_slot0, state_shape, dtype, device):
+    """The call's final state from each sequence's own (finals[n], [HV, V, K]): with a pool (indices given) a copy of
+    initial_state with the sequences' slots written and every other slot (padding's too) as it was; else the states
+    stacked [N, HV, V, K] in dtype."""
+    if indices is not None:
+        final_state = initial_state.clone()
+        for n, S in enumerate(finals):
+            if not is_padding(indices[n], null_slot0):
+                final_state[indices[n]] = S.to(initial_state.dtype)
+        return final_state
+    return torch.stack(finals) if finals else torch.zeros(0, *state_shape, dtype=dtype, device=device)
 
 
 def _recurrent_sequence(q, k, v, g, beta, S, checkpoint_every):
