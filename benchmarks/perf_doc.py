@@ -652,10 +652,9 @@ def render(sources) -> str:
         "gate, l2norm and beta sigmoid inside its kernels. vLLM's KDA layer calls its own vendored copy of "
         "fla's Triton ops (docs/integrations.md), so the fla column stands for it; the Engines section times "
         "vLLM's and SGLang's own kernels through the adapters. cuDNN: a prefill column "
-        "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA is not installed on the GPU "
-        "machine: only issue 8's quoted H200 times enter, in the prefill bounded-gate target "
-        "(`benchmarks/bench_vllm.py` can now time vLLM 0.34.0's build of it, Kimi K3's own prefill on an H200: "
-        "arm `vllm_flashkda`, not run yet).", ""]
+        "when the run has it (`bench_prefill.py --peers cudnn,fla`). FlashKDA (Kimi K3's own prefill on an "
+        "H200, the `_flashkda_C` extension of vLLM 0.34.0's wheel, benchmarks/peer_flashkda.py; bounded gate "
+        "only): a prefill column when the run has it (`--peers cudnn,flashkda`, .engines/vllm carried).", ""]
     for op, title, make in SECTIONS:
         srcs = sources.get(op, [])
         runs = _runs(srcs)
