@@ -13,6 +13,8 @@ short ones (1x4000+47x100 ... 1x256+127x64; vLLM's 255x1+1x4000, 63x1+1x8000), a
 2048, 16 x 512) and issue 46's 8x(1024+64) and ragged 8K rows; with `--known-lengths` the route
 sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside;
 `--longest` routes with it given and nothing more (so an --opt-in-arm A/B runs on the routes that need it).
+`--grid wave_edge`: one long prompt among like-length ones at 256-383 sequences x heads (H16 / H24 / H48), the call's
+token-heads 104-128 times the longest (fused_chunk16_wave's lower edge; run it with --longest).
 
 Peers (--peers, default fla,cudnn; flashkda on request): fla's chunk_kda, cuDNN's kda_hopper_cuda engine
 (benchmarks/peer_cudnn.py) and vLLM 0.34's FlashKDA, Kimi K3's own prefill on an H200 (benchmarks/peer_flashkda.py,
@@ -149,6 +151,17 @@ def serving_cases(heads):
     return [(f"H{H} {k}", v, H) for H in heads for k, v in shapes.items()]
 
 
+def wave_edge_cases():
+    """One long prompt among like-length ones at 256..383 sequences x heads (fused_chunk16_wave's band), the longest
+    set so the call's token-heads are 104 .. 128 times its length (work_per_longest, the band's lower edge 128): where
+    the role-split kernel's longest chain starts to outlast the chunk-64 call or the mixed-length pieces."""
+    shapes = {16: {"1x2048+15x752": [2048] + [752] * 15, "1x2048+15x853": [2048] + [853] * 15,   # 104, 116
+                   "1x2048+15x956": [2048] + [956] * 15},                                        # 128
+              24: {"1x3000+11x909": [3000] + [909] * 11, "1x3000+11x1136": [3000] + [1136] * 11},  # 104, 124
+              48: {"1x4000+6x778": [4000] + [778] * 6, "1x4000+6x1112": [4000] + [1112] * 6}}     # 104, 128
+    return [(f"H{H} {k}", v, H) for H, rows in shapes.items() for k, v in rows.items()]
+
+
 def mixed_cases(heads):
     """One long request among short ones, as a serving engine's prefill batch often is (a chunk of a long prompt
     beside new short prompts): the fused chunk-16 band by the mean, split by the longest (work_per_longest)."""
@@ -219,7 +232,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     harness.add_common_args(ap)   # --out (folder or .json), --reps, --quick, --no-fla, --dry-run, --modes, ...
     ap.add_argument("--heads", default=None, help="head counts (default 16,12; issue46 grid: all of it)")
-    ap.add_argument("--grid", choices=("layer", "issue46", "mixed", "serving"), default="layer")
+    ap.add_argument("--grid", choices=("layer", "issue46", "mixed", "serving", "wave_edge"), default="layer")
     ap.add_argument("--long", action="store_true", help="issue46 grid: add 1 x 1,048,576 tokens at H16")
     ap.add_argument("--peers", default="fla,cudnn",
                     help="comma list of fla, cudnn, flashkda (each when importable; flashkda: bounded gate)")
@@ -295,6 +308,8 @@ def main(argv=None):
         case_list = dry_cases()
     elif args.grid == "mixed":
         case_list = mixed_cases([int(h) for h in (args.heads or "8,12").split(",")])
+    elif args.grid == "wave_edge":   # fixed head counts: --heads does not apply
+        case_list = wave_edge_cases()
     elif args.grid == "serving":
         case_list = serving_cases([int(h) for h in (args.heads or "8,12").split(",")])
     elif args.grid == "issue46":

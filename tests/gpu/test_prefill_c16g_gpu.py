@@ -280,7 +280,9 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([1024, 64] * 8, 8, "", "prefill_c16gm_vt64_f32"),  # c16g_mixed
                                                 ([1024, 64] * 8, 8, "chunk64", "prefill_vt64_f32"),
                                                 # the softplus gate's twins of the fused bands (routes *_decay)
-                                                ([1024] * 16, 16, "", "prefill_vt64s_f32", "softplus"),  # no wave twin
+                                                ([1024] * 16, 16, "", "prefill_c16ws_f32", "softplus"),  # wave twin
+                                                ([1024, 64] * 8, 16, "", "prefill_c16ws_f32"),  # wave at 136, not mixed
+                                                ([1024, 64] * 8, 16, "", "prefill_c16ws_f32", "softplus"),
                                                 ([4096] * 4, 96, "", "prefill_c16ws_f32", "softplus"),
                                                 ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32", "softplus"),
                                                 ([2048] * 4, 48, "", "prefill_c16ws_f32", "softplus"),
@@ -292,9 +294,10 @@ def test_long_prompts_route_to_the_fused_kernels_through_the_op(lens, H, opt_in,
     (split by role: prefill_c16ws) at 16 x 1024 H16 (fused_chunk16_wave; both with the longest sequence given, max_seqlen) and 4 x 4096 H96
     (fused_chunk16_long, past 2048 tokens a sequence), the split over several waves at 4 x 2048 H48 (c16g_full), each
     sequence's pieces from its own length at 8 x (1024 + 64) H8 (c16g_mixed: the longest 1.9x the mean), and
-    FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the softplus gate takes the role split unsplit in the
-    long and full bands and fused_chunk16's (fused_chunk16_long_decay, c16g_full_decay, fused_chunk16_decay), not
-    fused_chunk16_wave's (unmeasured for it); the op's
+    FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the wave band takes 8 x (1024 + 64) H16 (token-heads 136
+    times the longest) ahead of c16g_mixed_many; the softplus gate takes the role split unsplit in the long, full,
+    wave and fused_chunk16 bands (fused_chunk16_long_decay, c16g_full_decay, fused_chunk16_wave_decay,
+    fused_chunk16_decay); the op's
     result is that module's own call bitwise, and right against the float64 recurrence (random gates: the split
     serves, nothing hands over)."""
     seed("op", want, H, gate)
