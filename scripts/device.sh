@@ -46,7 +46,8 @@
 # command has 10 minutes, so split a long list of stages over calls); DRY=1 prints each step's command
 # instead of running it (works without a GPU: the CPU check of this script). Without a GPU the stages that
 # need one say so and are skipped.
-# Carried inputs: .whl/*.whl (tvm-ffi, jax-tvm-ffi, fla-core, einops, jsonschema and its deps: not in the
+# Carried inputs: .whl/*.whl (`bash scripts/device_wheels.sh` fetches them: tvm-ffi, jax-tvm-ffi, fla-core, einops,
+# cuDNN frontend and its CUDA bindings, jsonschema and its deps: not in the
 # device image), .devaot/ (modules built here by `python aot.py --arch 9.0a --out .devaot --only GLOBS`:
 # loaded without a rebuild), .triton_cache/ (fla's and the engines' compiled Triton kernels from an earlier
 # run's triton_cache.tgz), .fla_tests/, .ab_base/.

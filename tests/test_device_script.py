@@ -27,6 +27,16 @@ def test_syntax():
     assert subprocess.run([BASH, "-n", str(SCRIPT)]).returncode == 0
 
 
+def test_device_wheels_script_pins_pyprojects_tvm_ffi():
+    """scripts/device_wheels.sh (the wheels .whl/ carries) parses, and fetches the apache-tvm-ffi pyproject.toml pins."""
+    wheels = ROOT / "scripts" / "device_wheels.sh"
+    assert subprocess.run([BASH, "-n", str(wheels)]).returncode == 0
+    pin = next(line.strip().strip('",') for line in (ROOT / "pyproject.toml").read_text().splitlines()
+               if '"apache-tvm-ffi==' in line)
+    assert pin.startswith("apache-tvm-ffi==")
+    assert 'r\'"(apache-tvm-ffi==[^"]+)"\'' in wheels.read_text()   # read from pyproject.toml, not a copy of the pin
+
+
 def test_dry_run_lists_the_steps_in_stage_order(tmp_path):
     r = run(tmp_path, {"DRY": "1", "STAGES": "peers selftest build"})
     assert r.returncode == 0, r.stderr
