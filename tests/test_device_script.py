@@ -27,14 +27,22 @@ def test_syntax():
     assert subprocess.run([BASH, "-n", str(SCRIPT)]).returncode == 0
 
 
-def test_device_wheels_script_pins_pyprojects_tvm_ffi():
-    """scripts/device_wheels.sh (the wheels .whl/ carries) parses, and fetches the apache-tvm-ffi pyproject.toml pins."""
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the script reads pyproject.toml with tomllib")
+def test_device_wheels_script_fetches_pyprojects_tvm_ffi_and_the_cudnn_peer():
+    """scripts/device_wheels.sh (the wheels .whl/ carries) parses, and the specs it would fetch hold pyproject.toml's
+    apache-tvm-ffi requirement as written there and the cuDNN peer's pinned frontend."""
+    import tomllib
     wheels = ROOT / "scripts" / "device_wheels.sh"
     assert subprocess.run([BASH, "-n", str(wheels)]).returncode == 0
-    pin = next(line.strip().strip('",') for line in (ROOT / "pyproject.toml").read_text().splitlines()
-               if '"apache-tvm-ffi==' in line)
-    assert pin.startswith("apache-tvm-ffi==")
-    assert 'r\'"(apache-tvm-ffi==[^"]+)"\'' in wheels.read_text()   # read from pyproject.toml, not a copy of the pin
+    r = subprocess.run([BASH, str(wheels), "--print-specs"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    specs = r.stdout.split()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    tvm = [d for d in deps if d.startswith("apache-tvm-ffi")]
+    assert len(tvm) == 1 and "==" in tvm[0] and tvm[0] in specs
+    assert "nvidia-cudnn-frontend==1.32.0" in specs
+    bad = subprocess.run([BASH, str(wheels), "--fetch-all"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--print-specs" in bad.stderr
 
 
 def test_dry_run_lists_the_steps_in_stage_order(tmp_path):

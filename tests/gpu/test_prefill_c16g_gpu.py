@@ -279,9 +279,9 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([2048] * 4, 48, "", "prefill_c16g_c16_f32"),       # c16g_full
                                                 ([1024, 64] * 8, 8, "", "prefill_c16gm_vt64_f32"),  # c16g_mixed
                                                 ([1024, 64] * 8, 8, "chunk64", "prefill_vt64_f32"),
+                                                ([1024, 64] * 8, 16, "", "prefill_c16ws_f32"),  # wave at 136, not mixed
                                                 # the softplus gate's twins of the fused bands (routes *_decay)
                                                 ([1024] * 16, 16, "", "prefill_c16ws_f32", "softplus"),  # wave twin
-                                                ([1024, 64] * 8, 16, "", "prefill_c16ws_f32"),  # wave at 136, not mixed
                                                 ([1024, 64] * 8, 16, "", "prefill_c16ws_f32", "softplus"),
                                                 ([4096] * 4, 96, "", "prefill_c16ws_f32", "softplus"),
                                                 ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32", "softplus"),
@@ -297,9 +297,8 @@ def test_long_prompts_route_to_the_fused_kernels_through_the_op(lens, H, opt_in,
     FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the wave band takes 8 x (1024 + 64) H16 (token-heads 136
     times the longest) ahead of c16g_mixed_many; the softplus gate takes the role split unsplit in the long, full,
     wave and fused_chunk16 bands (fused_chunk16_long_decay, c16g_full_decay, fused_chunk16_wave_decay,
-    fused_chunk16_decay); the op's
-    result is that module's own call bitwise, and right against the float64 recurrence (random gates: the split
-    serves, nothing hands over)."""
+    fused_chunk16_decay); the op's result is that module's own call bitwise, and right against the float64 recurrence
+    (random gates: the split serves, nothing hands over)."""
     seed("op", want, H, gate)
     lb = -5.0 if gate == "bounded" else None
     d = make(lens, H, H, gate)
