@@ -316,9 +316,9 @@ EDGES = {
         (prefill_meta(num_seqs=24, value_heads=16, total_tokens=24 * 512, gate="bounded"), "prefill_c16ws_f32"),       # 384
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1024, gate="bounded"),
          "prefill_c16ws_f32"),    # 383 items, the longest 2x the mean, work_per_longest 191: fused_chunk16_wave
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1600, gate="bounded"),
-         "prefill_c16gm_vt64_f32"),    # work_per_longest 122: c16g_mixed_many
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1600, gate="bounded"),
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=2000, gate="bounded"),
+         "prefill_c16gm_vt64_f32"),    # work_per_longest 98: c16g_mixed_many
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=2000, gate="bounded"),
          "prefill_vt64s_f32", CHUNK64),    # its opt-out
 
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=512, gate="bounded"),
@@ -570,12 +570,12 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=1024),
          "prefill_vt64s_f32", CHUNK64),   # c16g_mixed_many's opt-out
     ],
-    # c16g_mixed_many: what fused_chunk16_wave leaves of 256..383 items (token-heads < 128 times the longest, so the
-    # longest is more than twice the mean)
+    # c16g_mixed_many: what fused_chunk16_wave leaves of 256..383 items (token-heads < 100 times the longest, so the
+    # longest is more than 2.56 times the mean)
     ("kda_prefill", "c16g_mixed_many", "work_items_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16000, max_seqlen=2100),
-         "prefill_c16gm_vt64_f32"),   # 256 items, work_per_longest 121
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16000, max_seqlen=2100, state="bf16"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16000, max_seqlen=2600),
+         "prefill_c16gm_vt64_f32"),   # 256 items, work_per_longest 98
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16000, max_seqlen=2600, state="bf16"),
          "prefill_vt64s_bf16", CHUNK64),
         (prefill_meta(gate="bounded", num_seqs=15, value_heads=17, total_tokens=15000, max_seqlen=2100, state="bf16"),
          "prefill_vt64_bf16", CHUNK64),   # 255 items: c16g_mixed's opt-out
@@ -583,8 +583,8 @@ EDGES = {
          "prefill_c16ws_f32"),   # 8x(1024+64) H16: work_per_longest 136, fused_chunk16_wave
     ],
     ("kda_prefill", "c16g_mixed_many", "mean_seqlen_max"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=4200),
-         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2048, max_seqlen=5300),
+         "prefill_c16gm_vt64_f32"),   # work_per_longest 98
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 2049, max_seqlen=4200),
          "prefill_c16ws_f32"),     # fused_chunk16_long (work_per_longest 124 >= its 100)
     ],
@@ -600,8 +600,8 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=32, value_heads=8, total_tokens=32000), "prefill_vt64s_f32"),
     ],
     ("kda_prefill", "c16g_mixed_many", "work_items_max"): [
-        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=1600),
-         "prefill_c16gm_vt64_f32"),
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 512, max_seqlen=2000),
+         "prefill_c16gm_vt64_f32"),      # work_per_longest 98
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 512, max_seqlen=1600),
          "prefill_c16ws_f32"),           # fused_chunk16 (work_per_longest 122 >= its 100)
     ],
@@ -662,8 +662,8 @@ EDGES = {
     ("kda_prefill", "c16g_mid", "work_items_max"): [
         (like(255, 1, 512), "prefill_c16g_vt64_f32"),
         (like(256, 1, 512), "prefill_c16ws_f32"),  # the wave
-        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=1100),
-         "prefill_c16gm_vt64_f32"),    # work_per_longest 119: not the wave, c16g_mixed_many
+        (prefill_meta(gate="bounded", num_seqs=256, value_heads=1, total_tokens=256 * 512, max_seqlen=1400),
+         "prefill_c16gm_vt64_f32"),    # work_per_longest 93: not the wave, c16g_mixed_many
     ],
     ("kda_prefill", "c16g_mid", "mean_seqlen_min"): [
         (like(16, 8, 512), "prefill_c16g_vt64_f32"),
@@ -686,7 +686,7 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_vt64_f32"),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=12, total_tokens=8 * 1088), "prefill_vt64_f32"),
     ],
-    # fused_chunk16_wave: the fused kernel unsplit at 256..383 items, token-heads >= 128 times the longest (ahead of
+    # fused_chunk16_wave: the fused kernel unsplit at 256..383 items, token-heads >= 100 times the longest (ahead of
     # c16g_mixed_many)
     ("kda_prefill", "fused_chunk16_wave", "max_seqlen_min"): [   # the longest known, as c16g_mid's
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024),
@@ -702,7 +702,9 @@ EDGES = {
         (prefill_meta(gate="bounded", num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
          "prefill_c16ws_f32"),       # fused_chunk16 (work_per_longest 102)
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
-         "prefill_c16gm_vt64_f32"),     # 102 < 224; the longest 3.7x the mean: c16g_mixed
+         "prefill_c16ws_f32"),       # 102 >= 100
+        (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3940),
+         "prefill_c16gm_vt64_f32"),     # 99 < 100; the longest 3.8x the mean: c16g_mixed_many
         (prefill_meta(gate="bounded", num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830),
          "prefill_vt64s_f32", CHUNK64),
     ],
@@ -714,11 +716,11 @@ EDGES = {
          "prefill_vt64s_f32", CHUNK64),
     ],
     ("kda_prefill", "fused_chunk16_wave", "work_per_longest_min"): [
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2048),
-         "prefill_c16ws_f32"),       # 128
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2049),
-         "prefill_c16gm_vt64_f32"),     # 127: c16g_mixed_many (the longest 2x the mean)
-        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2049),
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2621),
+         "prefill_c16ws_f32"),       # 100
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2622),
+         "prefill_c16gm_vt64_f32"),     # 99: c16g_mixed_many (the longest 2.6x the mean)
+        (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2621),
          "prefill_vt64s_f32", CHUNK64),
         (prefill_meta(gate="bounded", num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32", CHUNK64),
         (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024), "prefill_vt64s_f32"),   # softplus
@@ -733,11 +735,13 @@ EDGES = {
     ],
     ("kda_prefill", "fused_chunk16_wave_decay", "work_items_min"): [
         (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024, gate="log"), "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024), "prefill_vt64_f32"),
+        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024),
+         "prefill_c16g_vt64_f32"),   # 255: c16g_mid_decay
     ],
     ("kda_prefill", "fused_chunk16_wave_decay", "work_items_max"): [
         (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=1024), "prefill_c16ws_f32"),
-        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830), "prefill_vt64s_f32"),  # 102
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3830), "prefill_c16ws_f32"),  # 102
+        (prefill_meta(num_seqs=383, value_heads=1, total_tokens=383 * 1024, max_seqlen=3940), "prefill_vt64s_f32"),  # 99
         (prefill_meta(num_seqs=384, value_heads=1, total_tokens=384 * 1024, max_seqlen=3840),
          "prefill_c16ws_f32"),       # fused_chunk16_decay (work_per_longest 102 >= its 100)
     ],
@@ -748,9 +752,9 @@ EDGES = {
         (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 2048 + 16, max_seqlen=2049), "prefill_vt64s_f32", CHUNK64),
     ],
     ("kda_prefill", "fused_chunk16_wave_decay", "work_per_longest_min"): [
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2048), "prefill_c16ws_f32"),    # 128
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2049), "prefill_vt64s_f32"),    # 127
-        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2048, gate="log", state="bf16"),
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2621), "prefill_c16ws_f32"),    # 100
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2622), "prefill_vt64s_f32"),    # 99
+        (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=2621, gate="log", state="bf16"),
          "prefill_c16ws_bf16"),
         (prefill_meta(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024, checkpoints=True),
          "prefill_vt64s_f32"),
@@ -787,6 +791,40 @@ EDGES = {
         (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 2048 - 1), "prefill_vt64_f32"),
         (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192, checkpoints=True), "prefill_vt64_f32"),
     ],
+    # c16g_mid's twin for the softplus and log gates (c16g_mid_decay): like-length prompts of 512-2048 tokens at
+    # 128..255 items, the longest given; longer prompts below 192 items keep fallback's module
+    ("kda_prefill", "c16g_mid_decay", "work_items_min"): [
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32"),
+        (prefill_meta(num_seqs=127, value_heads=1, total_tokens=127 * 1024, max_seqlen=1024), "prefill_vt64_f32"),
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_vt64_f32", CHUNK64),
+    ],
+    ("kda_prefill", "c16g_mid_decay", "work_items_max"): [
+        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024, gate="log", state="bf16"),
+         "prefill_c16g_vt64_bf16"),
+        (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 1024, max_seqlen=1024),
+         "prefill_c16ws_f32"),       # fused_chunk16_wave_decay
+    ],
+    ("kda_prefill", "c16g_mid_decay", "mean_seqlen_min"): [
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 512, max_seqlen=512), "prefill_c16g_vt64_f32"),
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 512 - 1, max_seqlen=512), "prefill_vt64_f32"),
+    ],
+    ("kda_prefill", "c16g_mid_decay", "mean_seqlen_max"): [
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 2048, max_seqlen=2048), "prefill_c16g_vt64_f32"),
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 2048 + 16, max_seqlen=2049), "prefill_vt64_f32"),
+        (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 2048, max_seqlen=2048),
+         "prefill_c16ws_f32"),       # 192 items: c16g_full_decay first
+    ],
+    ("kda_prefill", "c16g_mid_decay", "work_per_longest_min"): [
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32"),  # 128
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1025), "prefill_vt64_f32"),  # 127
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024, checkpoints=True),
+         "prefill_vt64_f32"),
+    ],
+    ("kda_prefill", "c16g_mid_decay", "max_seqlen_min"): [
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024, gate="log"),
+         "prefill_c16g_vt64_f32"),
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_vt64_f32"),   # the longest not given
+    ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
     ("fused_kda_verify", "f32_few", "work_items_max"): [
@@ -813,8 +851,9 @@ BOUNDED_ONLY = [
     ("fused_chunk16_wave", dict(num_seqs=16, value_heads=16, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16ws_f32",
      "prefill_vt64s_f32"),
 ]
-# the bounded rules whose band the softplus and log gates share through a twin rule (<rule>_decay, the role split)
-DECAY_TWINS = {"fused_chunk16_long": "prefill_c16ws_f32", "fused_chunk16_wave": "prefill_c16ws_f32"}
+# the bounded rules whose band the softplus and log gates share through a twin rule (<rule>_decay)
+DECAY_TWINS = {"fused_chunk16_long": "prefill_c16ws_f32", "fused_chunk16_wave": "prefill_c16ws_f32",
+               "c16g_mid": "prefill_c16g_vt64_f32"}
 EDGES.update({("kda_prefill", rule, "lower_bound_min"): [
     (prefill_meta(gate="bounded", lower_bound=-5.0, **call), module),
     (prefill_meta(gate="bounded", lower_bound=-5.01, **call), chunk64),

@@ -111,10 +111,10 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
                                                      gate=gate_of(), H=hv // group, HV=hv, K=K, V=V, lengths=lens,
                                                      slots=len(lens) * max(lens) + 4), big_pool_bytes)
     elif family == "kda_prefill":
-        # (2048, 15 x 752): one long prompt among 15 shorter ones, token-heads 104 times the longest at 16 heads (below
-        # fused_chunk16_wave's 128, so c16g_mixed_many's)
+        # (2400, 15 x 752): one long prompt among 15 shorter ones, token-heads 91 times the longest at 16 heads (below
+        # fused_chunk16_wave's 100, so c16g_mixed_many's)
         shapes = [(64,), (4 * [64]), (100, 0, 37), (1000,), (2048,), (16 * [64]), (8 * [1024 + 64]),
-                  (4096,), (4 * [4096]), (8192,), (16384,), ([2048] + 15 * [752])]
+                  (4096,), (4 * [4096]), (8192,), (16384,), ([2400] + 15 * [752])]
         if quick:
             shapes = shapes[:7]
         elif long_bytes:

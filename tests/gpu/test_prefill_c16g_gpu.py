@@ -287,7 +287,9 @@ torch.save({"module": module, "out": out, "fin": fin}, sys.argv[2])
                                                 ([4096] * 4, 96, "chunk64", "prefill_vt64s_f32", "softplus"),
                                                 ([2048] * 4, 48, "", "prefill_c16ws_f32", "softplus"),
                                                 ([2048] * 4, 48, "chunk64", "prefill_vt64_f32", "softplus"),
-                                                ([512] * 24, 16, "", "prefill_c16ws_f32", "softplus")]])
+                                                ([512] * 24, 16, "", "prefill_c16ws_f32", "softplus"),
+                                                ([1024] * 16, 8, "", "prefill_c16g_vt64_f32", "softplus"),  # mid twin
+                                                ([1024] * 16, 8, "chunk64", "prefill_vt64_f32", "softplus")]])
 def test_long_prompts_route_to_the_fused_kernels_through_the_op(lens, H, opt_in, want, gate, tmp_path):
     """fk.kda_prefill with the bounded gate at lower_bound -5 takes the guarded split by default at >= 8192 tokens a
     sequence at <= 16 items, >= 2048 from 17 (routes c16g_*) and at 16 x 1024 H8 (c16g_mid), the fused kernel unsplit
@@ -297,8 +299,8 @@ def test_long_prompts_route_to_the_fused_kernels_through_the_op(lens, H, opt_in,
     FLASHKDA_EXT_OPT_IN=chunk64 keeps the chunk-64 module; the wave band takes 8 x (1024 + 64) H16 (token-heads 136
     times the longest) ahead of c16g_mixed_many; the softplus gate takes the role split unsplit in the long, full,
     wave and fused_chunk16 bands (fused_chunk16_long_decay, c16g_full_decay, fused_chunk16_wave_decay,
-    fused_chunk16_decay); the op's result is that module's own call bitwise, and right against the float64 recurrence
-    (random gates: the split serves, nothing hands over)."""
+    fused_chunk16_decay) and c16g_mid's split at 16 x 1024 H8 (c16g_mid_decay); the op's result is that module's own
+    call bitwise, and right against the float64 recurrence (random gates: the split serves, nothing hands over)."""
     seed("op", want, H, gate)
     lb = -5.0 if gate == "bounded" else None
     d = make(lens, H, H, gate)
