@@ -275,6 +275,15 @@ __device__ __forceinline__ GroupRange group_range(const float4& gcv) {
   return GroupRange{!(mn >= -kFactorRange), !(mn >= -2.f * kFactorRange)};
 }
 
+// Whether a thread's quarter totals (keys d4 .. d4 + 3 over its warp's 4 tokens, gate_run's return) are each at least a
+// quarter of the range down: G_C, the sum of four quarters, is then >= -kFactorRange (each partial sum of quarter_sums a
+// multiple of -kFactorRange / 4 at the least, and rounding monotone), so no key of the group is wide for a gate whose G
+// falls. A NaN total is not within.
+__device__ __forceinline__ bool quarter_within_range(const float4& q) {
+  constexpr float lim = -0.25f * kFactorRange;
+  return q.x >= lim && q.y >= lim && q.z >= lim && q.w >= lim;
+}
+
 // From the quarters' gate totals (tot [4][128]): the sum of the quarters before warp's (base) and G_C (gcv) of keys
 // d4 .. d4 + 3, in the same order of additions in every thread, so the last token's G is G_C bitwise.
 __device__ __forceinline__ void quarter_sums(const float* tot, int warp, int d4, float4& base, float4& gcv) {

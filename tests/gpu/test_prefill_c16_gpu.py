@@ -98,6 +98,9 @@ GATE_CASES = [
     dict(id="softplus_ragged", gate="softplus", lens=[1, 15, 16, 17, 100, 1000], H=4),
     dict(id="softplus_extreme", gate="softplus", lens=[300, 37, 16], H=2, extreme=True),   # every chunk falls back
     dict(id="softplus_some_chunks_wide", gate="softplus", lens=[40, 16, 300], H=4, wide=[(16, 32), (100, 106)]),
+    # one token a burst (~30-50 log2 units): its quarter is below a quarter of the range, the chunk's G_C within it
+    # (the role split's producers check the chunk and find nothing beyond)
+    dict(id="softplus_one_token_bursts", gate="softplus", lens=[40, 300], H=4, wide=[(20, 21), (100, 101), (237, 238)]),
     dict(id="softplus_some_keys_wide", gate="softplus", lens=[1, 40, 16, 300], H=4, wide_keys=5),   # every chunk
     dict(id="softplus_keys_shifted", gate="softplus", lens=[1, 40, 16, 300], H=4, wide_keys=9, shifted=True),
     dict(id="log", gate="log", lens=[1, 15, 16, 17, 100, 700], H=4),
