@@ -791,16 +791,18 @@ EDGES = {
         (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 2048 - 1), "prefill_vt64_f32"),
         (prefill_meta(num_seqs=4, value_heads=48, total_tokens=4 * 8192, checkpoints=True), "prefill_vt64_f32"),
     ],
-    # c16g_mid's twin for the softplus and log gates (c16g_mid_decay): like-length prompts of 512-2048 tokens at
-    # 128..255 items, the longest given; longer prompts below 192 items keep fallback's module
+    # c16g_mid's twin for the softplus gate (c16g_mid_decay): like-length prompts of 512-2048 tokens at 128..255 items,
+    # the longest given; longer prompts below 192 items, and the log gate, keep fallback's module
     ("kda_prefill", "c16g_mid_decay", "work_items_min"): [
         (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32"),
         (prefill_meta(num_seqs=127, value_heads=1, total_tokens=127 * 1024, max_seqlen=1024), "prefill_vt64_f32"),
         (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_vt64_f32", CHUNK64),
     ],
     ("kda_prefill", "c16g_mid_decay", "work_items_max"): [
-        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024, gate="log", state="bf16"),
+        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024, state="bf16"),
          "prefill_c16g_vt64_bf16"),
+        (prefill_meta(num_seqs=255, value_heads=1, total_tokens=255 * 1024, max_seqlen=1024, gate="log"),
+         "prefill_vt64_f32"),        # the log gate: fallback
         (prefill_meta(num_seqs=256, value_heads=1, total_tokens=256 * 1024, max_seqlen=1024),
          "prefill_c16ws_f32"),       # fused_chunk16_wave_decay
     ],
@@ -821,9 +823,9 @@ EDGES = {
          "prefill_vt64_f32"),
     ],
     ("kda_prefill", "c16g_mid_decay", "max_seqlen_min"): [
-        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024, gate="log"),
-         "prefill_c16g_vt64_f32"),
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024), "prefill_c16g_vt64_f32"),
         (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024), "prefill_vt64_f32"),   # the longest not given
+        (prefill_meta(num_seqs=16, value_heads=8, total_tokens=16 * 1024, max_seqlen=1024, gate="log"), "prefill_vt64_f32"),
     ],
     # fused_kda_verify: fp32 at one CTA an SM while the grid has no more CTAs than an H200 has SMs, then (and bf16
     # always) fused_verify_row2 at two
