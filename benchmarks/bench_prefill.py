@@ -14,7 +14,8 @@ short ones (1x4000+47x100 ... 1x256+127x64; vLLM's 255x1+1x4000, 63x1+1x8000), a
 sees the longest sequence (max_seqlen, as SGLang's extend passes it) and the route without it is timed beside;
 `--longest` routes with it given and nothing more (so an --opt-in-arm A/B runs on the routes that need it).
 `--grid wave_edge`: one long prompt among like-length ones at 256-383 sequences x heads (H16 / H24 / H48), the call's
-token-heads 104-128 times the longest (fused_chunk16_wave's lower edge was 128, 100 since its rows; run it with --longest).
+token-heads 104-128 times the longest (chosen at fused_chunk16_wave's lower edge of 128; from their times the edge is
+100 since; run it with --longest).
 
 Peers (--peers, default fla,cudnn; flashkda on request): fla's chunk_kda, cuDNN's kda_hopper_cuda engine
 (benchmarks/peer_cudnn.py) and vLLM 0.34's FlashKDA, Kimi K3's own prefill on an H200 (benchmarks/peer_flashkda.py,
@@ -153,8 +154,9 @@ def serving_cases(heads):
 
 def wave_edge_cases():
     """One long prompt among like-length ones at 256..383 sequences x heads (fused_chunk16_wave's band), the longest
-    set so the call's token-heads are 104 .. 128 times its length (work_per_longest; the band's lower edge was 128 when these rows were chosen, 100 since): where
-    the role-split kernel's longest chain starts to outlast the chunk-64 call or the mixed-length pieces."""
+    set so the call's token-heads are 104 .. 128 times its length (work_per_longest; the band's lower edge was 128 when
+    these rows were chosen, 100 since): where the role-split kernel's longest chain starts to outlast the chunk-64 call
+    or the mixed-length pieces."""
     shapes = {16: {"1x2048+15x752": [2048] + [752] * 15, "1x2048+15x853": [2048] + [853] * 15,   # 104, 116
                    "1x2048+15x956": [2048] + [956] * 15},                                        # 128
               24: {"1x3000+11x909": [3000] + [909] * 11, "1x3000+11x1136": [3000] + [1136] * 11},  # 104, 124
