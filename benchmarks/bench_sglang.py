@@ -10,7 +10,8 @@ SGLang is imported) and calls SGLang's real TritonKDAKernel methods, as its KDAK
 
   packed_decode  (forward_decode's route: mixed_qkv after the conv)   vs FlashKDAExtKernel.packed_decode
   extend         (chunk_kda on the pool, raw gate and beta logits)    vs FlashKDAExtKernel.extend
-  target_verify  (chains of D drafts into the intermediate buffer)    vs FlashKDAExtKernel.target_verify
+  target_verify  (chains of D drafts into the intermediate buffer;    vs FlashKDAExtKernel.target_verify
+                 --tree: binary draft trees, retrieve_parent_token)
   graph_extend   (--phases graph_extend) one batch in one bucket of SGLang's breakable prefill CUDA graph, three
                  ways: FlashKDAExtKernel.extend as SGLang runs it where the graph breaks at a KDA layer (arm
                  "ours", eager: read its wall time, the Python counts); SGLang's real FlashInferKDAPrefillGraph
@@ -172,7 +173,7 @@ def parse_batches(spec):
     return out
 
 
-def verify_inputs(rows, D, H, sdt, gen, dev, slots):
+def verify_inputs(rows, D, H, sdt, gen, dev, slots, tree=False):
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     T = rows * D
     q, k, v = (r(1, T, H, K).bfloat16() for _ in range(3))
@@ -184,7 +185,14 @@ def verify_inputs(rows, D, H, sdt, gen, dev, slots):
     table = torch.arange(rows + 1, dtype=torch.int32, device=dev)      # build_verify_intermediate_state_indices
     return (A_log, dt_bias, q, k, v, a, b), dict(
         ssm_states=pool, cache_indices=idx, query_start_loc=torch.arange(0, T + 1, D, dtype=torch.int32, device=dev),
-        intermediate_states_buffer=buf, intermediate_state_indices=table, cache_steps=D, retrieve_parent_token=None)
+        intermediate_states_buffer=buf, intermediate_state_indices=table, cache_steps=D,
+        retrieve_parent_token=binary_tree(rows, D, dev) if tree else None)
+
+
+def binary_tree(rows, D, dev):
+    """retrieve_parent_token [rows, D] int32 (as SGLang's graph buffers hold it) of a binary draft tree: token t's
+    parent is (t - 1) // 2 (column 0: the root, -1)."""
+    return (torch.arange(D, device=dev, dtype=torch.int32) - 1).div(2, rounding_mode="floor").repeat(rows, 1)
 
 
 class _Struct:
@@ -377,6 +385,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="", help="comma list of H = HV")
     ap.add_argument("--states", default="f32,bf16")
     ap.add_argument("--drafts", type=int, default=3, help="draft tokens per request (verify)")
+    ap.add_argument("--tree", action="store_true",
+                    help="verify: draft trees (token t's parent (t - 1) // 2, speculative topk > 1) instead of chains")
     ap.add_argument("--gate", choices=["softplus", "bounded"], default="softplus",
                     help="extend's and graph_extend's gate: softplus (Kimi-Linear) or bounded at lower_bound -5 "
                          "(Kimi K3)")
@@ -431,8 +441,9 @@ def main(argv=None):
                 fla_fn = None if no_fla else fla_extend(a_args, kw)
             else:
                 rows = point
-                a_args, kw = verify_inputs(rows, args.drafts, H, sdt, gen, dev, slots=max(2 * rows, 64))
-                name, fla_fn = f"r{rows}_d{args.drafts}", None
+                a_args, kw = verify_inputs(rows, args.drafts, H, sdt, gen, dev, slots=max(2 * rows, 64),
+                                           tree=args.tree)
+                name, fla_fn = f"r{rows}_d{args.drafts}{'_tree' if args.tree else ''}", None
             label = f"{sname}_h{H}_{name}"
             res = agreement(method, ours, sglang, a_args, kw)
             agree[label] = res

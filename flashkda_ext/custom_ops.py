@@ -311,37 +311,40 @@ def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
                   cu_seqlens: Tensor, num_accepted_tokens: Optional[Tensor], max_seqlen: Optional[Count],
                   A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[Real], gate: str,
                   scale: Optional[Real], beta_is_logit: Flag, null_slot0: Flag, out: Tensor,
-                  initial_state: Optional[Tensor] = None, initial_state_indices: Optional[Tensor] = None) -> None:
+                  initial_state: Optional[Tensor] = None, initial_state_indices: Optional[Tensor] = None,
+                  parent_tokens: Optional[Tensor] = None) -> None:
     _refuse_no_out("kda_verify", out)
     _ops.kda_verify(q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
                     num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-                    out=out, initial_state=initial_state, initial_state_indices=initial_state_indices)
+                    out=out, initial_state=initial_state, initial_state_indices=initial_state_indices,
+                    parent_tokens=parent_tokens)
 
 
 @_fake("kda_verify")
 def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
                      dt_bias, lower_bound, gate, scale, beta_is_logit, null_slot0, out, initial_state=None,
-                     initial_state_indices=None) -> None:
+                     initial_state_indices=None, parent_tokens=None) -> None:
     _refuse_no_out("kda_verify", out)
     # the index values are checked by the real implementation (a graph has none to read)
     _check_on_meta(validation.check_kda_verify, None, (q, k, v, g, beta), dict(
         state=state, state_indices=state_indices, cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens,
         max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
         beta_is_logit=beta_is_logit, null_slot0=null_slot0, out=out, initial_state=initial_state,
-        initial_state_indices=initial_state_indices))
+        initial_state_indices=initial_state_indices, parent_tokens=parent_tokens))
 
 
 def traced_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                       max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None,
-                      beta_is_logit=True, null_slot0=False, out=None, initial_state=None, initial_state_indices=None):
+                      beta_is_logit=True, null_slot0=False, out=None, initial_state=None, initial_state_indices=None,
+                      parent_tokens=None):
     """kda_verify under tracing: same arguments and result as the public op."""
     if out is None:
         _read_ok("v", v)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kda_verify_op(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
                   dt_bias, _opt_float("lower_bound", lower_bound), gate, _opt_float("scale", scale), beta_is_logit,
-                  null_slot0, out, initial_state, initial_state_indices)
+                  null_slot0, out, initial_state, initial_state_indices, parent_tokens)
     return out
 
 

@@ -340,7 +340,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
 
 def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None,
                A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
-               null_slot0=False, out=None, initial_state=None, initial_state_indices=None):
+               null_slot0=False, out=None, initial_state=None, initial_state_indices=None, parent_tokens=None):
     """Speculative-decoding verify: T_n draft tokens per request on a state pool, the state after
     every token stored in a slot of its own.
 
@@ -363,15 +363,21 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     table state_indices[n] * T_max + t over the R * T_max slots (the state after token t goes to
     state[row, t]); a padding row (negative, 0 with null_slot0, on a GPU also >= R) makes the request
     padding. docs/semantics.md, "Verify".
+
+    parent_tokens int32 [N, T_max] (a draft tree, e.g. SGLang's retrieve_parent_token): token t >= 1 of
+    request n continues from the state stored after its token parent_tokens[n, t] (in [0, t), an entry
+    whose state is stored) instead of token t - 1; column 0 is not read. On a GPU a request with an
+    entry outside those rules is padding (zeros, nothing written); on the CPU it is a ValueError.
     """
     key = dest = None
     if (fast_path.ENABLED and not _is_compiling() and not trace.enabled() and type(q) is _Tensor
             and type(state_indices) is _Tensor
             and fast_path.plain_ok((q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens,
-                                    initial_state, initial_state_indices), (state, out))):
+                                    initial_state, initial_state_indices, parent_tokens), (state, out))):
         key = ("kda_verify", q.shape, state_indices.shape, gate, type(lower_bound), lower_bound, type(scale), scale,
                type(beta_is_logit), beta_is_logit, type(null_slot0), null_slot0, type(max_seqlen), max_seqlen,
-               num_accepted_tokens is None, initial_state is None, initial_state_indices is None)
+               num_accepted_tokens is None, initial_state is None, initial_state_indices is None,
+               parent_tokens is None)
         entry = fast_path.get(key)
         if entry is not None:
             fn, sig, tail, seen = entry
@@ -380,9 +386,10 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
             try:
                 dest = torch.empty_like(v, memory_format=_DENSE) if out is None else out  # a valid call's out
                 validation.check_verify_values(seen, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen,
-                                               initial_state_indices, _initial_is_state(seen, initial_state, state))
+                                               initial_state_indices, _initial_is_state(seen, initial_state, state),
+                                               parent_tokens)
                 if fn(sig, q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
-                      initial_state, initial_state_indices, dest, *tail) == sig:
+                      initial_state, initial_state_indices, parent_tokens, dest, *tail) == sig:
                     return dest
             except Exception:  # noqa: BLE001
                 pass
@@ -391,19 +398,21 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
             q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
             num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-            out=out, initial_state=initial_state, initial_state_indices=initial_state_indices)
+            out=out, initial_state=initial_state, initial_state_indices=initial_state_indices,
+            parent_tokens=parent_tokens)
     call = validation.check_kda_verify(
         q, k, v, g, beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
         num_accepted_tokens=num_accepted_tokens, max_seqlen=max_seqlen, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
-        out=out, initial_state=initial_state, initial_state_indices=initial_state_indices)
+        out=out, initial_state=initial_state, initial_state_indices=initial_state_indices,
+        parent_tokens=parent_tokens)
     validation.check_verify_values(call, cu_seqlens, state_indices, num_accepted_tokens, max_seqlen,
-                                   initial_state_indices, _initial_is_state(call, initial_state, state))
+                                   initial_state_indices, _initial_is_state(call, initial_state, state), parent_tokens)
     validation.check_apart((("out", out), ("state", state)),
                            (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
                             ("dt_bias", dt_bias), ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
                             ("num_accepted_tokens", num_accepted_tokens), ("initial_state", initial_state),
-                            ("initial_state_indices", initial_state_indices)),
+                            ("initial_state_indices", initial_state_indices), ("parent_tokens", parent_tokens)),
                            same_view_ok=("state", "initial_state"))
     if out is None:
         out = dest if dest is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -411,7 +420,8 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
         trace.emit("kda_verify", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, cu_seqlens=cu_seqlens,
             num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            scale=call.scale, out=out, initial_state=initial_state, initial_state_indices=initial_state_indices))
+            scale=call.scale, out=out, initial_state=initial_state, initial_state_indices=initial_state_indices,
+            parent_tokens=parent_tokens))
     if call.as_decode:
         # One token per request, read from and written to column 0: kda_decode's own module on views
         # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
@@ -427,7 +437,7 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
         g, beta = _cast_gb(casts, g, beta)
     sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
-                initial_state, initial_state_indices, out)
+                initial_state, initial_state_indices, parent_tokens, out)
     tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
     fn(*sig_args, *tail)
     if key is not None and not casts:  # a converted copy's signature would never match the caller's tensor

@@ -455,10 +455,11 @@ class _Recorder:
 
 
 def test_sglang_target_verify_fallback_writes_out():
-    """Before: a draft-tree verify fell back without out (SGLang's kernel takes none) and out stayed unwritten."""
+    """Before: a verify that fell back (a draft tree then; now one whose parent table is not [N, S]) went without
+    out (SGLang's kernel takes none) and out stayed unwritten."""
     out = torch.zeros(1, 5, H, V)
     fallback = _Recorder()
-    _, call = sglang_verify(out, retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64))
+    _, call = sglang_verify(out, retrieve_parent_token=torch.zeros(2, 9, dtype=torch.int64))
     assert call(FlashKDAExtKernel(fallback=fallback)) is out
     assert "out" not in fallback.calls[-1] and torch.equal(out, torch.full_like(out, 3.0))
 
@@ -467,7 +468,7 @@ def test_sglang_target_verify_fallback_writes_out():
                          ids=["shape", "dtype"])
 def test_sglang_target_verify_fallback_checks_out_first(bad):
     fallback = _Recorder()
-    _, call = sglang_verify(bad, retrieve_parent_token=torch.zeros(2, 3, dtype=torch.int64))
+    _, call = sglang_verify(bad, retrieve_parent_token=torch.zeros(2, 9, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"^out: expected a torch.float32 tensor \[1, T, HV, V\]"):
         call(FlashKDAExtKernel(fallback=fallback))
     assert fallback.calls == [] and not bad.any()

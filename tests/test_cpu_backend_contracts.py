@@ -89,7 +89,7 @@ def verify_args(in_dtype=torch.float32, state_dtype=torch.float32, H=2, HV=4, K=
                 A_log=r(HV, dt=torch.float32), dt_bias=r(HV * K, dt=torch.float32),
                 state=r(slots, HV, V, K, dt=state_dtype), state_indices=torch.tensor(TABLE, dtype=torch.int32),
                 cu_seqlens=_cu(LENS), num_accepted_tokens=torch.tensor(ACCEPTED, dtype=torch.int32),
-                initial_state=None, initial_state_indices=None,
+                initial_state=None, initial_state_indices=None, parent_tokens=None,
                 out=torch.full((1, T, HV, V), math.nan, dtype=in_dtype), gate_mode=0, lower_bound=-5.0,
                 scale=K ** -0.5, beta_is_logit=True, null_slot0=False)
 

@@ -232,9 +232,10 @@ def call_verify(case, **extra):
                                              c.pop("a"), c.pop("b"), **c)
 
 
-def reference_verify(case):
+def reference_verify(case, parents=None):
     """The token recurrence (kda_decode_step, one token at a time) from each request's committed slot; the
-    state after each token stored in the buffer's dtype and continued from there. Returns (out, buffer)."""
+    state after each token stored in the buffer's dtype and continued from there (with parents [N, S], a
+    draft tree: token t >= 1 from what token parents[n, t] stored). Returns (out, buffer)."""
     c = case
     q, k, v, pool, buf = c["q"][0], c["k"][0], c["v"][0], c["ssm_states"], c["intermediate_states_buffer"].clone()
     a, b = c["a"].to(q.dtype).view(-1, H, K), c["b"].to(q.dtype)
@@ -246,6 +247,8 @@ def reference_verify(case):
             continue
         state = pool[slot:slot + 1].clone()
         for t, i in enumerate(range(offsets[n], offsets[n + 1])):
+            if parents is not None and t > 0:
+                state = buf[row, int(parents[n, t])].unsqueeze(0).clone()
             o, state = kda_decode_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], a[i:i + 1], b[i:i + 1], state=state,
                                        state_indices=one, A_log=c["A_log"].flatten(), dt_bias=c["dt_bias"])
             out[i] = o[0]
@@ -500,10 +503,30 @@ def test_target_verify_takes_the_per_pool_row_table():
     assert torch.equal(bits(case["intermediate_states_buffer"]), bits(short["intermediate_states_buffer"]))
 
 
-def test_target_verify_tree_falls_back():
+def test_target_verify_serves_a_draft_tree():
+    """topk > 1: retrieve_parent_token [N, S] (int64, as SGLang's eager path allocates it; column 0 junk) is
+    served by kda_verify's parent_tokens: token t continues from what its parent stored."""
+    from flashkda_ext.integrations.sglang import STATS
+    case = verify_case([4, 3], steps=4, rows=[0, 2], cidx=[1, 4], seed=21)
+    parents = torch.tensor([[-7, 0, 0, 1], [99, 0, 0, 5]], dtype=torch.int64)   # [1, 3]: past request 1's tokens
+    buf0 = case["intermediate_states_buffer"].clone()
+    served = STATS["target_verify", "served"]
+    o = call_verify(case, retrieve_parent_token=parents, cache_steps=4)
+    assert STATS["target_verify", "served"] == served + 1
+    want_o, want_buf = reference_verify(dict(case, intermediate_states_buffer=buf0), parents)
+    torch.testing.assert_close(o[0].double(), want_o, **TOL)
+    buf = case["intermediate_states_buffer"]
+    torch.testing.assert_close(buf[0, :4], want_buf[0, :4], **TOL)
+    torch.testing.assert_close(buf[2, :3], want_buf[2, :3], **TOL)
+    assert torch.isnan(buf[2, 3]).all() and torch.isnan(buf[[1, 3, 4]]).all()
+    chain = call_verify(dict(case, intermediate_states_buffer=buf0.clone()), cache_steps=4)
+    assert not torch.equal(chain, o)   # the tree changed where tokens 2 and 3 start
+
+
+def test_target_verify_tree_with_a_parent_table_of_other_steps_falls_back():
     case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=21)
     fallback = Recorder()
-    parents = torch.zeros(2, 3, dtype=torch.int64)
+    parents = torch.zeros(2, 4, dtype=torch.int64)   # [N, D] with D != the buffer's S = 3 steps
     c = dict(case)
     out = FlashKDAExtKernel(fallback=fallback).target_verify(
         c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"), c.pop("a"), c.pop("b"),
@@ -512,6 +535,16 @@ def test_target_verify_tree_falls_back():
     assert fallback.calls[0][2]["retrieve_parent_token"] is parents
     with pytest.raises(NotImplementedError, match="draft tree"):
         call_verify(case, retrieve_parent_token=parents)
+
+
+def test_target_verify_tree_parents_out_of_range_are_refused_before_anything_is_written():
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=22)
+    buf0 = case["intermediate_states_buffer"].clone()
+    for parents, match in ((torch.tensor([[0, 0, 2], [0, 0, 1]]), r"^retrieve_parent_token: entry \[0, 2\] = 2"),
+                           (torch.tensor([[0, 0, 1], [0, 2 ** 32, 1]]), r"^retrieve_parent_token: entry \[1, 1\]")):
+        with pytest.raises(ValueError, match=match):
+            call_verify(case, retrieve_parent_token=parents, cache_steps=3)
+        assert torch.equal(bits(case["intermediate_states_buffer"]), bits(buf0))
 
 
 @pytest.mark.parametrize("qsl, match", [

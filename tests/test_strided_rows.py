@@ -213,7 +213,7 @@ def test_the_cpu_bindings_refuse_overlapping_rows_on_their_own():
     with pytest.raises(ValueError, match=r"'beta' must have its inner dims contiguous"):
         jit.load_module("cpu_kda_verify")["kda_verify"](
             *vq, a["A_log"], a["dt_bias"], a["state"], torch.tensor([[1, 2], [3, 4]], dtype=torch.int32),
-            torch.tensor([0, 2, 4], dtype=torch.int32), None, None, None, vout, 0, 0.0, K ** -0.5, True,
+            torch.tensor([0, 2, 4], dtype=torch.int32), None, None, None, None, vout, 0, 0.0, K ** -0.5, True,
             False)
     assert vout.isnan().all()
 

@@ -342,7 +342,7 @@ def test_binding_checks_host_values_itself():
     def call(idx=None, cu=None, nacc=None):
         fn(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
            a["state_indices"] if idx is None else idx, a["cu_seqlens"] if cu is None else cu,
-           a["num_accepted_tokens"] if nacc is None else nacc, None, None, out, 0, 0.0, K ** -0.5, True, False)
+           a["num_accepted_tokens"] if nacc is None else nacc, None, None, None, out, 0, 0.0, K ** -0.5, True, False)
 
     pool0 = a["state"].clone()
     for kw, name in ((dict(idx=_dup_write(a)), "state_indices"), (dict(idx=_read_other(a)), "state_indices"),

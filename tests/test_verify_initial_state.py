@@ -234,7 +234,7 @@ def test_binding_checks_the_second_pool_itself():
 
     def call(init=a["initial_state"], idx=a["initial_state_indices"], nacc=None):
         fn(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"], a["state_indices"],
-           a["cu_seqlens"], nacc, init, idx, out, 0, 0.0, K ** -0.5, True, False)
+           a["cu_seqlens"], nacc, init, idx, None, out, 0, 0.0, K ** -0.5, True, False)
 
     pool0 = a["state"].clone()
     for kw, name in ((dict(idx=None), "initial_state_indices"), (dict(init=None), "initial_state"),
@@ -369,7 +369,7 @@ def test_binding_checks_step_rows_itself():
 
     def call(state=a["state"], idx=a["state_indices"]):
         fn(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], state, idx, a["cu_seqlens"], None,
-           a["initial_state"], a["initial_state_indices"], out, 0, 0.0, K ** -0.5, True, False)
+           a["initial_state"], a["initial_state_indices"], None, out, 0, 0.0, K ** -0.5, True, False)
 
     buf0 = a["state"].clone()
     for kw, name in ((dict(idx=torch.tensor([4, 6, 2], dtype=torch.int32)), "state_indices"),

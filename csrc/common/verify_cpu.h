@@ -120,5 +120,34 @@ inline VerifyPlan verify_host_plan(const Checker& c, const TensorView& state_ind
   return plan;
 }
 
+// kda_verify's draft tree: parent_tokens int32 [N, cols] on the CPU, contiguous; for every request that is
+// not padding, entry (n, t) of its tokens t >= 1 in [0, t) and naming a token whose entry is live (its
+// state is stored: the token continues from it). Column 0 is not read. Returns the entries (nullptr: a chain).
+inline const int32_t* tree_parents_host(const Checker& c, const OptTensor& parent_tokens, const VerifyPlan& plan,
+                                        int64_t N, int64_t cols) {
+  if (!parent_tokens.has_value()) return nullptr;
+  const TensorView& pt = parent_tokens.value();
+  c.device_type(pt, "parent_tokens", kDLCPU);
+  c.shape(pt, "parent_tokens", {{"N", N}, {"T_max", cols}});
+  c.dtype(pt, "parent_tokens", {kI32});
+  c.contiguous(pt, "parent_tokens");
+  const int32_t* par = data_ptr<const int32_t>(pt);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t len = plan.off[n + 1] - plan.off[n];
+    for (int64_t t = 1; t < len; ++t) {
+      const int32_t p = par[n * cols + t];
+      if (p < 0 || p >= t) {
+        FKDA_FAIL(c.fn()) << "argument 'parent_tokens': entry [" << n << ", " << t << "] = " << p
+                          << "; expected a token of request " << n << " before it, in [0, " << t << ")";
+      }
+      if (!plan.pad(plan.read[n]) && plan.pad(plan.idx[n * cols + p])) {
+        FKDA_FAIL(c.fn()) << "argument 'parent_tokens': entry [" << n << ", " << t << "] = " << p
+                          << " names a token whose state is not stored (its state_indices entry is padding)";
+      }
+    }
+  }
+  return par;
+}
+
 }  // namespace cpu
 }  // namespace fkda

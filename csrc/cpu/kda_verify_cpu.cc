@@ -5,7 +5,9 @@
 // initial_state[initial_state_indices[n]] when that second pool is given (read only), runs its
 // T_n tokens in order and stores the state after token t into slot state_indices[n, t] (negative,
 // or 0 with null_slot0: not stored). The state is kept in the pool's dtype between tokens, so
-// token t + 1 continues from exactly what was stored after token t (docs/semantics.md, "Verify").
+// token t + 1 continues from exactly what was stored after token t (docs/semantics.md, "Verify");
+// with parent_tokens (a draft tree) token t continues from what was stored after token
+// parent_tokens[n, t] instead.
 // A request whose read entry is padding gets zero outputs and touches nothing. Host values are all
 // visible here, so every rule of the op is checked: offsets, counts, slot ranges, and that no slot
 // is written twice or read by one request while another writes it.
@@ -25,7 +27,7 @@ namespace cpu = fkda::cpu;
 void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, OptTensor A_log,
                 OptTensor dt_bias, TensorView state, TensorView state_indices, TensorView cu_seqlens,
                 OptTensor num_accepted_tokens, OptTensor initial_state, OptTensor initial_state_indices,
-                TensorView out, int64_t gate_mode, double lower_bound,
+                OptTensor parent_tokens, TensorView out, int64_t gate_mode, double lower_bound,
                 double scale, bool beta_is_logit, bool null_slot0) {
   const Checker c("kda_verify");
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"},
@@ -73,6 +75,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const bool init_is_state = init.idx && fkda::same_view(initial_state.value(), state);
   const cpu::VerifyPlan plan = cpu::verify_host_plan(c, state_indices, cu_seqlens, num_accepted_tokens, T, table,
                                                      slots, null_slot0, init, init_is_state, layout.rows);
+  const int32_t* parents = cpu::tree_parents_host(c, parent_tokens, plan, N, cols);
 
   // ---- the recurrence ----------------------------------------------------------------------
   const cpu::Gate gate = cpu::make_gate(mode, lower_bound, A_log, dt_bias);
@@ -97,6 +100,11 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
       const TS* src = src_pool + static_cast<int64_t>(read) * src_stride;
       std::copy(src, src + slot_elems, work.begin());
       for (int64_t r = plan.off[n]; r < plan.off[n + 1]; ++r) {
+        const int64_t t = r - plan.off[n];
+        if (parents && t > 0 && parents[n * cols + t] != t - 1) {  // a tree: from what token p stored
+          const TS* stored = pool + static_cast<int64_t>(plan.idx[n * cols + parents[n * cols + t]]) * slot_stride;
+          std::copy(stored, stored + slot_elems, work.begin());
+        }
         qs.load(r * qr, H * K, qn.data());
         ks.load(r * kr, H * K, kn.data());
         for (int64_t h = 0; h < H; ++h) {
@@ -114,7 +122,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                           decay.data(), b, vrow.data(), orow.data(), row.data());
           os.store((r * HV + hv) * V, V, orow.data());
         }
-        const int32_t dst = plan.idx[n * cols + (r - plan.off[n])];
+        const int32_t dst = plan.idx[n * cols + t];
         if (!plan.pad(dst)) std::copy(work.begin(), work.end(), pool + static_cast<int64_t>(dst) * slot_stride);
       }
     }
@@ -124,6 +132,6 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_verify, kda_verify);
-// written: state (7), out (13); initial_state (11) may be the identical view of state
-FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 13), 7, 11);
+// written: state (7), out (14); initial_state (11) may be the identical view of state
+FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 14), 7, 11);
 FKDA_EXPORT_CONTRACT();

@@ -18,7 +18,8 @@
 //                              (kda_verify_kernels.cuh)
 // The index values live on the device, so nothing here reads them: the kernel treats a read entry
 // that is negative, 0 with null_slot0, >= slots, or a count outside [1, T_max] as a padding request,
-// and a token entry that is negative / null / >= slots as "not stored".
+// and a token entry that is negative / null / >= slots as "not stored"; with parent_tokens (a draft
+// tree, register-store modules only) a parent outside [0, t) or not stored makes the request padding.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -74,7 +75,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                 Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
                 TensorView state_indices, TensorView cu_seqlens, Optional<TensorView> num_accepted_tokens,
                 Optional<TensorView> initial_state, Optional<TensorView> initial_state_indices,
-                TensorView out, int64_t gate_mode, double lower_bound, double scale, bool beta_is_logit,
+                Optional<TensorView> parent_tokens, TensorView out, int64_t gate_mode, double lower_bound, double scale, bool beta_is_logit,
                 bool null_slot0) {
   constexpr int64_t K = FKDA_HEAD_DIM_K, V = FKDA_HEAD_DIM_V;
   static_assert(K == 128 && V == 128, "the verify kernels are written for K = V = 128");
@@ -107,6 +108,17 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   const fkda::InitialPool init =
       fkda::verify_initial_pool(c, initial_state, initial_state_indices, num_accepted_tokens, state, {"HV", HV},
                                 {"V", V}, {"K", K}, N, FKDA_SLOT_OFFSET_BITS, out);
+  if (parent_tokens.has_value()) {  // a draft tree: read back from the pool by the thread that stored it
+    const TensorView& pt = parent_tokens.value();
+    fkda::check_cuda_device(c, pt, "parent_tokens", out, "out");
+    c.shape(pt, "parent_tokens", {{"N", N}, {"T_max", cols}});
+    c.dtype(pt, "parent_tokens", {fkda::kI32});
+    c.contiguous(pt, "parent_tokens");
+    if (kBulkState) {
+      FKDA_FAIL(c.fn()) << "argument 'parent_tokens': this module stores the state by bulk copy and cannot read a "
+                           "parent's state back; a draft tree needs a register-store module (the routes pick one)";
+    }
+  }
   fkda::gate_and_scale(c, gate_mode, lower_bound, A_log, dt_bias, HV, K, out, "out", scale);
   if (dt_bias.has_value()) c.aligned(dt_bias.value(), "dt_bias", 16);
   if (N * HV * kNumVT > INT32_MAX / 2) FKDA_FAIL(c.fn()) << "N * HV = " << N * HV << " is too large for one call";
@@ -131,6 +143,7 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
   vp.init_idx = init.idx;
   vp.init_slots = init.slots;
   vp.init_slot_stride = init.slot_stride;
+  vp.parent = parent_tokens.has_value() ? fkda::data_ptr<const int32_t>(parent_tokens.value()) : nullptr;
 
   const fkda::cuda::LaunchContext ctx(out);
   const int64_t grid = N * HV * kNumVT;  // one CTA per (request, head, V-tile)
@@ -145,6 +158,6 @@ tvm::ffi::String fkda_contract() { return tvm::ffi::String(FKDA_CONTRACT_JSON); 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_verify, kda_verify);
-// written: state (7), out (13); initial_state (11) may be the identical view of state
-FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 13), 7, 11);
+// written: state (7), out (14); initial_state (11) may be the identical view of state
+FKDA_EXPORT_CHECKED(kda_verify, (1u << 7) | (1u << 14), 7, 11);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fkda_contract, fkda_contract);

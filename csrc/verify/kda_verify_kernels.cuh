@@ -31,6 +31,10 @@ struct VerifyParams {
   const void* init_state;
   const int32_t* init_idx;
   int64_t init_slots, init_slot_stride;  // init_slot_stride in elements
+  // parent_tokens [N, T_max] (a draft tree) or nullptr (a chain): token t >= 1 of request n continues from
+  // the state stored after its token parent[n * T_max + t] (register-store kernels only: it is read back
+  // from the pool by the thread that stored it)
+  const int32_t* parent;
 };
 
 // Request n's tokens [bos, bos + len) and the slot it starts from (read, in the pool it is read
@@ -59,6 +63,33 @@ __device__ __forceinline__ void token_beta_slot(const VerifyParams& vp, const Re
   if (vp.num_rows > 0) dst = rq.base >= 0 && t < vp.index_cols ? rq.base + t : -1;
   else dst = t < vp.index_cols ? __ldg(rq.row_idx + t) : -1;
 }
+// Entry (n, t)'s slot, or -1 where it stores nothing (padding, past T_max).
+__device__ __forceinline__ int32_t entry_slot(const VerifyParams& vp, const Request& rq, int t) {
+  if (t < 0 || t >= vp.index_cols) return -1;
+  if (vp.num_rows > 0) return rq.base >= 0 ? rq.base + t : -1;
+  return live_or_pad(vp, __ldg(rq.row_idx + t), vp.d.num_slots);
+}
+// A draft tree's parents for a request that is not padding: true (on every thread of the CTA) when one of
+// its tokens t >= 1 names a parent outside [0, t) or one whose state is not stored; the request is then
+// padding (zeros, nothing stored), decided before anything is written. Column 0 is not read.
+template <int THREADS>
+__device__ __forceinline__ bool tree_refused(const VerifyParams& vp, const Request& rq, int n) {
+  bool bad = false;
+  const int32_t* row = vp.parent + static_cast<int64_t>(n) * vp.index_cols;
+  for (int t = 1 + threadIdx.x; t < rq.len; t += THREADS) {
+    const int32_t pt = t < vp.index_cols ? __ldg(row + t) : -1;
+    bad |= pt < 0 || pt >= t || entry_slot(vp, rq, pt) < 0;
+  }
+  return __syncthreads_or(bad) != 0;
+}
+// Token t's source when it does not continue from token t - 1 (a tree's branch): its parent's slot; -1
+// otherwise (the state registers go on).
+__device__ __forceinline__ int32_t tree_source(const VerifyParams& vp, const Request& rq, int n, int t) {
+  if (vp.parent == nullptr || t == 0) return -1;
+  const int32_t pt = __ldg(vp.parent + static_cast<int64_t>(n) * vp.index_cols + t);
+  return pt == t - 1 ? -1 : entry_slot(vp, rq, pt);
+}
+
 // With T_max <= kRowAhead the whole slot row is loaded beside cu_seqlens and the count, and the read
 // slot picked from registers: one dependent load fewer (about one memory latency) before the state
 // load can start. Longer rows load the one entry once the count is known.
@@ -288,6 +319,22 @@ __device__ __forceinline__ void token_step_on(const DecodeParams& p, typename T:
   }
 }
 
+// A tree's branch: the thread's state chunks as it stored them after the parent token (load_state_at's
+// layout; plain loads: the pool was written in this kernel, never read through the non-coherent path).
+template <typename T>
+__device__ __forceinline__ void tree_reload(typename T::Item& cur, const typename T::Elem* sb, int lane) {
+  constexpr int LPR = 32 / T::RPW;  // lanes a V-row
+  const int c = lane % LPR, r = lane / LPR;
+#pragma unroll
+  for (int ps = 0; ps < T::PASSES; ++ps) {
+#pragma unroll
+    for (int i = 0; i < T::CHUNKS; ++i) {
+      const int e = (ps * T::RPW + r) * T::K + T::key_of(i, c);
+      cur.s[ps][i] = *reinterpret_cast<const uint4*>(sb + e);
+    }
+  }
+}
+
 // One token on the state registers, the packed new state kept (the next token continues from the
 // stored value) and, when `store`, sent to slot dst.
 template <typename T, typename OffT>
@@ -375,6 +422,7 @@ struct Staged {
     float beta[S];
     fkda_decode::gb_t beta_raw[S];
     int32_t dst[S];
+    int32_t src[S];  // a tree's branch: the slot token j starts from (tree_source), -1: the registers go on
   };
 
   // Tokens [t0, t0 + nb) of the request at bos: raw q, k, g and v in flight by cp.async (one group).
@@ -594,8 +642,11 @@ kda_verify_staged_kernel(const VerifyParams vp) {
   const int grp = threadIdx.x / LPR;
   const fkda_decode::TileCoords tc = fkda_decode::tile_coords<V_TILE, WARPS>(p, warp);
   const int n = tc.row, hv = tc.hv, vt = tc.vt, vrow0 = tc.vrow0;  // plain ints: the lambda below captures them
-  const Request rq = request_of(vp, n);
+  Request rq = request_of(vp, n);
   if (rq.len <= 0) return;
+  if constexpr (BULK == 0) {
+    if (vp.parent != nullptr && rq.read >= 0 && tree_refused<THREADS>(vp, rq, n)) rq.read = -1;
+  }
   const int bos = rq.bos, len = rq.len;
   const int h = hv / p.group;
   using Elem = typename T::Elem;
@@ -639,8 +690,10 @@ kda_verify_staged_kernel(const VerifyParams vp) {
       __syncthreads();  // every warp is done with the previous block
       St::issue(p, raw, bos, t0, nb, h, hv, vt);
     }
-    if (threadIdx.x < nb)  // token t0 + threadIdx.x's beta and slot
+    if (threadIdx.x < nb) {  // token t0 + threadIdx.x's beta and slot (and a tree's branch source)
       token_beta_slot(vp, rq, hv, t0 + threadIdx.x, pp.beta_raw[threadIdx.x], pp.dst[threadIdx.x]);
+      if constexpr (BULK == 0) pp.src[threadIdx.x] = tree_source(vp, rq, n, t0 + threadIdx.x);
+    }
     fkda_decode::cp_async_wait<0>();
     __syncthreads();
     if constexpr (!kSplitPrep) {
@@ -681,6 +734,12 @@ kda_verify_staged_kernel(const VerifyParams vp) {
           fkda::bulk_s2g(static_cast<Elem*>(p.state) + T::slot_base(p, dst, hv, vt * V_TILE), tile, kTileBytes);
         }
       } else {
+        const int32_t src = pp.src[j];
+        if (src >= 0) {  // a tree's branch: the state this thread stored after the parent (plain loads, ordered
+                         // after its own stores by program order)
+          const Elem* sb = static_cast<const Elem*>(p.state) + T::slot_base(p, src, hv, vrow0);
+          tree_reload<T>(cur, sb, lane);
+        }
         token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
       }
     }

@@ -26,7 +26,7 @@ _ABI = {
     "fused_kda_decode": ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias",
                          "state_indices", "state", "output_gate", "norm_weight", "out"),
     "kda_verify": ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
-                   "num_accepted_tokens", "initial_state", "initial_state_indices", "out"),
+                   "num_accepted_tokens", "initial_state", "initial_state_indices", "parent_tokens", "out"),
     "fused_kda_verify": ("x", "conv_weight", "conv_state", "g", "beta", "A_log", "dt_bias", "state", "output_gate",
                          "norm_weight", "state_indices", "cu_seqlens", "num_accepted_tokens", "out"),
 }

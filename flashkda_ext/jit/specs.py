@@ -32,7 +32,7 @@ META_KEYS = {
                     "work_items", "work_per_longest", "longest_vs_mean_pct", "state", "offset", "gate", "checkpoints",
                     "lower_bound"},
     "kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
-                   "state", "offset", "gate", "gb"},
+                   "state", "offset", "gate", "gb", "tree"},
     "fused_kda_verify": {"device", "num_seqs", "value_heads", "total_tokens", "max_seqlen", "work_items",
                          "state", "offset", "gate"},
 }

@@ -44,10 +44,32 @@ def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot
     return plan
 
 
+def tree_parents(plan, parent_tokens):
+    """For each request of plan (verify_plan's): the token each of its tokens continues from, None
+    for token 0 (the read slot); t - 1 without parent_tokens (the chain). parent_tokens [N, T_max]
+    (host values; column 0 not read): entry [n, t] in [0, t), naming a token whose state is stored
+    when the request is not padding. Raises ValueError naming parent_tokens otherwise."""
+    out = []
+    for n, (s, e, read, writes) in enumerate(plan):
+        parents = [None] + list(range(e - s - 1))
+        if parent_tokens is not None:
+            parents = [None] + [int(p) for p in parent_tokens[n].tolist()[1:e - s]]
+            for t in range(1, e - s):
+                p = parents[t]
+                if not 0 <= p < t:
+                    raise ValueError(f"parent_tokens: entry [{n}, {t}] = {p}; expected a token of request {n} "
+                                     f"before it, in [0, {t})")
+                if read is not None and writes[p] is None:
+                    raise ValueError(f"parent_tokens: entry [{n}, {t}] = {p} names a token whose state is not "
+                                     f"stored (its state_indices entry is padding)")
+        out.append(parents)
+    return out
+
+
 def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                     gate="softplus", A_log=None, dt_bias=None, lower_bound=None, scale=None,
                     beta_is_logit=True, null_slot0=False, initial_state=None, initial_state_indices=None,
-                    dtype=torch.float64):
+                    parent_tokens=None, dtype=torch.float64):
     """The verify step on a state pool.
 
     q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K] raw gate; beta [1, T, HV]; state: pool
@@ -64,8 +86,12 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
     With initial_state (a pool [slots2, HV, V, K] in state's dtype, never written) and
     initial_state_indices [N] (num_accepted_tokens then None), request n starts from
     initial_state[initial_state_indices[n]] instead (negative, or 0 with null_slot0: the request is
-    padding); everything else is unchanged. Returns (out [1, T, HV, V] in dtype, new pool); the
-    input pools are not modified.
+    padding); everything else is unchanged.
+    With parent_tokens [N, T_max] (a draft tree), token t >= 1 of request n continues from the state
+    stored after token parent_tokens[n, t] of the same request (in [0, t), its entry live) instead of
+    token t - 1; column 0 is not read (token 0 starts from the read slot), and parent_tokens[n, t] =
+    t - 1 for every t is the chain. Returns (out [1, T, HV, V] in dtype, new pool); the input pools
+    are not modified.
     """
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected packed [1, T, H, K], got shape {tuple(q.shape)}")
@@ -77,7 +103,7 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
             q, k, v, g, beta, state=flat, state_indices=table, cu_seqlens=cu_seqlens,
             num_accepted_tokens=num_accepted_tokens, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, initial_state=initial_state,
-            initial_state_indices=initial_state_indices, dtype=dtype)
+            initial_state_indices=initial_state_indices, parent_tokens=parent_tokens, dtype=dtype)
         return out, pool.view(state.shape)
     T, HV, V, K = q.shape[1], v.shape[2], v.shape[3], q.shape[3]
     if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K):
@@ -90,16 +116,20 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
                          f"{tuple(source.shape)} {source.dtype}")
     plan = verify_plan(cu_seqlens, state_indices, num_accepted_tokens, state.shape[0], null_slot0,
                        initial_state_indices, source.shape[0])
+    parents = tree_parents(plan, parent_tokens)
     qn, kn, vv, gl, bb = prepare_token_inputs(
         q[0], k[0], v[0], g[0], beta[0], gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         scale=scale, beta_is_logit=beta_is_logit, dtype=dtype)
     pool = state.clone()
     out = torch.zeros(1, T, HV, V, dtype=dtype, device=v.device)
-    for s, e, read, writes in plan:
+    for (s, e, read, writes), parent in zip(plan, parents):
         if read is None or e == s:
             continue
         S = source[read].to(dtype)  # as the pool was before the call
         for t in range(s, e):
+            p = parent[t - s]
+            if p is not None and p != t - s - 1:  # a tree: from the state stored after token p
+                S = pool[writes[p]].to(dtype)
             out[0, t], S = delta_step(S, qn[t], kn[t], vv[t], gl[t], bb[t])
             stored = S.to(pool.dtype)
             S = stored.to(dtype)  # the next token continues from the stored value

@@ -25,7 +25,7 @@ _OP_DEFAULTS = {
                              slot_mode="unique", null_slot0=False),
     "kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None,
                        gate="softplus", scale=None, beta_is_logit=True, null_slot0=False, initial_state=None,
-                       initial_state_indices=None),
+                       initial_state_indices=None, parent_tokens=None),
     "fused_kda_verify": dict(num_accepted_tokens=None, max_seqlen=None, lower_bound=None, gate="softplus",
                              norm_eps=1e-5, scale=None, null_slot0=False),
 }

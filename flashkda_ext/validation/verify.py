@@ -116,6 +116,7 @@ class VerifyCall(_GbDtypes):
     beta_dtype: str
     initial_slots: int = -1         # slots of initial_state; -1: no second start pool
     rows: int = 0                   # step rows (state [R, T_max, ...], state_indices [N]): R; 0: a slot table
+    tree: bool = False              # parent_tokens given (a draft tree): only register-store modules serve it
 
     @property
     def has_initial(self) -> bool:
@@ -130,7 +131,7 @@ class VerifyCall(_GbDtypes):
         return self.index_cols == 1 and not self.has_initial and not self.rows
 
     def route_meta(self) -> dict:
-        return dict(_verify_route_meta(self), gb=self.gb)
+        return dict(_verify_route_meta(self), gb=self.gb, tree=self.tree)
 
     def decode_route_meta(self) -> dict:
         """kda_decode's route metadata for the as_decode case (negatives allowed: 'padded')."""
@@ -143,7 +144,7 @@ class VerifyCall(_GbDtypes):
 def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None,
                      max_seqlen=None, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
                      scale=None, beta_is_logit=True, null_slot0=False, out=None, initial_state=None,
-                     initial_state_indices=None, backend=None) -> VerifyCall:
+                     initial_state_indices=None, parent_tokens=None, backend=None) -> VerifyCall:
     """Everything about a verify call that its metadata shows; the values of host index tensors
     are checked by check_verify_values on every call (and the addresses by check_apart)."""
     device, H, K, HV, V = _qkv_common(q, k, v, g, beta, lead=("1", "T"), lead_names="1, T", gb_f32=True,
@@ -167,16 +168,23 @@ def check_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_
                                   device, backend)
     max_seqlen = _verify_lengths("q", T, N, cols, cu_seqlens, num_accepted_tokens, max_seqlen, device,
                                  one_token_is_decode=initial_state is None and not rows)
+    if parent_tokens is not None:  # a draft tree: token t continues from token parent_tokens[n, t]
+        parent_tokens = _int32_indices("parent_tokens", parent_tokens, device, 2,
+                                       "[N, T_max] (the token each draft token continues from)")
+        if tuple(parent_tokens.shape) != (N, cols):
+            raise ValueError(f"parent_tokens: expected [N, T_max] = [{N}, {cols}] (as the slot table "
+                             f"state_indices stands for), got {list(parent_tokens.shape)}")
     lb = _pool_step_tail("kda_verify", "padded", (H, K, HV, V), q, k, v, g, beta, state, A_log, dt_bias,
                          lower_bound, gate, out, (1, T, HV, V), "[1, T, HV, V]",
                          (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
                           ("num_accepted_tokens", num_accepted_tokens), ("initial_state", initial_state),
-                          ("initial_state_indices", initial_state_indices)), device, backend)
+                          ("initial_state_indices", initial_state_indices), ("parent_tokens", parent_tokens)),
+                         device, backend)
     return VerifyCall(backend, N, T, cols, max_seqlen, H, HV, K, V, slots, dtype_name(q.dtype),
                       dtype_name(state.dtype), gate, GATE_MODE[gate], lb, _resolve_scale(scale, K),
                       beta_is_logit, null_slot0, num_accepted_tokens is not None,
                       _offset_bits(state, initial_state), dtype_name(g.dtype), dtype_name(beta.dtype), initial_slots,
-                      rows)
+                      rows, parent_tokens is not None)
 
 
 def _initial_pool(initial_state, initial_state_indices, num_accepted_tokens, state, dims, N, device, backend) -> int:
@@ -201,11 +209,14 @@ def _initial_pool(initial_state, initial_state_indices, num_accepted_tokens, sta
 
 
 def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepted_tokens,
-                        max_seqlen=None, initial_state_indices=None, initial_is_state=False) -> None:
+                        max_seqlen=None, initial_state_indices=None, initial_is_state=False,
+                        parent_tokens=None) -> None:
     """The values of the index tensors, where they live in host memory (the CPU backend); on a GPU
     they are never read here (no synchronisation), and the kernels treat what they cannot serve as
     padding (docs/semantics.md, "Verify"). Runs on every call: values are not metadata.
-    initial_is_state: initial_state is the identical view of state (its reads then meet the writes)."""
+    initial_is_state: initial_state is the identical view of state (its reads then meet the writes).
+    parent_tokens (kda_verify's draft tree): entry [n, t], t >= 1 of a request's tokens, in [0, t) and
+    naming a token whose entry is live (its state is stored) unless the request is padding."""
     if call.backend != "cpu" or cu_seqlens.device.type != "cpu":
         return
     cs = cu_seqlens.tolist()
@@ -249,6 +260,16 @@ def check_verify_values(call: VerifyCall, cu_seqlens, state_indices, num_accepte
         reads = [row[accepted[n] - 1] for n, row in enumerate(idx)]
     reads = [-1 if p else s for s, p in zip(reads, pad_row)]  # a padding row: a padding request
     pad = (lambda s: s < 0 or (call.null_slot0 and s == 0))
+    if parent_tokens is not None:
+        for n, row in enumerate(parent_tokens.tolist()):
+            for t in range(1, lengths[n]):
+                p = row[t]
+                if not 0 <= p < t:
+                    raise ValueError(f"parent_tokens: entry [{n}, {t}] = {p}; expected a token of request {n} "
+                                     f"before it, in [0, {t})")
+                if not pad(reads[n]) and pad(idx[n][p]):
+                    raise ValueError(f"parent_tokens: entry [{n}, {t}] = {p} names a token whose state is not "
+                                     f"stored (state_indices entry [{n}, {p}] is padding)")
     writer = {}  # slot -> request that writes it
     for n, row in enumerate(idx):
         if pad(reads[n]):

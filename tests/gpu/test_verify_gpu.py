@@ -67,7 +67,7 @@ def call_module(name, a, out, gate="softplus", lb=-5.0, scale=None, beta_is_logi
         g, beta = g.float(), beta.float()
     load(name)["kda_verify"](a["q"], a["k"], a["v"], g, beta, a["A_log"], a["dt_bias"], a["state"],
                              a["state_indices"], a["cu_seqlens"], a["num_accepted_tokens"], a.get("initial_state"),
-                             a.get("initial_state_indices"), out, GATES[gate], float(lb),
+                             a.get("initial_state_indices"), a.get("parent_tokens"), out, GATES[gate], float(lb),
                              float(K ** -0.5 if scale is None else scale), bool(beta_is_logit), bool(null_slot0))
 
 

@@ -278,21 +278,22 @@ class FlashKDAExtKernel:
                       cache_ring: bool = False, replayssm_rawv=None, replayssm_rawk=None, replayssm_g=None,
                       replayssm_beta=None, fused_accept_state_indices=None, fused_accept_num_accepted=None,
                       out: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
-        """Speculative-decoding verify of chains of draft tokens (docs/integrations.md, "SGLang"). Returns
+        """Speculative-decoding verify of chains or draft trees (docs/integrations.md, "SGLang"). Returns
         [1, T, HV, V]; ssm_states is never written; the state after token t of request n goes to
         intermediate_states_buffer[intermediate_state_indices[n], t] (the table may be longer than N: SGLang
-        passes its per-pool table, request n uses entry n)."""
+        passes its per-pool table, request n uses entry n); with retrieve_parent_token [N, S] (a draft tree)
+        token t continues from the state stored after token retrieve_parent_token[n, t]."""
         _no_unknown("target_verify", kwargs)
         reason = None
-        if retrieve_parent_token is not None:
-            reason = "draft tree (retrieve_parent_token, speculative topk > 1): kda_verify runs chains"
-        elif cache_ring or any(x is not None for x in (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)):
+        if cache_ring or any(x is not None for x in (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)):
             reason = "ReplaySSM ring write (--enable-linear-replayssm-spec)"
         elif fused_accept_state_indices is not None or fused_accept_num_accepted is not None:
             reason = "fused-accept verify indices (FlashInfer's recurrent_kda contract)"
         elif torch.is_tensor(query_start_loc) and unchecked_on_device(query_start_loc):
             reason = (f"{query_start_loc.dtype} query_start_loc on {query_start_loc.device} (narrowing to the "
                       f"kernels' int32 needs a range check, reading it a sync)")
+        elif retrieve_parent_token is not None:
+            reason = _tree_fallback_reason(retrieve_parent_token, cache_indices, intermediate_states_buffer)
         if reason is not None:
             ring = dict(cache_ring=cache_ring, replayssm_rawv=replayssm_rawv, replayssm_rawk=replayssm_rawk,
                         replayssm_g=replayssm_g, replayssm_beta=replayssm_beta)
@@ -317,9 +318,21 @@ class FlashKDAExtKernel:
         o = verify.target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                                  query_start_loc=query_start_loc, buf=intermediate_states_buffer,
                                  table=intermediate_state_indices, cache_steps=cache_steps,
-                                 lower_bound=lower_bound, gate_of=_gate, out=out)
+                                 lower_bound=lower_bound, gate_of=_gate, out=out, parents=retrieve_parent_token)
         STATS["target_verify", "served"] += 1
         return o
+
+
+def _tree_fallback_reason(parents, cache_indices, buf) -> Optional[str]:
+    """Why a draft tree's verify goes to SGLang's kernel, or None: kda_verify reads the parents as a table
+    [N, S] beside the buffer's S steps (SGLang allocates [bs, draft_token_num] and steps of the same count)."""
+    if not (torch.is_tensor(parents) and torch.is_tensor(cache_indices) and torch.is_tensor(buf) and buf.dim() == 5):
+        return None  # target_verify names the argument that is not what it must be
+    N, S = cache_indices.shape[0], buf.shape[1]
+    if parents.dtype not in (torch.int32, torch.int64) or tuple(parents.shape) != (N, S):
+        return (f"draft tree with a parent table {parents.dtype} {list(parents.shape)}, not int32 / int64 "
+                f"[N, S] = [{N}, {S}] (one column per buffer step)")
+    return None
 
 
 def _extend_fallback_reason(call: dict) -> Optional[str]:

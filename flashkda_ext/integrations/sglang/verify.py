@@ -18,7 +18,7 @@ from .dense import as_dense as _as, as_rows, qkv_rows
 
 
 def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, buf, table,
-                  cache_steps, lower_bound, gate_of, out):
+                  cache_steps, lower_bound, gate_of, out, parents=None):
     from ...ops import kda_verify
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected shape [1, T, H, K], got {list(q.shape)}")
@@ -61,6 +61,16 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     # range-checked, never wrapped (int64 host offsets 2**32, 2**32 + 3 would become 0, 3); int64 device
     # offsets raise here (the kernel falls back before, see FlashKDAExtKernel.target_verify)
     qsl = narrow_int32("query_start_loc", query_start_loc).contiguous()
+    # a draft tree's parents [N, S] (SGLang's retrieve_parent_token; column 0 and the columns past a request's
+    # tokens are never read): int64 narrowed with the range check, device values out of range becoming -1,
+    # which makes the request padding as any parent outside [0, t) does
+    par = None if parents is None else int32_indices("retrieve_parent_token", parents, (N, S))
+    if par is not None and par.device.type == "cpu" and query_start_loc.device.type == "cpu":
+        for n, (s, e) in enumerate(zip(offsets, offsets[1:])):   # kda_verify's rule, under SGLang's name
+            for t in range(1, e - s):
+                if not 0 <= int(par[n, t]) < t:
+                    raise ValueError(f"retrieve_parent_token: entry [{n}, {t}] = {int(par[n, t])}; expected the "
+                                     f"parent of draft token {t}, a token before it (in [0, {t}))")
     q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
     args = (q, k, v, as_rows("a", a, dtype, (1, T, HV, K), 1), as_rows("b", b, dtype, (1, T, HV), 1, vector=False))
     dest = None if out is None else validation._tensor("out", out)   # kda_verify checks its shape (named)
@@ -70,7 +80,7 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     # kda_verify checks everything before it launches: a refused call writes nothing
     o = kda_verify(*args, state=buf, state_indices=rows, cu_seqlens=qsl, max_seqlen=bound, A_log=A, dt_bias=dt,
                    lower_bound=lb, gate=gate, beta_is_logit=True, out=dest, initial_state=ssm_states,
-                   initial_state_indices=cidx)
+                   initial_state_indices=cidx, parent_tokens=par)
     return o if out is None else out
 
 
