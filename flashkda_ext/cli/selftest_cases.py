@@ -99,6 +99,7 @@ class Spec:
     initial: bool = True
     checkpoint_every: int = 0
     max_seqlen_hint: bool = False
+    tree: bool = False                # kda_verify: a draft tree (parent_tokens) instead of chains
     extra: dict = field(default_factory=dict)
 
 
@@ -433,8 +434,9 @@ def _verify_requests(rnd, s, N, cols, lens):
 
 def run_verify(s: Spec, seed: int) -> Outcome:
     """kda_verify: requests of s.lengths draft tokens, state_indices [N, max length] of distinct
-    slots with one padding entry, num_accepted_tokens in [1, max length]; against the reference
-    verify step (outputs, every named slot, the other slots bitwise unchanged)."""
+    slots with one padding entry, num_accepted_tokens in [1, max length] (s.tree: random parents, a
+    draft tree; request 0's padding entry is its last column, which no token can name); against the
+    reference verify step (outputs, every named slot, the other slots bitwise unchanged)."""
     import torch
 
     import flashkda_ext as fk
@@ -452,6 +454,13 @@ def run_verify(s: Spec, seed: int) -> Outcome:
     state = rnd.randn(s.slots, HV, V, K, dtype=s.state_dtype, scale=0.5)
     idx_host, idx, nacc, cu = _verify_requests(rnd, s, N, cols, lens)
     kw = dict(state_indices=idx, cu_seqlens=cu, num_accepted_tokens=nacc, max_seqlen=cols, **gkw)
+    if s.tree:
+        gen = torch.Generator().manual_seed(seed)
+        par = torch.zeros(N, cols, dtype=torch.int32)
+        for n, L in enumerate(lens):
+            for t in range(1, L):
+                par[n, t] = int(torch.randint(0, t, (1,), generator=gen))
+        kw["parent_tokens"] = par.to(s.device)
     call = validation.check_kda_verify(q, k, v, g, beta, state=state, **kw)
     o.route, o.module = route_of("kda_verify", call)
     o.load_s = load_seconds(o.module)
@@ -568,6 +577,8 @@ def cpu_specs() -> List[Spec]:
              slots=12),
         Spec("kda_verify", "bf16/bf16-state bounded T_n=4,2", c, dtype="bfloat16", state_dtype="bfloat16",
              gate="bounded", H=2, HV=2, K=8, V=12, lengths=(4, 2), slots=11),
+        Spec("kda_verify", "f32 bounded tree T_n=4,3", c, H=2, HV=4, K=16, V=24, gate="bounded", lengths=(4, 3),
+             slots=12, tree=True),
         Spec("fused_kda_verify", "f32 softplus T_n=3,1,2 accepted", c, H=2, HV=2, K=16, V=16,
              lengths=(3, 1, 2), slots=12),
         Spec("fused_kda_verify", "bf16/bf16-state log T_n=4,2", c, dtype="bfloat16", state_dtype="bfloat16",

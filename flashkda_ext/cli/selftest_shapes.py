@@ -107,9 +107,10 @@ def _cuda_candidates(family: str, quick: bool, big_pool_bytes: Optional[int] = N
             for hv in heads:
                 for st in states:
                     for gb in (None, "float32"):  # g and beta in q's dtype, and in fp32 (the _gb32 twins)
-                        _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, gb_dtype=gb, state_dtype=st,
-                                                     gate=gate_of(), H=hv // group, HV=hv, K=K, V=V, lengths=lens,
-                                                     slots=len(lens) * max(lens) + 4), big_pool_bytes)
+                        for tree in (False, True):  # chains, and draft trees (parent_tokens: their own rules)
+                            _add_with_big_twin(out, Spec(family, "", "cuda", dtype=dtype, gb_dtype=gb, state_dtype=st,
+                                                         gate=gate_of(), H=hv // group, HV=hv, K=K, V=V, lengths=lens,
+                                                         slots=len(lens) * max(lens) + 4, tree=tree), big_pool_bytes)
     elif family == "kda_prefill":
         # (2400, 15 x 752): one long prompt among 15 shorter ones, token-heads 91 times the longest at 16 heads (below
         # fused_chunk16_wave's 100, so c16g_mixed_many's)
@@ -187,7 +188,7 @@ def _spec_meta(s: Spec):
             state_indices=torch.empty(N, cols, dtype=torch.int32, **m),
             cu_seqlens=torch.empty(N + 1, dtype=torch.int32, **m),
             num_accepted_tokens=torch.empty(N, dtype=torch.int32, **m), max_seqlen=cols, backend="cuda",
-            gate=s.gate, **kw)
+            gate=s.gate, parent_tokens=torch.empty(N, cols, dtype=torch.int32, **m) if s.tree else None, **kw)
     elif s.family == "fused_kda_verify":
         m = dict(device="meta")
         dt, sdt = getattr(torch, s.dtype), getattr(torch, s.state_dtype)
@@ -287,7 +288,8 @@ def _spec_label(s: Spec) -> str:
     st = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}.get(s.state_dtype, s.state_dtype)
     if s.family in ("kda_verify", "fused_kda_verify"):
         big = f" slots={s.slots}" if s.slots * s.HV * s.V * s.K > INT32_MAX else ""
-        return f"T_n={','.join(map(str, s.lengths))} HV={s.HV} {st} {s.gate}{big}"
+        tree = " tree" if s.tree else ""
+        return f"T_n={','.join(map(str, s.lengths))} HV={s.HV} {st} {s.gate}{tree}{big}"
     if s.family == "kda_prefill":
         lens = s.lengths
         if len(set(lens)) == 1 and len(lens) > 1:
