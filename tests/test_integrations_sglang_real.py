@@ -266,8 +266,14 @@ def test_forward_extend_draft_falls_back_to_sglangs_triton(sgl):
     assert fk.STATS["extend", "fell_back"] == before + 1
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_forward_target_verify(sgl, lower_bound):
+# chains (topk = 1), and a draft tree (topk > 1): retrieve_parent_token int64 as SGLang's eager path allocates it,
+# column 0 unset; token t starts from its parent's step
+TREE = torch.tensor([[-1, 0, 0], [-1, 0, 1]], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("lower_bound,parents", [(None, None), (-5.0, None), (-5.0, TREE), (None, TREE)],
+                         ids=["softplus", "bounded", "bounded-tree", "softplus-tree"])
+def test_forward_target_verify(sgl, lower_bound, parents):
     d = select(sgl)
     seen = spy_keywords(d.verify_kernel)
     D, N = 3, 2
@@ -277,44 +283,6 @@ def test_forward_target_verify(sgl, lower_bound):
     be, ly = backend(sgl, d, pool, draft=D), layer(lower_bound, seed=10)
     idx = torch.tensor([4, 2], dtype=torch.int32)
     qsl = torch.arange(0, N * D + 1, D, dtype=torch.int32)
-    be.forward_metadata = metadata(qsl, idx)
-    T = N * D
-    mixed = torch.randn(T, 2 * H * K + H * V, generator=gen)
-    a, b = torch.randn(T, H * K, generator=gen), torch.randn(T, H, generator=gen)
-    fb = types.SimpleNamespace(forward_mode=Mode("verify"), req_pool_indices=torch.tensor([3, 1]),
-                               spec_info=types.SimpleNamespace(draft_token_num=D, ragged_verify_layout=None))
-    o = be.forward_extend(ly, fb, mixed, a, b)
-    assert "intermediate_state_indices" in seen["target_verify"]
-    assert torch.equal(pool, pool0)                                  # the committed pool is never written
-    q, k, v = (x.reshape(T, H, -1) for x in mixed.split([H * K, H * K, H * V], -1))
-    gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
-    buf = be.cache.intermediate_ssm
-    one = torch.zeros(1, dtype=torch.int32)
-    for n in range(N):                                             # request n owns scratch row n (SGLang's table)
-        state = pool0[idx[n]:idx[n] + 1]
-        for t in range(D):
-            i = n * D + t
-            want, state = kda_decode_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], a[i:i + 1].view(1, H, K),
-                                          b[i:i + 1], state=state, state_indices=one, A_log=ly.A_log.flatten(),
-                                          dt_bias=ly.dt_bias, **gate)
-            torch.testing.assert_close(o[0, i].double(), want[0], **TOL)
-            torch.testing.assert_close(buf[n, t].double(), state[0].double(), **TOL)
-    assert torch.isnan(buf[N:]).all()
-
-
-def test_forward_target_verify_draft_tree(sgl):
-    """topk > 1 through the real backend and dispatcher: retrieve_parent_token (int64 as SGLang's eager path
-    allocates it, column 0 unset) reaches the kernel, which serves it: token t starts from its parent's step."""
-    d = select(sgl)
-    seen = spy_keywords(d.verify_kernel)
-    D, N = 4, 2
-    gen = torch.Generator().manual_seed(19)
-    pool = torch.randn(SLOTS, H, V, K, generator=gen) * 0.3
-    pool0 = pool.clone()
-    be, ly = backend(sgl, d, pool, draft=D), layer(-5.0, seed=20)
-    idx = torch.tensor([4, 2], dtype=torch.int32)
-    qsl = torch.arange(0, N * D + 1, D, dtype=torch.int32)
-    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 0]], dtype=torch.int64)
     be.forward_metadata = metadata(qsl, idx, retrieve_parent_token=parents)
     T = N * D
     mixed = torch.randn(T, 2 * H * K + H * V, generator=gen)
@@ -323,22 +291,25 @@ def test_forward_target_verify_draft_tree(sgl):
                                spec_info=types.SimpleNamespace(draft_token_num=D, ragged_verify_layout=None))
     served = fk.STATS["target_verify", "served"]
     o = be.forward_extend(ly, fb, mixed, a, b)
-    assert "retrieve_parent_token" in seen["target_verify"]
-    assert fk.STATS["target_verify", "served"] == served + 1 and torch.equal(pool, pool0)
+    assert {"intermediate_state_indices", "retrieve_parent_token"} <= seen["target_verify"]
+    assert fk.STATS["target_verify", "served"] == served + 1
+    assert torch.equal(pool, pool0)                                  # the committed pool is never written
     q, k, v = (x.reshape(T, H, -1) for x in mixed.split([H * K, H * K, H * V], -1))
+    gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
     buf = be.cache.intermediate_ssm
     one = torch.zeros(1, dtype=torch.int32)
-    for n in range(N):
-        steps = []
+    for n in range(N):                                             # request n owns scratch row n (SGLang's table)
+        steps = [pool0[idx[n]:idx[n] + 1]]                         # the start, then the state after each token
         for t in range(D):
             i = n * D + t
-            start = pool0[idx[n]:idx[n] + 1] if t == 0 else steps[int(parents[n, t])]
+            start = steps[-1] if parents is None or t == 0 else steps[1 + int(parents[n, t])]
             want, state = kda_decode_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], a[i:i + 1].view(1, H, K),
                                           b[i:i + 1], state=start, state_indices=one, A_log=ly.A_log.flatten(),
-                                          dt_bias=ly.dt_bias, gate="bounded", lower_bound=-5.0)
+                                          dt_bias=ly.dt_bias, **gate)
             steps.append(state)
             torch.testing.assert_close(o[0, i].double(), want[0], **TOL)
             torch.testing.assert_close(buf[n, t].double(), state[0].double(), **TOL)
+    assert torch.isnan(buf[N:]).all()
 
 
 # SGLang's breakable prefill CUDA graph: the captured extend (kda_prefill_graph.kda_extend_in_graph) on its real

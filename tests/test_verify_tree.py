@@ -125,13 +125,17 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("mutate,match", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_op_refuses_bad_parents_naming_them_and_writes_nothing(mutate, match):
-    a = case([4, 4], 4, seed=5)
+def bad_case(mutate, seed):
+    """Two requests of 4 tokens from their column 0, mutated; the pool before and a NaN-poisoned out."""
+    a = case([4, 4], 4, seed=seed)
     a["num_accepted_tokens"].fill_(1)
     mutate(a)
-    pool0 = a["state"].clone()
-    out = torch.full((1, 8, HV, V), math.nan)
+    return a, a["state"].clone(), torch.full((1, 8, HV, V), math.nan)
+
+
+@pytest.mark.parametrize("mutate,match", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_op_refuses_bad_parents_naming_them_and_writes_nothing(mutate, match):
+    a, pool0, out = bad_case(mutate, seed=5)
     for _ in range(2):   # the first call and every later one
         with pytest.raises(ValueError, match=match):
             op(a, out=out)
@@ -151,11 +155,7 @@ def test_a_padding_request_skips_the_stored_state_rule():
 @pytest.mark.parametrize("mutate,match", BAD[:3], ids=["after", "negative", "not_stored"])
 def test_cpu_module_refuses_bad_parents_itself(mutate, match):
     """The last line of defence: the CPU module's own checks, naming the argument, nothing written."""
-    a = case([4, 4], 4, seed=7)
-    a["num_accepted_tokens"].fill_(1)
-    mutate(a)
-    pool0 = a["state"].clone()
-    out = torch.full((1, 8, HV, V), math.nan)
+    a, pool0, out = bad_case(mutate, seed=7)
     fn = jit.load_module("cpu_kda_verify")["kda_verify"]
     with pytest.raises(ValueError, match=r"'parent_tokens'"):
         fn(a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"], a["state_indices"],
