@@ -153,7 +153,8 @@ def test_engines_section_lists_every_call_site(sources):
     names = [s.name for s in sources["engines"]]
     assert names == ["vLLM 0.34.0 packed decode", "vLLM 0.34.0 Kimi K3's native fused decode",
                      "vLLM 0.34.0 speculative verify", "SGLang 0.5.23 packed decode", "SGLang 0.5.23 target_verify",
-                     "SGLang 0.5.23 extend", "vLLM 0.34.0 chunk prefill"]
+                     "SGLang 0.5.23 target_verify with draft trees", "SGLang 0.5.23 extend",
+                     "vLLM 0.34.0 chunk prefill"]
     for site in sources["engines"]:
         assert site.cases(), site.name
         run = r"\d{4}-\d\d-\d\d, [0-9a-f]{7}(?: \(H100\))?"
