@@ -336,8 +336,9 @@ __device__ __forceinline__ void tree_reload(typename T::Item& cur, const typenam
 }
 
 // One token on the state registers, the packed new state kept (the next token continues from the
-// stored value) and, when `store`, sent to slot dst.
-template <typename T, typename OffT>
+// stored value) and, when `store`, sent to slot dst: streaming stores, or with kKeep (a draft tree, whose
+// branches read stored states back) default-policy stores that stay in L2 for the reload.
+template <typename T, typename OffT, bool kKeep = false>
 __device__ __forceinline__ void token_step(const DecodeParams& p, typename T::Item& cur, const typename T::Prep& pr,
                                            int row, int hv, int vrow0, int lane, int32_t dst, bool store) {
   using Elem = typename T::Elem;
@@ -346,7 +347,7 @@ __device__ __forceinline__ void token_step(const DecodeParams& p, typename T::It
       p, cur, pr, row, hv, vrow0, lane, [&](int ps, int i, int) { return cur.s[ps][i]; },
       [&](int ps, int i, int e, const uint4& packed) {
         cur.s[ps][i] = packed;  // the next token continues from the stored value
-        if (store) fkda_decode::store_state<false>(reinterpret_cast<uint4*>(sb + e), packed);
+        if (store) fkda_decode::store_state<kKeep>(reinterpret_cast<uint4*>(sb + e), packed);
       });
 }
 
@@ -740,7 +741,9 @@ kda_verify_staged_kernel(const VerifyParams vp) {
           const Elem* sb = static_cast<const Elem*>(p.state) + T::slot_base(p, src, hv, vrow0);
           tree_reload<T>(cur, sb, lane);
         }
-        token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, !T::is_pad(p, dst));
+        const bool store = !T::is_pad(p, dst);
+        if (vp.parent != nullptr) token_step<T, OffT, true>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, store);
+        else token_step<T, OffT>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, store);
       }
     }
   }
