@@ -119,3 +119,21 @@ def test_second_start_pool_equals_the_torch_op(lens, cols, step_rows):
     bad = dict(j, initial_state_indices=to_jax(torch.tensor([0, 5, 1][:len(lens)], dtype=torch.int32)))
     with pytest.raises(ValueError, match="^initial_state_indices:"):
         kj.kda_verify(*(bad[n] for n in POS), **{n: x for n, x in bad.items() if n not in POS}, donate=False)
+
+
+@pytest.mark.parametrize("step_rows", [False, True])
+def test_draft_tree_equals_the_torch_op(step_rows):
+    """parent_tokens (a draft tree) through XLA: the torch op's results bitwise, eagerly and jitted; a parent
+    after its token refused with the torch message."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    lens, cols = [4, 2, 3], 4
+    a = case(gen, lens, cols)
+    a["parent_tokens"] = torch.tensor([[-3, 0, 0, 1], [9, 0, 7, 7], [0, 0, 1, 5]], dtype=torch.int32)
+    if step_rows:  # state [R, T_max, HV, V, K], one row per request
+        del a["num_accepted_tokens"]
+        a["state"] = torch.randn(4, cols, HV, V, K, generator=gen)
+        a["state_indices"] = torch.tensor([3, 0, 1], dtype=torch.int32)
+    j = assert_equals_the_torch_op(a)
+    bad = dict(j, parent_tokens=to_jax(torch.tensor([[0, 0, 2, 1], [0, 0, 0, 0], [0, 0, 1, 0]], dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"^parent_tokens: entry \[0, 2\] = 2"):
+        kj.kda_verify(*(bad[n] for n in POS), **{n: x for n, x in bad.items() if n not in POS}, donate=False)

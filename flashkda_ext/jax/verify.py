@@ -13,7 +13,7 @@ from .targets import _GRAPH_SAFE, _Plan, _attrs, _command_buffers_allowed, _ffi
 
 
 def _verify_impl(plan, q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state,
-                 initial_state=None, initial_state_indices=None):
+                 initial_state=None, initial_state_indices=None, parent_tokens=None):
     dt = None if dt_bias is None else dt_bias.reshape(-1)
     if plan.family == "kda_decode":  # T_max = 1: kda_decode on column 0 (as the torch op)
         arrays = dict(q=q[0], k=k[0], v=v[0], g=g[0], beta=beta[0], A_log=A_log, dt_bias=dt,
@@ -22,14 +22,15 @@ def _verify_impl(plan, q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqle
         return out[None], new_state
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt, state_indices=state_indices,
                   cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, state=state,
-                  initial_state=initial_state, initial_state_indices=initial_state_indices)
+                  initial_state=initial_state, initial_state_indices=initial_state_indices, parent_tokens=parent_tokens)
     out, new_state = _ffi(plan, arrays)
     return out, new_state
 
 
 def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accepted_tokens=None, max_seqlen=None,
                A_log=None, dt_bias=None, lower_bound=None, gate="softplus", scale=None, beta_is_logit=True,
-               null_slot0=False, initial_state=None, initial_state_indices=None, donate=True, platform=None):
+               null_slot0=False, initial_state=None, initial_state_indices=None, parent_tokens=None, donate=True,
+               platform=None):
     """Speculative-decoding verify on a state pool. Returns (out, new_state).
 
     Shapes, dtypes and options as flashkda_ext.kda_verify: q, k [1, T, H, K]; v [1, T, HV, V];
@@ -37,15 +38,16 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     cu_seqlens int32 [N+1]; num_accepted_tokens int32 [N] or None; initial_state [slots2, HV, V, K] with
     initial_state_indices int32 [N] (or both None): the requests' start states, read only, instead of
     state's (num_accepted_tokens then None); state may be step rows [R, T_max, HV, V, K] with
-    state_indices [N] (one row per request). new_state is the pool after the
+    state_indices [N] (one row per request); parent_tokens int32 [N, T_max] or None: a draft tree (token
+    t >= 1 continues from the state stored after its token parent_tokens[n, t]). new_state is the pool after the
     step, written in place of `state` (eagerly donated unless donate=False; under jax.jit, donate it
     on your jit). Index arrays that are concrete on the CPU have their values checked as the torch op
     does; T_max = 1 runs kda_decode's module on column 0.
     """
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices", "cu_seqlens", "num_accepted_tokens",
-             "state", "initial_state", "initial_state_indices")
+             "state", "initial_state", "initial_state_indices", "parent_tokens")
     vals = (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state, initial_state,
-            initial_state_indices)
+            initial_state_indices, parent_tokens)
     args, plat = _verify_arrays(names, vals, platform)
     key = _signature("kda_verify", plat, args, (max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
                                                 donate))
@@ -53,14 +55,14 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     if prep is None:
         prep = _prepare_verify(names, args, plat, key, max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate,
                                scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, donate=donate)
-    _check_verify_values(prep, args, (8, 7, 9, 12), max_seqlen)
+    _check_verify_values(prep, args, (8, 7, 9, 12, 13), max_seqlen)
     return _run(_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 
 
 def _verify_arrays(names, vals, platform):
     """A verify op's inputs as arrays (A_log, dt_bias, num_accepted_tokens may be None) and the
     platform they run on."""
-    optional = {"A_log", "dt_bias", "num_accepted_tokens", "initial_state", "initial_state_indices"}
+    optional = {"A_log", "dt_bias", "num_accepted_tokens", "initial_state", "initial_state_indices", "parent_tokens"}
     args = tuple(_as_array(n, a, optional=n in optional) for n, a in zip(names, vals))
     return args, _platform(platform, zip(names, args))
 
@@ -68,17 +70,20 @@ def _verify_arrays(names, vals, platform):
 def _check_verify_values(prep, args, positions, max_seqlen) -> None:
     """On the CPU, the values of the index arrays that are concrete there (not part of the
     signature: checked on every call); positions: where cu_seqlens, state_indices, num_accepted_tokens and
-    (kda_verify) initial_state_indices stand in args. The second pool is never the buffer XLA writes."""
+    (kda_verify) initial_state_indices and parent_tokens stand in args. The second pool is never the buffer
+    XLA writes."""
     if prep.plan.platform != "cpu":
         return
     host = [_host_int32(args[i]) for i in positions]
     if all(h is not None or args[i] is None for h, i in zip(host, positions)) and args[positions[0]] is not None:
-        validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host[:3], max_seqlen, *host[3:])
+        tree = dict(initial_state_indices=host[3], parent_tokens=host[4]) if len(host) > 3 else {}
+        validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host[:3], max_seqlen, **tree)
 
 
 def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
                     donate) -> _Prepared:
-    q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state, init, init_idx = args
+    (q, k, v, g, beta, A_log, dt_bias, state_indices, cu_seqlens, num_accepted_tokens, state, init, init_idx,
+     parents) = args
     call = validation.check_kda_verify(
         _meta("q", q), _meta("k", k), _meta("v", v), _meta("g", g), _meta("beta", beta), state=_meta("state", state),
         state_indices=_meta("state_indices", state_indices), cu_seqlens=_meta("cu_seqlens", cu_seqlens),
@@ -86,7 +91,7 @@ def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, sc
         A_log=_meta("A_log", A_log), dt_bias=_meta("dt_bias", dt_bias), lower_bound=lower_bound, gate=gate,
         scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0,
         initial_state=_meta("initial_state", init), initial_state_indices=_meta("initial_state_indices", init_idx),
-        backend=plat)
+        parent_tokens=_meta("parent_tokens", parents), backend=plat)
     present = {n for n, x in zip(names, args) if x is not None}
     if call.as_decode:
         module = _module_for("kda_decode", tuple(sorted(call.decode_route_meta().items())))
