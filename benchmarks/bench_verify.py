@@ -80,8 +80,8 @@ def slot_table(N, T, slots, gen):
 def ours_call(name, case, pool, idx, nacc, out):
     q, k, v, g, beta, A_log, dt_bias, cu = case
     fn = load(name)["kda_verify"]
-    return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, cu, nacc, None, None, None, out, 0, 0.0, K ** -0.5, True,
-                      False)
+    return lambda: fn(q, k, v, g, beta, A_log, dt_bias, pool, idx, cu, nacc, None, None, None, out, 0, 0.0, K ** -0.5,
+                      True, False)
 
 
 def cast_call(name, case, pool, idx, nacc, out):

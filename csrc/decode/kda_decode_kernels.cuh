@@ -276,7 +276,9 @@ struct WarpTile {
     // typed pointer arithmetic: the element offset (OffT) is scaled to bytes in 64 bits
     load_state_at(it, static_cast<const Elem*>(p.state) + base, lane);
   }
-  // The same from the tile's first element sb, in whichever pool (kda_verify's second start pool too).
+  // The same from the tile's first element sb, in whichever pool (kda_verify's second start pool too); kPlain
+  // true: plain loads whatever the schedule (kda_verify's tree branches read back what the thread stored).
+  template <bool kPlain = kCoherent>
   __device__ static void load_state_at(Item& it, const Elem* sb, int lane) {
     const int c = lane % LPR, r = lane / LPR;
 #pragma unroll
@@ -284,7 +286,7 @@ struct WarpTile {
 #pragma unroll
       for (int i = 0; i < CHUNKS; ++i) {
         const int e = (ps * RPW + r) * K + key_of(i, c);
-        it.s[ps][i] = load_state<kCoherent>(reinterpret_cast<const uint4*>(sb + e));
+        it.s[ps][i] = load_state<kPlain>(reinterpret_cast<const uint4*>(sb + e));
       }
     }
   }

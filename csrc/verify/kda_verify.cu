@@ -75,8 +75,8 @@ void kda_verify(TensorView q, TensorView k, TensorView v, TensorView g, TensorVi
                 Optional<TensorView> A_log, Optional<TensorView> dt_bias, TensorView state,
                 TensorView state_indices, TensorView cu_seqlens, Optional<TensorView> num_accepted_tokens,
                 Optional<TensorView> initial_state, Optional<TensorView> initial_state_indices,
-                Optional<TensorView> parent_tokens, TensorView out, int64_t gate_mode, double lower_bound, double scale, bool beta_is_logit,
-                bool null_slot0) {
+                Optional<TensorView> parent_tokens, TensorView out, int64_t gate_mode, double lower_bound,
+                double scale, bool beta_is_logit, bool null_slot0) {
   constexpr int64_t K = FKDA_HEAD_DIM_K, V = FKDA_HEAD_DIM_V;
   static_assert(K == 128 && V == 128, "the verify kernels are written for K = V = 128");
   const Checker c("kda_verify");

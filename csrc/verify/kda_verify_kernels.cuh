@@ -319,22 +319,6 @@ __device__ __forceinline__ void token_step_on(const DecodeParams& p, typename T:
   }
 }
 
-// A tree's branch: the thread's state chunks as it stored them after the parent token (load_state_at's
-// layout; plain loads: the pool was written in this kernel, never read through the non-coherent path).
-template <typename T>
-__device__ __forceinline__ void tree_reload(typename T::Item& cur, const typename T::Elem* sb, int lane) {
-  constexpr int LPR = 32 / T::RPW;  // lanes a V-row
-  const int c = lane % LPR, r = lane / LPR;
-#pragma unroll
-  for (int ps = 0; ps < T::PASSES; ++ps) {
-#pragma unroll
-    for (int i = 0; i < T::CHUNKS; ++i) {
-      const int e = (ps * T::RPW + r) * T::K + T::key_of(i, c);
-      cur.s[ps][i] = *reinterpret_cast<const uint4*>(sb + e);
-    }
-  }
-}
-
 // One token on the state registers, the packed new state kept (the next token continues from the
 // stored value) and, when `store`, sent to slot dst: streaming stores, or with kKeep (a draft tree, whose
 // branches read stored states back) default-policy stores that stay in L2 for the reload.
@@ -736,10 +720,10 @@ kda_verify_staged_kernel(const VerifyParams vp) {
         }
       } else {
         const int32_t src = pp.src[j];
-        if (src >= 0) {  // a tree's branch: the state this thread stored after the parent (plain loads, ordered
-                         // after its own stores by program order)
-          const Elem* sb = static_cast<const Elem*>(p.state) + T::slot_base(p, src, hv, vrow0);
-          tree_reload<T>(cur, sb, lane);
+        if (src >= 0) {  // a tree's branch: the chunks this thread stored after the parent (plain loads, ordered
+                         // after its own stores by program order; never the non-coherent path)
+          T::template load_state_at<true>(cur, static_cast<const Elem*>(p.state) + T::slot_base(p, src, hv, vrow0),
+                                          lane);
         }
         const bool store = !T::is_pad(p, dst);
         if (vp.parent != nullptr) token_step<T, OffT, true>(p, cur, pr, bos + t0 + j, hv, vrow0, lane, dst, store);
