@@ -167,6 +167,35 @@ def _draft_offsets(n_plus_1: int, total: int, longest: int, dtype, gen):
     return torch.tensor(offsets).to(dtype)
 
 
+def _tree_parents(drawn: Dict[str, Any], n: int, cols: int, null_slot0: bool, gen):
+    """kda_verify's parent_tokens [n, cols] for the indices drawn so far (drawn: by input name): token
+    t >= 1 of a request takes a uniform parent among its tokens before t whose state is stored (a live
+    state_indices entry; a step row's tokens are all live or all padding). A request of >= 2 tokens
+    whose token 0 stores nowhere has no such parent for token 1, so it is made padding (it reads column
+    0, or no start slot), which any earlier token fits, and keeps the chain t - 1. Entries never read
+    (column 0, tokens past a request's length) hold the chain's t - 1 too."""
+    import torch
+    pad = lambda s: s < 0 or (null_slot0 and s == 0)  # noqa: E731
+    table = drawn["state_indices"].tolist()
+    if drawn["state_indices"].dim() == 1:             # step rows: one row per request
+        table = [[row] * cols for row in table]
+    offsets = drawn["cu_seqlens"].tolist() if "cu_seqlens" in drawn else [i * cols for i in range(n + 1)]
+    parents = torch.arange(-1, cols - 1).repeat(n, 1)
+    for r, entries in enumerate(table):
+        length = offsets[r + 1] - offsets[r]
+        stored = [t for t in range(length) if not pad(entries[t])]
+        if length >= 2 and stored[:1] != [0]:
+            if "initial_state_indices" in drawn:
+                drawn["initial_state_indices"][r] = -1
+            elif "num_accepted_tokens" in drawn:
+                drawn["num_accepted_tokens"][r] = 1
+            continue
+        for t in range(1, length):
+            before = [p for p in stored if p < t]
+            parents[r, t] = before[int(torch.randint(len(before), (1,), generator=gen))]
+    return parents
+
+
 def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
                   checkpoint_every: int = 0) -> Dict[str, Any]:
     """Valid index inputs (those with a slot_index or offsets domain tag) for var-axis values
@@ -174,15 +203,19 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
     seq_len, non-decreasing, and with checkpoints no sequence reaching more than num_checkpoints
     (a bound on index values that no constraint over axes can state); for verify: a slot table with
     distinct entries (draft_slots), offsets of 1 .. max_draft tokens per request (draft_offsets),
-    accepted counts in [1, max_draft] (accepted_count)."""
+    accepted counts in [1, max_draft] (accepted_count), and kda_verify's draft tree (tree_parents: drawn
+    last, from the tables and offsets above, see _tree_parents)."""
     import torch
     d = _as_dict(definition)
     values = {a: (ax["value"] if ax["type"] == "const" else int(axes[a])) for a, ax in d["axes"].items()}
     slot_mode = _tag_value(d, "slot_mode:", "padded")
     null_slot0 = "null_slot0" in _tags(d)
     gen = torch.Generator().manual_seed(seed)
-    out = {}
+    out, trees = {}, []
     for name, (kind, arg) in domains(d).items():
+        if kind == "tree_parents":
+            trees.append((name, arg))                 # after the tables and offsets it depends on
+            continue
         if kind not in ("slot_index", "offsets", "draft_slots", "draft_offsets", "accepted_count"):
             continue                                  # data domains (log_decay, probability): not indices
         spec = d["inputs"][name]
@@ -202,6 +235,10 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
             if checkpoint_every and "num_checkpoints" in values:
                 longest = (values["num_checkpoints"] + 1) * checkpoint_every - 1
             out[name] = _offsets(n, values[arg], dtype, gen, longest)
+    for name, arg in trees:
+        spec = d["inputs"][name]
+        parents = _tree_parents(out, values[spec["shape"][0]], values[arg], null_slot0, gen)
+        out[name] = parents.to(getattr(torch, spec["dtype"]))
     return out
 
 
@@ -284,7 +321,8 @@ def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
         out = flashkda_ext.kda_verify(*qkvgb, state=kw["state"], state_indices=kw["state_indices"],
                                       cu_seqlens=kw["cu_seqlens"], num_accepted_tokens=kw.get("num_accepted_tokens"),
                                       beta_is_logit=fixed["beta_is_logit"], initial_state=kw.get("initial_state"),
-                                      initial_state_indices=kw.get("initial_state_indices"), **gate)
+                                      initial_state_indices=kw.get("initial_state_indices"),
+                                      parent_tokens=kw.get("parent_tokens"), **gate)
         results = {"out": out, "state_out": kw["state"]}
     elif op == "kda_prefill":
         every = int(kw.get("checkpoint_every", 0))

@@ -90,7 +90,8 @@ def package_reference(op, a, run_inputs):
         if op == "kda_verify":
             return list(reference.kda_verify_step(a["q"], a["k"], a["v"], a["g"], a["beta"], state=a["state"],
                                                   beta_is_logit=a["beta_is_logit"], initial_state=a.get("initial_state"),
-                                                  initial_state_indices=a.get("initial_state_indices"), **opts))
+                                                  initial_state_indices=a.get("initial_state_indices"),
+                                                  parent_tokens=a.get("parent_tokens"), **opts))
         opts.pop("A_log"), opts.pop("dt_bias")
         return list(reference.fused_kda_verify_step(
             a["x"], a["conv_weight"], a["conv_state"], a["g"], a["beta"], a["A_log"], a["dt_bias"], a["state"],
@@ -538,7 +539,8 @@ def test_index_tensors_for_new_axes_are_valid_calls():
         if op in VERIFY_OPS:                    # verify index values are checked apart from the metadata
             validation.check_verify_values(call, idx["cu_seqlens"], idx["state_indices"],
                                            idx.get("num_accepted_tokens"),
-                                           initial_state_indices=idx.get("initial_state_indices"))
+                                           initial_state_indices=idx.get("initial_state_indices"),
+                                           parent_tokens=idx.get("parent_tokens"))
 
 
 def test_consumer_flags_violations_and_refuses_code(tmp_path):

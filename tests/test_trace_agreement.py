@@ -106,9 +106,9 @@ def _verify_indices(cols=2):
 
 
 def verify_args(HV=32, group=1, K=128, V=128, dtype=torch.bfloat16, state_dtype=torch.float32,
-                gate="softplus", layout="table", draft=(2, 5), **_):
+                gate="softplus", layout="table", draft=(2, 5), tree=False, **_):
     """layout: table (pool + [N, T_max] slots), rows (step rows [R, T_max, ...] + [N] rows), init / rows_init
-    (the same with the read-only start pool); draft: (T_max, T)."""
+    (the same with the read-only start pool); draft: (T_max, T); tree: with parent_tokens [N, T_max]."""
     H = max(HV // group, 1)
     cols, T = draft
     a = dict(q=_t(1, T, H, K, dtype=dtype), k=_t(1, T, H, K, dtype=dtype), v=_t(1, T, HV, V, dtype=dtype),
@@ -119,6 +119,8 @@ def verify_args(HV=32, group=1, K=128, V=128, dtype=torch.bfloat16, state_dtype=
     if layout.endswith("init"):
         a.update(initial_state=_t(5, HV, V, K, dtype=state_dtype), initial_state_indices=_t(3, dtype=torch.int32),
                  num_accepted_tokens=None)
+    if tree:
+        a["parent_tokens"] = _t(3, cols, dtype=torch.int32)
     return a
 
 
@@ -154,7 +156,8 @@ def configs(op):
     elif op in ("kda_decode", "fused_kda_decode"):      # verify: no slot mode argument
         axes["slot_mode"] = list(SLOT_MODES)
     if op == "kda_verify":          # T_max = 1 with T < N: refused with a slot table only (it is decode's)
-        axes.update(layout=["table", "rows", "init", "rows_init"], draft=[(2, 5), (1, 3), (1, 2), (2, 7)])
+        axes.update(layout=["table", "rows", "init", "rows_init"], draft=[(2, 5), (1, 3), (1, 2), (2, 7)],
+                    tree=[False, True])
     if op.startswith("fused_"):
         axes.pop("group")
         axes["dims"] = [(k, v) for k, v in DIMS if k == v]
@@ -168,8 +171,9 @@ def configs(op):
     # heads x groups in full: the combination the binding's two lists judge together
     if "group" in axes:
         out += [{"HV": h, "group": g} for h, g in itertools.product(HEADS, axes["group"])]
-    if "layout" in axes:            # verify layouts x draft shapes in full: the T_max = 1 rule depends on both
-        out += [{"layout": x, "draft": y} for x, y in itertools.product(axes["layout"], axes["draft"])]
+    if "layout" in axes:            # verify layouts x draft shapes (x trees) in full: the T_max = 1 rule reads both
+        out += [{"layout": x, "draft": y, "tree": z}
+                for x, y, z in itertools.product(axes["layout"], axes["draft"], axes["tree"])]
     result = []
     for c in out:
         c = dict(c)

@@ -66,20 +66,28 @@ def test_verify_dump_holds_the_draft_table(op, capsys):
 
 
 @pytest.mark.parametrize("flags,name_part", [(["--step-rows"], "_rows"), (["--initial-slots", "5"], "_init"),
-                                             (["--step-rows", "--initial-slots", "5"], "_rows_init")])
-def test_verify_dump_of_step_rows_and_a_start_pool(flags, name_part, capsys):
+                                             (["--step-rows", "--initial-slots", "5"], "_rows_init"),
+                                             (["--tree"], "_tree"), (["--step-rows", "--tree"], "_rows_tree"),
+                                             (["--initial-slots", "5", "--tree"], "_init_tree")])
+def test_verify_dump_of_step_rows_a_start_pool_and_a_tree(flags, name_part, capsys):
     assert cli.main(["trace", "dump", "kda_verify", "--tokens", "7", "--seqs", "2", "--check"] + flags) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["name"].endswith(name_part)
-    rows, init = "--step-rows" in flags, "--initial-slots" in flags
+    rows, init, tree = "--step-rows" in flags, "--initial-slots" in flags, "--tree" in flags
     assert d["inputs"]["state_indices"]["shape"] == (["num_seqs"] if rows else ["num_seqs", "max_draft"])
     assert len(d["inputs"]["state"]["shape"]) == (5 if rows else 4)
     assert ("initial_state_indices" in d["inputs"]) == init and ("num_accepted_tokens" in d["inputs"]) != init
+    assert ("parent_tokens" in d["inputs"]) == tree
+    assert ("domain:parent_tokens=tree_parents(max_draft)" in d["tags"]) == tree
+    if tree:
+        assert d["inputs"]["parent_tokens"]["shape"] == ["num_seqs", "max_draft"]
+        assert d["inputs"]["parent_tokens"]["dtype"] == "int32"
 
 
 @pytest.mark.parametrize("argv,option", [(["kda_verify", "--initial-slots", "-1"], "--initial-slots"),
                                          (["kda_decode", "--initial-slots", "3"], "--initial-slots"),
-                                         (["fused_kda_verify", "--step-rows"], "--step-rows")])
-def test_verify_dump_refuses_start_pool_and_rows_options_it_cannot_use(argv, option, capsys):
+                                         (["fused_kda_verify", "--step-rows"], "--step-rows"),
+                                         (["fused_kda_verify", "--tree"], "--tree")])
+def test_dump_refuses_kda_verify_options_other_ops_cannot_use(argv, option, capsys):
     assert cli.main(["trace", "dump"] + argv) == 2
     assert f"flashkda-ext trace dump: {option}:" in capsys.readouterr().err

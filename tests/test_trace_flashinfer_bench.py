@@ -116,6 +116,7 @@ def test_trace_set_loads_every_definition_and_workload(dataset):
     verify = [d for d in ts.definitions.values() if "op:kda_verify" in d.tags]
     assert any("state_layout:rows" in d.tags for d in verify)                # step rows
     assert any({"initial_state", "initial_state_indices"} <= set(d.inputs) for d in verify)  # start pool
+    assert any("parent_tokens" in d.inputs for d in verify)                  # draft trees
 
 
 def test_var_axes_are_bound_by_inputs_and_index_inputs_stored(dataset):
@@ -123,7 +124,7 @@ def test_var_axes_are_bound_by_inputs_and_index_inputs_stored(dataset):
     for name, d in ts.definitions.items():
         assert set(d.var_axes_bindings) == set(d.var_axes), name            # allocate_outputs can run
         for t in ts.workloads[name]:
-            for n in ("state_indices", "cu_seqlens", "num_accepted_tokens"):
+            for n in ("state_indices", "cu_seqlens", "num_accepted_tokens", "initial_state_indices", "parent_tokens"):
                 if n in d.inputs:
                     assert t.workload.inputs[n].type == "safetensors", (name, n)
 
@@ -163,10 +164,12 @@ def test_check_correctness_passes_the_flashkda_solution(dataset, cpu_sync):
 
 
 @pytest.mark.parametrize("op,tag,nudged", [("kda_decode", None, 0), ("kda_verify", None, 1),
-                                           ("kda_verify", "state_layout:rows", 1), ("fused_kda_verify", None, 2)])
+                                           ("kda_verify", "state_layout:rows", 1),
+                                           ("kda_verify", "domain:parent_tokens=tree_parents(max_draft)", 1),
+                                           ("fused_kda_verify", None, 2)])
 def test_check_correctness_fails_a_wrong_solution(dataset, cpu_sync, op, tag, nudged):
     """The evaluator really compares: the same Solution with one output nudged is refused (verify:
-    the in-place state pool, so the per-token slot writes are what is checked; step rows too)."""
+    the in-place state pool, so the per-token slot writes are what is checked; step rows and trees too)."""
     ts, _ = dataset
     name = next(n for n, d in ts.definitions.items() if f"op:{op}" in d.tags and (tag is None or tag in d.tags))
     d = ts.definitions[name]

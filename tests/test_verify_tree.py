@@ -1,14 +1,17 @@
 """kda_verify's draft trees (parent_tokens [N, T_max]: token t >= 1 continues from the state stored after its
 token parent_tokens[n, t]) on the CPU backend: the reference's own meaning (each token its root path run as
 a chain), the op against it, parents t - 1 bitwise the chain, every refused value named before anything is
-written (through the op and through the CPU module itself), the torch custom op, and the trace's refusal.
+written (through the op and through the CPU module itself), the torch custom op, and their trace (the
+definition, its reference, the consumer's drawn trees).
 The CUDA kernels: tests/gpu/test_verify_tree_gpu.py."""
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
 import pytest
+import safetensors.torch
 import torch
 
 import flashkda_ext as F
@@ -186,14 +189,163 @@ def test_custom_op_and_fake_take_parent_tokens():
                 torch.empty(1, 6, HV, V), None, None, fa["parent_tokens"])
 
 
-def test_trace_leaves_a_tree_untraced_with_a_warning(tmp_path, monkeypatch):
+# ---------------------------------------------------------------------------------------------
+# the trace: tree calls are traced, their reference is the op, the consumer draws valid trees
+
+TREE_TAG = "domain:parent_tokens=tree_parents(max_draft)"
+
+
+def trace_call(a, trace_dir):
+    """The op on case a, traced without a warning: (out, the definition, its one workload line)."""
     from flashkda_ext import trace
-    from flashkda_ext.trace import emission
-    monkeypatch.setattr(emission, "_warned", set())
-    a = case([4, 2], 4, seed=9)
-    with trace.tracing(str(tmp_path)):
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            op(a)
-    assert any("parent_tokens" in str(x.message) for x in w)
+    with trace.tracing(str(trace_dir)), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = op(a)
+    (path,) = (trace_dir / "definitions").rglob("*.json")
+    d = json.loads(path.read_text())
+    (line,) = [json.loads(x) for x in (trace_dir / trace.workloads_relpath(d)).read_text().splitlines()]
+    trace.validate_definition(d)
+    trace.validate_workload_line(line, d)
+    return out, d, line
+
+
+def saved_index(line, name, trace_dir):
+    src = line["workload"]["inputs"][name]
+    assert src["type"] == "safetensors", name
+    return safetensors.torch.load_file(str(trace_dir / src["path"]))[src["tensor_key"]]
+
+
+def run_reference(d, line, data, trace_dir, **index):
+    """The definition's rendered reference on the workload's saved index tensors (`index` overrides some)
+    and the call's own data tensors `data`."""
+    namespace = {}
+    exec(compile(d["reference"], "<emitted reference>", "exec"), namespace)
+    kw = {}
+    for name, src in line["workload"]["inputs"].items():
+        if src["type"] == "safetensors":
+            kw[name] = saved_index(line, name, trace_dir)
+        else:
+            kw[name] = src["value"] if src["type"] == "scalar" else data[name]
+    return namespace["run"](**dict(kw, **index))
+
+
+def branches(parents, cu_seqlens):
+    """Entries a request reads that are not the chain's t - 1."""
+    cu = cu_seqlens.tolist()
+    return sum(int(parents[n, t]) != t - 1 for n in range(len(cu) - 1) for t in range(1, cu[n + 1] - cu[n]))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_trace_writes_a_tree_definition_whose_reference_is_the_op(state_dtype, tmp_path, monkeypatch):
+    from flashkda_ext import trace
+    monkeypatch.setattr(trace.emission, "_warned", set())
+    a = case([4, 2, 3], 4, seed=9, state_dtype=state_dtype)
+    assert branches(a["parent_tokens"], a["cu_seqlens"])          # a real tree
+    data = {k: v.clone() for k, v in a.items()}                   # as before the op writes the pool
+    out, d, line = trace_call(a, tmp_path)
+    assert "_tree" in d["name"] and TREE_TAG in d["tags"]
+    spec = d["inputs"]["parent_tokens"]
+    assert spec["shape"] == ["num_seqs", "max_draft"] and spec["dtype"] == "int32"
+    saved = saved_index(line, "parent_tokens", tmp_path)
+    assert saved.dtype == torch.int32 and torch.equal(saved, data["parent_tokens"])
+    ref_out, ref_state = run_reference(d, line, data, tmp_path)
+    tol = dict(rtol=1e-5, atol=1e-5) if state_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ref_out, out, **tol)
+    torch.testing.assert_close(ref_state.float(), a["state"].float(), **tol)
+    # the parents matter: the same reference over the chain computes something else
+    chain = (torch.arange(4) - 1).repeat(3, 1).to(torch.int32)
+    assert not torch.allclose(run_reference(d, line, data, tmp_path, parent_tokens=chain)[0], out, atol=1e-2)
+
+
+def test_traced_padding_request_needs_no_stored_parent(tmp_path):
+    """The reference keeps the op's exception: a padding request's parents need only be in range."""
+    a = case([3, 3], 3, seed=6, parents=[[0, 0, 1], [0, 0, 1]])
+    a["num_accepted_tokens"].fill_(1)
+    a["state_indices"][1] = torch.tensor([-1, -1, 7], dtype=torch.int32)
+    data = {k: v.clone() for k, v in a.items()}
+    out, d, line = trace_call(a, tmp_path)
+    ref_out, ref_state = run_reference(d, line, data, tmp_path)
+    torch.testing.assert_close(ref_out, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref_state, a["state"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_chain_call_keeps_its_definition():
+    """A tree adds one name part, one input and one tag; a chain call's definition is the tree call's built
+    with tree False, as it was before trees were traced."""
+    from flashkda_ext import trace, validation
+
+    def facts(args):
+        return trace.facts("kda_verify", validation.check_kda_verify(**args), args)
+
+    a = case([4, 2, 3], 4, seed=9)
+    tree = facts(a)
+    chain = facts({k: v for k, v in a.items() if k != "parent_tokens"})
+    assert tree["tree"] and not chain["tree"]
+    d_chain, d_tree = trace.build_definition("kda_verify", chain), trace.build_definition("kda_verify", tree)
+    assert d_chain == trace.definitions._build_definition("kda_verify", dict(tree, tree=False))
+    assert d_chain["name"] == "kda_verify_h2_hv4_dk16_dv8_f32state_f32in_cpu"
+    assert list(d_chain["inputs"]) == ["q", "k", "v", "g", "beta", "state", "state_indices", "cu_seqlens",
+                                       "num_accepted_tokens", "A_log", "dt_bias", "scale"]
+    assert d_tree["name"] == "kda_verify_h2_hv4_dk16_dv8_f32state_f32in_tree_cpu"
+    assert list(d_tree["inputs"]) == list(d_chain["inputs"]) + ["parent_tokens"]
+    assert [t for t in d_tree["tags"] if t != TREE_TAG] == d_chain["tags"] and TREE_TAG in d_tree["tags"]
+
+
+@pytest.mark.parametrize("mutate,match", BAD[:3], ids=["after", "negative", "not_stored"])
+def test_trace_reference_refuses_bad_parents_naming_them(mutate, match, tmp_path):
+    a, _, _ = bad_case(lambda a: None, seed=10)
+    data = {k: v.clone() for k, v in a.items()}
+    _, d, line = trace_call(a, tmp_path)
+    mutate(data)
+    with pytest.raises(ValueError, match=match):
+        run_reference(d, line, data, tmp_path, parent_tokens=data["parent_tokens"],
+                      state_indices=data["state_indices"])
+
+
+def tree_call(layout, seed=11):
+    """A tree call of 4 requests (T_max = 4) with a slot table and num_accepted_tokens, a start pool, or step rows
+    (one a padding row)."""
+    a = case([4, 2, 3, 4], 4, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "init":
+        a.update(initial_state=torch.randn(6, HV, V, K, generator=gen), num_accepted_tokens=None,
+                 initial_state_indices=torch.tensor([5, -1, 0, 2], dtype=torch.int32))
+    if layout == "rows":
+        a.update(state=torch.randn(6, 4, HV, V, K, generator=gen),
+                 state_indices=torch.tensor([5, 0, -1, 3], dtype=torch.int32))
+    return a
+
+
+@pytest.mark.parametrize("layout", ["table", "init", "rows"])
+def test_consumer_draws_trees_the_op_accepts(layout):
+    """index_tensors' parent_tokens (drawn with the definition's other index tensors) pass the op's value checks,
+    branch, and meet the requests whose token 0 stores nowhere (which the draw makes padding)."""
+    from flashkda_ext import trace, trace_consumer, validation
+    a = tree_call(layout)
+    f = trace.facts("kda_verify", validation.check_kda_verify(**a), a)
+    d = trace.build_definition("kda_verify", f)
+    axes = trace.build_workload("kda_verify", f, d, a)["workload"]["axes"]
+    branched = unstored_roots = 0
+    for seed in range(8):
+        idx = trace_consumer.index_tensors(d, axes, seed=seed)
+        assert set(idx) == set(trace.index_inputs("kda_verify", d)) and "parent_tokens" in idx
+        b = dict(a, state=a["state"].clone(), **idx)
+        op(b)                    # the CPU op checks every value: a bad parent is a ValueError naming it
+        branched += branches(idx["parent_tokens"], idx["cu_seqlens"])
+        if layout != "rows":
+            lengths = torch.diff(idx["cu_seqlens"])
+            unstored_roots += int(((idx["state_indices"][:, 0] < 0) & (lengths >= 2)).sum())
+    assert branched > 0
+    assert layout == "rows" or unstored_roots > 0
+
+
+def test_a_tree_whose_parents_cannot_be_read_is_not_traced(tmp_path, monkeypatch):
+    """parent_tokens is an index input the workload stores: without its values (meta, or CUDA graph capture)
+    the call is not traced, with the one warning of that path."""
+    from flashkda_ext import trace, validation
+    monkeypatch.setattr(trace.emission, "_warned", set())
+    a = case([4, 2], 4, seed=12)
+    call = validation.check_kda_verify(**a)
+    with trace.tracing(str(tmp_path)), pytest.warns(RuntimeWarning, match="index tensors cannot be read"):
+        assert trace.emit("kda_verify", call, dict(a, parent_tokens=a["parent_tokens"].to("meta"))) is None
     assert not any(tmp_path.rglob("*.json*"))

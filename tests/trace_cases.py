@@ -90,6 +90,8 @@ VERIFY_ACCEPTED = [2, 1, 1]
 # read-only start pool (initial_state [5, ...], a start slot per request; -1: a padding request)
 VERIFY_ROWS = [3, -1, 0]
 VERIFY_STARTS = [4, 1, -1]
+# a draft tree (parent_tokens): token 2 of request 0 branches off token 0; 9 and 7 sit where no token reads
+VERIFY_PARENTS = [[9, 0, 0], [9, 7, 7], [9, 0, 7]]
 
 
 def _verify_indices(lens, slots, accepted, cols, with_accepted):
@@ -106,7 +108,8 @@ def _verify_indices(lens, slots, accepted, cols, with_accepted):
 
 def verify_case(*, H=2, HV=4, K=8, V=6, lens=VERIFY_LENS, slots=9, dtype=torch.float32,
                 state_dtype=torch.float32, gate="softplus", accepted=True, null_slot0=False, beta_is_logit=True,
-                index_slots=VERIFY_SLOTS, num_accepted=VERIFY_ACCEPTED, step_rows=False, initial=False, seed=3):
+                index_slots=VERIFY_SLOTS, num_accepted=VERIFY_ACCEPTED, step_rows=False, initial=False, tree=False,
+                seed=3):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
     T, cols = sum(lens), max(lens)
@@ -124,6 +127,8 @@ def verify_case(*, H=2, HV=4, K=8, V=6, lens=VERIFY_LENS, slots=9, dtype=torch.f
     if initial:
         a["initial_state"] = pool(5)
         a["initial_state_indices"] = torch.tensor(VERIFY_STARTS[:len(lens)], dtype=torch.int32)
+    if tree:
+        a["parent_tokens"] = torch.tensor([row[:cols] for row in VERIFY_PARENTS[:len(lens)]], dtype=torch.int32)
     return a
 
 
@@ -182,6 +187,10 @@ VARIANTS = [
                     "dtype": torch.bfloat16, "state_dtype": torch.bfloat16}),
     ("kda_verify", {"step_rows": True, "initial": True, "accepted": False, "null_slot0": True, "lens": (2, 0, 1)}),
     ("kda_verify", {"lens": (1, 1, 1), "initial": True, "accepted": False, "gate": "log"}),  # T_max = 1: verify module
+    ("kda_verify", {"tree": True}),                                          # draft trees
+    ("kda_verify", {"tree": True, "initial": True, "accepted": False, "gate": "bounded",
+                    "state_dtype": torch.bfloat16}),
+    ("kda_verify", {"tree": True, "step_rows": True, "null_slot0": True, "gate": "log"}),
     ("fused_kda_verify", {}),
     ("fused_kda_verify", {"gate": "log", "accepted": False, "state_dtype": torch.bfloat16, "null_slot0": True}),
     ("fused_kda_verify", {"gate": "bounded", "dtype": torch.bfloat16, "conv_dtype": torch.float32, "extra_len": 0}),

@@ -76,6 +76,9 @@ def add_parser(sub) -> None:
     d.add_argument("--initial-slots", type=int, default=0,
                    help="kda_verify: slots of a read-only start pool initial_state (0: none; then no "
                         "num_accepted_tokens)")
+    d.add_argument("--tree", action="store_true",
+                   help="kda_verify: a draft tree, parent_tokens [seqs, T_max] (the token each draft token "
+                        "continues from)")
     d.add_argument("--checkpoint-every", type=int, default=0,
                    help="prefill: state checkpoint interval in tokens (0: none)")
     d.add_argument("--check", action="store_true", help="validate against the definition schema")

@@ -8,8 +8,8 @@ flashinfer-bench's dataset layout (``flashinfer_bench.TraceSet.from_path(dir)`` 
   encode every const axis and fixed property, so one name is one definition), and
 * one line appended to ``<dir>/workloads/<op_type>/<definition>.jsonl``: the var axes, scalars as
   values, data tensors as ``random``, and the index tensors (state_indices, cu_seqlens, verify's
-  num_accepted_tokens and initial_state_indices: they decide the work, and random integers are no
-  valid indices) saved through
+  num_accepted_tokens, initial_state_indices and parent_tokens: they decide the work, and random
+  integers are no valid indices) saved through
   the ``safetensors`` library to
   ``<dir>/blob/workloads/<op_type>/<definition>/<definition>_<content hash>.safetensors``. Saving a
   CUDA index tensor copies it to the host (the copy synchronises); during CUDA graph capture no copy

@@ -70,7 +70,8 @@ def facts_from_args(op: str, args: Mapping[str, Any], backend: str) -> Dict[str,
                         input_dtype=_dtype(q), state_dtype=_dtype(state), beta_is_logit=bool(a["beta_is_logit"]),
                         scale=_resolved_scale(a["scale"], q.shape[3]), g_dtype=_dtype(a["g"]),
                         beta_dtype=_dtype(a["beta"]),
-                        initial_slots=-1 if a["initial_state"] is None else a["initial_state"].shape[0])
+                        initial_slots=-1 if a["initial_state"] is None else a["initial_state"].shape[0],
+                        tree=a["parent_tokens"] is not None)
         g, state = a["g"], a["state"]
         return dict(common, **verify, total_tokens=g.shape[1], num_heads=g.shape[2], head_dim=g.shape[3],
                     slots=state.shape[0], conv_len=a["conv_state"].shape[-1], input_dtype=_dtype(a["x"]),

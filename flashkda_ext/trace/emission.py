@@ -73,10 +73,6 @@ def emit(op: str, call: Any, inputs: Mapping[str, Any]) -> Optional[str]:
     if trace_dir is None:
         return None
     try:
-        if inputs.get("parent_tokens") is not None:
-            _warn_once("tree", f"{op} calls with parent_tokens (a draft tree) are not traced: the trace template "
-                               f"describes chains only")
-            return None
         f = facts(op, call, inputs)
         definition = build_definition(op, f)
         odd = sorted({s["dtype"] for s in {**definition["inputs"], **definition["outputs"]}.values()}

@@ -39,7 +39,7 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
     e = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
     gate_kw = dict(gate=gate, lower_bound=o["lower_bound"] if gate == "bounded" else None)
     T, N = o["tokens"], o["seqs"]
-    for key, option in (("step_rows", "--step-rows"), ("initial_slots", "--initial-slots")):
+    for key, option in (("step_rows", "--step-rows"), ("initial_slots", "--initial-slots"), ("tree", "--tree")):
         if o.get(key) and op != "kda_verify":
             raise ValueError(f"{option}: kda_verify's option, not {op}'s")
     if op in ("kda_verify", "fused_kda_verify"):
@@ -82,6 +82,8 @@ def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
         if initial:
             a.update(initial_state=e(initial, HV, V, K, dtype=sdt), initial_state_indices=e(N, dtype=torch.int32),
                      num_accepted_tokens=None)
+        if o.get("tree"):               # a draft tree: parent_tokens [seqs, T_max]
+            a["parent_tokens"] = e(N, cols, dtype=torch.int32)
         return a
     return dict(q=e(1, T, H, K, dtype=dt), k=e(1, T, H, K, dtype=dt), v=e(1, T, HV, V, dtype=dt),
                 g=e(1, T, HV, K, dtype=dt), beta=e(1, T, HV, dtype=dt), cu_seqlens=e(N + 1, dtype=torch.int32),
@@ -93,7 +95,7 @@ def definition_for_options(op: str, options: Mapping[str, Any]) -> dict:
     heads, value_heads, head_dim, head_dim_k, head_dim_v, input_dtype, state_dtype, gate,
     lower_bound, slot_mode, backend, rows, slots, tokens, seqs, checkpoint_every; verify ops: seqs
     requests of tokens in all, T_max = ceil(tokens / seqs), with num_accepted_tokens; kda_verify also
-    step_rows and initial_slots, read with .get: absent means neither). Raises
+    step_rows, initial_slots and tree, read with .get: absent means none). Raises
     ValueError naming the option for a value or combination that has no definition."""
     if op not in OPS:
         raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
