@@ -184,7 +184,7 @@ def _tree_parents(drawn: Dict[str, Any], n: int, cols: int, null_slot0: bool, ge
     for r, entries in enumerate(table):
         length = offsets[r + 1] - offsets[r]
         stored = [t for t in range(length) if not pad(entries[t])]
-        if length >= 2 and stored[:1] != [0]:
+        if length >= 2 and pad(entries[0]):            # token 1 has no stored token before it
             if "initial_state_indices" in drawn:
                 drawn["initial_state_indices"][r] = -1
             elif "num_accepted_tokens" in drawn:
