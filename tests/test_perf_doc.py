@@ -433,17 +433,17 @@ def test_fused_verify_section_reads_the_benchmarks_own_output(sources, tmp_path)
 def test_a_slow_key_run_is_labelled_apart_in_the_readme(sources):
     """A prefill run on slowly decaying keys (bench_prefill.py --slow-keys) is another data regime than the random-gate
     grid: its README row says so, and a run without slow keys never gets the label."""
-    slow = [s for s in sources["kda_prefill"] if any(c["params"].get("slow_keys") for c in s.doc["cases"])]
-    assert slow, "current.json cites a slow-key prefill run"
-    rows = {id(src): label for label, _, _, _, _, src in perf_doc.summary_rows(sources)}
-    for src in sources["kda_prefill"]:
-        label = rows.get(id(src), "")
-        assert ("slowly decaying key" in label) == (src in slow), label
-    plain = copy.deepcopy(slow[0])
-    for c in plain.doc["cases"]:
-        c["params"].pop("slow_keys")
-    label = [lab for lab, _, _, _, _, s in perf_doc.summary_rows({"kda_prefill": [plain]}) if s is plain][0]
-    assert "slowly" not in label and label.startswith("`kda_prefill`, f32 state, bounded gate")
+    for label, _, _, _, _, src in perf_doc.summary_rows(sources):
+        slow = any(c["params"].get("slow_keys") for c in src.doc["cases"])
+        assert ("slowly decaying key" in label) == slow, label
+    plain = sources["kda_prefill"][0]
+    slow = copy.deepcopy(plain)
+    for c in slow.doc["cases"]:
+        c["params"]["slow_keys"] = 1
+    rows = perf_doc.summary_rows({"kda_prefill": [plain, slow]})
+    labels = {id(s): lab for lab, _, _, _, _, s in rows}
+    assert labels[id(slow)].endswith("1 slowly decaying key a head"), labels[id(slow)]
+    assert "slowly" not in labels[id(plain)] and labels[id(plain)].startswith("`kda_prefill`, f32 state, bounded gate")
 
 
 def test_a_run_on_other_gate_parameters_is_labelled_apart_in_the_readme(sources):
