@@ -611,8 +611,9 @@ def summary_rows(sources) -> list:
 def readme_block(sources) -> str:
     rows = [[label, who, f"{_x(g)} ({_x(lo)})", "graph replay" if mode == "graph" else "event time",
              f"{src.when()}"] for label, who, mode, g, lo, src in summary_rows(sources)]
-    return "\n".join(["On one H200 (an H100 where the run says so), the peer's time over ours (geomean over the run's grid, slowest point in "
-                      "brackets); docs/performance.md has the tables, the targets and the runs:", ""]
+    return "\n".join(["On one H200 (an H100 where the run says so), the peer's time over ours (geomean over the "
+                      "run's grid, slowest point in brackets); docs/performance.md has the tables, the targets and "
+                      "the runs:", ""]
                      + _table(["op", "against", "speedup", "timing", "run (date, commit)"], rows))
 
 
