@@ -183,13 +183,13 @@ def _tree_parents(drawn: Dict[str, Any], n: int, cols: int, null_slot0: bool, ge
     parents = torch.arange(-1, cols - 1).repeat(n, 1)
     for r, entries in enumerate(table):
         length = offsets[r + 1] - offsets[r]
-        stored = [t for t in range(length) if not pad(entries[t])]
         if length >= 2 and pad(entries[0]):            # token 1 has no stored token before it
             if "initial_state_indices" in drawn:
                 drawn["initial_state_indices"][r] = -1
             elif "num_accepted_tokens" in drawn:
                 drawn["num_accepted_tokens"][r] = 1
             continue
+        stored = [t for t in range(length) if not pad(entries[t])]
         for t in range(1, length):
             before = [p for p in stored if p < t]
             parents[r, t] = before[int(torch.randint(len(before), (1,), generator=gen))]
