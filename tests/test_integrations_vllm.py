@@ -512,23 +512,34 @@ def test_spec_verify_on_dense_q_and_with_out(recorded):
     torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
 
 
-def test_one_token_indices_never_serve_an_empty_request_as_a_row(recorded):
-    """cu_seqlens [0, 2, 2, 3] with 1-D indices (T == N = 3): request 1 is empty and request 0 owns tokens 0
-    and 1, so only row 2 is a one-token request. Its slot is stepped; the empty request's slot and request
-    0's slot are left alone (vLLM's kernel would write the empty request's slot)."""
+def test_one_token_indices_serve_each_request_on_its_own_row(recorded):
+    """cu_seqlens [0, 0, 1, 2] with 1-D indices (T == N = 3): request 0 is empty, so requests 1 and 2 hold rows 0
+    and 1 (vLLM's kernel reads request n's token at row cu_seqlens[n] and its state at slot n); row 2 is no
+    request's. Slots 6 and 7 are stepped; the empty request's slot 5 is left alone, row 2 is zeros."""
+    pool = torch.randn(8, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = spec_call([0, 1, 1], [5, 6, 7], None, pool, padded_tokens=1)
+    before = stat("k3.fused_recurrent_kda")
+    o, _ = recorded.k3.fused_recurrent_kda(**call)
+    assert stat("k3.fused_recurrent_kda") == before + 1 and recorded.calls == [], dict(fkda_vllm.REASONS)
+    two = {n: call[n][0, :2] for n in ("q", "k", "v", "raw_g", "raw_beta")}
+    want_o, want_pool = kda_decode_step(*(two[n] for n in ("q", "k", "v", "raw_g", "raw_beta")), state=pool0,
+                                        state_indices=torch.tensor([6, 7], dtype=torch.int32), gate="bounded",
+                                        lower_bound=-5.0, A_log=call["A_log"], dt_bias=call["dt_bias"])
+    torch.testing.assert_close(o[0, :2].double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+    assert torch.equal(pool[5], pool0[5]) and torch.equal(o[0, 2], torch.zeros(H, V))
+
+
+def test_one_token_indices_with_a_two_token_request_raise_naming_cu_seqlens(recorded):
+    """cu_seqlens [0, 2, 2, 3] with 1-D indices: vLLM's kernel would store request 0's second token's state in
+    slot 6, the empty request's. Host offsets no kernel can run raise, naming them, and nothing is written."""
     pool = torch.randn(8, H, V, K) * 0.3
     pool0 = pool.clone()
     call = spec_call([2, 0, 1], [5, 6, 7], None, pool)
-    o, _ = recorded.k3.fused_recurrent_kda(**call)
-    assert recorded.calls == []
-    assert torch.equal(pool[5], pool0[5]) and torch.equal(pool[6], pool0[6])
-    one = {n: call[n][:, 2:3] for n in ("q", "k", "v", "raw_g", "raw_beta")}
-    want_o, want_pool = kda_decode_step(*(one[n][0] for n in ("q", "k", "v", "raw_g", "raw_beta")), state=pool0,
-                                        state_indices=torch.tensor([7], dtype=torch.int32), gate="bounded",
-                                        lower_bound=-5.0, A_log=call["A_log"], dt_bias=call["dt_bias"])
-    torch.testing.assert_close(o[0, 2:3].double(), want_o, **TOL)
-    torch.testing.assert_close(pool[7].double(), want_pool[7].double(), **TOL)
-    assert torch.equal(o[0, :2], torch.zeros(2, H, V))
+    with pytest.raises(ValueError, match="cu_seqlens: .*request 0 has 2"):
+        recorded.k3.fused_recurrent_kda(**call)
+    assert torch.equal(pool, pool0) and recorded.calls == []
 
 
 @pytest.mark.parametrize("name,value", [("ssm_state_indices", [[2 ** 32 + 1, 2], [3, 4]]),
@@ -594,19 +605,31 @@ def test_vendored_decode_of_a_cuda_graph_padded_batch(recorded):
     torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
 
 
-def test_vendored_decode_empty_request_is_not_a_row(recorded):
-    """[0, 2, 2, 3]: an empty request beside a two-token one. Served as rows, the empty request's slot would be
-    written and request 0 stepped once; fla's kernel steps request 0 twice on its slot. The fla mapping refuses
-    a request of more than one token in a one-slot-per-request decode, so the call goes to vLLM's own kernel
-    (counted) and our kernels write nothing."""
+def test_vendored_decode_of_a_two_token_request_raises_naming_cu_seqlens(recorded):
+    """[0, 2, 2, 3]: one slot a request, a request of two tokens. fla's kernel would store its second token's
+    state in the next request's slot (the empty one's), so the host offsets raise, naming them, before anything
+    is written (no fallback can run them)."""
     pool = torch.randn(6, H, V, K) * 0.3
     pool0 = pool.clone()
     call = bailing_decode_call([0, 2, 2, 3], [4, 5, 2], pool)
-    fell = stat("vendored.fused_recurrent_kda", "fell_back")
-    assert recorded.vendored.fused_recurrent_kda(**call) == ("original", "fused_recurrent_kda")
-    assert stat("vendored.fused_recurrent_kda", "fell_back") == fell + 1
-    assert any(s == "vendored.fused_recurrent_kda" and "cu_seqlens" in r for s, r in fkda_vllm.REASONS)
-    assert torch.equal(pool, pool0)
+    with pytest.raises(ValueError, match="cu_seqlens: .*request 0 has 2"):
+        recorded.vendored.fused_recurrent_kda(**call)
+    assert torch.equal(pool, pool0) and recorded.calls == []
+
+
+def test_vendored_decode_after_an_empty_request_serves_each_request_on_its_own_row(recorded):
+    pool = torch.randn(6, H, V, K) * 0.3
+    pool0 = pool.clone()
+    call = bailing_decode_call([0, 0, 1, 2], [4, 5, 2], pool)
+    before = stat("vendored.fused_recurrent_kda")
+    o, _ = recorded.vendored.fused_recurrent_kda(**call)
+    assert stat("vendored.fused_recurrent_kda") == before + 1 and recorded.calls == []
+    want_o, want_pool = kda_decode_step(*(call[n][0, :2] for n in ("q", "k", "v", "g", "beta")), state=pool0,
+                                        state_indices=torch.tensor([5, 2], dtype=torch.int32), gate="log",
+                                        beta_is_logit=False, null_slot0=True)
+    torch.testing.assert_close(o[0, :2].double(), want_o, **TOL)
+    torch.testing.assert_close(pool.double(), want_pool.double(), **TOL)
+    assert torch.equal(pool[4], pool0[4]) and torch.equal(o[0, 2], torch.zeros(H, V))
 
 
 def test_vendored_unknown_keyword_falls_back(recorded):

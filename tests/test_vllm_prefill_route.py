@@ -313,3 +313,38 @@ def test_a_step_of_decodes_and_prompts_is_served_in_two_calls_as_in_one(installe
                                       initial_state=call["initial_state"], gate="bounded", lower_bound=-5.0)
     torch.testing.assert_close(o.double(), want_o, **TOL)
     torch.testing.assert_close(h.double(), want_h, **TOL)
+
+
+@pytest.mark.parametrize("case", ["padded-tokens", "undercounted-prompt"])
+def test_a_step_split_in_parts_whose_later_part_is_refused_falls_back_writing_nothing(real, tree, seen, monkeypatch,
+                                                                                       case):
+    """Every part is checked before the first launches. The metadata's cut can miss the call: tokens padded past
+    the last offset (the prompt's part then runs to T, past its offsets), or nums that undercount the prompt (its
+    bound then below its length). Before, the decodes' part was served into out and the prompt's refused, so the
+    fallback ran over an out already written."""
+    fell = []
+
+    def original(**kw):
+        fell.append(kw)
+        return "original"
+    name = "chunk_kda_with_fused_gate"
+    original.__signature__ = __import__("inspect").signature(getattr(real.k3, name))
+    monkeypatch.setattr(real.k3, name, original)
+    real.step = vllm_step_metadata.load(tree)
+    fkda_vllm.install()
+    lengths, call = mixed_step(3, 19, -5.0)
+    m = vllm_step_metadata.step(real.step, lengths, "cpu")
+    T = sum(lengths) + (1 if case == "padded-tokens" else 0)
+    if case == "padded-tokens":
+        gen = torch.Generator().manual_seed(5)
+        call.update({n: torch.cat([call[n], torch.randn(1, 1, *call[n].shape[2:], generator=gen)], dim=1)
+                     for n in ("q", "k", "v", "raw_g", "raw_beta")})
+    else:
+        m.nums_dict[host_lengths.BLOCK]["nums"][-1] = 1     # 8 tokens, the prompt 19
+    call.update(cu_seqlens=m.non_spec_query_start_loc, out=torch.randn(1, T, H, V))
+    out0, h0 = call["out"].clone(), call["initial_state"].clone()
+    before = fkda_vllm.STATS[SITE, "fell_back"]
+    with vllm_step_metadata.forward(real.step, {"l": m}):
+        assert getattr(real.k3, name)(**call) == "original"
+    assert fkda_vllm.STATS[SITE, "fell_back"] == before + 1 and len(fell) == 1
+    assert seen == [] and torch.equal(call["out"], out0) and torch.equal(call["initial_state"], h0)

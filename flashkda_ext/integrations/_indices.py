@@ -86,11 +86,44 @@ def offsets(name: str, x, T: Optional[int] = None, longest: Optional[int] = None
     return cu
 
 
-def one_token_rows(cu_seqlens: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """A decode batch's slot per row (int32 [N]) that is padding wherever request r is not exactly token r
-    (cu_seqlens[r] == r and cu_seqlens[r+1] == r+1): an empty request, or a row whose token belongs to a
-    longer request, is then never served as a row. Read on the device, no host sync."""
+def one_token_offsets(cu_seqlens: torch.Tensor, rows: int) -> Optional[list]:
+    """Host offsets of a batch of one token a request (one state slot each) as a list, checked: offsets that do
+    not rise from 0 within the `rows` tokens, or a request of more than one token, raise ValueError naming
+    cu_seqlens (the engines' kernels would store its later tokens' states in the next requests' slots). Device
+    offsets: None (never read back)."""
+    if not host_values(cu_seqlens):
+        return None
+    cs = cu_seqlens.tolist()
+    if cs[0] != 0 or cs[-1] > rows or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to at most {rows} (the decode rows), "
+                         f"got {cs} (nothing was written)")
+    for n, (a, b) in enumerate(zip(cs, cs[1:])):
+        if b - a > 1:
+            raise ValueError(f"cu_seqlens: with 1-D ssm_state_indices (one state slot a request) a request has at most one "
+                             f"token; request {n} has {b - a} (cu_seqlens {cs}; nothing was written)")
+    return cs
+
+
+def one_token_rows(cu_seqlens: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """A decode batch's slot per token row (int32 [rows]), read as the engines' kernels read a request: its
+    token at row cu_seqlens[n], its state at indices[n] (an empty request before it moves its row, not its
+    slot). The row of a one-token request gets its slot; a row no request owns gets -1 (padding: zero output,
+    nothing written). Host offsets are checked (one_token_offsets); device ones are never read back (no sync,
+    CUDA-graph safe): a row gets a slot only from a one-token request that starts inside the rows."""
     N = cu_seqlens.shape[0] - 1
-    r = torch.arange(N + 1, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    at = cu_seqlens == r
-    return torch.where(at[:-1] & at[1:], indices[:N], -1).to(torch.int32)
+    cs = one_token_offsets(cu_seqlens, rows)
+    if cs is not None:
+        slots = indices[:N].to(torch.int32)
+        if cs == list(range(rows + 1)):
+            return slots                               # row n is request n's token
+        out = torch.full((rows,), -1, dtype=torch.int32)
+        for n, (a, b) in enumerate(zip(cs, cs[1:])):
+            if b > a:
+                out[a] = slots[n]
+        return out
+    start = cu_seqlens[:-1].to(torch.int64)
+    owned = ((cu_seqlens[1:] - cu_seqlens[:-1]) == 1) & (start >= 0) & (start < rows)
+    # every other request is scattered to one spare row past the end, dropped below
+    out = torch.full((rows + 1,), -1, dtype=torch.int32, device=cu_seqlens.device)
+    out.scatter_(0, torch.where(owned, start, rows), indices[:N].to(torch.int32))
+    return out[:rows]

@@ -41,6 +41,10 @@ def _narrows(dtype: torch.dtype) -> bool:
         dtype.is_floating_point or dtype.is_complex)
 
 
+#: unsigned dtypes past uint8 (torch's barebones uint16 / 32 / 64)
+_WRAPPING_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
 def narrow_int32(name: str, x: Optional[torch.Tensor], low: int = INT32_MIN, high: int = INT32_MAX,
                  pad: Optional[int] = None, what: str = "") -> Optional[torch.Tensor]:
     """x as int32 with every value in [low, high], for the argument the caller called `name`.
@@ -53,6 +57,9 @@ def narrow_int32(name: str, x: Optional[torch.Tensor], low: int = INT32_MIN, hig
     Values of a narrower integer dtype are widened (no wrap), and checked like the others."""
     if x is None or x.dtype in (torch.int32, torch.bool) or x.dtype.is_floating_point or x.dtype.is_complex:
         return x    # bool: a mask, never made slots 0 / 1 here (the op names its dtype)
+    if x.dtype in _WRAPPING_UNSIGNED:
+        # the int64 compare below would wrap them (uint64 2**64 - 1 -> -1, padding) before any check
+        raise ValueError(f"{name}: expected a signed integer (int32 or int64) tensor, got the unsigned {x.dtype}")
     low, high = max(low, INT32_MIN), min(high, INT32_MAX)
     if host_values(x):
         flat = x.reshape(-1).to(torch.int64)   # compared in int64: a narrow dtype would overflow the bounds

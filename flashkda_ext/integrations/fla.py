@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import validation
-from . import common_checks, fla_chunk_states
+from . import _indices, common_checks, fla_chunk_states
 from ..custom_ops import _check_on_meta
 
 BACKEND_TYPE = "flashkda_ext"
@@ -431,7 +431,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                 return _decode_as_verify(plan, q, k, v, g, beta, initial_state, idx, cu_seqlens, null_slot0,
                                          out, gate_kw)
             if not plan.meta:
-                idx = _rows_of_requests(cu_seqlens, idx, T)
+                idx = _indices.one_token_rows(cu_seqlens, idx, T)
             rows = N
         g, beta = plan.gate_beta(g, beta, q)
         o_rows = plan.reshape(out, (rows, HV, V)) if out is not None else None
@@ -462,25 +462,6 @@ def _refuse_unchecked_offsets(cu_seqlens) -> None:
     if common_checks.unchecked_on_device(cu_seqlens):
         raise Refused(f"flashkda_ext serves device cu_seqlens of int32 here ({cu_seqlens.dtype} offsets on "
                       f"{cu_seqlens.device} cannot be range-checked for the int32 kernels without a sync)")
-
-
-def _rows_of_requests(cu_seqlens, idx, T: int):
-    """Host offsets of a decode batch: the slot index of each of the T rows (the row of request n's one
-    token gets idx[n]; a row no request owns gets -1, padding: zero output, nothing written)."""
-    cs = cu_seqlens.tolist()
-    if cs[0] != 0 or cs[-1] > T or any(b < a for a, b in zip(cs, cs[1:])):
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to at most T = {T}, got {cs}")
-    for n, (a, b) in enumerate(zip(cs, cs[1:])):
-        if b - a > 1:
-            raise ValueError(f"cu_seqlens: with 1-D ssm_state_indices (one state slot a request) a request has "
-                             f"at most one token; request {n} has {b - a} (cu_seqlens {cs})")
-    if cs == list(range(T + 1)):
-        return idx                                     # row n is request n's token
-    rows = torch.full((T,), -1, dtype=torch.int32)
-    for n, (a, b) in enumerate(zip(cs, cs[1:])):
-        if b > a:
-            rows[a] = idx[n]
-    return rows
 
 
 def _decode_as_verify(plan, q, k, v, g, beta, initial_state, idx, cu_seqlens, null_slot0, out, gate_kw):

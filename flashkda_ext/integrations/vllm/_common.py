@@ -89,6 +89,23 @@ def unknown(kwargs: dict) -> None:
         raise Refused(f"unknown arguments {sorted(kwargs)} (the adapter serves only arguments it knows)")
 
 
+def tensors(**named) -> None:
+    """The tensor arguments of vLLM's signature are tensors (None or another object falls back, named: vLLM's
+    wrapper reports it)."""
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise Refused(f"{name} is {type(x).__name__}: vLLM passes a tensor here (its wrapper reports the rest)")
+
+
+def gate_dtypes(q: torch.Tensor, ok: tuple, **named) -> None:
+    """The gate / beta arguments in a dtype of `ok`, what the op reads as it is: any other would be cast, which
+    rounds or widens what vLLM's kernel reads in its own dtype, so the call falls back."""
+    for name, x in named.items():
+        if x.dtype not in ok:
+            raise Refused(f"{name} of dtype {x.dtype} beside q of {q.dtype}: the op reads {name} in "
+                          f"{' or '.join(map(str, ok))} (a cast would change what vLLM's kernel computes)")
+
+
 def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """q, k, v as the ops take them (contiguous). vLLM's are row-strided views of one packed [T, 2*H*K + H*V]
     buffer (q | k | v per token): when they are, one permuting copy makes all three dense (as vLLM's own

@@ -29,7 +29,7 @@ from ..common_checks import number_or_none
 from ..rows import as_read, rows_view
 from . import host_lengths
 from .split_calls import prefill_in_parts
-from ._common import Refused, count_route, dense_qkv, qkv_rows, run_op, unknown
+from ._common import Refused, count_route, dense_qkv, gate_dtypes, qkv_rows, run_op, tensors, unknown
 
 
 #: A_log / dt_bias (g_bias) dtypes served, read as fp32: vLLM's kernels load each element in its stored dtype and
@@ -79,10 +79,7 @@ def _gate_beta(g: torch.Tensor, beta: torch.Tensor, q: torch.Tensor, row_dim=Non
     """g and beta in a dtype the op reads as it is (q's, or fp32 for decode / verify, row_dim given): never
     cast, since vLLM reads them in their own dtype. Dense for prefill; for decode (row_dim 0) / verify
     (row_dim 1) vLLM's views (beta: a column slice of its projection) as they are where the op reads them."""
-    ok = (q.dtype,) if row_dim is None else (q.dtype, torch.float32)
-    if g.dtype not in ok or beta.dtype not in ok:
-        raise Refused(f"raw_g / raw_beta of dtype {g.dtype} / {beta.dtype}: the op reads them in "
-                      f"{' or '.join(map(str, ok))} (a cast would change the gate vLLM computes)")
+    gate_dtypes(q, (q.dtype,) if row_dim is None else (q.dtype, torch.float32), raw_g=g, raw_beta=beta)
     if row_dim is None:
         return g.contiguous(), beta.contiguous()
     return rows_view(g, row_dim), rows_view(beta, row_dim, vector=False)
@@ -149,6 +146,7 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     unknown(kwargs)     # vLLM's wrapper swallows **kwargs; an adapter must not guess what they mean
     if not _flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel):
         raise Refused("use_qk_l2norm_in_kernel=False (flashkda_ext always l2-normalizes q and k)")
+    tensors(q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta)
     if q.dim() != 4 or v.dim() != 4:
         raise Refused("q / v outside vLLM's contract ([B, T, H, D])")
     q, k, v = dense_qkv(q, k, v)
@@ -180,6 +178,7 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     # The objects None / True / False only (`in` would let 1 or 0.0 through as True / False)
     if not (fuse_gate is None or isinstance(fuse_gate, bool)):
         raise Refused(f"fuse_gate={fuse_gate!r} ({type(fuse_gate).__name__}): vLLM takes None, True or False")
+    tensors(q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta)
     if q.dim() != 4 or q.shape[0] != 1 or not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
             or cu_seqlens.shape[0] < 1 or ssm_state_indices is None or not isinstance(initial_state, torch.Tensor) \
             or initial_state.dim() != 4:
@@ -228,8 +227,8 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
                    num_accepted_tokens=nat, out=o[:, :used], **common)
         return o, initial_state
 
-    # one token per request (1-D indices, or a one-column table): kda_decode over rows, where row r is served
-    # only when request r is exactly token r (an empty request is never served as a row)
+    # one token per request (1-D indices, or a one-column table): kda_decode over the token rows, request n's
+    # token (row cu_seqlens[n]) with slot n (an empty request moves the rows after it, not their slots)
     if ssm_state_indices.dim() not in (1, 2) or T != N or ssm_state_indices.shape[0] < N \
             or (ssm_state_indices.dim() == 2 and ssm_state_indices.shape[1] < 1):
         raise Refused(f"one-token ssm_state_indices need T == N (vLLM asserts it), N rows and a column, got T = {T}, "
@@ -243,10 +242,11 @@ def serve_fused_recurrent(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     if ssm_state_indices.dim() == 1 and num_accepted_tokens is not None:
         raise Refused("num_accepted_tokens with 1-D ssm_state_indices (vLLM asserts it is None)")
     cu = _indices.offsets("cu_seqlens", cu_seqlens, T)
-    rows = _indices.one_token_rows(cu, _indices.slot_indices("ssm_state_indices", first, slots))
+    first = _indices.slot_indices("ssm_state_indices", first, slots)[:N]
     if num_accepted_tokens is not None:      # a one-column table: only count 1 names a column
         nat = _indices.accepted_counts("num_accepted_tokens", num_accepted_tokens[:N], 1)
-        rows = torch.where(nat == 1, rows, -1).to(torch.int32)
+        first = torch.where(nat == 1, first, -1).to(torch.int32)
+    rows = _indices.one_token_rows(cu, first, T)
     res = run_op(ops.kda_decode, q[0], k[0], v[0], g[0], beta[0], state_indices=rows, slot_mode="padded",
                  out=None if o is None else o[0], **common)
     return (o if o is not None else res.unsqueeze(0)), initial_state

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import validation
 from ._common import run_op
 
 
@@ -30,12 +31,18 @@ def prefill_in_parts(kda_prefill, parts, q, k, v, g, beta, cu, *, initial_state,
     if output_final_state and final_state is None:
         dtype = initial_state.dtype if initial_state is not None else torch.float32
         final_state = torch.empty((N, v.shape[2], v.shape[3], q.shape[3]), dtype=dtype, device=q.device)
-    # The parts share their tensors and dtypes, so a part the op refuses is the first (before any write).
+    calls = []
     for t0, t1, r0, r1, longest in parts:
         part_cu = cu[r0:r1 + 1] if t0 == 0 else cu[r0:r1 + 1] - t0
-        run_op(kda_prefill, q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1], cu_seqlens=part_cu,
-               initial_state=None if initial_state is None else initial_state[r0:r1],
-               output_final_state=output_final_state,
-               final_state=final_state[r0:r1] if output_final_state else None, out=out[:, t0:t1],
-               max_seqlen=longest, **op_kwargs)
+        calls.append(((q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], g[:, t0:t1], beta[:, t0:t1]), dict(
+            cu_seqlens=part_cu, initial_state=None if initial_state is None else initial_state[r0:r1],
+            output_final_state=output_final_state, final_state=final_state[r0:r1] if output_final_state else None,
+            out=out[:, t0:t1], max_seqlen=longest, **op_kwargs)))
+    # Every later part is checked before the first is launched: the parts differ in their offsets and lengths (the
+    # metadata's cut may not match the call: tokens padded past the last offset, a longest it undercounts), and a
+    # call the op refuses falls back to vLLM's kernel with nothing written.
+    for args, kwargs in calls[1:]:
+        run_op(validation.check_kda_prefill, *args, **kwargs)
+    for args, kwargs in calls:
+        run_op(kda_prefill, *args, **kwargs)
     return out, (final_state if output_final_state else None)

@@ -20,7 +20,7 @@ from ..common_checks import number_or_none
 from .. import fla as _fla
 from ..rows import rows_view
 from . import host_lengths
-from ._common import Refused, count_route, run_op, unknown
+from ._common import Refused, count_route, gate_dtypes, run_op, tensors, unknown
 from .split_calls import prefill_in_parts
 
 #: extra keyword arguments vLLM's vendored chunk_kda / fused_recurrent_kda accept and ignore (bailing_moe_v3)
@@ -52,6 +52,9 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
                       "(ssm_state_indices given, inplace_final_state=True)")
     if beta is None or not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
         raise Refused("flashkda_ext needs beta and initial_state (the state pool [slots, HV, V, K])")
+    tensors(q=q, k=k, v=v, g=g, beta=beta)
+    # kda_decode / kda_verify read g and beta in q's dtype or fp32 as they are (vLLM's kernel reads fp32)
+    gate_dtypes(q, (q.dtype, torch.float32), g=g, beta=beta)
     if contiguous:
         # vLLM's wrapper makes them dense; the ops this form reaches (kda_decode, kda_verify) read the tokens
         # (dim 1) of row-strided views as they are, so only what they cannot read is copied
@@ -85,8 +88,12 @@ def _recurrent_form(q, k, v, g, beta, scale, initial_state, inplace_final_state,
         if T > N:
             q, k, v, g, beta = (x[:, :N] for x in (q, k, v, g, beta))
             served = N
-        # row n is request n only where request n is exactly token n: an empty request is never a row
-        ssm_state_indices = _indices.one_token_rows(cu_seqlens, ssm_state_indices)
+        # one slot a request: fla's mapping puts request n's token (row cu_seqlens[n]) on slot n, an empty request
+        # moving the rows after it (host offsets: _indices.one_token_rows; device ones: read by kda_verify). Host
+        # offsets of a longer request raise here, naming cu_seqlens: vLLM's kernel would store its later tokens'
+        # states in the next requests' slots, so no fallback can run them
+        _indices.one_token_offsets(cu_seqlens, q.shape[1])
+        ssm_state_indices = ssm_state_indices[:N]
     form = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, inplace_final_state=True,
                 cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=True, use_gate_in_kernel=False,
@@ -120,6 +127,7 @@ def serve_fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, inplac
 def serve_fused_recurrent_kda(q, k, v, g, beta=None, scale=None, initial_state=None, inplace_final_state=True,
                               use_qk_l2norm_in_kernel=True, cu_seqlens=None, ssm_state_indices=None, **kwargs):
     _no_unknown(kwargs)
+    tensors(q=q)
     if cu_seqlens is not None and q.shape[0] != 1:
         raise Refused("cu_seqlens with a batch of several rows (vLLM raises)")
     return _serve_recurrent(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
@@ -132,6 +140,10 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
     _no_unknown(kwargs)
+    tensors(q=q, k=k, v=v, g=g, beta=beta)
+    # kda_prefill reads g and beta in q's dtype: bailing_moe_v3's fp32 gate (fused_kda_gate) and beta would be
+    # rounded, where vLLM's kernel reads them in fp32
+    gate_dtypes(q, (q.dtype,), g=g, beta=beta)
     # the parts (the step's decodes apart from its prompts) and their longest sequences, routing only, from vLLM's
     # step metadata (found by the caller's own cu_seqlens object)
     parts, how = host_lengths.step_parts(cu_seqlens, q.shape[1])
