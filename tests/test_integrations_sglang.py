@@ -593,6 +593,196 @@ def test_extend_track_state_sharing_the_pool_is_refused_before_anything_is_writt
 
 
 # ---------------------------------------------------------------------------------------------------
+# arguments read as SGLang 0.5.23's kernels read them: the log gate's lower_bound, bool flags, an absent
+# dt_bias, track_chunk_idx without track_state, query_start_loc under its own name
+
+def log_gate_case(seed):
+    """extend_case with g a log decay (< 0, never 0): the gate without A_log."""
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=seed)
+    return q, k, v, -torch.rand(g.shape, generator=torch.Generator().manual_seed(seed)) - 0.01, beta, pool, qsl
+
+
+@pytest.mark.parametrize("bad", [True, "x", float("nan"), 7.0])
+def test_extend_log_gate_refuses_a_lower_bound_the_bounded_gate_refuses(bad):
+    """Before: without A_log, _gate returned the log gate without looking at lower_bound (True, "x", NaN, 7.0
+    served). Now the same error as the A_log call, and nothing written."""
+    q, k, v, g, beta, pool, qsl = log_gate_case(30)
+    _, _, _, _, _, A_log, dt_bias, _, _, _ = extend_case(seed=30)
+    pool0 = pool.clone()
+    call = dict(ssm_states=pool, cache_indices=torch.tensor([1, 2], dtype=torch.int32), query_start_loc=qsl,
+                lower_bound=bad)
+    with pytest.raises((TypeError, ValueError), match="^lower_bound: ") as with_A:
+        FlashKDAExtKernel().extend(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **call)
+    with pytest.raises(with_A.type, match="^lower_bound: ") as without_A:
+        FlashKDAExtKernel().extend(q, k, v, g, beta, **call)
+    assert str(without_A.value) == str(with_A.value)
+    assert torch.equal(pool, pool0)
+
+
+def test_extend_log_gate_with_a_lower_bound_is_the_log_gate():
+    """SGLang's chunk_kda without A_log reads lower_bound only as safe_gate (which intra-chunk kernel runs):
+    the gate is g as given, so a valid bound changes nothing (bitwise) and the result is the log gate's."""
+    q, k, v, g, beta, pool, qsl = log_gate_case(31)
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    pool0, pool_none = pool.clone(), pool.clone()
+    o = FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool, cache_indices=idx, query_start_loc=qsl,
+                                   lower_bound=-5.0)
+    o_none = FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool_none, cache_indices=idx,
+                                        query_start_loc=qsl)
+    assert torch.equal(o, o_none) and torch.equal(pool, pool_none)
+    want_o, want_pool, _ = kda_recurrent(q, k, v, g, beta, gate="log", beta_is_logit=False, cu_seqlens=qsl,
+                                         initial_state=pool0, state_indices=idx)
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(pool, want_pool, **TOL)
+
+
+NOT_BOOLS = [("beta_is_raw", "False"), ("beta_is_raw", 0), ("beta_is_raw", torch.tensor(True)),
+             ("return_intermediate_states", "no"), ("return_intermediate_states", 1),
+             ("output_intermediate_states", 0), ("is_spec_decode", 0)]
+
+
+@pytest.mark.parametrize("name, value", NOT_BOOLS, ids=[f"{n}={v!r}" for n, v in NOT_BOOLS])
+def test_extend_flags_that_are_not_bools_fall_back(name, value):
+    """Before: read truthily (beta_is_raw="False" served as True, return_intermediate_states="no" returned
+    (o, h), is_spec_decode=0 served). SGLang's call sites pass Python bools: anything else goes to its kernel,
+    counted, and nothing is written here."""
+    import numpy as np
+    from flashkda_ext.integrations.sglang import REASONS
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=32)
+    pool0 = pool.clone()
+    call = dict(ssm_states=pool, cache_indices=torch.tensor([1, 2], dtype=torch.int32), query_start_loc=qsl,
+                A_log=A_log, dt_bias=dt_bias, **{name: value})
+    reason = f"{name} of type {'torch.Tensor' if torch.is_tensor(value) else type(value).__name__}, not a bool"
+    with pytest.raises(NotImplementedError, match=f"^extend: {reason}"):
+        FlashKDAExtKernel().extend(q, k, v, g, beta, **call)
+    fallback = Recorder()
+    before = sum(n for (m, r), n in REASONS.items() if m == "extend" and r.startswith(reason))
+    assert FlashKDAExtKernel(fallback=fallback).extend(q, k, v, g, beta, **call) == ("triton", "extend")
+    assert fallback.calls[0][2][name] is value
+    assert sum(n for (m, r), n in REASONS.items() if m == "extend" and r.startswith(reason)) == before + 1
+    assert torch.equal(pool, pool0)
+    # a numpy bool is no Python bool either
+    with pytest.raises(NotImplementedError, match="^extend: beta_is_raw of type numpy.bool_?, not a bool"):
+        FlashKDAExtKernel().extend(q, k, v, g, beta, **dict(call, beta_is_raw=np.bool_(True)))
+    assert torch.equal(pool, pool0)
+
+
+def test_target_verify_cache_ring_that_is_not_a_bool_falls_back():
+    """Before: cache_ring=0 was served (read falsy)."""
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=33)
+    buf0 = case["intermediate_states_buffer"].clone()
+    with pytest.raises(NotImplementedError, match="^target_verify: cache_ring of type int, not a bool"):
+        call_verify(case, cache_steps=3, cache_ring=0)
+    c, fallback = dict(case), Recorder()
+    out = FlashKDAExtKernel(fallback=fallback).target_verify(
+        c.pop("A_log"), c.pop("dt_bias"), c.pop("q"), c.pop("k"), c.pop("v"), c.pop("a"), c.pop("b"),
+        cache_steps=3, cache_ring=0, **c)
+    assert out == ("triton", "target_verify") and fallback.calls[0][2]["cache_ring"] == 0
+    assert torch.equal(bits(case["intermediate_states_buffer"]), bits(buf0))
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_extend_without_dt_bias_is_sglangs_gate_without_a_bias(lower_bound):
+    """SGLang's chunk_kda adds the bias only where dt_bias is given (HAS_BIAS); g + 0 is g, so no bias is a
+    zero bias. Before: the softplus gate without dt_bias was a ValueError."""
+    q, k, v, g, beta, A_log, _, pool, qsl, lens = extend_case(seed=34)
+    idx = torch.tensor([0, 3], dtype=torch.int32)
+    pool0, pool_zero = pool.clone(), pool.clone()
+    call = dict(cache_indices=idx, query_start_loc=qsl, A_log=A_log, lower_bound=lower_bound)
+    o = FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool, dt_bias=None, **call)
+    o_zero = FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool_zero, dt_bias=torch.zeros(H * K), **call)
+    assert torch.equal(o, o_zero) and torch.equal(pool, pool_zero)
+    gate = dict(gate="softplus") if lower_bound is None else dict(gate="bounded", lower_bound=lower_bound)
+    want_o, want_pool, _ = kda_recurrent(q, k, v, g, beta, **gate, A_log=A_log.flatten(), dt_bias=torch.zeros(H * K),
+                                         beta_is_logit=False, cu_seqlens=qsl, initial_state=pool0, state_indices=idx)
+    torch.testing.assert_close(o.double(), want_o, **TOL)
+    torch.testing.assert_close(pool, want_pool, **TOL)
+
+
+@pytest.mark.parametrize("where", ["decode", "packed_decode", "target_verify"])
+def test_decode_and_verify_without_dt_bias_name_it(where):
+    """SGLang's decode and verify kernels read dt_bias unconditionally (no bias-free variant): refused, naming
+    dt_bias (before: named A_log), nothing written."""
+    gen = torch.Generator().manual_seed(35)
+    q, k, v = packed_qkv(2, gen)
+    A_log, _ = params(gen)
+    pool = torch.randn(SLOTS, H, V, K, generator=gen)
+    pool0 = pool.clone()
+    a, b, idx = torch.randn(2, H * K, generator=gen), torch.randn(2, H, generator=gen), torch.tensor([1, 3])
+    with pytest.raises(ValueError, match="^dt_bias: "):
+        if where == "decode":
+            FlashKDAExtKernel().decode(q, k, v, a, b, A_log=A_log, dt_bias=None, ssm_states=pool, cache_indices=idx,
+                                       query_start_loc=torch.arange(3, dtype=torch.int32))
+        elif where == "packed_decode":
+            FlashKDAExtKernel().packed_decode(torch.randn(2, 2 * H * K + H * V, generator=gen), a, b, A_log=A_log,
+                                              dt_bias=None, scale=0.3, ssm_states=pool, cache_indices=idx,
+                                              num_v_heads=H, head_v_dim=V)
+        else:
+            case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=35)
+            buf0 = case["intermediate_states_buffer"].clone()
+            try:
+                call_verify(case, dt_bias=None)
+            finally:
+                assert torch.equal(bits(case["intermediate_states_buffer"]), bits(buf0))
+    assert torch.equal(pool, pool0)
+
+
+def test_extend_track_chunk_idx_without_track_state_is_refused():
+    """SGLang's chunk_kda asserts track_state and track_chunk_idx come together. Before: the indices were
+    ignored and the call served."""
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=36)
+    pool0 = pool.clone()
+    with pytest.raises(ValueError, match="^track_chunk_idx: given without track_state"):
+        FlashKDAExtKernel(chunk_size=4).extend(q, k, v, g, beta, ssm_states=pool,
+                                               cache_indices=torch.tensor([4, 1], dtype=torch.int32),
+                                               query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias,
+                                               track_chunk_idx=torch.tensor([1, 0], dtype=torch.int32))
+    assert torch.equal(pool, pool0)
+
+
+BAD_OFFSETS = [(torch.tensor([0.0, 1.0, 2.0]), "torch.float32 on cpu"), (torch.arange(3, device="meta"), "on meta")]
+
+
+@pytest.mark.parametrize("qsl, match", BAD_OFFSETS, ids=["float", "meta"])
+def test_decode_refuses_offsets_of_another_dtype_or_device(qsl, match):
+    """Before: decode checked only their shape (and host values, float 0.0, 1.0 == 0, 1): served."""
+    gen = torch.Generator().manual_seed(37)
+    q, k, v = packed_qkv(2, gen)
+    A_log, dt_bias = params(gen)
+    pool = torch.randn(SLOTS, H, V, K, generator=gen)
+    pool0 = pool.clone()
+    with pytest.raises(ValueError, match=f"^query_start_loc: expected int32 or int64 offsets on cpu .*{match}"):
+        FlashKDAExtKernel().decode(q, k, v, torch.randn(2, H * K, generator=gen), torch.randn(2, H, generator=gen),
+                                   A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=torch.tensor([1, 3]),
+                                   query_start_loc=qsl)
+    assert torch.equal(pool, pool0)
+
+
+@pytest.mark.parametrize("qsl, match", [
+    (torch.tensor([0.0, 5.0, 14.0]), "expected int32 or int64 offsets on cpu"),
+    (torch.tensor([0, 5, 14], dtype=torch.int32, device="meta"), "expected int32 or int64 offsets on cpu"),
+    (torch.tensor([0, 0, 5, 0, 14], dtype=torch.int32)[::2], "expected a contiguous tensor"),
+    (torch.tensor([0, 9, 5], dtype=torch.int32), "expected non-decreasing offsets from 0 to T = 14"),
+], ids=["float", "meta", "strided", "decreasing"])
+def test_extend_names_query_start_loc_not_cu_seqlens(qsl, match):
+    """Before: kda_prefill's checks named the offsets cu_seqlens, an argument SGLang never passes."""
+    q, k, v, g, beta, A_log, dt_bias, pool, _, lens = extend_case(seed=38)
+    pool0 = pool.clone()
+    with pytest.raises(ValueError, match=f"^query_start_loc: {match}"):
+        FlashKDAExtKernel().extend(q, k, v, g, beta, ssm_states=pool, cache_indices=torch.tensor([1, 2]),
+                                   query_start_loc=qsl, A_log=A_log, dt_bias=dt_bias)
+    assert torch.equal(pool, pool0)
+
+
+def test_target_verify_names_query_start_loc_on_another_device():
+    case = verify_case([3, 3], steps=3, rows=[0, 2], cidx=[1, 4], seed=39)
+    buf0 = case["intermediate_states_buffer"].clone()
+    with pytest.raises(ValueError, match="^query_start_loc: expected a tensor on cpu"):
+        call_verify(case, query_start_loc=case["query_start_loc"].to("meta"))
+    assert torch.equal(bits(case["intermediate_states_buffer"]), bits(buf0))
+
+
+# ---------------------------------------------------------------------------------------------------
 # the captured prefill's wrapper (prefill_graph.py): what SGLang's FlashInferKDAPrefillGraph may pass beyond
 # what it does pass is refused, naming the argument, before anything is written
 

@@ -36,7 +36,11 @@ def _gate(lower_bound, A_log):
     if A_log is None:
         # SGLang's chunk_kda then reads lower_bound only as safe_gate, a promise that the given log decay is
         # >= lower_bound that lets its intra-chunk kernel skip a guard; the log gate is exact for any g, so the
-        # promise changes nothing here (read in sglang 0.5.23, kernels/ops/attention/fla/kda.py)
+        # promise changes nothing here (read in sglang 0.5.23, kernels/ops/attention/fla/kda.py). The bound is
+        # still checked as the bounded gate checks it: True, a string, NaN or a bound >= 0 is no bound SGLang's
+        # models give, and is refused here as with A_log rather than dropped
+        if lower_bound is not None:
+            validation._gate_bound("bounded", lower_bound)
         return "log", None
     return ("softplus" if lower_bound is None else "bounded"), lower_bound
 
@@ -45,6 +49,35 @@ def _no_unknown(where: str, kwargs: dict) -> None:
     if kwargs:
         raise TypeError(f"{where}: unexpected keyword arguments {sorted(kwargs)} for flashkda_ext's SGLang kernel "
                         f"(SGLang 0.5.23's call sites pass none of them)")
+
+
+def _not_a_bool(name: str, value) -> str:
+    """The fallback reason for a flag that is no Python bool (SGLang's call sites pass bools; its kernel reads
+    any value truthily, so "False" would be True there, and the call is left to it rather than read either
+    way). The type, not the value, so that REASONS counts one key a flag and type."""
+    kind = type(value)      # qualified outside builtins: numpy 2 names its bool type "bool" too
+    kind = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{name} of type {kind}, not a bool (SGLang's signature takes a bool)"
+
+
+def _check_offsets(query_start_loc: torch.Tensor, q: torch.Tensor, T: Optional[int] = None) -> None:
+    """query_start_loc [N+1] checked under the name SGLang passes it by (kda_prefill would name it cu_seqlens):
+    int32 / int64 on q's device; with T (extend), contiguous, at least one request, and where the offsets are
+    in host memory non-decreasing from 0 to T."""
+    if query_start_loc.dtype not in (torch.int32, torch.int64) or query_start_loc.device != q.device:
+        raise ValueError(f"query_start_loc: expected int32 or int64 offsets on {q.device} (the device of q), "
+                         f"got {query_start_loc.dtype} on {query_start_loc.device}")
+    if T is None:
+        return
+    if query_start_loc.shape[0] < 2:
+        raise ValueError(f"query_start_loc: expected N+1 >= 2 offsets (at least one request), got "
+                         f"{list(query_start_loc.shape)}")
+    if not query_start_loc.is_contiguous():
+        raise ValueError("query_start_loc: expected a contiguous tensor")
+    if query_start_loc.device.type == "cpu":
+        offsets = query_start_loc.tolist()
+        if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to T = {T}, got {offsets}")
 
 
 def _qkv_dims(q, v):
@@ -107,6 +140,8 @@ class FlashKDAExtKernel:
             got = list(query_start_loc.shape) if torch.is_tensor(query_start_loc) else type(query_start_loc).__name__
             raise ValueError(f"query_start_loc: decode takes one token per request (T == N); got T = {T}, "
                              f"{N} cache_indices and query_start_loc of shape {got}")
+        # kda_decode reads no offsets; SGLang's kernel does, so they are checked as its own call would need them
+        _check_offsets(query_start_loc, q)
         if query_start_loc.device.type == "cpu" and query_start_loc.tolist() != list(range(N + 1)):
             raise ValueError(f"query_start_loc: decode expects offsets 0, 1, ..., N (one token per request), "
                              f"got {query_start_loc.tolist()}")
@@ -159,8 +194,9 @@ class FlashKDAExtKernel:
         HV, V = v.shape[1], v.shape[2]
         dtype = q.dtype
         A, dt = _params(A_log, dt_bias)
-        if A is None or dt is None:
-            raise ValueError("A_log: decode activates the raw gate a in the kernel and needs A_log and dt_bias")
+        if A is None or dt is None:     # SGLang's decode kernels read both (no bias-free variant)
+            raise ValueError(f"{'A_log' if A is None else 'dt_bias'}: decode activates the raw gate a in the kernel "
+                             f"and needs A_log and dt_bias, got None")
         gate, lb = _gate(lower_bound, A)
         # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype; SGLang's row-strided views
         # (a, b column slices of its projection; q, k, v of mixed_qkv) go as they are where kda_decode reads them
@@ -228,7 +264,12 @@ class FlashKDAExtKernel:
             got = list(query_start_loc.shape) if torch.is_tensor(query_start_loc) else query_start_loc
             raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
                              f"got {got}")
-        want_h = bool(return_intermediate_states or output_intermediate_states)
+        _check_offsets(query_start_loc, q, T)
+        if track_chunk_idx is not None and track_state is None:
+            # SGLang's chunk_kda asserts they come together: the indices alone would be dropped
+            raise ValueError("track_chunk_idx: given without track_state; SGLang's chunk_kda takes them together "
+                             "(the chunk each track_state row snapshots)")
+        want_h = return_intermediate_states or output_intermediate_states is True   # bools (or None): checked
         # h is materialized only where SGLang may read it: track_state replaces it, an empty
         # track_ssm_h_src says no row of it is read
         need_h = want_h and track_state is None and (track_ssm_h_src is None or track_ssm_h_src.numel() > 0)
@@ -243,10 +284,14 @@ class FlashKDAExtKernel:
         dtype = q.dtype
         A, dt = _params(A_log, dt_bias)
         gate, lb = _gate(lower_bound, A)
+        if gate == "softplus" and dt is None:
+            # SGLang's chunk_kda adds no bias then (HAS_BIAS = dt_bias is not None); g + 0.0 is g, so a zero bias
+            # is the same gate (the bounded gate reads an absent dt_bias as 0 itself)
+            dt = torch.zeros(HV * K, dtype=torch.float32, device=q.device)
         idx = int32_indices("cache_indices", cache_indices, (N,))
         # kda_prefill reads g and beta in q's dtype
         args = (*dense_qkv(q, k, v), _as("g", g, dtype, (1, T, HV, K)), _as("beta", beta, dtype, (1, T, HV)))
-        kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=bool(beta_is_raw),
+        kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=beta_is_raw,
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)
         if not ckpt:
             # SGLang's host lengths name the longest request for the route (a long request in a batch of short
@@ -285,7 +330,9 @@ class FlashKDAExtKernel:
         token t continues from the state stored after token retrieve_parent_token[n, t]."""
         _no_unknown("target_verify", kwargs)
         reason = None
-        if cache_ring or any(x is not None for x in (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)):
+        if not isinstance(cache_ring, bool):
+            reason = _not_a_bool("cache_ring", cache_ring)
+        elif cache_ring or any(x is not None for x in (replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta)):
             reason = "ReplaySSM ring write (--enable-linear-replayssm-spec)"
         elif fused_accept_state_indices is not None or fused_accept_num_accepted is not None:
             reason = "fused-accept verify indices (FlashInfer's recurrent_kda contract)"
@@ -337,6 +384,9 @@ def _tree_fallback_reason(parents, cache_indices, buf) -> Optional[str]:
 
 def _extend_fallback_reason(call: dict) -> Optional[str]:
     """Why SGLang's own kernel must run this extend, or None when flashkda_ext serves it exactly."""
+    for flag in ("beta_is_raw", "is_spec_decode", "return_intermediate_states", "output_intermediate_states"):
+        if flag in call and not isinstance(call[flag], bool):     # output_intermediate_states: only when given
+            return _not_a_bool(flag, call[flag])
     if call["is_spec_decode"]:
         # SGLang's chunk_kda commits draft_extend_v2 in place while its comment asks kernels not to:
         # its own kernel stays the reference for that contract

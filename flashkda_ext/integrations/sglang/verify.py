@@ -32,6 +32,9 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
                          f"got {getattr(query_start_loc, 'shape', query_start_loc)}")
     if query_start_loc.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"query_start_loc: expected an int32 or int64 tensor, got {query_start_loc.dtype}")
+    if query_start_loc.device != q.device:     # under SGLang's name (kda_verify would name it cu_seqlens)
+        raise ValueError(f"query_start_loc: expected a tensor on {q.device} (the device of q), got "
+                         f"{query_start_loc.device}")
     buf = _verify_buffer(buf, ssm_states, HV, V, K)
     R, S = buf.shape[0], buf.shape[1]
     cidx = int32_indices("cache_indices", cache_indices, (N,))
@@ -50,8 +53,9 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     dtype = q.dtype
     A = None if A_log is None else _as("A_log", A_log, torch.float32, (-1,))
     dt = None if dt_bias is None else _as("dt_bias", dt_bias, torch.float32, (-1,))
-    if A is None or dt is None:
-        raise ValueError("A_log: target_verify activates the raw gate a in the kernel and needs A_log and dt_bias")
+    if A is None or dt is None:     # SGLang's verify kernel reads both (no bias-free variant)
+        raise ValueError(f"{'A_log' if A is None else 'dt_bias'}: target_verify activates the raw gate a in the "
+                         f"kernel and needs A_log and dt_bias, got None")
     gate, lb = gate_of(lower_bound, A)
     # kda_verify with SGLang's two pools as they are, no device op beside the kernel: the buffer is step rows
     # (state [R, S, HV, V, K], state_indices = the request's row: the state after token t goes to
