@@ -252,3 +252,25 @@ def test_dense_in_place_states_fewer_than_the_sequences_are_refused_naming_initi
     call["initial_state"] = pool()[:2].clone()
     assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
     fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+
+
+def test_verify_request_longer_than_the_table_names_cu_seqlens():
+    """Campaign 13: a request of 4 tokens beside a 3-column table raised naming max_seqlen, which fla's caller
+    never passes (the adapter adds it)."""
+    refused_alike(verify_call(cu_seqlens=torch.tensor([0, 1, 5])),
+                  r"^cu_seqlens: a request of 4 tokens, more than the 3 columns")
+
+
+@pytest.mark.parametrize("form", ["decode", "verify"])
+def test_unsigned_slot_indices_are_refused_not_wrapped(form):
+    """Campaign 13: uint64 2**64 - 1 became -1 (padding) on its way to int64, before the range check."""
+    call = decode_call() if form == "decode" else verify_call()
+    idx = call["ssm_state_indices"].clamp(min=0)
+    idx.view(-1)[1] = -1                                    # its bits: 2**64 - 1 as uint64
+    idx = idx.view(torch.uint64)
+    call["ssm_state_indices"] = idx
+    call.pop("_form")
+    before = call["initial_state"].clone()
+    with pytest.raises(ValueError, match="^ssm_state_indices: .*unsigned"):
+        fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+    assert torch.equal(call["initial_state"], before)

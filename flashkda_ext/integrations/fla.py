@@ -406,6 +406,12 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                       num_accepted_tokens=plan.index("num_accepted_tokens", num_accepted_tokens, 1, t_max, pad=0,
                                                      what=f" (T_max = {t_max})"),
                       max_seqlen=t_max, null_slot0=null_slot0, out=plan.keep(out), **gate_kw)
+            cu = kw["cu_seqlens"]
+            if not plan.meta and common_checks.host_values(cu) and cu.dim() == 1 and cu.shape[0] > 1 \
+                    and int(cu.diff().max()) > t_max:
+                # named as fla's caller passed it (the op would name the max_seqlen this adapter adds)
+                raise ValueError(f"cu_seqlens: a request of {int(cu.diff().max())} tokens, more than the {t_max} "
+                                 f"columns of ssm_state_indices (nothing was written)")
             args = (plan.keep(q), plan.keep(k), plan.keep(v), *plan.gate_beta(g, beta, q))
             return "kda_verify", args, kw, lambda o: (o, initial_state)
         if ssm_state_indices.dim() != 1:
