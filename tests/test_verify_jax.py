@@ -137,3 +137,20 @@ def test_draft_tree_equals_the_torch_op(step_rows):
     bad = dict(j, parent_tokens=to_jax(torch.tensor([[0, 0, 2, 1], [0, 0, 0, 0], [0, 0, 1, 0]], dtype=torch.int32)))
     with pytest.raises(ValueError, match=r"^parent_tokens: entry \[0, 2\] = 2"):
         kj.kda_verify(*(bad[n] for n in POS), **{n: x for n, x in bad.items() if n not in POS}, donate=False)
+
+
+def test_host_values_are_checked_against_each_calls_own_max_seqlen():
+    """Campaign 13: the validated call the value checks read was kept by plan, which max_seqlen does not change, so
+    after a valid max_seqlen=4 call a max_seqlen=2 one (a request of 4 tokens) passed, and a valid max_seqlen=None
+    call after a refused one was refused."""
+    gen = torch.Generator().manual_seed(2)
+    a = case(gen, [3, 1, 4], 4)
+    j = {n: to_jax(x) for n, x in a.items()}
+    call = lambda m: kj.kda_verify(*(j[n] for n in POS), **{n: x for n, x in j.items() if n not in POS},  # noqa: E731
+                                   max_seqlen=m, donate=False)
+    for m in (2, 4, 2, None, 3):
+        if m is not None and m < 4:
+            with pytest.raises(ValueError, match="^max_seqlen: "):
+                call(m)
+        else:
+            call(m)

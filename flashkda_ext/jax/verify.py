@@ -55,7 +55,7 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     if prep is None:
         prep = _prepare_verify(names, args, plat, key, max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate,
                                scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, donate=donate)
-    _check_verify_values(prep, args, (8, 7, 9, 12, 13), max_seqlen)
+    _check_verify_values(key, prep, args, (8, 7, 9, 12, 13), max_seqlen)
     return _run(_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 
 
@@ -67,7 +67,7 @@ def _verify_arrays(names, vals, platform):
     return args, _platform(platform, zip(names, args))
 
 
-def _check_verify_values(prep, args, positions, max_seqlen) -> None:
+def _check_verify_values(key, prep, args, positions, max_seqlen) -> None:
     """On the CPU, the values of the index arrays that are concrete there (not part of the
     signature: checked on every call); positions: where cu_seqlens, state_indices, num_accepted_tokens and
     (kda_verify) initial_state_indices and parent_tokens stand in args. The second pool is never the buffer
@@ -77,7 +77,7 @@ def _check_verify_values(prep, args, positions, max_seqlen) -> None:
     host = [_host_int32(args[i]) for i in positions]
     if all(h is not None or args[i] is None for h, i in zip(host, positions)) and args[positions[0]] is not None:
         tree = dict(initial_state_indices=host[3], parent_tokens=host[4]) if len(host) > 3 else {}
-        validation.check_verify_values(_VERIFY_CALLS[prep.plan], *host[:3], max_seqlen, **tree)
+        validation.check_verify_values(_VERIFY_CALLS[key], *host[:3], max_seqlen, **tree)
 
 
 def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, scale, beta_is_logit, null_slot0,
@@ -108,11 +108,13 @@ def _prepare_verify(names, args, plat, key, *, max_seqlen, lower_bound, gate, sc
         results=(("out", out_shape, _dtype_str(v), None), ("state", tuple(state.shape), _dtype_str(state), "state")),
         attrs=_attrs(family, call), cuda_graph=_GRAPH_SAFE[family] and _command_buffers_allowed(),
         casts=call.gb_casts(dispatch.gb_read_dtype(module, call.input_dtype)))
-    _VERIFY_CALLS[plan] = call  # the host value checks need it on every call (no slot for it on _Prepared)
+    _VERIFY_CALLS[key] = call  # the host value checks need it on every call (no slot for it on _Prepared)
     return _remember(key, plan, _donate_positions(args, (10,), donate))
 
 
-_VERIFY_CALLS: dict = {}  # plan -> its validated VerifyCall
+#: the call's signature (shapes, dtypes and every attribute, max_seqlen among them) -> its validated VerifyCall. Not
+#: the plan: two calls that differ only in max_seqlen share a plan, and the values are checked against the call's own
+_VERIFY_CALLS: dict = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +161,8 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
                      ("state", tuple(st.shape), _dtype_str(st), "state")),
             attrs=_attrs("fused_kda_verify", call),
             cuda_graph=_GRAPH_SAFE["fused_kda_verify"] and _command_buffers_allowed())
-        _VERIFY_CALLS[plan] = call
+        _VERIFY_CALLS[key] = call
         prep = _remember(key, plan, _donate_positions(args, (2, 7), donate))
-    _check_verify_values(prep, args, (11, 10, 12), max_seqlen)
+    _check_verify_values(key, prep, args, (11, 10, 12), max_seqlen)
     return _run(_fused_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 
