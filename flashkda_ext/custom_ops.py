@@ -182,8 +182,9 @@ def traced_kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_
     if out is None:
         _read_ok("v", v)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kda_decode_op(q, k, v, g, beta, state, state_indices, A_log, dt_bias, _opt_float("lower_bound", lower_bound),
-                  gate, _opt_float("scale", scale), beta_is_logit, slot_mode, null_slot0, out)
+    _op_call(kda_decode_op, q, k, v, g, beta, state, state_indices, A_log, dt_bias,
+             _opt_float("lower_bound", lower_bound), gate, _opt_float("scale", scale), beta_is_logit, slot_mode,
+             null_slot0, out)
     return out
 
 
@@ -223,9 +224,9 @@ def traced_fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
         _read_ok("output_gate", output_gate)
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
     norm_eps = validation._real("norm_eps", norm_eps)  # TypeError, as the eager check
-    fused_kda_decode_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
-                        norm_weight, _opt_float("lower_bound", lower_bound), gate, norm_eps,
-                        _opt_float("scale", scale), slot_mode, null_slot0, out)
+    _op_call(fused_kda_decode_op, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state,
+             output_gate, norm_weight, _opt_float("lower_bound", lower_bound), gate, norm_eps,
+             _opt_float("scale", scale), slot_mode, null_slot0, out)
     return out
 
 
@@ -272,6 +273,11 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
     _read_ok("v", v, 4, "[B, T, HV, V]")
     if cu_seqlens is not None:
         _read_ok("cu_seqlens", cu_seqlens, 1, "[N+1]")
+        if cu_seqlens.shape[0] < 2:     # the eager check, before N sizes a final state
+            raise ValueError(f"cu_seqlens: expected at least 2 offsets [N+1] with N >= 1, got "
+                             f"{list(cu_seqlens.shape)}")
+    # the eager check, before max_seqlen sizes the checkpoints
+    validation.check_max_seqlen(max_seqlen, v.shape[1], cu_seqlens is not None)
     B, T, HV, V = v.shape
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -292,10 +298,9 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
             sdtype = state.dtype if isinstance(state, Tensor) else sdtype
         checkpoints = torch.full((N, longest // checkpoint_every, HV, V, K), float("nan"), dtype=sdtype,
                                  device=q.device)
-    kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, _opt_float("lower_bound", lower_bound), gate,
-                   _opt_float("scale", scale), beta_is_logit, cu_seqlens, initial_state, state, state_indices,
-                   output_final_state, final_state, checkpoint_every, checkpoints, max_seqlen, null_slot0, workspace,
-                   out)
+    _op_call(kda_prefill_op, q, k, v, g, beta, A_log, dt_bias, _opt_float("lower_bound", lower_bound), gate,
+             _opt_float("scale", scale), beta_is_logit, cu_seqlens, initial_state, state, state_indices,
+             output_final_state, final_state, checkpoint_every, checkpoints, max_seqlen, null_slot0, workspace, out)
     # as eager: pool mode returns the pool itself; output_final_state=False returns None (a pool only read)
     result_state = (state if pool else final_state) if output_final_state else None
     has_ckpt = isinstance(checkpoint_every, int) and checkpoint_every > 0
@@ -342,9 +347,9 @@ def traced_kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num
     if out is None:
         _read_ok("v", v)
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kda_verify_op(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
-                  dt_bias, _opt_float("lower_bound", lower_bound), gate, _opt_float("scale", scale), beta_is_logit,
-                  null_slot0, out, initial_state, initial_state_indices, parent_tokens)
+    _op_call(kda_verify_op, q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
+             dt_bias, _opt_float("lower_bound", lower_bound), gate, _opt_float("scale", scale), beta_is_logit,
+             null_slot0, out, initial_state, initial_state_indices, parent_tokens)
     return out
 
 
@@ -382,10 +387,9 @@ def traced_fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias,
         _read_ok("x", x)
         _read_ok("output_gate", output_gate)
         out = torch.empty(output_gate.shape, dtype=x.dtype, device=x.device)
-    fused_kda_verify_op(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
-                        state_indices, cu_seqlens, num_accepted_tokens, max_seqlen,
-                        _opt_float("lower_bound", lower_bound), gate, validation._real("norm_eps", norm_eps),
-                        _opt_float("scale", scale), null_slot0, out)
+    _op_call(fused_kda_verify_op, x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+             state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, _opt_float("lower_bound", lower_bound), gate,
+             validation._real("norm_eps", norm_eps), _opt_float("scale", scale), null_slot0, out)
     return out
 
 
@@ -405,6 +409,23 @@ def _opt_float(name: str, x):
     return x
 
 
+def _tensor_positions(op) -> tuple:
+    """(position, name, optional) of each Tensor argument in an op's schema."""
+    return tuple((i, a.name, str(a.type) == "Optional[Tensor]") for i, a in enumerate(op._schema.arguments)
+                 if str(a.type) in ("Tensor", "Optional[Tensor]"))
+
+
+def _op_call(op, *args) -> None:
+    """op(*args) under tracing, each Tensor argument checked first: the schema's cast of a list or a number fails
+    with torch's message, which names no argument; this is the eager one. The positions are read from the
+    schemas once at import (_TENSOR_ARGS): Dynamo traces this function, not the schema objects."""
+    for i, name, optional in _TENSOR_ARGS[op]:
+        x = args[i]
+        if not isinstance(x, Tensor) and not (optional and x is None):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {'None' if x is None else type(x).__name__}")
+    op(*args)
+
+
 def _read_ok(name: str, x, ndim: Optional[int] = None, layout: str = "") -> None:
     """A traced wrapper reads x's shape, dtype or device before the fake's checks run: refuse what it could not
     read with the eager message (not an AttributeError, IndexError or unpacking error). Not validation._tensor:
@@ -413,3 +434,7 @@ def _read_ok(name: str, x, ndim: Optional[int] = None, layout: str = "") -> None
         raise TypeError(f"{name}: expected a torch.Tensor, got {'None' if x is None else type(x).__name__}")
     if ndim is not None:
         validation._ndim(name, x, ndim, layout)
+
+
+_TENSOR_ARGS = {op: _tensor_positions(op) for op in (kda_decode_op, fused_kda_decode_op, kda_prefill_op,
+                                                     kda_verify_op, fused_kda_verify_op)}

@@ -150,3 +150,49 @@ def test_prefill_writes_what_it_is_given():
              out=torch.zeros_like(a["out"]))                  # nothing asked, nothing dropped: same out
     call("kda_prefill", b)
     torch.testing.assert_close(b["out"], a["out"], rtol=0, atol=0)
+
+
+# --- under torch.compile: the wrappers' own reads and the schema's casts give the eager message (campaign 13) ---
+
+def compiled_and_eager_errors(fn, a):
+    """The eager error message of fn(**a), and the text of the error under torch.compile(fullgraph=True) (Dynamo
+    reports an exception raised in traced code inside its own, as in test_custom_ops.py)."""
+    import flashkda_ext as fk
+    op = getattr(fk, fn)
+    with pytest.raises((TypeError, ValueError)) as eager:
+        op(**a)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:
+        torch.compile(lambda kw: op(**kw), backend="aot_eager", fullgraph=True)(a)
+    return str(eager.value), str(compiled.value)
+
+
+def public(a):
+    return {n: x for n, x in a.items() if n not in ("workspace",)}
+
+
+@pytest.mark.parametrize("fn,make,name,value", [
+    ("kda_decode", decode_args, "state_indices", [1]), ("kda_decode", decode_args, "dt_bias", 3),
+    ("kda_verify", verify_args, "num_accepted_tokens", 3), ("kda_prefill", prefill_args, "initial_state", [1]),
+    ("kda_prefill", prefill_args, "checkpoints", [1])])
+def test_a_non_tensor_for_a_tensor_argument_is_named_under_compile(fn, make, name, value):
+    """Before: torch's "Unable to cast [1] to Tensor" from the schema, naming no argument."""
+    a = public(make())
+    a[name] = value
+    eager, compiled = compiled_and_eager_errors(fn, a)
+    assert f"{name}: expected a torch.Tensor, got {type(value).__name__}" in compiled, compiled
+    assert eager.startswith(name), eager
+
+
+@pytest.mark.parametrize("change", [dict(cu_seqlens=torch.zeros(0, dtype=torch.int32)),
+                                    dict(max_seqlen=-4), dict(max_seqlen=2 ** 63), dict(max_seqlen=8.0)],
+                         ids=["no-offsets", "negative", "huge", "float"])
+def test_prefill_sizes_nothing_from_unchecked_values_under_compile(change):
+    """Before: the traced wrapper sized the final state from N = -1 or the checkpoints from max_seqlen, failing in
+    torch.empty / torch.full with a message naming nothing."""
+    a = public(prefill_args())
+    a.update(q=a["q"][:1].reshape(1, T, H, K), k=a["k"][:1], v=a["v"][:1], g=a["g"][:1], beta=a["beta"][:1],
+             cu_seqlens=torch.tensor([0, 2, T], dtype=torch.int32), final_state=None, out=None, checkpoint_every=2)
+    a.update(change)
+    eager, compiled = compiled_and_eager_errors("kda_prefill", a)
+    assert eager in compiled, (eager, compiled)
