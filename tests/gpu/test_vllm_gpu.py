@@ -295,3 +295,30 @@ def test_int64_index_past_int32_is_padding_on_the_gpu(vllm_ops):
     torch.cuda.synchronize()
     assert torch.equal(o[0, 0], torch.zeros_like(o[0, 0])) and torch.equal(pool[1], before[1])
     assert not torch.equal(pool[2], before[2])
+
+
+def test_one_token_indices_after_empty_requests_match_vllm_triton(vllm_ops):
+    """1-D slot indices (one token a request) with device offsets [0, 0, 1, 2, 2, 3, 4] (requests 0 and 3 empty,
+    tokens 4 and 5 no request's): request n's token is row cu_seqlens[n] on slot n, as vLLM's kernel reads it
+    (campaign 13: the rows after an empty request were zeros and never stepped). The owned rows and the whole
+    pool agree; the empty requests' slots are not written."""
+    ops, fk = vllm_ops
+    gen = torch.Generator().manual_seed(11)
+    H, K, N = 8, 128, 6
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    call = dict(q=r(1, N, H, K).bfloat16().to(DEV), k=r(1, N, H, K).bfloat16().to(DEV),
+                v=r(1, N, H, K).bfloat16().to(DEV), raw_g=r(1, N, H, K).bfloat16().to(DEV),
+                raw_beta=r(1, N, H).bfloat16().to(DEV), A_log=(r(H) * 0.5).to(DEV), dt_bias=(r(H * K) * 0.5).to(DEV),
+                lower_bound=-5.0, cu_seqlens=torch.tensor([0, 0, 1, 2, 2, 3, 4], dtype=torch.int32, device=DEV),
+                ssm_state_indices=torch.tensor([3, 5, 7, 9, 11, 13], dtype=torch.int32, device=DEV))
+    pool = (r(16, H, K, K) * 0.3).to(DEV)
+    a, b = pool.clone(), pool.clone()
+    served = fk.STATS["k3.fused_recurrent_kda", "served"]
+    with torch.inference_mode():
+        o1, _ = ops.fused_recurrent_kda(**call, initial_state=a)
+        assert fk.STATS["k3.fused_recurrent_kda", "served"] == served + 1, dict(fk.REASONS)
+        o2, _ = ops.fused_recurrent_kda.__wrapped__(**call, initial_state=b)
+    torch.cuda.synchronize()
+    assert rel_l2(o1[:, :4], o2[:, :4]) < TOL and rel_l2(a, b) < TOL
+    assert torch.equal(a[3], pool[3]) and torch.equal(a[9], pool[9])
+    assert not torch.equal(a[5], pool[5]) and not torch.equal(a[13], pool[13])
