@@ -154,3 +154,22 @@ def test_host_values_are_checked_against_each_calls_own_max_seqlen():
                 call(m)
         else:
             call(m)
+
+
+def test_fused_verify_host_values_are_checked_against_each_calls_own_max_seqlen():
+    """Campaign 13, as above for fused_kda_verify."""
+    gen = torch.Generator().manual_seed(3)
+    Hf, D, cols, T, N, slots = 2, 8, 3, 6, 3, 11
+    C = 3 * Hf * D
+    r = lambda *s: to_jax(torch.randn(*s, generator=gen))  # noqa: E731
+    a = (r(1, T, C), r(C, 4), r(slots, C, cols + 2), r(1, T, Hf, D), r(1, T, Hf), r(Hf), r(Hf * D),
+         r(slots, Hf, D, D), r(1, T, Hf, D), r(D))
+    kw = dict(state_indices=to_jax(torch.arange(1, 10, dtype=torch.int32).reshape(N, cols)),
+              cu_seqlens=to_jax(torch.tensor([0, 3, 4, 6], dtype=torch.int32)),
+              num_accepted_tokens=to_jax(torch.tensor([1, 2, 3], dtype=torch.int32)))
+    for m in (2, 3, 2, None):
+        if m == 2:
+            with pytest.raises(ValueError, match="^max_seqlen: "):
+                kj.fused_kda_verify(*a, **kw, max_seqlen=m, donate=False)
+        else:
+            kj.fused_kda_verify(*a, **kw, max_seqlen=m, donate=False)
