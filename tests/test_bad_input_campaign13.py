@@ -20,6 +20,7 @@ import torch
 
 from flashkda_ext.integrations import _indices, common_checks
 from flashkda_ext.reference import kda_decode_step, kda_recurrent
+from test_bad_input_campaign12 import chunk as k3_chunk  # K3's chunk call, as campaign 12 builds it
 from vllm_adapter_probe import adapter, fell_back
 
 H, K, V, SLOTS = 2, 8, 8, 8
@@ -163,16 +164,6 @@ def test_vllm_vendored_decode_fp32_gate_beside_bf16_q_is_served():
 
 
 # --- a None where vLLM passes a tensor --------------------------------------------------------------------------
-
-def k3_chunk(**over):
-    T = 9
-    kw = dict(q=rand(1, T, H, K), k=rand(1, T, H, K), v=rand(1, T, H, V), raw_g=rand(1, T, H, K),
-              raw_beta=rand(1, T, H), A_log=rand(H), g_bias=rand(H * K), lower_bound=-5.0,
-              initial_state=rand(2, H, V, K), output_final_state=True, use_qk_l2norm_in_kernel=True,
-              cu_seqlens=torch.tensor([0, 4, T], dtype=torch.int32))
-    kw.update(over)
-    return kw
-
 
 NONE_CASES = [("k3.chunk_kda_with_fused_gate", k3_chunk, name) for name in ("q", "k", "v", "raw_g", "raw_beta")] + \
     [("k3.fused_recurrent_kda", lambda **o: {**k3_one_token([0, 1, 2], [1, 2]), **o}, name)
