@@ -73,17 +73,35 @@ def _register(name: str, mutates_args: tuple):
     return decorate
 
 
-def _fake(name: str):
+def _fake(name: str, same_view_ok: tuple = ()):
+    """Register fn as flashkda_ext::<name>'s fake, with the checks the stand-ins cannot make: a meta tensor among
+    real ones, and (tracing) a written tensor overlapping another argument; same_view_ok as the eager op's."""
     def decorate(fn):
         names = list(inspect.signature(fn).parameters)
+        written = {a.name for a in getattr(torch.ops.flashkda_ext, name).default._schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write}
 
         @functools.wraps(fn)
         def checked(*args, **kwargs):
-            _refuse_meta_among_real(list(zip(names, args)) + list(kwargs.items()))
-            return fn(*args, **kwargs)
+            named = list(zip(names, args)) + list(kwargs.items())
+            _refuse_meta_among_real(named)
+            result = fn(*args, **kwargs)
+            _apart_when_traced(named, written, same_view_ok)
+            return result
         torch.library.register_fake(f"flashkda_ext::{name}", checked, lib=_LIB)
         return fn
     return decorate
+
+
+def _apart_when_traced(named, written: set, same_view_ok: tuple) -> None:
+    """The eager op's overlap check on the fake tensors Dynamo traces with: views of one storage keep it there (a
+    q that is a view of the state pool), where the stand-ins the other checks run on do not. Functionalization
+    later hands the op copies, so a compiled call would otherwise serve what eager refuses."""
+    tensors = [(n, t) for n, t in named if isinstance(t, Tensor)]
+    if not any(_is_fake(t) for _, t in tensors):
+        return
+    validation.check_apart(tuple((n, t) for n, t in tensors if n in written),
+                           tuple((n, t) for n, t in tensors if n not in written), same_view_ok=same_view_ok)
 
 
 def _refuse_meta_among_real(named) -> None:
@@ -250,7 +268,7 @@ def kda_prefill_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_l
                      null_slot0=null_slot0, workspace=workspace, out=out)
 
 
-@_fake("kda_prefill")
+@_fake("kda_prefill", same_view_ok=("initial_state", "final_state"))
 def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale, beta_is_logit, cu_seqlens,
                       initial_state, state, state_indices, output_final_state, final_state, checkpoint_every,
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
@@ -326,7 +344,7 @@ def kda_verify_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
                     parent_tokens=parent_tokens)
 
 
-@_fake("kda_verify")
+@_fake("kda_verify", same_view_ok=("state", "initial_state"))
 def _kda_verify_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, num_accepted_tokens, max_seqlen, A_log,
                      dt_bias, lower_bound, gate, scale, beta_is_logit, null_slot0, out, initial_state=None,
                      initial_state_indices=None, parent_tokens=None) -> None:

@@ -196,3 +196,16 @@ def test_prefill_sizes_nothing_from_unchecked_values_under_compile(change):
     a.update(change)
     eager, compiled = compiled_and_eager_errors("kda_prefill", a)
     assert eager in compiled, (eager, compiled)
+
+
+@pytest.mark.parametrize("fn,make,reader", [("kda_decode", decode_args, "q"), ("kda_verify", verify_args, "k")])
+def test_an_input_overlapping_the_state_is_refused_under_compile_as_eager(fn, make, reader):
+    """Campaign 13: functionalization hands the compiled op a copy of the pool, so a q that is a view of the state
+    was served there and refused eagerly; the fake now checks the overlap on Dynamo's fake tensors."""
+    a = public(make())
+    n = a[reader].numel()
+    a[reader] = a["state"].view(-1)[:n].view(a[reader].shape)
+    before = a["state"].clone()
+    eager, compiled = compiled_and_eager_errors(fn, a)
+    assert eager.startswith("state: overlaps the memory of") and eager in compiled, (eager, compiled)
+    assert torch.equal(a["state"], before)

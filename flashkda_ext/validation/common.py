@@ -10,6 +10,7 @@ from itertools import chain
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake as _is_fake
 
 from .. import supported as _supported
 
@@ -436,17 +437,26 @@ def _inference_only(read: tuple, written: tuple) -> None:
                                  f"pass x.detach() or call under torch.no_grad() / torch.inference_mode()")
 
 
+def _address(x: torch.Tensor) -> tuple:
+    """(address space, first byte) of x: its device and data pointer; for a fake tensor (tracing: no data
+    pointer) its storage and the byte its view starts at, so that views of one storage are compared as eager
+    compares them and tensors of different storages never meet."""
+    if type(x) is not torch.Tensor and _is_fake(x):
+        return (x.device, x.untyped_storage()._cdata), x.storage_offset() * x.element_size()
+    return x.device, x.data_ptr()
+
+
 def _extent(x: torch.Tensor) -> tuple:
-    """(device, first byte, one past the last byte) that x can touch; empty for numel 0."""
+    """(address space, first byte, one past the last byte) that x can touch; empty for numel 0."""
+    space, lo = _address(x)
     if x.numel() == 0:
-        return x.device, 0, 0
+        return space, 0, 0
     last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-    lo = x.data_ptr()
-    return x.device, lo, lo + (last + 1) * x.element_size()
+    return space, lo, lo + (last + 1) * x.element_size()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+    return (_address(a) == _address(b) and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride())
 
 
@@ -463,7 +473,7 @@ def _slots_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     fa = (1 + sum((n - 1) * st for n, st in zip(a.shape[1:], a.stride()[1:]))) * a.element_size()
     fb = (1 + sum((n - 1) * st for n, st in zip(b.shape[1:], b.stride()[1:]))) * b.element_size()
-    d = b.data_ptr() - a.data_ptr()
+    d = _address(b)[1] - _address(a)[1]
     k_lo = max((d - fa) // P + 1, -(b.shape[0] - 1))
     k_hi = min(-((-(d + fb)) // P) - 1, a.shape[0] - 1)
     return k_lo > k_hi
