@@ -274,3 +274,48 @@ def test_unsigned_slot_indices_are_refused_not_wrapped(form):
     with pytest.raises(ValueError, match="^ssm_state_indices: .*unsigned"):
         fkda_fla.serve_fused_recurrent_kda_fwd(**call)
     assert torch.equal(call["initial_state"], before)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([[0, 70, 130]]), torch.tensor(130)], ids=["2-D", "0-d"])
+def test_chunk_host_offsets_of_another_shape_are_refused_by_the_verifier_not_raised(bad):
+    """Campaign 13: the verdict's memo key read cu_seqlens_cpu with tolist() before the check, and a 2-D or 0-d one
+    raised TypeError (unhashable list / int not iterable) out of the verifier."""
+    call = chunk_call(torch.tensor([0, 70, 130]), bad, output_final_state=True)
+    fkda_fla._VERDICTS.clear()
+    assert fkda_fla.chunk_kda_verifier(**call)[0] in (True, False)      # a verdict, not an exception
+    with pytest.raises(ValueError, match="^cu_seqlens_cpu: expected a 1-D"):
+        fkda_fla.serve_chunk_kda(**call)
+
+
+def test_chunk_empty_host_offsets_name_cu_seqlens_cpu():
+    """Campaign 13: empty offsets passed the length check and host[0] raised IndexError."""
+    call = chunk_call(torch.tensor([0, 70, 130]), None, output_final_state=True, return_intermediate_states=True)
+    call.update(cu_seqlens=torch.zeros(0, dtype=torch.long), cu_seqlens_cpu=torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="^cu_seqlens_cpu: "):
+        fkda_fla.serve_chunk_kda(**call)
+
+
+@pytest.mark.parametrize("name,dtype", [("initial_state", torch.int64), ("initial_state", torch.bool),
+                                        ("initial_state", torch.complex64), ("g", torch.int32),
+                                        ("beta", torch.bool)])
+def test_chunk_a_non_float_tensor_is_refused_not_cast(name, dtype):
+    """Campaign 13: the conversions (float to float) also cast integer, bool and complex tensors the op itself
+    refuses, and served them (a complex state without its imaginary part)."""
+    cu = torch.tensor([0, 70, 130])
+    call = chunk_call(cu, cu.clone(), output_final_state=True)
+    call["initial_state"] = torch.randn(2, HV, V, K)
+    call[name] = (call[name] * 3).to(dtype)
+    fkda_fla._VERDICTS.clear()
+    ok, why = fkda_fla.chunk_kda_verifier(**call)
+    assert not ok and "floating-point" in why, why
+
+
+@pytest.mark.parametrize("chunk", [64.0, torch.tensor(64)], ids=["float", "tensor"])
+def test_chunk_size_that_only_equals_64_is_refused(chunk):
+    """Campaign 13: 64.0 or tensor(64) passed `in (32, 64)` and reached the op as checkpoint_every, whose error named
+    an argument the caller never passed; fla runs such a call itself."""
+    cu = torch.tensor([0, 70, 130])
+    call = chunk_call(cu, cu.clone(), output_final_state=True, return_intermediate_states=True, chunk_size=chunk)
+    fkda_fla._VERDICTS.clear()
+    ok, why = fkda_fla.chunk_kda_verifier(**call)
+    assert not ok and "chunk_size" in why and "checkpoint_every" not in why, why

@@ -54,6 +54,11 @@ class _Plan:
     def cast(self, x, dtype):
         if x is None or x.dtype == dtype:
             return x if not self.meta or x is None else _meta_like(x)
+        if dtype.is_floating_point and not x.dtype.is_floating_point:
+            # only a float is converted to a float (docs/integrations.md, "Conversions"): an integer, bool or complex tensor
+            # is what the op itself refuses, and a cast would serve it (a complex one without its imaginary part)
+            raise Refused(f"flashkda_ext converts floating-point tensors only, got a {x.dtype} tensor of shape "
+                          f"{list(x.shape)} where the op reads {dtype}")
         if self.meta:
             return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device="meta")
         return x.to(dtype)
@@ -187,8 +192,9 @@ def _plan_chunk_kda(plan, q, k, v, g, beta, scale=None, initial_state=None, outp
     # for gates >= lower_bound (the same recurrence), and with the gate in the kernel fla requires lower_bound
     # in [-5, 0); disable_recompute keeps activations for a backward pass (none here), which fla refuses with
     # return_intermediate_states; max_num_seqs is use_graph's bound (use_graph is refused below)
-    if isinstance(chunk, bool) or chunk not in (32, 64):
-        raise Refused(f"flashkda_ext serves fla's chunk_size 32 or 64, got {chunk!r}")
+    if type(chunk) is not int or chunk not in (32, 64):
+        # an int exactly: 64.0 or a tensor compares equal to 64, but is what fla reads, not a count (fla runs it)
+        raise Refused(f"flashkda_ext serves fla's chunk_size 32 or 64 (an int), got {chunk!r}")
     if safe_gate and use_gate_in_kernel and (lower_bound is None or not -5 <= lower_bound < 0):
         raise Refused(f"safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0) (fla raises), "
                       f"got {lower_bound}")
@@ -245,7 +251,7 @@ def _check_host_offsets(cu_seqlens_cpu, cu_seqlens, T: int) -> None:
         raise ValueError(f"cu_seqlens_cpu: expected a 1-D int32 or int64 tensor in host memory (the host copy of "
                          f"cu_seqlens), got {_describe(cu_seqlens_cpu)}")
     host = cu_seqlens_cpu.tolist()
-    if len(host) != cu_seqlens.shape[0]:
+    if len(host) != cu_seqlens.shape[0] or not host:
         raise ValueError(f"cu_seqlens_cpu: expected the {cu_seqlens.shape[0]} offsets of cu_seqlens, got {host}")
     if host[0] != 0 or host[-1] != T or any(b < a for a, b in zip(host, host[1:])):
         raise ValueError(f"cu_seqlens_cpu: expected non-decreasing offsets from 0 to T = {T}, got {host}")
@@ -275,7 +281,9 @@ def _verdict_key(entry: str, args: tuple, kwargs: dict):
             if type(x) is not torch.Tensor:
                 return None   # subclasses (fake, functional) are checked every time
             if name == "cu_seqlens_cpu":
-                key.append(tuple(x.tolist()))   # host lengths shape the per-chunk layout
+                # host lengths shape the per-chunk layout (flattened with its shape: a 0-d or 2-D one is refused by
+                # the check, not by this key)
+                key.append((tuple(x.shape), tuple(x.reshape(-1).tolist())))
             else:
                 key.append((x.shape, x.dtype, x.device, x.stride(), x.requires_grad,
                             x.data_ptr() & 15 if x.is_cuda else 0))
