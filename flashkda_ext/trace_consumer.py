@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import numbers
+import operator
 import re
 import sys
 from typing import Any, Dict, List, Mapping, Optional
@@ -36,33 +38,81 @@ _ALLOWED_NODES = (
 )
 
 
+_ARITH = {"Add": operator.add, "Sub": operator.sub, "Mult": operator.mul, "FloorDiv": operator.floordiv,
+          "Mod": operator.mod, "Div": operator.truediv}
+_GUARD = "__fkda_arith__"    # the checked arithmetic every BinOp becomes (no constraint can name it: see safe_eval)
+
+
+def _arith(op, a, b):
+    """`a op b` for numbers only, checked on the evaluated operands: 'x' * 10**9 or (1,) * 10**9 would be a
+    memory bomb, not a constraint, whatever expression ('x' or 1, a conditional, a name) produced them."""
+    for x in (a, b):
+        if not isinstance(x, numbers.Number):
+            raise TypeError(f"arithmetic on strings or sequences is not allowed (got {type(x).__name__})")
+    return _ARITH[op](a, b)
+
+
+class _CheckedArithmetic(ast.NodeTransformer):
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        call = ast.Call(func=ast.Name(id=_GUARD, ctx=ast.Load()),
+                        args=[ast.Constant(value=type(node.op).__name__), node.left, node.right], keywords=[])
+        return ast.copy_location(call, node)
+
+
 @functools.lru_cache(maxsize=4096)
 def _compile(expr: str):
-    tree = ast.parse(expr, mode="eval")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(f"not a valid expression ({type(e).__name__}: {e})") from None
     names = set()
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED_NODES):
-            raise ValueError(f"expression {expr!r}: {type(node).__name__} is not allowed "
+            raise ValueError(f"{type(node).__name__} is not allowed "
                              f"(only names, constants, arithmetic, comparisons and boolean logic)")
         if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, str, bool, type(None))):
-            raise ValueError(f"expression {expr!r}: constant {node.value!r} is not allowed")
+            raise ValueError(f"constant {node.value!r} is not allowed")
         if isinstance(node, ast.BinOp) and any(
                 isinstance(x, (ast.Tuple, ast.List)) or (isinstance(x, ast.Constant) and isinstance(x.value, str))
                 for x in (node.left, node.right)):
-            # arithmetic is for numbers: 'x' * 10**9 would be a memory bomb, not a constraint
-            raise ValueError(f"expression {expr!r}: arithmetic on strings or sequences is not allowed")
+            # refused early where it is plain to see; _arith checks every operand as evaluated
+            raise ValueError("arithmetic on strings or sequences is not allowed")
         if isinstance(node, ast.Name):
             names.add(node.id)
-    return compile(tree, "<constraint>", "eval"), frozenset(names)
+    if _GUARD in names:
+        raise ValueError(f"the name {_GUARD!r} is reserved")
+    tree = ast.fix_missing_locations(_CheckedArithmetic().visit(tree))
+    try:
+        code = compile(tree, "<constraint>", "eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(f"not a valid expression ({type(e).__name__}: {e})") from None
+    return code, frozenset(names)
+
+
+def _evaluate(expr: str, names: Mapping[str, Any], what: str) -> Any:
+    if not isinstance(expr, str):
+        raise TypeError(f"{what}: expected a str, got {type(expr).__name__}")
+    try:
+        code, used = _compile(expr)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    missing = sorted(n for n in used if n not in names)
+    if missing:
+        raise ValueError(f"{what}: unknown name(s) {missing}")
+    local = {n: names[n] for n in used}
+    try:
+        return eval(code, {"__builtins__": {}, _GUARD: _arith}, local)  # noqa: S307 - checked above
+    except (ArithmeticError, TypeError, ValueError, RecursionError, MemoryError) as e:
+        # 1/0, 'a' < 1, 'x' * n: the expression cannot be evaluated over these values
+        raise ValueError(f"{what}: cannot be evaluated ({type(e).__name__}: {e})") from None
 
 
 def safe_eval(expr: str, names: Mapping[str, Any]) -> Any:
-    """Evaluate `expr` over `names` only; unknown names raise ValueError, no builtins exist."""
-    code, used = _compile(expr)
-    missing = sorted(n for n in used if n not in names)
-    if missing:
-        raise ValueError(f"expression {expr!r}: unknown name(s) {missing}")
-    return eval(code, {"__builtins__": {}}, {n: names[n] for n in used})  # noqa: S307 - checked above
+    """Evaluate `expr` over `names` only; unknown names raise ValueError, no builtins exist, and an
+    expression that cannot be evaluated (division by zero, comparing a str with an int, arithmetic on
+    anything but numbers) raises ValueError naming it."""
+    return _evaluate(expr, names, f"expression {expr!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,10 +133,19 @@ def check_call(definition, var_axes: Mapping[str, int]) -> List[str]:
         if ax["type"] == "const":
             values[name] = ax["value"]
         elif name in var_axes:
-            values[name] = int(var_axes[name])
+            values[name] = _axis_int(d["name"], name, var_axes[name])
         else:
             raise ValueError(f"{d['name']}: no value for var axis {name!r}")
-    return [c for c in d.get("constraints") or [] if not safe_eval(c, values)]
+    return [c for c in d.get("constraints") or []
+            if not _evaluate(c, values, f"{d['name']}: constraint {c!r}")]
+
+
+def _axis_int(definition_name: str, axis: str, value) -> int:
+    """A var axis's value: an int (numpy's too), not a bool, a float (2.7 is no row count) or a str."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{definition_name}: var axis {axis!r}: expected an int, got "
+                         f"{type(value).__name__} {value!r}")
+    return int(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +266,8 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
     last, from the tables and offsets above, see _tree_parents)."""
     import torch
     d = _as_dict(definition)
-    values = {a: (ax["value"] if ax["type"] == "const" else int(axes[a])) for a, ax in d["axes"].items()}
+    values = {a: (ax["value"] if ax["type"] == "const" else _axis_int(d["name"], a, axes[a]))
+              for a, ax in d["axes"].items()}
     slot_mode = _tag_value(d, "slot_mode:", "padded")
     null_slot0 = "null_slot0" in _tags(d)
     gen = torch.Generator().manual_seed(seed)
@@ -254,7 +314,7 @@ def make_workload(trace_set, definition_name: str, axes: Mapping[str, int], *, s
     missing += [n for n, spec in d["inputs"].items() if spec["shape"] is None and n not in axes]
     if missing:
         raise ValueError(f"axes: {definition_name} needs values for {missing} (var axes and scalar inputs)")
-    var = {a: int(axes[a]) for a in definition.var_axes}
+    var = {a: _axis_int(definition_name, a, axes[a]) for a in definition.var_axes}
     violated = check_call(d, var)
     if violated:
         raise ValueError(f"axes: {var} violate {definition_name}'s constraints {violated}")

@@ -384,6 +384,15 @@ def test_enabled_follows_env_and_context(tmp_path, monkeypatch):
     assert not trace.enabled()
 
 
+def test_tracing_refuses_an_empty_directory_before_the_block(tmp_path, monkeypatch):
+    """tracing('') would write definitions/, workloads/ and blob/ into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    for bad in ("", b"", None, 3):
+        with pytest.raises((ValueError, TypeError), match=r"^dir: "):
+            trace.tracing(bad)                         # refused at the call, before any `with`
+    assert not trace.enabled() and list(tmp_path.iterdir()) == []
+
+
 def test_emit_is_a_noop_when_disabled(tmp_path):
     assert not trace.enabled()
     args = decode_case()
@@ -557,6 +566,34 @@ def test_consumer_flags_violations_and_refuses_code(tmp_path):
         with pytest.raises(ValueError):
             trace_consumer.safe_eval(evil, {"rows": 1})
     assert trace_consumer.safe_eval("rows in (1, 2) and not x", {"rows": 2, "x": False}) is True
+
+
+@pytest.mark.parametrize("bomb", ["('x' or 1) * 1000000000", "('x' if 1 else 0) * 1000000000",
+                                  "((1, 2) and (3, 4)) * 1000000000", "1000000000 * (rows and 'x')",
+                                  "(s or 1) * 1000000000", "((1,) if rows else 0) + (2,)", "('a' or 0) % rows"])
+def test_safe_eval_checks_the_evaluated_operands_of_arithmetic(bomb):
+    """The guard sees the values arithmetic gets, whatever expression produced them (not only literals)."""
+    with pytest.raises(ValueError, match="arithmetic on strings or sequences is not allowed"):
+        trace_consumer.safe_eval(bomb, {"rows": 1, "s": "x"})
+    assert trace_consumer.safe_eval("(rows or 1) * 3 + (2 if rows else 0)", {"rows": 4}) == 14
+
+
+@pytest.mark.parametrize("constraint,words", [("1 / 0", "ZeroDivisionError"), ("rows % 0 == 0", "ZeroDivisionError"),
+                                              ("'a' < 1", "TypeError"), ("-'a'", "TypeError"), ("1 +", "not a valid")])
+def test_check_call_names_a_constraint_that_cannot_be_evaluated(constraint, words):
+    d = {"name": "defn", "axes": {"rows": {"type": "var"}}, "constraints": ["rows > 0", constraint]}
+    with pytest.raises(ValueError) as e:
+        trace_consumer.check_call(d, {"rows": 2})
+    assert str(e.value).startswith(f"defn: constraint {constraint!r}") and words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value", [2.7, True, "12", float("nan"), None])
+def test_check_call_takes_only_int_var_axis_values(value):
+    d = {"name": "defn", "axes": {"rows": {"type": "var"}, "H": {"type": "const", "value": 2}},
+         "constraints": ["rows > 0"]}
+    with pytest.raises(ValueError, match=r"^defn: var axis 'rows': expected an int, got "):
+        trace_consumer.check_call(d, {"rows": value})
+    assert trace_consumer.check_call(d, {"rows": 3}) == [] and trace_consumer.check_call(d, {"rows": 0}) == ["rows > 0"]
 
 
 def test_fused_calls_without_the_gate_parameters_a_gate_reads_are_not_traced(tmp_path, monkeypatch):

@@ -91,3 +91,25 @@ def test_verify_dump_of_step_rows_a_start_pool_and_a_tree(flags, name_part, caps
 def test_dump_refuses_kda_verify_options_other_ops_cannot_use(argv, option, capsys):
     assert cli.main(["trace", "dump"] + argv) == 2
     assert f"flashkda-ext trace dump: {option}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,option,words", [
+    (["kda_prefill", "--checkpoint-every", "-64"], "--checkpoint-every", "expected an int >= 0"),
+    (["kda_decode", "--value-heads", "0"], "--value-heads", "positive integer, got 0"),
+    (["kda_decode", "--head-dim-k", "0"], "--head-dim-k", "positive integer, got 0"),
+    (["kda_decode", "--value-heads", "-16"], "--value-heads", "positive integer, got -16"),
+    (["kda_decode", "--head-dim-v", "-8"], "--head-dim-v", "positive integer, got -8"),
+    (["kda_decode", "--head-dim", "99999999999999999999"], "--head-dim", "elements"),
+    (["kda_prefill", "--head-dim", "3000000000", "--backend", "cpu"], "--head-dim", "elements"),
+    (["kda_decode", "--gate", "bounded", "--lower-bound", "nan"], "--lower-bound", "finite value < 0, got nan"),
+    (["kda_decode", "--gate", "bounded", "--lower-bound", "5"], "--lower-bound", "finite value < 0, got 5.0"),
+    (["kda_decode", "--out", "{tmp}/missing/d.json"], "--out", "does not exist"),
+    (["kda_decode", "--out", "{tmp}"], "--out", "a directory"),
+])
+def test_dump_refuses_bad_option_values_naming_the_option(argv, option, words, capsys, tmp_path):
+    """The op's own rules (validation), refused with exit 2 and no traceback, nothing written."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli.main(["trace", "dump"] + argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"flashkda-ext trace dump: {option}: ") and words in captured.err, captured.err
+    assert "Traceback" not in captured.err and captured.out == "" and list(tmp_path.iterdir()) == []

@@ -32,6 +32,7 @@ def cmd_trace(args) -> int:
         return 0
     op = args.op
     try:
+        _check_out(args.out)
         definition = trace.definition_for_options(op, vars(args))
     except ValueError as e:
         print(f"flashkda-ext trace dump: {e}", file=sys.stderr)
@@ -39,12 +40,29 @@ def cmd_trace(args) -> int:
     if args.check:
         trace.validate_definition(definition)
     text = json.dumps(definition, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if args.out is not None:
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as e:         # checked above; still refused (no permission, a full disk) without a traceback
+            print(f"flashkda-ext trace dump: --out: cannot write {args.out!r} ({e.strerror or e})", file=sys.stderr)
+            return 2
         print(f"wrote {args.out} ({definition['name']})")
     else:
         print(text)
     return 0
+
+
+def _check_out(out) -> None:
+    """--out: a file to write, in a directory that exists (checked before anything is built or written)."""
+    if out is None:
+        return
+    path = Path(out)
+    if out == "" or path.is_dir():
+        raise ValueError(f"--out: expected a file to write, got {out!r} (a directory)" if out
+                         else "--out: expected a file to write, got ''")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out: the directory {str(parent)!r} of {out!r} does not exist")
 
 
 def add_parser(sub) -> None:

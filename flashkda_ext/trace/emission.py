@@ -46,12 +46,27 @@ def refresh() -> None:
 refresh()
 
 
+def tracing(dir: "os.PathLike[str] | str") -> "contextlib.AbstractContextManager[str]":
+    """Trace every public call inside the block to `dir` (created on first write). `dir` is checked
+    here, before any block runs: a str or path, not empty ('' would write into the current directory;
+    FLASHKDA_EXT_TRACE_DIR='' means off, and a block meant to trace should not silently not)."""
+    try:
+        path = os.fspath(dir)
+    except TypeError:
+        raise TypeError(f"dir: expected a str or os.PathLike trace directory, got {type(dir).__name__}") from None
+    if not isinstance(path, str):
+        raise TypeError(f"dir: expected a str or os.PathLike trace directory, got {type(path).__name__} {path!r}")
+    if not path:
+        raise ValueError("dir: expected a trace directory, got '' (an empty path; to turn tracing off, "
+                         "leave the block out)")
+    return _tracing(path)
+
+
 @contextlib.contextmanager
-def tracing(dir: "os.PathLike[str] | str") -> Iterator[str]:
-    """Trace every public call inside the block to `dir` (created on first write)."""
+def _tracing(path: str) -> Iterator[str]:
     global _dir
     previous = _dir
-    _dir = os.fspath(dir)
+    _dir = path
     try:
         yield _dir
     finally:

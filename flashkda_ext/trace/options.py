@@ -2,8 +2,10 @@
 the dump's options, problems reported by option name)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Mapping
 
+from .. import validation
 from .definitions import build_definition, unsupported
 from .call_facts import args_facts
 from .templates import OPS, validate_definition
@@ -24,20 +26,64 @@ def _option_dtype(option: str, value: str):
     return getattr(torch, value)
 
 
+# the size options (each a positive int; value_heads and the head_dim_k/v options default to another)
+_SIZES = ("heads", "value_heads", "head_dim", "head_dim_k", "head_dim_v", "rows", "slots", "tokens", "seqs")
+_DEFAULTED = ("value_heads", "head_dim_k", "head_dim_v")
+_MAX_ELEMENTS = (2 ** 63 - 1) // 8    # a meta tensor's bytes must fit torch's int64 (8: the widest dtype here)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _positive(option: str, value) -> int:
+    """A size option: a positive int (validation's int rule: not a bool), ValueError naming it."""
+    try:
+        validation._int(option, value, "> 0")
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    if value <= 0:
+        raise ValueError(f"{option}: expected a positive integer, got {value}")
+    return value
+
+
+def _as_option(option: str, name: str, rule, *args) -> None:
+    """Run an op's validation rule for argument `name`; its refusal names the dump's `option` instead."""
+    try:
+        rule(*args)
+    except (TypeError, ValueError) as err:
+        msg = str(err)
+        raise ValueError(option + msg[len(name):] if msg.startswith(name + ":") else f"{option}: {msg}") from None
+
+
 def _option_args(op: str, o: Mapping[str, Any]) -> Dict[str, Any]:
     """Public-op arguments as meta tensors (no memory, no device) for the dump's options."""
     import torch
     m = dict(device="meta")
     dt, sdt = _option_dtype("--input-dtype", o["input_dtype"]), _option_dtype("--state-dtype", o["state_dtype"])
-    for opt in ("heads", "head_dim", "rows", "slots", "tokens", "seqs"):
-        if int(o[opt]) <= 0:
-            raise ValueError(f"--{opt.replace('_', '-')}: expected a positive integer, got {o[opt]}")
+    sizes = {}
+    for opt in _SIZES:
+        if o.get(opt) is None and opt in _DEFAULTED:       # absent: the option it defaults to
+            continue
+        sizes[opt] = _positive(_flag(opt), o[opt])
     H, rows, slots = o["heads"], o["rows"], o["slots"]
-    HV = o.get("value_heads") or H
-    K, V = o.get("head_dim_k") or o["head_dim"], o.get("head_dim_v") or o["head_dim"]
+    HV = o["value_heads"] if o.get("value_heads") is not None else H
+    K = o["head_dim_k"] if o.get("head_dim_k") is not None else o["head_dim"]
+    V = o["head_dim_v"] if o.get("head_dim_v") is not None else o["head_dim"]
     gate = o["gate"]
-    e = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, **m)  # noqa: E731
-    gate_kw = dict(gate=gate, lower_bound=o["lower_bound"] if gate == "bounded" else None)
+    validation._choice("--gate", gate, validation.GATES)
+    lower_bound = o["lower_bound"] if gate == "bounded" else None
+    _as_option("--lower-bound", "lower_bound", validation._gate_bound, gate, lower_bound)
+    _as_option("--checkpoint-every", "checkpoint_every", validation.check_checkpoint_every,
+               o.get("checkpoint_every", 0))
+
+    def e(*shape, dtype=torch.float32):
+        if math.prod(shape) > _MAX_ELEMENTS:      # torch refuses with a traceback naming no option
+            largest = max(sizes, key=lambda opt: sizes[opt])
+            raise ValueError(f"{_flag(largest)}: {sizes[largest]} makes a tensor of shape {list(shape)}, more "
+                             f"than {_MAX_ELEMENTS} elements (torch's int64 sizes)")
+        return torch.empty(*shape, dtype=dtype, **m)
+    gate_kw = dict(gate=gate, lower_bound=lower_bound)
     T, N = o["tokens"], o["seqs"]
     for key, option in (("step_rows", "--step-rows"), ("initial_slots", "--initial-slots"), ("tree", "--tree")):
         if o.get(key) and op != "kda_verify":
