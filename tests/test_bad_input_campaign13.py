@@ -124,7 +124,8 @@ def bailing_chunk(**over):
 def test_vllm_bailing_prefill_with_its_fp32_gate_falls_back():
     """bailing_moe_v3 passes fused_kda_gate's fp32 output and an fp32 beta beside bf16 q; kda_prefill reads them in
     q's dtype, so serving would round what vLLM's kernel reads."""
-    fell_back("vendored.chunk_kda", lambda: adapter("vendored.chunk_kda")(**bailing_chunk()), "g of dtype torch.float32")
+    fell_back("vendored.chunk_kda", lambda: adapter("vendored.chunk_kda")(**bailing_chunk()),
+              "g of dtype torch.float32")
 
 
 def test_vllm_bailing_prefill_in_qs_dtype_is_served():

@@ -99,8 +99,8 @@ def one_token_offsets(cu_seqlens: torch.Tensor, rows: int) -> Optional[list]:
                          f"got {cs} (nothing was written)")
     for n, (a, b) in enumerate(zip(cs, cs[1:])):
         if b - a > 1:
-            raise ValueError(f"cu_seqlens: with 1-D ssm_state_indices (one state slot a request) a request has at most one "
-                             f"token; request {n} has {b - a} (cu_seqlens {cs}; nothing was written)")
+            raise ValueError(f"cu_seqlens: with 1-D ssm_state_indices (one state slot a request) a request has at "
+                             f"most one token; request {n} has {b - a} (cu_seqlens {cs}; nothing was written)")
     return cs
 
 

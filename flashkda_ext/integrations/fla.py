@@ -55,8 +55,8 @@ class _Plan:
         if x is None or x.dtype == dtype:
             return x if not self.meta or x is None else _meta_like(x)
         if dtype.is_floating_point and not x.dtype.is_floating_point:
-            # only a float is converted to a float (docs/integrations.md, "Conversions"): an integer, bool or complex tensor
-            # is what the op itself refuses, and a cast would serve it (a complex one without its imaginary part)
+            # only a float is converted to a float (docs/integrations.md, "Conversions"): an integer, bool or complex
+            # tensor is what the op itself refuses, and a cast would serve it (a complex one without its imaginary part)
             raise Refused(f"flashkda_ext converts floating-point tensors only, got a {x.dtype} tensor of shape "
                           f"{list(x.shape)} where the op reads {dtype}")
         if self.meta:
