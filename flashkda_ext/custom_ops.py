@@ -291,9 +291,7 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
     _read_ok("v", v, 4, "[B, T, HV, V]")
     if cu_seqlens is not None:
         _read_ok("cu_seqlens", cu_seqlens, 1, "[N+1]")
-        if cu_seqlens.shape[0] < 2:     # the eager check, before N sizes a final state
-            raise ValueError(f"cu_seqlens: expected at least 2 offsets [N+1] with N >= 1, got "
-                             f"{list(cu_seqlens.shape)}")
+        validation.check_offset_count(cu_seqlens)     # the eager check, before N sizes a final state
     # the eager check, before max_seqlen sizes the checkpoints
     validation.check_max_seqlen(max_seqlen, v.shape[1], cu_seqlens is not None)
     B, T, HV, V = v.shape

@@ -15,8 +15,8 @@ from .common import (DTYPE_NAMES, GATE_MODE, GATES, INT32_MAX, SLOT_MODES, backe
 from .decode import DecodeCall, check_kda_decode
 from .fused_decode import FusedDecodeCall, check_fused_kda_decode
 from .fused_verify import FusedVerifyCall, check_fused_kda_verify
-from .prefill import (PrefillCall, check_checkpoint_every, check_kda_prefill, check_max_seqlen, check_workspace,
-                      prefill_route_meta)
+from .prefill import (PrefillCall, check_checkpoint_every, check_kda_prefill, check_max_seqlen, check_offset_count,
+                      check_workspace, prefill_route_meta)
 from .verify import VerifyCall, check_kda_verify, check_verify_values
 
 # single-argument rules other modules reuse (context_parallel, custom_ops, integrations) and tests call
@@ -26,5 +26,5 @@ from .common import (_bool, _choice, _float, _gate_bound, _inference_only, _int,
 __all__ = ["DTYPE_NAMES", "GATE_MODE", "GATES", "INT32_MAX", "SLOT_MODES", "backend_of", "check_apart",
            "dtype_name", "rows_as_read", "DecodeCall", "check_kda_decode", "FusedDecodeCall", "check_fused_kda_decode",
            "FusedVerifyCall", "check_fused_kda_verify", "PrefillCall", "check_kda_prefill", "check_workspace",
-           "prefill_route_meta", "check_max_seqlen", "check_checkpoint_every", "VerifyCall", "check_kda_verify",
-           "check_verify_values", "same_view"]
+           "prefill_route_meta", "check_max_seqlen", "check_offset_count", "check_checkpoint_every", "VerifyCall",
+           "check_kda_verify", "check_verify_values", "same_view"]

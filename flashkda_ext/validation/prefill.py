@@ -47,6 +47,12 @@ def check_max_seqlen(max_seqlen, T: int, packed: bool) -> None:
         raise ValueError(f"max_seqlen: expected an int in [0, T = {T}] or None, got {max_seqlen!r}")
 
 
+def check_offset_count(cu_seqlens: torch.Tensor) -> None:
+    """kda_prefill's cu_seqlens [N+1] holds at least one sequence (the traced wrapper sizes outputs from N)."""
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected at least 2 offsets [N+1] with N >= 1, got {list(cu_seqlens.shape)}")
+
+
 def check_checkpoint_every(checkpoint_every) -> None:
     """kda_prefill's checkpoint_every: an int in [0, INT64_MAX]."""
     _int("checkpoint_every", checkpoint_every, ">= 0")
@@ -113,8 +119,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens: expected dtype int32 or int64, got {dtype_name(cu_seqlens.dtype)}")
         _ndim("cu_seqlens", cu_seqlens, 1, "[N+1]")
-        if cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens: expected at least 2 offsets [N+1] with N >= 1, got {list(cu_seqlens.shape)}")
+        check_offset_count(cu_seqlens)
         _contiguous("cu_seqlens", cu_seqlens)
         if B != 1:
             raise ValueError(f"q: packed variable-length input (cu_seqlens given) needs batch B = 1, got B = {B}")
