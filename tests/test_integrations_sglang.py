@@ -165,13 +165,14 @@ class Recorder:
     (dict(chunk_indices=torch.zeros(3, 2, dtype=torch.int32), chunk_offsets=torch.zeros(3, dtype=torch.int32)),
      "chunk tables"),
     (dict(num_state_checkpoints=2, state_checkpoint_indices=torch.zeros(2, dtype=torch.int32)), "checkpoint plan"),
+    (dict(A_log=None), "dt_bias without A_log"),
 ])
 def test_extend_fallbacks_are_counted_and_write_nothing(extra, reason):
     from flashkda_ext.integrations.sglang import REASONS, STATS
     q, k, v, g, beta, A_log, dt_bias, pool, qsl, lens = extend_case(seed=3, lens=(3, 4))
     pool0 = pool.clone()
-    call = dict(ssm_states=pool, cache_indices=torch.tensor([2, -1], dtype=torch.int32), query_start_loc=qsl,
-                A_log=A_log, dt_bias=dt_bias, **extra)
+    call = {**dict(ssm_states=pool, cache_indices=torch.tensor([2, -1], dtype=torch.int32), query_start_loc=qsl,
+                   A_log=A_log, dt_bias=dt_bias), **extra}
     before = STATS["extend", "fell_back"]
     with pytest.raises(NotImplementedError, match=reason):
         FlashKDAExtKernel().extend(q, k, v, g, beta, **call)

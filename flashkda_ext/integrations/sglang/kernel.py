@@ -395,4 +395,8 @@ def _extend_fallback_reason(call: dict) -> Optional[str]:
         return "prefill CUDA-graph chunk tables (chunk_indices / chunk_offsets)"
     if call["num_state_checkpoints"] or call["state_checkpoint_indices"] is not None:
         return "a FlashInfer state-checkpoint plan (num_state_checkpoints > 0)"
+    if call["A_log"] is None and call["dt_bias"] is not None:
+        # SGLang's chunk_kda then reads g as the activated log decay and never reads dt_bias; a caller that
+        # passes a bias may mean a raw gate, so the call is left to SGLang's reading rather than guessed
+        return "dt_bias without A_log (SGLang's chunk_kda reads g as activated and ignores dt_bias)"
     return None
