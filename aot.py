@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashkda_ext.cli.common import positive_int
 from flashkda_ext.jit import all_records, ensure_built
 from flashkda_ext.jit.builder import sha256_file
 from flashkda_ext.jit.checks import resource_problems
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
                     help="target arch, e.g. 9.0a or sm_90a (repeat or comma-separate); "
                          "'host'/'cpu' alone builds only CPU modules")
     ap.add_argument("--out", help="output directory (created if missing)")
-    ap.add_argument("--jobs", type=int, default=1, help="modules built in parallel (default 1)")
+    ap.add_argument("--jobs", type=positive_int, default=1, help="modules built in parallel (default 1)")
     ap.add_argument("--only", action="append", default=[],
                     help="fnmatch pattern of module names (repeat or comma-separate)")
     ap.add_argument("--list", action="store_true", help="list what would be built, build nothing")
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         print(f"aot: {e}. Fix or delete it (a new one is written when none exists).",
               file=sys.stderr)
         return 2
-    jobs = max(1, args.jobs)
+    jobs = args.jobs
     # parallel module builds share the cores: give each ninja its slice unless MAX_JOBS says otherwise
     per_build = None if jobs == 1 else max(1, (os.cpu_count() or 1) // jobs)
     failures = []

@@ -353,3 +353,11 @@ def test_a_mismatched_cached_build_is_a_clear_error_naming_the_module(foreign):
     with pytest.raises(BuildError, match=r"module 'toy_cpu' \(host\) was rebuilt .* does not export "
                                          r"'kda_decode', the entry function of module 'toy_cpu'"):
         load_module("toy_cpu", root=tree)
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2", "two"])
+def test_a_job_count_below_one_is_refused_by_name(jobs, env, capsys):
+    aot = _aot_module()
+    with pytest.raises(SystemExit) as exc:      # argparse's exit 2, before a record is read
+        aot.main(["--root", str(env), "--list", "--jobs", jobs])
+    assert exc.value.code == 2 and "--jobs" in capsys.readouterr().err

@@ -425,3 +425,11 @@ def test_long_prefill_reference_in_windows_dense_batch_and_no_initial_state(monk
     want_o, want_f, _ = kda_recurrent(q, k, v, g, beta, **kw)
     got_o, got_f, _ = selftest_cases._windowed_prefill_reference(q, k, v, g, beta, kw)
     assert selftest_cases.max_rel_err(got_o, want_o) < 1e-6 and selftest_cases.max_rel_err(got_f, want_f) < 1e-9
+
+
+@pytest.mark.parametrize("flag", ["--jobs", "--parallel"])
+def test_build_counts_below_one_are_refused_by_name(flag, capsys):
+    from flashkda_ext import cli
+    with pytest.raises(SystemExit) as exc:       # argparse's exit 2: no clamp to 1 in silence
+        cli.main(["build", "--list", "cpu_*", flag, "0"])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err

@@ -183,6 +183,9 @@ def test_max_jobs(monkeypatch):
     monkeypatch.setenv("MAX_JOBS", "3")
     assert builder._jobs(None) == 3
     assert builder._jobs(2) == 2  # an explicit value (aot.py --jobs) wins
+    for bad in (0, -1, 2.0, True, "2"):     # refused by name, never clamped to 1
+        with pytest.raises(ValueError, match="jobs: expected an int >= 1"):
+            builder._jobs(bad)
     monkeypatch.setenv("MAX_JOBS", "lots")
     with pytest.raises(ValueError, match="MAX_JOBS"):
         builder._jobs(None)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .common import first_line, table
+from .common import first_line, positive_int, table
 
 
 def _repo_root() -> Optional[Path]:
@@ -74,7 +74,7 @@ def cmd_build(args) -> int:
 
     failures = 0
     t0 = time.perf_counter()
-    workers = max(1, args.parallel or 1)
+    workers = args.parallel
 
     def one(rec):
         arch = None if rec["backend"] == "cpu" else args.arch
@@ -119,8 +119,8 @@ def add_parser(sub) -> None:
                    help="only this backend's modules; alone, every module of it")
     s.add_argument("--arch", default=None, help="CUDA arch (e.g. 9.0a); default: this GPU's, else the record's first")
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
-    s.add_argument("--jobs", type=int, default=None, help="ninja jobs per module (modules in parallel with --aot)")
-    s.add_argument("--parallel", type=int, default=1, help="modules built at the same time (default 1)")
+    s.add_argument("--jobs", type=positive_int, default=None, help="ninja jobs per module (modules in parallel with --aot)")
+    s.add_argument("--parallel", type=positive_int, default=1, help="modules built at the same time (default 1)")
     s.add_argument("--aot", default=None, metavar="DIR", help="build into an AOT directory through aot.py")
     s.add_argument("--list", action="store_true", help="list the matching modules, build nothing")
     s.add_argument("-v", "--verbose", action="store_true", help="print a failed build's full compiler output")

@@ -27,6 +27,20 @@ def table(rows: List[List[str]], head: List[str]) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (jobs, modules in parallel): 0 or a negative count is refused by name, not
+    clamped to 1 in silence."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def first_line(text) -> str:
     for line in str(text).splitlines():
         if line.strip():

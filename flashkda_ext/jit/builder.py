@@ -137,9 +137,16 @@ def _ninja() -> List[str]:
         raise ToolchainError("ninja not found; pip install ninja") from None
 
 
+def _check_jobs(jobs) -> None:
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        # not clamped to 1 in silence (0 or -1 may have meant "every core", which is None)
+        raise ValueError(f"jobs: expected an int >= 1 (or None: MAX_JOBS, else every core), got {jobs!r}")
+
+
 def _jobs(jobs: Optional[int]) -> int:
-    if jobs:
-        return max(1, int(jobs))
+    if jobs is not None:
+        _check_jobs(jobs)
+        return jobs
     env = os.environ.get("MAX_JOBS")
     if env:
         try:
@@ -395,6 +402,7 @@ def ensure_artifact(cache: Path, name: str, identity: str, label: str, hint: str
 def ensure_built(name: str, arch: Optional[str] = None, *, root=None, cache=None,
                  jobs: Optional[int] = None, force: bool = False) -> BuildResult:
     """Build the module unless a valid artifact of its identity is cached; return where it is."""
+    _check_jobs(jobs)   # on every call, a cached module's too
     record = get_record(name, root)
     arch = resolve_arch(record, arch)
     cache_root = roots.cache_dir(cache)
