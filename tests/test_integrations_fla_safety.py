@@ -282,9 +282,32 @@ def test_chunk_host_offsets_of_another_shape_are_refused_by_the_verifier_not_rai
     raised TypeError (unhashable list / int not iterable) out of the verifier."""
     call = chunk_call(torch.tensor([0, 70, 130]), bad, output_final_state=True)
     fkda_fla._VERDICTS.clear()
-    assert fkda_fla.chunk_kda_verifier(**call)[0] in (True, False)      # a verdict, not an exception
+    ok, why = fkda_fla.chunk_kda_verifier(**call)      # a verdict, not an exception
+    assert not ok and "cu_seqlens_cpu: expected a 1-D" in why
     with pytest.raises(ValueError, match="^cu_seqlens_cpu: expected a 1-D"):
         fkda_fla.serve_chunk_kda(**call)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(return_intermediate_states=True)], ids=["o", "h"])
+@pytest.mark.parametrize("bad, match", [
+    (torch.tensor([0.0, 70.0, 130.0]), "expected a 1-D int32 or int64 tensor in host memory"),
+    (torch.tensor([0, 70, 130], dtype=torch.int16), "expected a 1-D int32 or int64 tensor in host memory"),
+    (torch.tensor([0, 70, 130], device="meta"), "expected a 1-D int32 or int64 tensor in host memory"),
+    ([0, 70, 130], "expected a 1-D int32 or int64 tensor in host memory"),
+    (torch.tensor([0, 80, 70]), "expected non-decreasing offsets from 0 to T = 130"),
+    (torch.tensor([0, 130]), "expected the 3 offsets of cu_seqlens"),
+], ids=["float", "int16", "meta", "list", "decreasing", "count"])
+def test_chunk_host_offsets_the_verifier_refuses_name_cu_seqlens_cpu(bad, match, extra):
+    """Before: the verifier skipped the host copy, and with return_intermediate_states read its lengths
+    unchecked: a float or int16 copy was refused naming max_seqlen (never passed), a meta one raised
+    NotImplementedError out of the verifier, a list an AttributeError reason; without h it said served."""
+    call = chunk_call(torch.tensor([0, 70, 130]), bad, output_final_state=True, **extra)
+    fkda_fla._VERDICTS.clear()
+    for _ in range(2):      # first call and a repeat (memoized where the copy can be keyed)
+        ok, why = fkda_fla.chunk_kda_verifier(**call)
+        assert not ok and why.startswith("flashkda_ext does not serve this call: cu_seqlens_cpu: " + match), why
+        with pytest.raises(ValueError, match="^cu_seqlens_cpu: " + match):
+            fkda_fla.serve_chunk_kda(**call)
 
 
 def test_chunk_empty_host_offsets_name_cu_seqlens_cpu():
