@@ -148,6 +148,15 @@ def test_eager_call_donates_pool_unless_asked_not_to(gen):
     _, new_state = jax_decode(jd, gate="log")
     assert jd["state"].is_deleted() and new_state.unsafe_buffer_pointer() == addr
 
+    for _ in range(2):      # the consumed pool again: named, before anything runs (was XLA's "Buffer has been
+        with pytest.raises(ValueError, match="^state: a deleted array"):       # deleted or donated", no name)
+            jax_decode(jd, gate="log")
+    jd["state"] = new_state
+    jd["g"].delete()
+    with pytest.raises(ValueError, match="^g: a deleted array"):
+        jax_decode(jd, gate="log")
+    assert not new_state.is_deleted()       # a refused call donated nothing
+
     jd = jaxify(d)
     _, kept = jax_decode(jd, gate="log", donate=False)
     assert not jd["state"].is_deleted()
