@@ -21,7 +21,7 @@ def _as_array(name: str, x, *, optional: bool = False):
             return None
         raise TypeError(f"{name}: expected a jax.Array, got None")
     if isinstance(x, jax.Array):
-        if not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        if not _is_tracer(x) and x.is_deleted():
             # XLA's own error names no argument ("Buffer has been deleted or donated"), and the CPU slot
             # check would read it first: named here, before anything runs
             raise ValueError(f"{name}: a deleted array (donated to an earlier call: an eager call with "
