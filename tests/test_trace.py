@@ -1,6 +1,6 @@
 """Trace emission (flashkda_ext.trace): schemas, templates, emitted definitions and workloads,
 references that run standalone, the consumer, and tracing's promises (never raises, written before
-the launch, no effect on results)."""
+the launch, taken back when the module refuses the call, no effect on results)."""
 from __future__ import annotations
 
 import json
@@ -452,10 +452,33 @@ def fresh_memos():
     ops.clear_call_caches()
 
 
+def snapshot(trace_dir):
+    """Every file under trace_dir with its bytes, and every folder."""
+    if not trace_dir.exists():
+        return {}, []
+    files = {str(p.relative_to(trace_dir)): p.read_bytes() for p in trace_dir.rglob("*") if p.is_file()}
+    return files, sorted(str(p.relative_to(trace_dir)) for p in trace_dir.rglob("*") if p.is_dir())
+
+
+class _Refused(ValueError):
+    pass
+
+
+@pytest.mark.parametrize("error", [_Refused, _Boom], ids=["refused", "launch-error"])
 @pytest.mark.parametrize("op", trace.OPS)
-def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatch, fresh_memos):
-    """The trace is written before the launch: make the launch itself fail."""
-    monkeypatch.setattr(ops.dispatch, "function", lambda *a, **k: _crash)
+def test_the_trace_is_on_disk_at_the_launch_and_a_refusing_launch_takes_it_back(op, error, tmp_path, monkeypatch,
+                                                                                fresh_memos):
+    """The trace is written before the launch (a launch that crashes the process leaves it): the launch
+    finds it on disk. A launch that refuses the call (ValueError / TypeError, as the modules' argument checks
+    raise) has it removed again; any other error (a launch failure the runtime reports) keeps it."""
+    trace_dir = tmp_path / "trace"                     # made by the emit: gone again after the retract
+    at_launch = []
+
+    def launch(*_a, **_k):
+        at_launch.append(snapshot(trace_dir)[0])
+        raise error("launch failed")
+
+    monkeypatch.setattr(ops.dispatch, "function", lambda *a, **k: launch)
     monkeypatch.setattr(ops.dispatch, "select_rule", lambda *a, **k: {"module": "crash"})
 
     class _Module:
@@ -463,19 +486,114 @@ def test_a_crashing_call_still_leaves_its_workload_line(op, tmp_path, monkeypatc
             return False
 
         def __getitem__(self, name):
-            return _crash
+            return launch
 
     monkeypatch.setattr(ops.jit, "load_module", lambda *a, **k: _Module())
     monkeypatch.setattr(ops.jit, "get_record", lambda *a, **k: {"params": {}})
     args = CASE[op]()
-    with trace.tracing(tmp_path):
-        with pytest.raises(_Boom):
+    with trace.tracing(trace_dir):
+        with pytest.raises(error):
             getattr(flashkda_ext, op)(**args)
-    (path,) = definition_files(tmp_path)
-    d = json.loads(path.read_text())
-    line = read_workloads(tmp_path, d)[0]
+    (files,) = at_launch
+    (def_rel,) = [p for p in files if p.startswith("definitions")]
+    d = json.loads(files[def_rel])
+    (wl_rel,) = [p for p in files if p.startswith("workloads")]
+    (line,) = [json.loads(s) for s in files[wl_rel].decode().splitlines()]
     trace.validate_definition(d)
     trace.validate_workload_line(line, d)
+    assert any(p.startswith("blob") for p in files)    # every op saves index tensors
+    if error is _Refused:
+        assert not trace_dir.exists()
+    else:
+        assert snapshot(trace_dir)[0] == files
+
+
+def _out_of_range(op):
+    """A call of op the CPU module refuses by an index value (validation passes it: emitted, then raised)."""
+    if op == "kda_prefill":
+        a = prefill_case(mode="pool")
+    else:
+        a = CASE[op](slot_mode="padded")
+    a["state_indices"][-1] = 99
+    return a
+
+
+REFUSED_OPS = ("kda_decode", "kda_prefill", "fused_kda_decode")
+
+
+@pytest.mark.parametrize("op", REFUSED_OPS)
+def test_a_call_the_module_refuses_leaves_no_trace(op, tmp_path):
+    fn = getattr(flashkda_ext, op)
+    with pytest.raises(Exception) as plain:
+        fn(**_out_of_range(op))
+    assert "out of range" in str(plain.value)
+    trace_dir = tmp_path / "trace"
+    with trace.tracing(trace_dir):
+        with pytest.raises(type(plain.value)) as traced_error:   # the same error as without tracing
+            fn(**_out_of_range(op))
+        assert str(traced_error.value) == str(plain.value)
+        assert not trace_dir.exists()                  # no line, blob, definition, or folder
+        good = _out_of_range(op)
+        good["state_indices"][-1] = -1
+        fn(**good)                                     # the definition is written again with its first line
+    (path,) = definition_files(trace_dir)
+    assert len(read_workloads(trace_dir, json.loads(path.read_text()))) == 1
+
+
+@pytest.mark.parametrize("op", REFUSED_OPS)
+def test_a_refused_call_keeps_what_earlier_calls_wrote(op, tmp_path):
+    """After a good call, a refused call of the same definition removes its own line only: the good
+    call's line, blob and definition stay byte for byte, and so does a blob the refused call shares
+    (content-addressed: the good call on a larger pool used the same indices)."""
+    fn = getattr(flashkda_ext, op)
+    bad = _out_of_range(op)
+    pools = [k for k in ("state", "conv_state") if k in bad]
+    big = dict(bad, **{k: torch.cat([bad[k]] * 20) for k in pools})  # 99 is in range: a good call
+    with trace.tracing(tmp_path):
+        fn(**big)
+        before = snapshot(tmp_path)
+        with pytest.raises(ValueError, match="out of range"):
+            fn(**_out_of_range(op))
+        assert snapshot(tmp_path) == before
+        bad["state_indices"][0] = -1                   # a blob of its own, removed again
+        with pytest.raises(ValueError, match="out of range"):
+            fn(**bad)
+        assert snapshot(tmp_path) == before
+    files = before[0]
+    assert sum(p.startswith("blob") for p in files) == 1 and sum(p.startswith("definitions") for p in files) == 1
+    (path,) = definition_files(tmp_path)
+    assert len(read_workloads(tmp_path, json.loads(path.read_text()))) == 1
+
+
+def test_retract_undoes_only_the_last_emit_of_the_call_and_never_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace.emission, "_warned", set())
+    args = decode_case()
+    call = CHECK["kda_decode"](**args)
+    with trace.tracing(tmp_path):
+        name = trace.emit("kda_decode", call, args)
+        before = snapshot(tmp_path)
+        # an emit that writes nothing drops the earlier call's record: nothing is retracted
+        f64 = decode_case(dtype=torch.float64)
+        with pytest.warns(RuntimeWarning, match="float64"):
+            assert trace.emit("kda_decode", CHECK["kda_decode"](**f64), f64) is None
+        trace.retract()
+        assert snapshot(tmp_path) == before
+        # a line another writer appended after ours: ours is kept (one warning), nothing is corrupted
+        assert trace.emit("kda_decode", call, args) == name
+        wl = tmp_path / trace.workloads_relpath(json.loads(definition_files(tmp_path)[0].read_text()))
+        with open(wl, "a") as fh:
+            fh.write('{"other": 1}\n')
+        kept = snapshot(tmp_path)
+        with pytest.warns(RuntimeWarning, match="is kept"):
+            trace.retract()
+        assert snapshot(tmp_path) == kept
+        trace.retract()                                # the record went with the first retract
+        assert snapshot(tmp_path) == kept
+        # a failure to undo warns once and never raises
+        trace.emit("kda_decode", call, args)
+        wl.unlink()
+        with pytest.warns(RuntimeWarning, match="could not be removed"):
+            trace.retract()
 
 
 def _has_routes(op):

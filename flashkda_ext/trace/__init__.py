@@ -1,8 +1,10 @@
 """Trace emission: flashinfer-bench Definitions and Workloads for the public ops' calls.
 
 With FLASHKDA_EXT_TRACE_DIR set (read at import; ``refresh()`` reads it again), or inside
-``with flashkda_ext.trace.tracing(dir):``, every public call writes, before its launch, into
-flashinfer-bench's dataset layout (``flashinfer_bench.TraceSet.from_path(dir)`` loads it):
+``with flashkda_ext.trace.tracing(dir):``, every public call writes, before its launch (so a launch
+that crashes the process leaves its trace; a call the module refuses, raising, has what it wrote
+removed again by ``retract()``), into flashinfer-bench's dataset layout
+(``flashinfer_bench.TraceSet.from_path(dir)`` loads it):
 
 * ``<dir>/definitions/<op_type>/<definition>.json`` once per process and definition name (names
   encode every const axis and fixed property, so one name is one definition), and
@@ -21,7 +23,7 @@ gets no definition (``unsupported`` says why; ``definition_for_options`` raises 
 ``flashkda-ext trace dump``). Tracing never changes results and never raises into the caller: a
 failure warns once per process and the call goes on. docs/trace-format.md describes the output.
 
-Layout: emission.py (the trace directory, emit), layout.py (the dataset's paths), templates.py
+Layout: emission.py (the trace directory, emit, retract), layout.py (the dataset's paths), templates.py
 (loading templates, schema checks), call_facts.py (what a template reads about a call),
 definitions.py (building a Definition, why a call has none), workloads.py (a workload line, saved
 index tensors), options.py (the definition `flashkda-ext trace dump` prints).
@@ -29,14 +31,14 @@ index tensors), options.py (the definition `flashkda-ext trace dump` prints).
 from .. import paths  # noqa: F401  (`flashkda-ext trace` prints trace.paths.trace_templates_dir())
 from .call_facts import args_facts, facts, facts_from_args
 from .definitions import UnsupportedCall, build_definition, render_constraints, unsupported
-from .emission import ENV_DIR, FIB_DTYPES, directory, emit, enabled, refresh, tracing
+from .emission import ENV_DIR, FIB_DTYPES, directory, emit, enabled, refresh, retract, tracing
 from .layout import blob_reldir, definition_relpath, workloads_relpath
 from .options import definition_for_options
 from .templates import OPS, load_template, validate_definition, validate_workload_line
 from .workloads import build_workload, index_inputs, save_index_tensors
 
 __all__ = ["UnsupportedCall", "build_definition", "render_constraints", "unsupported", "ENV_DIR", "FIB_DTYPES",
-           "directory", "emit", "enabled", "refresh", "tracing", "args_facts", "facts", "facts_from_args",
+           "directory", "emit", "enabled", "refresh", "retract", "tracing", "args_facts", "facts", "facts_from_args",
            "blob_reldir", "definition_relpath", "workloads_relpath", "definition_for_options", "OPS",
            "load_template", "validate_definition", "validate_workload_line", "build_workload", "index_inputs",
            "save_index_tensors"]

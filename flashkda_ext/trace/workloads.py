@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid as _uuid
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..trace_consumer import safe_eval
 from .layout import blob_reldir
@@ -24,9 +24,30 @@ def _index_tensors_on_host(inputs: Mapping[str, Any], names) -> Optional[Dict[st
     return {n: x.detach().to("cpu").contiguous() for n, x in tensors.items()}
 
 
-def save_index_tensors(trace_dir: str, definition: Mapping[str, Any], tensors: Mapping[str, Any]) -> str:
+def makedirs(path: str, created: Optional[List[str]] = None) -> None:
+    """os.makedirs(path, exist_ok=True); with `created`, the folders it made are appended to it,
+    outermost first (what emission.retract removes again, if still empty)."""
+    if created is None:
+        os.makedirs(path, exist_ok=True)
+        return
+    missing = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    os.makedirs(path, exist_ok=True)
+    created.extend(reversed(missing))
+
+
+def save_index_tensors(trace_dir: str, definition: Mapping[str, Any], tensors: Mapping[str, Any],
+                       created: Optional[List[str]] = None) -> str:
     """Write `tensors` with safetensors under the definition's blob folder; returns the path
-    relative to trace_dir. Named by content: a decode loop that reuses its indices writes one file."""
+    relative to trace_dir. Named by content: a decode loop that reuses its indices writes one file.
+    With `created`, the folders and the file this call made (none when the file was there) are
+    appended to it, in the order made."""
     import hashlib
     try:
         import safetensors.torch
@@ -38,11 +59,13 @@ def save_index_tensors(trace_dir: str, definition: Mapping[str, Any], tensors: M
     rel = os.path.join(blob_reldir(definition), f"{name}_{hashlib.sha1(data).hexdigest()[:20]}.safetensors")
     path = os.path.join(trace_dir, rel)
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        makedirs(os.path.dirname(path), created)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
+        if created is not None:
+            created.append(path)
     return rel
 
 
@@ -54,10 +77,10 @@ def index_inputs(op: str, definition: Mapping[str, Any]) -> list:
 
 
 def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapping[str, Any],
-                   trace_dir: Optional[str] = None) -> Optional[dict]:
+                   trace_dir: Optional[str] = None, created: Optional[List[str]] = None) -> Optional[dict]:
     """One workload line. With trace_dir, the index tensors are saved there and referenced; None
     when they cannot be read (CUDA graph capture). Without, they are left `random` (a workload only
-    for its axes, e.g. a constraint check)."""
+    for its axes, e.g. a constraint check). `created`: as save_index_tensors'."""
     t = load_template(op)
     uid = str(_uuid.uuid4())
     axes = {a: int(safe_eval(t["axes"][a]["bind"], f))
@@ -77,7 +100,7 @@ def build_workload(op: str, f: Mapping[str, Any], definition: dict, inputs: Mapp
         host = _index_tensors_on_host(inputs, index)
         if host is None:
             return None
-        rel = save_index_tensors(trace_dir, definition, host)
+        rel = save_index_tensors(trace_dir, definition, host, created)
         for name in index:
             sources[name] = {"type": "safetensors", "path": rel, "tensor_key": name}
     return {"definition": definition["name"],
