@@ -29,15 +29,13 @@ constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: prod
 
 // setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
 // rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a hang, on
-// the first try at 240 + 2 x 136). The checked gates' producers (the fallback's code) spilled 40-72 bytes at 136 and
-// 144; at 152 with the consumer at 200 nothing spills (ptxas, 2026-12-06), and the bounded gate at >= -5 keeps 232 / 136.
+// the first try at 240 + 2 x 136). Every gate takes 232 / 136: the checked gates had 200 / 152 while their fallback
+// code sat inline in the producers' hot path; with the unchecked chunk as its own straight line (produce, step B) the
+// bounded gate's split serves them too, 1.008-1.015x on five softplus rows, bitwise equal (H100, csrc/prefill/README.md).
 constexpr int kLaunchRegs = 168;
-template <int GATE>
-constexpr int kConsumerRegs = kGateChecked<GATE> ? 200 : 232;
-template <int GATE>
-constexpr int kProducerRegs = kGateChecked<GATE> ? 152 : 136;
-static_assert(128 * kConsumerRegs<1> + kProducers * 128 * kProducerRegs<1> <= kLaunchRegs * kWsThreads &&
-                  128 * kConsumerRegs<0> + kProducers * 128 * kProducerRegs<0> <= kLaunchRegs * kWsThreads,
+constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 136;
+static_assert(128 * kConsumerRegs + kProducers * 128 * kProducerRegs <= kLaunchRegs * kWsThreads,
               "the warpgroups' registers are the launch's");
 
 // A producer's shared memory: its input ring (2 stages of q, k, v, raw g) and its scratch
@@ -220,29 +218,37 @@ __device__ __forceinline__ void produce(const Args& a, uint8_t* smem, int p, int
       bar_sync(bar, 128);
     }
 
-    // ---- B. the decayed operands (the bounded gate at >= -5 never leaves the factored range: no check)
-    bool wk = false, ultra = false, out = false, fallback = false;
-    if (check) {
-      decayed_operands<mode, true>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
-      fallback_marks<mode>(fb_mask, ultra, out, warp, lane);
-      fallback = bar_sync_or(bar, 128, wk | out);
-    } else {
+    // ---- B-D. An unchecked chunk (the bounded gate at >= -5 never leaves the factored range, and the quarter test
+    // passes most softplus chunks) runs steps B-D as one straight line, the bounded kernel's; the checked chunk
+    // (range check, fallback) is the other branch, so the fallback's code stays off the hot path (1.008-1.015x on
+    // softplus rows, bitwise equal; csrc/prefill/README.md)
+    if (!check) {
+      bool wk = false, ultra = false, out = false;
       decayed_operands<mode, false>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
       bar_sync(bar, 128);
-    }
-
-    // ---- C. L and Aqk partials (elementwise groups: also the chunk's G to Gf)
-    const bool elementwise = fallback_elementwise<mode>(fallback, fb_mask);
-    if (elementwise) fallback_gates<mode>(Gf, Gr, tot, warp, d4, nt, gs, gk, mult);
-    lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);
-    bar_sync(bar, 128);
-
-    // ---- D. L and Aqk, or the fallback's rows
-    if (fallback) fallback_restore<mode>(tot, Gr, Qs, Ks, nrm, Qh, Kh, warp, d4, nt, gs, gk, mult);
-    if (elementwise) {
-      fallback_rows<mode>(Qs, Ks, Gf, fb_mask, part, nrm, betas, Lf, Aq, tid);
+      lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);  // ---- C
+      bar_sync(bar, 128);
+      l_and_aqk(part, betas, Lf, Aq, tid);                     // ---- D
     } else {
-      l_and_aqk(part, betas, Lf, Aq, tid);
+      // ---- B. the decayed operands, range-checked
+      bool wk = false, ultra = false, out = false;
+      decayed_operands<mode, true>(tot, gl, nrm, Qs, Ks, Qh, Ql, Kh, Kl, Nh, Nl, Kd, gcs, warp, d4, wk, ultra, out);
+      fallback_marks<mode>(fb_mask, ultra, out, warp, lane);
+      const bool fallback = bar_sync_or(bar, 128, wk | out);
+
+      // ---- C. L and Aqk partials (elementwise groups: also the chunk's G to Gf)
+      const bool elementwise = fallback_elementwise<mode>(fallback, fb_mask);
+      if (elementwise) fallback_gates<mode>(Gf, Gr, tot, warp, d4, nt, gs, gk, mult);
+      lqk_partials(Qh, Ql, Kh, Kl, Nh, Nl, part, warp, lane);
+      bar_sync(bar, 128);
+
+      // ---- D. L and Aqk, or the fallback's rows
+      if (fallback) fallback_restore<mode>(tot, Gr, Qs, Ks, nrm, Qh, Kh, warp, d4, nt, gs, gk, mult);
+      if (elementwise) {
+        fallback_rows<mode>(Qs, Ks, Gf, fb_mask, part, nrm, betas, Lf, Aq, tid);
+      } else {
+        l_and_aqk(part, betas, Lf, Aq, tid);
+      }
     }
     bar_sync(bar, 128);
     if (warp == 0) solve_t(Lf, betas, Tm, lane);  // ---- E
@@ -401,10 +407,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) kda_prefill_c16ws_kernel(const 
     }
   }
   if (wg == 0) {
-    regs_up<kConsumerRegs<GATE>>();
+    regs_up<kConsumerRegs>();
     consume<ST>(a, smem, hv, n, bos, len, sp);
   } else {
-    regs_down<kProducerRegs<GATE>>();
+    regs_down<kProducerRegs>();
     produce<GATE>(a, smem, wg - 1, hv, hk, bos, len, sp);
   }
 }
