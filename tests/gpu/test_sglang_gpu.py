@@ -49,7 +49,18 @@ def test_packed_decode_agrees(kernels, sdt, H, rows):
 def test_extend_agrees(kernels, sdt, H, rows, length):
     ours, sglang = kernels
     gen = torch.Generator(device=DEV).manual_seed(rows + H + length)
-    args, kw = bench.extend_inputs(rows, length, H, sdt, gen, DEV, slots=2 * rows + 4)
+    args, kw = bench.extend_inputs([length] * rows, H, sdt, gen, DEV, slots=2 * rows + 4)
+    res = bench.agreement("extend", ours, sglang, args, kw)
+    assert res["ok"], res
+
+
+@pytest.mark.parametrize("sdt", STATES)
+@pytest.mark.parametrize("lens", [[1000], [4000] + [100] * 32, [130] * 16], ids=["1x1000", "1x4000+32x100", "16x130"])
+def test_extend_bounded_gate_agrees(kernels, sdt, lens):
+    """Kimi K3's extend: the bounded gate (lower_bound -5) from raw gate and beta logits."""
+    ours, sglang = kernels
+    gen = torch.Generator(device=DEV).manual_seed(len(lens))
+    args, kw = bench.extend_inputs(lens, 8, sdt, gen, DEV, slots=2 * len(lens) + 4, lower_bound=-5.0)
     res = bench.agreement("extend", ours, sglang, args, kw)
     assert res["ok"], res
 
@@ -59,7 +70,7 @@ def test_extend_track_snapshot_agrees(kernels, sdt):
     """SGLang's radix-cache track path: both kernels write the fp32 state entering chunk track_chunk_idx."""
     ours, sglang = kernels
     gen = torch.Generator(device=DEV).manual_seed(5)
-    args, kw = bench.extend_inputs(3, 300, 8, sdt, gen, DEV, slots=16)
+    args, kw = bench.extend_inputs([300] * 3, 8, sdt, gen, DEV, slots=16)
     chunk_idx = torch.tensor([4, -1, 1], dtype=torch.int32, device=DEV)
     snaps, outs = [], []
     for kern in (ours, sglang):
