@@ -25,6 +25,18 @@ from .fast_path import Tensor as _Tensor
 _DENSE = torch.contiguous_format
 
 
+def _launch(traced: bool, fn, *args) -> None:
+    """fn(*args), the module's launch. A call the module refuses (its argument checks raise ValueError or
+    TypeError) takes back the trace its emit wrote (trace.retract): a refused call writes nothing. Any other
+    error (a launch failure the runtime reports) keeps it, as a crash does."""
+    try:
+        fn(*args)
+    except (ValueError, TypeError):
+        if traced:
+            trace.retract()
+        raise
+
+
 def _route_fn(family: str, call):
     """The call's TVM-FFI function, kept on the (memoized) call object so a steady serving loop
     pays for route selection once."""
@@ -113,20 +125,13 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         traced = trace.emit("kda_decode", call, dict(
             q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, scale=call.scale, out=out)) is not None
-    try:  # free when nothing raises (CPython 3.11+)
-        fn = _route_fn("kda_decode", call)
-        casts = _gb_casts(call)
-        if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
-            g, beta = _cast_gb(casts, g, beta)
-        sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, out)  # the caller's own tensors
-        tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
-        fn(*sig_args, *tail)
-    except (ValueError, TypeError):
-        # the module refused the call (its argument checks raise these): it leaves no trace; any other error
-        # (a launch failure the runtime reports) keeps it, as a crash does
-        if traced:
-            trace.retract()
-        raise
+    fn = _route_fn("kda_decode", call)
+    casts = _gb_casts(call)
+    if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
+        g, beta = _cast_gb(casts, g, beta)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, out)  # the caller's own tensors
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    _launch(traced, fn, *sig_args, *tail)
     if key is not None and not casts:  # a converted copy's signature would never match the caller's tensor
         fast_path.put(key, "kda_decode", call, sig_args, tail)
     return out
@@ -251,18 +256,11 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, cu_seqlens=cu, initial_state=init, state_indices=state_indices,
             final_state=final, checkpoints=ckpt, out=result[0])) is not None
-    try:  # free when nothing raises (CPython 3.11+)
-        ws = workspace if need is None or workspace is not None else torch.empty(max(need, 1), dtype=torch.uint8,
-                                                                               device=q.device)
-        tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0,
-                call.checkpoint_every)
-        module["kda_prefill"](*args, ws, *tail)
-    except (ValueError, TypeError):
-        # the module refused the call (its argument checks raise these): it leaves no trace; any other error
-        # (a launch failure the runtime reports) keeps it, as a crash does
-        if traced:
-            trace.retract()
-        raise
+    ws = workspace if need is None or workspace is not None else torch.empty(max(need, 1), dtype=torch.uint8,
+                                                                           device=q.device)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0,
+            call.checkpoint_every)
+    _launch(traced, module["kda_prefill"], *args, ws, *tail)
     if key is not None:
         ws_bytes = None if need is None else max(1, need)
         fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
@@ -349,18 +347,11 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
             dt_bias=dt_bias, state_indices=state_indices, state=state, output_gate=output_gate,
             norm_weight=norm_weight, lower_bound=lower_bound, scale=call.scale, norm_eps=norm_eps,
             out=out)) is not None
-    try:  # free when nothing raises (CPython 3.11+)
-        fn = _route_fn("fused_kda_decode", call)
-        sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
-                    norm_weight, out)
-        tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
-        fn(*sig_args, *tail)
-    except (ValueError, TypeError):
-        # the module refused the call (its argument checks raise these): it leaves no trace; any other error
-        # (a launch failure the runtime reports) keeps it, as a crash does
-        if traced:
-            trace.retract()
-        raise
+    fn = _route_fn("fused_kda_decode", call)
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_indices, state, output_gate,
+                norm_weight, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    _launch(traced, fn, *sig_args, *tail)
     if key is not None:
         fast_path.put(key, "fused_kda_decode", call, sig_args, tail)
     return out
@@ -451,31 +442,24 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
             num_accepted_tokens=num_accepted_tokens, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             scale=call.scale, out=out, initial_state=initial_state, initial_state_indices=initial_state_indices,
             parent_tokens=parent_tokens)) is not None
-    try:  # free when nothing raises (CPython 3.11+)
-        if call.as_decode:
-            # One token per request, read from and written to column 0: kda_decode's own module on views
-            # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
-            # would not cover cu_seqlens and num_accepted_tokens.
-            meta = call.decode_route_meta()
-            fn = dispatch.function("kda_decode", meta)
-            g, beta = _cast_gb(_gb_casts(call, "kda_decode", meta), g, beta)
-            fn(q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, state, state_indices[:, 0], out[0],
-               call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
-            return out
-        fn = _route_fn("kda_verify", call)
-        casts = _gb_casts(call, "kda_verify")
-        if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
-            g, beta = _cast_gb(casts, g, beta)
-        sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
-                    initial_state, initial_state_indices, parent_tokens, out)
-        tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
-        fn(*sig_args, *tail)
-    except (ValueError, TypeError):
-        # the module refused the call (its argument checks raise these): it leaves no trace; any other error
-        # (a launch failure the runtime reports) keeps it, as a crash does
-        if traced:
-            trace.retract()
-        raise
+    if call.as_decode:
+        # One token per request, read from and written to column 0: kda_decode's own module on views
+        # of the caller's tensors (bitwise kda_decode). Always the full path: the decode signature
+        # would not cover cu_seqlens and num_accepted_tokens.
+        meta = call.decode_route_meta()
+        fn = dispatch.function("kda_decode", meta)
+        g, beta = _cast_gb(_gb_casts(call, "kda_decode", meta), g, beta)
+        _launch(traced, fn, q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, state, state_indices[:, 0], out[0],
+                call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+        return out
+    fn = _route_fn("kda_verify", call)
+    casts = _gb_casts(call, "kda_verify")
+    if casts:  # one fp32 and one bf16 of g / beta: one pass brings the other to what the module reads
+        g, beta = _cast_gb(casts, g, beta)
+    sig_args = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, num_accepted_tokens,
+                initial_state, initial_state_indices, parent_tokens, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.beta_is_logit, call.null_slot0)
+    _launch(traced, fn, *sig_args, *tail)
     if key is not None and not casts:  # a converted copy's signature would never match the caller's tensor
         fast_path.put(key, "kda_verify", call, sig_args, tail, extra=(call,))
     return out
@@ -546,18 +530,11 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
             state=state, output_gate=output_gate, norm_weight=norm_weight, state_indices=state_indices,
             cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, lower_bound=lower_bound,
             scale=call.scale, norm_eps=norm_eps, out=out)) is not None
-    try:  # free when nothing raises (CPython 3.11+)
-        fn = _route_fn("fused_kda_verify", call)
-        sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
-                    state_indices, cu_seqlens, num_accepted_tokens, out)
-        tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
-        fn(*sig_args, *tail)
-    except (ValueError, TypeError):
-        # the module refused the call (its argument checks raise these): it leaves no trace; any other error
-        # (a launch failure the runtime reports) keeps it, as a crash does
-        if traced:
-            trace.retract()
-        raise
+    fn = _route_fn("fused_kda_verify", call)
+    sig_args = (x, conv_weight, conv_state, g, beta, A_log, dt_bias, state, output_gate, norm_weight,
+                state_indices, cu_seqlens, num_accepted_tokens, out)
+    tail = (call.gate_mode, call.lower_bound, call.scale, call.norm_eps, call.null_slot0)
+    _launch(traced, fn, *sig_args, *tail)
     if key is not None:
         fast_path.put(key, "fused_kda_verify", call, sig_args, tail, extra=(call,))
     return out

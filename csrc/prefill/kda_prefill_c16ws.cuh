@@ -30,8 +30,9 @@ constexpr int kStages = 2 * kProducers;             // stage s = chunk & 3: prod
 // setmaxnreg moves registers between the warpgroups of the CTA's own allocation (168 a thread at launch: 65536 / 384
 // rounded down to 8), so the three counts must fit in it: an increase waits until decreases free enough (a hang, on
 // the first try at 240 + 2 x 136). Every gate takes 232 / 136: the checked gates had 200 / 152 while their fallback
-// code sat inline in the producers' hot path; with the unchecked chunk as its own straight line (produce, step B) the
-// bounded gate's split serves them too, 1.008-1.015x on five softplus rows, bitwise equal (H100, csrc/prefill/README.md).
+// code sat inline in the producers' hot path; with the unchecked chunk as its own straight line (produce, step B)
+// the bounded gate's split serves them too, 1.008-1.015x on five softplus rows, bitwise equal (H100;
+// csrc/prefill/README.md).
 constexpr int kLaunchRegs = 168;
 constexpr int kConsumerRegs = 232;
 constexpr int kProducerRegs = 136;
