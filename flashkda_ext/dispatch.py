@@ -60,10 +60,22 @@ def opt_in() -> frozenset:
     return _parse_opt_in(os.environ.get(OPT_IN_ENV, ""))
 
 
+def _opted_in_names(opted_in) -> frozenset:
+    """An explicit collection of opt-in names. A str is refused: frozenset("persistent") is its letters, so
+    module_name(..., "persistent") silently opted in to nothing."""
+    if isinstance(opted_in, (str, bytes)):
+        raise TypeError(f"opted_in: expected a collection of opt-in names, e.g. {{{opted_in!r}}}, got a "
+                        f"{type(opted_in).__name__} {opted_in!r}")
+    try:
+        return frozenset(opted_in)
+    except TypeError:
+        raise TypeError(f"opted_in: expected a collection of opt-in names, got {type(opted_in).__name__}") from None
+
+
 def select_rule(family: str, meta: Mapping[str, Any], opted_in: Optional[Iterable[str]] = None) -> dict:
     """The first rule of the family whose conditions hold, with its module name formatted. A rule with
     "opt_in" is considered only when its name is opted in (`opted_in`, default $FLASHKDA_EXT_OPT_IN)."""
-    enabled = opt_in() if opted_in is None else frozenset(opted_in)
+    enabled = opt_in() if opted_in is None else _opted_in_names(opted_in)
     for rule in jit.routes_for(family):
         if "opt_in" in rule and rule["opt_in"] not in enabled:
             continue

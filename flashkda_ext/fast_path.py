@@ -25,13 +25,12 @@ a helper function's call costs ~0.3 us there, a tenth of the whole fast path.)
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import dispatch, flag_reader
 
-ENABLED = os.environ.get("FLASHKDA_EXT_FAST_PATH", "1") != "0"
+# an on/off word, else a ValueError naming the variable at import ("false" or "off" silently kept it on)
+ENABLED = flag_reader.env_switch("FLASHKDA_EXT_FAST_PATH", True)
 Tensor = torch.Tensor  # exact type: subclasses and other array types take the full path
 _ENTRIES: dict = {}
 _LIMIT = 512

@@ -60,6 +60,11 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
         if max_seqlen < longest:
             raise ValueError(f"max_seqlen: expected an int >= the longest sequence of the plan ({longest}), "
                              f"got {max_seqlen}")
+        # bounded as one-device kda_prefill bounds it (<= T): a larger one sized the NaN checkpoint tensor
+        # from it (2**40 died in the allocator, unnamed) and passed unread without checkpoints
+        if max_seqlen > plan.total_tokens:
+            raise ValueError(f"max_seqlen: expected an int <= the plan's T = {plan.total_tokens} tokens, "
+                             f"got {max_seqlen}")
     # The checkpoints' slot count as one-device kda_prefill has it with host offsets (the plan's are):
     # (max_seqlen, else the longest sequence) // checkpoint_every.
     ckpt_slots = (max_seqlen if max_seqlen is not None else longest) // checkpoint_every if checkpoint_every else 0
@@ -157,7 +162,7 @@ def cp_prefill(q, k, v, g, beta, *, plan: Plan, group=None, A_log=None, dt_bias=
     the pool, written in place on every rank; None without output_final_state); checkpoints
     [N, C, HV, V, K] holds the entries whose token lies in this rank's range, NaN elsewhere, with C as
     one-device kda_prefill has it for host offsets: max_seqlen // checkpoint_every (max_seqlen: a host
-    bound >= the longest sequence; None: the longest sequence).
+    bound >= the longest sequence, <= T; None: the longest sequence).
     """
     exchange = GroupExchange(group)
     gate_kwargs = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,

@@ -59,27 +59,34 @@ class Plan:
         """Tokens of the longest sequence (0 for a prompt of empty sequences)."""
         return max((e - s for s, e in zip(self.cu_seqlens, self.cu_seqlens[1:])), default=0)
 
+    def _rank(self, rank) -> int:
+        return _index("rank", rank, self.world_size)
+
+    def _seq(self, seq) -> int:
+        return _index("seq", seq, self.num_seqs)
+
     def token_range(self, rank: int) -> Tuple[int, int]:
+        rank = self._rank(rank)
         return self.cuts[rank], self.cuts[rank + 1]
 
     def head(self, rank: int) -> Optional[Segment]:
         """The rank's first segment when it continues a sequence from an earlier rank (its start state
         is known only after the exchange), else None."""
-        segs = self.segments[rank]
+        segs = self.segments[self._rank(rank)]
         return segs[0] if segs and segs[0].continues_from_earlier else None
 
     def sends(self, rank: int) -> Optional[str]:
         """What the rank contributes to the state exchange: "summary" (its only segment spans it, so it
         sends the affine map (A, B) of that segment), "state" (its last segment starts a sequence here or
         on this rank, so it sends that segment's end state) or None."""
-        segs = self.segments[rank]
+        segs = self.segments[self._rank(rank)]
         if not segs or not segs[-1].continues_later:
             return None
         return "summary" if segs[-1].continues_from_earlier else "state"
 
     def pieces(self, seq: int) -> Tuple[int, ...]:
         """The ranks holding tokens of sequence `seq`, in rank order (empty for an empty sequence)."""
-        return self.seq_ranks[seq]
+        return self.seq_ranks[self._seq(seq)]
 
     def spanning_seqs(self) -> Tuple[int, ...]:
         """Sequences with tokens on more than one rank, in order."""
@@ -93,12 +100,15 @@ class Plan:
 
     def owned_finals(self, rank: int) -> Tuple[int, ...]:
         """The sequences whose final state `rank` computes, in order."""
-        return tuple(s.seq for s in self.segments[rank] if not s.continues_later)
+        return tuple(s.seq for s in self.segments[self._rank(rank)] if not s.continues_later)
 
     def check_checkpoints(self, checkpoint_every: int) -> None:
         """Checkpoints every e tokens stay where one-device prefill puts them only if every cut inside a
         sequence sits a multiple of e after that sequence's start: ValueError otherwise."""
-        if checkpoint_every <= 0:
+        # checked: a bool, a float (2.5 passes every % test it divides) or a negative count skipped the check
+        if _int("checkpoint_every", checkpoint_every, ">= 0") < 0:
+            raise ValueError(f"checkpoint_every: expected an int >= 0, got {checkpoint_every}")
+        if checkpoint_every == 0:
             return
         for r in range(1, self.world_size):
             for seg in self.segments[r]:
@@ -108,6 +118,14 @@ class Plan:
                         f"{seg.seq} (which starts at {seg.seq_start}); with checkpoint_every={checkpoint_every} "
                         f"a cut inside a sequence must be a multiple of {checkpoint_every} tokens from its "
                         f"start (build the plan with checkpoint_every={checkpoint_every} for aligned default cuts)")
+
+
+def _index(name: str, value, count: int) -> int:
+    """A rank or sequence number in [0, count): a negative one would index from the end (token_range(-1) gave
+    (T, 0)), a bool would pass as 0 or 1, and one past the end raised a bare IndexError."""
+    if not 0 <= _int(name, value, f"in [0, {count})") < count:
+        raise ValueError(f"{name}: expected an int in [0, {count}) (the plan's), got {value}")
+    return value
 
 
 def _host_ints(name: str, values) -> list:

@@ -17,7 +17,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .. import validation
+from ..validation.common import _same_device
 from .plan import Plan
+
+# kda_prefill's gate arguments, the only ones a summary passes on: the rest (cu_seqlens, initial_state,
+# checkpoint_every, ...) are the summary's own or make no sense for one segment, and went on to the op unnamed
+_GATE_KWARGS = ("gate", "A_log", "dt_bias", "lower_bound", "scale", "beta_is_logit")
 
 
 @dataclass
@@ -46,6 +52,22 @@ def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: 
     one_call: both maps from one kda_prefill over 2 HV value heads (_summary_one_call; needs V == K).
     Off by default: tested on the CPU backend, not yet run or timed on a GPU (benchmarks/bench_cp.py
     has both forms side by side: its "summary" arm is this default, "summary_one_call" the other)."""
+    # checked before any shape is read (a 3-D v raised IndexError) or a flag is taken by truth value
+    # (transition="no" dropped A, one_call="no" took the one-call form)
+    for name, x, ndim in (("q", q, 4), ("v", v, 4)):
+        validation._ndim(name, validation._tensor(name, x), ndim, "of the segment's tokens")
+    if q.shape[0] != 1:
+        raise ValueError(f"q: expected one sequence [1, L, H, K], got shape {list(q.shape)}")
+    validation._bool("transition", transition)
+    validation._bool("one_call", one_call)
+    if state_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"state_dtype: expected torch.float32 or torch.float64, got {state_dtype!r}")
+    if state_dtype == torch.float64 and q.device.type != "cpu":
+        raise ValueError(f"state_dtype: torch.float64 is for the CPU backend, got tensors on {q.device}")
+    unknown = sorted(set(prefill_kwargs) - set(_GATE_KWARGS))
+    if unknown:
+        raise TypeError(f"{unknown[0]}: segment_summary passes on kda_prefill's gate arguments only "
+                        f"({', '.join(_GATE_KWARGS)}), got {unknown}")
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     if one_call and transition:   # B alone is one prefill either way
         return _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs)
@@ -86,8 +108,39 @@ def _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs) -> Summary:
     return Summary(end[:, 1].contiguous(), end[:, 0].contiguous())
 
 
+def _float3(name: str, x, what: str) -> torch.Tensor:
+    x = validation._tensor(name, x)
+    validation._ndim(name, x, 3, what)
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point tensor {what}, got {x.dtype}")
+    return x
+
+
+def _check_summary(name: str, summary, shape=None) -> None:
+    """A Summary whose B is [HV, V, K] (`shape` when given) and A, when present, [HV, K, K] on B's device:
+    torch broadcasting took a [V, K] or [1, V, K] B, and other shapes failed inside baddbmm unnamed."""
+    if not isinstance(summary, Summary):
+        raise TypeError(f"{name}: expected a flashkda_ext.context_parallel.Summary, got {type(summary).__name__}")
+    B = _float3(f"{name}.B", summary.B, "[HV, V, K]")
+    if shape is not None and tuple(B.shape) != tuple(shape):
+        raise ValueError(f"{name}.B: expected shape [HV, V, K] = {list(shape)}, got {list(B.shape)}")
+    if summary.A is not None:
+        A = _float3(f"{name}.A", summary.A, "[HV, K, K]")
+        HV, _, K = B.shape
+        if tuple(A.shape) != (HV, K, K):
+            raise ValueError(f"{name}.A: expected shape [HV, K, K] = {[HV, K, K]} (B is {list(B.shape)}), "
+                             f"got {list(A.shape)}")
+        _same_device(f"{name}.A", A, B.device)
+
+
 def apply_summary(state: torch.Tensor, summary: Summary) -> torch.Tensor:
     """state @ A + B in float64 (whatever TF32 settings torch has), for [HV, V, K] state."""
+    _check_summary("summary", summary)
+    state = _float3("state", state, "[HV, V, K]")   # checked with A None too: never ignored unread
+    if tuple(state.shape) != tuple(summary.B.shape):
+        raise ValueError(f"state: expected shape [HV, V, K] = {list(summary.B.shape)} (the summary's B), "
+                         f"got {list(state.shape)}")
+    _same_device("state", state, summary.B.device)
     if summary.A is None:
         return summary.B.double()
     return torch.baddbmm(summary.B.double(), state.double(), summary.A.double())
@@ -98,12 +151,28 @@ def fold(summaries: Sequence[Optional[Summary]], plan: Plan) -> List[Optional[to
     from an earlier rank, else None), from the ranks' summaries (plan.sends(r) says which rank gave
     which kind; the others' entries are ignored). Fixed order: sequence by sequence, rank by rank, in
     float64, each incoming state cast to the dtype of the summaries."""
+    # One entry per rank, each None or a Summary: a short or long list was read as far as the plan went
+    # (or not at all), and a bad entry raised AttributeError naming nothing.
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a flashkda_ext.context_parallel.Plan (from plan()), got {type(plan).__name__}")
+    if not isinstance(summaries, (list, tuple)) or len(summaries) != plan.world_size:
+        got = f"{len(summaries)} entries" if isinstance(summaries, (list, tuple)) else type(summaries).__name__
+        raise ValueError(f"summaries: expected a list of world_size = {plan.world_size} entries (one per rank, "
+                         f"None where a rank sends nothing), got {got}")
+    for r, s in enumerate(summaries):
+        if s is not None and not isinstance(s, Summary):
+            raise TypeError(f"summaries[{r}]: expected a Summary or None, got {type(s).__name__}")
     incoming: List[Optional[torch.Tensor]] = [None] * plan.world_size
     for seq in plan.spanning_seqs():
         ranks = plan.pieces(seq)
         first = summaries[ranks[0]]
         if plan.sends(ranks[0]) != "state" or first is None:
             raise ValueError(f"fold: rank {ranks[0]} starts sequence {seq} and must send its end state")
+        _check_summary(f"summaries[{ranks[0]}]", first)
+        if first.A is not None:   # its B was used as the state and A dropped
+            raise ValueError(f"summaries[{ranks[0]}]: rank {ranks[0]} starts sequence {seq} and sends its end "
+                             f"state (A None), got a map (A, B)")
+        shape = tuple(first.B.shape)
         dtype = first.B.dtype
         carry = first.B.double()
         for i, r in enumerate(ranks[1:], start=1):
@@ -112,5 +181,6 @@ def fold(summaries: Sequence[Optional[Summary]], plan: Plan) -> List[Optional[to
                 s = summaries[r]
                 if plan.sends(r) != "summary" or s is None or s.A is None:
                     raise ValueError(f"fold: rank {r} spans sequence {seq} and must send its summary (A, B)")
+                _check_summary(f"summaries[{r}]", s, shape)
                 carry = apply_summary(carry, s)
     return incoming

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .prefill import run_prefill
 
 
@@ -71,8 +72,8 @@ def kda_chunked(q, k, v, g, beta, *, gate="softplus", A_log=None, dt_bias=None, 
     checkpoint_every must be a multiple of chunk_size (checkpoints fall on chunk boundaries,
     as in the prefill kernels).
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+    chunk_size = checks.count("chunk_size", chunk_size, 1)   # True passed as 1, 2.5 failed in range()
+    checkpoint_every = checks.count("checkpoint_every", checkpoint_every, 0)
     if checkpoint_every and checkpoint_every % chunk_size != 0:
         raise ValueError(f"checkpoint_every={checkpoint_every} must be a multiple of "
                          f"chunk_size={chunk_size}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .gates import prepare_token_inputs
 from .prefill import is_padding
 from .step import delta_step
@@ -12,7 +13,7 @@ CONV_WIDTH = 4
 
 
 def _row_indices(state_indices, rows, slots):
-    indices = [int(i) for i in state_indices.tolist()]
+    indices = checks.host_ints("state_indices", state_indices)   # a float tensor was truncated (1.7 -> 1)
     if len(indices) != rows:
         raise ValueError(f"state_indices: expected {rows} entries (one per row), got {len(indices)}")
     if any(i >= slots for i in indices):
@@ -32,8 +33,11 @@ def kda_decode_step(q, k, v, g, beta, *, state, state_indices, gate="softplus", 
     slot behave exactly as sequential calls. Returns (out [rows, HV, V] in dtype, new pool); the
     input pool is not modified.
     """
+    checks.tensor("v", v, 3, "[rows, HV, V]")   # unpacked below: a 4-D v raised a bare ValueError
+    checks.tensor("state", state)
+    checks.flag("null_slot0", null_slot0)
     rows, HV, V = v.shape
-    K = q.shape[-1]
+    K = checks.tensor("q", q).shape[-1]
     if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K):
         raise ValueError(f"state: expected pool [slots, {HV}, {V}, {K}] (layout [slots, HV, V, K]), "
                          f"got {tuple(state.shape)}")
@@ -81,7 +85,8 @@ def fused_kda_decode_step(x, conv_weight, conv_state, g, beta, A_log, dt_bias, s
     neither cache; rows sharing a slot run in row order. Returns (out [rows, H, D] in dtype,
     new conv_state, new state) - copies in the inputs' dtypes; the inputs are not modified.
     """
-    rows, H, D = g.shape
+    checks.compute_dtype(dtype)   # used on x before prepare_token_inputs checks it
+    rows, H, D = checks.tensor("g", g, 3, "[rows, H, D]").shape
     HD = H * D
     if tuple(x.shape) != (rows, 3 * HD):
         raise ValueError(f"x: expected [{rows}, {3 * HD}] (rows, 3*H*D), got {tuple(x.shape)}")

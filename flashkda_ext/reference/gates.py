@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
+
 GATE_MODES = ("softplus", "bounded", "log")
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -29,8 +31,16 @@ def gate_log_decay(g_raw, gate, A_log=None, dt_bias=None, lower_bound=None):
     log:      g = g_raw
     A_log is [HV]; dt_bias is [HV*K] or [HV, K].
     """
-    if gate not in GATE_MODES:
+    if not isinstance(gate, str) or gate not in GATE_MODES:
         raise ValueError(f"gate: expected one of {GATE_MODES}, got {gate!r}")
+    g_raw = checks.tensor("g", g_raw)
+    if g_raw.dim() < 2:
+        raise ValueError(f"g: expected [..., HV, K], got shape {tuple(g_raw.shape)}")
+    # A_log / dt_bias with 'log' are refused, as the op refuses them: they were ignored in silence. (An unused
+    # lower_bound stays accepted: callers pass one bound for every gate mode.)
+    if gate == "log" and (A_log is not None or dt_bias is not None):
+        extra = "A_log" if A_log is not None else "dt_bias"
+        raise ValueError(f"{extra}: gate='log' takes g as the final log decay; expected None, got a tensor")
     work = _work_dtype(g_raw.dtype)
     g_raw = g_raw.to(work)
     if gate == "log":
@@ -41,19 +51,25 @@ def gate_log_decay(g_raw, gate, A_log=None, dt_bias=None, lower_bound=None):
                          f"A_log={'None' if A_log is None else 'tensor'}, "
                          f"dt_bias={'None' if dt_bias is None else 'tensor'}")
     if gate == "bounded":
-        if lower_bound is None or not float(lower_bound) < 0:
-            raise ValueError(f"gate='bounded' needs lower_bound < 0, got {lower_bound!r}")
+        if lower_bound is None:
+            raise ValueError("lower_bound: gate='bounded' needs lower_bound < 0, got None")
+        # a finite real: the str "-5" passed float(), -inf gave NaN decays
+        lower_bound = checks.real("lower_bound", lower_bound, "< 0")
     # absent A_log means A_log = 0, so exp(A_log) = 1
     a = torch.ones(HV, 1, dtype=work, device=g_raw.device)
     if A_log is not None:
-        if A_log.numel() != HV:
+        if checks.tensor("A_log", A_log).numel() != HV:
             raise ValueError(f"A_log: expected {HV} elements [HV], got shape {tuple(A_log.shape)}")
         a = torch.exp(A_log.to(work).to(g_raw.device).reshape(HV, 1))
     b = torch.zeros(HV, K, dtype=work, device=g_raw.device)
     if dt_bias is not None:
-        if dt_bias.numel() != HV * K:
-            raise ValueError(f"dt_bias: expected {HV * K} elements ([HV*K] or [HV, K]), "
-                             f"got shape {tuple(dt_bias.shape)}")
+        # [HV*K] or [HV, K] (leading 1s aside): a [K, HV] one has the count too and was read transposed
+        shape = tuple(checks.tensor("dt_bias", dt_bias).shape)
+        while len(shape) > 1 and shape[0] == 1:
+            shape = shape[1:]
+        if shape not in ((HV * K,), (HV, K)):
+            raise ValueError(f"dt_bias: expected shape [HV*K] = [{HV * K}] or [HV, K] = [{HV}, {K}], "
+                             f"got {tuple(dt_bias.shape)}")
         b = dt_bias.to(work).to(g_raw.device).reshape(HV, K)
     if gate == "softplus":
         return -a * softplus(g_raw + b)
@@ -62,6 +78,7 @@ def gate_log_decay(g_raw, gate, A_log=None, dt_bias=None, lower_bound=None):
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last axis."""
+    eps = checks.real("eps", eps, ">= 0")   # a negative eps gave NaN for small x
     x = x.to(_work_dtype(x.dtype))
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -74,8 +91,15 @@ def prepare_token_inputs(q, k, v, g, beta, *, gate, A_log, dt_bias, lower_bound,
     and k (normalised) repeated to HV heads (value head hv reads q/k head hv // (HV // H)),
     v, the log decay g, and beta in (0, 1) (after sigmoid when it is a logit).
     """
+    for name, x, least in (("q", q, 2), ("k", k, 2), ("v", v, 2), ("g", g, 2), ("beta", beta, 1)):
+        if checks.tensor(name, x).dim() < least:
+            raise ValueError(f"{name}: expected at least {least} dims, got shape {tuple(x.shape)}")
+    checks.compute_dtype(dtype)
+    checks.flag("beta_is_logit", beta_is_logit)   # "no" was a truthy logit flag
     H, K = q.shape[-2], q.shape[-1]
     HV, V = v.shape[-2], v.shape[-1]
+    if H < 1:   # HV % H raised ZeroDivisionError
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     lead = q.shape[:-2]
     if k.shape != q.shape:
         raise ValueError(f"k: expected shape {tuple(q.shape)} (same as q), got {tuple(k.shape)}")
@@ -87,8 +111,8 @@ def prepare_token_inputs(q, k, v, g, beta, *, gate, A_log, dt_bias, lower_bound,
         raise ValueError(f"g: expected shape {(*lead, HV, K)}, got {tuple(g.shape)}")
     if beta.shape != (*lead, HV):
         raise ValueError(f"beta: expected shape {(*lead, HV)}, got {tuple(beta.shape)}")
-    if scale is None:
-        scale = K ** -0.5
+    # a finite float > 0, as the op takes it: NaN gave NaN outputs, a str failed in arithmetic
+    scale = K ** -0.5 if scale is None else checks.real("scale", scale, "> 0")
     group = HV // H
     qn = (l2norm(q.to(dtype)) * scale).repeat_interleave(group, dim=-2)
     kn = l2norm(k.to(dtype)).repeat_interleave(group, dim=-2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .gates import prepare_token_inputs
 from .step import delta_step
 
@@ -14,7 +15,7 @@ def _segments(B, T, cu_seqlens):
         return [(b, 0, T) for b in range(B)]
     if B != 1:
         raise ValueError(f"cu_seqlens given: batch must be 1 (packed input), got B={B}")
-    offsets = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    offsets = checks.host_ints("cu_seqlens", cu_seqlens)   # int() truncated a float offset (2.7 -> 2)
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"cu_seqlens: expected N+1 offsets from 0 to T={T}, got {offsets}")
     if any(b < a for a, b in zip(offsets, offsets[1:])):
@@ -35,8 +36,14 @@ def run_prefill(sequence_fn, q, k, v, g, beta, *, gate, A_log, dt_bias, lower_bo
     sequence_fn(q, k, v, g, beta, S0, checkpoint_every) runs one sequence ([L, HV, .] inputs,
     S0 [HV, V, K]) and returns (o [L, HV, V], final S, [checkpoint states]).
     """
-    if q.dim() != 4:
-        raise ValueError(f"q: expected [B, T, H, K], got shape {tuple(q.shape)}")
+    checks.tensor("q", q, 4, "[B, T, H, K]")
+    checks.tensor("v", v, 4, "[B, T, HV, V]")   # read below before any other check (a 3-D v: IndexError)
+    # scalars checked before they are used: a bool or float count, a str flag taken by truth value
+    checkpoint_every = checks.count("checkpoint_every", checkpoint_every, 0)
+    checks.flag("output_final_state", output_final_state)
+    checks.flag("null_slot0", null_slot0)
+    if initial_state is not None:
+        checks.tensor("initial_state", initial_state, 4, "[N or slots, HV, V, K]")
     B, T = q.shape[0], q.shape[1]
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
     qn, kn, vv, gl, bb = prepare_token_inputs(
@@ -45,14 +52,12 @@ def run_prefill(sequence_fn, q, k, v, g, beta, *, gate, A_log, dt_bias, lower_bo
     segments = _segments(B, T, cu_seqlens)
     N = len(segments)
     device = q.device
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every: expected >= 0, got {checkpoint_every}")
 
     pool_mode = state_indices is not None
     if pool_mode:
         if initial_state is None:
             raise ValueError("state_indices given: initial_state must be the state pool [slots, HV, V, K]")
-        indices = [int(i) for i in state_indices.tolist()]
+        indices = checks.host_ints("state_indices", state_indices)   # a float tensor was truncated
         if len(indices) != N:
             raise ValueError(f"state_indices: expected {N} entries (one per sequence), got {len(indices)}")
         live = [i for i in indices if not is_padding(i, null_slot0)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .gates import prepare_token_inputs
 from .prefill import _segments, is_padding
 from .step import delta_step
@@ -15,18 +16,22 @@ def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot
     host values: the read slot is state_indices[n, num_accepted_tokens[n] - 1] (column 0 when
     num_accepted_tokens is None), or initial_state_indices[n] (a slot of the second pool, of
     initial_slots slots) when given; None marks padding. Raises ValueError on values the op refuses."""
-    idx = [[int(x) for x in row] for row in state_indices.tolist()]
+    # host integers, checked: int() truncated float entries (1.7 -> 1) and took bools
+    idx = checks.host_ints("state_indices", state_indices, 2)
     N = len(idx)
     cols = len(idx[0]) if N else 0
-    total = int(cu_seqlens[-1]) if len(cu_seqlens) else 0
-    segments = _segments(1, total, cu_seqlens)
+    offsets = checks.host_ints("cu_seqlens", cu_seqlens)
+    checks.flag("null_slot0", null_slot0)
+    segments = _segments(1, offsets[-1] if offsets else 0, offsets)
     if len(segments) != N:
         raise ValueError(f"state_indices: expected {len(segments)} rows (one per request), got {N}")
-    accepted = [1] * N if num_accepted_tokens is None else [int(a) for a in num_accepted_tokens.tolist()]
+    accepted = [1] * N if num_accepted_tokens is None else checks.host_ints("num_accepted_tokens", num_accepted_tokens)
+    if len(accepted) != N:   # a short one raised IndexError below
+        raise ValueError(f"num_accepted_tokens: expected N = {N} entries, got {len(accepted)}")
     if initial_state_indices is not None:
         if num_accepted_tokens is not None:
             raise ValueError("num_accepted_tokens: expected None with initial_state_indices")
-        reads = [int(x) for x in initial_state_indices.tolist()]
+        reads = checks.host_ints("initial_state_indices", initial_state_indices)
         if len(reads) != N or any(x >= initial_slots for x in reads):
             raise ValueError(f"initial_state_indices: expected N = {N} entries < {initial_slots}, got {reads}")
     else:
@@ -172,8 +177,9 @@ def fused_kda_verify_step(x, conv_weight, conv_state, g, beta, A_log, dt_bias, s
     nothing, its conv line included. Returns (out [1, T, H, D] in dtype, new conv_state, new state); the
     inputs are not modified.
     """
-    T = x.shape[1]
-    H, D = g.shape[2], g.shape[3]
+    checks.compute_dtype(dtype)   # used on x before prepare_token_inputs checks it
+    T = checks.tensor("x", x, 3, "[1, T, 3*H*D]").shape[1]
+    H, D = checks.tensor("g", g, 4, "[1, T, H, D]").shape[2:]
     HD = H * D
     if tuple(x.shape) != (1, T, 3 * HD):
         raise ValueError(f"x: expected [1, {T}, {3 * HD}], got {tuple(x.shape)}")
