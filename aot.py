@@ -78,13 +78,70 @@ def build_one(rec, arch, out_dir: Path, root, cache, jobs_per_build):
     return entry, res, problems
 
 
+def _items(ap, option, values):
+    """The comma-separated items of a repeatable option; an empty one (`--only ''`, `9.0a,`) is refused,
+    not dropped in silence (an empty --only would otherwise mean "everything")."""
+    out = []
+    for spec in values:
+        items = spec.split(",")
+        if any(not i.strip() for i in items):
+            ap.error(f"{option}: expected comma-separated names, got {spec!r} (an empty item)")
+        out += [i.strip() for i in items]
+    return out
+
+
+def _arches(ap, values):
+    out = set()
+    for a in _items(ap, "--arch", values):
+        try:
+            out.add(normalize_arch(a))
+        except ValueError as e:     # a usage error naming the option, not a traceback
+            ap.error(f"--arch: {e}")
+    return out
+
+
+def _check_arches_built(ap, records, arches):
+    """A CUDA arch that no AOT CUDA module lists (9.0 for 9.0a) would build the CPU modules only, in silence."""
+    known = {a for r in records if r["aot"] and r["backend"] == "cuda" for a in r["arches"]}
+    unknown = sorted(a for a in arches if a != "host" and a not in known)
+    if known and unknown:
+        ap.error(f"--arch: no AOT-whitelisted module builds {', '.join(unknown)} "
+                 f"(their arches: {', '.join(sorted(known))})")
+
+
+def _check_paths(ap, args):
+    """--root, --cache and --out, checked before a record is read or anything is built or written."""
+    if args.root is not None:
+        root = Path(args.root)
+        if not ((root / "jit").is_dir() and (root / "csrc").is_dir()):
+            ap.error(f"--root: expected a folder holding csrc/ and jit/, got {args.root!r}")
+    cache = None if args.cache is None else Path(args.cache)
+    if cache is not None and (args.cache == "" or cache.exists() and not cache.is_dir()):
+        ap.error(f"--cache: expected a folder (created if missing), got {args.cache!r}")
+    if args.list:   # --list builds and writes nothing: an option only a build reads is a mistake
+        for option, value in (("--out", args.out), ("--jobs", args.jobs), ("--cache", args.cache)):
+            if value is not None:
+                ap.error(f"{option}: not used with --list (it builds nothing)")
+        return
+    if not args.out:
+        ap.error("--out DIR is required")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out: expected a directory, got {args.out!r} (a file)")
+    base = out.absolute()
+    while not base.exists():    # the folder mkdir would create it in
+        base = base.parent
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        ap.error(f"--out: cannot create or write {args.out!r} ({base} is not a writable folder)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", default=[],
                     help="target arch, e.g. 9.0a or sm_90a (repeat or comma-separate); "
                          "'host'/'cpu' alone builds only CPU modules")
     ap.add_argument("--out", help="output directory (created if missing)")
-    ap.add_argument("--jobs", type=positive_int, default=1, help="modules built in parallel (default 1)")
+    ap.add_argument("--jobs", type=positive_int, default=None, help="modules built in parallel (default 1)")
     ap.add_argument("--only", action="append", default=[],
                     help="fnmatch pattern of module names (repeat or comma-separate)")
     ap.add_argument("--list", action="store_true", help="list what would be built, build nothing")
@@ -92,37 +149,48 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", help="build cache (default: $FLASHKDA_EXT_CACHE_DIR)")
     args = ap.parse_args(argv)
 
-    arches = {normalize_arch(a) for spec in args.arch for a in spec.split(",") if a}
-    patterns = [p for spec in args.only for p in spec.split(",") if p]
+    arches = _arches(ap, args.arch)
+    patterns = _items(ap, "--only", args.only)
+    _check_paths(ap, args)
     records = all_records(args.root)
+    _check_arches_built(ap, records, arches)
     if not arches:
         if not args.list:
             ap.error("--arch is required (e.g. --arch 9.0a, or --arch host for CPU modules only)")
         arches = {a for r in records for a in r["arches"]}
     only_host = arches == {"host"}
-    todo = [(r, a) for r, a in select(records, arches, patterns)
-            if not (only_host and r["backend"] != "cpu")]
+
+    def todo_for(pats):
+        return [(r, a) for r, a in select(records, arches, pats) if not (only_host and r["backend"] != "cpu")]
+
+    todo = todo_for(patterns)
+    # each pattern must pick something: one that matches nothing is a typo, not "build the rest" in silence
+    for p in patterns:
+        if not todo_for([p]):
+            ap.error(f"--only {p!r} matches no AOT-whitelisted module for --arch {','.join(sorted(arches))} "
+                     f"(--list shows them)")
 
     if args.list:
         for rec, arch in todo:
             print(f"{rec['name']}\t{rec['backend']}\t{arch}\t{rec['family']}")
         return 0
-    if not args.out:
-        ap.error("--out DIR is required")
     if not todo:
         print("aot: nothing matches (check --arch / --only and the records' aot flags)",
               file=sys.stderr)
         return 1
 
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:    # checked above; still refused (e.g. /proc, a read-only mount) without a traceback
+        ap.error(f"--out: cannot create {args.out!r} ({e.strerror or e})")
     try:
         manifest = load_manifest(out_dir)
     except ManifestError as e:
         print(f"aot: {e}. Fix or delete it (a new one is written when none exists).",
               file=sys.stderr)
         return 2
-    jobs = args.jobs
+    jobs = args.jobs or 1
     # parallel module builds share the cores: give each ninja its slice unless MAX_JOBS says otherwise
     per_build = None if jobs == 1 else max(1, (os.cpu_count() or 1) // jobs)
     failures = []

@@ -41,7 +41,11 @@ def cmd_bench(args) -> int:
     if not script.is_file():
         print(f"bench: {script} is not there yet", file=sys.stderr)
         return 2
-    quick = ["--quick"] if args.quick and args.which not in _NO_QUICK else []
+    if args.quick and args.which in _NO_QUICK:     # was dropped in silence: the run was not the quick one asked for
+        print(f"bench: --quick: the {args.which} benchmark has no quick mode "
+              f"(`flashkda-ext bench {args.which} --help` shows its flags)", file=sys.stderr)
+        return 2
+    quick = ["--quick"] if args.quick else []
     cmd = [sys.executable, str(script)] + quick + extra
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)

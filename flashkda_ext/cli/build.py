@@ -29,9 +29,57 @@ def _suggestion(pattern: str, names: List[str]) -> str:
     return f" (module names start {', '.join(prefixes)})"
 
 
+def _option_problem(args) -> Optional[str]:
+    """An option the command would ignore or cannot use, named (checked before a record is read)."""
+    from ..jit.toolchain import normalize_arch
+
+    if args.aot is not None:
+        if not args.aot.strip():            # '' was read as "no --aot": a JIT build into the cache instead
+            return f"--aot: expected a directory, got {args.aot!r}"
+        if Path(args.aot).exists() and not Path(args.aot).is_dir():
+            return f"--aot: expected a directory, got {args.aot!r} (a file)"
+    given = [(o, v) for o, v in (("--force", args.force), ("--jobs", args.jobs), ("--parallel", args.parallel),
+                                 ("--aot", args.aot), ("--arch", args.arch)) if v not in (None, False)]
+    if args.list and given:
+        return f"{given[0][0]}: not used with --list (it lists, builds nothing)"
+    if args.aot is not None:            # aot.py takes neither: it builds --jobs modules at a time, only what is stale
+        for o, v in (("--parallel", args.parallel), ("--force", args.force)):
+            if v not in (None, False):
+                return f"{o}: not used with --aot (aot.py builds --jobs modules at a time, reusing the JIT cache)"
+    if args.arch is not None:
+        try:
+            normalize_arch(args.arch)
+        except ValueError as e:
+            return f"--arch: {e}"
+    return None
+
+
+def _arch_problem(arch: str, chosen: List[dict]) -> Optional[str]:
+    """--arch that no chosen module builds for (ignored by a CPU module in silence before)."""
+    from ..jit.toolchain import normalize_arch
+
+    a = normalize_arch(arch)
+    cuda = [r for r in chosen if r["backend"] == "cuda"]
+    if a == "host":
+        if cuda:
+            return f"--arch {arch}: CUDA modules build for a GPU arch, not host (e.g. {cuda[0]['name']})"
+        return None
+    if not cuda:
+        return f"--arch {arch}: the chosen modules are CPU modules (they build for host); --arch is a CUDA arch"
+    if not any(a in r["arches"] for r in cuda):
+        known = sorted({x for r in cuda for x in r["arches"]})
+        return f"--arch {arch}: no chosen CUDA module builds {a} (their arches: {', '.join(known)})"
+    return None
+
+
 def cmd_build(args) -> int:
     from .. import flag_reader, jit
+    from ..jit.toolchain import normalize_arch
 
+    problem = _option_problem(args)
+    if problem:
+        print(f"build: {problem}", file=sys.stderr)
+        return 2
     records = jit.all_records()
     pats = list(args.modules)
     if args.all or not pats:
@@ -54,18 +102,34 @@ def cmd_build(args) -> int:
         print(f"build: no {args.backend} module matches {' '.join(pats)} "
               f"(`flashkda-ext build --list --backend {args.backend}` shows them)", file=sys.stderr)
         return 2
+    problem = _arch_problem(args.arch, chosen) if args.arch is not None else None
+    if problem:
+        print(f"build: {problem}", file=sys.stderr)
+        return 2
     if args.list:
         print(table([[r["name"], r["family"], r["backend"], ",".join(r["arches"]), "yes" if r["aot"] else "no"]
                       for r in chosen], ["name", "family", "backend", "arches", "aot"]))
         return 0
-    if args.aot:
+    if args.aot is not None:
         root = _repo_root()
         if root is None:
             print("build --aot: aot.py ships with the repository checkout; run it from there", file=sys.stderr)
             return 2
         arch = args.arch or ("host" if all(r["backend"] == "cpu" for r in chosen) else "9.0a")
+        target = normalize_arch(arch)
+        # aot.py builds AOT-whitelisted records of the arch only (and refuses an --only that names
+        # another): say which chosen modules that leaves out, and hand it the rest
+        fits = [r for r in chosen if r["aot"] and (r["backend"] == "cpu" or target in r["arches"])]
+        left = [r["name"] for r in chosen if r not in fits]
+        if not fits:
+            print(f"build --aot: none of the chosen modules is AOT-whitelisted for {target} "
+                  f"(`flashkda-ext build --list` shows the aot column)", file=sys.stderr)
+            return 2
+        if left:
+            print(f"build --aot: {len(left)} chosen module(s) not AOT-whitelisted for {target}, left out: "
+                  f"{', '.join(left[:5])}{', ...' if len(left) > 5 else ''}", file=sys.stderr)
         cmd = [sys.executable, str(root / "aot.py"), "--arch", arch, "--out", args.aot,
-               "--only", ",".join(r["name"] for r in chosen)]
+               "--only", ",".join(r["name"] for r in fits)]
         if args.jobs:
             cmd += ["--jobs", str(args.jobs)]
         print("+ " + " ".join(cmd), flush=True)
@@ -74,7 +138,7 @@ def cmd_build(args) -> int:
 
     failures = 0
     t0 = time.perf_counter()
-    workers = args.parallel
+    workers = args.parallel or 1
 
     def one(rec):
         arch = None if rec["backend"] == "cpu" else args.arch
@@ -119,8 +183,10 @@ def add_parser(sub) -> None:
                    help="only this backend's modules; alone, every module of it")
     s.add_argument("--arch", default=None, help="CUDA arch (e.g. 9.0a); default: this GPU's, else the record's first")
     s.add_argument("--force", action="store_true", help="rebuild even when cached")
-    s.add_argument("--jobs", type=positive_int, default=None, help="ninja jobs per module (modules in parallel with --aot)")
-    s.add_argument("--parallel", type=positive_int, default=1, help="modules built at the same time (default 1)")
+    s.add_argument("--jobs", type=positive_int, default=None,
+                   help="ninja jobs per module (modules in parallel with --aot)")
+    s.add_argument("--parallel", type=positive_int, default=None,
+                   help="modules built at the same time (default 1)")
     s.add_argument("--aot", default=None, metavar="DIR", help="build into an AOT directory through aot.py")
     s.add_argument("--list", action="store_true", help="list the matching modules, build nothing")
     s.add_argument("-v", "--verbose", action="store_true", help="print a failed build's full compiler output")

@@ -5,6 +5,8 @@ from typing import Callable, List
 
 GATES = ("softplus", "bounded", "log")
 LOWER_BOUND = -5.0
+# the largest count a C int holds: ninja reads -j into one, so a larger --jobs would wrap in silence
+MAX_COUNT = 2**31 - 1
 
 
 def families() -> List[str]:
@@ -29,15 +31,15 @@ def table(rows: List[List[str]], head: List[str]) -> str:
 
 def positive_int(text: str) -> int:
     """argparse type of a count (jobs, modules in parallel): 0 or a negative count is refused by name, not
-    clamped to 1 in silence."""
+    clamped to 1 in silence; so is one past MAX_COUNT, which ninja's -j would narrow in silence."""
     import argparse
 
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected a whole number in 1..{MAX_COUNT}, got {text!r}")
     return value
 
 

@@ -106,7 +106,7 @@ def collect_info(verbose: bool = False) -> dict:
     import torch
 
     from .. import __version__, paths
-    from ..jit import loader
+    from ..jit import loader, roots
 
     info = {
         "flashkda_ext": __version__,
@@ -118,7 +118,8 @@ def collect_info(verbose: bool = False) -> dict:
         "jax": try_(lambda: __import__("jax").__version__, "not installed"),
         "compilers": try_(_compiler_versions),
         "gpu": try_(_gpu_info),
-        "data_root": try_(lambda: str(paths.data_root())),
+        # the root the JIT machinery reads ($FLASHKDA_EXT_DATA_ROOT wins), not only the package's own
+        "data_root": try_(lambda: str(roots.data_root())),
         "cache_dir": str(paths.cache_dir()),
         "aot_dirs": [str(d) for d in loader.aot_dirs()],
         "jit_disabled": try_(loader.jit_disabled),  # a bad value is reported, not a crash

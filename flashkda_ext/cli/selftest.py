@@ -181,11 +181,48 @@ def _select(specs: List[Spec], outcomes: List[Outcome], pats: List[str]):
     return specs, outcomes
 
 
+# seeds go to torch.Generator.manual_seed as seed + case index: a negative one would alias a large one
+# (-1 is 2**64 - 1) and one past 2**64 overflows on every case; this range keeps every case's seed apart
+MAX_SEED = 2**63 - 1
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of --seed: a whole number in 0..MAX_SEED."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a whole number in 0..{MAX_SEED}, got {text!r}")
+    return value
+
+
+def _option_problem(args) -> Optional[str]:
+    """Options checked before any case runs: --json must be writable at the end of a long run."""
+    if args.fresh_compile and args.no_compile_check:
+        return "--fresh-compile: there is no compile check to run fresh (--no-compile-check)"
+    if args.json is not None:
+        path = Path(args.json)
+        if not args.json or path.is_dir() or args.json.endswith(("/", os.sep)):
+            return f"--json: expected a file to write, got {args.json!r}"
+        if not path.parent.is_dir():
+            return f"--json: the directory {str(path.parent)!r} of {args.json!r} does not exist"
+        if (path.exists() and not os.access(path, os.W_OK)) or not os.access(path.parent, os.W_OK):
+            return f"--json: cannot write {args.json!r} (no permission)"
+    return None
+
+
 def cmd_selftest(args) -> int:
     import torch
 
     from .. import jit
 
+    problem = _option_problem(args)
+    if problem:
+        print(f"selftest: {problem}", file=sys.stderr)
+        return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     t_start = time.perf_counter()
     gpu = "GPU " + torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
@@ -255,10 +292,14 @@ def cmd_selftest(args) -> int:
           f"{sum(o.status == 'SKIP' for o in outcomes)} skipped in {elapsed:.1f} s")
     print("out/state: max |got - ref| / max |ref| against flashkda_ext.reference in float64;")
     print("load: the module's first load in this process, its build excluded (timed while building)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"seed": seed, "seconds": elapsed, "unreached": unreached,
-                                               "outcomes": [o.__dict__ for o in outcomes]}, indent=2,
-                                              default=str))
+    if args.json is not None:
+        try:
+            Path(args.json).write_text(json.dumps({"seed": seed, "seconds": elapsed, "unreached": unreached,
+                                                   "outcomes": [o.__dict__ for o in outcomes]}, indent=2,
+                                                  default=str))
+        except OSError as e:    # checked first; still refused (a full disk) without a traceback
+            print(f"selftest: --json: cannot write {args.json!r} ({e.strerror or e})", file=sys.stderr)
+            return 2
     if failed or not ran:
         if not ran:
             print("selftest: no route ran at all", file=sys.stderr)
@@ -268,7 +309,7 @@ def cmd_selftest(args) -> int:
 
 def add_parser(sub) -> None:
     s = sub.add_parser("selftest", help="every route on this machine against the reference (the main job)")
-    s.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
+    s.add_argument("--seed", type=seed_arg, default=None, help=f"random seed, 0..{MAX_SEED} (default: fresh)")
     s.add_argument("--quick", action="store_true", help="fewer CUDA shapes")
     s.add_argument("--only", action="append", default=[], help="glob on 'family:case' or family (repeatable)")
     s.add_argument("--cpu-only", action="store_true", help="skip CUDA routes even with a GPU")

@@ -3,6 +3,7 @@ trace.definition_for_options for the flashinfer-bench Definition of the dump's o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def cmd_trace(args) -> int:
     op = args.op
     try:
         _check_out(args.out)
-        definition = trace.definition_for_options(op, vars(args))
+        options = _with_defaults(op, vars(args))
+        definition = trace.definition_for_options(op, options)
     except ValueError as e:
         print(f"flashkda-ext trace dump: {e}", file=sys.stderr)
         return 2
@@ -52,12 +54,40 @@ def cmd_trace(args) -> int:
     return 0
 
 
+_DECODE, _VERIFY = ("kda_decode", "fused_kda_decode"), ("kda_verify", "fused_kda_verify")
+# options that have no place in some ops' definitions (e.g. fused ops have one head count and one head
+# dim): given there, they are refused by name, not dropped in silence (a fused --value-heads 32 printed
+# the 16-head definition); with their defaults, given to the ops that take them
+_NOT_FOR = {"value_heads": ("fused_kda_decode", "fused_kda_verify"),
+            "head_dim_k": ("fused_kda_decode", "fused_kda_verify"),
+            "head_dim_v": ("fused_kda_decode", "fused_kda_verify"),
+            "slot_mode": ("kda_prefill",) + _VERIFY, "checkpoint_every": _DECODE + _VERIFY,
+            "rows": ("kda_prefill",) + _VERIFY, "slots": ("kda_prefill",), "tokens": _DECODE, "seqs": _DECODE}
+_DEFAULTS = {"slot_mode": "unique", "checkpoint_every": 0, "rows": 4, "slots": 64, "tokens": 256, "seqs": 2,
+             "lower_bound": LOWER_BOUND}
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _with_defaults(op: str, options: dict) -> dict:
+    """The dump's options with the defaults filled in; ValueError naming an option the op has no use for."""
+    for key, ops in _NOT_FOR.items():
+        if op in ops and options.get(key) is not None:
+            raise ValueError(f"{_flag(key)}: {op} takes no {_flag(key)} (its definition does not depend on it)")
+    if options.get("lower_bound") is not None and options["gate"] != "bounded":
+        raise ValueError(f"--lower-bound: only the bounded gate has one (add --gate bounded), not {options['gate']}")
+    return {**options, **{k: v for k, v in _DEFAULTS.items() if options.get(k) is None}}
+
+
 def _check_out(out) -> None:
     """--out: a file to write, in a directory that exists (checked before anything is built or written)."""
     if out is None:
         return
     path = Path(out)
-    if out == "" or path.is_dir():
+    # "dir/" names a directory (Path drops the slash: it would write a file named dir)
+    if out == "" or path.is_dir() or out.endswith(("/", os.sep)):
         raise ValueError(f"--out: expected a file to write, got {out!r} (a directory)" if out
                          else "--out: expected a file to write, got ''")
     parent = path.parent
@@ -80,15 +110,18 @@ def add_parser(sub) -> None:
     d.add_argument("--input-dtype", default="bfloat16", help="q/k/v/g/beta dtype (default bfloat16)")
     d.add_argument("--state-dtype", default="float32", help="recurrent state dtype (default float32)")
     d.add_argument("--gate", default="softplus", choices=list(GATES), help="gate form (default softplus)")
-    d.add_argument("--lower-bound", type=float, default=LOWER_BOUND, help="the bounded gate's lower bound")
-    d.add_argument("--slot-mode", default="unique", choices=["unique", "padded", "repeated"],
+    d.add_argument("--lower-bound", type=float, default=None,
+                   help=f"the bounded gate's lower bound (default {LOWER_BOUND})")
+    d.add_argument("--slot-mode", default=None, choices=["unique", "padded", "repeated"],
                    help="decode: how state_indices address the pool (default unique)")
     d.add_argument("--backend", default="cuda", choices=["cuda", "cpu"], help="backend the call targets")
-    d.add_argument("--rows", type=int, default=4, help="a var-axis value (does not change the definition)")
-    d.add_argument("--slots", type=int, default=64, help="decode, verify: state pool slots (a var axis)")
-    d.add_argument("--tokens", type=int, default=256, help="prefill, verify: total tokens")
-    d.add_argument("--seqs", type=int, default=2,
-                   help="prefill: sequences; verify: requests (T_max = ceil(tokens / seqs))")
+    d.add_argument("--rows", type=int, default=None,
+                   help="decode: rows, a var axis (default 4; does not change the definition)")
+    d.add_argument("--slots", type=int, default=None,
+                   help="decode, verify: state pool slots (a var axis; default 64)")
+    d.add_argument("--tokens", type=int, default=None, help="prefill, verify: total tokens (default 256)")
+    d.add_argument("--seqs", type=int, default=None,
+                   help="prefill: sequences; verify: requests (T_max = ceil(tokens / seqs); default 2)")
     d.add_argument("--step-rows", action="store_true",
                    help="kda_verify: state as step rows [slots, T_max, HV, V, K], state_indices [seqs] (a row each)")
     d.add_argument("--initial-slots", type=int, default=0,
@@ -97,7 +130,7 @@ def add_parser(sub) -> None:
     d.add_argument("--tree", action="store_true",
                    help="kda_verify: a draft tree, parent_tokens [seqs, T_max] (the token each draft token "
                         "continues from)")
-    d.add_argument("--checkpoint-every", type=int, default=0,
+    d.add_argument("--checkpoint-every", type=int, default=None,
                    help="prefill: state checkpoint interval in tokens (0: none)")
     d.add_argument("--check", action="store_true", help="validate against the definition schema")
     d.add_argument("--out", default=None, help="write to this file")

@@ -41,7 +41,7 @@ from ninja import ninja_syntax
 from . import commands, roots, toolchain
 from .errors import BuildError, ToolchainError
 from .identity import identity_inputs, identity_of
-from .lock import file_lock, try_lock
+from .lock import file_lock, lock_timeout, try_lock
 from .specs import get_record
 
 
@@ -137,10 +137,16 @@ def _ninja() -> List[str]:
         raise ToolchainError("ninja not found; pip install ninja") from None
 
 
+# ninja reads -j into a C int: a larger count would wrap in silence (2**32 + 1 jobs runs one)
+MAX_JOBS_VALUE = 2**31 - 1
+
+
 def _check_jobs(jobs) -> None:
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int)
+                             or not 1 <= jobs <= MAX_JOBS_VALUE):
         # not clamped to 1 in silence (0 or -1 may have meant "every core", which is None)
-        raise ValueError(f"jobs: expected an int >= 1 (or None: MAX_JOBS, else every core), got {jobs!r}")
+        raise ValueError(f"jobs: expected an int >= 1 and <= {MAX_JOBS_VALUE} (or None: MAX_JOBS, else every "
+                         f"core), got {jobs!r}")
 
 
 def _jobs(jobs: Optional[int]) -> int:
@@ -155,8 +161,32 @@ def _jobs(jobs: Optional[int]) -> int:
             raise ValueError(f"MAX_JOBS={env!r} is not an integer") from None
         if value < 1:  # not clamped in silence: a one-job build may be what made it slow
             raise ValueError(f"MAX_JOBS={env!r} must be at least 1 (or unset: every core)")
+        if value > MAX_JOBS_VALUE:
+            raise ValueError(f"MAX_JOBS={env!r} must be at most {MAX_JOBS_VALUE} (ninja's -j is a C int)")
         return value
     return max(1, os.cpu_count() or 1)
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _verbose() -> bool:
+    """$FLASHKDA_EXT_VERBOSE: a switch; any other value is refused, not read as "off" in silence."""
+    raw = os.environ.get("FLASHKDA_EXT_VERBOSE", "")
+    value = raw.strip().lower()
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"FLASHKDA_EXT_VERBOSE={raw!r} is not a switch; set 1 (echo build output; also true, "
+                     f"yes, on) or 0 (also false, no, off, or unset)")
+
+
+def check_build_env(jobs: Optional[int] = None) -> None:
+    """Read every setting a build would read (jobs / MAX_JOBS, FLASHKDA_EXT_LOCK_TIMEOUT,
+    FLASHKDA_EXT_VERBOSE), so a bad one is refused on every call, a cached module's too, and before
+    the dependency scan runs the compiler or anything is written to the cache."""
+    _jobs(jobs)
+    lock_timeout()
+    _verbose()
 
 
 def _sh(argv: List[str]) -> str:
@@ -322,7 +352,7 @@ def _run_build(cache: Path, art: str, label: str, hint: str, write, meta_extra: 
         so_name = write(tmp)
         rc, output = _run_ninja(_ninja() + ["-C", str(tmp), "-j", str(_jobs(jobs))])
         (tmp / "build.log").write_text(output)
-        if os.environ.get("FLASHKDA_EXT_VERBOSE") == "1":
+        if _verbose():
             sys.stderr.write(output)
         if rc != 0:
             failed = cache / ".failed" / art
@@ -383,6 +413,7 @@ def ensure_artifact(cache: Path, name: str, identity: str, label: str, hint: str
         meta = read_valid_meta(art_dir, identity)
         if meta is not None:
             return art_dir, meta, False
+    check_build_env(jobs)   # a bad setting is refused before .locks/ and .tmp/ are written
     _check_writable(cache, label)
     with file_lock(lock_path(cache, art), what=f"the build of {label}"):
         meta = None if force else read_valid_meta(art_dir, identity)  # another process built it
@@ -402,7 +433,7 @@ def ensure_artifact(cache: Path, name: str, identity: str, label: str, hint: str
 def ensure_built(name: str, arch: Optional[str] = None, *, root=None, cache=None,
                  jobs: Optional[int] = None, force: bool = False) -> BuildResult:
     """Build the module unless a valid artifact of its identity is cached; return where it is."""
-    _check_jobs(jobs)   # on every call, a cached module's too
+    check_build_env(jobs)   # on every call, a cached module's too, before the dependency scan runs
     record = get_record(name, root)
     arch = resolve_arch(record, arch)
     cache_root = roots.cache_dir(cache)

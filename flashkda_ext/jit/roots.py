@@ -20,7 +20,12 @@ def data_root(root: Optional[PathLike] = None) -> Path:
         return Path(root).resolve()
     env = os.environ.get("FLASHKDA_EXT_DATA_ROOT")
     if env:
-        return Path(env).expanduser().resolve()
+        path = Path(env).expanduser().resolve()
+        # a typo must not read as a spec tree without modules (every op then "has no route")
+        if not (path / "jit").is_dir():
+            raise ValueError(f"FLASHKDA_EXT_DATA_ROOT={env!r}: expected a folder holding csrc/ and jit/, "
+                             f"but {path / 'jit'} is not a folder; unset it to use the package's own data")
+        return path
     return paths.data_root().resolve()
 
 
@@ -34,6 +39,8 @@ def jit_dir(root: Optional[PathLike] = None) -> Path:
 
 def cache_dir(cache: Optional[PathLike] = None) -> Path:
     if cache is not None:
+        if str(cache) == "":     # Path("") is the working directory: builds would land there
+            raise ValueError("cache: expected a folder (or None: $FLASHKDA_EXT_CACHE_DIR), got ''")
         return Path(cache).resolve()
     return paths.cache_dir().resolve()
 
