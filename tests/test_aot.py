@@ -1,7 +1,6 @@
 """aot.py round trip on a CPU module: build into a directory, then load it with JIT disabled (a fresh
 process, an empty cache); stale or corrupt artifacts are refused; failures exit non-zero by name;
 a malformed manifest is an error naming the file and field (JIT off) or a warning and a build."""
-import importlib.util
 import json
 import os
 import re
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.skipif(not AOT_PY.is_file(), reason="aot.py ships with 
 
 
 def _aot_module():
-    spec = importlib.util.spec_from_file_location("fkda_aot_script", AOT_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return testing.aot_script("fkda_aot_script")
 
 
 @pytest.fixture

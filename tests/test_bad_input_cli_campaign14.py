@@ -23,7 +23,6 @@ anything is built, run or written, on every call.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 
@@ -38,10 +37,7 @@ needs_aot = pytest.mark.skipif(not AOT_PY.is_file(), reason="aot.py ships with t
 
 
 def _aot():
-    spec = importlib.util.spec_from_file_location("fkda_aot_campaign14", AOT_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return testing.aot_script("fkda_aot_campaign14")
 
 
 def _listing(path):

@@ -68,6 +68,22 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(kda_decode, toy);
 """
 
 
+def aot_script(module_name: str = "fkda_aot_script"):
+    """The repository's aot.py loaded as a module (it is a script beside the package, not part of it), or
+    None where the checkout does not have it (an installed wheel)."""
+    import importlib.util
+
+    from .. import paths
+
+    path = paths.PACKAGE_DIR.parent / "aot.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cpu_record(**overrides) -> dict:
     rec = {
         "name": "toy_cpu", "family": "kda_decode", "backend": "cpu",
