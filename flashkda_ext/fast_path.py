@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, flag_reader
+from . import dispatch, flag_reader, switches
 
 # an on/off word, else a ValueError naming the variable at import ("false" or "off" silently kept it on)
-ENABLED = flag_reader.env_switch("FLASHKDA_EXT_FAST_PATH", True)
+ENABLED = switches.env_switch("FLASHKDA_EXT_FAST_PATH", True)
 Tensor = torch.Tensor  # exact type: subclasses and other array types take the full path
 _ENTRIES: dict = {}
 _LIMIT = 512

@@ -38,7 +38,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import paths
+from . import paths, switches
 
 NAME = "flashkda_ext_plain_ok"   # the CPython module name (PyInit_ in the source)
 ARTIFACT = "flag_reader"          # the cache folder's name: flag_reader-<identity[:16]>
@@ -49,26 +49,9 @@ _tried = False                    # ensure() started (or declined) this process'
 _worker: Optional[threading.Thread] = None
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")   # FLASHKDA_EXT_DISABLE_JIT's words
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable: 1, true, yes, on / 0, false, no, off (any case, spaces around); unset or
-    empty: `default`; any other value is a ValueError naming the variable (a typo must not silently mean the
-    default, as the `!= "0"` tests made FLASHKDA_EXT_NATIVE_FLAGS=false or FLASHKDA_EXT_FAST_PATH=off mean on)."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value == "":
-        return default
-    if value in _ON or value in _OFF:
-        return value in _ON
-    raise ValueError(f"{name}={raw!r} is not a switch; set 1 (also true, yes, on) or 0 (also false, no, off), "
-                     f"or unset it for the default ({int(default)})")
-
-
 def wanted() -> bool:
     """$FLASHKDA_EXT_NATIVE_FLAGS (default 1): an on/off word, else a ValueError naming the variable."""
-    return env_switch("FLASHKDA_EXT_NATIVE_FLAGS", True)
+    return switches.env_switch("FLASHKDA_EXT_NATIVE_FLAGS", True)
 
 
 def source() -> Path:

@@ -1,12 +1,15 @@
 """Small helpers shared by the subcommands: a text table, an error's first line, the families."""
 from __future__ import annotations
 
-from typing import Callable, List
+import os
+from pathlib import Path
+from typing import Callable, List, Optional
+
+# the largest count a C int holds: ninja reads -j into one, so a larger --jobs would wrap in silence
+from ..jit.builder import MAX_JOBS_VALUE as MAX_COUNT
 
 GATES = ("softplus", "bounded", "log")
 LOWER_BOUND = -5.0
-# the largest count a C int holds: ninja reads -j into one, so a larger --jobs would wrap in silence
-MAX_COUNT = 2**31 - 1
 
 
 def families() -> List[str]:
@@ -41,6 +44,19 @@ def positive_int(text: str) -> int:
     if not 1 <= value <= MAX_COUNT:
         raise argparse.ArgumentTypeError(f"expected a whole number in 1..{MAX_COUNT}, got {text!r}")
     return value
+
+
+def out_file_problem(option: str, value: str) -> Optional[str]:
+    """A file option (trace dump --out, selftest --json): a file to write in a folder that exists, checked before
+    anything runs. The problem, naming the option, or None."""
+    if not value:
+        return f"{option}: expected a file to write, got ''"
+    path = Path(value)
+    if path.is_dir() or value.endswith(("/", os.sep)):   # "dir/": Path drops the slash, a file named dir
+        return f"{option}: expected a file to write, got {value!r} (a directory)"
+    if not path.parent.is_dir():
+        return f"{option}: the directory {str(path.parent)!r} of {value!r} does not exist"
+    return None
 
 
 def first_line(text) -> str:

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .common import families, first_line, shorten
+from .common import families, first_line, out_file_problem, shorten
 from .selftest_cases import (FIRST_LOAD_S, LINE_WIDTH, RUNNERS, Outcome, Spec, cpu_specs,
                              load_seconds)
 from .selftest_shapes import cuda_specs
@@ -204,11 +204,10 @@ def _option_problem(args) -> Optional[str]:
     if args.fresh_compile and args.no_compile_check:
         return "--fresh-compile: there is no compile check to run fresh (--no-compile-check)"
     if args.json is not None:
+        problem = out_file_problem("--json", args.json)
+        if problem:
+            return problem
         path = Path(args.json)
-        if not args.json or path.is_dir() or args.json.endswith(("/", os.sep)):
-            return f"--json: expected a file to write, got {args.json!r}"
-        if not path.parent.is_dir():
-            return f"--json: the directory {str(path.parent)!r} of {args.json!r} does not exist"
         if (path.exists() and not os.access(path, os.W_OK)) or not os.access(path.parent, os.W_OK):
             return f"--json: cannot write {args.json!r} (no permission)"
     return None

@@ -3,11 +3,11 @@ trace.definition_for_options for the flashinfer-bench Definition of the dump's o
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
-from .common import GATES, LOWER_BOUND, first_line, table
+from ..trace.options import _flag
+from .common import GATES, LOWER_BOUND, first_line, out_file_problem, table
 
 
 def cmd_trace(args) -> int:
@@ -67,10 +67,6 @@ _DEFAULTS = {"slot_mode": "unique", "checkpoint_every": 0, "rows": 4, "slots": 6
              "lower_bound": LOWER_BOUND}
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _with_defaults(op: str, options: dict) -> dict:
     """The dump's options with the defaults filled in; ValueError naming an option the op has no use for."""
     for key, ops in _NOT_FOR.items():
@@ -83,17 +79,9 @@ def _with_defaults(op: str, options: dict) -> dict:
 
 def _check_out(out) -> None:
     """--out: a file to write, in a directory that exists (checked before anything is built or written)."""
-    if out is None:
-        return
-    path = Path(out)
-    # "dir/" names a directory (Path drops the slash: it would write a file named dir)
-    if out == "" or path.is_dir() or out.endswith(("/", os.sep)):
-        raise ValueError(f"--out: expected a file to write, got {out!r} (a directory)" if out
-                         else "--out: expected a file to write, got ''")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out: the directory {str(parent)!r} of {out!r} does not exist")
-
+    problem = None if out is None else out_file_problem("--out", out)
+    if problem:
+        raise ValueError(problem)
 
 def add_parser(sub) -> None:
     s = sub.add_parser("trace", help="list trace templates or dump a definition")

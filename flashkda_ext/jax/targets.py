@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import jax_tvm_ffi
 import numpy as np
 import tvm_ffi
 
-from .. import jit
+from .. import jit, switches
 
 # The ABI order of each family's TVM-FFI function (docs/architecture.md): tensors, then attributes.
 _ABI = {
@@ -49,12 +48,7 @@ def _command_buffers_allowed() -> bool:
     """FLASHKDA_EXT_JAX_COMMAND_BUFFER=0 registers every target as not capturable, so XLA runs the
     call as a plain thunk even where it is safe to capture (a tuning and diagnosis switch: recent XLA
     wraps every capturable custom call in a command buffer, even alone). Read when a call is planned."""
-    value = os.environ.get("FLASHKDA_EXT_JAX_COMMAND_BUFFER", "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"FLASHKDA_EXT_JAX_COMMAND_BUFFER: expected 0 or 1, got {value!r}")
+    return switches.env_switch("FLASHKDA_EXT_JAX_COMMAND_BUFFER", True, off="never captured")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from ninja import ninja_syntax
 from . import commands, roots, toolchain
 from .errors import BuildError, ToolchainError
 from .identity import identity_inputs, identity_of
+from ..switches import env_switch
 from .lock import file_lock, lock_timeout, try_lock
 from .specs import get_record
 
@@ -167,17 +168,9 @@ def _jobs(jobs: Optional[int]) -> int:
     return max(1, os.cpu_count() or 1)
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
 def _verbose() -> bool:
     """$FLASHKDA_EXT_VERBOSE: a switch; any other value is refused, not read as "off" in silence."""
-    raw = os.environ.get("FLASHKDA_EXT_VERBOSE", "")
-    value = raw.strip().lower()
-    if value in _ON or value in _OFF:
-        return value in _ON
-    raise ValueError(f"FLASHKDA_EXT_VERBOSE={raw!r} is not a switch; set 1 (echo build output; also true, "
-                     f"yes, on) or 0 (also false, no, off, or unset)")
+    return env_switch("FLASHKDA_EXT_VERBOSE", False, on="echo build output")
 
 
 def check_build_env(jobs: Optional[int] = None) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .. import paths
+from ..switches import env_switch
 from . import roots
 from .builder import discard_artifact, ensure_built, resolve_arch, sha256_file
 from .depscan import sha256_bytes
@@ -48,20 +49,10 @@ def aot_dirs() -> List[Path]:
     return out
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
 def jit_disabled() -> bool:
     """$FLASHKDA_EXT_DISABLE_JIT; any other value is refused: a typo must not mean "JIT on" on a
     server meant to run prebuilt modules only."""
-    raw = os.environ.get("FLASHKDA_EXT_DISABLE_JIT", "")
-    value = raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"FLASHKDA_EXT_DISABLE_JIT={raw!r} is not a switch; set 1 (never build; also "
-                     f"true, yes, on) or 0 (build when needed; also false, no, off, or unset)")
+    return env_switch("FLASHKDA_EXT_DISABLE_JIT", False, on="never build", off="build when needed")
 
 
 def _manifest(d: Path) -> Optional[dict]:

@@ -31,25 +31,20 @@ the eager break at a given batch is for the H200 to show (docs/integrations.md, 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from ... import dispatch, validation
+from ... import dispatch, switches, validation
 from .dense import as_dense, dense_qkv
 from .kernel import _gate, _params, _qkv_dims
 
 ENV_VAR = "FLASHKDA_EXT_SGLANG_PREFILL_GRAPH"
-_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
     """FLASHKDA_EXT_SGLANG_PREFILL_GRAPH: 1 / true / yes / on, or 0 / false / no / off / unset; else a ValueError."""
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw not in _ON + _OFF:
-        raise ValueError(f"flashkda_ext: environment variable {ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1 or 0")
-    return raw in _ON
+    return switches.env_switch(ENV_VAR, False, on="capture the extend", off="break the graph at it")
 
 
 def wrapper_cls():
