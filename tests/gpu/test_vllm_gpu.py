@@ -101,8 +101,13 @@ def test_verify_with_cuda_graph_padding_matches_vllm_triton(vllm_ops):
     assert torch.equal(p1[0], pool[0])
 
 
-# 3 sequences x 16 heads: the chunk-64 modules; 32 x 16 = 512 sequences x heads of <= 2048 tokens: prefill_c16
-# (routes fused_chunk16 / fused_chunk16_decay), for both gates
+# the fused 16-token-chunk modules: prefill_c16_* (two CTAs an SM) and the role split prefill_c16ws_* that routes
+# fused_chunk16 / fused_chunk16_decay have served since e367f72
+FUSED_C16 = ("prefill_c16_", "prefill_c16ws_")
+
+
+# 3 sequences x 16 heads: the chunk-64 modules; 32 x 16 = 512 sequences x heads of <= 2048 tokens: the fused
+# 16-token-chunk kernel (routes fused_chunk16 / fused_chunk16_decay), for both gates
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("rows", [3, 32])
@@ -116,7 +121,7 @@ def test_prefill_matches_vllm_triton(vllm_ops, lower_bound, state_dtype, rows, m
     assert min(lens) > 0
     call["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
     (o1, h1), (o2, h2) = both(ops, fk, "chunk_kda_with_fused_gate", call, None)
-    assert len(routed) == 1 and routed[0].startswith("prefill_c16_" if rows == 32 else "prefill_vt"), routed
+    assert len(routed) == 1 and routed[0].startswith(FUSED_C16 if rows == 32 else "prefill_vt"), routed
     assert h1.dtype == h2.dtype == torch.float32
     assert rel_l2(o1, o2) < 2 * TOL and rel_l2(h1, h2) < 2 * TOL
 
@@ -139,7 +144,7 @@ def test_a_mixed_step_routes_by_its_prompt_in_vllms_forward_context(vllm_ops, lo
         (o1, h1), (o2, h2) = both(ops, fk, "chunk_kda_with_fused_gate", call, None)
         (o3, h3), _ = both(ops, fk, "chunk_kda_with_fused_gate", dict(call, cu_seqlens=call["cu_seqlens"].clone()),
                            None)
-    assert len(routed) == 3 and not routed[1].startswith("prefill_c16") and routed[2].startswith("prefill_c16_"), \
+    assert len(routed) == 3 and not routed[1].startswith("prefill_c16") and routed[2].startswith(FUSED_C16), \
         routed
     for o, h in ((o1, h1), (o3, h3)):
         assert rel_l2(o, o2) < 2 * TOL and rel_l2(h, h2) < 2 * TOL
