@@ -86,11 +86,22 @@ def _fake(name: str, same_view_ok: tuple = ()):
             named = list(zip(names, args)) + list(kwargs.items())
             _refuse_meta_among_real(named)
             result = fn(*args, **kwargs)
+            _tensor_flags(named, written)
             _apart_when_traced(named, written, same_view_ok)
             return result
         torch.library.register_fake(f"flashkda_ext::{name}", checked, lib=_LIB)
         return fn
     return decorate
+
+
+def _tensor_flags(named, written: set) -> None:
+    """The eager check of what the meta stand-ins drop (torch.empty_strided keeps shape, strides and dtype only):
+    the inference-only rule (requires_grad with grad enabled; an inference tensor written outside inference mode).
+    Without it a fake call returned outputs for a call eager refuses. (A lazy negated or conjugated view is
+    resolved by the dispatcher before any kernel of a custom op, the fake's included.)"""
+    tensors = [(n, t) for n, t in named if isinstance(t, Tensor)]
+    validation._inference_only(tuple((n, t) for n, t in tensors if n not in written),
+                               tuple((n, t) for n, t in tensors if n in written))
 
 
 def _apart_when_traced(named, written: set, same_view_ok: tuple) -> None:
@@ -279,6 +290,8 @@ def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale
         cu_seqlens=cu_seqlens, initial_state=initial_state, state=state, state_indices=state_indices,
         output_final_state=output_final_state, final_state=final_state, checkpoint_every=checkpoint_every,
         checkpoints=checkpoints, max_seqlen=max_seqlen, null_slot0=null_slot0, out=out))
+    # the kind of the scratch buffer (its size needs the route's module: checked by the real implementation)
+    validation.check_workspace(workspace, None, q.device, validation.backend_of(q.device))
 
 
 def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="softplus",
@@ -298,11 +311,14 @@ def traced_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_boun
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     pool = state is not None or state_indices is not None
-    sdtype = _state_dtype(initial_state, final_state, checkpoints)
+    # eager's rule: the state dtype is initial_state's, else final_state's, else float32; never checkpoints' (the
+    # check then requires given checkpoints of that dtype: a bf16 one beside no state is refused, not served)
+    sdtype = _state_dtype(initial_state, final_state)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if not pool and output_final_state is True and final_state is None:
         final_state = torch.empty((N, HV, V, K), dtype=sdtype, device=q.device)
+        sdtype = final_state.dtype
     if isinstance(checkpoint_every, int) and not isinstance(checkpoint_every, bool) and checkpoint_every > 0 \
             and checkpoints is None:
         if cu_seqlens is not None and max_seqlen is None:
@@ -431,14 +447,41 @@ def _tensor_positions(op) -> tuple:
                  if str(a.type) in ("Tensor", "Optional[Tensor]"))
 
 
+def _scalar_positions(op) -> tuple:
+    """(position, name, schema type) of each str / number argument in an op's schema."""
+    return tuple((i, a.name, str(a.type)) for i, a in enumerate(op._schema.arguments)
+                 if str(a.type) in ("str", "number", "Optional[number]"))
+
+
+#: the eager check of each str / number argument of the schemas (what the public op raises for a value the schema
+#: cannot take: a non-str gate, a None flag, a str scale, ...), run before the schema raises its RuntimeError
+_SCALAR_RULES = {
+    "gate": lambda n, v: validation._choice(n, v, validation.GATES),
+    "slot_mode": lambda n, v: validation._choice(n, v, validation.SLOT_MODES),
+    "beta_is_logit": validation._bool, "null_slot0": validation._bool, "output_final_state": validation._bool,
+    "checkpoint_every": lambda n, v: validation.check_checkpoint_every(v),
+    "max_seqlen": lambda n, v: validation._int(n, v, "or None"),
+    "scale": validation._real, "lower_bound": validation._real, "norm_eps": validation._real,
+}
+_NUMBER = (bool, int, float)
+
+
 def _op_call(op, *args) -> None:
     """op(*args) under tracing, each Tensor argument checked first: the schema's cast of a list or a number fails
-    with torch's message, which names no argument; this is the eager one. The positions are read from the
-    schemas once at import (_TENSOR_ARGS): Dynamo traces this function, not the schema objects."""
+    with torch's message, which names no argument; this is the eager one. A str or number argument the schema
+    cannot take gets the eager check's ValueError / TypeError (the schema's is a RuntimeError). The positions are
+    read from the schemas once at import (_TENSOR_ARGS, _SCALAR_ARGS): Dynamo traces this function, not the
+    schema objects."""
     for i, name, optional in _TENSOR_ARGS[op]:
         x = args[i]
         if not isinstance(x, Tensor) and not (optional and x is None):
             raise TypeError(f"{name}: expected a torch.Tensor, got {'None' if x is None else type(x).__name__}")
+    for i, name, kind in _SCALAR_ARGS[op]:
+        x = args[i]
+        fits = isinstance(x, str) if kind == "str" else (
+            isinstance(x, _NUMBER) or (x is None and kind == "Optional[number]"))
+        if not fits:
+            _SCALAR_RULES[name](name, x)
     op(*args)
 
 
@@ -454,3 +497,4 @@ def _read_ok(name: str, x, ndim: Optional[int] = None, layout: str = "") -> None
 
 _TENSOR_ARGS = {op: _tensor_positions(op) for op in (kda_decode_op, fused_kda_decode_op, kda_prefill_op,
                                                      kda_verify_op, fused_kda_verify_op)}
+_SCALAR_ARGS = {op: _scalar_positions(op) for op in _TENSOR_ARGS}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import itertools
 import numbers
 import operator
 import re
@@ -141,10 +142,23 @@ def check_call(definition, var_axes: Mapping[str, int]) -> List[str]:
 
 
 def _axis_int(definition_name: str, axis: str, value) -> int:
-    """A var axis's value: an int (numpy's too), not a bool, a float (2.7 is no row count) or a str."""
+    """A var axis's value: an int >= 0 (numpy's too; an axis is a tensor dimension), not a bool, a float (2.7 is
+    no row count), a str or a negative int (torch's own error for the tensors drawn from it names no axis)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{definition_name}: var axis {axis!r}: expected an int, got "
                          f"{type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{definition_name}: var axis {axis!r}: expected an int >= 0 (a dimension), got {value}")
+    return int(value)
+
+
+def _option_int(name: str, value, low: int = 0) -> int:
+    """An integer option of the consumer (seed, checkpoint_every): an int >= low, not a bool, a float or a str
+    (int() would truncate 2.7 or read '4'; torch's manual_seed refuses a float naming no argument)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
     return int(value)
 
 
@@ -212,10 +226,16 @@ def _draft_slots(n: int, cols: int, slots: int, null_slot0: bool, gen):
 
 
 def _draft_offsets(n_plus_1: int, total: int, longest: int, dtype, gen):
-    """Offsets from 0 to total of n = n_plus_1 - 1 requests of 1 .. longest tokens each (the verify
-    constraints, n <= total <= n * longest, make this possible)."""
+    """Offsets from 0 to total of n = n_plus_1 - 1 requests of 1 .. longest tokens each, or, with fewer tokens
+    than requests (the verify constraints allow 1 <= total <= n * longest; a request may be empty), one token
+    each for `total` random requests and none for the others."""
     import torch
     n = n_plus_1 - 1
+    if total < n:
+        lengths = [0] * n
+        for r in torch.randperm(n, generator=gen)[:total].tolist():
+            lengths[r] = 1
+        return torch.tensor([0] + list(itertools.accumulate(lengths))).to(dtype)
     lengths = [1] * n
     room = [i for i in range(n) for _ in range(longest - 1)]   # one entry per token a request may add
     for j in torch.randperm(len(room), generator=gen)[: total - n].tolist():
@@ -266,6 +286,11 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
     last, from the tables and offsets above, see _tree_parents)."""
     import torch
     d = _as_dict(definition)
+    checkpoint_every = _option_int("checkpoint_every", checkpoint_every)
+    seed = _option_int("seed", seed, -(2 ** 63))
+    violated = check_call(d, axes)   # names a missing var axis; indices for axes the definition refuses are none
+    if violated:
+        raise ValueError(f"axes: {dict(axes)} violate {d['name']}'s constraints {violated}")
     values = {a: (ax["value"] if ax["type"] == "const" else _axis_int(d["name"], a, axes[a]))
               for a, ax in d["axes"].items()}
     slot_mode = _tag_value(d, "slot_mode:", "padded")
@@ -289,6 +314,11 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
         elif kind == "accepted_count":
             out[name] = torch.randint(1, values[arg] + 1, (n,), generator=gen).to(dtype)
         elif kind == "slot_index":
+            live = values[arg] - (1 if null_slot0 else 0)
+            if slot_mode == "unique" and n > live:
+                # "unique" promises distinct, non-negative slots: the padding _slot_indices would add breaks it
+                raise ValueError(f"axes: {spec['shape'][0]} = {n} {name} entries need {n} distinct live slots under "
+                                 f"slot_mode 'unique', but {arg} = {values[arg]} has {max(live, 0)}")
             out[name] = _slot_indices(n, values[arg], slot_mode, null_slot0, gen).to(dtype)
         elif kind == "offsets":
             longest = None
@@ -319,7 +349,7 @@ def make_workload(trace_set, definition_name: str, axes: Mapping[str, int], *, s
     if violated:
         raise ValueError(f"axes: {var} violate {definition_name}'s constraints {violated}")
     uid = str(uuid.uuid4())
-    tensors = index_tensors(d, var, seed=seed, checkpoint_every=int(axes.get("checkpoint_every", 0)))
+    tensors = index_tensors(d, var, seed=seed, checkpoint_every=axes.get("checkpoint_every", 0))
     inputs: Dict[str, Any] = {}
     if tensors:
         path = trace_set.add_workload_blob_tensor(definition_name, uid, tensors)
@@ -342,6 +372,9 @@ def op_spec(definition) -> Dict[str, Any]:
     op = _tag_value(d, "op:")
     if op is None:
         raise ValueError(f"{d['name']}: no op: tag; not a flashkda_ext definition")
+    from .trace.templates import OPS
+    if op not in OPS:  # else a Solution is built for it and fails only when run (call_op's error)
+        raise ValueError(f"{d['name']}: op: tag {op!r}; expected one of {', '.join(OPS)}")
     fixed: Dict[str, Any] = {"gate": _tag_value(d, "gate:"), "null_slot0": "null_slot0" in tags}
     if op in ("kda_decode", "fused_kda_decode"):
         fixed["slot_mode"] = _tag_value(d, "slot_mode:")

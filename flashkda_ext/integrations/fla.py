@@ -20,6 +20,7 @@ read through an fp32 copy (fla's final state is fp32).
 from __future__ import annotations
 
 import collections
+import inspect
 import os
 from typing import Optional
 
@@ -282,7 +283,7 @@ _SCALARS = (type(None), bool, int, float, str)
 
 def _verdict_key(entry: str, args: tuple, kwargs: dict):
     """A hashable summary of the call, or None when some argument cannot be summarized (no memo)."""
-    key = [entry, torch.is_grad_enabled(), tuple(kwargs)]
+    key = [entry, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(kwargs)]
     for name, x in list(enumerate(args)) + list(kwargs.items()):
         if isinstance(x, torch.Tensor):
             if type(x) is not torch.Tensor:
@@ -336,9 +337,33 @@ def _check_chunk_kda(*args, **kwargs):
     _validated("kda_prefill", q.device, a, kw)
 
 
+def _fla_chunk_asserts(*args, **kwargs) -> None:
+    """What fla 0.6.0's chunk_kda itself refuses beyond the mapping's checks (its body runs only when no backend
+    serves the call, so a call served here would pass where fla raises): an initial_state that is not fp32
+    ("initial_state must be in float32."; the mapping would read it through an fp32 copy), and
+    return_intermediate_states outside torch.inference_mode() ("only allowed in inference mode"). fla's entry only:
+    vLLM's vendored chunk_kda shares the mapping, not fla's asserts. The arguments are read by the mapping's own
+    signature (the call already bound to it in _check_chunk_kda)."""
+    call = _CHUNK_SIGNATURE.bind(None, *args, **kwargs).arguments
+    initial_state = call.get("initial_state")
+    if isinstance(initial_state, torch.Tensor) and initial_state.dtype != torch.float32:
+        raise Refused(f"flashkda_ext serves chunk_kda's initial_state in float32 only, as fla asserts; got "
+                      f"{initial_state.dtype}")
+    if call.get("return_intermediate_states") is True and not torch.is_inference_mode_enabled():
+        raise Refused("return_intermediate_states=True outside torch.inference_mode() (fla asserts against it)")
+
+
+_CHUNK_SIGNATURE = inspect.signature(_plan_chunk_kda)
+
+
+def _check_fla_chunk_kda(*args, **kwargs):
+    _check_chunk_kda(*args, **kwargs)
+    _fla_chunk_asserts(*args, **kwargs)
+
+
 def chunk_kda_verifier(*args, **kwargs):
     """fla's verifier protocol: (True, None) when flashkda_ext serves this chunk_kda call, else (False, reason)."""
-    return _verify("chunk_kda", _check_chunk_kda, args, kwargs)
+    return _verify("chunk_kda", _check_fla_chunk_kda, args, kwargs)
 
 
 def serve_chunk_kda(*args, **kwargs):
@@ -389,6 +414,11 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                                 out=out),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, allow_neg_eigval=allow_neg_eigval,
             state_v_first=state_v_first)
+    if out is not None and tuple(out.shape) != tuple(v.shape):
+        # fla asserts out.shape == v.shape; a decode batch would write a reshaped view of it and hand it back in
+        # the caller's shape, not fla's [B, T, HV, V]
+        raise Refused(f"flashkda_ext requires out of the shape of v {list(v.shape)} (fla asserts it), got "
+                      f"{list(out.shape)}")
     if num_accepted_tokens is not None and (ssm_state_indices is None or ssm_state_indices.dim() != 2):
         raise Refused("flashkda_ext serves num_accepted_tokens only with per-token ssm_state_indices [N, T_max]")
     if kwargs:

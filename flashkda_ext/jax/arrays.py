@@ -28,7 +28,11 @@ def _as_array(name: str, x, *, optional: bool = False):
                              f"donate=True consumes its pools; pass the new state that call returned)")
         return x
     if isinstance(x, np.ndarray):
-        arr = jnp.asarray(x)
+        try:
+            arr = jnp.asarray(x)
+        except TypeError:  # object, str, datetime, void, longdouble: JAX's message names no argument
+            raise ValueError(f"{name}: a numpy array of dtype {x.dtype}, which JAX cannot hold; expected a numeric "
+                             f"array") from None
         if arr.dtype != x.dtype:  # x64 off: jnp.asarray would narrow int64 / float64 without a range check
             raise ValueError(f"{name}: got a numpy {x.dtype} array, which JAX (jax_enable_x64 off) would narrow "
                              f"to {arr.dtype} unchecked; convert it yourself (.astype(np.{arr.dtype.name}))")
@@ -84,6 +88,23 @@ def _platform(platform: Optional[str], named_arrays) -> str:
     if plat not in _PLATFORMS:
         raise ValueError(f"platform: JAX's default backend {plat!r} is neither CPU nor CUDA; pass platform=")
     return _PLATFORMS[plat]
+
+
+def _check_platform(plat: str, named_arrays) -> None:
+    """The first concrete array on `plat` (the platform the call runs on, given or inferred from that array): with
+    platform= naming the other one, the other platform's module would be built and the call fail in XLA's Execute
+    ("No FFI handler registered ... on a platform Host"), naming no argument. One array, not each: JAX runs the
+    call where its arguments are and refuses committed arrays on different devices itself, naming them; a check
+    of every array would cost ~0.4 us an array on every call (x.devices() builds a set). Tracers carry no
+    device."""
+    for name, x in named_arrays:
+        if x is None or _is_tracer(x):
+            continue
+        got = next(iter(x.devices())).platform
+        if _PLATFORMS.get(got, got) != plat:
+            raise ValueError(f"{name}: an array on {_PLATFORMS.get(got, got)}, but the call runs on {plat} "
+                             f"(platform=); expected the arrays on {plat}")
+        return
 
 
 def _host_offsets(cu_seqlens):

@@ -3,7 +3,7 @@ conv cache), both written in place."""
 from __future__ import annotations
 
 from .. import dispatch, validation
-from .arrays import _any_tracer, _as_array, _check_host_slots, _dtype_str, _meta, _platform
+from .arrays import _any_tracer, _as_array, _check_host_slots, _check_platform, _dtype_str, _meta, _platform
 from .plan import _Prepared, _donate_positions, _prepared, _remember, _route, _run, _signature
 from .targets import _GRAPH_SAFE, _Plan, _attrs, _command_buffers_allowed, _ffi
 
@@ -43,6 +43,7 @@ def kda_decode(q, k, v, g, beta, *, state, state_indices, A_log=None, dt_bias=No
         prep = _prepare_decode(names, args, plat, key, lower_bound=lower_bound, gate=gate, scale=scale,
                                beta_is_logit=beta_is_logit, slot_mode=slot_mode, null_slot0=null_slot0,
                                donate=donate)
+    _check_platform(plat, zip(names, args))  # after the checks of the arguments, before anything is built
     if prep.plan.platform == "cpu":  # values, not signature: every call, before the pool is donated
         _check_host_slots(args[7], args[8].shape[0], null_slot0, unique=False)
     return _run(_decode_impl, prep, args, eager=not _any_tracer(args), names=names)
@@ -105,6 +106,7 @@ def fused_kda_decode(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state_
         prep = _prepare_fused(names, args, plat, key, lower_bound=lower_bound, gate=gate,
                               norm_eps=norm_eps, scale=scale, slot_mode=slot_mode,
                               null_slot0=null_slot0, donate=donate)
+    _check_platform(plat, zip(names, args))
     if prep.plan.platform == "cpu":  # values, not signature: every call, before the pools are donated
         _check_host_slots(args[7], args[8].shape[0], null_slot0, unique=False)
     return _run(_fused_impl, prep, args, eager=not _any_tracer(args), names=names)

@@ -7,7 +7,8 @@ import functools
 import jax.numpy as jnp
 
 from .. import dispatch, jit, validation
-from .arrays import (_any_tracer, _as_array, _check_host_offsets, _check_host_slots, _dtype_str, _host_offsets, _meta,
+from .arrays import (_any_tracer, _as_array, _check_host_offsets, _check_host_slots, _check_platform, _dtype_str,
+                     _host_offsets, _meta,
                      _offsets_valid, _platform)
 from .plan import _Prepared, _donate_positions, _prepared, _remember, _route, _run, _signature
 from .targets import _GRAPH_SAFE, _Plan, _attrs, _command_buffers_allowed, _ffi
@@ -78,6 +79,7 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                                 output_final_state=output_final_state,
                                 checkpoint_every=checkpoint_every, max_seqlen=max_seqlen,
                                 null_slot0=null_slot0, donate=donate)
+    _check_platform(plat, zip(names, args))
     if prep.plan.platform == "cpu" and args[10] is not None:  # pool mode: every call, before the donation
         _check_host_slots(args[9], args[10].shape[0], null_slot0, unique=True)
     return _run(_prefill_impl, prep, args, eager=not _any_tracer(args), names=names)
@@ -100,6 +102,7 @@ def _prepare_prefill(names, args, plat, key, cs, *, lower_bound, gate, scale, be
         max_seqlen=route_max, null_slot0=null_slot0, backend=plat)
     if cs is not None:
         _check_host_offsets(cs, call.seqlen, max_seqlen)
+    _check_platform(plat, zip(names, args))       # before the route's module is built
     module_name = _route("kda_prefill", call)
     chunk, module = _prefill_module_info(module_name)
     if call.checkpoint_every % chunk != 0:

@@ -3,7 +3,7 @@ the host value checks of index arrays concrete on the CPU on every call."""
 from __future__ import annotations
 
 from .. import dispatch, validation
-from .arrays import _any_tracer, _as_array, _dtype_str, _host_int32, _meta, _platform
+from .arrays import _any_tracer, _as_array, _check_platform, _dtype_str, _host_int32, _meta, _platform
 from .plan import _Prepared, _donate_positions, _module_for, _prepared, _remember, _route, _run, _signature
 from .targets import _GRAPH_SAFE, _Plan, _attrs, _command_buffers_allowed, _ffi
 
@@ -55,6 +55,7 @@ def kda_verify(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_accept
     if prep is None:
         prep = _prepare_verify(names, args, plat, key, max_seqlen=max_seqlen, lower_bound=lower_bound, gate=gate,
                                scale=scale, beta_is_logit=beta_is_logit, null_slot0=null_slot0, donate=donate)
+    _check_platform(plat, zip(names, args))
     _check_verify_values(key, prep, args, (8, 7, 9, 12, 13), max_seqlen)
     return _run(_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 
@@ -163,6 +164,7 @@ def fused_kda_verify(x, conv_weight, conv_state, g, beta, A_log, dt_bias, state,
             cuda_graph=_GRAPH_SAFE["fused_kda_verify"] and _command_buffers_allowed())
         _VERIFY_CALLS[key] = call
         prep = _remember(key, plan, _donate_positions(args, (2, 7), donate))
+    _check_platform(plat, zip(names, args))
     _check_verify_values(key, prep, args, (11, 10, 12), max_seqlen)
     return _run(_fused_verify_impl, prep, args, eager=not _any_tracer(args), names=names)
 
