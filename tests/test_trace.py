@@ -211,6 +211,8 @@ def test_emitted_definition_and_workload_validate(op, kw, tmp_path):
     # index inputs are stored, never random
     for n in trace.index_inputs(op, d):
         assert lines[0]["workload"]["inputs"][n]["type"] == "safetensors", n
+    # each tag once (a template with one output entry per variant of state_out tagged it twice)
+    assert len(d["tags"]) == len(set(d["tags"])), d["tags"]
     # const axes are in the name; in-place outputs are marked
     for axis in ("num_heads", "head_dim_k", "head_dim"):
         if axis in d["axes"]:

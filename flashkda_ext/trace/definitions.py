@@ -193,7 +193,8 @@ def _build_definition(op: str, f: Mapping[str, Any]) -> dict:
 
     inputs, outputs = tensors(t["inputs"]), tensors(t["outputs"])
     tags = [fmt(tag["format"]) for tag in t["tags"] if _when(tag, f)]
-    tags += [f"inplace:{e['name']}={e['aliases']}" for e in t["outputs"] if "aliases" in e and e["name"] in outputs]
+    # the output entries that apply to this call (a template may hold one entry per variant of the same output)
+    tags += [f"inplace:{e['name']}={e['aliases']}" for e in t["outputs"] if "aliases" in e and _when(e, f)]
     constants = tuple((k, safe_eval(v, f)) for k, v in t["reference"]["constants"].items())
     return {
         "name": name,
