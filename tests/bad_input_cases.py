@@ -44,3 +44,24 @@ def fused_verify_args(D=8, Hf=3, T=5):
                 beta=rand(1, T, Hf), A_log=rand(Hf), dt_bias=rand(Hf * D), state=rand(SLOTS, Hf, D, D),
                 output_gate=rand(1, T, Hf, D), norm_weight=rand(D).abs() + 0.5,
                 state_indices=torch.tensor([[1, 4, -1], [2, 5, 3]], dtype=torch.int32), cu_seqlens=i32(0, 2, 5))
+
+
+def fla_chunk_call(h=H, k=K, v=V, **extra):
+    """fla's chunk_kda keywords (the gate, l2norm and beta sigmoid in the kernel, the state [HV, V, K])."""
+    T, hv = 6, 4
+    call = dict(q=rand(1, T, h, k), k=rand(1, T, h, k), v=rand(1, T, hv, v), g=rand(1, T, hv, k),
+                beta=rand(1, T, hv), A_log=rand(hv), dt_bias=rand(hv * k), use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    call.update(extra)
+    return call
+
+
+def fla_decode_call(h=H, k=K, v=V, **extra):
+    """fla's fused_recurrent_kda_fwd keywords for three one-token requests, the middle one padding (slot -1)."""
+    N, hv = 3, 4
+    call = dict(q=rand(1, N, h, k), k=rand(1, N, h, k), v=rand(1, N, hv, v), g=-rand(1, N, hv, k).abs(),
+                beta=rand(1, N, hv).sigmoid(), initial_state=rand(SLOTS, hv, v, k), inplace_final_state=True,
+                cu_seqlens=torch.arange(N + 1), ssm_state_indices=torch.tensor([4, -1, 1], dtype=torch.int32),
+                use_qk_l2norm_in_kernel=True, state_v_first=True)
+    call.update(extra)
+    return call

@@ -26,6 +26,7 @@ import torch
 from flashkda_ext.integrations import fla as fkda_fla
 from flashkda_ext.integrations import vllm as fkda_vllm
 from flashkda_ext.integrations.sglang import FlashKDAExtKernel
+from bad_input_cases import fla_chunk_call, fla_decode_call
 from sglang_call_probe import packed_qkv, verify_setup
 from vllm_adapter_probe import adapter, fell_back
 
@@ -306,22 +307,11 @@ def inference():
 
 
 def fla_chunk(**extra):
-    T, HV = 6, 4
-    call = dict(q=rand(1, T, H, K), k=rand(1, T, H, K), v=rand(1, T, HV, V), g=rand(1, T, HV, K),
-                beta=rand(1, T, HV), A_log=rand(HV), dt_bias=rand(HV * K), use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
-    call.update(extra)
-    return call
+    return fla_chunk_call(H, K, V, **extra)
 
 
 def fla_decode(**extra):
-    N, HV = 3, 4
-    call = dict(q=rand(1, N, H, K), k=rand(1, N, H, K), v=rand(1, N, HV, V), g=-rand(1, N, HV, K).abs(),
-                beta=rand(1, N, HV).sigmoid(), initial_state=rand(SLOTS, HV, V, K), inplace_final_state=True,
-                cu_seqlens=torch.arange(N + 1), ssm_state_indices=torch.tensor([4, -1, 1], dtype=torch.int32),
-                use_qk_l2norm_in_kernel=True, state_v_first=True)
-    call.update(extra)
-    return call
+    return fla_decode_call(H, K, V, **extra)
 
 
 @pytest.mark.parametrize("gate_in_kernel", [True, False])

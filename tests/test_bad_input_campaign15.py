@@ -39,7 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import flashkda_ext as fk
 from flashkda_ext import ops, trace_consumer
 from flashkda_ext.integrations import fla as fkda_fla
-from bad_input_cases import FUSED_POS, H, HV, K, R, SLOTS, V, decode_args, fused_args, i32, rand, verify_args
+from bad_input_cases import (FUSED_POS, H, HV, K, R, SLOTS, V, decode_args, fla_chunk_call as fla_chunk,
+                             fla_decode_call as fla_decode, fused_args, i32, rand, verify_args)
 
 POS = ("q", "k", "v", "g", "beta")
 
@@ -308,32 +309,10 @@ def test_op_spec_refuses_an_unknown_op_tag(definitions):
 # fla
 
 
-FH, FK, FV = 2, 8, 16
-
-
-def fla_chunk(**extra):
-    T, FHV = 6, 4
-    call = dict(q=rand(1, T, FH, FK), k=rand(1, T, FH, FK), v=rand(1, T, FHV, FV), g=rand(1, T, FHV, FK),
-                beta=rand(1, T, FHV), A_log=rand(FHV), dt_bias=rand(FHV * FK), use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
-    call.update(extra)
-    return call
-
-
-def fla_decode(**extra):
-    N, FHV = 3, 4
-    call = dict(q=rand(1, N, FH, FK), k=rand(1, N, FH, FK), v=rand(1, N, FHV, FV), g=-rand(1, N, FHV, FK).abs(),
-                beta=rand(1, N, FHV).sigmoid(), initial_state=rand(SLOTS, FHV, FV, FK), inplace_final_state=True,
-                cu_seqlens=torch.arange(N + 1), ssm_state_indices=torch.tensor([4, -1, 1], dtype=torch.int32),
-                use_qk_l2norm_in_kernel=True, state_v_first=True)
-    call.update(extra)
-    return call
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_fla_chunk_kda_initial_state_not_fp32_is_refused(dtype):
     with torch.inference_mode():
-        init = rand(1, 4, FV, FK)
+        init = rand(1, 4, V, K)
         assert fkda_fla.chunk_kda_verifier(**fla_chunk(initial_state=init, output_final_state=True)) == (True, None)
         before = fkda_fla.STATS["chunk_kda", "refused"]
         for _ in range(2):
@@ -352,14 +331,14 @@ def test_fla_return_intermediate_states_needs_inference_mode():
             assert not ok and "outside torch.inference_mode()" in why, why
 
 
-@pytest.mark.parametrize("shape", [(3, 4, FV), (1, 3, 4 * FV)])
+@pytest.mark.parametrize("shape", [(3, 4, V), (1, 3, 4 * V)])
 def test_fla_fused_recurrent_out_of_another_shape_is_refused(shape):
     with torch.inference_mode():
         out = torch.full(shape, 7.0)
         ok, why = fkda_fla.fused_recurrent_kda_fwd_verifier(**fla_decode(out=out))
         assert not ok and "out of the shape of v [1, 3, 4, 16]" in why, why
         assert torch.equal(out, torch.full(shape, 7.0))
-        good = torch.zeros(1, 3, 4, FV)                                                            # guard
+        good = torch.zeros(1, 3, 4, V)                                                            # guard
         assert fkda_fla.fused_recurrent_kda_fwd_verifier(**fla_decode(out=good)) == (True, None)
         o, _ = fkda_fla.serve_fused_recurrent_kda_fwd(**fla_decode(out=good))
-        assert o is good and o.shape == (1, 3, 4, FV)
+        assert o is good and o.shape == (1, 3, 4, V)
