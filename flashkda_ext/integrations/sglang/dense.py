@@ -30,10 +30,20 @@ def reshaped(name: str, x, shape) -> torch.Tensor:
     return x.reshape(shape)
 
 
+def _castable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """A complex tensor is not cast to a real dtype: torch's cast drops the imaginary part (with a warning only),
+    so the call would be served on other values than the caller's; SGLang's Triton kernels take no complex tensor
+    either. A TypeError naming the argument, before anything runs."""
+    if x.dtype.is_complex and not dtype.is_complex:
+        raise TypeError(f"{name}: expected a real floating-point tensor (read as {dtype}), got {x.dtype} (a cast "
+                        f"would drop the imaginary part)")
+
+
 def as_dense(name: str, x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     """x (the caller's argument `name`) reshaped, in dtype and contiguous: at most one copy."""
     x = reshaped(name, x, shape)
     if x.dtype != dtype:
+        _castable(name, x, dtype)
         return x.to(dtype, memory_format=torch.contiguous_format)
     return x.contiguous()
 
@@ -44,6 +54,7 @@ def as_rows(name: str, x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int,
     element), else dense (at most one copy)."""
     x = reshaped(name, x, shape)
     if x.dtype != dtype:
+        _castable(name, x, dtype)
         return x.to(dtype, memory_format=torch.contiguous_format)
     return rows_view(x, row_dim, vector=vector)
 

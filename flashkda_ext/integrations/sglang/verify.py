@@ -44,8 +44,15 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
         raise ValueError(f"cache_steps: expected an int in [1, S = {S}] (the draft token count, at most the "
                          f"buffer's steps), got {cache_steps!r}")
     bound = S if cache_steps is None else cache_steps
+    # range-checked, never wrapped (int64 host offsets 2**32, 2**32 + 3 would become 0, 3); int64 device
+    # offsets raise here (the kernel falls back before, see FlashKDAExtKernel.target_verify)
+    qsl = narrow_int32("query_start_loc", query_start_loc).contiguous()
     if query_start_loc.device.type == "cpu":
         offsets = query_start_loc.tolist()
+        # under SGLang's name, before kda_verify (which would name its own cu_seqlens)
+        if offsets[0] != 0 or offsets[-1] != T or any(e < s for s, e in zip(offsets, offsets[1:])):
+            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to T = {T} (the draft tokens "
+                             f"of the N = {N} requests), got {offsets}")
         longest = max((e - s for s, e in zip(offsets, offsets[1:])), default=0)
         if longest > bound:
             raise ValueError(f"query_start_loc: a request has {longest} draft tokens, more than "
@@ -62,9 +69,6 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     # buf[rows[n], t]; a row out of range makes the request padding), and the start state of request n is
     # read from ssm_states[cache_indices[n]] (initial_state: read only; an index that is negative or past
     # the pool makes the request padding too).
-    # range-checked, never wrapped (int64 host offsets 2**32, 2**32 + 3 would become 0, 3); int64 device
-    # offsets raise here (the kernel falls back before, see FlashKDAExtKernel.target_verify)
-    qsl = narrow_int32("query_start_loc", query_start_loc).contiguous()
     # a draft tree's parents [N, S] (SGLang's retrieve_parent_token; column 0 and the columns past a request's
     # tokens are never read): int64 narrowed with the range check, device values out of range becoming -1,
     # which makes the request padding as any parent outside [0, t) does
