@@ -169,6 +169,8 @@ def cp_prefill(q, k, v, g, beta, *, plan: Plan, group=None, A_log=None, dt_bias=
                        beta_is_logit=beta_is_logit)
     error, signature, prepared = None, 0, None
     try:
+        if isinstance(q, torch.Tensor):
+            exchange.check_device("q", q.device)
         if isinstance(plan, Plan) and plan.world_size != exchange.world_size:
             raise ValueError(f"plan: made for world_size = {plan.world_size}, but the group has "
                              f"{exchange.world_size} ranks")

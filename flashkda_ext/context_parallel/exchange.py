@@ -28,13 +28,34 @@ class GroupExchange:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized; call "
                              "torch.distributed.init_process_group first (or use simulate() in one process)")
+        # A list of ranks, a rank number or a DeviceMesh failed inside torch unnamed ("unhashable type: 'list'",
+        # "Group 0 is not registered"); new_group's marker for a non-member (an int) is let through to the
+        # membership check below.
+        non_member = type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER
+        if group is not None and not non_member and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group: expected a torch.distributed ProcessGroup (from "
+                            f"torch.distributed.new_group) or None (the default group), got "
+                            f"{type(group).__name__} {group!r}")
         self.dist, self.group = dist, group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        try:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        except ValueError as e:   # a group destroyed, or one of an earlier default group
+            raise ValueError(f"group: not a process group of the current torch.distributed world (destroyed, "
+                             f"or made before init_process_group was called again): {e}") from None
         if self.rank < 0:
             raise ValueError("group: this process is not a member of the given process group")
         backend = str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+    def check_device(self, name: str, device: torch.device) -> None:
+        """A CUDA input on another GPU than the one the NCCL exchange uses (the current CUDA device): every
+        collective would run on that other GPU, one rank's communicator on a device it was not set up for (a
+        hang or NCCL's error, naming nothing), so the call is refused naming the input. CPU inputs and gloo
+        exchange on the CPU, whatever the current device."""
+        if device.type == "cuda" and self.device.type == "cuda" and device != self.device:
+            raise ValueError(f"{name}: on {device}, but this rank's NCCL exchange runs on the current CUDA device "
+                             f"{self.device}; call torch.cuda.set_device({device}) before cp_prefill")
 
     def gather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's `tensor` (same shape and dtype on every rank), in rank order, on tensor's device."""
