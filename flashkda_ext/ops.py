@@ -25,6 +25,10 @@ from .fast_path import Tensor as _Tensor
 _DENSE = torch.contiguous_format
 
 
+class _MaybeOverlap(Exception):
+    """Raised inside a fast branch to take the full path (caught there, never seen by a caller)."""
+
+
 def _launch(traced: bool, fn, *args) -> None:
     """fn(*args), the module's launch. A call the module refuses (its argument checks raise ValueError or
     TypeError) takes back the trace its emit wrote (trace.retract): a refused call writes nothing. Any other
@@ -212,8 +216,14 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                workspace is None, out is None)
         entry = fast_path.get(key)
         if entry is not None:
-            fn, sig, tail, call, ws_bytes = entry
+            fn, sig, tail, call, ws_bytes, pool_read = entry
             try:  # see fast_path's docstring: a raise here (v not a tensor, too) has launched nothing
+                if pool_read is not None:  # a pool only read: the signature cannot see it meet an input
+                    lo = state.data_ptr()
+                    hi = lo + pool_read[0]
+                    for x, n in zip((q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state_indices), pool_read[1]):
+                        if n and lo - n < x.data_ptr() < hi:  # [p, p + n) meets [lo, hi) (n = 0: None or empty)
+                            raise _MaybeOverlap  # the full check decides (and names the pair)
                 args, result = _prefill_bind(call, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                                              state, state_indices, final_state, checkpoints, out)
                 ws = workspace if ws_bytes is None or workspace is not None else torch.empty(
@@ -263,7 +273,15 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     _launch(traced, module["kda_prefill"], *args, ws, *tail)
     if key is not None:
         ws_bytes = None if need is None else max(1, need)
-        fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes))
+        # A pool read and not committed (output_final_state=False) travels in the module's initial_state slot,
+        # which the binding does not write, so its signature marks no overlap of the pool with an input; the
+        # full check refuses one (the pool is an output, docs/api.md). The warm call compares addresses with
+        # the byte extents of this validated call (a call whose tensors differ in metadata fails the signature).
+        pool_read = None
+        if call.state_mode == "pool" and not call.output_final_state:
+            pool_read = (fast_path.extent_bytes(state), tuple(
+                fast_path.extent_bytes(x) for x in (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state_indices)))
+        fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes, pool_read))
     return result
 
 
