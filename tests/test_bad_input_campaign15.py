@@ -23,7 +23,9 @@ consumer and the fla adapter, driven as an integrator would. Each case failed be
 - fla (0.6.0's chunk_kda asserts both): a non-fp32 initial_state and return_intermediate_states outside
   torch.inference_mode() were served (the verdict memo now keys inference mode too); fused_recurrent_kda_fwd's
   `out` of another shape than v (fla asserts out.shape == v.shape) was served through a reshape and returned in
-  the caller's shape, not [B, T, HV, V].
+  the caller's shape, not [B, T, HV, V]. The verifiers checked meta stand-ins, which drop a lazy negated view and
+  the inference flag: such a call was accepted and the op then raised (no fallback to fla's kernel); both now fall
+  back, counted (the verdict memo keys the flags).
 """
 from __future__ import annotations
 
@@ -342,3 +344,37 @@ def test_fla_fused_recurrent_out_of_another_shape_is_refused(shape):
         assert fkda_fla.fused_recurrent_kda_fwd_verifier(**fla_decode(out=good)) == (True, None)
         o, _ = fkda_fla.serve_fused_recurrent_kda_fwd(**fla_decode(out=good))
         assert o is good and o.shape == (1, 3, 4, V)
+
+
+# ---------------------------------------------------------------------------------------------
+# fla: what the verifier's meta stand-ins drop (found by campaign 18's review; the op raised after the verifier
+# had accepted the call, instead of fla falling back)
+
+
+def _inference_copy(x):
+    with torch.inference_mode():
+        return x.clone()
+
+
+@pytest.mark.parametrize("entry,name", [("chunk", "q"), ("chunk", "g"), ("decode", "q"), ("decode", "beta")])
+def test_fla_a_lazy_negated_view_falls_back(entry, name):
+    make, verifier = ((fla_chunk, fkda_fla.chunk_kda_verifier) if entry == "chunk" else
+                      (fla_decode, fkda_fla.fused_recurrent_kda_fwd_verifier))
+    with torch.inference_mode():
+        assert verifier(**make()) == (True, None)                                           # guard: plain
+        call = make()
+        call[name] = torch._neg_view(call[name])
+        ok, why = verifier(**call)
+    assert not ok and f"lazy negated view ({name})" in why, why
+
+
+def test_fla_an_inference_pool_written_outside_inference_mode_falls_back():
+    call = fla_decode(initial_state=_inference_copy(rand(SLOTS, 4, V, K)))
+    ok, why = fkda_fla.fused_recurrent_kda_fwd_verifier(**call)
+    assert not ok and "write initial_state in place, an inference tensor" in why, why
+    with torch.inference_mode():                                                            # guard: inside it
+        assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
+        fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+    # an inference tensor only read (q) is no reason to fall back
+    call = fla_decode(q=_inference_copy(rand(1, 3, 2, K)))
+    assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)

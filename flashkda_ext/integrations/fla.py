@@ -97,8 +97,21 @@ def _meta_like(x):
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
 
 
-def _common(q, k, v, beta, tensors: dict, *, use_qk_l2norm_in_kernel, allow_neg_eigval, state_v_first) -> None:
-    """Refusals shared by both entry points."""
+def _common(q, k, v, beta, tensors: dict, *, use_qk_l2norm_in_kernel, allow_neg_eigval, state_v_first,
+            written: tuple = ()) -> None:
+    """Refusals shared by both entry points. `written`: the names in `tensors` the op writes in place."""
+    # What the verifier's meta stand-ins drop, read on the real tensors: a lazy negated / conjugated view (the
+    # kernels would read its memory without the sign) and an inference tensor written outside inference mode (torch
+    # refuses that update); accepted here, the op itself would raise instead of fla falling back.
+    for name, t in (("q", q), *tensors.items()):
+        if t is not None and (t.is_neg() or t.is_conj()):
+            raise Refused(f"flashkda_ext does not serve a lazy {'negated' if t.is_neg() else 'conjugated'} view "
+                          f"({name}); the op would need it resolved")
+    if not torch.is_inference_mode_enabled():
+        for name in written:
+            if tensors.get(name) is not None and tensors[name].is_inference():
+                raise Refused(f"flashkda_ext would write {name} in place, an inference tensor, outside "
+                              f"torch.inference_mode() (torch refuses that update)")
     # Grad mode alone is no refusal: with no input requiring grad autograd records nothing, so the call is
     # inference whatever the mode (fla's own forward tests and many engines run so); the public ops take the
     # same rule.
@@ -295,8 +308,8 @@ def _verdict_key(entry: str, args: tuple, kwargs: dict):
                 # the check, not by this key)
                 key.append((tuple(x.shape), tuple(x.reshape(-1).tolist())))
             else:
-                key.append((x.shape, x.dtype, x.device, x.stride(), x.requires_grad,
-                            x.data_ptr() & 15 if x.is_cuda else 0))
+                key.append((x.shape, x.dtype, x.device, x.stride(), x.requires_grad, x.is_neg(), x.is_conj(),
+                            x.is_inference(), x.data_ptr() & 15 if x.is_cuda else 0))
         elif type(x) in _SCALARS:
             key.append((type(x), x))
         else:
@@ -413,7 +426,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
                                 dt_bias=dt_bias, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                                 out=out),
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            state_v_first=state_v_first)
+            state_v_first=state_v_first, written=("initial_state", "out") if inplace_final_state is True else ("out",))
     if out is not None and tuple(out.shape) != tuple(v.shape):
         # fla asserts out.shape == v.shape; a decode batch would write a reshaped view of it and hand it back in
         # the caller's shape, not fla's [B, T, HV, V]
