@@ -20,20 +20,12 @@ import types
 import pytest
 import torch
 
-import sglang_wheel
 from flashkda_ext.integrations import sglang as fk
 from flashkda_ext.reference import kda_decode_step
-from test_integrations_sglang_real import H, K, V, SLOTS, TOL, Mode, backend, extend_inputs, layer, metadata, select
+from test_integrations_sglang_real import (H, K, V, SLOTS, TOL, Mode, backend, extend_inputs, layer, metadata, select,
+                                          sgl)  # noqa: F401  (sgl: the real-wheel fixture)
 
 DIM = 2 * H * K + H * V
-
-
-@pytest.fixture
-def sgl():
-    s = sglang_wheel.real_sglang()
-    yield s
-    fk.uninstall()
-    sglang_wheel.unload()
 
 
 def counters():
