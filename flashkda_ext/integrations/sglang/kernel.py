@@ -14,6 +14,7 @@ import torch
 
 from .. import fla_chunk_states
 from ... import validation
+from ...validation import common as _common
 from ..common_checks import int32_indices, unchecked_on_device
 from . import extend_states, verify
 from .dense import as_dense as _as, as_rows, dense_qkv, qkv_rows
@@ -78,6 +79,59 @@ def _check_offsets(query_start_loc: torch.Tensor, q: torch.Tensor, T: Optional[i
         offsets = query_start_loc.tolist()
         if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
             raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to T = {T}, got {offsets}")
+
+
+#: (family, backend, H, K, HV, V, input dtype, pool dtype, gate) -> why the kernels do not take that head layout / dtype
+#: on that backend (jit/supported.json), or None: a few calls' worth of keys in a serving process, one lookup a call
+_UNSUPPORTED: dict = {}
+
+
+def _backend(device) -> Optional[str]:
+    """The op's backend for a device other than CPU / CUDA (the op's own rule, validation.common.backend_of), or None
+    where it has none."""
+    try:
+        return _common.backend_of(device)
+    except ValueError:
+        return None
+
+
+def _capability_reason(family: str, q_dtype, pool, H: int, K: int, HV: int, V: int, gate: str, device_of,
+                       read: tuple, written: tuple) -> Optional[str]:
+    """Why flashkda_ext's op would refuse a well-formed call that SGLang's Triton kernel serves, or None. Such a call
+    falls back (counted) instead of raising from the op: a head layout or dtype outside the supported set of the
+    backend (e.g. --mamba-ssm-dtype float16's fp16 pool; on CUDA K or V other than 128, fp16 / fp32 activations), a
+    device other than CPU / CUDA, an inference tensor written in place outside torch.inference_mode() (torch refuses
+    that update to our ops; SGLang's Triton kernels write through the pointer), an argument requiring grad under grad
+    mode (the ops are inference-only; SGLang's kernels compute the forward and record nothing). (name, tensor) pairs;
+    what is no tensor is left to the op, which names it."""
+    if not torch.is_inference_mode_enabled():
+        for name, x in written:
+            if isinstance(x, torch.Tensor) and x.is_inference():
+                return (f"{name} is an inference tensor written in place outside torch.inference_mode() (torch "
+                        f"refuses that update to flashkda_ext's op)")
+        if torch.is_grad_enabled():
+            for name, x in read + written:
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    return f"{name} requires grad under grad mode (flashkda_ext's ops are inference-only)"
+    if not isinstance(pool, torch.Tensor):
+        return None     # named by the op
+    backend = "cuda" if device_of.is_cuda else "cpu" if device_of.is_cpu else _backend(device_of.device)
+    key = (family, backend, H, K, HV, V, q_dtype, pool.dtype, gate)
+    try:
+        return _UNSUPPORTED[key]
+    except KeyError:
+        pass
+    if backend is None:
+        why = f"a tensor on {device_of.device} (flashkda_ext runs on CUDA and CPU)"
+    else:
+        try:
+            _common._supported_dims(family, backend, K, V, HV, H, validation.dtype_name(q_dtype),
+                                       validation.dtype_name(pool.dtype), gate, None, "ssm_states")
+            why = None
+        except ValueError as e:
+            why = str(e)
+    _UNSUPPORTED[key] = why
+    return why
 
 
 def _qkv_dims(q, v):
@@ -149,6 +203,16 @@ class FlashKDAExtKernel:
             out = validation._tensor("out", out)
             if tuple(out.shape) != (1, T, HV, V):
                 raise ValueError(f"out: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
+        reason = _capability_reason(
+            "kda_decode", q.dtype, ssm_states, H, K, HV, V, "softplus" if lower_bound is None else "bounded", q,
+            (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)),
+            (("ssm_states", ssm_states),))
+        if reason is not None:
+            if out is not None:     # ours (SGLang's kernel takes none): it must take the result, checked first
+                validation._inference_only((), (("out", out),))
+            o = self._fall_back("decode", reason, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
+                                cache_indices=cache_indices, query_start_loc=query_start_loc, lower_bound=lower_bound)
+            return o if out is None else out.copy_(o)
         o = self._decode(q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a, b, A_log, dt_bias,
                          ssm_states, cache_indices, lower_bound, None, out)
         STATS["decode", "served"] += 1
@@ -182,6 +246,16 @@ class FlashKDAExtKernel:
             raise ValueError(f"mixed_qkv: width {dim} is not 2*H*K + HV*V for HV = {HV}, V = {V}, K = {K} "
                              f"(K from ssm_states)")
         H = qk // (2 * K)
+        reason = _capability_reason(
+            "kda_decode", mixed_qkv.dtype, ssm_states, H, K, HV, V, "softplus" if lower_bound is None else "bounded",
+            mixed_qkv, (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)),
+            (("ssm_states", ssm_states),))
+        if reason is not None:
+            return self._fall_back(
+                "packed_decode", reason, mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                ssm_states=ssm_states, cache_indices=cache_indices, num_v_heads=num_v_heads, head_v_dim=head_v_dim,
+                lower_bound=lower_bound, replayssm_d=replayssm_d, replayssm_k=replayssm_k, replayssm_g=replayssm_g,
+                replayssm_write_pos=replayssm_write_pos, replayssm_force_flush=replayssm_force_flush)
         q, k, v = mixed_qkv.split([H * K, H * K, HV * V], dim=-1)
         o = self._decode(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, HV, V), a, b, A_log, dt_bias,
                          ssm_states, cache_indices, lower_bound, scale, None)
@@ -247,6 +321,12 @@ class FlashKDAExtKernel:
         if output_intermediate_states is not None:
             call["output_intermediate_states"] = output_intermediate_states
         reason = _extend_fallback_reason(call)
+        if reason is None and torch.is_tensor(q) and q.dim() == 4 and torch.is_tensor(v) and v.dim() == 4:
+            reason = _capability_reason(
+                "kda_prefill", q.dtype, ssm_states, q.shape[2], q.shape[3], v.shape[2], v.shape[3],
+                "log" if A_log is None else "softplus" if lower_bound is None else "bounded", q,
+                (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias)),
+                (("ssm_states", ssm_states), ("track_state", track_state)))
         if reason is not None:
             return self._fall_back("extend", reason, q, k, v, g, beta, **call)
         return self._extend(q, k, v, g, beta, **call)
@@ -341,6 +421,12 @@ class FlashKDAExtKernel:
                       f"kernels' int32 needs a range check, reading it a sync)")
         elif retrieve_parent_token is not None:
             reason = _tree_fallback_reason(retrieve_parent_token, cache_indices, intermediate_states_buffer)
+        if reason is None and torch.is_tensor(q) and q.dim() == 4 and torch.is_tensor(v) and v.dim() == 4:
+            reason = _capability_reason(
+                "kda_verify", q.dtype, ssm_states, q.shape[2], q.shape[3], v.shape[2], v.shape[3],
+                "softplus" if lower_bound is None else "bounded", q,
+                (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias),
+                 ("ssm_states", ssm_states)), (("intermediate_states_buffer", intermediate_states_buffer),))
         if reason is not None:
             ring = dict(cache_ring=cache_ring, replayssm_rawv=replayssm_rawv, replayssm_rawk=replayssm_rawk,
                         replayssm_g=replayssm_g, replayssm_beta=replayssm_beta)
@@ -355,6 +441,7 @@ class FlashKDAExtKernel:
                 if tuple(out.shape) != (1, T, HV, V) or out.dtype != v.dtype or out.device != v.device:
                     raise ValueError(f"out: expected a {v.dtype} tensor [1, T, HV, V] = {[1, T, HV, V]} on "
                                      f"{v.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+                validation._inference_only((), (("out", out),))     # out.copy_ below must not be refused
             o = self._fall_back(
                 "target_verify", reason, A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b,
                 ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc,
