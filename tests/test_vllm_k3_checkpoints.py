@@ -210,3 +210,27 @@ def test_without_vllms_host_offsets_it_runs_flashkda_with_the_reason_counted(ste
     assert seen[0]["checkpoint_state"] is call["checkpoint_state"]
     assert any(s == SITE and reason in r for s, r in fkda_vllm.REASONS), dict(fkda_vllm.REASONS)
     assert torch.isnan(call["out"]).all() and torch.isnan(call["checkpoint_state"]).all()
+
+
+def test_an_inference_checkpoint_buffer_outside_inference_mode_runs_flashkda_before_anything_is_written(
+        step_ns, real_fn):
+    """checkpoint_state is written by copy_ between the cut calls, not through the op: an inference tensor there,
+    outside inference mode, let the first call write out and final_state and then raised from the copy. Now the call
+    runs FlashKDA (counted) with nothing written."""
+    lengths, computed = STEPS["decodes+prompt"]
+    m = vllm_step_metadata.with_checkpoints(step_ns, vllm_step_metadata.step(step_ns, lengths, "cpu"), computed)
+    call = layer_call(m, torch.float32, seed=3)             # made under the autouse inference_mode
+    with torch.inference_mode(False), torch.no_grad():
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "out", "final_state",
+                     "workspace"):
+            call[name] = call[name].clone()                 # ordinary tensors; checkpoint_state stays inference
+        assert call["checkpoint_state"].is_inference() and not call["out"].is_inference()
+        seen = []
+        adapter = fkda_vllm.adapter_for(SITE, _recorder(real_fn, seen))
+        fell = fkda_vllm.STATS[SITE, "fell_back"]
+        with vllm_step_metadata.forward(step_ns, {LAYER: m}):
+            assert adapter(**call) == "flashkda"
+    assert fkda_vllm.STATS[SITE, "fell_back"] == fell + 1 and len(seen) == 1
+    assert any(s == SITE and "checkpoint_state is an inference tensor" in r for s, r in fkda_vllm.REASONS)
+    assert torch.isnan(call["out"]).all() and torch.isnan(call["final_state"]).all()
+    assert torch.isnan(call["checkpoint_state"]).all()

@@ -109,6 +109,10 @@ def _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, 
         raise Refused(f"checkpoint_state must be a contiguous {initial_state.dtype} {list(state_shape)}, got "
                       f"{getattr(checkpoint_state, 'dtype', type(checkpoint_state).__name__)} "
                       f"{list(getattr(checkpoint_state, 'shape', []))}")
+    if checkpoint_state.is_inference() and not torch.is_inference_mode_enabled():
+        # written by copy_ between the calls (not through the op, which would refuse it before writing): torch
+        # refuses that update after the first call has written out and final_state
+        raise Refused("checkpoint_state is an inference tensor, written in place outside torch.inference_mode()")
     if not isinstance(checkpoint_offsets, torch.Tensor) or checkpoint_offsets.dim() != 1 \
             or checkpoint_offsets.shape[0] != state_shape[0] or checkpoint_offsets.device != q.device:
         raise Refused(f"checkpoint_offsets must be one offset a request ({state_shape[0]}) on {q.device}")
