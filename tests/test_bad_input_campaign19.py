@@ -22,7 +22,8 @@ fix, except those marked "guard".
   packed_decode 27.2 -> 28.4 us with the op replaced by a no-op (CPU, H8, K = V = 128, 4 rows, inference mode).
 - vLLM: every op refusal already falls back (run_op): guard for the fp16 / inference pool of the packed decode.
 - guard: a lazy negated view of SGLang's gate still raises (SGLang's Triton kernel reads the memory through its
-  pointer, without the sign: it cannot serve it either); a fp32 pool inside inference mode is served.
+  pointer, without the sign: it cannot serve it either), now under SGLang's name `a` (it was the op's `g`); a fp32
+  pool inside inference mode is served.
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def test_sglang_negated_gate_view_still_raises_guard(sgl):
     N = 2
     a = torch._neg_view(torch.randn(N, H * K))
     stats = fk.STATS.copy()
-    with pytest.raises(ValueError, match="negative bit"):
+    with pytest.raises(ValueError, match="^a: expected a tensor without the negative bit"):   # SGLang's name
         d.decode_kernel.packed_decode(torch.randn(N, DIM), a, torch.randn(1, N, H), A_log=torch.zeros(H),
                                       dt_bias=torch.zeros(H * K), scale=K ** -0.5, ssm_states=pool,
                                       cache_indices=torch.tensor([1, 2], dtype=torch.int32), num_v_heads=H,

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ... import validation
 from ...custom_ops import tracing
 from .. import rows
 from ..rows import rows_view
@@ -39,12 +40,21 @@ def _castable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
                         f"would drop the imaginary part)")
 
 
+def _unsigned_view(name: str, x: torch.Tensor) -> None:
+    """A lazy negated / conjugated view handed to the op as it is (no cast: a cast materializes the sign) is refused
+    by the op under the op's name for it (g for SGLang's `a`); named here by SGLang's. SGLang's Triton kernels read
+    the memory without the sign, so they cannot serve it either."""
+    if x.is_neg() or x.is_conj():
+        validation._tensor(name, x)
+
+
 def as_dense(name: str, x: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     """x (the caller's argument `name`) reshaped, in dtype and contiguous: at most one copy."""
     x = reshaped(name, x, shape)
     if x.dtype != dtype:
         _castable(name, x, dtype)
         return x.to(dtype, memory_format=torch.contiguous_format)
+    _unsigned_view(name, x)
     return x.contiguous()
 
 
@@ -56,6 +66,7 @@ def as_rows(name: str, x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int,
     if x.dtype != dtype:
         _castable(name, x, dtype)
         return x.to(dtype, memory_format=torch.contiguous_format)
+    _unsigned_view(name, x)
     return rows_view(x, row_dim, vector=vector)
 
 
