@@ -418,6 +418,13 @@ def _indices(name: str, idx, length: int, device, what: str) -> None:
     _contiguous(name, idx)
 
 
+def check_offsets_span(name: str, offsets: list, T: int, detail: str = "") -> None:
+    """Host offsets (a non-empty list) that rise from 0 to T and never fall, else a ValueError naming the argument
+    the caller knows them by (cu_seqlens, SGLang's query_start_loc, fla's cu_seqlens_cpu); `detail` follows T."""
+    if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to T = {T}{detail}, got {offsets}")
+
+
 def _inference_only(read: tuple, written: tuple) -> None:
     """The ops are inference-only: with grad enabled, no argument may require grad (the result would
     have no grad_fn and a leaf would be changed in place); outside inference mode, nothing written

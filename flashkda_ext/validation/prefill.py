@@ -8,7 +8,7 @@ import torch
 
 from .common import (GATE_MODE, INT32_MAX, INT64_MAX, _aligned, _bool, _check_backend, _contiguous, _gate_args,
                      _indices, _inference_only, _int, _ndim, _out, _pool, _qkv_common, _resolve_scale, _same_device,
-                     _span, _state_tag, _supported_dims, _tensor, dtype_name)
+                     _span, _state_tag, _supported_dims, _tensor, check_offsets_span, dtype_name)
 from .memo import _memoized
 
 
@@ -126,8 +126,7 @@ def check_kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound
         if cu_seqlens.device.type == "cpu":
             # Only host-side offsets are inspected; device offsets are checked by the binding.
             cs = cu_seqlens.tolist()
-            if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
-                raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T}, got {cs}")
+            check_offsets_span("cu_seqlens", cs, T)
             host_longest = max(b - a for a, b in zip(cs, cs[1:]))
             if max_seqlen is not None and max_seqlen < host_longest:
                 raise ValueError(f"max_seqlen: expected >= the longest sequence in cu_seqlens ({host_longest}), "

@@ -26,9 +26,8 @@ def host_lengths(query_start_loc: torch.Tensor, extend_seq_lens_cpu, T: int, *, 
     if not exact and (given is None or query_start_loc.device.type != "cpu"):
         return given
     offsets = query_start_loc.tolist()
+    validation.check_offsets_span("query_start_loc", offsets, T)
     device_lengths = [e - s for s, e in zip(offsets, offsets[1:])]
-    if offsets[0] != 0 or offsets[-1] != T or min(device_lengths, default=0) < 0:
-        raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to T = {T}, got {offsets}")
     if given is not None and given != device_lengths:
         raise ValueError(f"extend_seq_lens_cpu: {given} disagrees with the lengths in query_start_loc "
                          f"{device_lengths}")

@@ -76,9 +76,7 @@ def _check_offsets(query_start_loc: torch.Tensor, q: torch.Tensor, T: Optional[i
     if not query_start_loc.is_contiguous():
         raise ValueError("query_start_loc: expected a contiguous tensor")
     if query_start_loc.device.type == "cpu":
-        offsets = query_start_loc.tolist()
-        if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
-            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to T = {T}, got {offsets}")
+        validation.check_offsets_span("query_start_loc", query_start_loc.tolist(), T)
 
 
 #: (family, backend, H, K, HV, V, input dtype, pool dtype, gate) -> why the kernels do not take that head layout / dtype

@@ -50,9 +50,7 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
     if query_start_loc.device.type == "cpu":
         offsets = query_start_loc.tolist()
         # under SGLang's name, before kda_verify (which would name its own cu_seqlens)
-        if offsets[0] != 0 or offsets[-1] != T or any(e < s for s, e in zip(offsets, offsets[1:])):
-            raise ValueError(f"query_start_loc: expected non-decreasing offsets from 0 to T = {T} (the draft tokens "
-                             f"of the N = {N} requests), got {offsets}")
+        validation.check_offsets_span("query_start_loc", offsets, T, f" (the draft tokens of the N = {N} requests)")
         longest = max((e - s for s, e in zip(offsets, offsets[1:])), default=0)
         if longest > bound:
             raise ValueError(f"query_start_loc: a request has {longest} draft tokens, more than "
