@@ -127,7 +127,8 @@ class _Env:
 
 
 class _Envs:
-    DEFAULTS = {"SGLANG_KDA_PREFILL_GRAPH_MAX_SEQS": 32, "SGLANG_PLUGINS": "", "SGLANG_PLATFORM": ""}
+    DEFAULTS = {"SGLANG_KDA_PREFILL_GRAPH_MAX_SEQS": 32, "SGLANG_PLUGINS": "", "SGLANG_PLATFORM": "",
+                "SGLANG_MAMBA_SSM_DTYPE": None}
 
     def __getattr__(self, name):
         return _Env(self.DEFAULTS.get(name, False))
@@ -170,7 +171,8 @@ def _stub(root: pathlib.Path) -> None:
     CONFIG.__dict__.clear()
     CONFIG.mamba = types.SimpleNamespace(linear_attn_backend="triton", linear_attn_decode_backend=None,
                                          linear_attn_prefill_backend=None, linear_attn_verify_backend=None,
-                                         enable_linear_replayssm_spec=False, enable_mamba_extra_buffer=False)
+                                         enable_linear_replayssm_spec=False, enable_mamba_extra_buffer=False,
+                                         mamba_ssm_dtype=None)
     CONFIG.spec = types.SimpleNamespace(speculative_eagle_topk=None, speculative_algorithm=None)
     _module("sglang.srt.runtime_context", get_exec=lambda: CONFIG, get_spec=lambda: CONFIG.spec,
             get_memory=lambda: CONFIG, get_disagg=lambda: CONFIG, get_platform=lambda: CONFIG,

@@ -328,6 +328,14 @@ def test_the_captured_prefill_is_offered_only_when_asked(sgl, monkeypatch):
     sgl.config.mamba.enable_mamba_extra_buffer = True
     assert d.extend_kernel.prefill_graph_wrapper_cls is None and not be.supports_prefill_graph_extend()
     sgl.config.mamba.enable_mamba_extra_buffer = False
+    # an fp16 pool, by SGLang's flag or its env override: the eager extend, which falls back to SGLang's kernel
+    monkeypatch.setattr(sgl.config.mamba, "mamba_ssm_dtype", "float16")
+    assert d.extend_kernel.prefill_graph_wrapper_cls is None and not be.supports_prefill_graph_extend()
+    monkeypatch.setattr(sgl.config.mamba, "mamba_ssm_dtype", "bfloat16")
+    assert d.extend_kernel.prefill_graph_wrapper_cls is PrefillGraphWrapper
+    monkeypatch.setitem(sglang_wheel._Envs.DEFAULTS, "SGLANG_MAMBA_SSM_DTYPE", "float16")
+    assert d.extend_kernel.prefill_graph_wrapper_cls is None and not be.supports_prefill_graph_extend()
+    monkeypatch.setitem(sglang_wheel._Envs.DEFAULTS, "SGLANG_MAMBA_SSM_DTYPE", None)
     monkeypatch.setenv(ENV_VAR, "maybe")
     with pytest.raises(ValueError, match=ENV_VAR):
         be.supports_prefill_graph_extend()

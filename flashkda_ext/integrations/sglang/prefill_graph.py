@@ -25,9 +25,11 @@ launched and the one whose band the replay's live lengths miss sees only empty s
 could pass (checkpoints, a precomputed gate, no l2norm, a returned final state) is refused with a ValueError
 naming the argument; an unknown keyword is a TypeError.
 
-The class is offered (FlashKDAExtKernel.prefill_graph_wrapper_cls) only with FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1
-and without SGLang's mamba extra buffer: a captured route sees only the bucket's bounds, so whether capture beats
-the eager break at a given batch is for the H200 to show (docs/integrations.md, "SGLang").
+The class is offered (FlashKDAExtKernel.prefill_graph_wrapper_cls) only with FLASHKDA_EXT_SGLANG_PREFILL_GRAPH=1,
+without SGLang's mamba extra buffer and without an fp16 state pool asked for by --mamba-ssm-dtype or
+SGLANG_MAMBA_SSM_DTYPE (a model config's own fp16 mamba_ssm_dtype is not visible here: run() then names the
+pool). A captured route sees only the bucket's bounds, so whether capture beats the eager break at a given batch
+is for the H200 to show (docs/integrations.md, "SGLang").
 """
 from __future__ import annotations
 
@@ -51,10 +53,17 @@ def wrapper_cls():
     """The class SGLang should capture the extend with, or None: the eager break (see the module's docstring)."""
     if not enabled():
         return None
+    from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_exec
+    mamba = get_exec().mamba
     # with the mamba extra buffer every replay may snapshot states at chunk boundaries (checkpoints), which a
     # captured call could only serve as a dense [max_seqs, T / 64] table: that stays on the eager extend
-    return None if get_exec().mamba.enable_mamba_extra_buffer else PrefillGraphWrapper
+    if mamba.enable_mamba_extra_buffer:
+        return None
+    # an fp16 pool (--mamba-ssm-dtype float16, or SGLang's env override) is not ours to serve, and inside a captured
+    # graph there is no fallback kernel: the eager extend falls back to SGLang's Triton kernel instead
+    ssm_dtype = envs.SGLANG_MAMBA_SSM_DTYPE.get() or mamba.mamba_ssm_dtype
+    return None if ssm_dtype == "float16" else PrefillGraphWrapper
 
 
 # route metadata a rule may band on that the lengths decide, computed on the device from the offsets
