@@ -107,15 +107,15 @@ def _common(q, k, v, beta, tensors: dict, *, use_qk_l2norm_in_kernel, allow_neg_
         if t is not None and (t.is_neg() or t.is_conj()):
             raise Refused(f"flashkda_ext does not serve a lazy {'negated' if t.is_neg() else 'conjugated'} view "
                           f"({name}); the op would need it resolved")
-    if not torch.is_inference_mode_enabled():
-        for name in written:
-            if tensors.get(name) is not None and tensors[name].is_inference():
-                raise Refused(f"flashkda_ext would write {name} in place, an inference tensor, outside "
-                              f"torch.inference_mode() (torch refuses that update)")
     # Grad mode alone is no refusal: with no input requiring grad autograd records nothing, so the call is
     # inference whatever the mode (fla's own forward tests and many engines run so); the public ops take the
-    # same rule.
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, *tensors.values())):
+    # same rule (validation.inference_conflict).
+    conflict = validation.inference_conflict((("q", q), *((n, t) for n, t in tensors.items() if n not in written)),
+                                             tuple((n, tensors.get(n)) for n in written))
+    if conflict is not None and conflict[1] == "inference":
+        raise Refused(f"flashkda_ext would write {conflict[0]} in place, an inference tensor, outside "
+                      f"torch.inference_mode() (torch refuses that update)")
+    if conflict is not None:
         raise Refused("flashkda_ext serves inference only (autograd is recording: an input requires grad)")
     if q.device.type not in ("cuda", "cpu"):
         raise Refused(f"flashkda_ext runs on CUDA (and its CPU backend), got a tensor on {q.device}")

@@ -11,7 +11,8 @@ module per op family its check and the call it returns (decode, prefill, fused_d
 fused_verify). Callers use this package's names: validation.check_kda_decode(...) and so on.
 """
 from .common import (DTYPE_NAMES, GATE_MODE, GATES, INT32_MAX, SLOT_MODES, backend_of, check_apart,
-                     check_offsets_span, dtype_name, rows_as_read, _same_view as same_view)
+                     check_offsets_span, dtype_name, inference_conflict, rows_as_read,
+                     _same_view as same_view)
 from .decode import DecodeCall, check_kda_decode
 from .fused_decode import FusedDecodeCall, check_fused_kda_decode
 from .fused_verify import FusedVerifyCall, check_fused_kda_verify
@@ -24,7 +25,7 @@ from .common import (_bool, _choice, _float, _gate_bound, _inference_only, _int,
                      _slot_stride, _tensor)
 
 __all__ = ["DTYPE_NAMES", "GATE_MODE", "GATES", "INT32_MAX", "SLOT_MODES", "backend_of", "check_apart",
-           "check_offsets_span", "dtype_name", "rows_as_read", "DecodeCall", "check_kda_decode", "FusedDecodeCall",
+           "check_offsets_span", "dtype_name", "inference_conflict", "rows_as_read", "DecodeCall", "check_kda_decode", "FusedDecodeCall",
            "check_fused_kda_decode",
            "FusedVerifyCall", "check_fused_kda_verify", "PrefillCall", "check_kda_prefill", "check_workspace",
            "prefill_route_meta", "check_max_seqlen", "check_offset_count", "check_checkpoint_every", "VerifyCall",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from itertools import chain
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake as _is_fake
@@ -425,23 +425,38 @@ def check_offsets_span(name: str, offsets: list, T: int, detail: str = "") -> No
         raise ValueError(f"{name}: expected non-decreasing offsets from 0 to T = {T}{detail}, got {offsets}")
 
 
+def inference_conflict(read: tuple, written: tuple) -> Optional[Tuple[str, str]]:
+    """The ops' inference-only rule, as data: (name, "inference") for an inference tensor among `written` outside
+    inference mode (torch refuses that in-place update), (name, "grad") for a tensor requiring grad while grad mode
+    records, else None. (name, tensor) pairs; what is no tensor is skipped. The ops raise on it
+    (_inference_only); the integrations fall back with reasons of their own words."""
+    if torch.is_inference_mode_enabled():
+        return None
+    for name, x in written:
+        if isinstance(x, torch.Tensor) and x.is_inference():
+            return name, "inference"
+    if torch.is_grad_enabled():
+        for name, x in chain(read, written):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                return name, "grad"
+    return None
+
+
 def _inference_only(read: tuple, written: tuple) -> None:
     """The ops are inference-only: with grad enabled, no argument may require grad (the result would
     have no grad_fn and a leaf would be changed in place); outside inference mode, nothing written
     may be an inference tensor (torch itself refuses that in-place update). (name, tensor) pairs;
     None tensors are skipped."""
-    if torch.is_inference_mode_enabled():
+    conflict = inference_conflict(read, written)
+    if conflict is None:
         return
-    for name, x in written:
-        if x is not None and x.is_inference():
-            raise ValueError(f"{name}: an inference tensor (made under torch.inference_mode()) cannot be "
-                             f"written in place outside inference mode; call under torch.inference_mode() "
-                             f"or pass a clone made outside it")
-    if torch.is_grad_enabled():
-        for name, x in chain(read, written):
-            if x is not None and x.requires_grad:
-                raise ValueError(f"{name}: requires grad, but the ops are inference-only (no autograd); "
-                                 f"pass x.detach() or call under torch.no_grad() / torch.inference_mode()")
+    name, kind = conflict
+    if kind == "inference":
+        raise ValueError(f"{name}: an inference tensor (made under torch.inference_mode()) cannot be "
+                         f"written in place outside inference mode; call under torch.inference_mode() "
+                         f"or pass a clone made outside it")
+    raise ValueError(f"{name}: requires grad, but the ops are inference-only (no autograd); "
+                     f"pass x.detach() or call under torch.no_grad() / torch.inference_mode()")
 
 
 def _address(x: torch.Tensor) -> tuple:

@@ -102,15 +102,12 @@ def _capability_reason(family: str, q_dtype, pool, H: int, K: int, HV: int, V: i
     that update to our ops; SGLang's Triton kernels write through the pointer), an argument requiring grad under grad
     mode (the ops are inference-only; SGLang's kernels compute the forward and record nothing). (name, tensor) pairs;
     what is no tensor is left to the op, which names it."""
-    if not torch.is_inference_mode_enabled():
-        for name, x in written:
-            if isinstance(x, torch.Tensor) and x.is_inference():
-                return (f"{name} is an inference tensor written in place outside torch.inference_mode() (torch "
-                        f"refuses that update to flashkda_ext's op)")
-        if torch.is_grad_enabled():
-            for name, x in read + written:
-                if isinstance(x, torch.Tensor) and x.requires_grad:
-                    return f"{name} requires grad under grad mode (flashkda_ext's ops are inference-only)"
+    conflict = validation.inference_conflict(read, written)
+    if conflict is not None and conflict[1] == "inference":
+        return (f"{conflict[0]} is an inference tensor written in place outside torch.inference_mode() (torch "
+                f"refuses that update to flashkda_ext's op)")
+    if conflict is not None:
+        return f"{conflict[0]} requires grad under grad mode (flashkda_ext's ops are inference-only)"
     if not isinstance(pool, torch.Tensor):
         return None     # named by the op
     backend = "cuda" if device_of.is_cuda else "cpu" if device_of.is_cpu else _backend(device_of.device)
