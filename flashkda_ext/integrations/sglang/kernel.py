@@ -31,9 +31,14 @@ def _params(A_log, dt_bias):
     return A, dt
 
 
-def _gate(lower_bound, A_log):
+def _gate_name(lower_bound, A_log) -> str:
     """SGLang's rule (its chunk_kda): with A_log the raw gate is activated in the kernel, bounded when
     lower_bound is set, else softplus; without A_log g is already the log decay."""
+    return "log" if A_log is None else "softplus" if lower_bound is None else "bounded"
+
+
+def _gate(lower_bound, A_log):
+    """(gate, bound) by _gate_name's rule, the bound checked where it is read."""
     if A_log is None:
         # SGLang's chunk_kda then reads lower_bound only as safe_gate, a promise that the given log decay is
         # >= lower_bound that lets its intra-chunk kernel skip a guard; the log gate is exact for any g, so the
@@ -43,7 +48,7 @@ def _gate(lower_bound, A_log):
         if lower_bound is not None:
             validation._gate_bound("bounded", lower_bound)
         return "log", None
-    return ("softplus" if lower_bound is None else "bounded"), lower_bound
+    return _gate_name(lower_bound, A_log), lower_bound
 
 
 def _no_unknown(where: str, kwargs: dict) -> None:
@@ -319,7 +324,7 @@ class FlashKDAExtKernel:
         if reason is None and torch.is_tensor(q) and q.dim() == 4 and torch.is_tensor(v) and v.dim() == 4:
             reason = _capability_reason(
                 "kda_prefill", q.dtype, ssm_states, q.shape[2], q.shape[3], v.shape[2], v.shape[3],
-                "log" if A_log is None else "softplus" if lower_bound is None else "bounded", q,
+                _gate_name(lower_bound, A_log), q,
                 (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias)),
                 (("ssm_states", ssm_states), ("track_state", track_state)))
         if reason is not None:
