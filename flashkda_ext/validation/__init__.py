@@ -25,8 +25,8 @@ from .common import (_bool, _choice, _float, _gate_bound, _inference_only, _int,
                      _slot_stride, _tensor)
 
 __all__ = ["DTYPE_NAMES", "GATE_MODE", "GATES", "INT32_MAX", "SLOT_MODES", "backend_of", "check_apart",
-           "check_offsets_span", "dtype_name", "inference_conflict", "rows_as_read", "DecodeCall", "check_kda_decode", "FusedDecodeCall",
-           "check_fused_kda_decode",
+           "check_offsets_span", "dtype_name", "inference_conflict", "rows_as_read", "DecodeCall", "check_kda_decode",
+           "FusedDecodeCall", "check_fused_kda_decode",
            "FusedVerifyCall", "check_fused_kda_verify", "PrefillCall", "check_kda_prefill", "check_workspace",
            "prefill_route_meta", "check_max_seqlen", "check_offset_count", "check_checkpoint_every", "VerifyCall",
            "check_kda_verify", "check_verify_values", "same_view"]
