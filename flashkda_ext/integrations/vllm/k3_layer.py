@@ -52,6 +52,8 @@ def serve_flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initia
                       "the layer's contract)")
     if lower_bound is None:
         raise Refused("lower_bound=None: K3 calls FlashKDA with a bounded gate only")
+    if dt_bias is None:     # never guessed as a zero bias: `_flashkda_prefill` calls dt_bias.view(...)
+        raise Refused("dt_bias=None (K3's _flashkda_prefill requires it and reports it)")
     tensors = (q, k, v, g, beta, initial_state, cu_seqlens, final_state)
     if not all(isinstance(x, torch.Tensor) for x in tensors) or q.dim() != 4 or v.dim() != 4 or q.shape[0] != 1:
         raise Refused("q / v / states outside the layer's contract (packed [1, T, H, D] tensors)")

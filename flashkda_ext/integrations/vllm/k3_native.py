@@ -14,8 +14,8 @@ state pool, interleaved in one paged cache, vLLM's width-major decode copy of th
 raw_g [1, T, H, D], raw_beta [1, T, H] and output_gate [T, H, D] as views. The gate: lower_bound set ->
 lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), else the softplus gate, as vLLM's Triton path of the same
 layer. Slot indices <= 0 are padding (vLLM's null block 0 and CUDA-graph padding, as for the packed decode the
-layer runs otherwise), their rows written as zeros. Falls back, counted, on a conv bias, a call without the
-output norm (output_gate / norm_weight None: the op always applies it) and anything outside these layouts.
+layer runs otherwise), their rows written as zeros. Falls back, counted, on a conv bias, dt_bias None, a call without
+the output norm (output_gate / norm_weight None: the op always applies it) and anything outside these layouts.
 
 Opt-in for the host side (benchmarks/bench_vllm_native.py; H100, 2026-12-05, results h100-2026-12-05-42d3bf9): on
 the GPU the kernel is ahead of vLLM's at every measured point (rows 1-1024, H 12-96, graph replay 1.01-1.47x), but
@@ -40,6 +40,8 @@ def serve_fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, 
                            out=None, lower_bound=None, output_gate=None, norm_weight=None, norm_eps=1e-5):
     if bias is not None:
         raise Refused("a conv bias (flashkda_ext's fused decode has none; K3's conv1d is built without one)")
+    if dt_bias is None:     # never guessed as a zero bias: vLLM's signature and `_C` op take a tensor
+        raise Refused("dt_bias=None (vLLM's fused_kda_decode requires it and reports it)")
     if output_gate is None or norm_weight is None:
         raise Refused("output_gate / norm_weight None: the call without the gated RMSNorm (flashkda_ext's fused "
                       "decode always applies it)")
