@@ -17,9 +17,9 @@ written outside inference mode. (A conj bit exists only on complex tensors, whos
 already differs from every validated signature.) One overlap the signature cannot see is checked there
 too: kda_prefill's pool read and not committed (output_final_state=False) goes to the module's
 initial_state, which it does not write, yet the full check refuses it over an input (ops.kda_prefill
-compares addresses with the validated call's extents, extent_bytes). Anything else takes the full check,
-which says what is wrong; tests/test_fast_path_differential.py (and tests/test_bad_input_campaign18.py)
-prove cold and warm calls agree.
+compares addresses with the validated call's byte spans, validation._span_bytes). Anything else takes the
+full check, which says what is wrong; tests/test_fast_path_differential.py (and
+tests/test_bad_input_campaign18.py) prove cold and warm calls agree.
 
 The ops call the checked function inside `try`: an argument TVM-FFI cannot pass (e.g. a meta
 tensor) raises before any launch, and then the full path runs and raises the full check's error.
@@ -106,14 +106,6 @@ def put(key, family: str, call, sig_args: tuple, tail: tuple, extra: tuple = ())
     if len(_ENTRIES) >= _LIMIT:
         _ENTRIES.clear()
     _ENTRIES[key] = (fn, fn(0, *sig_args, *tail), tail) + extra  # expected 0: the signature alone, no launch
-
-
-def extent_bytes(x) -> int:
-    """Bytes from x's first element to one past its last (0 for None or an empty tensor): put-time
-    metadata of a validated call, for an address comparison on its warm calls."""
-    if x is None or x.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))) * x.element_size()
 
 
 def clear() -> None:

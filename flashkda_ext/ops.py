@@ -279,8 +279,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
         # the byte extents of this validated call (a call whose tensors differ in metadata fails the signature).
         pool_read = None
         if call.state_mode == "pool" and not call.output_final_state:
-            pool_read = (fast_path.extent_bytes(state), tuple(
-                fast_path.extent_bytes(x) for x in (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state_indices)))
+            pool_read = (validation._span_bytes(state), tuple(
+                validation._span_bytes(x) for x in (q, k, v, g, beta, A_log, dt_bias, cu_seqlens, state_indices)))
         fast_path.put(key, "kda_prefill", call, args + (ws,), tail, extra=(call, ws_bytes, pool_read))
     return result
 

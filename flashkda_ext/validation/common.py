@@ -473,8 +473,7 @@ def _extent(x: torch.Tensor) -> tuple:
     space, lo = _address(x)
     if x.numel() == 0:
         return space, 0, 0
-    last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-    return space, lo, lo + (last + 1) * x.element_size()
+    return space, lo, lo + _span_bytes(x)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -543,6 +542,11 @@ def _span(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _span_bytes(t: Optional[torch.Tensor]) -> int:
+    """Bytes from t's first element to one past its last (0 for None or an empty tensor)."""
+    return 0 if t is None else _span(t) * t.element_size()
 
 
 def _offset_bits(*tensors) -> int:
