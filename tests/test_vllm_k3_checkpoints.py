@@ -234,3 +234,23 @@ def test_an_inference_checkpoint_buffer_outside_inference_mode_runs_flashkda_bef
     assert any(s == SITE and "checkpoint_state is an inference tensor" in r for s, r in fkda_vllm.REASONS)
     assert torch.isnan(call["out"]).all() and torch.isnan(call["final_state"]).all()
     assert torch.isnan(call["checkpoint_state"]).all()
+
+
+def test_a_checkpoint_buffer_requiring_grad_runs_flashkda_before_anything_is_written(step_ns, real_fn):
+    """The same rule's other half: a checkpoint_state requiring grad under grad mode let the first call write out
+    and final_state, then the copy_ raised ("a leaf Variable that requires grad is being used in an in-place
+    operation"). Now the call runs FlashKDA (counted) with nothing written."""
+    lengths, computed = STEPS["decodes+prompt"]
+    m = vllm_step_metadata.with_checkpoints(step_ns, vllm_step_metadata.step(step_ns, lengths, "cpu"), computed)
+    with torch.inference_mode(False):
+        call = layer_call(m, torch.float32, seed=3)
+        call["checkpoint_state"].requires_grad_(True)
+        seen = []
+        adapter = fkda_vllm.adapter_for(SITE, _recorder(real_fn, seen))
+        fell = fkda_vllm.STATS[SITE, "fell_back"]
+        with torch.enable_grad(), vllm_step_metadata.forward(step_ns, {LAYER: m}):
+            assert adapter(**call) == "flashkda"
+    assert fkda_vllm.STATS[SITE, "fell_back"] == fell + 1 and len(seen) == 1
+    assert any(s == SITE and "checkpoint_state requires grad" in r for s, r in fkda_vllm.REASONS)
+    assert torch.isnan(call["out"]).all() and torch.isnan(call["final_state"]).all()
+    assert torch.isnan(call["checkpoint_state"]).all()

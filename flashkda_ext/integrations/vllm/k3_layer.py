@@ -34,6 +34,7 @@ import itertools
 
 import torch
 
+from ... import validation
 from .. import _indices
 from . import host_lengths
 from ._common import Refused, count_route, dense_qkv, run_op
@@ -111,10 +112,14 @@ def _serve_with_checkpoints(kda_prefill, q, k, v, g, beta, gate, initial_state, 
         raise Refused(f"checkpoint_state must be a contiguous {initial_state.dtype} {list(state_shape)}, got "
                       f"{getattr(checkpoint_state, 'dtype', type(checkpoint_state).__name__)} "
                       f"{list(getattr(checkpoint_state, 'shape', []))}")
-    if checkpoint_state.is_inference() and not torch.is_inference_mode_enabled():
-        # written by copy_ between the calls (not through the op, which would refuse it before writing): torch
-        # refuses that update after the first call has written out and final_state
+    # written by copy_ between the calls (not through the op, which would refuse it before writing): torch refuses
+    # that update to an inference tensor outside inference mode, or to one requiring grad under grad mode, after the
+    # first call has written out and final_state; the ops' inference-only rule, checked before anything runs
+    conflict = validation.inference_conflict((), (("checkpoint_state", checkpoint_state),))
+    if conflict is not None and conflict[1] == "inference":
         raise Refused("checkpoint_state is an inference tensor, written in place outside torch.inference_mode()")
+    if conflict is not None:
+        raise Refused("checkpoint_state requires grad under grad mode (written in place between the cut calls)")
     if not isinstance(checkpoint_offsets, torch.Tensor) or checkpoint_offsets.dim() != 1 \
             or checkpoint_offsets.shape[0] != state_shape[0] or checkpoint_offsets.device != q.device:
         raise Refused(f"checkpoint_offsets must be one offset a request ({state_shape[0]}) on {q.device}")
