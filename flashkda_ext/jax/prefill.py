@@ -78,8 +78,9 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                                 scale=scale, beta_is_logit=beta_is_logit,
                                 output_final_state=output_final_state,
                                 checkpoint_every=checkpoint_every, max_seqlen=max_seqlen,
-                                null_slot0=null_slot0, donate=donate)
-    _check_platform(plat, zip(names, args))
+                                null_slot0=null_slot0, donate=donate)   # checks the platform before building
+    else:
+        _check_platform(plat, zip(names, args))
     if prep.plan.platform == "cpu" and args[10] is not None:  # pool mode: every call, before the donation
         _check_host_slots(args[9], args[10].shape[0], null_slot0, unique=True)
     return _run(_prefill_impl, prep, args, eager=not _any_tracer(args), names=names)
