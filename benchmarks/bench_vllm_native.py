@@ -104,9 +104,7 @@ def load_native(engine_dir: Path):
         torch.ops._C.fused_kda_decode      # noqa: B018  (registered by the extension)
     except Exception as e:  # noqa: BLE001  the reason goes into the results
         return None, f"vLLM's _C did not load: {type(e).__name__}: {e}"[:300]
-    fn = vllm_step_metadata.compile_nodes(engine_dir / "vllm/_custom_ops.py", ("fused_kda_decode",),
-                                          {"torch": torch})["fused_kda_decode"]
-    return fn, None
+    return vllm_step_metadata.fused_kda_decode(engine_dir), None
 
 
 def reference_arm(call, weight):
@@ -140,8 +138,7 @@ def main(argv=None) -> int:
     native, why = load_native(Path(args.engine_dir)) if cfg.is_cuda else (None, "no CUDA")
     if cfg.is_cuda and native is None:
         raise SystemExit(why)
-    wrapper = native or vllm_step_metadata.compile_nodes(Path(args.engine_dir) / "vllm/_custom_ops.py",
-                                                         ("fused_kda_decode",), {"torch": torch})["fused_kda_decode"]
+    wrapper = native or vllm_step_metadata.fused_kda_decode(Path(args.engine_dir))
     adapter = fkda_vllm.adapter_for(SITE, wrapper)
     lb = None if args.lower_bound != args.lower_bound else args.lower_bound
     points = [(r, h) for r in (int(x) for x in args.rows.split(",")) for h in (int(x) for x in args.heads.split(","))]

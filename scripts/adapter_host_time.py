@@ -67,8 +67,7 @@ def main(argv=None) -> int:
     from flashkda_ext import fast_path
     from flashkda_ext import ops as op_module
     ops, fkda_vllm = bench_vllm.load_vllm(Path(args.engine_dir))
-    wrapper = vllm_step_metadata.compile_nodes(Path(args.engine_dir) / "vllm/_custom_ops.py", ("fused_kda_decode",),
-                                               {"torch": torch})["fused_kda_decode"]
+    wrapper = vllm_step_metadata.fused_kda_decode(Path(args.engine_dir))
     native = fkda_vllm.adapter_for(bench_vllm_native.SITE, wrapper)
 
     class Shape:    # bench_vllm.inputs' knobs for decode / verify

@@ -131,6 +131,13 @@ def flashkda_prefill(tree: Path):
                          {"torch": torch})["_flashkda_prefill"]
 
 
+def fused_kda_decode(tree: Path):
+    """vLLM's wrapper `fused_kda_decode` (vllm/_custom_ops.py), compiled from the wheel's source: K3's native fused
+    decode, which calls torch.ops._C.fused_kda_decode (vLLM's `_C`, loaded only where a caller loaded it)."""
+    return compile_nodes(Path(tree) / "vllm/_custom_ops.py", ("fused_kda_decode",),
+                         {"torch": torch})["fused_kda_decode"]
+
+
 def step(ns: types.SimpleNamespace, lengths, device) -> object:
     """The GDNAttentionMetadata of a step of requests with these query lengths (no speculative decoding), its
     non_spec_query_start_loc an int32 tensor on `device` (the object a KDA layer passes as cu_seqlens)."""

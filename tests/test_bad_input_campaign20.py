@@ -41,8 +41,7 @@ def no_grad():
 @pytest.fixture
 def decode_fn(tree):
     """vLLM's wrapper `fused_kda_decode`, compiled from the wheel's _custom_ops.py."""
-    return vllm_step_metadata.compile_nodes(tree / "vllm/_custom_ops.py", ("fused_kda_decode",),
-                                            {"torch": torch})["fused_kda_decode"]
+    return vllm_step_metadata.fused_kda_decode(tree)
 
 
 def decode_call(rows=3, lower_bound=-5.0):

@@ -41,8 +41,7 @@ def no_grad():
 @pytest.fixture
 def real_fn(tree):
     """vLLM's wrapper `fused_kda_decode`, compiled from the wheel's _custom_ops.py (it calls torch.ops._C)."""
-    return vllm_step_metadata.compile_nodes(tree / "vllm/_custom_ops.py", ("fused_kda_decode",),
-                                            {"torch": torch})["fused_kda_decode"]
+    return vllm_step_metadata.fused_kda_decode(tree)
 
 
 def layer_call(rows, gen, conv_layout="SD", lower_bound=-5.0, slots=6, indices=None):
