@@ -345,11 +345,8 @@ def make_workload(trace_set, definition_name: str, axes: Mapping[str, int], *, s
     if missing:
         raise ValueError(f"axes: {definition_name} needs values for {missing} (var axes and scalar inputs)")
     var = {a: _axis_int(definition_name, a, axes[a]) for a in definition.var_axes}
-    violated = check_call(d, var)
-    if violated:
-        raise ValueError(f"axes: {var} violate {definition_name}'s constraints {violated}")
+    tensors = index_tensors(d, var, seed=seed, checkpoint_every=axes.get("checkpoint_every", 0))  # checks the axes
     uid = str(uuid.uuid4())
-    tensors = index_tensors(d, var, seed=seed, checkpoint_every=axes.get("checkpoint_every", 0))
     inputs: Dict[str, Any] = {}
     if tensors:
         path = trace_set.add_workload_blob_tensor(definition_name, uid, tensors)
