@@ -138,7 +138,9 @@ def test_an_index_past_int32_is_a_named_error_before_any_write(real_fn):
     (lambda c: c.update(norm_weight=None), "without the gated RMSNorm"),
     (lambda c: c.update(conv_state=c["conv_state"].contiguous()[:, :, :2]), "does not serve"),
     (lambda c: c.update(out=torch.empty(2, H, D, dtype=torch.bfloat16)), "out must be"),
-], ids=["bias", "no-gate", "no-norm-weight", "conv-shape", "out-shape"])
+    # the canonical [3*H*D, 4] (which flashkda_ext's op reads): the layer never passes it, vLLM's kernel's reading unknown
+    (lambda c: c.update(weight=c["weight"].permute(0, 2, 1).reshape(3 * H * D, 4).contiguous()), "width-major"),
+], ids=["bias", "no-gate", "no-norm-weight", "conv-shape", "out-shape", "canonical-weight"])
 def test_what_it_does_not_map_runs_vllms_kernel_with_the_reason_counted(real_fn, change, reason):
     recorder, seen = vllm_wheel.recorder(real_fn, "vllm")
     gen = torch.Generator().manual_seed(10)

@@ -15,7 +15,9 @@ raw_g [1, T, H, D], raw_beta [1, T, H] and output_gate [T, H, D] as views. The g
 lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), else the softplus gate, as vLLM's Triton path of the same
 layer. Slot indices <= 0 are padding (vLLM's null block 0 and CUDA-graph padding, as for the packed decode the
 layer runs otherwise), their rows written as zeros. Falls back, counted, on a conv bias, dt_bias None, a call without
-the output norm (output_gate / norm_weight None: the op always applies it) and anything outside these layouts.
+the output norm (output_gate / norm_weight None: the op always applies it), a conv weight other than the width-major
+copy (flashkda_ext also reads the canonical [3*H*D, 4], but what vLLM's `_C` kernel does with one is not in the
+wheel's source) and anything outside these layouts.
 
 Opt-in for the host side (benchmarks/bench_vllm_native.py; H100, 2026-12-05, results h100-2026-12-05-42d3bf9): on
 the GPU the kernel is ahead of vLLM's at every measured point (rows 1-1024, H 12-96, graph replay 1.01-1.47x), but
@@ -45,6 +47,11 @@ def serve_fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, 
     if output_gate is None or norm_weight is None:
         raise Refused("output_gate / norm_weight None: the call without the gated RMSNorm (flashkda_ext's fused "
                       "decode always applies it)")
+    if not (isinstance(weight, Tensor) and weight.dim() == 3):
+        # the layer always passes its width-major decode copy [3, W, H*D] (kda.py's decode_conv1d_weight); what vLLM's
+        # compiled kernel does with another layout is not in the wheel's source, so it is not guessed
+        raise Refused("a conv weight other than the layer's width-major decode copy [3, W, H*D] (what vLLM's kernel "
+                      "does with another layout is not known here)")
     if not (isinstance(x, Tensor) and x.dim() == 2 and isinstance(raw_g, Tensor) and raw_g.dim() == 4
             and isinstance(raw_beta, Tensor) and raw_beta.dim() == 3 and isinstance(state, Tensor) and state.dim() == 4
             and isinstance(state_indices, Tensor) and state_indices.dim() == 1 and isinstance(output_gate, Tensor)
