@@ -187,6 +187,8 @@ def _recorder(real_fn, seen):
     ("another offsets tensor", "is not the step metadata's checkpoint.checkpoint_offsets"),
     ("no host offsets", "has no host offsets / query_lens"),
     ("state without offsets", "come together"),
+    # the same sum, the cut in another request: each length against vLLM's conv block counts (nums_dict[8])
+    ("lengths swapped", "disagree with the step's conv block counts"),
 ])
 def test_without_vllms_host_offsets_it_runs_flashkda_with_the_reason_counted(step_ns, real_fn, how, reason):
     lengths, computed = STEPS["decodes+prompt"]
@@ -198,6 +200,12 @@ def test_without_vllms_host_offsets_it_runs_flashkda_with_the_reason_counted(ste
         m.checkpoint.offsets = None
     if how == "state without offsets":
         call["checkpoint_offsets"] = None
+    if how == "lengths swapped":
+        lens, offs = m.checkpoint.query_lens, m.checkpoint.offsets   # the prompt's length and checkpoint moved to
+        j = lens.index(max(lens))                                     # request 0 (a decode on the device): valid
+        assert lens[0] != lens[j] and offs[j] > 0                     # lists by vLLM's own rules, the same sum
+        lens[0], lens[j] = lens[j], lens[0]
+        offs[0], offs[j] = offs[j], offs[0]
     seen = []
     adapter = fkda_vllm.adapter_for(SITE, _recorder(real_fn, seen))
     fell = fkda_vllm.STATS[SITE, "fell_back"]

@@ -45,7 +45,9 @@ def _find(attn_metadata, cu_seqlens):
     return None
 
 
-def _from_metadata(m, N: int, T: int) -> Tuple[Optional[int], str]:
+def _block_counts(m, N: int) -> Tuple[Optional[torch.Tensor], str]:
+    """(vLLM's host conv block counts nums_dict[8]['nums'] of the step's N requests, ceil(len / 8) each, or None;
+    why not)."""
     nums_dict = getattr(m, "nums_dict", None)
     entry = nums_dict.get(BLOCK) if isinstance(nums_dict, dict) else None
     nums = entry.get("nums") if isinstance(entry, dict) else None
@@ -55,6 +57,13 @@ def _from_metadata(m, N: int, T: int) -> Tuple[Optional[int], str]:
     if nums.shape[0] != N:
         return None, (f"nums_dict[{BLOCK}]['nums'] counts {nums.shape[0]} requests, cu_seqlens {N} (not the "
                       f"offsets this call got)")
+    return nums, "vllm metadata"
+
+
+def _from_metadata(m, N: int, T: int) -> Tuple[Optional[int], str]:
+    nums, why = _block_counts(m, N)
+    if nums is None:
+        return None, why
     if N == 0:
         return 0, "vllm metadata"
     top = int(nums.max())
@@ -127,6 +136,13 @@ def checkpoint_lengths(cu_seqlens, checkpoint_offsets, T: int) -> Tuple[Optional
         return None, f"the checkpoint's host query_lens {lengths[:8]}... do not sum to this call's {T} tokens"
     if any(o != 0 and not 0 < o < n for o, n in zip(offsets, lengths)):
         return None, "a host checkpoint offset outside (0, its query length), vLLM's rule"
+    # each length against the step's other host record of it, the conv block counts (ceil(len / 8), built from the
+    # host offsets cu_seqlens was copied from): lengths that sum to T but put a cut in the wrong request are refused
+    # (a difference within one block is not visible there; vLLM's own FlashInfer plan takes these lists as they are)
+    nums, _ = _block_counts(m, N)
+    if nums is not None and nums.tolist() != [-(-n // BLOCK) for n in lengths]:
+        return None, (f"the checkpoint's host query_lens {lengths[:8]}... disagree with the step's conv block counts "
+                      f"nums_dict[{BLOCK}]['nums'] (ceil(len / {BLOCK}) a request)")
     return (offsets, lengths), "vllm metadata"
 
 
