@@ -21,8 +21,8 @@ a request, so the call is cut instead: each request with a checkpoint ends one k
 `offset` tokens and starts the next from that state (its row of `final_state` holds it between the two calls, then
 it is copied into `checkpoint_state`). Each call is a contiguous slice of the tokens, so nothing is gathered; k
 checkpoints make k + 1 calls (vLLM's usual prefill step has one prompt, so two). The cuts need vLLM's host copies of
-the offsets and query lengths (m.checkpoint.offsets / query_lens of the step's metadata, host_lengths.py); without
-them the call runs FlashKDA, counted.
+the offsets and query lengths (m.checkpoint.offsets / query_lens of the step's metadata, host_lengths.py, each length
+checked against the step's conv block counts); without them, or where they disagree, the call runs FlashKDA, counted.
 
 Opt-in: timed against FlashKDA on the H200 (benchmarks/bench_vllm.py, arms vllm_flashkda / ours_k3_layer;
 benchmarks/results/h200-2026-12-05-1b1a007) it is ahead at 1 x 1024 (1.78x H8), 4 x 1024 H8, 64 x 1024 H8 and a
