@@ -17,10 +17,11 @@
 #   selftest      python3 -m flashkda_ext selftest (every route this machine reaches, against the reference)
 #   bench         the routed modules over the issues' grids, no peers: OPS (default "decode fused verify
 #                 prefill prefill_slow"; prefill_slow: issue 46's B1 rows at H8 / H16 with one slowly decaying key
-#                 a head, bench_prefill.py --slow-keys 1); BENCH_QUICK=1 the smaller grids
+#                 a head, bench_prefill.py --slow-keys 1; issue46, not in the default: issue 46's whole grid with
+#                 the 1M row, GATES "bounded,softplus" or one of them, LIMIT_ISSUE46); BENCH_QUICK=1 the smaller grids
 #   peers         the same grids beside the peers, the runs docs/performance.md cites: prefill with cuDNN and
 #                 fla and vLLM's FlashKDA where .engines/vllm is carried (bench_prefill.py --peers cudnn,fla,flashkda, kernel
-#                 time too), prefill_slow with cuDNN, decode (with the public-op arm)
+#                 time too), prefill_slow with cuDNN, issue46 with cuDNN and fla, decode (with the public-op arm)
 #                 and verify with fla, fused decode with the unfused fla sequence; OPS as for bench
 #   engines       issue 45's acceptance: vLLM's and SGLang's own Triton kernels (their wheels' files, carried in
 #                 .engines/) against the adapters on identical inputs, graph replay (bench_vllm.py, bench_sglang.py):
@@ -214,7 +215,12 @@ run_bench() {
               --grid issue46 --heads 8,16 --cases "H8 B1 T8K,H8 B1 T32K,H16 B1 T8K,H16 B1 T32K" --gates bounded \
               --slow-keys 1 --slow-bias -20 \
               --name "${stage}_prefill_slowkeys" "${q[@]}" "${COMMON[@]}" "$@";;
-    *) echo "unknown op '$op' in OPS (decode fused verify prefill prefill_slow)" >&2; return 2;;
+    # issue 46's whole grid (H8-H96, both gates unless GATES names one, and 1 x 1M H16) in one results file, no
+    # max_seqlen given (the bench's default); peers: cuDNN, and fla at H8 / H16 / H32. About 3 min a gate on an H100
+    issue46) step "${stage}_issue46" "${LIMIT_ISSUE46:-560}" python3 benchmarks/bench_prefill.py --grid issue46 --long \
+              --gates "${GATES:-bounded,softplus}" --fla-heads 8,16,32 --modes eager \
+              --name "${stage}_issue46" "${q[@]}" "${COMMON[@]}" "$@";;
+    *) echo "unknown op '$op' in OPS (decode fused verify prefill prefill_slow issue46)" >&2; return 2;;
   esac
   show "${stage}_$op" "geomean|summary" 6
 }
@@ -222,7 +228,7 @@ if want bench && needs_gpu bench; then
   for op in $OPS; do
     case $op in
       fused) run_bench bench fused --no-unfused;;
-      prefill|prefill_slow) run_bench bench "$op" --no-fla --modes eager;;
+      prefill|prefill_slow|issue46) run_bench bench "$op" --no-fla --modes eager;;
       *) run_bench bench "$op" --no-fla;;
     esac
   done
@@ -233,6 +239,7 @@ if want peers && needs_gpu peers; then
       decode) run_bench peers decode --op-arm;;
       prefill) run_bench peers prefill --peers cudnn,fla,flashkda --modes eager,kernel;;
       prefill_slow) run_bench peers prefill_slow --peers cudnn --no-fla --modes eager;;
+      issue46) run_bench peers issue46 --peers cudnn,fla;;
       *) run_bench peers "$op";;
     esac
   done

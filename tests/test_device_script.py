@@ -69,6 +69,22 @@ def test_bench_leaves_the_peers_out_and_ops_pick(tmp_path):
     assert all("--no-fla" in line and "--quick" in line for line in lines)
 
 
+def test_issue46_runs_the_whole_grid_with_its_peers(tmp_path):
+    """OPS=issue46: issue 46's grid with the 1M row in one file; beside cuDNN and fla (at H8 / H16 / H32) under
+    peers, no peer under bench; GATES narrows the gates."""
+    r = run(tmp_path, {"DRY": "1", "STAGES": "bench peers", "OPS": "issue46", "GATES": "softplus"})
+    assert r.returncode == 0, r.stderr
+    lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("DRY ")}
+    assert list(lines) == ["bench_issue46", "peers_issue46"], r.stdout
+    for line in lines.values():
+        assert "bench_prefill.py --grid issue46 --long --gates softplus --fla-heads 8,16,32 --modes eager" in line
+        assert line.startswith(("DRY bench_issue46 (560 s):", "DRY peers_issue46 (560 s):"))
+    assert "--no-fla" in lines["bench_issue46"] and "--peers" not in lines["bench_issue46"]
+    assert "--peers cudnn,fla" in lines["peers_issue46"] and "--no-fla" not in lines["peers_issue46"]
+    r = run(tmp_path, {"DRY": "1", "STAGES": "peers", "OPS": "issue47"})
+    assert "unknown op 'issue47'" in r.stderr and "issue46" in r.stderr
+
+
 def test_engines_run_both_benches_over_issue_45s_grid(tmp_path):
     r = run(tmp_path, {"DRY": "1", "STAGES": "engines peers", "OPS": "decode"})
     lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("DRY ")}
