@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from ... import dispatch, switches, validation
-from .dense import as_dense, dense_qkv
+from .dense import as_dense, dense_qkv, reshaped
 from .kernel import _gate, _params, _qkv_dims
 
 ENV_VAR = "FLASHKDA_EXT_SGLANG_PREFILL_GRAPH"
@@ -110,6 +110,20 @@ def launches(args, kw, cu, idx, live, T: int, HV: int):
             (torch.where(fused, none, cu), torch.where(~fused & live, idx, -1), T)]
 
 
+def _indices_in_pool(idx: torch.Tensor, pool) -> None:
+    """Host slot indices: every entry below the pool's slot count, an empty sequence's too. run turns an empty
+    sequence's entry into padding before kda_prefill sees it, and kda_prefill refuses an entry past the pool
+    whatever its sequence's length: checked here, under SGLang's name. A pool that is no [slots, HV, V, K] tensor,
+    or indices on another device, are left to kda_prefill, which names them."""
+    if not (isinstance(pool, torch.Tensor) and pool.dim() == 4 and idx.device.type == "cpu"):
+        return
+    past = (idx >= pool.shape[0]).nonzero()
+    if past.numel():
+        n = int(past[0, 0])
+        raise ValueError(f"ssm_state_indices: entry {n} = {int(idx[n])} is out of range for initial_state's "
+                         f"{pool.shape[0]} slots (expected < {pool.shape[0]}; negative = padding)")
+
+
 class PrefillGraphWrapper:
     """SGLang's plan-and-run prefill wrapper interface (FlashInfer 0.7.4's RecurrentKDAPrefillWrapper shape)."""
 
@@ -148,17 +162,26 @@ class PrefillGraphWrapper:
             if validation._bool(name, value) != want:
                 raise ValueError(f"{name}: flashkda_ext's captured SGLang prefill serves {name}={want} (what SGLang "
                                  f"0.5.23 passes), got {value}")
-        if (state_checkpoints is not None or checkpoint_cu_starts is not None or checkpoint_state_indices is not None
-                or checkpoint_every_n_tokens):
-            raise ValueError("state_checkpoints: checkpoints in a captured prefill are not served (flashkda_ext offers "
-                             "its wrapper only without SGLang's mamba extra buffer); expected none")
+        # an int, not read by its truth (False, None, 0.0 are no interval), and each argument named as given
+        validation._int("checkpoint_every_n_tokens", checkpoint_every_n_tokens, "(0: no checkpoints)")
+        for name, value in (("state_checkpoints", state_checkpoints), ("checkpoint_cu_starts", checkpoint_cu_starts),
+                            ("checkpoint_state_indices", checkpoint_state_indices),
+                            ("checkpoint_every_n_tokens", checkpoint_every_n_tokens or None)):
+            if value is not None:
+                raise ValueError(f"{name}: checkpoints (state_checkpoints and its companions) in a captured prefill "
+                                 f"are not served (flashkda_ext offers its wrapper only without SGLang's mamba extra "
+                                 f"buffer); expected {0 if name == 'checkpoint_every_n_tokens' else None}")
         if initial_state is None or ssm_state_indices is None:
             missing = "initial_state" if initial_state is None else "ssm_state_indices"
             raise ValueError(f"{missing}: expected the layer's state pool and its int32 slot indices, got None")
         if A_log is None or dt_bias is None:
             raise ValueError(f"{'A_log' if A_log is None else 'dt_bias'}: use_gate_in_kernel=True needs A_log and "
                              f"dt_bias, got None")
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            validation._tensor(name, x)
         T, H, K, HV, V = _qkv_dims(q, v)
+        if k.shape != q.shape:      # the host path cuts k to the planned rows: a k of another length would pass
+            raise ValueError(f"k: expected shape [1, T, H, K] = {list(q.shape)} (q's), got {list(k.shape)}")
         cu = self.cu_seqlens
         N = cu.shape[0] - 1
         idx = validation._tensor("ssm_state_indices", ssm_state_indices)
@@ -174,14 +197,24 @@ class PrefillGraphWrapper:
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, scale=scale, state=initial_state,
                   beta_is_logit=validation._bool("beta_is_logit", beta_is_logit), output_final_state=True)
         if cu.device.type == "cpu":      # host offsets: one call on exactly the tokens they own
-            rows = slice(0, int(cu[-1]))
+            offsets = cu.tolist()
+            # against q's T before any rows are cut: kda_prefill sees only the cut rows (its T is the last offset),
+            # and a last offset past T or below 0 would cut other rows than it names (slice(0, -2) counts from the end)
+            if offsets[0] != 0 or offsets[-1] > T or any(b < a for a, b in zip(offsets, offsets[1:])):
+                raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 up to at most T = {T} (q's "
+                                 f"tokens; rows past the last offset belong to no sequence), got {offsets}")
+            _indices_in_pool(idx, initial_state)
+            rows = slice(0, offsets[-1])
             tokens = rows.stop
             qh, kh, vh = (x[:, rows] for x in dense_qkv(q, k, v))
-            kda_prefill(qh, kh, vh, as_dense("g", g[:, rows], q.dtype, (1, tokens, HV, K)),
-                        as_dense("beta", beta[:, rows], q.dtype, (1, tokens, HV)), cu_seqlens=cu,
+            # g and beta as T tokens before the cut (one of another length is refused, not cut to fit)
+            g4, b3 = reshaped("g", g, (1, T, HV, K)), reshaped("beta", beta, (1, T, HV))
+            kda_prefill(qh, kh, vh, as_dense("g", g4[:, rows], q.dtype, (1, tokens, HV, K)),
+                        as_dense("beta", b3[:, rows], q.dtype, (1, tokens, HV)), cu_seqlens=cu,
                         state_indices=torch.where(live, idx, -1), out=out[:, rows], **kw)
             return out, None
-        args = (*dense_qkv(q, k, v), as_dense("g", g, q.dtype, (1, T, HV, K)), as_dense("beta", beta, q.dtype, (1, T, HV)))
+        args = (*dense_qkv(q, k, v), as_dense("g", g, q.dtype, (1, T, HV, K)),
+                as_dense("beta", beta, q.dtype, (1, T, HV)))
         for cu_k, idx_k, max_seqlen in launches(args, dict(kw, out=out), cu, idx, live, T, HV):
             kda_prefill(*args, cu_seqlens=cu_k, state_indices=idx_k, max_seqlen=max_seqlen, out=out, **kw)
         return out, None
