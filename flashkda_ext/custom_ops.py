@@ -32,7 +32,8 @@ dense final state) must be given.
 Validation. The real implementation calls the public op on real tensors, so the full validation (which
 reads jit/supported.json and memoizes) and the fast path run there, outside any traced region. The fake
 implementation runs the same checks on meta-tensor stand-ins (shape, dtype, layout; no data pointers, no
-values), so a bad call fails at trace time with the eager error message.
+values), then the device rule on the tensors themselves (the stand-ins all sit on meta), so a bad call fails at
+trace time with the eager error message.
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def _fake(name: str, same_view_ok: tuple = ()):
             _refuse_meta_among_real(named)
             result = fn(*args, **kwargs)
             _tensor_flags(named, written)
+            _one_device(named)
             _apart_when_traced(named, written, same_view_ok)
             return result
         torch.library.register_fake(f"flashkda_ext::{name}", checked, lib=_LIB)
@@ -102,6 +104,16 @@ def _tensor_flags(named, written: set) -> None:
     tensors = [(n, t) for n, t in named if isinstance(t, Tensor)]
     validation._inference_only(tuple((n, t) for n, t in tensors if n not in written),
                                tuple((n, t) for n, t in tensors if n in written))
+
+
+def _one_device(named) -> None:
+    """The eager device rule, which the meta stand-ins drop (they all sit on the meta device): every tensor on the
+    device of the first (q, or the fused ops' x). Without it a FakeTensor call with parent_tokens or state_indices
+    on another device (a fake CUDA or meta tensor beside CPU ones) returned outputs where eager refuses it, and
+    torch.compile traced it. Run after the stand-ins' checks, so any other problem is still named first."""
+    tensors = [(n, t) for n, t in named if isinstance(t, Tensor)]
+    for name, t in tensors:
+        validation._same_device(name, t, tensors[0][1].device)
 
 
 def _apart_when_traced(named, written: set, same_view_ok: tuple) -> None:

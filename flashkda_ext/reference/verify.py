@@ -49,16 +49,25 @@ def verify_plan(cu_seqlens, state_indices, num_accepted_tokens, slots, null_slot
     return plan
 
 
-def tree_parents(plan, parent_tokens):
+def tree_parents(plan, parent_tokens, cols):
     """For each request of plan (verify_plan's): the token each of its tokens continues from, None
     for token 0 (the read slot); t - 1 without parent_tokens (the chain). parent_tokens [N, T_max]
-    (host values; column 0 not read): entry [n, t] in [0, t), naming a token whose state is stored
-    when the request is not padding. Raises ValueError naming parent_tokens otherwise."""
+    (an integer tensor of host values, T_max = cols; column 0 not read): entry [n, t] in [0, t),
+    naming a token whose state is stored when the request is not padding. Raises ValueError
+    (TypeError for a non-tensor) naming parent_tokens otherwise."""
+    rows = None
+    if parent_tokens is not None:
+        # host ints, as state_indices: int() truncated a float parent (0.5 -> 0) and took a bool, and a
+        # table of another shape was cut to fit (or failed unnamed)
+        rows = checks.host_ints("parent_tokens", parent_tokens, 2)
+        if tuple(parent_tokens.shape) != (len(plan), cols):
+            raise ValueError(f"parent_tokens: expected [N, T_max] = [{len(plan)}, {cols}] (as state_indices), "
+                             f"got {list(parent_tokens.shape)}")
     out = []
     for n, (s, e, read, writes) in enumerate(plan):
         parents = [None] + list(range(e - s - 1))
-        if parent_tokens is not None:
-            parents = [None] + [int(p) for p in parent_tokens[n].tolist()[1:e - s]]
+        if rows is not None:
+            parents = [None] + rows[n][1:e - s]
             for t in range(1, e - s):
                 p = parents[t]
                 if not 0 <= p < t:
@@ -121,7 +130,7 @@ def kda_verify_step(q, k, v, g, beta, *, state, state_indices, cu_seqlens, num_a
                          f"{tuple(source.shape)} {source.dtype}")
     plan = verify_plan(cu_seqlens, state_indices, num_accepted_tokens, state.shape[0], null_slot0,
                        initial_state_indices, source.shape[0])
-    parents = tree_parents(plan, parent_tokens)
+    parents = tree_parents(plan, parent_tokens, state_indices.shape[1])
     qn, kn, vv, gl, bb = prepare_token_inputs(
         q[0], k[0], v[0], g[0], beta[0], gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         scale=scale, beta_is_logit=beta_is_logit, dtype=dtype)

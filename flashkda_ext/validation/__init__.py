@@ -22,7 +22,7 @@ from .verify import VerifyCall, check_kda_verify, check_verify_values
 
 # single-argument rules other modules reuse (context_parallel, custom_ops, integrations) and tests call
 from .common import (_bool, _choice, _float, _gate_bound, _inference_only, _int, _ndim, _real,  # noqa: F401
-                     _slot_stride, _span_bytes, _tensor)
+                     _same_device, _slot_stride, _span_bytes, _tensor)
 
 __all__ = ["DTYPE_NAMES", "GATE_MODE", "GATES", "INT32_MAX", "SLOT_MODES", "backend_of", "check_apart",
            "check_offsets_span", "dtype_name", "inference_conflict", "rows_as_read", "DecodeCall", "check_kda_decode",
