@@ -182,7 +182,35 @@ def domains(definition) -> Dict[str, tuple]:
         m = _TAG_DOMAIN.match(tag)
         if m:
             out[m.group(1)] = (m.group(2), m.group(3))
+        elif isinstance(tag, str) and tag.startswith("domain:"):
+            # a hand-edited tag (tree_parents(-1)) was dropped silently: its input was then never drawn
+            raise ValueError(f"{_as_dict(definition).get('name')}: tag {tag!r}: expected "
+                             f"domain:<input>=<kind> or domain:<input>=<kind>(<axis>[,<axis>])")
     return out
+
+
+def _check_tree(d: Mapping[str, Any], name: str, arg: Optional[str]) -> None:
+    """A tree_parents domain must describe kda_verify's parent_tokens as the op takes it: int32 [N, T_max], T_max
+    the slot table's columns (a step row's steps); else the drawn table has another shape or dtype than the
+    definition's (bool: every parent 0 / 1), or a bare KeyError names nothing."""
+    tag = f"domain:{name}={'tree_parents' if arg is None else f'tree_parents({arg})'}"
+    op = _tag_value(d, "op:")
+    if op != "kda_verify":
+        raise ValueError(f"{d['name']}: tag {tag!r}: tree_parents is kda_verify's domain, not {op!r}'s")
+    spec = d["inputs"].get(name)
+    if spec is None:
+        raise ValueError(f"{d['name']}: tag {tag!r} names input {name!r}, which the definition does not have")
+    si = (d["inputs"].get("state_indices") or {}).get("shape") or []
+    state = (d["inputs"].get("state") or {}).get("shape") or []
+    cols = si[1] if len(si) == 2 else (state[1] if len(si) == 1 and len(state) == 5 else None)
+    if cols is None or arg != cols:
+        raise ValueError(f"{d['name']}: tag {tag!r}: expected tree_parents({cols}), the axis of state_indices' "
+                         f"T_max")
+    if spec.get("shape") != [si[0], cols]:
+        raise ValueError(f"{d['name']}: input {name}: expected shape {[si[0], cols]} ([N, T_max] as state_indices), "
+                         f"got {spec.get('shape')}")
+    if spec.get("dtype") != "int32":
+        raise ValueError(f"{d['name']}: input {name}: expected dtype 'int32' (the op's), got {spec.get('dtype')!r}")
 
 
 def _slot_indices(n: int, slots: int, slot_mode: str, null_slot0: bool, gen):
@@ -297,7 +325,14 @@ def index_tensors(definition, axes: Mapping[str, int], *, seed: int = 0,
     null_slot0 = "null_slot0" in _tags(d)
     gen = torch.Generator().manual_seed(seed)
     out, trees = {}, []
-    for name, (kind, arg) in domains(d).items():
+    kinds = domains(d)
+    for name, (kind, arg) in kinds.items():
+        if kind == "tree_parents":
+            _check_tree(d, name, arg)
+    if "parent_tokens" in d["inputs"] and kinds.get("parent_tokens", ("",))[0] != "tree_parents":
+        # without its tag the table was not drawn: make_workload left it to flashinfer-bench's random int32
+        raise ValueError(f"{d['name']}: input parent_tokens has no domain:parent_tokens=tree_parents(...) tag")
+    for name, (kind, arg) in kinds.items():
         if kind == "tree_parents":
             trees.append((name, arg))                 # after the tables and offsets it depends on
             continue

@@ -22,10 +22,20 @@ def _start_slots(initial_state_indices, num_initial_slots, pad_rows):
     return [None if p or _is_padding(x) else x for x, p in zip(values, pad_rows)]
 
 
-def _parents(parent_tokens, plan, reads):
+def _parents(parent_tokens, plan, reads, cols):
     """The token each token of a request continues from (None for token 0, which reads), t - 1 without a
     tree. A tree's entry [n, t], 1 <= t < T_n, is in [0, t) and, unless the request is padding, names a
     token whose state is stored."""
+    if parent_tokens is not None:
+        # int() below would truncate a float parent (1.5 -> 1) or take a bool, and slicing would cut a table of
+        # another shape to fit: refuse both, naming the input
+        if not isinstance(parent_tokens, torch.Tensor) or parent_tokens.dtype == torch.bool or \
+                parent_tokens.is_floating_point() or parent_tokens.is_complex():
+            raise TypeError(f"parent_tokens: expected an integer tensor, got "
+                            f"{getattr(parent_tokens, 'dtype', type(parent_tokens).__name__)}")
+        if tuple(parent_tokens.shape) != (len(plan), cols):
+            raise ValueError(f"parent_tokens: expected [N, T_max] = [{len(plan)}, {cols}] (as state_indices), "
+                             f"got {list(parent_tokens.shape)}")
     out = []
     for n, ((s, e, _, stores, _), read) in enumerate(zip(plan, reads)):
         parents = [None] + list(range(e - s - 1))
@@ -61,7 +71,7 @@ def kda_verify_reference(q, k, v, g, beta, state, state_indices, cu_seqlens, num
     source, reads = flat, [read for _, _, read, _, _ in plan]     # the pool as it was before the call
     if initial_state is not None:
         source, reads = initial_state, _start_slots(initial_state_indices, initial_state.shape[0], pad_rows)
-    parents = _parents(parent_tokens, plan, reads)
+    parents = _parents(parent_tokens, plan, reads, state_indices.shape[1])
     qn, kn, vv, gl, bb = _prepare(q[0], k[0], v[0], g[0], beta[0], A_log, dt_bias, lower_bound, scale)
     out = torch.zeros(vv.shape, dtype=vv.dtype, device=v.device)
     for (s, e, _, stores, _), read, parent in zip(plan, reads, parents):
