@@ -418,11 +418,14 @@ def _indices(name: str, idx, length: int, device, what: str) -> None:
     _contiguous(name, idx)
 
 
-def check_offsets_span(name: str, offsets: list, T: int, detail: str = "") -> None:
-    """Host offsets (a non-empty list) that rise from 0 to T and never fall, else a ValueError naming the argument
-    the caller knows them by (cu_seqlens, SGLang's query_start_loc, fla's cu_seqlens_cpu); `detail` follows T."""
-    if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to T = {T}{detail}, got {offsets}")
+def check_offsets_span(name: str, offsets: list, T: int, detail: str = "", at_most: bool = False) -> None:
+    """Host offsets (a non-empty list) that rise from 0 to T (at_most: to T or below it, the rows past the last
+    offset owned by no sequence) and never fall, else a ValueError naming the argument the caller knows them by
+    (cu_seqlens, SGLang's query_start_loc, fla's cu_seqlens_cpu); `detail` follows T."""
+    end_ok = offsets[-1] <= T if at_most else offsets[-1] == T
+    if offsets[0] != 0 or not end_ok or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 {'up to at most' if at_most else 'to'} "
+                         f"T = {T}{detail}, got {offsets}")
 
 
 def inference_conflict(read: tuple, written: tuple) -> Optional[Tuple[str, str]]:

@@ -200,9 +200,8 @@ class PrefillGraphWrapper:
             offsets = cu.tolist()
             # against q's T before any rows are cut: kda_prefill sees only the cut rows (its T is the last offset),
             # and a last offset past T or below 0 would cut other rows than it names (slice(0, -2) counts from the end)
-            if offsets[0] != 0 or offsets[-1] > T or any(b < a for a, b in zip(offsets, offsets[1:])):
-                raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 up to at most T = {T} (q's "
-                                 f"tokens; rows past the last offset belong to no sequence), got {offsets}")
+            validation.check_offsets_span("cu_seqlens", offsets, T, " (q's tokens; rows past the last offset belong "
+                                          "to no sequence)", at_most=True)
             _indices_in_pool(idx, initial_state)
             rows = slice(0, offsets[-1])
             tokens = rows.stop
