@@ -228,7 +228,7 @@ if want bench && needs_gpu bench; then
   for op in $OPS; do
     case $op in
       fused) run_bench bench fused --no-unfused;;
-      prefill|prefill_slow|issue46) run_bench bench "$op" --no-fla --modes eager;;
+      prefill|prefill_slow) run_bench bench "$op" --no-fla --modes eager;;
       *) run_bench bench "$op" --no-fla;;
     esac
   done
