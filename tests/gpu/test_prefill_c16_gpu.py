@@ -264,22 +264,6 @@ def test_refuses_what_the_route_never_sends(name):
     assert mod["kda_prefill_workspace_bytes"](1000, 3, 2) == 0
 
 
-def test_route():
-    from flashkda_ext import dispatch
-    from flashkda_ext.validation.prefill import prefill_route_meta
-    # 64 x 512 tokens at 16 heads, the longest given (work_per_longest 1024, as the op computes it)
-    meta = prefill_route_meta("cuda", 64, 16, 64 * 512, 512, "f32", "o64", "bounded", False, lower_bound=-5.0)
-    assert dispatch.module_name("kda_prefill", meta, opted_in={"c16"}) == "prefill_c16_f32"
-    assert dispatch.module_name("kda_prefill", meta, opted_in={"c16p"}) == "prefill_c16p_f32"
-    assert dispatch.module_name("kda_prefill", dict(meta, state="bf16"), opted_in={"c16"}) == "prefill_c16_bf16"
-    # fused_chunk16's band: bounded at lb -5 is the role-split kernel's; prefill_c16 keeps what it refuses (log gate)
-    assert dispatch.module_name("kda_prefill", meta, opted_in=set()) == "prefill_c16ws_f32"
-    for other in (dict(meta, gate="softplus", lower_bound=None), dict(meta, lower_bound=-5.5)):
-        assert dispatch.module_name("kda_prefill", other, opted_in={"c16"}) == "prefill_c16_f32"
-    assert dispatch.module_name("kda_prefill", dict(meta, gate="log", lower_bound=None), opted_in=set()) == "prefill_c16_f32"
-    assert not dispatch.module_name("kda_prefill", dict(meta, checkpoints=True), opted_in={"c16"}).startswith("prefill_c16")
-
-
 PIECE_NAMES = [n for n in NAMES if RECS[n]["params"].get("pieces", 1) > 1]
 PIECE_CASES = [
     dict(id="b1_t4096_h2", lens=[4096], H=2),
@@ -354,9 +338,10 @@ def test_pieces_in_place_pool_runs_unsplit(name):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_public_op_routes_the_band_to_c16(state_dtype, gate):
     """flashkda_ext.kda_prefill at >= 384 sequences x heads of short sequences (routes fused_chunk16, bounded at
-    lower_bound -5, and fused_chunk16_decay, softplus and log) takes prefill_c16: its output and final state are bitwise
-    the module's called directly; with FLASHKDA_EXT_OPT_IN=chunk64, or the bounded gate at lower_bound -5.5, the same
-    shape stays on the chunk-64 modules."""
+    lower_bound -5, and fused_chunk16_decay, softplus and log) takes prefill_c16ws, the fused kernel split by role: its
+    output and final state are bitwise prefill_c16's called directly; with FLASHKDA_EXT_OPT_IN=chunk64, or the bounded
+    gate at lower_bound -5.5, the same shape stays on the chunk-64 modules. (The route table's every band edge:
+    tests/test_routes.py, on the CPU.)"""
     import flashkda_ext
     from flashkda_ext import dispatch
     seed("public_op", str(state_dtype), gate)
@@ -376,7 +361,7 @@ def test_public_op_routes_the_band_to_c16(state_dtype, gate):
                 offset="o32", gate=gate, checkpoints=False)
     from flashkda_ext.validation import prefill_route_meta
     m = prefill_route_meta(**meta, lower_bound=kw.get("lower_bound"))
-    assert dispatch.module_name("kda_prefill", m, ()) == f"prefill_c16_{tag}"
+    assert dispatch.module_name("kda_prefill", m, ()) == f"prefill_c16ws_{tag}"
     assert dispatch.module_name("kda_prefill", m, {"chunk64"}) == f"prefill_vt64s_{tag}"
     if gate == "bounded":
         m = prefill_route_meta(**meta, lower_bound=-5.5)
