@@ -239,7 +239,9 @@ def reference_verify(case, parents=None):
     draft tree: token t >= 1 from what token parents[n, t] stored). Returns (out, buffer)."""
     c = case
     q, k, v, pool, buf = c["q"][0], c["k"][0], c["v"][0], c["ssm_states"], c["intermediate_states_buffer"].clone()
-    a, b = c["a"].to(q.dtype).view(-1, H, K), c["b"].to(q.dtype)
+    # fp32 a / b are read as they are (kda_verify's fp32 reads), another dtype in q's
+    a, b = (x if x.dtype == torch.float32 else x.to(q.dtype) for x in (c["a"], c["b"]))
+    a = a.view(-1, H, K)
     out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
     offsets = c["query_start_loc"].tolist()
     one = torch.zeros(1, dtype=torch.int32)
@@ -279,6 +281,30 @@ def test_target_verify_matches_the_token_recurrence_and_never_writes_the_pool():
     written = torch.zeros(buf.shape[:2], dtype=torch.bool)
     written[3, :3] = written[1, :3] = True
     assert torch.equal(bits(buf[~written]), bits(buf0[~written]))
+
+
+def test_target_verify_reads_fp32_gate_and_beta_as_they_are():
+    """An fp32 raw gate a and beta logit b beside bf16 q (as SGLang's projection may hand them) reach kda_verify as
+    fp32 (its routes' _gb32 twins read them; SGLang's kernel reads them unrounded): the result is bitwise
+    kda_verify's on the same fp32 values, not on values rounded to q's dtype."""
+    from flashkda_ext import ops
+    case = verify_case([3, 2], steps=3, rows=[0, 2], cidx=[1, 4], seed=23, dtype=torch.bfloat16)
+    buf0 = case["intermediate_states_buffer"].clone()
+    o = call_verify(case)
+    H_, K_ = case["q"].shape[2], case["q"].shape[3]
+    T = case["q"].shape[1]
+    common = dict(state=None, state_indices=case["intermediate_state_indices"], cu_seqlens=case["query_start_loc"],
+                  max_seqlen=3, A_log=case["A_log"].flatten(), dt_bias=case["dt_bias"], gate="softplus",
+                  beta_is_logit=True, initial_state=case["ssm_states"], initial_state_indices=case["cache_indices"])
+    outs = {}
+    for name, dtype in (("fp32", torch.float32), ("rounded", torch.bfloat16)):
+        buf = buf0.clone()
+        g = case["a"].to(dtype).view(1, T, H_, K_)
+        beta = case["b"].to(dtype).view(1, T, H_)
+        outs[name] = ops.kda_verify(case["q"], case["k"], case["v"], g, beta, **dict(common, state=buf)), buf
+    assert torch.equal(bits(o), bits(outs["fp32"][0]))
+    assert torch.equal(bits(case["intermediate_states_buffer"]), bits(outs["fp32"][1]))
+    assert not torch.equal(bits(o), bits(outs["rounded"][0]))     # the cast this replaces would have changed it
 
 
 def test_target_verify_mixed_draft_counts_bf16():

@@ -253,8 +253,10 @@ def by_hand(c):
             flat[row * S] = c["ssm_states"][slot]
             slots[n] = row * S + torch.arange(S, dtype=torch.int32)
     q = c["q"]
+    # fp32 a / b as they are (kda_verify reads them natively), another dtype in q's
+    a, b = (x if x.dtype == torch.float32 else x.to(q.dtype) for x in (c["a"], c["b"]))
     o = ops.kda_verify(q.contiguous(), c["k"].contiguous(), c["v"].contiguous(),
-                       c["a"].to(q.dtype).view(1, -1, heads, dk), c["b"].to(q.dtype).view(1, -1, heads), state=flat,
+                       a.view(1, -1, heads, dk), b.view(1, -1, heads), state=flat,
                        state_indices=slots.to(q.device), cu_seqlens=c["query_start_loc"], max_seqlen=S,
                        A_log=c["A_log"].flatten(), dt_bias=c["dt_bias"], gate="softplus", beta_is_logit=True)
     return o, buf

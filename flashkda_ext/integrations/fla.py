@@ -443,7 +443,7 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
     def slot_index(x):   # out of the pool: refused on the host, padding on a device (never written)
         return plan.index("ssm_state_indices", x, high=slots - 1, pad=-1,
                           what=f" (a pool of {slots} slots; negative = padding)")
-    # g and beta are cast where they are used: kda_decode keeps fp32 ones, kda_verify / kda_prefill take q's dtype
+    # g and beta are cast where they are used: kda_decode / kda_verify keep fp32 ones, kda_prefill takes q's dtype
     gate_kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale,
                    beta_is_logit=bool(use_beta_sigmoid_in_kernel))
 

@@ -78,7 +78,10 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
                     raise ValueError(f"retrieve_parent_token: entry [{n}, {t}] = {int(par[n, t])}; expected the "
                                      f"parent of draft token {t}, a token before it (in [0, {t}))")
     q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
-    args = (q, k, v, as_rows("a", a, dtype, (1, T, HV, K), 1), as_rows("b", b, dtype, (1, T, HV), 1, vector=False))
+    # fp32 a / b stay fp32: kda_verify reads them natively (its routes' _gb32 twins), as SGLang's kernel does;
+    # another dtype goes to q's
+    args = (q, k, v, as_rows("a", a, torch.float32 if a.dtype == torch.float32 else dtype, (1, T, HV, K), 1),
+            as_rows("b", b, torch.float32 if b.dtype == torch.float32 else dtype, (1, T, HV), 1, vector=False))
     dest = None if out is None else validation._tensor("out", out)   # kda_verify checks its shape (named)
     # SGLang never writes ssm_states: refused even as the identical view kda_verify would accept
     validation.check_apart((("out", dest), ("intermediate_states_buffer", buf)),
