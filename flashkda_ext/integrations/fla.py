@@ -10,9 +10,9 @@ the rest (training, K-first state, context parallel, per-chunk intermediate stat
 
 The mapping itself (serve_chunk_kda, serve_fused_recurrent_kda_fwd and their verifiers) imports nothing
 from fla; only register() does. Conversions done here, each one pass, documented in docs/integrations.md:
-g and beta in fp32 beside bf16 q (as engines produce them) go to kda_decode as they are (it reads fp32 g
-and beta natively); for kda_prefill and kda_verify, and in any other dtype than q's or fp32, they are
-cast to q's dtype (those kernels read them in q's dtype); A_log / dt_bias are flattened to [HV] /
+g and beta in fp32 beside bf16 q (as engines produce them) go to kda_decode and kda_verify as they are
+(both read fp32 g and beta natively); for kda_prefill, and in any other dtype than q's or fp32, they are
+cast to q's dtype (kda_prefill reads them in q's dtype only); A_log / dt_bias are flattened to [HV] /
 [HV*K] float32; int64 slot indices, offsets and counts become int32 through common_checks.narrow_int32
 (range-checked, never wrapped); a non-fp32 dense initial state of fused_recurrent is
 read through an fp32 copy (fla's final state is fp32).
