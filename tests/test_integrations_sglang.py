@@ -904,3 +904,17 @@ def test_the_captured_prefills_device_band_is_the_routes_band(lens, HV):
         want = dispatch.rule_matches(rule["when"], meta) if live_lens else False
         got = bool(in_band_on_device(rule["when"], cu, cu[1:] > cu[:-1], HV))
         assert got == want, (rule["name"], lens, HV, meta)
+
+
+def test_capability_reason_checks_value_heads_not_query_heads():
+    """The fallback test reads the supported set with H and HV in their places: on CUDA, 3 query heads over 12
+    value heads (HV = 12 supported, group size 4) is served, 6 value heads (not a CUDA head count) falls back
+    naming HV; the pool is a CPU tensor and the backend CUDA (the check reads no data)."""
+    from types import SimpleNamespace
+    from flashkda_ext.integrations.sglang import kernel as sk
+    cuda = SimpleNamespace(is_cuda=True, is_cpu=False)
+    pool = torch.zeros(1, 1, 1, 1)
+    for family in ("kda_decode", "kda_verify", "kda_prefill"):
+        assert sk._capability_reason(family, torch.bfloat16, pool, 3, 128, 12, 128, "softplus", cuda, (), ()) is None
+        why = sk._capability_reason(family, torch.bfloat16, pool, 6, 128, 6, 128, "softplus", cuda, (), ())
+        assert why is not None and "value head count HV = 6" in why, why

@@ -125,7 +125,7 @@ def _capability_reason(family: str, q_dtype, pool, H: int, K: int, HV: int, V: i
         why = f"a tensor on {device_of.device} (flashkda_ext runs on CUDA and CPU)"
     else:
         try:
-            _common._supported_dims(family, backend, K, V, HV, H, validation.dtype_name(q_dtype),
+            _common._supported_dims(family, backend, K, V, H, HV, validation.dtype_name(q_dtype),
                                        validation.dtype_name(pool.dtype), gate, None, "ssm_states")
             why = None
         except ValueError as e:
