@@ -190,6 +190,16 @@ def test_register_needs_fla(monkeypatch):
         fkda_fla.register()
     monkeypatch.delenv("FLASHKDA_EXT_FLA", raising=False)
     assert fkda_fla.register_from_env() is None
+    # read as every on/off variable (switches.py): "off" is off (it once registered), a non-switch an error
+    for off in ("off", "false", "0"):
+        monkeypatch.setenv("FLASHKDA_EXT_FLA", off)
+        assert fkda_fla.register_from_env() is None
+    monkeypatch.setenv("FLASHKDA_EXT_FLA", "on")
+    with pytest.raises(ImportError, match="needs fla >= 0.6"):     # register() was called
+        fkda_fla.register_from_env()
+    monkeypatch.setenv("FLASHKDA_EXT_FLA", "maybe")
+    with pytest.raises(ValueError, match="FLASHKDA_EXT_FLA"):
+        fkda_fla.register_from_env()
 
 
 def test_verdicts_are_reused_only_for_the_same_call_signature():

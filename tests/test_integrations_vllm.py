@@ -130,6 +130,40 @@ def test_install_without_vllm_says_so(monkeypatch):
     assert fkda_vllm.install_from_env() is None
 
 
+@pytest.mark.parametrize("value", ["off", "false", "no", "0", " 0 ", ""])
+def test_the_install_switches_read_off_as_off(monkeypatch, value):
+    """FLASHKDA_EXT_VLLM and the opt-in adapters' variables are read as every on/off variable is (switches.py):
+    "off" / "false" / "no" install nothing (they once meant on: any value but "" / "0" installed)."""
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)   # install() would raise ImportError
+    monkeypatch.setenv(fkda_vllm.ENV_VAR, value)
+    assert fkda_vllm.install_from_env() is None
+    for _point, _module, _bodies, variable in fkda_vllm.OPT_IN_POINTS:
+        monkeypatch.setenv(variable, value)
+        assert fkda_vllm._opted_in(variable) is False
+
+
+@pytest.mark.parametrize("value", ["1", "on", "TRUE", "yes"])
+def test_the_install_switches_read_on_as_on(monkeypatch, value):
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)
+    monkeypatch.setenv(fkda_vllm.ENV_VAR, value)
+    with pytest.raises(ImportError, match="is vllm installed"):     # install() was called
+        fkda_vllm.install_from_env()
+    for _point, _module, _bodies, variable in fkda_vllm.OPT_IN_POINTS:
+        monkeypatch.setenv(variable, value)
+        assert fkda_vllm._opted_in(variable) is True
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "of"])
+def test_an_install_switch_that_is_no_switch_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv(fkda_vllm.ENV_VAR, value)
+    with pytest.raises(ValueError, match=fkda_vllm.ENV_VAR):
+        fkda_vllm.install_from_env()
+    for _point, _module, _bodies, variable in fkda_vllm.OPT_IN_POINTS:
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=variable):
+            fkda_vllm._opted_in(variable)
+
+
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_a_missing_wheel_fails_under_ci_and_skips_elsewhere(monkeypatch, ci):
     def no_wheel():

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import collections
 import inspect
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .. import validation
+from .. import switches, validation
 from . import _indices, common_checks, fla_chunk_states
 from ..custom_ops import _check_on_meta
 
@@ -614,7 +613,8 @@ def register(priority: int = PRIORITY) -> type:
 
 
 def register_from_env() -> Optional[type]:
-    """register() when FLASHKDA_EXT_FLA=1 (for a launcher or sitecustomize that cannot edit the engine)."""
-    if os.environ.get("FLASHKDA_EXT_FLA", "0") != "0":
+    """register() when FLASHKDA_EXT_FLA=1 (for a launcher or sitecustomize that cannot edit the engine); read as
+    every on/off variable is (flashkda_ext.switches: a value that is no switch is a ValueError naming it)."""
+    if switches.env_switch("FLASHKDA_EXT_FLA", False, on="register the fla backend", off="do not"):
         return register()
     return None

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import sys
 
+from ... import switches
 from . import _post_import, k3, k3_layer, k3_native, vendored
 from ._common import REASONS, ROUTED, STATS, Refused, serve_or_fall_back
 
@@ -53,7 +53,8 @@ _ACTIVE: dict = {}      # call site -> (original, adapter) while installed
 
 
 def _opted_in(variable: str) -> bool:
-    return os.environ.get(variable, "0") not in ("", "0")
+    # as every on/off variable is read (flashkda_ext.switches): a value that is no switch is a ValueError naming it
+    return switches.env_switch(variable, False, on="install this opt-in adapter", off="leave vLLM's call")
 
 
 def _params(fn) -> list:
@@ -190,6 +191,6 @@ def installed() -> bool:
 def install_from_env():
     """install() when FLASHKDA_EXT_VLLM=1, else nothing (None). The pyproject entry point in vLLM's
     'vllm.general_plugins' group calls it, so vLLM runs it in every process (engine core and workers)."""
-    if os.environ.get(ENV_VAR, "0") not in ("", "0"):
+    if switches.env_switch(ENV_VAR, False, on="install the adapters", off="leave vLLM as it is"):
         return install()
     return None
