@@ -38,6 +38,11 @@ def _castable(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dtype.is_complex and not dtype.is_complex:
         raise TypeError(f"{name}: expected a real floating-point tensor (read as {dtype}), got {x.dtype} (a cast "
                         f"would drop the imaginary part)")
+    if dtype.is_floating_point and not x.dtype.is_floating_point:
+        # only a float is converted (docs/integrations.md): an integer or bool tensor is refused by the ops and
+        # by the fla / vLLM adapters; a cast would serve a bool beta logit as 0 / 1
+        raise TypeError(f"{name}: expected a floating-point tensor (read as {dtype}), got {x.dtype} (only a "
+                        f"floating-point tensor is converted)")
 
 
 def _unsigned_view(name: str, x: torch.Tensor) -> None:
@@ -68,6 +73,32 @@ def as_rows(name: str, x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int,
         return x.to(dtype, memory_format=torch.contiguous_format)
     _unsigned_view(name, x)
     return rows_view(x, row_dim, vector=vector)
+
+
+def tokens_first(name: str, x, T: int) -> None:
+    """SGLang hands a gate / beta over as [T, ...] or [1, T, ...] (a flat [T*HV*K] too); reshaped() reads it by its
+    element count, so a layout with the tokens elsewhere ([HV*K, T], a transposed view) would be served on
+    scrambled values: a ValueError naming the argument instead."""
+    if not torch.is_tensor(x):
+        return      # reshaped() names it
+    dims = list(x.shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    if len(dims) > 1 and dims[0] != T:
+        raise ValueError(f"{name}: expected the tokens first ([T, ...] or [1, T, ...] with T = {T}), got shape "
+                         f"{list(x.shape)}")
+
+
+def gate_rows(name: str, x, q: torch.Tensor, shape, row_dim: int, vector: bool = True) -> torch.Tensor:
+    """SGLang's raw gate a / beta logit b (`name`) as kda_decode (row_dim 0) / kda_verify (row_dim 1) read them
+    (as_rows): fp32 as it is (both ops read fp32 g / beta natively), another floating dtype in q's. No tensor is a
+    TypeError, a tensor on another device than q a ValueError, each naming SGLang's argument (the op would name
+    its own g / beta)."""
+    if torch.is_tensor(x) and x.device != q.device:
+        raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
+    tokens_first(name, x, shape[row_dim])
+    dtype = torch.float32 if torch.is_tensor(x) and x.dtype == torch.float32 else q.dtype
+    return as_rows(name, x, dtype, shape, row_dim, vector=vector)
 
 
 def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -17,7 +17,7 @@ from ... import validation
 from ...validation import common as _common
 from ..common_checks import int32_indices, unchecked_on_device
 from . import extend_states, verify
-from .dense import as_dense as _as, as_rows, dense_qkv, qkv_rows
+from .dense import as_dense as _as, dense_qkv, gate_rows, qkv_rows, tokens_first
 
 #: calls per (method, "served" | "fell_back")
 STATS: collections.Counter = collections.Counter()
@@ -266,7 +266,6 @@ class FlashKDAExtKernel:
         from ...ops import kda_decode
         T, H, K = q.shape
         HV, V = v.shape[1], v.shape[2]
-        dtype = q.dtype
         A, dt = _params(A_log, dt_bias)
         if A is None or dt is None:     # SGLang's decode kernels read both (no bias-free variant)
             raise ValueError(f"{'A_log' if A is None else 'dt_bias'}: decode activates the raw gate a in the kernel "
@@ -274,8 +273,8 @@ class FlashKDAExtKernel:
         gate, lb = _gate(lower_bound, A)
         # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype; SGLang's row-strided views
         # (a, b column slices of its projection; q, k, v of mixed_qkv) go as they are where kda_decode reads them
-        a = as_rows("a", a, torch.float32 if a.dtype == torch.float32 else dtype, (T, HV, K), 0)
-        b = as_rows("b", b, torch.float32 if b.dtype == torch.float32 else dtype, (T, HV), 0, vector=False)
+        a = gate_rows("a", a, q, (T, HV, K), 0)
+        b = gate_rows("b", b, q, (T, HV), 0, vector=False)
         idx = int32_indices("cache_indices", cache_indices, (T,))
         q, k, v = qkv_rows(q, k, v, 0)
         o = kda_decode(q, k, v, a, b, state=ssm_states, state_indices=idx, A_log=A, dt_bias=dt, lower_bound=lb,
@@ -370,6 +369,8 @@ class FlashKDAExtKernel:
             dt = torch.zeros(HV * K, dtype=torch.float32, device=q.device)
         idx = int32_indices("cache_indices", cache_indices, (N,))
         # kda_prefill reads g and beta in q's dtype
+        tokens_first("g", g, T)
+        tokens_first("beta", beta, T)
         args = (*dense_qkv(q, k, v), _as("g", g, dtype, (1, T, HV, K)), _as("beta", beta, dtype, (1, T, HV)))
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=beta_is_raw,
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)

@@ -14,7 +14,7 @@ import torch
 
 from ... import validation
 from ..common_checks import int32_indices, narrow_int32
-from .dense import as_dense as _as, as_rows, qkv_rows
+from .dense import as_dense as _as, gate_rows, qkv_rows
 
 
 def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc, buf, table,
@@ -55,7 +55,6 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
         if longest > bound:
             raise ValueError(f"query_start_loc: a request has {longest} draft tokens, more than "
                              f"{'cache_steps' if cache_steps is not None else 'the buffer steps S'} = {bound}")
-    dtype = q.dtype
     A = None if A_log is None else _as("A_log", A_log, torch.float32, (-1,))
     dt = None if dt_bias is None else _as("dt_bias", dt_bias, torch.float32, (-1,))
     if A is None or dt is None:     # SGLang's verify kernel reads both (no bias-free variant)
@@ -79,9 +78,8 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
                                      f"parent of draft token {t}, a token before it (in [0, {t}))")
     q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
     # fp32 a / b stay fp32: kda_verify reads them natively (its routes' _gb32 twins), as SGLang's kernel does;
-    # another dtype goes to q's
-    args = (q, k, v, as_rows("a", a, torch.float32 if a.dtype == torch.float32 else dtype, (1, T, HV, K), 1),
-            as_rows("b", b, torch.float32 if b.dtype == torch.float32 else dtype, (1, T, HV), 1, vector=False))
+    # another floating dtype goes to q's (gate_rows)
+    args = (q, k, v, gate_rows("a", a, q, (1, T, HV, K), 1), gate_rows("b", b, q, (1, T, HV), 1, vector=False))
     dest = None if out is None else validation._tensor("out", out)   # kda_verify checks its shape (named)
     # SGLang never writes ssm_states: refused even as the identical view kda_verify would accept
     validation.check_apart((("out", dest), ("intermediate_states_buffer", buf)),
