@@ -50,8 +50,10 @@ def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: 
     dt_bias, lower_bound, scale, beta_is_logit). A [HV, K, K] and B [HV, V, K] are in state_dtype
     (float32, or float64 on the CPU). transition=False leaves A out (B alone: the map's offset).
     one_call: both maps from one kda_prefill over 2 HV value heads (_summary_one_call; needs V == K).
-    Off by default: tested on the CPU backend, not yet run or timed on a GPU (benchmarks/bench_cp.py
-    has both forms side by side: its "summary" arm is this default, "summary_one_call" the other)."""
+    Off by default: tested on the CPU backend; on the H200 (2026-12-02, 770472b, bench_cp.py --quick) it cost
+    2.21-2.33x the prefill per token against 2.09-2.28x for the two calls (docs/context-parallel.md; the run's
+    JSON was not kept in benchmarks/results/h200-2026-12-02-770472b). benchmarks/bench_cp.py has both forms side
+    by side: its "summary" arm is this default, "summary_one_call" the other."""
     # checked before any shape is read (a 3-D v raised IndexError) or a flag is taken by truth value
     # (transition="no" dropped A, one_call="no" took the one-call form)
     for name, x, ndim in (("q", q, 4), ("v", v, 4)):
