@@ -788,3 +788,17 @@ def test_cuda_index_tensors_saved_and_calls_during_capture_not_traced(tmp_path, 
     lines = read_workloads(tmp_path, json.loads(path.read_text()))
     assert len(lines) == 1 and lines[0]["definition"] == name
     assert lines[0]["workload"]["inputs"]["state_indices"]["type"] == "safetensors"
+
+
+def test_the_consumer_runs_as_a_module_without_a_second_copy():
+    """`python -m flashkda_ext.trace_consumer` (docs/trace-format.md): importing the package does not load
+    trace_consumer, so runpy runs it once (it warned of a second copy when the trace package imported it)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sys, flashkda_ext; print('flashkda_ext.trace_consumer' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    assert r.stdout.strip() == "False"
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "flashkda_ext.trace_consumer", "--help"],
+                       capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0 and "usage:" in r.stdout and "RuntimeWarning" not in r.stderr, r.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict, Mapping, Optional
 
-from ..trace_consumer import safe_eval
+from .expr import safe_eval
 from .templates import _source, load_template
 
 

@@ -6,7 +6,7 @@ import os
 import uuid as _uuid
 from typing import Any, Dict, List, Mapping, Optional
 
-from ..trace_consumer import safe_eval
+from .expr import safe_eval
 from .layout import blob_reldir
 from .templates import load_template
 
