@@ -47,6 +47,13 @@ def _param(name: str, x, n: int, what: str = "") -> torch.Tensor:
     if x.dtype not in _PARAM_DTYPES:
         raise Refused(f"{name} of dtype {x.dtype}: flashkda_ext reads a floating-point {name} as fp32, as vLLM's "
                       f"kernels do")
+    if not x.is_contiguous():
+        # vLLM's decode / verify kernels read the parameter's memory (A_log + i_h, dt_bias + i_h * K + k; their
+        # wrappers refuse or assert a strided one, fuse_gate=False reads it as it lies): reshape(-1) of a strided
+        # view (a transposed [K, H] dt_bias) would serve other values than those, so the call falls back (the
+        # layers pass their contiguous parameters; only the chunk wrapper reshapes first, and falls back too)
+        raise Refused(f"{name} of strides {list(x.stride())} for shape {list(x.shape)}: vLLM's kernels read "
+                      f"{name} in memory order (a contiguous tensor)")
     return x.reshape(-1).float()
 
 
@@ -93,6 +100,8 @@ def _first(x: torch.Tensor, n: int) -> torch.Tensor:
 def _dense_out(out, shape: tuple):
     if out is None:
         return None
+    if not isinstance(out, torch.Tensor):    # no AttributeError from .shape: vLLM's wrapper reports it
+        raise Refused(f"out is {type(out).__name__}: vLLM passes a tensor or None here")
     if tuple(out.shape) != shape or not out.is_contiguous():
         raise Refused(f"out must be a contiguous {list(shape)}, got shape {list(out.shape)} "
                       f"strides {list(out.stride())}")
@@ -159,6 +168,10 @@ def serve_chunk_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=N
     # vLLM reads h0 (the pool's dtype, gathered) into fp32 and returns an fp32 final state: one dense fp32 copy
     # at most (to() alone keeps an fp32 tensor's strides)
     init = initial_state
+    if init is not None and (not isinstance(init, torch.Tensor) or init.dtype not in _PARAM_DTYPES):
+        # to(fp32) would drop a complex state's imaginary part (and read an integer / bool one as numbers)
+        raise Refused(f"initial_state of {getattr(init, 'dtype', type(init).__name__)}: vLLM reads a "
+                      f"floating-point initial_state into fp32")
     if init is not None:
         init = init.contiguous() if init.dtype == torch.float32 else \
             init.to(torch.float32, memory_format=torch.contiguous_format)
