@@ -103,7 +103,7 @@ def gate_dtypes(q: torch.Tensor, ok: tuple, **named) -> None:
     for name, x in named.items():
         if x.dtype not in ok:
             raise Refused(f"{name} of dtype {x.dtype} beside q of {q.dtype}: the op reads {name} in "
-                          f"{' or '.join(map(str, ok))} (a cast would change what vLLM's kernel computes)")
+                          f"{' or '.join(map(str, dict.fromkeys(ok)))} (a cast would change what vLLM's kernel computes)")
 
 
 def dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
