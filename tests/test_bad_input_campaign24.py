@@ -23,8 +23,8 @@ marked "guard".
 - guard, fla: the verifier passes fp32 / bf16 g / beta (mixed, column slices) to kda_verify as they are, fp16 cast to
   q's dtype; integer, bool, complex, meta, a transposed g or a [T, HV] beta is refused (fla's Triton runs it).
 - SGLang: `a` / `b` (and extend's `g` / `beta`) were read by element count, so an `a` [HV*K, T] (a.t(), or made
-  contiguous) or a `b` [HV, T] was served on scrambled values. Now the tokens must come first ([T, ...] or
-  [1, T, ...]; a flat [T*HV*K] too), else a ValueError naming it.
+  contiguous) or a `b` [HV, T] was served on scrambled values. Now SGLang's layouts only ([1, T, HV, K], [T, HV, K],
+  each token flat, or all flat: dense.token_layout), else a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -321,4 +321,20 @@ def test_sglang_extend_gate_or_beta_with_the_tokens_elsewhere_is_named(name):
         c = dict(c)
         return FlashKDAExtKernel().extend(*[c.pop(n) for n in ("q", "k", "v", "g", "beta")], **c)
     e = refusal(run, c)
-    assert type(e) is ValueError and str(e).startswith(f"{name}: expected the tokens first"), repr(e)
+    assert type(e) is ValueError and str(e).startswith(f"{name}: expected shape [1, T, "), repr(e)
+
+
+def test_sglang_extend_gate_with_each_tokens_values_transposed_is_named():
+    """g [1, T, K, HV] (K != HV: the element count and the tokens right, each token's values transposed) was served
+    on scrambled values (campaign 27: up to 0.23 apart); a ValueError naming g, the pool bitwise unchanged."""
+    from test_integrations_sglang import extend_case
+    q, k, v, g, beta, A_log, dt_bias, pool, qsl, _ = extend_case()
+    assert g.shape[-1] != g.shape[-2]
+    c = dict(q=q, k=k, v=v, g=g.transpose(-1, -2).contiguous(), beta=beta, A_log=A_log, dt_bias=dt_bias,
+             ssm_states=pool, cache_indices=torch.tensor([4, 1], dtype=torch.int32), query_start_loc=qsl)
+
+    def run(c):
+        c = dict(c)
+        return FlashKDAExtKernel().extend(*[c.pop(n) for n in ("q", "k", "v", "g", "beta")], **c)
+    e = refusal(run, c)
+    assert type(e) is ValueError and str(e).startswith("g: expected shape [1, T, "), repr(e)

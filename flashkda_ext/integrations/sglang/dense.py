@@ -75,18 +75,17 @@ def as_rows(name: str, x: torch.Tensor, dtype: torch.dtype, shape, row_dim: int,
     return rows_view(x, row_dim, vector=vector)
 
 
-def tokens_first(name: str, x, T: int) -> None:
-    """SGLang hands a gate / beta over as [T, ...] or [1, T, ...] (a flat [T*HV*K] too); reshaped() reads it by its
-    element count, so a layout with the tokens elsewhere ([HV*K, T], a transposed view) would be served on
-    scrambled values: a ValueError naming the argument instead."""
+def token_layout(name: str, x, T: int, inner: tuple) -> None:
+    """SGLang's gate / beta as [1, T, *inner] or [T, *inner], or with each token's values flat ([1, T, n], [T, n], or
+    all flat [T*n]): reshaped() reads them by their element count, so another layout of that count (the tokens last,
+    a token's [K, HV] transposed) would be served on scrambled values. A ValueError naming it (no tensor: reshaped
+    names it)."""
     if not torch.is_tensor(x):
-        return      # reshaped() names it
-    dims = list(x.shape)
-    while len(dims) > 1 and dims[0] == 1:
-        dims.pop(0)
-    if len(dims) > 1 and dims[0] != T:
-        raise ValueError(f"{name}: expected the tokens first ([T, ...] or [1, T, ...] with T = {T}), got shape "
-                         f"{list(x.shape)}")
+        return
+    n = math.prod(inner)
+    if tuple(x.shape) not in {(1, T, *inner), (T, *inner), (1, T, n), (T, n), (T * n,)}:
+        raise ValueError(f"{name}: expected shape [1, T, {', '.join(map(str, inner))}] with T = {T} (q's tokens; or "
+                         f"[T, ...], or each token's values flat), got {list(x.shape)}")
 
 
 def gate_rows(name: str, x, q: torch.Tensor, shape, row_dim: int, vector: bool = True) -> torch.Tensor:
@@ -96,7 +95,7 @@ def gate_rows(name: str, x, q: torch.Tensor, shape, row_dim: int, vector: bool =
     its own g / beta)."""
     if torch.is_tensor(x) and x.device != q.device:
         raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
-    tokens_first(name, x, shape[row_dim])
+    token_layout(name, x, shape[row_dim], tuple(shape[row_dim + 1:]))
     dtype = torch.float32 if torch.is_tensor(x) and x.dtype == torch.float32 else q.dtype
     return as_rows(name, x, dtype, shape, row_dim, vector=vector)
 

@@ -17,7 +17,7 @@ from ... import validation
 from ...validation import common as _common
 from ..common_checks import int32_indices, unchecked_on_device
 from . import extend_states, verify
-from .dense import as_dense as _as, dense_qkv, gate_rows, qkv_rows, tokens_first
+from .dense import as_dense as _as, dense_qkv, gate_rows, qkv_rows, token_layout
 
 #: calls per (method, "served" | "fell_back")
 STATS: collections.Counter = collections.Counter()
@@ -344,6 +344,10 @@ class FlashKDAExtKernel:
             raise ValueError(f"query_start_loc: expected [N+1] = [{N + 1}] offsets (one per cache index + 1), "
                              f"got {got}")
         _check_offsets(query_start_loc, q, T)
+        # named as SGLang passes them (kda_prefill would name them state / state_indices)
+        for name, x in (("ssm_states", ssm_states), ("cache_indices", cache_indices)):
+            if torch.is_tensor(x) and x.device != q.device:
+                raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
         if track_chunk_idx is not None and track_state is None:
             # SGLang's chunk_kda asserts they come together: the indices alone would be dropped
             raise ValueError("track_chunk_idx: given without track_state; SGLang's chunk_kda takes them together "
@@ -357,7 +361,9 @@ class FlashKDAExtKernel:
             # written after the pool is committed: sharing memory with the pool would overwrite its slots
             validation.check_apart((("track_state", track_state),),
                                    (("ssm_states", ssm_states), ("q", q), ("k", k), ("v", v), ("g", g),
-                                    ("beta", beta), ("track_chunk_idx", track_chunk_idx)))
+                                    ("beta", beta), ("track_chunk_idx", track_chunk_idx), ("A_log", A_log),
+                                    ("dt_bias", dt_bias), ("cache_indices", cache_indices),
+                                    ("query_start_loc", query_start_loc)))
         ckpt = need_h or track_state is not None
         lengths = extend_states.host_lengths(query_start_loc, extend_seq_lens_cpu, T, exact=ckpt)
         dtype = q.dtype
@@ -369,8 +375,8 @@ class FlashKDAExtKernel:
             dt = torch.zeros(HV * K, dtype=torch.float32, device=q.device)
         idx = int32_indices("cache_indices", cache_indices, (N,))
         # kda_prefill reads g and beta in q's dtype
-        tokens_first("g", g, T)
-        tokens_first("beta", beta, T)
+        token_layout("g", g, T, (HV, K))
+        token_layout("beta", beta, T, (HV,))
         args = (*dense_qkv(q, k, v), _as("g", g, dtype, (1, T, HV, K)), _as("beta", beta, dtype, (1, T, HV)))
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, beta_is_logit=beta_is_raw,
                   cu_seqlens=query_start_loc, state=ssm_states, state_indices=idx, output_final_state=True)

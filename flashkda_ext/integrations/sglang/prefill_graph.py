@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from ... import dispatch, switches, validation
-from .dense import as_dense, dense_qkv, reshaped
+from .dense import as_dense, dense_qkv, reshaped, token_layout
 from .kernel import _gate, _params, _qkv_dims
 
 ENV_VAR = "FLASHKDA_EXT_SGLANG_PREFILL_GRAPH"
@@ -110,11 +110,11 @@ def launches(args, kw, cu, idx, live, T: int, HV: int):
             (torch.where(fused, none, cu), torch.where(~fused & live, idx, -1), T)]
 
 
-def _indices_in_pool(idx: torch.Tensor, pool) -> None:
+def _indices_in_pool(idx: torch.Tensor, pool, live: torch.Tensor) -> None:
     """Host slot indices: every entry below the pool's slot count, an empty sequence's too. run turns an empty
     sequence's entry into padding before kda_prefill sees it, and kda_prefill refuses an entry past the pool
-    whatever its sequence's length: checked here, under SGLang's name. A pool that is no [slots, HV, V, K] tensor,
-    or indices on another device, are left to kda_prefill, which names them."""
+    whatever its sequence's length: checked here, under SGLang's name, as a live slot given to two sequences (the
+    binding would name its own state_indices). A pool that is no [slots, HV, V, K] tensor is left to kda_prefill."""
     if not (isinstance(pool, torch.Tensor) and pool.dim() == 4 and idx.device.type == "cpu"):
         return
     past = (idx >= pool.shape[0]).nonzero()
@@ -122,6 +122,13 @@ def _indices_in_pool(idx: torch.Tensor, pool) -> None:
         n = int(past[0, 0])
         raise ValueError(f"ssm_state_indices: entry {n} = {int(idx[n])} is out of range for initial_state's "
                          f"{pool.shape[0]} slots (expected < {pool.shape[0]}; negative = padding)")
+    seen = set()
+    for slot, on in zip(idx.tolist(), live.tolist()):
+        if on and slot >= 0:
+            if slot in seen:
+                raise ValueError(f"ssm_state_indices: slot {slot} is given to more than one live sequence (expected "
+                                 f"each live slot once; an empty sequence's entry is not read)")
+            seen.add(slot)
 
 
 class PrefillGraphWrapper:
@@ -182,15 +189,22 @@ class PrefillGraphWrapper:
         T, H, K, HV, V = _qkv_dims(q, v)
         if k.shape != q.shape:      # the host path cuts k to the planned rows: a k of another length would pass
             raise ValueError(f"k: expected shape [1, T, H, K] = {list(q.shape)} (q's), got {list(k.shape)}")
+        token_layout("g", g, T, (HV, K))
+        token_layout("beta", beta, T, (HV,))
         cu = self.cu_seqlens
         N = cu.shape[0] - 1
         idx = validation._tensor("ssm_state_indices", ssm_state_indices)
         if idx.shape != (N,) or idx.dtype != torch.int32:
             raise ValueError(f"ssm_state_indices: expected int32 [N] = [{N}] (one slot per planned sequence), got "
                              f"{list(idx.shape)} {idx.dtype}")
+        pool = validation._tensor("initial_state", initial_state)
         out = validation._tensor("output", output) if output is not None else torch.empty_like(v)
         if tuple(out.shape) != (1, T, HV, V):
             raise ValueError(f"output: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
+        # named here as SGLang passes them (kda_prefill would name them state_indices / state / out)
+        for name, x in (("ssm_state_indices", idx), ("initial_state", pool), ("output", out)):
+            if x.device != q.device:
+                raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
         live = cu[1:] > cu[:-1]          # an empty sequence (SGLang's padding, slot clamped to 0): no read, no write
         A, dt = _params(A_log, dt_bias)
         gate, lb = _gate(lower_bound, A)
@@ -202,7 +216,7 @@ class PrefillGraphWrapper:
             # and a last offset past T or below 0 would cut other rows than it names (slice(0, -2) counts from the end)
             validation.check_offsets_span("cu_seqlens", offsets, T, " (q's tokens; rows past the last offset belong "
                                           "to no sequence)", at_most=True)
-            _indices_in_pool(idx, initial_state)
+            _indices_in_pool(idx, initial_state, live)
             rows = slice(0, offsets[-1])
             tokens = rows.stop
             qh, kh, vh = (x[:, rows] for x in dense_qkv(q, k, v))

@@ -141,6 +141,8 @@ def serve_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     """g is the log decay (fla's use_gate_in_kernel=False), beta activated; the state [N, HV, V, K]."""
     _no_unknown(kwargs)
     tensors(q=q, k=k, v=v, g=g, beta=beta)
+    if initial_state is not None:     # read below (.is_contiguous()): another object falls back, named
+        tensors(initial_state=initial_state)
     # kda_prefill reads g and beta in q's dtype: bailing_moe_v3's fp32 gate (fused_kda_gate) and beta would be
     # rounded, where vLLM's kernel reads them in fp32
     gate_dtypes(q, (q.dtype,), g=g, beta=beta)
