@@ -89,7 +89,7 @@ def _fake(name: str, same_view_ok: tuple = ()):
             result = fn(*args, **kwargs)
             _tensor_flags(named, written)
             _one_device(named)
-            _apart_when_traced(named, written, same_view_ok)
+            _apart_when_traced(named, written, same_view_ok, _APART_ORDER[name])
             return result
         torch.library.register_fake(f"flashkda_ext::{name}", checked, lib=_LIB)
         return fn
@@ -116,11 +116,28 @@ def _one_device(named) -> None:
         validation._same_device(name, t, tensors[0][1].device)
 
 
-def _apart_when_traced(named, written: set, same_view_ok: tuple) -> None:
+#: each op's tensors in the order its eager check_apart lists them (ops.py: the written ones, out first, then the
+#: read ones), so the pair found first, and the argument named, is eager's: in the schema's order an out inside the
+#: pool was named "state: overlaps the memory of out" where eager says "out: overlaps the memory of state"
+_APART_ORDER = {
+    "kda_decode": ("out", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices"),
+    "fused_kda_decode": ("out", "conv_state", "state", "x", "conv_weight", "g", "beta", "A_log", "dt_bias",
+                         "state_indices", "output_gate", "norm_weight"),
+    "kda_prefill": ("out", "state", "final_state", "checkpoints", "workspace", "q", "k", "v", "g", "beta", "A_log",
+                    "dt_bias", "cu_seqlens", "initial_state", "state_indices"),
+    "kda_verify": ("out", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "state_indices", "cu_seqlens",
+                   "num_accepted_tokens", "initial_state", "initial_state_indices", "parent_tokens"),
+    "fused_kda_verify": ("out", "conv_state", "state", "x", "conv_weight", "g", "beta", "A_log", "dt_bias",
+                         "output_gate", "norm_weight", "state_indices", "cu_seqlens", "num_accepted_tokens"),
+}
+
+
+def _apart_when_traced(named, written: set, same_view_ok: tuple, order: tuple) -> None:
     """The eager op's overlap check on the fake tensors Dynamo traces with: views of one storage keep it there (a
     q that is a view of the state pool), where the stand-ins the other checks run on do not. Functionalization
-    later hands the op copies, so a compiled call would otherwise serve what eager refuses."""
-    tensors = [(n, t) for n, t in named if isinstance(t, Tensor)]
+    later hands the op copies, so a compiled call would otherwise serve what eager refuses. The tensors go in the
+    eager op's order (order: _APART_ORDER's)."""
+    tensors = sorted(((n, t) for n, t in named if isinstance(t, Tensor)), key=lambda p: order.index(p[0]))
     if not any(_is_fake(t) for _, t in tensors):
         return
     validation.check_apart(tuple((n, t) for n, t in tensors if n in written),
@@ -297,6 +314,15 @@ def _kda_prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate, scale
                       checkpoints, max_seqlen, null_slot0, workspace, out) -> None:
     _refuse_no_out("kda_prefill", out)
     _refuse_dropped_outputs(output_final_state, final_state, state, state_indices, checkpoint_every, checkpoints)
+    if max_seqlen is None and isinstance(cu_seqlens, Tensor) and cu_seqlens.device.type == "cpu" \
+            and isinstance(checkpoints, Tensor) and checkpoints.dim() == 5 and isinstance(q, Tensor) and q.dim() == 4 \
+            and type(checkpoint_every) is int and checkpoint_every > 0 \
+            and type(q.shape[1]) is int and type(checkpoints.shape[1]) is int:
+        # the longest sequence, which sizes the checkpoints eager requires, is a value of host cu_seqlens (eager
+        # reads it; a fake has none): given checkpoints are checked against it by the real implementation, here
+        # against the most they can hold (it was T, refusing checkpoints of C = longest // every eager serves).
+        # Device offsets: eager too checks against T (it reads no values there)
+        max_seqlen = min(q.shape[1], checkpoints.shape[1] * checkpoint_every)
     _check_on_meta(validation.check_kda_prefill, None, (q, k, v, g, beta), dict(
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate, scale=scale, beta_is_logit=beta_is_logit,
         cu_seqlens=cu_seqlens, initial_state=initial_state, state=state, state_indices=state_indices,
