@@ -23,7 +23,7 @@ from pathlib import Path
 
 from flashkda_ext.cli.common import positive_int
 from flashkda_ext.jit import all_records, ensure_built
-from flashkda_ext.jit.builder import sha256_file
+from flashkda_ext.jit.builder import check_build_env, sha256_file
 from flashkda_ext.jit.checks import resource_problems
 from flashkda_ext.jit.errors import ManifestError
 from flashkda_ext.jit.manifest import MANIFEST_FORMAT, check_manifest
@@ -152,7 +152,10 @@ def main(argv=None) -> int:
     arches = _arches(ap, args.arch)
     patterns = _items(ap, "--only", args.only)
     _check_paths(ap, args)
-    records = all_records(args.root)
+    try:
+        records = all_records(args.root)
+    except ValueError as e:     # FLASHKDA_EXT_DATA_ROOT without jit/, a broken spec file: named, not a traceback
+        ap.error(str(e))
     _check_arches_built(ap, records, arches)
     if not arches:
         if not args.list:
@@ -179,6 +182,15 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
 
+    jobs = args.jobs or 1
+    # parallel module builds share the cores: give each ninja its slice unless MAX_JOBS says otherwise
+    per_build = None if jobs == 1 else max(1, (os.cpu_count() or 1) // jobs)
+    # MAX_JOBS, FLASHKDA_EXT_LOCK_TIMEOUT, FLASHKDA_EXT_VERBOSE, refused before --out is made (read only inside
+    # each build, every module failed alone after an empty manifest.json was written)
+    try:
+        check_build_env(per_build)
+    except ValueError as e:
+        ap.error(str(e))
     out_dir = Path(args.out)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,9 +202,6 @@ def main(argv=None) -> int:
         print(f"aot: {e}. Fix or delete it (a new one is written when none exists).",
               file=sys.stderr)
         return 2
-    jobs = args.jobs or 1
-    # parallel module builds share the cores: give each ninja its slice unless MAX_JOBS says otherwise
-    per_build = None if jobs == 1 else max(1, (os.cpu_count() or 1) // jobs)
     failures = []
     done = 0
     t0 = time.perf_counter()

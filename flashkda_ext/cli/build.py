@@ -80,7 +80,11 @@ def cmd_build(args) -> int:
     if problem:
         print(f"build: {problem}", file=sys.stderr)
         return 2
-    records = jit.all_records()
+    try:
+        records = jit.all_records()
+    except ValueError as e:     # FLASHKDA_EXT_DATA_ROOT without jit/, a broken spec file: named, not a traceback
+        print(f"build: {e}", file=sys.stderr)
+        return 2
     pats = list(args.modules)
     if args.all or not pats:
         if not (args.all or args.list or args.backend):

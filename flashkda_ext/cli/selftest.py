@@ -207,9 +207,42 @@ def _option_problem(args) -> Optional[str]:
         problem = out_file_problem("--json", args.json)
         if problem:
             return problem
+        # a real write, not os.access (which says yes to root where no file can be made, e.g. in /proc): a new file
+        # is created and removed, an existing one opened for append and left as it was
         path = Path(args.json)
-        if (path.exists() and not os.access(path, os.W_OK)) or not os.access(path.parent, os.W_OK):
-            return f"--json: cannot write {args.json!r} (no permission)"
+        try:
+            if path.exists():
+                with open(path, "a"):
+                    pass
+            else:
+                with open(path, "x"):
+                    pass
+                path.unlink()
+        except OSError as e:
+            return f"--json: cannot write {args.json!r} ({e.strerror or e})"
+    return None
+
+
+def _environment_problem() -> Optional[str]:
+    """The settings a run reads, checked before any case runs: FLASHKDA_EXT_DATA_ROOT, FLASHKDA_EXT_DISABLE_JIT, with
+    JIT on the builds' FLASHKDA_EXT_LOCK_TIMEOUT and FLASHKDA_EXT_VERBOSE (prebuild runs one job a module: only the
+    compile check reads MAX_JOBS, and reports a bad one as its own failure), and FLASHKDA_EXT_OPT_IN. Read later, the
+    first two were a traceback, the others failed every case after the builds. The problem (the variable's own error),
+    or None."""
+    from .. import dispatch
+    from ..jit import builder, loader, roots
+    from ..jit.errors import SpecError
+
+    try:
+        roots.data_root()
+        if not loader.jit_disabled():
+            builder.check_build_env(1)
+        if os.environ.get(dispatch.OPT_IN_ENV, "").strip():
+            dispatch.opt_in()
+    except SpecError:           # a broken spec file: every row reports it
+        return None
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -218,7 +251,7 @@ def cmd_selftest(args) -> int:
 
     from .. import jit
 
-    problem = _option_problem(args)
+    problem = _option_problem(args) or _environment_problem()
     if problem:
         print(f"selftest: {problem}", file=sys.stderr)
         return 2

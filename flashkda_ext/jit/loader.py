@@ -87,8 +87,8 @@ def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[s
     shipped = None
     for d in aot_dirs():
         man = _manifest(d)
-        if man is None:
-            why.append(f"{d}: no usable manifest.json")
+        if man is None:     # a folder that is not there (a typo) said "no usable manifest.json" too
+            why.append(f"{d}: no usable manifest.json" if d.exists() else f"{d}: no such folder (FLASHKDA_EXT_AOT_DIR)")
             continue
         entries = [e for e in man["modules"] if e["name"] == record["name"] and e["arch"] == arch]
         if not entries:
