@@ -41,6 +41,12 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
                         f"{type(plan).__name__}")
     q = validation._tensor("q", q)
     validation._ndim("q", q, 4, "[1, T_r, H, K] (this rank's tokens)")
+    # q's tokens against the plan before the one-device checks, which take q's T as given: a q alone of another
+    # length was refused naming k ("same as q"), the argument that was right
+    a, b = plan.token_range(rank)
+    if q.shape[1] != b - a:
+        raise ValueError(f"q: expected rank {rank}'s {b - a} tokens [{a}, {b}) of the plan, shape "
+                         f"[1, {b - a}, H, K], got {list(q.shape)}")
     N = plan.num_seqs
     # The same checks as a one-device call over this rank's tokens (offsets with the N sequences of the
     # plan, all tokens in the first: the shapes of every state argument follow from N).
@@ -49,10 +55,6 @@ def _prepare(plan, rank: int, q, k, v, g, beta, *, gate_kwargs: dict, initial_st
         q, k, v, g, beta, cu_seqlens=stand_in, initial_state=initial_state, state=state,
         state_indices=state_indices, output_final_state=output_final_state, checkpoint_every=checkpoint_every,
         null_slot0=null_slot0, **gate_kwargs)
-    a, b = plan.token_range(rank)
-    if q.shape[1] != b - a:
-        raise ValueError(f"q: expected rank {rank}'s {b - a} tokens [{a}, {b}) of the plan, shape "
-                         f"[1, {b - a}, H, K], got {list(q.shape)}")
     plan.check_checkpoints(checkpoint_every)
     longest = plan.longest
     if max_seqlen is not None:

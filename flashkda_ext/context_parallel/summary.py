@@ -71,9 +71,17 @@ def segment_summary(q, k, v, g, beta, *, state_dtype=torch.float32, transition: 
         raise TypeError(f"{unknown[0]}: segment_summary passes on kda_prefill's gate arguments only "
                         f"({', '.join(_GATE_KWARGS)}), got {unknown}")
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    if one_call and transition:   # B alone is one prefill either way
-        return _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs)
     zero = torch.zeros(HV, V, K, dtype=state_dtype, device=q.device)
+    if one_call and transition:   # B alone is one prefill either way
+        # the caller's arguments get the check of the B prefill before they are doubled to 2 HV heads: kda_prefill
+        # saw only the doubled ones, so HV % H != 0 (2 HV % H == 0) and a [K, HV] dt_bias (reshaped by element
+        # count) were served as wrong maps, a non-contiguous g or v was served, and a bad g / beta / A_log /
+        # dt_bias failed unnamed (IndexError, RuntimeError, AttributeError) or was named with doubled sizes
+        if V != K:   # the form's own rule first, whatever else is wrong with v
+            raise ValueError(f"v: one-call summaries need V == K, got V = {V}, K = {K}")
+        validation.check_kda_prefill(q, k, v, g, beta, initial_state=zero[None], output_final_state=True,
+                                     **prefill_kwargs)
+        return _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs)
     B = _prefill_end_state(q, k, v, g, beta, zero, prefill_kwargs)
     A = None
     if transition:
@@ -91,11 +99,10 @@ def _summary_one_call(q, k, v, g, beta, state_dtype, prefill_kwargs) -> Summary:
     """A and B from one prefill over 2 HV value heads: head 2h is head h with its values from 0 (its end
     state is B), head 2h+1 is head h with zero values from I (its end state is A). Grouped value heads
     keep both on head h's q and k (head j of 2 HV uses q/k head j // (2 HV / H) = h // (HV / H)). One
-    launch of twice the heads instead of two launches: the hope (not measured yet) is that a long
-    sequence's prefill, bound by its ordered chunk chain at 16 heads, takes the extra heads on idle SMs."""
+    launch of twice the heads instead of two launches: the hope was that a long sequence's prefill, bound by
+    its ordered chunk chain at 16 heads, takes the extra heads on idle SMs (on the H200 it did not:
+    segment_summary's docstring). segment_summary checks the arguments (V == K among them) first."""
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    if V != K:
-        raise ValueError(f"v: one-call summaries need V == K, got V = {V}, K = {K}")
     v2 = torch.stack((v, torch.zeros_like(v)), dim=3).reshape(*v.shape[:2], 2 * HV, V)
     kw = dict(prefill_kwargs)
     kw["A_log"] = _twice(kw.get("A_log"), 0)
