@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import json
 import pickle
-import time
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from flashkda_ext import context_parallel as cp
 from flashkda_ext import paths, supported
+from gloo_ranks import spawn_ranks
 
 H, HV, K, V = 1, 2, 8, 4       # grouped value heads, K != V
 GLOO_TIMEOUT = datetime.timedelta(seconds=5)   # a collective no rank joins fails after this, never hangs
@@ -208,24 +208,9 @@ def _worker(rank, world, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
-    """Each rank's {scenario: outcome} from one spawn of two gloo processes (killed, and the test failed, past
-    SPAWN_DEADLINE_S: a deadlock fails instead of hanging)."""
-    import torch.multiprocessing as mp
-    tmp = tmp_path_factory.mktemp("gloo2")
-    world = 2
-    ctx = mp.start_processes(_worker, args=(world, str(tmp / "init"), str(tmp)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"gloo ranks still running after {SPAWN_DEADLINE_S} s: a deadlock")
-    results = []
-    for r in range(world):
-        with open(tmp / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    """Each rank's results from one spawn of two gloo processes (tests/gloo_ranks.py: killed, and the test
+    failed, past its deadline)."""
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("gloo2"), world=2, deadline_s=SPAWN_DEADLINE_S)
 
 
 def test_gloo_every_rank_refuses_a_list_of_ranks_as_group(gloo2):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import pickle
-import time
 
 import pytest
 import torch
@@ -38,6 +37,7 @@ import flashkda_ext as fk
 from flashkda_ext import context_parallel as cp
 from flashkda_ext import ops
 from flashkda_ext.reference import kda_recurrent
+from gloo_ranks import spawn_ranks
 
 H, HV, K, V = 1, 2, 8, 4            # grouped value heads, K != V (a transpose cannot pass)
 CU = [0, 5, 5, 12, 20]              # an empty sequence; T = 20
@@ -734,22 +734,9 @@ def _worker(rank, world, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def gloo2(tmp_path_factory):
-    import torch.multiprocessing as mp
-    tmp = tmp_path_factory.mktemp("gloo2")
-    world = 2
-    ctx = mp.start_processes(_worker, args=(world, str(tmp / "init"), str(tmp)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"gloo ranks still running after {SPAWN_DEADLINE_S} s: a deadlock")
-    results = []
-    for r in range(world):
-        with open(tmp / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    """Each rank's results from one spawn of two gloo processes (tests/gloo_ranks.py: killed, and the test
+    failed, past its deadline)."""
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("gloo2"), world=2, deadline_s=SPAWN_DEADLINE_S)
 
 
 def test_gloo_served_pool_call_guard(gloo2):
