@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import pickle
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from flashkda_ext import context_parallel as cp
 from flashkda_ext import paths, supported
-from gloo_ranks import spawn_ranks
+from gloo_ranks import one_rank_fixture, outcome as _outcome, ranks_fixture
 
 H, HV, K, V = 1, 2, 8, 4       # grouped value heads, K != V
 GLOO_TIMEOUT = datetime.timedelta(seconds=5)   # a collective no rank joins fails after this, never hangs
@@ -71,15 +70,7 @@ def bitwise_equal(a, b):
 # a one-process gloo group (world size 1)
 
 
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('gloo1') / 'init'}", rank=0,
-                            world_size=1, timeout=GLOO_TIMEOUT)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+world1 = one_rank_fixture(GLOO_TIMEOUT.total_seconds())
 
 
 CU1 = [0, 3, 3, 9]   # an empty sequence
@@ -143,13 +134,6 @@ def test_cp_prefill_checks_q_against_the_exchange_device_before_any_collective(w
 # two spawned gloo processes: every scenario once, outcomes kept per scenario and rank
 
 
-def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except Exception as e:  # noqa: BLE001 - recorded, asserted on in the parent
-        return (type(e).__name__, str(e))
-
-
 def _scenarios(rank, world):
     """{name: outcome} for this rank; each value is picklable. Every scenario is made by every rank."""
     res = {}
@@ -195,22 +179,9 @@ def _scenarios(rank, world):
     return res
 
 
-def _worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=GLOO_TIMEOUT)
-    try:
-        res = _scenarios(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump(res, f)
-
-
-@pytest.fixture(scope="module")
-def gloo2(tmp_path_factory):
-    """Each rank's results from one spawn of two gloo processes (tests/gloo_ranks.py: killed, and the test
-    failed, past its deadline)."""
-    return spawn_ranks(_worker, tmp_path_factory.mktemp("gloo2"), world=2, deadline_s=SPAWN_DEADLINE_S)
+# each rank's results from one spawn of two gloo processes (tests/gloo_ranks.py: killed, and the test failed, past
+# its deadline)
+gloo2 = ranks_fixture(_scenarios, world=2, gloo_timeout_s=GLOO_TIMEOUT.total_seconds(), deadline_s=SPAWN_DEADLINE_S)
 
 
 def test_gloo_every_rank_refuses_a_list_of_ranks_as_group(gloo2):

@@ -27,7 +27,6 @@ what simulate() gives its rank. Each case failed before its fix, except those ma
 from __future__ import annotations
 
 import datetime
-import pickle
 
 import pytest
 import torch
@@ -37,7 +36,7 @@ import flashkda_ext as fk
 from flashkda_ext import context_parallel as cp
 from flashkda_ext import ops
 from flashkda_ext.reference import kda_recurrent
-from gloo_ranks import spawn_ranks
+from gloo_ranks import one_rank_fixture, outcome as _outcome, ranks_fixture
 
 H, HV, K, V = 1, 2, 8, 4            # grouped value heads, K != V (a transpose cannot pass)
 CU = [0, 5, 5, 12, 20]              # an empty sequence; T = 20
@@ -130,15 +129,7 @@ def spy(monkeypatch):
     return seen
 
 
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('gloo1') / 'init'}", rank=0,
-                            world_size=1, timeout=GLOO_TIMEOUT)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+world1 = one_rank_fixture(GLOO_TIMEOUT.total_seconds())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,13 +657,6 @@ def test_one_call_summary_with_several_q_heads_guard(gate):
 # two spawned gloo processes
 
 
-def _outcome(fn):
-    try:
-        return ("ok", fn())
-    except Exception as e:  # noqa: BLE001 - recorded, asserted on in the parent
-        return (type(e).__name__, str(e))
-
-
 def _scenarios(rank, world):
     res = {}
     d, gk = inputs(seed=3700, gate="bounded")
@@ -721,22 +705,9 @@ def _scenarios(rank, world):
     return res
 
 
-def _worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=GLOO_TIMEOUT)
-    try:
-        res = _scenarios(rank, world)
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump(res, f)
-
-
-@pytest.fixture(scope="module")
-def gloo2(tmp_path_factory):
-    """Each rank's results from one spawn of two gloo processes (tests/gloo_ranks.py: killed, and the test
-    failed, past its deadline)."""
-    return spawn_ranks(_worker, tmp_path_factory.mktemp("gloo2"), world=2, deadline_s=SPAWN_DEADLINE_S)
+# each rank's results from one spawn of two gloo processes (tests/gloo_ranks.py: killed, and the test failed, past
+# its deadline)
+gloo2 = ranks_fixture(_scenarios, world=2, gloo_timeout_s=GLOO_TIMEOUT.total_seconds(), deadline_s=SPAWN_DEADLINE_S)
 
 
 def test_gloo_served_pool_call_guard(gloo2):
