@@ -422,6 +422,13 @@ def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
     definition's order (in-place outputs are the updated input tensors)."""
     import flashkda_ext
     op, fixed = spec["op"], spec["fixed"]
+    # exactly the definition's inputs: a missing one was read as None (an optional argument left out, or a bare
+    # KeyError), an extra one (A_log beside a definition without it) was handed to the op and served
+    missing = [n for n in spec["inputs"] if n not in kw]
+    extra = [n for n in kw if n not in spec["inputs"]]
+    if missing or extra:
+        raise ValueError(f"{op}: expected the definition's inputs {list(spec['inputs'])}; missing {missing}, "
+                         f"unexpected {extra}")
     gate = dict(A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), lower_bound=kw.get("lower_bound"),
                 gate=fixed["gate"], scale=kw["scale"], null_slot0=fixed["null_slot0"])
     qkvgb = tuple(kw[n] for n in ("q", "k", "v", "g", "beta")) if "q" in kw else ()  # the unfused ops' lead
@@ -450,7 +457,7 @@ def call_op(spec: Mapping[str, Any], kw: Mapping[str, Any]):
                                       parent_tokens=kw.get("parent_tokens"), **gate)
         results = {"out": out, "state_out": kw["state"]}
     elif op == "kda_prefill":
-        every = int(kw.get("checkpoint_every", 0))
+        every = kw.get("checkpoint_every", 0)   # as given: the op refuses 2.7 / '2' / True, which int() read as 2 / 2 / 1
         res = flashkda_ext.kda_prefill(
             *qkvgb, beta_is_logit=fixed["beta_is_logit"],
             cu_seqlens=kw.get("cu_seqlens"), initial_state=kw.get("initial_state"), state=kw.get("state"),
@@ -493,6 +500,45 @@ def solution(definition, *, target: str = "cuda", name: Optional[str] = None):
 # ---------------------------------------------------------------------------------------------
 
 
+def _line(e: BaseException) -> str:
+    """An error in one line: pydantic's first error (where, what), else the message's first line."""
+    try:
+        first = e.errors()[0]    # pydantic's ValidationError
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return f"{type(e).__name__}: {where + ': ' if where else ''}{first['msg']}"
+    except Exception:  # noqa: BLE001 - not a pydantic error
+        pass
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _unreadable(root) -> Optional[str]:
+    """The first file of a trace directory flashinfer-bench cannot read, and why ('path:line: error'), read as
+    TraceSet.from_path reads it (its own error names no file)."""
+    from pathlib import Path
+    from flashinfer_bench.data import Definition, Solution, Trace
+    for sub, model, pattern, workload in (("definitions", Definition, "*.json", None),
+                                          ("solutions", Solution, "*.json", None),
+                                          ("workloads", Trace, "*.jsonl", True), ("traces", Trace, "*.jsonl", False)):
+        for p in sorted((Path(root) / sub).rglob(pattern)):
+            try:
+                text = p.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                return f"{p}: {_line(e)}"
+            lines = text.splitlines() if workload is not None else [text]
+            for i, line in enumerate(lines, 1):
+                if workload is not None and not line.strip():
+                    continue
+                where = f"{p}:{i}" if workload is not None else str(p)
+                try:
+                    item = model.model_validate_json(line)
+                except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, a JSON error
+                    return f"{where}: {_line(e)}"
+                if workload is not None and item.is_workload_trace() != workload:
+                    return f"{where}: {'an evaluated trace among workloads' if workload else 'a workload among traces'}"
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace_dir")
@@ -503,11 +549,27 @@ def main(argv=None) -> int:
         print("flashinfer-bench is not installed (scripts/install.sh installs it without its GPU stack)",
               file=sys.stderr)
         return 2
-    ts = TraceSet.from_path(args.trace_dir)
+    import os
+    if not os.path.isdir(args.trace_dir):
+        # TraceSet.from_path creates a missing folder and reports it empty: a typo passed as a clean run
+        print(f"{args.trace_dir}: not a directory (expected a trace directory with definitions/ and workloads/)",
+              file=sys.stderr)
+        return 2
+    try:
+        ts = TraceSet.from_path(args.trace_dir)
+    except Exception as e:  # noqa: BLE001 - a pydantic / JSON / assertion traceback naming no file
+        print(f"{args.trace_dir}: cannot be loaded by flashinfer-bench: {_unreadable(args.trace_dir) or _line(e)}",
+              file=sys.stderr)
+        return 2
     bad = 0
     for name, d in sorted(ts.definitions.items()):
         lines = ts.workloads.get(name, [])
-        failing = [(t.workload.uuid, check_call(d, t.workload.axes)) for t in lines]
+        failing = []
+        for t in lines:
+            try:
+                failing.append((t.workload.uuid, check_call(d, t.workload.axes)))
+            except (ValueError, TypeError) as e:   # a var axis missing or no int: named, not a traceback
+                failing.append((t.workload.uuid, [f"cannot be checked: {e}"]))
         failing = [(u, f) for u, f in failing if f]
         bad += len(failing)
         print(f"{name}: {len(lines)} workload(s), {len(d.constraints)} constraint(s), {len(failing)} violating")

@@ -13,6 +13,7 @@ def fused_kda_decode_reference(x, conv_weight, conv_state, g, beta, state_indice
     pool = state.clone()
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(rows, H, D, dtype=work, device=x.device)
+    _indices("state_indices", state_indices, (rows,))          # one per row: a short one left rows zero
     _check_slots(state_indices, state.shape[0])
     for r, idx in enumerate(state_indices.tolist()):
         if _is_padding(idx):
@@ -26,6 +27,6 @@ def fused_kda_decode_reference(x, conv_weight, conv_state, g, beta, state_indice
                                       lower_bound, scale)
         o, S = _step(_work(pool[idx]), qn[0], kn[0], vv[0], gl[0], bb[0])
         pool[idx] = S.to(pool.dtype)
-        o = o / torch.sqrt((o * o).mean(dim=-1, keepdim=True) + float(norm_eps))
+        o = o / torch.sqrt((o * o).mean(dim=-1, keepdim=True) + _real("norm_eps", norm_eps))
         out[r] = o * norm_weight.to(work) * torch.sigmoid(output_gate[r].to(work))
     return out.to(x.dtype), conv_pool, pool

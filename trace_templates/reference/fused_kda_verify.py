@@ -40,7 +40,7 @@ def fused_kda_verify_reference(x, conv_weight, conv_state, g, beta, state, outpu
             S = _work(stored)                   # the next token continues from the stored value
             if stores[t - s] is not None:
                 pool[stores[t - s]] = stored
-            o_t = o_t / torch.sqrt((o_t * o_t).mean(dim=-1, keepdim=True) + float(norm_eps))
+            o_t = o_t / torch.sqrt((o_t * o_t).mean(dim=-1, keepdim=True) + _real("norm_eps", norm_eps))
             out[t] = o_t * norm_weight.to(work) * torch.sigmoid(output_gate[0, t].to(work))
         new_line = line.clone()
         new_line[:, 0:2] = line[:, o + 1:o + 3]           # the two inputs before the first draft

@@ -9,6 +9,7 @@ def kda_decode_reference(q, k, v, g, beta, state, state_indices, A_log=None, dt_
     qn, kn, vv, gl, bb = _prepare(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     pool = state.clone()
     out = torch.zeros(vv.shape, dtype=vv.dtype, device=v.device)
+    _indices("state_indices", state_indices, (q.shape[0],))    # one per row: a short one left rows zero
     _check_slots(state_indices, state.shape[0])
     for r, idx in enumerate(state_indices.tolist()):
         if _is_padding(idx):

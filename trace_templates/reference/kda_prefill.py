@@ -15,12 +15,18 @@ def kda_prefill_reference(q, k, v, g, beta, A_log=None, dt_bias=None, cu_seqlens
         scale = K ** -0.5
     qn, kn, vv, gl, bb = _prepare(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     work = vv.dtype
+    if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+                                         or checkpoint_every < 0):
+        raise TypeError(f"checkpoint_every: expected an int >= 0, got {type(checkpoint_every).__name__} "
+                        f"{checkpoint_every!r}")
     if cu_seqlens is None:
         segments = [(b, 0, T) for b in range(B)]
     else:
-        offsets = [int(x) for x in cu_seqlens.tolist()]
+        offsets = [int(x) for x in _indices("cu_seqlens", cu_seqlens, (None,)).tolist()]
         segments = [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:])]
     N = len(segments)
+    if STATE_MODE == "pool":
+        _indices("state_indices", state_indices, (N,))         # one per sequence
     indices = state_indices.tolist() if STATE_MODE == "pool" else None
     if STATE_MODE == "pool":
         _check_slots(state_indices, state.shape[0])

@@ -5,7 +5,7 @@
 def _row_table(rows, num_rows, cols):
     """Step rows: state_indices [N] (a row of state [R, T_max, ...] per request) as the [N, T_max]
     slot table of the R * T_max slots it stands for (all padding for a padding row)."""
-    values = [int(r) for r in rows.tolist()]
+    values = [int(r) for r in _indices("state_indices", rows, (None,)).tolist()]
     if any(r >= num_rows for r in values):
         raise ValueError(f"state_indices: expected rows < num_rows = {num_rows} or negative (padding), "
                          f"got {max(values)}")
@@ -15,7 +15,7 @@ def _row_table(rows, num_rows, cols):
 
 def _start_slots(initial_state_indices, num_initial_slots, pad_rows):
     """initial_state's slot per request, None for padding (its own entry, or a padding row)."""
-    values = [int(x) for x in initial_state_indices.tolist()]
+    values = [int(x) for x in _indices("initial_state_indices", initial_state_indices, (len(pad_rows),)).tolist()]
     if any(x >= num_initial_slots for x in values):
         raise ValueError(f"initial_state_indices: expected slots < num_initial_slots = {num_initial_slots} "
                          f"or negative (padding), got {max(values)}")
@@ -64,8 +64,9 @@ def kda_verify_reference(q, k, v, g, beta, state, state_indices, cu_seqlens, num
     flat = state.reshape(-1, *state.shape[-3:])    # step rows: slot (n, t) is state[row n, t], of R * T_max
     pad_rows = [False] * state_indices.shape[0]
     if state.dim() == 5:
+        table = _row_table(state_indices, state.shape[0], state.shape[1])     # checks state_indices first
         pad_rows = [_is_padding(int(r)) for r in state_indices.tolist()]
-        state_indices = _row_table(state_indices, state.shape[0], state.shape[1])
+        state_indices = table
     plan = _verify_plan(state_indices, cu_seqlens, num_accepted_tokens, flat.shape[0], T)
     pool = flat.clone()
     source, reads = flat, [read for _, _, read, _, _ in plan]     # the pool as it was before the call
