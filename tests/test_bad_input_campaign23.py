@@ -164,7 +164,7 @@ def test_index_tensors_refuses_a_tree_tag_on_another_op():
     b = dict(a)
     call = validation.check_kda_decode(*[b.pop(n) for n in ("q", "k", "v", "g", "beta")], **b)
     f = trace.facts("kda_decode", call, a)
-    d = trace.build_definition("kda_decode", f)
+    d = copy.deepcopy(trace.build_definition("kda_decode", f))   # the cached definition is shared: a copy
     d["tags"].append("domain:parent_tokens=tree_parents(rows)")
     d["inputs"]["parent_tokens"] = dict(shape=["rows", "rows"], dtype="int32")
     with pytest.raises(ValueError, match=r"tree_parents.*kda_verify"):
