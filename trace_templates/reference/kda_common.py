@@ -54,12 +54,17 @@ def _float(name, x, shape=None):
     return x
 
 
-def _indices(name, x, shape):
-    """An index input: an integer tensor (int() truncated a float one, a bool one was read as 0 / 1) of `shape`
-    (None: any size; a shorter or longer one was cut to fit or failed unnamed)."""
+def _integer(name, x):
+    """An index input as an integer tensor (int() truncated a float one, a bool one was read as 0 / 1)."""
     if not isinstance(x, torch.Tensor) or x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
         raise TypeError(f"{name}: expected an integer tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, x.shape)):
+    return x
+
+
+def _indices(name, x, shape):
+    """An index input: an integer tensor (_integer) of `shape` (None: any size; a shorter or longer one was cut to
+    fit or failed unnamed)."""
+    if _integer(name, x).dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, x.shape)):
         raise ValueError(f"{name}: expected shape {['*' if s is None else s for s in shape]}, got {list(x.shape)}")
     return x
 
@@ -98,7 +103,7 @@ def _is_padding(index):
 
 def _check_slots(state_indices, num_slots):
     # a clear error instead of an IndexError for indices that are no slots (e.g. random integers)
-    _indices("state_indices", state_indices, (None,) * state_indices.dim())
+    _integer("state_indices", state_indices)
     if state_indices.numel() and int(state_indices.max()) >= num_slots:
         raise ValueError(f"state_indices: expected slots < num_slots = {num_slots} or negative "
                          f"(padding), got {int(state_indices.max())}")

@@ -29,11 +29,7 @@ def _parents(parent_tokens, plan, reads, cols):
     if parent_tokens is not None:
         # int() below would truncate a float parent (1.5 -> 1) or take a bool, and slicing would cut a table of
         # another shape to fit: refuse both, naming the input
-        if not isinstance(parent_tokens, torch.Tensor) or parent_tokens.dtype == torch.bool or \
-                parent_tokens.is_floating_point() or parent_tokens.is_complex():
-            raise TypeError(f"parent_tokens: expected an integer tensor, got "
-                            f"{getattr(parent_tokens, 'dtype', type(parent_tokens).__name__)}")
-        if tuple(parent_tokens.shape) != (len(plan), cols):
+        if tuple(_integer("parent_tokens", parent_tokens).shape) != (len(plan), cols):
             raise ValueError(f"parent_tokens: expected [N, T_max] = [{len(plan)}, {cols}] (as state_indices), "
                              f"got {list(parent_tokens.shape)}")
     out = []
