@@ -93,8 +93,8 @@ def gate_rows(name: str, x, q: torch.Tensor, shape, row_dim: int, vector: bool =
     (as_rows): fp32 as it is (both ops read fp32 g / beta natively), another floating dtype in q's. No tensor is a
     TypeError, a tensor on another device than q a ValueError, each naming SGLang's argument (the op would name
     its own g / beta)."""
-    if torch.is_tensor(x) and x.device != q.device:
-        raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
+    if torch.is_tensor(x):
+        validation._same_device(name, x, q.device)
     token_layout(name, x, shape[row_dim], tuple(shape[row_dim + 1:]))
     dtype = torch.float32 if torch.is_tensor(x) and x.dtype == torch.float32 else q.dtype
     return as_rows(name, x, dtype, shape, row_dim, vector=vector)

@@ -346,8 +346,8 @@ class FlashKDAExtKernel:
         _check_offsets(query_start_loc, q, T)
         # named as SGLang passes them (kda_prefill would name them state / state_indices)
         for name, x in (("ssm_states", ssm_states), ("cache_indices", cache_indices)):
-            if torch.is_tensor(x) and x.device != q.device:
-                raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
+            if torch.is_tensor(x):
+                validation._same_device(name, x, q.device)
         if track_chunk_idx is not None and track_state is None:
             # SGLang's chunk_kda asserts they come together: the indices alone would be dropped
             raise ValueError("track_chunk_idx: given without track_state; SGLang's chunk_kda takes them together "

@@ -203,8 +203,7 @@ class PrefillGraphWrapper:
             raise ValueError(f"output: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
         # named here as SGLang passes them (kda_prefill would name them state_indices / state / out)
         for name, x in (("ssm_state_indices", idx), ("initial_state", pool), ("output", out)):
-            if x.device != q.device:
-                raise ValueError(f"{name}: expected a tensor on {q.device} (the device of q), got {x.device}")
+            validation._same_device(name, x, q.device)
         live = cu[1:] > cu[:-1]          # an empty sequence (SGLang's padding, slot clamped to 0): no read, no write
         A, dt = _params(A_log, dt_bias)
         gate, lb = _gate(lower_bound, A)

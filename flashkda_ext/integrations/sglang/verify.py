@@ -32,9 +32,7 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
                          f"got {getattr(query_start_loc, 'shape', query_start_loc)}")
     if query_start_loc.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"query_start_loc: expected an int32 or int64 tensor, got {query_start_loc.dtype}")
-    if query_start_loc.device != q.device:     # under SGLang's name (kda_verify would name it cu_seqlens)
-        raise ValueError(f"query_start_loc: expected a tensor on {q.device} (the device of q), got "
-                         f"{query_start_loc.device}")
+    validation._same_device("query_start_loc", query_start_loc, q.device)   # SGLang's name (kda_verify: cu_seqlens)
     buf = _verify_buffer(buf, ssm_states, HV, V, K)
     R, S = buf.shape[0], buf.shape[1]
     cidx = int32_indices("cache_indices", cache_indices, (N,))
