@@ -476,10 +476,11 @@ def _plan_fused_recurrent(plan, q, k, v, g, beta, A_log=None, dt_bias=None, init
             raise Refused(f"flashkda_ext serves ssm_state_indices of 1 or 2 dims, got {ssm_state_indices.dim()}")
         # the decode batch reshapes k, g and beta into rows: fla's layouts exactly, as the other mappings' op checks
         # require (read by element count, g [B, T, K, HV] or beta [HV, T, B] was served on scrambled values)
-        for name, x, want in (("k", k, (B, T, H, K)), ("g", g, (B, T, HV, K)), ("beta", beta, (B, T, HV))):
+        for name, x, want, dims in (("k", k, (B, T, H, K), "H, K"), ("g", g, (B, T, HV, K), "HV, K"),
+                                    ("beta", beta, (B, T, HV), "HV")):
             if x is not None and tuple(x.shape) != want:
-                raise Refused(f"flashkda_ext requires {name} of shape {list(want)} (fla's [B, T, "
-                              f"{'H, K' if name == 'k' else 'HV, K' if name == 'g' else 'HV'}]), got {list(x.shape)}")
+                raise Refused(f"flashkda_ext requires {name} of shape {list(want)} (fla's [B, T, {dims}]), "
+                              f"got {list(x.shape)}")
         idx = slot_index(ssm_state_indices)
         if cu_seqlens is None:
             if T != 1:
