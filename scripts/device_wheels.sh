@@ -9,12 +9,13 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # apache-tvm-ffi at pyproject.toml's pin; jsonschema and its dependencies; fla-core + einops (the fla peer and fla's
 # backend tests); jax-tvm-ffi (the JAX tests); nvidia-cudnn-frontend 1.32.0 + cuda-bindings 13 + cuda-pathfinder (the
-# cuDNN prefill peer, engine kda_hopper_cuda; nvidia-cutlass-dsl is not needed for it and too big to carry)
+# cuDNN prefill peer, engine kda_hopper_cuda; nvidia-cutlass-dsl is not needed for it and too big to carry);
+# pytest-xdist + execnet (tests/gpu in one device call: `pytest -n 8`)
 tvm=$(python3 -c 'import tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(next(d for d in deps if d.startswith("apache-tvm-ffi")))')
 specs=("$tvm" "jax-tvm-ffi>=0.1.3" jsonschema attrs referencing rpds-py jsonschema-specifications typing_extensions
-       "fla-core==0.6.0" einops "nvidia-cudnn-frontend==1.32.0" "cuda-bindings>=13,<14" cuda-pathfinder)
+       "fla-core==0.6.0" einops "nvidia-cudnn-frontend==1.32.0" "cuda-bindings>=13,<14" cuda-pathfinder pytest-xdist execnet)
 if [ "${1:-}" = "--print-specs" ]; then printf '%s\n' "${specs[@]}"; exit 0; fi
 [ $# -eq 0 ] || { echo "device_wheels.sh takes no arguments but --print-specs (got: $*)" >&2; exit 2; }
 dest=${WHL:-.whl}
