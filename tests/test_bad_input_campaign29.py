@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -287,9 +288,16 @@ def test_selftest_refuses_a_bad_setting_before_running_anything(var, value, env,
 def test_selftest_with_jit_disabled_still_runs_without_build_settings_it_does_not_read(env, monkeypatch, capsys):
     """guard: with FLASHKDA_EXT_DISABLE_JIT=1 nothing is built, so the build settings are not the selftest's to
     refuse; modules without an AOT artifact fail their cases, saying what to do."""
-    from flashkda_ext.cli import selftest
+    from flashkda_ext import dispatch
+    from flashkda_ext.cli import selftest, selftest_cases
+    from flashkda_ext.jit import loader
 
     monkeypatch.setattr(selftest, "compile_check", lambda *a, **k: pytest.fail("no compile check with JIT off"))
+    # a module an earlier test of this process loaded (and the routes that hold it) would serve the case
+    monkeypatch.setattr(loader, "_modules", {})
+    for cached in (dispatch._module_for, dispatch._function_for):
+        cached.cache_clear()
+    monkeypatch.setattr(selftest_cases, "FIRST_LOAD_S", {})
     monkeypatch.setenv("FLASHKDA_EXT_DISABLE_JIT", "1")
     monkeypatch.setenv("FLASHKDA_EXT_LOCK_TIMEOUT", "-1")
     monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(env / "missing"))
@@ -372,6 +380,26 @@ def test_disable_jit_names_an_aot_folder_that_does_not_exist(env, monkeypatch):
     msg = str(_load_error(env))
     assert f"{env / 'mising'}: no such folder (FLASHKDA_EXT_AOT_DIR)" in msg, msg
     assert f"{env / 'empty'}: no usable manifest.json" in msg
+
+
+def test_an_aot_folder_that_does_not_exist_warns_once_with_jit_on(env, monkeypatch):
+    """With JIT on, a typo in FLASHKDA_EXT_AOT_DIR was skipped in silence (every module JIT-built where prebuilt ones
+    were meant); a folder without a usable manifest warns. Now one RuntimeWarning a missing folder, naming it and the
+    variable; the module is still found or built as before (find_aot only here: nothing is built)."""
+    from flashkda_ext.jit import loader, specs
+
+    missing = env / "mising"
+    monkeypatch.setenv("FLASHKDA_EXT_AOT_DIR", str(missing))
+    monkeypatch.setattr(loader, "_missing_warned", set())
+    record = specs.get_record("cpu_kda_verify")
+    with pytest.warns(RuntimeWarning, match=rf"FLASHKDA_EXT_AOT_DIR names {re.escape(str(missing))}, which does not "
+                                            r"exist; the modules it was meant to hold are JIT-built instead"):
+        so, why = loader.find_aot(record, "host")
+    assert so is None and f"{missing}: no such folder (FLASHKDA_EXT_AOT_DIR)" in why
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # once a folder
+        assert loader.find_aot(record, "host")[0] is None
+    assert not (env / "cache").exists()
 
 
 def test_disable_jit_with_a_file_as_aot_folder_names_the_file(env, monkeypatch):

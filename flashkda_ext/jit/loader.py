@@ -3,7 +3,8 @@
 AOT directories, in order: every folder in $FLASHKDA_EXT_AOT_DIR (os.pathsep-separated), then
 flashkda_ext/_aot shipped inside the package. Each folder's manifest.json is checked against
 jit/schema/aot_manifest.schema.json (a bad one: ManifestError naming the file and field with JIT
-disabled; a warning, then a JIT build, otherwise). An artifact there is used only when its manifest
+disabled; a warning, then a JIT build, otherwise; a folder that does not exist: named in the error with JIT
+disabled, one warning per folder otherwise). An artifact there is used only when its manifest
 entry's identity equals the identity recomputed here from the current record, macros, flags, arch,
 tvm-ffi version and the current bytes of its source set (with the compiler versions the manifest
 records: the loading machine needs no compiler) and the file's sha256 matches. The source set is
@@ -36,6 +37,7 @@ from .specs import get_record
 _lock = threading.RLock()
 _modules: Dict[tuple, object] = {}
 _manifests: Dict[str, tuple] = {}
+_missing_warned: set = set()     # FLASHKDA_EXT_AOT_DIR folders that do not exist, warned about once each
 
 
 def aot_dirs() -> List[Path]:
@@ -88,7 +90,15 @@ def find_aot(record: dict, arch: str, root=None) -> Tuple[Optional[Path], List[s
     for d in aot_dirs():
         man = _manifest(d)
         if man is None:     # a folder that is not there (a typo) said "no usable manifest.json" too
-            why.append(f"{d}: no usable manifest.json" if d.exists() else f"{d}: no such folder (FLASHKDA_EXT_AOT_DIR)")
+            if d.exists():
+                why.append(f"{d}: no usable manifest.json")
+                continue
+            why.append(f"{d}: no such folder (FLASHKDA_EXT_AOT_DIR)")
+            if str(d) not in _missing_warned and not jit_disabled():
+                # as a bad manifest warns: a typo in the variable must not silently mean "build everything"
+                _missing_warned.add(str(d))
+                warnings.warn(f"FLASHKDA_EXT_AOT_DIR names {d}, which does not exist; the modules it was meant to "
+                              f"hold are JIT-built instead", RuntimeWarning, stacklevel=3)
             continue
         entries = [e for e in man["modules"] if e["name"] == record["name"] and e["arch"] == arch]
         if not entries:
