@@ -19,7 +19,7 @@ before its fix, except those marked "guard" (already right, pinned here).
   usable manifest.json" for it, as for a real folder without one. Now it says the folder does not exist.
 - FLASHKDA_EXT_AOT_DIR naming a folder that does not exist, with JIT on: skipped in silence (every module JIT-built
   where prebuilt ones were meant), where a folder with a bad manifest warns. Now one RuntimeWarning a folder (added
-  in session 49, after the campaign).
+  on 2026-12-07 at c33d6c5, after the campaign).
 - not fixed (xfail, strict): FLASHKDA_EXT_FAST_PATH / FLASHKDA_EXT_NATIVE_FLAGS not a switch make `python -m
   flashkda_ext info` (any command) die with a traceback: the package's import reads them (fast_path.py, at import,
   documented), before the CLI's code runs. The message names the variable; the traceback is the import's.
