@@ -7,7 +7,8 @@
 #
 # Stages run in this order, whichever order STAGES names them (default "build tests selftest"):
 #   build         the CUDA modules (BUILD: module names or globs; default every CUDA module), 16 at a time
-#   tests         pytest over TESTS (default tests/gpu, the integration tests left out), TESTS_K: -k expression;
+#   tests         pytest over TESTS (default tests/gpu, the integration tests left out), TESTS_K: -k expression,
+#                 TEST_WORKERS xdist workers (default 8 where pytest-xdist imports; the engine tests need .engines/);
 #                 ACCURACY=routed (or module names) adds scripts/prefill_accuracy.py (errors against float64)
 #   integrations  tests/gpu/test_integrations_gpu.py; fla's own tests/ops/test_kda.py with our backend
 #                 registered, with its served / refused counts (carry .fla_tests; FLA_K narrows, FLA_WORKERS
@@ -137,9 +138,14 @@ if want build; then
 fi
 
 if want tests && needs_gpu tests; then
+  # TEST_WORKERS pytest-xdist workers (carried in .whl by device_wheels.sh; default 8 where it imports, 0: one
+  # process): the whole of tests/gpu took 185 s at 8 on an H100 (h100-2026-12-07-3c10d4b); 12 ran out of GPU memory
+  workers=${TEST_WORKERS:-}
+  [ -z "$workers" ] && { python3 -c "import xdist" 2>/dev/null && workers=8 || workers=0; }
+  nx=(); [ "$workers" != 0 ] && nx=(-n "$workers")
   set -f
   # shellcheck disable=SC2086
-  step tests "${LIMIT_TESTS:-360}" "${PYTEST[@]}" ${TESTS:-tests/gpu --ignore=tests/gpu/test_integrations_gpu.py} \
+  step tests "${LIMIT_TESTS:-360}" "${PYTEST[@]}" "${nx[@]}" ${TESTS:-tests/gpu --ignore=tests/gpu/test_integrations_gpu.py} \
     ${TESTS_K:+-k "$TESTS_K"}
   set +f
   show tests "$PASS" 25

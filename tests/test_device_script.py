@@ -120,6 +120,16 @@ def test_knobs_reach_the_commands(tmp_path):
     assert "sanitize_routes.py --only verify_*" in out
 
 
+def test_test_workers_reach_pytest(tmp_path):
+    """TEST_WORKERS n: pytest -n n over the GPU tests; 0: one process (the default where pytest-xdist does not import)."""
+    r = run(tmp_path, {"DRY": "1", "STAGES": "tests", "TEST_WORKERS": "4", "TESTS": "tests/gpu/test_verify_gpu.py"})
+    line = next(x for x in r.stdout.splitlines() if x.startswith("DRY tests"))
+    assert "-p no:cacheprovider -n 4 tests/gpu/test_verify_gpu.py" in line, r.stdout
+    r = run(tmp_path, {"DRY": "1", "STAGES": "tests", "TEST_WORKERS": "0", "TESTS": "tests/gpu/test_verify_gpu.py"})
+    line = next(x for x in r.stdout.splitlines() if x.startswith("DRY tests"))
+    assert " -n " not in line and line.endswith("-p no:cacheprovider tests/gpu/test_verify_gpu.py"), r.stdout
+
+
 def test_unknown_stage_and_arguments_are_refused(tmp_path):
     r = run(tmp_path, {"DRY": "1", "STAGES": "build benchmark"})
     assert r.returncode == 2 and "unknown stage 'benchmark'" in r.stderr and "DRY" not in r.stdout
