@@ -29,6 +29,9 @@ error, pool and output bitwise unchanged). Each case failed before its fix, exce
   lower_bound, a bool / NaN scale, A_log / dt_bias of the wrong size, int64 / float / wrongly sized indices, an
   unknown keyword) is refused naming the argument, the same cold and warm, with nothing written.
 - guard: plan() refuses bool, 2-D and single offsets naming cu_seqlens.
+- added 2026-12-07 (after the campaign): an output of another dtype than v or with strides, and a pool of a dtype
+  or shape kda_prefill does not take, were refused under the op's names (out, state); the strided output's message
+  showed the planned rows' shape, not the tensor given. Now named output / initial_state, checked on the whole tensor.
 """
 from __future__ import annotations
 
@@ -176,3 +179,21 @@ def test_guard_an_unknown_keyword_and_bad_plans_are_named():
     for offsets in (torch.tensor([False, True]), torch.tensor([[0, 3]]), torch.tensor([0])):
         with pytest.raises(ValueError, match="^cu_seqlens: "):
             PrefillGraphWrapper("cpu").plan(offsets)
+
+
+@pytest.mark.parametrize("case", ["out_f64", "out_bf16", "out_strided", "out_transposed", "pool_f16", "pool_kv",
+                                  "pool_3d"])
+def test_output_and_pool_the_op_refuses_are_named_as_sglang_passes_them(case):
+    w, kw = graph_call()
+    name = "output" if case.startswith("out") else "initial_state"
+    kw[name] = {"out_f64": lambda: torch.zeros(1, T, H, V, dtype=torch.float64),
+                "out_bf16": lambda: torch.zeros(1, T, H, V, dtype=torch.bfloat16),
+                "out_strided": lambda: torch.zeros(1, T, H, 2 * V)[..., ::2],
+                "out_transposed": lambda: torch.zeros(1, T, V, H).transpose(2, 3),
+                "pool_f16": lambda: torch.randn(SLOTS, H, V, K).half(),
+                "pool_kv": lambda: torch.randn(SLOTS, H, K, V),
+                "pool_3d": lambda: torch.randn(SLOTS, H, V * K)}[case]()
+    refused_alike(w, kw, ValueError, name)
+    if case == "out_strided":
+        with pytest.raises(ValueError, match=rf"shape \[1, {T}, {H}, {V}\]"):    # the tensor given, not the rows cut
+            w.run(**kw)

@@ -131,6 +131,24 @@ def _indices_in_pool(idx: torch.Tensor, pool, live: torch.Tensor) -> None:
             seen.add(slot)
 
 
+#: kda_prefill's argument names -> the names SGLang passes run() (its refusals name what the caller wrote)
+_SGLANG_NAMES = {"state": "initial_state", "state_indices": "ssm_state_indices", "out": "output"}
+
+
+def _named_as_sglang(fn):
+    """fn (kda_prefill, or launches(), which checks the call to route it), its ValueError for state / state_indices /
+    out renamed to initial_state / ssm_state_indices / output (the op refuses before it launches: nothing written)."""
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            name, sep, rest = str(e).partition(": ")
+            if sep and name in _SGLANG_NAMES:
+                raise ValueError(f"{_SGLANG_NAMES[name]}: {rest}") from None
+            raise
+    return call
+
+
 class PrefillGraphWrapper:
     """SGLang's plan-and-run prefill wrapper interface (FlashInfer 0.7.4's RecurrentKDAPrefillWrapper shape)."""
 
@@ -201,6 +219,14 @@ class PrefillGraphWrapper:
         out = validation._tensor("output", output) if output is not None else torch.empty_like(v)
         if tuple(out.shape) != (1, T, HV, V):
             raise ValueError(f"output: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
+        # kda_prefill's own rules for its out, checked on the whole tensor (it sees only the planned rows) and named
+        # as SGLang passes it
+        if out.dtype != v.dtype:
+            raise ValueError(f"output: expected v's dtype {str(v.dtype).replace('torch.', '')}, got "
+                             f"{str(out.dtype).replace('torch.', '')}")
+        if not out.is_contiguous():
+            raise ValueError(f"output: expected a contiguous [1, T, HV, V] tensor, got strides {list(out.stride())} "
+                             f"for shape {list(out.shape)}")
         # named here as SGLang passes them (kda_prefill would name them state_indices / state / out)
         for name, x in (("ssm_state_indices", idx), ("initial_state", pool), ("output", out)):
             validation._same_device(name, x, q.device)
@@ -209,6 +235,7 @@ class PrefillGraphWrapper:
         gate, lb = _gate(lower_bound, A)
         kw = dict(A_log=A, dt_bias=dt, lower_bound=lb, gate=gate, scale=scale, state=initial_state,
                   beta_is_logit=validation._bool("beta_is_logit", beta_is_logit), output_final_state=True)
+        prefill = _named_as_sglang(kda_prefill)
         if cu.device.type == "cpu":      # host offsets: one call on exactly the tokens they own
             offsets = cu.tolist()
             # against q's T before any rows are cut: kda_prefill sees only the cut rows (its T is the last offset),
@@ -221,12 +248,12 @@ class PrefillGraphWrapper:
             qh, kh, vh = (x[:, rows] for x in dense_qkv(q, k, v))
             # g and beta as T tokens before the cut (one of another length is refused, not cut to fit)
             g4, b3 = reshaped("g", g, (1, T, HV, K)), reshaped("beta", beta, (1, T, HV))
-            kda_prefill(qh, kh, vh, as_dense("g", g4[:, rows], q.dtype, (1, tokens, HV, K)),
+            prefill(qh, kh, vh, as_dense("g", g4[:, rows], q.dtype, (1, tokens, HV, K)),
                         as_dense("beta", b3[:, rows], q.dtype, (1, tokens, HV)), cu_seqlens=cu,
                         state_indices=torch.where(live, idx, -1), out=out[:, rows], **kw)
             return out, None
         args = (*dense_qkv(q, k, v), as_dense("g", g, q.dtype, (1, T, HV, K)),
                 as_dense("beta", beta, q.dtype, (1, T, HV)))
-        for cu_k, idx_k, max_seqlen in launches(args, dict(kw, out=out), cu, idx, live, T, HV):
-            kda_prefill(*args, cu_seqlens=cu_k, state_indices=idx_k, max_seqlen=max_seqlen, out=out, **kw)
+        for cu_k, idx_k, max_seqlen in _named_as_sglang(launches)(args, dict(kw, out=out), cu, idx, live, T, HV):
+            prefill(*args, cu_seqlens=cu_k, state_indices=idx_k, max_seqlen=max_seqlen, out=out, **kw)
         return out, None
