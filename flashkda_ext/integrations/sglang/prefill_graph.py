@@ -222,8 +222,8 @@ class PrefillGraphWrapper:
         # kda_prefill's own rules for its out, checked on the whole tensor (it sees only the planned rows) and named
         # as SGLang passes it
         if out.dtype != v.dtype:
-            raise ValueError(f"output: expected v's dtype {str(v.dtype).replace('torch.', '')}, got "
-                             f"{str(out.dtype).replace('torch.', '')}")
+            raise ValueError(f"output: expected v's dtype {validation.dtype_name(v.dtype)}, got "
+                             f"{validation.dtype_name(out.dtype)}")
         if not out.is_contiguous():
             raise ValueError(f"output: expected a contiguous [1, T, HV, V] tensor, got strides {list(out.stride())} "
                              f"for shape {list(out.shape)}")
@@ -249,8 +249,8 @@ class PrefillGraphWrapper:
             # g and beta as T tokens before the cut (one of another length is refused, not cut to fit)
             g4, b3 = reshaped("g", g, (1, T, HV, K)), reshaped("beta", beta, (1, T, HV))
             prefill(qh, kh, vh, as_dense("g", g4[:, rows], q.dtype, (1, tokens, HV, K)),
-                        as_dense("beta", b3[:, rows], q.dtype, (1, tokens, HV)), cu_seqlens=cu,
-                        state_indices=torch.where(live, idx, -1), out=out[:, rows], **kw)
+                    as_dense("beta", b3[:, rows], q.dtype, (1, tokens, HV)), cu_seqlens=cu,
+                    state_indices=torch.where(live, idx, -1), out=out[:, rows], **kw)
             return out, None
         args = (*dense_qkv(q, k, v), as_dense("g", g, q.dtype, (1, T, HV, K)),
                 as_dense("beta", beta, q.dtype, (1, T, HV)))
