@@ -219,11 +219,8 @@ class PrefillGraphWrapper:
         out = validation._tensor("output", output) if output is not None else torch.empty_like(v)
         if tuple(out.shape) != (1, T, HV, V):
             raise ValueError(f"output: expected shape [1, T, HV, V] = {[1, T, HV, V]}, got {list(out.shape)}")
-        # kda_prefill's own rules for its out, checked on the whole tensor (it sees only the planned rows) and named
-        # as SGLang passes it
-        if out.dtype != v.dtype:
-            raise ValueError(f"output: expected v's dtype {validation.dtype_name(v.dtype)}, got "
-                             f"{validation.dtype_name(out.dtype)}")
+        # kda_prefill's layout rule for its out, checked here on the whole tensor: on host offsets the op sees only
+        # the planned rows and would report their shape (its other refusals reach the caller renamed, _named_as_sglang)
         if not out.is_contiguous():
             raise ValueError(f"output: expected a contiguous [1, T, HV, V] tensor, got strides {list(out.stride())} "
                              f"for shape {list(out.shape)}")
