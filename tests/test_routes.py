@@ -238,20 +238,6 @@ EDGES = {
         (verify_meta(num_seqs=1, value_heads=16, max_seqlen=2), "verify_stage16w4g_f32_o32"),
         (verify_meta(num_seqs=1, value_heads=16, max_seqlen=3), "verify_stage16w4_f32_o32"),  # T 3: few_items
     ],
-    ("kda_verify", "f32_one_request", "work_items_max"): [
-        (verify_meta(num_seqs=1, value_heads=12, max_seqlen=4), "verify_stage16l32_f32_o32"),  # 12
-        (verify_meta(num_seqs=12, value_heads=1, max_seqlen=8, offset="o64"), "verify_stage16l32_f32_o64"),
-        (verify_meta(num_seqs=1, value_heads=13, max_seqlen=4), "verify_stage16w4_f32_o32"),   # 13: few_items
-        (verify_meta(num_seqs=1, value_heads=12, max_seqlen=4, state="bf16"), "verify_stage16w4_bf16_o32"),  # fp32 only
-    ],
-    ("kda_verify", "f32_one_request", "max_seqlen_min"): [
-        (verify_meta(num_seqs=1, value_heads=8, max_seqlen=3), "verify_stage16l32_f32_o32"),
-        (verify_meta(num_seqs=1, value_heads=8, max_seqlen=2), "verify_stage16w4g_f32_o32"),   # T 2: few_items_short
-    ],
-    ("kda_verify", "f32_one_request", "max_seqlen_max"): [
-        (verify_meta(num_seqs=1, value_heads=8, max_seqlen=8), "verify_stage16l32_f32_o32"),
-        (verify_meta(num_seqs=1, value_heads=8, max_seqlen=9), "verify_stage16w4_f32_o32"),    # T 9: few_items
-    ],
     ("kda_verify", "few_items", "work_items_max"): [
         (verify_meta(num_seqs=1, value_heads=16, max_seqlen=8), "verify_stage16w4_f32_o32"),  # 16
         (verify_meta(num_seqs=16, value_heads=1, max_seqlen=4, state="bf16", offset="o64"), "verify_stage16w4_bf16_o64"),
