@@ -4,8 +4,13 @@ typo must not silently mean the default: FLASHKDA_EXT_FAST_PATH=off once meant o
 from __future__ import annotations
 
 import os
+import sys
 
 ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class SwitchError(ValueError):
+    """A switch set to a value that is no switch (a ValueError, so callers that catch ValueError still do)."""
 
 
 def env_switch(name: str, default: bool, on: str = "", off: str = "") -> bool:
@@ -17,5 +22,14 @@ def env_switch(name: str, default: bool, on: str = "", off: str = "") -> bool:
     if value in ON or value in OFF:
         return value in ON
     on, off = (f"{what}; " if what else "" for what in (on, off))
-    raise ValueError(f"{name}={raw!r} is not a switch; set 1 ({on}also true, yes, on) or 0 ({off}also false, no, "
+    raise SwitchError(f"{name}={raw!r} is not a switch; set 1 ({on}also true, yes, on) or 0 ({off}also false, no, "
                      f"off), or unset it for the default ({int(default)})")
+
+
+def launched_as_cli() -> bool:
+    """Whether this process is the command line's own (`python -m flashkda_ext ...` or the `flashkda-ext` script): the
+    package's import reads some switches before any CLI code runs, so a bad one is reported by the import itself."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    if any(a == "-mflashkda_ext" or (a == "-m" and b == "flashkda_ext") for a, b in zip(argv, argv[1:] + [""])):
+        return True
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) == "flashkda-ext"

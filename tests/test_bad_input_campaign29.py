@@ -20,9 +20,10 @@ before its fix, except those marked "guard" (already right, pinned here).
 - FLASHKDA_EXT_AOT_DIR naming a folder that does not exist, with JIT on: skipped in silence (every module JIT-built
   where prebuilt ones were meant), where a folder with a bad manifest warns. Now one RuntimeWarning a folder (added
   on 2026-12-07 at c33d6c5, after the campaign).
-- not fixed (xfail, strict): FLASHKDA_EXT_FAST_PATH / FLASHKDA_EXT_NATIVE_FLAGS not a switch make `python -m
-  flashkda_ext info` (any command) die with a traceback: the package's import reads them (fast_path.py, at import,
-  documented), before the CLI's code runs. The message names the variable; the traceback is the import's.
+- FLASHKDA_EXT_FAST_PATH / FLASHKDA_EXT_NATIVE_FLAGS not a switch made `python -m flashkda_ext info` (any command)
+  die with a traceback: the package's import reads them (fast_path.py, at import, documented), before the CLI's code
+  runs. Fixed on 2026-12-08 (an xfail until then): the import reports it in one line, exit status 2, when the process
+  is the CLI's (switches.launched_as_cli); a library import still raises it (a ValueError naming the variable).
 - guard: build with a glob matching nothing / '' / an unknown --backend / --arch 8.0 or 9.0 (no module builds them),
   junk / --parallel 0, -1, huge / --jobs 0, two / --aot in a folder that cannot be created; selftest --only matching
   nothing, --seed negative / non-int / hex; trace dump of an unknown op, --heads / --value-heads 0 or negative, HV
@@ -96,7 +97,7 @@ def run_cli(argv, capsys):
 def sub(argv, extra_env=None, timeout=120):
     """A real `python ...` run from the repository root: (returncode, stdout, stderr)."""
     e = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    e.update(PYTHONPATH=str(REPO), FLASHKDA_EXT_NATIVE_FLAGS="0", **(extra_env or {}))
+    e.update({"PYTHONPATH": str(REPO), "FLASHKDA_EXT_NATIVE_FLAGS": "0", **(extra_env or {})})
     r = subprocess.run([sys.executable] + argv, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     return r.returncode, r.stdout, r.stderr
 
@@ -493,13 +494,36 @@ def test_jax_command_buffer_switch_refuses_a_value_that_is_no_switch(monkeypatch
         targets._command_buffers_allowed()
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: the package's import reads FLASHKDA_EXT_FAST_PATH (fast_path.py) "
-                                       "and FLASHKDA_EXT_NATIVE_FLAGS (flag_reader.load) before any CLI code runs")
 @pytest.mark.parametrize("var", ["FLASHKDA_EXT_FAST_PATH", "FLASHKDA_EXT_NATIVE_FLAGS"])
 def test_a_switch_read_at_import_is_named_by_the_cli_without_a_traceback(var, tmp_path):
     code, _, err = sub(["-m", "flashkda_ext", "info"], {var: "maybe", "FLASHKDA_EXT_CACHE_DIR": str(tmp_path)})
-    assert code != 0 and f"{var}='maybe' is not a switch" in err, err     # holds today
-    assert "Traceback" not in err                                          # does not
+    assert code == 2 and f"{var}='maybe' is not a switch" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("orig_argv,argv0,want", [
+    (["python3", "-m", "flashkda_ext", "info"], "-m", True),
+    (["python3", "-mflashkda_ext"], "-m", True),
+    (["/usr/bin/flashkda-ext", "build"], "/usr/bin/flashkda-ext", True),          # the console script
+    (["python3", "-m", "pytest", "tests"], "/x/pytest/__main__.py", False),
+    (["python3", "-c", "import flashkda_ext"], "-c", False),
+    (["python3", "-m", "flashkda_ext_other"], "-m", False),
+    (["python3", "app.py", "-m", "x"], "app.py", False),
+])
+def test_launched_as_cli_reads_the_launch(monkeypatch, orig_argv, argv0, want):
+    from flashkda_ext import switches
+    monkeypatch.setattr(sys, "orig_argv", orig_argv, raising=False)
+    monkeypatch.setattr(sys, "argv", [argv0] + orig_argv[2:])
+    assert switches.launched_as_cli() is want
+
+
+def test_a_switch_read_at_import_still_raises_in_a_library_import(tmp_path):
+    """the clean exit is the CLI's alone: a program importing the package gets the ValueError"""
+    code, _, err = sub(["-c", "import flashkda_ext"], {"FLASHKDA_EXT_FAST_PATH": "maybe",
+                                                       "FLASHKDA_EXT_CACHE_DIR": str(tmp_path)})
+    assert code == 1 and "SwitchError: FLASHKDA_EXT_FAST_PATH='maybe' is not a switch" in err, err
+    from flashkda_ext import switches
+    assert issubclass(switches.SwitchError, ValueError)
 
 
 # --- info --json ---------------------------------------------------------------------------------------------
