@@ -15,7 +15,7 @@ back, counted; a served call equals the op called directly, bitwise. Each case f
   'is_contiguous'). Now a counted fallback naming it, as for q..beta.
 - guard: dtypes, devices, checkpoints, int64 / padded / clamped indices, one token, track buffers and any
   track_chunk_idx value, overlaps; vLLM layouts of the same size, dtypes, devices, indices past int32 / the pool.
-- strict xfails at the end: found here in kernel.py / dense.py (outside this campaign's files), not fixed.
+- at the end: found here in kernel.py / dense.py (outside this campaign's files), strict xfails until fixed after it.
 """
 from __future__ import annotations
 
