@@ -16,7 +16,7 @@ marked "guard".
   Now a ValueError naming `a` / `b`.
 - guard: fp32 `a` / `b` beside bf16 q, alone or mixed with bf16, as column slices of a wider projection, transposed
   strides, `b` [T, HV] or [1, T, HV]: bitwise kda_verify on those dtypes (not on the rounded values); fp16 / fp64 are
-  converted to q's dtype (docs/integrations.md); NaN / inf in `a` are served (NaN stays in its request's rows);
+  converted to fp32 (docs/integrations.md; to q's dtype until 2026-12-08, which rounded an fp16 gate); NaN / inf in `a` are served (NaN stays in its request's rows);
   fp64 / bf16 A_log and dt_bias are read as fp32; a wrong element count is named.
 - guard, vLLM K3: fp32 / bf16 raw_g / raw_beta (mixed, column slices) served bitwise as kda_verify reads them; fp16,
   fp64, integer, bool, complex, meta or [T, HV]-shaped ones fall back, counted, nothing written.
@@ -69,8 +69,8 @@ def seen(monkeypatch):
 
 
 def read_as(x, q):
-    """The adapters' rule: fp32 as it is, another floating dtype in q's."""
-    return x if x.dtype == F32 else x.to(q.dtype)
+    """The adapters' rule: fp32 or q's dtype as it is, another floating dtype in fp32 (exact for fp16)."""
+    return x if x.dtype in (F32, q.dtype) else x.to(F32)
 
 
 def layout(x, how):

@@ -291,3 +291,30 @@ def test_fp32_gate_and_beta_reach_kda_decode_as_they_are(family, monkeypatch):
                                             dt_bias=a["dt_bias"])
         torch.testing.assert_close(o[0].double(), want_o, rtol=6e-3, atol=1e-4)
         torch.testing.assert_close(pool.double(), want_pool.double(), rtol=6e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["kda_decode", "kda_verify"])
+def test_fp16_gate_and_beta_beside_bf16_q_are_read_as_fp32_not_rounded(family):
+    """An fp16 g / beta beside bf16 q goes to kda_decode / kda_verify in fp32 (exact: fp16 values are fp32 values),
+    not in q's bf16 (which drops 3 mantissa bits fla's kernel reads): the result is bitwise the call on the
+    fp32-widened values, and differs from the call on the bf16-rounded ones."""
+    a = inputs(seed=7, B=1, T=3, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(71)
+    g16, b16 = torch.randn(1, 3, HV, K, generator=gen).half(), torch.randn(1, 3, HV, generator=gen).half()
+    pool0 = torch.randn(9, HV, V, K, generator=gen) * 0.3
+    if family == "kda_decode":
+        extra = dict(cu_seqlens=torch.arange(4, dtype=torch.int32),
+                     ssm_state_indices=torch.tensor([4, -1, 1], dtype=torch.int32))
+    else:
+        extra = dict(cu_seqlens=torch.tensor([0, 1, 3], dtype=torch.int32),
+                     ssm_state_indices=torch.tensor([[1, 4], [2, 7]], dtype=torch.int32))
+    got = {}
+    for name, (g, beta) in {"fp16": (g16, b16), "fp32": (g16.float(), b16.float()),
+                            "bf16": (g16.bfloat16(), b16.bfloat16())}.items():
+        pool = pool0.clone()
+        call = dict(a, g=g, beta=beta, initial_state=pool, inplace_final_state=True, **extra, **FLA_FLAGS)
+        assert fkda_fla.fused_recurrent_kda_fwd_verifier(**call) == (True, None)
+        o, _ = fkda_fla.serve_fused_recurrent_kda_fwd(**call)
+        got[name] = (o.view(torch.int16), pool.view(torch.int32))
+    assert all(torch.equal(x, y) for x, y in zip(got["fp16"], got["fp32"]))
+    assert not torch.equal(got["fp16"][0], got["bf16"][0])      # the rounding this replaces would have changed it

@@ -239,8 +239,8 @@ def reference_verify(case, parents=None):
     draft tree: token t >= 1 from what token parents[n, t] stored). Returns (out, buffer)."""
     c = case
     q, k, v, pool, buf = c["q"][0], c["k"][0], c["v"][0], c["ssm_states"], c["intermediate_states_buffer"].clone()
-    # fp32 a / b are read as they are (kda_verify's fp32 reads), another dtype in q's
-    a, b = (x if x.dtype == torch.float32 else x.to(q.dtype) for x in (c["a"], c["b"]))
+    # a / b in fp32 or q's dtype are read as they are (kda_verify's fp32 reads), another float in fp32
+    a, b = (x if x.dtype in (torch.float32, q.dtype) else x.float() for x in (c["a"], c["b"]))
     a = a.view(-1, H, K)
     out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
     offsets = c["query_start_loc"].tolist()
@@ -305,6 +305,33 @@ def test_target_verify_reads_fp32_gate_and_beta_as_they_are():
     assert torch.equal(bits(o), bits(outs["fp32"][0]))
     assert torch.equal(bits(case["intermediate_states_buffer"]), bits(outs["fp32"][1]))
     assert not torch.equal(bits(o), bits(outs["rounded"][0]))     # the cast this replaces would have changed it
+
+
+@pytest.mark.parametrize("site", ["target_verify", "decode"])
+def test_fp16_gate_and_beta_beside_bf16_q_are_read_as_fp32_not_rounded(site):
+    """An fp16 raw gate a / beta logit b beside bf16 q (SGLang's kernel reads fp16 unrounded) reaches kda_verify /
+    kda_decode widened to fp32 (exact), not rounded to q's bf16: the result is bitwise the call with the fp32-widened
+    a / b, and differs from the call with bf16-rounded ones."""
+    case = verify_case([3, 2], steps=3, rows=[0, 2], cidx=[1, 4], seed=29, dtype=torch.bfloat16)
+    if site == "decode":
+        case = verify_case([1, 1, 1], steps=1, rows=[0, 2, 4], cidx=[1, 4, 3], seed=29, dtype=torch.bfloat16)
+    a16, b16 = case["a"].half(), case["b"].half()
+    got = {}
+    for name, (a, b) in {"fp16": (a16, b16), "fp32": (a16.float(), b16.float()),
+                         "bf16": (a16.bfloat16(), b16.bfloat16())}.items():
+        c = dict(case, a=a, b=b, ssm_states=case["ssm_states"].clone(),
+                 intermediate_states_buffer=case["intermediate_states_buffer"].clone())
+        if site == "target_verify":
+            o = call_verify(c)
+            got[name] = (bits(o), bits(c["intermediate_states_buffer"]))
+        else:
+            N = c["q"].shape[1]
+            o = FlashKDAExtKernel().decode(c["q"], c["k"], c["v"], a.view(1, N, H, K), b.view(N, H), A_log=c["A_log"],
+                                           dt_bias=c["dt_bias"], ssm_states=c["ssm_states"],
+                                           cache_indices=c["cache_indices"], query_start_loc=c["query_start_loc"])
+            got[name] = (bits(o), bits(c["ssm_states"]))
+    assert all(torch.equal(x, y) for x, y in zip(got["fp16"], got["fp32"]))
+    assert not torch.equal(got["fp16"][0], got["bf16"][0])      # the rounding this replaces would have changed it
 
 
 def test_target_verify_mixed_draft_counts_bf16():

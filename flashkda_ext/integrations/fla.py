@@ -64,9 +64,11 @@ class _Plan:
         return x.to(dtype)
 
     def gate_beta(self, g, beta, q):
-        """g and beta as kda_decode / kda_verify read them: fp32 kept as it is (no cast kernel for the
-        engines' fp32 gate / beta), any other dtype cast to q's."""
-        return tuple(self.cast(x, torch.float32 if x.dtype == torch.float32 else q.dtype) for x in (g, beta))
+        """g and beta as kda_decode / kda_verify read them: in q's dtype or fp32 as they are (both ops read fp32 g /
+        beta natively: no cast kernel for the engines' fp32 gate / beta), any other float in fp32, where fp16 is
+        exact (rounding an fp16 gate to bf16 would drop 3 mantissa bits fla's kernel reads)."""
+        return tuple(self.cast(x, x.dtype if x.dtype in (q.dtype, torch.float32) else torch.float32)
+                     for x in (g, beta))
 
     def reshape(self, x, shape):
         if x is None:

@@ -271,7 +271,8 @@ class FlashKDAExtKernel:
             raise ValueError(f"{'A_log' if A is None else 'dt_bias'}: decode activates the raw gate a in the kernel "
                              f"and needs A_log and dt_bias, got None")
         gate, lb = _gate(lower_bound, A)
-        # fp32 a / b stay fp32 (kda_decode reads them natively); else q's dtype; SGLang's row-strided views
+        # a / b in fp32 or q's dtype as they are (kda_decode reads fp32 natively), another float in fp32 (exact for
+        # fp16); SGLang's row-strided views
         # (a, b column slices of its projection; q, k, v of mixed_qkv) go as they are where kda_decode reads them
         a = gate_rows("a", a, q, (T, HV, K), 0)
         b = gate_rows("b", b, q, (T, HV), 0, vector=False)

@@ -76,7 +76,7 @@ def target_verify(A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, q
                                      f"parent of draft token {t}, a token before it (in [0, {t}))")
     q, k, v = qkv_rows(q, k, v, 1)      # SGLang's views into mixed_qkv as they are (kda_verify reads them)
     # fp32 a / b stay fp32: kda_verify reads them natively (its routes' _gb32 twins), as SGLang's kernel does;
-    # another floating dtype goes to q's (gate_rows)
+    # another floating dtype goes to fp32, exact for fp16 (gate_rows)
     args = (q, k, v, gate_rows("a", a, q, (1, T, HV, K), 1), gate_rows("b", b, q, (1, T, HV), 1, vector=False))
     dest = None if out is None else validation._tensor("out", out)   # kda_verify checks its shape (named)
     # SGLang never writes ssm_states: refused even as the identical view kda_verify would accept
