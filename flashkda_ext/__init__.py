@@ -5,6 +5,8 @@ machinery): kda_decode, kda_prefill, fused_kda_decode, kda_verify, fused_kda_ver
 torch.distributed group: cp_plan, cp_prefill (flashkda_ext.context_parallel). The PyTorch reference (the spec) is
 flashkda_ext.reference; JAX wrappers are in flashkda_ext.jax (needs jax and jax-tvm-ffi).
 """
+import sys as _sys
+
 from . import switches
 
 try:
@@ -15,7 +17,7 @@ except switches.SwitchError as e:
     # reports it as it reports its own bad settings (one line, exit status 2); a library import raises it
     if not switches.launched_as_cli():
         raise
-    print(f"flashkda-ext: error: {e}", file=__import__("sys").stderr)
+    print(f"flashkda-ext: error: {e}", file=_sys.stderr)
     raise SystemExit(2) from None
 
 __version__ = "0.1.0"

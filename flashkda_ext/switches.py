@@ -29,7 +29,13 @@ def env_switch(name: str, default: bool, on: str = "", off: str = "") -> bool:
 def launched_as_cli() -> bool:
     """Whether this process is the command line's own (`python -m flashkda_ext ...` or the `flashkda-ext` script): the
     package's import reads some switches before any CLI code runs, so a bad one is reported by the import itself."""
-    argv = list(getattr(sys, "orig_argv", ()))
-    if any(a == "-mflashkda_ext" or (a == "-m" and b == "flashkda_ext") for a, b in zip(argv, argv[1:] + [""])):
-        return True
+    argv = list(getattr(sys, "orig_argv", ()))[1:]
+    while argv:     # the interpreter's own options, up to the module, the code or the script (its arguments follow)
+        a = argv.pop(0)
+        if a.startswith("-m"):
+            return (a[2:] or (argv[0] if argv else "")) == "flashkda_ext"
+        if a in ("-W", "-X"):   # the options that take a separate value
+            argv = argv[1:]
+        elif a == "-c" or a == "-" or not a.startswith("-"):
+            break
     return bool(sys.argv) and os.path.basename(sys.argv[0]) == "flashkda-ext"

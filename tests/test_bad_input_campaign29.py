@@ -509,6 +509,9 @@ def test_a_switch_read_at_import_is_named_by_the_cli_without_a_traceback(var, tm
     (["python3", "-c", "import flashkda_ext"], "-c", False),
     (["python3", "-m", "flashkda_ext_other"], "-m", False),
     (["python3", "app.py", "-m", "x"], "app.py", False),
+    (["python3", "app.py", "-m", "flashkda_ext"], "app.py", False),      # the script's own arguments
+    (["python3", "-c", "pass", "-m", "flashkda_ext"], "-c", False),
+    (["python3", "-W", "ignore", "-X", "dev", "-u", "-m", "flashkda_ext", "info"], "-m", True),
 ])
 def test_launched_as_cli_reads_the_launch(monkeypatch, orig_argv, argv0, want):
     from flashkda_ext import switches
