@@ -1,5 +1,6 @@
 """Checks the engine adapters share (fla, vLLM, SGLang): narrowing an engine's integer tensors to the
-int32 the kernels read, never by wrapping; a lower_bound that is a number (not a bool) or None.
+int32 the kernels read, never by wrapping; a lower_bound that is a number (not a bool) or None; the dtype a
+gate / beta goes to kda_decode / kda_verify in.
 
 Engines hand over slot indices, offsets and counts as int64; `x.to(torch.int32)` would turn 2**32 + 1
 into slot 1 and write it. Where the values sit in host memory (the CPU backend, an engine's host copy)
@@ -18,6 +19,13 @@ from typing import Optional
 import torch
 
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def decode_gate_dtype(x: torch.dtype, q: torch.dtype) -> torch.dtype:
+    """The dtype a gate / beta of dtype x, beside q of dtype q, goes to kda_decode / kda_verify in: x where they read
+    it as it is (q's dtype or fp32, validation's gb_f32 rule), another float widened to fp32 (exact for fp16, which
+    the engines' kernels read unrounded; rounding it to a bf16 q's dtype would drop 3 mantissa bits)."""
+    return x if x in (q, torch.float32) else torch.float32
 
 
 def number_or_none(x) -> bool:

@@ -64,11 +64,9 @@ class _Plan:
         return x.to(dtype)
 
     def gate_beta(self, g, beta, q):
-        """g and beta as kda_decode / kda_verify read them: in q's dtype or fp32 as they are (both ops read fp32 g /
-        beta natively: no cast kernel for the engines' fp32 gate / beta), any other float in fp32, where fp16 is
-        exact (rounding an fp16 gate to bf16 would drop 3 mantissa bits fla's kernel reads)."""
-        return tuple(self.cast(x, x.dtype if x.dtype in (q.dtype, torch.float32) else torch.float32)
-                     for x in (g, beta))
+        """g and beta as kda_decode / kda_verify read them (common_checks.decode_gate_dtype: no cast kernel for the
+        engines' fp32 gate / beta; an fp16 one widened, not rounded)."""
+        return tuple(self.cast(x, common_checks.decode_gate_dtype(x.dtype, q.dtype)) for x in (g, beta))
 
     def reshape(self, x, shape):
         if x is None:

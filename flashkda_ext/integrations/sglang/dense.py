@@ -17,6 +17,7 @@ import torch
 from ... import validation
 from ...custom_ops import tracing
 from .. import rows
+from ..common_checks import decode_gate_dtype
 from ..rows import rows_view
 
 
@@ -90,14 +91,14 @@ def token_layout(name: str, x, T: int, inner: tuple) -> None:
 
 def gate_rows(name: str, x, q: torch.Tensor, shape, row_dim: int, vector: bool = True) -> torch.Tensor:
     """SGLang's raw gate a / beta logit b (`name`) as kda_decode (row_dim 0) / kda_verify (row_dim 1) read them
-    (as_rows): in q's dtype or fp32 as it is (both ops read fp32 g / beta natively), another floating dtype in fp32
-    (exact for fp16, which SGLang's kernel reads unrounded; not rounded to q's bf16). No tensor is a
+    (as_rows), in common_checks.decode_gate_dtype's dtype (fp32 or q's as it is, another float widened to fp32:
+    SGLang's kernel reads fp16 unrounded). No tensor is a
     TypeError, a tensor on another device than q a ValueError, each naming SGLang's argument (the op would name
     its own g / beta)."""
     if torch.is_tensor(x):
         validation._same_device(name, x, q.device)
     token_layout(name, x, shape[row_dim], tuple(shape[row_dim + 1:]))
-    dtype = x.dtype if torch.is_tensor(x) and x.dtype in (q.dtype, torch.float32) else torch.float32
+    dtype = decode_gate_dtype(x.dtype, q.dtype) if torch.is_tensor(x) else q.dtype
     return as_rows(name, x, dtype, shape, row_dim, vector=vector)
 
 
