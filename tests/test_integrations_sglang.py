@@ -312,9 +312,9 @@ def test_fp16_gate_and_beta_beside_bf16_q_are_read_as_fp32_not_rounded(site):
     """An fp16 raw gate a / beta logit b beside bf16 q (SGLang's kernel reads fp16 unrounded) reaches kda_verify /
     kda_decode widened to fp32 (exact), not rounded to q's bf16: the result is bitwise the call with the fp32-widened
     a / b, and differs from the call with bf16-rounded ones."""
-    case = verify_case([3, 2], steps=3, rows=[0, 2], cidx=[1, 4], seed=29, dtype=torch.bfloat16)
-    if site == "decode":
-        case = verify_case([1, 1, 1], steps=1, rows=[0, 2, 4], cidx=[1, 4, 3], seed=29, dtype=torch.bfloat16)
+    case = (verify_case([3, 2], steps=3, rows=[0, 2], cidx=[1, 4], seed=29, dtype=torch.bfloat16)
+            if site == "target_verify" else     # decode: one token a request
+            verify_case([1, 1, 1], steps=1, rows=[0, 2, 4], cidx=[1, 4, 3], seed=29, dtype=torch.bfloat16))
     a16, b16 = case["a"].half(), case["b"].half()
     got = {}
     for name, (a, b) in {"fp16": (a16, b16), "fp32": (a16.float(), b16.float()),
