@@ -1,13 +1,19 @@
 """The pinned engine wheels (vLLM, SGLang) that the conformance tests, the prepare steps and the GPU benchmarks
 read: a local copy in a folder of FLASHKDA_EXT_ENGINE_WHEELS (os.pathsep-separated), else one in the ignored
-cache .cache/engines/, else `pip download --no-deps` into that cache. Nothing is installed."""
+cache .cache/engines/, else `pip download --no-deps` into that cache. Nothing is installed.
+
+The cache is shared by concurrent processes (the test command's pytest workers): a download and an extraction
+hold cache_lock(), and a wheel appears in the cache only whole (downloaded beside it, then renamed in)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
+
+from filelock import FileLock   # torch's own dependency
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "engines"
 # SGLang's wheel is cp311-only: asked for by that tag whatever Python runs the download
@@ -19,6 +25,12 @@ def pip_download(project: str, version: str) -> list:
     """The pip command that downloads the wheel (the destination folder is appended)."""
     return [sys.executable, "-m", "pip", "download", "--no-deps", f"{project}=={version}", "--only-binary=:all:",
             *PIP_ARGS.get(project, ()), "-d"]
+
+
+def cache_lock(cache: Path = CACHE) -> FileLock:
+    """The cache's inter-process lock: one process at a time downloads into it or extracts from a wheel into it."""
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    return FileLock(str(Path(cache) / ".lock"))
 
 
 def find_wheel(project: str, version: str, *, given: Optional[str] = None, cache: Path = CACHE,
@@ -33,13 +45,19 @@ def find_wheel(project: str, version: str, *, given: Optional[str] = None, cache
         found = sorted(folder.glob(pattern))
         if found:
             return found[0]
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    cmd = (pip or pip_download(project, version)) + [str(cache)]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        why = res.stderr.strip()[-400:]
-    except (subprocess.SubprocessError, OSError) as e:
-        why = repr(e)
+    with cache_lock(cache):
+        found = sorted(Path(cache).glob(pattern))   # another process may have fetched it while this one waited
+        if found:
+            return found[0]
+        with tempfile.TemporaryDirectory(dir=cache) as part:
+            cmd = (pip or pip_download(project, version)) + [part]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                why = res.stderr.strip()[-400:]
+            except (subprocess.SubprocessError, OSError) as e:
+                why = repr(e)
+            for wheel in Path(part).glob(pattern):
+                os.replace(wheel, Path(cache) / wheel.name)
     found = sorted(Path(cache).glob(pattern))
     if not found:
         raise RuntimeError(f"{project}=={version}: no local wheel and pip download failed: {why}")

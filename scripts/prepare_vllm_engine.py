@@ -173,15 +173,18 @@ def prepare(wheel: Path, dest: Path) -> Path:
     tag = f"{wheel.name} {hashlib.sha256(repr((FILES, BINARIES, STUBS)).encode()).hexdigest()[:16]}"
     if stamp.exists() and stamp.read_text() == tag:
         return dest
-    with zipfile.ZipFile(wheel) as z:
-        for name in z.namelist():
-            if name.startswith(FILES) and name.endswith(".py") or name in BINARIES:
-                z.extract(name, dest)
-    for rel, text in STUBS.items():
-        path = dest / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    stamp.write_text(tag)
+    with engine_wheels.cache_lock(dest.parent):   # another process may be extracting: wait, then look again
+        if stamp.exists() and stamp.read_text() == tag:
+            return dest
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if name.startswith(FILES) and name.endswith(".py") or name in BINARIES:
+                    z.extract(name, dest)
+        for rel, text in STUBS.items():
+            path = dest / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        stamp.write_text(tag)
     return dest
 
 
@@ -193,9 +196,12 @@ def prepare_native(wheel: Path, dest: Path) -> Path:
     stamp = packed.with_name(packed.name + ".complete")
     if packed.exists() and stamp.exists() and stamp.read_text() == wheel.name:
         return packed
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as z:
-        kept, zeroed = fatbin_thin.pack(Path(z.extract(NATIVE, tmp)), packed)
-    stamp.write_text(wheel.name)
+    with engine_wheels.cache_lock(dest.parent):
+        if packed.exists() and stamp.exists() and stamp.read_text() == wheel.name:
+            return packed
+        with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as z:
+            kept, zeroed = fatbin_thin.pack(Path(z.extract(NATIVE, tmp)), packed)
+        stamp.write_text(wheel.name)
     print(f"{packed}: sm_90 entries {kept >> 20} MB kept, {zeroed >> 20} MB zeroed, {packed.stat().st_size >> 20} MB")
     return packed
 
