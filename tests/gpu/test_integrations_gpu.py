@@ -176,6 +176,43 @@ def test_fla_vllm_decode_served_matches_triton(fla_backend):
     assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
 
 
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_fla_fp16_gate_beside_bf16_q_is_read_unrounded(fla_backend, drafts):
+    """An fp16 gate / beta beside bf16 q (fla's kernel reads fp16 as it is): the adapter widens them to fp32 for
+    kda_decode (one token a request) / kda_verify (drafts), the _gb32 modules: bitwise the call given fp32 g / beta,
+    and within the kernels' tolerance of fla's Triton kernel on the fp16 ones."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    gen = torch.Generator().manual_seed(9)
+    N, HV = 8, 16
+    T, cols = N * drafts, drafts
+    slots = N * cols + 4
+    bf = lambda *s: torch.randn(*s, generator=gen).to(DEV, torch.bfloat16)  # noqa: E731
+    q, k, v = bf(1, T, HV, 128), bf(1, T, HV, 128), bf(1, T, HV, 128)
+    g, beta = torch.randn(1, T, HV, 128, generator=gen).to(DEV, torch.float16), \
+        torch.randn(1, T, HV, generator=gen).to(DEV, torch.float16)
+    A_log, dt_bias = (torch.rand(HV, generator=gen) * 2).to(DEV), torch.randn(HV * 128, generator=gen).to(DEV)
+    pool0 = (torch.randn(slots, HV, 128, 128, generator=gen) * 0.05).to(DEV)
+    idx = torch.randperm(slots, generator=gen)[:N * cols].to(DEV, torch.int32)
+    idx = idx if drafts == 1 else idx.reshape(N, cols)
+    extra = {} if drafts == 1 else {"num_accepted_tokens": torch.randint(1, cols + 1, (N,), generator=gen,
+                                                                         dtype=torch.int32).to(DEV)}
+    cu = torch.arange(0, T + 1, drafts, device=DEV, dtype=torch.int32)
+    pools = []
+
+    def call(gate=g, b=beta):
+        pool = pool0.clone()
+        pools.append(pool)
+        return fused_recurrent_kda_fwd(q, k, v, gate, b, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+                                       inplace_final_state=True, state_v_first=True, cu_seqlens=cu,
+                                       ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, **extra)[0]
+    with torch.inference_mode():
+        o1, o2 = _both(fla_backend, "fused_recurrent_kda_fwd", call)
+        o32 = call(g.float(), beta.float())
+    assert torch.equal(o1, o32) and torch.equal(pools[0], pools[2]), "fp16 g / beta not read as their fp32 values"
+    assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
+
 def test_fla_verify_on_a_graph_padded_batch_served_matches_triton(fla_backend):
     """fla's speculative-decoding call (2-D ssm_state_indices, num_accepted_tokens) on a batch padded as vLLM pads
     one to a CUDA-graph size: 5 live requests of 1-4 drafts, then 11 empty ones (the last offset repeated, count
