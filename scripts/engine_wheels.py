@@ -3,7 +3,7 @@ read: a local copy in a folder of FLASHKDA_EXT_ENGINE_WHEELS (os.pathsep-separat
 cache .cache/engines/, else `pip download --no-deps` into that cache. Nothing is installed.
 
 The cache is shared by concurrent processes (the test command's pytest workers): a download and an extraction
-hold cache_lock(), and a wheel appears in the cache only whole (downloaded beside it, then renamed in)."""
+hold folder_lock(), and a wheel appears in the cache only whole (downloaded beside it, then renamed in)."""
 from __future__ import annotations
 
 import os
@@ -12,8 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
-
-from filelock import FileLock   # torch's own dependency
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "engines"
 # SGLang's wheel is cp311-only: asked for by that tag whatever Python runs the download
@@ -27,10 +25,11 @@ def pip_download(project: str, version: str) -> list:
             *PIP_ARGS.get(project, ()), "-d"]
 
 
-def cache_lock(cache: Path = CACHE) -> FileLock:
-    """The cache's inter-process lock: one process at a time downloads into it or extracts from a wheel into it."""
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    return FileLock(str(Path(cache) / ".lock"))
+def folder_lock(folder: Path = CACHE):
+    """The inter-process lock of `folder` (the wheel cache, or the folder an extraction goes into): one process at a
+    time downloads into it or extracts into it. The JIT cache's lock (a timeout naming the lock file)."""
+    from flashkda_ext.jit.lock import file_lock
+    return file_lock(Path(folder) / ".lock", what=f"the engine files in {folder}")
 
 
 def find_wheel(project: str, version: str, *, given: Optional[str] = None, cache: Path = CACHE,
@@ -45,7 +44,7 @@ def find_wheel(project: str, version: str, *, given: Optional[str] = None, cache
         found = sorted(folder.glob(pattern))
         if found:
             return found[0]
-    with cache_lock(cache):
+    with folder_lock(cache):
         found = sorted(Path(cache).glob(pattern))   # another process may have fetched it while this one waited
         if found:
             return found[0]

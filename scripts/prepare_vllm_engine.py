@@ -173,7 +173,7 @@ def prepare(wheel: Path, dest: Path) -> Path:
     tag = f"{wheel.name} {hashlib.sha256(repr((FILES, BINARIES, STUBS)).encode()).hexdigest()[:16]}"
     if stamp.exists() and stamp.read_text() == tag:
         return dest
-    with engine_wheels.cache_lock(dest.parent):   # another process may be extracting: wait, then look again
+    with engine_wheels.folder_lock(dest.parent):   # another process may be extracting: wait, then look again
         if stamp.exists() and stamp.read_text() == tag:
             return dest
         with zipfile.ZipFile(wheel) as z:
@@ -196,7 +196,7 @@ def prepare_native(wheel: Path, dest: Path) -> Path:
     stamp = packed.with_name(packed.name + ".complete")
     if packed.exists() and stamp.exists() and stamp.read_text() == wheel.name:
         return packed
-    with engine_wheels.cache_lock(dest.parent):
+    with engine_wheels.folder_lock(dest.parent):
         if packed.exists() and stamp.exists() and stamp.read_text() == wheel.name:
             return packed
         with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as z:

@@ -81,7 +81,7 @@ def find_wheel() -> pathlib.Path:
 
 def extract(wheel: pathlib.Path) -> pathlib.Path:
     dest = CACHE / f"sglang-{VERSION}"
-    with engine_wheels.cache_lock(CACHE), zipfile.ZipFile(wheel) as z:   # a file another worker is writing is not read
+    with engine_wheels.folder_lock(CACHE), zipfile.ZipFile(wheel) as z:   # a file another worker is writing is not read
         for name in FILES:
             target = dest / name
             if not target.exists():

@@ -6,7 +6,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import engine_wheels  # noqa: E402
 
 # a stand-in for `pip download`: counts its runs, then writes the wheel in two parts, slowly
 FAKE_PIP = textwrap.dedent("""
@@ -48,10 +52,7 @@ def test_two_processes_download_once_and_read_the_whole_wheel(tmp_path, monkeypa
 
 
 def test_a_failed_download_leaves_no_wheel_and_names_the_project(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import engine_wheels
     monkeypatch.delenv("FLASHKDA_EXT_ENGINE_WHEELS", raising=False)
-    import pytest
     with pytest.raises(RuntimeError, match=r"fakeproj==1.0: no local wheel and pip download failed"):
         engine_wheels.find_wheel("fakeproj", "1.0", cache=tmp_path,
                                  pip=[sys.executable, "-c", "import sys; sys.exit('no network')"])
