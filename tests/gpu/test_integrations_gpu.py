@@ -176,7 +176,6 @@ def test_fla_vllm_decode_served_matches_triton(fla_backend):
     assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
 
 
-
 @pytest.mark.parametrize("drafts", [1, 3])
 def test_fla_fp16_gate_beside_bf16_q_is_read_unrounded(fla_backend, drafts):
     """An fp16 gate / beta beside bf16 q (fla's kernel reads fp16 as it is): the adapter widens them to fp32 for
@@ -212,6 +211,7 @@ def test_fla_fp16_gate_beside_bf16_q_is_read_unrounded(fla_backend, drafts):
         o32 = call(g.float(), beta.float())
     assert torch.equal(o1, o32) and torch.equal(pools[0], pools[2]), "fp16 g / beta not read as their fp32 values"
     assert rel_l2(o1, o2) < 1e-2 and rel_l2(pools[0], pools[1]) < 1e-2
+
 
 def test_fla_verify_on_a_graph_padded_batch_served_matches_triton(fla_backend):
     """fla's speculative-decoding call (2-D ssm_state_indices, num_accepted_tokens) on a batch padded as vLLM pads
